@@ -1,0 +1,3 @@
+from vfsdp.cli import main
+
+raise SystemExit(main())

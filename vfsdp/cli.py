@@ -1,0 +1,157 @@
+"""Command line: ``python -m vfsdp plan SHAPES.json --world-size N --granularity rows:32``.
+
+Prints one line per distinct unit (S, padding, the certified bound, tensors per rank, and the
+padding FSDP2 and Megatron-FSDP would need), a total, split options, and with ``--suggest`` a
+table of every ``replicate x shard`` factorisation of N with a recommendation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from vfsdp.planner.baselines import fsdp2_padding, megatron_padding
+from vfsdp.planner.check import check_spec, plan_stats
+from vfsdp.planner.granularity import parse_granularity
+from vfsdp.planner.plan import _logical, plan
+from vfsdp.planner.shapes import load_shapes
+from vfsdp.planner.spec import ShardSpec, unit_name
+
+__all__ = ["main", "describe", "suggest"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def _baselines(spec: ShardSpec, unit) -> tuple[int, int]:
+    u = spec.units[unit]
+    shapes = {t.path: t for t in spec.tensors() if t.unit == unit}
+    items = [(tuple(shapes[p].shape), shapes[p].block) for p in u.paths]
+    return fsdp2_padding(items, u.world_size), megatron_padding(items, u.world_size)
+
+
+def describe(spec: ShardSpec, out=sys.stdout) -> dict:
+    """Print the per-distinct-unit table of a spec; return totals including baselines."""
+    groups: dict = {}
+    for key, u in spec.units.items():
+        groups.setdefault(u.signature, []).append(key)
+    print(f"{'unit':<32} {'count':>5} {'tensors':>7} {'S':>14} {'padding%':>10} {'bound%':>10} "
+          f"{'tensors/rank':>14} {'FSDP2%':>9} {'Megatron%':>10}", file=out)
+    tot_f2 = tot_mg = 0
+    for keys in groups.values():
+        u = spec.units[keys[0]]
+        f2, mg = _baselines(spec, keys[0])
+        tot_f2 += f2 * len(keys)
+        tot_mg += mg * len(keys)
+        lo, med, hi = u.tensors_per_rank_summary()
+        e = max(u.total_numel, 1)
+        name = unit_name(keys[0]) + (f" (+{len(keys) - 1} alike)" if len(keys) > 1 else "")
+        print(f"{name:<32} {len(keys):>5} {len(u.paths):>7} {u.shard_numel:>14,} "
+              f"{100 * u.padding_ratio:>10.4f} {100 * u.lower_bound_ratio:>10.4f} "
+              f"{f'{lo}/{med:g}/{hi}':>14} {100 * f2 / e:>9.3f} {100 * mg / e:>10.3f}", file=out)
+        if u.split is not None:
+            print(f"    option: {u.split!r}", file=out)
+    st = plan_stats(spec)
+    e = max(st["total_numel"], 1)
+    st["fsdp2_ratio"], st["megatron_ratio"] = tot_f2 / e, tot_mg / e
+    print(f"{'total':<32} {len(spec.units):>5} {st['tensors']:>7} {'':>14} "
+          f"{100 * st['padding_ratio']:>10.4f} {100 * st['lower_bound_ratio']:>10.4f} {'':>14} "
+          f"{100 * st['fsdp2_ratio']:>9.3f} {100 * st['megatron_ratio']:>10.3f}", file=out)
+    return st
+
+
+def _factorisations(n: int) -> list[tuple[int, int]]:
+    return [(n // s, s) for s in range(1, n + 1) if n % s == 0]
+
+
+def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=sys.stdout,
+            max_padding: float = 0.01) -> Optional[tuple[int, int]]:
+    """Print every ``replicate x shard`` factorisation of ``world_size``; return the pick.
+
+    The pick is the largest shard group whose padding is at most ``max_padding``.
+    Bytes per rank assume sharded parameters in ``dtype``, AdamW's two fp32 states, and two
+    all-gathers of every unit per step (forward, and again in backward).
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    print(f"\n{'replicate x shard':>18} {'padding%':>10} {'bound%':>10} {'params/rank':>14} "
+          f"{'Adam state/rank':>16} {'all-gather/rank/step':>21}", file=out)
+    best = None
+    for rep, shard in _factorisations(world_size):
+        spec = plan(tree, (rep, shard), granularity=granularity)
+        st = plan_stats(spec)
+        s_total = sum(u.shard_numel for u in spec.units.values())
+        params = s_total * itemsize
+        state = s_total * 4 * 2
+        gathered = 2 * sum((u.world_size - 1) * u.shard_numel for u in spec.units.values()) * itemsize
+        print(f"{f'{rep} x {shard}':>18} {100 * st['padding_ratio']:>10.4f} "
+              f"{100 * st['lower_bound_ratio']:>10.4f} {_gib(params):>14} {_gib(state):>16} "
+              f"{_gib(gathered):>21}", file=out)
+        if st["padding_ratio"] <= max_padding:
+            best = (rep, shard)
+    if best is None:
+        print(f"no factorisation keeps padding <= {100 * max_padding:g}%; use a coarser unit "
+              f"split or a finer granularity", file=out)
+    else:
+        print(f"recommended: replicate {best[0]} x shard {best[1]} (the largest shard group with "
+              f"padding <= {100 * max_padding:g}%)", file=out)
+    return best
+
+
+def _parse_unit(text: Optional[str]):
+    if text is None:
+        return None
+    if text in ("root", "<root>", ""):
+        return ()
+    return _logical((text,))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m vfsdp", description="vfsdp tools")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="plan a shape list and print the layout")
+    p.add_argument("shapes", help='JSON file {"params": [["dotted.name", [shape]], ...]}')
+    p.add_argument("--world-size", "-m", type=int, required=True)
+    p.add_argument("--granularity", "-g", default="element", help="element, rows:K, whole or int")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    p.add_argument("--alignment-bytes", type=int, default=16)
+    p.add_argument("--png", help="draw one unit's buffer to this PNG (needs matplotlib)")
+    p.add_argument("--unit", help="unit to draw, e.g. layers.0 or root (default: most padded)")
+    p.add_argument("--max-ranks", type=int, default=64, help="ranks to draw in --png")
+    p.add_argument("--suggest", action="store_true",
+                   help="compare every replicate x shard factorisation of --world-size")
+    args = ap.parse_args(argv)
+
+    try:
+        gran = parse_granularity(args.granularity)
+        tree = load_shapes(args.shapes, _DTYPES[args.dtype])
+        t0 = time.perf_counter()
+        spec = plan(tree, args.world_size, granularity=gran, alignment_bytes=args.alignment_bytes)
+        secs = time.perf_counter() - t0
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    check_spec(spec, placements=False)
+    n = sum(1 for _ in spec.tensors())
+    print(f"{args.shapes}: {n} tensors, m={args.world_size}, granularity {args.granularity}, "
+          f"{args.dtype}, planned in {secs:.3f} s")
+    describe(spec)
+    if args.png:
+        from vfsdp.planner.render import draw_unit
+
+        try:
+            print(draw_unit(spec, _parse_unit(args.unit), args.png, max_ranks=args.max_ranks))
+        except (KeyError, ImportError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if args.suggest:
+        suggest(tree, args.world_size, gran, _DTYPES[args.dtype])
+    return 0

@@ -1,0 +1,118 @@
+"""Reference semantics of ``shard`` and ``gather`` over pytrees: loops over ranks, no process group.
+
+* ``unit_buffer_reference(params, spec, key)``: the unit's global ``m*S`` buffer, each tensor
+  flattened at its planned offset, zeros in the padding.
+* ``shard_reference(params, spec)``: what every rank holds: ``result[r]`` mirrors ``params``,
+  with rank ``r``'s local piece (a tensor of its placement's local shape) at every tensor leaf.
+* ``gather_reference(per_rank, spec)``: the full tree back from the per-rank pieces.
+
+The distributed implementations are tested against these.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Sequence
+
+import optree
+import torch
+
+from vfsdp.placements.ragged import local_shape
+from vfsdp.placements.reference import assemble_reference
+from vfsdp.planner.granularity import format_path
+from vfsdp.planner.spec import PASSTHROUGH, ShardSpec, TensorSpec
+
+__all__ = ["unit_buffer_reference", "shard_reference", "gather_reference", "match_tree"]
+
+
+def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:
+    """Leaves of ``tree`` in spec order, after checking structure, shapes and dtypes.
+
+    Raises:
+        ValueError: the structure differs (naming the first differing path), or a tensor leaf
+            has the wrong shape or dtype (naming its path and the expected values).
+    """
+    paths, leaves, treespec = optree.tree_flatten_with_path(tree)
+    if treespec != spec.treespec:
+        spec_paths = set(spec.treespec.paths())
+        extra = [p for p in paths if p not in spec_paths]
+        missing = [p for p in spec.treespec.paths() if p not in set(paths)]
+        detail = (f"unexpected {format_path(extra[0])}" if extra else
+                  f"missing {format_path(missing[0])}" if missing else
+                  f"{treespec} vs {spec.treespec}")
+        raise ValueError(f"{what}: tree structure differs from the spec ({detail}); pass the "
+                         f"tree the spec was planned for, or a matching sub-spec")
+    for path, leaf, s in zip(paths, leaves, spec.leaves()):
+        if not isinstance(s, TensorSpec):
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(f"{what}: {format_path(path)} should be a tensor, got "
+                             f"{type(leaf).__name__}")
+    return leaves
+
+
+def unit_buffer_reference(params: Any, spec: ShardSpec, key: Hashable) -> torch.Tensor:
+    """The unit's global flat buffer of ``m * S`` elements (padding zero).
+
+    Example:
+        >>> spec = vfsdp.plan({"a": torch.empty(3), "b": torch.empty(2)}, 2)
+        >>> unit_buffer_reference({"a": torch.ones(3), "b": 2 * torch.ones(2)}, spec, ()).tolist()
+        [1.0, 1.0, 1.0, 2.0, 2.0, 0.0, 0.0, 0.0]
+    """
+    leaves = match_tree(params, spec, "unit_buffer_reference")
+    layout = spec.units[key]
+    by_path = {s.path: leaf for s, leaf in zip(spec.leaves(), leaves) if isinstance(s, TensorSpec)}
+    buf = torch.zeros(layout.padded_numel, dtype=layout.dtype)
+    for t in spec.unit_tensors(key):
+        full = by_path[t.path]
+        _check_full(full, t, "unit_buffer_reference")
+        buf[t.offset:t.offset + t.numel] = full.reshape(-1)
+    return buf
+
+
+def _check_full(full: torch.Tensor, t: TensorSpec, what: str) -> None:
+    if tuple(full.shape) != tuple(t.shape) or full.dtype != t.dtype:
+        raise ValueError(f"{what}: {format_path(t.path)} is {tuple(full.shape)} {full.dtype}, "
+                         f"the spec says {tuple(t.shape)} {t.dtype}")
+
+
+def shard_reference(params: Any, spec: ShardSpec) -> list[Any]:
+    """Every rank's local pieces, as one tree per rank (clones; non-tensor leaves pass through).
+
+    Example:
+        >>> spec = vfsdp.plan({"w": torch.empty(6)}, 3, granularity=2)
+        >>> [t["w"].tolist() for t in shard_reference({"w": torch.arange(6.0)}, spec)]
+        [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0], []]
+    """
+    leaves = match_tree(params, spec, "shard_reference")
+    out = []
+    for rank in range(spec.world_size):
+        local = []
+        for s, leaf in zip(spec.leaves(), leaves):
+            if not isinstance(s, TensorSpec):
+                local.append(leaf)
+                continue
+            _check_full(leaf, s, "shard_reference")
+            start, stop = s.local_range(rank)
+            piece = leaf.reshape(-1)[start:stop].clone()
+            local.append(piece.reshape(local_shape(s.placement, s.shape, rank)))
+        out.append(optree.tree_unflatten(spec.treespec, local))
+    return out
+
+
+def gather_reference(per_rank: Sequence[Any], spec: ShardSpec) -> Any:
+    """Reassemble full tensors from every rank's pieces (non-tensor leaves from rank 0).
+
+    Raises:
+        ValueError: wrong number of ranks, or a tree that does not match the spec.
+    """
+    if len(per_rank) != spec.world_size:
+        raise ValueError(f"gather_reference: expected {spec.world_size} ranks, got {len(per_rank)}")
+    rank_leaves = [match_tree(t, spec, "gather_reference") for t in per_rank]
+    out = []
+    for i, s in enumerate(spec.leaves()):
+        if s is PASSTHROUGH:
+            out.append(rank_leaves[0][i])
+            continue
+        pieces = [leaves[i] for leaves in rank_leaves]
+        out.append(assemble_reference(pieces, s.placement, s.shape))
+    return optree.tree_unflatten(spec.treespec, out)

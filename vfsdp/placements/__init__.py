@@ -1,0 +1,24 @@
+"""Placements (pure data) and their reference semantics."""
+
+from vfsdp.placements.ragged import (
+    Placement,
+    RaggedShard,
+    Replicate,
+    flat_range,
+    local_numel,
+    local_shape,
+    validate_placement,
+)
+from vfsdp.placements.reference import assemble_reference, split_reference
+
+__all__ = [
+    "Placement",
+    "RaggedShard",
+    "Replicate",
+    "flat_range",
+    "local_numel",
+    "local_shape",
+    "validate_placement",
+    "split_reference",
+    "assemble_reference",
+]

@@ -1,0 +1,228 @@
+"""Placements: how one tensor's elements are distributed over the ranks of one mesh dim.
+
+Pure data. Nothing here imports ``torch.distributed``; the helpers work on shapes and integers.
+
+``RaggedShard(dims, local_units)`` follows veScale's semantics::
+
+    U    = sum(local_units)
+    unit = numel // U                               # elements per unit
+    rank r owns flat [unit * sum(local_units[:r]), unit * sum(local_units[:r+1]))
+
+Example: a ``[10, 4]`` tensor with ``RaggedShard((0,), (1, 2, 0, 2))`` has ``unit = 8``
+elements (two rows); rank 0 owns rows 0-1, rank 1 rows 2-5, rank 2 nothing, rank 3 rows 6-9::
+
+    rank:    0     1           2   3
+    rows:  [0 1 | 2 3 4 5 |     | 6 7 8 9]
+
+``dims`` is the prefix of dims that are flattened and split: every local piece is a whole number
+of ``prod(shape[len(dims):])``-element slabs, so it can be re-viewed as
+``(-1, *shape[len(dims):])``. A tensor with no elements has all-zero ``local_units``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+__all__ = [
+    "RaggedShard",
+    "Replicate",
+    "Placement",
+    "flat_range",
+    "local_numel",
+    "local_shape",
+    "validate_placement",
+]
+
+
+def _compact(values: Sequence[int], limit: int = 12) -> str:
+    """Readable rendering of a long tuple: run-length encodes repeats, elides the middle."""
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and runs[-1][0] == v:
+            runs[-1] = (v, runs[-1][1] + 1)
+        else:
+            runs.append((v, 1))
+    parts = [f"{v}" if n == 1 else f"{v}x{n}" for v, n in runs]
+    if len(parts) > limit:
+        parts = parts[: limit // 2] + ["..."] + parts[-limit // 2 :]
+    return "(" + ", ".join(parts) + ")"
+
+
+@dataclass(frozen=True)
+class RaggedShard:
+    """Uneven, block-aligned sharding of a tensor's flattened storage over one mesh dim.
+
+    Args:
+        dims: The prefix of the tensor's dims that is flattened and split, ``(0, 1, ..., k-1)``.
+        local_units: Units held by each rank (zeros allowed); its length is the world size.
+
+    Raises:
+        TypeError: ``dims`` or ``local_units`` are not tuples of ints.
+        ValueError: ``dims`` is not a prefix ``(0, ..., k-1)``, or a unit count is negative.
+
+    Example:
+        >>> p = RaggedShard((0,), (1, 2, 0, 2))
+        >>> flat_range(p, (10, 4), 1)
+        (8, 24)
+    """
+
+    dims: tuple[int, ...]
+    local_units: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("dims", "local_units"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                object.__setattr__(self, name, value := tuple(value))
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                raise TypeError(f"RaggedShard.{name} must hold ints, got {value!r}")
+        if self.dims != tuple(range(len(self.dims))):
+            raise ValueError(
+                f"RaggedShard.dims must be a prefix (0, 1, ..., k-1) of the tensor's dims, "
+                f"got {self.dims!r}"
+            )
+        if not self.local_units:
+            raise ValueError("RaggedShard.local_units needs one entry per rank (world size >= 1)")
+        if any(u < 0 for u in self.local_units):
+            raise ValueError(f"RaggedShard.local_units must be >= 0, got {self.local_units!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks along the sharded mesh dim."""
+        return len(self.local_units)
+
+    def __repr__(self) -> str:
+        return f"RaggedShard(dims={self.dims}, local_units={_compact(self.local_units)})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank holds the whole tensor."""
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+Placement = Union[RaggedShard, Replicate]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def validate_placement(placement: Placement, shape: Sequence[int]) -> None:
+    """Check that ``placement`` can describe a tensor of ``shape``.
+
+    Args:
+        placement: A ``RaggedShard`` or ``Replicate``.
+        shape: The full (global) tensor shape.
+
+    Raises:
+        ValueError: ``dims`` is longer than the tensor's rank, the units do not divide the
+            numel, or a unit is not a whole number of trailing slabs.
+
+    Example:
+        >>> validate_placement(RaggedShard((0,), (1, 1)), (4, 3))
+    """
+    if isinstance(placement, Replicate):
+        return
+    if not isinstance(placement, RaggedShard):
+        raise TypeError(f"expected RaggedShard or Replicate, got {type(placement).__name__}")
+    shape = tuple(shape)
+    if len(placement.dims) > len(shape):
+        raise ValueError(f"{placement!r}: dims is longer than the tensor's rank {len(shape)}")
+    numel = _numel(shape)
+    total = sum(placement.local_units)
+    if total == 0:
+        if numel != 0:
+            raise ValueError(f"{placement!r}: all-zero local_units only fit a 0-size tensor")
+        return
+    if numel % total:
+        raise ValueError(
+            f"{placement!r}: numel {numel} of shape {shape} is not divisible by "
+            f"sum(local_units) = {total}"
+        )
+    unit = numel // total
+    slab = _numel(shape[len(placement.dims):])
+    if slab and unit % slab:
+        raise ValueError(
+            f"{placement!r}: a unit of {unit} elements is not a whole number of "
+            f"{slab}-element slabs of dims {len(placement.dims)}.. of shape {shape}"
+        )
+
+
+def flat_range(placement: Placement, shape: Sequence[int], rank: int) -> tuple[int, int]:
+    """The ``[start, stop)`` range of the flattened tensor that ``rank`` holds.
+
+    Args:
+        placement: The tensor's placement.
+        shape: The full tensor shape.
+        rank: Rank along the sharded mesh dim.
+
+    Returns:
+        ``(start, stop)`` in elements; ``start == stop`` for a rank that holds nothing.
+
+    Raises:
+        ValueError: the placement does not fit the shape, or ``rank`` is out of range.
+
+    Example:
+        >>> flat_range(RaggedShard((0,), (1, 0, 3)), (8,), 2)
+        (2, 8)
+    """
+    validate_placement(placement, shape)
+    numel = _numel(shape)
+    if isinstance(placement, Replicate):
+        return (0, numel)
+    if not 0 <= rank < placement.world_size:
+        raise ValueError(f"rank {rank} out of range for world size {placement.world_size}")
+    total = sum(placement.local_units)
+    if total == 0:
+        return (0, 0)
+    unit = numel // total
+    start = unit * sum(placement.local_units[:rank])
+    return (start, start + unit * placement.local_units[rank])
+
+
+def local_numel(placement: Placement, shape: Sequence[int], rank: int) -> int:
+    """Number of elements ``rank`` holds. See :func:`flat_range`.
+
+    Example:
+        >>> local_numel(RaggedShard((0,), (1, 3)), (4, 2), 1)
+        6
+    """
+    start, stop = flat_range(placement, shape, rank)
+    return stop - start
+
+
+def local_shape(placement: Placement, shape: Sequence[int], rank: int) -> tuple[int, ...]:
+    """Shape of ``rank``'s local piece: ``(n, *shape[len(dims):])``.
+
+    Args:
+        placement: The tensor's placement.
+        shape: The full tensor shape.
+        rank: Rank along the sharded mesh dim.
+
+    Returns:
+        The local shape. For ``Replicate`` it is ``shape``; for a ``RaggedShard`` with empty
+        ``dims`` (a 0-d tensor) it is ``shape`` on a rank that holds the element and ``(0,)``
+        elsewhere.
+
+    Raises:
+        ValueError: as :func:`flat_range`.
+
+    Example:
+        >>> local_shape(RaggedShard((0,), (1, 3)), (4, 2), 1)
+        (3, 2)
+    """
+    shape = tuple(shape)
+    n = local_numel(placement, shape, rank)
+    if isinstance(placement, Replicate):
+        return shape
+    trailing = shape[len(placement.dims):]
+    if not placement.dims:
+        return shape if n else (0,)
+    slab = _numel(trailing)
+    lead = n // slab if slab else 0
+    return (lead, *trailing)

@@ -1,0 +1,81 @@
+"""Reference semantics of a placement: a plain loop over ranks, for tests to compare against.
+
+``split_reference(full, p)[r]`` is exactly what rank ``r`` holds under placement ``p``;
+``assemble_reference(split_reference(full, p), p, full.shape)`` gives back ``full``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from vfsdp.placements.ragged import Placement, Replicate, flat_range, local_shape
+
+__all__ = ["split_reference", "assemble_reference"]
+
+
+def split_reference(full: torch.Tensor, placement: Placement) -> list[torch.Tensor]:
+    """Split a full tensor into its per-rank pieces (clones, one per rank).
+
+    Args:
+        full: The full tensor.
+        placement: Its placement; a ``Replicate`` placement needs ``world_size`` (use a
+            ``RaggedShard`` for sharded tensors).
+
+    Returns:
+        One tensor per rank, of shape ``local_shape(placement, full.shape, r)``.
+
+    Raises:
+        ValueError: the placement does not fit ``full``'s shape.
+        TypeError: ``placement`` is ``Replicate`` (it has no world size; copy ``full`` instead).
+
+    Example:
+        >>> pieces = split_reference(torch.arange(6.0), RaggedShard((0,), (1, 0, 2)))
+        >>> [p.tolist() for p in pieces]
+        [[0.0, 1.0], [], [2.0, 3.0, 4.0, 5.0]]
+    """
+    if isinstance(placement, Replicate):
+        raise TypeError("split_reference needs a RaggedShard; a replicated tensor is just copied")
+    flat = full.reshape(-1)
+    pieces = []
+    for rank in range(placement.world_size):
+        start, stop = flat_range(placement, full.shape, rank)
+        pieces.append(flat[start:stop].clone().reshape(local_shape(placement, full.shape, rank)))
+    return pieces
+
+
+def assemble_reference(
+    pieces: Sequence[torch.Tensor], placement: Placement, shape: Sequence[int]
+) -> torch.Tensor:
+    """Reassemble per-rank pieces into the full tensor (the inverse of ``split_reference``).
+
+    Args:
+        pieces: One tensor per rank.
+        placement: The placement they were split with.
+        shape: The full shape.
+
+    Returns:
+        A new tensor of ``shape``.
+
+    Raises:
+        ValueError: wrong number of pieces, or a piece of the wrong size.
+
+    Example:
+        >>> p = RaggedShard((0,), (1, 0, 2))
+        >>> assemble_reference(split_reference(torch.arange(6.0), p), p, (6,)).tolist()
+        [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    """
+    if isinstance(placement, Replicate):
+        raise TypeError("assemble_reference needs a RaggedShard")
+    if len(pieces) != placement.world_size:
+        raise ValueError(f"expected {placement.world_size} pieces, got {len(pieces)}")
+    for rank, piece in enumerate(pieces):
+        start, stop = flat_range(placement, shape, rank)
+        if piece.numel() != stop - start:
+            raise ValueError(
+                f"piece {rank} has {piece.numel()} elements, placement expects {stop - start}"
+            )
+    dtype = pieces[0].dtype if pieces else torch.float32
+    flat = torch.cat([p.reshape(-1) for p in pieces]) if pieces else torch.empty(0, dtype=dtype)
+    return flat.reshape(tuple(shape))

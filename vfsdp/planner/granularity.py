@@ -1,0 +1,165 @@
+"""Granularity: the indivisible block of each tensor, which is never split across ranks.
+
+Forms accepted by ``vfsdp.plan(..., granularity=...)``:
+
+* ``None`` or ``1``: element granularity (the default).
+* an ``int`` ``g``: blocks of ``g`` elements; ``g`` must divide the tensor's numel.
+* ``rows(k)``: blocks of ``k`` rows, where a row is a vector along the last dim. ``rows(32)`` of
+  a ``[4096, 1024]`` weight is a block of ``32 * 1024`` elements and keeps every 32x32 tile
+  whole. A row of a 1-D (or 0-D) tensor is one element. **Partial-block rule:** when the
+  number of rows is not a multiple of ``k``, blocks are counted from the tensor's start and
+  the last block holds the remaining rows; it is never split either (so 8-bit tiles at a
+  ragged edge are partial tiles on one rank). Use an ``int`` granularity to demand exact
+  division instead.
+* ``whole``: the whole tensor lives on one rank.
+* a callable ``(path, tensor) -> one of the above`` for per-tensor rules.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+__all__ = [
+    "Rows", "rows", "whole", "Whole", "Granularity", "block_elements", "format_path", "parse_granularity"
+]
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Blocks of ``k`` rows (vectors along the last dim). Build with :func:`rows`."""
+
+    k: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
+            raise ValueError(f"rows(k) needs an int k >= 1, got {self.k!r}")
+
+    def __repr__(self) -> str:
+        return f"rows({self.k})"
+
+
+class Whole:
+    """The whole tensor is one block. Use the singleton :data:`whole`."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "whole"
+
+    def __reduce__(self):
+        return (Whole, ())
+
+
+whole = Whole()
+Granularity = Union[None, int, Rows, Whole, Callable[[tuple, Any], Any]]
+
+
+def rows(k: int) -> Rows:
+    """Granularity of ``k`` rows (vectors along the last dim).
+
+    Args:
+        k: Rows per block, ``>= 1``.
+
+    Returns:
+        A :class:`Rows` value for ``vfsdp.plan(..., granularity=...)``.
+
+    Raises:
+        ValueError: ``k`` is not an int >= 1.
+
+    Example:
+        >>> from vfsdp import rows
+        >>> rows(32)
+        rows(32)
+    """
+    return Rows(k)
+
+
+def format_path(path: tuple) -> str:
+    """Dotted rendering of an optree key path: ``('layers', 3, 'w')`` -> ``'layers.3.w'``."""
+    return ".".join(str(p) for p in path) if path else "<root>"
+
+
+def block_elements(gran: Any, path: tuple, shape: tuple[int, ...], numel: int, tensor: Any) -> int:
+    """Resolve a granularity for one tensor into a block size in elements.
+
+    Args:
+        gran: Any accepted granularity form (see the module docstring).
+        path: The tensor's optree key path (for error messages and callables).
+        shape: The tensor's shape.
+        numel: Its number of elements.
+        tensor: The leaf itself, passed to a callable granularity.
+
+    Returns:
+        The block size in elements (``>= 1``; a value ``>= numel`` means the whole tensor).
+
+    Raises:
+        ValueError: a non-positive block, or an ``int`` block that does not divide ``numel``.
+        TypeError: an unrecognised granularity value.
+
+    Example:
+        >>> block_elements(rows(32), ("w",), (4096, 1024), 4096 * 1024, None)
+        32768
+    """
+    if callable(gran) and not isinstance(gran, (Rows, Whole)):
+        resolved = gran(path, tensor)
+        if callable(resolved) and not isinstance(resolved, (Rows, Whole)):
+            raise TypeError(
+                f"granularity callable returned another callable for {format_path(path)}; "
+                f"return an int, rows(k) or whole"
+            )
+        return block_elements(resolved, path, shape, numel, tensor)
+    if gran is None:
+        return 1
+    if isinstance(gran, Whole):
+        return max(numel, 1)
+    if isinstance(gran, Rows):
+        row = shape[-1] if len(shape) >= 2 else 1
+        return max(gran.k * row, 1)
+    if isinstance(gran, int) and not isinstance(gran, bool):
+        if gran < 1:
+            raise ValueError(
+                f"granularity {gran} for {format_path(path)} must be >= 1 element; "
+                f"use 1 for element granularity"
+            )
+        if numel and numel % gran:
+            divisors = [d for d in (math.gcd(numel, gran),) if d > 1]
+            hint = f" (e.g. {divisors[0]})" if divisors else ""
+            raise ValueError(
+                f"granularity {gran} does not divide {format_path(path)} (shape {tuple(shape)}, "
+                f"{numel} elements); use a divisor of {numel}{hint}, rows(k) (which allows a "
+                f"short last block), or whole"
+            )
+        return gran
+    raise TypeError(
+        f"unsupported granularity {gran!r} for {format_path(path)}; use None, an int, "
+        f"vfsdp.rows(k), vfsdp.whole, or a callable (path, tensor) -> one of those"
+    )
+
+
+def parse_granularity(text: str) -> Granularity:
+    """Parse a command-line granularity: ``element``, ``rows:K``, ``whole`` or an int.
+
+    Raises:
+        ValueError: anything else.
+
+    Example:
+        >>> parse_granularity("rows:32")
+        rows(32)
+    """
+    t = text.strip().lower()
+    if t in ("element", "elements", "none", "1"):
+        return None
+    if t == "whole":
+        return whole
+    if t.startswith("rows:") and t[5:].isdigit():
+        return rows(int(t[5:]))
+    if t.isdigit():
+        return int(t)
+    raise ValueError(f"bad granularity {text!r}; use element, rows:K, whole or an int")

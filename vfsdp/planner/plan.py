@@ -1,0 +1,364 @@
+"""``vfsdp.plan``: a pure function from a parameter pytree and a mesh to a :class:`ShardSpec`.
+
+No process group is needed or touched: a ``DeviceMesh`` is only read for its shape.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, Union
+
+import optree
+import torch
+
+from vfsdp.planner.abstract import is_tensor_leaf, leaf_meta
+from vfsdp.planner.granularity import Granularity, Rows, Whole, block_elements, format_path
+from vfsdp.planner.solver import lower_bound, pack
+from vfsdp.planner.spec import (
+    PASSTHROUGH,
+    ShardSpec,
+    SplitSuggestion,
+    TensorSpec,
+    UnitLayout,
+    unit_name,
+)
+
+__all__ = ["plan", "resolve_mesh", "alignment_elements", "Units"]
+
+Units = Union[None, int, Callable[[tuple], Hashable], Sequence[Union[str, tuple]]]
+ROOT: tuple = ()
+
+
+def resolve_mesh(mesh: Any) -> tuple[tuple[int, ...], Optional[tuple[str, ...]]]:
+    """Mesh shape and dim names from an int, a tuple of ints, or a ``DeviceMesh``.
+
+    The last dim is the shard dim; any leading dims are replicate dims (HSDP).
+
+    Raises:
+        ValueError: a dim smaller than 1.
+        TypeError: anything else.
+    """
+    names = None
+    if isinstance(mesh, bool):
+        raise TypeError("mesh must be an int world size, a tuple of ints, or a DeviceMesh")
+    if isinstance(mesh, int):
+        shape = (mesh,)
+    elif isinstance(mesh, tuple) and mesh and all(isinstance(d, int) for d in mesh):
+        shape = mesh
+    elif hasattr(mesh, "mesh") and hasattr(mesh, "mesh_dim_names"):  # torch DeviceMesh
+        shape = tuple(int(d) for d in mesh.mesh.shape)
+        names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+    else:
+        raise TypeError(
+            f"mesh must be an int world size, a tuple (replicate, ..., shard) of ints, or a "
+            f"torch DeviceMesh; got {type(mesh).__name__}"
+        )
+    if any(d < 1 for d in shape):
+        raise ValueError(f"world size must be >= 1 on every mesh dim, got mesh shape {shape}")
+    return shape, names
+
+
+def alignment_elements(
+    dtype: torch.dtype, alignment_bytes: int, comm_dtypes: Sequence[torch.dtype] = ()
+) -> int:
+    """Elements ``S`` must be a multiple of, so that ``S`` of every dtype in ``(dtype,
+    *comm_dtypes)`` is a multiple of ``alignment_bytes`` (at least 1 element).
+
+    Example:
+        >>> alignment_elements(torch.float32, 16, [torch.bfloat16])
+        8
+    """
+    align = 1
+    for dt in (dtype, *comm_dtypes):
+        itemsize = torch.empty((), dtype=dt, device="meta").element_size()
+        align = math.lcm(align, max(1, alignment_bytes // itemsize))
+    return align
+
+
+def _logical(path: tuple) -> tuple:
+    """Split dotted string entries and turn digit strings into ints: 'layers.3.w' -> layers, 3, w."""
+    out: list = []
+    for entry in path:
+        if isinstance(entry, str):
+            for part in entry.split("."):
+                out.append(int(part) if part.isdigit() else part)
+        else:
+            out.append(entry)
+    return tuple(out)
+
+
+def _outer_sequences(params: Any) -> list[tuple]:
+    """Paths of the outermost (non-empty) list/tuple nodes of ``params``.
+
+    Descends with ``optree.tree_flatten_one_level`` through non-sequence nodes only, so it
+    touches the few nodes above the layers, not the leaves below them.
+    """
+    found: list[tuple] = []
+    stack = [((), params)]
+    while stack:
+        path, node = stack.pop()
+        if type(node) in (list, tuple):
+            if node:
+                found.append(path)
+            continue
+        if is_tensor_leaf(node) or optree.tree_is_leaf(node):
+            continue
+        level = optree.tree_flatten_one_level(node)
+        children, entries = level.children, level.entries
+        for entry, child in zip(entries, children):
+            if not is_tensor_leaf(child):
+                stack.append((path + (entry,), child))
+    return sorted(found, key=repr)
+
+
+def _unit_keys(units: Units, paths: list[tuple], params: Any) -> list[Hashable]:
+    """The unit key of every tensor path."""
+    if units is None:
+        seqs = _outer_sequences(params)
+        if seqs:
+            depths = sorted({len(s) for s in seqs})
+            seq_set = set(seqs)
+            keys = []
+            for p in paths:
+                key = ROOT
+                for d in depths:
+                    if len(p) > d and p[:d] in seq_set:
+                        key = p[: d + 1]
+                        break
+                keys.append(key)
+            return keys
+        keys = []
+        for p in paths:
+            lp = _logical(p)
+            idx = next((i for i, x in enumerate(lp) if isinstance(x, int)), None)
+            keys.append(ROOT if idx is None else lp[: idx + 1])
+        return keys
+    if isinstance(units, bool):
+        raise TypeError("units must be None, an int depth, a callable or a list of prefixes")
+    if isinstance(units, int):
+        if units < 0:
+            raise ValueError(f"units depth must be >= 0, got {units}")
+        return [_logical(p)[:units] for p in paths]
+    if callable(units):
+        keys = []
+        for p in paths:
+            key = units(p)
+            try:
+                hash(key)
+            except TypeError:
+                raise TypeError(
+                    f"units callable returned an unhashable key {key!r} for {format_path(p)}; "
+                    f"return a tuple, str or int"
+                ) from None
+            keys.append(key)
+        return keys
+    if isinstance(units, (str, tuple)):
+        units = [units]
+    if not isinstance(units, Iterable):
+        raise TypeError(f"unsupported units value {units!r}")
+    prefixes = [_logical((u,) if isinstance(u, str) else tuple(u)) for u in units]
+    by_len = sorted(set(prefixes), key=len, reverse=True)
+    matched: set = set()
+    keys = []
+    for p in paths:
+        lp = _logical(p)
+        key = next((q for q in by_len if lp[: len(q)] == q), ROOT)
+        matched.add(key)
+        keys.append(key)
+    missing = [q for q in prefixes if q not in matched]
+    if missing:
+        raise ValueError(
+            f"units prefix {format_path(missing[0])!r} matches no tensor; check the spelling "
+            f"against the tree's paths (e.g. {format_path(paths[0]) if paths else 'none'!r})"
+        )
+    return keys
+
+
+def _suggest_split(numels, blocks, m, align, shard_numel) -> Optional[tuple[int, int, tuple]]:
+    """Best two-way split among simple candidates (by block size, by largest tensors).
+
+    Returns ``(padding_now, padding_after, moved indices)`` or ``None`` when no candidate at
+    least halves the padding.
+    """
+    n = len(numels)
+    if n < 2:
+        return None
+    total = sum(numels)
+    now = m * shard_numel - total
+    candidates = []
+    for b in sorted(set(blocks)):
+        group = tuple(i for i in range(n) if blocks[i] == b)
+        candidates.append(group)
+    by_numel = sorted(range(n), key=lambda i: (-numels[i], i))
+    for k in (1, 2, 3):
+        candidates.append(tuple(sorted(by_numel[:k])))
+    def parts(group):
+        in_group = set(group)
+        return group, tuple(i for i in range(n) if i not in in_group)
+
+    def padding(split, solve):
+        pad = 0
+        for part in split:
+            ns, bs = [numels[i] for i in part], [blocks[i] for i in part]
+            s = pack(ns, bs, m, align, search=False).shard_numel if solve else lower_bound(ns, bs, m, align)
+            pad += m * s - sum(ns)
+        return pad
+
+    # Rank candidates by their (cheap) lower bounds; solve only the two most promising.
+    splits = [parts(g) for g in dict.fromkeys(candidates) if 0 < len(g) < n]
+    splits.sort(key=lambda sp: (padding(sp, False), sp))
+    best = None
+    for sp in splits[:2]:
+        pad = padding(sp, True)
+        if best is None or pad < best[0]:
+            best = (pad, sp[0])
+    if best is None or best[0] * 2 > now:
+        return None  # offer a split only when it at least halves the padding
+    return now, best[0], best[1]
+
+
+def plan(
+    params: Any,
+    mesh: Any,
+    *,
+    granularity: Granularity = None,
+    units: Units = None,
+    alignment_bytes: int = 16,
+    comm_dtypes: Sequence[torch.dtype] = (),
+    split_threshold: float = 0.01,
+) -> ShardSpec:
+    """Plan how every tensor of ``params`` is sharded. Pure and deterministic.
+
+    Args:
+        params: Any optree pytree. ``torch.Tensor`` leaves (real or ``meta``) and
+            :class:`vfsdp.ShapeDtype` leaves are sharded; other leaves pass through.
+        mesh: An int world size, a tuple ``(replicate, ..., shard)`` of ints, or a torch
+            ``DeviceMesh`` (only its shape is read; no process group is needed). Tensors
+            are sharded over the last dim.
+        granularity: The indivisible block per tensor: ``None`` (elements), an int number of
+            elements, ``vfsdp.rows(k)``, ``vfsdp.whole``, or a callable ``(path, tensor) ->
+            one of those``. See :mod:`vfsdp.planner.granularity`.
+        units: How tensors group into communication units (one all-gather each):
+
+            * ``None`` (default): each element of every outermost list/tuple in the tree is
+              its own unit, keyed by its path (``('layers', 3)``); all other tensors form the
+              root unit ``()``. A tree with no list/tuple (e.g. a flat dict from
+              ``named_parameters()``) is keyed by dotted names instead: the first integer
+              component marks the layer, so ``'layers.3.mlp.w'`` goes to ``('layers', 3)``.
+            * an int ``d``: the first ``d`` components of the (dot-split) path.
+            * a callable ``path -> hashable key``, given the optree key path.
+            * a list of path prefixes (tuples or dotted strings): each is a unit, and the
+              remaining tensors form the root unit. A prefix matching nothing is an error.
+        alignment_bytes: ``S`` is a multiple of this many bytes (16 suits NCCL).
+        comm_dtypes: Other dtypes the buffers will be communicated in (e.g. ``[torch.bfloat16]``
+            for a bf16 all-gather of fp32 shards); ``S`` is kept aligned in each of them.
+        split_threshold: Units padded above this ratio get a split suggestion
+            (``UnitLayout.split``); nothing is split unless you ask for it.
+
+    Returns:
+        A frozen, hashable :class:`ShardSpec` mirroring ``params``.
+
+    Raises:
+        ValueError: world size < 1, a unit mixing dtypes, a bad block, an unmatched prefix.
+        TypeError: an unsupported mesh, granularity or units value.
+
+    Example:
+        >>> import torch, vfsdp
+        >>> params = {"embed": torch.empty(100, 8, device="meta"),
+        ...           "layers": [{"w": torch.empty(8, 8, device="meta")} for _ in range(2)]}
+        >>> spec = vfsdp.plan(params, 4, granularity=vfsdp.rows(2))
+        >>> spec.units[("layers", 0)].shard_numel
+        16
+    """
+    mesh_shape, mesh_names = resolve_mesh(mesh)
+    if not isinstance(alignment_bytes, int) or alignment_bytes < 1:
+        raise ValueError(f"alignment_bytes must be an int >= 1, got {alignment_bytes!r}")
+    # Planning creates one small object per tensor (45k for DeepSeek-V3); cyclic GC passes
+    # over the growing heap would dominate the run time, and nothing here makes cycles.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes,
+                     tuple(comm_dtypes), split_threshold)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes, comm_dtypes,
+          split_threshold):
+    m = mesh_shape[-1]
+    paths, leaves, treespec = optree.tree_flatten_with_path(params)
+    t_idx = [i for i, x in enumerate(leaves) if is_tensor_leaf(x)]
+    t_paths = [paths[i] for i in t_idx]
+    keys = _unit_keys(units, t_paths, params)
+
+    members: dict[Hashable, list[int]] = {}
+    metas = []
+    block_cache: dict = {}
+    dynamic = callable(granularity) and not isinstance(granularity, (Rows, Whole))
+    for j, (i, key) in enumerate(zip(t_idx, keys)):
+        leaf = leaves[i]
+        shape, dtype, numel = leaf_meta(leaf)
+        if dynamic:
+            block = block_elements(granularity, paths[i], shape, numel, leaf)
+        else:
+            ck = (shape, numel)
+            block = block_cache.get(ck)
+            if block is None:
+                block = block_cache[ck] = block_elements(granularity, paths[i], shape, numel, leaf)
+        metas.append((shape, dtype, numel, block))
+        members.setdefault(key, []).append(j)
+
+    out_leaves: list[Any] = [PASSTHROUGH] * len(leaves)
+    layouts: dict[Hashable, UnitLayout] = {}
+    solved: dict[tuple, tuple] = {}  # identical units (same numels, blocks, dtype) solve once
+    for key, js in members.items():
+        dtype = metas[js[0]][1]
+        for j in js:
+            if metas[j][1] != dtype:
+                raise ValueError(
+                    f"unit {unit_name(key)} mixes dtypes: {format_path(t_paths[js[0]])} is "
+                    f"{dtype} but {format_path(t_paths[j])} is {metas[j][1]}. One unit is one "
+                    f"all-gather of one dtype: cast the tensors to one dtype, or pass units= "
+                    f"that puts them in separate units"
+                )
+        numels = tuple(metas[j][2] for j in js)
+        blocks = tuple(metas[j][3] for j in js)
+        signature = (numels, blocks, dtype)
+        if signature not in solved:
+            align = alignment_elements(dtype, alignment_bytes, comm_dtypes)
+            packing = pack(numels, blocks, m, align)
+            total = sum(numels)
+            split = None
+            if total and m * packing.shard_numel - total > split_threshold * total:
+                split = _suggest_split(numels, blocks, m, align, packing.shard_numel)
+            solved[signature] = (packing, align, split)
+        packing, align, split = solved[signature]
+        order = packing.order
+        unit_paths = [t_paths[j] for j in js]
+        layout = UnitLayout(
+            key=key,
+            world_size=m,
+            shard_numel=packing.shard_numel,
+            dtype=dtype,
+            paths=tuple(unit_paths[k] for k in order),
+            offsets=tuple(packing.offsets[k] for k in order),
+            numels=tuple(numels[k] for k in order),
+            blocks=tuple(blocks[k] for k in order),
+            lower_bound=packing.lower_bound,
+            alignment=align,
+            strategy=packing.strategy,
+            split=None if split is None else SplitSuggestion(
+                tuple(unit_paths[k] for k in split[2]), split[0], split[1], sum(numels)
+            ),
+        )
+        layouts[key] = layout
+        offsets = packing.offsets
+        for k, j in enumerate(js):
+            shape, dtype_j, numel, block = metas[j]
+            out_leaves[t_idx[j]] = TensorSpec(
+                unit_paths[k], key, offsets[k], numel, shape, dtype_j, block, layout
+            )
+    return ShardSpec(treespec, out_leaves, layouts, mesh_shape, mesh_names)

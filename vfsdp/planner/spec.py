@@ -1,0 +1,430 @@
+"""The shard spec: frozen, hashable, introspectable output of ``vfsdp.plan``.
+
+Three types:
+
+* :class:`UnitLayout`: one communication unit (one all-gather): ``world_size`` (m),
+  ``shard_numel`` (S), ``dtype``, and its tensors' paths in buffer order.
+* :class:`TensorSpec`: one tensor leaf: ``unit``, ``offset`` (in the unit's global ``m*S``
+  buffer), ``numel``, ``shape``, ``block``, ``placement`` and ``local_range(rank)``.
+* :class:`ShardSpec`: the tree of ``TensorSpec`` leaves mirroring ``params`` plus the units.
+
+Layout of a unit's buffer, rank r owning ``[r*S, (r+1)*S)``::
+
+    rank 0           rank 1           rank 2
+    |q q q q q q|k k k k . .|v v v v v v|      . = padding, only between tensors
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Hashable, Iterator, Mapping, Optional
+
+import optree
+import torch
+
+from vfsdp.placements.ragged import RaggedShard
+from vfsdp.planner.granularity import format_path
+
+__all__ = ["UnitLayout", "TensorSpec", "ShardSpec", "SplitSuggestion", "PASSTHROUGH", "unit_name"]
+
+
+def unit_name(key: Hashable) -> str:
+    """Readable name of a unit key: ``('layers', 3)`` -> ``'layers.3'``, ``()`` -> ``'<root>'``."""
+    if isinstance(key, tuple):
+        return format_path(key)
+    return str(key)
+
+
+class _Passthrough:
+    """Marks a non-tensor leaf of ``params``: it is not sharded and passes through untouched."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "PASSTHROUGH"
+
+    def __reduce__(self):
+        return (_Passthrough, ())
+
+
+PASSTHROUGH = _Passthrough()
+
+
+@dataclass(frozen=True)
+class SplitSuggestion:
+    """An offer to split a heavily padded unit in two (one more collective per step).
+
+    Attributes:
+        moved: Paths that would form the new unit.
+        padding_now: Padding elements of the unit as planned.
+        padding_after: Padding elements of the two units together.
+        total_numel: The unit's elements, for ratios.
+    """
+
+    moved: tuple[tuple, ...]
+    padding_now: int
+    padding_after: int
+    total_numel: int
+
+    def __repr__(self) -> str:
+        e = max(self.total_numel, 1)
+        names = ", ".join(format_path(p) for p in self.moved[:3])
+        more = f" (+{len(self.moved) - 3} more)" if len(self.moved) > 3 else ""
+        return (
+            f"split off [{names}{more}]: padding {100 * self.padding_now / e:.2f}% -> "
+            f"{100 * self.padding_after / e:.2f}% at the cost of one more all-gather"
+        )
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """One communication unit: a flat buffer of ``world_size * shard_numel`` elements.
+
+    Attributes:
+        key: The unit key (e.g. ``('layers', 3)``; ``()`` is the root unit).
+        world_size: ``m``, ranks in the shard group.
+        shard_numel: ``S``, elements per rank.
+        dtype: The single dtype of the unit's tensors.
+        paths: Tensor paths in buffer order.
+        offsets: Start of each tensor (same order as ``paths``), in elements.
+        numels: Elements of each tensor (same order).
+        blocks: Block of each tensor in elements (same order).
+        lower_bound: Certified lower bound on ``S``.
+        alignment: ``S`` is a multiple of this many elements.
+        strategy: The ordering strategy the solver used.
+        split: A :class:`SplitSuggestion` when the unit is heavily padded, else ``None``.
+    """
+
+    key: Hashable
+    world_size: int
+    shard_numel: int
+    dtype: torch.dtype
+    paths: tuple[tuple, ...]
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
+    blocks: tuple[int, ...]
+    lower_bound: int
+    alignment: int = 1
+    strategy: str = "given"
+    split: Optional[SplitSuggestion] = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.paths)
+        if not (len(self.offsets) == len(self.numels) == len(self.blocks) == n):
+            raise ValueError(f"unit {unit_name(self.key)}: paths/offsets/numels/blocks differ in length")
+        if self.world_size < 1 or self.shard_numel < 0:
+            raise ValueError(f"unit {unit_name(self.key)}: bad world_size/shard_numel")
+
+    @property
+    def total_numel(self) -> int:
+        """Elements of real tensors in the unit (``E``)."""
+        return sum(self.numels)
+
+    @property
+    def padded_numel(self) -> int:
+        """Size of the global buffer, ``m * S``."""
+        return self.world_size * self.shard_numel
+
+    @property
+    def padding_ratio(self) -> float:
+        """``(m*S - E) / E`` (0 for an empty unit)."""
+        e = self.total_numel
+        return (self.padded_numel - e) / e if e else 0.0
+
+    @property
+    def lower_bound_ratio(self) -> float:
+        """Padding ratio the lower bound would give."""
+        e = self.total_numel
+        return (self.world_size * self.lower_bound - e) / e if e else 0.0
+
+    @property
+    def signature(self) -> tuple:
+        """What makes two units identical layouts (shapes aside): numels, blocks, m, S."""
+        return (self.numels, self.blocks, self.world_size, self.shard_numel, self.dtype,
+                self.offsets)
+
+    def tensors_per_rank(self) -> list[int]:
+        """How many tensors each rank holds a non-empty piece of."""
+        s, m = self.shard_numel, self.world_size
+        diff = [0] * (m + 1)
+        for off, e in zip(self.offsets, self.numels):
+            if e and s:
+                diff[off // s] += 1
+                diff[(off + e - 1) // s + 1] -= 1
+        out, run = [], 0
+        for r in range(m):
+            run += diff[r]
+            out.append(run)
+        return out
+
+    def tensors_per_rank_summary(self) -> tuple[int, float, int]:
+        """``(min, median, max)`` of :meth:`tensors_per_rank`."""
+        counts = self.tensors_per_rank()
+        return min(counts), statistics.median(counts), max(counts)
+
+    def __repr__(self) -> str:
+        lo, med, hi = self.tensors_per_rank_summary()
+        return (
+            f"UnitLayout({unit_name(self.key)}: {len(self.paths)} tensors, {self.dtype}, "
+            f"m={self.world_size}, S={self.shard_numel}, padding {100 * self.padding_ratio:.3f}% "
+            f"(bound {100 * self.lower_bound_ratio:.3f}%), tensors/rank {lo}/{med:g}/{hi})"
+        )
+
+
+class TensorSpec:
+    """Where one tensor lives. Immutable; built by ``vfsdp.plan``.
+
+    Attributes:
+        path: optree key path of the tensor.
+        unit: Key of its unit.
+        offset: Start in the unit's global buffer, in elements.
+        numel, shape, dtype: Of the full tensor.
+        block: Indivisible block in elements (a short last block is allowed for ``rows``).
+        layout: The :class:`UnitLayout` it belongs to.
+    """
+
+    __slots__ = ("path", "unit", "offset", "numel", "shape", "dtype", "block", "layout")
+
+    def __init__(self, path, unit, offset, numel, shape, dtype, block, layout) -> None:
+        for name, value in zip(self.__slots__, (path, unit, offset, numel, shape, dtype, block, layout)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("TensorSpec is immutable")
+
+    def __reduce__(self):
+        return (TensorSpec, tuple(getattr(self, n) for n in self.__slots__))
+
+    def _key(self) -> tuple:
+        return (self.path, self.unit, self.offset, self.numel, self.shape, self.dtype, self.block,
+                self.layout.world_size, self.layout.shard_numel)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TensorSpec) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    def ranks(self) -> range:
+        """Ranks holding a non-empty piece of this tensor."""
+        if not self.numel:
+            return range(0)
+        s = self.layout.shard_numel
+        return range(self.offset // s, (self.offset + self.numel - 1) // s + 1)
+
+    def local_range(self, rank: int) -> tuple[int, int]:
+        """Flat ``[start, stop)`` of this tensor (tensor-relative) owned by ``rank``.
+
+        Example:
+            >>> spec = vfsdp.plan({"w": torch.empty(10)}, 4)
+            >>> spec.tree["w"].local_range(1)                
+            (4, 8)
+        """
+        if not 0 <= rank < self.layout.world_size:
+            raise ValueError(f"rank {rank} out of range for world size {self.layout.world_size}")
+        s = self.layout.shard_numel
+        lo = min(max(self.offset, rank * s), self.offset + self.numel)
+        hi = max(min(self.offset + self.numel, (rank + 1) * s), lo)
+        return (lo - self.offset, hi - self.offset)
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """Where ``rank``'s piece sits in that rank's ``S``-element shard buffer."""
+        start, stop = self.local_range(rank)
+        base = self.offset - rank * self.layout.shard_numel
+        return (max(base + start, 0), max(base + stop, 0)) if stop > start else (0, 0)
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """Prefix dims of the ``RaggedShard`` placement (whole trailing slabs per unit)."""
+        unit = math.gcd(self.block, self.numel) if self.numel else 1
+        for d in range(1 if self.shape else 0, len(self.shape) + 1):
+            if unit % max(math.prod(self.shape[d:]), 1) == 0:
+                return tuple(range(d))
+        return tuple(range(len(self.shape)))
+
+    @property
+    def placement(self) -> RaggedShard:
+        """This tensor's ``RaggedShard(dims, local_units)`` over the unit's shard group.
+
+        The unit is ``gcd(block, numel)`` elements (the block, or a divisor of it when a short
+        last block exists); a 0-size tensor has all-zero ``local_units``.
+        """
+        m = self.layout.world_size
+        if not self.numel:
+            return RaggedShard(self.dims, (0,) * m)
+        unit = math.gcd(self.block, self.numel)
+        units = [0] * m
+        for r in self.ranks():
+            start, stop = self.local_range(r)
+            units[r] = (stop - start) // unit
+        return RaggedShard(self.dims, tuple(units))
+
+    def __repr__(self) -> str:
+        return (
+            f"TensorSpec({format_path(self.path)}: shape={tuple(self.shape)}, unit="
+            f"{unit_name(self.unit)}, offset={self.offset}, block={self.block}, "
+            f"ranks {self.ranks().start}..{max(self.ranks().stop - 1, self.ranks().start)})"
+        )
+
+
+class ShardSpec:
+    """A frozen, hashable plan for a parameter pytree.
+
+    Attributes:
+        units: Read-only mapping ``unit key -> UnitLayout`` in buffer-creation order.
+        mesh_shape: Shape of the device mesh; the last dim is the shard dim.
+        mesh_dim_names: Names of the mesh dims, or ``None``.
+        world_size: ``m``, size of the shard dim.
+        treespec: The optree structure of ``params``.
+    """
+
+    __slots__ = ("units", "mesh_shape", "mesh_dim_names", "treespec", "_leaves", "_fingerprint",
+                 "_by_path")
+
+    def __init__(self, treespec, leaves, units: Mapping, mesh_shape, mesh_dim_names=None) -> None:
+        set_ = object.__setattr__
+        set_(self, "treespec", treespec)
+        set_(self, "_leaves", tuple(leaves))
+        set_(self, "units", MappingProxyType(dict(units)))
+        set_(self, "mesh_shape", tuple(mesh_shape))
+        set_(self, "mesh_dim_names", None if mesh_dim_names is None else tuple(mesh_dim_names))
+        set_(self, "_fingerprint", None)
+        set_(self, "_by_path", None)
+        if treespec.num_leaves != len(self._leaves):
+            raise ValueError("ShardSpec: treespec and leaves disagree")
+
+    def __setattr__(self, name, value):
+        raise AttributeError("ShardSpec is immutable")
+
+    def __reduce__(self):
+        return (ShardSpec, (self.treespec, self._leaves, dict(self.units), self.mesh_shape,
+                            self.mesh_dim_names))
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh_shape[-1]
+
+    @property
+    def replicas(self) -> int:
+        """Product of the non-shard mesh dims (1 for plain FSDP)."""
+        return math.prod(self.mesh_shape[:-1])
+
+    @property
+    def tree(self) -> Any:
+        """A fresh pytree mirroring ``params``: ``TensorSpec`` leaves, ``PASSTHROUGH`` elsewhere."""
+        return optree.tree_unflatten(self.treespec, list(self._leaves))
+
+    def leaves(self) -> tuple:
+        """The spec leaves in optree order."""
+        return self._leaves
+
+    def tensors(self) -> Iterator[TensorSpec]:
+        """The ``TensorSpec`` leaves in optree order."""
+        return (x for x in self._leaves if isinstance(x, TensorSpec))
+
+    def tensor(self, path: tuple) -> TensorSpec:
+        """The ``TensorSpec`` at an optree key path.
+
+        Raises:
+            KeyError: no tensor at that path.
+        """
+        if self._by_path is None:
+            object.__setattr__(self, "_by_path", {t.path: t for t in self.tensors()})
+        try:
+            return self._by_path[tuple(path)]
+        except KeyError:
+            raise KeyError(f"no tensor at path {format_path(tuple(path))!r}") from None
+
+    def unit_tensors(self, key: Hashable) -> tuple[TensorSpec, ...]:
+        """The ``TensorSpec`` s of one unit, in buffer order.
+
+        Raises:
+            KeyError: no such unit, or the unit is only partly in this (sub-)spec.
+        """
+        if key not in self.units:
+            raise KeyError(f"no unit {unit_name(key)!r} in this spec")
+        return tuple(self.tensor(p) for p in self.units[key].paths)
+
+    def __getitem__(self, key) -> "ShardSpec":
+        """Sub-spec of a subtree, e.g. ``spec["layers"][3]`` for one layer's unit(s)."""
+        sub = self.tree[key]
+        paths, leaves, treespec = optree.tree_flatten_with_path(sub)
+        keys = {x.unit for x in leaves if isinstance(x, TensorSpec)}
+        units = {k: v for k, v in self.units.items() if k in keys}
+        return ShardSpec(treespec, leaves, units, self.mesh_shape, self.mesh_dim_names)
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of a canonical description; equal on every rank and in every process."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            h.update(repr((str(self.treespec), self.mesh_shape, self.mesh_dim_names)).encode())
+            for u in self.units.values():
+                h.update(repr((u.key, u.world_size, u.shard_numel, str(u.dtype), u.paths,
+                               u.offsets, u.numels, u.blocks, u.alignment)).encode())
+            for x in self._leaves:
+                h.update(repr(x._key() if isinstance(x, TensorSpec) else "passthrough").encode())
+            object.__setattr__(self, "_fingerprint", h.hexdigest())
+        return self._fingerprint
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ShardSpec) and self.fingerprint == other.fingerprint
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def __repr__(self) -> str:
+        return format_spec(self, max_rows=12)
+
+
+def format_spec(spec: ShardSpec, max_rows: Optional[int] = None) -> str:
+    """A table of the spec's units; consecutive identical units are merged into one row."""
+    total = sum(u.total_numel for u in spec.units.values())
+    padded = sum(u.padded_numel for u in spec.units.values())
+    bound = sum(u.world_size * u.lower_bound for u in spec.units.values())
+    ratio = (padded - total) / total if total else 0.0
+    bratio = (bound - total) / total if total else 0.0
+    n_tensors = sum(1 for _ in spec.tensors())
+    head = (
+        f"ShardSpec(mesh={spec.mesh_shape}, m={spec.world_size}, {len(spec.units)} units, "
+        f"{n_tensors} tensors, {total:,} elements, padding {100 * ratio:.3f}% "
+        f"(bound {100 * bratio:.3f}%)"
+    )
+    rows = []
+    groups: list[list[UnitLayout]] = []
+    for u in spec.units.values():
+        if groups and groups[-1][0].signature == u.signature:
+            groups[-1].append(u)
+        else:
+            groups.append([u])
+    for g in groups:
+        u = g[0]
+        name = unit_name(u.key) if len(g) == 1 else f"{unit_name(u.key)} .. {unit_name(g[-1].key)} (x{len(g)})"
+        lo, med, hi = u.tensors_per_rank_summary()
+        rows.append(
+            f"  {name:<34} {len(u.paths):>5} tensors  S={u.shard_numel:<12,} "
+            f"padding {100 * u.padding_ratio:8.3f}% (bound {100 * u.lower_bound_ratio:8.3f}%)  "
+            f"tensors/rank {lo}/{med:g}/{hi}"
+        )
+        if u.split is not None:
+            rows.append(f"      ^ option: {u.split!r}")
+    if max_rows is not None and len(rows) > max_rows:
+        rows = rows[: max_rows - 1] + [f"  ... {len(rows) - max_rows + 1} more rows"]
+    return "\n".join([head, *rows]) + "\n)"

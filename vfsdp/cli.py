@@ -39,8 +39,9 @@ def _baselines(spec: ShardSpec, unit) -> tuple[int, int]:
     return fsdp2_padding(items, u.world_size), megatron_padding(items, u.world_size)
 
 
-def describe(spec: ShardSpec, out=sys.stdout) -> dict:
+def describe(spec: ShardSpec, out=None) -> dict:
     """Print the per-distinct-unit table of a spec; return totals including baselines."""
+    out = out or sys.stdout
     groups: dict = {}
     for key, u in spec.units.items():
         groups.setdefault(u.signature, []).append(key)
@@ -73,7 +74,7 @@ def _factorisations(n: int) -> list[tuple[int, int]]:
     return [(n // s, s) for s in range(1, n + 1) if n % s == 0]
 
 
-def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=sys.stdout,
+def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=None,
             max_padding: float = 0.01) -> Optional[tuple[int, int]]:
     """Print every ``replicate x shard`` factorisation of ``world_size``; return the pick.
 
@@ -81,6 +82,7 @@ def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=sys.stdo
     Bytes per rank assume sharded parameters in ``dtype``, AdamW's two fp32 states, and two
     all-gathers of every unit per step (forward, and again in backward).
     """
+    out = out or sys.stdout
     itemsize = torch.empty((), dtype=dtype).element_size()
     print(f"\n{'replicate x shard':>18} {'padding%':>10} {'bound%':>10} {'params/rank':>14} "
           f"{'Adam state/rank':>16} {'all-gather/rank/step':>21}", file=out)

@@ -61,7 +61,10 @@ SEARCH_BUDGET = 2_000
 """Placements one backtracking search probe may make (at least 4 per tensor)."""
 
 TOLERANCE = 1e-4
-"""Stop improving once padding is within this fraction of E above the lower bound's."""
+"""Stop improving once padding is within this fraction of E above the lower bound's..."""
+
+SMALL_UNIT = 64
+"""...except for units of at most this many tensors, which always search when above the bound."""
 
 
 @dataclass(frozen=True)
@@ -393,7 +396,8 @@ def _pack_cached(
     # The search is O(budget * classes) per probe: run it only where it could help, aiming
     # first at the bound, then at "close enough", then bisecting up to the fixed orders' S.
     slack = max(align, int(TOLERANCE * total) // m)
-    if search and len(strategies) > len(fixed) and best[2] > lb + slack:
+    worth_it = best[2] > lb + slack or (best[2] > lb and len(numels) <= SMALL_UNIT)
+    if search and len(strategies) > len(fixed) and worth_it:
         for target in (lb, bound.next_admissible(lb + 5 * slack)):
             if target >= best[2]:
                 break

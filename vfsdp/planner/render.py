@@ -65,8 +65,10 @@ def draw_unit(
         for r in range(off // s, min((off + e - 1) // s + 1, shown)):
             lo = max(off, r * s) - r * s
             hi = min(off + e, (r + 1) * s) - r * s
-            ax.add_patch(Rectangle((r + 0.05, lo / s), 0.9, (hi - lo) / s, facecolor=color,
+            ax.add_patch(Rectangle((r, lo / s), 1, (hi - lo) / s, facecolor=color,
                                    edgecolor="black", linewidth=0.3))
+    for r in range(1, shown):
+        ax.axvline(r, color="black", linewidth=0.8)
     ax.set_xlim(0, shown)
     ax.set_ylim(1, 0)
     ax.set_xlabel(f"rank (showing {shown} of {m})")

@@ -1,0 +1,85 @@
+"""Thin wrappers over the ``torch.distributed`` tensor collectives vfsdp uses.
+
+Only collectives that work on gloo, NCCL and the in-process threaded backend are used: the
+equal-segment ``all_gather_single`` / ``reduce_scatter_single`` (2.13's names for
+``all_gather_into_tensor`` / ``reduce_scatter_tensor``), ``all_reduce``, ``broadcast`` and
+equal-size ``scatter``. Every call counts itself in :data:`COUNTS` (per thread), which tests
+and benchmarks read to assert "one collective per unit".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather_into", "reduce_scatter_into", "all_reduce_", "scatter_into", "broadcast_",
+           "counts", "reset_counts", "REDUCE_OPS"]
+
+REDUCE_OPS = ("sum", "avg")
+_TLS = threading.local()
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def counts() -> Counter:
+    """Collectives issued by this thread (rank) since the last :func:`reset_counts`."""
+    if not hasattr(_TLS, "counts"):
+        _TLS.counts = Counter()
+    return _TLS.counts
+
+
+def reset_counts() -> None:
+    counts().clear()
+
+
+def _count(name: str, nbytes: int) -> None:
+    c = counts()
+    c[name] += 1
+    c[f"{name}_bytes"] += nbytes
+
+
+def _op(op: str):
+    if op not in REDUCE_OPS:
+        raise ValueError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
+    return dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.AVG
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """``out`` (m*S) <- every rank's ``inp`` (S), in rank order."""
+    _count("all_gather", out.numel() * out.element_size())
+    return _all_gather(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: str = "sum", group=None,
+                        async_op: bool = False):
+    """``out`` (S) <- ``op`` over ranks of their ``inp[r*S:(r+1)*S]``."""
+    _count("reduce_scatter", inp.numel() * inp.element_size())
+    return _reduce_scatter(out, inp, op=_op(op), group=group, async_op=async_op)
+
+
+def all_reduce_(t: torch.Tensor, op: str = "sum", group=None):
+    """In-place all-reduce; ``avg`` is SUM then a division (gloo has no AVG all-reduce)."""
+    _op(op)
+    _count("all_reduce", t.numel() * t.element_size())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    if op == "avg":
+        t.div_(dist.get_world_size(group))
+    return t
+
+
+def scatter_into(out: torch.Tensor, chunks: Optional[list], group=None, group_src: int = 0):
+    """Equal-size scatter from ``group_src`` (``chunks`` there, ``None`` elsewhere)."""
+    _count("scatter", out.numel() * out.element_size())
+    dist.scatter(out, chunks, group=group, group_src=group_src)
+    return out
+
+
+def broadcast_(t: torch.Tensor, group=None, group_src: int = 0):
+    _count("broadcast", t.numel() * t.element_size())
+    dist.broadcast(t, group=group, group_src=group_src)
+    return t

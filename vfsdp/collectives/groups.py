@@ -1,0 +1,121 @@
+"""Process groups for a spec: the shard group (FSDP) and, for HSDP, the replicate group.
+
+A spec planned for ``m`` (or ``(R, m)``) runs on:
+
+* a ``DeviceMesh`` of shape ``(m,)`` or ``(R, m)``: its last dim shards, its first replicates;
+* or ``mesh=None``: the default process group, whose size must be ``m`` (or ``R*m``, in
+  which case vfsdp builds and caches the ``(R, m)`` mesh: ranks ``[i*m, (i+1)*m)`` shard
+  together).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from vfsdp.planner.spec import ShardSpec
+
+__all__ = ["MeshGroups", "resolve_groups", "device_for"]
+
+_CACHE = threading.local()
+
+
+@dataclass(frozen=True)
+class MeshGroups:
+    """Where a spec's collectives run on this rank.
+
+    Attributes:
+        shard: Process group of the shard dim (``None`` means the default group).
+        replicate: Process group of the replicate dim, or ``None`` for plain FSDP.
+        shard_rank, shard_size: This rank's index in, and the size of, the shard group.
+        replicate_rank, replicate_size: The same for the replicate group (0 and 1 without).
+        device: Device for buffers (``cuda`` for NCCL, ``cpu`` otherwise).
+    """
+
+    shard: Any
+    replicate: Any
+    shard_rank: int
+    shard_size: int
+    replicate_rank: int
+    replicate_size: int
+    device: torch.device
+
+
+def device_for(group=None) -> torch.device:
+    """``cuda:<current>`` when the group's backend is NCCL, else ``cpu``."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _from_mesh(mesh, spec: ShardSpec) -> MeshGroups:
+    shape = tuple(int(d) for d in mesh.mesh.shape)
+    if shape != spec.mesh_shape:
+        raise ValueError(
+            f"the spec was planned for mesh {spec.mesh_shape} but runs on a DeviceMesh of shape "
+            f"{shape}; re-plan with vfsdp.plan(params, mesh) for this mesh"
+        )
+    if len(shape) > 2:
+        raise ValueError(f"vfsdp supports 1-D (FSDP) and 2-D (HSDP) meshes, got shape {shape}")
+    shard = mesh.get_group(len(shape) - 1)
+    replicate = mesh.get_group(0) if len(shape) == 2 else None
+    return MeshGroups(
+        shard=shard,
+        replicate=replicate,
+        shard_rank=dist.get_rank(shard),
+        shard_size=shape[-1],
+        replicate_rank=dist.get_rank(replicate) if replicate is not None else 0,
+        replicate_size=shape[0] if len(shape) == 2 else 1,
+        device=device_for(shard),
+    )
+
+
+def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None) -> MeshGroups:
+    """The groups a spec's collectives use on this rank.
+
+    Args:
+        spec: A plan.
+        mesh: A ``DeviceMesh`` matching ``spec.mesh_shape``, or ``None`` for the default group.
+
+    Returns:
+        A :class:`MeshGroups`.
+
+    Raises:
+        RuntimeError: no process group is initialised.
+        ValueError: the group or mesh does not match the world size the spec was planned for.
+    """
+    if mesh is not None:
+        return _from_mesh(mesh, spec)
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "vfsdp needs an initialised process group (torchrun, vfsdp.testing.spawn or "
+            "vfsdp.testing.simulate); planning alone needs none"
+        )
+    world = dist.get_world_size()
+    want = spec.world_size * spec.replicas
+    if world != want:
+        raise ValueError(
+            f"the spec was planned for mesh {spec.mesh_shape} ({want} ranks) but the default "
+            f"process group has {world}; re-plan with vfsdp.plan(params, {world}) or pass the "
+            f"matching DeviceMesh"
+        )
+    if len(spec.mesh_shape) == 1:
+        return MeshGroups(None, None, dist.get_rank(), world, 0, 1, device_for())
+    cache = getattr(_CACHE, "meshes", None)
+    if cache is None:
+        cache = _CACHE.meshes = {}
+    key = (id(dist.group.WORLD), spec.mesh_shape)
+    entry = cache.get(key)
+    if entry is None or entry[0] is not dist.group.WORLD:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type = device_for().type
+        mesh = init_device_mesh(device_type, spec.mesh_shape,
+                                mesh_dim_names=("replicate", "shard")[-len(spec.mesh_shape):])
+        entry = cache[key] = (dist.group.WORLD, mesh)
+    return _from_mesh(entry[1], spec)

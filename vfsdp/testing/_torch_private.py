@@ -1,0 +1,70 @@
+"""The one place vfsdp touches private torch APIs: the in-process threaded process group.
+
+``torch.testing._internal.distributed.multi_threaded_pg`` provides a ``"threaded"`` backend
+whose collectives run between threads of one process, on real tensors. vfsdp's simulator runs
+one thread per rank on it. Checked against torch 2.13; other versions may move or change it,
+so the import is guarded and versioned here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import torch
+
+__all__ = ["threaded_world", "report_failure", "TESTED_TORCH"]
+
+TESTED_TORCH = ((2, 13),)
+_LOCK = threading.Lock()
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def _module():
+    if _torch_version() not in TESTED_TORCH:
+        import warnings
+
+        warnings.warn(
+            f"vfsdp.testing.simulate was tested with torch {TESTED_TORCH}; torch "
+            f"{torch.__version__} may have changed its threaded process group",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    try:
+        from torch.testing._internal.distributed import multi_threaded_pg
+    except ImportError as exc:  # pragma: no cover - depends on the torch build
+        raise RuntimeError(
+            "vfsdp.testing.simulate needs torch's threaded process group "
+            "(torch.testing._internal.distributed.multi_threaded_pg), which this torch build "
+            "lacks; use vfsdp.testing.spawn instead"
+        ) from exc
+    return multi_threaded_pg
+
+
+@contextlib.contextmanager
+def threaded_world() -> Iterator[object]:
+    """Install a thread-local c10d world for the ``"threaded"`` backend; one at a time."""
+    mtp = _module()
+    if not _LOCK.acquire(blocking=False):
+        raise RuntimeError("vfsdp.testing.simulate cannot nest or run concurrently")
+    try:
+        torch._C._distributed_c10d._set_thread_isolation_mode(True)
+        mtp._install_threaded_pg()
+        try:
+            yield mtp
+        finally:
+            mtp.ProcessLocalGroup.reset()
+            mtp._uninstall_threaded_pg()
+            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    finally:
+        _LOCK.release()
+
+
+def report_failure(mtp, exc: BaseException) -> None:
+    """Wake the other rank threads blocked in a collective after one rank failed."""
+    mtp.ProcessLocalGroup.exception_handle(exc)

@@ -3,6 +3,7 @@
 The public API, re-exported from its subpackages.
 """
 
+from vfsdp.functional import dbuffers, gather, gather_async, reduce_scatter, release, shard
 from vfsdp.placements import RaggedShard, Replicate, assemble_reference, split_reference
 from vfsdp.planner import (
     PASSTHROUGH,
@@ -20,6 +21,12 @@ from vfsdp.planner import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "dbuffers",
+    "gather",
+    "gather_async",
+    "reduce_scatter",
+    "release",
+    "shard",
     "RaggedShard",
     "Replicate",
     "assemble_reference",

@@ -37,7 +37,7 @@ _ATTR = "_vfsdp_dbuffer"
 
 
 def owner_of(t: torch.Tensor) -> Optional["DBuffer"]:
-    """The DBuffer whose shard ``t`` aliases, or ``None``."""
+    """The DBuffer whose shard (or, for the views it hands out, global buffer) ``t`` aliases."""
     db = getattr(t, _ATTR, None)
     if db is not None:
         return db
@@ -101,7 +101,10 @@ class DBuffer:
             view = _alias(self.shard, lo, local_shape(t.placement, t.shape, self.rank))
             setattr(view, _ATTR, self)
             self._locals.append(view)
-        self._fulls = [self._global[t.offset:t.offset + t.numel].view(t.shape) for t in self.tensors]
+        self._fulls = [_alias(self._global, t.offset, tuple(t.shape)) for t in self.tensors]
+        for view in self._fulls:
+            setattr(view, _ATTR, self)
+        self._grad: Optional[DBuffer] = None
         self._global.untyped_storage().resize_(0)  # released until the first gather
         _OWNERS[self.shard.untyped_storage().data_ptr()] = self
 
@@ -124,6 +127,19 @@ class DBuffer:
     def full(self, i: Union[int, tuple]) -> torch.Tensor:
         """Tensor ``i``'s full view into the global buffer (valid while gathered)."""
         return self._fulls[i if isinstance(i, int) else self.index(i)]
+
+    def full_alias(self, i: int) -> torch.Tensor:
+        """A new tensor object aliasing tensor ``i``'s full view (same memory, no autograd link)."""
+        t = self.tensors[i]
+        out = _alias(self._global, t.offset, tuple(t.shape))
+        setattr(out, _ATTR, self)
+        return out
+
+    def grad_buffer(self, dtype: Optional[torch.dtype] = None) -> "DBuffer":
+        """This unit's sharded gradient DBuffer (created zeroed on first use)."""
+        if self._grad is None or (dtype is not None and self._grad.dtype != dtype):
+            self._grad = self.like(dtype or self.dtype, role="grad")
+        return self._grad
 
     def locals(self) -> list:
         return list(self._locals)

@@ -1,10 +1,19 @@
-"""Functional API over pytrees. For now: the reference semantics of shard and gather."""
+"""Functional API over pytrees: shard, gather (differentiable), reduce_scatter, release."""
 
-from vfsdp.functional.reference import (
-    gather_reference,
-    match_tree,
-    shard_reference,
-    unit_buffer_reference,
-)
+from vfsdp.functional.gather import gather, gather_async, reduce_scatter
+from vfsdp.functional.reference import gather_reference, shard_reference, unit_buffer_reference
+from vfsdp.functional.shard import dbuffers, release, shard
+from vfsdp.functional.tree import match_tree
 
-__all__ = ["gather_reference", "match_tree", "shard_reference", "unit_buffer_reference"]
+__all__ = [
+    "dbuffers",
+    "gather",
+    "gather_async",
+    "gather_reference",
+    "match_tree",
+    "reduce_scatter",
+    "release",
+    "shard",
+    "shard_reference",
+    "unit_buffer_reference",
+]

@@ -20,34 +20,9 @@ from vfsdp.placements.ragged import local_shape
 from vfsdp.placements.reference import assemble_reference
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import PASSTHROUGH, ShardSpec, TensorSpec
+from vfsdp.functional.tree import match_tree
 
-__all__ = ["unit_buffer_reference", "shard_reference", "gather_reference", "match_tree"]
-
-
-def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:
-    """Leaves of ``tree`` in spec order, after checking structure, shapes and dtypes.
-
-    Raises:
-        ValueError: the structure differs (naming the first differing path), or a tensor leaf
-            has the wrong shape or dtype (naming its path and the expected values).
-    """
-    paths, leaves, treespec = optree.tree_flatten_with_path(tree)
-    if treespec != spec.treespec:
-        spec_paths = set(spec.treespec.paths())
-        extra = [p for p in paths if p not in spec_paths]
-        missing = [p for p in spec.treespec.paths() if p not in set(paths)]
-        detail = (f"unexpected {format_path(extra[0])}" if extra else
-                  f"missing {format_path(missing[0])}" if missing else
-                  f"{treespec} vs {spec.treespec}")
-        raise ValueError(f"{what}: tree structure differs from the spec ({detail}); pass the "
-                         f"tree the spec was planned for, or a matching sub-spec")
-    for path, leaf, s in zip(paths, leaves, spec.leaves()):
-        if not isinstance(s, TensorSpec):
-            continue
-        if not isinstance(leaf, torch.Tensor):
-            raise ValueError(f"{what}: {format_path(path)} should be a tensor, got "
-                             f"{type(leaf).__name__}")
-    return leaves
+__all__ = ["unit_buffer_reference", "shard_reference", "gather_reference"]
 
 
 def unit_buffer_reference(params: Any, spec: ShardSpec, key: Hashable) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vfsdp.testing import _torch_private
+from vfsdp import _torch_private
 
 __all__ = ["spawn", "simulate", "RankError"]
 

@@ -1,9 +1,14 @@
-"""The one place vfsdp touches private torch APIs: the in-process threaded process group.
+"""The one place vfsdp touches private torch APIs. Checked against torch 2.13.
 
-``torch.testing._internal.distributed.multi_threaded_pg`` provides a ``"threaded"`` backend
-whose collectives run between threads of one process, on real tensors. vfsdp's simulator runs
-one thread per rank on it. Checked against torch 2.13; other versions may move or change it,
-so the import is guarded and versioned here and nowhere else.
+* ``functorch_active()``: whether a ``torch.func`` transform is running
+  (``torch._C._are_functorch_transforms_active``). Inside one, the gather's backward must not
+  mutate tensors created outside the transform, so it returns fresh gradients instead of
+  writing into the persistent gradient DBuffer.
+* ``threaded_world()``: ``torch.testing._internal.distributed.multi_threaded_pg`` provides a
+  ``"threaded"`` backend whose collectives run between threads of one process, on real
+  tensors; ``vfsdp.testing.simulate`` runs one thread per rank on it.
+
+Other torch versions may move or change these, so they are guarded and versioned here.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["threaded_world", "report_failure", "TESTED_TORCH"]
+__all__ = ["functorch_active", "threaded_world", "report_failure", "TESTED_TORCH"]
 
 TESTED_TORCH = ((2, 13),)
 _LOCK = threading.Lock()
@@ -23,6 +28,12 @@ _LOCK = threading.Lock()
 def _torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int(minor)
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (grad, vjp, vmap, ...) is active on this thread."""
+    probe = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(probe()) if probe is not None else False
 
 
 def _module():

@@ -1,0 +1,48 @@
+"""Matching user pytrees against a spec, with errors that name the offending path."""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import optree
+import torch
+
+from vfsdp.planner.granularity import format_path
+from vfsdp.planner.spec import ShardSpec, TensorSpec
+
+__all__ = ["match_tree", "group_by_unit"]
+
+
+def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:
+    """Leaves of ``tree`` in spec order, after checking structure, shapes and dtypes.
+
+    Raises:
+        ValueError: the structure differs (naming the first differing path), or a tensor leaf
+            has the wrong shape or dtype (naming its path and the expected values).
+    """
+    paths, leaves, treespec = optree.tree_flatten_with_path(tree)
+    if treespec != spec.treespec:
+        spec_paths = set(spec.treespec.paths())
+        extra = [p for p in paths if p not in spec_paths]
+        missing = [p for p in spec.treespec.paths() if p not in set(paths)]
+        detail = (f"unexpected {format_path(extra[0])}" if extra else
+                  f"missing {format_path(missing[0])}" if missing else
+                  f"{treespec} vs {spec.treespec}")
+        raise ValueError(f"{what}: tree structure differs from the spec ({detail}); pass the "
+                         f"tree the spec was planned for, or a matching sub-spec")
+    for path, leaf, s in zip(paths, leaves, spec.leaves()):
+        if not isinstance(s, TensorSpec):
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            raise ValueError(f"{what}: {format_path(path)} should be a tensor, got "
+                             f"{type(leaf).__name__}")
+    return leaves
+
+
+def group_by_unit(spec: ShardSpec) -> dict[Hashable, list[tuple[int, TensorSpec]]]:
+    """``unit key -> [(leaf index, TensorSpec), ...]`` for the tensor leaves of ``spec``."""
+    groups: dict[Hashable, list[tuple[int, TensorSpec]]] = {}
+    for i, s in enumerate(spec.leaves()):
+        if isinstance(s, TensorSpec):
+            groups.setdefault(s.unit, []).append((i, s))
+    return groups

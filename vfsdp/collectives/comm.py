@@ -17,13 +17,28 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_gather_into", "reduce_scatter_into", "all_reduce_", "scatter_into", "broadcast_",
-           "counts", "reset_counts", "REDUCE_OPS"]
+           "counts", "reset_counts", "in_collective", "REDUCE_OPS"]
 
 REDUCE_OPS = ("sum", "avg")
 _TLS = threading.local()
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _InCollective:
+    """Marks this thread as inside a collective (so op counters can leave it out)."""
+
+    def __enter__(self):
+        _TLS.depth = getattr(_TLS, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _TLS.depth -= 1
+
+
+def in_collective() -> bool:
+    """Whether this thread is inside a vfsdp collective call right now."""
+    return getattr(_TLS, "depth", 0) > 0
 
 
 def counts() -> Counter:
@@ -52,21 +67,24 @@ def _op(op: str):
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """``out`` (m*S) <- every rank's ``inp`` (S), in rank order."""
     _count("all_gather", out.numel() * out.element_size())
-    return _all_gather(out, inp, group=group, async_op=async_op)
+    with _InCollective():
+        return _all_gather(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: str = "sum", group=None,
                         async_op: bool = False):
     """``out`` (S) <- ``op`` over ranks of their ``inp[r*S:(r+1)*S]``."""
     _count("reduce_scatter", inp.numel() * inp.element_size())
-    return _reduce_scatter(out, inp, op=_op(op), group=group, async_op=async_op)
+    with _InCollective():
+        return _reduce_scatter(out, inp, op=_op(op), group=group, async_op=async_op)
 
 
 def all_reduce_(t: torch.Tensor, op: str = "sum", group=None):
     """In-place all-reduce; ``avg`` is SUM then a division (gloo has no AVG all-reduce)."""
     _op(op)
     _count("all_reduce", t.numel() * t.element_size())
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    with _InCollective():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     if op == "avg":
         t.div_(dist.get_world_size(group))
     return t
@@ -75,11 +93,13 @@ def all_reduce_(t: torch.Tensor, op: str = "sum", group=None):
 def scatter_into(out: torch.Tensor, chunks: Optional[list], group=None, group_src: int = 0):
     """Equal-size scatter from ``group_src`` (``chunks`` there, ``None`` elsewhere)."""
     _count("scatter", out.numel() * out.element_size())
-    dist.scatter(out, chunks, group=group, group_src=group_src)
+    with _InCollective():
+        dist.scatter(out, chunks, group=group, group_src=group_src)
     return out
 
 
 def broadcast_(t: torch.Tensor, group=None, group_src: int = 0):
     _count("broadcast", t.numel() * t.element_size())
-    dist.broadcast(t, group=group, group_src=group_src)
+    with _InCollective():
+        dist.broadcast(t, group=group, group_src=group_src)
     return t

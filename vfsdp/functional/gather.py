@@ -266,8 +266,8 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None, grad_reduce: str =
             another spec or world size.
 
     Example:
-        >>> full = vfsdp.gather(shards, spec)          # doctest: +SKIP
-        >>> loss = model(full, batch); loss.backward() # shards[...].grad: reduce-scattered
+        >>> full = vfsdp.gather(shards, spec)              # doctest: +SKIP
+        >>> model(full, batch).backward()                  # doctest: +SKIP
     """
     _check_op(grad_reduce)
     leaves = match_tree(shards, spec, "vfsdp.gather")

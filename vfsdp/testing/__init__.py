@@ -1,5 +1,6 @@
 """Running and checking SPMD code: ``spawn`` (processes), ``simulate`` (threads), op counters."""
 
+from vfsdp.testing.counters import CopyCounter
 from vfsdp.testing.runners import RankError, simulate, spawn
 
-__all__ = ["RankError", "simulate", "spawn"]
+__all__ = ["CopyCounter", "RankError", "simulate", "spawn"]

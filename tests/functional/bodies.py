@@ -117,11 +117,12 @@ def reference_gradients(seed, shapes, world, op):
     return [t.reshape(-1) for t in total]
 
 
-def shard_modes(seed, shapes, gran, mode):
+def shard_modes(seed, shapes, gran, mode, mesh_shape=None):
     """shard() from full tensors everywhere, from rank 0 only, or from an init function."""
     rank, world = dist.get_rank(), dist.get_world_size()
     params = make_params(seed, shapes)
-    spec = vfsdp.plan(params, world, granularity=gran)
+    spec = vfsdp.plan(params, mesh_shape or world, granularity=gran)
+    rank = rank % spec.world_size  # the rank within the shard group
     if mode == "everywhere":
         shards = vfsdp.shard(params, spec)
     elif mode == "src0":
@@ -129,7 +130,10 @@ def shard_modes(seed, shapes, gran, mode):
             lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t, params)
         reset_counts()
         shards = vfsdp.shard(given, spec, src=0)
-        assert counts()["scatter"] == len(spec.units)
+        if dist.get_rank() < spec.world_size:  # replica 0 scatters; the others receive broadcasts
+            assert counts()["scatter"] == len(spec.units)
+        if spec.replicas > 1:
+            assert counts()["broadcast"] == len(spec.units)
     else:
         flat = {t.path: leaf for t, leaf in zip(spec.leaves(), optree.tree_leaves(params))
                 if isinstance(t, vfsdp.TensorSpec)}
@@ -209,3 +213,33 @@ def flat_index(spec, tensors_full_lists, rank):
         out.append(full[lo:hi])
     return out
 
+
+
+def error_messages():
+    """Bad inputs to shard/gather/reduce_scatter: every message names the path and the fix."""
+    world = dist.get_world_size()
+    params = make_params(0, {"layers": [[(4, 3)]], "root": [(5,)]})
+    spec = vfsdp.plan(params, world)
+    shards = vfsdp.shard(params, spec)
+    msgs = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+            msgs[name] = "no error"
+        except (ValueError, TypeError) as exc:
+            msgs[name] = str(exc)
+
+    catch("structure", lambda: vfsdp.gather({"layers": shards["layers"]}, spec))
+    bad_shape = dict(params, root={"r0": torch.zeros(6)})
+    catch("shape", lambda: vfsdp.shard(bad_shape, spec))
+    bad_dtype = dict(params, root={"r0": torch.zeros(5, dtype=torch.float64)})
+    catch("dtype", lambda: vfsdp.shard(bad_dtype, spec))
+    other = vfsdp.plan(params, world, granularity=vfsdp.whole, alignment_bytes=64)
+    catch("other_spec", lambda: vfsdp.gather(shards, other))
+    wrong_local = dict(shards, root={"r0": torch.zeros(99)})
+    catch("local_shape", lambda: vfsdp.gather(wrong_local, spec))
+    catch("op", lambda: vfsdp.gather(shards, spec, grad_reduce="max"))
+    catch("src", lambda: vfsdp.shard(params, spec, src=1))
+    catch("not_tensor", lambda: vfsdp.gather(dict(shards, root={"r0": "x"}), spec))
+    return msgs

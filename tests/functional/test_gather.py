@@ -74,6 +74,11 @@ def test_shard_modes_sim(mode, world):
     assert all(simulate(world, bodies.shard_modes, 11, SMALL, vfsdp.rows(1), mode))
 
 
+@pytest.mark.parametrize("mode", ["everywhere", "src0", "init"])
+def test_shard_modes_hsdp_sim(mode):
+    assert all(simulate(4, bodies.shard_modes, 12, SMALL, vfsdp.rows(1), mode, (2, 2)))
+
+
 def test_gather_async_and_gather_twice_sim():
     assert all(simulate(3, bodies.async_and_twice, 2, SMALL))
 

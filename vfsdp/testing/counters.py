@@ -43,14 +43,35 @@ class CopyCounter(TorchDispatchMode):
         self.copies = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if in_collective():
-            return out  # work done by the collective's implementation, not around it
+            return out  # the collective's own work, not work around it
         name = func.__name__.split(".")[0]
+        namespace = getattr(func, "namespace", "aten")
+        if namespace != "aten":
+            # Custom ops (FSDP2's fsdp::all_gather_copy_in, fsdp::split_with_sizes_copy,
+            # fsdp::chunk_cat) run their aten kernels below this mode: count them here.
+            self.ops[f"{namespace}::{name}"] += 1
+            if name == "all_gather_copy_in":
+                self.copies += 1
+                self.copy_bytes += sum(t.numel() * t.element_size() for t in args[0])
+            elif ("copy" in name or "cat" in name) and "out" in kwargs:
+                self.copies += 1
+                outs = kwargs["out"]
+                for t in (outs if isinstance(outs, (list, tuple)) else (outs,)):
+                    self.copy_bytes += t.numel() * t.element_size()
+            return out
         self.ops[name] += 1
         if name in COPY_OPS:
             self.copies += 1
-            for t in (out if isinstance(out, (list, tuple)) else (out,)):
+            if "out" in kwargs:
+                written = kwargs["out"]
+            elif name.endswith("_"):
+                written = args[0]  # in-place: what it mutates
+            else:
+                written = out
+            for t in (written if isinstance(written, (list, tuple)) else (written,)):
                 if isinstance(t, torch.Tensor):
                     self.copy_bytes += t.numel() * t.element_size()
         return out

@@ -1,0 +1,88 @@
+"""DBuffer test bodies (module-level: they run under simulate and spawn)."""
+
+import torch
+import torch.distributed as dist
+
+import vfsdp
+from vfsdp.collectives import DBuffer, reduce_scatter_reference, resolve_groups
+
+
+def _unit_spec(world, mesh=None):
+    params = {"layers": [{"w": torch.zeros(5, 3), "b": torch.zeros(4), "e": torch.zeros(0, 3)}]}
+    return vfsdp.plan(params, mesh or world, granularity=vfsdp.rows(2))
+
+
+def group_ops_keep_padding_zero():
+    world = dist.get_world_size()
+    spec = _unit_spec(world)
+    db = DBuffer(spec, ("layers", 0), resolve_groups(spec))
+    for k, local in enumerate(db.locals()):
+        local.data.fill_(1.0 + k)
+    other = db.like(role="state")
+    other.copy_(db).scale_(3.0).add_(db, alpha=-1.0)
+    cast = db.like(torch.bfloat16, role="bf16")
+    cast.copy_(db)
+    mask = torch.ones(db.shard.numel(), dtype=torch.bool)
+    for t in db.tensors:
+        lo, hi = t.shard_range(db.rank)
+        mask[lo:hi] = False
+    pad_zero = all(not b.shard[mask].any() for b in (db, other, cast))
+    values_ok = torch.equal(other.shard, 2 * db.shard) and torch.equal(cast.shard, db.shard.bfloat16())
+    db.zero_()
+    return pad_zero and values_ok and not db.shard.any()
+
+
+def release_keeps_views_valid():
+    world = dist.get_world_size()
+    spec = _unit_spec(world)
+    db = DBuffer(spec, ("layers", 0), resolve_groups(spec))
+    for local in db.locals():
+        local.data.fill_(float(dist.get_rank() + 1))
+    fulls = db.fulls()
+    assert not db.is_allocated
+    handle = db.all_gather(async_op=True)
+    handle.wait()
+    first = [f.clone() for f in fulls]
+    db.free_global()
+    assert not db.is_allocated and db.global_buffer.untyped_storage().nbytes() == 0
+    db.all_gather()
+    same_objects = all(a is b for a, b in zip(fulls, db.fulls()))
+    return same_objects and all(torch.equal(a, b) for a, b in zip(first, fulls))
+
+
+def reduce_scatter_semantics(op, reduce_dtype):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = _unit_spec(world)
+    db = DBuffer(spec, ("layers", 0), resolve_groups(spec), dtype=torch.bfloat16, role="grad")
+    gen = torch.Generator().manual_seed(rank)
+    src = torch.randn(db.global_buffer.numel(), generator=gen).bfloat16()
+    db.reduce_scatter(src, op=op, reduce_dtype=reduce_dtype)
+    bufs = [torch.randn(db.global_buffer.numel(), generator=torch.Generator().manual_seed(r))
+            .bfloat16().to(reduce_dtype or torch.bfloat16) for r in range(world)]
+    want = reduce_scatter_reference(bufs, op)[rank].to(torch.bfloat16)
+    acc = db.like(role="acc")
+    acc.shard.fill_(1.0)
+    acc.reduce_scatter(src, op=op, reduce_dtype=reduce_dtype, accumulate=True)
+    tol = 2e-2  # bf16 results: about one ulp at these magnitudes
+    return (torch.allclose(db.shard.float(), want.float(), atol=tol, rtol=tol)
+            and torch.allclose(acc.shard.float(), want.float() + 1, atol=2 * tol, rtol=tol))
+
+
+def hsdp_reduce(op):
+    rank = dist.get_rank()
+    spec = _unit_spec(4, mesh=(2, 2))
+    groups = resolve_groups(spec)
+    db = DBuffer(spec, ("layers", 0), groups, role="grad")
+    src = torch.full((db.global_buffer.numel(),), float(rank + 1))
+    db.reduce_scatter(src, op=op)
+    expect = 10.0 if op == "sum" else 2.5  # over all 4 ranks: 1+2+3+4
+    return (groups.shard_size, groups.replicate_size, bool(torch.all(db.shard == expect)))
+
+
+def wrong_world_size():
+    spec = _unit_spec(dist.get_world_size() + 1)
+    try:
+        resolve_groups(spec)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

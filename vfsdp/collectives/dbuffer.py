@@ -30,9 +30,10 @@ from vfsdp.placements.ragged import local_shape
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, unit_name
 
-__all__ = ["DBuffer", "owner_of"]
+__all__ = ["DBuffer", "owner_of", "global_owner"]
 
 _OWNERS: "weakref.WeakValueDictionary[int, DBuffer]" = weakref.WeakValueDictionary()
+_GLOBAL_OWNERS: "weakref.WeakValueDictionary[int, DBuffer]" = weakref.WeakValueDictionary()
 _ATTR = "_vfsdp_dbuffer"
 
 
@@ -46,6 +47,17 @@ def owner_of(t: torch.Tensor) -> Optional["DBuffer"]:
     except (RuntimeError, NotImplementedError):
         return None
     return _OWNERS.get(ptr)
+
+
+def global_owner(t: torch.Tensor) -> Optional["DBuffer"]:
+    """The DBuffer whose global buffer ``t`` is a view of (any view, any shape), or ``None``.
+
+    Keyed by the storage object, which survives releases and re-allocations of the memory.
+    """
+    try:
+        return _GLOBAL_OWNERS.get(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _alias(storage_tensor: torch.Tensor, offset: int, shape: tuple) -> torch.Tensor:
@@ -105,7 +117,10 @@ class DBuffer:
         for view in self._fulls:
             setattr(view, _ATTR, self)
         self._grad: Optional[DBuffer] = None
+        self._companions: dict = {}
+        self._parent: Optional[DBuffer] = None
         self._global.untyped_storage().resize_(0)  # released until the first gather
+        _GLOBAL_OWNERS[self._global.untyped_storage()._cdata] = self
         _OWNERS[self.shard.untyped_storage().data_ptr()] = self
 
     # ------------------------------------------------------------------ views
@@ -140,6 +155,18 @@ class DBuffer:
         if self._grad is None or (dtype is not None and self._grad.dtype != dtype):
             self._grad = self.like(dtype or self.dtype, role="grad")
         return self._grad
+
+    def companion(self, role: str, dtype: torch.dtype) -> "DBuffer":
+        """A DBuffer of the same layout kept alongside this one under ``role`` (created once).
+
+        Used for the low-precision compute copy (``"compute"``), the unsharded gradient
+        accumulator (``"accum"``) and reduce staging (``"stage"``).
+        """
+        found = self._companions.get((role, dtype))
+        if found is None:
+            found = self._companions[(role, dtype)] = self.like(dtype, role=role)
+            found._parent = self
+        return found
 
     def locals(self) -> list:
         return list(self._locals)

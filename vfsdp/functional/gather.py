@@ -23,6 +23,7 @@ through the same unit overwrites them. Clone them to keep them.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any, Hashable, Optional
 
 import optree
@@ -37,20 +38,52 @@ from vfsdp.functional.tree import group_by_unit, match_tree
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec, unit_name
 
-__all__ = ["gather", "gather_async", "reduce_scatter", "GRAD_REDUCE_OPS"]
+__all__ = ["gather", "gather_async", "reduce_scatter", "GradOptions", "GRAD_REDUCE_OPS"]
 
 GRAD_REDUCE_OPS = ("avg", "sum")
 _PACKING = threading.local()
 
 
+@dataclass(frozen=True)
+class GradOptions:
+    """How a unit's gradients are reduced (see :func:`gather`)."""
+
+    grad_reduce: str = "avg"
+    reduce_dtype: Optional[torch.dtype] = None
+    param_dtype: Optional[torch.dtype] = None
+    grads: str = "return"
+    accumulate: bool = False
+    sync: bool = True
+    free_after_backward: bool = False
+
+    def __post_init__(self) -> None:
+        if self.grad_reduce not in GRAD_REDUCE_OPS:
+            raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_OPS}, got {self.grad_reduce!r}")
+        if self.grads not in ("return", "buffer"):
+            raise ValueError(f"grads must be 'return' or 'buffer', got {self.grads!r}")
+
+
 class _UnitCall:
     """Arguments of one unit's gather, in an object pytree utilities leave alone."""
 
-    __slots__ = ("spec", "key", "mesh", "idx", "what", "db")
+    __slots__ = ("spec", "key", "mesh", "idx", "what", "db", "opts")
 
-    def __init__(self, spec, key, mesh, idx, what) -> None:
+    def __init__(self, spec, key, mesh, idx, what, opts: GradOptions) -> None:
         self.spec, self.key, self.mesh, self.idx, self.what = spec, key, mesh, idx, what
+        self.opts = opts
         self.db = None
+
+
+def gather_unit_buffer(db: DBuffer, param_dtype: Optional[torch.dtype],
+                       async_op: bool = False) -> tuple[DBuffer, Handle]:
+    """All-gather a unit, in ``param_dtype`` if given: one cast (a group op) into a compute
+    DBuffer's shard, then the in-place all-gather of that. Returns the buffer holding the
+    full tensors and the handle."""
+    if param_dtype is None or param_dtype == db.dtype:
+        return db, db.all_gather(async_op=async_op)
+    compute = db.companion("compute", param_dtype)
+    compute.copy_(db)
+    return compute, compute.all_gather(async_op=async_op)
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -62,39 +95,64 @@ class _GatherUnit(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(unit, op: str, reduce_dtype, prefetched, *local):
-        db = prefetched
-        if db is None:
+    def forward(unit, prefetched, *local):
+        full_db = prefetched
+        if full_db is None:
             db = _resolve_unit(list(local), unit.spec, unit.key, unit.idx, unit.mesh, unit.what)
-            db.all_gather()
-        unit.db = db  # read by setup_context (torch.func may wrap the outputs there)
-        return tuple(db.full_alias(i) for i in unit.idx)
+            full_db, _ = gather_unit_buffer(db, unit.opts.param_dtype)
+        unit.db = full_db  # read by setup_context (torch.func may wrap the outputs there)
+        return tuple(full_db.full_alias(i) for i in unit.idx)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        unit, op, reduce_dtype, _prefetched, *_local = inputs
-        ctx.db, ctx.idx = unit.db, unit.idx
-        ctx.op, ctx.reduce_dtype = op, reduce_dtype
+        unit, _prefetched, *_local = inputs
+        ctx.db, ctx.idx, ctx.opts = unit.db, unit.idx, unit.opts
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, None, None) + tuple(
-            _reduce_unit(ctx.db, ctx.idx, grads, ctx.op, ctx.reduce_dtype))
+        opts, full_db = ctx.opts, ctx.db
+        master = full_db._parent or full_db
+        pieces = _reduce_unit(master, ctx.idx, grads, opts)
+        if opts.free_after_backward:
+            full_db.free_global()
+        if opts.grads == "buffer" or pieces is None:
+            return (None, None) + (None,) * len(ctx.idx)
+        return (None, None) + tuple(pieces)
 
 
-def _reduce_unit(db: DBuffer, idx, grads, op: str, reduce_dtype):
-    """Reduce-scatter the gradients of tensors ``idx``; return this rank's gradient pieces.
+def _reduce_unit(db: DBuffer, idx, grads, opts: GradOptions):
+    """Reduce-scatter the gradients of tensors ``idx`` into ``db``'s gradient DBuffer.
 
-    Normally the result lands in the unit's persistent gradient DBuffer and the pieces are its
-    aliases. Inside a ``torch.func`` transform, tensors made outside it must not be mutated,
-    so the buffer is built functionally (one ``cat``: still one copy per tensor) and fresh
-    gradient pieces are returned.
+    Returns this rank's gradient pieces (aliases of the gradient DBuffer), or ``None`` when
+    ``opts.sync`` is off (the gradients were only accumulated, unsharded). Inside a
+    ``torch.func`` transform, tensors made outside it must not be mutated, so the buffer is
+    built functionally (one ``cat``: still one copy per tensor) and fresh pieces are returned.
     """
     if functorch_active():
-        return _reduce_unit_functional(db, idx, grads, op, reduce_dtype)
+        return _reduce_unit_functional(db, idx, grads, opts.grad_reduce, opts.reduce_dtype)
     gdb = db.grad_buffer()
-    buf = gdb.alloc_global().data
+    rdt = opts.reduce_dtype or next((g.dtype for g in grads if g is not None), gdb.dtype)
+    accum = db._companions.get(("accum", rdt))
+    if not opts.sync or accum is not None:
+        # Accumulating unsharded (no reduce until the last micro-batch): a persistent buffer.
+        accum = db.companion("accum", rdt)
+        if not accum.is_allocated:
+            accum.alloc_global().data.zero_()
+        buf = accum.global_buffer.data
+        with torch.no_grad():
+            for i, g in zip(idx, grads):
+                if g is not None:
+                    t = gdb.tensors[i]
+                    buf[t.offset:t.offset + t.numel].view(t.shape).add_(g)
+        if not opts.sync:
+            return None
+        gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
+                           accumulate=opts.accumulate)
+        accum.free_global()
+        return [gdb.local(i) for i in idx]
+    stage = gdb if rdt == gdb.dtype else db.companion("stage", rdt)
+    buf = stage.alloc_global().data
     covered = set()
     copies = []
     for i, g in zip(idx, grads):
@@ -110,8 +168,8 @@ def _reduce_unit(db: DBuffer, idx, grads, op: str, reduce_dtype):
     with torch.no_grad():
         for dst, g in copies:
             dst.view(g.shape).copy_(g)
-    gdb.reduce_scatter(op=op, reduce_dtype=reduce_dtype)
-    gdb.free_global()
+    gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt, accumulate=opts.accumulate)
+    stage.free_global()
     return [gdb.local(i) for i in idx]
 
 
@@ -225,24 +283,20 @@ def _pack_local(db: DBuffer, k: int, x, path, what: str) -> None:
     ref.copy_(x.detach())
 
 
-def _check_op(grad_reduce: str) -> None:
-    if grad_reduce not in GRAD_REDUCE_OPS:
-        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_OPS}, got {grad_reduce!r}")
-
-
-def _assemble(leaves, spec, mesh, grad_reduce, reduce_dtype, prefetched: dict, what: str) -> Any:
+def _assemble(leaves, spec, mesh, opts: GradOptions, prefetched: dict, what: str) -> Any:
     out = list(leaves)
     for key, leaf_idx, idx in _units(leaves, spec):
-        unit = _UnitCall(spec, key, mesh, idx, what)
-        fulls = _GatherUnit.apply(unit, grad_reduce, reduce_dtype, prefetched.get(key),
-                                  *(leaves[i] for i in leaf_idx))
+        unit = _UnitCall(spec, key, mesh, idx, what, opts)
+        fulls = _GatherUnit.apply(unit, prefetched.get(key), *(leaves[i] for i in leaf_idx))
         for i, f in zip(leaf_idx, fulls):
             out[i] = f
     return optree.tree_unflatten(spec.treespec, out)
 
 
 def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None, grad_reduce: str = "avg",
-           reduce_dtype: Optional[torch.dtype] = None) -> Any:
+           reduce_dtype: Optional[torch.dtype] = None, param_dtype: Optional[torch.dtype] = None,
+           accumulate_grads: bool = False, grad_sync: bool = True, grads: str = "return",
+           free_after_backward: bool = False) -> Any:
     """Full tensors from this rank's shards: one in-place all-gather per unit. Differentiable.
 
     Works on the whole tree or any subtree with its sub-spec (``spec["layers"][3]``). The
@@ -257,28 +311,40 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None, grad_reduce: str =
         mesh: A ``DeviceMesh`` matching the spec; default: the default group.
         grad_reduce: ``"avg"`` or ``"sum"``: how the backward reduces across ranks.
         reduce_dtype: Dtype of the backward's reduce-scatter (default: the gradient dtype).
+        param_dtype: Gather in this dtype (e.g. ``torch.bfloat16`` for fp32 master shards):
+            one cast over the unit's shard (a group op) into the all-gather input.
+        accumulate_grads: Add the reduced gradients into the gradient DBuffer instead of
+            overwriting it (gradient accumulation, reducing every micro-batch).
+        grad_sync: ``False`` accumulates this backward's gradients unsharded (in
+            ``reduce_dtype``) without communicating; the next backward with ``True`` adds its
+            own and reduce-scatters the sum (accumulation reducing only on the last step).
+        grads: ``"return"`` hands the gradient pieces to autograd (``.grad``,
+            ``autograd.grad``, ``torch.func``); ``"buffer"`` leaves them only in the gradient
+            DBuffer (read them with :func:`vfsdp.grads`), so ``.grad`` costs no memory.
+        free_after_backward: Release the unit's gathered buffer once its backward is done.
 
     Returns:
         A tree like ``shards`` with full tensors.
 
     Raises:
-        ValueError: structure, shape or dtype mismatch (naming the path), or shards made for
-            another spec or world size.
+        ValueError: structure, shape or dtype mismatch (naming the path), shards made for
+            another spec or world size, or a bad option value.
 
     Example:
         >>> full = vfsdp.gather(shards, spec)              # doctest: +SKIP
         >>> model(full, batch).backward()                  # doctest: +SKIP
     """
-    _check_op(grad_reduce)
+    opts = GradOptions(grad_reduce, reduce_dtype, param_dtype, grads, accumulate_grads,
+                       grad_sync, free_after_backward)
     leaves = match_tree(shards, spec, "vfsdp.gather")
-    return _assemble(leaves, spec, mesh, grad_reduce, reduce_dtype, {}, "vfsdp.gather")
+    return _assemble(leaves, spec, mesh, opts, {}, "vfsdp.gather")
 
 
-def gather_async(shards: Any, spec: ShardSpec, *, mesh: Any = None, grad_reduce: str = "avg",
-                 reduce_dtype: Optional[torch.dtype] = None) -> Handle:
+def gather_async(shards: Any, spec: ShardSpec, *, mesh: Any = None, **options: Any) -> Handle:
     """Start the all-gathers now; ``handle.wait()`` returns what :func:`gather` would.
 
-    Use it to overlap the next unit's gather with the current unit's compute::
+    Takes the same options as :func:`gather`. Use it to overlap the next unit's gather with
+    the current unit's compute::
 
         nxt = vfsdp.gather_async(shards["layers"][i + 1], spec["layers"][i + 1])
         x = layer(full_i, x)
@@ -287,7 +353,13 @@ def gather_async(shards: Any, spec: ShardSpec, *, mesh: Any = None, grad_reduce:
     Returns:
         A :class:`vfsdp.collectives.Handle`.
     """
-    _check_op(grad_reduce)
+    names = ("grad_reduce", "reduce_dtype", "param_dtype", "grads", "accumulate_grads",
+             "grad_sync", "free_after_backward")
+    unknown = set(options) - set(names)
+    if unknown:
+        raise TypeError(f"gather_async got unexpected options {sorted(unknown)}")
+    fields = {"accumulate_grads": "accumulate", "grad_sync": "sync"}
+    opts = GradOptions(**{fields.get(k, k): v for k, v in options.items()})
     what = "vfsdp.gather_async"
     leaves = match_tree(shards, spec, what)
     prefetched, handles = {}, []
@@ -295,13 +367,14 @@ def gather_async(shards: Any, spec: ShardSpec, *, mesh: Any = None, grad_reduce:
         local = [leaves[i] for i in leaf_idx]
         if all(owner_of(x) is not None for x in local):  # plain shards (not inside torch.func)
             db = _resolve_unit(local, spec, key, idx, mesh, what)
-            handles.append(db.all_gather(async_op=True))
-            prefetched[key] = db
+            full_db, handle = gather_unit_buffer(db, opts.param_dtype, async_op=True)
+            handles.append(handle)
+            prefetched[key] = full_db
 
     def finish():
         for h in handles:
             h.wait()
-        return _assemble(leaves, spec, mesh, grad_reduce, reduce_dtype, prefetched, what)
+        return _assemble(leaves, spec, mesh, opts, prefetched, what)
 
     return Handle((), finish)
 
@@ -325,7 +398,7 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
     Raises:
         ValueError: structure, shape or dtype mismatch, naming the path.
     """
-    _check_op(op)
+    opts = GradOptions(grad_reduce=op, reduce_dtype=reduce_dtype)
     grads = optree.tree_leaves(full_grads, none_is_leaf=True)
     treespec = optree.tree_structure(full_grads, none_is_leaf=True)
     if treespec.num_leaves != spec.treespec.num_leaves:
@@ -351,7 +424,7 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
                 raise ValueError(f"vfsdp.reduce_scatter: gradient of {format_path(t.path)} has "
                                  f"shape {tuple(g.shape)}, expected {tuple(t.shape)}")
             unit_grads.append(g)
-        pieces = _reduce_unit(db, tuple(k for _, k in pairs), unit_grads, op, reduce_dtype)
+        pieces = _reduce_unit(db, tuple(k for _, k in pairs), unit_grads, opts)
         for (i, _), piece in zip(pairs, pieces):
             out[i] = piece
     return optree.tree_unflatten(spec.treespec, out)

@@ -3,7 +3,17 @@
 The public API, re-exported from its subpackages.
 """
 
-from vfsdp.functional import dbuffers, gather, gather_async, reduce_scatter, release, shard
+from vfsdp.functional import (
+    dbuffers,
+    gather,
+    gather_async,
+    grads,
+    reduce_scatter,
+    release,
+    run_layers,
+    shard,
+    zero_grads,
+)
 from vfsdp.placements import RaggedShard, Replicate, assemble_reference, split_reference
 from vfsdp.planner import (
     PASSTHROUGH,
@@ -18,14 +28,22 @@ from vfsdp.planner import (
     whole,
 )
 
+from vfsdp import optim  # noqa: E402  (a namespace: vfsdp.optim.adamw, ...)
+from vfsdp.optim import clip_grad_norm  # noqa: E402
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "clip_grad_norm",
+    "optim",
     "dbuffers",
     "gather",
     "gather_async",
+    "grads",
+    "zero_grads",
     "reduce_scatter",
     "release",
+    "run_layers",
     "shard",
     "RaggedShard",
     "Replicate",

@@ -55,6 +55,7 @@ class GradOptions:
     accumulate: bool = False
     sync: bool = True
     free_after_backward: bool = False
+    async_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.grad_reduce not in GRAD_REDUCE_OPS:
@@ -134,7 +135,7 @@ def _reduce_unit(db: DBuffer, idx, grads, opts: GradOptions):
     gdb = db.grad_buffer()
     rdt = opts.reduce_dtype or next((g.dtype for g in grads if g is not None), gdb.dtype)
     accum = db._companions.get(("accum", rdt))
-    if not opts.sync or accum is not None:
+    if not opts.sync or (accum is not None and accum.is_allocated):
         # Accumulating unsharded (no reduce until the last micro-batch): a persistent buffer.
         accum = db.companion("accum", rdt)
         if not accum.is_allocated:
@@ -168,9 +169,40 @@ def _reduce_unit(db: DBuffer, idx, grads, opts: GradOptions):
     with torch.no_grad():
         for dst, g in copies:
             dst.view(g.shape).copy_(g)
+    if opts.async_reduce and opts.grads == "buffer":
+        # Overlap with the next unit's backward; the staging buffer is freed once it is done.
+        handle = gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
+                                    accumulate=opts.accumulate, async_op=True)
+        _pending().append((handle, stage))
+        while len(_pending()) > MAX_PENDING_REDUCTIONS:
+            _finish_oldest()
+        return [gdb.local(i) for i in idx]
     gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt, accumulate=opts.accumulate)
     stage.free_global()
     return [gdb.local(i) for i in idx]
+
+
+MAX_PENDING_REDUCTIONS = 2
+"""Async gradient reduce-scatters in flight at once (each holds one unit's staging buffer)."""
+
+
+def _pending() -> list:
+    if not hasattr(_PACKING, "pending"):
+        _PACKING.pending = []
+    return _PACKING.pending
+
+
+def _finish_oldest() -> None:
+    handle, stage = _pending().pop(0)
+    handle.wait()
+    stage._pending = None
+    stage.free_global()
+
+
+def wait_reductions() -> None:
+    """Wait for this rank's in-flight gradient reduce-scatters (``async_reduce``)."""
+    while _pending():
+        _finish_oldest()
 
 
 def _reduce_unit_functional(db: DBuffer, idx, grads, op: str, reduce_dtype):
@@ -354,7 +386,7 @@ def gather_async(shards: Any, spec: ShardSpec, *, mesh: Any = None, **options: A
         A :class:`vfsdp.collectives.Handle`.
     """
     names = ("grad_reduce", "reduce_dtype", "param_dtype", "grads", "accumulate_grads",
-             "grad_sync", "free_after_backward")
+             "grad_sync", "free_after_backward", "async_reduce")
     unknown = set(options) - set(names)
     if unknown:
         raise TypeError(f"gather_async got unexpected options {sorted(unknown)}")

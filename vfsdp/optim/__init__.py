@@ -1,0 +1,17 @@
+"""Functional optimizers over DBuffers (optax-style ``init`` / ``update``), schedules, clipping."""
+
+from vfsdp.optim.adamw import AdamWState, adamw
+from vfsdp.optim.base import Optimizer, as_schedule
+from vfsdp.optim.clip import clip_grad_norm, global_norm
+from vfsdp.optim.schedules import constant, warmup_cosine
+
+__all__ = [
+    "AdamWState",
+    "Optimizer",
+    "adamw",
+    "as_schedule",
+    "clip_grad_norm",
+    "constant",
+    "global_norm",
+    "warmup_cosine",
+]

@@ -1,0 +1,43 @@
+"""Learning-rate schedules: plain callables of the (1-based) step."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+__all__ = ["constant", "warmup_cosine"]
+
+
+def constant(lr: float) -> Callable[[int], float]:
+    """``step -> lr``.
+
+    Example:
+        >>> constant(0.1)(7)
+        0.1
+    """
+    return lambda step: lr
+
+
+def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.0) -> Callable[[int], float]:
+    """Linear warm-up to ``peak`` over ``warmup`` steps, then cosine decay to ``floor`` at ``total``.
+
+    Raises:
+        ValueError: ``warmup`` or ``total`` negative, or ``warmup > total``.
+
+    Example:
+        >>> f = warmup_cosine(1.0, 10, 110)
+        >>> f(5), f(10), round(f(110), 6)
+        (0.5, 1.0, 0.0)
+    """
+    if warmup < 0 or total < 0 or warmup > total:
+        raise ValueError(f"need 0 <= warmup <= total, got warmup={warmup}, total={total}")
+
+    def schedule(step: int) -> float:
+        if warmup and step <= warmup:
+            return peak * step / warmup
+        if step >= total:
+            return floor
+        progress = (step - warmup) / max(1, total - warmup)
+        return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
+
+    return schedule

@@ -18,6 +18,7 @@ counter: regathering the same values does not invalidate views autograd saved ea
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Hashable, Optional, Union
 
@@ -30,7 +31,7 @@ from vfsdp.placements.ragged import local_shape
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, unit_name
 
-__all__ = ["DBuffer", "owner_of", "global_owner"]
+__all__ = ["DBuffer", "owner_of", "global_owner", "live_dbuffers"]
 
 _OWNERS: "weakref.WeakValueDictionary[int, DBuffer]" = weakref.WeakValueDictionary()
 _GLOBAL_OWNERS: "weakref.WeakValueDictionary[int, DBuffer]" = weakref.WeakValueDictionary()
@@ -47,6 +48,12 @@ def owner_of(t: torch.Tensor) -> Optional["DBuffer"]:
     except (RuntimeError, NotImplementedError):
         return None
     return _OWNERS.get(ptr)
+
+
+def live_dbuffers() -> list["DBuffer"]:
+    """DBuffers created by this thread (this rank) that are still alive."""
+    me = threading.get_ident()
+    return [db for db in list(_GLOBAL_OWNERS.values()) if db.thread == me]
 
 
 def global_owner(t: torch.Tensor) -> Optional["DBuffer"]:
@@ -95,6 +102,7 @@ class DBuffer:
             raise ValueError(f"unit {unit_name(key)} was planned for {layout.world_size} ranks, "
                              f"the shard group has {groups.shard_size}")
         self.key = key
+        self.thread = threading.get_ident()  # the rank's thread under vfsdp.testing.simulate
         self.layout = layout
         self.tensors = tuple(tensors)
         self.groups = groups

@@ -1,0 +1,89 @@
+"""Training with vfsdp equals a single-process reference that sees the same global batch."""
+
+import pytest
+import torch
+
+import vfsdp
+from tests.optim import bodies
+from vfsdp.testing import simulate, spawn
+
+
+def _compare(results, ref, world, mesh_shape=None, rtol=1e-4, atol=1e-5, loss_rtol=1e-4):
+    ref_losses, ref_params = ref
+    spec = vfsdp.plan(bodies.init_params(), mesh_shape or world)
+    for rank, (losses, params, _peak) in enumerate(results):
+        # each rank's loss is its share; the sum over ranks of rank losses is the global mean
+        assert len(params) == len(ref_params)
+        for got, want in zip(params, ref_params):
+            assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=rtol, atol=atol)
+    total = [sum(r[0][s] for r in results) / len(results) for s in range(len(ref_losses))]
+    assert torch.allclose(torch.tensor(total), torch.tensor(ref_losses), rtol=loss_rtol)
+    del spec
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_adamw_training_matches_reference(world):
+    results = simulate(world, bodies.train, 4, 1, "off")
+    _compare(results, bodies.reference(4, 1, world), world)
+
+
+@pytest.mark.parametrize("accumulate", ["every", "last"])
+def test_gradient_accumulation_matches_reference(accumulate):
+    results = simulate(3, bodies.train, 3, 2, accumulate)
+    _compare(results, bodies.reference(3, 2, 3), 3)
+
+
+def test_hsdp_2x2_matches_reference():
+    results = simulate(4, bodies.train, 3, 1, "off", (2, 2))
+    _compare(results, bodies.reference(3, 1, 4), 4, mesh_shape=(2, 2))
+
+
+def test_bf16_params_fp32_reduce_loose():
+    results = simulate(2, bodies.train, 3, 1, "off", None, torch.bfloat16, torch.float32)
+    # Adam moves each coordinate by at most about lr per step, so bf16 rounding (which can
+    # flip the sign of tiny gradients) bounds the drift by the sum of the learning rates.
+    lr_sum = sum(vfsdp.optim.warmup_cosine(3e-2, 2, 10)(s) for s in range(1, 4))
+    _compare(results, bodies.reference(3, 1, 2), 2, rtol=0.0, atol=lr_sum, loss_rtol=2e-2)
+
+
+def test_at_most_two_units_gathered():
+    for losses, params, peak in simulate(3, bodies.train, 1, 1, "off"):
+        # the root unit (input and output projections) is gathered for the whole step,
+        # run_layers keeps at most two layer units gathered besides it
+        assert peak <= 3
+
+
+def test_clip_grad_norm_matches_torch():
+    results = simulate(3, bodies.clip_matches_torch, 0.05)
+    params = bodies.init_params()
+    import optree
+    leaves = optree.tree_leaves(params)
+    for t in leaves:
+        t.requires_grad_(True)
+    total = 0
+    for rank in range(3):
+        x, y = bodies.data(1, rank, 0)
+        h = x @ params["root"]["inp"]
+        for p in params["layers"]:
+            h = bodies.layer(p, h)
+        total = total + (h @ params["root"]["out"] - y).pow(2).mean() / 3
+    total.backward()
+    norm = torch.nn.utils.clip_grad_norm_(leaves, 0.05)
+    spec = vfsdp.plan(params, 3)
+    for rank, (got_norm, clipped) in enumerate(results):
+        assert got_norm == pytest.approx(float(norm), rel=1e-5)
+        for g, t, ts in zip(clipped, leaves, spec.leaves()):
+            lo, hi = ts.local_range(rank)
+            assert torch.allclose(torch.tensor(g), t.grad.reshape(-1)[lo:hi], rtol=1e-5, atol=1e-7)
+
+
+def test_training_with_clipping_and_gloo():
+    results = spawn(bodies.train, 2, 3, 1, "off", None, None, None, 0.5)
+    _compare(results, bodies.reference(3, 1, 2, clip=0.5), 2)
+
+
+def test_memory_two_units_with_reshard_all_without():
+    # measured at every dispatched op from the buffers' real storage sizes
+    assert simulate(2, bodies.layers_only_peak, True) == [(2, 0)] * 2
+    assert simulate(2, bodies.layers_only_peak, True, False) == [(1, 0)] * 2
+    assert simulate(2, bodies.layers_only_peak, False) == [(bodies.L, 0)] * 2

@@ -38,16 +38,21 @@ def release_keeps_views_valid():
     db = DBuffer(spec, ("layers", 0), resolve_groups(spec))
     for local in db.locals():
         local.data.fill_(float(dist.get_rank() + 1))
-    fulls = db.fulls()
     assert not db.is_allocated
+    try:
+        db.fulls()
+        return False  # full views of a released buffer must be refused
+    except RuntimeError:
+        pass
     handle = db.all_gather(async_op=True)
     handle.wait()
+    fulls = db.fulls()
     first = [f.clone() for f in fulls]
     db.free_global()
     assert not db.is_allocated and db.global_buffer.untyped_storage().nbytes() == 0
     db.all_gather()
-    same_objects = all(a is b for a, b in zip(fulls, db.fulls()))
-    return same_objects and all(torch.equal(a, b) for a, b in zip(first, fulls))
+    same_memory = all(a.data_ptr() == b.data_ptr() for a, b in zip(fulls, db.fulls()))
+    return same_memory and all(torch.equal(a, b) for a, b in zip(first, fulls))
 
 
 def reduce_scatter_semantics(op, reduce_dtype):

@@ -50,10 +50,21 @@ def owner_of(t: torch.Tensor) -> Optional["DBuffer"]:
     return _OWNERS.get(ptr)
 
 
+_TOKEN = threading.local()
+
+
+def _thread_token() -> object:
+    """An identity for this thread that, unlike its ident, is never reused by a later thread."""
+    token = getattr(_TOKEN, "token", None)
+    if token is None:
+        token = _TOKEN.token = object()
+    return token
+
+
 def live_dbuffers() -> list["DBuffer"]:
     """DBuffers created by this thread (this rank) that are still alive."""
-    me = threading.get_ident()
-    return [db for db in list(_GLOBAL_OWNERS.values()) if db.thread == me]
+    me = _thread_token()
+    return [db for db in list(_GLOBAL_OWNERS.values()) if db.thread is me]
 
 
 def global_owner(t: torch.Tensor) -> Optional["DBuffer"]:
@@ -102,7 +113,7 @@ class DBuffer:
             raise ValueError(f"unit {unit_name(key)} was planned for {layout.world_size} ranks, "
                              f"the shard group has {groups.shard_size}")
         self.key = key
-        self.thread = threading.get_ident()  # the rank's thread under vfsdp.testing.simulate
+        self.thread = _thread_token()  # the rank's thread under vfsdp.testing.simulate
         self.layout = layout
         self.tensors = tuple(tensors)
         self.groups = groups
@@ -115,18 +126,13 @@ class DBuffer:
         self._global = torch.empty(m * s, dtype=self.dtype, device=self.device)
         self._global_bytes = self._global.untyped_storage().nbytes()
         self._pending: Optional[Handle] = None
-        self._locals = []
-        for t in self.tensors:
-            lo, _ = t.shard_range(self.rank)
-            view = _alias(self.shard, lo, local_shape(t.placement, t.shape, self.rank))
-            setattr(view, _ATTR, self)
-            self._locals.append(view)
-        self._fulls = [_alias(self._global, t.offset, tuple(t.shape)) for t in self.tensors]
-        for view in self._fulls:
-            setattr(view, _ATTR, self)
+        # Views are made on demand and point back at this DBuffer; it keeps none itself, so
+        # there is no reference cycle: dropping the shards frees the memory at once.
+        self._local_spec = [(t.shard_range(self.rank)[0],
+                             local_shape(t.placement, t.shape, self.rank)) for t in self.tensors]
         self._grad: Optional[DBuffer] = None
         self._companions: dict = {}
-        self._parent: Optional[DBuffer] = None
+        self._parent_ref = None
         self._global.untyped_storage().resize_(0)  # released until the first gather
         _GLOBAL_OWNERS[self._global.untyped_storage()._cdata] = self
         _OWNERS[self.shard.untyped_storage().data_ptr()] = self
@@ -144,19 +150,36 @@ class DBuffer:
             raise KeyError(f"{format_path(tuple(path))} is not in unit {unit_name(self.key)}") from None
 
     def local(self, i: Union[int, tuple]) -> torch.Tensor:
-        """Tensor ``i``'s local piece: an alias of the shard (shape: its local shape)."""
-        return self._locals[i if isinstance(i, int) else self.index(i)]
+        """Tensor ``i``'s local piece: a leaf tensor aliasing the shard (its local shape)."""
+        lo, shape = self._local_spec[i if isinstance(i, int) else self.index(i)]
+        out = _alias(self.shard, lo, shape)
+        setattr(out, _ATTR, self)
+        return out
 
     def full(self, i: Union[int, tuple]) -> torch.Tensor:
-        """Tensor ``i``'s full view into the global buffer (valid while gathered)."""
-        return self._fulls[i if isinstance(i, int) else self.index(i)]
+        """Tensor ``i``'s full view into the global buffer (create it while gathered; the object
+        stays valid across releases and re-gathers)."""
+        return self.full_alias(i if isinstance(i, int) else self.index(i))
 
     def full_alias(self, i: int) -> torch.Tensor:
-        """A new tensor object aliasing tensor ``i``'s full view (same memory, no autograd link)."""
+        """A new tensor object aliasing tensor ``i``'s full view (same memory, no autograd link).
+
+        Raises:
+            RuntimeError: the global buffer is released (``set_`` would silently re-allocate
+                it with garbage); gather first.
+        """
+        if not self.is_allocated:
+            raise RuntimeError(f"unit {unit_name(self.key)} ({self.role}) is not gathered; "
+                               f"call all_gather() (or vfsdp.gather) before taking full views")
         t = self.tensors[i]
         out = _alias(self._global, t.offset, tuple(t.shape))
         setattr(out, _ATTR, self)
         return out
+
+    @property
+    def parent(self) -> Optional["DBuffer"]:
+        """For a companion (e.g. the bf16 compute copy), the DBuffer it belongs to."""
+        return self._parent_ref() if self._parent_ref is not None else None
 
     def grad_buffer(self, dtype: Optional[torch.dtype] = None) -> "DBuffer":
         """This unit's sharded gradient DBuffer (created zeroed on first use)."""
@@ -173,14 +196,14 @@ class DBuffer:
         found = self._companions.get((role, dtype))
         if found is None:
             found = self._companions[(role, dtype)] = self.like(dtype, role=role)
-            found._parent = self
+            found._parent_ref = weakref.ref(self)
         return found
 
     def locals(self) -> list:
-        return list(self._locals)
+        return [self.local(i) for i in range(len(self.tensors))]
 
     def fulls(self) -> list:
-        return list(self._fulls)
+        return [self.full_alias(i) for i in range(len(self.tensors))]
 
     @property
     def global_buffer(self) -> torch.Tensor:
@@ -193,12 +216,13 @@ class DBuffer:
 
     def is_local_view(self, i: int, t: torch.Tensor) -> bool:
         """Whether ``t`` is exactly tensor ``i``'s local piece (same memory, shape, strides)."""
-        ref = self._locals[i]
-        if t.numel() == 0 and ref.numel() == 0:
-            return tuple(t.shape) == tuple(ref.shape)
-        return (t.untyped_storage().data_ptr() == ref.untyped_storage().data_ptr()
-                and t.storage_offset() == ref.storage_offset()
-                and tuple(t.shape) == tuple(ref.shape) and t.stride() == ref.stride())
+        lo, shape = self._local_spec[i]
+        if tuple(t.shape) != tuple(shape):
+            return False
+        if t.numel() == 0:
+            return True
+        return (t.untyped_storage().data_ptr() == self.shard.untyped_storage().data_ptr()
+                and t.storage_offset() == self.shard.storage_offset() + lo and t.is_contiguous())
 
     # ------------------------------------------------------------------ global buffer
 

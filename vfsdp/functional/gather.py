@@ -113,7 +113,7 @@ class _GatherUnit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         opts, full_db = ctx.opts, ctx.db
-        master = full_db._parent or full_db
+        master = full_db.parent or full_db
         pieces = _reduce_unit(master, ctx.idx, grads, opts)
         if opts.free_after_backward:
             full_db.free_global()

@@ -54,7 +54,7 @@ class _Regather:
         self.order.append(db)
 
     def _start(self, db: DBuffer, async_op: bool) -> Optional[Handle]:
-        master = db._parent
+        master = db.parent
         if master is not None:  # low-precision compute copy: cast again, then gather
             db.copy_(master)
         return db.all_gather(async_op=async_op)

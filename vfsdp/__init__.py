@@ -29,6 +29,7 @@ from vfsdp.planner import (
 )
 
 from vfsdp import optim  # noqa: E402  (a namespace: vfsdp.optim.adamw, ...)
+from vfsdp.functional import init  # noqa: E402  (a namespace: vfsdp.init.normal, ...)
 from vfsdp.optim import clip_grad_norm  # noqa: E402
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "clip_grad_norm",
     "optim",
+    "init",
     "dbuffers",
     "gather",
     "gather_async",

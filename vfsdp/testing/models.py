@@ -1,0 +1,204 @@
+"""A small LLaMA-style decoder (RMSNorm, rotary, SwiGLU, GQA; optional MoE layers) as plain
+functions over a parameter pytree, plus the same model as ``nn.Module`` for FSDP2 comparisons.
+
+Parameters::
+
+    {"io": {"embed": [V, D], "norm": [D], "head": [D, V]},
+     "layers": [{"attn_norm": [D], "wq": [D, H*hd], "wk": [D, KV*hd], "wv": [D, KV*hd],
+                 "wo": [H*hd, D], "mlp_norm": [D],
+                 "w_gate": [D, F], "w_up": [D, F], "w_down": [F, D]}          # dense, or
+                 "router": [D, E], "experts": [{"w_gate", "w_up", "w_down"} * E]}  # MoE
+                ...]}
+
+Each element of ``layers`` is one unit under the planner's default rule and ``io`` is the root.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vfsdp.functional import init as vinit
+
+__all__ = ["GPTConfig", "meta_params", "init_rule", "block", "embed", "head_loss", "loss_fn",
+           "GPTModule"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 256
+    dim: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    ffn: int = 176
+    seq: int = 64
+    experts: int = 0          # > 0: MoE layers with this many small experts
+    expert_ffn: int = 32
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+
+def meta_params(cfg: GPTConfig) -> dict:
+    """The parameter tree on the ``meta`` device (shapes and dtypes only)."""
+    def m(*shape):
+        return torch.empty(shape, device="meta")
+
+    hd = cfg.head_dim
+    layers = []
+    for _ in range(cfg.layers):
+        layer = {"attn_norm": m(cfg.dim), "wq": m(cfg.dim, cfg.heads * hd),
+                 "wk": m(cfg.dim, cfg.kv_heads * hd), "wv": m(cfg.dim, cfg.kv_heads * hd),
+                 "wo": m(cfg.heads * hd, cfg.dim), "mlp_norm": m(cfg.dim)}
+        if cfg.experts:
+            layer["router"] = m(cfg.dim, cfg.experts)
+            layer["experts"] = [{"w_gate": m(cfg.dim, cfg.expert_ffn), "w_up": m(cfg.dim, cfg.expert_ffn),
+                                 "w_down": m(cfg.expert_ffn, cfg.dim)} for _ in range(cfg.experts)]
+        else:
+            layer.update(w_gate=m(cfg.dim, cfg.ffn), w_up=m(cfg.dim, cfg.ffn), w_down=m(cfg.ffn, cfg.dim))
+        layers.append(layer)
+    return {"io": {"embed": m(cfg.vocab, cfg.dim), "norm": m(cfg.dim), "head": m(cfg.dim, cfg.vocab)},
+            "layers": layers}
+
+
+def init_rule(cfg: GPTConfig):
+    """Norms start at one, everything else Normal(0, 0.02) (output projections scaled)."""
+    scaled = vinit.normal(0.02 / math.sqrt(2 * max(cfg.layers, 1)))
+
+    def resolve(path, shape):
+        name = str(path[-1])
+        if name.endswith("norm"):
+            return vinit.constant(1.0)
+        if name in ("wo", "w_down"):
+            return scaled
+        return vinit.normal(0.02)
+
+    return resolve
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+
+def _rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding over (batch, heads, seq, head_dim)."""
+    t, d = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    ang = torch.arange(t, dtype=torch.float32, device=x.device)[:, None] * inv[None, :]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+def _swiglu(h: torch.Tensor, p: dict) -> torch.Tensor:
+    return (F.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+
+
+def block(p: dict, x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """One decoder block on ``(batch, seq, dim)``."""
+    b, t, _ = x.shape
+    hd = cfg.head_dim
+    h = _rms(x, p["attn_norm"])
+    q = (h @ p["wq"]).view(b, t, cfg.heads, hd).transpose(1, 2)
+    k = (h @ p["wk"]).view(b, t, cfg.kv_heads, hd).transpose(1, 2)
+    v = (h @ p["wv"]).view(b, t, cfg.kv_heads, hd).transpose(1, 2)
+    q, k = _rotary(q), _rotary(k)
+    rep = cfg.heads // cfg.kv_heads
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x = x + att.transpose(1, 2).reshape(b, t, cfg.heads * hd) @ p["wo"]
+    h = _rms(x, p["mlp_norm"])
+    if "experts" in p:  # dense soft mixture: deterministic, same compute in every system
+        gates = torch.softmax(h @ p["router"], dim=-1)
+        out = sum(gates[..., e:e + 1] * _swiglu(h, ex) for e, ex in enumerate(p["experts"]))
+        return x + out
+    return x + _swiglu(h, p)
+
+
+def embed(io: dict, tokens: torch.Tensor) -> torch.Tensor:
+    return io["embed"][tokens]
+
+
+def head_loss(io: dict, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = _rms(x, io["norm"]) @ io["head"]
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def loss_fn(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """The whole model on one process (the reference)."""
+    x = embed(params["io"], tokens)
+    for p in params["layers"]:
+        x = block(p, x, cfg)
+    return head_loss(params["io"], x, targets)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, tree: dict, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.names = []
+        for name, value in _flat(tree):
+            self.register_parameter(name, torch.nn.Parameter(value.clone()))
+            self.names.append(name)
+
+    def tree(self) -> dict:
+        return _unflat({n: getattr(self, n) for n in self.names})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return block(self.tree(), x, self.cfg)
+
+
+class GPTModule(torch.nn.Module):
+    """The same model as modules (one per block), for ``fully_shard`` comparisons."""
+
+    def __init__(self, params: dict, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.io = _Block(params["io"], cfg)
+        self.blocks = torch.nn.ModuleList(_Block(p, cfg) for p in params["layers"])
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        io = self.io.tree()
+        x = embed(io, tokens)
+        for blk in self.blocks:
+            x = blk(x)
+        return head_loss(io, x, targets)
+
+
+def _flat(tree: dict, prefix: str = "") -> list:
+    out = []
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out += _flat(v, f"{prefix}{k}__")
+        elif isinstance(v, list):
+            for i, item in enumerate(v):
+                out += _flat(item, f"{prefix}{k}__{i}__")
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+def _unflat(named: dict) -> Any:
+    root: dict = {}
+    for name, v in named.items():
+        node, parts = root, name.split("__")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = v
+
+    def lists(node):
+        if not isinstance(node, dict):
+            return node
+        out = {k: lists(v) for k, v in node.items()}
+        if out and all(k.isdigit() for k in out):
+            return [out[str(i)] for i in range(len(out))]
+        return out
+
+    return lists(root)

@@ -18,3 +18,17 @@ def test_gather_demo_simulated_and_spawned():
     assert "max |gradient error|" in out.stdout and "over 3 rank(s)" in out.stdout
     out = _run("examples/gather_demo.py", "--world-size", "2", "--spawn")
     assert out.returncode == 0, out.stderr
+
+
+def test_train_gpt_smallest_config_matches_single_process(tmp_path):
+    out = _run("examples/train_gpt.py", "--world-size", "2", "--steps", "3", "--dim", "32",
+               "--layers", "2", "--ffn", "64", "--png", str(tmp_path / "loss.png"),
+               "--out", str(tmp_path / "run.json"))
+    assert out.returncode == 0, out.stderr
+    assert "loss curve saved" in out.stdout and (tmp_path / "loss.png").exists()
+    gap = float(out.stdout.split("single-process loss| = ")[1].split(";")[0])
+    assert gap < 1e-5
+    out = _run("examples/train_gpt.py", "--world-size", "2", "--steps", "2", "--dim", "32",
+               "--layers", "1", "--experts", "3", "--simulate", "--param-dtype", "bf16",
+               "--out", str(tmp_path / "moe.json"))
+    assert out.returncode == 0, out.stderr

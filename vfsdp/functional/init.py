@@ -21,7 +21,7 @@ import torch
 
 __all__ = ["normal", "constant", "rule", "sharded", "full_tensor", "full_tree", "CHUNK"]
 
-CHUNK = 1 << 16
+CHUNK = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,13 @@ def _chunk_seed(seed: int, path: tuple, chunk: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _values(kind: Any, path: tuple, lo: int, hi: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """Flat elements ``[lo, hi)`` of the tensor at ``path`` (generated chunk by chunk)."""
+def _values(kind: Any, path: tuple, lo: int, hi: int, numel: int, seed: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Flat elements ``[lo, hi)`` of the ``numel``-element tensor at ``path``, chunk by chunk.
+
+    A chunk is always drawn whole (``torch.randn`` orders its output differently for
+    different sizes), then cut to the requested range.
+    """
     if isinstance(kind, constant):
         return torch.full((hi - lo,), kind.value, dtype=dtype)
     if not isinstance(kind, normal):
@@ -78,7 +83,8 @@ def _values(kind: Any, path: tuple, lo: int, hi: int, seed: int, dtype: torch.dt
         c = pos // CHUNK
         start, stop = c * CHUNK, (c + 1) * CHUNK
         g = torch.Generator().manual_seed(_chunk_seed(seed, path, c))
-        block = torch.randn(min(stop, hi) - start, generator=g, dtype=torch.float32)
+        block = torch.randn(min(stop, numel) - start, generator=g, dtype=torch.float32)
+        block = block[:min(stop, hi) - start]
         take = block[pos - start:]
         out[pos - lo:pos - lo + take.numel()] = (take * kind.std).to(dtype)
         pos += take.numel()
@@ -95,7 +101,8 @@ def sharded(init_rule: Rule, seed: int = 0) -> Callable:
     def init_fn(path, local, tspec) -> None:
         lo, hi = tspec.local_range(local_rank(tspec, local))
         kind = init_rule(tuple(path), tuple(tspec.shape))
-        local.view(-1).copy_(_values(kind, tuple(path), lo, hi, seed, local.dtype).to(local.device))
+        values = _values(kind, tuple(path), lo, hi, tspec.numel, seed, local.dtype)
+        local.view(-1).copy_(values.to(local.device))
 
     return init_fn
 
@@ -121,7 +128,7 @@ def full_tensor(init_rule: Rule, path: tuple, shape: tuple, dtype: torch.dtype =
     n = 1
     for d in shape:
         n *= d
-    return _values(init_rule(tuple(path), tuple(shape)), tuple(path), 0, n, seed, dtype).reshape(shape)
+    return _values(init_rule(tuple(path), tuple(shape)), tuple(path), 0, n, n, seed, dtype).reshape(shape)
 
 
 def full_tree(init_rule: Rule, like: Any, seed: int = 0) -> Any:

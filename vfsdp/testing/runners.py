@@ -60,8 +60,16 @@ def _spawn_worker(rank, world_size, init_file, fn, args, kwargs, results):
         finally:
             dist.destroy_process_group()
         results.put((rank, True, out))
+        code = 0
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))
+        code = 1
+    # Leave without running C++ static destructors: gloo's background threads may still be
+    # joinable at interpreter exit, which aborts with "terminate called without an active
+    # exception" although the work is done and reported.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **kwargs: Any) -> list:

@@ -65,6 +65,31 @@ def make_optimizer(args):
                              weight_decay_mask=lambda path: not str(path[-1]).endswith("norm"))
 
 
+def train_step(shards, spec, opt, state, micro_batches, cfg: GPTConfig, gopts: dict):
+    """One optimizer step over micro-batches; returns (this rank's loss, grad norm, state).
+
+    Gradients reduce-scatter only on the last micro-batch (``grad_sync``); before that they
+    accumulate unsharded in ``reduce_dtype``.
+    """
+    vfsdp.zero_grads(shards, spec)
+    layer_specs = [spec["layers"][i] for i in range(cfg.layers)]
+    step_loss = 0.0
+    for micro, (tokens, targets) in enumerate(micro_batches):
+        sync = micro == len(micro_batches) - 1
+        io = vfsdp.gather(shards["io"], spec["io"], grads="buffer", free_after_backward=True,
+                          grad_sync=sync, **gopts)
+        x = embed(io, tokens)
+        x = vfsdp.run_layers(lambda p, h: block(p, h, cfg), shards["layers"], layer_specs, x,
+                             grad_sync=sync, **gopts)
+        loss = head_loss(io, x, targets) / len(micro_batches)
+        loss.backward()
+        step_loss = step_loss + loss.detach()
+    grads = vfsdp.grads(shards, spec)
+    norm = vfsdp.clip_grad_norm(grads, spec, 1.0)
+    state = opt.update(grads, state, shards, spec)
+    return step_loss, norm, state
+
+
 def config(args) -> GPTConfig:
     return GPTConfig(dim=args.dim, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                      ffn=args.ffn, seq=args.seq, experts=args.experts)
@@ -80,34 +105,18 @@ def train(args) -> dict:
     shards = vfsdp.shard(meta_params(cfg), spec, init_fn=vfsdp.init.sharded(init_rule(cfg), args.seed))
     opt = make_optimizer(args)
     state = opt.init(shards, spec)
-    layer_specs = [spec["layers"][i] for i in range(cfg.layers)]
     data = corpus(args.data)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
     gopts = dict(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
-    def layer_fn(p, x):
-        return block(p, x, cfg)
-
     losses, probe, t_start = [], GatheredProbe(), time.perf_counter()
     tokens_per_step = world * args.batch * args.seq * args.accumulate
     for step in range(1, args.steps + 1):
-        vfsdp.zero_grads(shards, spec)
-        step_loss = torch.zeros((), device=device)
-        for micro in range(args.accumulate):
-            sync = micro == args.accumulate - 1
-            tokens, targets = (t.to(device) for t in batch(data, step, rank, micro, args))
-            with probe:
-                io = vfsdp.gather(shards["io"], spec["io"], grads="buffer", free_after_backward=True,
-                                  grad_sync=sync, **gopts)
-                x = embed(io, tokens)
-                x = vfsdp.run_layers(layer_fn, shards["layers"], layer_specs, x, grad_sync=sync, **gopts)
-                loss = head_loss(io, x, targets) / args.accumulate
-                loss.backward()
-            step_loss += loss.detach()
-        grads = vfsdp.grads(shards, spec)
-        norm = vfsdp.clip_grad_norm(grads, spec, 1.0)
-        state = opt.update(grads, state, shards, spec)
+        micro_batches = [tuple(t.to(device) for t in batch(data, step, rank, micro, args))
+                         for micro in range(args.accumulate)]
+        with probe:
+            step_loss, norm, state = train_step(shards, spec, opt, state, micro_batches, cfg, gopts)
         dist.all_reduce(step_loss)
         losses.append(float(step_loss) / world)
         if rank == 0:

@@ -87,3 +87,35 @@ def test_memory_two_units_with_reshard_all_without():
     assert simulate(2, bodies.layers_only_peak, True) == [(2, 0)] * 2
     assert simulate(2, bodies.layers_only_peak, True, False) == [(1, 0)] * 2
     assert simulate(2, bodies.layers_only_peak, False) == [(bodies.L, 0)] * 2
+
+
+def _adamw_bitwise_body():
+    import optree
+    params = bodies.init_params()
+    spec = vfsdp.plan(params, 1)
+    shards = vfsdp.shard(params, spec)
+    opt = bodies.make_opt()
+    state = opt.init(shards, spec)
+    ref = bodies.init_params()
+    leaves, paths = optree.tree_leaves(ref), optree.tree_paths(ref)
+    sched = vfsdp.optim.warmup_cosine(3e-2, 2, 10)
+    torch_opt = torch.optim.AdamW(
+        [{"params": [p for p, q in zip(leaves, paths) if bodies.no_decay(q)], "weight_decay": 0.1},
+         {"params": [p for p, q in zip(leaves, paths) if not bodies.no_decay(q)],
+          "weight_decay": 0.0}], lr=sched(1), foreach=False)
+    g = torch.Generator().manual_seed(5)
+    for step in range(1, 4):
+        grads_full = [torch.randn(p.shape, generator=g) for p in leaves]
+        for p, gr in zip(leaves, grads_full):
+            p.grad = gr.clone()
+        for group in torch_opt.param_groups:
+            group["lr"] = sched(step)
+        torch_opt.step()
+        grads_tree = optree.tree_unflatten(optree.tree_structure(params), grads_full)
+        state = opt.update(grads_tree, state, shards, spec)
+    return all(torch.equal(a.detach().reshape(-1), b.reshape(-1))
+               for a, b in zip(optree.tree_leaves(shards), leaves))
+
+
+def test_adamw_is_bitwise_torch_adamw_given_the_same_gradients():
+    assert simulate(1, _adamw_bitwise_body) == [True]

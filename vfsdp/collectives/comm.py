@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_gather_into", "reduce_scatter_into", "all_reduce_", "scatter_into", "broadcast_",
-           "counts", "reset_counts", "in_collective", "REDUCE_OPS"]
+           "counts", "reset_counts", "in_collective", "collective_scope", "REDUCE_OPS"]
 
 REDUCE_OPS = ("sum", "avg")
 _TLS = threading.local()
@@ -34,6 +34,11 @@ class _InCollective:
 
     def __exit__(self, *exc):
         _TLS.depth -= 1
+
+
+def collective_scope() -> _InCollective:
+    """Marks the enclosed work as part of a collective (e.g. waiting on an async one)."""
+    return _InCollective()
 
 
 def in_collective() -> bool:

@@ -298,6 +298,7 @@ class DBuffer:
         rdt = reduce_dtype or src.dtype
         if src.dtype != rdt:
             src = src.to(rdt)
+        self.ensure_shard(zero=accumulate)
         direct = rdt == self.dtype and not accumulate
         out = self.shard.data if direct else torch.empty(self.shard.numel(), dtype=rdt,
                                                           device=self.device)
@@ -319,6 +320,28 @@ class DBuffer:
         return self._launch(launch, async_op, finish)
 
     # ------------------------------------------------------------------ group ops
+
+    @property
+    def shard_allocated(self) -> bool:
+        return self.shard.untyped_storage().nbytes() > 0
+
+    def release_shard(self) -> None:
+        """Free the shard's memory (for gradient buffers between steps: "set to none").
+
+        Views of it stay valid objects; :meth:`ensure_shard` brings the memory back.
+        """
+        if self._pending is not None:
+            self._pending.wait()
+        self.shard.untyped_storage().resize_(0)
+
+    def ensure_shard(self, zero: bool = True) -> torch.Tensor:
+        """Re-allocate a released shard (zero-filled unless ``zero=False``); return it."""
+        if not self.shard_allocated:
+            self.shard.untyped_storage().resize_(self.shard.numel() * self.shard.element_size())
+            if zero:
+                with torch.no_grad():
+                    self.shard.zero_()
+        return self.shard
 
     def zero_(self) -> "DBuffer":
         """One kernel over the whole shard."""

@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from vfsdp.collectives.comm import collective_scope
+
 __all__ = ["Handle", "comm_context"]
 
 _STREAMS: dict = {}
@@ -41,8 +43,9 @@ class Handle:
     def wait(self) -> Any:
         """Block (or make the current CUDA stream wait) until done; return the result."""
         if not self._done:
-            for w in self._works:
-                w.wait()
+            with collective_scope():  # the backend may finish its copies here (gloo's async RS)
+                for w in self._works:
+                    w.wait()
             if self._event is not None:
                 torch.cuda.current_stream().wait_event(self._event)
             self._works = []

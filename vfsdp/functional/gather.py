@@ -182,7 +182,7 @@ def _reduce_unit(db: DBuffer, idx, grads, opts: GradOptions):
     return [gdb.local(i) for i in idx]
 
 
-MAX_PENDING_REDUCTIONS = 2
+MAX_PENDING_REDUCTIONS = 1
 """Async gradient reduce-scatters in flight at once (each holds one unit's staging buffer)."""
 
 

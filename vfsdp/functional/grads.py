@@ -41,17 +41,30 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
                              f"{format_path(members[0][1].path)}) are not views into a DBuffer; "
                              f"pass the tree returned by vfsdp.shard")
         gdb = db.grad_buffer()
+        gdb.ensure_shard()
         for i, t in members:
             out[i] = gdb.local(db.index(t.path))
     return optree.tree_unflatten(spec.treespec, out)
 
 
-def zero_grads(shards: Any, spec: ShardSpec) -> None:
-    """Zero every unit's gradient DBuffer (one kernel per unit) and any unsharded accumulator."""
+def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> None:
+    """Zero every unit's gradients and drop any unsharded accumulator.
+
+    Args:
+        shards: The shards tree.
+        spec: The plan.
+        set_to_none: Release the gradient shards' memory until the next backward writes them
+            (like ``optimizer.zero_grad(set_to_none=True)``; reading them through
+            :func:`grads` before then gives zeros). ``False`` zero-fills them in place.
+    """
     wait_reductions()
     for db in dbuffers(shards, spec).values():
-        with torch.no_grad():
-            db.grad_buffer().zero_()
+        gdb = db.grad_buffer()
+        if set_to_none:
+            gdb.release_shard()
+        else:
+            with torch.no_grad():
+                gdb.ensure_shard().zero_()
         for (role, _), comp in db._companions.items():
             if role == "accum":
                 comp.free_global()

@@ -24,7 +24,10 @@ from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.optim.base import Optimizer, Schedule, as_schedule, flat_grads, unit_buffers
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["adamw", "AdamWState"]
+__all__ = ["adamw", "AdamWState", "CHUNK"]
+
+CHUNK = 1 << 18
+"""Elements per slice of the fused update (bounds its temporary memory)."""
 
 
 @dataclass
@@ -111,10 +114,15 @@ def adamw(
                 if weight_decay:
                     for lo, hi in state.decay_runs[u.key]:
                         p[lo:hi].mul_(1 - rate * weight_decay)
-                m.lerp_(g, 1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                denom = (v.sqrt() / bc2_sqrt).add_(eps)
-                p.addcdiv_(m, denom, value=-rate / bc1)
+                # Element-wise, so slices give the same bits; they bound the temporary
+                # (the denominator) to CHUNK elements instead of a whole unit.
+                for lo in range(0, p.numel(), CHUNK):
+                    hi = min(lo + CHUNK, p.numel())
+                    gs, ms, vs = g[lo:hi], m[lo:hi], v[lo:hi]
+                    ms.lerp_(gs, 1 - b1)
+                    vs.mul_(b2).addcmul_(gs, gs, value=1 - b2)
+                    denom = vs.sqrt().div_(bc2_sqrt).add_(eps)
+                    p[lo:hi].addcdiv_(ms, denom, value=-rate / bc1)
         return state
 
     return Optimizer(init, update)

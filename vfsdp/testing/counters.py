@@ -34,6 +34,7 @@ class CopyCounter(TorchDispatchMode):
         ops: ``Counter`` of op names (``"copy_"``, ``"cat"``, ...).
         copy_bytes: Bytes written by copy-like ops.
         copies: Number of copy-like ops.
+        collectives: Number of c10d collective ops dispatched (vfsdp's and anyone else's).
     """
 
     def __init__(self) -> None:
@@ -41,14 +42,19 @@ class CopyCounter(TorchDispatchMode):
         self.ops: Counter = Counter()
         self.copy_bytes = 0
         self.copies = 0
+        self.collectives = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if in_collective():
-            return out  # the collective's own work, not work around it
         name = func.__name__.split(".")[0]
         namespace = getattr(func, "namespace", "aten")
+        if namespace in ("c10d", "_c10d_functional"):
+            self.collectives += 1  # any system's collectives, counted the same way
+            self.ops[f"{namespace}::{name}"] += 1
+            return out
+        if in_collective():
+            return out  # the collective's own work, not work around it
         if namespace != "aten":
             # Custom ops (FSDP2's fsdp::all_gather_copy_in, fsdp::split_with_sizes_copy,
             # fsdp::chunk_cat) run their aten kernels below this mode: count them here.

@@ -1,0 +1,196 @@
+"""Train the same model with vfsdp and with torch's ``fully_shard`` (FSDP2), side by side.
+
+Same seed, initial weights, batches, world size, mixed-precision settings and AdamW math;
+reshard after forward on for both (every block is one ``fully_shard`` / one vfsdp unit, the
+embedding and head form the root). gloo on CPU, one thread per process. For each
+configuration (world size x model) it prints medians over the timed steps after warm-up:
+
+* step time ratio (vfsdp / FSDP2), steps interleaved (one vfsdp step, one FSDP2 step, ...);
+* peak tracked memory ratio: the same dispatcher-level tracker (``vfsdp.testing.LiveBytes``)
+  for both, over one step each, counting parameters, gradients, optimizer states, gathered
+  buffers and activations, and re-reading storage sizes so storage-resize frees are seen;
+* bytes copied outside the collectives per step (``vfsdp.testing.CopyCounter``), in total and
+  net of the model's own copies (the same model run unsharded on one process, same batch);
+* collectives per step (c10d ops at the dispatcher);
+* final loss of each.
+
+    python benchmarks/vs_fsdp2.py                      # W = 2 and 4, dense and MoE
+    python benchmarks/vs_fsdp2.py --world-sizes 2 --models dense --steps 12 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import optree  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import vfsdp  # noqa: E402
+from vfsdp.collectives.dbuffer import live_dbuffers  # noqa: E402
+from vfsdp.testing import CopyCounter, LiveBytes, spawn  # noqa: E402
+from vfsdp.testing.models import GPTConfig, GPTModule, init_rule, loss_fn, meta_params  # noqa: E402
+
+MODELS = {
+    "dense": GPTConfig(dim=256, layers=4, heads=8, kv_heads=4, ffn=688, seq=64),
+    "moe": GPTConfig(dim=128, layers=3, heads=4, kv_heads=2, ffn=0, seq=64, experts=16,
+                     expert_ffn=64),
+}
+BATCH, LR = 4, 1e-3
+
+
+def _batches(step: int, rank: int, cfg: GPTConfig):
+    g = torch.Generator().manual_seed(step * 131 + rank)
+    tokens = torch.randint(0, cfg.vocab, (BATCH, cfg.seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _vfsdp_system(cfg: GPTConfig, param_dtype):
+    from train_gpt import train_step  # the example's hand-written step, shared on purpose
+
+    world = dist.get_world_size()
+    spec = vfsdp.plan(meta_params(cfg), world, comm_dtypes=[torch.bfloat16])
+    shards = vfsdp.shard(meta_params(cfg), spec, init_fn=vfsdp.init.sharded(init_rule(cfg), 0))
+    opt = vfsdp.optim.adamw(lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    box = {"state": opt.init(shards, spec)}
+    gopts = dict(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+
+    def step(tokens, targets):
+        loss, _, box["state"] = train_step(shards, spec, opt, box["state"], [(tokens, targets)],
+                                           cfg, gopts)
+        return float(loss)
+
+    def persistent():
+        out = []
+        for db in live_dbuffers():
+            out += [db.shard, db.global_buffer]
+        return out
+
+    return step, persistent
+
+
+def _fsdp2_system(cfg: GPTConfig, param_dtype):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = dist.get_world_size()
+    full = vfsdp.init.full_tree(init_rule(cfg), meta_params(cfg), 0)
+    model = GPTModule(full, cfg)
+    mesh = init_device_mesh("cpu", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype,
+                              reduce_dtype=torch.float32 if param_dtype else None)
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1,
+                            foreach=False)
+
+    def step(tokens, targets):
+        opt.zero_grad(set_to_none=True)
+        loss = model(tokens, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.item()
+
+    def persistent():
+        out = []
+        for p in model.parameters():
+            out.append(p._local_tensor if hasattr(p, "_local_tensor") else p)
+        for st in opt.state.values():
+            out += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        return out
+
+    return step, persistent
+
+
+def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str) -> dict:
+    torch.manual_seed(0)
+    rank = dist.get_rank()
+    cfg = MODELS[model_name]
+    param_dtype = {"fp32": None, "bf16": torch.bfloat16}[param_dtype_name]
+    systems = {"vfsdp": _vfsdp_system(cfg, param_dtype), "fsdp2": _fsdp2_system(cfg, param_dtype)}
+    times = {k: [] for k in systems}
+    losses = {k: [] for k in systems}
+    for step in range(1, warmup + steps + 1):
+        tokens, targets = _batches(step, rank, cfg)
+        for name, (fn, _) in systems.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses[name].append(fn(tokens, targets))
+            if step > warmup:
+                times[name].append(time.perf_counter() - t0)
+    out = {"config": f"W={dist.get_world_size()} {model_name} {param_dtype_name}"}
+    tokens, targets = _batches(warmup + steps + 1, rank, cfg)
+    for name, (fn, persistent) in systems.items():
+        mem = LiveBytes().track(*persistent())
+        with CopyCounter() as copies:
+            with mem:
+                fn(tokens, targets)
+        out[name] = {"step_s": statistics.median(times[name]), "peak_bytes": mem.peak,
+                     "copied_bytes": copies.copy_bytes, "collectives": copies.collectives,
+                     "final_loss": losses[name][-1], "first_loss": losses[name][0]}
+    # The model's own copies (attention reshapes, rotary stacks): the same model run on one
+    # process without any FSDP, same batch; what each system adds is the rest.
+    full = vfsdp.init.full_tree(init_rule(cfg), meta_params(cfg), 0)
+    for t in optree.tree_leaves(full):
+        t.requires_grad_(True)
+    with CopyCounter() as base:
+        loss_fn(full, tokens, targets, cfg).backward()
+    out["model_copied_bytes"] = base.copy_bytes
+    v, f = out["vfsdp"], out["fsdp2"]
+    for r in (v, f):
+        r["added_copied_bytes"] = r["copied_bytes"] - base.copy_bytes
+    out["added_copied_bytes_ratio"] = v["added_copied_bytes"] / max(f["added_copied_bytes"], 1)
+    out["step_time_ratio"] = v["step_s"] / f["step_s"]
+    out["peak_memory_ratio"] = v["peak_bytes"] / f["peak_bytes"]
+    out["copied_bytes_ratio"] = v["copied_bytes"] / max(f["copied_bytes"], 1)
+    return out if rank == 0 else {}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-sizes", nargs="*", type=int, default=[2, 4])
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per system (median)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--json", help="write one record per configuration to this file")
+    args = ap.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mib = 2 ** 20
+    records = []
+    print(f"{'config':<22} {'step ms vfsdp/FSDP2':>20} {'ratio':>6} {'peak MiB vfsdp/FSDP2':>22} "
+          f"{'ratio':>6} {'copied MiB vfsdp/FSDP2':>23} {'ratio':>6} {'added by system':>16} "
+          f"{'ratio':>6} {'collectives':>12} {'final loss':>17}")
+    for world in args.world_sizes:
+        for model in args.models:
+            r = spawn(bench_rank, world, model, args.steps, args.warmup, args.param_dtype,
+                      timeout=3600)[0]
+            v, f = r["vfsdp"], r["fsdp2"]
+            print(f"{r['config']:<22} {1e3 * v['step_s']:>9.1f}/{1e3 * f['step_s']:<10.1f} "
+                  f"{r['step_time_ratio']:>6.3f} {v['peak_bytes'] / mib:>10.2f}/"
+                  f"{f['peak_bytes'] / mib:<11.2f} {r['peak_memory_ratio']:>6.3f} "
+                  f"{v['copied_bytes'] / mib:>10.2f}/{f['copied_bytes'] / mib:<12.2f} "
+                  f"{r['copied_bytes_ratio']:>6.3f} {v['added_copied_bytes'] / mib:>7.2f}/"
+                  f"{f['added_copied_bytes'] / mib:<8.2f} {r['added_copied_bytes_ratio']:>6.3f} "
+                  f"{v['collectives']:>5}/{f['collectives']:<6} "
+                  f"{v['final_loss']:>8.4f}/{f['final_loss']:<8.4f}", flush=True)
+            records.append(r)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(records, fh, indent=1)
+        print(f"wrote {len(records)} records to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -114,9 +114,11 @@ class _GatherUnit(torch.autograd.Function):
     def backward(ctx, *grads):
         opts, full_db = ctx.opts, ctx.db
         master = full_db.parent or full_db
-        pieces = _reduce_unit(master, ctx.idx, grads, opts)
         if opts.free_after_backward:
+            # The unit's backward is done, its gathered parameters are no longer read: release
+            # them before the gradient staging buffer is allocated, so the two never coexist.
             full_db.free_global()
+        pieces = _reduce_unit(master, ctx.idx, grads, opts)
         if opts.grads == "buffer" or pieces is None:
             return (None, None) + (None,) * len(ctx.idx)
         return (None, None) + tuple(pieces)

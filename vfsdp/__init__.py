@@ -31,6 +31,7 @@ from vfsdp.planner import (
 from vfsdp import optim  # noqa: E402  (a namespace: vfsdp.optim.adamw, ...)
 from vfsdp.functional import init  # noqa: E402  (a namespace: vfsdp.init.normal, ...)
 from vfsdp.optim import clip_grad_norm  # noqa: E402
+from vfsdp import testing  # noqa: E402  (vfsdp.testing.simulate, spawn, probes)
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = [
     "clip_grad_norm",
     "optim",
     "init",
+    "testing",
     "dbuffers",
     "gather",
     "gather_async",

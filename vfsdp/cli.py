@@ -8,7 +8,6 @@ table of every ``replicate x shard`` factorisation of N with a recommendation.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from typing import Optional, Sequence

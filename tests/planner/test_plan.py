@@ -10,7 +10,6 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import vfsdp
 from tests.strategies import WORLD_SIZES, shapes
 from vfsdp import PASSTHROUGH, ShapeDtype, check_spec, plan, plan_stats, rows, whole
 from vfsdp.functional import gather_reference, shard_reference, unit_buffer_reference

@@ -3,7 +3,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from vfsdp import check_spec, plan, rows
 from vfsdp.cli import main

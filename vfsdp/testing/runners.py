@@ -23,6 +23,7 @@ import queue
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from typing import Any, Callable, Optional
 
@@ -103,9 +104,9 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
             p.start()
         out: dict[int, Any] = {}
         failures: dict[int, str] = {}
-        deadline = timeout
+        deadline = time.monotonic() + timeout
         for p in procs:
-            p.join(deadline)
+            p.join(max(0.0, deadline - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.kill()

@@ -1,12 +1,15 @@
 """Functional optimizers over DBuffers (optax-style ``init`` / ``update``), schedules, clipping."""
 
 from vfsdp.optim.adamw import AdamWState, adamw
+from vfsdp.optim.adamw8bit import AdamW8bitState, adamw8bit
 from vfsdp.optim.base import Optimizer, as_schedule
 from vfsdp.optim.clip import clip_grad_norm, global_norm
 from vfsdp.optim.schedules import constant, warmup_cosine
 
 __all__ = [
     "AdamWState",
+    "AdamW8bitState",
+    "adamw8bit",
     "Optimizer",
     "adamw",
     "as_schedule",

@@ -68,6 +68,8 @@ def _spawn_worker(rank, world_size, init_file, fn, args, kwargs, results):
     # Leave without running C++ static destructors: gloo's background threads may still be
     # joinable at interpreter exit, which aborts with "terminate called without an active
     # exception" although the work is done and reported.
+    results.close()
+    results.join_thread()  # the queue's feeder thread must deliver the result first
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -94,7 +96,9 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
     """
     _check_world(world_size)
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+    results = ctx.Queue()
+    out: dict[int, Any] = {}
+    failures: dict[int, str] = {}
     with tempfile.TemporaryDirectory(prefix="vfsdp-spawn-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_spawn_worker,
@@ -102,17 +106,21 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        out: dict[int, Any] = {}
-        failures: dict[int, str] = {}
+        # Read results while the ranks run: a large result fills the pipe, and a rank blocked
+        # writing it would never exit if we waited for it first.
         deadline = time.monotonic() + timeout
+        while len(out) + len(failures) < world_size and time.monotonic() < deadline:
+            try:
+                rank, ok, value = results.get(timeout=0.2)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+                continue
+            (out if ok else failures)[rank] = value
         for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
+            p.join(max(0.0, min(5.0, deadline - time.monotonic())))
             if p.is_alive():
                 p.kill()
-        while not results.empty():
-            rank, ok, value = results.get()
-            (out if ok else failures)[rank] = value
         for r in range(world_size):
             if r not in out and r not in failures:
                 code = procs[r].exitcode

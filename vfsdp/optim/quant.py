@@ -1,0 +1,116 @@
+"""Block-wise 8-bit codes: the dynamic (tree) code maps and 32x32 tiles of matrices.
+
+Code maps follow bitsandbytes' ``create_dynamic_map`` (as torchao copies it): seven decades
+from about 1e-7 to 1, finer near 1.
+
+* signed (for Adam's ``m``): decade ``i`` in 0..6 holds the ``2**i`` midpoints of
+  ``linspace(0.1, 1, 2**i + 1)`` scaled by ``10**(i - 6)``, and their negatives; plus 0 and 1.
+* unsigned (for ``v``, stored as is, never square-rooted or linear): ``2**(i+1)`` midpoints per
+  decade; plus 0 and 1.
+
+Quantization is deterministic round-to-nearest: the code is the number of midpoints between
+neighbouring map entries that are ``<=`` the value (ties go up, as torchao's rule).
+
+Tiles: a matrix ``[R, C]`` (or each matrix of a ``[E, R, C]`` stack) is cut into 32x32 tiles;
+tiles at ragged edges are partial and their absmax covers their real elements only. A rank
+holding whole 32-row stripes of a matrix (``rows(32)`` granularity) holds whole tiles, so it
+quantizes its shard alone, bit for bit as one process would.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+__all__ = ["dynamic_map", "quantize", "dequantize", "tile_ids", "TILE"]
+
+TILE = 32
+
+
+@lru_cache(maxsize=4)
+def _map(signed: bool) -> tuple:
+    values = [0.0, 1.0]
+    for i in range(7):
+        n = 2 ** i if signed else 2 ** (i + 1)
+        edges = [0.1 + 0.9 * k / n for k in range(n + 1)]
+        means = [(a + b) / 2 * 10.0 ** (i - 6) for a, b in zip(edges, edges[1:])]
+        values += means
+        if signed:
+            values += [-x for x in means]
+    values.sort()
+    if len(values) != 256:
+        raise AssertionError(f"dynamic map has {len(values)} entries")
+    return tuple(values)
+
+
+def dynamic_map(signed: bool, device=None) -> torch.Tensor:
+    """The 256-entry fp32 code map.
+
+    Example:
+        >>> q = dynamic_map(True); (q.numel(), float(q.min()), float(q.max()))
+        (256, -0.992968738079071, 1.0)
+    """
+    return torch.tensor(_map(signed), dtype=torch.float32, device=device)
+
+
+def _midpoints(qmap: torch.Tensor) -> torch.Tensor:
+    return (qmap[1:] + qmap[:-1]) / 2
+
+
+def quantize(x: torch.Tensor, tiles: torch.Tensor, n_tiles: int, qmap: torch.Tensor):
+    """Codes (uint8) and per-tile absmax scales (fp32) of ``x`` (any shape, fp32).
+
+    Args:
+        x: Values.
+        tiles: Tile index of every element (same shape as ``x``, int64).
+        n_tiles: Number of tiles.
+        qmap: The code map.
+
+    Returns:
+        ``(codes, scales)``.
+    """
+    flat = x.reshape(-1)
+    scales = torch.zeros(n_tiles, dtype=torch.float32, device=x.device)
+    scales.scatter_reduce_(0, tiles.reshape(-1), flat.abs(), reduce="amax", include_self=True)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    y = flat / safe[tiles.reshape(-1)]
+    codes = torch.searchsorted(_midpoints(qmap), y, right=True).to(torch.uint8)
+    return codes.reshape(x.shape), scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, tiles: torch.Tensor,
+               qmap: torch.Tensor) -> torch.Tensor:
+    """``qmap[codes] * scales[tile]`` in fp32."""
+    return qmap[codes.long()] * scales[tiles]
+
+
+def tile_ids(shape: tuple, start: int, stop: int) -> tuple[torch.Tensor, int]:
+    """Tile index of every element of the flat range ``[start, stop)`` of a tensor of ``shape``.
+
+    The range must hold whole 32-row stripes of its matrices (the planner's ``rows(32)``), so
+    the tiles it touches are complete; indices are local (0 = first tile in the range).
+
+    Returns:
+        ``(ids, n_tiles)`` with ``ids`` of shape ``(stop - start,)``.
+
+    Raises:
+        ValueError: the range cuts a 32-row stripe.
+    """
+    cols = shape[-1]
+    rows = shape[-2]
+    col_tiles = math.ceil(cols / TILE)
+    row_tiles = math.ceil(rows / TILE)
+    if (start % cols) or (stop % cols):
+        raise ValueError(f"range [{start}, {stop}) cuts a row of {cols} elements")
+    r0, r1 = start // cols, stop // cols
+    if (r0 % rows) % TILE or ((r1 % rows) % TILE and r1 % rows != 0):
+        raise ValueError(f"range of rows [{r0}, {r1}) cuts a 32-row stripe")
+    g = torch.arange(r0, r1)
+    stripe = (g // rows) * row_tiles + (g % rows) // TILE  # global stripe index per row
+    first = int(stripe[0]) if len(stripe) else 0
+    col = torch.arange(cols) // TILE
+    ids = ((stripe - first)[:, None] * col_tiles + col[None, :]).reshape(-1)
+    n = (int(stripe[-1]) - first + 1) * col_tiles if len(stripe) else 0
+    return ids, n

@@ -60,9 +60,11 @@ def batch(data: torch.Tensor, step: int, rank: int, micro: int, args) -> tuple:
 
 
 def make_optimizer(args):
+    """AdamW (fp32 moments) or block-wise 8-bit AdamW; norms take no weight decay."""
     schedule = vfsdp.optim.warmup_cosine(args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
-    return vfsdp.optim.adamw(lr=schedule, betas=(0.9, 0.95), weight_decay=0.1,
-                             weight_decay_mask=lambda path: not str(path[-1]).endswith("norm"))
+    factory = {"adamw": vfsdp.optim.adamw, "adamw8bit": vfsdp.optim.adamw8bit}[args.optim]
+    return factory(lr=schedule, betas=(0.9, 0.95), weight_decay=0.1,
+                   weight_decay_mask=lambda path: not str(path[-1]).endswith("norm"))
 
 
 def train_step(shards, spec, opt, state, micro_batches, cfg: GPTConfig, gopts: dict):
@@ -101,9 +103,10 @@ def train(args) -> dict:
     cfg = config(args)
     mesh = (args.hsdp, world // args.hsdp) if args.hsdp > 1 else world
     param_dtype = DTYPES[args.param_dtype]
-    spec = vfsdp.plan(meta_params(cfg), mesh, comm_dtypes=[torch.bfloat16])
+    opt = make_optimizer(args)  # it declares the blocks it needs kept whole on one rank
+    spec = vfsdp.plan(meta_params(cfg), mesh, granularity=opt.granularity,
+                      comm_dtypes=[torch.bfloat16])
     shards = vfsdp.shard(meta_params(cfg), spec, init_fn=vfsdp.init.sharded(init_rule(cfg), args.seed))
-    opt = make_optimizer(args)
     state = opt.init(shards, spec)
     data = corpus(args.data)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
@@ -137,7 +140,7 @@ def reference(args, world: int) -> list:
     """The same model, data and optimizer math on one process (the global batch of all ranks)."""
     cfg = config(args)
     params = vfsdp.init.full_tree(init_rule(cfg), meta_params(cfg), args.seed)
-    spec = vfsdp.plan(params, 1)
+    spec = vfsdp.plan(params, 1, granularity=make_optimizer(args).granularity)
     shards_like = params  # plain tensors; the optimizer runs over one-rank flat buffers below
     losses = []
 
@@ -201,7 +204,7 @@ def parse(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--hsdp", type=int, default=1, help="replicate dim of a (replicate, shard) mesh")
-    ap.add_argument("--optim", choices=["adamw"], default="adamw")
+    ap.add_argument("--optim", choices=["adamw", "adamw8bit"], default="adamw")
     ap.add_argument("--data", help="a text file to train on (default: Python's help topics)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/train_gpt.json", help="where to save the loss curve")

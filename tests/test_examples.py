@@ -32,3 +32,12 @@ def test_train_gpt_smallest_config_matches_single_process(tmp_path):
                "--layers", "1", "--experts", "3", "--simulate", "--param-dtype", "bf16",
                "--out", str(tmp_path / "moe.json"))
     assert out.returncode == 0, out.stderr
+
+
+def test_train_gpt_with_8bit_adamw(tmp_path):
+    out = _run("examples/train_gpt.py", "--world-size", "2", "--steps", "2", "--dim", "64",
+               "--layers", "1", "--optim", "adamw8bit", "--png", str(tmp_path / "l.png"),
+               "--out", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stderr
+    gap = float(out.stdout.split("single-process loss| = ")[1].split(";")[0])
+    assert gap < 1e-4

@@ -38,13 +38,15 @@ class AdamWState:
     exp_avg: dict
     exp_avg_sq: dict
     decay_runs: dict = field(default_factory=dict)  # unit -> [(lo, hi)] ranges that decay
+    update_runs: dict = field(default_factory=dict)  # unit -> [(lo, hi)] ranges it updates
 
 
-def _decay_runs(db: DBuffer, mask: Optional[Callable[[tuple], bool]]) -> list:
-    """Flat ranges of this rank's shard whose tensors take weight decay (merged runs)."""
+def _decay_runs(db: DBuffer, mask: Optional[Callable[[tuple], bool]],
+                also: Optional[Callable[[tuple], bool]] = None) -> list:
+    """Flat ranges of this rank's shard whose tensors pass ``mask`` (and ``also``), merged."""
     runs: list = []
     for k, t in enumerate(db.tensors):
-        if mask is not None and not mask(t.path):
+        if (mask is not None and not mask(t.path)) or (also is not None and not also(t.path)):
             continue
         lo, hi = t.shard_range(db.rank)
         if hi <= lo:
@@ -91,13 +93,15 @@ def adamw(
         raise ValueError("lr, eps and weight_decay must be >= 0")
     schedule = as_schedule(lr)
 
-    def init(shards: Any, spec: ShardSpec) -> AdamWState:
+    def init(shards: Any, spec: ShardSpec, mask: Optional[Callable[[tuple], bool]] = None) -> AdamWState:
         units = unit_buffers(shards, spec, "adamw.init")
         state = AdamWState(0, {}, {})
         for u in units:
             state.exp_avg[u.key] = u.db.like(torch.float32, role="exp_avg")
             state.exp_avg_sq[u.key] = u.db.like(torch.float32, role="exp_avg_sq")
-            state.decay_runs[u.key] = _decay_runs(u.db, weight_decay_mask)
+            state.decay_runs[u.key] = _decay_runs(u.db, weight_decay_mask, mask)
+            state.update_runs[u.key] = ([(0, u.db.shard.numel())] if mask is None
+                                        else _decay_runs(u.db, mask))
         return state
 
     def update(grads: Any, state: AdamWState, shards: Any, spec: ShardSpec) -> AdamWState:
@@ -116,8 +120,7 @@ def adamw(
                         p[lo:hi].mul_(1 - rate * weight_decay)
                 # Element-wise, so slices give the same bits; they bound the temporary
                 # (the denominator) to CHUNK elements instead of a whole unit.
-                for lo in range(0, p.numel(), CHUNK):
-                    hi = min(lo + CHUNK, p.numel())
+                for lo, hi in (c for run in state.update_runs[u.key] for c in _chunks(*run)):
                     gs, ms, vs = g[lo:hi], m[lo:hi], v[lo:hi]
                     ms.lerp_(gs, 1 - b1)
                     vs.mul_(b2).addcmul_(gs, gs, value=1 - b2)
@@ -126,3 +129,8 @@ def adamw(
         return state
 
     return Optimizer(init, update)
+
+
+def _chunks(lo: int, hi: int):
+    for start in range(lo, hi, CHUNK):
+        yield start, min(start + CHUNK, hi)

@@ -1,0 +1,96 @@
+"""Distributed Muon: bitwise equal to one process, Newton-Schulz once per matrix, one root plan."""
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+
+import vfsdp
+from vfsdp.optim.muon import NS_CALLS, plan_roots
+from vfsdp.testing import simulate, spawn
+
+
+def _params():
+    g = torch.Generator().manual_seed(1)
+    return {"embed": torch.randn(50, 24, generator=g),
+            "layers": [{"wq": torch.randn(24, 24, generator=g), "w_up": torch.randn(24, 40, generator=g),
+                        "w_down": torch.randn(40, 24, generator=g), "norm": torch.ones(24)}
+                       for _ in range(3)]}
+
+
+def _is_matrix(path):
+    return path[0] == "layers" and str(path[-1]).startswith("w")
+
+
+def _opt():
+    return vfsdp.optim.partition(
+        {"muon": vfsdp.optim.muon(lr=0.02, weight_decay=0.01, wave_size=3),
+         "adamw": vfsdp.optim.adamw(lr=1e-3)},
+        lambda path: "muon" if _is_matrix(path) else "adamw")
+
+
+def _train(mesh_shape=None, steps=3):
+    world = dist.get_world_size()
+    params = _params()
+    spec = vfsdp.plan(params, mesh_shape or world)
+    shards = vfsdp.shard(params, spec)
+    opt = _opt()
+    state = opt.init(shards, spec)
+    NS_CALLS.count = 0
+    rank = dist.get_rank() % spec.world_size
+    for step in range(1, steps + 1):
+        g = torch.Generator().manual_seed(50 + step)
+        full_g = optree.tree_map(lambda t: torch.randn(t.shape, generator=g), params)
+        local = optree.tree_map(lambda t, s: t.reshape(-1)[slice(*s.local_range(rank))],
+                                full_g, spec.tree)
+        state = opt.update(local, state, shards, spec)
+    full = vfsdp.gather(shards, spec)
+    roots = [m.root for m in state["muon"].matrices]
+    return [t.detach().reshape(-1).tolist() for t in optree.tree_leaves(full)], NS_CALLS.count, roots
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_muon_bitwise_equals_one_process_and_ns_once(world):
+    one, ns_one, _ = simulate(1, _train)[0]
+    results = simulate(world, _train)
+    n_matrices = 9
+    assert ns_one == 3 * n_matrices
+    assert sum(r[1] for r in results) == 3 * n_matrices  # once per matrix per step, all ranks
+    assert all(r[2] == results[0][2] for r in results)   # one root plan everywhere
+    for params, _, _ in results:
+        assert params == one
+    if world == 8:  # with 8 ranks some hold nothing of some matrices
+        spec = vfsdp.plan(_params(), world)
+        assert any(len(t.ranks()) < world for t in spec.tensors())
+
+
+def test_muon_on_gloo_and_hsdp():
+    one = simulate(1, _train)[0][0]
+    assert all(r[0] == one for r in spawn(_train, 2))
+    assert all(r[0] == one for r in simulate(4, _train, (2, 2)))
+
+
+def test_root_plan_is_balanced_lpt():
+    params = {"layers": [{"a": torch.empty(64, 64, device="meta"), "b": torch.empty(64, 256, device="meta")}
+                         for _ in range(16)]}
+    spec = vfsdp.plan(params, 8)
+    mats = [t for t in spec.tensors()]
+    roots = plan_roots(mats, 8)
+    load = [0] * 8
+    for t, r in zip(mats, roots):
+        load[r] += t.shape[0] * t.shape[1] * min(t.shape)
+    assert max(load) / (sum(load) / 8) <= 1.10
+    assert roots == plan_roots(mats, 8)
+
+
+def test_partition_labels_must_exist():
+    def body():
+        params = _params()
+        spec = vfsdp.plan(params, 1)
+        opt = vfsdp.optim.partition({"muon": vfsdp.optim.muon()}, lambda p: "other")
+        try:
+            opt.init(vfsdp.shard(params, spec), spec)
+        except ValueError as exc:
+            return str(exc)
+
+    assert "labelled 'other'" in simulate(1, body)[0]

@@ -60,11 +60,21 @@ def batch(data: torch.Tensor, step: int, rank: int, micro: int, args) -> tuple:
 
 
 def make_optimizer(args):
-    """AdamW (fp32 moments) or block-wise 8-bit AdamW; norms take no weight decay."""
+    """AdamW, block-wise 8-bit AdamW, or Muon for the layers' matrices with AdamW for the rest.
+
+    Norms take no weight decay. Muon uses Moonlight's update scale, so one learning rate
+    suits both of its halves.
+    """
     schedule = vfsdp.optim.warmup_cosine(args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
+    no_norm = lambda path: not str(path[-1]).endswith("norm")  # noqa: E731
+    if args.optim == "muon":
+        return vfsdp.optim.partition(
+            {"muon": vfsdp.optim.muon(lr=schedule, weight_decay=0.1, scale="moonlight"),
+             "adamw": vfsdp.optim.adamw(lr=schedule, betas=(0.9, 0.95), weight_decay=0.1,
+                                        weight_decay_mask=no_norm)},
+            lambda path: "muon" if path[0] == "layers" and str(path[-1]).startswith("w") else "adamw")
     factory = {"adamw": vfsdp.optim.adamw, "adamw8bit": vfsdp.optim.adamw8bit}[args.optim]
-    return factory(lr=schedule, betas=(0.9, 0.95), weight_decay=0.1,
-                   weight_decay_mask=lambda path: not str(path[-1]).endswith("norm"))
+    return factory(lr=schedule, betas=(0.9, 0.95), weight_decay=0.1, weight_decay_mask=no_norm)
 
 
 def train_step(shards, spec, opt, state, micro_batches, cfg: GPTConfig, gopts: dict):
@@ -204,7 +214,7 @@ def parse(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--hsdp", type=int, default=1, help="replicate dim of a (replicate, shard) mesh")
-    ap.add_argument("--optim", choices=["adamw", "adamw8bit"], default="adamw")
+    ap.add_argument("--optim", choices=["adamw", "adamw8bit", "muon"], default="adamw")
     ap.add_argument("--data", help="a text file to train on (default: Python's help topics)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/train_gpt.json", help="where to save the loss curve")

@@ -41,3 +41,12 @@ def test_train_gpt_with_8bit_adamw(tmp_path):
     assert out.returncode == 0, out.stderr
     gap = float(out.stdout.split("single-process loss| = ")[1].split(";")[0])
     assert gap < 1e-4
+
+
+def test_train_gpt_with_muon(tmp_path):
+    out = _run("examples/train_gpt.py", "--world-size", "3", "--steps", "2", "--dim", "64",
+               "--layers", "2", "--optim", "muon", "--png", str(tmp_path / "l.png"),
+               "--out", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stderr
+    gap = float(out.stdout.split("single-process loss| = ")[1].split(";")[0])
+    assert gap < 1e-4

@@ -332,12 +332,15 @@ class DBuffer:
         """
         if self._pending is not None:
             self._pending.wait()
+        if _OWNERS.get(self.shard.untyped_storage().data_ptr()) is self:
+            del _OWNERS[self.shard.untyped_storage().data_ptr()]  # the address may be reused
         self.shard.untyped_storage().resize_(0)
 
     def ensure_shard(self, zero: bool = True) -> torch.Tensor:
         """Re-allocate a released shard (zero-filled unless ``zero=False``); return it."""
         if not self.shard_allocated:
             self.shard.untyped_storage().resize_(self.shard.numel() * self.shard.element_size())
+            _OWNERS[self.shard.untyped_storage().data_ptr()] = self
             if zero:
                 with torch.no_grad():
                     self.shard.zero_()

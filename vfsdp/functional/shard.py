@@ -139,7 +139,7 @@ def dbuffers(tree: Any, spec: ShardSpec) -> dict:
     for key, members in group_by_unit(spec).items():
         for i, _ in members:
             db = owner_of(leaves[i]) if isinstance(leaves[i], torch.Tensor) else None
-            if db is not None and db.key == key:
+            if db is not None and db.key == key and db.role.startswith("param"):
                 out[key] = db
                 break
     return out

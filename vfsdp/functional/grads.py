@@ -8,11 +8,9 @@ import optree
 import torch
 
 from vfsdp.functional.gather import wait_reductions
-from vfsdp.functional.shard import dbuffers
-from vfsdp.functional.tree import group_by_unit, match_tree
-from vfsdp.planner.granularity import format_path
+from vfsdp.functional.shard import dbuffers, unit_buffers
+from vfsdp.functional.tree import match_tree
 from vfsdp.planner.spec import ShardSpec
-from vfsdp.planner.spec import unit_name
 
 __all__ = ["grads", "zero_grads"]
 
@@ -31,19 +29,13 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
         >>> loss.backward(); g = vfsdp.grads(shards, spec)   # doctest: +SKIP
     """
     leaves = match_tree(shards, spec, "vfsdp.grads")
-    dbs = dbuffers(shards, spec)
     wait_reductions()
     out = list(leaves)
-    for key, members in group_by_unit(spec).items():
-        db = dbs.get(key)
-        if db is None:
-            raise ValueError(f"vfsdp.grads: the shards of unit {unit_name(key)} (e.g. "
-                             f"{format_path(members[0][1].path)}) are not views into a DBuffer; "
-                             f"pass the tree returned by vfsdp.shard")
-        gdb = db.grad_buffer()
+    for u in unit_buffers(shards, spec, "vfsdp.grads"):
+        gdb = u.db.grad_buffer()
         gdb.ensure_shard()
-        for i, t in members:
-            out[i] = gdb.local(db.index(t.path))
+        for i, k in u.leaves:
+            out[i] = gdb.local(k)
     return optree.tree_unflatten(spec.treespec, out)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
+import optree
 import torch
 
 from vfsdp.collectives.dbuffer import DBuffer, global_owner
@@ -145,8 +146,6 @@ def run_layers(
 
 
 def _gathered_buffers(full: Any) -> list[DBuffer]:
-    import optree
-
     seen: dict[int, DBuffer] = {}
     for t in optree.tree_leaves(full):
         if isinstance(t, torch.Tensor):

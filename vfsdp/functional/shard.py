@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Optional
 
 import optree
 import torch
@@ -12,9 +13,9 @@ from vfsdp.collectives.dbuffer import DBuffer, owner_of
 from vfsdp.collectives.groups import resolve_groups
 from vfsdp.functional.tree import group_by_unit, match_tree
 from vfsdp.planner.granularity import format_path
-from vfsdp.planner.spec import ShardSpec, TensorSpec
+from vfsdp.planner.spec import ShardSpec, TensorSpec, unit_name
 
-__all__ = ["shard", "release", "dbuffers"]
+__all__ = ["shard", "release", "dbuffers", "unit_buffers", "UnitTensors"]
 
 InitFn = Callable[[tuple, torch.Tensor, TensorSpec], Optional[torch.Tensor]]
 
@@ -142,6 +143,33 @@ def dbuffers(tree: Any, spec: ShardSpec) -> dict:
             if db is not None and db.key == key and db.role.startswith("param"):
                 out[key] = db
                 break
+    return out
+
+
+@dataclass(frozen=True)
+class UnitTensors:
+    """One unit's parameter DBuffer and, for each tensor, its path and buffer index."""
+
+    key: Hashable
+    db: DBuffer
+    leaves: tuple  # (leaf index in the spec, buffer index)
+
+
+def unit_buffers(shards: Any, spec: ShardSpec, what: str) -> list[UnitTensors]:
+    """The parameter DBuffer of every unit of ``shards``.
+
+    Raises:
+        ValueError: a unit's shards are not views into a DBuffer (pass ``vfsdp.shard``'s tree).
+    """
+    dbs = dbuffers(shards, spec)
+    out = []
+    for key, members in group_by_unit(spec).items():
+        db = dbs.get(key)
+        if db is None:
+            raise ValueError(f"{what}: the shards of unit {unit_name(key)} (e.g. "
+                             f"{format_path(members[0][1].path)}) are not views into a DBuffer; "
+                             f"pass the tree returned by vfsdp.shard")
+        out.append(UnitTensors(key, db, tuple((i, db.index(t.path)) for i, t in members)))
     return out
 
 

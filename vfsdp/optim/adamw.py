@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from vfsdp.collectives.dbuffer import DBuffer
-from vfsdp.optim.base import Optimizer, Schedule, as_schedule, flat_grads, unit_buffers
+from vfsdp.optim.base import Optimizer, Schedule, as_schedule, flat_grads, grad_leaves, unit_buffers
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["adamw", "AdamWState", "CHUNK"]
@@ -110,9 +110,10 @@ def adamw(
         rate = schedule(step)
         bc1 = 1 - b1 ** step
         bc2_sqrt = math.sqrt(1 - b2 ** step)
+        leaves = grad_leaves(grads, spec, "adamw.update")
         with torch.no_grad():
             for u in unit_buffers(shards, spec, "adamw.update"):
-                g = flat_grads(grads, spec, u, "adamw.update")
+                g = flat_grads(leaves, u, "adamw.update")
                 p = u.db.shard
                 m, v = state.exp_avg[u.key].shard, state.exp_avg_sq[u.key].shard
                 if weight_decay:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from vfsdp.optim.adamw import _decay_runs
-from vfsdp.optim.base import Optimizer, Schedule, as_schedule, flat_grads, unit_buffers
+from vfsdp.optim.base import Optimizer, Schedule, as_schedule, flat_grads, grad_leaves, unit_buffers
 from vfsdp.optim.quant import TILE, dequantize, dynamic_map, quantize, tile_ids
 from vfsdp.planner.granularity import format_path, rows
 from vfsdp.planner.spec import ShardSpec
@@ -146,9 +146,10 @@ def adamw8bit(
         step = state.step
         rate = schedule(step)
         bc1, bc2_sqrt = 1 - b1 ** step, math.sqrt(1 - b2 ** step)
+        leaves = grad_leaves(grads, spec, "adamw8bit.update")
         with torch.no_grad():
             for u in unit_buffers(shards, spec, "adamw8bit.update"):
-                g = flat_grads(grads, spec, u, "adamw8bit.update")
+                g = flat_grads(leaves, u, "adamw8bit.update")
                 p = u.db.shard
                 if weight_decay:
                     for lo, hi in state.decay_runs[u.key]:

@@ -8,19 +8,19 @@ which blocks it needs intact (``None``: any).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Hashable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Union
 
 import torch
 
-from vfsdp.collectives.dbuffer import DBuffer, owner_of
+from vfsdp.collectives.dbuffer import owner_of
 from vfsdp.functional.gather import wait_reductions
-from vfsdp.functional.shard import dbuffers
-from vfsdp.functional.tree import group_by_unit, match_tree
+from vfsdp.functional.shard import UnitTensors, unit_buffers
+from vfsdp.functional.tree import match_tree
 from vfsdp.planner.granularity import format_path
-from vfsdp.planner.spec import ShardSpec, unit_name
+from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["Optimizer", "Schedule", "as_schedule", "unit_buffers", "flat_grads", "UnitTensors"]
+__all__ = ["Optimizer", "Schedule", "as_schedule", "unit_buffers", "grad_leaves", "flat_grads",
+           "UnitTensors"]
 
 Schedule = Union[float, Callable[[int], float]]
 
@@ -40,41 +40,19 @@ def as_schedule(value: Schedule) -> Callable[[int], float]:
     return lambda step: float(value)
 
 
-@dataclass(frozen=True)
-class UnitTensors:
-    """One unit's parameter DBuffer and, for each tensor, its path and buffer index."""
-
-    key: Hashable
-    db: DBuffer
-    leaves: tuple  # (leaf index in the spec, buffer index)
+def grad_leaves(grads: Any, spec: ShardSpec, what: str) -> list:
+    """The gradient tree's leaves in spec order (once per update), after pending reductions."""
+    wait_reductions()
+    return match_tree(grads, spec, what)
 
 
-def unit_buffers(shards: Any, spec: ShardSpec, what: str) -> list[UnitTensors]:
-    """The parameter DBuffer of every unit of ``shards``.
-
-    Raises:
-        ValueError: a unit's shards are not views into a DBuffer (pass ``vfsdp.shard``'s tree).
-    """
-    dbs = dbuffers(shards, spec)
-    out = []
-    for key, members in group_by_unit(spec).items():
-        db = dbs.get(key)
-        if db is None:
-            raise ValueError(f"{what}: the shards of unit {unit_name(key)} (e.g. "
-                             f"{format_path(members[0][1].path)}) are not views into a DBuffer; "
-                             f"pass the tree returned by vfsdp.shard")
-        out.append(UnitTensors(key, db, tuple((i, db.index(t.path)) for i, t in members)))
-    return out
-
-
-def flat_grads(grads: Any, spec: ShardSpec, unit: UnitTensors, what: str) -> torch.Tensor:
+def flat_grads(leaves: list, unit: UnitTensors, what: str) -> torch.Tensor:
     """The unit's gradient as one flat ``S``-element tensor in the parameter layout.
 
-    Zero-copy when ``grads`` are the gradient DBuffer's views (``vfsdp.grads``); otherwise the
-    pieces are copied (one contiguous copy per tensor) into a zeroed flat tensor.
+    ``leaves`` come from :func:`grad_leaves`. Zero-copy when they are the gradient DBuffer's
+    views (``vfsdp.grads``); otherwise the pieces are copied (one contiguous copy per tensor)
+    into a zeroed flat tensor.
     """
-    wait_reductions()
-    leaves = match_tree(grads, spec, what) if not isinstance(grads, list) else grads
     gdb = unit.db.grad_buffer()
     if all(owner_of(leaves[i]) is gdb and gdb.is_local_view(k, leaves[i]) for i, k in unit.leaves):
         return gdb.shard
@@ -90,7 +68,3 @@ def flat_grads(grads: Any, spec: ShardSpec, unit: UnitTensors, what: str) -> tor
                              f"elements, this rank's shard has {hi - lo}")
         flat[lo:hi].copy_(g.reshape(-1))
     return flat
-
-
-def maybe_schedule(step: int, value: Optional[Schedule]) -> Optional[float]:
-    return None if value is None else as_schedule(value)(step)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from vfsdp.optim.base import Optimizer, Schedule, as_schedule, flat_grads, unit_buffers
+from vfsdp.optim.base import Optimizer, Schedule, as_schedule, flat_grads, grad_leaves, unit_buffers
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["muon", "plan_roots", "newton_schulz", "MuonState", "NS_CALLS"]
@@ -154,10 +154,11 @@ def muon(
         units = {u.key: u for u in unit_buffers(shards, spec, "muon.update")}
         group = units[next(iter(units))].db.groups.shard if units else None
         rank = dist.get_rank(group)
+        leaves = grad_leaves(grads, spec, "muon.update")
         with torch.no_grad():
             upd: dict = {}
             for key, u in units.items():
-                g = flat_grads(grads, spec, u, "muon.update")
+                g = flat_grads(leaves, u, "muon.update")
                 buf = state.momentum[key].shard
                 for m in state.matrices:
                     if m.key != key or m.hi <= m.lo:

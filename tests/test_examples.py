@@ -20,14 +20,18 @@ def test_gather_demo_simulated_and_spawned():
     assert out.returncode == 0, out.stderr
 
 
-def test_train_gpt_smallest_config_matches_single_process(tmp_path):
-    out = _run("examples/train_gpt.py", "--world-size", "2", "--steps", "3", "--dim", "32",
-               "--layers", "2", "--ffn", "64", "--png", str(tmp_path / "loss.png"),
+def _train_gpt_vs_one_process(tmp_path, *args):
+    """Run the example with --png; return its max |loss - single-process loss|."""
+    out = _run("examples/train_gpt.py", *args, "--png", str(tmp_path / "loss.png"),
                "--out", str(tmp_path / "run.json"))
     assert out.returncode == 0, out.stderr
     assert "loss curve saved" in out.stdout and (tmp_path / "loss.png").exists()
-    gap = float(out.stdout.split("single-process loss| = ")[1].split(";")[0])
-    assert gap < 1e-5
+    return float(out.stdout.split("single-process loss| = ")[1].split(";")[0])
+
+
+def test_train_gpt_smallest_config_matches_single_process(tmp_path):
+    assert _train_gpt_vs_one_process(tmp_path, "--world-size", "2", "--steps", "3", "--dim", "32",
+                                     "--layers", "2", "--ffn", "64") < 1e-5
     out = _run("examples/train_gpt.py", "--world-size", "2", "--steps", "2", "--dim", "32",
                "--layers", "1", "--experts", "3", "--simulate", "--param-dtype", "bf16",
                "--out", str(tmp_path / "moe.json"))
@@ -35,18 +39,10 @@ def test_train_gpt_smallest_config_matches_single_process(tmp_path):
 
 
 def test_train_gpt_with_8bit_adamw(tmp_path):
-    out = _run("examples/train_gpt.py", "--world-size", "2", "--steps", "2", "--dim", "64",
-               "--layers", "1", "--optim", "adamw8bit", "--png", str(tmp_path / "l.png"),
-               "--out", str(tmp_path / "r.json"))
-    assert out.returncode == 0, out.stderr
-    gap = float(out.stdout.split("single-process loss| = ")[1].split(";")[0])
-    assert gap < 1e-4
+    assert _train_gpt_vs_one_process(tmp_path, "--world-size", "2", "--steps", "2", "--dim", "64",
+                                     "--layers", "1", "--optim", "adamw8bit") < 1e-4
 
 
 def test_train_gpt_with_muon(tmp_path):
-    out = _run("examples/train_gpt.py", "--world-size", "3", "--steps", "2", "--dim", "64",
-               "--layers", "2", "--optim", "muon", "--png", str(tmp_path / "l.png"),
-               "--out", str(tmp_path / "r.json"))
-    assert out.returncode == 0, out.stderr
-    gap = float(out.stdout.split("single-process loss| = ")[1].split(";")[0])
-    assert gap < 1e-4
+    assert _train_gpt_vs_one_process(tmp_path, "--world-size", "3", "--steps", "2", "--dim", "64",
+                                     "--layers", "2", "--optim", "muon") < 1e-4

@@ -30,7 +30,7 @@ def test_roundtrip_bitwise_zero_copy_sim(shapes, world, gran, seed):
     assert all(simulate(world, bodies.roundtrip, seed, shapes, gran))
 
 
-def _check_grads(results, shapes, world, op, seed=3, spec_world=None, mesh_shape=None):
+def _check_grads(results, shapes, world, op, seed=3, mesh_shape=None):
     params = bodies.make_params(seed, shapes)
     spec = vfsdp.plan(params, mesh_shape or world)
     ref = bodies.reference_gradients(seed, shapes, world, op)

@@ -299,7 +299,7 @@ def _resolve_unit(local: list, spec: ShardSpec, key: Hashable, idx: tuple, mesh,
     return db
 
 
-def _units(leaves, spec: ShardSpec):
+def _units(spec: ShardSpec):
     """For each unit: its key, the leaf indices present, and their buffer positions."""
     out = []
     for key, members in group_by_unit(spec).items():
@@ -319,7 +319,7 @@ def _pack_local(db: DBuffer, k: int, x, path, what: str) -> None:
 
 def _assemble(leaves, spec, mesh, opts: GradOptions, prefetched: dict, what: str) -> Any:
     out = list(leaves)
-    for key, leaf_idx, idx in _units(leaves, spec):
+    for key, leaf_idx, idx in _units(spec):
         unit = _UnitCall(spec, key, mesh, idx, what, opts)
         fulls = _GatherUnit.apply(unit, prefetched.get(key), *(leaves[i] for i in leaf_idx))
         for i, f in zip(leaf_idx, fulls):
@@ -397,7 +397,7 @@ def gather_async(shards: Any, spec: ShardSpec, *, mesh: Any = None, **options: A
     what = "vfsdp.gather_async"
     leaves = match_tree(shards, spec, what)
     prefetched, handles = {}, []
-    for key, leaf_idx, idx in _units(leaves, spec):
+    for key, leaf_idx, idx in _units(spec):
         local = [leaves[i] for i in leaf_idx]
         if all(owner_of(x) is not None for x in local):  # plain shards (not inside torch.func)
             db = _resolve_unit(local, spec, key, idx, mesh, what)
@@ -441,12 +441,12 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
     plans = []
     if shards is not None:
         leaves = match_tree(shards, spec, what)
-        for key, leaf_idx, idx in _units(leaves, spec):
+        for key, leaf_idx, idx in _units(spec):
             db = _resolve_unit([leaves[i] for i in leaf_idx], spec, key, idx, mesh, what)
             plans.append((key, db, tuple(zip(leaf_idx, idx))))
     else:
         groups = resolve_groups(spec, mesh)
-        for key, leaf_idx, idx in _units(spec.leaves(), spec):
+        for key, leaf_idx, idx in _units(spec):
             plans.append((key, _packing_dbuffer(spec, key, groups), tuple(zip(leaf_idx, idx))))
     out: list = list(grads)
     for key, db, pairs in plans:

@@ -99,7 +99,7 @@ def sharded(init_rule: Rule, seed: int = 0) -> Callable:
     """
 
     def init_fn(path, local, tspec) -> None:
-        lo, hi = tspec.local_range(local_rank(tspec, local))
+        lo, hi = tspec.local_range(local_rank(local))
         kind = init_rule(tuple(path), tuple(tspec.shape))
         values = _values(kind, tuple(path), lo, hi, tspec.numel, seed, local.dtype)
         local.view(-1).copy_(values.to(local.device))
@@ -107,7 +107,7 @@ def sharded(init_rule: Rule, seed: int = 0) -> Callable:
     return init_fn
 
 
-def local_rank(tspec, local: torch.Tensor) -> int:
+def local_rank(local: torch.Tensor) -> int:
     """This rank's index in the shard group (from the DBuffer the piece belongs to)."""
     from vfsdp.collectives.dbuffer import owner_of
 

@@ -17,6 +17,7 @@ from vfsdp.functional.gather import wait_reductions
 from vfsdp.functional.shard import UnitTensors, unit_buffers
 from vfsdp.functional.tree import match_tree
 from vfsdp.planner.granularity import format_path
+from vfsdp.optim.schedules import constant
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["Optimizer", "Schedule", "as_schedule", "unit_buffers", "grad_leaves", "flat_grads",
@@ -35,9 +36,7 @@ class Optimizer(NamedTuple):
 
 def as_schedule(value: Schedule) -> Callable[[int], float]:
     """A learning-rate schedule: a plain callable of the (1-based) step, or a constant."""
-    if callable(value):
-        return value
-    return lambda step: float(value)
+    return value if callable(value) else constant(float(value))
 
 
 def grad_leaves(grads: Any, spec: ShardSpec, what: str) -> list:

@@ -71,7 +71,11 @@ def load_shapes(
         >>> tree["layers"][0]["w"].shape
         (4, 4)
     """
-    data = source if isinstance(source, dict) else json.loads(open(source).read())
+    if isinstance(source, dict):
+        data = source
+    else:
+        with open(source) as f:
+            data = json.load(f)
     entries: Sequence = data.get("params") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"{source!r}: expected a JSON object with a 'params' list")

@@ -313,7 +313,7 @@ def _strategies(numels: Sequence[int], blocks: Sequence[int]) -> list[tuple[str,
     return out
 
 
-def _try(name, order, numels, blocks, s, m):
+def _try(order, numels, blocks, s, m):
     if order is None:
         return _search(numels, blocks, s, m, max(SEARCH_BUDGET, 4 * len(numels)))
     offsets = place_in_order(order, numels, blocks, s, m)
@@ -380,7 +380,7 @@ def _pack_cached(
     best = None
     for s in candidates:
         for name, order in fixed:
-            found = _try(name, order, numels, eff, s, m)
+            found = _try(order, numels, eff, s, m)
             if found is not None:
                 best = (name, found, s)
                 break
@@ -401,7 +401,7 @@ def _pack_cached(
         for target in (lb, bound.next_admissible(lb + 5 * slack)):
             if target >= best[2]:
                 break
-            found = _try("search", None, numels, eff, target, m)
+            found = _try(None, numels, eff, target, m)
             if found is not None:
                 best = ("search", found, target)
                 break
@@ -424,11 +424,11 @@ def _bisect(name, order, numels, eff, m, align, bound, lo, hi, max_probes=64):
     found = None
     if hi is None:  # exponential search on the increment above lo, then bisect
         hi, step = lo, align
-        found = _try(name, order, numels, eff, hi, m)
+        found = _try(order, numels, eff, hi, m)
         while found is None:
             lo, hi = hi, bound.next_admissible(hi + step)
             step *= 2
-            found = _try(name, order, numels, eff, hi, m)
+            found = _try(order, numels, eff, hi, m)
     best_s = hi
     for _ in range(max_probes):
         if best_s - lo <= align:
@@ -436,7 +436,7 @@ def _bisect(name, order, numels, eff, m, align, bound, lo, hi, max_probes=64):
         cand = bound.next_admissible((lo + best_s) // 2)
         if cand >= best_s:
             break
-        attempt = _try(name, order, numels, eff, cand, m)
+        attempt = _try(order, numels, eff, cand, m)
         if attempt is None:
             lo = cand
         else:

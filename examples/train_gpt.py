@@ -9,6 +9,8 @@ AdamW on the flat shards.
     python examples/train_gpt.py                       # 4 gloo processes, the embedded corpus
     python examples/train_gpt.py --world-size 2 --steps 40 --png loss.png   # vs one process
     python examples/train_gpt.py --data my.txt --param-dtype bf16 --hsdp 2
+    python examples/train_gpt.py --ckpt runs/ckpt --save-every 50       # checkpoints
+    python examples/train_gpt.py --world-size 2 --resume runs/ckpt/step-50   # on 2 ranks
     torchrun --nproc-per-node 8 examples/train_gpt.py  # gloo on CPU, NCCL on GPUs
 
 The default corpus is the text of Python's own help topics (``pydoc_data``), so nothing is
@@ -118,6 +120,14 @@ def train(args) -> dict:
                       comm_dtypes=[torch.bfloat16])
     shards = vfsdp.shard(meta_params(cfg), spec, init_fn=vfsdp.init.sharded(init_rule(cfg), args.seed))
     state = opt.init(shards, spec)
+    first = 1
+    if args.resume:  # any world size, mesh or optimizer plan: the checkpoint reshards
+        tree = vfsdp.checkpoint.load(args.resume, {"params": shards, "opt": state, "step": 0},
+                                     spec)
+        state, first = tree["opt"], tree["step"] + 1
+        if rank == 0:
+            print(f"resumed from {args.resume} at step {tree['step']}", file=sys.stderr)
+    pending = None
     data = corpus(args.data)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
@@ -125,7 +135,7 @@ def train(args) -> dict:
 
     losses, probe, t_start = [], GatheredProbe(), time.perf_counter()
     tokens_per_step = world * args.batch * args.seq * args.accumulate
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         micro_batches = [tuple(t.to(device) for t in batch(data, step, rank, micro, args))
                          for micro in range(args.accumulate)]
         with probe:
@@ -136,14 +146,22 @@ def train(args) -> dict:
             elapsed = time.perf_counter() - t_start
             done = int(30 * step / args.steps)
             print(f"\r[{'#' * done}{'.' * (30 - done)}] step {step}/{args.steps} loss "
-                  f"{losses[-1]:.4f} |g| {float(norm):.3f} {tokens_per_step * step / elapsed:,.0f} tok/s",
+                  f"{losses[-1]:.4f} |g| {float(norm):.3f} "
+                  f"{tokens_per_step * (step - first + 1) / elapsed:,.0f} tok/s",
                   end="", file=sys.stderr, flush=True)
+        if args.ckpt and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+            # each rank writes its own shards; async: copied now, written while training goes on
+            pending = vfsdp.checkpoint.save(os.path.join(args.ckpt, f"step-{step}"),
+                                            {"params": shards, "opt": state, "step": step}, spec,
+                                            overwrite=True, async_save=args.async_save)
+    if pending is not None:
+        pending.wait()
     if rank == 0:
         print(file=sys.stderr)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"losses": losses, "rank": rank, "peak_gathered_mib": probe.peak_bytes / 2**20,
             "peak_rss_mib": rss, "seconds": time.perf_counter() - t_start,
-            "tokens": tokens_per_step * args.steps}
+            "tokens": tokens_per_step * (args.steps - first + 1)}
 
 
 def reference(args, world: int) -> list:
@@ -186,7 +204,8 @@ def plot(path: str, losses: list, ref: list | None) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(range(1, len(losses) + 1), losses, label="vfsdp (sharded)")
+    first = len(ref) - len(losses) + 1 if ref is not None else 1  # a resumed run starts later
+    ax.plot(range(first, first + len(losses)), losses, label="vfsdp (sharded)")
     if ref is not None:
         ax.plot(range(1, len(ref) + 1), ref, "--", label="single process")
     ax.set_xlabel("step")
@@ -219,6 +238,10 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/train_gpt.json", help="where to save the loss curve")
     ap.add_argument("--png", help="plot the loss curve against a single-process run")
+    ap.add_argument("--ckpt", help="save checkpoints to CKPT/step-N (at the end, and see --save-every)")
+    ap.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
+    ap.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    ap.add_argument("--resume", help="a checkpoint directory to continue from (any world size)")
     args = ap.parse_args(argv)
     if args.world_size % args.hsdp:
         ap.error(f"--hsdp {args.hsdp} must divide --world-size {args.world_size}")
@@ -244,6 +267,9 @@ def main(argv=None) -> int:
     for r in results:
         print(f"rank {r['rank']}: peak RSS {r['peak_rss_mib']:.0f} MiB, peak gathered parameters "
               f"{r['peak_gathered_mib']:.2f} MiB, {r['tokens'] / r['seconds']:,.0f} tok/s")
+    if not losses:
+        print(f"nothing to do: the checkpoint is at or past step {args.steps}")
+        return 0
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     ref = reference(args, world) if args.png else None
     if args.out:
@@ -253,7 +279,7 @@ def main(argv=None) -> int:
         print(f"loss curve saved to {args.out}")
     if args.png:
         plot(args.png, losses, ref)
-        gap = max(abs(a - b) for a, b in zip(losses, ref))
+        gap = max(abs(a - b) for a, b in zip(losses, ref[len(ref) - len(losses):]))
         print(f"max |loss - single-process loss| = {gap:.2e}; plot saved to {args.png}")
     return 0
 

@@ -46,3 +46,24 @@ def test_train_gpt_with_8bit_adamw(tmp_path):
 def test_train_gpt_with_muon(tmp_path):
     assert _train_gpt_vs_one_process(tmp_path, "--world-size", "3", "--steps", "2", "--dim", "64",
                                      "--layers", "2", "--optim", "muon") < 1e-4
+
+
+def test_train_gpt_checkpoints_and_resumes_on_another_world_size(tmp_path):
+    """Save at step 3 on 2 ranks, resume on 3 ranks: the same losses as running straight."""
+    small = ["--steps", "5", "--dim", "32", "--layers", "2", "--ffn", "64", "--batch", "6"]
+    ckpt = str(tmp_path / "ckpt")
+
+    def losses(*extra):
+        out = _run("examples/train_gpt.py", *small, *extra, "--simulate",
+                   "--out", str(tmp_path / "run.json"))
+        assert out.returncode == 0, out.stderr
+        import json
+        with open(tmp_path / "run.json") as f:
+            return json.load(f)["losses"]
+
+    straight = losses("--world-size", "2", "--ckpt", ckpt, "--save-every", "3", "--async-save")
+    assert sorted(os.listdir(ckpt)) == ["step-3", "step-5"]
+    resumed = losses("--world-size", "2", "--resume", os.path.join(ckpt, "step-3"))
+    assert resumed == straight[3:]
+    other = losses("--world-size", "3", "--resume", os.path.join(ckpt, "step-3"), "--batch", "4")
+    assert len(other) == 2

@@ -5,6 +5,8 @@ The public API, re-exported from its subpackages.
 
 from vfsdp.functional import (
     dbuffers,
+    dtensor_placement,
+    from_dtensor,
     gather,
     gather_async,
     grads,
@@ -12,6 +14,7 @@ from vfsdp.functional import (
     release,
     run_layers,
     shard,
+    to_dtensor,
     zero_grads,
 )
 from vfsdp.placements import RaggedShard, Replicate, assemble_reference, split_reference
@@ -32,11 +35,16 @@ from vfsdp import optim  # noqa: E402  (a namespace: vfsdp.optim.adamw, ...)
 from vfsdp.functional import init  # noqa: E402  (a namespace: vfsdp.init.normal, ...)
 from vfsdp.optim import clip_grad_norm  # noqa: E402
 from vfsdp import testing  # noqa: E402  (vfsdp.testing.simulate, spawn, probes)
+from vfsdp import checkpoint  # noqa: E402  (vfsdp.checkpoint.save, load, ...)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "checkpoint",
     "clip_grad_norm",
+    "dtensor_placement",
+    "from_dtensor",
+    "to_dtensor",
     "optim",
     "init",
     "testing",

@@ -2,9 +2,10 @@
 
 Only collectives that work on gloo, NCCL and the in-process threaded backend are used: the
 equal-segment ``all_gather_single`` / ``reduce_scatter_single`` (2.13's names for
-``all_gather_into_tensor`` / ``reduce_scatter_tensor``), ``all_reduce``, ``broadcast`` and
-equal-size ``scatter``. Every call counts itself in :data:`COUNTS` (per thread), which tests
-and benchmarks read to assert "one collective per unit".
+``all_gather_into_tensor`` / ``reduce_scatter_tensor``), ``all_reduce``, ``broadcast``,
+equal-size ``scatter`` and ``all_to_all_single`` (uneven splits work there). Every call counts
+itself in :data:`COUNTS` (per thread), which tests and benchmarks read to assert "one
+collective per unit".
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_gather_into", "reduce_scatter_into", "all_reduce_", "scatter_into", "broadcast_",
+           "all_to_all_into",
            "counts", "reset_counts", "in_collective", "collective_scope", "REDUCE_OPS"]
 
 REDUCE_OPS = ("sum", "avg")
@@ -100,6 +102,15 @@ def scatter_into(out: torch.Tensor, chunks: Optional[list], group=None, group_sr
     _count("scatter", out.numel() * out.element_size())
     with _InCollective():
         dist.scatter(out, chunks, group=group, group_src=group_src)
+    return out
+
+
+def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list,
+                    group=None):
+    """``all_to_all_single`` with uneven splits (element counts per rank)."""
+    _count("all_to_all", inp.numel() * inp.element_size())
+    with _InCollective():
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
     return out
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["MeshGroups", "resolve_groups", "device_for"]
+__all__ = ["MeshGroups", "resolve_groups", "device_for", "default_mesh"]
 
 _CACHE = threading.local()
 
@@ -106,6 +106,14 @@ def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None) -> MeshGroups:
         )
     if len(spec.mesh_shape) == 1:
         return MeshGroups(None, None, dist.get_rank(), world, 0, 1, device_for())
+    return _from_mesh(default_mesh(spec), spec)
+
+
+def default_mesh(spec: ShardSpec):
+    """The ``DeviceMesh`` of ``spec.mesh_shape`` over the default group (built once, cached).
+
+    The last dim shards: ranks ``[i*m, (i+1)*m)`` shard together.
+    """
     cache = getattr(_CACHE, "meshes", None)
     if cache is None:
         cache = _CACHE.meshes = {}
@@ -118,4 +126,4 @@ def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None) -> MeshGroups:
         mesh = init_device_mesh(device_type, spec.mesh_shape,
                                 mesh_dim_names=("replicate", "shard")[-len(spec.mesh_shape):])
         entry = cache[key] = (dist.group.WORLD, mesh)
-    return _from_mesh(entry[1], spec)
+    return entry[1]

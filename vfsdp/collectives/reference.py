@@ -12,7 +12,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["all_gather_reference", "reduce_scatter_reference", "all_reduce_reference"]
+__all__ = ["all_gather_reference", "reduce_scatter_reference", "all_reduce_reference",
+           "flat_redistribute_reference"]
 
 _OPS = ("sum", "avg")
 
@@ -90,3 +91,35 @@ def all_reduce_reference(values: Sequence[torch.Tensor], op: str = "sum") -> tor
     for v in values:
         acc = acc + v
     return acc / len(values) if op == "avg" else acc
+
+
+def flat_redistribute_reference(sources: Sequence[Sequence[torch.Tensor]], src, dst) -> list:
+    """What each rank holds after ``flat_redistribute``: element by element, over ranks.
+
+    Args:
+        sources: ``sources[r][i]``: rank ``r``'s piece of tensor ``i``.
+        src, dst: ``src[i][r]`` / ``dst[i][r]``: rank ``r``'s flat ranges of tensor ``i``.
+
+    Returns:
+        ``out[r][i]``: rank ``r``'s destination piece of tensor ``i``.
+
+    Example:
+        >>> a = [[torch.tensor([0., 1., 2.])], [torch.tensor([3.])]]
+        >>> [o[0].tolist() for o in flat_redistribute_reference(a, [[(0, 3), (3, 4)]],
+        ...                                                     [[(0, 1), (1, 4)]])]
+        [[0.0], [1.0, 2.0, 3.0]]
+    """
+    world = len(sources)
+    out = []
+    for r in range(world):
+        mine = []
+        for i in range(len(dst)):
+            lo, hi = dst[i][r]
+            vals = []
+            for e in range(lo, hi):
+                owner = next(q for q in range(world) if src[i][q][0] <= e < src[i][q][1])
+                vals.append(sources[owner][i].reshape(-1)[e - src[i][owner][0]])
+            dtype = sources[0][i].dtype if sources and sources[0] else torch.float32
+            mine.append(torch.stack(vals) if vals else torch.empty(0, dtype=dtype))
+        out.append(mine)
+    return out

@@ -1,5 +1,6 @@
 """Functional API over pytrees: shard, gather (differentiable), reduce_scatter, release."""
 
+from vfsdp.functional.dtensor import dtensor_placement, from_dtensor, to_dtensor
 from vfsdp.functional.gather import gather, gather_async, reduce_scatter
 from vfsdp.functional.grads import grads, zero_grads
 from vfsdp.functional.schedule import run_layers
@@ -8,6 +9,9 @@ from vfsdp.functional.shard import dbuffers, release, shard
 from vfsdp.functional.tree import match_tree
 
 __all__ = [
+    "dtensor_placement",
+    "from_dtensor",
+    "to_dtensor",
     "dbuffers",
     "gather",
     "gather_async",

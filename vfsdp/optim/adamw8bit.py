@@ -72,7 +72,7 @@ class AdamW8bitState:
     codes_m: dict                               # unit -> uint8 DBuffer
     codes_v: dict
     quantized: dict = field(default_factory=dict)  # unit -> [_Tensor8]
-    fp32: dict = field(default_factory=dict)       # unit -> [(lo, hi, m, v)]
+    fp32: dict = field(default_factory=dict)       # unit -> [(k, lo, hi, m, v)]
     decay_runs: dict = field(default_factory=dict)
 
     def state_bytes(self) -> tuple[int, int]:
@@ -125,7 +125,8 @@ def adamw8bit(
                 lo, hi = t.shard_range(db.rank)
                 start, stop = t.local_range(db.rank)
                 if not _quantized(tuple(t.shape), min_8bit_numel):
-                    f32.append((lo, hi, torch.zeros(hi - lo), torch.zeros(hi - lo)))
+                    f32.append((k, lo, hi, torch.zeros(hi - lo, device=db.device),
+                                torch.zeros(hi - lo, device=db.device)))
                     continue
                 shape = tuple(t.shape)
                 try:
@@ -136,7 +137,7 @@ def adamw8bit(
                         f"32x32 tile ({exc}); plan with granularity=opt.granularity so each tile "
                         f"stays on one rank"
                     ) from None
-                z = torch.zeros(n)
+                z = torch.zeros(n, device=db.device)
                 q8.append(_Tensor8(k, lo, hi, tiles.to(db.device), n, z, z.clone()))
             state.quantized[u.key], state.fp32[u.key] = q8, f32
         return state
@@ -162,7 +163,7 @@ def adamw8bit(
                     _adam(p[t.lo:t.hi], gs, m, v, b1, b2, bc1, bc2_sqrt, eps, rate)
                     cm[t.lo:t.hi], t.scale_m = quantize(m, t.tiles, t.n_tiles, qm)
                     cv[t.lo:t.hi], t.scale_v = quantize(v, t.tiles, t.n_tiles, qv)
-                for lo, hi, m, v in state.fp32[u.key]:
+                for _, lo, hi, m, v in state.fp32[u.key]:
                     _adam(p[lo:hi], g[lo:hi], m, v, b1, b2, bc1, bc2_sqrt, eps, rate)
         return state
 

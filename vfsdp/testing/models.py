@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from vfsdp.functional import init as vinit
 
 __all__ = ["GPTConfig", "meta_params", "init_rule", "block", "embed", "head_loss", "loss_fn",
-           "GPTModule"]
+           "GPTModule", "TorchGPT"]
 
 
 @dataclass(frozen=True)
@@ -202,3 +202,39 @@ def _unflat(named: dict) -> Any:
         return out
 
     return lists(root)
+
+
+class TorchGPT(torch.nn.Module):
+    """The model as a plain ``nn.Module`` whose ``state_dict`` keys are the parameter tree's
+    dotted paths (``io.embed``, ``layers.0.wq``, ...): what ``vfsdp.checkpoint.to_state_dict``
+    exports loads into it with ``load_state_dict``."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        tree = meta_params(cfg)
+        self.io = _holder(tree["io"])
+        self.layers = torch.nn.ModuleList(_holder(p) for p in tree["layers"])
+
+    def tree(self) -> dict:
+        return {"io": _read(self.io), "layers": [_read(m) for m in self.layers]}
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(self.tree(), tokens, targets, self.cfg)
+
+
+def _holder(node: dict) -> torch.nn.Module:
+    mod = torch.nn.Module()
+    for k, v in node.items():
+        if isinstance(v, list):
+            mod.add_module(k, torch.nn.ModuleList(_holder(x) for x in v))
+        else:
+            mod.register_parameter(k, torch.nn.Parameter(torch.zeros(v.shape)))
+    return mod
+
+
+def _read(mod: torch.nn.Module) -> dict:
+    out: dict = dict(mod.named_parameters(recurse=False))
+    for k, child in mod.named_children():
+        out[k] = [_read(x) for x in child]
+    return out

@@ -18,6 +18,7 @@ directly instead: vfsdp only needs an initialised default process group (gloo or
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import sys
@@ -60,7 +61,11 @@ def _spawn_worker(rank, world_size, init_file, fn, args, kwargs, results):
             out = fn(*args, **kwargs)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        # Tensors would travel as shared-memory handles, which die with this process:
+        # send bytes instead.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
         code = 0
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))
@@ -84,7 +89,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
         timeout: Seconds to wait for all ranks.
 
     Returns:
-        ``[result of rank 0, result of rank 1, ...]`` (results must be picklable).
+        ``[result of rank 0, result of rank 1, ...]`` (results must be picklable; tensors
+        may be in them).
 
     Raises:
         RankError: a rank raised or timed out.
@@ -116,7 +122,10 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
                 if all(not p.is_alive() for p in procs) and results.empty():
                     break
                 continue
-            (out if ok else failures)[rank] = value
+            if ok:
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                failures[rank] = value
         for p in procs:
             p.join(max(0.0, min(5.0, deadline - time.monotonic())))
             if p.is_alive():

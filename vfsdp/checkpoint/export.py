@@ -1,0 +1,245 @@
+"""Full state dicts out of shards, and back: streamed one unit at a time.
+
+:func:`to_state_dict` gathers one unit (one DBuffer) at a time, copies its full tensors out
+on the destination rank and releases the unit's global buffer before the next, so no rank
+ever holds the model twice: the destination holds the result plus one unit, the others one
+unit. :func:`from_state_dict` is the reverse: the source packs one unit and scatters it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from vfsdp.collectives import comm
+from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, unflatten
+from vfsdp.checkpoint.storage import CheckpointError
+from vfsdp.planner.spec import ShardSpec
+
+__all__ = ["to_state_dict", "from_state_dict", "stream_full", "stream_order", "Rename"]
+
+Rename = Optional[Callable[[str], str]]
+
+
+def _groups(entries: list[Entry]) -> Iterator[tuple]:
+    """``(db or None, [entries])`` in order: DBuffer-backed pieces grouped by their buffer."""
+    by_db: dict = {}
+    order: list = []
+    for e in entries:
+        db = e.piece.db if e.kind == "sharded" else None
+        if db is None:
+            order.append((None, [e]))
+        elif id(db) in by_db:
+            by_db[id(db)][1].append(e)
+        else:
+            by_db[id(db)] = (db, [e])
+            order.append(by_db[id(db)])
+    return iter(order)
+
+
+def stream_order(entries: list[Entry]) -> list[Entry]:
+    """The order in which :func:`stream_full` yields entries."""
+    return [e for _, group in _groups(entries) for e in group]
+
+
+def _gather_pieces(entries: list[Entry], dst: int) -> dict:
+    """Full tensors of pieces that are not DBuffer views (small: tile scales and the like)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ranges = torch.tensor([[e.piece.start, e.piece.numel if e.piece.writer else 0]
+                           for e in entries], dtype=torch.int64).reshape(-1)
+    every = torch.empty(world * ranges.numel(), dtype=torch.int64)
+    comm.all_gather_into(every, ranges)
+    every = every.view(world, len(entries), 2)
+    out = {}
+    for dtype in sorted({e.dtype for e in entries}, key=str):
+        idx = [i for i, e in enumerate(entries) if e.dtype == dtype]
+        mine = [entries[i].piece.local.detach().reshape(-1).to("cpu") for i in idx
+                if entries[i].piece.writer]
+        sizes = every[:, idx, 1].sum(dim=1)
+        width = int(sizes.max())
+        send = torch.zeros(width, dtype=dtype)
+        flat = torch.cat(mine) if mine else torch.zeros(0, dtype=dtype)
+        send[:flat.numel()] = flat
+        recv = torch.empty(world * width, dtype=dtype)
+        comm.all_gather_into(recv, send)
+        if rank != dst:
+            continue
+        fulls = {i: torch.zeros(math.prod(entries[i].shape), dtype=dtype) for i in idx}
+        for r in range(world):
+            off = r * width
+            for i in idx:
+                start, n = (int(v) for v in every[r, i])
+                fulls[i][start:start + n] = recv[off:off + n]
+                off += n
+        out.update({entries[i].name: fulls[i].view(entries[i].shape) for i in idx})
+    return out
+
+
+def stream_full(entries: list[Entry], dst: int = 0) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, full tensor or value)`` on ``dst`` (nothing elsewhere), unit by unit.
+
+    Collective: every rank must exhaust the iterator. A unit's full tensors are views of its
+    global buffer, valid until the next item is requested; copy them to keep them.
+    """
+    rank = dist.get_rank()
+    pieces = [e for e in entries if e.kind == "sharded" and e.piece.db is None]
+    small = _gather_pieces(pieces, dst) if pieces else {}
+    for db, group in _groups(entries):
+        if db is None:
+            e = group[0]
+            if rank == dst:
+                yield e.name, (e.value if e.kind == "value" else
+                               small[e.name] if e.kind == "sharded" else e.tensor.detach())
+            continue
+        was_gathered = db.is_allocated
+        db.all_gather()
+        try:
+            if rank == dst:
+                for e in group:
+                    yield e.name, db.full_alias(e.piece.index)
+        finally:
+            if not was_gathered:
+                db.free_global()
+
+
+def to_state_dict(tree: Any, spec: ShardSpec, *, dst: int = 0, device: Any = "cpu",
+                  rename: Rename = None) -> dict:
+    """Full tensors keyed by dotted names, on rank ``dst`` (``{}`` elsewhere); collective.
+
+    Ready for ``nn.Module.load_state_dict``, ``safetensors`` or Hugging Face (map names with
+    ``rename``). Streams one unit at a time: besides the result, ``dst`` holds one gathered
+    unit at a time, and so does every other rank.
+
+    Args:
+        tree: Shards (``vfsdp.shard``'s tree), optionally with optimizer states and extras.
+        spec: The spec of the shards.
+        dst: The rank that receives the state dict.
+        device: Where the full tensors go.
+        rename: ``dotted name -> key`` (e.g. to a Hugging Face naming scheme).
+
+    Returns:
+        ``{name: tensor or value}`` on ``dst``, ``{}`` on the other ranks.
+
+    Raises:
+        TypeError, ValueError: a leaf that cannot be exported (naming its path).
+
+    Example:
+        >>> sd = vfsdp.checkpoint.to_state_dict(shards, spec)   # doctest: +SKIP
+        >>> if dist.get_rank() == 0: model.load_state_dict(sd)  # doctest: +SKIP
+    """
+    out = {}
+    for name, value in stream_full(flatten(tree, spec, "vfsdp.checkpoint.to_state_dict"), dst):
+        key = rename(name) if rename else name
+        if key in out:
+            raise ValueError(f"to_state_dict: rename maps two entries to {key!r}")
+        out[key] = value.to(device, copy=True) if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def from_state_dict(state_dict: Optional[dict], tree_like: Any, spec: ShardSpec, *,
+                    src: int = 0, strict: bool = True, rename: Rename = None) -> Any:
+    """Fill ``tree_like`` from full tensors held by rank ``src``; collective.
+
+    The source packs one unit at a time and scatters it (equal segments), so it holds one
+    unit beyond the state dict; other ranks receive only their shards.
+
+    Args:
+        state_dict: ``{dotted name: full tensor or value}`` on ``src``; ignored elsewhere
+            (pass ``None``).
+        tree_like: Shards (and optionally states) to fill in place.
+        spec: Their spec.
+        src: The rank holding ``state_dict``.
+        strict: Refuse names in ``state_dict`` that ``tree_like`` lacks.
+        rename: ``dotted name -> key in state_dict``.
+
+    Returns:
+        ``tree_like``, filled, with plain values taken from ``state_dict``.
+
+    Raises:
+        CheckpointError: a name missing from ``state_dict``, a shape or dtype mismatch, or
+            unused names with ``strict`` (raised on every rank).
+
+    Example:
+        >>> sd = torch.load("pretrained.pt") if dist.get_rank() == 0 else None   # doctest: +SKIP
+        >>> vfsdp.checkpoint.from_state_dict(sd, shards, spec)                    # doctest: +SKIP
+    """
+    rank = dist.get_rank()
+    entries = flatten(tree_like, spec, "vfsdp.checkpoint.from_state_dict")
+    key = {e.name: (rename(e.name) if rename else e.name) for e in entries}
+    box: list = [None]
+    if rank == src:
+        dbs = [e.piece.db for e in entries if e.kind == "sharded" and e.piece.db is not None]
+        coords = (dbs[0].groups.replicate_rank, dbs[0].groups.shard_rank) if dbs else (0, 0)
+        box[0] = _check_source(state_dict, entries, key, strict) + (coords,)
+    dist.broadcast_object_list(box, group_src=src)
+    err, values, coords = box[0]
+    if err:
+        raise CheckpointError(err)
+    with torch.no_grad():
+        for db, group in _groups(entries):
+            if db is None:
+                e = group[0]
+                if e.kind == "value":
+                    continue
+                full = _broadcast_full(e, state_dict[key[e.name]] if rank == src else None, src)
+                target = e.piece.local if e.kind == "sharded" else e.tensor
+                part = full.reshape(-1)[e.piece.start:e.piece.stop] if e.kind == "sharded" else full
+                target.copy_(part.reshape(target.shape))
+                continue
+            _scatter_unit(db, group, state_dict, key, rank == src, coords)
+    return unflatten(tree_like, spec, values)
+
+
+def _check_source(state_dict, entries, key, strict) -> tuple:
+    if not isinstance(state_dict, dict):
+        return (f"from_state_dict: rank with src needs a dict, got {type(state_dict).__name__}", {})
+    for e in entries:
+        k = key[e.name]
+        if k not in state_dict:
+            return (f"from_state_dict: no {k!r} in the state dict (for {e.name})", {})
+        v = state_dict[k]
+        if e.kind == "value":
+            continue
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(e.shape) or v.dtype != e.dtype:
+            got = (f"{tuple(v.shape)} {dtype_name(v.dtype)}" if isinstance(v, torch.Tensor)
+                   else type(v).__name__)
+            return (f"from_state_dict: {k!r} is {got}, {e.name} needs {tuple(e.shape)} "
+                    f"{dtype_name(e.dtype)}", {})
+    if strict:
+        extra = sorted(set(state_dict) - set(key.values()))
+        if extra:
+            return (f"from_state_dict: unused names {extra[:5]}; pass strict=False to ignore "
+                    f"them", {})
+    return (None, {e.name: state_dict[key[e.name]] for e in entries if e.kind == "value"})
+
+
+def _broadcast_full(e: Entry, full: Optional[torch.Tensor], src: int) -> torch.Tensor:
+    device = (e.piece.local if e.kind == "sharded" else e.tensor).device
+    buf = full.detach().to(device).contiguous() if full is not None else \
+        torch.empty(e.shape, dtype=e.dtype, device=device)
+    comm.broadcast_(buf, group_src=src)
+    return buf
+
+
+def _scatter_unit(db, group: list, state_dict, key, is_src: bool, coords: tuple) -> None:
+    """The source packs the unit's global buffer and scatters it; ranks copy their pieces."""
+    groups = db.groups
+    src_rep, src_shard = coords
+    stage = torch.empty_like(db.shard)
+    if groups.replicate_rank == src_rep:
+        chunks = None
+        if is_src:
+            buf = torch.zeros(db.layout.padded_numel, dtype=db.dtype, device=db.device)
+            for e in group:
+                t = db.tensors[e.piece.index]
+                buf[t.offset:t.offset + t.numel].copy_(state_dict[key[e.name]].reshape(-1))
+            chunks = list(buf.chunk(db.layout.world_size))
+        comm.scatter_into(stage, chunks, group=groups.shard, group_src=src_shard)
+    if groups.replicate is not None:
+        comm.broadcast_(stage, group=groups.replicate, group_src=src_rep)
+    for e in group:
+        lo, hi = db.tensors[e.piece.index].shard_range(db.rank)
+        e.piece.local.detach().reshape(-1).copy_(stage[lo:hi])

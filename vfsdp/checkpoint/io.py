@@ -1,0 +1,421 @@
+"""``save`` and ``load``: distributed checkpoints through ``torch.distributed.checkpoint``.
+
+A save writes a DCP checkpoint into ``<path>.partial-<id>``, checksums it, adds the manifest
+``vfsdp.json`` and renames the directory to ``<path>`` as its very last step: a save that
+stops at any point leaves only a ``.partial-`` directory, which a load never takes for a
+checkpoint. Each rank writes only its own pieces (HSDP: the first replica's), with no
+collective over the data.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import shutil
+import threading
+import time
+import uuid
+import zlib
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+import vfsdp.checkpoint.states  # noqa: F401  (registers the optimizer states)
+from vfsdp.checkpoint.entries import (Entry, dtype_name, flatten, parse_dtype, tensor_bytes,
+                                      unflatten)
+from vfsdp.checkpoint.storage import (FORMAT, MANIFEST, VERSION, CheckpointError,
+                                      VerifyingLoadPlanner, checksum_items, load_state,
+                                      read_manifest, save_state, verify_files)
+from vfsdp.planner.spec import ShardSpec
+
+__all__ = ["save", "load", "AsyncSave", "CheckpointError"]
+
+_METADATA = ".metadata"
+_LOCK = threading.Lock()
+_PENDING: dict = {}   # rank -> AsyncSave still running
+_EXECUTORS: dict = {}
+_ASYNC_GROUPS: dict = {}
+
+
+class AsyncSave:
+    """A save running in the background (from ``save(..., async_save=True)``).
+
+    The data was copied when ``save`` returned, so training may change the parameters
+    at once. ``wait()`` blocks until the checkpoint is committed and re-raises its error.
+    """
+
+    def __init__(self, future: concurrent.futures.Future, path: str) -> None:
+        self._future, self.path = future, path
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: Optional[float] = None) -> str:
+        """Block until committed; returns the path. Raises what the save raised."""
+        return self._future.result(timeout)
+
+    def __repr__(self) -> str:
+        return f"AsyncSave({self.path!r}, {'done' if self.done() else 'running'})"
+
+
+def _digest(e: Entry) -> Any:
+    if e.kind == "replicated":
+        return zlib.crc32(tensor_bytes(e.tensor))
+    if e.kind == "value":
+        return repr(e.value)
+    return None
+
+
+def _summary(entries: list[Entry]) -> list:
+    return [(e.name, e.kind, e.shape, str(e.dtype), _digest(e)) for e in entries]
+
+
+def _agree(error: Optional[str], group=None) -> None:
+    """Every rank raises if any rank had an error (the lowest rank's message)."""
+    errors: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    for r, err in enumerate(errors):
+        if err is not None:
+            raise CheckpointError(err if r == dist.get_rank(group) else f"rank {r}: {err}")
+
+
+def _check_consistent(entries: list[Entry], group) -> None:
+    """All ranks save the same entries, and replicated tensors and values are equal.
+
+    Ranks exchange a 32-byte digest of their entry list; only when digests differ do they
+    exchange the lists themselves, to name the first difference.
+    """
+    mine = _summary(entries)
+    digest = hashlib.sha256(repr(mine).encode()).hexdigest()
+    digests: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) == 1:
+        return
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    base = every[0]
+    for r, other in enumerate(every[1:], 1):
+        if [x[0] for x in other] != [x[0] for x in base]:
+            diff = sorted(set(x[0] for x in other) ^ set(x[0] for x in base))
+            raise ValueError(f"vfsdp.checkpoint.save: rank {r} saves other entries than rank 0 "
+                             f"(e.g. {diff[:3]}); every rank must pass the same tree")
+        for a, b in zip(base, other):
+            if a != b:
+                what = "values" if a[1] == "value" else "tensors"
+                same = a[1:4] == b[1:4]
+                raise ValueError(f"vfsdp.checkpoint.save: {a[0]} differs between rank 0 and rank "
+                                 f"{r} ({a[1:4]} vs {b[1:4]}{', different ' + what if same else ''})"
+                                 f"; replicated tensors and values must be equal on every rank")
+
+
+def _unwrap(exc: CheckpointException, what: str) -> BaseException:
+    rank, (inner, _) = min(exc.failures.items())
+    if isinstance(inner, (CheckpointError, ValueError, KeyError, FileNotFoundError)):
+        out = type(inner)(f"{inner} (rank {rank})") if not isinstance(inner, KeyError) else inner
+    else:
+        out = CheckpointError(f"{what} failed on rank(s) {sorted(exc.failures)}: "
+                              f"{type(inner).__name__}: {inner}")
+    out.__cause__ = inner
+    return out
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _prepare(path: str, overwrite: bool, group) -> str:
+    """Rank 0 picks the temporary directory (and refuses to overwrite); all ranks learn it."""
+    box: list = [None]
+    if dist.get_rank(group) == 0:
+        if os.path.exists(path) and not overwrite:
+            box[0] = ("error", f"vfsdp.checkpoint.save: {path} exists; pass overwrite=True "
+                               f"to replace it")
+        else:
+            parent = os.path.dirname(os.path.abspath(path))
+            base = os.path.basename(os.path.abspath(path))
+            os.makedirs(parent, exist_ok=True)
+            for stale in os.listdir(parent):  # leftovers of saves that died
+                if stale.startswith(base + ".partial-"):
+                    shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+            box[0] = ("ok", f"{os.path.abspath(path)}.partial-{uuid.uuid4().hex[:12]}")
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    status, value = box[0]
+    if status == "error":
+        raise FileExistsError(value)
+    return value
+
+
+def _commit(tmp: str, path: str) -> None:
+    """Make ``tmp`` visible as ``path``: one rename (two when replacing a checkpoint)."""
+    _fsync_dir(tmp)
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        aside = f"{path}.old-{uuid.uuid4().hex[:12]}"
+        os.rename(path, aside)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            os.rename(aside, path)  # put the old checkpoint back
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], spec: ShardSpec,
+           group, thread_count: int) -> str:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    state = save_state(entries, data, rank)
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(tmp, thread_count=thread_count),
+                 process_group=group)
+    except CheckpointException as exc:
+        raise _unwrap(exc, "vfsdp.checkpoint.save") from None
+    err, result = None, None
+    try:
+        md = FileSystemReader(tmp).read_metadata()
+        result = checksum_items(tmp, md.storage_data, rank, world)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        err = f"checksumming {tmp} failed: {exc}"
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (err, result), group=group)
+    errors = [e for e, _ in gathered if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    commit_err = None
+    if rank == 0:
+        try:
+            _write_manifest(tmp, entries, spec, world, gathered)
+            _commit(tmp, path)
+        except Exception as exc:  # noqa: BLE001
+            commit_err = f"committing {path} failed: {type(exc).__name__}: {exc}"
+    _agree(commit_err, group)
+    return path
+
+
+def _write_manifest(tmp: str, entries: list[Entry], spec: ShardSpec, world: int,
+                    gathered: list) -> None:
+    import json
+
+    items, files = {}, {}
+    for _, (crcs, sizes) in gathered:
+        items.update(crcs)
+        files.update(sizes)
+    meta_path = os.path.join(tmp, _METADATA)
+    with open(meta_path, "rb") as f:
+        meta = f.read()
+    files[_METADATA] = len(meta)
+    described = []
+    for e in entries:
+        if e.kind == "value":
+            described.append({"name": e.name, "kind": "value", "value": e.value})
+        else:
+            described.append({"name": e.name, "kind": e.kind, "shape": list(e.shape),
+                              "dtype": dtype_name(e.dtype)})
+    manifest = {
+        "format": FORMAT, "version": VERSION, "created": time.time(),
+        "torch": torch.__version__, "world_size": world,
+        "mesh_shape": list(spec.mesh_shape), "spec_fingerprint": spec.fingerprint,
+        "bytes": sum(v[2] for v in items.values()),
+        "metadata_crc": zlib.crc32(meta), "entries": described, "files": files, "items": items,
+    }
+    tmp_manifest = os.path.join(tmp, MANIFEST + ".tmp")
+    with open(tmp_manifest, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp_manifest, os.path.join(tmp, MANIFEST))
+
+
+def _stage(entries: list[Entry], rank: int) -> dict:
+    """Host copies of what this rank writes, so training can go on changing the originals."""
+    data = {}
+    for e in entries:
+        if e.kind == "sharded" and e.piece.writer and e.piece.numel:
+            data[e.name] = e.piece.local.detach().to("cpu", copy=True)
+        elif e.kind == "replicated" and rank == 0:
+            data[e.name] = e.tensor.detach().to("cpu", copy=True)
+    return data
+
+
+def _async_group():
+    """A gloo group for background saves, so their collectives never interleave with training's."""
+    key = threading.get_ident()
+    if key not in _ASYNC_GROUPS:
+        _ASYNC_GROUPS[key] = dist.new_group(backend="gloo")
+    return _ASYNC_GROUPS[key]
+
+
+def wait_pending() -> None:
+    """Wait for this rank's background save, if one is running (re-raising its error)."""
+    with _LOCK:
+        pending = _PENDING.pop(threading.get_ident(), None)
+    if pending is not None:
+        pending.wait()
+
+
+def save(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, overwrite: bool = False,
+         async_save: bool = False, thread_count: int = 1) -> Optional[AsyncSave]:
+    """Save ``tree`` (shards, optimizer states, step, extras) as a DCP checkpoint; collective.
+
+    Args:
+        path: Directory to create. It appears only when the save is complete.
+        tree: Any pytree of parameter shards (``vfsdp.shard``'s tree), optimizer states,
+            other tensors (replicated: equal on every rank) and ``bool``/``int``/``float``/
+            ``str`` values.
+        spec: The spec the shards were made with.
+        overwrite: Replace an existing checkpoint at ``path``.
+        async_save: Copy the data to host memory, return an :class:`AsyncSave` and write in
+            the background (on a separate gloo group); ``wait()`` on it before the process
+            exits. A later ``save``/``load`` waits for it first. Under
+            ``vfsdp.testing.simulate`` the write finishes before ``save`` returns.
+        thread_count: DCP writer threads per rank.
+
+    Returns:
+        ``None``, or the :class:`AsyncSave` when ``async_save``.
+
+    Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is false.
+        ValueError: ranks pass different trees, or a replicated tensor/value differs.
+        TypeError: a leaf that cannot be saved (naming its path).
+        CheckpointError: writing failed on some rank (every rank raises).
+
+    Example:
+        >>> vfsdp.checkpoint.save("ckpt/step5", {"params": shards, "opt": state,     # doctest: +SKIP
+        ...                        "step": 5}, spec)
+    """
+    path = os.fspath(path)
+    wait_pending()
+    entries = flatten(tree, spec, "vfsdp.checkpoint.save")
+    _check_consistent(entries, None)
+    if not async_save:
+        tmp = _prepare(path, overwrite, None)
+        _write(path, tmp, entries, None, spec, None, thread_count)
+        return None
+    if str(dist.get_backend()) == "threaded":
+        # vfsdp.testing.simulate: a rank's process group lives on its own thread, so the
+        # write runs now (after the same snapshot); results are identical.
+        tmp = _prepare(path, overwrite, None)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(_write(path, tmp, entries, _stage(entries, dist.get_rank()), spec,
+                                 None, thread_count))
+        return AsyncSave(future, path)
+    group = _async_group()
+    tmp = _prepare(path, overwrite, group)
+    data = _stage(entries, dist.get_rank())
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    key = threading.get_ident()
+    executor = _EXECUTORS.setdefault(key, concurrent.futures.ThreadPoolExecutor(1, "vfsdp-ckpt"))
+    future = executor.submit(_write, path, tmp, entries, data, spec, group, thread_count)
+    handle = AsyncSave(future, path)
+    with _LOCK:
+        _PENDING[key] = handle
+    return handle
+
+
+def _match(manifest: dict, entries: list[Entry], strict: bool, path: str) -> dict:
+    saved = {e["name"]: e for e in manifest["entries"]}
+    for e in entries:
+        s = saved.get(e.name)
+        if s is None:
+            near = [n for n in saved if n.split(".")[-1] == e.name.split(".")[-1]][:3]
+            raise CheckpointError(f"{path} has no entry {e.name!r}"
+                                  + (f" (similar: {near})" if near else "")
+                                  + "; the tree's paths differ from the saved tree's")
+        if (s["kind"] == "value") != (e.kind == "value"):
+            raise CheckpointError(f"{e.name}: the checkpoint holds a "
+                                  f"{'value' if s['kind'] == 'value' else 'tensor'}, the tree a "
+                                  f"{e.describe()}")
+        if e.kind != "value":
+            shape, dtype = tuple(s["shape"]), parse_dtype(s["dtype"])
+            if shape != tuple(e.shape) or dtype != e.dtype:
+                raise CheckpointError(f"{e.name}: saved as {shape} {s['dtype']}, the tree has "
+                                      f"{tuple(e.shape)} {dtype_name(e.dtype)}; re-create the "
+                                      f"model and optimizer with the saved configuration")
+    if strict:
+        extra = sorted(set(saved) - {e.name for e in entries})
+        if extra:
+            raise CheckpointError(f"{path} holds entries the tree does not: {extra[:5]}"
+                                  f"{' ...' if len(extra) > 5 else ''}; pass strict=False to "
+                                  f"load a subset")
+    return {n: s["value"] for n, s in saved.items() if s["kind"] == "value"}
+
+
+def load(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *, strict: bool = True,
+         verify: bool = True) -> Any:
+    """Load a checkpoint into ``tree_like``'s tensors, in place; collective.
+
+    Works under any world size, mesh (FSDP or HSDP) or spec: each rank reads exactly the
+    pieces it holds now. Tensors may also be plain full tensors (e.g. loading a sharded
+    checkpoint on one process).
+
+    Args:
+        path: A directory written by :func:`save`.
+        tree_like: The tree to fill: same paths as the saved tree (e.g. fresh shards and
+            ``opt.init(shards, spec)``), tensors of the saved shapes and dtypes.
+        spec: The spec of ``tree_like``'s shards.
+        strict: Refuse a checkpoint holding entries ``tree_like`` lacks (``False``: load
+            the subset ``tree_like`` names).
+        verify: Check each chunk this rank reads against its CRC-32 first (file sizes are
+            always checked).
+
+    Returns:
+        ``tree_like`` with its tensors filled and its plain values (and optimizer steps)
+        taken from the checkpoint.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        CheckpointError: an incomplete save, a missing, truncated or corrupt file, an entry
+            missing or of another shape or dtype (naming it).
+
+    Example:
+        >>> like = {"params": shards, "opt": opt.init(shards, spec), "step": 0}  # doctest: +SKIP
+        >>> tree = vfsdp.checkpoint.load("ckpt/step5", like, spec)               # doctest: +SKIP
+    """
+    path = os.fspath(path)
+    wait_pending()
+    err, manifest, values, entries = None, None, {}, []
+    try:
+        manifest = read_manifest(path)
+        entries = flatten(tree_like, spec, "vfsdp.checkpoint.load")
+        values = _match(manifest, entries, strict, path)
+        verify_files(path, manifest)
+        with open(os.path.join(path, _METADATA), "rb") as f:
+            if zlib.crc32(f.read()) != manifest["metadata_crc"]:
+                raise CheckpointError(f"checkpoint {path}: {_METADATA} is corrupt (CRC-32)")
+    except (CheckpointError, OSError, TypeError, ValueError) as exc:
+        err = exc
+    _agree_exc(err)
+    try:
+        dcp.load(load_state(entries), storage_reader=FileSystemReader(path),
+                 planner=VerifyingLoadPlanner(path, manifest, verify))
+    except CheckpointException as exc:
+        raise _unwrap(exc, "vfsdp.checkpoint.load") from None
+    return unflatten(tree_like, spec, values)
+
+
+def _agree_exc(err: Optional[BaseException]) -> None:
+    """Raise ``err`` here, or a CheckpointError when another rank failed (no rank hangs)."""
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if err is None else f"{type(err).__name__}: {err}")
+    if err is not None:
+        raise err
+    for r, e in enumerate(errors):
+        if e is not None:
+            raise CheckpointError(f"rank {r}: {e}")

@@ -1,0 +1,128 @@
+"""Pieces: a rank's contiguous flat range of a global tensor, and how DCP sees it.
+
+Every sharded thing vfsdp checkpoints (a parameter shard, a moment, 8-bit codes, tile scales)
+is, on each rank, one **contiguous flat range** ``[start, start + n)`` of a global tensor in
+row-major order. DCP describes data as N-D boxes (offsets and sizes per dim), so a flat range
+is cut into at most ``2 * ndim - 1`` boxes (:func:`boxes`): a partial leading row, a slab of
+whole rows, a partial trailing row, recursively. A range of whole rows (``rows`` granularity)
+is one box. Each box is itself contiguous in the flat order, so its data is a plain slice of
+the local piece: nothing is copied to describe it.
+
+An empty range has no boxes: a rank that holds nothing of a tensor reports no chunk at all
+(otherwise DCP's de-duplication by ``(fqn, offsets)`` would drop its neighbour's data, see
+``anchors-code.md`` section 4).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["Piece", "boxes", "boxes_reference"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """This rank's contiguous flat range of a global tensor.
+
+    Attributes:
+        local: The rank's data (contiguous, ``numel`` = length of the range; any shape).
+        shape: Shape of the global tensor.
+        start: Flat (row-major) start of the range in the global tensor.
+        writer: Whether this rank writes the range at save time (``False`` on HSDP replicas
+            other than the first, which hold the same data).
+        db: The DBuffer ``local`` aliases, if any (lets exports gather a unit at once).
+        index: The tensor's index in ``db``.
+
+    Example:
+        >>> p = Piece(torch.arange(5.0), (3, 4), 6)
+        >>> p.stop, p.boxes()
+        (11, [((1, 2), (1, 2)), ((2, 0), (1, 3))])
+    """
+
+    local: torch.Tensor
+    shape: tuple
+    start: int
+    writer: bool = True
+    db: Any = None
+    index: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        numel = math.prod(self.shape)
+        n = self.local.numel()
+        if self.start < 0 or self.start + n > numel:
+            raise ValueError(f"piece [{self.start}, {self.start + n}) is outside a tensor of "
+                             f"{numel} elements {tuple(self.shape)}")
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.local.numel()
+
+    @property
+    def numel(self) -> int:
+        return self.local.numel()
+
+    def boxes(self) -> list:
+        """``[(offsets, sizes), ...]`` covering the range, in flat order."""
+        return boxes(tuple(self.shape), self.start, self.stop)
+
+    def box_data(self, offsets: tuple, sizes: tuple, data: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The slice of ``data`` (default: ``local``) holding one of :meth:`boxes`, box-shaped."""
+        flat = (self.local if data is None else data).reshape(-1)
+        lo = _flat_index(tuple(self.shape), offsets) - self.start
+        return flat[lo:lo + math.prod(sizes)].view(sizes)
+
+
+def _flat_index(shape: tuple, index: tuple) -> int:
+    out = 0
+    for d, i in zip(shape, index):
+        out = out * d + i
+    return out
+
+
+def boxes(shape: tuple, start: int, stop: int) -> list:
+    """Cut the flat range ``[start, stop)`` of a row-major tensor of ``shape`` into N-D boxes.
+
+    Returns:
+        ``[(offsets, sizes), ...]`` in flat order; each box is contiguous in the flat order
+        and the boxes tile the range exactly. ``[]`` for an empty range.
+
+    Example:
+        >>> boxes((4, 3), 3, 9)            # whole rows: one box
+        [((1, 0), (2, 3))]
+        >>> boxes((4, 3), 2, 8)
+        [((0, 2), (1, 1)), ((1, 0), (1, 3)), ((2, 0), (1, 2))]
+    """
+    if stop <= start:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    if inner == 0:
+        return []
+    out: list = []
+    row, col = divmod(start, inner)
+    end_row, end_col = divmod(stop, inner)
+    if col:  # a partial leading row
+        if row == end_row:
+            return [((row,) + o, (1,) + s) for o, s in boxes(shape[1:], col, end_col)]
+        out += [((row,) + o, (1,) + s) for o, s in boxes(shape[1:], col, inner)]
+        row += 1
+    if end_row > row:  # whole rows
+        out.append(((row,) + (0,) * (len(shape) - 1), (end_row - row,) + tuple(shape[1:])))
+    if end_col:  # a partial trailing row
+        out += [((end_row,) + o, (1,) + s) for o, s in boxes(shape[1:], 0, end_col)]
+    return out
+
+
+def boxes_reference(shape: tuple, start: int, stop: int) -> set:
+    """The flat indices the boxes of ``[start, stop)`` cover, enumerated element by element."""
+    covered = set()
+    for offsets, sizes in boxes(shape, start, stop):
+        idx = torch.arange(math.prod(shape)).reshape(shape) if shape else torch.tensor(0)
+        sl = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        covered |= set(idx[sl].reshape(-1).tolist())
+    return covered

@@ -1,0 +1,205 @@
+"""Safetensors files written one unit at a time, and read back one slice per rank.
+
+The format is simple enough to stream: an 8-byte little-endian header length, a JSON header
+``{name: {dtype, shape, data_offsets}}`` and the raw bytes. Shapes and dtypes are known from
+the spec before any data moves, so the header is written first and each unit's tensors are
+appended as the unit is gathered: the writing rank never holds more than one unit. Reading
+needs no collective at all: each rank seeks to the bytes of its own pieces and reads only
+those. vfsdp writes and reads the format itself; the ``safetensors`` package is not needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import uuid
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, tensor_bytes, unflatten
+from vfsdp.checkpoint.export import Rename, stream_full, stream_order
+from vfsdp.checkpoint.storage import CheckpointError
+from vfsdp.planner.spec import ShardSpec
+
+__all__ = ["save_safetensors", "load_safetensors", "read_header"]
+
+_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+          torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+          torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16",
+          torch.uint32: "U32", torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3",
+          torch.float8_e5m2: "F8_E5M2"}
+_DTYPES = {v: k for k, v in _CODES.items()}
+_VALUES = "vfsdp.values"
+
+
+def _code(e: Entry) -> str:
+    if e.dtype not in _CODES:
+        raise TypeError(f"safetensors: {e.name} is {dtype_name(e.dtype)}, which safetensors "
+                        f"cannot store")
+    return _CODES[e.dtype]
+
+
+def _nbytes(e: Entry) -> int:
+    n = 1
+    for d in e.shape:
+        n *= d
+    return n * torch.empty((), dtype=e.dtype).element_size()
+
+
+def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst: int = 0,
+                     rename: Rename = None, metadata: Optional[dict] = None) -> None:
+    """Write full tensors to one safetensors file on rank ``dst``, one unit at a time; collective.
+
+    The file is written under a temporary name and renamed when complete. Plain values go
+    into the header's metadata (as JSON, under ``"vfsdp.values"``).
+
+    Args:
+        path: The ``.safetensors`` file.
+        tree: Shards (``vfsdp.shard``'s tree), optionally with states and values.
+        spec: Their spec.
+        dst: The writing rank.
+        rename: ``dotted name -> tensor name`` in the file.
+        metadata: Extra ``str -> str`` header metadata.
+
+    Raises:
+        TypeError: a dtype safetensors cannot store, or non-string metadata.
+
+    Example:
+        >>> vfsdp.checkpoint.save_safetensors("model.safetensors", shards, spec)  # doctest: +SKIP
+    """
+    path = os.fspath(path)
+    entries = flatten(tree, spec, "vfsdp.checkpoint.save_safetensors")
+    order = [e for e in stream_order(entries) if e.kind != "value"]
+    names = {e.name: (rename(e.name) if rename else e.name) for e in entries}
+    header: dict = {}
+    offset = 0
+    for e in order:
+        n = _nbytes(e)
+        header[names[e.name]] = {"dtype": _code(e), "shape": list(e.shape),
+                                 "data_offsets": [offset, offset + n]}
+        offset += n
+    meta = dict(metadata or {})
+    if any(not isinstance(k, str) or not isinstance(v, str) for k, v in meta.items()):
+        raise TypeError("safetensors metadata must map str to str")
+    values = {names[e.name]: e.value for e in entries if e.kind == "value"}
+    if values:
+        meta[_VALUES] = json.dumps(values)
+    if meta:
+        header["__metadata__"] = meta
+    rank = dist.get_rank()
+    f, tmp = None, f"{path}.partial-{uuid.uuid4().hex[:12]}"
+    try:
+        if rank == dst:
+            blob = json.dumps(header, separators=(",", ":")).encode()
+            blob += b" " * (-len(blob) % 8)
+            f = open(tmp, "wb")
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+        for name, value in stream_full(entries, dst):
+            if f is not None and isinstance(value, torch.Tensor):
+                f.write(tensor_bytes(value))
+        if f is not None:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            f = None
+            os.replace(tmp, path)
+    finally:
+        if f is not None:
+            f.close()
+            os.remove(tmp)
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict, int]:
+    """``(header, data start)`` of a safetensors file.
+
+    Raises:
+        CheckpointError: not a safetensors file, or truncated.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise CheckpointError(f"{path}: header of {n} bytes in a file of {size} (truncated)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: unreadable safetensors header ({exc})") from None
+    end = max([v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"], default=0)
+    if 8 + n + end > size:
+        raise CheckpointError(f"{path} has {size} bytes but its header needs {8 + n + end} "
+                              f"(truncated)")
+    return header, 8 + n
+
+
+def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *,
+                     strict: bool = True, rename: Rename = None) -> Any:
+    """Fill ``tree_like`` from a safetensors file: each rank reads only its own slices.
+
+    No collective: every rank seeks to the byte ranges of its pieces and reads them
+    into its shards (through a host buffer of that size).
+
+    Args:
+        path: A safetensors file (written by :func:`save_safetensors`, ``safetensors`` or a
+            Hugging Face export).
+        tree_like: Shards (and optionally states) to fill in place.
+        spec: Their spec.
+        strict: Refuse tensors in the file that ``tree_like`` lacks.
+        rename: ``dotted name -> tensor name`` in the file.
+
+    Returns:
+        ``tree_like``, filled, with plain values from the file's ``"vfsdp.values"`` metadata.
+
+    Raises:
+        CheckpointError: a missing tensor or value, a shape or dtype mismatch, unused tensors
+            with ``strict``, or a truncated file.
+
+    Example:
+        >>> vfsdp.checkpoint.load_safetensors("model.safetensors", shards, spec)  # doctest: +SKIP
+    """
+    path = os.fspath(path)
+    header, base = read_header(path)
+    entries = flatten(tree_like, spec, "vfsdp.checkpoint.load_safetensors")
+    values = json.loads(header.get("__metadata__", {}).get(_VALUES, "{}"))
+    names = {e.name: (rename(e.name) if rename else e.name) for e in entries}
+    for e in entries:
+        key = names[e.name]
+        if e.kind == "value":
+            if key not in values:
+                raise CheckpointError(f"{path}: no value {key!r} (for {e.name})")
+            continue
+        rec = header.get(key)
+        if rec is None:
+            raise CheckpointError(f"{path}: no tensor {key!r} (for {e.name})")
+        if tuple(rec["shape"]) != tuple(e.shape) or _DTYPES.get(rec["dtype"]) != e.dtype:
+            raise CheckpointError(f"{path}: {key!r} is {tuple(rec['shape'])} {rec['dtype']}, "
+                                  f"{e.name} needs {tuple(e.shape)} {_code(e)}")
+    if strict:
+        extra = sorted(set(header) - {"__metadata__"} - {names[e.name] for e in entries
+                                                          if e.kind != "value"})
+        if extra:
+            raise CheckpointError(f"{path} holds tensors the tree does not: {extra[:5]}; pass "
+                                  f"strict=False to load a subset")
+    with open(path, "rb") as f, torch.no_grad():
+        for e in entries:
+            if e.kind == "value":
+                continue
+            begin = base + header[names[e.name]]["data_offsets"][0]
+            target = e.piece.local if e.kind == "sharded" else e.tensor
+            start = e.piece.start if e.kind == "sharded" else 0
+            if not target.numel():
+                continue
+            nbytes = target.numel() * target.element_size()
+            f.seek(begin + start * target.element_size())
+            raw = bytearray(nbytes)  # a host buffer: numpy views would pin the shard's storage
+            if f.readinto(raw) != nbytes:
+                raise CheckpointError(f"{path}: {e.name} ends early (truncated)")
+            target.copy_(torch.frombuffer(raw, dtype=target.dtype).view(target.shape))
+    return unflatten(tree_like, spec, {e.name: values[names[e.name]] for e in entries
+                                       if e.kind == "value"})

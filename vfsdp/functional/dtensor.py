@@ -1,0 +1,232 @@
+"""DTensor interop: shards as DTensors where DTensor can express their layout, and back.
+
+torch 2.13 has no ragged placement. A tensor's RaggedShard is a DTensor placement only when
+it happens to coincide with one DTensor knows:
+
+* world size 1 (or each HSDP replica holding everything): ``Replicate()``;
+* every rank's piece equal to ``torch.chunk``'s row split: ``Shard(0)``.
+
+Those tensors become DTensors that **share memory** with the DBuffer (no copy). For the
+others (ragged ones), :func:`to_dtensor` refuses by default, or with
+``ragged="redistribute"`` builds an even ``Shard(0)`` copy (one ``all_to_all_single`` per
+unit), or with ``ragged="keep"`` leaves the local shard as it is.
+
+Why vfsdp does not label ragged shards with a custom DTensor ``Placement``: on torch 2.13
+such a DTensor supports only ``to_local()`` and DCP (with hooks). ``redistribute``,
+``full_tensor``, element-wise ops, ``_foreach_*`` and optimizers, reductions
+(``sum``, ``vector_norm``, ``clip_grad_norm_``), autograd through ``from_local``,
+``local_map`` and ``deepcopy`` all fail, and ``num_shards``/``is_sharded`` silently report a
+replicated tensor (``anchors-code.md`` section 4.2). Use vfsdp's own functions on ragged
+shards (``vfsdp.gather``, ``vfsdp.clip_grad_norm``, ``vfsdp.checkpoint``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from vfsdp.collectives.dbuffer import DBuffer
+from vfsdp.collectives.groups import default_mesh, resolve_groups
+from vfsdp.collectives.redistribute import flat_redistribute, shard0_range
+from vfsdp.functional.shard import unit_buffers
+from vfsdp.functional.tree import group_by_unit, match_tree
+from vfsdp.planner.granularity import format_path
+from vfsdp.planner.spec import ShardSpec, TensorSpec
+
+__all__ = ["to_dtensor", "from_dtensor", "dtensor_placement"]
+
+RAGGED = ("error", "redistribute", "keep")
+
+
+def dtensor_placement(t: TensorSpec):
+    """``Replicate()`` or ``Shard(0)`` when ``t``'s layout is one of them, else ``None``.
+
+    Example:
+        >>> spec = vfsdp.plan({"w": torch.empty(8, 4)}, 2)
+        >>> vfsdp.dtensor_placement(spec.tensor(("w",)))
+        Shard(dim=0)
+    """
+    m = t.world_size
+    if m == 1:
+        return Replicate()
+    if not t.shape:
+        return None
+    if all(t.local_range(r) == shard0_range(tuple(t.shape), m, r) for r in range(m)):
+        return Shard(0)
+    return None
+
+
+def _mesh(spec: ShardSpec, mesh):
+    return mesh if mesh is not None else default_mesh(spec)
+
+
+def to_dtensor(shards: Any, spec: ShardSpec, *, mesh: Any = None, ragged: str = "error") -> Any:
+    """The shards as DTensors: zero-copy views where DTensor can express the layout.
+
+    Args:
+        shards: ``vfsdp.shard``'s tree.
+        spec: Its spec.
+        mesh: The ``DeviceMesh`` (default: built over the default group for the spec's mesh).
+        ragged: What to do with tensors whose layout DTensor cannot express: ``"error"``,
+            ``"redistribute"`` (an even ``Shard(0)`` copy; later changes to the shards do
+            not show) or ``"keep"`` (leave the local shard).
+
+    Returns:
+        A tree of the same structure of DTensors (placements ``[Shard(0)]`` or
+        ``[Replicate()]``; HSDP: ``[Replicate(), ...]``).
+
+    Raises:
+        ValueError: a ragged tensor with ``ragged="error"`` (naming it and its placement),
+            or an unknown ``ragged``.
+
+    Example:
+        >>> dts = vfsdp.to_dtensor(shards, spec, ragged="redistribute")   # doctest: +SKIP
+        >>> dts["w"].full_tensor()                                         # doctest: +SKIP
+    """
+    if ragged not in RAGGED:
+        raise ValueError(f"ragged must be one of {RAGGED}, got {ragged!r}")
+    leaves = match_tree(shards, spec, "vfsdp.to_dtensor")
+    device_mesh = _mesh(spec, mesh)
+    lead = [Replicate()] * (len(spec.mesh_shape) - 1)
+    out = list(leaves)
+    for u in unit_buffers(shards, spec, "vfsdp.to_dtensor"):
+        moved = []
+        for i, k in u.leaves:
+            t = u.db.tensors[k]
+            place = dtensor_placement(t)
+            if place is not None:
+                local = u.db.local(k)
+                out[i] = DTensor.from_local(local, device_mesh, lead + [place], run_check=False,
+                                            shape=torch.Size(t.shape),
+                                            stride=torch.empty(t.shape, device="meta").stride())
+            elif ragged == "error":
+                raise ValueError(_ragged_message(t))
+            elif ragged == "redistribute":
+                moved.append((i, k, t))
+        if moved:
+            _even_copies(u.db, moved, out, device_mesh, lead)
+    return optree.tree_unflatten(spec.treespec, out)
+
+
+def _ragged_message(t: TensorSpec) -> str:
+    m, shape = t.world_size, tuple(t.shape)
+    need = ([shard0_range(shape, m, r) for r in range(m)] if shape else "a dim to split")
+    have = [t.local_range(r) for r in range(m)]
+    return (f"vfsdp.to_dtensor: {format_path(t.path)} {shape} is {t.placement!r} (flat ranges "
+            f"{have}), which no DTensor placement expresses (Shard(0) needs {need}); pass "
+            f"ragged='redistribute' for an even Shard(0) copy, or ragged='keep'")
+
+
+def _even_copies(db: DBuffer, moved: list, out: list, device_mesh, lead: list) -> None:
+    m = db.layout.world_size
+    src = [[t.local_range(r) for r in range(m)] for _, _, t in moved]
+    dst = [[_target_range(t, r) for r in range(m)] for _, _, t in moved]
+    pieces = flat_redistribute([db.local(k).detach() for _, k, _ in moved], src, dst,
+                               db.groups.shard, db.device)
+    for j, ((i, _, t), piece) in enumerate(zip(moved, pieces)):
+        if t.shape:
+            lo, hi = dst[j][db.rank]
+            rows = (hi - lo) // max(1, _inner(t.shape))
+            local = piece.view((rows,) + tuple(t.shape[1:]))
+            place = Shard(0)
+        else:
+            local, place = piece.view(()), Replicate()
+        out[i] = DTensor.from_local(local, device_mesh, lead + [place], run_check=False,
+                                    shape=torch.Size(t.shape),
+                                    stride=torch.empty(t.shape, device="meta").stride())
+
+
+def _inner(shape) -> int:
+    n = 1
+    for d in shape[1:]:
+        n *= d
+    return n
+
+
+def _target_range(t: TensorSpec, rank: int) -> tuple[int, int]:
+    if t.shape:
+        return shard0_range(tuple(t.shape), t.world_size, rank)
+    return (0, t.numel)  # a 0-d tensor: replicated
+
+
+def _source_ranges(x: Any, t: TensorSpec, rank: int, m: int, path: str) -> tuple[list, torch.Tensor]:
+    """Per-rank source ranges of a DTensor (or full tensor) leaf, and this rank's piece."""
+    if isinstance(x, DTensor):
+        places = list(x.placements)
+        if tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
+            raise ValueError(f"vfsdp.from_dtensor: {path} is {tuple(x.shape)} {x.dtype}, the "
+                             f"spec says {tuple(t.shape)} {t.dtype}")
+        if any(not isinstance(p, Replicate) for p in places[:-1]):
+            raise ValueError(f"vfsdp.from_dtensor: {path} has placements {places}; every dim "
+                             f"but the last (shard) mesh dim must be Replicate()")
+        last = places[-1]
+        local = x.to_local().detach()
+        if isinstance(last, Replicate):
+            x_full = local
+        elif isinstance(last, Shard) and last.dim == 0 and type(last) is Shard:
+            return [shard0_range(tuple(t.shape), m, r) for r in range(m)], local
+        else:
+            raise ValueError(f"vfsdp.from_dtensor: {path} has placement {last!r}; vfsdp reads "
+                             f"Replicate() and Shard(0): call .redistribute(placements=[...,"
+                             f" Shard(0)]) first")
+    elif isinstance(x, torch.Tensor):
+        if tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
+            raise ValueError(f"vfsdp.from_dtensor: {path} is {tuple(x.shape)} {x.dtype}, the "
+                             f"spec says {tuple(t.shape)} {t.dtype}")
+        x_full = x.detach()
+    else:
+        raise ValueError(f"vfsdp.from_dtensor: {path} should be a DTensor or tensor, got "
+                         f"{type(x).__name__}")
+    # replicated: every rank "holds" exactly what it needs (disjoint source ranges)
+    ranges = [t.local_range(r) for r in range(m)]
+    lo, hi = ranges[rank]
+    return ranges, x_full.reshape(-1)[lo:hi]
+
+
+def from_dtensor(tree: Any, spec: ShardSpec, *, mesh: Any = None,
+                 requires_grad: bool = True) -> Any:
+    """Shards (as ``vfsdp.shard`` returns) from DTensors with ``Shard(0)`` or ``Replicate()``.
+
+    Leaves may also be full tensors (replicated). One ``all_to_all_single`` per unit moves
+    the rows each rank needs; nothing is gathered in full.
+
+    Args:
+        tree: DTensors (or full tensors) shaped like the spec's tree.
+        spec: The target plan.
+        mesh: As for ``vfsdp.shard``.
+        requires_grad: Make floating-point shards require grad.
+
+    Returns:
+        The tree of local shards (views into new DBuffers).
+
+    Raises:
+        ValueError: structure, shape or dtype mismatch, or a placement other than
+            ``Replicate()`` / ``Shard(0)`` (naming the path).
+
+    Example:
+        >>> shards = vfsdp.from_dtensor(dtensor_state_dict_tree, spec)  # doctest: +SKIP
+    """
+    leaves = match_tree(tree, spec, "vfsdp.from_dtensor")
+    groups = resolve_groups(spec, mesh)
+    out = list(leaves)
+    with torch.no_grad():
+        for key, members in group_by_unit(spec).items():
+            db = DBuffer(spec, key, groups)
+            m, rank = db.layout.world_size, db.rank
+            src, dst, pieces = [], [], []
+            for i, t in members:
+                ranges, piece = _source_ranges(leaves[i], t, rank, m, format_path(t.path))
+                src.append(ranges)
+                dst.append([t.local_range(r) for r in range(m)])
+                pieces.append(piece.to(db.device))
+            got = flat_redistribute(pieces, src, dst, groups.shard, db.device)
+            for (i, t), piece in zip(members, got):
+                local = db.local(db.index(t.path))
+                local.reshape(-1).copy_(piece)
+                if requires_grad and local.is_floating_point():
+                    local.requires_grad_(True)
+                out[i] = local
+    return optree.tree_unflatten(spec.treespec, out)

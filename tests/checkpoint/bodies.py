@@ -286,3 +286,38 @@ def inconsistent(path: str, what: str):
     except ValueError as exc:
         return str(exc)
     return "saved"
+
+
+def _synthetic_grads(shards, spec):
+    """The same global gradients whatever the world size: sin of the flat index, per tensor."""
+    def piece(path, local):
+        t = spec.tensor(path)
+        lo, hi = t.local_range(spec_rank(local))
+        return (torch.arange(lo, hi, dtype=torch.float32) * 0.37 + len(path)).sin().reshape(local.shape)
+
+    paths, leaves, treespec = optree.tree_flatten_with_path(shards)
+    return optree.tree_unflatten(treespec, [piece(p, x) if isinstance(x, torch.Tensor) else x
+                                            for p, x in zip(paths, leaves)])
+
+
+def spec_rank(local) -> int:
+    from vfsdp.collectives.dbuffer import owner_of
+
+    return owner_of(local).rank
+
+
+def step_after(path: str, name: str, save: bool, mesh=None):
+    """Save (3 trained steps) then one synthetic-gradient update, or load and the same update:
+    the update must not depend on the block placement, so the results match bitwise."""
+    mesh = mesh or dist.get_world_size()
+    opt = make_opts()[name]
+    if save:
+        spec = make_spec(mesh)
+        shards = vfsdp.shard(params(), spec)
+        state = train(shards, spec, opt, opt.init(shards, spec), range(1, 4))
+        ckpt.save(path, {"params": shards, "opt": state}, spec)
+    else:
+        spec, shards, states = blank(mesh, (name,))
+        state = ckpt.load(path, {"params": shards, "opt": states[name]}, spec)["opt"]
+    state = opt.update(_synthetic_grads(shards, spec), state, shards, spec)
+    return full_dict({"params": shards, "opt": state}, spec)

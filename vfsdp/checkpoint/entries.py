@@ -97,11 +97,16 @@ def register_state(cls: type, flatten: Callable[[Any, ShardSpec], Any],
         restore: ``(obj, loaded_tree) -> obj``: put the loaded plain values (e.g. the step)
             back; tensors are already filled.
 
+    Raises:
+        TypeError: ``cls`` is not a type, or ``flatten``/``restore`` are not callable.
+
     Example:
         >>> vfsdp.checkpoint.register_state(                       # doctest: +SKIP
         ...     MyState, lambda s, spec: {"step": s.step, "buf": s.buf},
         ...     lambda s, tree: dataclasses.replace(s, step=tree["step"]))
     """
+    if not isinstance(cls, type) or not callable(flatten) or not callable(restore):
+        raise TypeError("register_state(cls, flatten, restore) takes a type and two callables")
     _ADAPTERS[cls] = (flatten, restore)
 
 
@@ -110,16 +115,22 @@ def _path_name(path: tuple) -> str:
 
 
 def _db_piece(t: torch.Tensor, db: DBuffer, path: tuple, name: str) -> Piece:
-    """The Piece of a tensor that is one of ``db``'s local views; matched by path, then memory."""
-    cands = [k for k, ts in enumerate(db.tensors) if db.is_local_view(k, t)]
-    by_path = [k for k in cands if tuple(path[-len(db.tensors[k].path):]) == db.tensors[k].path]
-    pick = by_path or [k for k in cands if db.tensors[k].numel and t.numel()]
-    if len(pick) != 1:
-        raise ValueError(f"checkpoint: {name} is a view into the {db.role} buffer of unit "
-                         f"{db.key!r} but not exactly one tensor's shard (candidates: "
-                         f"{[format_path(db.tensors[k].path) for k in cands]}); pass the tree "
-                         f"vfsdp.shard returned, keeping its key paths")
-    k = pick[0]
+    """The Piece of a tensor that is one of ``db``'s local views.
+
+    Matched exactly when ``t`` came from ``DBuffer.local`` (``vfsdp.shard``'s leaves), else by
+    its key path ending in the tensor's path, else by memory (a unique non-empty view).
+    """
+    k = db.view_index(t)
+    if k is None:
+        cands = [k for k in range(len(db.tensors)) if db.is_local_view(k, t)]
+        by_path = [k for k in cands if tuple(path[-len(db.tensors[k].path):]) == db.tensors[k].path]
+        pick = by_path or [k for k in cands if db.tensors[k].numel and t.numel()]
+        if len(pick) != 1:
+            raise ValueError(f"checkpoint: {name} is a view into the {db.role} buffer of unit "
+                             f"{db.key!r} but not exactly one tensor's shard (candidates: "
+                             f"{[format_path(db.tensors[k].path) for k in cands]}); pass the "
+                             f"tensors vfsdp.shard returned (or keep their key paths)")
+        k = pick[0]
     ts = db.tensors[k]
     return Piece(t, tuple(ts.shape), ts.local_range(db.rank)[0],
                  writer=db.groups.replicate_rank == 0, db=db, index=k)

@@ -14,12 +14,15 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from vfsdp.collectives import comm
+from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, unflatten
+from vfsdp.collectives import comm
+from vfsdp.collectives.groups import device_for
 from vfsdp.checkpoint.storage import CheckpointError
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["to_state_dict", "from_state_dict", "stream_full", "stream_order", "Rename"]
+__all__ = ["to_state_dict", "from_state_dict", "stream_full", "stream_order", "Rename",
+           "entries_and_names"]
 
 Rename = Optional[Callable[[str], str]]
 
@@ -40,6 +43,23 @@ def _groups(entries: list[Entry]) -> Iterator[tuple]:
     return iter(order)
 
 
+def entries_and_names(tree: Any, spec: ShardSpec, rename: Rename, what: str) -> tuple:
+    """Collective: ``(entries, {name: key})``, with every rank raising if any rank fails or
+    ``rename`` maps two entries to one key."""
+    def local():
+        entries = flatten(tree, spec, what)
+        keys: dict = {}
+        for e in entries:
+            key = rename(e.name) if rename else e.name
+            if key in keys.values():
+                other = next(n for n, k in keys.items() if k == key)
+                raise ValueError(f"{what}: rename maps both {other} and {e.name} to {key!r}")
+            keys[e.name] = key
+        return entries, keys
+
+    return agreed(local)
+
+
 def stream_order(entries: list[Entry]) -> list[Entry]:
     """The order in which :func:`stream_full` yields entries."""
     return [e for _, group in _groups(entries) for e in group]
@@ -48,25 +68,27 @@ def stream_order(entries: list[Entry]) -> list[Entry]:
 def _gather_pieces(entries: list[Entry], dst: int) -> dict:
     """Full tensors of pieces that are not DBuffer views (small: tile scales and the like)."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    device = device_for()  # the default group's device (cuda under NCCL)
     ranges = torch.tensor([[e.piece.start, e.piece.numel if e.piece.writer else 0]
-                           for e in entries], dtype=torch.int64).reshape(-1)
-    every = torch.empty(world * ranges.numel(), dtype=torch.int64)
+                           for e in entries], dtype=torch.int64, device=device).reshape(-1)
+    every = torch.empty(world * ranges.numel(), dtype=torch.int64, device=device)
     comm.all_gather_into(every, ranges)
-    every = every.view(world, len(entries), 2)
+    every = every.view(world, len(entries), 2).cpu()
     out = {}
     for dtype in sorted({e.dtype for e in entries}, key=str):
         idx = [i for i, e in enumerate(entries) if e.dtype == dtype]
-        mine = [entries[i].piece.local.detach().reshape(-1).to("cpu") for i in idx
+        mine = [entries[i].piece.local.detach().reshape(-1).to(device) for i in idx
                 if entries[i].piece.writer]
         sizes = every[:, idx, 1].sum(dim=1)
         width = int(sizes.max())
-        send = torch.zeros(width, dtype=dtype)
-        flat = torch.cat(mine) if mine else torch.zeros(0, dtype=dtype)
+        send = torch.zeros(width, dtype=dtype, device=device)
+        flat = torch.cat(mine) if mine else torch.zeros(0, dtype=dtype, device=device)
         send[:flat.numel()] = flat
-        recv = torch.empty(world * width, dtype=dtype)
+        recv = torch.empty(world * width, dtype=dtype, device=device)
         comm.all_gather_into(recv, send)
         if rank != dst:
             continue
+        recv = recv.cpu()
         fulls = {i: torch.zeros(math.prod(entries[i].shape), dtype=dtype) for i in idx}
         for r in range(world):
             off = r * width
@@ -124,18 +146,25 @@ def to_state_dict(tree: Any, spec: ShardSpec, *, dst: int = 0, device: Any = "cp
         ``{name: tensor or value}`` on ``dst``, ``{}`` on the other ranks.
 
     Raises:
-        TypeError, ValueError: a leaf that cannot be exported (naming its path).
+        TypeError, ValueError: a leaf that cannot be exported (naming its path), or
+            ``rename`` maps two names to one key; every rank raises.
+        CheckpointError: another rank failed.
 
     Example:
         >>> sd = vfsdp.checkpoint.to_state_dict(shards, spec)   # doctest: +SKIP
         >>> if dist.get_rank() == 0: model.load_state_dict(sd)  # doctest: +SKIP
     """
-    out = {}
-    for name, value in stream_full(flatten(tree, spec, "vfsdp.checkpoint.to_state_dict"), dst):
-        key = rename(name) if rename else name
-        if key in out:
-            raise ValueError(f"to_state_dict: rename maps two entries to {key!r}")
-        out[key] = value.to(device, copy=True) if isinstance(value, torch.Tensor) else value
+    entries, keys = entries_and_names(tree, spec, rename, "vfsdp.checkpoint.to_state_dict")
+    out, error = {}, None
+    for name, value in stream_full(entries, dst):
+        if error is not None:
+            continue  # keep taking part in the collectives; raised below, on every rank
+        try:
+            out[keys[name]] = (value.to(device, copy=True) if isinstance(value, torch.Tensor)
+                               else value)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory on dst
+            error, out = exc, {}
+    agree(error)
     return out
 
 
@@ -167,29 +196,34 @@ def from_state_dict(state_dict: Optional[dict], tree_like: Any, spec: ShardSpec,
         >>> vfsdp.checkpoint.from_state_dict(sd, shards, spec)                    # doctest: +SKIP
     """
     rank = dist.get_rank()
-    entries = flatten(tree_like, spec, "vfsdp.checkpoint.from_state_dict")
-    key = {e.name: (rename(e.name) if rename else e.name) for e in entries}
+    entries, key = entries_and_names(tree_like, spec, rename, "vfsdp.checkpoint.from_state_dict")
     box: list = [None]
     if rank == src:
         dbs = [e.piece.db for e in entries if e.kind == "sharded" and e.piece.db is not None]
         coords = (dbs[0].groups.replicate_rank, dbs[0].groups.shard_rank) if dbs else (0, 0)
-        box[0] = _check_source(state_dict, entries, key, strict) + (coords,)
+        try:
+            box[0] = _check_source(state_dict, entries, key, strict) + (coords,)
+        except Exception as exc:  # noqa: BLE001 - sent to every rank
+            box[0] = (f"from_state_dict: checking the state dict failed: {exc}", {}, coords)
     dist.broadcast_object_list(box, group_src=src)
     err, values, coords = box[0]
     if err:
         raise CheckpointError(err)
+    failed: list = []  # a source-side failure: keep the collectives going, raise at the end
     with torch.no_grad():
         for db, group in _groups(entries):
             if db is None:
                 e = group[0]
                 if e.kind == "value":
                     continue
-                full = _broadcast_full(e, state_dict[key[e.name]] if rank == src else None, src)
+                full = _broadcast_full(e, state_dict[key[e.name]] if rank == src else None, src,
+                                       failed)
                 target = e.piece.local if e.kind == "sharded" else e.tensor
                 part = full.reshape(-1)[e.piece.start:e.piece.stop] if e.kind == "sharded" else full
                 target.copy_(part.reshape(target.shape))
                 continue
-            _scatter_unit(db, group, state_dict, key, rank == src, coords)
+            _scatter_unit(db, group, state_dict, key, rank == src, coords, failed)
+    agree(failed[0] if failed else None)
     return unflatten(tree_like, spec, values)
 
 
@@ -216,15 +250,20 @@ def _check_source(state_dict, entries, key, strict) -> tuple:
     return (None, {e.name: state_dict[key[e.name]] for e in entries if e.kind == "value"})
 
 
-def _broadcast_full(e: Entry, full: Optional[torch.Tensor], src: int) -> torch.Tensor:
+def _broadcast_full(e: Entry, full: Optional[torch.Tensor], src: int, failed: list) -> torch.Tensor:
     device = (e.piece.local if e.kind == "sharded" else e.tensor).device
-    buf = full.detach().to(device).contiguous() if full is not None else \
-        torch.empty(e.shape, dtype=e.dtype, device=device)
+    buf = torch.zeros(e.shape, dtype=e.dtype, device=device)
+    if full is not None:
+        try:
+            buf.copy_(full.detach())
+        except Exception as exc:  # noqa: BLE001 - reported on every rank after the loop
+            failed.append(exc)
     comm.broadcast_(buf, group_src=src)
     return buf
 
 
-def _scatter_unit(db, group: list, state_dict, key, is_src: bool, coords: tuple) -> None:
+def _scatter_unit(db, group: list, state_dict, key, is_src: bool, coords: tuple,
+                  failed: list) -> None:
     """The source packs the unit's global buffer and scatters it; ranks copy their pieces."""
     groups = db.groups
     src_rep, src_shard = coords
@@ -233,9 +272,12 @@ def _scatter_unit(db, group: list, state_dict, key, is_src: bool, coords: tuple)
         chunks = None
         if is_src:
             buf = torch.zeros(db.layout.padded_numel, dtype=db.dtype, device=db.device)
-            for e in group:
-                t = db.tensors[e.piece.index]
-                buf[t.offset:t.offset + t.numel].copy_(state_dict[key[e.name]].reshape(-1))
+            try:
+                for e in group:
+                    t = db.tensors[e.piece.index]
+                    buf[t.offset:t.offset + t.numel].copy_(state_dict[key[e.name]].reshape(-1))
+            except Exception as exc:  # noqa: BLE001 - e.g. a meta tensor; raised on every rank
+                failed.append(exc)
             chunks = list(buf.chunk(db.layout.world_size))
         comm.scatter_into(stage, chunks, group=groups.shard, group_src=src_shard)
     if groups.replicate is not None:

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 import vfsdp.checkpoint.states  # noqa: F401  (registers the optimizer states)
+from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.entries import (Entry, dtype_name, flatten, parse_dtype, tensor_bytes,
                                       unflatten)
 from vfsdp.checkpoint.storage import (FORMAT, MANIFEST, VERSION, CheckpointError,
@@ -73,15 +74,6 @@ def _digest(e: Entry) -> Any:
 
 def _summary(entries: list[Entry]) -> list:
     return [(e.name, e.kind, e.shape, str(e.dtype), _digest(e)) for e in entries]
-
-
-def _agree(error: Optional[str], group=None) -> None:
-    """Every rank raises if any rank had an error (the lowest rank's message)."""
-    errors: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    for r, err in enumerate(errors):
-        if err is not None:
-            raise CheckpointError(err if r == dist.get_rank(group) else f"rank {r}: {err}")
 
 
 def _check_consistent(entries: list[Entry], group) -> None:
@@ -141,22 +133,55 @@ def _prepare(path: str, overwrite: bool, group) -> str:
     """Rank 0 picks the temporary directory (and refuses to overwrite); all ranks learn it."""
     box: list = [None]
     if dist.get_rank(group) == 0:
-        if os.path.exists(path) and not overwrite:
-            box[0] = ("error", f"vfsdp.checkpoint.save: {path} exists; pass overwrite=True "
-                               f"to replace it")
-        else:
-            parent = os.path.dirname(os.path.abspath(path))
-            base = os.path.basename(os.path.abspath(path))
-            os.makedirs(parent, exist_ok=True)
-            for stale in os.listdir(parent):  # leftovers of saves that died
-                if stale.startswith(base + ".partial-"):
-                    shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
-            box[0] = ("ok", f"{os.path.abspath(path)}.partial-{uuid.uuid4().hex[:12]}")
+        try:
+            box[0] = ("ok", _prepare_rank0(path, overwrite))
+        except _Exists as exc:
+            box[0] = ("exists", str(exc))
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            box[0] = (type(exc).__name__, str(exc))
     dist.broadcast_object_list(box, group=group, group_src=0)
     status, value = box[0]
-    if status == "error":
+    if status == "exists":
         raise FileExistsError(value)
+    if status != "ok":
+        raise CheckpointError(f"vfsdp.checkpoint.save: preparing {path} failed on rank 0: "
+                              f"{status}: {value}")
     return value
+
+
+class _Exists(FileExistsError):
+    """The target exists and may not be replaced."""
+
+
+def _prepare_rank0(path: str, overwrite: bool) -> str:
+    path = os.path.abspath(path)
+    parent, base = os.path.dirname(path), os.path.basename(path)
+    os.makedirs(parent, exist_ok=True)
+    _recover_interrupted_overwrite(path)
+    if os.path.exists(path):
+        if not overwrite:
+            raise _Exists(f"vfsdp.checkpoint.save: {path} exists; pass overwrite=True to "
+                          f"replace it")
+        if not os.path.isdir(path) or (os.listdir(path) and
+                                       not os.path.exists(os.path.join(path, MANIFEST))):
+            raise _Exists(f"vfsdp.checkpoint.save: {path} exists and is not a vfsdp "
+                          f"checkpoint; overwrite=True only replaces checkpoints")
+    for stale in os.listdir(parent):  # leftovers of saves that died
+        if stale.startswith(base + ".partial-"):
+            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+    return f"{path}.partial-{uuid.uuid4().hex[:12]}"
+
+
+def _recover_interrupted_overwrite(path: str) -> None:
+    """An overwrite that died between its two renames left ``<path>.old-*`` and no ``<path>``:
+    put the previous checkpoint back."""
+    parent, base = os.path.dirname(path), os.path.basename(path)
+    if os.path.exists(path):
+        return
+    old = sorted(n for n in os.listdir(parent) if n.startswith(base + ".old-")
+                 and os.path.exists(os.path.join(parent, n, MANIFEST)))
+    if old:
+        os.rename(os.path.join(parent, old[-1]), path)
 
 
 def _commit(tmp: str, path: str) -> None:
@@ -203,8 +228,8 @@ def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], spec
             _write_manifest(tmp, entries, spec, world, gathered)
             _commit(tmp, path)
         except Exception as exc:  # noqa: BLE001
-            commit_err = f"committing {path} failed: {type(exc).__name__}: {exc}"
-    _agree(commit_err, group)
+            commit_err = CheckpointError(f"committing {path} failed: {type(exc).__name__}: {exc}")
+    agree(commit_err, group)
     return path
 
 
@@ -255,7 +280,7 @@ def _stage(entries: list[Entry], rank: int) -> dict:
 
 def _async_group():
     """A gloo group for background saves, so their collectives never interleave with training's."""
-    key = threading.get_ident()
+    key = (threading.get_ident(), id(dist.group.WORLD))  # a new default group needs a new one
     if key not in _ASYNC_GROUPS:
         _ASYNC_GROUPS[key] = dist.new_group(backend="gloo")
     return _ASYNC_GROUPS[key]
@@ -301,7 +326,7 @@ def save(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, overwrite: bool
     """
     path = os.fspath(path)
     wait_pending()
-    entries = flatten(tree, spec, "vfsdp.checkpoint.save")
+    entries = agreed(flatten, tree, spec, "vfsdp.checkpoint.save")
     _check_consistent(entries, None)
     if not async_save:
         tmp = _prepare(path, overwrite, None)
@@ -312,12 +337,12 @@ def save(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, overwrite: bool
         # write runs now (after the same snapshot); results are identical.
         tmp = _prepare(path, overwrite, None)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        future.set_result(_write(path, tmp, entries, _stage(entries, dist.get_rank()), spec,
-                                 None, thread_count))
+        data = agreed(_stage, entries, dist.get_rank())
+        future.set_result(_write(path, tmp, entries, data, spec, None, thread_count))
         return AsyncSave(future, path)
     group = _async_group()
     tmp = _prepare(path, overwrite, group)
-    data = _stage(entries, dist.get_rank())
+    data = agreed(_stage, entries, dist.get_rank())
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     key = threading.get_ident()
@@ -339,22 +364,42 @@ def _match(manifest: dict, entries: list[Entry], strict: bool, path: str) -> dic
                                   + (f" (similar: {near})" if near else "")
                                   + "; the tree's paths differ from the saved tree's")
         if (s["kind"] == "value") != (e.kind == "value"):
-            raise CheckpointError(f"{e.name}: the checkpoint holds a "
+            raise CheckpointError(f"{path}: {e.name}: the checkpoint holds a "
                                   f"{'value' if s['kind'] == 'value' else 'tensor'}, the tree a "
                                   f"{e.describe()}")
         if e.kind != "value":
             shape, dtype = tuple(s["shape"]), parse_dtype(s["dtype"])
             if shape != tuple(e.shape) or dtype != e.dtype:
-                raise CheckpointError(f"{e.name}: saved as {shape} {s['dtype']}, the tree has "
-                                      f"{tuple(e.shape)} {dtype_name(e.dtype)}; re-create the "
-                                      f"model and optimizer with the saved configuration")
+                raise CheckpointError(f"{path}: {e.name} was saved as {shape} {s['dtype']}, the "
+                                      f"tree has {tuple(e.shape)} {dtype_name(e.dtype)}; "
+                                      f"re-create the model and optimizer with the saved "
+                                      f"configuration")
+        elif _kind(s["value"]) != _kind(e.value):
+            raise CheckpointError(f"{path}: {e.name} was saved as the {type(s['value']).__name__} "
+                                  f"{s['value']!r}, the tree has a {type(e.value).__name__}")
     if strict:
         extra = sorted(set(saved) - {e.name for e in entries})
         if extra:
             raise CheckpointError(f"{path} holds entries the tree does not: {extra[:5]}"
                                   f"{' ...' if len(extra) > 5 else ''}; pass strict=False to "
                                   f"load a subset")
-    return {n: s["value"] for n, s in saved.items() if s["kind"] == "value"}
+    like = {e.name: e.value for e in entries if e.kind == "value"}
+    return {n: _coerce(s["value"], like[n]) for n, s in saved.items() if n in like}
+
+
+def _kind(value) -> type:
+    """bool, int, float or str: what JSON keeps of a value (an IntEnum is an int)."""
+    return next(t for t in (bool, int, float, str) if isinstance(value, t))
+
+
+def _coerce(saved, like):
+    """The saved value as the like value's own type where it is a subclass (e.g. an IntEnum)."""
+    if type(like) in (bool, int, float, str):
+        return saved
+    try:
+        return type(like)(saved)
+    except (TypeError, ValueError):
+        return saved
 
 
 def load(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *, strict: bool = True,
@@ -401,21 +446,10 @@ def load(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *, strict: bo
                 raise CheckpointError(f"checkpoint {path}: {_METADATA} is corrupt (CRC-32)")
     except (CheckpointError, OSError, TypeError, ValueError) as exc:
         err = exc
-    _agree_exc(err)
+    agree(err)
     try:
         dcp.load(load_state(entries), storage_reader=FileSystemReader(path),
                  planner=VerifyingLoadPlanner(path, manifest, verify))
     except CheckpointException as exc:
         raise _unwrap(exc, "vfsdp.checkpoint.load") from None
     return unflatten(tree_like, spec, values)
-
-
-def _agree_exc(err: Optional[BaseException]) -> None:
-    """Raise ``err`` here, or a CheckpointError when another rank failed (no rank hangs)."""
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if err is None else f"{type(err).__name__}: {err}")
-    if err is not None:
-        raise err
-    for r, e in enumerate(errors):
-        if e is not None:
-            raise CheckpointError(f"rank {r}: {e}")

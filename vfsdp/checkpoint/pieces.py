@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Piece", "boxes", "boxes_reference"]
+__all__ = ["Piece", "boxes", "boxes_reference", "per_rank"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,10 @@ class Piece:
     def __post_init__(self) -> None:
         numel = math.prod(self.shape)
         n = self.local.numel()
+        if not self.local.is_contiguous():
+            raise ValueError(f"a Piece's local tensor must be contiguous (loads write through "
+                             f"it), got strides {self.local.stride()} for shape "
+                             f"{tuple(self.local.shape)}")
         if self.start < 0 or self.start + n > numel:
             raise ValueError(f"piece [{self.start}, {self.start + n}) is outside a tensor of "
                              f"{numel} elements {tuple(self.shape)}")
@@ -126,3 +130,17 @@ def boxes_reference(shape: tuple, start: int, stop: int) -> set:
         sl = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
         covered |= set(idx[sl].reshape(-1).tolist())
     return covered
+
+
+def per_rank(t: torch.Tensor, rank: int, world: int) -> Piece:
+    """Checkpoint data that differs per rank (RNG or data-loader state) as a :class:`Piece`.
+
+    Rank ``r``'s tensor is row ``r`` of a global ``(world, *t.shape)`` tensor, so it reloads
+    on the same world size only (another world size is refused as a shape mismatch).
+
+    Example:
+        >>> p = per_rank(torch.zeros(3), rank=1, world=4)
+        >>> p.shape, p.start
+        ((4, 3), 3)
+    """
+    return Piece(t, (world, *t.shape), rank * t.numel())

@@ -4,7 +4,7 @@ The format is simple enough to stream: an 8-byte little-endian header length, a 
 ``{name: {dtype, shape, data_offsets}}`` and the raw bytes. Shapes and dtypes are known from
 the spec before any data moves, so the header is written first and each unit's tensors are
 appended as the unit is gathered: the writing rank never holds more than one unit. Reading
-needs no collective at all: each rank seeks to the bytes of its own pieces and reads only
+moves no data between ranks: each rank seeks to the bytes of its own pieces and reads only
 those. vfsdp writes and reads the format itself; the ``safetensors`` package is not needed.
 """
 
@@ -19,8 +19,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, tensor_bytes, unflatten
-from vfsdp.checkpoint.export import Rename, stream_full, stream_order
+from vfsdp.checkpoint.agree import agree, agreed
+from vfsdp.checkpoint.entries import Entry, tensor_bytes, unflatten
+from vfsdp.checkpoint.export import Rename, entries_and_names, stream_full, stream_order
+from vfsdp.checkpoint.entries import dtype_name, flatten
 from vfsdp.checkpoint.storage import CheckpointError
 from vfsdp.planner.spec import ShardSpec
 
@@ -66,17 +68,48 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
 
     Raises:
         TypeError: a dtype safetensors cannot store, or non-string metadata.
+        ValueError: ``rename`` maps two names to one key.
+        OSError: the file cannot be written (on ``dst``; the others raise CheckpointError).
 
     Example:
         >>> vfsdp.checkpoint.save_safetensors("model.safetensors", shards, spec)  # doctest: +SKIP
     """
     path = os.fspath(path)
-    entries = flatten(tree, spec, "vfsdp.checkpoint.save_safetensors")
-    order = [e for e in stream_order(entries) if e.kind != "value"]
-    names = {e.name: (rename(e.name) if rename else e.name) for e in entries}
+    rank = dist.get_rank()
+    entries, names = entries_and_names(tree, spec, rename, "vfsdp.checkpoint.save_safetensors")
+    blob = agreed(_header, entries, names, metadata)  # every rank checks dtypes and metadata
+    tmp = f"{os.path.abspath(path)}.partial-{uuid.uuid4().hex[:12]}"
+    f = agreed(_open, tmp, blob) if rank == dst else agreed(lambda: None)
+    error = None
+    for _, value in stream_full(entries, dst):
+        if f is None or error is not None or not isinstance(value, torch.Tensor):
+            continue  # keep taking part in the collectives; a failure is raised below
+        try:
+            f.write(tensor_bytes(value))
+        except Exception as exc:  # noqa: BLE001 - e.g. disk full
+            error = exc
+    if f is not None:
+        try:
+            if error is None:
+                f.flush()
+                os.fsync(f.fileno())
+            f.close()
+            if error is None:
+                os.replace(tmp, path)
+        except Exception as exc:  # noqa: BLE001
+            error = error or exc
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    agree(error)
+
+
+def _header(entries: list[Entry], names: dict, metadata: Optional[dict]) -> bytes:
     header: dict = {}
     offset = 0
-    for e in order:
+    for e in stream_order(entries):
+        if e.kind == "value":
+            continue
         n = _nbytes(e)
         header[names[e.name]] = {"dtype": _code(e), "shape": list(e.shape),
                                  "data_offsets": [offset, offset + n]}
@@ -89,28 +122,15 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
         meta[_VALUES] = json.dumps(values)
     if meta:
         header["__metadata__"] = meta
-    rank = dist.get_rank()
-    f, tmp = None, f"{path}.partial-{uuid.uuid4().hex[:12]}"
-    try:
-        if rank == dst:
-            blob = json.dumps(header, separators=(",", ":")).encode()
-            blob += b" " * (-len(blob) % 8)
-            f = open(tmp, "wb")
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-        for name, value in stream_full(entries, dst):
-            if f is not None and isinstance(value, torch.Tensor):
-                f.write(tensor_bytes(value))
-        if f is not None:
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-            f = None
-            os.replace(tmp, path)
-    finally:
-        if f is not None:
-            f.close()
-            os.remove(tmp)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    return blob + b" " * (-len(blob) % 8)
+
+
+def _open(tmp: str, blob: bytes):
+    f = open(tmp, "wb")
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    return f
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict, int]:
@@ -142,8 +162,9 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
                      strict: bool = True, rename: Rename = None) -> Any:
     """Fill ``tree_like`` from a safetensors file: each rank reads only its own slices.
 
-    No collective: every rank seeks to the byte ranges of its pieces and reads them
-    into its shards (through a host buffer of that size).
+    Each rank seeks to the byte ranges of its own pieces and reads only those (through a
+    host buffer of that size); the only collective is a final exchange of errors, so that
+    every rank raises if any rank fails.
 
     Args:
         path: A safetensors file (written by :func:`save_safetensors`, ``safetensors`` or a
@@ -164,10 +185,20 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
         >>> vfsdp.checkpoint.load_safetensors("model.safetensors", shards, spec)  # doctest: +SKIP
     """
     path = os.fspath(path)
+    values = agreed(_read_into, path, tree_like, spec, strict, rename)
+    return unflatten(tree_like, spec, values)
+
+
+def _read_into(path: str, tree_like: Any, spec: ShardSpec, strict: bool, rename: Rename) -> dict:
     header, base = read_header(path)
     entries = flatten(tree_like, spec, "vfsdp.checkpoint.load_safetensors")
     values = json.loads(header.get("__metadata__", {}).get(_VALUES, "{}"))
-    names = {e.name: (rename(e.name) if rename else e.name) for e in entries}
+    names: dict = {}
+    for e in entries:
+        key = rename(e.name) if rename else e.name
+        if key in names.values():
+            raise ValueError(f"load_safetensors: rename maps two entries to {key!r}")
+        names[e.name] = key
     for e in entries:
         key = names[e.name]
         if e.kind == "value":
@@ -179,7 +210,7 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
             raise CheckpointError(f"{path}: no tensor {key!r} (for {e.name})")
         if tuple(rec["shape"]) != tuple(e.shape) or _DTYPES.get(rec["dtype"]) != e.dtype:
             raise CheckpointError(f"{path}: {key!r} is {tuple(rec['shape'])} {rec['dtype']}, "
-                                  f"{e.name} needs {tuple(e.shape)} {_code(e)}")
+                                  f"{e.name} needs {tuple(e.shape)} {dtype_name(e.dtype)}")
     if strict:
         extra = sorted(set(header) - {"__metadata__"} - {names[e.name] for e in entries
                                                           if e.kind != "value"})
@@ -201,5 +232,4 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
             if f.readinto(raw) != nbytes:
                 raise CheckpointError(f"{path}: {e.name} ends early (truncated)")
             target.copy_(torch.frombuffer(raw, dtype=target.dtype).view(target.shape))
-    return unflatten(tree_like, spec, {e.name: values[names[e.name]] for e in entries
-                                       if e.kind == "value"})
+    return {e.name: values[names[e.name]] for e in entries if e.kind == "value"}

@@ -156,7 +156,7 @@ def verify_files(root: str, manifest: dict) -> None:
     """
     holds: dict = {}
     for key, rec in manifest["items"].items():
-        holds.setdefault(rec[0], set()).add(key.split("@")[0])
+        holds.setdefault(rec[0], set()).add(key.rsplit("@", 1)[0])
     for rel, size in sorted(manifest["files"].items()):
         path = os.path.join(root, rel)
         inside = sorted(holds.get(rel, ()))
@@ -198,8 +198,8 @@ class VerifyingLoadPlanner(DefaultLoadPlanner):
             for (off, length, crc, key), actual in zip(recs, got):
                 if actual != crc:
                     raise CheckpointError(
-                        f"checkpoint {self._root}: {key.split('@')[0]} is corrupt (chunk at "
-                        f"[{key.split('@')[1]}] in {rel}, bytes {off}..{off + length}: CRC-32 "
+                        f"checkpoint {self._root}: {key.rsplit('@', 1)[0]} is corrupt (chunk at "
+                        f"[{key.rsplit('@', 1)[1]}] in {rel}, bytes {off}..{off + length}: CRC-32 "
                         f"{actual:08x}, expected {crc:08x})")
         return plan
 
@@ -214,10 +214,15 @@ def read_manifest(root: str) -> dict:
     if not os.path.isdir(root):
         parent = os.path.dirname(os.path.abspath(root)) or "."
         base = os.path.basename(os.path.abspath(root))
-        partial = sorted(n for n in os.listdir(parent) if n.startswith(base + ".partial-")) \
-            if os.path.isdir(parent) else []
+        near = os.listdir(parent) if os.path.isdir(parent) else []
+        partial = sorted(n for n in near if n.startswith(base + ".partial-"))
+        old = sorted(n for n in near if n.startswith(base + ".old-"))
         hint = (f"; {len(partial)} unfinished save(s) exist ({partial[0]}), which are never "
                 f"loaded") if partial else ""
+        if old:
+            hint += (f"; an overwrite of it was interrupted and the previous checkpoint is "
+                     f"intact at {os.path.join(parent, old[-1])} (rename it back, or save to "
+                     f"{root} again, which restores it first)")
         raise FileNotFoundError(f"no checkpoint at {root}{hint}")
     path = os.path.join(root, MANIFEST)
     if not os.path.exists(path):

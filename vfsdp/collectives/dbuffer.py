@@ -36,6 +36,7 @@ __all__ = ["DBuffer", "owner_of", "global_owner", "live_dbuffers"]
 _OWNERS: "weakref.WeakValueDictionary[int, DBuffer]" = weakref.WeakValueDictionary()
 _GLOBAL_OWNERS: "weakref.WeakValueDictionary[int, DBuffer]" = weakref.WeakValueDictionary()
 _ATTR = "_vfsdp_dbuffer"
+_INDEX = "_vfsdp_index"  # on local views: which tensor of the unit (exact even when empty)
 
 
 def owner_of(t: torch.Tensor) -> Optional["DBuffer"]:
@@ -151,9 +152,11 @@ class DBuffer:
 
     def local(self, i: Union[int, tuple]) -> torch.Tensor:
         """Tensor ``i``'s local piece: a leaf tensor aliasing the shard (its local shape)."""
-        lo, shape = self._local_spec[i if isinstance(i, int) else self.index(i)]
+        k = i if isinstance(i, int) else self.index(i)
+        lo, shape = self._local_spec[k]
         out = _alias(self.shard, lo, shape)
         setattr(out, _ATTR, self)
+        setattr(out, _INDEX, k)
         return out
 
     def full(self, i: Union[int, tuple]) -> torch.Tensor:
@@ -213,6 +216,12 @@ class DBuffer:
     @property
     def is_allocated(self) -> bool:
         return self._global.untyped_storage().nbytes() > 0
+
+    def view_index(self, t: torch.Tensor) -> Optional[int]:
+        """Which tensor's local piece ``t`` is, when ``t`` came from :meth:`local`, else ``None``."""
+        k = getattr(t, _INDEX, None)
+        return k if getattr(t, _ATTR, None) is self and k is not None \
+            and self.is_local_view(k, t) else None
 
     def is_local_view(self, i: int, t: torch.Tensor) -> bool:
         """Whether ``t`` is exactly tensor ``i``'s local piece (same memory, shape, strides)."""

@@ -61,6 +61,12 @@ def flat_redistribute(sources: Sequence[torch.Tensor], src: Sequence[Ranges],
 
     Raises:
         ValueError: sources of different dtypes, or a destination element no rank holds.
+
+    Example:
+        >>> # ragged (7, 0, 3 elements) -> even Shard(0) rows of a (5, 2) tensor on 3 ranks
+        >>> src = [[(0, 7), (7, 7), (7, 10)]]
+        >>> dst = [[shard0_range((5, 2), 3, r) for r in range(3)]]
+        >>> mine = flat_redistribute([piece], src, dst)   # doctest: +SKIP
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     dtypes = {s.dtype for s in sources}
@@ -69,6 +75,10 @@ def flat_redistribute(sources: Sequence[torch.Tensor], src: Sequence[Ranges],
     dtype = dtypes.pop() if dtypes else torch.float32
     device = device or (sources[0].device if sources else torch.device("cpu"))
     for i in range(len(sources)):
+        lo, hi = src[i][rank]
+        if sources[i].numel() != hi - lo:
+            raise ValueError(f"flat_redistribute: tensor {i}: this rank's source has "
+                             f"{sources[i].numel()} elements, its range [{lo}, {hi}) {hi - lo}")
         want = sum(hi - lo for lo, hi in dst[i])
         have = sum(_cut(s, d)[1] - _cut(s, d)[0] for s in src[i] for d in dst[i])
         if have != want:

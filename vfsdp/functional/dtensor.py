@@ -28,6 +28,7 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from vfsdp.collectives.agree import agreed
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.groups import default_mesh, resolve_groups
 from vfsdp.collectives.redistribute import flat_redistribute, shard0_range
@@ -152,13 +153,18 @@ def _target_range(t: TensorSpec, rank: int) -> tuple[int, int]:
     return (0, t.numel)  # a 0-d tensor: replicated
 
 
-def _source_ranges(x: Any, t: TensorSpec, rank: int, m: int, path: str) -> tuple[list, torch.Tensor]:
+def _source_ranges(x: Any, t: TensorSpec, rank: int, m: int, path: str,
+                   t_mesh: tuple) -> tuple[list, torch.Tensor]:
     """Per-rank source ranges of a DTensor (or full tensor) leaf, and this rank's piece."""
     if isinstance(x, DTensor):
         places = list(x.placements)
         if tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
             raise ValueError(f"vfsdp.from_dtensor: {path} is {tuple(x.shape)} {x.dtype}, the "
                              f"spec says {tuple(t.shape)} {t.dtype}")
+        mesh_shape = tuple(x.device_mesh.shape)
+        if len(mesh_shape) != len(t_mesh) or mesh_shape[-1] != m:
+            raise ValueError(f"vfsdp.from_dtensor: {path} lives on a mesh of shape {mesh_shape}, "
+                             f"the spec was planned for {t_mesh}")
         if any(not isinstance(p, Replicate) for p in places[:-1]):
             raise ValueError(f"vfsdp.from_dtensor: {path} has placements {places}; every dim "
                              f"but the last (shard) mesh dim must be Replicate()")
@@ -167,7 +173,16 @@ def _source_ranges(x: Any, t: TensorSpec, rank: int, m: int, path: str) -> tuple
         if isinstance(last, Replicate):
             x_full = local
         elif isinstance(last, Shard) and last.dim == 0 and type(last) is Shard:
-            return [shard0_range(tuple(t.shape), m, r) for r in range(m)], local
+            if x.device_mesh.get_local_rank(len(mesh_shape) - 1) != rank:
+                raise ValueError(f"vfsdp.from_dtensor: {path}'s mesh orders the shard dim "
+                                 f"differently from the spec's groups; pass mesh= (the same "
+                                 f"DeviceMesh) to from_dtensor")
+            ranges = [shard0_range(tuple(t.shape), m, r) for r in range(m)]
+            if local.numel() != ranges[rank][1] - ranges[rank][0]:
+                raise ValueError(f"vfsdp.from_dtensor: {path}'s local shard has {local.numel()} "
+                                 f"elements, Shard(0) on this rank needs "
+                                 f"{ranges[rank][1] - ranges[rank][0]}")
+            return ranges, local
         else:
             raise ValueError(f"vfsdp.from_dtensor: {path} has placement {last!r}; vfsdp reads "
                              f"Replicate() and Shard(0): call .redistribute(placements=[...,"
@@ -203,25 +218,30 @@ def from_dtensor(tree: Any, spec: ShardSpec, *, mesh: Any = None,
         The tree of local shards (views into new DBuffers).
 
     Raises:
-        ValueError: structure, shape or dtype mismatch, or a placement other than
-            ``Replicate()`` / ``Shard(0)`` (naming the path).
+        ValueError: structure, shape or dtype mismatch, a placement other than
+            ``Replicate()`` / ``Shard(0)``, or a mesh that does not match the spec (naming
+            the path); every rank raises.
 
     Example:
         >>> shards = vfsdp.from_dtensor(dtensor_state_dict_tree, spec)  # doctest: +SKIP
     """
     leaves = match_tree(tree, spec, "vfsdp.from_dtensor")
     groups = resolve_groups(spec, mesh)
+    units = group_by_unit(spec)
+    m, rank = spec.world_size, groups.shard_rank
+
+    def sources():  # local checks first: a bad leaf on one rank must not hang the others
+        return {key: [_source_ranges(leaves[i], t, rank, m, format_path(t.path), spec.mesh_shape)
+                      for i, t in members] for key, members in units.items()}
+
+    found = agreed(sources)
     out = list(leaves)
     with torch.no_grad():
-        for key, members in group_by_unit(spec).items():
+        for key, members in units.items():
             db = DBuffer(spec, key, groups)
-            m, rank = db.layout.world_size, db.rank
-            src, dst, pieces = [], [], []
-            for i, t in members:
-                ranges, piece = _source_ranges(leaves[i], t, rank, m, format_path(t.path))
-                src.append(ranges)
-                dst.append([t.local_range(r) for r in range(m)])
-                pieces.append(piece.to(db.device))
+            src = [ranges for ranges, _ in found[key]]
+            pieces = [piece.to(db.device) for _, piece in found[key]]
+            dst = [[t.local_range(r) for r in range(m)] for _, t in members]
             got = flat_redistribute(pieces, src, dst, groups.shard, db.device)
             for (i, t), piece in zip(members, got):
                 local = db.local(db.index(t.path))

@@ -1,0 +1,50 @@
+"""Every rank raises when any rank fails: no rank is left waiting in a collective.
+
+Distributed functions do local work (flattening a tree, opening a file, checking a leaf)
+between collectives. If that work fails on some ranks only, the others would block in the next
+collective forever. So failures are exchanged first, and every rank raises: the failing rank
+its own error, the others ``error_type`` naming the failing rank and its error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+__all__ = ["agree", "agreed"]
+
+
+def agree(error: Optional[BaseException], group=None, error_type: type = RuntimeError) -> None:
+    """Collective: raise ``error`` here, or ``error_type`` if another rank had one.
+
+    Example:
+        >>> err = None                      # doctest: +SKIP
+        >>> try: open_my_file()             # doctest: +SKIP
+        ... except OSError as exc: err = exc
+        >>> agree(err)                      # doctest: +SKIP
+    """
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    errors: list = [None] * dist.get_world_size(group)
+    msg = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(errors, msg, group=group)
+    if error is not None:
+        raise error
+    for r, e in enumerate(errors):
+        if e is not None:
+            raise error_type(f"rank {r} failed: {e}")
+
+
+def agreed(fn: Callable[..., Any], *args: Any, group=None, error_type: type = RuntimeError,
+           **kwargs: Any) -> Any:
+    """Collective: ``fn(*args, **kwargs)`` on every rank; if it raises anywhere, all raise."""
+    out, error = None, None
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+        error = exc
+    agree(error, group, error_type)
+    return out

@@ -299,7 +299,8 @@ def save(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, overwrite: bool
     """Save ``tree`` (shards, optimizer states, step, extras) as a DCP checkpoint; collective.
 
     Args:
-        path: Directory to create. It appears only when the save is complete.
+        path: Directory to create, on a filesystem every rank can read (as DCP needs to
+            load). It appears only when the save is complete.
         tree: Any pytree of parameter shards (``vfsdp.shard``'s tree), optimizer states,
             other tensors (replicated: equal on every rank) and ``bool``/``int``/``float``/
             ``str`` values.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
 from typing import Any, Optional
 
@@ -131,14 +132,21 @@ def _crc_ranges(path: str, ranges: list) -> list:
     return out
 
 
+def _writer_of(rel: str, i: int, world: int) -> int:
+    """The rank that wrote a DCP file (``__<rank>_<n>.distcp``), so each rank checksums what
+    it wrote itself, still in its page cache; other names are spread round-robin."""
+    m = re.match(r"__(\d+)_", rel)
+    return int(m.group(1)) % world if m else i % world
+
+
 def checksum_items(root: str, storage_data: dict, rank: int, world: int) -> tuple[dict, dict]:
-    """CRCs of the stored items in this rank's share of the files, and those files' sizes."""
+    """CRCs of the stored items in the files this rank wrote, and those files' sizes."""
     by_file: dict = {}
     for index, info in storage_data.items():
         by_file.setdefault(info.relative_path, []).append((index, info))
     crcs, sizes = {}, {}
     for i, rel in enumerate(sorted(by_file)):
-        if i % world != rank:
+        if _writer_of(rel, i, world) != rank:
             continue
         items = sorted(by_file[rel], key=lambda x: x[1].offset)
         path = os.path.join(root, rel)

@@ -19,9 +19,9 @@ def test_renamed_trees_with_empty_pieces_save_and_load(tmp_path):
 
 
 def test_a_bad_leaf_on_one_rank_raises_everywhere(tmp_path):
-    mine, other = simulate(2, rb.one_rank_bad_leaf, str(tmp_path / "c"), timeout=QUICK)
-    assert mine.startswith("CheckpointError: rank 1 failed: TypeError") and "x is a object" in mine
-    assert other.startswith("TypeError") and "x is a object" in other
+    rank0, rank1 = simulate(2, rb.one_rank_bad_leaf, str(tmp_path / "c"), timeout=QUICK)
+    assert rank0.startswith("CheckpointError: rank 1 failed: TypeError") and "x is a object" in rank0
+    assert rank1.startswith("TypeError") and "x is a object" in rank1
 
 
 def test_rename_collisions_are_refused_on_every_rank(tmp_path):

@@ -11,6 +11,7 @@ those. vfsdp writes and reads the format itself; the ``safetensors`` package is 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import uuid
@@ -45,10 +46,7 @@ def _code(e: Entry) -> str:
 
 
 def _nbytes(e: Entry) -> int:
-    n = 1
-    for d in e.shape:
-        n *= d
-    return n * torch.empty((), dtype=e.dtype).element_size()
+    return math.prod(e.shape) * e.dtype.itemsize
 
 
 def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst: int = 0,

@@ -8,6 +8,7 @@ sends rank ``r`` the intersection of its source range with ``r``'s destination r
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -30,9 +31,7 @@ def shard0_range(shape: tuple, world: int, rank: int) -> tuple[int, int]:
     if not shape:
         raise ValueError("Shard(0) needs at least one dim")
     rows = shape[0]
-    inner = 1
-    for d in shape[1:]:
-        inner *= d
+    inner = math.prod(shape[1:])
     chunk = -(-rows // world) if rows else 0
     lo = min(rank * chunk, rows)
     hi = min(lo + chunk, rows)

@@ -22,6 +22,7 @@ shards (``vfsdp.gather``, ``vfsdp.clip_grad_norm``, ``vfsdp.checkpoint``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import optree
@@ -130,7 +131,7 @@ def _even_copies(db: DBuffer, moved: list, out: list, device_mesh, lead: list) -
     for j, ((i, _, t), piece) in enumerate(zip(moved, pieces)):
         if t.shape:
             lo, hi = dst[j][db.rank]
-            rows = (hi - lo) // max(1, _inner(t.shape))
+            rows = (hi - lo) // max(1, math.prod(t.shape[1:]))
             local = piece.view((rows,) + tuple(t.shape[1:]))
             place = Shard(0)
         else:
@@ -138,13 +139,6 @@ def _even_copies(db: DBuffer, moved: list, out: list, device_mesh, lead: list) -
         out[i] = DTensor.from_local(local, device_mesh, lead + [place], run_check=False,
                                     shape=torch.Size(t.shape),
                                     stride=torch.empty(t.shape, device="meta").stride())
-
-
-def _inner(shape) -> int:
-    n = 1
-    for d in shape[1:]:
-        n *= d
-    return n
 
 
 def _target_range(t: TensorSpec, rank: int) -> tuple[int, int]:

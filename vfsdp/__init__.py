@@ -1,25 +1,49 @@
 """vfsdp: functional, structure-aware FSDP for PyTorch (after veScale-FSDP).
 
-The public API, re-exported from its subpackages.
+What a user calls, on one screen::
+
+    plan, rows, whole, ShapeDtype, check_spec, plan_stats     # plan (pure)
+    ShardSpec, UnitLayout, TensorSpec, RaggedShard            # what a plan holds
+    shard, scatter, gather, gather_async, release             # shards <-> full tensors
+    reduce_scatter, run_layers, grads, zero_grads             # gradients
+    clip_grad_norm                                            # one all-reduce
+    to_dtensor, from_dtensor, dtensor_placement               # DTensor interop
+    init, optim, checkpoint, testing                          # namespaces
+
+The layers underneath (each imports only the ones below it)::
+
+    testing                 simulate/spawn, probes, references, hypothesis strategies
+    optim    checkpoint     optimizers | save/load, state dicts  (siblings)
+    functional              shard/scatter/gather/reduce over pytrees, run_layers, init
+    collectives             Unit, DBuffer, collectives, groups, redistribute
+    planner                 plan, spec (pure: no torch.distributed)
+    placements              RaggedShard (pure data)
 """
 
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from vfsdp import checkpoint, optim, testing
 from vfsdp.functional import (
-    dbuffers,
     dtensor_placement,
     from_dtensor,
     gather,
     gather_async,
     grads,
+    init,
     reduce_scatter,
     release,
     run_layers,
+    scatter,
     shard,
     to_dtensor,
     zero_grads,
 )
-from vfsdp.placements import RaggedShard, Replicate, assemble_reference, split_reference
+from vfsdp.optim import clip_grad_norm
+from vfsdp.placements import RaggedShard
 from vfsdp.planner import (
-    PASSTHROUGH,
     ShapeDtype,
     ShardSpec,
     TensorSpec,
@@ -31,44 +55,36 @@ from vfsdp.planner import (
     whole,
 )
 
-from vfsdp import optim  # noqa: E402  (a namespace: vfsdp.optim.adamw, ...)
-from vfsdp.functional import init  # noqa: E402  (a namespace: vfsdp.init.normal, ...)
-from vfsdp.optim import clip_grad_norm  # noqa: E402
-from vfsdp import testing  # noqa: E402  (vfsdp.testing.simulate, spawn, probes)
-from vfsdp import checkpoint  # noqa: E402  (vfsdp.checkpoint.save, load, ...)
-
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "checkpoint",
-    "clip_grad_norm",
-    "dtensor_placement",
-    "from_dtensor",
-    "to_dtensor",
-    "optim",
-    "init",
-    "testing",
-    "dbuffers",
-    "gather",
-    "gather_async",
-    "grads",
-    "zero_grads",
-    "reduce_scatter",
-    "release",
-    "run_layers",
-    "shard",
-    "RaggedShard",
-    "Replicate",
-    "assemble_reference",
-    "split_reference",
-    "PASSTHROUGH",
-    "ShapeDtype",
-    "ShardSpec",
-    "TensorSpec",
-    "UnitLayout",
-    "check_spec",
-    "plan",
-    "plan_stats",
-    "rows",
-    "whole",
+    "plan", "rows", "whole", "ShapeDtype", "check_spec", "plan_stats",
+    "ShardSpec", "UnitLayout", "TensorSpec", "RaggedShard",
+    "shard", "scatter", "gather", "gather_async", "release",
+    "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm",
+    "to_dtensor", "from_dtensor", "dtensor_placement",
+    "init", "optim", "checkpoint", "testing",
 ]
+
+_MOVED = {
+    "dbuffers": ("vfsdp.functional", "dbuffers",
+                 "read a shard's buffers from the shard: vfsdp.collectives.slot_of(t).unit"),
+    "PASSTHROUGH": ("vfsdp.planner", "PASSTHROUGH", "it is the planner's marker"),
+    "assemble_reference": ("vfsdp.testing", "assemble_reference", "references live there"),
+    "split_reference": ("vfsdp.testing", "split_reference", "references live there"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Names 0.1 exported that moved: a FutureWarning, then the object from its new home."""
+    if name in _MOVED:
+        module, attr, why = _MOVED[name]
+        warnings.warn(f"vfsdp.{name} moved to {module}.{attr} ({why}) and will be removed from "
+                      f"vfsdp in 0.3", FutureWarning, stacklevel=2)
+        import importlib
+
+        return getattr(importlib.import_module(module), attr)
+    if name == "Replicate":
+        raise AttributeError("vfsdp.Replicate was removed in 0.2: nothing in vfsdp produced or "
+                             "read it; DTensor's is torch.distributed.tensor.Replicate")
+    raise AttributeError(f"module 'vfsdp' has no attribute {name!r}")

@@ -1,12 +1,19 @@
-"""The one place vfsdp touches private torch APIs. Checked against torch 2.13.
+"""The one place vfsdp touches private torch APIs. Checked against torch 2.13 (and 2.11).
 
-* ``functorch_active()``: whether a ``torch.func`` transform is running
+* :func:`functorch_active`: whether a ``torch.func`` transform is running
   (``torch._C._are_functorch_transforms_active``). Inside one, the gather's backward must not
   mutate tensors created outside the transform, so it returns fresh gradients instead of
   writing into the persistent gradient DBuffer.
-* ``threaded_world()``: ``torch.testing._internal.distributed.multi_threaded_pg`` provides a
+* :func:`storage_id`: an identity for a tensor's storage object (``StorageImpl`` address,
+  ``untyped_storage()._cdata``) that survives resizes of its memory, for the memory probes.
+* :class:`TorchDispatchMode` (``torch.utils._python_dispatch``): the dispatcher hook the
+  op counters and memory probes are built on.
+* :func:`threaded_world`: ``torch.testing._internal.distributed.multi_threaded_pg`` provides a
   ``"threaded"`` backend whose collectives run between threads of one process, on real
   tensors; ``vfsdp.testing.simulate`` runs one thread per rank on it.
+* :func:`groups_are_per_thread`: whether process groups are private to the thread that made
+  them: true while :func:`threaded_world` has c10d's thread isolation mode on (``simulate``),
+  where a background thread cannot use a rank's group.
 
 Other torch versions may move or change these, so they are guarded and versioned here.
 """
@@ -15,14 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from typing import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["functorch_active", "threaded_world", "report_failure", "TESTED_TORCH"]
+__all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_world",
+           "report_failure", "groups_are_per_thread", "TESTED_TORCH"]
 
-TESTED_TORCH = ((2, 13),)
+TESTED_TORCH = ((2, 11), (2, 13))
 _LOCK = threading.Lock()
+_ISOLATED = threading.Event()  # set while threaded_world() has thread isolation on
 
 
 def _torch_version() -> tuple[int, int]:
@@ -36,10 +47,22 @@ def functorch_active() -> bool:
     return bool(probe()) if probe is not None else False
 
 
+def storage_id(t: torch.Tensor) -> int:
+    """An identity of ``t``'s storage object, stable across resizes of its memory.
+
+    Raises:
+        RuntimeError: ``t`` has no storage (e.g. a functorch wrapper).
+    """
+    return t.untyped_storage()._cdata
+
+
+def groups_are_per_thread() -> bool:
+    """Whether c10d process groups belong to the thread that created them (``simulate``)."""
+    return _ISOLATED.is_set()
+
+
 def _module():
     if _torch_version() not in TESTED_TORCH:
-        import warnings
-
         warnings.warn(
             f"vfsdp.testing.simulate was tested with torch {TESTED_TORCH}; torch "
             f"{torch.__version__} may have changed its threaded process group",
@@ -65,12 +88,14 @@ def threaded_world() -> Iterator[object]:
         raise RuntimeError("vfsdp.testing.simulate cannot nest or run concurrently")
     try:
         torch._C._distributed_c10d._set_thread_isolation_mode(True)
+        _ISOLATED.set()
         mtp._install_threaded_pg()
         try:
             yield mtp
         finally:
             mtp.ProcessLocalGroup.reset()
             mtp._uninstall_threaded_pg()
+            _ISOLATED.clear()
             torch._C._distributed_c10d._set_thread_isolation_mode(False)
     finally:
         _LOCK.release()

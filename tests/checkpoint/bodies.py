@@ -301,9 +301,9 @@ def _synthetic_grads(shards, spec):
 
 
 def spec_rank(local) -> int:
-    from vfsdp.collectives.dbuffer import owner_of
+    from vfsdp.collectives import slot_of
 
-    return owner_of(local).rank
+    return slot_of(local).buffer.rank
 
 
 def step_after(path: str, name: str, save: bool, mesh=None):

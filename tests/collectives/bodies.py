@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 import vfsdp
-from vfsdp.collectives import DBuffer, reduce_scatter_reference, resolve_groups
+from vfsdp.collectives import DBuffer, Role, reduce_scatter_reference, resolve_groups
 
 
 def _unit_spec(world, mesh=None):
@@ -15,12 +15,12 @@ def _unit_spec(world, mesh=None):
 def group_ops_keep_padding_zero():
     world = dist.get_world_size()
     spec = _unit_spec(world)
-    db = DBuffer(spec, ("layers", 0), resolve_groups(spec))
-    for k, local in enumerate(db.locals()):
+    db = DBuffer(spec.units[("layers", 0)], resolve_groups(spec))
+    for k, local in enumerate(db.local_views()):
         local.data.fill_(1.0 + k)
-    other = db.like(role="state")
+    other = db.like()
     other.copy_(db).scale_(3.0).add_(db, alpha=-1.0)
-    cast = db.like(torch.bfloat16, role="bf16")
+    cast = db.like(torch.bfloat16, name="bf16")
     cast.copy_(db)
     mask = torch.ones(db.shard.numel(), dtype=torch.bool)
     for t in db.tensors:
@@ -35,37 +35,38 @@ def group_ops_keep_padding_zero():
 def release_keeps_views_valid():
     world = dist.get_world_size()
     spec = _unit_spec(world)
-    db = DBuffer(spec, ("layers", 0), resolve_groups(spec))
-    for local in db.locals():
+    db = DBuffer(spec.units[("layers", 0)], resolve_groups(spec))
+    for local in db.local_views():
         local.data.fill_(float(dist.get_rank() + 1))
     assert not db.is_allocated
     try:
-        db.fulls()
+        db.full_views()
         return False  # full views of a released buffer must be refused
     except RuntimeError:
         pass
     handle = db.all_gather(async_op=True)
     handle.wait()
-    fulls = db.fulls()
+    fulls = db.full_views()
     first = [f.clone() for f in fulls]
     db.free_global()
     assert not db.is_allocated and db.global_buffer.untyped_storage().nbytes() == 0
     db.all_gather()
-    same_memory = all(a.data_ptr() == b.data_ptr() for a, b in zip(fulls, db.fulls()))
+    same_memory = all(a.data_ptr() == b.data_ptr() for a, b in zip(fulls, db.full_views()))
     return same_memory and all(torch.equal(a, b) for a, b in zip(first, fulls))
 
 
 def reduce_scatter_semantics(op, reduce_dtype):
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = _unit_spec(world)
-    db = DBuffer(spec, ("layers", 0), resolve_groups(spec), dtype=torch.bfloat16, role="grad")
+    db = DBuffer(spec.units[("layers", 0)], resolve_groups(spec), dtype=torch.bfloat16,
+                 role=Role.GRAD)
     gen = torch.Generator().manual_seed(rank)
     src = torch.randn(db.global_buffer.numel(), generator=gen).bfloat16()
     db.reduce_scatter(src, op=op, reduce_dtype=reduce_dtype)
     bufs = [torch.randn(db.global_buffer.numel(), generator=torch.Generator().manual_seed(r))
             .bfloat16().to(reduce_dtype or torch.bfloat16) for r in range(world)]
     want = reduce_scatter_reference(bufs, op)[rank].to(torch.bfloat16)
-    acc = db.like(role="acc")
+    acc = db.like(name="acc")
     acc.shard.fill_(1.0)
     acc.reduce_scatter(src, op=op, reduce_dtype=reduce_dtype, accumulate=True)
     tol = 2e-2  # bf16 results: about one ulp at these magnitudes
@@ -77,7 +78,7 @@ def hsdp_reduce(op):
     rank = dist.get_rank()
     spec = _unit_spec(4, mesh=(2, 2))
     groups = resolve_groups(spec)
-    db = DBuffer(spec, ("layers", 0), groups, role="grad")
+    db = DBuffer(spec.units[("layers", 0)], groups, role=Role.GRAD)
     src = torch.full((db.global_buffer.numel(),), float(rank + 1))
     db.reduce_scatter(src, op=op)
     expect = 10.0 if op == "sum" else 2.5  # over all 4 ranks: 1+2+3+4

@@ -197,7 +197,7 @@ def explicit_reduce_scatter(seed, shapes, op):
     spec = vfsdp.plan(params, world)
     shards = vfsdp.shard(params, spec)
     grads = optree.tree_map(lambda t: t * (rank + 1) if isinstance(t, torch.Tensor) else None, params)
-    out = vfsdp.reduce_scatter(grads, spec, shards=shards, op=op)
+    out = vfsdp.reduce_scatter(grads, spec, shards=shards, grad_reduce=op)
     factor = sum(r + 1 for r in range(world)) / (world if op == "avg" else 1)
     expect = shard_reference(optree.tree_map(
         lambda t: t * factor if isinstance(t, torch.Tensor) else t, params), spec)[rank]
@@ -240,6 +240,6 @@ def error_messages():
     wrong_local = dict(shards, root={"r0": torch.zeros(99)})
     catch("local_shape", lambda: vfsdp.gather(wrong_local, spec))
     catch("op", lambda: vfsdp.gather(shards, spec, grad_reduce="max"))
-    catch("src", lambda: vfsdp.shard(params, spec, src=1))
+    catch("src", lambda: vfsdp.shard(params, spec, src=world + 3))
     catch("not_tensor", lambda: vfsdp.gather(dict(shards, root={"r0": "x"}), spec))
     return msgs

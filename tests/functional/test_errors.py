@@ -10,5 +10,5 @@ def test_bad_input_errors_name_path_and_fix():
     assert "another plan" in msgs["other_spec"] and "spec they were sharded with" in msgs["other_spec"]
     assert "root.r0 should be this rank's shard" in msgs["local_shape"]
     assert "grad_reduce must be one of" in msgs["op"]
-    assert "src must be None" in msgs["src"]
+    assert "is not in this mesh" in msgs["src"]
     assert "root.r0 should be a tensor" in msgs["not_tensor"]

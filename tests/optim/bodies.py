@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import vfsdp
+from vfsdp.collectives import slot_of
 from vfsdp.testing import GatheredProbe
 
 D, L, B = 12, 3, 4
@@ -143,5 +144,6 @@ def layers_only_peak(reshard: bool, prefetch: bool = True):
         h = vfsdp.run_layers(layer, shards["layers"], [spec["layers"][i] for i in range(L)], x,
                              reshard_after_forward=reshard, prefetch=prefetch)
         (h - y).pow(2).mean().backward()
-    gathered_after = sum(1 for db in vfsdp.dbuffers(shards, spec).values() if db.is_allocated)
+    units = {id(u): u for u in (slot_of(t).unit for t in optree.tree_leaves(shards))}
+    gathered_after = sum(1 for u in units.values() if u.gathered())
     return probe.peak_units, gathered_after

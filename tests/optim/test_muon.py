@@ -45,7 +45,7 @@ def _train(mesh_shape=None, steps=3):
                                 full_g, spec.tree)
         state = opt.update(local, state, shards, spec)
     full = vfsdp.gather(shards, spec)
-    roots = [m.root for m in state["muon"].matrices]
+    roots = [m.root for m in state["muon"].plan.matrices]
     return [t.detach().reshape(-1).tolist() for t in optree.tree_leaves(full)], NS_CALLS.count, roots
 
 

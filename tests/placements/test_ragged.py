@@ -8,7 +8,6 @@ from hypothesis import given
 from tests.strategies import ragged_cases
 from vfsdp.placements import (
     RaggedShard,
-    Replicate,
     assemble_reference,
     flat_range,
     local_numel,
@@ -44,7 +43,6 @@ def test_frozen_hashable_repr_pickle():
     assert pickle.loads(pickle.dumps(p)) == p
     long = RaggedShard((0,), (0,) * 100 + (3,) + (0,) * 100)
     assert "0x100" in repr(long) and len(repr(long)) < 80
-    assert repr(Replicate()) == "Replicate()" and Replicate() == Replicate()
 
 
 @pytest.mark.parametrize(
@@ -76,11 +74,9 @@ def test_validate_against_shape():
         flat_range(RaggedShard((0,), (1, 1)), (2,), 2)
 
 
-def test_replicate_helpers():
-    assert flat_range(Replicate(), (3, 2), 5) == (0, 6)
-    assert local_shape(Replicate(), (3, 2), 0) == (3, 2)
-    with pytest.raises(TypeError):
-        split_reference(torch.zeros(3), Replicate())
+def test_only_ragged_shards_are_placements():
+    with pytest.raises(TypeError, match="RaggedShard"):
+        flat_range("replicate", (3, 2), 0)
 
 
 @given(ragged_cases())

@@ -6,16 +6,17 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from vfsdp.checkpoint.storage import CheckpointError
-from vfsdp.collectives import agree as _agree
+from vfsdp.collectives.agree import agree as _agree
+from vfsdp.collectives.agree import agreed as _agreed
 
 __all__ = ["agree", "agreed"]
 
 
 def agree(error: Optional[BaseException], group=None) -> None:
     """Collective: raise ``error`` here, or a CheckpointError if another rank had one."""
-    _agree.agree(error, group, CheckpointError)
+    _agree(error, group, CheckpointError)
 
 
 def agreed(fn: Callable[..., Any], *args: Any, group=None, **kwargs: Any) -> Any:
     """Collective: ``fn(*args, **kwargs)``; if it raises on any rank, every rank raises."""
-    return _agree.agreed(fn, *args, group=group, error_type=CheckpointError, **kwargs)
+    return _agreed(fn, *args, group=group, error_type=CheckpointError, **kwargs)

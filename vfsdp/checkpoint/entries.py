@@ -3,14 +3,15 @@
 A tree (parameter shards, optimizer states, the step, user extras) flattens with optree into
 entries named by their dotted key path (``opt.exp_avg.layers.0.wq``):
 
-* ``sharded``: a :class:`~vfsdp.checkpoint.pieces.Piece` (a parameter shard, i.e. a view
+* ``sharded``: a :class:`~vfsdp.collectives.Piece` (a parameter shard, i.e. a view
   into a DBuffer, becomes one: its global shape comes from the spec);
 * ``replicated``: any other tensor, the same on every rank (checked at save time);
 * ``value``: a ``bool``, ``int``, ``float`` or ``str`` (stored in the manifest).
 
-Objects whose type is registered with :func:`register_state` (vfsdp's optimizer states are)
-flatten through their adapter into such a tree, and are rebuilt after a load. Entry names
-depend on tensor paths only, never on unit keys, so a checkpoint reloads under any other plan.
+Objects that implement :class:`vfsdp.functional.Checkpointable` (vfsdp's optimizer states
+do) or whose type is registered with :func:`register_state` flatten into such a tree, and are
+restored after a load. Entry names depend on tensor paths only, never on unit keys, so a
+checkpoint reloads under any other plan.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import Any, Callable, Optional
 import optree
 import torch
 
-from vfsdp.checkpoint.pieces import Piece
-from vfsdp.collectives.dbuffer import DBuffer, global_owner, owner_of
+from vfsdp.collectives.dbuffer import DBuffer, View, slot_of
+from vfsdp.collectives.piece import Piece
+from vfsdp.functional.state import Checkpointable
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
@@ -114,26 +116,34 @@ def _path_name(path: tuple) -> str:
     return format_path(tuple(path)) if path else "<root>"
 
 
-def _db_piece(t: torch.Tensor, db: DBuffer, path: tuple, name: str) -> Piece:
-    """The Piece of a tensor that is one of ``db``'s local views.
+def _db_piece(t: torch.Tensor, db: DBuffer, k: int, name: str) -> Piece:
+    """The Piece of a tensor that its slot says is tensor ``k``'s local view of ``db``.
 
-    Matched exactly when ``t`` came from ``DBuffer.local`` (``vfsdp.shard``'s leaves), else by
-    its key path ending in the tensor's path, else by memory (a unique non-empty view).
+    Raises:
+        ValueError: ``t`` no longer sits where its slot says (e.g. a re-viewed copy).
     """
-    k = db.view_index(t)
-    if k is None:
-        cands = [k for k in range(len(db.tensors)) if db.is_local_view(k, t)]
-        by_path = [k for k in cands if tuple(path[-len(db.tensors[k].path):]) == db.tensors[k].path]
-        pick = by_path or [k for k in cands if db.tensors[k].numel and t.numel()]
-        if len(pick) != 1:
-            raise ValueError(f"checkpoint: {name} is a view into the {db.role} buffer of unit "
-                             f"{db.key!r} but not exactly one tensor's shard (candidates: "
-                             f"{[format_path(db.tensors[k].path) for k in cands]}); pass the "
-                             f"tensors vfsdp.shard returned (or keep their key paths)")
-        k = pick[0]
+    if not db.is_local_view(k, t):
+        raise ValueError(f"checkpoint: {name} claims to be {format_path(db.tensors[k].path)}'s "
+                         f"piece of the {db.name} buffer of unit {db.key!r} but is not that "
+                         f"memory; pass the tensors vfsdp.shard (or the optimizer) returned")
     ts = db.tensors[k]
     return Piece(t, tuple(ts.shape), ts.local_range(db.rank)[0],
                  writer=db.groups.replicate_rank == 0, db=db, index=k)
+
+
+def _adapter(leaf: Any):
+    """``(flatten(obj, spec), restore(obj, tree))`` for a state object, or ``None``."""
+    found = _ADAPTERS.get(type(leaf))
+    if found is not None:
+        return found
+    if isinstance(leaf, Checkpointable) and not isinstance(leaf, type):
+        return (lambda obj, spec: obj.checkpoint_tree(spec),
+                lambda obj, tree: obj.restore_checkpoint(tree))
+    return None
+
+
+def _is_leaf(x: Any) -> bool:
+    return _adapter(x) is not None or isinstance(x, (Piece, DBuffer))
 
 
 def flatten(tree: Any, spec: ShardSpec, what: str = "checkpoint") -> list[Entry]:
@@ -155,24 +165,26 @@ def flatten(tree: Any, spec: ShardSpec, what: str = "checkpoint") -> list[Entry]
 
 
 def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: str) -> None:
-    paths, leaves, _ = optree.tree_flatten_with_path(
-        tree, is_leaf=lambda x: type(x) in _ADAPTERS or isinstance(x, (Piece, DBuffer)))
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=_is_leaf)
     for path, leaf in zip(paths, leaves):
         path = prefix + tuple(path)
         name = _path_name(path)
-        adapter = _ADAPTERS.get(type(leaf))
+        adapter = _adapter(leaf)
         if adapter is not None:
             _flatten_into(adapter[0](leaf, spec), spec, path, out, what)
         elif isinstance(leaf, Piece):
             out.append(Entry(name, "sharded", tuple(leaf.shape), leaf.local.dtype, piece=leaf))
         elif isinstance(leaf, torch.Tensor):
-            db = owner_of(leaf)
-            if db is not None and leaf.untyped_storage()._cdata == db.shard.untyped_storage()._cdata:
-                p = _db_piece(leaf, db, path, name)
+            slot = slot_of(leaf)
+            if slot is not None and slot.view is View.LOCAL:
+                p = _db_piece(leaf, slot.buffer, slot.index, name)
                 out.append(Entry(name, "sharded", tuple(p.shape), leaf.dtype, piece=p))
-            elif global_owner(leaf) is not None:
+            elif slot is not None:
                 raise ValueError(f"{what}: {name} is a gathered full view; pass the shards "
                                  f"(the tree vfsdp.shard returned), not vfsdp.gather's output")
+            elif slot_of(leaf._base) is not None:
+                raise ValueError(f"{what}: {name} is a view of a vfsdp buffer (e.g. a reshaped "
+                                 f"shard); pass the tensor vfsdp handed out itself")
             else:
                 out.append(Entry(name, "replicated", tuple(leaf.shape), leaf.dtype, tensor=leaf))
         elif isinstance(leaf, VALUE_TYPES):
@@ -193,12 +205,11 @@ def unflatten(tree: Any, spec: ShardSpec, values: dict) -> Any:
 
 
 def _unflatten(tree: Any, spec: ShardSpec, prefix: tuple, values: dict) -> Any:
-    paths, leaves, treespec = optree.tree_flatten_with_path(
-        tree, is_leaf=lambda x: type(x) in _ADAPTERS or isinstance(x, (Piece, DBuffer)))
+    paths, leaves, treespec = optree.tree_flatten_with_path(tree, is_leaf=_is_leaf)
     new = []
     for path, leaf in zip(paths, leaves):
         path = prefix + tuple(path)
-        adapter = _ADAPTERS.get(type(leaf))
+        adapter = _adapter(leaf)
         if adapter is not None:
             sub = _unflatten(adapter[0](leaf, spec), spec, path, values)
             new.append(adapter[1](leaf, sub))

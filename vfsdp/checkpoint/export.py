@@ -18,6 +18,7 @@ from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, unflatten
 from vfsdp.collectives import comm
 from vfsdp.collectives.groups import device_for
+from vfsdp.collectives.scatter import scatter_unit
 from vfsdp.checkpoint.storage import CheckpointError
 from vfsdp.planner.spec import ShardSpec
 
@@ -121,7 +122,7 @@ def stream_full(entries: list[Entry], dst: int = 0) -> Iterator[tuple[str, Any]]
         try:
             if rank == dst:
                 for e in group:
-                    yield e.name, db.full_alias(e.piece.index)
+                    yield e.name, db.full(e.piece.index)
         finally:
             if not was_gathered:
                 db.free_global()
@@ -264,24 +265,17 @@ def _broadcast_full(e: Entry, full: Optional[torch.Tensor], src: int, failed: li
 
 def _scatter_unit(db, group: list, state_dict, key, is_src: bool, coords: tuple,
                   failed: list) -> None:
-    """The source packs the unit's global buffer and scatters it; ranks copy their pieces."""
-    groups = db.groups
-    src_rep, src_shard = coords
+    """The source packs the unit and scatters it (:func:`vfsdp.collectives.scatter_unit`);
+    each rank copies its pieces out of the received shard."""
+    def pack(buf: torch.Tensor) -> None:
+        for e in group:
+            t = db.tensors[e.piece.index]
+            buf[t.offset:t.offset + t.numel].copy_(state_dict[key[e.name]].reshape(-1))
+
     stage = torch.empty_like(db.shard)
-    if groups.replicate_rank == src_rep:
-        chunks = None
-        if is_src:
-            buf = torch.zeros(db.layout.padded_numel, dtype=db.dtype, device=db.device)
-            try:
-                for e in group:
-                    t = db.tensors[e.piece.index]
-                    buf[t.offset:t.offset + t.numel].copy_(state_dict[key[e.name]].reshape(-1))
-            except Exception as exc:  # noqa: BLE001 - e.g. a meta tensor; raised on every rank
-                failed.append(exc)
-            chunks = list(buf.chunk(db.layout.world_size))
-        comm.scatter_into(stage, chunks, group=groups.shard, group_src=src_shard)
-    if groups.replicate is not None:
-        comm.broadcast_(stage, group=groups.replicate, group_src=src_rep)
+    error = scatter_unit(db, pack if is_src else None, coords, out=stage)
+    if error is not None:
+        failed.append(error)
     for e in group:
         lo, hi = db.tensors[e.piece.index].shard_range(db.rank)
         e.piece.local.detach().reshape(-1).copy_(stage[lo:hi])

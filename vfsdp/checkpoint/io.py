@@ -12,10 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import os
-import shutil
 import threading
-import time
-import uuid
 import zlib
 from typing import Any, Optional
 
@@ -25,18 +22,19 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-import vfsdp.checkpoint.states  # noqa: F401  (registers the optimizer states)
+from vfsdp._torch_private import groups_are_per_thread
 from vfsdp.checkpoint.agree import agree, agreed
-from vfsdp.checkpoint.entries import (Entry, dtype_name, flatten, parse_dtype, tensor_bytes,
+from vfsdp.checkpoint.atomic import commit, prepare
+from vfsdp.checkpoint.entries import (Entry, flatten, tensor_bytes,
                                       unflatten)
-from vfsdp.checkpoint.storage import (FORMAT, MANIFEST, VERSION, CheckpointError,
+from vfsdp.checkpoint.manifest import METADATA, match_manifest, write_manifest
+from vfsdp.checkpoint.storage import (CheckpointError,
                                       VerifyingLoadPlanner, checksum_items, load_state,
                                       read_manifest, save_state, verify_files)
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["save", "load", "AsyncSave", "CheckpointError"]
 
-_METADATA = ".metadata"
 _LOCK = threading.Lock()
 _PENDING: dict = {}   # rank -> AsyncSave still running
 _EXECUTORS: dict = {}
@@ -116,92 +114,6 @@ def _unwrap(exc: CheckpointException, what: str) -> BaseException:
     return out
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _prepare(path: str, overwrite: bool, group) -> str:
-    """Rank 0 picks the temporary directory (and refuses to overwrite); all ranks learn it."""
-    box: list = [None]
-    if dist.get_rank(group) == 0:
-        try:
-            box[0] = ("ok", _prepare_rank0(path, overwrite))
-        except _Exists as exc:
-            box[0] = ("exists", str(exc))
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            box[0] = (type(exc).__name__, str(exc))
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    status, value = box[0]
-    if status == "exists":
-        raise FileExistsError(value)
-    if status != "ok":
-        raise CheckpointError(f"vfsdp.checkpoint.save: preparing {path} failed on rank 0: "
-                              f"{status}: {value}")
-    return value
-
-
-class _Exists(FileExistsError):
-    """The target exists and may not be replaced."""
-
-
-def _prepare_rank0(path: str, overwrite: bool) -> str:
-    path = os.path.abspath(path)
-    parent, base = os.path.dirname(path), os.path.basename(path)
-    os.makedirs(parent, exist_ok=True)
-    _recover_interrupted_overwrite(path)
-    if os.path.exists(path):
-        if not overwrite:
-            raise _Exists(f"vfsdp.checkpoint.save: {path} exists; pass overwrite=True to "
-                          f"replace it")
-        if not os.path.isdir(path) or (os.listdir(path) and
-                                       not os.path.exists(os.path.join(path, MANIFEST))):
-            raise _Exists(f"vfsdp.checkpoint.save: {path} exists and is not a vfsdp "
-                          f"checkpoint; overwrite=True only replaces checkpoints")
-    for stale in os.listdir(parent):  # leftovers of saves that died
-        if stale.startswith(base + ".partial-"):
-            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
-    return f"{path}.partial-{uuid.uuid4().hex[:12]}"
-
-
-def _recover_interrupted_overwrite(path: str) -> None:
-    """An overwrite that died between its two renames left ``<path>.old-*`` and no ``<path>``:
-    put the previous checkpoint back."""
-    parent, base = os.path.dirname(path), os.path.basename(path)
-    if os.path.exists(path):
-        return
-    old = sorted(n for n in os.listdir(parent) if n.startswith(base + ".old-")
-                 and os.path.exists(os.path.join(parent, n, MANIFEST)))
-    if old:
-        os.rename(os.path.join(parent, old[-1]), path)
-
-
-def _commit(tmp: str, path: str) -> None:
-    """Make ``tmp`` visible as ``path``: one rename (two when replacing a checkpoint)."""
-    _fsync_dir(tmp)
-    path = os.path.abspath(path)
-    if os.path.exists(path):
-        aside = f"{path}.old-{uuid.uuid4().hex[:12]}"
-        os.rename(path, aside)
-        try:
-            os.rename(tmp, path)
-        except OSError:
-            os.rename(aside, path)  # put the old checkpoint back
-            raise
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
 def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], spec: ShardSpec,
            group, thread_count: int) -> str:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -225,46 +137,12 @@ def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], spec
     commit_err = None
     if rank == 0:
         try:
-            _write_manifest(tmp, entries, spec, world, gathered)
-            _commit(tmp, path)
+            write_manifest(tmp, entries, spec, world, gathered)
+            commit(tmp, path)
         except Exception as exc:  # noqa: BLE001
             commit_err = CheckpointError(f"committing {path} failed: {type(exc).__name__}: {exc}")
     agree(commit_err, group)
     return path
-
-
-def _write_manifest(tmp: str, entries: list[Entry], spec: ShardSpec, world: int,
-                    gathered: list) -> None:
-    import json
-
-    items, files = {}, {}
-    for _, (crcs, sizes) in gathered:
-        items.update(crcs)
-        files.update(sizes)
-    meta_path = os.path.join(tmp, _METADATA)
-    with open(meta_path, "rb") as f:
-        meta = f.read()
-    files[_METADATA] = len(meta)
-    described = []
-    for e in entries:
-        if e.kind == "value":
-            described.append({"name": e.name, "kind": "value", "value": e.value})
-        else:
-            described.append({"name": e.name, "kind": e.kind, "shape": list(e.shape),
-                              "dtype": dtype_name(e.dtype)})
-    manifest = {
-        "format": FORMAT, "version": VERSION, "created": time.time(),
-        "torch": torch.__version__, "world_size": world,
-        "mesh_shape": list(spec.mesh_shape), "spec_fingerprint": spec.fingerprint,
-        "bytes": sum(v[2] for v in items.values()),
-        "metadata_crc": zlib.crc32(meta), "entries": described, "files": files, "items": items,
-    }
-    tmp_manifest = os.path.join(tmp, MANIFEST + ".tmp")
-    with open(tmp_manifest, "w") as f:
-        json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp_manifest, os.path.join(tmp, MANIFEST))
 
 
 def _stage(entries: list[Entry], rank: int) -> dict:
@@ -330,19 +208,19 @@ def save(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, overwrite: bool
     entries = agreed(flatten, tree, spec, "vfsdp.checkpoint.save")
     _check_consistent(entries, None)
     if not async_save:
-        tmp = _prepare(path, overwrite, None)
+        tmp = prepare(path, overwrite, None)
         _write(path, tmp, entries, None, spec, None, thread_count)
         return None
-    if str(dist.get_backend()) == "threaded":
-        # vfsdp.testing.simulate: a rank's process group lives on its own thread, so the
-        # write runs now (after the same snapshot); results are identical.
-        tmp = _prepare(path, overwrite, None)
+    if groups_are_per_thread():
+        # Process groups belong to their rank's thread (vfsdp.testing.simulate), so a
+        # background thread cannot use them: the write runs now, after the same snapshot.
+        tmp = prepare(path, overwrite, None)
         future: concurrent.futures.Future = concurrent.futures.Future()
         data = agreed(_stage, entries, dist.get_rank())
         future.set_result(_write(path, tmp, entries, data, spec, None, thread_count))
         return AsyncSave(future, path)
     group = _async_group()
-    tmp = _prepare(path, overwrite, group)
+    tmp = prepare(path, overwrite, group)
     data = agreed(_stage, entries, dist.get_rank())
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -353,54 +231,6 @@ def save(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, overwrite: bool
     with _LOCK:
         _PENDING[key] = handle
     return handle
-
-
-def _match(manifest: dict, entries: list[Entry], strict: bool, path: str) -> dict:
-    saved = {e["name"]: e for e in manifest["entries"]}
-    for e in entries:
-        s = saved.get(e.name)
-        if s is None:
-            near = [n for n in saved if n.split(".")[-1] == e.name.split(".")[-1]][:3]
-            raise CheckpointError(f"{path} has no entry {e.name!r}"
-                                  + (f" (similar: {near})" if near else "")
-                                  + "; the tree's paths differ from the saved tree's")
-        if (s["kind"] == "value") != (e.kind == "value"):
-            raise CheckpointError(f"{path}: {e.name}: the checkpoint holds a "
-                                  f"{'value' if s['kind'] == 'value' else 'tensor'}, the tree a "
-                                  f"{e.describe()}")
-        if e.kind != "value":
-            shape, dtype = tuple(s["shape"]), parse_dtype(s["dtype"])
-            if shape != tuple(e.shape) or dtype != e.dtype:
-                raise CheckpointError(f"{path}: {e.name} was saved as {shape} {s['dtype']}, the "
-                                      f"tree has {tuple(e.shape)} {dtype_name(e.dtype)}; "
-                                      f"re-create the model and optimizer with the saved "
-                                      f"configuration")
-        elif _kind(s["value"]) != _kind(e.value):
-            raise CheckpointError(f"{path}: {e.name} was saved as the {type(s['value']).__name__} "
-                                  f"{s['value']!r}, the tree has a {type(e.value).__name__}")
-    if strict:
-        extra = sorted(set(saved) - {e.name for e in entries})
-        if extra:
-            raise CheckpointError(f"{path} holds entries the tree does not: {extra[:5]}"
-                                  f"{' ...' if len(extra) > 5 else ''}; pass strict=False to "
-                                  f"load a subset")
-    like = {e.name: e.value for e in entries if e.kind == "value"}
-    return {n: _coerce(s["value"], like[n]) for n, s in saved.items() if n in like}
-
-
-def _kind(value) -> type:
-    """bool, int, float or str: what JSON keeps of a value (an IntEnum is an int)."""
-    return next(t for t in (bool, int, float, str) if isinstance(value, t))
-
-
-def _coerce(saved, like):
-    """The saved value as the like value's own type where it is a subclass (e.g. an IntEnum)."""
-    if type(like) in (bool, int, float, str):
-        return saved
-    try:
-        return type(like)(saved)
-    except (TypeError, ValueError):
-        return saved
 
 
 def load(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *, strict: bool = True,
@@ -440,11 +270,11 @@ def load(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *, strict: bo
     try:
         manifest = read_manifest(path)
         entries = flatten(tree_like, spec, "vfsdp.checkpoint.load")
-        values = _match(manifest, entries, strict, path)
+        values = match_manifest(manifest, entries, strict, path)
         verify_files(path, manifest)
-        with open(os.path.join(path, _METADATA), "rb") as f:
+        with open(os.path.join(path, METADATA), "rb") as f:
             if zlib.crc32(f.read()) != manifest["metadata_crc"]:
-                raise CheckpointError(f"checkpoint {path}: {_METADATA} is corrupt (CRC-32)")
+                raise CheckpointError(f"checkpoint {path}: {METADATA} is corrupt (CRC-32)")
     except (CheckpointError, OSError, TypeError, ValueError) as exc:
         err = exc
     agree(err)

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from vfsdp.checkpoint.entries import Entry
-from vfsdp.checkpoint.pieces import Piece
+from vfsdp.collectives.piece import Piece
 
 __all__ = ["CheckpointError", "MANIFEST", "FORMAT", "save_state", "load_state", "item_key",
            "checksum_items", "verify_files", "VerifyingLoadPlanner", "read_manifest"]

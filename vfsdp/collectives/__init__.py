@@ -1,24 +1,44 @@
-"""DBuffer and the collectives over shard specs, plus their reference semantics."""
+"""DBuffers, units and the collectives over them, plus their reference semantics.
 
+Imports only ``vfsdp.planner`` and ``vfsdp.placements`` (and ``torch.distributed``).
+"""
+
+from vfsdp.collectives.agree import agree, agreed
 from vfsdp.collectives.comm import counts, reset_counts
-from vfsdp.collectives.dbuffer import DBuffer, owner_of
+from vfsdp.collectives.dbuffer import DBuffer, Role, Slot, View, slot_of
 from vfsdp.collectives.groups import MeshGroups, resolve_groups
 from vfsdp.collectives.handle import Handle
+from vfsdp.collectives.piece import Piece
+from vfsdp.collectives.redistribute import Redistribution, flat_redistribute
 from vfsdp.collectives.reference import (
     all_gather_reference,
     all_reduce_reference,
+    flat_redistribute_reference,
     reduce_scatter_reference,
 )
+from vfsdp.collectives.scatter import scatter_unit
+from vfsdp.collectives.unit import Unit
 
 __all__ = [
     "DBuffer",
     "Handle",
     "MeshGroups",
+    "Piece",
+    "Redistribution",
+    "Role",
+    "Slot",
+    "Unit",
+    "View",
+    "agree",
+    "agreed",
     "all_gather_reference",
     "all_reduce_reference",
     "counts",
-    "owner_of",
+    "flat_redistribute",
+    "flat_redistribute_reference",
     "reduce_scatter_reference",
     "reset_counts",
     "resolve_groups",
+    "scatter_unit",
+    "slot_of",
 ]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["all_gather_into", "reduce_scatter_into", "all_reduce_", "scatter_into", "broadcast_",
-           "all_to_all_into",
+           "all_to_all_into", "check_op",
            "counts", "reset_counts", "in_collective", "collective_scope", "REDUCE_OPS"]
 
 REDUCE_OPS = ("sum", "avg")
@@ -65,10 +65,19 @@ def _count(name: str, nbytes: int) -> None:
     c[f"{name}_bytes"] += nbytes
 
 
-def _op(op: str):
+def check_op(op: str) -> str:
+    """``op`` if it is a reduce op vfsdp supports (``"sum"``, ``"avg"``).
+
+    Raises:
+        ValueError: any other value.
+    """
     if op not in REDUCE_OPS:
         raise ValueError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
-    return dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.AVG
+    return op
+
+
+def _op(op: str):
+    return dist.ReduceOp.SUM if check_op(op) == "sum" else dist.ReduceOp.AVG
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
@@ -106,12 +115,17 @@ def scatter_into(out: torch.Tensor, chunks: Optional[list], group=None, group_sr
 
 
 def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list,
-                    group=None):
-    """``all_to_all_single`` with uneven splits (element counts per rank)."""
+                    group=None, async_op: bool = False):
+    """``all_to_all_single`` with uneven splits (element counts per rank).
+
+    Returns:
+        ``out``, or the work object when ``async_op``.
+    """
     _count("all_to_all", inp.numel() * inp.element_size())
     with _InCollective():
-        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
-    return out
+        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
+                                      async_op=async_op)
+    return work if async_op else out
 
 
 def broadcast_(t: torch.Tensor, group=None, group_src: int = 0):

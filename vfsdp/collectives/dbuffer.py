@@ -6,77 +6,89 @@
                                               ^^^^^^^^
     shard (S, persistent)                    | rank 1 |           local views: shard_range(r)
 
-Every tensor of the unit is a **fixed view**: its local piece aliases the shard, its full tensor
-aliases the global buffer, for the whole run. The all-gather takes the shard as its input and
-the global buffer as its output, with nothing packed before or unpacked after: the shard already
-has the layout of this rank's slice. The global buffer is released by resizing its storage to
-zero bytes and re-allocated by resizing it back, so views (and autograd's saved views) survive.
+A DBuffer is built from a :class:`~vfsdp.planner.UnitLayout` (what the unit holds, where)
+and the :class:`~vfsdp.collectives.MeshGroups` it communicates over. Every tensor of the unit
+is a **fixed view**: its local piece aliases the shard, its full tensor aliases the global
+buffer, for the whole run. Each view carries a :class:`Slot` (``slot_of(t)``) naming the
+buffer, the tensor's index and the kind of view, so code that receives it finds its buffer
+from the tensor itself: there is no lookup by address and no registry.
 
-Collectives write through ``tensor.data`` aliases, which do not share the autograd version
-counter: regathering the same values does not invalidate views autograd saved earlier.
+The all-gather takes the shard as its input and the global buffer as its output, with
+nothing packed before or unpacked after. The global buffer is released by resizing its
+storage to zero bytes and re-allocated by resizing it back, so views (and autograd's saved
+views) survive. Collectives write through ``tensor.data`` aliases, which do not share the
+autograd version counter: regathering the same values does not invalidate saved views.
 """
 
 from __future__ import annotations
 
-import threading
+import enum
 import weakref
-from typing import Hashable, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from vfsdp.collectives import comm
+from vfsdp.collectives.events import emit
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle, comm_context
 from vfsdp.placements.ragged import local_shape
-from vfsdp.planner.granularity import format_path
-from vfsdp.planner.spec import ShardSpec, unit_name
+from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
-__all__ = ["DBuffer", "owner_of", "global_owner", "live_dbuffers"]
+__all__ = ["DBuffer", "Role", "View", "Slot", "slot_of"]
 
-_OWNERS: "weakref.WeakValueDictionary[int, DBuffer]" = weakref.WeakValueDictionary()
-_GLOBAL_OWNERS: "weakref.WeakValueDictionary[int, DBuffer]" = weakref.WeakValueDictionary()
-_ATTR = "_vfsdp_dbuffer"
-_INDEX = "_vfsdp_index"  # on local views: which tensor of the unit (exact even when empty)
+_SLOT = "_vfsdp_slot"
 
 
-def owner_of(t: torch.Tensor) -> Optional["DBuffer"]:
-    """The DBuffer whose shard (or, for the views it hands out, global buffer) ``t`` aliases."""
-    db = getattr(t, _ATTR, None)
-    if db is not None:
-        return db
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
-    return _OWNERS.get(ptr)
+class Role(enum.Enum):
+    """What a DBuffer holds."""
+
+    PARAM = "param"      #: the parameters' master shard; gathered: the full parameters
+    COMPUTE = "compute"  #: a low-precision copy of the parameters, gathered for compute
+    GRAD = "grad"        #: the sharded gradients (persistent between backward and update)
+    ACCUM = "accum"      #: unsharded gradients accumulated without reducing (grad_sync=False)
+    STAGE = "stage"      #: the reduce-scatter input, in the reduction dtype
+    STATE = "state"      #: optimizer state with the parameters' layout
+
+    @property
+    def holds_params(self) -> bool:
+        """``PARAM`` and ``COMPUTE``: gathering one of them gathers parameters."""
+        return self in (Role.PARAM, Role.COMPUTE)
 
 
-_TOKEN = threading.local()
+class View(enum.Enum):
+    """Which memory a view aliases."""
+
+    LOCAL = "local"  #: the rank's shard
+    FULL = "full"    #: the gathered global buffer
 
 
-def _thread_token() -> object:
-    """An identity for this thread that, unlike its ident, is never reused by a later thread."""
-    token = getattr(_TOKEN, "token", None)
-    if token is None:
-        token = _TOKEN.token = object()
-    return token
+@dataclass(frozen=True, eq=False)
+class Slot:
+    """Where a tensor handed out by a DBuffer lives. Read it with :func:`slot_of`.
 
-
-def live_dbuffers() -> list["DBuffer"]:
-    """DBuffers created by this thread (this rank) that are still alive."""
-    me = _thread_token()
-    return [db for db in list(_GLOBAL_OWNERS.values()) if db.thread is me]
-
-
-def global_owner(t: torch.Tensor) -> Optional["DBuffer"]:
-    """The DBuffer whose global buffer ``t`` is a view of (any view, any shape), or ``None``.
-
-    Keyed by the storage object, which survives releases and re-allocations of the memory.
+    Attributes:
+        buffer: The DBuffer.
+        index: The tensor's position in the unit's buffer order.
+        view: :attr:`View.LOCAL` or :attr:`View.FULL`.
+        unit: The :class:`~vfsdp.collectives.Unit` the buffer belongs to, if any.
     """
-    try:
-        return _GLOBAL_OWNERS.get(t.untyped_storage()._cdata)
-    except (RuntimeError, NotImplementedError):
-        return None
+
+    buffer: "DBuffer"
+    index: int
+    view: View
+    unit: Any = None
+
+
+def slot_of(t: Any) -> Optional[Slot]:
+    """The :class:`Slot` of a tensor a DBuffer handed out, or ``None`` for any other value.
+
+    Example:
+        >>> slot_of(torch.zeros(2)) is None
+        True
+    """
+    return getattr(t, _SLOT, None) if isinstance(t, torch.Tensor) else None
 
 
 def _alias(storage_tensor: torch.Tensor, offset: int, shape: tuple) -> torch.Tensor:
@@ -91,37 +103,48 @@ class DBuffer:
     """One unit's buffers for one role (params, grads, an optimizer state) on this rank.
 
     Args:
-        spec: The plan.
-        key: The unit key.
-        groups: Where the unit's collectives run (see ``resolve_groups``).
+        layout: The unit's layout (``spec.units[key]``).
+        groups: Where the unit's collectives run (see ``resolve_groups``); the shard group's
+            size must be the layout's world size.
         dtype: Buffer dtype (default: the unit's dtype).
-        role: A label (``"param"``, ``"grad"``, ...), shown in errors and reprs.
+        role: What the buffer holds (a :class:`Role`).
+        name: A label for errors and reprs (e.g. ``"exp_avg"``); default: the role's name.
+        unit: The :class:`~vfsdp.collectives.Unit` that owns this buffer (kept as a weak
+            reference; views carry it in their :class:`Slot`).
 
     Raises:
-        ValueError: the groups do not match the spec's shard world size.
+        ValueError: the shard group's size is not the layout's world size.
+        TypeError: ``role`` is not a :class:`Role`.
 
     Example:
-        >>> db = DBuffer(spec, ("layers", 0), resolve_groups(spec))   # doctest: +SKIP
-        >>> db.all_gather().wait(); w = db.full(0)                   # doctest: +SKIP
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(3, 2)}, 2)
+        ...     db = DBuffer(spec.units[()], resolve_groups(spec))
+        ...     db.local(0).data.fill_(dist.get_rank() + 1.0)
+        ...     db.all_gather()
+        ...     return db.full(0).tolist()
+        >>> vfsdp.testing.simulate(2, body)[0]
+        [[1.0, 1.0], [1.0, 1.0], [2.0, 2.0]]
     """
 
-    def __init__(self, spec: ShardSpec, key: Hashable, groups: MeshGroups,
-                 dtype: Optional[torch.dtype] = None, role: str = "param") -> None:
-        self._setup(key, spec.units[key], spec.unit_tensors(key), groups, dtype, role)
-
-    def _setup(self, key, layout, tensors, groups: MeshGroups, dtype, role: str) -> None:
+    def __init__(self, layout: UnitLayout, groups: MeshGroups, dtype: Optional[torch.dtype] = None,
+                 role: Role = Role.PARAM, name: Optional[str] = None, unit: Any = None) -> None:
+        if not isinstance(layout, UnitLayout):
+            raise TypeError(f"DBuffer(layout, groups): layout must be a UnitLayout "
+                            f"(spec.units[key]), got {type(layout).__name__}")
+        if not isinstance(role, Role):
+            raise TypeError(f"role must be a vfsdp.collectives.Role, got {role!r}")
         if groups.shard_size != layout.world_size:
-            raise ValueError(f"unit {unit_name(key)} was planned for {layout.world_size} ranks, "
-                             f"the shard group has {groups.shard_size}")
-        self.key = key
-        self.thread = _thread_token()  # the rank's thread under vfsdp.testing.simulate
+            raise ValueError(f"unit {unit_name(layout.key)} was planned for {layout.world_size} "
+                             f"ranks, the shard group has {groups.shard_size}")
         self.layout = layout
-        self.tensors = tuple(tensors)
         self.groups = groups
         self.role = role
+        self.name = name or role.value
         self.rank = groups.shard_rank
         self.dtype = dtype or layout.dtype
         self.device = groups.device
+        self._unit_ref = weakref.ref(unit) if unit is not None else None
         s, m = layout.shard_numel, layout.world_size
         self.shard = torch.zeros(s, dtype=self.dtype, device=self.device)
         self._global = torch.empty(m * s, dtype=self.dtype, device=self.device)
@@ -131,82 +154,71 @@ class DBuffer:
         # there is no reference cycle: dropping the shards frees the memory at once.
         self._local_spec = [(t.shard_range(self.rank)[0],
                              local_shape(t.placement, t.shape, self.rank)) for t in self.tensors]
-        self._grad: Optional[DBuffer] = None
-        self._companions: dict = {}
-        self._parent_ref = None
         self._global.untyped_storage().resize_(0)  # released until the first gather
-        _GLOBAL_OWNERS[self._global.untyped_storage()._cdata] = self
-        _OWNERS[self.shard.untyped_storage().data_ptr()] = self
+        emit("create", self)
+
+    # ------------------------------------------------------------------ identity
+
+    @property
+    def key(self) -> Any:
+        """The unit key."""
+        return self.layout.key
+
+    @property
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        """The unit's tensors in buffer order."""
+        return self.layout.tensors
+
+    @property
+    def unit(self) -> Any:
+        """The :class:`~vfsdp.collectives.Unit` this buffer belongs to, or ``None``."""
+        return self._unit_ref() if self._unit_ref is not None else None
+
+    def __len__(self) -> int:
+        return len(self.layout.paths)
+
+    def index(self, path: tuple) -> int:
+        """Position of a tensor path in the unit's buffer order.
+
+        Raises:
+            KeyError: the path is not in this unit.
+        """
+        return self.layout.index(path)
 
     # ------------------------------------------------------------------ views
 
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-    def index(self, path: tuple) -> int:
-        """Position of a tensor path in the unit's buffer order."""
-        try:
-            return self.layout.paths.index(tuple(path))
-        except ValueError:
-            raise KeyError(f"{format_path(tuple(path))} is not in unit {unit_name(self.key)}") from None
+    def _tag(self, t: torch.Tensor, k: int, view: View) -> torch.Tensor:
+        setattr(t, _SLOT, Slot(self, k, view, self.unit))
+        return t
 
     def local(self, i: Union[int, tuple]) -> torch.Tensor:
         """Tensor ``i``'s local piece: a leaf tensor aliasing the shard (its local shape)."""
         k = i if isinstance(i, int) else self.index(i)
         lo, shape = self._local_spec[k]
-        out = _alias(self.shard, lo, shape)
-        setattr(out, _ATTR, self)
-        setattr(out, _INDEX, k)
-        return out
+        return self._tag(_alias(self.shard, lo, shape), k, View.LOCAL)
 
     def full(self, i: Union[int, tuple]) -> torch.Tensor:
-        """Tensor ``i``'s full view into the global buffer (create it while gathered; the object
-        stays valid across releases and re-gathers)."""
-        return self.full_alias(i if isinstance(i, int) else self.index(i))
-
-    def full_alias(self, i: int) -> torch.Tensor:
-        """A new tensor object aliasing tensor ``i``'s full view (same memory, no autograd link).
+        """Tensor ``i``'s full view into the global buffer: a new tensor object aliasing it
+        (no autograd link). It stays valid across releases and re-gathers.
 
         Raises:
             RuntimeError: the global buffer is released (``set_`` would silently re-allocate
                 it with garbage); gather first.
         """
+        k = i if isinstance(i, int) else self.index(i)
         if not self.is_allocated:
-            raise RuntimeError(f"unit {unit_name(self.key)} ({self.role}) is not gathered; "
+            raise RuntimeError(f"unit {unit_name(self.key)} ({self.name}) is not gathered; "
                                f"call all_gather() (or vfsdp.gather) before taking full views")
-        t = self.tensors[i]
-        out = _alias(self._global, t.offset, tuple(t.shape))
-        setattr(out, _ATTR, self)
-        return out
+        t = self.tensors[k]
+        return self._tag(_alias(self._global, t.offset, tuple(t.shape)), k, View.FULL)
 
-    @property
-    def parent(self) -> Optional["DBuffer"]:
-        """For a companion (e.g. the bf16 compute copy), the DBuffer it belongs to."""
-        return self._parent_ref() if self._parent_ref is not None else None
+    def local_views(self) -> list[torch.Tensor]:
+        """Every tensor's local piece, in buffer order."""
+        return [self.local(i) for i in range(len(self))]
 
-    def grad_buffer(self, dtype: Optional[torch.dtype] = None) -> "DBuffer":
-        """This unit's sharded gradient DBuffer (created zeroed on first use)."""
-        if self._grad is None or (dtype is not None and self._grad.dtype != dtype):
-            self._grad = self.like(dtype or self.dtype, role="grad")
-        return self._grad
-
-    def companion(self, role: str, dtype: torch.dtype) -> "DBuffer":
-        """A DBuffer of the same layout kept alongside this one under ``role`` (created once).
-
-        Used for the low-precision compute copy (``"compute"``), the unsharded gradient
-        accumulator (``"accum"``) and reduce staging (``"stage"``).
-        """
-        found = self._companions.get((role, dtype))
-        if found is None:
-            found = self._companions[(role, dtype)] = self.like(dtype, role=role)
-            found._parent_ref = weakref.ref(self)
-        return found
-
-    def locals(self) -> list:
-        return [self.local(i) for i in range(len(self.tensors))]
-
-    def fulls(self) -> list:
-        return [self.full_alias(i) for i in range(len(self.tensors))]
+    def full_views(self) -> list[torch.Tensor]:
+        """Every tensor's full view, in buffer order (gather first)."""
+        return [self.full(i) for i in range(len(self))]
 
     @property
     def global_buffer(self) -> torch.Tensor:
@@ -215,13 +227,16 @@ class DBuffer:
 
     @property
     def is_allocated(self) -> bool:
+        """Whether the global buffer holds memory (gathered, or being gathered)."""
         return self._global.untyped_storage().nbytes() > 0
 
     def view_index(self, t: torch.Tensor) -> Optional[int]:
-        """Which tensor's local piece ``t`` is, when ``t`` came from :meth:`local`, else ``None``."""
-        k = getattr(t, _INDEX, None)
-        return k if getattr(t, _ATTR, None) is self and k is not None \
-            and self.is_local_view(k, t) else None
+        """Which tensor's local piece ``t`` is, when ``t`` came from :meth:`local` (and still
+        sits there), else ``None``."""
+        slot = slot_of(t)
+        if slot is None or slot.buffer is not self or slot.view is not View.LOCAL:
+            return None
+        return slot.index if self.is_local_view(slot.index, t) else None
 
     def is_local_view(self, i: int, t: torch.Tensor) -> bool:
         """Whether ``t`` is exactly tensor ``i``'s local piece (same memory, shape, strides)."""
@@ -239,18 +254,33 @@ class DBuffer:
         """Re-allocate the global buffer's storage (contents undefined); views stay valid."""
         if not self.is_allocated:
             self._global.untyped_storage().resize_(self._global_bytes)
+            emit("alloc", self)
         return self._global
 
-    def free_global(self) -> None:
-        """Release the global buffer's memory; views stay valid objects until re-allocated."""
-        if self._pending is not None:
-            self._pending.wait()
+    def free_global(self, wait: bool = True) -> None:
+        """Release the global buffer's memory; views stay valid objects until re-allocated.
+
+        Args:
+            wait: First wait for this buffer's pending collective (``False`` only from that
+                collective's own completion).
+        """
+        if wait:
+            self.wait()
         if self.is_allocated:
             self._global.untyped_storage().resize_(0)
+            emit("free", self)
 
     # ------------------------------------------------------------------ collectives
 
-    def _launch(self, fn, async_op: bool, finish=None) -> Handle:
+    def wait(self) -> None:
+        """Wait for this buffer's pending asynchronous collective, if any."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    def _launch(self, fn: Callable[[bool], Any], async_op: bool,
+                finish: Optional[Callable[[], Any]] = None) -> Handle:
+        self.wait()  # one collective at a time writes this buffer
         with torch.no_grad(), comm_context(self.device) as box:
             works = fn(async_op and self.device.type != "cuda")
         handle = Handle(works if isinstance(works, list) else [works], finish,
@@ -271,18 +301,22 @@ class DBuffer:
 
         Returns:
             A :class:`Handle`.
+
+        Raises:
+            ValueError: ``source`` has the wrong size or dtype.
         """
         src = self.shard if source is None else source
         if src.numel() != self.shard.numel() or src.dtype != self.dtype:
             raise ValueError(f"all_gather source must be {self.shard.numel()} x {self.dtype}, "
                              f"got {src.numel()} x {src.dtype}")
+        self.wait()
         self.alloc_global()
         out = self._global.data
         return self._launch(lambda a: comm.all_gather_into(out, src, self.groups.shard, a), async_op)
 
     def reduce_scatter(self, source: Optional[torch.Tensor] = None, op: str = "avg",
                        reduce_dtype: Optional[torch.dtype] = None, accumulate: bool = False,
-                       async_op: bool = False) -> Handle:
+                       async_op: bool = False, finish: Optional[Callable[[], Any]] = None) -> Handle:
         """Reduce-scatter ``source`` (default: this buffer's global buffer) into the shard.
 
         Over HSDP's replicate dim the result is then all-reduced, so ``op="avg"`` averages
@@ -294,19 +328,26 @@ class DBuffer:
             reduce_dtype: Reduce in this dtype (e.g. fp32 for bf16 gradients); the result is
                 cast back into the shard's dtype.
             accumulate: Add into the shard instead of overwriting it.
-            async_op: Return at once; ``handle.wait()`` before reading the shard.
+            async_op: Return at once; :meth:`wait` (or ``handle.wait()``) before reading the
+                shard.
+            finish: Called once the result is in the shard (e.g. to free ``source``).
 
         Returns:
             A :class:`Handle`.
+
+        Raises:
+            ValueError: ``source`` has the wrong size, or ``op`` is unknown.
         """
         src = self._global if source is None else source
         if src.numel() != self._global.numel():
             raise ValueError(f"reduce_scatter source must have {self._global.numel()} elements, "
                              f"got {src.numel()}")
+        comm.check_op(op)
         src = src.data
         rdt = reduce_dtype or src.dtype
         if src.dtype != rdt:
             src = src.to(rdt)
+        self.wait()
         self.ensure_shard(zero=accumulate)
         direct = rdt == self.dtype and not accumulate
         out = self.shard.data if direct else torch.empty(self.shard.numel(), dtype=rdt,
@@ -316,7 +357,7 @@ class DBuffer:
         def launch(a):
             return comm.reduce_scatter_into(out, src, op, self.groups.shard, a)
 
-        def finish():
+        def done():
             if replicate is not None:
                 comm.all_reduce_(out, op, replicate)
             if not direct:
@@ -324,14 +365,17 @@ class DBuffer:
                     self.shard.data.add_(out.to(self.dtype))
                 else:
                     self.shard.data.copy_(out)
+            if finish is not None:
+                finish()
             return self
 
-        return self._launch(launch, async_op, finish)
+        return self._launch(launch, async_op, done)
 
     # ------------------------------------------------------------------ group ops
 
     @property
     def shard_allocated(self) -> bool:
+        """Whether the shard holds memory (see :meth:`release_shard`)."""
         return self.shard.untyped_storage().nbytes() > 0
 
     def release_shard(self) -> None:
@@ -339,17 +383,13 @@ class DBuffer:
 
         Views of it stay valid objects; :meth:`ensure_shard` brings the memory back.
         """
-        if self._pending is not None:
-            self._pending.wait()
-        if _OWNERS.get(self.shard.untyped_storage().data_ptr()) is self:
-            del _OWNERS[self.shard.untyped_storage().data_ptr()]  # the address may be reused
+        self.wait()
         self.shard.untyped_storage().resize_(0)
 
     def ensure_shard(self, zero: bool = True) -> torch.Tensor:
         """Re-allocate a released shard (zero-filled unless ``zero=False``); return it."""
         if not self.shard_allocated:
             self.shard.untyped_storage().resize_(self.shard.numel() * self.shard.element_size())
-            _OWNERS[self.shard.untyped_storage().data_ptr()] = self
             if zero:
                 with torch.no_grad():
                     self.shard.zero_()
@@ -362,11 +402,13 @@ class DBuffer:
         return self
 
     def scale_(self, factor: float) -> "DBuffer":
+        """Multiply the shard by ``factor`` (one kernel)."""
         with torch.no_grad():
             self.shard.mul_(factor)
         return self
 
     def add_(self, other: Union["DBuffer", torch.Tensor], alpha: float = 1.0) -> "DBuffer":
+        """Add another buffer of the same layout (or a flat ``S``-element tensor)."""
         with torch.no_grad():
             self.shard.add_(self._flat(other), alpha=alpha)
         return self
@@ -377,11 +419,23 @@ class DBuffer:
             self.shard.copy_(self._flat(other))
         return self
 
-    def like(self, dtype: Optional[torch.dtype] = None, role: str = "state") -> "DBuffer":
-        """A new zeroed DBuffer with the same layout (e.g. gradients, optimizer states)."""
-        new = DBuffer.__new__(DBuffer)
-        new._setup(self.key, self.layout, self.tensors, self.groups, dtype or self.dtype, role)
-        return new
+    def like(self, dtype: Optional[torch.dtype] = None, role: Role = Role.STATE,
+             name: Optional[str] = None) -> "DBuffer":
+        """A new zeroed DBuffer with the same layout and groups (e.g. an optimizer state).
+
+        Args:
+            dtype: Its dtype (default: this buffer's).
+            role: A :class:`Role` (default ``Role.STATE``).
+            name: A label (e.g. ``"exp_avg"``).
+        """
+        if isinstance(role, str):  # 0.1 spelled roles as strings: like(dtype, role="exp_avg")
+            import warnings
+
+            warnings.warn(f"DBuffer.like(role={role!r}): roles are vfsdp.collectives.Role values "
+                          f"now; pass role=Role.STATE, name={role!r}", FutureWarning,
+                          stacklevel=2)
+            role, name = Role.STATE, name or role
+        return DBuffer(self.layout, self.groups, dtype or self.dtype, role, name, self.unit)
 
     def _flat(self, other) -> torch.Tensor:
         flat = other.shard if isinstance(other, DBuffer) else other
@@ -391,6 +445,6 @@ class DBuffer:
         return flat
 
     def __repr__(self) -> str:
-        return (f"DBuffer({self.role}, unit {unit_name(self.key)}, rank {self.rank}/"
+        return (f"DBuffer({self.name}, unit {unit_name(self.key)}, rank {self.rank}/"
                 f"{self.layout.world_size}, S={self.layout.shard_numel}, {self.dtype}, "
                 f"{'gathered' if self.is_allocated else 'released'})")

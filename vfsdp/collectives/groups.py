@@ -34,6 +34,7 @@ class MeshGroups:
         shard_rank, shard_size: This rank's index in, and the size of, the shard group.
         replicate_rank, replicate_size: The same for the replicate group (0 and 1 without).
         device: Device for buffers (``cuda`` for NCCL, ``cpu`` otherwise).
+        grid: Global ranks of the mesh, ``grid[replicate_rank][shard_rank]``.
     """
 
     shard: Any
@@ -43,6 +44,18 @@ class MeshGroups:
     replicate_rank: int
     replicate_size: int
     device: torch.device
+    grid: tuple = ()
+
+    def coords(self, global_rank: int) -> tuple[int, int]:
+        """``(replicate_rank, shard_rank)`` of a global rank of the mesh.
+
+        Raises:
+            ValueError: the rank is not in the mesh.
+        """
+        for r, row in enumerate(self.grid):
+            if global_rank in row:
+                return r, row.index(global_rank)
+        raise ValueError(f"rank {global_rank} is not in this mesh (ranks {self.grid})")
 
 
 def device_for(group=None) -> torch.device:
@@ -64,6 +77,7 @@ def _from_mesh(mesh, spec: ShardSpec) -> MeshGroups:
         raise ValueError(f"vfsdp supports 1-D (FSDP) and 2-D (HSDP) meshes, got shape {shape}")
     shard = mesh.get_group(len(shape) - 1)
     replicate = mesh.get_group(0) if len(shape) == 2 else None
+    grid = mesh.mesh.reshape(-1, shape[-1]).tolist()
     return MeshGroups(
         shard=shard,
         replicate=replicate,
@@ -72,6 +86,7 @@ def _from_mesh(mesh, spec: ShardSpec) -> MeshGroups:
         replicate_rank=dist.get_rank(replicate) if replicate is not None else 0,
         replicate_size=shape[0] if len(shape) == 2 else 1,
         device=device_for(shard),
+        grid=tuple(tuple(int(r) for r in row) for row in grid),
     )
 
 
@@ -105,7 +120,8 @@ def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None) -> MeshGroups:
             f"matching DeviceMesh"
         )
     if len(spec.mesh_shape) == 1:
-        return MeshGroups(None, None, dist.get_rank(), world, 0, 1, device_for())
+        return MeshGroups(None, None, dist.get_rank(), world, 0, 1, device_for(),
+                          (tuple(range(world)),))
     return _from_mesh(default_mesh(spec), spec)
 
 

@@ -8,6 +8,7 @@ sends rank ``r`` the intersection of its source range with ``r``'s destination r
 
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Optional, Sequence
 
@@ -15,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from vfsdp.collectives import comm
+from vfsdp.collectives.handle import Handle, comm_context
 
-__all__ = ["flat_redistribute", "shard0_range"]
+__all__ = ["flat_redistribute", "Redistribution", "shard0_range"]
 
 Ranges = Sequence[tuple]  # per rank: (start, stop) in the tensor's flat order
 
@@ -43,9 +45,115 @@ def _cut(a: tuple, b: tuple) -> tuple[int, int]:
     return (lo, hi) if hi > lo else (lo, lo)
 
 
+def _covered(src: Ranges, dst: Ranges) -> int:
+    """Destination elements that some (disjoint) source range holds: a sweep, O(w log w)."""
+    held = sorted((lo, hi) for lo, hi in src if hi > lo)
+    starts = [lo for lo, _ in held]
+    total = 0
+    for lo, hi in dst:
+        k = max(bisect.bisect_right(starts, lo) - 1, 0)
+        while k < len(held) and held[k][0] < hi:
+            a, b = _cut(held[k], (lo, hi))
+            total += b - a
+            k += 1
+    return total
+
+
+class Redistribution:
+    """Where each element goes in one flat redistribution, as seen from one rank (pure data).
+
+    Built once from the ranges and reused for every call with the same layout
+    (Muon plans its waves this way), so a call is one ``cat``, one ``all_to_all_single`` and
+    one copy per received range.
+
+    Attributes:
+        rank, world: This rank and the group size.
+        send: ``(tensor, lo, hi)`` slices of the sources to send, in destination-rank order.
+        send_sizes, recv_sizes: Elements to send to / receive from each rank.
+        recv: ``(tensor, lo, hi)``: where each received range lands in the outputs, in
+            source-rank order.
+        out_sizes: Elements of each output.
+    """
+
+    __slots__ = ("rank", "world", "send", "send_sizes", "recv", "recv_sizes", "out_sizes",
+                 "in_sizes")
+
+    def __init__(self, src: Sequence[Ranges], dst: Sequence[Ranges], rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        n = len(src)
+        self.in_sizes = [src[i][rank][1] - src[i][rank][0] for i in range(n)]
+        self.out_sizes = [dst[i][rank][1] - dst[i][rank][0] for i in range(n)]
+        for i in range(n):
+            want = sum(hi - lo for lo, hi in dst[i])
+            have = _covered(src[i], dst[i])
+            if have != want:
+                raise ValueError(f"flat_redistribute: tensor {i}: the source ranges cover {have} "
+                                 f"of the {want} destination elements")
+        self.send, self.send_sizes, self.recv_sizes, self.recv = [], [0] * world, [0] * world, []
+        for q in range(world):
+            for i in range(n):
+                lo, hi = _cut(src[i][rank], dst[i][q])
+                base = src[i][rank][0]
+                if hi > lo:
+                    self.send.append((i, lo - base, hi - base))
+                    self.send_sizes[q] += hi - lo
+                lo, hi = _cut(src[i][q], dst[i][rank])
+                if hi > lo:
+                    base = dst[i][rank][0]
+                    self.recv.append((i, lo - base, hi - base))
+                    self.recv_sizes[q] += hi - lo
+
+    def run(self, sources: Sequence[torch.Tensor], group=None,
+            device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+            async_op: bool = False):
+        """Move ``sources`` (this rank's source pieces) to this rank's destination pieces.
+
+        Returns:
+            The outputs (flat tensors), or a :class:`Handle` whose ``wait()`` returns them.
+
+        Raises:
+            ValueError: sources of different dtypes, or of the wrong sizes.
+        """
+        dtypes = {s.dtype for s in sources}
+        if len(dtypes) > 1:
+            raise ValueError(f"flat_redistribute: one dtype per call, got {sorted(map(str, dtypes))}")
+        dtype = dtypes.pop() if dtypes else (dtype or torch.float32)
+        device = device or (sources[0].device if sources else torch.device("cpu"))
+        for i, piece in enumerate(sources):
+            if piece.numel() != self.in_sizes[i]:
+                raise ValueError(f"flat_redistribute: tensor {i}: this rank's source has "
+                                 f"{piece.numel()} elements, its range {self.in_sizes[i]}")
+        flat = [s.reshape(-1) for s in sources]
+        send = [flat[i][lo:hi] for i, lo, hi in self.send]
+        send_buf = (torch.cat(send).to(device) if send
+                    else torch.empty(0, dtype=dtype, device=device))
+        recv = torch.empty(sum(self.recv_sizes), dtype=dtype, device=device)
+        outs = [torch.empty(n, dtype=dtype, device=device) for n in self.out_sizes]
+        keep = [send_buf]
+
+        def unpack():
+            del keep[:]  # the send buffer lives until the exchange is done (no record_stream)
+            off = 0
+            for i, lo, hi in self.recv:
+                outs[i][lo:hi] = recv[off:off + hi - lo]
+                off += hi - lo
+            return outs
+
+        if self.world == 1:
+            recv.copy_(send_buf)
+            return Handle((), unpack) if async_op else unpack()
+        if not async_op:
+            comm.all_to_all_into(recv, send_buf, self.recv_sizes, self.send_sizes, group)
+            return unpack()
+        with comm_context(device) as box:
+            work = comm.all_to_all_into(recv, send_buf, self.recv_sizes, self.send_sizes, group,
+                                        async_op=device.type != "cuda")
+        return Handle([work] if device.type != "cuda" else [], unpack, box[0] if box else None)
+
+
 def flat_redistribute(sources: Sequence[torch.Tensor], src: Sequence[Ranges],
                       dst: Sequence[Ranges], group=None,
-                      device: Optional[torch.device] = None) -> list[torch.Tensor]:
+                      device: Optional[torch.device] = None, async_op: bool = False):
     """Move tensors from one flat-range layout to another in one ``all_to_all_single``.
 
     Args:
@@ -54,9 +162,10 @@ def flat_redistribute(sources: Sequence[torch.Tensor], src: Sequence[Ranges],
         dst: ``dst[i][r]``: rank ``r``'s destination range of tensor ``i``.
         group: The process group the ranks index.
         device: Device of the outputs (default: the first source's).
+        async_op: Return a :class:`Handle` at once; its ``wait()`` returns the outputs.
 
     Returns:
-        This rank's destination piece of each tensor, flat.
+        This rank's destination piece of each tensor, flat (or the handle).
 
     Raises:
         ValueError: sources of different dtypes, or a destination element no rank holds.
@@ -65,48 +174,12 @@ def flat_redistribute(sources: Sequence[torch.Tensor], src: Sequence[Ranges],
         >>> # ragged (7, 0, 3 elements) -> even Shard(0) rows of a (5, 2) tensor on 3 ranks
         >>> src = [[(0, 7), (7, 7), (7, 10)]]
         >>> dst = [[shard0_range((5, 2), 3, r) for r in range(3)]]
-        >>> mine = flat_redistribute([piece], src, dst)   # doctest: +SKIP
+        >>> def body():
+        ...     lo, hi = src[0][dist.get_rank()]
+        ...     return flat_redistribute([torch.arange(lo, hi)], src, dst)[0].tolist()
+        >>> vfsdp.testing.simulate(3, body)
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    dtypes = {s.dtype for s in sources}
-    if len(dtypes) > 1:
-        raise ValueError(f"flat_redistribute: one dtype per call, got {sorted(map(str, dtypes))}")
-    dtype = dtypes.pop() if dtypes else torch.float32
-    device = device or (sources[0].device if sources else torch.device("cpu"))
-    for i in range(len(sources)):
-        lo, hi = src[i][rank]
-        if sources[i].numel() != hi - lo:
-            raise ValueError(f"flat_redistribute: tensor {i}: this rank's source has "
-                             f"{sources[i].numel()} elements, its range [{lo}, {hi}) {hi - lo}")
-        want = sum(hi - lo for lo, hi in dst[i])
-        have = sum(_cut(s, d)[1] - _cut(s, d)[0] for s in src[i] for d in dst[i])
-        if have != want:
-            raise ValueError(f"flat_redistribute: tensor {i}: the source ranges cover {have} of "
-                             f"the {want} destination elements")
-    send, send_sizes, recv_sizes = [], [0] * world, [0] * world
-    for q in range(world):
-        for i, piece in enumerate(sources):
-            lo, hi = _cut(src[i][rank], dst[i][q])
-            base = src[i][rank][0]
-            if hi > lo:
-                send.append(piece.reshape(-1)[lo - base:hi - base])
-                send_sizes[q] += hi - lo
-            lo, hi = _cut(src[i][q], dst[i][rank])
-            recv_sizes[q] += hi - lo
-    send_buf = torch.cat(send).to(device) if send else torch.empty(0, dtype=dtype, device=device)
-    recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-    if world > 1:
-        comm.all_to_all_into(recv, send_buf, recv_sizes, send_sizes, group)
-    else:
-        recv.copy_(send_buf)
-    outs = [torch.empty(dst[i][rank][1] - dst[i][rank][0], dtype=dtype, device=device)
-            for i in range(len(sources))]
-    off = 0
-    for q in range(world):
-        for i in range(len(sources)):
-            lo, hi = _cut(src[i][q], dst[i][rank])
-            if hi > lo:
-                base = dst[i][rank][0]
-                outs[i][lo - base:hi - base] = recv[off:off + hi - lo]
-                off += hi - lo
-    return outs
+    plan = Redistribution(src, dst, rank, world)
+    return plan.run(sources, group, device, async_op=async_op)

@@ -1,28 +1,52 @@
-"""Functional API over pytrees: shard, gather (differentiable), reduce_scatter, release."""
+"""Functional API over pytrees: shard, scatter, gather (differentiable), reduce_scatter, release.
 
+Imports ``vfsdp.collectives`` and below, never ``optim``, ``checkpoint`` or ``testing``.
+"""
+
+from vfsdp.functional import init
 from vfsdp.functional.dtensor import dtensor_placement, from_dtensor, to_dtensor
-from vfsdp.functional.gather import gather, gather_async, reduce_scatter
+from vfsdp.functional.gather import gather, gather_async
 from vfsdp.functional.grads import grads, zero_grads
+from vfsdp.functional.options import GatherOptions, GradOptions
+from vfsdp.functional.reduce import Reductions, reduce_scatter
+from vfsdp.functional.reference import (
+    gather_reference,
+    scatter_reference,
+    shard_reference,
+    unit_buffer_reference,
+)
+from vfsdp.functional.scatter import scatter
 from vfsdp.functional.schedule import run_layers
-from vfsdp.functional.reference import gather_reference, shard_reference, unit_buffer_reference
 from vfsdp.functional.shard import dbuffers, release, shard
+from vfsdp.functional.state import Checkpointable, param_tree
 from vfsdp.functional.tree import match_tree
+from vfsdp.functional.units import UnitLeaves, units_of
 
 __all__ = [
+    "Checkpointable",
+    "GatherOptions",
+    "GradOptions",
+    "Reductions",
+    "UnitLeaves",
+    "dbuffers",
     "dtensor_placement",
     "from_dtensor",
-    "to_dtensor",
-    "dbuffers",
     "gather",
     "gather_async",
     "gather_reference",
     "grads",
-    "zero_grads",
+    "init",
     "match_tree",
+    "param_tree",
     "reduce_scatter",
     "release",
     "run_layers",
+    "scatter",
+    "scatter_reference",
     "shard",
     "shard_reference",
+    "to_dtensor",
     "unit_buffer_reference",
+    "units_of",
+    "zero_grads",
 ]

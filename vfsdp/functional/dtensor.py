@@ -33,8 +33,9 @@ from vfsdp.collectives.agree import agreed
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.groups import default_mesh, resolve_groups
 from vfsdp.collectives.redistribute import flat_redistribute, shard0_range
-from vfsdp.functional.shard import unit_buffers
+from vfsdp.collectives.unit import Unit
 from vfsdp.functional.tree import group_by_unit, match_tree
+from vfsdp.functional.units import units_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
@@ -94,7 +95,7 @@ def to_dtensor(shards: Any, spec: ShardSpec, *, mesh: Any = None, ragged: str = 
     device_mesh = _mesh(spec, mesh)
     lead = [Replicate()] * (len(spec.mesh_shape) - 1)
     out = list(leaves)
-    for u in unit_buffers(shards, spec, "vfsdp.to_dtensor"):
+    for u in units_of(leaves, spec, "vfsdp.to_dtensor"):
         moved = []
         for i, k in u.leaves:
             t = u.db.tensors[k]
@@ -232,7 +233,8 @@ def from_dtensor(tree: Any, spec: ShardSpec, *, mesh: Any = None,
     out = list(leaves)
     with torch.no_grad():
         for key, members in units.items():
-            db = DBuffer(spec, key, groups)
+            unit = Unit(spec.units[key], groups)  # the views' slots keep it alive
+            db = unit.params
             src = [ranges for ranges, _ in found[key]]
             pieces = [piece.to(db.device) for _, piece in found[key]]
             dst = [[t.local_range(r) for r in range(m)] for _, t in members]

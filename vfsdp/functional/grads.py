@@ -1,4 +1,4 @@
-"""The sharded gradients and the DBuffers behind a shards tree."""
+"""The sharded gradients of a shards tree: ``vfsdp.grads`` and ``vfsdp.zero_grads``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from typing import Any
 import optree
 import torch
 
-from vfsdp.functional.gather import wait_reductions
-from vfsdp.functional.shard import dbuffers, unit_buffers
 from vfsdp.functional.tree import match_tree
+from vfsdp.functional.units import units_of
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["grads", "zero_grads"]
@@ -20,19 +19,27 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
 
     After a backward through :func:`vfsdp.gather` (with ``grads="buffer"`` or the default),
     these hold the reduce-scattered gradients; units that had no backward yet hold zeros.
+    Reductions still in flight (``async_reduce``) into these units are waited for first.
 
     Raises:
-        ValueError: the tree does not match the spec, or a unit's shards are not views into
-            a DBuffer (pass the tree returned by :func:`vfsdp.shard`).
+        ValueError: the tree does not match the spec, or a unit's leaves are not shards
+            (pass the tree returned by :func:`vfsdp.shard`).
 
     Example:
-        >>> loss.backward(); g = vfsdp.grads(shards, spec)   # doctest: +SKIP
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     full = vfsdp.gather(shards, spec, grads="buffer")
+        ...     (full["w"] * 2).sum().backward()
+        ...     return vfsdp.grads(shards, spec)["w"].tolist(), shards["w"].grad
+        >>> vfsdp.testing.simulate(2, body)
+        [([2.0, 2.0, 2.0, 2.0], None), ([2.0, 2.0, 2.0, 2.0], None)]
     """
-    leaves = match_tree(shards, spec, "vfsdp.grads")
-    wait_reductions()
+    what = "vfsdp.grads"
+    leaves = match_tree(shards, spec, what)
     out = list(leaves)
-    for u in unit_buffers(shards, spec, "vfsdp.grads"):
-        gdb = u.db.grad_buffer()
+    for u in units_of(leaves, spec, what):
+        gdb = u.unit.grads()
         gdb.ensure_shard()
         for i, k in u.leaves:
             out[i] = gdb.local(k)
@@ -40,7 +47,7 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
 
 
 def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> None:
-    """Zero every unit's gradients and drop any unsharded accumulator.
+    """Zero every unit's gradients and drop any unreduced accumulator.
 
     Args:
         shards: The shards tree.
@@ -48,15 +55,26 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
         set_to_none: Release the gradient shards' memory until the next backward writes them
             (like ``optimizer.zero_grad(set_to_none=True)``; reading them through
             :func:`grads` before then gives zeros). ``False`` zero-fills them in place.
+
+    Raises:
+        ValueError: as :func:`grads`.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     vfsdp.grads(shards, spec)["w"].fill_(5.0)
+        ...     vfsdp.zero_grads(shards, spec)
+        ...     return vfsdp.grads(shards, spec)["w"].tolist()
+        >>> vfsdp.testing.simulate(2, body)
+        [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
     """
-    wait_reductions()
-    for db in dbuffers(shards, spec).values():
-        gdb = db.grad_buffer()
+    what = "vfsdp.zero_grads"
+    for u in units_of(match_tree(shards, spec, what), spec, what):
+        gdb = u.unit.grads()
         if set_to_none:
             gdb.release_shard()
         else:
             with torch.no_grad():
                 gdb.ensure_shard().zero_()
-        for (role, _), comp in db._companions.items():
-            if role == "accum":
-                comp.free_global()
+        u.unit.drop_accumulators()

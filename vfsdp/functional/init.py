@@ -13,11 +13,14 @@ tensor built with :func:`full_tensor` holds exactly the same values, whatever th
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import optree
 import torch
+
+from vfsdp.collectives.dbuffer import slot_of
 
 __all__ = ["normal", "constant", "rule", "sharded", "full_tensor", "full_tree", "CHUNK"]
 
@@ -95,7 +98,14 @@ def sharded(init_rule: Rule, seed: int = 0) -> Callable:
     """An ``init_fn`` for :func:`vfsdp.shard` that fills each rank's pieces only.
 
     Example:
-        >>> shards = vfsdp.shard(meta, spec, init_fn=sharded(rule(), seed=0))   # doctest: +SKIP
+        >>> meta = {"w": torch.empty(5, 3, device="meta")}
+        >>> def body():
+        ...     spec = vfsdp.plan(meta, 2)
+        ...     shards = vfsdp.shard(meta, spec, init_fn=sharded(rule(), seed=0))
+        ...     full = vfsdp.gather(shards, spec)["w"].detach()
+        ...     return torch.equal(full, full_tensor(rule(), ("w",), (5, 3)))
+        >>> vfsdp.testing.simulate(2, body)
+        [True, True]
     """
 
     def init_fn(path, local, tspec) -> None:
@@ -108,13 +118,16 @@ def sharded(init_rule: Rule, seed: int = 0) -> Callable:
 
 
 def local_rank(local: torch.Tensor) -> int:
-    """This rank's index in the shard group (from the DBuffer the piece belongs to)."""
-    from vfsdp.collectives.dbuffer import owner_of
+    """This rank's index in the shard group, from the buffer the piece is a view of.
 
-    db = owner_of(local)
-    if db is None:
-        raise ValueError("vfsdp.init.sharded: the piece is not a DBuffer view (use vfsdp.shard)")
-    return db.rank
+    Raises:
+        ValueError: ``local`` is not a piece ``vfsdp.shard`` handed to ``init_fn``.
+    """
+    slot = slot_of(local)
+    if slot is None:
+        raise ValueError("vfsdp.init.sharded: the piece is not a DBuffer view; use it as "
+                         "vfsdp.shard(..., init_fn=vfsdp.init.sharded(rule, seed))")
+    return slot.buffer.rank
 
 
 def full_tensor(init_rule: Rule, path: tuple, shape: tuple, dtype: torch.dtype = torch.float32,
@@ -125,9 +138,7 @@ def full_tensor(init_rule: Rule, path: tuple, shape: tuple, dtype: torch.dtype =
         >>> full_tensor(rule(constant(2.0)), ("w",), (2, 2)).tolist()
         [[2.0, 2.0], [2.0, 2.0]]
     """
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     return _values(init_rule(tuple(path), tuple(shape)), tuple(path), 0, n, n, seed, dtype).reshape(shape)
 
 

@@ -15,6 +15,9 @@ for each unit ``i`` and, like FSDP2's ``fully_shard`` on every block:
 So at most two units' full parameters are gathered at once in forward and in backward.
 ``reshard_after_forward=False`` keeps every unit gathered until its backward (no regather).
 Gradients land in the gradient DBuffers only; read them with :func:`vfsdp.grads`.
+
+A saved tensor is recognised as a gathered parameter by its :class:`~vfsdp.collectives.Slot`
+(or its view base's): the run keeps its own table of the buffers it gathered, nothing global.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from typing import Any, Callable, Optional, Sequence
 import optree
 import torch
 
-from vfsdp.collectives.dbuffer import DBuffer, global_owner
+from vfsdp.collectives.dbuffer import DBuffer, View, slot_of
 from vfsdp.collectives.handle import Handle
-from vfsdp.functional.gather import gather_async, wait_reductions
+from vfsdp.functional.gather import start_gather
+from vfsdp.functional.options import split_options
+from vfsdp.functional.reduce import Reductions
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["run_layers"]
@@ -42,7 +47,8 @@ class _Saved:
 
 
 class _Regather:
-    """Regathers released units when backward needs them, prefetching the previous unit."""
+    """The run's gathered buffers: regathers released ones when backward needs them, and
+    prefetches the previous unit."""
 
     def __init__(self, prefetch: bool) -> None:
         self.order: list[DBuffer] = []
@@ -51,14 +57,12 @@ class _Regather:
         self.prefetch = prefetch
 
     def add(self, db: DBuffer) -> None:
-        self.index[id(db)] = len(self.order)
-        self.order.append(db)
+        if id(db) not in self.index:
+            self.index[id(db)] = len(self.order)
+            self.order.append(db)
 
-    def _start(self, db: DBuffer, async_op: bool) -> Optional[Handle]:
-        master = db.parent
-        if master is not None:  # low-precision compute copy: cast again, then gather
-            db.copy_(master)
-        return db.all_gather(async_op=async_op)
+    def _start(self, db: DBuffer, async_op: bool) -> Handle:
+        return db.unit.regather(db, async_op=async_op)
 
     def ensure(self, db: DBuffer) -> None:
         i = self.index.get(id(db))
@@ -73,9 +77,9 @@ class _Regather:
                 self.pending[id(prev)] = self._start(prev, async_op=True)
 
     def pack(self, t: torch.Tensor) -> Any:
-        db = global_owner(t)
-        if db is not None and id(db) in self.index:
-            return _Saved(db, t)
+        slot = slot_of(t) or slot_of(t._base)
+        if slot is not None and slot.view is View.FULL and id(slot.buffer) in self.index:
+            return _Saved(slot.buffer, t)
         return t
 
     def unpack(self, saved: Any) -> torch.Tensor:
@@ -95,6 +99,7 @@ def run_layers(
     *,
     prefetch: bool = True,
     reshard_after_forward: bool = True,
+    mesh: Any = None,
     **gather_options: Any,
 ) -> Any:
     """Run ``h = layer_fn(full_i, h)`` over units with FSDP prefetch, release and regather.
@@ -102,54 +107,92 @@ def run_layers(
     Args:
         layer_fn: ``(full parameters of one unit, h) -> h``.
         shards: One shards subtree per unit, in execution order (e.g. ``shards["layers"]``).
-        specs: The matching sub-specs (e.g. ``spec["layers"]``).
+        specs: The matching sub-specs: ``spec["layers"]`` itself, or a list of them.
         h: The input of the first unit.
         prefetch: Gather unit ``i+1`` while unit ``i`` computes (and ``i-1`` in backward).
         reshard_after_forward: Release each unit (but the last) after its forward and gather
             it again in backward; ``False`` keeps them gathered until their backward.
-        gather_options: Passed to :func:`vfsdp.gather` (``param_dtype``, ``reduce_dtype``,
-            ``grad_reduce``, ``accumulate_grads``, ``grad_sync``).
+        mesh: As for :func:`vfsdp.gather`.
+        gather_options: The options of :func:`vfsdp.gather` (``param_dtype``,
+            ``reduce_dtype``, ``grad_reduce``, ``accumulate_grads``, ``grad_sync``,
+            ``free_after_backward``, ``async_reduce``). Here ``grads`` is ``"buffer"`` (the
+            only value accepted), and ``free_after_backward`` and ``async_reduce`` default
+            to ``True``.
 
     Returns:
         The last unit's output.
 
     Raises:
-        ValueError: ``shards`` and ``specs`` differ in length.
+        ValueError: ``shards`` and ``specs`` differ in length, ``grads="return"``, or an
+            option :func:`vfsdp.gather` refuses.
+        TypeError: an unknown option.
 
     Example:
-        >>> h = vfsdp.run_layers(block, shards["layers"], spec["layers"], h)   # doctest: +SKIP
-        >>> loss_fn(h).backward(); g = vfsdp.grads(shards, spec)                # doctest: +SKIP
+        >>> def body():
+        ...     params = {"layers": [{"w": torch.full((4, 2), 0.5)} for _ in range(3)]}
+        ...     spec = vfsdp.plan(params, 2, granularity=vfsdp.rows(1))
+        ...     shards = vfsdp.shard(params, spec)
+        ...     h = vfsdp.run_layers(lambda p, x: x @ p["w"] @ p["w"].T, shards["layers"],
+        ...                          spec["layers"], torch.ones(1, 4))
+        ...     h.sum().backward()                 # each rank: its mean gradient, its rows
+        ...     return h.tolist(), vfsdp.grads(shards, spec)["layers"][0]["w"].tolist()
+        >>> vfsdp.testing.simulate(2, body)
+        [([[8.0, 8.0, 8.0, 8.0]], [[16.0, 16.0], [16.0, 16.0]]), ([[8.0, 8.0, 8.0, 8.0]], [[16.0, 16.0], [16.0, 16.0]])]
     """
+    what = "vfsdp.run_layers"
+    specs = _spec_list(specs, what)
     if len(shards) != len(specs):
-        raise ValueError(f"run_layers: {len(shards)} shard subtrees but {len(specs)} specs")
-    options = dict(gather_options, grads="buffer", free_after_backward=True)
+        raise ValueError(f"{what}: {len(shards)} shard subtrees but {len(specs)} specs")
+    if gather_options.get("grads", "buffer") != "buffer":
+        raise ValueError(f"{what}: grads={gather_options['grads']!r} is not supported: each "
+                         f"unit's gradients are reduce-scattered into its gradient buffer as its "
+                         f"backward ends; read them with vfsdp.grads (use vfsdp.gather for "
+                         f"grads='return')")
+    options = dict(gather_options, grads="buffer")
+    options.setdefault("free_after_backward", True)
     options.setdefault("async_reduce", True)
+    gopts, ropts = split_options(options, what)
+    reductions = Reductions() if ropts.async_reduce else None
     regather = _Regather(prefetch)
     n = len(shards)
-    wait_reductions()
-    pending = gather_async(shards[0], specs[0], **options) if n else None
+
+    def start(i: int) -> Handle:
+        return start_gather(shards[i], specs[i], mesh, gopts, ropts, reductions, what)
+
+    pending: Optional[Handle] = start(0) if n else None
     for i in range(n):
         full = pending.wait()
         dbs = _gathered_buffers(full)
         for db in dbs:
             regather.add(db)
         nxt = i + 1 < n
-        pending = gather_async(shards[i + 1], specs[i + 1], **options) if nxt and prefetch else None
+        pending = start(i + 1) if nxt and prefetch else None
         with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
             h = layer_fn(full, h)
         if reshard_after_forward and nxt:
             for db in dbs:
                 db.free_global()
         if nxt and pending is None:
-            pending = gather_async(shards[i + 1], specs[i + 1], **options)
+            pending = start(i + 1)
     return h
+
+
+def _spec_list(specs: Any, what: str) -> list:
+    """``spec["layers"]`` (a ShardSpec whose tree is a list) or a sequence of sub-specs."""
+    if isinstance(specs, ShardSpec):
+        tree = specs.tree
+        if not isinstance(tree, (list, tuple)):
+            raise ValueError(f"{what}: specs is a ShardSpec of a {type(tree).__name__}; pass the "
+                             f"sub-spec of a list of layers (spec['layers']) or a list of "
+                             f"sub-specs")
+        return [specs[i] for i in range(len(tree))]
+    return list(specs)
 
 
 def _gathered_buffers(full: Any) -> list[DBuffer]:
     seen: dict[int, DBuffer] = {}
     for t in optree.tree_leaves(full):
-        if isinstance(t, torch.Tensor):
-            db = global_owner(t)
-            if db is not None:
-                seen[id(db)] = db
+        slot = slot_of(t)
+        if slot is not None and slot.view is View.FULL:
+            seen[id(slot.buffer)] = slot.buffer
     return list(seen.values())

@@ -40,9 +40,8 @@ def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:
 
 
 def group_by_unit(spec: ShardSpec) -> dict[Hashable, list[tuple[int, TensorSpec]]]:
-    """``unit key -> [(leaf index, TensorSpec), ...]`` for the tensor leaves of ``spec``."""
-    groups: dict[Hashable, list[tuple[int, TensorSpec]]] = {}
-    for i, s in enumerate(spec.leaves()):
-        if isinstance(s, TensorSpec):
-            groups.setdefault(s.unit, []).append((i, s))
-    return groups
+    """``unit key -> [(leaf index, TensorSpec), ...]`` for the tensor leaves of ``spec``
+    (from the grouping the spec computes once and keeps)."""
+    leaves = spec.leaves()
+    return {key: [(i, leaves[i]) for i, _ in members]
+            for key, members in spec.unit_leaves().items()}

@@ -1,27 +1,35 @@
-"""Functional optimizers over DBuffers (optax-style ``init`` / ``update``), schedules, clipping."""
+"""Functional optimizers over DBuffers (optax-style ``init`` / ``update``), schedules, clipping.
 
-from vfsdp.optim.adamw import AdamWState, adamw
-from vfsdp.optim.adamw8bit import AdamW8bitState, adamw8bit
+Imports ``vfsdp.functional`` and below; ``vfsdp.checkpoint`` does not import it (states
+checkpoint themselves through :class:`vfsdp.functional.Checkpointable`).
+"""
+
+from vfsdp.optim.adamw import AdamWPlan, AdamWState, adamw
+from vfsdp.optim.adamw8bit import AdamW8bitPlan, AdamW8bitState, adamw8bit
 from vfsdp.optim.base import Optimizer, as_schedule
 from vfsdp.optim.clip import clip_grad_norm, global_norm
-from vfsdp.optim.compose import chain, clip_by_global_norm, partition
-from vfsdp.optim.muon import MuonState, muon
+from vfsdp.optim.compose import ClipState, chain, clip_by_global_norm, partition
+from vfsdp.optim.muon import MuonPlan, MuonState, muon
 from vfsdp.optim.schedules import constant, warmup_cosine
 
 __all__ = [
-    "AdamWState",
+    "AdamW8bitPlan",
     "AdamW8bitState",
-    "adamw8bit",
+    "AdamWPlan",
+    "AdamWState",
+    "ClipState",
+    "MuonPlan",
+    "MuonState",
     "Optimizer",
     "adamw",
+    "adamw8bit",
+    "as_schedule",
     "chain",
     "clip_by_global_norm",
-    "muon",
-    "MuonState",
-    "partition",
-    "as_schedule",
     "clip_grad_norm",
     "constant",
     "global_norm",
+    "muon",
+    "partition",
     "warmup_cosine",
 ]

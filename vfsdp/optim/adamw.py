@@ -16,46 +16,86 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from vfsdp.collectives.dbuffer import DBuffer
-from vfsdp.optim.base import Optimizer, Schedule, as_schedule, flat_grads, grad_leaves, unit_buffers
+from vfsdp.collectives.dbuffer import DBuffer, Role
+from vfsdp.functional.state import param_tree
+from vfsdp.optim.base import (Mask, Optimizer, Schedule, as_schedule, both, flat_grads,
+                              grad_leaves, selected, unit_buffers)
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["adamw", "AdamWState", "CHUNK"]
+__all__ = ["adamw", "AdamWState", "AdamWPlan", "CHUNK", "runs", "owned_views"]
 
 CHUNK = 1 << 18
 """Elements per slice of the fused update (bounds its temporary memory)."""
 
 
-@dataclass
-class AdamWState:
-    """Step count and per-unit moment DBuffers (same layout as the parameters)."""
+def runs(db: DBuffer, mask: Mask) -> tuple[tuple[int, int], ...]:
+    """Flat ranges of this rank's shard holding the tensors ``mask`` selects, merged.
 
-    step: int
-    exp_avg: dict
-    exp_avg_sq: dict
-    decay_runs: dict = field(default_factory=dict)  # unit -> [(lo, hi)] ranges that decay
-    update_runs: dict = field(default_factory=dict)  # unit -> [(lo, hi)] ranges it updates
-
-
-def _decay_runs(db: DBuffer, mask: Optional[Callable[[tuple], bool]],
-                also: Optional[Callable[[tuple], bool]] = None) -> list:
-    """Flat ranges of this rank's shard whose tensors pass ``mask`` (and ``also``), merged."""
-    runs: list = []
-    for k, t in enumerate(db.tensors):
-        if (mask is not None and not mask(t.path)) or (also is not None and not also(t.path)):
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"a": torch.ones(4), "b": torch.ones(4)}, 1)
+        ...     shards = vfsdp.shard({"a": torch.ones(4), "b": torch.ones(4)}, spec)
+        ...     db = slot_of(shards["a"]).buffer
+        ...     return runs(db, None), runs(db, lambda p: p == ("b",))
+        >>> vfsdp.testing.simulate(1, body)
+        [(((0, 8),), ((4, 8),))]
+    """
+    out: list = []
+    for t in db.tensors:
+        if not selected(mask, t.path):
             continue
         lo, hi = t.shard_range(db.rank)
         if hi <= lo:
             continue
-        if runs and runs[-1][1] == lo:
-            runs[-1] = (runs[-1][0], hi)
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
         else:
-            runs.append((lo, hi))
-    return runs
+            out.append((lo, hi))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class AdamWPlan:
+    """What ``init`` derives from the spec and the mask, per unit it updates: the tensors
+    (``paths``), their flat ranges in this rank's shard (``update_runs``) and the ranges that
+    decay (``decay_runs``). Never saved; ``init`` rebuilds it under any plan."""
+
+    paths: Mapping[Any, frozenset] = field(default_factory=dict)
+    update_runs: Mapping[Any, tuple] = field(default_factory=dict)
+    decay_runs: Mapping[Any, tuple] = field(default_factory=dict)
+
+    def owns(self, db: DBuffer, k: int) -> bool:
+        """Whether the plan updates tensor ``k`` of ``db``'s unit."""
+        return db.tensors[k].path in self.paths.get(db.key, ())
+
+
+@dataclass
+class AdamWState:
+    """The step and, per unit it updates, the moment DBuffers (the parameters' layout)."""
+
+    step: int
+    exp_avg: dict
+    exp_avg_sq: dict
+    plan: AdamWPlan = field(default_factory=AdamWPlan, repr=False, compare=False)
+
+    def checkpoint_tree(self, spec: ShardSpec) -> dict:
+        """The step, and the moments of the tensors it updates, shaped like the parameters."""
+        keep = owned_views(self.plan)
+        return {"step": self.step, "exp_avg": param_tree(self.exp_avg, spec, keep),
+                "exp_avg_sq": param_tree(self.exp_avg_sq, spec, keep)}
+
+    def restore_checkpoint(self, tree: dict) -> "AdamWState":
+        self.step = tree["step"]
+        return self
+
+
+def owned_views(plan) -> Callable:
+    """A ``param_tree`` leaf rule: tensor ``k``'s local view when ``plan.owns`` it."""
+    return lambda db, k: db.local(k) if plan.owns(db, k) else None
 
 
 def adamw(
@@ -82,9 +122,17 @@ def adamw(
         ValueError: a negative learning rate, ``eps`` or weight decay, or betas outside [0, 1).
 
     Example:
-        >>> opt = vfsdp.optim.adamw(lr=3e-4, weight_decay=0.1)   # doctest: +SKIP
-        >>> state = opt.init(shards, spec)                       # doctest: +SKIP
-        >>> state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)  # doctest: +SKIP
+        >>> def body():
+        ...     params = {"w": torch.ones(8)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     shards = vfsdp.shard(params, spec)
+        ...     opt = vfsdp.optim.adamw(lr=0.1, weight_decay=0.0)
+        ...     state = opt.init(shards, spec)
+        ...     vfsdp.grads(shards, spec)["w"].fill_(1.0)
+        ...     state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+        ...     return [round(x, 4) for x in shards["w"].tolist()], state.step
+        >>> vfsdp.testing.simulate(2, body)
+        [([0.9, 0.9, 0.9, 0.9], 1), ([0.9, 0.9, 0.9, 0.9], 1)]
     """
     b1, b2 = betas
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
@@ -93,15 +141,19 @@ def adamw(
         raise ValueError("lr, eps and weight_decay must be >= 0")
     schedule = as_schedule(lr)
 
-    def init(shards: Any, spec: ShardSpec, mask: Optional[Callable[[tuple], bool]] = None) -> AdamWState:
-        units = unit_buffers(shards, spec, "adamw.init")
+    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> AdamWState:
         state = AdamWState(0, {}, {})
-        for u in units:
-            state.exp_avg[u.key] = u.db.like(torch.float32, role="exp_avg")
-            state.exp_avg_sq[u.key] = u.db.like(torch.float32, role="exp_avg_sq")
-            state.decay_runs[u.key] = _decay_runs(u.db, weight_decay_mask, mask)
-            state.update_runs[u.key] = ([(0, u.db.shard.numel())] if mask is None
-                                        else _decay_runs(u.db, mask))
+        update_runs, decay_runs, paths = {}, {}, {}
+        for u in unit_buffers(shards, spec, "adamw.init"):
+            chosen = tuple(t.path for t in u.db.tensors if selected(mask, t.path))
+            if not chosen:
+                continue  # nothing of this unit is ours: no state for it
+            state.exp_avg[u.key] = u.db.like(torch.float32, Role.STATE, "exp_avg")
+            state.exp_avg_sq[u.key] = u.db.like(torch.float32, Role.STATE, "exp_avg_sq")
+            update_runs[u.key] = runs(u.db, mask)
+            decay_runs[u.key] = runs(u.db, both(weight_decay_mask, mask))
+            paths[u.key] = frozenset(chosen)
+        state.plan = AdamWPlan(paths, update_runs, decay_runs)
         return state
 
     def update(grads: Any, state: AdamWState, shards: Any, spec: ShardSpec) -> AdamWState:
@@ -111,17 +163,20 @@ def adamw(
         bc1 = 1 - b1 ** step
         bc2_sqrt = math.sqrt(1 - b2 ** step)
         leaves = grad_leaves(grads, spec, "adamw.update")
+        plan = state.plan
         with torch.no_grad():
             for u in unit_buffers(shards, spec, "adamw.update"):
+                if u.key not in state.exp_avg:
+                    continue
                 g = flat_grads(leaves, u, "adamw.update")
                 p = u.db.shard
                 m, v = state.exp_avg[u.key].shard, state.exp_avg_sq[u.key].shard
                 if weight_decay:
-                    for lo, hi in state.decay_runs[u.key]:
+                    for lo, hi in plan.decay_runs[u.key]:
                         p[lo:hi].mul_(1 - rate * weight_decay)
                 # Element-wise, so slices give the same bits; they bound the temporary
                 # (the denominator) to CHUNK elements instead of a whole unit.
-                for lo, hi in (c for run in state.update_runs[u.key] for c in _chunks(*run)):
+                for lo, hi in (c for run in plan.update_runs[u.key] for c in _chunks(*run)):
                     gs, ms, vs = g[lo:hi], m[lo:hi], v[lo:hi]
                     ms.lerp_(gs, 1 - b1)
                     vs.mul_(b2).addcmul_(gs, gs, value=1 - b2)

@@ -20,17 +20,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from vfsdp.optim.adamw import _decay_runs
-from vfsdp.optim.base import Optimizer, Schedule, as_schedule, flat_grads, grad_leaves, unit_buffers
+from vfsdp.collectives.dbuffer import Role
+from vfsdp.collectives.piece import Piece
+from vfsdp.functional.state import param_tree
+from vfsdp.optim.adamw import owned_views, runs
+from vfsdp.optim.base import (Mask, Optimizer, Schedule, as_schedule, both, flat_grads,
+                              grad_leaves, selected, unit_buffers)
 from vfsdp.optim.quant import TILE, dequantize, dynamic_map, quantize, tile_ids
 from vfsdp.planner.granularity import format_path, rows
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["adamw8bit", "AdamW8bitState", "MIN_8BIT_NUMEL"]
+__all__ = ["adamw8bit", "AdamW8bitState", "AdamW8bitPlan", "Quantized", "MIN_8BIT_NUMEL"]
 
 MIN_8BIT_NUMEL = 4096
 
@@ -53,36 +57,101 @@ def granularity_8bit(min_numel: int = MIN_8BIT_NUMEL) -> Callable:
     return gran
 
 
-@dataclass
-class _Tensor8:
-    """One quantized tensor's local state on this rank."""
+@dataclass(frozen=True)
+class Quantized:
+    """One quantized tensor's place on this rank: buffer index ``k``, range ``[lo, hi)`` in
+    the shard, the tile of each element (local ids) and the number of tiles."""
 
-    k: int           # buffer index in the unit
-    lo: int          # range in the rank's shard
+    k: int
+    lo: int
     hi: int
     tiles: torch.Tensor
     n_tiles: int
-    scale_m: torch.Tensor
-    scale_v: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AdamW8bitPlan:
+    """What ``init`` derives from the spec and the mask, per unit: the tensors it updates
+    (``paths``), the quantized ones (``quantized``), those with fp32 moments (``fp32``:
+    ``(k, lo, hi)``) and the ranges that decay. Never saved; rebuilt by ``init``."""
+
+    paths: Mapping[Any, frozenset] = field(default_factory=dict)
+    quantized: Mapping[Any, tuple] = field(default_factory=dict)
+    fp32: Mapping[Any, tuple] = field(default_factory=dict)
+    decay_runs: Mapping[Any, tuple] = field(default_factory=dict)
+
+    def owns(self, db, k: int) -> bool:
+        """Whether the plan updates tensor ``k`` of ``db``'s unit."""
+        return db.tensors[k].path in self.paths.get(db.key, ())
 
 
 @dataclass
 class AdamW8bitState:
+    """The step; uint8 codes per unit (DBuffers with the parameters' layout); per quantized
+    tensor ``(unit, k)`` its tile scales, per small tensor its fp32 moments."""
+
     step: int
-    codes_m: dict                               # unit -> uint8 DBuffer
+    codes_m: dict
     codes_v: dict
-    quantized: dict = field(default_factory=dict)  # unit -> [_Tensor8]
-    fp32: dict = field(default_factory=dict)       # unit -> [(k, lo, hi, m, v)]
-    decay_runs: dict = field(default_factory=dict)
+    scales_m: dict = field(default_factory=dict)
+    scales_v: dict = field(default_factory=dict)
+    fp32_m: dict = field(default_factory=dict)
+    fp32_v: dict = field(default_factory=dict)
+    plan: AdamW8bitPlan = field(default_factory=AdamW8bitPlan, repr=False, compare=False)
 
     def state_bytes(self) -> tuple[int, int]:
         """``(bytes of 8-bit state incl. scales, elements it covers)`` on this rank."""
         nbytes = elems = 0
-        for tensors in self.quantized.values():
+        for key, tensors in self.plan.quantized.items():
             for t in tensors:
                 elems += t.hi - t.lo
-                nbytes += 2 * (t.hi - t.lo) + 4 * (t.scale_m.numel() + t.scale_v.numel())
+                nbytes += 2 * (t.hi - t.lo) + 4 * (self.scales_m[(key, t.k)].numel()
+                                                   + self.scales_v[(key, t.k)].numel())
         return nbytes, elems
+
+    def checkpoint_tree(self, spec: ShardSpec) -> dict:
+        """The step; the codes per element and the tile scales indexed by global tile (so
+        another block placement reloads them bit for bit); the small tensors' fp32 moments."""
+        keep = owned_views(self.plan)
+        tree = {"step": self.step, "codes_m": param_tree(self.codes_m, spec, keep),
+                "codes_v": param_tree(self.codes_v, spec, keep)}
+        for attr in ("m", "v"):
+            scales, small = getattr(self, f"scales_{attr}"), getattr(self, f"fp32_{attr}")
+
+            def scale_piece(db, k, scales=scales):
+                found = scales.get((db.key, k))
+                if found is None:
+                    return None
+                ts = db.tensors[k]
+                first, total = _tile_range(tuple(ts.shape), ts.local_range(db.rank)[0])
+                return Piece(found, (total,), first if found.numel() else 0,
+                             writer=db.groups.replicate_rank == 0)
+
+            def small_piece(db, k, small=small):
+                found = small.get((db.key, k))
+                if found is None:
+                    return None
+                ts = db.tensors[k]
+                return Piece(found, tuple(ts.shape), ts.local_range(db.rank)[0],
+                             writer=db.groups.replicate_rank == 0)
+
+            tree[f"scales_{attr}"] = param_tree(self.codes_m, spec, scale_piece)
+            tree[f"fp32_{attr}"] = param_tree(self.codes_m, spec, small_piece)
+        return tree
+
+    def restore_checkpoint(self, tree: dict) -> "AdamW8bitState":
+        self.step = tree["step"]
+        return self
+
+
+def _tile_range(shape: tuple, start: int) -> tuple[int, int]:
+    """``(first global tile, total tiles)`` of a rank range starting at flat ``start``."""
+    rows_, cols = shape[-2], shape[-1]
+    row_tiles, col_tiles = math.ceil(rows_ / TILE), math.ceil(cols / TILE)
+    total = math.prod(shape[:-2]) * row_tiles * col_tiles
+    g0 = start // cols
+    stripe = (g0 // rows_) * row_tiles + (g0 % rows_) // TILE
+    return stripe * col_tiles, total
 
 
 def adamw8bit(
@@ -106,27 +175,49 @@ def adamw8bit(
         ValueError (from ``init``): a quantized tensor's rank boundary cuts a 32-row stripe.
 
     Example:
-        >>> opt = vfsdp.optim.adamw8bit(lr=1e-3)                          # doctest: +SKIP
-        >>> spec = vfsdp.plan(params, world, granularity=opt.granularity)  # doctest: +SKIP
+        >>> opt = vfsdp.optim.adamw8bit(lr=1e-3)
+        >>> params = {"w": torch.randn(128, 64), "norm": torch.ones(64)}
+        >>> spec = vfsdp.plan(params, 3, granularity=opt.granularity)
+        >>> def body():
+        ...     shards = vfsdp.shard(params, spec)
+        ...     state = opt.init(shards, spec)         # refuses a spec that cuts a tile
+        ...     grads = vfsdp.grads(shards, spec)
+        ...     state = opt.update(grads, state, shards, spec)
+        ...     return state.state_bytes()[1]          # elements with 8-bit moments here
+        >>> sum(vfsdp.testing.simulate(3, body))
+        8192
     """
     b1, b2 = betas
     schedule = as_schedule(lr)
-    qm, qv = dynamic_map(True), dynamic_map(False)
+    maps: dict = {}
 
-    def init(shards: Any, spec: ShardSpec) -> AdamW8bitState:
+    def qmaps(device) -> tuple:
+        found = maps.get(device)
+        if found is None:
+            found = maps[device] = (dynamic_map(True, device), dynamic_map(False, device))
+        return found
+
+    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> AdamW8bitState:
         state = AdamW8bitState(0, {}, {})
+        paths, quantized, fp32, decay = {}, {}, {}, {}
         for u in unit_buffers(shards, spec, "adamw8bit.init"):
             db = u.db
-            state.codes_m[u.key] = db.like(torch.uint8, role="exp_avg_8bit")
-            state.codes_v[u.key] = db.like(torch.uint8, role="exp_avg_sq_8bit")
-            state.decay_runs[u.key] = _decay_runs(db, weight_decay_mask)
+            chosen = frozenset(t.path for t in db.tensors if selected(mask, t.path))
+            if not chosen:
+                continue
+            state.codes_m[u.key] = db.like(torch.uint8, Role.STATE, "codes_m")
+            state.codes_v[u.key] = db.like(torch.uint8, Role.STATE, "codes_v")
+            decay[u.key] = runs(db, both(weight_decay_mask, mask))
             q8, f32 = [], []
             for k, t in enumerate(db.tensors):
+                if t.path not in chosen:
+                    continue
                 lo, hi = t.shard_range(db.rank)
                 start, stop = t.local_range(db.rank)
                 if not _quantized(tuple(t.shape), min_8bit_numel):
-                    f32.append((k, lo, hi, torch.zeros(hi - lo, device=db.device),
-                                torch.zeros(hi - lo, device=db.device)))
+                    f32.append((k, lo, hi))
+                    state.fp32_m[(u.key, k)] = torch.zeros(hi - lo, device=db.device)
+                    state.fp32_v[(u.key, k)] = torch.zeros(hi - lo, device=db.device)
                     continue
                 shape = tuple(t.shape)
                 try:
@@ -137,9 +228,11 @@ def adamw8bit(
                         f"32x32 tile ({exc}); plan with granularity=opt.granularity so each tile "
                         f"stays on one rank"
                     ) from None
-                z = torch.zeros(n, device=db.device)
-                q8.append(_Tensor8(k, lo, hi, tiles.to(db.device), n, z, z.clone()))
-            state.quantized[u.key], state.fp32[u.key] = q8, f32
+                q8.append(Quantized(k, lo, hi, tiles.to(db.device), n))
+                state.scales_m[(u.key, k)] = torch.zeros(n, device=db.device)
+                state.scales_v[(u.key, k)] = torch.zeros(n, device=db.device)
+            paths[u.key], quantized[u.key], fp32[u.key] = chosen, tuple(q8), tuple(f32)
+        state.plan = AdamW8bitPlan(paths, quantized, fp32, decay)
         return state
 
     def update(grads: Any, state: AdamW8bitState, shards: Any, spec: ShardSpec) -> AdamW8bitState:
@@ -148,23 +241,29 @@ def adamw8bit(
         rate = schedule(step)
         bc1, bc2_sqrt = 1 - b1 ** step, math.sqrt(1 - b2 ** step)
         leaves = grad_leaves(grads, spec, "adamw8bit.update")
+        plan = state.plan
         with torch.no_grad():
             for u in unit_buffers(shards, spec, "adamw8bit.update"):
+                if u.key not in state.codes_m:
+                    continue
                 g = flat_grads(leaves, u, "adamw8bit.update")
                 p = u.db.shard
+                qm, qv = qmaps(p.device)
                 if weight_decay:
-                    for lo, hi in state.decay_runs[u.key]:
+                    for lo, hi in plan.decay_runs[u.key]:
                         p[lo:hi].mul_(1 - rate * weight_decay)
                 cm, cv = state.codes_m[u.key].shard, state.codes_v[u.key].shard
-                for t in state.quantized[u.key]:
-                    m = dequantize(cm[t.lo:t.hi], t.scale_m, t.tiles, qm)
-                    v = dequantize(cv[t.lo:t.hi], t.scale_v, t.tiles, qv)
-                    gs = g[t.lo:t.hi]
-                    _adam(p[t.lo:t.hi], gs, m, v, b1, b2, bc1, bc2_sqrt, eps, rate)
-                    cm[t.lo:t.hi], t.scale_m = quantize(m, t.tiles, t.n_tiles, qm)
-                    cv[t.lo:t.hi], t.scale_v = quantize(v, t.tiles, t.n_tiles, qv)
-                for _, lo, hi, m, v in state.fp32[u.key]:
-                    _adam(p[lo:hi], g[lo:hi], m, v, b1, b2, bc1, bc2_sqrt, eps, rate)
+                for t in plan.quantized[u.key]:
+                    key = (u.key, t.k)
+                    m = dequantize(cm[t.lo:t.hi], state.scales_m[key], t.tiles, qm)
+                    v = dequantize(cv[t.lo:t.hi], state.scales_v[key], t.tiles, qv)
+                    _adam(p[t.lo:t.hi], g[t.lo:t.hi], m, v, b1, b2, bc1, bc2_sqrt, eps, rate)
+                    cm[t.lo:t.hi], state.scales_m[key] = quantize(m, t.tiles, t.n_tiles, qm)
+                    cv[t.lo:t.hi], state.scales_v[key] = quantize(v, t.tiles, t.n_tiles, qv)
+                for k, lo, hi in plan.fp32[u.key]:
+                    key = (u.key, k)
+                    _adam(p[lo:hi], g[lo:hi], state.fp32_m[key], state.fp32_v[key], b1, b2, bc1,
+                          bc2_sqrt, eps, rate)
         return state
 
     return Optimizer(init, update, granularity_8bit(min_8bit_numel))

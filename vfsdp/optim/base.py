@@ -1,33 +1,49 @@
 """The optimizer protocol (optax-style, in place on DBuffers) and the flat views it works on.
 
-An optimizer is an :class:`Optimizer`: ``state = opt.init(shards, spec)`` and
-``state = opt.update(grads, state, shards, spec)``, which updates the parameter shards in
-place, as a few fused ops over each unit's flat buffer. ``opt.granularity`` tells the planner
-which blocks it needs intact (``None``: any).
+An optimizer is an :class:`Optimizer` of three parts:
+
+* ``state = opt.init(shards, spec, mask=None)``: builds the state for the tensors
+  ``mask(path)`` selects (all when ``mask`` is ``None``). What ``init`` derives from the spec
+  and the mask (ranges, tiles, roots) is a separate frozen *plan* object the state refers
+  to; it is never saved and ``init`` rebuilds it under any other plan.
+* ``state = opt.update(grads, state, shards, spec)``: updates the selected parameter shards in
+  place, as a few fused ops over each unit's flat buffer; other tensors are left alone.
+* ``opt.granularity``: which blocks it needs whole on one rank (``None``: any), for
+  ``vfsdp.plan(..., granularity=opt.granularity)``.
+
+``mask`` is how :func:`~vfsdp.optim.partition` hands each optimizer its subset, and
+:func:`~vfsdp.optim.chain` passes it on to every member, so they nest in any order. A state
+that implements :class:`vfsdp.functional.Checkpointable` is saved by ``vfsdp.checkpoint``.
+
+Helpers for writing one: :func:`unit_buffers` (each unit's parameter DBuffer),
+:func:`grad_leaves` and :func:`flat_grads` (each unit's gradient as one flat tensor).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Union
+import inspect
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from vfsdp.collectives.dbuffer import owner_of
-from vfsdp.functional.gather import wait_reductions
-from vfsdp.functional.shard import UnitTensors, unit_buffers
+from vfsdp.collectives.dbuffer import View, slot_of
 from vfsdp.functional.tree import match_tree
-from vfsdp.planner.granularity import format_path
+from vfsdp.functional.units import UnitLeaves, units_of
 from vfsdp.optim.schedules import constant
+from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["Optimizer", "Schedule", "as_schedule", "unit_buffers", "grad_leaves", "flat_grads",
-           "UnitTensors"]
+__all__ = ["Optimizer", "Schedule", "Mask", "as_schedule", "unit_buffers", "grad_leaves",
+           "flat_grads", "UnitTensors", "init_masked", "both", "selected"]
 
 Schedule = Union[float, Callable[[int], float]]
+Mask = Optional[Callable[[tuple], bool]]
+UnitTensors = UnitLeaves  # each unit's Unit, parameter DBuffer (.db) and leaves
 
 
 class Optimizer(NamedTuple):
-    """``init(shards, spec) -> state`` and ``update(grads, state, shards, spec) -> state``."""
+    """``init(shards, spec, mask=None) -> state``, ``update(grads, state, shards, spec) ->
+    state`` and the ``granularity`` it needs (see the module docstring)."""
 
     init: Callable[..., Any]
     update: Callable[..., Any]
@@ -35,35 +51,105 @@ class Optimizer(NamedTuple):
 
 
 def as_schedule(value: Schedule) -> Callable[[int], float]:
-    """A learning-rate schedule: a plain callable of the (1-based) step, or a constant."""
+    """A learning-rate schedule: a plain callable of the (1-based) step, or a constant.
+
+    Example:
+        >>> as_schedule(0.5)(3), as_schedule(lambda step: step / 10)(3)
+        (0.5, 0.3)
+    """
     return value if callable(value) else constant(float(value))
 
 
+def both(a: Mask, b: Mask) -> Mask:
+    """The mask selecting what both select (``None`` selects everything).
+
+    Example:
+        >>> m = both(lambda p: p[0] == "a", lambda p: p[-1] == "w")
+        >>> m(("a", "w")), m(("a", "b")), both(None, None) is None
+        (True, False, True)
+    """
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return lambda path: bool(a(path)) and bool(b(path))
+
+
+def selected(mask: Mask, path: tuple) -> bool:
+    """Whether ``mask`` selects ``path`` (``None`` selects everything)."""
+    return mask is None or bool(mask(path))
+
+
+def init_masked(opt: Optimizer, shards: Any, spec: ShardSpec, mask: Mask, what: str) -> Any:
+    """``opt.init(shards, spec, mask=mask)``; ``opt.init(shards, spec)`` when ``mask`` is None.
+
+    Raises:
+        TypeError: ``mask`` is given but ``opt.init`` takes no ``mask`` parameter.
+    """
+    if mask is None:
+        return opt.init(shards, spec)
+    try:
+        params = inspect.signature(opt.init).parameters
+    except (TypeError, ValueError):  # builtins: let the call decide
+        params = {"mask": None}
+    if "mask" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise TypeError(f"{what}: {getattr(opt.init, '__qualname__', opt.init)} takes no mask=, "
+                        f"which {what} needs to hand it a subset of the tensors; give init a "
+                        f"mask=None parameter (see vfsdp.optim.Optimizer)")
+    return opt.init(shards, spec, mask=mask)
+
+
+def unit_buffers(shards: Any, spec: ShardSpec, what: str) -> list[UnitTensors]:
+    """Every unit of ``shards``: its :class:`~vfsdp.collectives.Unit`, parameter DBuffer
+    (``.db``) and leaves (``.leaves``: ``(leaf index, buffer index)`` pairs).
+
+    Raises:
+        ValueError: the tree does not match the spec, or a unit's leaves are not shards.
+    """
+    return units_of(match_tree(shards, spec, what), spec, what)
+
+
 def grad_leaves(grads: Any, spec: ShardSpec, what: str) -> list:
-    """The gradient tree's leaves in spec order (once per update), after pending reductions."""
-    wait_reductions()
+    """The gradient tree's leaves in spec order (match it once per update).
+
+    Raises:
+        ValueError: the tree does not match the spec.
+    """
     return match_tree(grads, spec, what)
 
 
 def flat_grads(leaves: list, unit: UnitTensors, what: str) -> torch.Tensor:
     """The unit's gradient as one flat ``S``-element tensor in the parameter layout.
 
-    ``leaves`` come from :func:`grad_leaves`. Zero-copy when they are the gradient DBuffer's
-    views (``vfsdp.grads``); otherwise the pieces are copied (one contiguous copy per tensor)
-    into a zeroed flat tensor.
+    ``leaves`` come from :func:`grad_leaves`. Zero-copy when they are the unit's gradient
+    buffer's views (``vfsdp.grads``), after any reduction still writing it; otherwise the
+    pieces are copied (one contiguous copy per tensor) into a zeroed flat tensor.
+
+    Raises:
+        ValueError: a gradient piece of the wrong size (naming the path).
     """
-    gdb = unit.db.grad_buffer()
-    if all(owner_of(leaves[i]) is gdb and gdb.is_local_view(k, leaves[i]) for i, k in unit.leaves):
+    gdb = unit.unit.grads() if unit.unit.has_grads else None
+    if gdb is not None and all(_is_view(leaves[i], gdb, k) for i, k in unit.leaves):
         return gdb.shard
-    flat = torch.zeros_like(unit.db.shard)
+    db = unit.db
+    flat = torch.zeros_like(db.shard)
     for i, k in unit.leaves:
         g = leaves[i]
-        t = unit.db.tensors[k]
-        lo, hi = t.shard_range(unit.db.rank)
         if g is None:
             continue
+        slot = slot_of(g)
+        if slot is not None:
+            slot.buffer.wait()
+        t = db.tensors[k]
+        lo, hi = t.shard_range(db.rank)
         if g.numel() != hi - lo:
             raise ValueError(f"{what}: gradient of {format_path(t.path)} has {g.numel()} "
                              f"elements, this rank's shard has {hi - lo}")
         flat[lo:hi].copy_(g.reshape(-1))
     return flat
+
+
+def _is_view(g: Any, gdb, k: int) -> bool:
+    slot = slot_of(g)
+    return (slot is not None and slot.buffer is gdb and slot.view is View.LOCAL
+            and slot.index == k and gdb.is_local_view(k, g))

@@ -2,79 +2,144 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-import optree
-
 from vfsdp.collectives import comm
-from vfsdp.collectives.dbuffer import owner_of
+from vfsdp.collectives.dbuffer import Role, View, slot_of
 from vfsdp.collectives.groups import resolve_groups
-from vfsdp.functional.gather import wait_reductions
-from vfsdp.functional.tree import group_by_unit, match_tree
+from vfsdp.functional.tree import match_tree
+from vfsdp.optim.base import Mask, selected
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["clip_grad_norm", "global_norm"]
+__all__ = ["clip_grad_norm", "global_norm", "check_max_norm"]
 
 
-def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None) -> torch.Tensor:
+def check_max_norm(max_norm: float) -> float:
+    """``max_norm`` if it is a finite number ``>= 0``.
+
+    Raises:
+        ValueError: negative, NaN or infinite (every gradient would silently become NaN or
+            never be clipped).
+    """
+    value = float(max_norm)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm!r}")
+    return value
+
+
+def _plan(leaves: list, spec: ShardSpec, mask: Mask) -> tuple[list, list]:
+    """``(whole, loose)``: gradient buffers whose whole shard is the unit's selected
+    gradients (one op each), and the other selected pieces (one op per tensor)."""
+    whole, loose = [], []
+    tensors = spec.leaves()
+    for key, members in spec.unit_leaves().items():
+        chosen = [(i, k) for i, k in members if selected(mask, tensors[i].path)]
+        pieces = [(leaves[i], k) for i, k in chosen if isinstance(leaves[i], torch.Tensor)]
+        slots = [slot_of(p) for p, _ in pieces]
+        first = slots[0] if slots else None
+        if (first is not None and len(chosen) == len(spec.units[key].paths)
+                and len(pieces) == len(chosen) and first.buffer.role is Role.GRAD
+                and all(s is not None and s.buffer is first.buffer and s.view is View.LOCAL
+                        and s.index == k for s, (_, k) in zip(slots, pieces))):
+            first.buffer.wait()
+            whole.append(first.buffer)
+        else:
+            for (p, _), s in zip(pieces, slots):
+                if s is not None:
+                    s.buffer.wait()
+                loose.append(p)
+    return whole, loose
+
+
+def _group_and_device(leaves: list, spec: ShardSpec, mesh: Any):
+    for x in leaves:
+        slot = slot_of(x)
+        if slot is not None:
+            return slot.buffer.groups.shard, slot.buffer.device
+    groups = resolve_groups(spec, mesh)
+    device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), groups.device)
+    return groups.shard, device
+
+
+def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = None
+                ) -> torch.Tensor:
     """The 2-norm of all gradients across ranks (a replicated fp32 scalar tensor).
 
     Each rank sums the squares of its gradient pieces (one reduction per unit when they are a
-    gradient DBuffer's views; padding is zero and adds nothing, an empty shard adds nothing);
+    gradient buffer's views; padding is zero and adds nothing, an empty shard adds nothing);
     one all-reduce over the shard group adds the ranks' sums. Over HSDP's replicate dim the
     gradients are already identical, so they are not added again.
+
+    Args:
+        grads: This rank's gradient pieces, shaped like the spec's tree.
+        spec: The plan.
+        mesh: For pieces that are not gradient buffer views: the ``DeviceMesh``.
+        mask: ``path -> bool``: only the selected tensors count (default: all).
 
     Raises:
         ValueError: the tree does not match the spec.
     """
-    wait_reductions()
-    leaves = match_tree(grads, spec, "vfsdp.clip_grad_norm")
-    groups = resolve_groups(spec, mesh)
-    total = torch.zeros((), dtype=torch.float32, device=groups.device)
-    for key, members in group_by_unit(spec).items():
-        pieces = [leaves[i] for i, _ in members if isinstance(leaves[i], torch.Tensor)]
-        gdb = owner_of(pieces[0]) if pieces else None
-        if gdb is not None and gdb.role == "grad" and len(pieces) == len(members) and all(
-                owner_of(p) is gdb for p in pieces):
-            total += gdb.shard.float().pow(2).sum()
-        else:
-            for p in pieces:
-                total += p.float().pow(2).sum()
-    comm.all_reduce_(total, "sum", groups.shard)
-    return total.sqrt()
+    return _norm(match_tree(grads, spec, "vfsdp.global_norm"), spec, mesh, mask)[0]
+
+
+def _norm(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask) -> tuple:
+    group, device = _group_and_device(leaves, spec, mesh)
+    whole, loose = _plan(leaves, spec, mask)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for gdb in whole:
+        total += gdb.shard.float().pow(2).sum()
+    for p in loose:
+        total += p.float().pow(2).sum()
+    comm.all_reduce_(total, "sum", group)
+    return total.sqrt(), whole, loose
 
 
 def clip_grad_norm(grads: Any, spec: ShardSpec, max_norm: float, *, mesh: Any = None,
-                   eps: float = 1e-6) -> torch.Tensor:
+                   eps: float = 1e-6, mask: Mask = None) -> torch.Tensor:
     """Scale the gradients in place so their global 2-norm is at most ``max_norm``.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_``: multiply by
     ``min(1, max_norm / (norm + eps))``.
 
     Args:
-        grads: This rank's gradient pieces (``vfsdp.grads(shards, spec)``: scaled in place).
+        grads: This rank's gradient pieces (``vfsdp.grads(shards, spec)``: scaled in place,
+            one op per unit).
         spec: The plan.
         max_norm: The largest allowed norm.
-        mesh: A ``DeviceMesh`` matching the spec; default: the default group.
+        mesh: A ``DeviceMesh`` matching the spec, for pieces that are not gradient buffer
+            views; default: the default group.
         eps: Added to the norm before dividing.
+        mask: ``path -> bool``: clip only the selected tensors, by their own norm.
 
     Returns:
         The norm before clipping, as a plain replicated fp32 scalar tensor.
 
     Raises:
-        ValueError: ``max_norm`` is negative, or the tree does not match the spec.
+        ValueError: ``max_norm`` is negative or not finite, or the tree does not match the
+            spec.
 
     Example:
-        >>> norm = vfsdp.clip_grad_norm(vfsdp.grads(shards, spec), spec, 1.0)  # doctest: +SKIP
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     grads = vfsdp.grads(shards, spec)
+        ...     grads["w"].fill_(3.0)                    # 8 elements of 3: norm 8.4853
+        ...     norm = vfsdp.clip_grad_norm(grads, spec, 1.0)
+        ...     return round(float(norm), 4), round(float(grads["w"][0]), 4)
+        >>> vfsdp.testing.simulate(2, body)[0]
+        (8.4853, 0.3536)
     """
-    if max_norm < 0:
-        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
-    norm = global_norm(grads, spec, mesh=mesh)
+    check_max_norm(max_norm)
+    leaves = match_tree(grads, spec, "vfsdp.clip_grad_norm")
+    norm, whole, loose = _norm(leaves, spec, mesh, mask)
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
     with torch.no_grad():
-        for g in optree.tree_leaves(grads):
-            if isinstance(g, torch.Tensor):
-                g.mul_(coef.to(g.dtype))
+        for gdb in whole:
+            gdb.shard.mul_(coef.to(gdb.dtype))
+        for g in loose:
+            g.mul_(coef.to(g.dtype))
     return norm
+

@@ -1,38 +1,64 @@
-"""Composition, optax-style: ``partition`` tensors between optimizers, ``chain`` transforms."""
+"""Composition, optax-style: ``partition`` tensors between optimizers, ``chain`` transforms.
+
+Both pass a ``mask`` down (see :mod:`vfsdp.optim.base`), so they nest in any order::
+
+    partition({"hidden": chain(clip_by_global_norm(1.0), muon()),
+               "rest": chain(clip_by_global_norm(1.0), adamw())}, labels)
+    chain(clip_by_global_norm(1.0), partition({...}, labels))
+
+Inside a ``partition``, a ``clip_by_global_norm`` clips the global norm of its own subset.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
-from vfsdp.optim.base import Optimizer
+from vfsdp.optim.base import Mask, Optimizer, both, init_masked, selected
+from vfsdp.planner.granularity import combine, format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["partition", "chain", "clip_by_global_norm"]
+__all__ = ["partition", "chain", "clip_by_global_norm", "ClipState"]
 
 
 def partition(transforms: dict, labels: Callable[[tuple], str]) -> Optimizer:
     """Each tensor is updated by ``transforms[labels(path)]`` (and only by it).
 
-    Example:
-        >>> opt = vfsdp.optim.partition(                                   # doctest: +SKIP
-        ...     {"muon": vfsdp.optim.muon(lr=0.02), "adamw": vfsdp.optim.adamw(lr=3e-4)},
-        ...     lambda path: "muon" if path[0] == "layers" and path[-1].startswith("w")
-        ...     else "adamw")
+    Args:
+        transforms: ``label -> optimizer`` (any optimizer, ``chain`` or ``partition``).
+        labels: ``path -> label``.
+
+    Returns:
+        An :class:`Optimizer` whose state is ``{label: state}`` and whose granularity is,
+        per tensor, that of its label's optimizer.
 
     Raises:
-        ValueError (from ``init``): a label with no transform.
-    """
+        ValueError (from ``init``): a selected tensor whose label has no transform.
+        TypeError (from ``init``): a member whose ``init`` takes no ``mask``.
 
-    def init(shards: Any, spec: ShardSpec) -> dict:
+    Example:
+        >>> opt = vfsdp.optim.partition(
+        ...     {"8bit": vfsdp.optim.adamw8bit(), "fp32": vfsdp.optim.adamw()},
+        ...     lambda path: "8bit" if path[-1] == "w" else "fp32")
+        >>> opt.granularity(("w",), torch.empty(64, 64)), opt.granularity(("b",), torch.empty(64))
+        (rows(32), None)
+    """
+    if not isinstance(transforms, dict) or not transforms:
+        raise TypeError("partition(transforms, labels) takes a non-empty dict of optimizers")
+
+    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> dict:
         for t in spec.tensors():
-            if labels(t.path) not in transforms:
-                raise ValueError(f"partition: {t.path} is labelled {labels(t.path)!r}, which "
-                                 f"has no transform (have {sorted(transforms)})")
-        return {name: opt.init(shards, spec, mask=lambda p, n=name: labels(p) == n)
+            if selected(mask, t.path) and labels(t.path) not in transforms:
+                raise ValueError(f"partition: {format_path(t.path)} is labelled "
+                                 f"{labels(t.path)!r}, which has no transform (have "
+                                 f"{sorted(transforms)})")
+        return {name: init_masked(opt, shards, spec,
+                                  both(mask, lambda p, n=name: labels(p) == n), "partition")
                 for name, opt in transforms.items()}
 
     def update(grads: Any, state: dict, shards: Any, spec: ShardSpec) -> dict:
-        return {name: opt.update(grads, state[name], shards, spec) for name, opt in transforms.items()}
+        return {name: opt.update(grads, state[name], shards, spec)
+                for name, opt in transforms.items()}
 
     def granularity(path, tensor):
         opt = transforms.get(labels(path))
@@ -43,27 +69,63 @@ def partition(transforms: dict, labels: Callable[[tuple], str]) -> Optimizer:
 
 
 def chain(*transforms: Optimizer) -> Optimizer:
-    """Apply transforms in order to the same gradients (e.g. clipping, then an optimizer)."""
+    """Apply transforms in order to the same gradients (e.g. clipping, then an optimizer).
 
-    def init(shards: Any, spec: ShardSpec) -> list:
-        return [t.init(shards, spec) for t in transforms]
+    The chain's granularity keeps whole every block any member needs
+    (:func:`vfsdp.planner.granularity.combine`); its ``mask`` goes to every member.
+
+    Raises:
+        TypeError: a member that is not an :class:`Optimizer`.
+
+    Example:
+        >>> opt = vfsdp.optim.chain(vfsdp.optim.clip_by_global_norm(1.0),
+        ...                         vfsdp.optim.adamw8bit(lr=1e-3))
+        >>> opt.granularity(("w",), torch.empty(64, 64))
+        rows(32)
+    """
+    for t in transforms:
+        if not isinstance(t, Optimizer):
+            raise TypeError(f"chain takes Optimizers, got {type(t).__name__}")
+
+    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> list:
+        return [init_masked(t, shards, spec, mask, "chain") for t in transforms]
 
     def update(grads: Any, state: list, shards: Any, spec: ShardSpec) -> list:
         return [t.update(grads, s, shards, spec) for t, s in zip(transforms, state)]
 
-    grans = [t.granularity for t in transforms if t.granularity is not None]
-    return Optimizer(init, update, grans[-1] if grans else None)
+    return Optimizer(init, update, combine(*(t.granularity for t in transforms)))
+
+
+@dataclass
+class ClipState:
+    """``clip_by_global_norm``'s state: nothing to save, only the mask ``init`` was given."""
+
+    mask: Optional[Callable[[tuple], bool]] = None
+
+    def checkpoint_tree(self, spec: ShardSpec) -> dict:
+        return {}
+
+    def restore_checkpoint(self, tree: Any) -> "ClipState":
+        return self
 
 
 def clip_by_global_norm(max_norm: float) -> Optimizer:
-    """A gradient transform: clip the gradients' global norm in place (for :func:`chain`)."""
-    from vfsdp.optim.clip import clip_grad_norm
+    """A gradient transform: clip the gradients' global norm in place (for :func:`chain`).
 
-    def init(shards: Any, spec: ShardSpec, mask=None) -> None:
-        return None
+    Under a ``partition`` mask, the norm and the scaling cover the selected tensors only.
 
-    def update(grads: Any, state: Any, shards: Any, spec: ShardSpec) -> Any:
-        clip_grad_norm(grads, spec, max_norm)
+    Raises:
+        ValueError: ``max_norm`` is negative or not finite.
+    """
+    from vfsdp.optim.clip import check_max_norm, clip_grad_norm
+
+    check_max_norm(max_norm)
+
+    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> ClipState:
+        return ClipState(mask)
+
+    def update(grads: Any, state: ClipState, shards: Any, spec: ShardSpec) -> ClipState:
+        clip_grad_norm(grads, spec, max_norm, mask=state.mask)
         return state
 
     return Optimizer(init, update)

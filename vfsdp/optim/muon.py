@@ -4,11 +4,12 @@ Per step, for every 2-D matrix the optimizer owns:
 
 1. momentum (Nesterov, group ops on this rank's shard): ``b.lerp_(g, 1 - mu)``,
    ``u = g.lerp(b, mu)``;
-2. the full ``u`` is gathered on the matrix's **root** (a one-hot RaggedShard redistribute),
-   built on ``all_to_all_single`` with uneven splits and batched over a wave of matrices;
+2. the full ``u`` is gathered on the matrix's **root**: one flat redistribution
+   (:class:`vfsdp.collectives.Redistribution`, one ``all_to_all_single`` with uneven splits,
+   counted with the other collectives) per wave of matrices, planned once by ``init``;
 3. the root runs Newton-Schulz (5 quintic steps, coefficients (3.4445, -4.7750, 2.0315), bf16,
    tall matrices transposed) and scales the result;
-4. the update goes back to the holders with the reverse ``all_to_all_single``;
+4. the update goes back to the holders with the reverse redistribution;
 5. ``p.mul_(1 - lr * wd)``, ``p.add_(update, alpha=-lr)`` on the shard.
 
 Roots come from a deterministic LPT plan (:func:`plan_roots`): matrices by Newton-Schulz cost
@@ -21,15 +22,20 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 
-from vfsdp.optim.base import Optimizer, Schedule, as_schedule, flat_grads, grad_leaves, unit_buffers
+from vfsdp.collectives.dbuffer import Role
+from vfsdp.collectives.redistribute import Redistribution
+from vfsdp.functional.state import param_tree
+from vfsdp.optim.adamw import owned_views
+from vfsdp.optim.base import (Mask, Optimizer, Schedule, as_schedule, flat_grads, grad_leaves,
+                              selected, unit_buffers)
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["muon", "plan_roots", "newton_schulz", "MuonState", "NS_CALLS"]
+__all__ = ["muon", "plan_roots", "newton_schulz", "MuonState", "MuonPlan", "Matrix", "Wave",
+           "NS_CALLS"]
 
 NS_CALLS = threading.local()  # .count: Newton-Schulz calls on this thread (rank), for tests
 
@@ -74,22 +80,59 @@ def _cost(t: TensorSpec) -> int:
     return r * c * min(r, c)
 
 
-@dataclass
-class _Matrix:
+@dataclass(frozen=True)
+class Matrix:
+    """One matrix Muon updates: its unit, buffer index, spec, root rank and this rank's range
+    ``[lo, hi)`` in the unit's shard."""
+
     key: Any
     k: int
     spec: TensorSpec
     root: int
-    lo: int  # this rank's piece in its shard
+    lo: int
     hi: int
+
+
+@dataclass(frozen=True)
+class Wave:
+    """Matrices exchanged together: one redistribution gathers their updates on their roots,
+    the reverse one scatters the orthogonalised updates back."""
+
+    matrices: tuple
+    to_roots: Redistribution
+    from_roots: Redistribution
+
+
+@dataclass(frozen=True)
+class MuonPlan:
+    """What ``init`` derives from the spec and the mask: the matrices, their roots, the waves
+    with their exchange plans, and the units they live in. Never saved; rebuilt by ``init``."""
+
+    matrices: tuple = ()
+    waves: tuple = ()
+    paths: Mapping[Any, frozenset] = field(default_factory=dict)
+
+    def owns(self, db, k: int) -> bool:
+        """Whether the plan updates tensor ``k`` of ``db``'s unit."""
+        return db.tensors[k].path in self.paths.get(db.key, ())
 
 
 @dataclass
 class MuonState:
+    """The step and, per unit holding matrices it updates, the fp32 momentum DBuffer."""
+
     step: int
-    momentum: dict                      # unit -> fp32 DBuffer
-    matrices: list = field(default_factory=list)
-    waves: list = field(default_factory=list)
+    momentum: dict
+    plan: MuonPlan = field(default_factory=MuonPlan, repr=False, compare=False)
+
+    def checkpoint_tree(self, spec: ShardSpec) -> dict:
+        """The step, and the momentum of the matrices it updates, shaped like the parameters."""
+        return {"step": self.step,
+                "momentum": param_tree(self.momentum, spec, owned_views(self.plan))}
+
+    def restore_checkpoint(self, tree: dict) -> "MuonState":
+        self.step = tree["step"]
+        return self
 
 
 def muon(
@@ -112,7 +155,8 @@ def muon(
         weight_decay: Decoupled weight decay.
         scale: ``"original"``: ``max(1, rows/cols) ** 0.5``; ``"moonlight"``:
             ``0.2 * sqrt(max(rows, cols))`` (matches AdamW's update RMS).
-        only: ``path -> bool``: the matrices this optimizer updates (default: every 2-D tensor).
+        only: ``path -> bool``: the matrices this optimizer updates (default: every 2-D tensor
+            its ``mask`` selects).
         wave_size: Matrices per batched gather/scatter; the next wave overlaps this one's
             Newton-Schulz.
 
@@ -121,143 +165,112 @@ def muon(
         root gathers them).
 
     Raises:
-        ValueError: an unknown ``scale``.
+        ValueError: an unknown ``scale`` or a ``wave_size`` below 1.
+
+    Example:
+        >>> params = {"w": torch.randn(6, 4), "v": torch.randn(4, 4)}
+        >>> def body():
+        ...     spec = vfsdp.plan(params, 2)
+        ...     shards = vfsdp.shard(params, spec)
+        ...     opt = vfsdp.optim.muon(lr=0.02)
+        ...     state = opt.init(shards, spec)
+        ...     vfsdp.grads(shards, spec)["w"].fill_(1.0)
+        ...     state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+        ...     return [m.root for m in state.plan.matrices]   # the same plan on every rank
+        >>> a, b = vfsdp.testing.simulate(2, body)
+        >>> a == b and sorted(a) == [0, 1]
+        True
     """
     if scale not in ("original", "moonlight"):
         raise ValueError(f"scale must be 'original' or 'moonlight', got {scale!r}")
+    if wave_size < 1:
+        raise ValueError(f"wave_size must be >= 1, got {wave_size}")
     schedule = as_schedule(lr)
 
-    def init(shards: Any, spec: ShardSpec, mask: Optional[Callable[[tuple], bool]] = None) -> MuonState:
+    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> MuonState:
         def owns(t: TensorSpec) -> bool:
-            return (len(t.shape) == 2 and (only is None or only(t.path))
-                    and (mask is None or mask(t.path)))
+            return (len(t.shape) == 2 and t.numel > 0 and (only is None or only(t.path))
+                    and selected(mask, t.path))
 
         state = MuonState(0, {})
         units = unit_buffers(shards, spec, "muon.init")
-        mats: list[tuple] = []
+        found: list[tuple] = []
+        paths: dict = {}
         for u in units:
-            state.momentum[u.key] = u.db.like(torch.float32, role="muon_momentum")
-            for k, t in enumerate(u.db.tensors):
-                if owns(t):
-                    mats.append((u.key, k, t, u.db))
-        roots = plan_roots([m[2] for m in mats], spec.world_size)
-        for (key, k, t, db), root in zip(mats, roots):
-            lo, hi = t.shard_range(db.rank)
-            state.matrices.append(_Matrix(key, k, t, root, lo, hi))
-        state.waves = [state.matrices[i:i + wave_size]
-                       for i in range(0, len(state.matrices), wave_size)]
+            mine = [(k, t) for k, t in enumerate(u.db.tensors) if owns(t)]
+            if not mine:
+                continue
+            state.momentum[u.key] = u.db.like(torch.float32, Role.STATE, "momentum")
+            paths[u.key] = frozenset(t.path for _, t in mine)
+            found += [(u.key, k, t, u.db.rank) for k, t in mine]
+        roots = plan_roots([f[2] for f in found], spec.world_size)
+        matrices = tuple(Matrix(key, k, t, root, *t.shard_range(rank))
+                         for (key, k, t, rank), root in zip(found, roots))
+        rank = units[0].db.rank if units else 0
+        waves = tuple(_wave(matrices[i:i + wave_size], rank, spec.world_size)
+                      for i in range(0, len(matrices), wave_size))
+        state.plan = MuonPlan(matrices, waves, paths)
         return state
 
     def update(grads: Any, state: MuonState, shards: Any, spec: ShardSpec) -> MuonState:
         state.step += 1
         rate = schedule(state.step)
-        units = {u.key: u for u in unit_buffers(shards, spec, "muon.update")}
-        group = units[next(iter(units))].db.groups.shard if units else None
-        rank = dist.get_rank(group)
+        plan = state.plan
+        units = {u.key: u for u in unit_buffers(shards, spec, "muon.update")
+                 if u.key in state.momentum}
+        if not plan.waves:
+            return state
+        first = next(iter(units.values())).db
+        group, device, rank = first.groups.shard, first.device, first.rank
         leaves = grad_leaves(grads, spec, "muon.update")
+        by_unit: dict = {}
+        for m in plan.matrices:
+            by_unit.setdefault(m.key, []).append(m)
         with torch.no_grad():
             upd: dict = {}
-            for key, u in units.items():
-                g = flat_grads(leaves, u, "muon.update")
+            for key, mats in by_unit.items():
+                g = flat_grads(leaves, units[key], "muon.update")
                 buf = state.momentum[key].shard
-                for m in state.matrices:
-                    if m.key != key or m.hi <= m.lo:
-                        continue
+                for m in mats:
                     gs, bs = g[m.lo:m.hi], buf[m.lo:m.hi]
                     bs.lerp_(gs, 1 - momentum)
                     upd[id(m)] = gs.lerp(bs, momentum) if nesterov else bs.clone()
-            pending = _exchange(state.waves[0], upd, rank, group, spec) if state.waves else None
-            for w, wave in enumerate(state.waves):
-                recv, meta = pending.wait()
-                nxt = w + 1 < len(state.waves)
-                pending = _exchange(state.waves[w + 1], upd, rank, group, spec) if nxt else None
-                out = {}
-                for m in wave:
-                    if m.root == rank:
-                        full = meta.assemble(recv, m).view(m.spec.shape)
-                        o = newton_schulz(full, ns_steps)
-                        rows, cols = m.spec.shape
-                        o.mul_(max(1.0, rows / cols) ** 0.5 if scale == "original"
-                               else 0.2 * max(rows, cols) ** 0.5)
-                        out[id(m)] = o.reshape(-1)
-                back = _scatter_back(wave, out, rank, group, spec)
-                for m in wave:
+
+            def start(wave: Wave):
+                return wave.to_roots.run([upd[id(m)] for m in wave.matrices], group, device,
+                                         torch.float32, async_op=True)
+
+            pending = start(plan.waves[0])
+            for w, wave in enumerate(plan.waves):
+                fulls = pending.wait()
+                if w + 1 < len(plan.waves):
+                    pending = start(plan.waves[w + 1])  # in flight during Newton-Schulz
+                out = []
+                for m, full in zip(wave.matrices, fulls):
+                    if m.root != rank:
+                        out.append(full)  # empty: this rank is not the root
+                        continue
+                    o = newton_schulz(full.view(m.spec.shape), ns_steps)
+                    rows, cols = m.spec.shape
+                    o.mul_(max(1.0, rows / cols) ** 0.5 if scale == "original"
+                           else 0.2 * max(rows, cols) ** 0.5)
+                    out.append(o.reshape(-1))
+                back = wave.from_roots.run(out, group, device, torch.float32)
+                for m, piece in zip(wave.matrices, back):
                     if m.hi > m.lo:
                         p = units[m.key].db.shard[m.lo:m.hi]
                         if weight_decay:
                             p.mul_(1 - rate * weight_decay)
-                        p.add_(back[id(m)], alpha=-rate)
+                        p.add_(piece, alpha=-rate)
         return state
 
     return Optimizer(init, update)
 
 
-class _Layout:
-    """Where each matrix's pieces sit in one all_to_all_single's send/receive buffers."""
-
-    def __init__(self, wave, rank: int, world: int) -> None:
-        self.send_sizes = [0] * world
-        self.recv_sizes = [0] * world
-        self.recv_at: dict = {}  # (id(m), source) -> offset in recv
-        for q in range(world):  # sends grouped by destination root, in wave order
-            for m in wave:
-                if m.root == q:
-                    self.send_sizes[q] += m.hi - m.lo
-        off = 0
-        for q in range(world):  # receives grouped by source, in wave order
-            for m in wave:
-                if m.root == rank:
-                    lo, hi = m.spec.local_range(q)
-                    self.recv_at[(id(m), q)] = (off, hi - lo)
-                    off += hi - lo
-                    self.recv_sizes[q] += hi - lo
-        self.world = world
-
-    def assemble(self, recv: torch.Tensor, m) -> torch.Tensor:
-        parts = [recv[o:o + n] for q in range(self.world)
-                 for o, n in [self.recv_at[(id(m), q)]]]
-        return torch.cat(parts)
-
-
-class _Pending:
-    def __init__(self, work, recv, meta) -> None:
-        self.work, self.recv, self.meta = work, recv, meta
-
-    def wait(self):
-        if self.work is not None:
-            self.work.wait()
-        return self.recv, self.meta
-
-
-def _exchange(wave, upd: dict, rank: int, group, spec: ShardSpec) -> _Pending:
-    """Start gathering a wave's full updates on their roots (async all_to_all_single)."""
-    world = spec.world_size
-    meta = _Layout(wave, rank, world)
-    pieces = [upd[id(m)] for q in range(world) for m in wave if m.root == q and m.hi > m.lo]
-    send = torch.cat(pieces) if pieces else torch.empty(0)
-    recv = torch.empty(sum(meta.recv_sizes))
-    work = dist.all_to_all_single(recv, send, meta.recv_sizes, meta.send_sizes, group=group,
-                                  async_op=True)
-    return _Pending(work, recv, meta)
-
-
-def _scatter_back(wave, out: dict, rank: int, group, spec: ShardSpec) -> dict:
-    """Send each root's updates back to the ranks holding the pieces (the reverse exchange)."""
-    world = spec.world_size
-    meta = _Layout(wave, rank, world)
-    pieces = []
-    for q in range(world):
-        for m in wave:
-            if m.root == rank:
-                lo, hi = m.spec.local_range(q)
-                pieces.append(out[id(m)][lo:hi])
-    send = torch.cat(pieces) if pieces else torch.empty(0)
-    recv = torch.empty(sum(meta.send_sizes))
-    dist.all_to_all_single(recv, send, meta.send_sizes, meta.recv_sizes, group=group)
-    back, off = {}, 0
-    for q in range(world):
-        for m in wave:
-            if m.root == q and m.hi > m.lo:
-                back[id(m)] = recv[off:off + m.hi - m.lo]
-                off += m.hi - m.lo
-    return back
+def _wave(matrices: tuple, rank: int, world: int) -> Wave:
+    """The two exchange plans of a wave: pieces to their roots, and back."""
+    held = [[m.spec.local_range(r) for r in range(world)] for m in matrices]
+    at_root = [[(0, m.spec.numel) if r == m.root else (0, 0) for r in range(world)]
+               for m in matrices]
+    return Wave(matrices, Redistribution(held, at_root, rank, world),
+                Redistribution(at_root, held, rank, world))

@@ -3,7 +3,6 @@
 from vfsdp.placements.ragged import (
     Placement,
     RaggedShard,
-    Replicate,
     flat_range,
     local_numel,
     local_shape,
@@ -14,7 +13,6 @@ from vfsdp.placements.reference import assemble_reference, split_reference
 __all__ = [
     "Placement",
     "RaggedShard",
-    "Replicate",
     "flat_range",
     "local_numel",
     "local_shape",

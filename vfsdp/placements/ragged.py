@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Sequence
 
 __all__ = [
     "RaggedShard",
-    "Replicate",
     "Placement",
     "flat_range",
     "local_numel",
@@ -97,15 +96,9 @@ class RaggedShard:
         return f"RaggedShard(dims={self.dims}, local_units={_compact(self.local_units)})"
 
 
-@dataclass(frozen=True)
-class Replicate:
-    """Every rank holds the whole tensor."""
-
-    def __repr__(self) -> str:
-        return "Replicate()"
-
-
-Placement = Union[RaggedShard, Replicate]
+Placement = RaggedShard
+"""The placements vfsdp produces. A replicated tensor needs none: HSDP's replicate dims are
+described by the spec's mesh, and DTensor's own ``Replicate()`` by :func:`vfsdp.to_dtensor`."""
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -116,7 +109,7 @@ def validate_placement(placement: Placement, shape: Sequence[int]) -> None:
     """Check that ``placement`` can describe a tensor of ``shape``.
 
     Args:
-        placement: A ``RaggedShard`` or ``Replicate``.
+        placement: A ``RaggedShard``.
         shape: The full (global) tensor shape.
 
     Raises:
@@ -126,10 +119,8 @@ def validate_placement(placement: Placement, shape: Sequence[int]) -> None:
     Example:
         >>> validate_placement(RaggedShard((0,), (1, 1)), (4, 3))
     """
-    if isinstance(placement, Replicate):
-        return
     if not isinstance(placement, RaggedShard):
-        raise TypeError(f"expected RaggedShard or Replicate, got {type(placement).__name__}")
+        raise TypeError(f"expected a RaggedShard, got {type(placement).__name__}")
     shape = tuple(shape)
     if len(placement.dims) > len(shape):
         raise ValueError(f"{placement!r}: dims is longer than the tensor's rank {len(shape)}")
@@ -173,8 +164,6 @@ def flat_range(placement: Placement, shape: Sequence[int], rank: int) -> tuple[i
     """
     validate_placement(placement, shape)
     numel = _numel(shape)
-    if isinstance(placement, Replicate):
-        return (0, numel)
     if not 0 <= rank < placement.world_size:
         raise ValueError(f"rank {rank} out of range for world size {placement.world_size}")
     total = sum(placement.local_units)
@@ -205,9 +194,8 @@ def local_shape(placement: Placement, shape: Sequence[int], rank: int) -> tuple[
         rank: Rank along the sharded mesh dim.
 
     Returns:
-        The local shape. For ``Replicate`` it is ``shape``; for a ``RaggedShard`` with empty
-        ``dims`` (a 0-d tensor) it is ``shape`` on a rank that holds the element and ``(0,)``
-        elsewhere.
+        The local shape. With empty ``dims`` (a 0-d tensor) it is ``shape`` on a rank that
+        holds the element and ``(0,)`` elsewhere.
 
     Raises:
         ValueError: as :func:`flat_range`.
@@ -218,8 +206,6 @@ def local_shape(placement: Placement, shape: Sequence[int], rank: int) -> tuple[
     """
     shape = tuple(shape)
     n = local_numel(placement, shape, rank)
-    if isinstance(placement, Replicate):
-        return shape
     trailing = shape[len(placement.dims):]
     if not placement.dims:
         return shape if n else (0,)

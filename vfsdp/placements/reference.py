@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from vfsdp.placements.ragged import Placement, Replicate, flat_range, local_shape
+from vfsdp.placements.ragged import Placement, flat_range, local_shape
 
 __all__ = ["split_reference", "assemble_reference"]
 
@@ -20,23 +20,19 @@ def split_reference(full: torch.Tensor, placement: Placement) -> list[torch.Tens
 
     Args:
         full: The full tensor.
-        placement: Its placement; a ``Replicate`` placement needs ``world_size`` (use a
-            ``RaggedShard`` for sharded tensors).
+        placement: Its ``RaggedShard``.
 
     Returns:
         One tensor per rank, of shape ``local_shape(placement, full.shape, r)``.
 
     Raises:
         ValueError: the placement does not fit ``full``'s shape.
-        TypeError: ``placement`` is ``Replicate`` (it has no world size; copy ``full`` instead).
 
     Example:
         >>> pieces = split_reference(torch.arange(6.0), RaggedShard((0,), (1, 0, 2)))
         >>> [p.tolist() for p in pieces]
         [[0.0, 1.0], [], [2.0, 3.0, 4.0, 5.0]]
     """
-    if isinstance(placement, Replicate):
-        raise TypeError("split_reference needs a RaggedShard; a replicated tensor is just copied")
     flat = full.reshape(-1)
     pieces = []
     for rank in range(placement.world_size):
@@ -66,8 +62,6 @@ def assemble_reference(
         >>> assemble_reference(split_reference(torch.arange(6.0), p), p, (6,)).tolist()
         [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     """
-    if isinstance(placement, Replicate):
-        raise TypeError("assemble_reference needs a RaggedShard")
     if len(pieces) != placement.world_size:
         raise ValueError(f"expected {placement.world_size} pieces, got {len(pieces)}")
     for rank, piece in enumerate(pieces):

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 __all__ = [
-    "Rows", "rows", "whole", "Whole", "Granularity", "block_elements", "format_path", "parse_granularity"
+    "Rows", "rows", "whole", "Whole", "Granularity", "block_elements", "format_path",
+    "parse_granularity", "combine",
 ]
 
 
@@ -141,6 +142,66 @@ def block_elements(gran: Any, path: tuple, shape: tuple[int, ...], numel: int, t
         f"unsupported granularity {gran!r} for {format_path(path)}; use None, an int, "
         f"vfsdp.rows(k), vfsdp.whole, or a callable (path, tensor) -> one of those"
     )
+
+
+def _resolve(gran: Any, path: tuple, tensor: Any) -> Any:
+    """A callable granularity's value for one tensor (other forms as they are)."""
+    if callable(gran) and not isinstance(gran, (Rows, Whole)):
+        return gran(path, tensor)
+    return gran
+
+
+def _pair(a: Any, b: Any, shape: tuple, numel: int) -> Any:
+    """The coarsest-needed granularity keeping every block of ``a`` and of ``b`` whole."""
+    if a is None or a == 1:
+        return b
+    if b is None or b == 1:
+        return a
+    if isinstance(a, Whole) or isinstance(b, Whole):
+        return whole
+    row = shape[-1] if len(shape) >= 2 else 1
+    if isinstance(a, int) and isinstance(b, int):
+        return math.lcm(a, b)  # both divide numel, so their lcm does
+    if isinstance(a, Rows) and isinstance(b, Rows):
+        return Rows(math.lcm(a.k, b.k))
+    k, n = (a.k, b) if isinstance(a, Rows) else (b.k, a)
+    # rows(k') with k' a multiple of k whose blocks are a multiple of n elements: every
+    # k-row block and every n-element block then lies inside one k'-row block.
+    return Rows(math.lcm(k, n // math.gcd(n, max(row, 1))))
+
+
+def combine(*grans: Granularity) -> Granularity:
+    """One granularity that keeps whole every block any of ``grans`` needs.
+
+    ``None`` needs nothing; ``whole`` wins; ``rows(a)`` and ``rows(b)`` give
+    ``rows(lcm(a, b))``; two element counts their lcm; ``rows(k)`` and ``n`` elements the
+    smallest ``rows(k')`` whose blocks hold whole ``n``-element blocks. Callables are resolved
+    per tensor. This is how :func:`vfsdp.optim.chain` combines its members' needs.
+
+    Example:
+        >>> g = combine(rows(32), rows(48), None)
+        >>> block_elements(g, ("w",), (96, 8), 768, None)
+        768
+        >>> combine(None, None) is None, combine(rows(2)) == rows(2)
+        (True, True)
+    """
+    grans = tuple(g for g in grans if g is not None)
+    if not grans:
+        return None
+    if len(grans) == 1:
+        return grans[0]
+
+    def combined(path: tuple, tensor: Any) -> Any:
+        shape = tuple(getattr(tensor, "shape", ()))
+        numel = math.prod(shape)
+        out = None
+        for g in grans:
+            value = _resolve(g, path, tensor)
+            block_elements(value, path, shape, numel, tensor)  # validate each member's value
+            out = _pair(out, value, shape, numel)
+        return out
+
+    return combined
 
 
 def parse_granularity(text: str) -> Granularity:

@@ -347,6 +347,7 @@ def _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes, c
             offsets=tuple(packing.offsets[k] for k in order),
             numels=tuple(numels[k] for k in order),
             blocks=tuple(blocks[k] for k in order),
+            shapes=tuple(metas[js[k]][0] for k in order),
             lower_bound=packing.lower_bound,
             alignment=align,
             strategy=packing.strategy,

@@ -98,6 +98,7 @@ class UnitLayout:
         offsets: Start of each tensor (same order as ``paths``), in elements.
         numels: Elements of each tensor (same order).
         blocks: Block of each tensor in elements (same order).
+        shapes: Shape of each tensor (same order).
         lower_bound: Certified lower bound on ``S``.
         alignment: ``S`` is a multiple of this many elements.
         strategy: The ordering strategy the solver used.
@@ -112,17 +113,58 @@ class UnitLayout:
     offsets: tuple[int, ...]
     numels: tuple[int, ...]
     blocks: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
     lower_bound: int
     alignment: int = 1
     strategy: str = "given"
     split: Optional[SplitSuggestion] = field(default=None, compare=False)
+    _tensors: Optional[tuple] = field(default=None, compare=False, repr=False, init=False)
+    _index: Optional[dict] = field(default=None, compare=False, repr=False, init=False)
 
     def __post_init__(self) -> None:
         n = len(self.paths)
-        if not (len(self.offsets) == len(self.numels) == len(self.blocks) == n):
-            raise ValueError(f"unit {unit_name(self.key)}: paths/offsets/numels/blocks differ in length")
+        if not (len(self.offsets) == len(self.numels) == len(self.blocks) == len(self.shapes)
+                == n):
+            raise ValueError(f"unit {unit_name(self.key)}: paths/offsets/numels/blocks/shapes "
+                             f"differ in length")
         if self.world_size < 1 or self.shard_numel < 0:
             raise ValueError(f"unit {unit_name(self.key)}: bad world_size/shard_numel")
+        for path, shape, numel in zip(self.paths, self.shapes, self.numels):
+            if math.prod(shape) != numel:
+                raise ValueError(f"unit {unit_name(self.key)}: {format_path(path)} has shape "
+                                 f"{tuple(shape)} but numel {numel}")
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_tensors", "_index")}
+
+    def __setstate__(self, state: dict) -> None:
+        for k, v in dict(state, _tensors=None, _index=None).items():
+            object.__setattr__(self, k, v)
+
+    @property
+    def tensors(self) -> tuple["TensorSpec", ...]:
+        """The unit's :class:`TensorSpec` s in buffer order, built from this layout alone."""
+        if self._tensors is None:
+            specs = tuple(TensorSpec(p, self.key, o, n, tuple(sh), self.dtype, b, self)
+                          for p, o, n, b, sh in zip(self.paths, self.offsets, self.numels,
+                                                    self.blocks, self.shapes))
+            object.__setattr__(self, "_tensors", specs)
+        return self._tensors
+
+    def index(self, path: tuple) -> int:
+        """Position of a tensor path in the buffer order.
+
+        Raises:
+            KeyError: the path is not in this unit.
+        """
+        idx = self._index
+        if idx is None:
+            idx = {p: k for k, p in enumerate(self.paths)}
+            object.__setattr__(self, "_index", idx)
+        try:
+            return idx[tuple(path)]
+        except KeyError:
+            raise KeyError(f"{format_path(tuple(path))} is not in unit {unit_name(self.key)}") from None
 
     @property
     def total_numel(self) -> int:
@@ -296,7 +338,7 @@ class ShardSpec:
     """
 
     __slots__ = ("units", "mesh_shape", "mesh_dim_names", "treespec", "_leaves", "_fingerprint",
-                 "_by_path")
+                 "_by_path", "_by_unit")
 
     def __init__(self, treespec, leaves, units: Mapping, mesh_shape, mesh_dim_names=None) -> None:
         set_ = object.__setattr__
@@ -307,6 +349,7 @@ class ShardSpec:
         set_(self, "mesh_dim_names", None if mesh_dim_names is None else tuple(mesh_dim_names))
         set_(self, "_fingerprint", None)
         set_(self, "_by_path", None)
+        set_(self, "_by_unit", None)
         if treespec.num_leaves != len(self._leaves):
             raise ValueError("ShardSpec: treespec and leaves disagree")
 
@@ -351,6 +394,24 @@ class ShardSpec:
             return self._by_path[tuple(path)]
         except KeyError:
             raise KeyError(f"no tensor at path {format_path(tuple(path))!r}") from None
+
+    def unit_leaves(self) -> Mapping[Hashable, tuple[tuple[int, int], ...]]:
+        """``unit key -> ((leaf index, buffer index), ...)`` for the tensor leaves of this
+        (sub-)spec, in leaf order. Computed once per spec and kept with it.
+
+        Example:
+            >>> spec = vfsdp.plan({"a": torch.empty(3), "b": torch.empty(5)}, 2)
+            >>> dict(spec.unit_leaves())
+            {(): ((0, 0), (1, 1))}
+        """
+        if self._by_unit is None:
+            groups: dict = {}
+            for i, s in enumerate(self._leaves):
+                if isinstance(s, TensorSpec):
+                    groups.setdefault(s.unit, []).append((i, s.layout.index(s.path)))
+            object.__setattr__(self, "_by_unit",
+                               MappingProxyType({k: tuple(v) for k, v in groups.items()}))
+        return self._by_unit
 
     def unit_tensors(self, key: Hashable) -> tuple[TensorSpec, ...]:
         """The ``TensorSpec`` s of one unit, in buffer order.

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from vfsdp._torch_private import TorchDispatchMode
 from vfsdp.collectives.comm import in_collective
 
 __all__ = ["CopyCounter", "COPY_OPS"]

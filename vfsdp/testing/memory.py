@@ -1,43 +1,88 @@
 """Memory probes at the dispatcher: how many units are gathered, and how many bytes are live.
 
-``GatheredProbe`` samples, before every aten op run under it, which of this rank's parameter
-DBuffers (roles ``param*`` and ``compute``) have their global buffer allocated: the storage's
-actual size, not an assumption. ``peak_units`` is the most gathered at once.
+``GatheredProbe`` learns of this rank's parameter buffers (``Role.PARAM`` and
+``Role.COMPUTE``) from their events while it is active (:mod:`vfsdp.collectives.events`) and
+samples, before and after every aten op run under it and at every allocation, which of them
+have their global buffer allocated: the storage's actual size, not an assumption.
+``peak_units`` is the most units gathered at once. It sees units gathered while it is active.
 
 ``LiveBytes`` tracks every storage produced by an op (and the DBuffers' global buffers and
-shards) and re-reads their sizes before every op, so storage resizes (how FSDP2 and vfsdp
-release unsharded parameters) are seen too; ``peak`` is the high-water mark of their sum.
-The same tracker is used for vfsdp and for FSDP2 in the benchmarks.
+shards created or allocated under it, and the tensors passed to ``track``) and re-reads their
+sizes before every op, so storage resizes (how FSDP2 and vfsdp release unsharded parameters)
+are seen too; ``peak`` is the high-water mark of their sum. The same tracker is used for
+vfsdp and for FSDP2 in the benchmarks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from vfsdp.collectives.dbuffer import live_dbuffers
+from vfsdp._torch_private import TorchDispatchMode, storage_id
+from vfsdp.collectives.events import observe
 
 __all__ = ["GatheredProbe", "LiveBytes"]
 
-_PARAM_ROLES = ("param", "compute")
+
+class _Observing(TorchDispatchMode):
+    """A dispatch mode that also observes DBuffer events while it is active."""
+
+    def __enter__(self):
+        self._events = contextlib.ExitStack()
+        self._events.enter_context(observe(self.on_event))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._events.close()
+
+    def on_event(self, event: str, db) -> None:
+        raise NotImplementedError
 
 
-class GatheredProbe(TorchDispatchMode):
-    """Peak number (and bytes) of this rank's units whose parameters are gathered at once."""
+class GatheredProbe(_Observing):
+    """Peak number (and bytes) of this rank's units whose parameters are gathered at once.
+
+    Example:
+        >>> def body():
+        ...     params = {"layers": [{"w": torch.ones(4, 4)} for _ in range(4)]}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     shards = vfsdp.shard(params, spec)
+        ...     with GatheredProbe() as probe:
+        ...         h = vfsdp.run_layers(lambda p, x: x @ p["w"], shards["layers"],
+        ...                              spec["layers"], torch.ones(1, 4))
+        ...         h.sum().backward()
+        ...     return probe.peak_units
+        >>> vfsdp.testing.simulate(2, body)
+        [2, 2]
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.peak_units = 0
         self.peak_bytes = 0
+        self._buffers: dict[int, weakref.ref] = {}
+
+    def on_event(self, event: str, db) -> None:
+        if event == "alloc" and db.role.holds_params:
+            self._buffers[id(db)] = weakref.ref(db)
+            self.sample()
 
     def sample(self) -> None:
-        units, nbytes = set(), 0
-        for db in live_dbuffers():
-            if db.role.startswith(_PARAM_ROLES) and db.is_allocated:
-                units.add(db.key)
+        units, nbytes, dead = set(), 0, []
+        for key, ref in self._buffers.items():
+            db = ref()
+            if db is None:
+                dead.append(key)
+            elif db.is_allocated:
+                units.add(id(db.unit) if db.unit is not None else id(db))
                 nbytes += db.global_buffer.untyped_storage().nbytes()
+        for key in dead:
+            del self._buffers[key]
         self.peak_units = max(self.peak_units, len(units))
         self.peak_bytes = max(self.peak_bytes, nbytes)
 
@@ -48,7 +93,7 @@ class GatheredProbe(TorchDispatchMode):
         return out
 
 
-class LiveBytes(TorchDispatchMode):
+class LiveBytes(_Observing):
     """Peak bytes of live storages created under it (plus existing tensors passed to ``track``)."""
 
     def __init__(self) -> None:
@@ -56,6 +101,11 @@ class LiveBytes(TorchDispatchMode):
         self._storages: dict[int, list] = {}
         self.peak = 0
         self.current = 0
+
+    def on_event(self, event: str, db) -> None:
+        if event in ("create", "alloc"):
+            self._add(db.shard)
+            self._add(db.global_buffer)
 
     def track(self, *tensors: torch.Tensor) -> "LiveBytes":
         for t in tensors:
@@ -65,10 +115,10 @@ class LiveBytes(TorchDispatchMode):
     def _add(self, t) -> None:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             try:
-                st = t.untyped_storage()
+                sid = storage_id(t)
             except (RuntimeError, NotImplementedError):
                 return
-            refs = self._storages.setdefault(st._cdata, [])
+            refs = self._storages.setdefault(sid, [])
             if len(refs) < 4:  # a few views suffice to see whether the storage lives
                 refs.append(weakref.ref(t))
 
@@ -80,11 +130,11 @@ class LiveBytes(TorchDispatchMode):
             if t is None:
                 dead.append(key)
                 continue
-            st = t.untyped_storage()
-            if st._cdata in seen:
+            sid = storage_id(t)
+            if sid in seen:
                 continue
-            seen.add(st._cdata)
-            total += st.nbytes()
+            seen.add(sid)
+            total += t.untyped_storage().nbytes()
         for key in dead:
             del self._storages[key]
         self.current = total

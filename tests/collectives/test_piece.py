@@ -13,7 +13,7 @@ import vfsdp
 import vfsdp.checkpoint as ckpt
 from tests.functional.test_gather import GRANS, model_shapes
 from tests.strategies import shapes as shape_st
-from vfsdp.checkpoint.pieces import Piece, boxes, boxes_reference
+from vfsdp.collectives.piece import Piece, boxes, boxes_reference
 from vfsdp.functional import match_tree
 from vfsdp.testing import simulate
 

@@ -1,0 +1,161 @@
+"""Print the package's architecture figures: what the Core v2 issue asks to compare before/after.
+
+    python scripts/architecture.py [PACKAGE_DIR]
+
+* **registry lookups**: call sites that find a DBuffer (or pending work) through global state
+  instead of the data passed in: the v1 helpers ``owner_of``, ``global_owner``,
+  ``live_dbuffers``, ``_packing_dbuffer``, ``wait_reductions`` / ``_pending``, and reads of
+  ``_OWNERS`` / ``_GLOBAL_OWNERS``; plus every use of ``._cdata``;
+* **module-level mutable state**: every dict, list, set, weak mapping or ``threading.local``
+  assigned at module level, with the number of functions reading it;
+* **names in vfsdp.__all__**;
+* **largest modules**, in lines;
+* **import graph between packages** (module- and function-level imports alike), with the
+  edges that go up the layer order marked.
+
+Everything is read from the source with ``ast``; nothing is imported, so it runs on any
+checkout (``git worktree add /tmp/old <commit>`` then point it there).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from collections import Counter, defaultdict
+
+LAYERS = ["_torch_private", "placements", "planner", "collectives", "functional",
+          "optim", "checkpoint", "testing", "<top>"]
+"""Bottom to top. A package may import only packages below it (``optim`` and ``checkpoint``
+are siblings: neither imports the other). ``<top>`` is ``vfsdp/__init__``, ``cli`` and
+``__main__``."""
+
+RANK = {"_torch_private": 0, "placements": 1, "planner": 2, "collectives": 3, "functional": 4,
+        "optim": 5, "checkpoint": 5, "testing": 6, "<top>": 7}
+
+REGISTRY_CALLS = {"owner_of", "global_owner", "live_dbuffers", "_packing_dbuffer",
+                  "wait_reductions", "_pending", "_finish_oldest"}
+REGISTRY_NAMES = {"_OWNERS", "_GLOBAL_OWNERS", "_PACKING"}
+MUTABLE_CALLS = {"dict", "list", "set", "WeakValueDictionary", "WeakKeyDictionary", "WeakSet",
+                 "local", "defaultdict", "OrderedDict", "Counter"}
+
+
+def package_of(rel: str) -> str:
+    """``vfsdp/optim/adamw.py`` -> ``optim``; top-level modules map to themselves or <top>."""
+    parts = rel.split(os.sep)
+    if len(parts) > 2:
+        return parts[1]
+    name = parts[1][:-3]
+    return name if name in RANK else "<top>"
+
+
+def modules(root: str):
+    for dirpath, _, files in os.walk(root):
+        if "__pycache__" in dirpath:
+            continue
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                yield os.path.relpath(path, os.path.dirname(root)), path
+
+
+def imported_packages(tree: ast.AST) -> list[tuple[str, int]]:
+    out = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "vfsdp" and len(parts) > 1 and parts[1] in RANK:
+                out.append((parts[1], node.lineno))
+                break
+    return out
+
+
+def report(root: str) -> dict:
+    lines, graph, upward = {}, defaultdict(Counter), []
+    lookups, cdata, mutable = Counter(), Counter(), []
+    all_names: list = []
+    for rel, path in modules(root):
+        src = open(path, encoding="utf-8").read()
+        tree = ast.parse(src)
+        lines[rel] = src.count("\n") + 1
+        pkg = package_of(rel)
+        for target, lineno in imported_packages(tree):
+            if target != pkg:
+                graph[pkg][target] += 1
+                if RANK[target] >= RANK[pkg] and pkg != "<top>":
+                    upward.append(f"{rel}:{lineno} {pkg} -> {target}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(
+                    fn, ast.Attribute) else None
+                if name in REGISTRY_CALLS:
+                    lookups[rel] += 1
+            if isinstance(node, ast.Name) and node.id in REGISTRY_NAMES and isinstance(
+                    node.ctx, ast.Load):
+                lookups[rel] += 1
+            if isinstance(node, ast.Attribute) and node.attr == "_cdata":
+                cdata[rel] += 1
+        for node in tree.body:  # module-level mutable state
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                value = node.value
+                kind = None
+                if isinstance(value, (ast.Dict, ast.List, ast.Set)):
+                    kind = type(value).__name__.lower()
+                elif isinstance(value, ast.Call):
+                    fn = value.func
+                    name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
+                    if name in MUTABLE_CALLS:
+                        kind = name
+                for t in targets:
+                    if isinstance(t, ast.Name) and kind and t.id != "__all__":
+                        uses = sum(1 for n in ast.walk(tree) if isinstance(n, ast.Name)
+                                   and n.id == t.id and isinstance(n.ctx, ast.Load))
+                        mutable.append((rel, t.id, kind, uses))
+        if rel == os.path.join("vfsdp", "__init__.py"):
+            for node in tree.body:
+                if isinstance(node, ast.Assign) and any(
+                        isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+                    all_names = [ast.literal_eval(e) for e in node.value.elts]
+    return {"lines": lines, "graph": graph, "upward": upward, "lookups": lookups,
+            "cdata": cdata, "mutable": mutable, "all": all_names}
+
+
+def main(argv: list[str]) -> None:
+    root = os.path.abspath(argv[1] if len(argv) > 1 else
+                           os.path.join(os.path.dirname(__file__), "..", "vfsdp"))
+    r = report(root)
+    print(f"package: {root}")
+    print(f"\nregistry lookups: {sum(r['lookups'].values())} in {len(r['lookups'])} files")
+    for rel, n in sorted(r["lookups"].items()):
+        print(f"  {rel}: {n}")
+    print(f"._cdata uses: {sum(r['cdata'].values())} in {len(r['cdata'])} files "
+          f"{sorted(r['cdata'])}")
+    print(f"\nmodule-level mutable state: {len(r['mutable'])}")
+    for rel, name, kind, uses in r["mutable"]:
+        print(f"  {rel}: {name} ({kind}, read {uses}x)")
+    print(f"\nvfsdp.__all__: {len(r['all'])} names: {', '.join(r['all'])}")
+    largest = sorted(r["lines"].items(), key=lambda kv: -kv[1])[:10]
+    print(f"\nlargest modules ({len(r['lines'])} modules, {sum(r['lines'].values())} lines):")
+    for rel, n in largest:
+        print(f"  {n:5d}  {rel}")
+    print("\nimport graph (package -> package: import statements):")
+    for pkg in LAYERS:
+        if r["graph"].get(pkg):
+            edges = ", ".join(f"{t} {n}" for t, n in sorted(r["graph"][pkg].items(),
+                                                             key=lambda kv: RANK[kv[0]]))
+            print(f"  {pkg:<14} -> {edges}")
+    print(f"\nimports against the layer order ({' < '.join(LAYERS)}; optim and checkpoint "
+          f"are siblings): {len(r['upward'])}")
+    for u in r["upward"]:
+        print(f"  {u}")
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,107 @@
+"""Atomic checkpoint directories: write under a temporary name, appear complete or not at all.
+
+A save writes into ``<path>.partial-<id>/`` (rank 0 picks the name and every rank learns it);
+:func:`commit` makes it visible as ``<path>`` with one rename, or two when replacing an
+existing checkpoint (the old one is moved to ``<path>.old-<id>`` first and deleted after). A
+crash between those two renames leaves the old checkpoint at ``<path>.old-<id>``, which the
+next :func:`prepare` puts back. ``overwrite=True`` replaces only vfsdp checkpoints (directories
+holding a manifest), never another directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+import torch.distributed as dist
+
+from vfsdp.checkpoint.storage import MANIFEST, CheckpointError
+
+__all__ = ["prepare", "commit", "fsync_dir"]
+
+
+def fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def prepare(path: str, overwrite: bool, group) -> str:
+    """Rank 0 picks the temporary directory (and refuses to overwrite); all ranks learn it."""
+    box: list = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = ("ok", _prepare_rank0(path, overwrite))
+        except _Exists as exc:
+            box[0] = ("exists", str(exc))
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            box[0] = (type(exc).__name__, str(exc))
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    status, value = box[0]
+    if status == "exists":
+        raise FileExistsError(value)
+    if status != "ok":
+        raise CheckpointError(f"vfsdp.checkpoint.save: preparing {path} failed on rank 0: "
+                              f"{status}: {value}")
+    return value
+
+
+class _Exists(FileExistsError):
+    """The target exists and may not be replaced."""
+
+
+def _prepare_rank0(path: str, overwrite: bool) -> str:
+    path = os.path.abspath(path)
+    parent, base = os.path.dirname(path), os.path.basename(path)
+    os.makedirs(parent, exist_ok=True)
+    _recover_interrupted_overwrite(path)
+    if os.path.exists(path):
+        if not overwrite:
+            raise _Exists(f"vfsdp.checkpoint.save: {path} exists; pass overwrite=True to "
+                          f"replace it")
+        if not os.path.isdir(path) or (os.listdir(path) and
+                                       not os.path.exists(os.path.join(path, MANIFEST))):
+            raise _Exists(f"vfsdp.checkpoint.save: {path} exists and is not a vfsdp "
+                          f"checkpoint; overwrite=True only replaces checkpoints")
+    for stale in os.listdir(parent):  # leftovers of saves that died
+        if stale.startswith(base + ".partial-"):
+            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+    return f"{path}.partial-{uuid.uuid4().hex[:12]}"
+
+
+def _recover_interrupted_overwrite(path: str) -> None:
+    """An overwrite that died between its two renames left ``<path>.old-*`` and no ``<path>``:
+    put the previous checkpoint back."""
+    parent, base = os.path.dirname(path), os.path.basename(path)
+    if os.path.exists(path):
+        return
+    old = sorted(n for n in os.listdir(parent) if n.startswith(base + ".old-")
+                 and os.path.exists(os.path.join(parent, n, MANIFEST)))
+    if old:
+        os.rename(os.path.join(parent, old[-1]), path)
+
+
+def commit(tmp: str, path: str) -> None:
+    """Make ``tmp`` visible as ``path``: one rename (two when replacing a checkpoint)."""
+    fsync_dir(tmp)
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        aside = f"{path}.old-{uuid.uuid4().hex[:12]}"
+        os.rename(path, aside)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            os.rename(aside, path)  # put the old checkpoint back
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
+    fsync_dir(os.path.dirname(path))

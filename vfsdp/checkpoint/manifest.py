@@ -1,0 +1,103 @@
+"""The manifest ``vfsdp.json``: what a checkpoint holds, written last, checked first on load.
+
+It lists every entry (name, kind, global shape and dtype, or the value itself), the CRC-32 of
+every stored item and of DCP's ``.metadata``, and the size of every file. A load matches the
+tree it fills against it before reading any data (:func:`match_manifest`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+
+import torch
+
+from vfsdp.checkpoint.entries import Entry, dtype_name, parse_dtype
+from vfsdp.checkpoint.storage import FORMAT, MANIFEST, VERSION, CheckpointError
+from vfsdp.planner.spec import ShardSpec
+
+__all__ = ["write_manifest", "match_manifest", "METADATA"]
+
+METADATA = ".metadata"
+
+
+def write_manifest(tmp: str, entries: list[Entry], spec: ShardSpec, world: int,
+                    gathered: list) -> None:
+    items, files = {}, {}
+    for _, (crcs, sizes) in gathered:
+        items.update(crcs)
+        files.update(sizes)
+    meta_path = os.path.join(tmp, METADATA)
+    with open(meta_path, "rb") as f:
+        meta = f.read()
+    files[METADATA] = len(meta)
+    described = []
+    for e in entries:
+        if e.kind == "value":
+            described.append({"name": e.name, "kind": "value", "value": e.value})
+        else:
+            described.append({"name": e.name, "kind": e.kind, "shape": list(e.shape),
+                              "dtype": dtype_name(e.dtype)})
+    manifest = {
+        "format": FORMAT, "version": VERSION, "created": time.time(),
+        "torch": torch.__version__, "world_size": world,
+        "mesh_shape": list(spec.mesh_shape), "spec_fingerprint": spec.fingerprint,
+        "bytes": sum(v[2] for v in items.values()),
+        "metadata_crc": zlib.crc32(meta), "entries": described, "files": files, "items": items,
+    }
+    tmp_manifest = os.path.join(tmp, MANIFEST + ".tmp")
+    with open(tmp_manifest, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp_manifest, os.path.join(tmp, MANIFEST))
+
+
+def match_manifest(manifest: dict, entries: list[Entry], strict: bool, path: str) -> dict:
+    saved = {e["name"]: e for e in manifest["entries"]}
+    for e in entries:
+        s = saved.get(e.name)
+        if s is None:
+            near = [n for n in saved if n.split(".")[-1] == e.name.split(".")[-1]][:3]
+            raise CheckpointError(f"{path} has no entry {e.name!r}"
+                                  + (f" (similar: {near})" if near else "")
+                                  + "; the tree's paths differ from the saved tree's")
+        if (s["kind"] == "value") != (e.kind == "value"):
+            raise CheckpointError(f"{path}: {e.name}: the checkpoint holds a "
+                                  f"{'value' if s['kind'] == 'value' else 'tensor'}, the tree a "
+                                  f"{e.describe()}")
+        if e.kind != "value":
+            shape, dtype = tuple(s["shape"]), parse_dtype(s["dtype"])
+            if shape != tuple(e.shape) or dtype != e.dtype:
+                raise CheckpointError(f"{path}: {e.name} was saved as {shape} {s['dtype']}, the "
+                                      f"tree has {tuple(e.shape)} {dtype_name(e.dtype)}; "
+                                      f"re-create the model and optimizer with the saved "
+                                      f"configuration")
+        elif _kind(s["value"]) != _kind(e.value):
+            raise CheckpointError(f"{path}: {e.name} was saved as the {type(s['value']).__name__} "
+                                  f"{s['value']!r}, the tree has a {type(e.value).__name__}")
+    if strict:
+        extra = sorted(set(saved) - {e.name for e in entries})
+        if extra:
+            raise CheckpointError(f"{path} holds entries the tree does not: {extra[:5]}"
+                                  f"{' ...' if len(extra) > 5 else ''}; pass strict=False to "
+                                  f"load a subset")
+    like = {e.name: e.value for e in entries if e.kind == "value"}
+    return {n: _coerce(s["value"], like[n]) for n, s in saved.items() if n in like}
+
+
+def _kind(value) -> type:
+    """bool, int, float or str: what JSON keeps of a value (an IntEnum is an int)."""
+    return next(t for t in (bool, int, float, str) if isinstance(value, t))
+
+
+def _coerce(saved, like):
+    """The saved value as the like value's own type where it is a subclass (e.g. an IntEnum)."""
+    if type(like) in (bool, int, float, str):
+        return saved
+    try:
+        return type(like)(saved)
+    except (TypeError, ValueError):
+        return saved

@@ -1,0 +1,247 @@
+"""Gradient reduction: full gradients of a unit's tensors into its sharded gradient DBuffer.
+
+This is the backward of :func:`vfsdp.gather` and the body of :func:`vfsdp.reduce_scatter`.
+Gradients reach the reduce-scatter input with **one contiguous copy per tensor** (``numel *
+itemsize`` bytes each, never an interleaving copy like FSDP2's ``chunk_cat``): each gradient is
+copied into its ``[offset, offset+numel)`` slice of the unit's staging buffer, padding is
+zero-filled, and one reduce-scatter per unit lands the result in the gradient DBuffer. When a
+gradient already *is* that slice, no copy happens.
+
+Semantics: ``grad_reduce="avg"`` (default) gives each rank the mean over all ranks of their
+gradients (FSDP/DDP semantics: each rank's loss is a mean over its batch); ``"sum"`` gives
+the sum, the exact gradient of the sum of all ranks' losses. Over an HSDP mesh the mean or
+sum runs over every rank of the mesh. Options: :mod:`vfsdp.functional.options`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional, Sequence
+
+import optree
+import torch
+
+from vfsdp._torch_private import functorch_active
+from vfsdp.collectives import comm
+from vfsdp.collectives.groups import resolve_groups
+from vfsdp.collectives.handle import Handle
+from vfsdp.collectives.unit import Unit
+from vfsdp.functional.options import GradOptions
+from vfsdp.functional.tree import match_tree
+from vfsdp.functional.units import UnitLeaves, units_of
+from vfsdp.planner.granularity import format_path
+from vfsdp.planner.spec import ShardSpec
+
+__all__ = ["reduce_unit", "reduce_scatter", "Reductions"]
+
+
+class Reductions:
+    """Asynchronous gradient reductions started by one step (one ``gather`` or ``run_layers``).
+
+    Each one in flight holds its unit's staging buffer, so at most ``limit`` run at once:
+    adding one more first finishes the oldest. The gradient buffer a reduction writes also
+    records it, and every reader of the gradients (``vfsdp.grads``, clipping, optimizers,
+    ``zero_grads``) waits for exactly the reductions of the units it reads.
+    """
+
+    def __init__(self, limit: int = 1) -> None:
+        self.limit = limit
+        self._inflight: list[Handle] = []
+
+    def add(self, handle: Handle) -> None:
+        self._inflight.append(handle)
+        while len(self._inflight) > self.limit:
+            self._inflight.pop(0).wait()
+
+    def wait(self) -> None:
+        """Finish every reduction this object started."""
+        while self._inflight:
+            self._inflight.pop(0).wait()
+
+    def __len__(self) -> int:
+        return sum(not h.done for h in self._inflight)
+
+
+def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch.Tensor]],
+                opts: GradOptions, reductions: Optional[Reductions] = None
+                ) -> Optional[list[torch.Tensor]]:
+    """Reduce-scatter the gradients of tensors ``index`` of ``unit`` into its gradient buffer.
+
+    Args:
+        unit: The unit.
+        index: Buffer indices of the tensors whose gradients are given.
+        grads: Their full gradients (``None``: zero).
+        opts: The gradient options.
+        reductions: Where an asynchronous reduction is registered (``opts.async_reduce``).
+
+    Returns:
+        This rank's gradient pieces, or ``None`` when ``opts.grad_sync`` is off (the
+        gradients were only accumulated, unsharded). Inside a ``torch.func`` transform they
+        are fresh tensors; otherwise views of the gradient DBuffer.
+    """
+    if functorch_active():
+        return _reduce_functional(unit, index, grads, opts)
+    gdb = unit.grads()
+    rdt = opts.reduce_dtype or next((g.dtype for g in grads if g is not None), gdb.dtype)
+    accum = unit.accumulator(rdt, create=False)
+    if not opts.grad_sync or (accum is not None and accum.is_allocated):
+        # Accumulating unsharded (no reduce until the last micro-batch): a persistent buffer.
+        accum = unit.accumulator(rdt)
+        if not accum.is_allocated:
+            accum.alloc_global().data.zero_()
+        buf = accum.global_buffer.data
+        with torch.no_grad():
+            for i, g in zip(index, grads):
+                if g is not None:
+                    t = gdb.tensors[i]
+                    buf[t.offset:t.offset + t.numel].view(t.shape).add_(g)
+        if not opts.grad_sync:
+            return None
+        gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
+                           accumulate=opts.accumulate_grads)
+        accum.free_global()
+        return [gdb.local(i) for i in index]
+    stage = unit.stage(rdt)
+    buf = stage.alloc_global().data
+    covered, copies = set(), []
+    for i, g in zip(index, grads):
+        if g is None:
+            continue
+        t = gdb.tensors[i]
+        dst = buf[t.offset:t.offset + t.numel]
+        covered.add(i)
+        if not _is_slice_of(g, dst):  # produced in place: nothing to copy
+            copies.append((dst, g))
+    _zero_gaps(buf, gdb.tensors, covered)
+    with torch.no_grad():
+        for dst, g in copies:
+            dst.view(g.shape).copy_(g)
+    if opts.async_reduce:
+        # Overlaps the next unit's backward; the staging buffer is freed once it is done.
+        handle = gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
+                                    accumulate=opts.accumulate_grads, async_op=True,
+                                    finish=lambda: stage.free_global(wait=False))
+        if reductions is not None:
+            reductions.add(handle)
+        return [gdb.local(i) for i in index]
+    gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
+                       accumulate=opts.accumulate_grads)
+    stage.free_global()
+    return [gdb.local(i) for i in index]
+
+
+def _reduce_functional(unit: Unit, index, grads, opts: GradOptions) -> list[torch.Tensor]:
+    """Inside ``torch.func``: build the buffer with one ``cat`` (still one copy per tensor)
+    and return fresh pieces; nothing made outside the transform is mutated."""
+    db, layout, rank = unit.params, unit.layout, unit.rank
+    by_index = dict(zip(index, grads))
+    rdt = opts.reduce_dtype or next((g.dtype for g in grads if g is not None), db.dtype)
+    pieces, end = [], 0
+    for i, t in enumerate(db.tensors):
+        g = by_index.get(i)
+        if g is None:
+            continue
+        if t.offset > end:
+            pieces.append(torch.zeros(t.offset - end, dtype=rdt, device=db.device))
+        pieces.append(g.reshape(-1).to(rdt))
+        end = t.offset + t.numel
+    if end < layout.padded_numel:
+        pieces.append(torch.zeros(layout.padded_numel - end, dtype=rdt, device=db.device))
+    full = torch.cat(pieces)
+    out = torch.empty(layout.shard_numel, dtype=rdt, device=db.device)
+    comm.reduce_scatter_into(out, full, opts.grad_reduce, db.groups.shard)
+    if db.groups.replicate is not None:
+        comm.all_reduce_(out, opts.grad_reduce, db.groups.replicate)
+    out = out.to(db.dtype)
+    result = []
+    for i in index:
+        lo, hi = db.tensors[i].shard_range(rank)
+        result.append(out[lo:hi].view(db._local_spec[i][1]))
+    return result
+
+
+def _is_slice_of(g: torch.Tensor, dst: torch.Tensor) -> bool:
+    try:
+        return (g.is_contiguous() and g.numel() == dst.numel() and g.dtype == dst.dtype
+                and g.data_ptr() == dst.data_ptr())
+    except RuntimeError:
+        return False
+
+
+def _zero_gaps(buf: torch.Tensor, tensors, covered: set) -> None:
+    """Zero everything but the tensors about to be written: padding and missing gradients."""
+    end = 0
+    with torch.no_grad():
+        for i, t in enumerate(tensors):
+            if i in covered:
+                if t.offset > end:
+                    buf[end:t.offset].zero_()
+                end = max(end, t.offset + t.numel)
+        if end < buf.numel():
+            buf[end:].zero_()
+
+
+def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh: Any = None,
+                   grad_reduce: str = "avg", reduce_dtype: Optional[torch.dtype] = None,
+                   accumulate_grads: bool = False, op: Optional[str] = None) -> Any:
+    """Reduce-scatter full gradients into the sharded gradient DBuffers (explicit form).
+
+    Args:
+        full_grads: A tree of full-shape gradients (``None`` leaves count as zero).
+        spec: The plan.
+        shards: The shards tree whose gradient buffers receive the result (default: fresh
+            buffers for this call).
+        mesh: A ``DeviceMesh`` matching the spec, for fresh buffers; default: the default
+            group. Shards from ``vfsdp.shard`` use the mesh they were made on.
+        grad_reduce: ``"avg"`` or ``"sum"`` over every rank of the mesh.
+        reduce_dtype: Dtype to reduce in.
+        accumulate_grads: Add into the gradient buffers instead of overwriting them.
+        op: Deprecated spelling of ``grad_reduce``.
+
+    Returns:
+        A tree of this rank's gradient shards (views into the gradient DBuffers).
+
+    Raises:
+        ValueError: structure, shape or dtype mismatch, naming the path; a bad option.
+
+    Example:
+        >>> def body():
+        ...     params = {"w": torch.ones(8)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     g = {"w": torch.full((8,), dist.get_rank() + 1.0)}
+        ...     return vfsdp.reduce_scatter(g, spec, grad_reduce="sum")["w"].tolist()
+        >>> vfsdp.testing.simulate(2, body)
+        [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
+    """
+    if op is not None:
+        warnings.warn("vfsdp.reduce_scatter(op=...) is deprecated: the option is called "
+                      "grad_reduce everywhere", FutureWarning, stacklevel=2)
+        grad_reduce = op
+    opts = GradOptions(grad_reduce=grad_reduce, reduce_dtype=reduce_dtype,
+                       accumulate_grads=accumulate_grads)
+    what = "vfsdp.reduce_scatter"
+    grads = optree.tree_leaves(full_grads, none_is_leaf=True)
+    treespec = optree.tree_structure(full_grads, none_is_leaf=True)
+    if treespec.num_leaves != spec.treespec.num_leaves:
+        match_tree(full_grads, spec, what)  # raises with the differing path
+    if shards is not None:
+        units = units_of(match_tree(shards, spec, what), spec, what)
+    else:  # fresh units: only their gradient buffers are used
+        groups = resolve_groups(spec, mesh)
+        units = [UnitLeaves(key, Unit(spec.units[key], groups), tuple(members))
+                 for key, members in spec.unit_leaves().items()]
+    out: list = list(grads)
+    leaves = spec.leaves()
+    for u in units:
+        unit_grads = []
+        for i, k in u.leaves:
+            g, t = grads[i], leaves[i]
+            if g is not None and tuple(g.shape) != tuple(t.shape):
+                raise ValueError(f"{what}: gradient of {format_path(t.path)} has shape "
+                                 f"{tuple(g.shape)}, expected {tuple(t.shape)}")
+            unit_grads.append(g)
+        pieces = reduce_unit(u.unit, u.index, unit_grads, opts)
+        for (i, _), piece in zip(u.leaves, pieces):
+            out[i] = piece
+    return optree.tree_unflatten(spec.treespec, out)
+

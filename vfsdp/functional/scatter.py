@@ -1,0 +1,125 @@
+"""``vfsdp.scatter``: full tensors become this rank's shards, one unit at a time.
+
+The public inverse of :func:`vfsdp.gather`. Each unit gets a new
+:class:`~vfsdp.collectives.Unit`; its parameter shard is filled either from full tensors every
+rank holds (each rank copies its own pieces, no communication) or from full tensors on one
+source rank, which packs one unit at a time and scatters it
+(:func:`vfsdp.collectives.scatter_unit`), so it never holds the model twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import optree
+import torch
+import torch.distributed as dist
+
+from vfsdp.collectives.agree import agree, agreed
+from vfsdp.collectives.groups import resolve_groups
+from vfsdp.collectives.scatter import scatter_unit
+from vfsdp.collectives.unit import Unit
+from vfsdp.functional.tree import match_tree
+from vfsdp.planner.granularity import format_path
+from vfsdp.planner.spec import ShardSpec, TensorSpec
+
+__all__ = ["scatter", "check_full"]
+
+
+def check_full(x: Any, t: TensorSpec, what: str) -> torch.Tensor:
+    """``x`` if it is a full tensor matching ``t`` (shape and dtype), with real data.
+
+    Raises:
+        ValueError: naming the path, what was found and the fix.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{what}: {format_path(t.path)} should be a tensor, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(t.shape):
+        raise ValueError(f"{what}: {format_path(t.path)} has shape {tuple(x.shape)}, the spec "
+                         f"says {tuple(t.shape)}; re-plan for this model")
+    if x.dtype != t.dtype:
+        raise ValueError(f"{what}: {format_path(t.path)} is {x.dtype}, the spec says {t.dtype}; "
+                         f"cast it or re-plan")
+    if x.device.type == "meta":
+        raise ValueError(f"{what}: {format_path(t.path)} is a meta tensor, which holds no "
+                         f"values; pass real tensors (on the source rank), or shard with init_fn")
+    return x
+
+
+def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: Any = None,
+            requires_grad: bool = True) -> Any:
+    """This rank's shards of full tensors: the inverse of :func:`vfsdp.gather`. Collective
+    when ``src`` is a rank.
+
+    Args:
+        full_tree: The tree the spec was planned for, with full tensors on ``src`` (other
+            ranks pass a tree of the same structure: ``meta`` tensors are fine), or on every
+            rank when ``src`` is ``None``.
+        spec: The plan.
+        src: The global rank holding the full tensors, or ``None``: every rank holds them
+            and copies its own pieces (no communication).
+        mesh: A ``DeviceMesh`` matching ``spec.mesh_shape``; default: the default group.
+        requires_grad: Make floating-point shards require grad.
+
+    Returns:
+        The tree of local shards, as :func:`vfsdp.shard` returns it.
+
+    Raises:
+        ValueError: a structure, shape or dtype mismatch or a meta tensor where values are
+            needed (naming the path; with ``src``, every rank raises), or ``src`` not a rank
+            of the mesh.
+        RuntimeError: no process group.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.empty(6, device="meta")}, 3)
+        ...     full = {"w": torch.arange(6.0)} if dist.get_rank() == 0 else \\
+        ...         {"w": torch.empty(6, device="meta")}
+        ...     return vfsdp.scatter(full, spec, src=0)["w"].tolist()
+        >>> vfsdp.testing.simulate(3, body)
+        [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0], []]
+    """
+    what = "vfsdp.scatter" if src is None or src == 0 else f"vfsdp.scatter(src={src})"
+    leaves = match_tree(full_tree, spec, what)
+    groups = resolve_groups(spec, mesh)
+    tensors = spec.leaves()
+    if src is None:
+        for i, t in enumerate(tensors):
+            if isinstance(t, TensorSpec):
+                check_full(leaves[i], t, what)
+        coords = None
+    else:
+        if not isinstance(src, int) or isinstance(src, bool):
+            raise ValueError(f"{what}: src must be a global rank (int) or None, got {src!r}")
+        coords = groups.coords(src)  # raises for a rank outside the mesh
+        if dist.get_rank() == src:
+            agreed(lambda: [check_full(leaves[i], t, what) for i, t in enumerate(tensors)
+                            if isinstance(t, TensorSpec)], error_type=ValueError)
+        else:
+            agreed(lambda: None, error_type=ValueError)
+    out = list(leaves)
+    errors = []
+    with torch.no_grad():
+        for key, members in spec.unit_leaves().items():
+            unit = Unit(spec.units[key], groups)
+            db = unit.params
+            if coords is None:
+                for i, k in members:
+                    lo, hi = db.tensors[k].local_range(groups.shard_rank)
+                    local = db.local(k)
+                    local.copy_(leaves[i].detach().reshape(-1)[lo:hi].reshape(local.shape))
+            else:
+                def pack(buf, members=members, db=db):
+                    for i, k in members:
+                        t = db.tensors[k]
+                        buf[t.offset:t.offset + t.numel].copy_(leaves[i].detach().reshape(-1))
+
+                errors.append(scatter_unit(db, pack, coords))
+            for i, k in members:
+                local = db.local(k)
+                if requires_grad and local.is_floating_point():
+                    local.requires_grad_(True)
+                out[i] = local
+    if coords is not None:
+        agree(next((e for e in errors if e is not None), None))
+    return optree.tree_unflatten(spec.treespec, out)

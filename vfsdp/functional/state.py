@@ -1,0 +1,73 @@
+"""How a state object (an optimizer's) tells checkpoints what to save: a two-method protocol.
+
+A type that implements :class:`Checkpointable` is saved and loaded by
+:mod:`vfsdp.checkpoint` without ``checkpoint`` importing the type's module:
+
+* ``state.checkpoint_tree(spec)`` returns a pytree of what to save: local views of DBuffers
+  (their global shapes and ranges come from the buffer), :class:`~vfsdp.collectives.Piece` s
+  for other sharded data, other tensors (replicated) and ``bool``/``int``/``float``/``str``
+  values. Tensors must alias the state's memory, so a load fills the state in place.
+* ``state.restore_checkpoint(tree)`` takes the loaded tree (values filled in) and returns
+  the state with its plain values (e.g. the step) put back.
+
+:func:`param_tree` builds the usual shape of such a tree: one leaf per parameter, in the
+parameters' own tree structure, so names are parameter paths and reload under any plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Protocol, runtime_checkable
+
+import optree
+
+from vfsdp.collectives.dbuffer import DBuffer
+from vfsdp.collectives.piece import Piece
+from vfsdp.planner.spec import ShardSpec, TensorSpec
+
+__all__ = ["Checkpointable", "param_tree"]
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """A state that checkpoints itself (see the module docstring)."""
+
+    def checkpoint_tree(self, spec: ShardSpec) -> Any:
+        """What to save, as a pytree of local views, Pieces, tensors and plain values."""
+
+    def restore_checkpoint(self, tree: Any) -> Any:
+        """The state after a load (``tree`` is what :meth:`checkpoint_tree` returned, with
+        values filled in)."""
+
+
+def param_tree(buffers: Mapping[Any, DBuffer], spec: ShardSpec,
+               pieces: Optional[Callable[[DBuffer, int], Optional[Piece]]] = None) -> Any:
+    """A tree shaped like the parameters holding, per tensor, its piece of ``buffers[unit]``.
+
+    Args:
+        buffers: ``unit key -> DBuffer`` (e.g. an optimizer moment per unit).
+        spec: The plan.
+        pieces: ``(db, k) -> Piece or None`` overrides the default leaf (tensor ``k``'s local
+            view of ``db``).
+
+    Returns:
+        The spec's tree structure; tensors whose unit is not in ``buffers``, or for which
+        ``pieces`` returns ``None``, become ``None`` (no leaf).
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"a": torch.ones(2), "b": torch.ones(3)}, 1)
+        ...     shards = vfsdp.shard({"a": torch.ones(2), "b": torch.ones(3)}, spec)
+        ...     m = slot_of(shards["a"]).buffer.like(torch.float32)
+        ...     return {k: tuple(v.shape) for k, v in param_tree({(): m}, spec).items()}
+        >>> vfsdp.testing.simulate(1, body)
+        [{'a': (2,), 'b': (3,)}]
+    """
+    leaves = []
+    for s in spec.leaves():
+        db = buffers.get(s.unit) if isinstance(s, TensorSpec) else None
+        if db is None:
+            leaves.append(None)
+            continue
+        k = db.index(s.path)
+        leaves.append(pieces(db, k) if pieces is not None else db.local(k))
+    return optree.tree_unflatten(spec.treespec, leaves)

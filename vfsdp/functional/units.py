@@ -1,0 +1,148 @@
+"""Unit lookup: from the tensors of a tree to the :class:`~vfsdp.collectives.Unit` behind them.
+
+Every shard ``vfsdp.shard`` returns carries a :class:`~vfsdp.collectives.Slot` naming its
+unit and its index there. So finding a unit's buffers is reading the slots of its leaves and
+checking they agree: no registry, no address lookup. Tensors that carry no slot (plain
+tensors of the right local shapes) are copied into a fresh, temporary unit where an entry
+point accepts them (``gather``, ``reduce_scatter``); elsewhere they are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Optional, Sequence
+
+import torch
+
+from vfsdp.collectives.dbuffer import View, slot_of
+from vfsdp.collectives.groups import resolve_groups
+from vfsdp.collectives.unit import Unit
+from vfsdp.planner.granularity import format_path
+from vfsdp.planner.spec import ShardSpec, UnitLayout, unit_name
+
+__all__ = ["UnitLeaves", "find_unit", "pack_unit", "units_of"]
+
+
+@dataclass(frozen=True)
+class UnitLeaves:
+    """One unit of a tree: its :class:`Unit` and where its tensors sit.
+
+    Attributes:
+        key: The unit key.
+        unit: The unit's buffers on this rank.
+        leaves: ``(leaf index in the tree, buffer index in the unit)`` per tensor present.
+    """
+
+    key: Hashable
+    unit: Unit
+    leaves: tuple[tuple[int, int], ...]
+
+    @property
+    def db(self):
+        """The unit's parameter DBuffer (``unit.params``)."""
+        return self.unit.params
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """The buffer indices of the tensors present."""
+        return tuple(k for _, k in self.leaves)
+
+
+def find_unit(local: Sequence[Any], layout: UnitLayout, index: Sequence[int],
+              what: str) -> Optional[Unit]:
+    """The unit whose parameter shards ``local`` are (tensor ``k`` of it at ``index[k]``).
+
+    Returns:
+        The :class:`Unit`, or ``None`` when no leaf carries a slot (plain tensors).
+
+    Raises:
+        ValueError: leaves of different units or kinds (gathered views, gradients), shards
+            made for another plan, or a view at the wrong place; naming the tensor path.
+    """
+    found, plain = None, None
+    for x, k in zip(local, index):
+        path = format_path(layout.paths[k])
+        slot = slot_of(x)
+        if slot is None:
+            plain = path
+            continue
+        if slot.view is View.FULL:
+            raise ValueError(f"{what}: {path} is a gathered full view (vfsdp.gather's output); "
+                             f"pass the shards vfsdp.shard returned")
+        if not slot.buffer.role.holds_params or slot.unit is None:
+            raise ValueError(f"{what}: {path} is a view of a {slot.buffer.name} buffer, not a "
+                             f"parameter shard; pass the tree vfsdp.shard returned")
+        unit = slot.unit
+        if unit.layout != layout:
+            got = unit.layout
+            raise ValueError(
+                f"{what}: the shards of unit {unit_name(layout.key)} were made for another plan "
+                f"(unit {unit_name(got.key)}, m={got.world_size}, S={got.shard_numel}) than this "
+                f"spec (m={layout.world_size}, S={layout.shard_numel}); use the spec they were "
+                f"sharded with")
+        if found is not None and unit is not found:
+            raise ValueError(f"{what}: {path} belongs to another vfsdp.shard call than the other "
+                             f"tensors of unit {unit_name(layout.key)}; pass one shards tree")
+        if slot.index != k or not unit.params.is_local_view(k, x):
+            raise ValueError(f"{what}: {path} is a view of unit {unit_name(layout.key)}'s shard "
+                             f"at the wrong place; pass the shards tree returned by vfsdp.shard")
+        found = unit
+    if found is not None and plain is not None:
+        raise ValueError(f"{what}: {plain} is a plain tensor but the other tensors of unit "
+                         f"{unit_name(layout.key)} are vfsdp shards; pass one shards tree")
+    return found
+
+
+def pack_unit(local: Sequence[Any], layout: UnitLayout, index: Sequence[int], groups,
+              what: str) -> Unit:
+    """A fresh unit holding copies of ``local`` (this rank's pieces, one copy per tensor).
+
+    Raises:
+        ValueError: a leaf of the wrong local shape or dtype (naming its path).
+    """
+    unit = Unit(layout, groups)
+    db = unit.params
+    with torch.no_grad():
+        for x, k in zip(local, index):
+            ref = db.local(k)
+            if (not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(ref.shape)
+                    or x.dtype != ref.dtype):
+                got = (f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor)
+                       else type(x).__name__)
+                raise ValueError(f"{what}: {format_path(layout.paths[k])} should be this rank's "
+                                 f"shard of shape {tuple(ref.shape)} {ref.dtype}, got {got}")
+            ref.copy_(x.detach())
+    return unit
+
+
+def units_of(leaves: Sequence[Any], spec: ShardSpec, what: str, *, mesh: Any = None,
+             pack: bool = False) -> list[UnitLeaves]:
+    """Every unit of ``spec`` with the tree leaves that belong to it.
+
+    Args:
+        leaves: The tree's leaves in spec order (``match_tree``).
+        spec: The (sub-)spec.
+        what: The entry point, for messages.
+        mesh: For packed units: the ``DeviceMesh`` (default: the default group).
+        pack: Copy units whose leaves are plain tensors into temporary units; otherwise
+            such units are refused.
+
+    Raises:
+        ValueError: as :func:`find_unit`, or plain tensors where ``pack`` is off.
+    """
+    out, groups = [], None
+    for key, members in spec.unit_leaves().items():
+        layout = spec.units[key]
+        local = [leaves[i] for i, _ in members]
+        index = [k for _, k in members]
+        unit = find_unit(local, layout, index, what)
+        if unit is None:
+            if not pack:
+                raise ValueError(f"{what}: the tensors of unit {unit_name(key)} (e.g. "
+                                 f"{format_path(layout.paths[index[0]])}) are not vfsdp shards; "
+                                 f"pass the tree returned by vfsdp.shard")
+            groups = groups or resolve_groups(spec, mesh)
+            unit = pack_unit(local, layout, index, groups, what)
+        out.append(UnitLeaves(key, unit, tuple(members)))
+    return out
+

@@ -29,13 +29,13 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-import vfsdp  # noqa: E402
-from vfsdp.checkpoint.entries import flatten  # noqa: E402
-from vfsdp.testing import spawn  # noqa: E402
-from vfsdp.testing.models import GPTConfig, init_rule, meta_params  # noqa: E402
+import vfsdp
+from vfsdp.checkpoint.entries import flatten
+from vfsdp.testing import spawn
+from vfsdp.testing.models import GPTConfig, init_rule, meta_params
 
 MODELS = {
     "example": GPTConfig(dim=96, layers=3, heads=4, kv_heads=2, ffn=256, seq=64),

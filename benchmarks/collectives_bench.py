@@ -28,14 +28,14 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import optree  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import optree
+import torch
+import torch.distributed as dist
 
-import vfsdp  # noqa: E402
-from vfsdp.collectives import comm, counts, reset_counts  # noqa: E402
-from vfsdp.functional import dbuffers  # noqa: E402
-from vfsdp.testing import CopyCounter, spawn  # noqa: E402
+import vfsdp
+from vfsdp.collectives import comm, counts, reset_counts
+from vfsdp.functional import dbuffers
+from vfsdp.testing import CopyCounter, spawn
 
 
 def layer_shapes(h: int, i: int, kv: int) -> dict:

@@ -18,9 +18,9 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-import vfsdp  # noqa: E402
-from vfsdp.optim.muon import _cost, plan_roots  # noqa: E402
-from vfsdp.planner.shapes import load_shapes  # noqa: E402
+import vfsdp
+from vfsdp.optim.muon import _cost, plan_roots
+from vfsdp.planner.shapes import load_shapes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -15,9 +15,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-import train_gpt  # noqa: E402
+import train_gpt
 
-from vfsdp.testing import simulate  # noqa: E402
+from vfsdp.testing import simulate
 
 
 def main(argv=None) -> int:

@@ -27,12 +27,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import vfsdp  # noqa: E402
-from vfsdp.planner import solver  # noqa: E402
-from vfsdp.planner.baselines import fsdp2_padding, megatron_padding  # noqa: E402
-from vfsdp.planner.certify import certify_unit  # noqa: E402
-from vfsdp.planner.granularity import parse_granularity  # noqa: E402
-from vfsdp.planner.shapes import load_shapes  # noqa: E402
+import vfsdp
+from vfsdp.planner import solver
+from vfsdp.planner.baselines import fsdp2_padding, megatron_padding
+from vfsdp.planner.certify import certify_unit
+from vfsdp.planner.granularity import parse_granularity
+from vfsdp.planner.shapes import load_shapes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GRANULARITIES = ["element", "rows:1", "rows:16", "rows:32", "rows:128"]

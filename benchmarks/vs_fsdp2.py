@@ -30,14 +30,14 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-import optree  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import optree
+import torch
+import torch.distributed as dist
 
-import vfsdp  # noqa: E402
-from vfsdp.collectives.dbuffer import live_dbuffers  # noqa: E402
-from vfsdp.testing import CopyCounter, LiveBytes, spawn  # noqa: E402
-from vfsdp.testing.models import GPTConfig, GPTModule, init_rule, loss_fn, meta_params  # noqa: E402
+import vfsdp
+from vfsdp.collectives.dbuffer import live_dbuffers
+from vfsdp.testing import CopyCounter, LiveBytes, spawn
+from vfsdp.testing.models import GPTConfig, GPTModule, init_rule, loss_fn, meta_params
 
 MODELS = {
     "dense": GPTConfig(dim=256, layers=4, heads=8, kv_heads=4, ffn=688, seq=64),
@@ -132,9 +132,8 @@ def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str) 
     tokens, targets = _batches(warmup + steps + 1, rank, cfg)
     for name, (fn, persistent) in systems.items():
         mem = LiveBytes().track(*persistent())
-        with CopyCounter() as copies:
-            with mem:
-                fn(tokens, targets)
+        with CopyCounter() as copies, mem:
+            fn(tokens, targets)
         out[name] = {"step_s": statistics.median(times[name]), "peak_bytes": mem.peak,
                      "copied_bytes": copies.copy_bytes, "collectives": copies.collectives,
                      "final_loss": losses[name][-1], "first_loss": losses[name][0]}

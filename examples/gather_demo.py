@@ -16,12 +16,12 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import optree  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import optree
+import torch
+import torch.distributed as dist
 
-import vfsdp  # noqa: E402
-from vfsdp.testing import simulate, spawn  # noqa: E402
+import vfsdp
+from vfsdp.testing import simulate, spawn
 
 DIM, LAYERS, BATCH = 24, 3, 8
 

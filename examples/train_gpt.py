@@ -28,12 +28,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-import vfsdp  # noqa: E402
-from vfsdp.testing import GatheredProbe, simulate, spawn  # noqa: E402
-from vfsdp.testing.models import GPTConfig, block, embed, head_loss, init_rule, loss_fn, meta_params  # noqa: E402,E501
+import vfsdp
+from vfsdp.testing import GatheredProbe, simulate, spawn
+from vfsdp.testing.models import GPTConfig, block, embed, head_loss, init_rule, loss_fn, meta_params
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -68,7 +68,7 @@ def make_optimizer(args):
     suits both of its halves.
     """
     schedule = vfsdp.optim.warmup_cosine(args.lr, max(1, args.steps // 10), args.steps, args.lr / 10)
-    no_norm = lambda path: not str(path[-1]).endswith("norm")  # noqa: E731
+    no_norm = lambda path: not str(path[-1]).endswith("norm")
     if args.optim == "muon":
         return vfsdp.optim.partition(
             {"muon": vfsdp.optim.muon(lr=schedule, weight_decay=0.1, scale="moonlight"),

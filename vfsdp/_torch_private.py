@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

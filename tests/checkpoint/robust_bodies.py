@@ -41,7 +41,7 @@ def one_rank_bad_leaf(path: str):
 def rename_collision(path: str):
     spec = vfsdp.plan(P, dist.get_world_size())
     sh = vfsdp.shard(P, spec)
-    same = lambda name: "w"  # noqa: E731
+    same = lambda name: "w"
     return (_outcome(ckpt.to_state_dict, sh, spec, rename=same),
             _outcome(ckpt.save_safetensors, path, sh, spec, rename=same))
 

@@ -82,7 +82,7 @@ def test_async_save_of_every_state_reshards(tmp_path):
                          ids=["hsdp-to-w2", "w1-to-hsdp", "w3-to-w1"])
 def test_save_from_any_mesh(tmp_path, save_mesh, load_mesh):
     path = str(tmp_path / "c")
-    world = lambda m: m if isinstance(m, int) else m[0] * m[1]  # noqa: E731
+    world = lambda m: m if isinstance(m, int) else m[0] * m[1]
     full = simulate(world(save_mesh), bodies.save_trained, path, save_mesh)[0]
     _equal(simulate(world(load_mesh), bodies.load_all, path, load_mesh)[0], full)
     names = os.listdir(path)

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 import vfsdp
 from tests.functional import bodies
-from tests.strategies import shapes as shape_st
 from vfsdp.testing import simulate, spawn
+from vfsdp.testing.strategies import shapes as shape_st
 
 SMALL = {"layers": [[(4, 3), (5,)], [(4, 3), (5,)], [(2, 2, 3), (0, 3), ()]], "root": [(7, 3), (1,)]}
 

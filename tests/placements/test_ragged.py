@@ -5,7 +5,6 @@ import pytest
 import torch
 from hypothesis import given
 
-from tests.strategies import ragged_cases
 from vfsdp.placements import (
     RaggedShard,
     assemble_reference,
@@ -15,6 +14,7 @@ from vfsdp.placements import (
     split_reference,
     validate_placement,
 )
+from vfsdp.testing.strategies import ragged_cases
 
 
 def _loop_ranges(numel, units):

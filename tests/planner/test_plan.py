@@ -10,9 +10,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.strategies import WORLD_SIZES, shapes
-from vfsdp import PASSTHROUGH, ShapeDtype, check_spec, plan, plan_stats, rows, whole
+from vfsdp.testing.strategies import shapes, world_sizes
+
+WORLD_SIZES = st.one_of(world_sizes(17), st.just(64))
+from vfsdp import ShapeDtype, check_spec, plan, plan_stats, rows, whole
 from vfsdp.functional import gather_reference, shard_reference, unit_buffer_reference
+from vfsdp.planner import PASSTHROUGH
 
 
 def meta(*shape, dtype=torch.float32):

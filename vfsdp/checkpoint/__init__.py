@@ -9,9 +9,9 @@
 from vfsdp.checkpoint.entries import register_state
 from vfsdp.checkpoint.export import from_state_dict, to_state_dict
 from vfsdp.checkpoint.io import AsyncSave, load, save
-from vfsdp.collectives.piece import Piece, boxes, per_rank
 from vfsdp.checkpoint.safetensors import load_safetensors, save_safetensors
 from vfsdp.checkpoint.storage import CheckpointError
+from vfsdp.collectives.piece import Piece, boxes, per_rank
 
 __all__ = ["save", "load", "AsyncSave", "CheckpointError", "register_state", "Piece", "boxes",
            "per_rank", "to_state_dict", "from_state_dict", "save_safetensors",

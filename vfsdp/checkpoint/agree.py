@@ -3,7 +3,8 @@ the ranks that did not fail themselves."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from vfsdp.checkpoint.storage import CheckpointError
 from vfsdp.collectives.agree import agree as _agree

@@ -16,8 +16,9 @@ checkpoint reloads under any other plan.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import optree
 import torch
@@ -103,9 +104,22 @@ def register_state(cls: type, flatten: Callable[[Any, ShardSpec], Any],
         TypeError: ``cls`` is not a type, or ``flatten``/``restore`` are not callable.
 
     Example:
-        >>> vfsdp.checkpoint.register_state(                       # doctest: +SKIP
-        ...     MyState, lambda s, spec: {"step": s.step, "buf": s.buf},
+        >>> import dataclasses, os, tempfile
+        >>> @dataclasses.dataclass
+        ... class Seen:
+        ...     step: int
+        ...     counts: torch.Tensor
+        >>> vfsdp.checkpoint.register_state(
+        ...     Seen, lambda s, spec: {"step": s.step, "counts": s.counts},
         ...     lambda s, tree: dataclasses.replace(s, step=tree["step"]))
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> def body():
+        ...     spec = vfsdp.plan({}, 1)
+        ...     vfsdp.checkpoint.save(path, {"seen": Seen(7, torch.arange(3.0))}, spec)
+        ...     back = vfsdp.checkpoint.load(path, {"seen": Seen(0, torch.zeros(3))}, spec)
+        ...     return back["seen"].step, back["seen"].counts.tolist()
+        >>> vfsdp.testing.simulate(1, body)
+        [(7, [0.0, 1.0, 2.0])]
     """
     if not isinstance(cls, type) or not callable(flatten) or not callable(restore):
         raise TypeError("register_state(cls, flatten, restore) takes a type and two callables")

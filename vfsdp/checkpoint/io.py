@@ -25,12 +25,17 @@ from torch.distributed.checkpoint.api import CheckpointException
 from vfsdp._torch_private import groups_are_per_thread
 from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.atomic import commit, prepare
-from vfsdp.checkpoint.entries import (Entry, flatten, tensor_bytes,
-                                      unflatten)
+from vfsdp.checkpoint.entries import Entry, flatten, tensor_bytes, unflatten
 from vfsdp.checkpoint.manifest import METADATA, match_manifest, write_manifest
-from vfsdp.checkpoint.storage import (CheckpointError,
-                                      VerifyingLoadPlanner, checksum_items, load_state,
-                                      read_manifest, save_state, verify_files)
+from vfsdp.checkpoint.storage import (
+    CheckpointError,
+    VerifyingLoadPlanner,
+    checksum_items,
+    load_state,
+    read_manifest,
+    save_state,
+    verify_files,
+)
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["save", "load", "AsyncSave", "CheckpointError"]
@@ -200,8 +205,18 @@ def save(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, overwrite: bool
         CheckpointError: writing failed on some rank (every rank raises).
 
     Example:
-        >>> vfsdp.checkpoint.save("ckpt/step5", {"params": shards, "opt": state,     # doctest: +SKIP
-        ...                        "step": 5}, spec)
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "step5")
+        >>> def body():
+        ...     params = {"w": torch.arange(8.0)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     shards = vfsdp.shard(params, spec)
+        ...     opt = vfsdp.optim.adamw()
+        ...     vfsdp.checkpoint.save(path, {"params": shards, "opt": opt.init(shards, spec),
+        ...                                  "step": 5}, spec)
+        >>> _ = vfsdp.testing.simulate(2, body)
+        >>> sorted(os.listdir(path))[-1]
+        'vfsdp.json'
     """
     path = os.fspath(path)
     wait_pending()
@@ -261,8 +276,20 @@ def load(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *, strict: bo
             missing or of another shape or dtype (naming it).
 
     Example:
-        >>> like = {"params": shards, "opt": opt.init(shards, spec), "step": 0}  # doctest: +SKIP
-        >>> tree = vfsdp.checkpoint.load("ckpt/step5", like, spec)               # doctest: +SKIP
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "step5")
+        >>> def save():                                  # on 2 ranks
+        ...     spec = vfsdp.plan({"w": torch.arange(8.0)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.arange(8.0)}, spec)
+        ...     vfsdp.checkpoint.save(path, {"params": shards, "step": 5}, spec)
+        >>> _ = vfsdp.testing.simulate(2, save)
+        >>> def load():                                  # on 3 ranks: it reshards
+        ...     spec = vfsdp.plan({"w": torch.zeros(8)}, 3)
+        ...     shards = vfsdp.shard({"w": torch.zeros(8)}, spec)
+        ...     tree = vfsdp.checkpoint.load(path, {"params": shards, "step": 0}, spec)
+        ...     return tree["step"], vfsdp.gather(shards, spec)["w"].tolist()
+        >>> vfsdp.testing.simulate(3, load)[0]
+        (5, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
     """
     path = os.fspath(path)
     wait_pending()

@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 
 from vfsdp.checkpoint.agree import agree, agreed
-from vfsdp.checkpoint.entries import Entry, tensor_bytes, unflatten
+from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, tensor_bytes, unflatten
 from vfsdp.checkpoint.export import Rename, entries_and_names, stream_full, stream_order
-from vfsdp.checkpoint.entries import dtype_name, flatten
 from vfsdp.checkpoint.storage import CheckpointError
 from vfsdp.planner.spec import ShardSpec
 
@@ -70,7 +69,15 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
         OSError: the file cannot be written (on ``dst``; the others raise CheckpointError).
 
     Example:
-        >>> vfsdp.checkpoint.save_safetensors("model.safetensors", shards, spec)  # doctest: +SKIP
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> def body():
+        ...     params = {"w": torch.arange(6.0)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     vfsdp.checkpoint.save_safetensors(path, vfsdp.shard(params, spec), spec)
+        >>> _ = vfsdp.testing.simulate(2, body)
+        >>> read_header(path)[0]["w"]["shape"]
+        [6]
     """
     path = os.fspath(path)
     rank = dist.get_rank()
@@ -84,7 +91,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
             continue  # keep taking part in the collectives; a failure is raised below
         try:
             f.write(tensor_bytes(value))
-        except Exception as exc:  # noqa: BLE001 - e.g. disk full
+        except Exception as exc:
             error = exc
     if f is not None:
         try:
@@ -94,7 +101,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
             f.close()
             if error is None:
                 os.replace(tmp, path)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             error = error or exc
         finally:
             if os.path.exists(tmp):
@@ -180,7 +187,17 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
             with ``strict``, or a truncated file.
 
     Example:
-        >>> vfsdp.checkpoint.load_safetensors("model.safetensors", shards, spec)  # doctest: +SKIP
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+        >>> def body():
+        ...     params = {"w": torch.arange(6.0)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     vfsdp.checkpoint.save_safetensors(path, vfsdp.shard(params, spec), spec)
+        ...     back = vfsdp.shard({"w": torch.zeros(6)}, spec)
+        ...     vfsdp.checkpoint.load_safetensors(path, back, spec)
+        ...     return back["w"].tolist()
+        >>> vfsdp.testing.simulate(2, body)
+        [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0]]
     """
     path = os.fspath(path)
     values = agreed(_read_into, path, tree_like, spec, strict, rename)

@@ -8,7 +8,8 @@ its own error, the others ``error_type`` naming the failing rank and its error.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -19,10 +20,14 @@ def agree(error: Optional[BaseException], group=None, error_type: type = Runtime
     """Collective: raise ``error`` here, or ``error_type`` if another rank had one.
 
     Example:
-        >>> err = None                      # doctest: +SKIP
-        >>> try: open_my_file()             # doctest: +SKIP
-        ... except OSError as exc: err = exc
-        >>> agree(err)                      # doctest: +SKIP
+        >>> def body():
+        ...     err = ValueError("bad file") if dist.get_rank() == 1 else None
+        ...     try:
+        ...         agree(err)
+        ...     except Exception as exc:
+        ...         return f"{type(exc).__name__}: {exc}"
+        >>> vfsdp.testing.simulate(2, body)
+        ['RuntimeError: rank 1 failed: ValueError: bad file', 'ValueError: bad file']
     """
     if not dist.is_initialized():
         if error is not None:

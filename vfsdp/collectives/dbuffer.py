@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -75,7 +76,7 @@ class Slot:
         unit: The :class:`~vfsdp.collectives.Unit` the buffer belongs to, if any.
     """
 
-    buffer: "DBuffer"
+    buffer: DBuffer
     index: int
     view: View
     unit: Any = None
@@ -316,7 +317,7 @@ class DBuffer:
 
     def reduce_scatter(self, source: Optional[torch.Tensor] = None, op: str = "avg",
                        reduce_dtype: Optional[torch.dtype] = None, accumulate: bool = False,
-                       async_op: bool = False, finish: Optional[Callable[[], Any]] = None) -> Handle:
+                       async_op: bool = False, release: Optional[DBuffer] = None) -> Handle:
         """Reduce-scatter ``source`` (default: this buffer's global buffer) into the shard.
 
         Over HSDP's replicate dim the result is then all-reduced, so ``op="avg"`` averages
@@ -330,7 +331,8 @@ class DBuffer:
             accumulate: Add into the shard instead of overwriting it.
             async_op: Return at once; :meth:`wait` (or ``handle.wait()``) before reading the
                 shard.
-            finish: Called once the result is in the shard (e.g. to free ``source``).
+            release: A DBuffer whose global buffer is ``source``: released once the result
+                is in the shard (the staging buffer of an asynchronous reduction).
 
         Returns:
             A :class:`Handle`.
@@ -365,8 +367,8 @@ class DBuffer:
                     self.shard.data.add_(out.to(self.dtype))
                 else:
                     self.shard.data.copy_(out)
-            if finish is not None:
-                finish()
+            if release is not None:
+                release.free_global(wait=release is not self)
             return self
 
         return self._launch(launch, async_op, done)
@@ -395,32 +397,32 @@ class DBuffer:
                     self.shard.zero_()
         return self.shard
 
-    def zero_(self) -> "DBuffer":
+    def zero_(self) -> DBuffer:
         """One kernel over the whole shard."""
         with torch.no_grad():
             self.shard.zero_()
         return self
 
-    def scale_(self, factor: float) -> "DBuffer":
+    def scale_(self, factor: float) -> DBuffer:
         """Multiply the shard by ``factor`` (one kernel)."""
         with torch.no_grad():
             self.shard.mul_(factor)
         return self
 
-    def add_(self, other: Union["DBuffer", torch.Tensor], alpha: float = 1.0) -> "DBuffer":
+    def add_(self, other: Union[DBuffer, torch.Tensor], alpha: float = 1.0) -> DBuffer:
         """Add another buffer of the same layout (or a flat ``S``-element tensor)."""
         with torch.no_grad():
             self.shard.add_(self._flat(other), alpha=alpha)
         return self
 
-    def copy_(self, other: Union["DBuffer", torch.Tensor]) -> "DBuffer":
+    def copy_(self, other: Union[DBuffer, torch.Tensor]) -> DBuffer:
         """Copy (and cast) another buffer of the same layout into this shard."""
         with torch.no_grad():
             self.shard.copy_(self._flat(other))
         return self
 
     def like(self, dtype: Optional[torch.dtype] = None, role: Role = Role.STATE,
-             name: Optional[str] = None) -> "DBuffer":
+             name: Optional[str] = None) -> DBuffer:
         """A new zeroed DBuffer with the same layout and groups (e.g. an optimizer state).
 
         Args:

@@ -90,9 +90,17 @@ def _flat_index(shape: tuple, index: tuple) -> int:
 def boxes(shape: tuple, start: int, stop: int) -> list:
     """Cut the flat range ``[start, stop)`` of a row-major tensor of ``shape`` into N-D boxes.
 
+    Args:
+        shape: The global tensor's shape.
+        start: First flat index of the range.
+        stop: One past its last flat index.
+
     Returns:
         ``[(offsets, sizes), ...]`` in flat order; each box is contiguous in the flat order
         and the boxes tile the range exactly. ``[]`` for an empty range.
+
+    Raises:
+        Nothing: any range inside the tensor is cut (at most ``2 * ndim - 1`` boxes).
 
     Example:
         >>> boxes((4, 3), 3, 9)            # whole rows: one box
@@ -137,6 +145,17 @@ def per_rank(t: torch.Tensor, rank: int, world: int) -> Piece:
 
     Rank ``r``'s tensor is row ``r`` of a global ``(world, *t.shape)`` tensor, so it reloads
     on the same world size only (another world size is refused as a shape mismatch).
+
+    Args:
+        t: This rank's tensor (contiguous).
+        rank: This rank.
+        world: The number of ranks.
+
+    Returns:
+        A :class:`Piece` of the global ``(world, *t.shape)`` tensor.
+
+    Raises:
+        ValueError: ``t`` is not contiguous, or ``rank`` is outside ``[0, world)``.
 
     Example:
         >>> p = per_rank(torch.zeros(3), rank=1, world=4)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist

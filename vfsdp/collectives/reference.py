@@ -8,7 +8,7 @@ implementations are tested against them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -32,6 +32,15 @@ def _check(values: Sequence[torch.Tensor], what: str) -> None:
 
 def all_gather_reference(shards: Sequence[torch.Tensor]) -> torch.Tensor:
     """The global buffer every rank holds after an all-gather of equal ``S``-element shards.
+
+    Args:
+        shards: One 1-D tensor per rank, equal sizes and dtypes.
+
+    Returns:
+        Their concatenation in rank order.
+
+    Raises:
+        ValueError: no shards, or shards of different sizes or dtypes.
 
     Example:
         >>> all_gather_reference([torch.tensor([1., 2.]), torch.tensor([3., 4.])]).tolist()
@@ -80,6 +89,16 @@ def reduce_scatter_reference(buffers: Sequence[torch.Tensor], op: str = "sum") -
 def all_reduce_reference(values: Sequence[torch.Tensor], op: str = "sum") -> torch.Tensor:
     """What every rank holds after an all-reduce (used over HSDP's replicate dim).
 
+    Args:
+        values: One 1-D tensor per rank, equal sizes and dtypes.
+        op: ``"sum"`` or ``"avg"``.
+
+    Returns:
+        The reduced tensor.
+
+    Raises:
+        ValueError: unequal values or an unknown op.
+
     Example:
         >>> all_reduce_reference([torch.tensor([1.]), torch.tensor([3.])], "avg").tolist()
         [2.0]
@@ -102,6 +121,9 @@ def flat_redistribute_reference(sources: Sequence[Sequence[torch.Tensor]], src, 
 
     Returns:
         ``out[r][i]``: rank ``r``'s destination piece of tensor ``i``.
+
+    Raises:
+        StopIteration: a destination element that no rank's source range holds.
 
     Example:
         >>> a = [[torch.tensor([0., 1., 2.])], [torch.tensor([3.])]]

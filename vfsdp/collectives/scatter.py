@@ -9,7 +9,8 @@ one packed unit at a time, never the model twice.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 

@@ -29,7 +29,7 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from vfsdp.collectives.agree import agreed
+from vfsdp.collectives.agree import agree
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.groups import default_mesh, resolve_groups
 from vfsdp.collectives.redistribute import flat_redistribute, shard0_range
@@ -46,6 +46,15 @@ RAGGED = ("error", "redistribute", "keep")
 
 def dtensor_placement(t: TensorSpec):
     """``Replicate()`` or ``Shard(0)`` when ``t``'s layout is one of them, else ``None``.
+
+    Args:
+        t: A tensor's spec (``spec.tensor(path)``).
+
+    Returns:
+        The DTensor placement over the shard dim that describes ``t`` exactly, or ``None``.
+
+    Raises:
+        Nothing: every layout gets an answer.
 
     Example:
         >>> spec = vfsdp.plan({"w": torch.empty(8, 4)}, 2)
@@ -86,8 +95,14 @@ def to_dtensor(shards: Any, spec: ShardSpec, *, mesh: Any = None, ragged: str = 
             or an unknown ``ragged``.
 
     Example:
-        >>> dts = vfsdp.to_dtensor(shards, spec, ragged="redistribute")   # doctest: +SKIP
-        >>> dts["w"].full_tensor()                                         # doctest: +SKIP
+        >>> def body():
+        ...     params = {"w": torch.arange(8.0).reshape(4, 2), "b": torch.arange(3.0)}
+        ...     spec = vfsdp.plan(params, 2)          # "b" is ragged: all 3 on rank 0
+        ...     shards = vfsdp.shard(params, spec)
+        ...     dts = vfsdp.to_dtensor(shards, spec, ragged="redistribute")
+        ...     return dts["b"].placements, dts["b"].full_tensor().tolist()
+        >>> vfsdp.testing.simulate(2, body)[0]
+        ((Shard(dim=0),), [0.0, 1.0, 2.0])
     """
     if ragged not in RAGGED:
         raise ValueError(f"ragged must be one of {RAGGED}, got {ragged!r}")
@@ -218,18 +233,28 @@ def from_dtensor(tree: Any, spec: ShardSpec, *, mesh: Any = None,
             the path); every rank raises.
 
     Example:
-        >>> shards = vfsdp.from_dtensor(dtensor_state_dict_tree, spec)  # doctest: +SKIP
+        >>> def body():
+        ...     from torch.distributed.device_mesh import init_device_mesh
+        ...     from torch.distributed.tensor import Shard, distribute_tensor
+        ...     mesh = init_device_mesh("cpu", (2,))
+        ...     dt = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+        ...     spec = vfsdp.plan({"w": dt}, mesh)
+        ...     return vfsdp.from_dtensor({"w": dt}, spec, mesh=mesh)["w"].tolist()
+        >>> vfsdp.testing.simulate(2, body)
+        [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
     """
     leaves = match_tree(tree, spec, "vfsdp.from_dtensor")
     groups = resolve_groups(spec, mesh)
     units = group_by_unit(spec)
     m, rank = spec.world_size, groups.shard_rank
 
-    def sources():  # local checks first: a bad leaf on one rank must not hang the others
-        return {key: [_source_ranges(leaves[i], t, rank, m, format_path(t.path), spec.mesh_shape)
-                      for i, t in members] for key, members in units.items()}
-
-    found = agreed(sources)
+    found, error = {}, None
+    try:  # local checks first: a bad leaf on one rank must not hang the others
+        found = {key: [_source_ranges(leaves[i], t, rank, m, format_path(t.path), spec.mesh_shape)
+                       for i, t in members] for key, members in units.items()}
+    except Exception as exc:
+        error = exc
+    agree(error)
     out = list(leaves)
     with torch.no_grad():
         for key, members in units.items():

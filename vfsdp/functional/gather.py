@@ -27,7 +27,7 @@ from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import find_unit, pack_unit, units_of
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["gather", "gather_async", "start_gather"]
+__all__ = ["gather", "gather_async", "start_gather", "GatherHandle"]
 
 
 class _Call:
@@ -186,13 +186,24 @@ def start_gather(shards: Any, spec: ShardSpec, mesh: Any, gopts: GatherOptions,
             call.db, handle = u.unit.gather(gopts.param_dtype, async_op=True)
             calls[u.key] = call
             handles.append(handle)
+    return GatherHandle(handles, leaves, spec, calls, make)
 
-    def finish():
-        for h in handles:
-            h.wait()
-        return _assemble(leaves, spec, calls, make)
 
-    return Handle((), finish)
+class GatherHandle(Handle):
+    """The result of :func:`gather_async`: ``wait()`` finishes the unit's all-gathers and
+    returns the full tree (what :func:`gather` returns, differentiable)."""
+
+    def __init__(self, handles: list, leaves: list, spec: ShardSpec, calls: dict, make) -> None:
+        super().__init__()
+        self._handles, self._args = handles, (leaves, spec, calls, make)
+
+    def wait(self) -> Any:
+        if not self._done:
+            for h in self._handles:
+                h.wait()
+            self._result = _assemble(*self._args)
+            self._handles, self._args, self._done = [], None, True
+        return self._result
 
 
 def gather_async(shards: Any, spec: ShardSpec, *, mesh: Any = None, **options: Any) -> Handle:
@@ -205,8 +216,14 @@ def gather_async(shards: Any, spec: ShardSpec, *, mesh: Any = None, **options: A
         x = layer(full_i, x)
         full_next = nxt.wait()
 
+    Args:
+        shards: As for :func:`gather`.
+        spec: As for :func:`gather`.
+        mesh: As for :func:`gather`.
+        options: The keyword options of :func:`gather`.
+
     Returns:
-        A :class:`vfsdp.collectives.Handle`.
+        A :class:`GatherHandle` (a :class:`vfsdp.collectives.Handle`).
 
     Raises:
         TypeError: an unknown option.

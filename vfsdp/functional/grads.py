@@ -21,6 +21,14 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
     these hold the reduce-scattered gradients; units that had no backward yet hold zeros.
     Reductions still in flight (``async_reduce``) into these units are waited for first.
 
+    Args:
+        shards: The shards tree (``vfsdp.shard``'s), or a subtree with its sub-spec.
+        spec: The (sub-)spec.
+
+    Returns:
+        A tree like ``shards`` of this rank's gradient pieces (views into the gradient
+        DBuffers; a unit with no backward yet reads zeros).
+
     Raises:
         ValueError: the tree does not match the spec, or a unit's leaves are not shards
             (pass the tree returned by :func:`vfsdp.shard`).
@@ -55,6 +63,9 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
         set_to_none: Release the gradient shards' memory until the next backward writes them
             (like ``optimizer.zero_grad(set_to_none=True)``; reading them through
             :func:`grads` before then gives zeros). ``False`` zero-fills them in place.
+
+    Returns:
+        ``None``.
 
     Raises:
         ValueError: as :func:`grads`.

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import optree
 import torch
@@ -28,15 +29,26 @@ CHUNK = 1 << 14
 
 
 @dataclass(frozen=True)
-class normal:  # noqa: N801 - reads as a function in user code
-    """Normal(0, std) values."""
+class normal:
+    """Normal(0, std) values.
+
+    Example:
+        >>> t = full_tensor(rule(normal(0.02)), ("w",), (1000,))
+        >>> round(float(t.std()), 2)
+        0.02
+    """
 
     std: float
 
 
 @dataclass(frozen=True)
-class constant:  # noqa: N801
-    """A constant value."""
+class constant:
+    """A constant value.
+
+    Example:
+        >>> full_tensor(rule(constant(3.0)), ("b",), (2,)).tolist()
+        [3.0, 3.0]
+    """
 
     value: float
 
@@ -47,6 +59,17 @@ Rule = Callable[[tuple, tuple], Any]
 def rule(default: Any = normal(0.02), ones: Optional[Callable[[tuple], bool]] = None,
          zeros: Optional[Callable[[tuple], bool]] = None) -> Rule:
     """A ``(path, shape) -> normal | constant`` rule: ``ones``/``zeros`` predicates on the path.
+
+    Args:
+        default: What every other tensor gets.
+        ones: ``path -> bool``: tensors filled with 1 (e.g. norms).
+        zeros: ``path -> bool``: tensors filled with 0 (e.g. biases).
+
+    Returns:
+        The rule, a callable ``(path, shape) -> normal | constant``.
+
+    Raises:
+        Nothing here; the rule's results are checked when values are drawn.
 
     Example:
         >>> r = rule(normal(0.02), ones=lambda p: "norm" in str(p[-1]))
@@ -97,6 +120,17 @@ def _values(kind: Any, path: tuple, lo: int, hi: int, numel: int, seed: int,
 def sharded(init_rule: Rule, seed: int = 0) -> Callable:
     """An ``init_fn`` for :func:`vfsdp.shard` that fills each rank's pieces only.
 
+    Args:
+        init_rule: A rule (:func:`rule`).
+        seed: The seed; the same seed gives the same values under any plan.
+
+    Returns:
+        ``init_fn(path, local, tspec)`` for ``vfsdp.shard(..., init_fn=...)``.
+
+    Raises:
+        ValueError (when called): ``local`` is not a piece ``vfsdp.shard`` handed over.
+        TypeError (when called): the rule returned something else than normal/constant.
+
     Example:
         >>> meta = {"w": torch.empty(5, 3, device="meta")}
         >>> def body():
@@ -134,6 +168,19 @@ def full_tensor(init_rule: Rule, path: tuple, shape: tuple, dtype: torch.dtype =
                 seed: int = 0) -> torch.Tensor:
     """The unsharded tensor with the same values :func:`sharded` gives each rank.
 
+    Args:
+        init_rule: A rule (:func:`rule`).
+        path: The tensor's key path.
+        shape: Its shape.
+        dtype: Its dtype.
+        seed: The seed.
+
+    Returns:
+        A new tensor of ``shape`` on the CPU.
+
+    Raises:
+        TypeError: the rule returned something else than normal/constant.
+
     Example:
         >>> full_tensor(rule(constant(2.0)), ("w",), (2, 2)).tolist()
         [[2.0, 2.0], [2.0, 2.0]]
@@ -143,7 +190,24 @@ def full_tensor(init_rule: Rule, path: tuple, shape: tuple, dtype: torch.dtype =
 
 
 def full_tree(init_rule: Rule, like: Any, seed: int = 0) -> Any:
-    """:func:`full_tensor` for every tensor leaf of ``like`` (e.g. a ``meta`` tree)."""
+    """:func:`full_tensor` for every tensor leaf of ``like`` (e.g. a ``meta`` tree).
+
+    Args:
+        init_rule: A rule (:func:`rule`).
+        like: A tree of tensors (``meta`` is fine) giving paths, shapes and dtypes.
+        seed: The seed.
+
+    Returns:
+        The tree with full tensors (other leaves unchanged).
+
+    Raises:
+        TypeError: the rule returned something else than normal/constant.
+
+    Example:
+        >>> tree = full_tree(rule(constant(1.0)), {"w": torch.empty(2, device="meta")})
+        >>> tree["w"].tolist()
+        [1.0, 1.0]
+    """
     return optree.tree_map_with_path(
         lambda path, t: full_tensor(init_rule, path, tuple(t.shape), t.dtype, seed)
         if isinstance(t, torch.Tensor) else t, like)

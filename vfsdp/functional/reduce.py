@@ -16,7 +16,8 @@ sum runs over every rank of the mesh. Options: :mod:`vfsdp.functional.options`.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import optree
 import torch
@@ -120,7 +121,7 @@ def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch
         # Overlaps the next unit's backward; the staging buffer is freed once it is done.
         handle = gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
                                     accumulate=opts.accumulate_grads, async_op=True,
-                                    finish=lambda: stage.free_global(wait=False))
+                                    release=stage)
         if reductions is not None:
             reductions.add(handle)
         return [gdb.local(i) for i in index]

@@ -14,22 +14,35 @@ The distributed implementations are tested against these.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import optree
 import torch
 
+from vfsdp.functional.tree import match_tree
 from vfsdp.placements.ragged import local_shape
 from vfsdp.placements.reference import assemble_reference
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import PASSTHROUGH, ShardSpec, TensorSpec
-from vfsdp.functional.tree import match_tree
 
 __all__ = ["unit_buffer_reference", "shard_reference", "gather_reference", "scatter_reference"]
 
 
 def unit_buffer_reference(params: Any, spec: ShardSpec, key: Hashable) -> torch.Tensor:
     """The unit's global flat buffer of ``m * S`` elements (padding zero).
+
+    Args:
+        params: Full tensors, shaped like the spec's tree.
+        spec: The plan.
+        key: The unit key.
+
+    Returns:
+        A new 1-D tensor of ``m * S`` elements in the unit's dtype.
+
+    Raises:
+        ValueError: a tree, shape or dtype mismatch (naming the path).
+        KeyError: no such unit, or a unit only partly in this spec.
 
     Example:
         >>> spec = vfsdp.plan({"a": torch.empty(3), "b": torch.empty(2)}, 2)
@@ -56,6 +69,16 @@ def _check_full(full: torch.Tensor, t: TensorSpec, what: str) -> None:
 def shard_reference(params: Any, spec: ShardSpec) -> list[Any]:
     """Every rank's local pieces, as one tree per rank (clones; non-tensor leaves pass through).
 
+    Args:
+        params: Full tensors, shaped like the spec's tree.
+        spec: The plan.
+
+    Returns:
+        ``[tree of rank 0, ..., tree of rank m-1]`` (the shard group's ranks).
+
+    Raises:
+        ValueError: a tree, shape or dtype mismatch (naming the path).
+
     Example:
         >>> spec = vfsdp.plan({"w": torch.empty(6)}, 3, granularity=2)
         >>> [t["w"].tolist() for t in shard_reference({"w": torch.arange(6.0)}, spec)]
@@ -80,8 +103,20 @@ def shard_reference(params: Any, spec: ShardSpec) -> list[Any]:
 def gather_reference(per_rank: Sequence[Any], spec: ShardSpec) -> Any:
     """Reassemble full tensors from every rank's pieces (non-tensor leaves from rank 0).
 
+    Args:
+        per_rank: One tree of local pieces per rank of the shard group.
+        spec: The plan.
+
+    Returns:
+        The tree of full tensors.
+
     Raises:
         ValueError: wrong number of ranks, or a tree that does not match the spec.
+
+    Example:
+        >>> spec = vfsdp.plan({"w": torch.empty(6)}, 3, granularity=2)
+        >>> gather_reference(shard_reference({"w": torch.arange(6.0)}, spec), spec)["w"].tolist()
+        [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     """
     if len(per_rank) != spec.world_size:
         raise ValueError(f"gather_reference: expected {spec.world_size} ranks, got {len(per_rank)}")
@@ -99,6 +134,13 @@ def gather_reference(per_rank: Sequence[Any], spec: ShardSpec) -> Any:
 def scatter_reference(params: Any, spec: ShardSpec) -> list[Any]:
     """Every rank's shards after :func:`vfsdp.scatter`, one tree per rank, by way of the
     units' global buffers.
+
+    Args:
+        params: Full tensors, shaped like the spec's tree.
+        spec: The plan (every unit whole).
+
+    Returns:
+        ``[tree of rank 0, ..., tree of rank m-1]``.
 
     Raises:
         ValueError: a tree, shape or dtype mismatch (naming the path).

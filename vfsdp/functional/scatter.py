@@ -15,7 +15,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from vfsdp.collectives.agree import agree, agreed
+from vfsdp.collectives.agree import agree
 from vfsdp.collectives.groups import resolve_groups
 from vfsdp.collectives.scatter import scatter_unit
 from vfsdp.collectives.unit import Unit
@@ -92,11 +92,15 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
         if not isinstance(src, int) or isinstance(src, bool):
             raise ValueError(f"{what}: src must be a global rank (int) or None, got {src!r}")
         coords = groups.coords(src)  # raises for a rank outside the mesh
+        error = None
         if dist.get_rank() == src:
-            agreed(lambda: [check_full(leaves[i], t, what) for i, t in enumerate(tensors)
-                            if isinstance(t, TensorSpec)], error_type=ValueError)
-        else:
-            agreed(lambda: None, error_type=ValueError)
+            try:
+                for i, t in enumerate(tensors):
+                    if isinstance(t, TensorSpec):
+                        check_full(leaves[i], t, what)
+            except ValueError as exc:
+                error = exc
+        agree(error, error_type=ValueError)  # every rank raises, none waits in the scatter
     out = list(leaves)
     errors = []
     with torch.no_grad():

@@ -22,7 +22,8 @@ A saved tensor is recognised as a gathered parameter by its :class:`~vfsdp.colle
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import optree
 import torch

@@ -8,7 +8,8 @@ shards they are given.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import optree
 import torch
@@ -104,6 +105,16 @@ def release(tree: Any, spec: ShardSpec) -> None:
 
     ``tree`` may be the shards or the gathered full tree. After this, full tensors must not be
     read until the next ``gather``.
+
+    Args:
+        tree: The shards (``vfsdp.shard``'s tree) or the gathered tree, or a subtree of either.
+        spec: Its (sub-)spec.
+
+    Returns:
+        ``None``.
+
+    Raises:
+        ValueError: the tree does not match the spec.
 
     Example:
         >>> def body():

@@ -16,7 +16,8 @@ parameters' own tree structure, so names are parameter paths and reload under an
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import optree
 

@@ -9,8 +9,9 @@ point accepts them (``gather``, ``reduce_scatter``); elsewhere they are refused.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 

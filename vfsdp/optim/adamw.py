@@ -15,15 +15,25 @@ Padding stays zero: its gradient, moments and parameters are all zero.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 
 from vfsdp.collectives.dbuffer import DBuffer, Role
 from vfsdp.functional.state import param_tree
-from vfsdp.optim.base import (Mask, Optimizer, Schedule, as_schedule, both, flat_grads,
-                              grad_leaves, selected, unit_buffers)
+from vfsdp.optim.base import (
+    Mask,
+    Optimizer,
+    Schedule,
+    as_schedule,
+    both,
+    flat_grads,
+    grad_leaves,
+    selected,
+    unit_buffers,
+)
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["adamw", "AdamWState", "AdamWPlan", "CHUNK", "runs", "owned_views"]
@@ -88,7 +98,7 @@ class AdamWState:
         return {"step": self.step, "exp_avg": param_tree(self.exp_avg, spec, keep),
                 "exp_avg_sq": param_tree(self.exp_avg_sq, spec, keep)}
 
-    def restore_checkpoint(self, tree: dict) -> "AdamWState":
+    def restore_checkpoint(self, tree: dict) -> AdamWState:
         self.step = tree["step"]
         return self
 

@@ -19,8 +19,9 @@ their real elements.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -28,8 +29,17 @@ from vfsdp.collectives.dbuffer import Role
 from vfsdp.collectives.piece import Piece
 from vfsdp.functional.state import param_tree
 from vfsdp.optim.adamw import owned_views, runs
-from vfsdp.optim.base import (Mask, Optimizer, Schedule, as_schedule, both, flat_grads,
-                              grad_leaves, selected, unit_buffers)
+from vfsdp.optim.base import (
+    Mask,
+    Optimizer,
+    Schedule,
+    as_schedule,
+    both,
+    flat_grads,
+    grad_leaves,
+    selected,
+    unit_buffers,
+)
 from vfsdp.optim.quant import TILE, dequantize, dynamic_map, quantize, tile_ids
 from vfsdp.planner.granularity import format_path, rows
 from vfsdp.planner.spec import ShardSpec
@@ -139,7 +149,7 @@ class AdamW8bitState:
             tree[f"fp32_{attr}"] = param_tree(self.codes_m, spec, small_piece)
         return tree
 
-    def restore_checkpoint(self, tree: dict) -> "AdamW8bitState":
+    def restore_checkpoint(self, tree: dict) -> AdamW8bitState:
         self.step = tree["step"]
         return self
 

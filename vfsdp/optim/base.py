@@ -22,7 +22,8 @@ Helpers for writing one: :func:`unit_buffers` (each unit's parameter DBuffer),
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
@@ -52,6 +53,15 @@ class Optimizer(NamedTuple):
 
 def as_schedule(value: Schedule) -> Callable[[int], float]:
     """A learning-rate schedule: a plain callable of the (1-based) step, or a constant.
+
+    Args:
+        value: A float, or a callable ``step -> float`` (returned as it is).
+
+    Returns:
+        A callable ``step -> float``.
+
+    Raises:
+        TypeError, ValueError: ``value`` is neither callable nor convertible to float.
 
     Example:
         >>> as_schedule(0.5)(3), as_schedule(lambda step: step / 10)(3)

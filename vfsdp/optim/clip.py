@@ -79,8 +79,22 @@ def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = N
         mesh: For pieces that are not gradient buffer views: the ``DeviceMesh``.
         mask: ``path -> bool``: only the selected tensors count (default: all).
 
+    Returns:
+        The global norm, a replicated fp32 scalar tensor on the gradients' device.
+
     Raises:
         ValueError: the tree does not match the spec.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"a": torch.ones(8), "b": torch.ones(3)}, 2)
+        ...     shards = vfsdp.shard({"a": torch.ones(8), "b": torch.ones(3)}, spec)
+        ...     grads = vfsdp.grads(shards, spec)
+        ...     grads["a"].fill_(1.0)
+        ...     return (float(vfsdp.optim.global_norm(grads, spec)),
+        ...             float(vfsdp.optim.global_norm(grads, spec, mask=lambda p: p == ("b",))))
+        >>> vfsdp.testing.simulate(2, body)[0]
+        (2.8284270763397217, 0.0)
     """
     return _norm(match_tree(grads, spec, "vfsdp.global_norm"), spec, mesh, mask)[0]
 

@@ -11,8 +11,9 @@ Inside a ``partition``, a ``clip_by_global_norm`` clips the global norm of its o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from vfsdp.optim.base import Mask, Optimizer, both, init_masked, selected
 from vfsdp.planner.granularity import combine, format_path
@@ -74,6 +75,12 @@ def chain(*transforms: Optimizer) -> Optimizer:
     The chain's granularity keeps whole every block any member needs
     (:func:`vfsdp.planner.granularity.combine`); its ``mask`` goes to every member.
 
+    Args:
+        transforms: Optimizers (or gradient transforms), applied in order.
+
+    Returns:
+        An :class:`Optimizer` whose state is the list of the members' states.
+
     Raises:
         TypeError: a member that is not an :class:`Optimizer`.
 
@@ -105,7 +112,7 @@ class ClipState:
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
         return {}
 
-    def restore_checkpoint(self, tree: Any) -> "ClipState":
+    def restore_checkpoint(self, tree: Any) -> ClipState:
         return self
 
 
@@ -114,8 +121,27 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
 
     Under a ``partition`` mask, the norm and the scaling cover the selected tensors only.
 
+    Args:
+        max_norm: The largest allowed global norm.
+
+    Returns:
+        An :class:`Optimizer` whose ``update`` scales the gradients in place (no parameters
+        change) and whose state is a :class:`ClipState`.
+
     Raises:
         ValueError: ``max_norm`` is negative or not finite.
+
+    Example:
+        >>> opt = vfsdp.optim.chain(vfsdp.optim.clip_by_global_norm(1.0), vfsdp.optim.adamw())
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     grads = vfsdp.grads(shards, spec)
+        ...     grads["w"].fill_(3.0)
+        ...     opt.update(grads, opt.init(shards, spec), shards, spec)
+        ...     return round(float(vfsdp.optim.global_norm(grads, spec)), 4)
+        >>> vfsdp.testing.simulate(2, body)
+        [1.0, 1.0]
     """
     from vfsdp.optim.clip import check_max_norm, clip_grad_norm
 

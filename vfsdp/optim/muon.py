@@ -21,8 +21,9 @@ Newton-Schulz runs. Over HSDP the shard group does this once per replica.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -30,8 +31,16 @@ from vfsdp.collectives.dbuffer import Role
 from vfsdp.collectives.redistribute import Redistribution
 from vfsdp.functional.state import param_tree
 from vfsdp.optim.adamw import owned_views
-from vfsdp.optim.base import (Mask, Optimizer, Schedule, as_schedule, flat_grads, grad_leaves,
-                              selected, unit_buffers)
+from vfsdp.optim.base import (
+    Mask,
+    Optimizer,
+    Schedule,
+    as_schedule,
+    flat_grads,
+    grad_leaves,
+    selected,
+    unit_buffers,
+)
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["muon", "plan_roots", "newton_schulz", "MuonState", "MuonPlan", "Matrix", "Wave",
@@ -130,7 +139,7 @@ class MuonState:
         return {"step": self.step,
                 "momentum": param_tree(self.momentum, spec, owned_views(self.plan))}
 
-    def restore_checkpoint(self, tree: dict) -> "MuonState":
+    def restore_checkpoint(self, tree: dict) -> MuonState:
         self.step = tree["step"]
         return self
 

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["constant", "warmup_cosine"]
 
 
 def constant(lr: float) -> Callable[[int], float]:
     """``step -> lr``.
+
+    Args:
+        lr: The constant learning rate.
+
+    Returns:
+        A callable ``step -> lr``.
+
+    Raises:
+        Nothing.
 
     Example:
         >>> constant(0.1)(7)
@@ -20,6 +29,15 @@ def constant(lr: float) -> Callable[[int], float]:
 
 def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.0) -> Callable[[int], float]:
     """Linear warm-up to ``peak`` over ``warmup`` steps, then cosine decay to ``floor`` at ``total``.
+
+    Args:
+        peak: The learning rate at the end of the warm-up.
+        warmup: Warm-up steps (``0``: none).
+        total: The step at which the decay reaches ``floor`` (and stays).
+        floor: The final learning rate.
+
+    Returns:
+        A callable ``step -> lr`` (steps count from 1).
 
     Raises:
         ValueError: ``warmup`` or ``total`` negative, or ``warmup > total``.

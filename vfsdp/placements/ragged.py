@@ -22,8 +22,8 @@ of ``prod(shape[len(dims):])``-element slabs, so it can be re-viewed as
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = [
     "RaggedShard",

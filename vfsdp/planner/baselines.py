@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["fsdp2_padding", "megatron_padding"]
 

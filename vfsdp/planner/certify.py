@@ -11,7 +11,8 @@ order), so the first feasible ``S`` is the true optimum.
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from vfsdp.planner import solver
 

@@ -35,6 +35,9 @@ def check_spec(spec: ShardSpec, *, placements: bool | None = None) -> None:
         placements: Also rebuild every placement (O(m) per tensor). Default: only when
             ``m * tensors <= 2e6``.
 
+    Returns:
+        ``None``: the spec is valid.
+
     Raises:
         ValueError: naming the unit or tensor path and the violated constraint.
 
@@ -116,9 +119,15 @@ def _check_placement(t: TensorSpec) -> None:
 def plan_stats(spec: ShardSpec) -> dict[str, Any]:
     """Whole-spec totals.
 
+    Args:
+        spec: A plan.
+
     Returns:
         ``{"total_numel", "padded_numel" (sum of m*S), "padding_ratio",
         "lower_bound_numel", "lower_bound_ratio", "units", "tensors"}``.
+
+    Raises:
+        Nothing for a valid spec (:func:`check_spec` verifies one).
 
     Example:
         >>> plan_stats(vfsdp.plan({"w": torch.empty(10)}, 4))["padded_numel"]

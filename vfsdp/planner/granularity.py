@@ -18,8 +18,9 @@ Forms accepted by ``vfsdp.plan(..., granularity=...)``:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 __all__ = [
     "Rows", "rows", "whole", "Whole", "Granularity", "block_elements", "format_path",

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import gc
 import math
-from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, Union
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, Optional, Union
 
 import optree
 import torch

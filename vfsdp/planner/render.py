@@ -5,7 +5,8 @@ matplotlib is an optional dependency (``pip install vfsdp[viz]``).
 
 from __future__ import annotations
 
-from typing import Hashable, Optional
+from collections.abc import Hashable
+from typing import Optional
 
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, unit_name
@@ -32,7 +33,13 @@ def draw_unit(
         KeyError: no such unit.
 
     Example:
-        >>> draw_unit(vfsdp.plan(params, 8), ("layers", 0), "layout.png")   # doctest: +SKIP
+        >>> import os, tempfile
+        >>> params = {"layers": [{"w": torch.empty(10, 3), "b": torch.empty(5)}]}
+        >>> out = os.path.join(tempfile.mkdtemp(), "layout.png")
+        >>> draw_unit(vfsdp.plan(params, 4), ("layers", 0), out).split(" (")[0]
+        'drew unit layers.0'
+        >>> os.path.getsize(out) > 0
+        True
     """
     try:
         import matplotlib

@@ -45,9 +45,10 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional, Sequence
+from typing import Optional
 
 __all__ = ["Packing", "lower_bound", "next_admissible", "place_in_order", "pack"]
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 import hashlib
 import math
 import statistics
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Hashable, Iterator, Mapping, Optional
+from typing import Any, Optional
 
 import optree
 import torch
@@ -103,6 +104,11 @@ class UnitLayout:
         alignment: ``S`` is a multiple of this many elements.
         strategy: The ordering strategy the solver used.
         split: A :class:`SplitSuggestion` when the unit is heavily padded, else ``None``.
+
+    Example:
+        >>> u = vfsdp.plan({"a": torch.empty(5), "b": torch.empty(3, 3)}, 2).units[()]
+        >>> u.shard_numel, u.paths, u.offsets, u.padded_numel - u.total_numel
+        (8, (('a',), ('b',)), (0, 5), 2)
     """
 
     key: Hashable
@@ -142,7 +148,7 @@ class UnitLayout:
             object.__setattr__(self, k, v)
 
     @property
-    def tensors(self) -> tuple["TensorSpec", ...]:
+    def tensors(self) -> tuple[TensorSpec, ...]:
         """The unit's :class:`TensorSpec` s in buffer order, built from this layout alone."""
         if self._tensors is None:
             specs = tuple(TensorSpec(p, self.key, o, n, tuple(sh), self.dtype, b, self)
@@ -232,6 +238,11 @@ class TensorSpec:
         numel, shape, dtype: Of the full tensor.
         block: Indivisible block in elements (a short last block is allowed for ``rows``).
         layout: The :class:`UnitLayout` it belongs to.
+
+    Example:
+        >>> t = vfsdp.plan({"w": torch.empty(10, 4)}, 4, granularity=vfsdp.rows(1)).tensor(("w",))
+        >>> t.offset, t.block, t.placement, t.local_range(1)
+        (0, 4, RaggedShard(dims=(0,), local_units=(3x3, 1)), (12, 24))
     """
 
     __slots__ = ("path", "unit", "offset", "numel", "shape", "dtype", "block", "layout")
@@ -335,6 +346,11 @@ class ShardSpec:
         mesh_dim_names: Names of the mesh dims, or ``None``.
         world_size: ``m``, size of the shard dim.
         treespec: The optree structure of ``params``.
+
+    Example:
+        >>> spec = vfsdp.plan({"layers": [{"w": torch.empty(8, 4)}] * 2, "b": torch.empty(3)}, 4)
+        >>> list(spec.units), spec.world_size, spec["layers"][1].tensor(("w",)).shape
+        ([('layers', 0), ('layers', 1), ()], 4, (8, 4))
     """
 
     __slots__ = ("units", "mesh_shape", "mesh_dim_names", "treespec", "_leaves", "_fingerprint",
@@ -423,7 +439,7 @@ class ShardSpec:
             raise KeyError(f"no unit {unit_name(key)!r} in this spec")
         return tuple(self.tensor(p) for p in self.units[key].paths)
 
-    def __getitem__(self, key) -> "ShardSpec":
+    def __getitem__(self, key) -> ShardSpec:
         """Sub-spec of a subtree, e.g. ``spec["layers"][3]`` for one layer's unit(s)."""
         sub = self.tree[key]
         paths, leaves, treespec = optree.tree_flatten_with_path(sub)

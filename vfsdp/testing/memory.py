@@ -107,7 +107,7 @@ class LiveBytes(_Observing):
             self._add(db.shard)
             self._add(db.global_buffer)
 
-    def track(self, *tensors: torch.Tensor) -> "LiveBytes":
+    def track(self, *tensors: torch.Tensor) -> LiveBytes:
         for t in tensors:
             self._add(t)
         return self

@@ -26,7 +26,8 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -97,8 +98,9 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
         ValueError: ``world_size < 1``.
 
     Example:
-        >>> spawn(_rank_times, 2, 10)   # doctest: +SKIP
-        [0, 10]
+        >>> import torch.distributed as dist
+        >>> spawn(dist.get_rank, 2)      # any importable function
+        [0, 1]
     """
     _check_world(world_size)
     ctx = mp.get_context("spawn")
@@ -144,7 +146,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: float) -> li
     _check_world(world_size)
     out: list = [None] * world_size
     failures: dict[int, str] = {}
-    errors: "queue.Queue" = queue.Queue()
+    errors: queue.Queue = queue.Queue()
     with _torch_private.threaded_world() as mtp:
         store = dist.HashStore()
 

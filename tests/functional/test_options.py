@@ -1,0 +1,76 @@
+"""One name per option, honoured on every gradient path or refused there with the reason."""
+
+import pytest
+import torch
+
+import vfsdp
+from tests.functional import option_bodies as ob
+from vfsdp.functional.options import GradOptions, split_options
+from vfsdp.testing import simulate
+
+
+@pytest.mark.parametrize("option, name", [
+    ({"grads": "buffer"}, "grads='buffer'"),
+    ({"accumulate_grads": True}, "accumulate_grads=True"),
+    ({"grad_sync": False}, "grad_sync=False"),
+    ({"grads": "buffer", "async_reduce": True}, "grads='buffer'"),
+])
+def test_torch_func_refuses_what_it_cannot_honour(option, name):
+    for msg in simulate(2, ob.func_refused, option):
+        assert f"{name} is not supported under torch.func" in msg, msg
+        assert "vfsdp.gather" in msg
+
+
+@pytest.mark.parametrize("option", [
+    {},
+    {"grad_reduce": "sum"},
+    {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+    {"free_after_backward": True},
+])
+def test_every_path_gives_the_same_gradients(option):
+    for grads, freed in simulate(3, ob.paths, option):
+        ref = grads["autograd"]
+        for path in ("backward", "func", "buffer"):
+            for a, b in zip(grads[path], ref):
+                assert a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-6, atol=1e-6), path
+        assert freed == option.get("free_after_backward", False)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_async_reduce_through_gather_equals_synchronous(world):
+    assert all(simulate(world, ob.async_buffer, 2))
+
+
+def test_async_reduce_needs_the_buffer():
+    with pytest.raises(ValueError, match="async_reduce=True needs grads='buffer'"):
+        GradOptions(async_reduce=True)
+    spec = vfsdp.plan({"w": torch.ones(4)}, 1)
+    with pytest.raises(ValueError, match="async_reduce=True needs grads='buffer'"):
+        vfsdp.gather({"w": torch.ones(4)}, spec, async_reduce=True)
+
+
+def test_bad_values_and_unknown_names():
+    with pytest.raises(ValueError, match="grad_reduce must be one of"):
+        GradOptions(grad_reduce="max")
+    with pytest.raises(ValueError, match="grads must be one of"):
+        GradOptions(grads="keep")
+    with pytest.raises(ValueError, match="reduce_dtype must be a floating-point"):
+        GradOptions(reduce_dtype=torch.int32)
+    with pytest.raises(TypeError, match="unexpected options \\['accumulate'\\]"):
+        split_options({"accumulate": True}, "vfsdp.gather_async")
+
+
+def test_run_layers_refuses_returned_grads_and_unknown_options():
+    msgs = simulate(2, ob.run_layers_refusals)[0]
+    assert msgs["return"].startswith("ValueError") and "read them with vfsdp.grads" in msgs["return"]
+    assert msgs["unknown"].startswith("TypeError") and "grad_sink" in msgs["unknown"]
+
+
+def test_reduce_scatter_options():
+    with pytest.warns(FutureWarning, match="grad_reduce everywhere"):
+        results = simulate(2, ob.explicit_reduce_scatter)
+    assert results == [(True, True, True)] * 2
+
+
+def test_plain_tensors_use_a_temporary_unit_that_is_freed():
+    assert simulate(2, ob.temporary_units_are_not_kept) == [(True, True)] * 2

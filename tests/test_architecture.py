@@ -1,0 +1,207 @@
+"""The package's shape: layers, private APIs, the one-screen API, module sizes.
+
+The layer order lives in ``scripts/architecture.py`` (which also prints the figures) and is
+drawn in the README; these tests enforce it statically (imports) and at run time (calls made
+by a training step).
+"""
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import warnings
+
+import optree
+import pytest
+import torch
+
+import vfsdp
+from vfsdp.testing import simulate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "vfsdp")
+
+
+def _architecture():
+    spec = importlib.util.spec_from_file_location("architecture",
+                                                  os.path.join(ROOT, "scripts", "architecture.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ARCH = _architecture()
+
+
+def _modules():
+    for dirpath, _, files in os.walk(PACKAGE):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                yield os.path.relpath(path, ROOT), path
+
+
+def test_imports_follow_the_layers():
+    report = ARCH.report(PACKAGE)
+    assert report["upward"] == [], "\n".join(report["upward"])
+    assert "optim" not in report["graph"].get("checkpoint", {})
+
+
+def test_readme_draws_the_layers():
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    for line in ("optim      checkpoint", "functional", "collectives", "planner", "placements"):
+        assert line in readme, line
+    assert "tests/test_architecture.py" in readme
+
+
+def test_private_torch_apis_only_in_torch_private():
+    bad = []
+    for rel, path in _modules():
+        if rel.endswith("_torch_private.py"):
+            continue
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("_cdata", "_C"):
+                bad.append(f"{rel}:{node.lineno} .{node.attr}")
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                if any(p in name for p in ("_python_dispatch", "torch._C", "testing._internal",
+                                           "torch._functorch", "torch._dynamo")):
+                    bad.append(f"{rel}:{node.lineno} imports {name}")
+    assert bad == [], bad
+
+
+def test_no_buffer_registries():
+    report = ARCH.report(PACKAGE)
+    assert sum(report["lookups"].values()) == 0, report["lookups"]
+    assert set(report["cdata"]) <= {os.path.join("vfsdp", "_torch_private.py")}
+
+
+def test_modules_stay_small():
+    big = {rel: n for rel, n in ARCH.report(PACKAGE)["lines"].items() if n > 600}
+    assert big == {}, big
+
+
+def test_one_screen_api():
+    assert vfsdp.__all__ == [
+        "plan", "rows", "whole", "ShapeDtype", "check_spec", "plan_stats",
+        "ShardSpec", "UnitLayout", "TensorSpec", "RaggedShard",
+        "shard", "scatter", "gather", "gather_async", "release",
+        "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm",
+        "to_dtensor", "from_dtensor", "dtensor_placement",
+        "init", "optim", "checkpoint", "testing",
+    ]
+    for name in vfsdp.__all__:
+        obj = getattr(vfsdp, name)
+        assert obj.__doc__ and obj.__doc__.strip(), name
+        if isinstance(obj, type):
+            assert "Example" in obj.__doc__, name
+
+
+NAMESPACES = {"vfsdp": vfsdp, "vfsdp.optim": vfsdp.optim, "vfsdp.checkpoint": vfsdp.checkpoint,
+              "vfsdp.testing": vfsdp.testing, "vfsdp.init": vfsdp.init}
+
+
+def _public_functions():
+    for mname, mod in NAMESPACES.items():
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if inspect.isfunction(obj):
+                yield f"{mname}.{name}", obj
+
+
+@pytest.mark.parametrize("name, fn", list(_public_functions()), ids=lambda x: x
+                         if isinstance(x, str) else "")
+def test_public_functions_document_args_returns_raises_and_an_example(name, fn):
+    doc = inspect.getdoc(fn) or ""
+    sig = inspect.signature(fn)
+    takes = [p for p in sig.parameters.values() if p.name not in ("self", "cls")]
+    want = ["Raises:", "Example"] + (["Args:"] if takes else [])
+    if sig.return_annotation not in (None, "None", inspect.Signature.empty):
+        want.append("Returns:")
+    missing = [w for w in want if w not in doc]
+    assert not missing, f"{name} lacks {missing}"
+
+
+@pytest.mark.parametrize("name, home", [("dbuffers", "vfsdp.functional"),
+                                        ("PASSTHROUGH", "vfsdp.planner"),
+                                        ("assemble_reference", "vfsdp.testing"),
+                                        ("split_reference", "vfsdp.testing")])
+def test_moved_names_warn_loudly(name, home):
+    with pytest.warns(FutureWarning, match=f"moved to {home}"):
+        obj = getattr(vfsdp, name)
+    assert obj is getattr(importlib.import_module(home), name)
+
+
+def test_removed_names_say_why():
+    with pytest.raises(AttributeError, match="torch.distributed.tensor.Replicate"):
+        vfsdp.Replicate  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        vfsdp.nope  # noqa: B018
+    assert "dbuffers" not in dir(vfsdp) or "dbuffers" not in vfsdp.__all__
+
+
+def _package(filename):
+    rel = os.path.relpath(filename, ROOT)
+    if not rel.startswith("vfsdp" + os.sep):
+        return None
+    return ARCH.package_of(rel)
+
+
+def step_call_edges():
+    """Every (caller package, callee package) pair of vfsdp frames during a training step."""
+    params = {"layers": [{"w": torch.randn(6, 4), "b": torch.zeros(4)} for _ in range(2)],
+              "head": torch.randn(4, 3)}
+    spec = vfsdp.plan(params, 2)
+    shards = vfsdp.shard(params, spec)
+    opt = vfsdp.optim.chain(vfsdp.optim.clip_by_global_norm(1.0), vfsdp.optim.adamw())
+    state = opt.init(shards, spec)
+    edges = set()
+
+    def tracer(frame, event, arg):
+        if event != "call" or frame.f_back is None:
+            return
+        callee, caller = _package(frame.f_code.co_filename), _package(frame.f_back.f_code.co_filename)
+        if callee and caller and callee != caller:
+            edges.add((caller, callee, frame.f_code.co_name))
+
+    sys.setprofile(tracer)
+    try:
+        for async_reduce in (False, True):
+            full = vfsdp.gather(shards["head"], spec["head"], grads="buffer",
+                                async_reduce=async_reduce)
+            h = vfsdp.run_layers(lambda p, x: torch.tanh(x @ p["w"][:4] + p["b"]),
+                                 shards["layers"], spec["layers"], torch.ones(2, 4))
+            (h @ full).sum().backward()
+            nxt = vfsdp.gather_async(shards, spec)
+            nxt.wait()
+            vfsdp.release(shards, spec)
+            state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+            vfsdp.zero_grads(shards, spec)
+    finally:
+        sys.setprofile(None)
+    return sorted(edges)
+
+
+def test_a_training_step_calls_straight_down_the_layers():
+    rank = ARCH.RANK
+    for edges in simulate(2, step_call_edges):
+        up = [e for e in edges if rank[e[1]] > rank[e[0]]]
+        assert up == [], up
+        assert {("functional", "collectives"), ("optim", "functional")} <= {e[:2] for e in edges}
+
+
+def test_spec_caches_belong_to_the_spec():
+    spec = vfsdp.plan({"a": torch.empty(3), "b": [torch.empty(2)]}, 2)
+    assert spec.unit_leaves() is spec.unit_leaves()
+    again = vfsdp.plan({"a": torch.empty(3), "b": [torch.empty(2)]}, 2)
+    assert again == spec and again.unit_leaves() is not spec.unit_leaves()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optree.tree_leaves(spec.tree)

@@ -24,7 +24,8 @@ def test_nest_dotted():
 
 def test_load_shapes_and_errors(tmp_path):
     tree = load_shapes(os.path.join(SHAPES, "llama2-7b.json"))
-    assert len(tree["layers"]) == 32 and tree["layers"][0]["mlp"]["down_proj"]["weight"].shape == (4096, 11008)
+    assert len(tree["layers"]) == 32
+    assert tree["layers"][0]["mlp"]["down_proj"]["weight"].shape == (4096, 11008)
     bad = tmp_path / "bad.json"
     bad.write_text('{"nope": []}')
     with pytest.raises(ValueError, match="params"):

@@ -169,7 +169,7 @@ def to_state_dict(tree: Any, spec: ShardSpec, *, dst: int = 0, device: Any = "cp
         try:
             out[keys[name]] = (value.to(device, copy=True) if isinstance(value, torch.Tensor)
                                else value)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory on dst
             error, out = exc, {}
     agree(error)
     return out
@@ -216,7 +216,7 @@ def from_state_dict(state_dict: Optional[dict], tree_like: Any, spec: ShardSpec,
         coords = (dbs[0].groups.replicate_rank, dbs[0].groups.shard_rank) if dbs else (0, 0)
         try:
             box[0] = _check_source(state_dict, entries, key, strict) + (coords,)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - sent to every rank
             box[0] = (f"from_state_dict: checking the state dict failed: {exc}", {}, coords)
     dist.broadcast_object_list(box, group_src=src)
     err, values, coords = box[0]
@@ -269,7 +269,7 @@ def _broadcast_full(e: Entry, full: Optional[torch.Tensor], src: int, failed: li
     if full is not None:
         try:
             buf.copy_(full.detach())
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported on every rank after the loop
             failed.append(exc)
     comm.broadcast_(buf, group_src=src)
     return buf

@@ -91,7 +91,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
             continue  # keep taking part in the collectives; a failure is raised below
         try:
             f.write(tensor_bytes(value))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - e.g. disk full
             error = exc
     if f is not None:
         try:
@@ -101,7 +101,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
             f.close()
             if error is None:
                 os.replace(tmp, path)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             error = error or exc
         finally:
             if os.path.exists(tmp):

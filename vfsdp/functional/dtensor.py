@@ -252,7 +252,7 @@ def from_dtensor(tree: Any, spec: ShardSpec, *, mesh: Any = None,
     try:  # local checks first: a bad leaf on one rank must not hang the others
         found = {key: [_source_ranges(leaves[i], t, rank, m, format_path(t.path), spec.mesh_shape)
                        for i, t in members] for key, members in units.items()}
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
         error = exc
     agree(error)
     out = list(leaves)

@@ -137,8 +137,10 @@ def run_layers(
         ...                          spec["layers"], torch.ones(1, 4))
         ...     h.sum().backward()                 # each rank: its mean gradient, its rows
         ...     return h.tolist(), vfsdp.grads(shards, spec)["layers"][0]["w"].tolist()
-        >>> vfsdp.testing.simulate(2, body)
-        [([[8.0, 8.0, 8.0, 8.0]], [[16.0, 16.0], [16.0, 16.0]]), ([[8.0, 8.0, 8.0, 8.0]], [[16.0, 16.0], [16.0, 16.0]])]
+        >>> for h, grad in vfsdp.testing.simulate(2, body):
+        ...     print(h, grad)
+        [[8.0, 8.0, 8.0, 8.0]] [[16.0, 16.0], [16.0, 16.0]]
+        [[8.0, 8.0, 8.0, 8.0]] [[16.0, 16.0], [16.0, 16.0]]
     """
     what = "vfsdp.run_layers"
     specs = _spec_list(specs, what)

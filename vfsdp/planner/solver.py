@@ -418,8 +418,9 @@ def _bisect(name, order, numels, eff, m, align, bound, lo, hi, max_probes=64):
     """Smallest feasible admissible ``S`` found by bisection in ``(lo, hi]``.
 
     ``lo`` is known (or assumed) infeasible. When ``hi`` is ``None``, first step up from
-    ``lo`` by doubling increments until feasible. When ``hi`` is given it is assumed feasible for *some* strategy but
-    not necessarily this one; returns ``None`` if bisection finds nothing below it.
+    ``lo`` by doubling increments until feasible. When ``hi`` is given it is assumed feasible for
+    *some* strategy but not necessarily this one; returns ``None`` if bisection finds nothing
+    below it.
     Feasibility is not monotone in ``S``, so this is a heuristic search.
     """
     found = None

@@ -493,7 +493,8 @@ def format_spec(spec: ShardSpec, max_rows: Optional[int] = None) -> str:
             groups.append([u])
     for g in groups:
         u = g[0]
-        name = unit_name(u.key) if len(g) == 1 else f"{unit_name(u.key)} .. {unit_name(g[-1].key)} (x{len(g)})"
+        name = (unit_name(u.key) if len(g) == 1
+                else f"{unit_name(u.key)} .. {unit_name(g[-1].key)} (x{len(g)})")
         lo, med, hi = u.tensors_per_rank_summary()
         rows.append(
             f"  {name:<34} {len(u.paths):>5} tensors  S={u.shard_numel:<12,} "

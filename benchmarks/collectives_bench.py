@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 
 import vfsdp
-from vfsdp.collectives import comm, counts, reset_counts
-from vfsdp.functional import dbuffers
+from vfsdp.collectives import comm, counts, reset_counts, slot_of
 from vfsdp.testing import CopyCounter, spawn
 
 
@@ -88,7 +87,8 @@ def bench_rank(h: int, i: int, kv: int, repeats: int) -> dict:
 
     # ---- all-gather: raw collective on the same bytes vs vfsdp.gather
     raw_in, raw_out = torch.randn(s), torch.empty(m * s)
-    db = dbuffers(shards, spec)[("layers", 0)]
+    unit = slot_of(optree.tree_leaves(shards)[0]).unit  # the shards carry their unit
+    db = unit.params
     t_raw, t_vfsdp, t_raw_fresh, t_vfsdp_fresh = _paired_medians(
         [lambda: comm.all_gather_into(raw_out, raw_in), lambda: vfsdp.gather(shards, spec),
          lambda: comm.all_gather_into(torch.empty(m * s), raw_in),
@@ -103,7 +103,7 @@ def bench_rank(h: int, i: int, kv: int, repeats: int) -> dict:
     # ---- reduce-scatter: raw vs vfsdp, gradients in separate tensors or in the buffer's views
     raw_rs_in, raw_rs_out = torch.randn(m * s), torch.empty(s)
     grads = optree.tree_map(torch.randn_like, params)
-    gdb = dbuffers(shards, spec)[("layers", 0)].grad_buffer()
+    gdb = unit.grads()
 
     views = {}
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import vfsdp
-from vfsdp.collectives.dbuffer import live_dbuffers
+from vfsdp.collectives import slot_of
 from vfsdp.testing import CopyCounter, LiveBytes, spawn
 from vfsdp.testing.models import GPTConfig, GPTModule, init_rule, loss_fn, meta_params
 
@@ -61,17 +61,21 @@ def _vfsdp_system(cfg: GPTConfig, param_dtype):
     shards = vfsdp.shard(meta_params(cfg), spec, init_fn=vfsdp.init.sharded(init_rule(cfg), 0))
     opt = vfsdp.optim.adamw(lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     box = {"state": opt.init(shards, spec)}
-    gopts = dict(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    gopts = {"param_dtype": param_dtype, "reduce_dtype": torch.float32 if param_dtype else None}
 
     def step(tokens, targets):
         loss, _, box["state"] = train_step(shards, spec, opt, box["state"], [(tokens, targets)],
                                            cfg, gopts)
         return float(loss)
 
-    def persistent():
+    def persistent():  # every buffer of every unit, read from the shards themselves
+        units = {id(u): u for u in (slot_of(t).unit for t in optree.tree_leaves(shards))}
         out = []
-        for db in live_dbuffers():
-            out += [db.shard, db.global_buffer]
+        for u in units.values():
+            for db in u.buffers():
+                out += [db.shard, db.global_buffer]
+        for db in (*box["state"].exp_avg.values(), *box["state"].exp_avg_sq.values()):
+            out.append(db.shard)
         return out
 
     return step, persistent

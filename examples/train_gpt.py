@@ -131,7 +131,7 @@ def train(args) -> dict:
     data = corpus(args.data)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
-    gopts = dict(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    gopts = {"param_dtype": param_dtype, "reduce_dtype": torch.float32}
 
     losses, probe, t_start = [], GatheredProbe(), time.perf_counter()
     tokens_per_step = world * args.batch * args.seq * args.accumulate

@@ -80,7 +80,8 @@ def report(root: str) -> dict:
     lookups, cdata, mutable = Counter(), Counter(), []
     all_names: list = []
     for rel, path in modules(root):
-        src = open(path, encoding="utf-8").read()
+        with open(path, encoding="utf-8") as f:
+            src = f.read()
         tree = ast.parse(src)
         lines[rel] = src.count("\n") + 1
         pkg = package_of(rel)

@@ -10,6 +10,8 @@ import importlib
 import importlib.util
 import inspect
 import os
+import shutil
+import subprocess
 import sys
 import warnings
 
@@ -50,7 +52,8 @@ def test_imports_follow_the_layers():
 
 
 def test_readme_draws_the_layers():
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
     for line in ("optim      checkpoint", "functional", "collectives", "planner", "placements"):
         assert line in readme, line
     assert "tests/test_architecture.py" in readme
@@ -61,7 +64,8 @@ def test_private_torch_apis_only_in_torch_private():
     for rel, path in _modules():
         if rel.endswith("_torch_private.py"):
             continue
-        tree = ast.parse(open(path, encoding="utf-8").read())
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr in ("_cdata", "_C"):
                 bad.append(f"{rel}:{node.lineno} .{node.attr}")
@@ -134,13 +138,13 @@ def test_public_functions_document_args_returns_raises_and_an_example(name, fn):
                                         ("assemble_reference", "vfsdp.testing"),
                                         ("split_reference", "vfsdp.testing")])
 def test_moved_names_warn_loudly(name, home):
-    with pytest.warns(FutureWarning, match=f"moved to {home}"):
+    with pytest.warns(FutureWarning, match=rf"moved to {home}"):
         obj = getattr(vfsdp, name)
     assert obj is getattr(importlib.import_module(home), name)
 
 
 def test_removed_names_say_why():
-    with pytest.raises(AttributeError, match="torch.distributed.tensor.Replicate"):
+    with pytest.raises(AttributeError, match=r"torch\.distributed\.tensor\.Replicate"):
         vfsdp.Replicate  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         vfsdp.nope  # noqa: B018
@@ -205,3 +209,27 @@ def test_spec_caches_belong_to_the_spec():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         optree.tree_leaves(spec.tree)
+
+
+@pytest.mark.parametrize("name, fn", list(_public_functions()), ids=lambda x: x
+                         if isinstance(x, str) else "")
+def test_public_functions_are_typed(name, fn):
+    sig = inspect.signature(fn)
+    missing = [p.name for p in sig.parameters.values() if p.annotation is inspect.Parameter.empty]
+    if sig.return_annotation is inspect.Signature.empty:
+        missing.append("return")
+    assert not missing, f"{name}: no annotation for {missing}"
+
+
+def test_package_is_typed_and_ships_the_marker():
+    assert os.path.exists(os.path.join(PACKAGE, "py.typed"))
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        assert 'vfsdp = ["py.typed"]' in f.read()
+
+
+def test_ruff_passes():
+    ruff = shutil.which("ruff") or os.path.join(os.path.dirname(sys.executable), "ruff")
+    if not os.path.exists(ruff):
+        pytest.skip("ruff is not installed (pip install -e '.[dev]')")
+    out = subprocess.run([ruff, "check", ROOT], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:]

@@ -12,7 +12,7 @@ from vfsdp.testing import simulate, spawn
 
 def test_exported_state_dict_loads_into_a_plain_module_with_identical_outputs():
     results = simulate(3, export_bodies.export_into_module)
-    (names, same, got, want), peak = results[0]
+    (names, same, got, want), _peak = results[0]
     assert same, (got, want)
     assert names[:3] == ["io.embed", "io.head", "io.norm"] and "layers.1.w_down" in names
     assert all(r[0] == {} for r in results[1:])         # only rank 0 receives
@@ -38,7 +38,7 @@ def test_from_state_dict_refuses_bad_input_on_every_rank():
 def test_safetensors_streams_and_reads_back_per_rank(tmp_path):
     path = str(tmp_path / "model.safetensors")
     results = spawn(export_bodies.write_safetensors, 2, path)
-    full, peak = results[0]
+    full, _peak = results[0]
     assert max(r[1] for r in results) == 1
     assert not [f for f in os.listdir(tmp_path) if ".partial-" in f]
     for world in (1, 3):

@@ -49,7 +49,7 @@ def test_flipped_byte_is_caught_by_the_checksum(saved, tmp_path):
     path = _copy(saved, tmp_path)
     with open(os.path.join(path, "vfsdp.json")) as f:
         items = json.load(f)["items"]
-    key, (rel, offset, length, _) = next((k, v) for k, v in sorted(items.items())
+    _key, (rel, offset, length, _) = next((k, v) for k, v in sorted(items.items())
                                          if k.startswith("params.layers.1.w1@"))
     with open(os.path.join(path, rel), "r+b") as f:
         f.seek(offset + length - 64)   # inside the tensor's bytes, near the item's end

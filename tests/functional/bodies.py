@@ -45,7 +45,7 @@ def roundtrip(seed, shapes, gran, mesh_shape=None):
     ok = all(torch.equal(a.detach(), b) if isinstance(a, torch.Tensor) else a == b
              for a, b in zip(optree.tree_leaves(full), optree.tree_leaves(params)))
     # zero-copy addresses: full views sit at their planned offsets, local pieces in the shard
-    for key, db in dbuffers(shards, spec).items():
+    for _key, db in dbuffers(shards, spec).items():
         base = db.global_buffer.data_ptr()
         size = db.global_buffer.element_size()
         for k, t in enumerate(db.tensors):

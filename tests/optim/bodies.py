@@ -58,8 +58,8 @@ def train(steps: int, micro: int, accumulate: str, mesh_shape=None, param_dtype=
         total = 0.0
         for j in range(micro):
             sync = accumulate != "last" or j == micro - 1
-            opts = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype, grad_sync=sync,
-                        accumulate_grads=accumulate == "every")
+            opts = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "grad_sync": sync,
+                        "accumulate_grads": accumulate == "every"}
             x, y = data(step, rank, j)
             with probe:
                 root = vfsdp.gather(shards["root"], spec["root"], grads="buffer",

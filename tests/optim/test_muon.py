@@ -74,7 +74,7 @@ def test_root_plan_is_balanced_lpt():
     params = {"layers": [{"a": torch.empty(64, 64, device="meta"), "b": torch.empty(64, 256, device="meta")}
                          for _ in range(16)]}
     spec = vfsdp.plan(params, 8)
-    mats = [t for t in spec.tensors()]
+    mats = list(spec.tensors())
     roots = plan_roots(mats, 8)
     load = [0] * 8
     for t, r in zip(mats, roots):

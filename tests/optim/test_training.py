@@ -11,7 +11,7 @@ from vfsdp.testing import simulate, spawn
 
 def _compare(results, ref, world, mesh_shape=None, rtol=1e-4, atol=1e-5, loss_rtol=1e-4):
     ref_losses, ref_params = ref
-    for rank, (losses, params, _peak) in enumerate(results):
+    for _rank, (_losses, params, _peak) in enumerate(results):
         # each rank's loss is its share; the sum over ranks of rank losses is the global mean
         assert len(params) == len(ref_params)
         for got, want in zip(params, ref_params):
@@ -46,7 +46,7 @@ def test_bf16_params_fp32_reduce_loose():
 
 
 def test_at_most_two_units_gathered():
-    for losses, params, peak in simulate(3, bodies.train, 1, 1, "off"):
+    for _losses, _params, peak in simulate(3, bodies.train, 1, 1, "off"):
         # the root unit (input and output projections) is gathered for the whole step,
         # run_layers keeps at most two layer units gathered besides it
         assert peak <= 3

@@ -74,7 +74,7 @@ def lower_bound_scan(numels, blocks, m, align) -> int:
 def padding_ok(offsets, numels, blocks, s, m) -> bool:
     """Independent validity check of a full placement."""
     spans = sorted((o, o + e) for o, e in zip(offsets, numels) if e)
-    for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+    for (_a0, a1), (b0, _b1) in itertools.pairwise(spans):
         if b0 < a1:
             return False
     return s > 0 and all(crosses_ok(o, e, g, s, m) for o, e, g in zip(offsets, numels, blocks) if e)

@@ -47,7 +47,7 @@ def test_block_cut_is_caught():
     u = next(iter(spec.units.values()))
     # shift everything by one element so a boundary lands inside an 8-element block
     offsets = tuple(o + 1 for o in u.offsets)
-    with pytest.raises(ValueError, match="cuts a 8-element block|past the buffer"):
+    with pytest.raises(ValueError, match=r"cuts a 8-element block|past the buffer"):
         check_spec(_rebuild(spec, offsets=offsets, shard_numel=u.shard_numel))
 
 

@@ -10,12 +10,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vfsdp.testing.strategies import shapes, world_sizes
-
-WORLD_SIZES = st.one_of(world_sizes(17), st.just(64))
 from vfsdp import ShapeDtype, check_spec, plan, plan_stats, rows, whole
 from vfsdp.functional import gather_reference, shard_reference, unit_buffer_reference
 from vfsdp.planner import PASSTHROUGH
+from vfsdp.testing.strategies import shapes, world_sizes
+
+WORLD_SIZES = st.one_of(world_sizes(17), st.just(64))
 
 
 def meta(*shape, dtype=torch.float32):
@@ -147,9 +147,9 @@ def test_units_depth_callable_and_prefixes():
 
 
 def test_units_errors_name_the_problem():
-    with pytest.raises(ValueError, match="layers.7.*matches no tensor"):
+    with pytest.raises(ValueError, match=r"layers.7.*matches no tensor"):
         plan(_layers_tree(), 2, units=["layers.7"])
-    with pytest.raises(TypeError, match="unhashable.*for embed"):
+    with pytest.raises(TypeError, match=r"unhashable.*for embed"):
         plan(_layers_tree(), 2, units=lambda p: [p])
     with pytest.raises(ValueError, match=">= 0"):
         plan(_layers_tree(), 2, units=-1)

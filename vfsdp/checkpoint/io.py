@@ -96,7 +96,7 @@ def _check_consistent(entries: list[Entry], group) -> None:
     base = every[0]
     for r, other in enumerate(every[1:], 1):
         if [x[0] for x in other] != [x[0] for x in base]:
-            diff = sorted(set(x[0] for x in other) ^ set(x[0] for x in base))
+            diff = sorted({x[0] for x in other} ^ {x[0] for x in base})
             raise ValueError(f"vfsdp.checkpoint.save: rank {r} saves other entries than rank 0 "
                              f"(e.g. {diff[:3]}); every rank must pass the same tree")
         for a, b in zip(base, other):

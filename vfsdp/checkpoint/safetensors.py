@@ -132,7 +132,8 @@ def _header(entries: list[Entry], names: dict, metadata: Optional[dict]) -> byte
 
 
 def _open(tmp: str, blob: bytes):
-    f = open(tmp, "wb")
+    """The temporary file, header written; the caller writes the data and closes it."""
+    f = open(tmp, "wb")  # noqa: SIM115 - stays open while the units stream in
     f.write(struct.pack("<Q", len(blob)))
     f.write(blob)
     return f

@@ -112,7 +112,8 @@ def all_reduce_reference(values: Sequence[torch.Tensor], op: str = "sum") -> tor
     return acc / len(values) if op == "avg" else acc
 
 
-def flat_redistribute_reference(sources: Sequence[Sequence[torch.Tensor]], src, dst) -> list:
+def flat_redistribute_reference(sources: Sequence[Sequence[torch.Tensor]], src: Sequence,
+                                dst: Sequence) -> list:
     """What each rank holds after ``flat_redistribute``: element by element, over ranks.
 
     Args:

@@ -107,6 +107,13 @@ class Unit:
             db.copy_(self.params)
         return db.all_gather(async_op=async_op)
 
+    def buffers(self) -> list[DBuffer]:
+        """Every buffer the unit holds now: parameters, compute copies, gradients,
+        accumulators and staging buffers (for memory accounting)."""
+        grads = [self._grads] if self._grads is not None else []
+        return [self.params, *self._compute.values(), *grads, *self._accum.values(),
+                *self._stage.values()]
+
     def gathered(self) -> list[DBuffer]:
         """The parameter buffers whose global buffer holds memory now."""
         return [db for db in (self.params, *self._compute.values()) if db.is_allocated]

@@ -23,11 +23,12 @@ shards (``vfsdp.gather``, ``vfsdp.clip_grad_norm``, ``vfsdp.checkpoint``).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import optree
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from vfsdp.collectives.agree import agree
 from vfsdp.collectives.dbuffer import DBuffer
@@ -44,7 +45,7 @@ __all__ = ["to_dtensor", "from_dtensor", "dtensor_placement"]
 RAGGED = ("error", "redistribute", "keep")
 
 
-def dtensor_placement(t: TensorSpec):
+def dtensor_placement(t: TensorSpec) -> Optional[Placement]:
     """``Replicate()`` or ``Shard(0)`` when ``t``'s layout is one of them, else ``None``.
 
     Args:

@@ -235,7 +235,7 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
     leaves = spec.leaves()
     for u in units:
         unit_grads = []
-        for i, k in u.leaves:
+        for i, _k in u.leaves:
             g, t = grads[i], leaves[i]
             if g is not None and tuple(g.shape) != tuple(t.shape):
                 raise ValueError(f"{what}: gradient of {format_path(t.path)} has shape "

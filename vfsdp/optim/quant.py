@@ -19,6 +19,7 @@ quantizes its shard alone, bit for bit as one process would.
 
 from __future__ import annotations
 
+import itertools
 import math
 from functools import lru_cache
 
@@ -35,7 +36,7 @@ def _map(signed: bool) -> tuple:
     for i in range(7):
         n = 2 ** i if signed else 2 ** (i + 1)
         edges = [0.1 + 0.9 * k / n for k in range(n + 1)]
-        means = [(a + b) / 2 * 10.0 ** (i - 6) for a, b in zip(edges, edges[1:])]
+        means = [(a + b) / 2 * 10.0 ** (i - 6) for a, b in itertools.pairwise(edges)]
         values += means
         if signed:
             values += [-x for x in means]

@@ -5,7 +5,6 @@ No process group is needed or touched: a ``DeviceMesh`` is only read for its sha
 
 from __future__ import annotations
 
-import gc
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Optional, Union
@@ -275,16 +274,8 @@ def plan(
     mesh_shape, mesh_names = resolve_mesh(mesh)
     if not isinstance(alignment_bytes, int) or alignment_bytes < 1:
         raise ValueError(f"alignment_bytes must be an int >= 1, got {alignment_bytes!r}")
-    # Planning creates one small object per tensor (45k for DeepSeek-V3); cyclic GC passes
-    # over the growing heap would dominate the run time, and nothing here makes cycles.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes,
-                     tuple(comm_dtypes), split_threshold)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    return _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes,
+                 tuple(comm_dtypes), split_threshold)
 
 
 def _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes, comm_dtypes,

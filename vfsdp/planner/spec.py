@@ -287,7 +287,7 @@ class TensorSpec:
 
         Example:
             >>> spec = vfsdp.plan({"w": torch.empty(10)}, 4)
-            >>> spec.tree["w"].local_range(1)                
+            >>> spec.tree["w"].local_range(1)
             (4, 8)
         """
         if not 0 <= rank < self.layout.world_size:
@@ -349,8 +349,8 @@ class ShardSpec:
 
     Example:
         >>> spec = vfsdp.plan({"layers": [{"w": torch.empty(8, 4)}] * 2, "b": torch.empty(3)}, 4)
-        >>> list(spec.units), spec.world_size, spec["layers"][1].tensor(("w",)).shape
-        ([('layers', 0), ('layers', 1), ()], 4, (8, 4))
+        >>> list(spec.units), spec.world_size, list(spec["layers"][1].units)
+        ([('layers', 0), ('layers', 1), ()], 4, [('layers', 1)])
     """
 
     __slots__ = ("units", "mesh_shape", "mesh_dim_names", "treespec", "_leaves", "_fingerprint",
@@ -442,7 +442,7 @@ class ShardSpec:
     def __getitem__(self, key) -> ShardSpec:
         """Sub-spec of a subtree, e.g. ``spec["layers"][3]`` for one layer's unit(s)."""
         sub = self.tree[key]
-        paths, leaves, treespec = optree.tree_flatten_with_path(sub)
+        _paths, leaves, treespec = optree.tree_flatten_with_path(sub)
         keys = {x.unit for x in leaves if isinstance(x, TensorSpec)}
         units = {k: v for k, v in self.units.items() if k in keys}
         return ShardSpec(treespec, leaves, units, self.mesh_shape, self.mesh_dim_names)

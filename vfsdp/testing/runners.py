@@ -181,7 +181,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: float) -> li
 
 
 def simulate(world_size: int, fn: Optional[Callable] = None, *args: Any, timeout: float = 120.0,
-             **kwargs: Any):
+             **kwargs: Any) -> Any:
     """Run SPMD code for ``world_size`` ranks in this process, one thread per rank.
 
     Each thread has its own default process group (backend ``"threaded"``), real tensors and

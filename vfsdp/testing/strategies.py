@@ -17,8 +17,8 @@ different dtype per unit. A property test a user can copy::
 
         def body():
             full = vfsdp.gather(vfsdp.scatter(params, spec, src=None), spec)
-            return all(torch.equal(a.detach(), b) for a, b in zip(tree_leaves(full),
-                                                                  tree_leaves(params)))
+            return all(torch.equal(a.detach(), b) if isinstance(b, torch.Tensor) else a == b
+                       for a, b in zip(tree_leaves(full), tree_leaves(params)))
 
         assert all(vfsdp.testing.simulate(vst.ranks(spec), body))
 """

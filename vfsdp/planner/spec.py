@@ -350,7 +350,7 @@ class ShardSpec:
     Example:
         >>> spec = vfsdp.plan({"layers": [{"w": torch.empty(8, 4)}] * 2, "b": torch.empty(3)}, 4)
         >>> list(spec.units), spec.world_size, list(spec["layers"][1].units)
-        ([('layers', 0), ('layers', 1), ()], 4, [('layers', 1)])
+        ([(), ('layers', 0), ('layers', 1)], 4, [('layers', 1)])
     """
 
     __slots__ = ("units", "mesh_shape", "mesh_dim_names", "treespec", "_leaves", "_fingerprint",

@@ -67,11 +67,13 @@ def imported_packages(tree: ast.AST) -> list[tuple[str, int]]:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
+        found = []
         for name in names:
             parts = name.split(".")
-            if parts[0] == "vfsdp" and len(parts) > 1 and parts[1] in RANK:
-                out.append((parts[1], node.lineno))
-                break
+            if parts[0] == "vfsdp" and len(parts) > 1 and parts[1] in RANK \
+                    and parts[1] not in found:
+                found.append(parts[1])
+        out += [(pkg, node.lineno) for pkg in found]
     return out
 
 

@@ -1,0 +1,109 @@
+"""Unit, Slot and the DBuffer constructor: identity travels with the tensors."""
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+
+import vfsdp
+from vfsdp.collectives import DBuffer, Role, Unit, View, counts, reset_counts, resolve_groups, slot_of
+from vfsdp.collectives.events import observe
+from vfsdp.testing import simulate
+
+
+def identity():
+    """Every shard, full view and gradient view names its buffer, index and unit."""
+    params = {"layers": [{"w": torch.randn(5, 3), "b": torch.randn(3)} for _ in range(2)]}
+    spec = vfsdp.plan(params, dist.get_world_size())
+    shards = vfsdp.shard(params, spec)
+    full = vfsdp.gather(shards, spec, param_dtype=torch.bfloat16)
+    grads = vfsdp.grads(shards, spec)
+    ok = []
+    for s, f, g, t in zip(optree.tree_leaves(shards), optree.tree_leaves(full),
+                          optree.tree_leaves(grads), spec.tensors()):
+        a, b, c = slot_of(s), slot_of(f), slot_of(g)
+        ok += [a.view is View.LOCAL and a.buffer.role is Role.PARAM,
+               b.view is View.FULL and b.buffer.role is Role.COMPUTE and f.dtype == torch.bfloat16,
+               c.view is View.LOCAL and c.buffer.role is Role.GRAD,
+               a.unit is b.unit is c.unit and a.unit.key == t.unit,
+               a.index == b.index == c.index == a.unit.layout.index(t.path)]
+    unit = slot_of(shards["layers"][0]["w"]).unit
+    ok.append(set(unit.gathered()) == {slot_of(full["layers"][0]["w"]).buffer})
+    unit.release()
+    ok.append(unit.gathered() == [])
+    return all(ok)
+
+
+def test_views_carry_their_unit():
+    assert all(simulate(3, identity))
+
+
+def test_dbuffer_is_built_from_a_layout_and_groups():
+    def body():
+        spec = vfsdp.plan({"w": torch.ones(6)}, 2)
+        groups = resolve_groups(spec)
+        msgs = []
+        for bad in ((spec, groups), (spec.units[()], groups, None, "grad")):
+            try:
+                DBuffer(*bad)
+            except TypeError as exc:
+                msgs.append(str(exc))
+        db = DBuffer(spec.units[()], groups)
+        with pytest.warns(FutureWarning, match="roles are vfsdp.collectives.Role"):
+            legacy = db.like(role="exp_avg")
+        return msgs, legacy.role, legacy.name, repr(db)
+
+    msgs, role, name, text = simulate(2, body)[0]
+    assert "layout must be a UnitLayout (spec.units[key])" in msgs[0]
+    assert "role must be a vfsdp.collectives.Role" in msgs[1]
+    assert role is Role.STATE and name == "exp_avg"
+    assert text.startswith("DBuffer(param, unit <root>, rank 0/2")
+
+
+def test_unit_makes_its_buffers_on_first_use():
+    def body():
+        spec = vfsdp.plan({"w": torch.ones(8)}, 1)
+        unit = Unit(spec.units[()], resolve_groups(spec))
+        before = [db.role for db in unit.buffers()]
+        same = unit.compute(None) is unit.params and unit.compute(torch.float32) is unit.params
+        bf16 = unit.compute(torch.bfloat16)
+        unit.grads()
+        unit.accumulator(torch.float32)
+        unit.stage(torch.bfloat16)
+        after = [db.role for db in unit.buffers()]
+        return before, same, bf16 is unit.compute(torch.bfloat16), after, unit.stage(
+            torch.float32) is unit.grads()
+
+    before, same, once, after, stage_is_grads = simulate(1, body)[0]
+    assert before == [Role.PARAM] and same and once and stage_is_grads
+    assert after == [Role.PARAM, Role.COMPUTE, Role.GRAD, Role.ACCUM, Role.STAGE]
+
+
+def test_buffer_events_reach_observers_only_while_observing():
+    def body():
+        seen = []
+        spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        with observe(lambda event, db: seen.append((event, db.role))):
+            vfsdp.gather(shards, spec)
+            vfsdp.release(shards, spec)
+        vfsdp.gather(shards, spec)  # not observed
+        return seen
+
+    assert simulate(2, body)[0] == [("alloc", Role.PARAM), ("free", Role.PARAM)]
+
+
+def muon_collectives():
+    params = {"layers": [{"w": torch.randn(8, 6), "v": torch.randn(6, 6)} for _ in range(3)]}
+    spec = vfsdp.plan(params, dist.get_world_size())
+    shards = vfsdp.shard(params, spec)
+    opt = vfsdp.optim.muon(wave_size=4)
+    state = opt.init(shards, spec)
+    reset_counts()
+    opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+    return counts()["all_to_all"], len(state.plan.waves)
+
+
+def test_muon_exchanges_are_counted_collectives():
+    for n, waves in simulate(3, muon_collectives):
+        assert waves == 2 and n == 2 * waves  # one gather to the roots, one scatter back

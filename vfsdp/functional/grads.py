@@ -82,10 +82,12 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
     """
     what = "vfsdp.zero_grads"
     for u in units_of(match_tree(shards, spec, what), spec, what):
+        u.unit.drop_accumulators()
+        if not u.unit.has_grads:
+            continue  # no gradient buffer yet: nothing to zero
         gdb = u.unit.grads()
         if set_to_none:
             gdb.release_shard()
         else:
             with torch.no_grad():
                 gdb.ensure_shard().zero_()
-        u.unit.drop_accumulators()

@@ -14,6 +14,16 @@
 * :func:`groups_are_per_thread`: whether process groups are private to the thread that made
   them: true while :func:`threaded_world` has c10d's thread isolation mode on (``simulate``),
   where a background thread cannot use a rank's group.
+* The autograd engine, inside a backward: :func:`graph_task_id`
+  (``torch._C._current_graph_task_id``), :func:`keep_graph`
+  (``torch._C._autograd._get_current_graph_task_keep_graph``: ``retain_graph=True``),
+  :func:`will_execute` (``torch._C._will_engine_execute_node``) and
+  :func:`queue_final_callback` (``Variable._execution_engine.queue_callback``: run once the
+  backward pass is over).
+* :func:`functorch_paused`: ``torch._functorch.pyfunctorch.temporarily_clear_interpreter_stack``,
+  so a collective inside a ``torch.func`` backward may write its own output buffer (gloo copies
+  into it, which functorch would refuse as mutating a captured tensor).
+* :func:`version`: a tensor's in-place version counter (``t._version``).
 
 Other torch versions may move or change these, so they are guarded and versioned here.
 """
@@ -29,7 +39,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_world",
-           "report_failure", "groups_are_per_thread", "TESTED_TORCH"]
+           "report_failure", "groups_are_per_thread", "graph_task_id", "keep_graph",
+           "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH"]
 
 TESTED_TORCH = ((2, 11), (2, 13))
 _LOCK = threading.Lock()
@@ -54,6 +65,42 @@ def storage_id(t: torch.Tensor) -> int:
         RuntimeError: ``t`` has no storage (e.g. a functorch wrapper).
     """
     return t.untyped_storage()._cdata
+
+
+def graph_task_id() -> int:
+    """The running backward pass's id (``-1`` outside a backward)."""
+    return int(torch._C._current_graph_task_id())
+
+
+def keep_graph() -> bool:
+    """Inside a backward: whether it runs with ``retain_graph=True`` (the graph runs again)."""
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+def will_execute(node) -> bool:
+    """Inside a backward: whether the engine runs ``node`` in this pass. ``False`` when the
+    question cannot be asked (a leaf's node during ``autograd.grad``)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
+
+
+def queue_final_callback(fn) -> None:
+    """Inside a backward: call ``fn()`` once the whole backward pass is done."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def functorch_paused():
+    """A context in which ``torch.func`` transforms are inactive (for collectives)."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    return temporarily_clear_interpreter_stack()
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter: bumped by every in-place change."""
+    return int(t._version)
 
 
 def groups_are_per_thread() -> bool:

@@ -1,5 +1,7 @@
 """Unit, Slot and the DBuffer constructor: identity travels with the tensors."""
 
+import gc
+
 import optree
 import pytest
 import torch
@@ -29,7 +31,11 @@ def identity():
                a.index == b.index == c.index == a.unit.layout.index(t.path)]
     unit = slot_of(shards["layers"][0]["w"]).unit
     ok.append(set(unit.gathered()) == {slot_of(full["layers"][0]["w"]).buffer})
-    unit.release()
+    unit.release()  # the gathered tensors still belong to a live graph: memory stays until
+    ok.append(type(full["layers"][0]["w"]).__name__ == "ReleasedTensor")  # ... it is dropped
+    ok.append(len(unit.gathered()) == 1)
+    del full
+    gc.collect()
     ok.append(unit.gathered() == [])
     return all(ok)
 

@@ -162,11 +162,17 @@ def _stage(entries: list[Entry], rank: int) -> dict:
 
 
 def _async_group():
-    """A gloo group for background saves, so their collectives never interleave with training's."""
-    key = (threading.get_ident(), id(dist.group.WORLD))  # a new default group needs a new one
-    if key not in _ASYNC_GROUPS:
-        _ASYNC_GROUPS[key] = dist.new_group(backend="gloo")
-    return _ASYNC_GROUPS[key]
+    """A gloo group for background saves, so their collectives never interleave with training's.
+
+    One per thread, for the current default group only: a new default group (after
+    ``destroy_process_group``) replaces the entry, so the table holds one group per thread.
+    """
+    key = threading.get_ident()
+    world = dist.group.WORLD
+    found = _ASYNC_GROUPS.get(key)
+    if found is None or found[0] is not world:  # identity, not id(): ids are reused
+        found = _ASYNC_GROUPS[key] = (world, dist.new_group(backend="gloo"))
+    return found[1]
 
 
 def wait_pending() -> None:

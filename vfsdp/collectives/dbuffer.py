@@ -34,6 +34,7 @@ from vfsdp.collectives import comm
 from vfsdp.collectives.events import emit
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle, comm_context
+from vfsdp.collectives.released import poison, revive
 from vfsdp.placements.ragged import local_shape
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
@@ -80,6 +81,14 @@ class Slot:
     index: int
     view: View
     unit: Any = None
+
+    def __reduce__(self):
+        # A pickled tensor (torch.save, spawn results) is plain data: it carries no buffer.
+        return (_no_slot, ())
+
+
+def _no_slot() -> None:
+    return None
 
 
 def slot_of(t: Any) -> Optional[Slot]:
@@ -151,8 +160,12 @@ class DBuffer:
         self._global = torch.empty(m * s, dtype=self.dtype, device=self.device)
         self._global_bytes = self._global.untyped_storage().nbytes()
         self._pending: Optional[Handle] = None
-        # Views are made on demand and point back at this DBuffer; it keeps none itself, so
-        # there is no reference cycle: dropping the shards frees the memory at once.
+        self.graphs = 0  # live autograd graphs that read this buffer's full views
+        self.release_pending = False  # release() was asked while such a graph was alive
+        # Views are made on demand and point back at this DBuffer, which keeps only weak
+        # references to those whose memory it may release (to turn them into ReleasedTensors):
+        # no reference cycle, so dropping the shards frees the memory at once.
+        self._views: list = []
         self._local_spec = [(t.shard_range(self.rank)[0],
                              local_shape(t.placement, t.shape, self.rank)) for t in self.tensors]
         self._global.untyped_storage().resize_(0)  # released until the first gather
@@ -190,7 +203,24 @@ class DBuffer:
 
     def _tag(self, t: torch.Tensor, k: int, view: View) -> torch.Tensor:
         setattr(t, _SLOT, Slot(self, k, view, self.unit))
+        if view is View.FULL or self.role is Role.GRAD:  # memory this buffer may release
+            if len(self._views) > 2 * len(self) + 16:
+                self._views = [r for r in self._views if r() is not None]
+            self._views.append(weakref.ref(t))
         return t
+
+    def _handed_out(self, view: View) -> list:
+        out = []
+        for r in self._views:
+            t = r()
+            if t is not None and getattr(t, _SLOT).view is view:
+                out.append(t)
+        return out
+
+    def _poison(self, view: View, why: str) -> None:
+        for t in self._handed_out(view):
+            path = ".".join(map(str, self.tensors[getattr(t, _SLOT).index].path))
+            poison([t], f"{path} (unit {unit_name(self.key)}) was released; {why}")
 
     def local(self, i: Union[int, tuple]) -> torch.Tensor:
         """Tensor ``i``'s local piece: a leaf tensor aliasing the shard (its local shape)."""
@@ -253,10 +283,32 @@ class DBuffer:
 
     def alloc_global(self) -> torch.Tensor:
         """Re-allocate the global buffer's storage (contents undefined); views stay valid."""
+        self.release_pending = False
         if not self.is_allocated:
             self._global.untyped_storage().resize_(self._global_bytes)
             emit("alloc", self)
+        revive(self._handed_out(View.FULL))
         return self._global
+
+    def release(self) -> None:
+        """Release the gathered memory, safely: the full views handed out read as released at
+        once (:class:`~vfsdp.collectives.released.ReleasedTensor`); the memory is freed now,
+        or, while an autograd graph that saved them is alive (``graphs > 0``), when the last
+        such graph finishes its backward or is dropped (:meth:`graph_done`)."""
+        if not self.is_allocated:
+            return
+        if self.graphs > 0:
+            self.release_pending = True
+            self._poison(View.FULL, "gather the unit again (vfsdp.gather) before reading its "
+                                    "full tensors")
+            return
+        self.free_global()
+
+    def graph_done(self) -> None:
+        """An autograd graph reading the full views finished (or was dropped)."""
+        self.graphs -= 1
+        if self.graphs <= 0 and self.release_pending:
+            self.free_global()
 
     def free_global(self, wait: bool = True) -> None:
         """Release the global buffer's memory; views stay valid objects until re-allocated.
@@ -267,8 +319,11 @@ class DBuffer:
         """
         if wait:
             self.wait()
+        self.release_pending = False
         if self.is_allocated:
             self._global.untyped_storage().resize_(0)
+            self._poison(View.FULL, "gather the unit again (vfsdp.gather) before reading its "
+                                    "full tensors")
             emit("free", self)
 
     # ------------------------------------------------------------------ collectives
@@ -373,6 +428,33 @@ class DBuffer:
 
         return self._launch(launch, async_op, done)
 
+    def reduce_scatter_new(self, source: torch.Tensor, op: str = "avg",
+                           reduce_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Reduce-scatter ``source`` into a new ``S``-element tensor of this buffer's dtype
+        (over HSDP also all-reduced over the replicate dim); this buffer is not touched.
+
+        Raises:
+            ValueError: ``source`` has the wrong size, or ``op`` is unknown.
+        """
+        if source.numel() != self._global.numel():
+            raise ValueError(f"reduce_scatter source must have {self._global.numel()} elements, "
+                             f"got {source.numel()}")
+        comm.check_op(op)
+        src = source.detach()
+        rdt = reduce_dtype or src.dtype
+        if src.dtype != rdt:
+            src = src.to(rdt)
+        out = torch.empty(self.shard.numel(), dtype=rdt, device=self.device)
+        with torch.no_grad():
+            comm.reduce_scatter_into(out, src, op, self.groups.shard)
+            if self.groups.replicate is not None:
+                comm.all_reduce_(out, op, self.groups.replicate)
+        return out if rdt == self.dtype else out.to(self.dtype)
+
+    def local_shape(self, i: int) -> tuple:
+        """Tensor ``i``'s local shape on this rank."""
+        return tuple(self._local_spec[i][1])
+
     # ------------------------------------------------------------------ group ops
 
     @property
@@ -387,6 +469,8 @@ class DBuffer:
         """
         self.wait()
         self.shard.untyped_storage().resize_(0)
+        self._poison(View.LOCAL, "its gradients were zeroed with set_to_none (vfsdp.zero_grads); "
+                                 "read them again with vfsdp.grads after the next backward")
 
     def ensure_shard(self, zero: bool = True) -> torch.Tensor:
         """Re-allocate a released shard (zero-filled unless ``zero=False``); return it."""
@@ -395,6 +479,7 @@ class DBuffer:
             if zero:
                 with torch.no_grad():
                     self.shard.zero_()
+            revive(self._handed_out(View.LOCAL))
         return self.shard
 
     def zero_(self) -> DBuffer:

@@ -59,6 +59,8 @@ class Unit:
         self._grads: Optional[DBuffer] = None
         self._accum: dict = {}
         self._stage: dict = {}
+        self.grad_task = -2        # the backward pass that last wrote the gradient buffer
+        self.grads_mode: Optional[str] = None  # where the last reduction went: buffer/return
 
     @property
     def key(self):
@@ -119,9 +121,11 @@ class Unit:
         return [db for db in (self.params, *self._compute.values()) if db.is_allocated]
 
     def release(self) -> None:
-        """Free every gathered parameter buffer of the unit (views stay valid objects)."""
+        """Release every gathered parameter buffer of the unit (:meth:`DBuffer.release`): the
+        full tensors handed out read as released at once; the memory goes now, or, while a
+        backward through them is pending, as soon as it is done or its graph is dropped."""
         for db in (self.params, *self._compute.values()):
-            db.free_global()
+            db.release()
 
     # ------------------------------------------------------------------ gradients
 
@@ -152,10 +156,10 @@ class Unit:
         """Accumulators holding gradients that were not reduced yet."""
         return [db for db in self._accum.values() if db.is_allocated]
 
-    def stage(self, dtype: torch.dtype) -> DBuffer:
+    def stage(self, dtype: torch.dtype, share_grads: bool = True) -> DBuffer:
         """The reduce-scatter input in ``dtype``: the gradient buffer's own global buffer
-        when the dtypes match, else a ``STAGE`` buffer."""
-        if dtype == self.params.dtype:
+        when the dtypes match and ``share_grads``, else a ``STAGE`` buffer."""
+        if share_grads and dtype == self.params.dtype:
             return self.grads()
         found = self._stage.get(dtype)
         if found is None:

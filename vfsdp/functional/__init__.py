@@ -7,8 +7,9 @@ from vfsdp.functional import init
 from vfsdp.functional.dtensor import dtensor_placement, from_dtensor, to_dtensor
 from vfsdp.functional.gather import gather, gather_async
 from vfsdp.functional.grads import grads, zero_grads
+from vfsdp.functional.ledger import Reductions
 from vfsdp.functional.options import GatherOptions, GradOptions
-from vfsdp.functional.reduce import Reductions, reduce_scatter
+from vfsdp.functional.reduce import reduce_scatter
 from vfsdp.functional.reference import (
     gather_reference,
     scatter_reference,

@@ -17,12 +17,15 @@ from typing import Any, Optional
 
 import optree
 import torch
+from torch.autograd.graph import get_gradient_edge
 
+from vfsdp import _torch_private as tp
 from vfsdp._torch_private import functorch_active
 from vfsdp.collectives.groups import resolve_groups
 from vfsdp.collectives.handle import Handle
+from vfsdp.functional.ledger import ledger
 from vfsdp.functional.options import GatherOptions, GradOptions, split_options
-from vfsdp.functional.reduce import Reductions, reduce_unit
+from vfsdp.functional.reduce import reduce_unit
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import find_unit, pack_unit, units_of
 from vfsdp.planner.spec import ShardSpec
@@ -36,14 +39,33 @@ class _Call:
     An object that pytree utilities and ``torch.func`` leave alone.
     """
 
-    __slots__ = ("spec", "key", "index", "mesh", "what", "gopts", "ropts", "reductions",
-                 "unit", "db")
+    __slots__ = ("spec", "key", "index", "mesh", "what", "gopts", "ropts",
+                 "unit", "db", "locals", "versions", "needs", "entry")
 
-    def __init__(self, spec, key, index, mesh, what, gopts, ropts, reductions) -> None:
+    def __init__(self, spec, key, index, mesh, what, gopts, ropts) -> None:
         self.spec, self.key, self.index, self.mesh, self.what = spec, key, index, mesh, what
-        self.gopts, self.ropts, self.reductions = gopts, ropts, reductions
+        self.gopts, self.ropts = gopts, ropts
         self.unit = None
         self.db = None
+        self.locals: tuple = ()   # the shards (to check their versions, to write .grad)
+        self.versions: tuple = ()
+        self.needs: tuple = ()    # which of them require grad
+        self.entry = None         # this gather's place in the rank's backward ledger
+
+    def check_versions(self) -> None:
+        """Raise if a shard was changed in place since the forward gathered it.
+
+        Raises:
+            RuntimeError: naming the tensor.
+        """
+        for x, v, k in zip(self.locals, self.versions, self.index):
+            if tp.version(x) != v:
+                path = ".".join(map(str, self.spec.units[self.key].paths[k]))
+                raise RuntimeError(
+                    f"{path} was modified in place after vfsdp.gather used it for the forward; "
+                    f"the backward would mix old and new values (torch raises the same for a "
+                    f"tensor saved for backward). Change shards only after the backward, e.g. "
+                    f"in the optimizer step")
 
     def resolve(self, local) -> None:
         """Find the unit from the shards (unwrapped here under ``torch.func``), or pack them."""
@@ -73,20 +95,66 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.call = inputs[0]
+        call = inputs[0]
+        ctx.call = call
         ctx.set_materialize_grads(False)
+        needs = tuple(ctx.needs_input_grad[1:])
+        if any(needs) and not functorch_active():
+            call.locals, call.needs = tuple(inputs[1:]), needs
+            call.versions = tuple(tp.version(x) for x in call.locals)
+            call.entry = ledger().add(ctx, lambda acc, c=call: _reduce_zeros(c, acc), call.db)
 
     @staticmethod
     def backward(ctx, *grads):
         call = ctx.call
-        if call.gopts.free_after_backward:
+        needs = ctx.needs_input_grad[1:]
+        keep = False
+        if call.entry is not None:
+            call.check_versions()
+            keep = tp.keep_graph()
+            ledger().ran(call.entry, lambda: _accumulates(call))
+        if call.gopts.free_after_backward and not keep:
             # The unit's backward is done, its gathered parameters are no longer read: release
             # them before the gradient staging buffer is allocated, so the two never coexist.
+            # (With retain_graph=True the graph runs again and reads them: they stay.)
             call.db.free_global()
-        pieces = reduce_unit(call.unit, call.index, grads, call.ropts, call.reductions)
+        grads = [g if need else None for g, need in zip(grads, needs)]  # frozen: no gradient
+        pieces = reduce_unit(call.unit, call.index, grads, call.ropts)
         if call.ropts.grads == "buffer" or pieces is None:
             return (None,) * (1 + len(call.index))
-        return (None, *pieces)
+        return (None, *[p if need else None for p, need in zip(pieces, needs)])
+
+
+def _reduce_zeros(call: _Call, accumulates: bool) -> None:
+    """This rank's loss did not reach the unit: take part in its reduce-scatter with zeros.
+
+    With ``grads="return"`` the result (the other ranks' contributions) goes into the
+    shards' ``.grad`` when the pass accumulates into leaves (``backward()``), as FSDP2 does.
+    """
+    pieces = reduce_unit(call.unit, call.index, [None] * len(call.index), call.ropts)
+    if call.ropts.grads != "return" or pieces is None or not accumulates:
+        return
+    with torch.no_grad():
+        for x, p, need in zip(call.locals, pieces, call.needs):
+            if need and p is not None:
+                if x.grad is None:
+                    x.grad = p
+                else:
+                    x.grad.add_(p)
+
+
+def _accumulates(call: _Call) -> bool:
+    """Whether the running backward writes leaves' ``.grad`` (``backward()``, not
+    ``autograd.grad``): the engine will run a gathered shard's AccumulateGrad node."""
+    x = next((x for x, need in zip(call.locals, call.needs) if need), None)
+    if x is None:
+        return False
+    try:
+        with torch.enable_grad():
+            node = get_gradient_edge(x).node
+    except (AttributeError, RuntimeError):  # e.g. inside torch.func: not a plain leaf
+        return False
+    return tp.will_execute(node)
 
 
 def _assemble(leaves: list, spec: ShardSpec, calls: dict, make) -> Any:
@@ -99,8 +167,8 @@ def _assemble(leaves: list, spec: ShardSpec, calls: dict, make) -> Any:
     return optree.tree_unflatten(spec.treespec, out)
 
 
-def _caller(spec, mesh, what, gopts, ropts, reductions):
-    return lambda key, index: _Call(spec, key, index, mesh, what, gopts, ropts, reductions)
+def _caller(spec, mesh, what, gopts, ropts):
+    return lambda key, index: _Call(spec, key, index, mesh, what, gopts, ropts)
 
 
 def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
@@ -164,20 +232,18 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
                         async_reduce)
     ropts.check(functorch_active(), what)
     leaves = match_tree(shards, spec, what)
-    reductions = Reductions() if async_reduce else None
-    return _assemble(leaves, spec, {}, _caller(spec, mesh, what, gopts, ropts, reductions))
+    return _assemble(leaves, spec, {}, _caller(spec, mesh, what, gopts, ropts))
 
 
 def start_gather(shards: Any, spec: ShardSpec, mesh: Any, gopts: GatherOptions,
-                 ropts: GradOptions, reductions: Optional[Reductions], what: str) -> Handle:
+                 ropts: GradOptions, what: str) -> Handle:
     """Start a tree's all-gathers; ``wait()`` returns what :func:`gather` would.
 
-    The building block of :func:`gather_async` and :func:`vfsdp.run_layers` (which share one
-    :class:`Reductions` across all their units).
+    The building block of :func:`gather_async` and :func:`vfsdp.run_layers`.
     """
     ropts.check(functorch_active(), what)
     leaves = match_tree(shards, spec, what)
-    make = _caller(spec, mesh, what, gopts, ropts, reductions)
+    make = _caller(spec, mesh, what, gopts, ropts)
     calls, handles = {}, []
     if not functorch_active():  # under torch.func the shards are wrapped until forward
         for u in units_of(leaves, spec, what, mesh=mesh, pack=True):
@@ -241,5 +307,4 @@ def gather_async(shards: Any, spec: ShardSpec, *, mesh: Any = None, **options: A
     """
     what = "vfsdp.gather_async"
     gopts, ropts = split_options(options, what)
-    reductions = Reductions() if ropts.async_reduce else None
-    return start_gather(shards, spec, mesh, gopts, ropts, reductions, what)
+    return start_gather(shards, spec, mesh, gopts, ropts, what)

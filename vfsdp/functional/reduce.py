@@ -22,68 +22,46 @@ from typing import Any, Optional
 import optree
 import torch
 
+from vfsdp import _torch_private as tp
 from vfsdp._torch_private import functorch_active
-from vfsdp.collectives import comm
 from vfsdp.collectives.groups import resolve_groups
-from vfsdp.collectives.handle import Handle
 from vfsdp.collectives.unit import Unit
+from vfsdp.functional.ledger import ledger
 from vfsdp.functional.options import GradOptions
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import UnitLeaves, units_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["reduce_unit", "reduce_scatter", "Reductions"]
-
-
-class Reductions:
-    """Asynchronous gradient reductions started by one step (one ``gather`` or ``run_layers``).
-
-    Each one in flight holds its unit's staging buffer, so at most ``limit`` run at once:
-    adding one more first finishes the oldest. The gradient buffer a reduction writes also
-    records it, and every reader of the gradients (``vfsdp.grads``, clipping, optimizers,
-    ``zero_grads``) waits for exactly the reductions of the units it reads.
-    """
-
-    def __init__(self, limit: int = 1) -> None:
-        self.limit = limit
-        self._inflight: list[Handle] = []
-
-    def add(self, handle: Handle) -> None:
-        self._inflight.append(handle)
-        while len(self._inflight) > self.limit:
-            self._inflight.pop(0).wait()
-
-    def wait(self) -> None:
-        """Finish every reduction this object started."""
-        while self._inflight:
-            self._inflight.pop(0).wait()
-
-    def __len__(self) -> int:
-        return sum(not h.done for h in self._inflight)
+__all__ = ["reduce_unit", "reduce_scatter"]
 
 
 def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch.Tensor]],
-                opts: GradOptions, reductions: Optional[Reductions] = None
-                ) -> Optional[list[torch.Tensor]]:
-    """Reduce-scatter the gradients of tensors ``index`` of ``unit`` into its gradient buffer.
+                opts: GradOptions) -> Optional[list[Optional[torch.Tensor]]]:
+    """Reduce-scatter the gradients of tensors ``index`` of ``unit``.
 
     Args:
         unit: The unit.
-        index: Buffer indices of the tensors whose gradients are given.
-        grads: Their full gradients (``None``: zero).
-        opts: The gradient options.
-        reductions: Where an asynchronous reduction is registered (``opts.async_reduce``).
+        index: Buffer indices of the tensors whose gradients are given (a tied tensor may
+            appear more than once: its gradients are summed).
+        grads: Their full gradients (``None``: zero, e.g. a frozen tensor).
+        opts: The gradient options. ``grads="buffer"``: into the unit's gradient DBuffer,
+            overwriting it on the unit's first reduction in a backward pass (unless
+            ``accumulate_grads``) and adding on later ones in the same pass.
+            ``grads="return"``: into a fresh tensor, nothing of vfsdp's is written.
 
     Returns:
-        This rank's gradient pieces, or ``None`` when ``opts.grad_sync`` is off (the
-        gradients were only accumulated, unsharded). Inside a ``torch.func`` transform they
-        are fresh tensors; otherwise views of the gradient DBuffer.
+        This rank's gradient pieces in the order of ``index`` (``None`` at repeats of an
+        index), or ``None`` when ``opts.grad_sync`` is off (the gradients were only
+        accumulated, unsharded). Views of the gradient DBuffer for ``"buffer"``; fresh
+        tensors for ``"return"`` and inside ``torch.func``.
     """
+    index, grads, first = _merge(index, grads)
     if functorch_active():
-        return _reduce_functional(unit, index, grads, opts)
-    gdb = unit.grads()
-    rdt = opts.reduce_dtype or next((g.dtype for g in grads if g is not None), gdb.dtype)
+        return _expand(_reduce_functional(unit, index, grads, opts), first)
+    db = unit.params
+    rdt = opts.reduce_dtype or next((g.dtype for g in grads if g is not None), db.dtype)
+    to_buffer = opts.grads == "buffer"
     accum = unit.accumulator(rdt, create=False)
     if not opts.grad_sync or (accum is not None and accum.is_allocated):
         # Accumulating unsharded (no reduce until the last micro-batch): a persistent buffer.
@@ -94,41 +72,74 @@ def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch
         with torch.no_grad():
             for i, g in zip(index, grads):
                 if g is not None:
-                    t = gdb.tensors[i]
+                    t = db.tensors[i]
                     buf[t.offset:t.offset + t.numel].view(t.shape).add_(g)
         if not opts.grad_sync:
             return None
-        gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
-                           accumulate=opts.accumulate_grads)
-        accum.free_global()
-        return [gdb.local(i) for i in index]
-    stage = unit.stage(rdt)
-    buf = stage.alloc_global().data
-    covered, copies = set(), []
-    for i, g in zip(index, grads):
-        if g is None:
-            continue
-        t = gdb.tensors[i]
-        dst = buf[t.offset:t.offset + t.numel]
-        covered.add(i)
-        if not _is_slice_of(g, dst):  # produced in place: nothing to copy
-            copies.append((dst, g))
-    _zero_gaps(buf, gdb.tensors, covered)
-    with torch.no_grad():
-        for dst, g in copies:
-            dst.view(g.shape).copy_(g)
-    if opts.async_reduce:
+        stage = accum
+    else:
+        stage = unit.stage(rdt, share_grads=to_buffer)
+        buf = stage.alloc_global().data
+        covered, copies = set(), []
+        for i, g in zip(index, grads):
+            if g is None:
+                continue
+            t = db.tensors[i]
+            dst = buf[t.offset:t.offset + t.numel]
+            covered.add(i)
+            if not _is_slice_of(g, dst):  # produced in place: nothing to copy
+                copies.append((dst, g))
+        _zero_gaps(buf, db.tensors, covered)
+        with torch.no_grad():
+            for dst, g in copies:
+                dst.view(g.shape).copy_(g)
+    if not to_buffer:  # to autograd: a fresh tensor, nothing of vfsdp's is aliased
+        out = db.reduce_scatter_new(buf, op=opts.grad_reduce, reduce_dtype=rdt)
+        stage.free_global()
+        unit.grads_mode = "return"
+        return _expand([out[slice(*db.tensors[i].shard_range(unit.rank))].view(
+            db.local_shape(i)) for i in index], first)
+    gdb = unit.grads()
+    task = tp.graph_task_id()
+    accumulate = opts.accumulate_grads or (task != -1 and unit.grad_task == task)
+    unit.grad_task, unit.grads_mode = task, "buffer"
+    if opts.async_reduce and stage is not accum:
         # Overlaps the next unit's backward; the staging buffer is freed once it is done.
         handle = gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
-                                    accumulate=opts.accumulate_grads, async_op=True,
-                                    release=stage)
-        if reductions is not None:
-            reductions.add(handle)
-        return [gdb.local(i) for i in index]
-    gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
-                       accumulate=opts.accumulate_grads)
-    stage.free_global()
-    return [gdb.local(i) for i in index]
+                                    accumulate=accumulate, async_op=True, release=stage)
+        ledger().inflight.add(handle)  # at most one in flight on this rank
+    else:
+        gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
+                           accumulate=accumulate)
+        stage.free_global()
+    return _expand([gdb.local(i) for i in index], first)
+
+
+def _merge(index, grads) -> tuple[list, list, list]:
+    """Sum the gradients of repeated indices (a tied tensor used at two paths).
+
+    Returns the unique indices, their summed gradients, and for each original position the
+    position of its index among the unique ones (or ``None`` for a repeat)."""
+    if len(set(index)) == len(index):
+        return list(index), list(grads), list(range(len(index)))
+    unique: dict = {}
+    first: list = []
+    for i, g in zip(index, grads):
+        if i in unique:
+            first.append(None)
+            if g is not None:
+                prev = unique[i]
+                unique[i] = g if prev is None else prev + g
+        else:
+            first.append(len(unique))
+            unique[i] = g
+    return list(unique), list(unique.values()), first
+
+
+def _expand(pieces: Optional[list], first: list) -> Optional[list]:
+    if pieces is None:
+        return None
+    return [pieces[k] if k is not None else None for k in first]
 
 
 def _reduce_functional(unit: Unit, index, grads, opts: GradOptions) -> list[torch.Tensor]:
@@ -149,16 +160,9 @@ def _reduce_functional(unit: Unit, index, grads, opts: GradOptions) -> list[torc
     if end < layout.padded_numel:
         pieces.append(torch.zeros(layout.padded_numel - end, dtype=rdt, device=db.device))
     full = torch.cat(pieces)
-    out = torch.empty(layout.shard_numel, dtype=rdt, device=db.device)
-    comm.reduce_scatter_into(out, full, opts.grad_reduce, db.groups.shard)
-    if db.groups.replicate is not None:
-        comm.all_reduce_(out, opts.grad_reduce, db.groups.replicate)
-    out = out.to(db.dtype)
-    result = []
-    for i in index:
-        lo, hi = db.tensors[i].shard_range(rank)
-        result.append(out[lo:hi].view(db._local_spec[i][1]))
-    return result
+    with tp.functorch_paused():  # gloo writes into its output; functorch would refuse that
+        out = db.reduce_scatter_new(full, op=opts.grad_reduce, reduce_dtype=rdt)
+    return [out[slice(*db.tensors[i].shard_range(rank))].view(db.local_shape(i)) for i in index]
 
 
 def _is_slice_of(g: torch.Tensor, dst: torch.Tensor) -> bool:
@@ -218,7 +222,14 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
         warnings.warn("vfsdp.reduce_scatter(op=...) is deprecated: the option is called "
                       "grad_reduce everywhere", FutureWarning, stacklevel=2)
         grad_reduce = op
-    opts = GradOptions(grad_reduce=grad_reduce, reduce_dtype=reduce_dtype,
+    if functorch_active():
+        raise ValueError("vfsdp.reduce_scatter cannot run inside torch.func transforms (it "
+                         "writes gradient buffers); differentiate through vfsdp.gather instead, "
+                         "whose backward reduce-scatters")
+    if accumulate_grads and shards is None:
+        raise ValueError("vfsdp.reduce_scatter(accumulate_grads=True) needs shards=: without "
+                         "them the result goes to fresh buffers, so there is nothing to add to")
+    opts = GradOptions(grad_reduce=grad_reduce, reduce_dtype=reduce_dtype, grads="buffer",
                        accumulate_grads=accumulate_grads)
     what = "vfsdp.reduce_scatter"
     grads = optree.tree_leaves(full_grads, none_is_leaf=True)

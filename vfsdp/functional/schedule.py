@@ -28,11 +28,11 @@ from typing import Any, Optional
 import optree
 import torch
 
+from vfsdp._torch_private import functorch_active
 from vfsdp.collectives.dbuffer import DBuffer, View, slot_of
 from vfsdp.collectives.handle import Handle
 from vfsdp.functional.gather import start_gather
 from vfsdp.functional.options import split_options
-from vfsdp.functional.reduce import Reductions
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["run_layers"]
@@ -143,6 +143,10 @@ def run_layers(
         [[8.0, 8.0, 8.0, 8.0]] [[16.0, 16.0], [16.0, 16.0]]
     """
     what = "vfsdp.run_layers"
+    if functorch_active():
+        raise ValueError(f"{what} cannot run inside torch.func transforms: it keeps each unit's "
+                         f"gradients in its gradient buffer; use vfsdp.gather (grads='return') "
+                         f"there")
     specs = _spec_list(specs, what)
     if len(shards) != len(specs):
         raise ValueError(f"{what}: {len(shards)} shard subtrees but {len(specs)} specs")
@@ -155,12 +159,11 @@ def run_layers(
     options.setdefault("free_after_backward", True)
     options.setdefault("async_reduce", True)
     gopts, ropts = split_options(options, what)
-    reductions = Reductions() if ropts.async_reduce else None
     regather = _Regather(prefetch)
     n = len(shards)
 
     def start(i: int) -> Handle:
-        return start_gather(shards[i], specs[i], mesh, gopts, ropts, reductions, what)
+        return start_gather(shards[i], specs[i], mesh, gopts, ropts, what)
 
     pending: Optional[Handle] = start(0) if n else None
     for i in range(n):

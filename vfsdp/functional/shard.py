@@ -103,8 +103,11 @@ def shard(
 def release(tree: Any, spec: ShardSpec) -> None:
     """Free the gathered buffers of the units in ``tree``; views stay valid objects.
 
-    ``tree`` may be the shards or the gathered full tree. After this, full tensors must not be
-    read until the next ``gather``.
+    ``tree`` may be the shards or the gathered full tree. The full tensors handed out become
+    :class:`~vfsdp.collectives.released.ReleasedTensor` s at once (any torch operation on them
+    raises, naming the unit) until the unit is gathered again. The memory is freed at once, or,
+    while a backward through them is still pending, as soon as that backward is done or its
+    graph is dropped: the backward still reads what it saved.
 
     Args:
         tree: The shards (``vfsdp.shard``'s tree) or the gathered tree, or a subtree of either.
@@ -118,13 +121,16 @@ def release(tree: Any, spec: ShardSpec) -> None:
 
     Example:
         >>> def body():
-        ...     spec = vfsdp.plan({"w": torch.ones(4)}, 2)
-        ...     shards = vfsdp.shard({"w": torch.ones(4)}, spec)
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
         ...     full = vfsdp.gather(shards, spec)
-        ...     vfsdp.release(shards, spec)
-        ...     return full["w"].untyped_storage().nbytes()
+        ...     loss = full["w"].sum()
+        ...     vfsdp.release(shards, spec)     # the backward below still needs the unit
+        ...     kept = slot_of(full["w"]).buffer.is_allocated
+        ...     loss.backward()                 # ... then it is freed
+        ...     return type(full["w"]).__name__, kept, slot_of(full["w"]).buffer.is_allocated
         >>> vfsdp.testing.simulate(2, body)
-        [0, 0]
+        [('ReleasedTensor', True, False), ('ReleasedTensor', True, False)]
     """
     leaves = match_tree(tree, spec, "vfsdp.release")
     seen = set()

@@ -17,13 +17,26 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from typing import Any
 
+import optree
 import torch
 
 from vfsdp._torch_private import TorchDispatchMode, storage_id
+from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.collectives.events import observe
 
 __all__ = ["GatheredProbe", "LiveBytes"]
+
+
+def _unit_buffers(trees) -> list:
+    """Every buffer of the units the vfsdp tensors in ``trees`` belong to."""
+    units: dict = {}
+    for t in optree.tree_leaves(list(trees)):
+        slot = slot_of(t)
+        if slot is not None and slot.unit is not None:
+            units[id(slot.unit)] = slot.unit
+    return [db for u in units.values() for db in u.buffers()]
 
 
 class _Observing(TorchDispatchMode):
@@ -47,6 +60,12 @@ class _Observing(TorchDispatchMode):
 class GatheredProbe(_Observing):
     """Peak number (and bytes) of this rank's units whose parameters are gathered at once.
 
+    It counts the units gathered while it is active; pass the shards (any trees of vfsdp
+    tensors) to count units already gathered when it starts too.
+
+    Args:
+        trees: Shards trees whose units are watched from the start.
+
     Example:
         >>> def body():
         ...     params = {"layers": [{"w": torch.ones(4, 4)} for _ in range(4)]}
@@ -61,11 +80,19 @@ class GatheredProbe(_Observing):
         [2, 2]
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *trees: Any) -> None:
         super().__init__()
         self.peak_units = 0
         self.peak_bytes = 0
         self._buffers: dict[int, weakref.ref] = {}
+        for db in _unit_buffers(trees):
+            if db.role.holds_params:
+                self._buffers[id(db)] = weakref.ref(db)
+
+    def __enter__(self):
+        out = super().__enter__()
+        self.sample()
+        return out
 
     def on_event(self, event: str, db) -> None:
         if event == "alloc" and db.role.holds_params:
@@ -107,9 +134,15 @@ class LiveBytes(_Observing):
             self._add(db.shard)
             self._add(db.global_buffer)
 
-    def track(self, *tensors: torch.Tensor) -> LiveBytes:
-        for t in tensors:
-            self._add(t)
+    def track(self, *items: Any) -> LiveBytes:
+        """Count these tensors' storages too; a vfsdp shard (or any tree of them) brings
+        every buffer of its unit (parameters, copies, gradients, staging)."""
+        for item in items:
+            for t in optree.tree_leaves(item):
+                self._add(t)
+        for db in _unit_buffers(items):
+            self._add(db.shard)
+            self._add(db.global_buffer)
         return self
 
     def _add(self, t) -> None:

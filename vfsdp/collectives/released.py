@@ -1,0 +1,87 @@
+"""Views of released memory raise instead of crashing.
+
+Releasing a buffer resizes its storage to zero bytes, so the views handed out earlier (the full
+tensors ``vfsdp.gather`` returned, the gradient pieces ``vfsdp.grads`` returned) would point at
+freed memory, and reading them would crash the process. Instead, on release every view a
+DBuffer handed out turns into a :class:`ReleasedTensor`: any torch operation on it raises a
+``RuntimeError`` that names the tensor, the unit and what to do. When the memory comes back
+(the unit is gathered again, the gradients are written again), the same objects turn back into
+plain tensors. Only released views pay anything: live ones are ordinary ``torch.Tensor`` s.
+
+Metadata that does not read memory (shape, dtype, device, ``requires_grad``, ``repr``) stays
+available, so debuggers and error messages still work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["ReleasedTensor", "poison", "revive"]
+
+_WHY = "_vfsdp_released"  # on a released view: the sentence explaining what happened
+
+_METADATA = {
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.requires_grad.__get__, torch.Tensor.is_leaf.__get__,
+    torch.Tensor.grad_fn.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
+    torch.Tensor.ndim.__get__, torch.Tensor._base.__get__, torch.Tensor.grad.__get__,
+    torch.Tensor.layout.__get__, torch.Tensor.is_cuda.__get__,
+}
+
+
+class ReleasedTensor(torch.Tensor):
+    """A view of memory vfsdp released: torch operations on it raise ``RuntimeError``.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     full = vfsdp.gather(shards, spec)
+        ...     vfsdp.release(shards, spec)
+        ...     try:
+        ...         full["w"].sum()
+        ...     except RuntimeError as exc:
+        ...         return type(full["w"]).__name__, str(exc).split(";")[0]
+        >>> vfsdp.testing.simulate(2, body)[0]
+        ('ReleasedTensor', 'w (unit <root>) was released')
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            return super().__torch_function__(func, types, args, kwargs or {})
+        if func is torch.Tensor.__repr__:
+            t = args[0]
+            return (f"ReleasedTensor(shape={tuple(t.shape)}, dtype={t.dtype}: "
+                    f"{getattr(t, _WHY, 'released')})")
+        why = next((getattr(a, _WHY) for a in _flat(args, kwargs) if isinstance(a, ReleasedTensor)
+                    and hasattr(a, _WHY)), "this tensor's memory was released by vfsdp; it "
+                   "cannot be read")
+        raise RuntimeError(why)
+
+
+def _flat(args, kwargs) -> Iterable[Any]:
+    for a in list(args) + list((kwargs or {}).values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+def poison(views: Iterable[torch.Tensor], why: str) -> None:
+    """Turn live views into :class:`ReleasedTensor` s that raise ``why`` when used."""
+    for v in views:
+        if type(v) is torch.Tensor:
+            v.__class__ = ReleasedTensor
+        if type(v) is ReleasedTensor:
+            setattr(v, _WHY, why)
+
+
+def revive(views: Iterable[torch.Tensor]) -> None:
+    """Turn released views back into plain tensors (their memory is back)."""
+    for v in views:
+        if type(v) is ReleasedTensor:
+            v.__class__ = torch.Tensor

@@ -1,0 +1,151 @@
+"""Backward bookkeeping: every unit gathered for autograd reduces exactly once per backward, in
+the same order on every rank, even where a rank's loss does not use it.
+
+Each differentiable gather (one :class:`Entry` per unit) is recorded in this rank's ledger when
+its autograd node is made, in creation order, and removed when the graph is freed. The autograd
+engine runs nodes in decreasing creation order (its ready queue is ordered by sequence number),
+so when a unit's backward runs, every recorded node created after it that has not run will not
+run in this pass: its unit is unused by this rank's loss. Its reduce-scatter is issued first,
+with zero gradients, so every rank issues the same reduce-scatters in the same order, as FSDP2
+does for unused parameters. At the end of the pass (the engine's final callback) the units
+still left, created before every node that ran, are reduced with zeros the same way. A rank
+whose loss reaches no gathered unit at all runs none of these hooks; the next reader of the
+gradients (``vfsdp.grads``, ``clip_grad_norm``, the optimizers, ``zero_grads``) settles those
+reductions (:func:`settle`).
+
+The ledger is per thread (a rank, also under ``vfsdp.testing.simulate``) and driven by the
+autograd engine and the graph's lifetime; no entry point has to drain it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from vfsdp import _torch_private as tp
+from vfsdp.collectives.handle import Handle
+
+__all__ = ["Entry", "Ledger", "Reductions", "ledger", "settle"]
+
+_LOCAL = threading.local()
+
+
+class Entry:
+    """One gathered unit awaiting its backward on this rank."""
+
+    __slots__ = ("seq", "reduce_zeros", "buffer", "ran_in", "closed", "__weakref__")
+
+    def __init__(self, seq: int, reduce_zeros: Callable[[bool], None], buffer: Any) -> None:
+        self.seq = seq                    # the autograd node's sequence number
+        self.reduce_zeros = reduce_zeros  # reduce-scatter zeros for this unit
+        self.buffer = buffer              # the gathered DBuffer (its .graphs counts us)
+        self.ran_in = -2                  # the last backward pass (task id) it reduced in
+        self.closed = False
+
+
+class Reductions:
+    """Asynchronous gradient reductions in flight on this rank (``async_reduce``).
+
+    Each one holds its unit's staging buffer, so at most ``limit`` run at once, across every
+    ``gather`` and ``run_layers`` call: adding one more first finishes the oldest. The
+    gradient buffer a reduction writes also records it, and every reader of the gradients
+    (``vfsdp.grads``, clipping, optimizers, ``zero_grads``) waits for exactly the reductions
+    of the units it reads.
+    """
+
+    def __init__(self, limit: int = 1) -> None:
+        self.limit = limit
+        self._inflight: list[Handle] = []
+
+    def add(self, handle: Handle) -> None:
+        self._inflight.append(handle)
+        while len(self._inflight) > self.limit:
+            self._inflight.pop(0).wait()
+
+    def wait(self) -> None:
+        """Finish every reduction this object started."""
+        while self._inflight:
+            self._inflight.pop(0).wait()
+
+    def __len__(self) -> int:
+        return sum(not h.done for h in self._inflight)
+
+
+class Ledger:
+    """This rank's gathered units awaiting their backward (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.inflight = Reductions(limit=1)
+        self.callback_task = -2   # the pass whose final callback is queued
+        self.accumulates = True   # whether that pass writes leaves' .grad (not autograd.grad)
+
+    def add(self, ctx: Any, reduce_zeros: Callable[[bool], None], buffer: Any) -> Entry:
+        """Record a gathered unit's autograd node ``ctx`` (called when the node is made)."""
+        entry = Entry(ctx._sequence_nr(), reduce_zeros, buffer)
+        self.entries.append(entry)
+        buffer.graphs += 1
+        weakref.finalize(ctx, self.close, weakref.ref(entry))
+        return entry
+
+    def close(self, ref) -> None:
+        """The graph holding the entry was freed (or will not run again): forget it."""
+        entry = ref() if isinstance(ref, weakref.ref) else ref
+        if entry is None or entry.closed:
+            return
+        entry.closed = True
+        entry.buffer.graph_done()
+        if entry in self.entries:
+            self.entries.remove(entry)
+
+    def ran(self, entry: Entry, accumulates: Callable[[], bool]) -> None:
+        """``entry``'s backward is running: first reduce, with zeros, the units created after
+        it that did not run in this pass; queue the end-of-pass callback once per pass.
+
+        ``accumulates()`` tells whether this pass writes leaves' ``.grad`` (``backward()``,
+        not ``autograd.grad``); asked once per pass."""
+        task = tp.graph_task_id()
+        if self.callback_task != task:
+            self.callback_task = task
+            self.accumulates = accumulates()
+            tp.queue_final_callback(lambda: self.finish(task))
+        for other in sorted((e for e in self.entries if e.seq > entry.seq and e.ran_in != task),
+                            key=lambda e: -e.seq):
+            other.ran_in = task
+            other.reduce_zeros(self.accumulates)
+        entry.ran_in = task
+        if not tp.keep_graph():
+            self.close(entry)
+
+    def finish(self, task: int) -> None:
+        """End of a backward pass: reduce, with zeros, every unit left that did not run."""
+        for entry in sorted((e for e in self.entries if e.ran_in != task), key=lambda e: -e.seq):
+            entry.ran_in = task
+            entry.reduce_zeros(self.accumulates)
+        self.callback_task = -2
+
+    def settle(self) -> None:
+        """Outside a backward: units gathered for a backward that ran no vfsdp node on this
+        rank (its loss reached none) reduce with zeros now, matching the other ranks."""
+        if tp.graph_task_id() != -1:
+            return
+        for entry in sorted((e for e in self.entries if e.ran_in == -2), key=lambda e: -e.seq):
+            entry.ran_in = -1
+            entry.reduce_zeros(True)
+
+
+def ledger() -> Ledger:
+    """This thread's (rank's) ledger."""
+    found = getattr(_LOCAL, "ledger", None)
+    if found is None:
+        found = _LOCAL.ledger = Ledger()
+    return found
+
+
+def settle() -> None:
+    """Issue the zero reductions this rank owes for backwards that ran none of its nodes."""
+    found = getattr(_LOCAL, "ledger", None)
+    if found is not None and found.entries:
+        found.settle()

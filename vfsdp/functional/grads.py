@@ -17,9 +17,11 @@ __all__ = ["grads", "zero_grads"]
 def grads(shards: Any, spec: ShardSpec) -> Any:
     """This rank's sharded gradients: a tree of views into each unit's gradient DBuffer.
 
-    After a backward through :func:`vfsdp.gather` (with ``grads="buffer"`` or the default),
-    these hold the reduce-scattered gradients; units that had no backward yet hold zeros.
-    Reductions still in flight (``async_reduce``) into these units are waited for first.
+    For units reduced with ``grads="buffer"`` (and ``run_layers``) these are views of the
+    unit's gradient DBuffer; for units whose gradients went to autograd (``grads="return"``,
+    the default of :func:`vfsdp.gather`) they are the shards' ``.grad`` (zeros where ``None``).
+    Units that had no backward yet read zeros. Reductions still in flight
+    (``async_reduce``) into these units are waited for first.
 
     Args:
         shards: The shards tree (``vfsdp.shard``'s), or a subtree with its sub-spec.
@@ -47,6 +49,11 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
     leaves = match_tree(shards, spec, what)
     out = list(leaves)
     for u in units_of(leaves, spec, what):
+        if u.unit.grads_mode == "return":  # its gradients went to autograd: the shards' .grad
+            for i, _ in u.leaves:
+                g = leaves[i].grad
+                out[i] = g if g is not None else torch.zeros_like(leaves[i])
+            continue
         gdb = u.unit.grads()
         gdb.ensure_shard()
         for i, k in u.leaves:
@@ -55,7 +62,8 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
 
 
 def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> None:
-    """Zero every unit's gradients and drop any unreduced accumulator.
+    """Zero every unit's gradients (its gradient buffer and the shards' ``.grad``) and drop
+    any unreduced accumulator.
 
     Args:
         shards: The shards tree.
@@ -81,7 +89,14 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
         [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
     """
     what = "vfsdp.zero_grads"
-    for u in units_of(match_tree(shards, spec, what), spec, what):
+    leaves = match_tree(shards, spec, what)
+    for u in units_of(leaves, spec, what):
+        for i, _ in u.leaves:  # what autograd accumulated (grads="return")
+            if leaves[i].grad is not None:
+                if set_to_none:
+                    leaves[i].grad = None
+                else:
+                    leaves[i].grad.zero_()
         u.unit.drop_accumulators()
         if not u.unit.has_grads:
             continue  # no gradient buffer yet: nothing to zero

@@ -8,10 +8,12 @@ so when a unit's backward runs, every recorded node created after it that has no
 run in this pass: its unit is unused by this rank's loss. Its reduce-scatter is issued first,
 with zero gradients, so every rank issues the same reduce-scatters in the same order, as FSDP2
 does for unused parameters. At the end of the pass (the engine's final callback) the units
-still left, created before every node that ran, are reduced with zeros the same way. A rank
-whose loss reaches no gathered unit at all runs none of these hooks; the next reader of the
-gradients (``vfsdp.grads``, ``clip_grad_norm``, the optimizers, ``zero_grads``) settles those
-reductions (:func:`settle`).
+still left, created before every node that ran, are reduced with zeros the same way.
+
+The SPMD contract this needs: on every rank, the backward reaches at least one unit gathered
+for it. A rank whose loss uses no gathered tensor at all runs none of these hooks, and the
+other ranks wait in their reduce-scatters (make such a loss depend on one, e.g. add
+``0 * full["w"].sum()``).
 
 The ledger is per thread (a rank, also under ``vfsdp.testing.simulate``) and driven by the
 autograd engine and the graph's lifetime; no entry point has to drain it.
@@ -27,7 +29,7 @@ from typing import Any
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.handle import Handle
 
-__all__ = ["Entry", "Ledger", "Reductions", "ledger", "settle"]
+__all__ = ["Entry", "Ledger", "Reductions", "ledger"]
 
 _LOCAL = threading.local()
 
@@ -126,15 +128,6 @@ class Ledger:
             entry.reduce_zeros(self.accumulates)
         self.callback_task = -2
 
-    def settle(self) -> None:
-        """Outside a backward: units gathered for a backward that ran no vfsdp node on this
-        rank (its loss reached none) reduce with zeros now, matching the other ranks."""
-        if tp.graph_task_id() != -1:
-            return
-        for entry in sorted((e for e in self.entries if e.ran_in == -2), key=lambda e: -e.seq):
-            entry.ran_in = -1
-            entry.reduce_zeros(True)
-
 
 def ledger() -> Ledger:
     """This thread's (rank's) ledger."""
@@ -142,10 +135,3 @@ def ledger() -> Ledger:
     if found is None:
         found = _LOCAL.ledger = Ledger()
     return found
-
-
-def settle() -> None:
-    """Issue the zero reductions this rank owes for backwards that ran none of its nodes."""
-    found = getattr(_LOCAL, "ledger", None)
-    if found is not None and found.entries:
-        found.settle()

@@ -32,11 +32,18 @@ class UnitLeaves:
         key: The unit key.
         unit: The unit's buffers on this rank.
         leaves: ``(leaf index in the tree, buffer index in the unit)`` per tensor present.
+        values: The tree's leaves themselves, in the same order.
     """
 
     key: Hashable
     unit: Unit
     leaves: tuple[tuple[int, int], ...]
+    values: tuple = ()
+
+    def frozen(self) -> frozenset:
+        """Buffer indices of the tensors present whose shard does not require grad."""
+        return frozenset(k for (_, k), x in zip(self.leaves, self.values)
+                         if isinstance(x, torch.Tensor) and not x.requires_grad)
 
     @property
     def db(self):
@@ -144,6 +151,6 @@ def units_of(leaves: Sequence[Any], spec: ShardSpec, what: str, *, mesh: Any = N
                                  f"pass the tree returned by vfsdp.shard")
             groups = groups or resolve_groups(spec, mesh)
             unit = pack_unit(local, layout, index, groups, what)
-        out.append(UnitLeaves(key, unit, tuple(members)))
+        out.append(UnitLeaves(key, unit, tuple(members), tuple(local)))
     return out
 

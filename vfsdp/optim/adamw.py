@@ -36,7 +36,7 @@ from vfsdp.optim.base import (
 )
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["adamw", "AdamWState", "AdamWPlan", "CHUNK", "runs", "owned_views"]
+__all__ = ["adamw", "AdamWState", "AdamWPlan", "CHUNK", "runs", "owned_views", "trainable_runs"]
 
 CHUNK = 1 << 18
 """Elements per slice of the fused update (bounds its temporary memory)."""
@@ -101,6 +101,19 @@ class AdamWState:
     def restore_checkpoint(self, tree: dict) -> AdamWState:
         self.step = tree["step"]
         return self
+
+
+def trainable_runs(u, plan, weight_decay_mask: Mask) -> tuple[tuple, tuple]:
+    """``(update runs, decay runs)`` of unit ``u`` for the tensors the plan owns whose shards
+    require grad now: a frozen tensor (``requires_grad=False``) gets no update and no decay,
+    as ``torch.optim`` skips a parameter without a gradient."""
+    frozen = u.frozen()
+    owned = plan.paths[u.key]
+    if not frozen or not any(u.db.tensors[k].path in owned for k in frozen):
+        return plan.update_runs[u.key], plan.decay_runs[u.key]
+    gone = {u.db.tensors[k].path for k in frozen}
+    live = lambda path: path in owned and path not in gone
+    return runs(u.db, live), runs(u.db, both(weight_decay_mask, live))
 
 
 def owned_views(plan) -> Callable:
@@ -178,15 +191,18 @@ def adamw(
             for u in unit_buffers(shards, spec, "adamw.update"):
                 if u.key not in state.exp_avg:
                     continue
+                update_runs, decay_runs = trainable_runs(u, plan, weight_decay_mask)
+                if not update_runs:
+                    continue  # every tensor of ours here is frozen
                 g = flat_grads(leaves, u, "adamw.update")
                 p = u.db.shard
                 m, v = state.exp_avg[u.key].shard, state.exp_avg_sq[u.key].shard
                 if weight_decay:
-                    for lo, hi in plan.decay_runs[u.key]:
+                    for lo, hi in decay_runs:
                         p[lo:hi].mul_(1 - rate * weight_decay)
                 # Element-wise, so slices give the same bits; they bound the temporary
                 # (the denominator) to CHUNK elements instead of a whole unit.
-                for lo, hi in (c for run in plan.update_runs[u.key] for c in _chunks(*run)):
+                for lo, hi in (c for run in update_runs for c in _chunks(*run)):
                     gs, ms, vs = g[lo:hi], m[lo:hi], v[lo:hi]
                     ms.lerp_(gs, 1 - b1)
                     vs.mul_(b2).addcmul_(gs, gs, value=1 - b2)

@@ -256,14 +256,25 @@ def adamw8bit(
             for u in unit_buffers(shards, spec, "adamw8bit.update"):
                 if u.key not in state.codes_m:
                     continue
+                frozen = u.frozen()  # no gradient, no update, no decay
+                decay_runs = plan.decay_runs[u.key]
+                if frozen:
+                    owned = plan.paths[u.key]
+                    gone = {u.db.tensors[k].path for k in frozen}
+                    if owned <= gone:
+                        continue
+                    decay_runs = runs(u.db, both(weight_decay_mask,
+                                                 lambda path: path in owned and path not in gone))
                 g = flat_grads(leaves, u, "adamw8bit.update")
                 p = u.db.shard
                 qm, qv = qmaps(p.device)
                 if weight_decay:
-                    for lo, hi in plan.decay_runs[u.key]:
+                    for lo, hi in decay_runs:
                         p[lo:hi].mul_(1 - rate * weight_decay)
                 cm, cv = state.codes_m[u.key].shard, state.codes_v[u.key].shard
                 for t in plan.quantized[u.key]:
+                    if t.k in frozen:
+                        continue
                     key = (u.key, t.k)
                     m = dequantize(cm[t.lo:t.hi], state.scales_m[key], t.tiles, qm)
                     v = dequantize(cv[t.lo:t.hi], state.scales_v[key], t.tiles, qv)
@@ -271,6 +282,8 @@ def adamw8bit(
                     cm[t.lo:t.hi], state.scales_m[key] = quantize(m, t.tiles, t.n_tiles, qm)
                     cv[t.lo:t.hi], state.scales_v[key] = quantize(v, t.tiles, t.n_tiles, qv)
                 for k, lo, hi in plan.fp32[u.key]:
+                    if k in frozen:
+                        continue
                     key = (u.key, k)
                     _adam(p[lo:hi], g[lo:hi], state.fp32_m[key], state.fp32_v[key], b1, b2, bc1,
                           bc2_sqrt, eps, rate)

@@ -235,6 +235,7 @@ def muon(
         by_unit: dict = {}
         for m in plan.matrices:
             by_unit.setdefault(m.key, []).append(m)
+        frozen = {(key, k) for key, u in units.items() for k in u.frozen()}
         with torch.no_grad():
             upd: dict = {}
             for key, mats in by_unit.items():
@@ -242,6 +243,9 @@ def muon(
                 buf = state.momentum[key].shard
                 for m in mats:
                     gs, bs = g[m.lo:m.hi], buf[m.lo:m.hi]
+                    if (m.key, m.k) in frozen:  # still exchanged (every rank plans the same
+                        upd[id(m)] = torch.zeros_like(gs)  # waves), but neither moved nor kept
+                        continue
                     bs.lerp_(gs, 1 - momentum)
                     upd[id(m)] = gs.lerp(bs, momentum) if nesterov else bs.clone()
 
@@ -266,7 +270,7 @@ def muon(
                     out.append(o.reshape(-1))
                 back = wave.from_roots.run(out, group, device, torch.float32)
                 for m, piece in zip(wave.matrices, back):
-                    if m.hi > m.lo:
+                    if m.hi > m.lo and (m.key, m.k) not in frozen:
                         p = units[m.key].db.shard[m.lo:m.hi]
                         if weight_decay:
                             p.mul_(1 - rate * weight_decay)

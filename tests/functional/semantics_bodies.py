@@ -111,9 +111,7 @@ def reference(case: dict, world: int):
             continue
         this, pending = pending, [z.clone() for z in zeros]
         last_return = this
-        if case["mode"] == "return":
-            value = [t if v is None else v + t for v, t in zip(value, this)]
-        elif case["accumulate"]:
+        if case["mode"] == "return" or case["accumulate"]:  # autograd / accumulate_grads add
             value = [t if v is None else v + t for v, t in zip(value, this)]
         else:
             value = list(this)

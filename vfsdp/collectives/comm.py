@@ -80,9 +80,10 @@ def _op(op: str):
     return dist.ReduceOp.SUM if check_op(op) == "sum" else dist.ReduceOp.AVG
 
 
-def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
-    """``out`` (m*S) <- every rank's ``inp`` (S), in rank order."""
-    _count("all_gather", out.numel() * out.element_size())
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False,
+                    count: str = "all_gather"):
+    """``out`` (m*S) <- every rank's ``inp`` (S), in rank order (counted under ``count``)."""
+    _count(count, out.numel() * out.element_size())
     with _InCollective():
         return _all_gather(out, inp, group=group, async_op=async_op)
 

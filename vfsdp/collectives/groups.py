@@ -90,20 +90,34 @@ def _from_mesh(mesh, spec: ShardSpec) -> MeshGroups:
     )
 
 
-def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None) -> MeshGroups:
+def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None, check: bool = True) -> MeshGroups:
     """The groups a spec's collectives use on this rank.
+
+    The first time a spec is used on a process group, every rank checks (one small
+    collective) that all ranks hold the same spec (:mod:`vfsdp.collectives.consistency`).
 
     Args:
         spec: A plan.
         mesh: A ``DeviceMesh`` matching ``spec.mesh_shape``, or ``None`` for the default group.
+        check: Check that the ranks agree on the spec (once per spec and group).
 
     Returns:
         A :class:`MeshGroups`.
 
     Raises:
         RuntimeError: no process group is initialised.
-        ValueError: the group or mesh does not match the world size the spec was planned for.
+        ValueError: the group or mesh does not match the world size the spec was planned for,
+            or the ranks hold different specs (naming the first unit that differs).
     """
+    groups = _groups_for(spec, mesh)
+    if check:
+        from vfsdp.collectives.consistency import agree_on_spec  # (it builds on this module)
+
+        agree_on_spec(spec, groups)
+    return groups
+
+
+def _groups_for(spec: ShardSpec, mesh: Optional[Any]) -> MeshGroups:
     if mesh is not None:
         return _from_mesh(mesh, spec)
     if not dist.is_initialized():

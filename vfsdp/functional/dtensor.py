@@ -265,10 +265,13 @@ def from_dtensor(tree: Any, spec: ShardSpec, *, mesh: Any = None,
             pieces = [piece.to(db.device) for _, piece in found[key]]
             dst = [[t.local_range(r) for r in range(m)] for _, t in members]
             got = flat_redistribute(pieces, src, dst, groups.shard, db.device)
+            views: dict = {}  # one tensor per buffer index: a tie stays one tensor
             for (i, t), piece in zip(members, got):
-                local = db.local(db.index(t.path))
-                local.reshape(-1).copy_(piece)
-                if requires_grad and local.is_floating_point():
-                    local.requires_grad_(True)
-                out[i] = local
+                k = db.index(t.path)
+                if k not in views:
+                    views[k] = db.local(k)
+                    views[k].reshape(-1).copy_(piece)
+                    if requires_grad and views[k].is_floating_point():
+                        views[k].requires_grad_(True)
+                out[i] = views[k]
     return optree.tree_unflatten(spec.treespec, out)

@@ -57,7 +57,8 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
             rank when ``src`` is ``None``.
         spec: The plan.
         src: The global rank holding the full tensors, or ``None``: every rank holds them
-            and copies its own pieces (no communication).
+            and copies its own pieces (no communication, beyond the one-time check that the
+            ranks agree on the spec).
         mesh: A ``DeviceMesh`` matching ``spec.mesh_shape``; default: the default group.
         requires_grad: Make floating-point shards require grad.
 
@@ -119,11 +120,13 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
                         buf[t.offset:t.offset + t.numel].copy_(leaves[i].detach().reshape(-1))
 
                 errors.append(scatter_unit(db, pack, coords))
+            views: dict = {}  # one tensor per buffer index: a tie stays one tensor
             for i, k in members:
-                local = db.local(k)
-                if requires_grad and local.is_floating_point():
-                    local.requires_grad_(True)
-                out[i] = local
+                if k not in views:
+                    views[k] = db.local(k)
+                    if requires_grad and views[k].is_floating_point():
+                        views[k].requires_grad_(True)
+                out[i] = views[k]
     if coords is not None:
         agree(next((e for e in errors if e is not None), None))
     return optree.tree_unflatten(spec.treespec, out)

@@ -20,6 +20,7 @@ from vfsdp.collectives.unit import Unit
 from vfsdp.functional.scatter import scatter
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import find_unit
+from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["shard", "release", "dbuffers", "InitFn"]
@@ -88,16 +89,34 @@ def shard(
         for key, members in spec.unit_leaves().items():
             unit = Unit(spec.units[key], groups)  # the views' slots keep it alive
             db = unit.params
+            views: dict = {}  # one tensor per buffer index: a tie stays one tensor
             for i, k in members:
-                t = db.tensors[k]
-                local = db.local(k)
-                got = init_fn(t.path, local, t)
-                if got is not None:
-                    local.copy_(torch.as_tensor(got).reshape(local.shape))
-                if requires_grad and local.is_floating_point():
-                    local.requires_grad_(True)
-                out[i] = local
+                if k not in views:
+                    views[k] = _init_piece(db, k, init_fn, requires_grad)
+                out[i] = views[k]
     return optree.tree_unflatten(spec.treespec, out)
+
+
+def _init_piece(db, k: int, init_fn: InitFn, requires_grad: bool) -> torch.Tensor:
+    """Tensor ``k``'s local piece filled by ``init_fn``.
+
+    Raises:
+        ValueError: ``init_fn`` returned something of the wrong size (naming the path).
+    """
+    t = db.tensors[k]
+    local = db.local(k)
+    got = init_fn(t.path, local, t)
+    if got is not None:
+        got = torch.as_tensor(got)
+        if got.numel() != local.numel():
+            raise ValueError(f"vfsdp.shard: init_fn returned {got.numel()} values ({tuple(got.shape)}) "
+                             f"for {format_path(t.path)}, whose piece on this rank has "
+                             f"{local.numel()} ({tuple(local.shape)}); fill the piece it is given "
+                             f"in place, or return exactly that many values")
+        local.copy_(got.reshape(local.shape))
+    if requires_grad and local.is_floating_point():
+        local.requires_grad_(True)
+    return local
 
 
 def release(tree: Any, spec: ShardSpec) -> None:

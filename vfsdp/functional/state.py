@@ -64,9 +64,9 @@ def param_tree(buffers: Mapping[Any, DBuffer], spec: ShardSpec,
         [{'a': (2,), 'b': (3,)}]
     """
     leaves = []
-    for s in spec.leaves():
+    for p, s in zip(spec.treespec.paths(), spec.leaves()):
         db = buffers.get(s.unit) if isinstance(s, TensorSpec) else None
-        if db is None:
+        if db is None or tuple(p) != s.path:  # a tied leaf repeats its tensor: saved once
             leaves.append(None)
             continue
         k = db.index(s.path)

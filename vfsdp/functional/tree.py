@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import inspect
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import optree
@@ -11,16 +12,40 @@ import torch
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["match_tree", "group_by_unit"]
+__all__ = ["match_tree", "group_by_unit", "check_tree_arg"]
+
+
+def check_tree_arg(tree: Any, what: str, spec: Any = None) -> None:
+    """Refuse, with the fix, what is not a pytree of tensors, or a spec in the wrong place.
+
+    Raises:
+        TypeError: naming what was passed and what to pass instead.
+    """
+    if isinstance(tree, ShardSpec):
+        raise TypeError(f"{what}: got a ShardSpec where the tree goes; the arguments are "
+                        f"swapped: call {what}(tree, spec)")
+    if spec is not None and not isinstance(spec, ShardSpec):
+        raise TypeError(f"{what}: spec must be the ShardSpec vfsdp.plan returned, got "
+                        f"{type(spec).__name__}")
+    if isinstance(tree, torch.nn.Module):
+        raise TypeError(f"{what}: got a {type(tree).__name__} module; vfsdp works on pytrees of "
+                        f"tensors: pass dict(model.named_parameters())")
+    if isinstance(tree, Iterator) or inspect.isgenerator(tree):
+        raise TypeError(f"{what}: got an iterator ({type(tree).__name__}), which can be read only "
+                        f"once and has no names; pass dict(model.named_parameters()) or a "
+                        f"dict/list of tensors")
 
 
 def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:
     """Leaves of ``tree`` in spec order, after checking structure, shapes and dtypes.
 
     Raises:
+        TypeError: swapped arguments, something else than a spec, or a tree vfsdp cannot
+            read (a module, a generator), with the fix.
         ValueError: the structure differs (naming the first differing path), or a tensor leaf
             has the wrong shape or dtype (naming its path and the expected values).
     """
+    check_tree_arg(tree, what, spec)
     paths, leaves, treespec = optree.tree_flatten_with_path(tree)
     if treespec != spec.treespec:
         spec_paths = set(spec.treespec.paths())

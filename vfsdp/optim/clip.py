@@ -36,7 +36,11 @@ def _plan(leaves: list, spec: ShardSpec, mask: Mask) -> tuple[list, list]:
     whole, loose = [], []
     tensors = spec.leaves()
     for key, members in spec.unit_leaves().items():
-        chosen = [(i, k) for i, k in members if selected(mask, tensors[i].path)]
+        chosen, seen = [], set()  # each tensor once: a tied one sits at several leaves
+        for i, k in members:
+            if k not in seen and selected(mask, tensors[i].path):
+                seen.add(k)
+                chosen.append((i, k))
         pieces = [(leaves[i], k) for i, k in chosen if isinstance(leaves[i], torch.Tensor)]
         slots = [slot_of(p) for p, _ in pieces]
         first = slots[0] if slots else None

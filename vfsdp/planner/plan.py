@@ -6,7 +6,7 @@ No process group is needed or touched: a ``DeviceMesh`` is only read for its sha
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, Optional, Union
 
 import optree
@@ -271,6 +271,7 @@ def plan(
         >>> spec.units[("layers", 0)].shard_numel
         16
     """
+    _check_params(params)
     mesh_shape, mesh_names = resolve_mesh(mesh)
     if not isinstance(alignment_bytes, int) or alignment_bytes < 1:
         raise ValueError(f"alignment_bytes must be an int >= 1, got {alignment_bytes!r}")
@@ -282,7 +283,9 @@ def _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes, c
           split_threshold):
     m = mesh_shape[-1]
     paths, leaves, treespec = optree.tree_flatten_with_path(params)
-    t_idx = [i for i, x in enumerate(leaves) if is_tensor_leaf(x)]
+    all_idx = [i for i, x in enumerate(leaves) if is_tensor_leaf(x)]
+    tied = find_ties(leaves, paths, all_idx)  # leaf index -> the leaf index it repeats
+    t_idx = [i for i in all_idx if i not in tied]
     t_paths = [paths[i] for i in t_idx]
     keys = _unit_keys(units, t_paths, params)
 
@@ -293,6 +296,10 @@ def _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes, c
     for j, (i, key) in enumerate(zip(t_idx, keys)):
         leaf = leaves[i]
         shape, dtype, numel = leaf_meta(leaf)
+        if dtype.is_complex:
+            raise ValueError(f"vfsdp.plan: {format_path(paths[i])} is {dtype}; complex tensors "
+                             f"are not supported (reductions and optimizers assume real values): "
+                             f"store torch.view_as_real(t) instead")
         if dynamic:
             block = block_elements(granularity, paths[i], shape, numel, leaf)
         else:
@@ -354,4 +361,74 @@ def _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes, c
             out_leaves[t_idx[j]] = TensorSpec(
                 unit_paths[k], key, offsets[k], numel, shape, dtype_j, block, layout
             )
+    for i, first in tied.items():  # a tie is one tensor: its spec at every place it appears
+        out_leaves[i] = out_leaves[first]
     return ShardSpec(treespec, out_leaves, layouts, mesh_shape, mesh_names)
+
+
+def _check_params(params: Any) -> None:
+    """Refuse, with the fix, what is not a pytree of tensors.
+
+    Raises:
+        TypeError: a module, an iterator, or a spec.
+    """
+    if isinstance(params, torch.nn.Module):
+        raise TypeError(f"vfsdp.plan: got a {type(params).__name__} module; vfsdp plans pytrees "
+                        f"of tensors: pass dict(model.named_parameters())")
+    if isinstance(params, Iterator):
+        raise TypeError(f"vfsdp.plan: got an iterator ({type(params).__name__}), which can be "
+                        f"read only once and has no names; pass dict(model.named_parameters()) "
+                        f"or a dict/list of tensors")
+    if isinstance(params, ShardSpec):
+        raise TypeError("vfsdp.plan: got a ShardSpec; plan takes the parameter tree "
+                        "(vfsdp.plan(params, mesh))")
+
+
+def find_ties(leaves: list, paths: list, idx: list) -> dict:
+    """Leaves that are one tensor: ``{leaf index: index of its first occurrence}``.
+
+    A tie is the same object twice (a tied embedding and head), or two real tensors that are
+    the same view of one storage (same offset, shape, strides and dtype). Two real tensors that
+    share memory but are different views of it cannot be kept as one tensor.
+
+    Raises:
+        ValueError: overlapping different views of one storage (naming both paths).
+    """
+    first_by_id: dict = {}
+    by_storage: dict = {}
+    tied: dict = {}
+    for i in idx:
+        leaf = leaves[i]
+        if id(leaf) in first_by_id:
+            tied[i] = first_by_id[id(leaf)]
+            continue
+        first_by_id[id(leaf)] = i
+        if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta" or not leaf.numel():
+            continue
+        try:
+            key = (leaf.device, leaf.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # no plain storage (DTensor, wrapper)
+            continue
+        view = (leaf.storage_offset(), tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype)
+        span = _byte_span(leaf)
+        for j, other_view, other_span in by_storage.get(key, ()):
+            if other_view == view:
+                tied[i] = j
+                break
+            if span[0] < other_span[1] and other_span[0] < span[1]:
+                raise ValueError(
+                    f"{format_path(paths[i])} and {format_path(paths[j])} share memory but are "
+                    f"different views of it (offset/shape/strides {view[:3]} vs "
+                    f"{other_view[:3]}); vfsdp keeps a tie only between identical tensors: pass "
+                    f"one of them, or .clone() the other")
+        else:
+            by_storage.setdefault(key, []).append((i, view, span))
+    return tied
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor can touch: ``[first, last + 1)``."""
+    size = t.element_size()
+    lo = t.storage_offset()
+    hi = lo + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) + 1
+    return lo * size, hi * size

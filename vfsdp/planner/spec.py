@@ -348,13 +348,14 @@ class ShardSpec:
         treespec: The optree structure of ``params``.
 
     Example:
-        >>> spec = vfsdp.plan({"layers": [{"w": torch.empty(8, 4)}] * 2, "b": torch.empty(3)}, 4)
+        >>> layers = [{"w": torch.empty(8, 4)} for _ in range(2)]
+        >>> spec = vfsdp.plan({"layers": layers, "b": torch.empty(3)}, 4)
         >>> list(spec.units), spec.world_size, list(spec["layers"][1].units)
         ([(), ('layers', 0), ('layers', 1)], 4, [('layers', 1)])
     """
 
     __slots__ = ("units", "mesh_shape", "mesh_dim_names", "treespec", "_leaves", "_fingerprint",
-                 "_by_path", "_by_unit")
+                 "_by_path", "_by_unit", "_agreed")
 
     def __init__(self, treespec, leaves, units: Mapping, mesh_shape, mesh_dim_names=None) -> None:
         set_ = object.__setattr__
@@ -366,6 +367,7 @@ class ShardSpec:
         set_(self, "_fingerprint", None)
         set_(self, "_by_path", None)
         set_(self, "_by_unit", None)
+        set_(self, "_agreed", {})  # process groups whose ranks were checked to agree on this spec
         if treespec.num_leaves != len(self._leaves):
             raise ValueError("ShardSpec: treespec and leaves disagree")
 
@@ -395,17 +397,39 @@ class ShardSpec:
         return self._leaves
 
     def tensors(self) -> Iterator[TensorSpec]:
-        """The ``TensorSpec`` leaves in optree order."""
-        return (x for x in self._leaves if isinstance(x, TensorSpec))
+        """The ``TensorSpec`` s in optree order, each once (a tied tensor appears at several
+        leaves but is one tensor)."""
+        seen: set = set()
+        for x in self._leaves:
+            if isinstance(x, TensorSpec) and id(x) not in seen:
+                seen.add(id(x))
+                yield x
+
+    @property
+    def ties(self) -> Mapping[tuple, tuple]:
+        """``{leaf path: path of the tensor it is}`` for leaves that repeat another (tied
+        weights: the same tensor at two places). Empty when nothing is tied.
+
+        Example:
+            >>> w = torch.empty(8, 4)
+            >>> dict(vfsdp.plan({"embed": w, "head": w}, 2).ties)
+            {('head',): ('embed',)}
+        """
+        return MappingProxyType({p: t.path for p, t in zip(self.treespec.paths(), self._leaves)
+                                 if isinstance(t, TensorSpec) and tuple(p) != t.path})
 
     def tensor(self, path: tuple) -> TensorSpec:
-        """The ``TensorSpec`` at an optree key path.
+        """The ``TensorSpec`` at an optree key path (a tied leaf's path gives its tensor).
 
         Raises:
             KeyError: no tensor at that path.
         """
         if self._by_path is None:
-            object.__setattr__(self, "_by_path", {t.path: t for t in self.tensors()})
+            found = {t.path: t for t in self.tensors()}
+            for p, t in zip(self.treespec.paths(), self._leaves):
+                if isinstance(t, TensorSpec):
+                    found.setdefault(tuple(p), t)
+            object.__setattr__(self, "_by_path", found)
         try:
             return self._by_path[tuple(path)]
         except KeyError:

@@ -1,0 +1,86 @@
+"""Ranks agree on the spec: checked once per spec and process group, with one small collective.
+
+Every rank of a mesh must run the same plan: the all-gathers and reduce-scatters of a unit pair
+up by order and size only, so two ranks with different layouts of the same size would silently
+exchange the wrong elements, and different sizes abort the process. The first time a spec is
+used on a group (``vfsdp.shard``, ``vfsdp.scatter``, ...), every rank all-gathers the spec's
+32-byte fingerprint over the shard group (and the replicate group under HSDP). On a mismatch
+the ranks exchange a short description of each unit and every rank raises, naming the first
+unit that differs. The result is remembered on the spec, per group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from vfsdp.collectives import comm
+from vfsdp.collectives.groups import MeshGroups
+from vfsdp.planner.spec import ShardSpec, unit_name
+
+__all__ = ["agree_on_spec", "SpecMismatch"]
+
+
+class SpecMismatch(ValueError):
+    """Ranks of one mesh hold different specs."""
+
+
+def _describe(spec: ShardSpec) -> list:
+    return [(unit_name(u.key), u.world_size, u.shard_numel, str(u.dtype), len(u.paths),
+             hashlib.sha256(repr((u.paths, u.offsets, u.numels, u.shapes)).encode()).hexdigest()[:12])
+            for u in spec.units.values()]
+
+
+def _check(spec: ShardSpec, group, device: torch.device) -> None:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    mine = torch.frombuffer(bytearray(bytes.fromhex(spec.fingerprint)), dtype=torch.uint8)
+    mine = mine.to(device)
+    every = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
+    comm.all_gather_into(every, mine, group, count="spec_check")
+    rows = every.view(world, -1).cpu()
+    if bool((rows == rows[0]).all()):
+        return
+    described: list = [None] * world
+    dist.all_gather_object(described, _describe(spec), group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    first = described[0]
+    for r, other in enumerate(described[1:], 1):
+        for a, b in zip(first, other):
+            if a != b:
+                raise SpecMismatch(
+                    f"ranks hold different specs: unit {a[0]} is (m={a[1]}, S={a[2]}, {a[3]}, "
+                    f"{a[4]} tensors) on rank {ranks[0]} but unit {b[0]} is (m={b[1]}, S={b[2]}, "
+                    f"{b[3]}, {b[4]} tensors) on rank {ranks[r]}; every rank must plan the same "
+                    f"tree the same way (same shapes, granularity and units)")
+        if len(first) != len(other) or first != other:
+            raise SpecMismatch(f"ranks hold different specs: rank {ranks[0]} has {len(first)} "
+                               f"units, rank {ranks[r]} has {len(other)}; every rank must plan "
+                               f"the same tree the same way")
+    raise SpecMismatch("ranks hold different specs (same units, different trees or paths); "
+                       "every rank must plan the same tree the same way")
+
+
+def agree_on_spec(spec: ShardSpec, groups: MeshGroups) -> None:
+    """Collective, once per spec and group: every rank holds this spec.
+
+    Raises:
+        SpecMismatch: on every rank, naming the first unit that differs.
+    """
+    world = dist.group.WORLD
+    key = (id(world), groups.grid)
+    agreed = spec._agreed
+    ref = agreed.get(key)
+    if ref is not None and ref() is world:
+        return
+    _check(spec, groups.shard, groups.device)
+    if groups.replicate is not None:
+        _check(spec, groups.replicate, groups.device)
+    try:
+        agreed[key] = weakref.ref(world)
+    except TypeError:  # a process group without weak references: remember it by identity
+        agreed[key] = lambda w=world: w

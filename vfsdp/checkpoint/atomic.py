@@ -1,17 +1,24 @@
 """Atomic checkpoint directories: write under a temporary name, appear complete or not at all.
 
-A save writes into ``<path>.partial-<id>/`` (rank 0 picks the name and every rank learns it);
+A save writes into ``<path>.partial-<id>/`` (rank 0 picks the name, creates it with a lock file
+naming its process and host, and every rank learns it);
 :func:`commit` makes it visible as ``<path>`` with one rename, or two when replacing an
 existing checkpoint (the old one is moved to ``<path>.old-<id>`` first and deleted after). A
 crash between those two renames leaves the old checkpoint at ``<path>.old-<id>``, which the
 next :func:`prepare` puts back. ``overwrite=True`` replaces only vfsdp checkpoints (directories
-holding a manifest), never another directory.
+holding a manifest), never another directory. A save removes another save's unfinished
+directory only when its lock proves that save dead (same host, process gone), so two jobs
+saving to one path never delete each other's work.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import socket
+import time
 import uuid
 
 import torch.distributed as dist
@@ -71,10 +78,38 @@ def _prepare_rank0(path: str, overwrite: bool) -> str:
                                        not os.path.exists(os.path.join(path, MANIFEST))):
             raise _Exists(f"vfsdp.checkpoint.save: {path} exists and is not a vfsdp "
                           f"checkpoint; overwrite=True only replaces checkpoints")
-    for stale in os.listdir(parent):  # leftovers of saves that died
-        if stale.startswith(base + ".partial-"):
+    for stale in os.listdir(parent):  # leftovers of saves that provably died
+        if stale.startswith(base + ".partial-") and _dead(os.path.join(parent, stale)):
             shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
-    return f"{path}.partial-{uuid.uuid4().hex[:12]}"
+    tmp = f"{path}.partial-{uuid.uuid4().hex[:12]}"
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, LOCK), "w") as f:  # who is writing it, to tell a dead save
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}, f)
+    return tmp
+
+
+LOCK = "vfsdp.lock"
+
+
+def _dead(partial: str) -> bool:
+    """Whether an unfinished save's directory provably belongs to a process that died: its
+    lock names this host and a process id that no longer runs. Anything else (another host,
+    a live process, no readable lock) may be a save in progress and is left alone."""
+    try:
+        with open(os.path.join(partial, LOCK)) as f:
+            lock = json.load(f)
+        pid, host = int(lock["pid"]), str(lock["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # e.g. another user's live process
+        return False
+    return False
 
 
 def _recover_interrupted_overwrite(path: str) -> None:
@@ -91,6 +126,8 @@ def _recover_interrupted_overwrite(path: str) -> None:
 
 def commit(tmp: str, path: str) -> None:
     """Make ``tmp`` visible as ``path``: one rename (two when replacing a checkpoint)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(tmp, LOCK))
     fsync_dir(tmp)
     path = os.path.abspath(path)
     if os.path.exists(path):

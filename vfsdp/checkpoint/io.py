@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from vfsdp._torch_private import groups_are_per_thread
@@ -27,6 +27,7 @@ from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.atomic import commit, prepare
 from vfsdp.checkpoint.entries import Entry, flatten, tensor_bytes, unflatten
 from vfsdp.checkpoint.manifest import METADATA, match_manifest, write_manifest
+from vfsdp.checkpoint.safe_pickle import SafeReader
 from vfsdp.checkpoint.storage import (
     CheckpointError,
     VerifyingLoadPlanner,
@@ -130,7 +131,7 @@ def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], spec
         raise _unwrap(exc, "vfsdp.checkpoint.save") from None
     err, result = None, None
     try:
-        md = FileSystemReader(tmp).read_metadata()
+        md = SafeReader(tmp).read_metadata()
         result = checksum_items(tmp, md.storage_data, rank, world)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         err = f"checksumming {tmp} failed: {exc}"
@@ -312,7 +313,7 @@ def load(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *, strict: bo
         err = exc
     agree(err)
     try:
-        dcp.load(load_state(entries), storage_reader=FileSystemReader(path),
+        dcp.load(load_state(entries), storage_reader=SafeReader(path),
                  planner=VerifyingLoadPlanner(path, manifest, verify))
     except CheckpointException as exc:
         raise _unwrap(exc, "vfsdp.checkpoint.load") from None

@@ -15,7 +15,7 @@ import zlib
 import torch
 
 from vfsdp.checkpoint.entries import Entry, dtype_name, parse_dtype
-from vfsdp.checkpoint.storage import FORMAT, MANIFEST, VERSION, CheckpointError
+from vfsdp.checkpoint.storage import FORMAT, MANIFEST, VERSION, CheckpointError, manifest_checksum
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["write_manifest", "match_manifest", "METADATA"]
@@ -47,6 +47,7 @@ def write_manifest(tmp: str, entries: list[Entry], spec: ShardSpec, world: int,
         "bytes": sum(v[2] for v in items.values()),
         "metadata_crc": zlib.crc32(meta), "entries": described, "files": files, "items": items,
     }
+    manifest["checksum"] = manifest_checksum(manifest)
     tmp_manifest = os.path.join(tmp, MANIFEST + ".tmp")
     with open(tmp_manifest, "w") as f:
         json.dump(manifest, f)

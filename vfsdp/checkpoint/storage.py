@@ -16,14 +16,15 @@ file, and CRCs of exactly the items this rank reads, before it copies anything.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import warnings
 import zlib
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -36,11 +37,12 @@ from vfsdp.checkpoint.entries import Entry
 from vfsdp.collectives.piece import Piece
 
 __all__ = ["CheckpointError", "MANIFEST", "FORMAT", "save_state", "load_state", "item_key",
-           "checksum_items", "verify_files", "VerifyingLoadPlanner", "read_manifest"]
+           "checksum_items", "verify_files", "VerifyingLoadPlanner", "read_manifest",
+           "manifest_checksum"]
 
 MANIFEST = "vfsdp.json"
 FORMAT = "vfsdp-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the manifest carries its own checksum
 _BLOCK = 1 << 22
 
 
@@ -244,11 +246,21 @@ def read_manifest(root: str) -> dict:
             manifest = json.load(f)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{root}/{MANIFEST} is unreadable ({exc})") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if manifest.get("format") != FORMAT or manifest.get("version") not in (1, VERSION):
         raise CheckpointError(f"{root}/{MANIFEST}: format {manifest.get('format')!r} version "
                               f"{manifest.get('version')!r}, expected {FORMAT!r} {VERSION}")
+    if manifest["version"] == 1:  # vfsdp 0.1 wrote no checksum
+        warnings.warn(f"{root} was saved by vfsdp 0.1, whose manifest has no checksum, so an "
+                      f"edit to it cannot be detected; save it again to add one", FutureWarning,
+                      stacklevel=3)
+    elif manifest.get("checksum") != manifest_checksum(manifest):
+        raise CheckpointError(f"{root}/{MANIFEST} was edited after the save (its checksum does not "
+                              f"match its contents); refusing to trust what it describes")
     return manifest
 
 
-def reader(root: str) -> FileSystemReader:
-    return FileSystemReader(root)
+def manifest_checksum(manifest: dict) -> str:
+    """SHA-256 of the manifest's canonical JSON, without its ``checksum`` field."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
+                          .encode()).hexdigest()

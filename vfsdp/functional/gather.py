@@ -262,6 +262,7 @@ class GatherHandle(Handle):
     def __init__(self, handles: list, leaves: list, spec: ShardSpec, calls: dict, make) -> None:
         super().__init__()
         self._handles, self._args = handles, (leaves, spec, calls, make)
+        self.calls = calls  # unit key -> its gather (its unit, gathered buffer, shards)
 
     def wait(self) -> Any:
         if not self._done:

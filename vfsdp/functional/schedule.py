@@ -55,18 +55,22 @@ class _Regather:
         self.order: list[DBuffer] = []
         self.index: dict[int, int] = {}
         self.pending: dict[int, Handle] = {}
+        self.calls: dict[int, list] = {}  # the gathers whose shards a regather re-reads
         self.prefetch = prefetch
 
-    def add(self, db: DBuffer) -> None:
+    def add(self, db: DBuffer, call) -> None:
         if id(db) not in self.index:
             self.index[id(db)] = len(self.order)
             self.order.append(db)
+        self.calls.setdefault(id(db), []).append(call)
 
     def _start(self, db: DBuffer, async_op: bool) -> Handle:
         return db.unit.regather(db, async_op=async_op)
 
     def ensure(self, db: DBuffer) -> None:
         i = self.index.get(id(db))
+        for call in self.calls.get(id(db), ()):
+            call.check_versions()  # a shard changed since the forward: refuse to regather it
         handle = self.pending.pop(id(db), None)
         if handle is not None:
             handle.wait()
@@ -167,10 +171,11 @@ def run_layers(
 
     pending: Optional[Handle] = start(0) if n else None
     for i in range(n):
-        full = pending.wait()
+        handle = pending
+        full = handle.wait()
         dbs = _gathered_buffers(full)
-        for db in dbs:
-            regather.add(db)
+        for call in handle.calls.values():
+            regather.add(call.db, call)
         nxt = i + 1 < n
         pending = start(i + 1) if nxt and prefetch else None
         with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):

@@ -136,6 +136,7 @@ def threaded_world() -> Iterator[object]:
     try:
         torch._C._distributed_c10d._set_thread_isolation_mode(True)
         _ISOLATED.set()
+        mtp.ProcessLocalGroup.reset()  # a run that failed or timed out may have left it set
         mtp._install_threaded_pg()
         try:
             yield mtp

@@ -28,7 +28,9 @@ from vfsdp.functional.reference import (
 from vfsdp.placements.reference import assemble_reference, split_reference
 from vfsdp.testing.counters import CopyCounter
 from vfsdp.testing.memory import GatheredProbe, LiveBytes
-from vfsdp.testing.runners import RankError, simulate, spawn
+from vfsdp.testing.runners import RankError
+from vfsdp.testing.simulate import simulate
+from vfsdp.testing.spawn import spawn
 
 __all__ = [
     "CopyCounter",

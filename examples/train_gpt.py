@@ -190,26 +190,44 @@ def reference(args, world: int) -> list:
             grads = vfsdp.grads(shards, spec)
             vfsdp.clip_grad_norm(grads, spec, 1.0)
             state = opt.update(grads, state, shards, spec)
+            del full, loss  # the retained graph: dropping it lets release free the unit now
             vfsdp.release(shards, spec)
             losses.append(total)
+            done = int(30 * step / args.steps)
+            print(f"\r[{'#' * done}{'.' * (30 - done)}] reference step {step}/{args.steps} "
+                  f"loss {total:.4f}", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
         return losses
 
-    return simulate(1, body)[0]
+    # One process, one thread: no watchdog (it takes as long as it takes on a busy machine).
+    return simulate(1, body, timeout=None)[0]
 
 
-def plot(path: str, losses: list, ref: list | None) -> None:
+def plot(path: str, losses: list, ref: list | None, title: str = "") -> None:
+    """The loss curve (and the single-process one), with their difference below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = 2 if ref is not None else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(7, 3 + 2 * rows), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 2][:rows]})
+    ax = axes[0][0]
     first = len(ref) - len(losses) + 1 if ref is not None else 1  # a resumed run starts later
-    ax.plot(range(first, first + len(losses)), losses, label="vfsdp (sharded)")
+    steps = range(first, first + len(losses))
+    ax.plot(steps, losses, label="vfsdp (sharded)")
     if ref is not None:
         ax.plot(range(1, len(ref) + 1), ref, "--", label="single process")
-    ax.set_xlabel("step")
+        diff = axes[1][0]
+        diff.plot(steps, [a - b for a, b in zip(losses, ref[first - 1:])], color="C2")
+        diff.axhline(0.0, color="grey", linewidth=0.8)
+        diff.set_ylabel("sharded - single")
+        diff.set_xlabel("step")
+    else:
+        ax.set_xlabel("step")
     ax.set_ylabel("loss")
+    ax.set_title(title or "training loss")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -271,17 +289,27 @@ def main(argv=None) -> int:
         print(f"nothing to do: the checkpoint is at or past step {args.steps}")
         return 0
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
-    ref = reference(args, world) if args.png else None
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "losses": losses, "reference": ref}, f)
+    title = (f"{world} ranks, {args.optim}, {args.param_dtype}, {args.steps} steps "
+             f"(dim {args.dim}, {args.layers} layers)")
+    if args.out:  # saved before the (slow) reference run, so a failure there loses nothing
+        save_curve(args.out, args, losses, None)
         print(f"loss curve saved to {args.out}")
     if args.png:
-        plot(args.png, losses, ref)
+        plot(args.png, losses, None, title)  # the sharded curve alone first, for the same reason
+        print("running the same training in one process for comparison ...", file=sys.stderr)
+        ref = reference(args, world)
+        if args.out:
+            save_curve(args.out, args, losses, ref)
+        plot(args.png, losses, ref, title)
         gap = max(abs(a - b) for a, b in zip(losses, ref[len(ref) - len(losses):]))
         print(f"max |loss - single-process loss| = {gap:.2e}; plot saved to {args.png}")
     return 0
+
+
+def save_curve(path: str, args, losses: list, ref: list | None) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"args": vars(args), "losses": losses, "reference": ref}, f)
 
 
 if __name__ == "__main__":

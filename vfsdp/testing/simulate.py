@@ -93,7 +93,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
                                    f"{waiting_in(frames.get(t.ident))}")
                 _torch_private.report_failure(mtp, TimeoutError("simulate timed out"))
                 for t in hung.values():  # woken from their collectives, they end
-                    t.join(5.0)
+                    t.join(2.0)
             while not errors.empty():
                 rank, tb = errors.get()
                 failures.setdefault(rank, tb)

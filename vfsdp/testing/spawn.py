@@ -47,12 +47,12 @@ def _check_importable(fn: Callable) -> None:
                          f"vfsdp.testing.simulate, which runs threads in this process)")
 
 
-def _worker(rank, world_size, init_file, err_path, dump_after, fn, args, kwargs, results):
+def _worker(rank, world_size, init_file, err_path, dump_at, fn, args, kwargs, results):
     fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 2)  # this rank's stderr, Python's and C++'s, goes to its file
     faulthandler.enable()  # fatal signals: write every thread's stack there
-    if dump_after is not None:
-        faulthandler.dump_traceback_later(dump_after)  # a hang: where it waits
+    # a hang: where it waits, written shortly before the parent's deadline (wall clock)
+    faulthandler.dump_traceback_later(max(0.5, dump_at - time.time()))
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -136,9 +136,9 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
     with tempfile.TemporaryDirectory(prefix="vfsdp-spawn-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         tails = [_Tail(os.path.join(tmp, f"rank{r}.stderr")) for r in range(world_size)]
-        dump_after = max(1.0, timeout - min(5.0, 0.1 * timeout))
+        dump_at = time.time() + timeout - min(3.0, 0.15 * timeout)
         procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, tails[r].path,
-                                                   dump_after, fn, args, kwargs, results),
+                                                   dump_at, fn, args, kwargs, results),
                              daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()

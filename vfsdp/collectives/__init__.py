@@ -5,7 +5,7 @@ Imports only ``vfsdp.planner`` and ``vfsdp.placements`` (and ``torch.distributed
 
 from vfsdp.collectives.agree import agree, agreed
 from vfsdp.collectives.comm import counts, reset_counts
-from vfsdp.collectives.dbuffer import DBuffer, Role, Slot, View, slot_of
+from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.groups import MeshGroups, resolve_groups
 from vfsdp.collectives.handle import Handle
 from vfsdp.collectives.piece import Piece
@@ -17,6 +17,7 @@ from vfsdp.collectives.reference import (
     reduce_scatter_reference,
 )
 from vfsdp.collectives.scatter import scatter_unit
+from vfsdp.collectives.slot import Role, Slot, View, slot_of
 from vfsdp.collectives.unit import Unit
 
 _REMOVED = {"owner_of": "read a tensor's buffer from the tensor: vfsdp.collectives.slot_of(t)",

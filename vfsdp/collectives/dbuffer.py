@@ -22,10 +22,8 @@ autograd version counter: regathering the same values does not invalidate saved 
 
 from __future__ import annotations
 
-import enum
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -35,70 +33,12 @@ from vfsdp.collectives.events import emit
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle, comm_context
 from vfsdp.collectives.released import poison, revive
+from vfsdp.collectives.slot import SLOT, Role, Slot, View, slot_of
 from vfsdp.placements.ragged import local_shape
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
-__all__ = ["DBuffer", "Role", "View", "Slot", "slot_of"]
+__all__ = ["DBuffer"]
 
-_SLOT = "_vfsdp_slot"
-
-
-class Role(enum.Enum):
-    """What a DBuffer holds."""
-
-    PARAM = "param"      #: the parameters' master shard; gathered: the full parameters
-    COMPUTE = "compute"  #: a low-precision copy of the parameters, gathered for compute
-    GRAD = "grad"        #: the sharded gradients (persistent between backward and update)
-    ACCUM = "accum"      #: unsharded gradients accumulated without reducing (grad_sync=False)
-    STAGE = "stage"      #: the reduce-scatter input, in the reduction dtype
-    STATE = "state"      #: optimizer state with the parameters' layout
-
-    @property
-    def holds_params(self) -> bool:
-        """``PARAM`` and ``COMPUTE``: gathering one of them gathers parameters."""
-        return self in (Role.PARAM, Role.COMPUTE)
-
-
-class View(enum.Enum):
-    """Which memory a view aliases."""
-
-    LOCAL = "local"  #: the rank's shard
-    FULL = "full"    #: the gathered global buffer
-
-
-@dataclass(frozen=True, eq=False)
-class Slot:
-    """Where a tensor handed out by a DBuffer lives. Read it with :func:`slot_of`.
-
-    Attributes:
-        buffer: The DBuffer.
-        index: The tensor's position in the unit's buffer order.
-        view: :attr:`View.LOCAL` or :attr:`View.FULL`.
-        unit: The :class:`~vfsdp.collectives.Unit` the buffer belongs to, if any.
-    """
-
-    buffer: DBuffer
-    index: int
-    view: View
-    unit: Any = None
-
-    def __reduce__(self):
-        # A pickled tensor (torch.save, spawn results) is plain data: it carries no buffer.
-        return (_no_slot, ())
-
-
-def _no_slot() -> None:
-    return None
-
-
-def slot_of(t: Any) -> Optional[Slot]:
-    """The :class:`Slot` of a tensor a DBuffer handed out, or ``None`` for any other value.
-
-    Example:
-        >>> slot_of(torch.zeros(2)) is None
-        True
-    """
-    return getattr(t, _SLOT, None) if isinstance(t, torch.Tensor) else None
 
 
 def _alias(storage_tensor: torch.Tensor, offset: int, shape: tuple) -> torch.Tensor:
@@ -202,7 +142,7 @@ class DBuffer:
     # ------------------------------------------------------------------ views
 
     def _tag(self, t: torch.Tensor, k: int, view: View) -> torch.Tensor:
-        setattr(t, _SLOT, Slot(self, k, view, self.unit))
+        setattr(t, SLOT, Slot(self, k, view, self.unit))
         if view is View.FULL or self.role is Role.GRAD:  # memory this buffer may release
             if len(self._views) > 2 * len(self) + 16:
                 self._views = [r for r in self._views if r() is not None]
@@ -213,13 +153,13 @@ class DBuffer:
         out = []
         for r in self._views:
             t = r()
-            if t is not None and getattr(t, _SLOT).view is view:
+            if t is not None and getattr(t, SLOT).view is view:
                 out.append(t)
         return out
 
     def _poison(self, view: View, why: str) -> None:
         for t in self._handed_out(view):
-            path = ".".join(map(str, self.tensors[getattr(t, _SLOT).index].path))
+            path = ".".join(map(str, self.tensors[getattr(t, SLOT).index].path))
             poison([t], f"{path} (unit {unit_name(self.key)}) was released; {why}")
 
     def local(self, i: Union[int, tuple]) -> torch.Tensor:

@@ -23,9 +23,10 @@ from typing import Optional
 
 import torch
 
-from vfsdp.collectives.dbuffer import DBuffer, Role
+from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle
+from vfsdp.collectives.slot import Role
 from vfsdp.planner.spec import TensorSpec, UnitLayout
 
 __all__ = ["Unit"]

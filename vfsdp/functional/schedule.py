@@ -29,8 +29,9 @@ import optree
 import torch
 
 from vfsdp._torch_private import functorch_active
-from vfsdp.collectives.dbuffer import DBuffer, View, slot_of
+from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.handle import Handle
+from vfsdp.collectives.slot import View, slot_of
 from vfsdp.functional.gather import start_gather
 from vfsdp.functional.options import split_options
 from vfsdp.planner.spec import ShardSpec

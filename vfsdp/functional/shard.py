@@ -14,8 +14,8 @@ from typing import Any, Optional
 import optree
 import torch
 
-from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.collectives.groups import resolve_groups
+from vfsdp.collectives.slot import slot_of
 from vfsdp.collectives.unit import Unit
 from vfsdp.functional.scatter import scatter
 from vfsdp.functional.tree import match_tree

@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from vfsdp.collectives.dbuffer import View, slot_of
 from vfsdp.collectives.groups import resolve_groups
+from vfsdp.collectives.slot import View, slot_of
 from vfsdp.collectives.unit import Unit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, UnitLayout, unit_name

@@ -25,8 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from vfsdp.collectives.dbuffer import Role
 from vfsdp.collectives.piece import Piece
+from vfsdp.collectives.slot import Role
 from vfsdp.functional.state import param_tree
 from vfsdp.optim.adamw import owned_views, runs
 from vfsdp.optim.base import (

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from vfsdp.collectives.dbuffer import View, slot_of
+from vfsdp.collectives.slot import View, slot_of
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import UnitLeaves, units_of
 from vfsdp.optim.schedules import constant

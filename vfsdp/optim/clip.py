@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from vfsdp.collectives import comm
-from vfsdp.collectives.dbuffer import Role, View, slot_of
 from vfsdp.collectives.groups import resolve_groups
+from vfsdp.collectives.slot import Role, View, slot_of
 from vfsdp.functional.tree import match_tree
 from vfsdp.optim.base import Mask, selected
 from vfsdp.planner.spec import ShardSpec

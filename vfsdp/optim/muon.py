@@ -27,8 +27,8 @@ from typing import Any, Optional
 
 import torch
 
-from vfsdp.collectives.dbuffer import Role
 from vfsdp.collectives.redistribute import Redistribution
+from vfsdp.collectives.slot import Role
 from vfsdp.functional.state import param_tree
 from vfsdp.optim.adamw import owned_views
 from vfsdp.optim.base import (

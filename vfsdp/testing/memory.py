@@ -23,8 +23,8 @@ import optree
 import torch
 
 from vfsdp._torch_private import TorchDispatchMode, storage_id
-from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.collectives.events import observe
+from vfsdp.collectives.slot import slot_of
 
 __all__ = ["GatheredProbe", "LiveBytes"]
 

@@ -1,0 +1,78 @@
+"""What a tensor handed out by vfsdp carries: its :class:`Slot` (buffer, index, view, unit).
+
+Every view a :class:`~vfsdp.collectives.DBuffer` hands out (a shard, a gathered full tensor, a
+gradient piece) carries a ``Slot`` attribute naming the buffer, the tensor's index in the unit,
+the kind of view, and the :class:`~vfsdp.collectives.Unit`. Code that receives the tensor finds
+its buffers from it (:func:`slot_of`): no registry, no lookup by address. :class:`Role` says
+what a buffer holds.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["Role", "View", "Slot", "slot_of", "SLOT"]
+
+SLOT = "_vfsdp_slot"  # the attribute name on views
+
+
+class Role(enum.Enum):
+    """What a DBuffer holds."""
+
+    PARAM = "param"      #: the parameters' master shard; gathered: the full parameters
+    COMPUTE = "compute"  #: a low-precision copy of the parameters, gathered for compute
+    GRAD = "grad"        #: the sharded gradients (persistent between backward and update)
+    ACCUM = "accum"      #: unsharded gradients accumulated without reducing (grad_sync=False)
+    STAGE = "stage"      #: the reduce-scatter input, in the reduction dtype
+    STATE = "state"      #: optimizer state with the parameters' layout
+
+    @property
+    def holds_params(self) -> bool:
+        """``PARAM`` and ``COMPUTE``: gathering one of them gathers parameters."""
+        return self in (Role.PARAM, Role.COMPUTE)
+
+
+class View(enum.Enum):
+    """Which memory a view aliases."""
+
+    LOCAL = "local"  #: the rank's shard
+    FULL = "full"    #: the gathered global buffer
+
+
+@dataclass(frozen=True, eq=False)
+class Slot:
+    """Where a tensor handed out by a DBuffer lives. Read it with :func:`slot_of`.
+
+    Attributes:
+        buffer: The DBuffer.
+        index: The tensor's position in the unit's buffer order.
+        view: :attr:`View.LOCAL` or :attr:`View.FULL`.
+        unit: The :class:`~vfsdp.collectives.Unit` the buffer belongs to, if any.
+    """
+
+    buffer: Any  # the DBuffer
+    index: int
+    view: View
+    unit: Any = None
+
+    def __reduce__(self):
+        # A pickled tensor (torch.save, spawn results) is plain data: it carries no buffer.
+        return (_no_slot, ())
+
+
+def _no_slot() -> None:
+    return None
+
+
+def slot_of(t: Any) -> Optional[Slot]:
+    """The :class:`Slot` of a tensor a DBuffer handed out, or ``None`` for any other value.
+
+    Example:
+        >>> slot_of(torch.zeros(2)) is None
+        True
+    """
+    return getattr(t, SLOT, None) if isinstance(t, torch.Tensor) else None

@@ -34,12 +34,14 @@ import contextlib
 import threading
 import warnings
 from collections.abc import Iterator
+from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_world",
            "report_failure", "groups_are_per_thread", "graph_task_id", "keep_graph",
+           "running_node_seq", "storage_refs",
            "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH"]
 
 TESTED_TORCH = ((2, 11), (2, 13))
@@ -67,9 +69,25 @@ def storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def storage_refs(t: torch.Tensor) -> Optional[int]:
+    """How many tensors share ``t``'s storage (``t`` included), or ``None`` where this torch
+    cannot tell."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    return int(count(t.untyped_storage()._cdata)) - 1  # less the storage object made here
+
+
 def graph_task_id() -> int:
     """The running backward pass's id (``-1`` outside a backward)."""
     return int(torch._C._current_graph_task_id())
+
+
+def running_node_seq() -> Optional[int]:
+    """Inside a backward: the sequence number of the autograd node running now (``None``
+    outside one)."""
+    node = torch._C._current_autograd_node()
+    return None if node is None else int(node._sequence_nr())
 
 
 def keep_graph() -> bool:

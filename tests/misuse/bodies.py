@@ -202,3 +202,63 @@ def released_gradient_view():
 
 def norm_of(tree) -> float:
     return math.sqrt(sum(float(t.double().pow(2).sum()) for t in optree.tree_leaves(tree)))
+
+
+def skip_params():
+    g = torch.Generator().manual_seed(0)
+    return {"io": {"embed": torch.randn(4, 6, generator=g)},
+            "layers": [{"w": torch.randn(6, 6, generator=g) / 3, "b": torch.randn(6, generator=g)}
+                       for _ in range(3)]}
+
+
+def skip_layer(p, h):
+    return torch.tanh(p["w"] @ h + p["b"])
+
+
+def skip_loss(params, rank: int, skipped) -> torch.Tensor:
+    """The loss of rank ``rank``: ``skipped(rank, i)`` layers are not run (their unit unused)."""
+    h = params["io"]["embed"][rank]
+    for i, layer in enumerate(params["layers"]):
+        if not skipped(rank, i):
+            h = skip_layer(layer, h)
+    return (h ** 2).sum()
+
+
+SKIPS = {
+    "none": lambda r, i: False,
+    "middle_on_rank1": lambda r, i: r == 1 and i == 1,
+    "first_on_rank0": lambda r, i: r == 0 and i == 0,
+    "last_on_all_but_rank0": lambda r, i: i == 2 and r != 0,
+}
+
+
+def unused_dropped(path: str, skip: str, options: dict):
+    """Row 7, the gathered tree dropped before backward: a helper returning only the loss, or
+    run_layers (which drops each unit's tree after its forward), with units unused on some
+    ranks. Two steps; returns the second step's gradients."""
+    rank = dist.get_rank()
+    skipped = SKIPS[skip]
+    spec = vfsdp.plan(skip_params(), dist.get_world_size())
+    shards = vfsdp.shard(skip_params(), spec)
+
+    def helper_loss():
+        full = vfsdp.gather(shards, spec, **options)
+        return skip_loss(full, rank, skipped)  # `full` dies here: only the loss is kept
+
+    def run_layers_loss():
+        io = vfsdp.gather(shards["io"], spec["io"], grads="buffer")
+        count = [0]
+
+        def layer(p, h):
+            i = count[0]
+            count[0] += 1
+            return h * 1.0 if skipped(rank, i) else skip_layer(p, h)
+
+        h = vfsdp.run_layers(layer, shards["layers"], spec["layers"], io["embed"][rank],
+                             **options)
+        return (h ** 2).sum()
+
+    for _ in range(2):
+        vfsdp.zero_grads(shards, spec)
+        (helper_loss() if path == "gather" else run_layers_loss()).backward()
+    return optree.tree_map(lambda t: t.clone(), vfsdp.grads(shards, spec))

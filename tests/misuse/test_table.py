@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import optree
 import pytest
 import torch
 
@@ -87,6 +88,34 @@ def test_row07_a_unit_unused_on_some_ranks_does_not_hang(mode):
         assert got == [[2.0] * 4, [2.5] * 4, [3.0] * 4]
     gloo = spawn(b.unused_on_some_ranks, 2, mode, timeout=120)
     assert gloo == results
+
+
+UNUSED_CASES = [
+    ("gather", skip, opts) for skip in b.SKIPS
+    for opts in ({"grads": "return"}, {"grads": "buffer", "free_after_backward": True})
+] + [
+    ("run_layers", skip, opts) for skip in b.SKIPS if skip != "none"
+    for opts in ({}, {"prefetch": False}, {"async_reduce": False},
+                 {"reshard_after_forward": False})
+]
+
+
+@pytest.mark.parametrize(("path", "skip", "options"), UNUSED_CASES,
+                         ids=[f"{p}-{s}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
+                              for p, s, o in UNUSED_CASES])
+def test_row07_units_unused_on_some_ranks_with_the_gathered_tree_dropped(path, skip, options):
+    """The tree is dropped before backward (a helper returns only the loss; run_layers drops
+    each unit's tree): the unused units still reduce, in step with the other ranks."""
+    world = 4 if skip == "last_on_all_but_rank0" else 2
+    results = simulate(world, b.unused_dropped, path, skip, options, timeout=60)
+    params = optree.tree_map(lambda t: t.clone().requires_grad_(), b.skip_params())
+    loss = sum(b.skip_loss(params, r, b.SKIPS[skip]) for r in range(world)) / world
+    loss.backward()
+    spec = vfsdp.plan(b.skip_params(), world)
+    got = vfsdp.testing.gather_reference(results, spec)
+    for path_, g, p in zip(optree.tree_paths(params), optree.tree_leaves(got),
+                           optree.tree_leaves(params)):
+        assert torch.allclose(g, p.grad, atol=1e-6), path_
 
 
 @pytest.mark.parametrize("path", ["gather", "run_layers"])

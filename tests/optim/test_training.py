@@ -87,13 +87,13 @@ def test_memory_two_units_with_reshard_all_without():
     assert simulate(2, bodies.layers_only_peak, False) == [(bodies.L, 0)] * 2
 
 
-def _adamw_bitwise_body():
-    params = bodies.init_params()
+def _adamw_bitwise_body(dtype=torch.float32):
+    params = optree.tree_map(lambda t: t.to(dtype), bodies.init_params())
     spec = vfsdp.plan(params, 1)
     shards = vfsdp.shard(params, spec)
     opt = bodies.make_opt()
     state = opt.init(shards, spec)
-    ref = bodies.init_params()
+    ref = optree.tree_map(lambda t: t.to(dtype), bodies.init_params())
     leaves, paths = optree.tree_leaves(ref), optree.tree_paths(ref)
     sched = vfsdp.optim.warmup_cosine(3e-2, 2, 10)
     torch_opt = torch.optim.AdamW(
@@ -102,7 +102,7 @@ def _adamw_bitwise_body():
           "weight_decay": 0.0}], lr=sched(1), foreach=False)
     g = torch.Generator().manual_seed(5)
     for step in range(1, 4):
-        grads_full = [torch.randn(p.shape, generator=g) for p in leaves]
+        grads_full = [torch.randn(p.shape, generator=g).to(dtype) for p in leaves]
         for p, gr in zip(leaves, grads_full):
             p.grad = gr.clone()
         for group in torch_opt.param_groups:
@@ -114,5 +114,35 @@ def _adamw_bitwise_body():
                for a, b in zip(optree.tree_leaves(shards), leaves))
 
 
-def test_adamw_is_bitwise_torch_adamw_given_the_same_gradients():
-    assert simulate(1, _adamw_bitwise_body) == [True]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_adamw_is_bitwise_torch_adamw_given_the_same_gradients(dtype):
+    """float64 parameters keep float64 moments, as torch's do."""
+    assert simulate(1, _adamw_bitwise_body, dtype) == [True]
+
+
+def _one_update(name: str, dtype: torch.dtype):
+    params = {"w": torch.linspace(-1, 1, 64 * 32).reshape(64, 32).to(dtype),
+              "b": torch.linspace(0, 1, 32).to(dtype)}
+    opt = {"adamw": vfsdp.optim.adamw(lr=0.1), "adamw8bit": vfsdp.optim.adamw8bit(lr=0.1),
+           "muon": vfsdp.optim.muon(lr=0.1)}[name]
+    spec = vfsdp.plan(params, 2, granularity=opt.granularity)
+    shards = vfsdp.shard(params, spec)
+    state = opt.init(shards, spec)
+    full = vfsdp.gather(shards, spec)
+    ((full["w"] ** 2).sum() + full["b"].sum()).backward()
+    opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+    return {k: (v.dtype, v.detach().double()) for k, v in shards.items()}
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_optimizers_take_float64_and_bfloat16_parameters(name, dtype):
+    """State in float32 (float64 for float64 parameters); the parameters keep their dtype and
+    move as the float32 ones do."""
+    got = simulate(2, _one_update, name, dtype)
+    want = simulate(2, _one_update, name, torch.float32)
+    tol = 1e-6 if dtype == torch.float64 else 4e-2  # bfloat16: its gradients round too
+    for g, w in zip(got, want):
+        for k in g:
+            assert g[k][0] == dtype
+            assert torch.allclose(g[k][1], w[k][1], atol=tol), (name, k)

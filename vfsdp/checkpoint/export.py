@@ -118,7 +118,7 @@ def stream_full(entries: list[Entry], dst: int = 0) -> Iterator[tuple[str, Any]]
                 yield e.name, (e.value if e.kind == "value" else
                                small[e.name] if e.kind == "sharded" else e.tensor.detach())
             continue
-        was_gathered = db.is_allocated
+        was_gathered = db.is_gathered
         db.all_gather()
         try:
             if rank == dst:

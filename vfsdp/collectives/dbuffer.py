@@ -22,12 +22,15 @@ autograd version counter: regathering the same values does not invalidate saved 
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import torch
 
+from vfsdp import _torch_private as tp
+from vfsdp._warnings import warn_user
 from vfsdp.collectives import comm
 from vfsdp.collectives.events import emit
 from vfsdp.collectives.groups import MeshGroups
@@ -102,6 +105,10 @@ class DBuffer:
         self._pending: Optional[Handle] = None
         self.graphs = 0  # live autograd graphs that read this buffer's full views
         self.release_pending = False  # release() was asked while such a graph was alive
+        # Released, but tensors made from the views handed out (x.T, x.detach(), slices) still
+        # reference the memory: it is kept (freeing it would leave them pointing at nothing).
+        self._held = False        # the global buffer
+        self._shard_held = False  # the shard (release_shard)
         # Views are made on demand and point back at this DBuffer, which keeps only weak
         # references to those whose memory it may release (to turn them into ReleasedTensors):
         # no reference cycle, so dropping the shards frees the memory at once.
@@ -177,7 +184,7 @@ class DBuffer:
                 it with garbage); gather first.
         """
         k = i if isinstance(i, int) else self.index(i)
-        if not self.is_allocated:
+        if not self.is_gathered:
             raise RuntimeError(f"unit {unit_name(self.key)} ({self.name}) is not gathered; "
                                f"call all_gather() (or vfsdp.gather) before taking full views")
         t = self.tensors[k]
@@ -198,8 +205,28 @@ class DBuffer:
 
     @property
     def is_allocated(self) -> bool:
-        """Whether the global buffer holds memory (gathered, or being gathered)."""
+        """Whether the global buffer holds memory (gathered, being gathered, or released but
+        still referenced by tensors made from its views)."""
         return self._global.untyped_storage().nbytes() > 0
+
+    @property
+    def is_gathered(self) -> bool:
+        """Whether the global buffer is gathered (or being gathered) and not released since."""
+        return self.is_allocated and not self._held
+
+    def _foreign(self, base: torch.Tensor, view: View) -> int:
+        """How many tensors other than ``base`` and the views handed out share its memory:
+        tensors users (or autograd) made from those views."""
+        refs = tp.storage_refs(base)
+        return 0 if refs is None else max(0, refs - 1 - len(self._handed_out(view)))
+
+    def _hold(self, what: str, count: int) -> None:
+        warn_user(
+            f"vfsdp: unit {unit_name(self.key)} ({self.name}) was released, but {count} "
+            f"tensor(s) made from its {what} (a view such as x.T, x.view(...), x.detach() or a "
+            f"slice, or a tensor an autograd graph saved) still reference its memory, so the "
+            f"memory stays allocated until they are dropped (the next release frees it, the "
+            f"next gather reuses it and they read the new values). .clone() what you keep.")
 
     def view_index(self, t: torch.Tensor) -> Optional[int]:
         """Which tensor's local piece ``t`` is, when ``t`` came from :meth:`local` (and still
@@ -224,23 +251,33 @@ class DBuffer:
     def alloc_global(self) -> torch.Tensor:
         """Re-allocate the global buffer's storage (contents undefined); views stay valid."""
         self.release_pending = False
+        self._held = False
         if not self.is_allocated:
             self._global.untyped_storage().resize_(self._global_bytes)
             emit("alloc", self)
         revive(self._handed_out(View.FULL))
         return self._global
 
-    def release(self) -> None:
-        """Release the gathered memory, safely: the full views handed out read as released at
-        once (:class:`~vfsdp.collectives.released.ReleasedTensor`); the memory is freed now,
-        or, while an autograd graph that saved them is alive (``graphs > 0``), when the last
-        such graph finishes its backward or is dropped (:meth:`graph_done`)."""
-        if not self.is_allocated:
+    def release(self, at_once: bool = True) -> None:
+        """Release the gathered memory, safely: the memory is freed now, or, while an autograd
+        graph that saved the full views is alive (``graphs > 0``), when the last such graph
+        finishes its backward or is dropped (:meth:`graph_done`).
+
+        Args:
+            at_once: The full views handed out read as released
+                (:class:`~vfsdp.collectives.released.ReleasedTensor`) at once, as a user's
+                ``vfsdp.release`` asks. ``False`` (``free_after_backward``: one graph is done,
+                another may still be forwarding with them) only when the memory goes.
+        """
+        if not self.is_gathered:
+            if self._held:
+                self.free_global()  # retry: the tensors holding its memory may be gone
             return
         if self.graphs > 0:
             self.release_pending = True
-            self._poison(View.FULL, "gather the unit again (vfsdp.gather) before reading its "
-                                    "full tensors")
+            if at_once:
+                self._poison(View.FULL, "gather the unit again (vfsdp.gather) before reading "
+                                        "its full tensors")
             return
         self.free_global()
 
@@ -260,11 +297,21 @@ class DBuffer:
         if wait:
             self.wait()
         self.release_pending = False
-        if self.is_allocated:
-            self._global.untyped_storage().resize_(0)
-            self._poison(View.FULL, "gather the unit again (vfsdp.gather) before reading its "
-                                    "full tensors")
-            emit("free", self)
+        if not self.is_allocated:
+            return
+        self._poison(View.FULL, "gather the unit again (vfsdp.gather) before reading its full "
+                                "tensors")
+        # Only parameters' full views reach users; staging and accumulators stay internal.
+        foreign = (self._foreign(self._global, View.FULL)
+                   if self.role in (Role.PARAM, Role.COMPUTE) else 0)
+        if foreign:  # freeing would leave those tensors pointing at nothing: keep the memory
+            if not self._held:
+                self._hold("full tensors", foreign)
+            self._held = True
+            return
+        self._held = False
+        self._global.untyped_storage().resize_(0)
+        emit("free", self)
 
     # ------------------------------------------------------------------ collectives
 
@@ -399,7 +446,8 @@ class DBuffer:
 
     @property
     def shard_allocated(self) -> bool:
-        """Whether the shard holds memory (see :meth:`release_shard`)."""
+        """Whether the shard holds memory (see :meth:`release_shard`; also while released but
+        still referenced by tensors made from its views)."""
         return self.shard.untyped_storage().nbytes() > 0
 
     def release_shard(self) -> None:
@@ -408,14 +456,26 @@ class DBuffer:
         Views of it stay valid objects; :meth:`ensure_shard` brings the memory back.
         """
         self.wait()
-        self.shard.untyped_storage().resize_(0)
         self._poison(View.LOCAL, "its gradients were zeroed with set_to_none (vfsdp.zero_grads); "
                                  "read them again with vfsdp.grads after the next backward")
+        if not self.shard_allocated:
+            return
+        foreign = self._foreign(self.shard, View.LOCAL)
+        if foreign:  # as in free_global: tensors made from its views still read it
+            if not self._shard_held:
+                self._hold("gradients", foreign)
+            self._shard_held = True
+            return
+        self._shard_held = False
+        self.shard.untyped_storage().resize_(0)
 
     def ensure_shard(self, zero: bool = True) -> torch.Tensor:
         """Re-allocate a released shard (zero-filled unless ``zero=False``); return it."""
-        if not self.shard_allocated:
-            self.shard.untyped_storage().resize_(self.shard.numel() * self.shard.element_size())
+        if not self.shard_allocated or self._shard_held:
+            self._shard_held = False
+            if not self.shard_allocated:
+                self.shard.untyped_storage().resize_(self.shard.numel() *
+                                                     self.shard.element_size())
             if zero:
                 with torch.no_grad():
                     self.shard.zero_()
@@ -456,8 +516,6 @@ class DBuffer:
             name: A label (e.g. ``"exp_avg"``).
         """
         if isinstance(role, str):  # 0.1 spelled roles as strings: like(dtype, role="exp_avg")
-            import warnings
-
             warnings.warn(f"DBuffer.like(role={role!r}): roles are vfsdp.collectives.Role values "
                           f"now; pass role=Role.STATE, name={role!r}", FutureWarning,
                           stacklevel=2)
@@ -474,4 +532,4 @@ class DBuffer:
     def __repr__(self) -> str:
         return (f"DBuffer({self.name}, unit {unit_name(self.key)}, rank {self.rank}/"
                 f"{self.layout.world_size}, S={self.layout.shard_numel}, {self.dtype}, "
-                f"{'gathered' if self.is_allocated else 'released'})")
+                f"{'gathered' if self.is_gathered else 'released'})")

@@ -13,6 +13,7 @@ the next backward through the same unit overwrites them. Clone them to keep them
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import optree
@@ -30,7 +31,7 @@ from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import find_unit, pack_unit, units_of
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["gather", "gather_async", "start_gather", "GatherHandle"]
+__all__ = ["gather", "gather_async", "start_gather", "GatherHandle", "writes_leaf_grads"]
 
 
 class _Call:
@@ -40,7 +41,7 @@ class _Call:
     """
 
     __slots__ = ("spec", "key", "index", "mesh", "what", "gopts", "ropts",
-                 "unit", "db", "locals", "versions", "needs", "entry")
+                 "unit", "db", "locals", "versions", "needs", "entry", "before_reduce")
 
     def __init__(self, spec, key, index, mesh, what, gopts, ropts) -> None:
         self.spec, self.key, self.index, self.mesh, self.what = spec, key, index, mesh, what
@@ -51,6 +52,9 @@ class _Call:
         self.versions: tuple = ()
         self.needs: tuple = ()    # which of them require grad
         self.entry = None         # this gather's place in the rank's backward ledger
+        # What must happen on every rank before the unit's reduce-scatter, whether its
+        # backward runs or it reduces zeros (run_layers: regather it, prefetch the previous).
+        self.before_reduce: Optional[Callable[[], None]] = None
 
     def check_versions(self) -> None:
         """Raise if a shard was changed in place since the forward gathered it.
@@ -102,7 +106,8 @@ class _GatherUnit(torch.autograd.Function):
         if any(needs) and not functorch_active():
             call.locals, call.needs = tuple(inputs[1:]), needs
             call.versions = tuple(tp.version(x) for x in call.locals)
-            call.entry = ledger().add(ctx, lambda acc, c=call: _reduce_zeros(c, acc), call.db)
+            call.entry = ledger().add(ctx, lambda acc, c=call: _reduce_zeros(c, acc), call.db,
+                                      lambda c=call: _orphaned(c))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -112,12 +117,16 @@ class _GatherUnit(torch.autograd.Function):
         if call.entry is not None:
             call.check_versions()
             keep = tp.keep_graph()
-            ledger().ran(call.entry, lambda: _accumulates(call))
+            ledger().ran(call.entry, lambda: writes_leaf_grads(call))
+        if call.before_reduce is not None:
+            call.before_reduce()
         if call.gopts.free_after_backward and not keep:
-            # The unit's backward is done, its gathered parameters are no longer read: release
-            # them before the gradient staging buffer is allocated, so the two never coexist.
-            # (With retain_graph=True the graph runs again and reads them: they stay.)
-            call.db.free_global()
+            # The unit's backward is done, its gathered parameters are no longer read by it:
+            # release them before the gradient staging buffer is allocated, so the two never
+            # coexist. The memory goes now, or when the last other graph still reading it (the
+            # same unit gathered again, e.g. for a second micro-batch) is done with it. (With
+            # retain_graph=True the graph runs again and reads them: they stay.)
+            call.db.release(at_once=False)
         grads = [g if need else None for g, need in zip(grads, needs)]  # frozen: no gradient
         pieces = reduce_unit(call.unit, call.index, grads, call.ropts)
         if call.ropts.grads == "buffer" or pieces is None:
@@ -131,6 +140,10 @@ def _reduce_zeros(call: _Call, accumulates: bool) -> None:
     With ``grads="return"`` the result (the other ranks' contributions) goes into the
     shards' ``.grad`` when the pass accumulates into leaves (``backward()``), as FSDP2 does.
     """
+    if call.before_reduce is not None:
+        call.before_reduce()
+    if call.gopts.free_after_backward:
+        call.db.release(at_once=False)  # as after a backward that ran (kept while a graph reads)
     pieces = reduce_unit(call.unit, call.index, [None] * len(call.index), call.ropts)
     if call.ropts.grads != "return" or pieces is None or not accumulates:
         return
@@ -143,7 +156,16 @@ def _reduce_zeros(call: _Call, accumulates: bool) -> None:
                     x.grad.add_(p)
 
 
-def _accumulates(call: _Call) -> bool:
+def _orphaned(call: _Call) -> None:
+    """The unit's autograd node died before any backward reached it: with
+    ``free_after_backward``, its gathered memory can go now (its zeros are reduced by the next
+    backward). Under ``run_layers`` (``before_reduce`` set) it stays, so that every rank's
+    regathers match."""
+    if call.gopts.free_after_backward and call.before_reduce is None:
+        call.db.release(at_once=False)
+
+
+def writes_leaf_grads(call: _Call) -> bool:
     """Whether the running backward writes leaves' ``.grad`` (``backward()``, not
     ``autograd.grad``): the engine will run a gathered shard's AccumulateGrad node."""
     x = next((x for x, need in zip(call.locals, call.needs) if need), None)

@@ -10,6 +10,14 @@ with zero gradients, so every rank issues the same reduce-scatters in the same o
 does for unused parameters. At the end of the pass (the engine's final callback) the units
 still left, created before every node that ran, are reduced with zeros the same way.
 
+A node can also die before any backward: the unit's full tensors were dropped without this
+rank's loss reaching them (``run_layers`` and helper functions drop the gathered tree as soon as
+the forward is done). Such an entry is kept as an *orphan* and reduced with zeros, in its
+place, by the next backward pass, since another rank's loss may use the unit. A graph
+dropped without a backward (an evaluation forward with gradients enabled) leaves orphans too:
+they cost the next backward one zero reduce-scatter per unit (gather under
+``torch.no_grad()`` to avoid it).
+
 The SPMD contract this needs: on every rank, the backward reaches at least one unit gathered
 for it. A rank whose loss uses no gathered tensor at all runs none of these hooks, and the
 other ranks wait in their reduce-scatters (make such a loss depend on one, e.g. add
@@ -24,7 +32,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.handle import Handle
@@ -37,14 +45,18 @@ _LOCAL = threading.local()
 class Entry:
     """One gathered unit awaiting its backward on this rank."""
 
-    __slots__ = ("seq", "reduce_zeros", "buffer", "ran_in", "closed", "__weakref__")
+    __slots__ = ("seq", "reduce_zeros", "buffer", "on_orphan", "ran_in", "closed", "orphan",
+                 "__weakref__")
 
-    def __init__(self, seq: int, reduce_zeros: Callable[[bool], None], buffer: Any) -> None:
+    def __init__(self, seq: int, reduce_zeros: Callable[[bool], None], buffer: Any,
+                 on_orphan: Optional[Callable[[], None]]) -> None:
         self.seq = seq                    # the autograd node's sequence number
         self.reduce_zeros = reduce_zeros  # reduce-scatter zeros for this unit
         self.buffer = buffer              # the gathered DBuffer (its .graphs counts us)
+        self.on_orphan = on_orphan        # runs when its node dies before any backward
         self.ran_in = -2                  # the last backward pass (task id) it reduced in
         self.closed = False
+        self.orphan = False               # its node died before any backward reached it
 
 
 class Reductions:
@@ -84,49 +96,84 @@ class Ledger:
         self.callback_task = -2   # the pass whose final callback is queued
         self.accumulates = True   # whether that pass writes leaves' .grad (not autograd.grad)
 
-    def add(self, ctx: Any, reduce_zeros: Callable[[bool], None], buffer: Any) -> Entry:
-        """Record a gathered unit's autograd node ``ctx`` (called when the node is made)."""
-        entry = Entry(ctx._sequence_nr(), reduce_zeros, buffer)
+    def add(self, ctx: Any, reduce_zeros: Callable[[bool], None], buffer: Any,
+            on_orphan: Optional[Callable[[], None]] = None) -> Entry:
+        """Record a gathered unit's autograd node ``ctx`` (called when the node is made).
+
+        ``on_orphan`` runs when the node dies before any backward reached it (e.g. to
+        release the gathered memory)."""
+        entry = Entry(ctx._sequence_nr(), reduce_zeros, buffer, on_orphan)
         self.entries.append(entry)
         buffer.graphs += 1
-        weakref.finalize(ctx, self.close, weakref.ref(entry))
+        weakref.finalize(ctx, self.died, weakref.ref(entry))
         return entry
 
-    def close(self, ref) -> None:
-        """The graph holding the entry was freed (or will not run again): forget it."""
-        entry = ref() if isinstance(ref, weakref.ref) else ref
-        if entry is None or entry.closed:
+    def died(self, ref) -> None:
+        """The entry's autograd node was freed. Having reduced in a pass, it is done; never
+        reached by a backward, it stays as an orphan for the next pass to reduce (another
+        rank's loss may use the unit)."""
+        entry = ref()
+        if entry is None or entry.closed or entry.orphan:
+            return
+        if entry.ran_in != -2:
+            self.close(entry)
+            return
+        entry.orphan = True
+        entry.buffer.graph_done()  # no graph reads its memory any more
+        if entry.on_orphan is not None:
+            entry.on_orphan()
+
+    def close(self, entry: Entry) -> None:
+        """The graph holding the entry was freed, will not run again, or (an orphan) its
+        zeros were reduced: forget it."""
+        if entry.closed:
             return
         entry.closed = True
-        entry.buffer.graph_done()
+        if not entry.orphan:
+            entry.buffer.graph_done()
         if entry in self.entries:
             self.entries.remove(entry)
 
     def ran(self, entry: Entry, accumulates: Callable[[], bool]) -> None:
         """``entry``'s backward is running: first reduce, with zeros, the units created after
-        it that did not run in this pass; queue the end-of-pass callback once per pass.
+        it that did not run in this pass (:meth:`reach`).
 
         ``accumulates()`` tells whether this pass writes leaves' ``.grad`` (``backward()``,
         not ``autograd.grad``); asked once per pass."""
+        task = self.reach(entry.seq, accumulates)
+        entry.ran_in = task
+        if not tp.keep_graph():
+            self.close(entry)
+
+    def reach(self, seq: int, accumulates: Callable[[], bool]) -> int:
+        """The backward is running the node numbered ``seq``: the units created after it that
+        did not run in this pass will not run in it; reduce them, with zeros, now (before any
+        collective the caller issues next). Queues the end-of-pass callback once per pass.
+
+        Returns:
+            The pass (graph task) id.
+        """
         task = tp.graph_task_id()
         if self.callback_task != task:
             self.callback_task = task
             self.accumulates = accumulates()
             tp.queue_final_callback(lambda: self.finish(task))
-        for other in sorted((e for e in self.entries if e.seq > entry.seq and e.ran_in != task),
+        for other in sorted((e for e in self.entries if e.seq > seq and e.ran_in != task),
                             key=lambda e: -e.seq):
-            other.ran_in = task
-            other.reduce_zeros(self.accumulates)
-        entry.ran_in = task
-        if not tp.keep_graph():
-            self.close(entry)
+            self._zeros(other, task)
+        return task
 
     def finish(self, task: int) -> None:
         """End of a backward pass: reduce, with zeros, every unit left that did not run."""
         for entry in sorted((e for e in self.entries if e.ran_in != task), key=lambda e: -e.seq):
-            entry.ran_in = task
-            entry.reduce_zeros(self.accumulates)
+            self._zeros(entry, task)
         self.callback_task = -2
+
+    def _zeros(self, entry: Entry, task: int) -> None:
+        entry.ran_in = task
+        entry.reduce_zeros(self.accumulates)
+        if entry.orphan:
+            self.close(entry)
 
 
 def ledger() -> Ledger:

@@ -28,11 +28,12 @@ from typing import Any, Optional
 import optree
 import torch
 
-from vfsdp._torch_private import functorch_active
+from vfsdp._torch_private import functorch_active, running_node_seq
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.handle import Handle
 from vfsdp.collectives.slot import View, slot_of
-from vfsdp.functional.gather import start_gather
+from vfsdp.functional.gather import start_gather, writes_leaf_grads
+from vfsdp.functional.ledger import ledger
 from vfsdp.functional.options import split_options
 from vfsdp.planner.spec import ShardSpec
 
@@ -64,6 +65,9 @@ class _Regather:
             self.index[id(db)] = len(self.order)
             self.order.append(db)
         self.calls.setdefault(id(db), []).append(call)
+        # Before the unit's reduce-scatter, on every rank, whether this rank's backward read
+        # its parameters or not: the same regather and prefetch, so collectives stay in step.
+        call.before_reduce = lambda: self.ensure(db)
 
     def _start(self, db: DBuffer, async_op: bool) -> Handle:
         return db.unit.regather(db, async_op=async_op)
@@ -75,11 +79,11 @@ class _Regather:
         handle = self.pending.pop(id(db), None)
         if handle is not None:
             handle.wait()
-        elif not db.is_allocated:
+        elif not db.is_gathered:
             self._start(db, async_op=False)
         if self.prefetch and i is not None and i > 0:
             prev = self.order[i - 1]
-            if not prev.is_allocated and id(prev) not in self.pending:
+            if not prev.is_gathered and id(prev) not in self.pending:
                 self.pending[id(prev)] = self._start(prev, async_op=True)
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -91,6 +95,12 @@ class _Regather:
     def unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Saved):
             return saved
+        seq = running_node_seq()
+        calls = self.calls.get(id(saved.db), ())
+        if seq is not None and calls:
+            # Units created after the running node that did not run reduce (zeros) first,
+            # as they do on a rank whose backward reaches one of their nodes before this.
+            ledger().reach(seq, lambda: writes_leaf_grads(calls[0]))
         self.ensure(saved.db)
         buf = saved.db.global_buffer
         out = torch.empty(0, dtype=buf.dtype, device=buf.device)

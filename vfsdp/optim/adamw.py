@@ -33,6 +33,7 @@ from vfsdp.optim.base import (
     flat_grads,
     grad_leaves,
     selected,
+    state_dtype,
     unit_buffers,
 )
 from vfsdp.planner.spec import ShardSpec
@@ -172,8 +173,9 @@ def adamw(
             chosen = tuple(t.path for t in u.db.tensors if selected(mask, t.path))
             if not chosen:
                 continue  # nothing of this unit is ours: no state for it
-            state.exp_avg[u.key] = u.db.like(torch.float32, Role.STATE, "exp_avg")
-            state.exp_avg_sq[u.key] = u.db.like(torch.float32, Role.STATE, "exp_avg_sq")
+            sdt = state_dtype(u.db.dtype)  # float32, or float64 for float64 parameters
+            state.exp_avg[u.key] = u.db.like(sdt, Role.STATE, "exp_avg")
+            state.exp_avg_sq[u.key] = u.db.like(sdt, Role.STATE, "exp_avg_sq")
             update_runs[u.key] = runs(u.db, mask)
             decay_runs[u.key] = runs(u.db, both(weight_decay_mask, mask))
             paths[u.key] = frozenset(chosen)
@@ -195,9 +197,9 @@ def adamw(
                 update_runs, decay_runs = trainable_runs(u, plan, weight_decay_mask)
                 if not update_runs:
                     continue  # every tensor of ours here is frozen
-                g = flat_grads(leaves, u, "adamw.update")
                 p = u.db.shard
                 m, v = state.exp_avg[u.key].shard, state.exp_avg_sq[u.key].shard
+                g = flat_grads(leaves, u, "adamw.update", m.dtype)
                 if weight_decay:
                     for lo, hi in decay_runs:
                         p[lo:hi].mul_(1 - rate * weight_decay)

@@ -265,7 +265,7 @@ def adamw8bit(
                         continue
                     decay_runs = runs(u.db, both(weight_decay_mask,
                                                  lambda path: path in owned and path not in gone))
-                g = flat_grads(leaves, u, "adamw8bit.update")
+                g = flat_grads(leaves, u, "adamw8bit.update", torch.float32)  # its arithmetic
                 p = u.db.shard
                 qm, qv = qmaps(p.device)
                 if weight_decay:

@@ -34,7 +34,7 @@ from vfsdp.optim.schedules import constant
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["Optimizer", "Schedule", "Mask", "as_schedule", "unit_buffers", "grad_leaves",
+__all__ = ["Optimizer", "Schedule", "Mask", "as_schedule", "unit_buffers", "grad_leaves", "state_dtype",
            "flat_grads", "UnitTensors", "init_masked", "both", "selected"]
 
 Schedule = Union[float, Callable[[int], float]]
@@ -128,16 +128,34 @@ def grad_leaves(grads: Any, spec: ShardSpec, what: str) -> list:
     return match_tree(grads, spec, what)
 
 
-def flat_grads(leaves: list, unit: UnitTensors, what: str) -> torch.Tensor:
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype optimizer state (and its arithmetic) takes for parameters of ``dtype``:
+    float32, or the parameters' own dtype where it is wider (float64).
+
+    Example:
+        >>> state_dtype(torch.bfloat16), state_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
+    return torch.promote_types(dtype, torch.float32)
+
+
+def flat_grads(leaves: list, unit: UnitTensors, what: str,
+               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The unit's gradient as one flat ``S``-element tensor in the parameter layout.
 
     ``leaves`` come from :func:`grad_leaves`. Zero-copy when they are the unit's gradient
     buffer's views (``vfsdp.grads``), after any reduction still writing it; otherwise the
-    pieces are copied (one contiguous copy per tensor) into a zeroed flat tensor.
+    pieces are copied (one contiguous copy per tensor) into a zeroed flat tensor. ``dtype``:
+    cast to it (one op over the unit) where it differs.
 
     Raises:
         ValueError: a gradient piece of the wrong size (naming the path).
     """
+    flat = _flat_grads(leaves, unit, what)
+    return flat if dtype is None or flat.dtype == dtype else flat.to(dtype)
+
+
+def _flat_grads(leaves: list, unit: UnitTensors, what: str) -> torch.Tensor:
     gdb = unit.unit.grads() if unit.unit.has_grads else None
     if gdb is not None and all(_is_view(leaves[i], gdb, k) for i, k in unit.leaves):
         return gdb.shard

@@ -39,6 +39,7 @@ from vfsdp.optim.base import (
     flat_grads,
     grad_leaves,
     selected,
+    state_dtype,
     unit_buffers,
 )
 from vfsdp.planner.spec import ShardSpec, TensorSpec
@@ -120,6 +121,7 @@ class MuonPlan:
     matrices: tuple = ()
     waves: tuple = ()
     paths: Mapping[Any, frozenset] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32  # momentum and exchange dtype (float64 for float64)
 
     def owns(self, db, k: int) -> bool:
         """Whether the plan updates tensor ``k`` of ``db``'s unit."""
@@ -128,7 +130,8 @@ class MuonPlan:
 
 @dataclass
 class MuonState:
-    """The step and, per unit holding matrices it updates, the fp32 momentum DBuffer."""
+    """The step and, per unit holding matrices it updates, the momentum DBuffer (float32, or
+    float64 for float64 parameters)."""
 
     step: int
     momentum: dict
@@ -205,11 +208,17 @@ def muon(
         units = unit_buffers(shards, spec, "muon.init")
         found: list[tuple] = []
         paths: dict = {}
+        # One dtype for every matrix (the exchanges carry many units at once): float32, or
+        # float64 where a unit's parameters are (the same on every rank: units are).
+        dtype = torch.float32
+        for u in units:
+            if any(owns(t) for t in u.db.tensors):
+                dtype = torch.promote_types(dtype, state_dtype(u.db.dtype))
         for u in units:
             mine = [(k, t) for k, t in enumerate(u.db.tensors) if owns(t)]
             if not mine:
                 continue
-            state.momentum[u.key] = u.db.like(torch.float32, Role.STATE, "momentum")
+            state.momentum[u.key] = u.db.like(dtype, Role.STATE, "momentum")
             paths[u.key] = frozenset(t.path for _, t in mine)
             found += [(u.key, k, t, u.db.rank) for k, t in mine]
         roots = plan_roots([f[2] for f in found], spec.world_size)
@@ -218,7 +227,7 @@ def muon(
         rank = units[0].db.rank if units else 0
         waves = tuple(_wave(matrices[i:i + wave_size], rank, spec.world_size)
                       for i in range(0, len(matrices), wave_size))
-        state.plan = MuonPlan(matrices, waves, paths)
+        state.plan = MuonPlan(matrices, waves, paths, dtype)
         return state
 
     def update(grads: Any, state: MuonState, shards: Any, spec: ShardSpec) -> MuonState:
@@ -239,7 +248,7 @@ def muon(
         with torch.no_grad():
             upd: dict = {}
             for key, mats in by_unit.items():
-                g = flat_grads(leaves, units[key], "muon.update")
+                g = flat_grads(leaves, units[key], "muon.update", plan.dtype)
                 buf = state.momentum[key].shard
                 for m in mats:
                     gs, bs = g[m.lo:m.hi], buf[m.lo:m.hi]
@@ -251,7 +260,7 @@ def muon(
 
             def start(wave: Wave):
                 return wave.to_roots.run([upd[id(m)] for m in wave.matrices], group, device,
-                                         torch.float32, async_op=True)
+                                         plan.dtype, async_op=True)
 
             pending = start(plan.waves[0])
             for w, wave in enumerate(plan.waves):
@@ -268,7 +277,7 @@ def muon(
                     o.mul_(max(1.0, rows / cols) ** 0.5 if scale == "original"
                            else 0.2 * max(rows, cols) ** 0.5)
                     out.append(o.reshape(-1))
-                back = wave.from_roots.run(out, group, device, torch.float32)
+                back = wave.from_roots.run(out, group, device, plan.dtype)
                 for m, piece in zip(wave.matrices, back):
                     if m.hi > m.lo and (m.key, m.k) not in frozen:
                         p = units[m.key].db.shard[m.lo:m.hi]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Optional
@@ -41,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_world",
            "report_failure", "groups_are_per_thread", "graph_task_id", "keep_graph",
-           "running_node_seq", "storage_refs",
+           "running_node_seq", "storage_refs", "threaded_collectives_settle",
            "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH"]
 
 TESTED_TORCH = ((2, 11), (2, 13))
@@ -124,6 +125,19 @@ def version(t: torch.Tensor) -> int:
 def groups_are_per_thread() -> bool:
     """Whether c10d process groups belong to the thread that created them (``simulate``)."""
     return _ISOLATED.is_set()
+
+
+def threaded_collectives_settle(t: torch.Tensor, refs: int, limit_s: float = 0.5) -> None:
+    """Under ``simulate``'s threaded world, a finished collective's bookkeeping (torch's
+    ``Collective`` object) keeps views of every rank's tensors until the last rank leaves the
+    call, a moment later: wait (briefly, yielding to the other rank threads) until at most
+    ``refs`` tensors share ``t``'s storage. Returns at once elsewhere: real process groups
+    keep no such references."""
+    if not _ISOLATED.is_set():
+        return
+    deadline = time.monotonic() + limit_s
+    while (storage_refs(t) or 0) > refs and time.monotonic() < deadline:
+        time.sleep(0.0002)
 
 
 def _module():

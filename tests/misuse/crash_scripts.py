@@ -58,9 +58,53 @@ def returned_grad_after_zero_grads():
     return float(g.sum()), shards["w"].grad
 
 
+def derived_views_after_release():
+    """Views made from gathered tensors (x.T, .view, slices, .detach) keep the memory."""
+    spec, shards = _setup()
+    full = vfsdp.gather(shards, spec)
+    kept = [full["v"].T, full["v"].view(-1), full["v"][1:], full["v"].detach()]
+    (full["v"] ** 2).sum().backward()
+    vfsdp.release(shards, spec)
+    junk = [torch.full((4, 4), 7.0) for _ in range(8)]  # would reuse freed memory
+    del junk
+    with torch.no_grad():
+        before = [float(t.sum()) for t in kept]
+        vfsdp.release(shards, spec)  # still referenced at a second release: a warning
+        shards["v"].mul_(2.0)
+        vfsdp.gather(shards, spec)   # reuses the memory: the kept tensors read the new values
+        return before, [float(t.sum()) for t in kept]
+
+
+def derived_grad_view_after_zero_grads():
+    spec, shards = _setup()
+    full = vfsdp.gather(shards, spec, grads="buffer")
+    (3 * full["w"].sum()).backward()
+    flat = vfsdp.grads(shards, spec)["w"].view(-1)
+    vfsdp.zero_grads(shards, spec)
+    before = float(flat.sum())
+    full = vfsdp.gather(shards, spec, grads="buffer")
+    full["w"].sum().backward()  # writes the kept memory (a warning): it reads the new gradient
+    return before, float(flat.sum())
+
+
+def gathered_twice_freed_after_backward():
+    """Two micro-batches' forwards over the same unit, each freed after its backward."""
+    spec, shards = _setup()
+    f1 = vfsdp.gather(shards, spec, free_after_backward=True)
+    l1 = (f1["w"] ** 2).sum()
+    f2 = vfsdp.gather(shards, spec, free_after_backward=True)
+    l2 = (f2["w"] ** 3).sum()
+    l1.backward()
+    still = float(f2["w"].detach().sum())  # the second forward's tensors are still readable
+    l2.backward()
+    return still, shards["w"].grad.sum().item(), type(f1["w"]).__name__
+
+
 CASES = {f.__name__: f for f in (read_after_release, release_before_backward,
                                  saved_tensor_after_free, grad_after_zero_grads,
-                                 returned_grad_after_zero_grads)}
+                                 returned_grad_after_zero_grads, derived_views_after_release,
+                                 derived_grad_view_after_zero_grads,
+                                 gathered_twice_freed_after_backward)}
 
 
 if __name__ == "__main__":

@@ -103,6 +103,25 @@ def test_ties_by_shared_storage_and_refused_overlaps():
         vfsdp.plan({"a": base[2:6], "b": base[4:8]}, 2)
 
 
+def _tied_under_torch_func():
+    w = torch.arange(8.0)
+    spec = vfsdp.plan({"embed": w, "head": w}, dist.get_world_size())
+    shards = vfsdp.shard({"embed": w, "head": w}, spec)
+
+    def loss(s):
+        full = vfsdp.gather(s, spec)
+        return (full["embed"] * 2).sum() + (full["head"] * 3).sum()
+
+    g = torch.func.grad(loss)(shards)
+    return g["embed"].tolist(), g["head"].tolist()
+
+
+def test_a_tied_tensors_gradient_under_torch_func_sits_at_its_first_place():
+    """As the README says: the sum at the first place in the tree, zeros at the others."""
+    for embed, head in simulate(2, _tied_under_torch_func):
+        assert embed == [5.0] * len(embed) and head == [0.0] * len(head)
+
+
 def _tied_checkpoint(path, save):
     w = torch.arange(24.0).reshape(6, 4)
     params = {"embed": w, "head": w}

@@ -41,6 +41,18 @@ def test_failures_name_the_rank_and_keep_the_traceback():
         spawn(_fails_on_one, 2, 0, timeout=60)
 
 
+def test_the_message_shows_the_rank_that_failed_by_itself():
+    """Ranks whose collective broke because a peer died come after the root cause."""
+    err = RankError({0: "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by "
+                        "peer [127.0.0.1]:1234", 1: "ValueError: boom on 1"})
+    assert str(err).startswith("rank(s) [0, 1] failed; rank 1:\nValueError: boom on 1")
+    assert err.root_cause() == 1
+    both = RankError({0: "Connection reset by peer", 2: "Broken pipe"})
+    assert both.root_cause() == 0  # nothing better to show: the first
+    with pytest.raises(RankError, match=r"failed; rank 1:\n(.|\n)*boom on 1"):
+        spawn(_fails_on_one, 2, 1, timeout=60)
+
+
 def test_bad_world_size():
     with pytest.raises(ValueError, match="world_size"):
         simulate(0, _rank_times, 1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,10 +29,22 @@ class SpecMismatch(ValueError):
     """Ranks of one mesh hold different specs."""
 
 
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(repr(obj).encode()).hexdigest()[:12]
+
+
 def _describe(spec: ShardSpec) -> list:
-    return [(unit_name(u.key), u.world_size, u.shard_numel, str(u.dtype), len(u.paths),
-             hashlib.sha256(repr((u.paths, u.offsets, u.numels, u.shapes)).encode()).hexdigest()[:12])
-            for u in spec.units.values()]
+    """What the fingerprint covers, part by part: the tree and mesh, then each unit (its size,
+    and a digest of its layout: tensors, offsets, blocks, alignment, placements)."""
+    parts = [("the tree and mesh", f"mesh {spec.mesh_shape}, {spec.treespec.num_leaves} leaves",
+              _digest((str(spec.treespec), spec.mesh_shape, spec.mesh_dim_names)))]
+    for u in spec.units.values():
+        keys = [t._key() for t in u.tensors]
+        parts.append((f"unit {unit_name(u.key)}",
+                      f"m={u.world_size}, S={u.shard_numel}, {u.dtype}, {len(u.paths)} tensors",
+                      _digest((u.paths, u.offsets, u.numels, u.shapes, u.blocks, u.alignment,
+                               keys))))
+    return parts
 
 
 def _check(spec: ShardSpec, group, device: torch.device) -> None:
@@ -48,21 +61,26 @@ def _check(spec: ShardSpec, group, device: torch.device) -> None:
     described: list = [None] * world
     dist.all_gather_object(described, _describe(spec), group=group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    fix = "every rank must plan the same tree the same way (same shapes, granularity and units)"
     first = described[0]
     for r, other in enumerate(described[1:], 1):
         for a, b in zip(first, other):
-            if a != b:
+            if a == b:
+                continue
+            if a[0] == b[0] and a[1] == b[1]:
                 raise SpecMismatch(
-                    f"ranks hold different specs: unit {a[0]} is (m={a[1]}, S={a[2]}, {a[3]}, "
-                    f"{a[4]} tensors) on rank {ranks[0]} but unit {b[0]} is (m={b[1]}, S={b[2]}, "
-                    f"{b[3]}, {b[4]} tensors) on rank {ranks[r]}; every rank must plan the same "
-                    f"tree the same way (same shapes, granularity and units)")
-        if len(first) != len(other) or first != other:
-            raise SpecMismatch(f"ranks hold different specs: rank {ranks[0]} has {len(first)} "
-                               f"units, rank {ranks[r]} has {len(other)}; every rank must plan "
-                               f"the same tree the same way")
-    raise SpecMismatch("ranks hold different specs (same units, different trees or paths); "
-                       "every rank must plan the same tree the same way")
+                    f"ranks hold different specs: {a[0]} ({a[1]}) has the same size on rank "
+                    f"{ranks[0]} and rank {ranks[r]} but a different layout (its tensors, their "
+                    f"offsets, block sizes, alignment or placements: e.g. another granularity); "
+                    f"{fix}")
+            raise SpecMismatch(f"ranks hold different specs: {a[0]} is ({a[1]}) on rank "
+                               f"{ranks[0]} but {b[0]} is ({b[1]}) on rank {ranks[r]}; {fix}")
+        if len(first) != len(other):
+            raise SpecMismatch(f"ranks hold different specs: rank {ranks[0]} has "
+                               f"{len(first) - 1} units, rank {ranks[r]} has {len(other) - 1}; "
+                               f"{fix}")
+    raise SpecMismatch(f"ranks hold different specs (the same units and layouts; their leaves "
+                       f"differ); {fix}")
 
 
 def agree_on_spec(spec: ShardSpec, groups: MeshGroups) -> None:

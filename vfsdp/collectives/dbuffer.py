@@ -217,16 +217,24 @@ class DBuffer:
     def _foreign(self, base: torch.Tensor, view: View) -> int:
         """How many tensors other than ``base`` and the views handed out share its memory:
         tensors users (or autograd) made from those views."""
+        known = 1 + len(self._handed_out(view))
+        tp.threaded_collectives_settle(base, known)
         refs = tp.storage_refs(base)
-        return 0 if refs is None else max(0, refs - 1 - len(self._handed_out(view)))
+        return 0 if refs is None else max(0, refs - known)
 
-    def _hold(self, what: str, count: int) -> None:
-        warn_user(
-            f"vfsdp: unit {unit_name(self.key)} ({self.name}) was released, but {count} "
-            f"tensor(s) made from its {what} (a view such as x.T, x.view(...), x.detach() or a "
-            f"slice, or a tensor an autograd graph saved) still reference its memory, so the "
-            f"memory stays allocated until they are dropped (the next release frees it, the "
-            f"next gather reuses it and they read the new values). .clone() what you keep.")
+    def _still_held(self, base: torch.Tensor, view: View, what: str) -> None:
+        """A buffer kept at release (tensors made from its views referenced the memory) is
+        released or gathered again: if such tensors are still alive, they are the user's (or
+        a live graph's), not a collective's passing references; say so."""
+        count = self._foreign(base, view)
+        if count:
+            warn_user(
+                f"vfsdp: unit {unit_name(self.key)} ({self.name}) was released, but {count} "
+                f"tensor(s) made from its {what} (a view such as x.T, x.view(...), x.detach() "
+                f"or a slice, or a tensor an autograd graph saved) still reference its memory, "
+                f"so the memory stays allocated until they are dropped (the next release frees "
+                f"it, the next gather reuses it and they read the new values). .clone() what "
+                f"you keep.")
 
     def view_index(self, t: torch.Tensor) -> Optional[int]:
         """Which tensor's local piece ``t`` is, when ``t`` came from :meth:`local` (and still
@@ -251,7 +259,9 @@ class DBuffer:
     def alloc_global(self) -> torch.Tensor:
         """Re-allocate the global buffer's storage (contents undefined); views stay valid."""
         self.release_pending = False
-        self._held = False
+        if self._held:
+            self._still_held(self._global, View.FULL, "full tensors")
+            self._held = False
         if not self.is_allocated:
             self._global.untyped_storage().resize_(self._global_bytes)
             emit("alloc", self)
@@ -305,8 +315,8 @@ class DBuffer:
         foreign = (self._foreign(self._global, View.FULL)
                    if self.role in (Role.PARAM, Role.COMPUTE) else 0)
         if foreign:  # freeing would leave those tensors pointing at nothing: keep the memory
-            if not self._held:
-                self._hold("full tensors", foreign)
+            if self._held:  # a retry
+                self._still_held(self._global, View.FULL, "full tensors")
             self._held = True
             return
         self._held = False
@@ -462,8 +472,8 @@ class DBuffer:
             return
         foreign = self._foreign(self.shard, View.LOCAL)
         if foreign:  # as in free_global: tensors made from its views still read it
-            if not self._shard_held:
-                self._hold("gradients", foreign)
+            if self._shard_held:  # a retry
+                self._still_held(self.shard, View.LOCAL, "gradients")
             self._shard_held = True
             return
         self._shard_held = False
@@ -472,6 +482,8 @@ class DBuffer:
     def ensure_shard(self, zero: bool = True) -> torch.Tensor:
         """Re-allocate a released shard (zero-filled unless ``zero=False``); return it."""
         if not self.shard_allocated or self._shard_held:
+            if self._shard_held:
+                self._still_held(self.shard, View.LOCAL, "gradients")
             self._shard_held = False
             if not self.shard_allocated:
                 self.shard.untyped_storage().resize_(self.shard.numel() *

@@ -254,6 +254,7 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
                         async_reduce)
     ropts.check(functorch_active(), what)
     leaves = match_tree(shards, spec, what)
+    ledger().settle()
     return _assemble(leaves, spec, {}, _caller(spec, mesh, what, gopts, ropts))
 
 
@@ -265,6 +266,7 @@ def start_gather(shards: Any, spec: ShardSpec, mesh: Any, gopts: GatherOptions,
     """
     ropts.check(functorch_active(), what)
     leaves = match_tree(shards, spec, what)
+    ledger().settle()
     make = _caller(spec, mesh, what, gopts, ropts)
     calls, handles = {}, []
     if not functorch_active():  # under torch.func the shards are wrapped until forward

@@ -92,6 +92,7 @@ class Ledger:
 
     def __init__(self) -> None:
         self.entries: list[Entry] = []
+        self.dying: list[Entry] = []  # entries whose nodes died, to settle
         self.inflight = Reductions(limit=1)
         self.callback_task = -2   # the pass whose final callback is queued
         self.accumulates = True   # whether that pass writes leaves' .grad (not autograd.grad)
@@ -102,6 +103,7 @@ class Ledger:
 
         ``on_orphan`` runs when the node dies before any backward reached it (e.g. to
         release the gathered memory)."""
+        self.settle()
         entry = Entry(ctx._sequence_nr(), reduce_zeros, buffer, on_orphan)
         self.entries.append(entry)
         buffer.graphs += 1
@@ -109,19 +111,30 @@ class Ledger:
         return entry
 
     def died(self, ref) -> None:
-        """The entry's autograd node was freed. Having reduced in a pass, it is done; never
-        reached by a backward, it stays as an orphan for the next pass to reduce (another
-        rank's loss may use the unit)."""
+        """The entry's autograd node was freed: settle it at the next ledger operation.
+
+        Not now: the node usually dies inside the destruction of the last tensor holding it,
+        a view of the unit's memory still being torn down, so the memory cannot be judged
+        free yet (see :meth:`DBuffer.free_global`)."""
         entry = ref()
-        if entry is None or entry.closed or entry.orphan:
-            return
-        if entry.ran_in != -2:
-            self.close(entry)
-            return
-        entry.orphan = True
-        entry.buffer.graph_done()  # no graph reads its memory any more
-        if entry.on_orphan is not None:
-            entry.on_orphan()
+        if entry is not None:
+            self.dying.append(entry)
+
+    def settle(self) -> None:
+        """Settle the entries whose nodes died: one that reduced in a pass is done; one never
+        reached by a backward stays as an orphan for the next pass to reduce (another rank's
+        loss may use the unit), and its memory is no longer read by any graph."""
+        while self.dying:
+            entry = self.dying.pop(0)
+            if entry.closed or entry.orphan:
+                continue
+            if entry.ran_in != -2:
+                self.close(entry)
+                continue
+            entry.orphan = True
+            entry.buffer.graph_done()
+            if entry.on_orphan is not None:
+                entry.on_orphan()
 
     def close(self, entry: Entry) -> None:
         """The graph holding the entry was freed, will not run again, or (an orphan) its
@@ -153,6 +166,7 @@ class Ledger:
         Returns:
             The pass (graph task) id.
         """
+        self.settle()
         task = tp.graph_task_id()
         if self.callback_task != task:
             self.callback_task = task
@@ -165,6 +179,7 @@ class Ledger:
 
     def finish(self, task: int) -> None:
         """End of a backward pass: reduce, with zeros, every unit left that did not run."""
+        self.settle()
         for entry in sorted((e for e in self.entries if e.ran_in != task), key=lambda e: -e.seq):
             self._zeros(entry, task)
         self.callback_task = -2

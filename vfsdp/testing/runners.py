@@ -46,9 +46,23 @@ class RankError(RuntimeError):
 
     def __init__(self, failures: dict[int, str]):
         self.failures = dict(sorted(failures.items()))
-        first = next(iter(self.failures))
+        first = self.root_cause()
         msg = f"rank(s) {sorted(self.failures)} failed; rank {first}:\n{self.failures[first]}"
         super().__init__(msg)
+
+    def root_cause(self) -> int:
+        """The rank to show first: one that failed by itself, not one whose collective broke
+        because another rank had already died (connection closed or reset, a peer's
+        termination)."""
+        for rank, text in self.failures.items():
+            if not any(sign in text for sign in _COLLATERAL):
+                return rank
+        return next(iter(self.failures))
+
+
+_COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+               "Test termination event", "ECONNRESET", "Socket Timeout",
+               "connection closed", "Connection refused")
 
 
 def check_world(world_size: int) -> None:

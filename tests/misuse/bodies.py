@@ -120,9 +120,14 @@ def different_plans(how: str):
     if how == "layout":  # same S, different order of tensors
         params = {"a": torch.zeros(4), "b": torch.zeros(4)} if rank == 0 else \
             {"b": torch.zeros(4), "c": torch.zeros(4)}
+    elif how == "granularity":  # same tensors and S, rows kept whole on one rank only
+        params = {"w": torch.zeros(8, 4)}
+        spec = vfsdp.plan(params, dist.get_world_size(),
+                          granularity=vfsdp.rows(1) if rank == 0 else None)
     else:  # different S
         params = {"a": torch.zeros(4 if rank == 0 else 40)}
-    spec = vfsdp.plan(params, dist.get_world_size())
+    if how != "granularity":
+        spec = vfsdp.plan(params, dist.get_world_size())
     try:
         vfsdp.shard(params, spec)
     except ValueError as exc:
@@ -232,10 +237,12 @@ SKIPS = {
 }
 
 
-def unused_dropped(path: str, skip: str, options: dict):
+def unused_dropped(path: str, skip: str, options: dict, evaluate: bool = False):
     """Row 7, the gathered tree dropped before backward: a helper returning only the loss, or
     run_layers (which drops each unit's tree after its forward), with units unused on some
-    ranks. Two steps; returns the second step's gradients."""
+    ranks. Two steps; returns the second step's gradients. ``evaluate``: before each step an
+    evaluation forward with gradients enabled, other options and other ranks skipping, whose
+    graph is dropped without a backward."""
     rank = dist.get_rank()
     skipped = SKIPS[skip]
     spec = vfsdp.plan(skip_params(), dist.get_world_size())
@@ -258,7 +265,59 @@ def unused_dropped(path: str, skip: str, options: dict):
                              **options)
         return (h ** 2).sum()
 
+    def evaluation():
+        other = lambda r, i: r == 1 - rank % 2 and i == 1  # not the same skips as training
+        io = vfsdp.gather(shards["io"], spec["io"])
+        count = [0]
+
+        def layer(p, h):
+            i = count[0]
+            count[0] += 1
+            return h if other(rank, i) else skip_layer(p, h)
+
+        h = vfsdp.run_layers(layer, shards["layers"], spec["layers"], io["embed"][rank])
+        full = vfsdp.gather(shards["layers"], spec["layers"], grads="return")
+        loss = skip_layer(full[0], h).sum()
+        return float(loss.detach())  # both graphs are dropped here
+
     for _ in range(2):
+        if evaluate:
+            evaluation()
         vfsdp.zero_grads(shards, spec)
         (helper_loss() if path == "gather" else run_layers_loss()).backward()
     return optree.tree_map(lambda t: t.clone(), vfsdp.grads(shards, spec))
+
+
+def released_read():
+    """Row 3 in one process of a gloo world: a released view raises (no crash)."""
+    spec = vfsdp.plan(one_tensor(), dist.get_world_size())
+    shards = vfsdp.shard(one_tensor(), spec)
+    full = vfsdp.gather(shards, spec)
+    vfsdp.release(shards, spec)
+    try:
+        full["w"].sum()
+    except RuntimeError as exc:
+        return str(exc).split(";")[0]
+    return "no error"
+
+
+def rows_on_gloo():
+    """The table's collective rows, one after another in one world (threads or gloo
+    processes): the results must not depend on the backend."""
+    def as_lists(tree):
+        return [t.tolist() for t in optree.tree_leaves(tree)]
+
+    return {
+        "01": reused_shards_gradients(),
+        "02": [two_backwards(acc, mode) for acc in (False, True) for mode in ("return", "buffer")],
+        "03": released_read(),
+        "04": frozen_layer(),
+        "05": tied(dist.get_world_size()),
+        "06": [different_plans(how) for how in ("layout", "size")],
+        "07": [as_lists(unused_dropped(path, skip, opts)) for path, skip, opts in (
+            ("gather", "first_on_rank0", {"grads": "return"}),
+            ("gather", "middle_on_rank1", {"grads": "buffer", "free_after_backward": True}),
+            ("run_layers", "middle_on_rank1", {}),
+            ("run_layers", "first_on_rank0", {"prefetch": False}))],
+        "08": [modified_between(path) for path in ("gather", "run_layers")],
+    }

@@ -82,10 +82,12 @@ def test_row05_tied_embedding_and_head_stay_one_tensor(mesh):
         assert torch.allclose(torch.tensor(embed), want, atol=1e-6)
 
 
-@pytest.mark.parametrize("how", ["layout", "size"])
+@pytest.mark.parametrize("how", ["layout", "size", "granularity"])
 def test_row06_ranks_that_plan_differently_all_get_an_error(how):
     for msg in simulate(2, b.different_plans, how):
         assert "ranks hold different specs" in msg and "unit <root>" in msg, msg
+        if how == "granularity":
+            assert "same size" in msg and "different layout" in msg, msg
 
 
 @pytest.mark.parametrize("mode", ["return", "buffer"])
@@ -99,23 +101,30 @@ def test_row07_a_unit_unused_on_some_ranks_does_not_hang(mode):
 
 
 UNUSED_CASES = [
-    ("gather", skip, opts) for skip in b.SKIPS
+    ("gather", skip, opts, False) for skip in b.SKIPS
     for opts in ({"grads": "return"}, {"grads": "buffer", "free_after_backward": True})
 ] + [
-    ("run_layers", skip, opts) for skip in b.SKIPS if skip != "none"
+    ("run_layers", skip, opts, False) for skip in b.SKIPS if skip != "none"
     for opts in ({}, {"prefetch": False}, {"async_reduce": False},
                  {"reshard_after_forward": False})
+] + [  # with an evaluation forward (gradients on, other skips, graph dropped) before each step
+    ("gather", "middle_on_rank1", {"grads": "buffer"}, True),
+    ("gather", "first_on_rank0", {"grads": "return", "free_after_backward": True}, True),
+    ("run_layers", "middle_on_rank1", {}, True),
+    ("run_layers", "last_on_all_but_rank0", {"prefetch": False}, True),
 ]
 
 
-@pytest.mark.parametrize(("path", "skip", "options"), UNUSED_CASES,
+@pytest.mark.parametrize(("path", "skip", "options", "evaluate"), UNUSED_CASES,
                          ids=[f"{p}-{s}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
-                              for p, s, o in UNUSED_CASES])
-def test_row07_units_unused_on_some_ranks_with_the_gathered_tree_dropped(path, skip, options):
+                              f"{'-after-eval' if e else ''}" for p, s, o, e in UNUSED_CASES])
+def test_row07_units_unused_on_some_ranks_with_the_gathered_tree_dropped(path, skip, options,
+                                                                          evaluate):
     """The tree is dropped before backward (a helper returns only the loss; run_layers drops
-    each unit's tree): the unused units still reduce, in step with the other ranks."""
+    each unit's tree): the unused units still reduce, in step with the other ranks; an
+    evaluation forward whose graph is dropped changes nothing."""
     world = 4 if skip == "last_on_all_but_rank0" else 2
-    results = simulate(world, b.unused_dropped, path, skip, options, timeout=60)
+    results = simulate(world, b.unused_dropped, path, skip, options, evaluate, timeout=60)
     params = optree.tree_map(lambda t: t.clone().requires_grad_(), b.skip_params())
     loss = sum(b.skip_loss(params, r, b.SKIPS[skip]) for r in range(world)) / world
     loss.backward()
@@ -124,6 +133,14 @@ def test_row07_units_unused_on_some_ranks_with_the_gathered_tree_dropped(path, s
     for path_, g, p in zip(optree.tree_paths(params), optree.tree_leaves(got),
                            optree.tree_leaves(params)):
         assert torch.allclose(g, p.grad, atol=1e-6), path_
+
+
+def test_rows_01_to_08_give_the_same_results_on_gloo_processes_as_on_threads():
+    threads = simulate(2, b.rows_on_gloo, timeout=120)
+    gloo = spawn(b.rows_on_gloo, 2, timeout=240)
+    for row in threads[0]:
+        assert [t[row] for t in gloo] == [t[row] for t in threads], row
+    assert threads[0]["03"] == "w (unit <root>) was released"
 
 
 @pytest.mark.parametrize("path", ["gather", "run_layers"])

@@ -122,14 +122,15 @@ def test_adamw_is_bitwise_torch_adamw_given_the_same_gradients(dtype):
 
 def _one_update(name: str, dtype: torch.dtype):
     params = {"w": torch.linspace(-1, 1, 64 * 32).reshape(64, 32).to(dtype),
-              "b": torch.linspace(0, 1, 32).to(dtype)}
+              "v": torch.linspace(-1, 1, 32 * 32).reshape(32, 32).cos().to(dtype),
+              "b": torch.linspace(0, 1, 32).to(dtype)}  # two matrices: Muon roots on both ranks
     opt = {"adamw": vfsdp.optim.adamw(lr=0.1), "adamw8bit": vfsdp.optim.adamw8bit(lr=0.1),
            "muon": vfsdp.optim.muon(lr=0.1)}[name]
     spec = vfsdp.plan(params, 2, granularity=opt.granularity)
     shards = vfsdp.shard(params, spec)
     state = opt.init(shards, spec)
     full = vfsdp.gather(shards, spec)
-    ((full["w"] ** 2).sum() + full["b"].sum()).backward()
+    ((full["w"] ** 2).sum() + (full["v"] ** 3).sum() + full["b"].sum()).backward()
     opt.update(vfsdp.grads(shards, spec), state, shards, spec)
     return {k: (v.dtype, v.detach().double()) for k, v in shards.items()}
 

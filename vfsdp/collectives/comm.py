@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_into", "reduce_scatter_into", "all_reduce_", "scatter_into", "broadcast_",
-           "all_to_all_into", "check_op",
+__all__ = ["all_gather_into", "reduce_scatter_into", "all_reduce_", "all_reduce_max_",
+           "scatter_into", "broadcast_", "all_to_all_into", "check_op",
            "counts", "reset_counts", "in_collective", "collective_scope", "REDUCE_OPS"]
 
 REDUCE_OPS = ("sum", "avg")
@@ -104,6 +104,14 @@ def all_reduce_(t: torch.Tensor, op: str = "sum", group=None):
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     if op == "avg":
         t.div_(dist.get_world_size(group))
+    return t
+
+
+def all_reduce_max_(t: torch.Tensor, group=None, count: str = "all_reduce_max"):
+    """In-place element-wise MAX over ranks (counted under ``count``)."""
+    _count(count, t.numel() * t.element_size())
+    with _InCollective():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
 
 

@@ -34,16 +34,17 @@ def _digest(obj: Any) -> str:
 
 
 def _describe(spec: ShardSpec) -> list:
-    """What the fingerprint covers, part by part: the tree and mesh, then each unit (its size,
-    and a digest of its layout: tensors, offsets, blocks, alignment, placements)."""
-    parts = [("the tree and mesh", f"mesh {spec.mesh_shape}, {spec.treespec.num_leaves} leaves",
-              _digest((str(spec.treespec), spec.mesh_shape, spec.mesh_dim_names)))]
+    """What the fingerprint covers, part by part: each unit (its size, and a digest of its
+    layout: tensors, offsets, blocks, alignment, placements), then the tree and mesh."""
+    parts = []
     for u in spec.units.values():
         keys = [t._key() for t in u.tensors]
         parts.append((f"unit {unit_name(u.key)}",
                       f"m={u.world_size}, S={u.shard_numel}, {u.dtype}, {len(u.paths)} tensors",
                       _digest((u.paths, u.offsets, u.numels, u.shapes, u.blocks, u.alignment,
                                keys))))
+    parts.append(("the tree and mesh", f"mesh {spec.mesh_shape}, {spec.treespec.num_leaves} "
+                  f"leaves", _digest((str(spec.treespec), spec.mesh_shape, spec.mesh_dim_names))))
     return parts
 
 
@@ -64,9 +65,17 @@ def _check(spec: ShardSpec, group, device: torch.device) -> None:
     fix = "every rank must plan the same tree the same way (same shapes, granularity and units)"
     first = described[0]
     for r, other in enumerate(described[1:], 1):
-        for a, b in zip(first, other):
+        # units first (the tree and mesh, last, only if every unit agrees)
+        pairs = list(zip(first[:-1], other[:-1]))
+        if len(first) == len(other):
+            pairs.append((first[-1], other[-1]))
+        for a, b in pairs:
             if a == b:
                 continue
+            if a[0] == b[0] == "the tree and mesh":
+                raise SpecMismatch(f"ranks hold different specs: the units agree but the tree "
+                                   f"structure or the mesh differs ({a[1]} on rank {ranks[0]}, "
+                                   f"{b[1]} on rank {ranks[r]}); {fix}")
             if a[0] == b[0] and a[1] == b[1]:
                 raise SpecMismatch(
                     f"ranks hold different specs: {a[0]} ({a[1]}) has the same size on rank "

@@ -51,7 +51,8 @@ NS_CALLS = threading.local()  # .count: Newton-Schulz calls on this thread (rank
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Orthogonalise ``g`` with the quintic Newton-Schulz iteration (in bf16), as Muon does."""
+    """Orthogonalise ``g`` with the quintic Newton-Schulz iteration (in bf16), as Muon does;
+    the result is float32 (float64 for a float64 ``g``)."""
     NS_CALLS.count = getattr(NS_CALLS, "count", 0) + 1
     a, b, c = 3.4445, -4.7750, 2.0315
     x = g.bfloat16()
@@ -62,7 +63,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     for _ in range(steps):
         s = x @ x.T
         x = a * x + (b * s + c * s @ s) @ x
-    return (x.T if tall else x).float()
+    return (x.T if tall else x).to(torch.promote_types(g.dtype, torch.float32))
 
 
 def plan_roots(tensors: list[TensorSpec], world_size: int) -> list[int]:

@@ -148,6 +148,24 @@ def test_tied_tensors_checkpoint_and_reshard(tmp_path):
 # ------------------------------------------------------------------ ranks agree
 
 
+def _extra_gather_on_rank0():
+    spec = vfsdp.plan({"w": torch.ones(8)}, dist.get_world_size())
+    shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+    with torch.set_grad_enabled(dist.get_rank() == 0):  # differentiable on rank 0 only
+        vfsdp.gather(shards, spec)["w"].sum()
+    full = vfsdp.gather(shards, spec)
+    try:
+        full["w"].sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_that_gather_differently_raise_at_the_backward():
+    for msg in simulate(2, _extra_gather_on_rank0):
+        assert "ranks made different numbers of differentiable gathers" in msg, msg
+
+
 def test_the_spec_is_checked_once_per_group():
     assert simulate(3, b.unit_probe) == [1, 1, 1]
 

@@ -41,7 +41,8 @@ class _Call:
     """
 
     __slots__ = ("spec", "key", "index", "mesh", "what", "gopts", "ropts",
-                 "unit", "db", "locals", "versions", "needs", "entry", "before_reduce")
+                 "unit", "db", "locals", "versions", "needs", "entry", "before_reduce",
+                 "recording")
 
     def __init__(self, spec, key, index, mesh, what, gopts, ropts) -> None:
         self.spec, self.key, self.index, self.mesh, self.what = spec, key, index, mesh, what
@@ -52,6 +53,7 @@ class _Call:
         self.versions: tuple = ()
         self.needs: tuple = ()    # which of them require grad
         self.entry = None         # this gather's place in the rank's backward ledger
+        self.recording = True     # autograd records the gather (grad mode was on at apply)
         # What must happen on every rank before the unit's reduce-scatter, whether its
         # backward runs or it reduces zeros (run_layers: regather it, prefetch the previous).
         self.before_reduce: Optional[Callable[[], None]] = None
@@ -103,7 +105,7 @@ class _GatherUnit(torch.autograd.Function):
         ctx.call = call
         ctx.set_materialize_grads(False)
         needs = tuple(ctx.needs_input_grad[1:])
-        if any(needs) and not functorch_active():
+        if any(needs) and call.recording and not functorch_active():
             call.locals, call.needs = tuple(inputs[1:]), needs
             call.versions = tuple(tp.version(x) for x in call.locals)
             call.entry = ledger().add(ctx, lambda acc, c=call: _reduce_zeros(c, acc), call.db,
@@ -183,6 +185,7 @@ def _assemble(leaves: list, spec: ShardSpec, calls: dict, make) -> Any:
     out = list(leaves)
     for key, members in spec.unit_leaves().items():
         call = calls.get(key) or make(key, tuple(k for _, k in members))
+        call.recording = torch.is_grad_enabled()
         fulls = _GatherUnit.apply(call, *(leaves[i] for i, _ in members))
         for (i, _), f in zip(members, fulls):
             out[i] = f

@@ -6,8 +6,8 @@ its autograd node is made, in creation order. Every rank makes the same entries 
 order (the SPMD contract), so a position in the ledger names the same unit everywhere.
 
 At the first vfsdp hook of a backward pass, each rank marks the entries whose nodes this pass
-will run, and the ranks OR these marks (one small all-reduce over the mesh, the way DDP finds
-unused parameters): the pass reduces exactly the marked units, on every rank. A rank whose
+will run, and the ranks OR these marks over the world (two small all-reduces, the way DDP
+finds unused parameters): the pass reduces exactly the marked units, on every rank. A rank whose
 loss does not reach a marked unit takes part in its reduce-scatter with zero gradients, as
 FSDP2 does for unused parameters. The order is the autograd engine's: it runs nodes in
 decreasing creation order, so when the pass reaches a node, every marked entry created after

@@ -222,6 +222,16 @@ class DBuffer:
         refs = tp.storage_refs(base)
         return 0 if refs is None else max(0, refs - known)
 
+    def _referenced(self, base: torch.Tensor, view: View, what: str, held: bool) -> bool:
+        """Whether tensors made from the views handed out still reference ``base``'s memory:
+        then it must be kept (freeing it would leave them pointing at nothing). ``held``: it
+        was kept at an earlier release already; finding them still alive, say so."""
+        if not self._foreign(base, view):
+            return False
+        if held:
+            self._still_held(base, view, what)
+        return True
+
     def _still_held(self, base: torch.Tensor, view: View, what: str) -> None:
         """A buffer kept at release (tensors made from its views referenced the memory) is
         released or gathered again: if such tensors are still alive, they are the user's (or
@@ -312,11 +322,8 @@ class DBuffer:
         self._poison(View.FULL, "gather the unit again (vfsdp.gather) before reading its full "
                                 "tensors")
         # Only parameters' full views reach users; staging and accumulators stay internal.
-        foreign = (self._foreign(self._global, View.FULL)
-                   if self.role in (Role.PARAM, Role.COMPUTE) else 0)
-        if foreign:  # freeing would leave those tensors pointing at nothing: keep the memory
-            if self._held:  # a retry
-                self._still_held(self._global, View.FULL, "full tensors")
+        if self.role in (Role.PARAM, Role.COMPUTE) and self._referenced(
+                self._global, View.FULL, "full tensors", self._held):
             self._held = True
             return
         self._held = False
@@ -470,10 +477,7 @@ class DBuffer:
                                  "read them again with vfsdp.grads after the next backward")
         if not self.shard_allocated:
             return
-        foreign = self._foreign(self.shard, View.LOCAL)
-        if foreign:  # as in free_global: tensors made from its views still read it
-            if self._shard_held:  # a retry
-                self._still_held(self.shard, View.LOCAL, "gradients")
+        if self._referenced(self.shard, View.LOCAL, "gradients", self._shard_held):
             self._shard_held = True
             return
         self._shard_held = False

@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_world",
            "report_failure", "groups_are_per_thread", "graph_task_id", "keep_graph",
-           "running_node_seq", "storage_refs", "threaded_collectives_settle",
+           "running_node_seq", "storage_refs", "settle_transient_refs",
            "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH"]
 
 TESTED_TORCH = ((2, 11), (2, 13))
@@ -127,15 +127,16 @@ def groups_are_per_thread() -> bool:
     return _ISOLATED.is_set()
 
 
-def threaded_collectives_settle(t: torch.Tensor, refs: int, limit_s: float = 0.5) -> None:
-    """Under ``simulate``'s threaded world, a finished collective's bookkeeping (torch's
-    ``Collective`` object) keeps views of every rank's tensors until the last rank leaves the
-    call, a moment later: wait (briefly, yielding to the other rank threads) until at most
-    ``refs`` tensors share ``t``'s storage. Returns at once elsewhere: real process groups
-    keep no such references."""
-    if not _ISOLATED.is_set():
-        return
-    deadline = time.monotonic() + limit_s
+def settle_transient_refs(t: torch.Tensor, refs: int) -> None:
+    """Wait, briefly, until at most ``refs`` tensors share ``t``'s storage.
+
+    A finished collective's bookkeeping can keep views of its tensors a moment longer: under
+    ``simulate``'s threaded world torch's ``Collective`` object holds every rank's until the
+    last rank leaves the call, and a process group's worker thread may still hold a completed
+    asynchronous work. Waits up to 0.5 s there (yielding to the other threads), 0.1 s
+    elsewhere; only called when more references than expected were found.
+    """
+    deadline = time.monotonic() + (0.5 if _ISOLATED.is_set() else 0.1)
     while (storage_refs(t) or 0) > refs and time.monotonic() < deadline:
         time.sleep(0.0002)
 

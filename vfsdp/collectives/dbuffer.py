@@ -218,9 +218,11 @@ class DBuffer:
         """How many tensors other than ``base`` and the views handed out share its memory:
         tensors users (or autograd) made from those views."""
         known = 1 + len(self._handed_out(view))
-        tp.threaded_collectives_settle(base, known)
         refs = tp.storage_refs(base)
-        return 0 if refs is None else max(0, refs - known)
+        if refs is None or refs <= known:
+            return 0
+        tp.settle_transient_refs(base, known)  # a collective's passing references may go
+        return max(0, (tp.storage_refs(base) or 0) - known)
 
     def _referenced(self, base: torch.Tensor, view: View, what: str, held: bool) -> bool:
         """Whether tensors made from the views handed out still reference ``base``'s memory:

@@ -10,6 +10,11 @@ plain tensors. Only released views pay anything: live ones are ordinary ``torch.
 
 Metadata that does not read memory (shape, dtype, device, ``requires_grad``, ``repr``) stays
 available, so debuggers and error messages still work.
+
+Tensors made *from* those views (``x.T``, ``x.view(...)``, slices, ``x.detach()``) are not
+vfsdp's to change; they reference the memory as torch views do, and a release keeps the memory
+while any of them is alive (:meth:`DBuffer.free_global` counts the storage's references), so
+they never point at freed memory.
 """
 
 from __future__ import annotations

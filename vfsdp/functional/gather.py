@@ -160,9 +160,9 @@ def _reduce_zeros(call: _Call, accumulates: bool) -> None:
 
 def _orphaned(call: _Call) -> None:
     """The unit's autograd node died before any backward reached it: with
-    ``free_after_backward``, its gathered memory can go now (its zeros are reduced by the next
-    backward). Under ``run_layers`` (``before_reduce`` set) it stays, so that every rank's
-    regathers match."""
+    ``free_after_backward``, its gathered memory can go now (the next backward reduces its
+    zeros if another rank's runs the unit). Under ``run_layers`` (``before_reduce`` set) it
+    stays, so that every rank's regathers match."""
     if call.gopts.free_after_backward and call.before_reduce is None:
         call.db.release(at_once=False)
 

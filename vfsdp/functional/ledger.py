@@ -177,17 +177,18 @@ class Ledger:
 
         ``accumulates()`` tells whether this pass writes leaves' ``.grad`` (``backward()``,
         not ``autograd.grad``); asked once per pass."""
-        task = self.reach(entry.seq, accumulates, running=entry)
+        task = self.reach(entry.seq, accumulates, entry.buffer.device, running=entry)
         entry.ran_in = task
         if not tp.keep_graph():
             self.close(entry)
 
-    def reach(self, seq: int, accumulates: Callable[[], bool],
+    def reach(self, seq: int, accumulates: Callable[[], bool], device: torch.device,
               running: Optional[Entry] = None) -> int:
         """The backward is running the node numbered ``seq`` (``running``'s, when it is a
         gather's): the marked units created after it that did not run here will not run here;
         reduce them, with zeros, now (before any collective the caller issues next). The
-        pass's first call marks its units (a collective) and queues the end-of-pass callback.
+        pass's first call marks its units (a collective on ``device``) and queues the
+        end-of-pass callback.
 
         Returns:
             The pass (graph task) id.
@@ -195,20 +196,21 @@ class Ledger:
         self.settle()
         task = tp.graph_task_id()
         if self.callback_task != task:
-            self._begin(task, accumulates(), running)
+            self._begin(task, accumulates(), device, running)
         for other in sorted((e for e in self.entries if e.seq > seq and e.ran_in != task
                              and id(e) in self.marked), key=lambda e: -e.seq):
             self._zeros(other, task)
         return task
 
-    def _begin(self, task: int, accumulates: bool, running: Optional[Entry]) -> None:
+    def _begin(self, task: int, accumulates: bool, device: torch.device,
+               running: Optional[Entry]) -> None:
         """A backward pass starts on this rank: mark, with every rank, the units it reduces;
         forget orphans no rank marks."""
         self.callback_task, self.accumulates = task, accumulates
         tp.queue_final_callback(lambda: self.finish(task))
         pending = sorted(self.entries, key=lambda e: e.seq)
         mine = [e for e in pending if e is running or e.will_run()]
-        marked = _agree(pending, mine, self.created)
+        marked = _agree(pending, mine, self.created, device)
         self.marked = {id(e) for e in marked}
         for e in pending:
             if e.orphan and id(e) not in self.marked:
@@ -233,7 +235,8 @@ class Ledger:
             self.close(entry, graph_done=False)
 
 
-def _agree(pending: list[Entry], mine: list[Entry], created: int) -> list[Entry]:
+def _agree(pending: list[Entry], mine: list[Entry], created: int,
+           device: torch.device) -> list[Entry]:
     """The pending entries some rank's pass runs: every rank's marks ORed over the world (two
     small all-reduces: the span of ledger places that any rank runs, then one mark per place
     in it). Every rank made the same entries, so a place names the same unit everywhere.
@@ -241,7 +244,6 @@ def _agree(pending: list[Entry], mine: list[Entry], created: int) -> list[Entry]
     Raises:
         RuntimeError: the ranks' ledgers disagree (raised on every rank).
     """
-    device = (mine or pending)[0].buffer.device
     lo = min((e.index for e in mine), default=created)
     with comm.collective_scope():  # the exchange's own small tensors: not data movement
         span = torch.tensor([-lo, created, -created], dtype=torch.int64, device=device)

@@ -100,7 +100,7 @@ class _Regather:
         if seq is not None and calls:
             # Units created after the running node that did not run reduce (zeros) first,
             # as they do on a rank whose backward reaches one of their nodes before this.
-            ledger().reach(seq, lambda: writes_leaf_grads(calls[0]))
+            ledger().reach(seq, lambda: writes_leaf_grads(calls[0]), saved.db.device)
         self.ensure(saved.db)
         buf = saved.db.global_buffer
         out = torch.empty(0, dtype=buf.dtype, device=buf.device)

@@ -56,6 +56,28 @@ def _views_after_free_after_backward():
     return "no error", ""
 
 
+def _probe_released_views():
+    spec = vfsdp.plan({"w": torch.ones(8)}, dist.get_world_size())
+    shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+    with torch.no_grad():  # no graph keeps the memory past the release
+        full = vfsdp.gather(shards, spec)
+    mem = vfsdp.testing.LiveBytes().track(shards, full)
+    with mem:
+        vfsdp.release(shards, spec)
+        torch.ones(4).add_(1.0)  # an op under the probe, which samples the released views
+    t = full["w"]
+    return (type(t).__name__, t.untyped_storage().nbytes(), t.stride(), t.storage_offset(),
+            t.is_contiguous(), mem.peak > 0)
+
+
+def test_memory_probes_read_where_released_views_point_without_reading_them():
+    """Metadata that does not read memory works on a ReleasedTensor (vs_fsdp2's LiveBytes
+    tracks gathered trees across releases)."""
+    for kind, nbytes, stride, offset, contiguous, measured in simulate(2, _probe_released_views):
+        assert (kind, nbytes, stride, offset, contiguous, measured) == (
+            "ReleasedTensor", 0, (1,), 0, True, True)
+
+
 def test_views_of_a_unit_freed_after_backward_raise_naming_the_unit():
     kind, msg = simulate(2, _views_after_free_after_backward)[0]
     assert kind == "ReleasedTensor"

@@ -8,8 +8,9 @@ DBuffer handed out turns into a :class:`ReleasedTensor`: any torch operation on 
 (the unit is gathered again, the gradients are written again), the same objects turn back into
 plain tensors. Only released views pay anything: live ones are ordinary ``torch.Tensor`` s.
 
-Metadata that does not read memory (shape, dtype, device, ``requires_grad``, ``repr``) stays
-available, so debuggers and error messages still work.
+Metadata that does not read memory (shape, dtype, device, ``requires_grad``, ``repr``, where
+the memory is: ``untyped_storage``, ``stride``, ``data_ptr``) stays available, so debuggers,
+memory probes and error messages still work.
 
 Tensors made *from* those views (``x.T``, ``x.view(...)``, slices, ``x.detach()``) are not
 vfsdp's to change; they reference the memory as torch views do, and a release keeps the memory
@@ -34,6 +35,10 @@ _METADATA = {
     torch.Tensor.grad_fn.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
     torch.Tensor.ndim.__get__, torch.Tensor._base.__get__, torch.Tensor.grad.__get__,
     torch.Tensor.layout.__get__, torch.Tensor.is_cuda.__get__,
+    # where the memory is (memory probes ask), without reading it
+    torch.Tensor.untyped_storage, torch.Tensor.storage_offset, torch.Tensor.stride,
+    torch.Tensor.element_size, torch.Tensor.is_contiguous, torch.Tensor.data_ptr,
+    torch.Tensor.nbytes.__get__, torch.Tensor.itemsize.__get__,
 }
 
 

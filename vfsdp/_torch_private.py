@@ -42,7 +42,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_world",
            "report_failure", "groups_are_per_thread", "graph_task_id", "keep_graph",
-           "running_node_seq", "storage_refs", "settle_transient_refs",
+           "running_node_seq", "storage_refs", "settle_transient_refs", "copy_many",
+           "add_many", "zero_many",
            "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH"]
 
 TESTED_TORCH = ((2, 11), (2, 13))
@@ -108,6 +109,33 @@ def will_execute(node) -> bool:
 def queue_final_callback(fn) -> None:
     """Inside a backward: call ``fn()`` once the whole backward pass is done."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def _many(name: str, one: str, dsts: list, *srcs: list) -> None:
+    if not dsts:
+        return
+    many = getattr(torch, name, None)
+    if many is None:
+        for d, *x in zip(dsts, *srcs):
+            getattr(d, one)(*x)
+        return
+    many(dsts, *srcs)
+
+
+def copy_many(dsts: list, srcs: list) -> None:
+    """``dst.copy_(src)`` for each pair, as one multi-tensor op (one launch on a GPU for
+    matching dtypes) where this torch has ``_foreach_copy_``."""
+    _many("_foreach_copy_", "copy_", dsts, srcs)
+
+
+def add_many(dsts: list, srcs: list) -> None:
+    """``dst.add_(src)`` for each pair, as one multi-tensor op where torch has it."""
+    _many("_foreach_add_", "add_", dsts, srcs)
+
+
+def zero_many(dsts: list) -> None:
+    """``dst.zero_()`` for each tensor, as one multi-tensor op where torch has it."""
+    _many("_foreach_zero_", "zero_", dsts)
 
 
 def functorch_paused():

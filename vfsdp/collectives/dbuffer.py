@@ -416,11 +416,13 @@ class DBuffer:
         out = self.shard.data if direct else torch.empty(self.shard.numel(), dtype=rdt,
                                                           device=self.device)
         replicate = self.groups.replicate
+        keep = [src]  # a cast copy is read by the collective until it is done: keep it alive
 
         def launch(a):
             return comm.reduce_scatter_into(out, src, op, self.groups.shard, a)
 
         def done():
+            keep.clear()
             if replicate is not None:
                 comm.all_reduce_(out, op, replicate)
             if not direct:

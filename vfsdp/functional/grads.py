@@ -7,6 +7,7 @@ from typing import Any
 import optree
 import torch
 
+from vfsdp import _torch_private as tp
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import units_of
 from vfsdp.planner.spec import ShardSpec
@@ -90,13 +91,14 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
     """
     what = "vfsdp.zero_grads"
     leaves = match_tree(shards, spec, what)
+    zero = []  # the .grad autograd accumulated (grads="return"), zeroed in one op
     for u in units_of(leaves, spec, what):
-        for i, _ in u.leaves:  # what autograd accumulated (grads="return")
+        for i, _ in u.leaves:
             if leaves[i].grad is not None:
                 if set_to_none:
                     leaves[i].grad = None
                 else:
-                    leaves[i].grad.zero_()
+                    zero.append(leaves[i].grad)
         u.unit.drop_accumulators()
         if not u.unit.has_grads:
             continue  # no gradient buffer yet: nothing to zero
@@ -106,3 +108,5 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
         else:
             with torch.no_grad():
                 gdb.ensure_shard().zero_()
+    with torch.no_grad():
+        tp.zero_many(zero)

@@ -248,7 +248,8 @@ def _agree(pending: list[Entry], mine: list[Entry], created: int,
     with comm.collective_scope():  # the exchange's own small tensors: not data movement
         span = torch.tensor([-lo, created, -created], dtype=torch.int64, device=device)
         comm.all_reduce_max_(span, count="backward_marks")
-        lo, most, least = (-span[0]).item(), span[1].item(), (-span[2]).item()
+        neg_lo, most, neg_least = span.tolist()  # one sync
+        lo, least = -neg_lo, -neg_least
         if most != least:
             raise RuntimeError(
                 f"vfsdp: ranks made different numbers of differentiable gathers ({least} to "
@@ -259,7 +260,7 @@ def _agree(pending: list[Entry], mine: list[Entry], created: int,
             bits[e.index - lo] = 1
         marks = torch.tensor(bits, dtype=torch.uint8, device=device)
         comm.all_reduce_max_(marks, count="backward_marks")
-        marked = marks.nonzero().flatten().tolist()
+        marked = [k for k, bit in enumerate(marks.tolist()) if bit]  # one sync
     by_index = {e.index: e for e in pending}
     out = []
     for k in marked:

@@ -69,11 +69,10 @@ def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch
         if not accum.is_allocated:
             accum.alloc_global().data.zero_()
         buf = accum.global_buffer.data
-        with torch.no_grad():
-            for i, g in zip(index, grads):
-                if g is not None:
-                    t = db.tensors[i]
-                    buf[t.offset:t.offset + t.numel].view(t.shape).add_(g)
+        pairs = [(db.tensors[i], g) for i, g in zip(index, grads) if g is not None]
+        with torch.no_grad():  # one op for the unit
+            tp.add_many([buf[t.offset:t.offset + t.numel].view(t.shape) for t, _ in pairs],
+                        [g for _, g in pairs])
         if not opts.grad_sync:
             return None
         stage = accum
@@ -90,9 +89,8 @@ def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch
             if not _is_slice_of(g, dst):  # produced in place: nothing to copy
                 copies.append((dst, g))
         _zero_gaps(buf, db.tensors, covered)
-        with torch.no_grad():
-            for dst, g in copies:
-                dst.view(g.shape).copy_(g)
+        with torch.no_grad():  # one op for all the unit's pieces, not one per tensor
+            tp.copy_many([dst.view(g.shape) for dst, g in copies], [g for _, g in copies])
     if not to_buffer:  # to autograd: a fresh tensor, nothing of vfsdp's is aliased
         out = db.reduce_scatter_new(buf, op=opts.grad_reduce, reduce_dtype=rdt)
         stage.free_global()
@@ -174,16 +172,18 @@ def _is_slice_of(g: torch.Tensor, dst: torch.Tensor) -> bool:
 
 
 def _zero_gaps(buf: torch.Tensor, tensors, covered: set) -> None:
-    """Zero everything but the tensors about to be written: padding and missing gradients."""
-    end = 0
+    """Zero everything but the tensors about to be written: padding and missing gradients
+    (one op for all the gaps)."""
+    end, gaps = 0, []
+    for i, t in enumerate(tensors):
+        if i in covered:
+            if t.offset > end:
+                gaps.append(buf[end:t.offset])
+            end = max(end, t.offset + t.numel)
+    if end < buf.numel():
+        gaps.append(buf[end:])
     with torch.no_grad():
-        for i, t in enumerate(tensors):
-            if i in covered:
-                if t.offset > end:
-                    buf[end:t.offset].zero_()
-                end = max(end, t.offset + t.numel)
-        if end < buf.numel():
-            buf[end:].zero_()
+        tp.zero_many(gaps)
 
 
 def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh: Any = None,

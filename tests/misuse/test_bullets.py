@@ -223,6 +223,19 @@ def test_bad_values_name_the_path_and_the_fix():
         vfsdp.plan(vfsdp.plan({"w": torch.ones(2)}, 1), 1)
 
 
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: vfsdp.optim.adamw(lr=-1e-3), "adamw: lr must be >= 0, got -0.001"),
+    (lambda: vfsdp.optim.adamw(eps=float("nan")), "adamw: eps must be >= 0, got nan"),
+    (lambda: vfsdp.optim.adamw8bit(betas=(0.9, 1.0)), r"adamw8bit: betas must be in \[0, 1\)"),
+    (lambda: vfsdp.optim.adamw8bit(weight_decay=-0.1), "adamw8bit: weight_decay must be >= 0"),
+    (lambda: vfsdp.optim.muon(momentum=1.5), r"muon: momentum must be in \[0, 1\), got 1.5"),
+    (lambda: vfsdp.optim.muon(lr=-0.02), "muon: lr must be >= 0, got -0.02"),
+])
+def test_every_optimizer_refuses_bad_hyperparameters_naming_itself(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
 # ------------------------------------------------------------------ checkpoints, runners, docs
 
 

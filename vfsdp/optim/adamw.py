@@ -30,6 +30,7 @@ from vfsdp.optim.base import (
     Schedule,
     as_schedule,
     both,
+    check_hyper,
     flat_grads,
     grad_leaves,
     selected,
@@ -159,11 +160,8 @@ def adamw(
         >>> vfsdp.testing.simulate(2, body)
         [([0.9, 0.9, 0.9, 0.9], 1), ([0.9, 0.9, 0.9, 0.9], 1)]
     """
+    check_hyper("adamw", lr, weight_decay, betas=betas, eps=eps)
     b1, b2 = betas
-    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-        raise ValueError(f"betas must be in [0, 1), got {betas}")
-    if eps < 0 or weight_decay < 0 or (not callable(lr) and lr < 0):
-        raise ValueError("lr, eps and weight_decay must be >= 0")
     schedule = as_schedule(lr)
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> AdamWState:

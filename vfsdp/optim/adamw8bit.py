@@ -35,6 +35,7 @@ from vfsdp.optim.base import (
     Schedule,
     as_schedule,
     both,
+    check_hyper,
     flat_grads,
     grad_leaves,
     selected,
@@ -182,7 +183,8 @@ def adamw8bit(
         An :class:`vfsdp.optim.Optimizer` whose ``granularity`` the planner must honour.
 
     Raises:
-        ValueError (from ``init``): a quantized tensor's rank boundary cuts a 32-row stripe.
+        ValueError: as :func:`vfsdp.optim.adamw` for the hyperparameters; from ``init``, a
+            quantized tensor's rank boundary cuts a 32-row stripe.
 
     Example:
         >>> opt = vfsdp.optim.adamw8bit(lr=1e-3)
@@ -197,6 +199,7 @@ def adamw8bit(
         >>> sum(vfsdp.testing.simulate(3, body))
         8192
     """
+    check_hyper("adamw8bit", lr, weight_decay, betas=betas, eps=eps)
     b1, b2 = betas
     schedule = as_schedule(lr)
     maps: dict = {}
@@ -226,8 +229,10 @@ def adamw8bit(
                 start, stop = t.local_range(db.rank)
                 if not _quantized(tuple(t.shape), min_8bit_numel):
                     f32.append((k, lo, hi))
-                    state.fp32_m[(u.key, k)] = torch.zeros(hi - lo, device=db.device)
-                    state.fp32_v[(u.key, k)] = torch.zeros(hi - lo, device=db.device)
+                    state.fp32_m[(u.key, k)] = torch.zeros(hi - lo, dtype=torch.float32,
+                                                          device=db.device)
+                    state.fp32_v[(u.key, k)] = torch.zeros(hi - lo, dtype=torch.float32,
+                                                          device=db.device)
                     continue
                 shape = tuple(t.shape)
                 try:
@@ -239,8 +244,8 @@ def adamw8bit(
                         f"stays on one rank"
                     ) from None
                 q8.append(Quantized(k, lo, hi, tiles.to(db.device), n))
-                state.scales_m[(u.key, k)] = torch.zeros(n, device=db.device)
-                state.scales_v[(u.key, k)] = torch.zeros(n, device=db.device)
+                state.scales_m[(u.key, k)] = torch.zeros(n, dtype=torch.float32, device=db.device)
+                state.scales_v[(u.key, k)] = torch.zeros(n, dtype=torch.float32, device=db.device)
             paths[u.key], quantized[u.key], fp32[u.key] = chosen, tuple(q8), tuple(f32)
         state.plan = AdamW8bitPlan(paths, quantized, fp32, decay)
         return state

@@ -34,8 +34,9 @@ from vfsdp.optim.schedules import constant
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["Optimizer", "Schedule", "Mask", "as_schedule", "unit_buffers", "grad_leaves", "state_dtype",
-           "flat_grads", "UnitTensors", "init_masked", "both", "selected"]
+__all__ = ["Optimizer", "Schedule", "Mask", "as_schedule", "unit_buffers", "grad_leaves",
+           "state_dtype", "check_hyper", "flat_grads", "UnitTensors", "init_masked", "both",
+           "selected"]
 
 Schedule = Union[float, Callable[[int], float]]
 Mask = Optional[Callable[[tuple], bool]]
@@ -68,6 +69,30 @@ def as_schedule(value: Schedule) -> Callable[[int], float]:
         (0.5, 0.3)
     """
     return value if callable(value) else constant(float(value))
+
+
+def check_hyper(what: str, lr: Schedule, weight_decay: float, betas: Optional[tuple] = None,
+                eps: Optional[float] = None, momentum: Optional[float] = None) -> None:
+    """Refuse hyperparameters no optimizer can use (a schedule ``lr`` is checked when called).
+
+    Raises:
+        ValueError: a negative ``lr``, ``eps`` or ``weight_decay``, or betas or momentum
+            outside [0, 1), naming the optimizer and the value.
+
+    Example:
+        >>> check_hyper("adamw", 1e-3, 0.0, betas=(0.9, 1.0))
+        Traceback (most recent call last):
+        ...
+        ValueError: adamw: betas must be in [0, 1), got (0.9, 1.0)
+    """
+    if betas is not None and not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{what}: betas must be in [0, 1), got {betas}")
+    if momentum is not None and not 0.0 <= momentum < 1.0:
+        raise ValueError(f"{what}: momentum must be in [0, 1), got {momentum}")
+    for name, value in (("lr", None if callable(lr) else lr), ("eps", eps),
+                        ("weight_decay", weight_decay)):
+        if value is not None and not value >= 0:  # also refuses NaN
+            raise ValueError(f"{what}: {name} must be >= 0, got {value}")
 
 
 def both(a: Mask, b: Mask) -> Mask:

@@ -36,6 +36,7 @@ from vfsdp.optim.base import (
     Optimizer,
     Schedule,
     as_schedule,
+    check_hyper,
     flat_grads,
     grad_leaves,
     selected,
@@ -178,7 +179,8 @@ def muon(
         root gathers them).
 
     Raises:
-        ValueError: an unknown ``scale`` or a ``wave_size`` below 1.
+        ValueError: an unknown ``scale``, a ``wave_size`` below 1, a negative ``lr`` or
+            ``weight_decay``, or ``momentum`` outside [0, 1).
 
     Example:
         >>> params = {"w": torch.randn(6, 4), "v": torch.randn(4, 4)}
@@ -194,6 +196,7 @@ def muon(
         >>> a == b and sorted(a) == [0, 1]
         True
     """
+    check_hyper("muon", lr, weight_decay, momentum=momentum)
     if scale not in ("original", "moonlight"):
         raise ValueError(f"scale must be 'original' or 'moonlight', got {scale!r}")
     if wave_size < 1:

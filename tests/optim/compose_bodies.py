@@ -113,11 +113,13 @@ def masked_clip(max_norm: float):
     grads = _grads(spec, rank, 1)
     before = optree.tree_map(torch.clone, grads)
     norm = vfsdp.clip_grad_norm(grads, spec, max_norm, mask=is_matrix)
-    untouched = all(torch.equal(a, b) for a, b, t in zip(optree.tree_leaves(grads),
-                                                           optree.tree_leaves(before),
-                                                           spec.tensors())
-                    if not is_matrix(t.path))
-    return float(norm), untouched
+    pairs = list(zip(optree.tree_leaves(grads), optree.tree_leaves(before), spec.tensors()))
+    untouched = all(torch.equal(a, b) for a, b, t in pairs if not is_matrix(t.path))
+    # torch's clip_grad_norm_: scaled by max_norm / (norm + 1e-6) when that is below 1
+    coef = min(1.0, max_norm / (float(norm) + 1e-6))
+    scaled = all(torch.allclose(a, b * coef, rtol=1e-6, atol=0) for a, b, t in pairs
+                 if is_matrix(t.path))
+    return float(norm), untouched, scaled, coef
 
 
 def subset_norm() -> float:

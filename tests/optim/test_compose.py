@@ -35,9 +35,10 @@ def test_nested_composition_on_gloo_and_hsdp():
 @pytest.mark.parametrize("world", [1, 3])
 def test_clip_under_a_mask_uses_the_subset_norm_and_scales_only_it(world):
     want = cb.subset_norm()
-    for norm, untouched in simulate(world, cb.masked_clip, 0.1):
+    for norm, untouched, scaled, coef in simulate(world, cb.masked_clip, 0.1):
         assert math.isclose(norm, want, rel_tol=1e-5)
         assert untouched
+        assert coef < 1 and scaled  # the subset was clipped, by torch's coefficient
 
 
 def test_composed_state_checkpoints_and_reshards():

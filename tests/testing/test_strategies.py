@@ -24,11 +24,11 @@ def test_readme_property_test_runs_as_written():
 
 
 @settings(max_examples=60, deadline=None)
-@given(vst.plans(), st.data())
-def test_plans_are_valid_and_cover_the_edge_cases(case, data):
-    _, spec = case
+@given(vst.meshes(), st.data())
+def test_plans_are_valid_and_cover_the_edge_cases(mesh, data):
+    _, spec = data.draw(vst.plans(mesh=st.just(mesh)))
     vfsdp.check_spec(spec)
-    assert vst.ranks(spec) == spec.world_size * spec.replicas
+    assert vst.ranks(spec) == (mesh if isinstance(mesh, int) else mesh[0] * mesh[1])
     dtypes = {spec.units[k].dtype for k in spec.units}
     assert dtypes <= set(vst.DTYPES)
 

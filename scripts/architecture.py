@@ -59,12 +59,22 @@ def modules(root: str):
                 yield os.path.relpath(path, os.path.dirname(root)), path
 
 
-def imported_packages(tree: ast.AST) -> list[tuple[str, int]]:
+def imported_packages(tree: ast.AST, rel: str = "") -> list[tuple[str, int]]:
+    """``(package, line)`` for each vfsdp package a module imports; ``rel`` (the module's
+    path, ``vfsdp/planner/spec.py``) resolves relative imports (``from ..functional import``)."""
+    here = rel[:-3].split(os.sep) if rel else []
+    if here and here[-1] == "__init__":
+        here = here[:-1]
+    package = here[:-1] if rel and not rel.endswith("__init__.py") else here
     out = []
     for node in ast.walk(tree):
         names = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level > 0 and package:
+            base = package[:len(package) - (node.level - 1)]
+            module = ".".join(base + ([node.module] if node.module else []))
+            names = [module] + [f"{module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         found = []
@@ -87,7 +97,7 @@ def report(root: str) -> dict:
         tree = ast.parse(src)
         lines[rel] = src.count("\n") + 1
         pkg = package_of(rel)
-        for target, lineno in imported_packages(tree):
+        for target, lineno in imported_packages(tree, rel):
             if target != pkg:
                 graph[pkg][target] += 1
                 if RANK[target] >= RANK[pkg] and pkg != "<top>":

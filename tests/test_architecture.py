@@ -51,6 +51,17 @@ def test_imports_follow_the_layers():
     assert "optim" not in report["graph"].get("checkpoint", {})
 
 
+def test_relative_imports_count_as_imports():
+    """``from ..functional import gather`` in the planner is as upward as the absolute form."""
+    for src in ("from ..functional import gather", "from vfsdp.functional import gather",
+                "from ..functional.gather import gather", "from .. import functional"):
+        found = ARCH.imported_packages(ast.parse(src), os.path.join("vfsdp", "planner", "spec.py"))
+        assert [pkg for pkg, _ in found] == ["functional"], src
+    inside = ARCH.imported_packages(ast.parse("from .spec import ShardSpec"),
+                                    os.path.join("vfsdp", "planner", "__init__.py"))
+    assert [pkg for pkg, _ in inside] == ["planner"]
+
+
 def test_readme_draws_the_layers():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()

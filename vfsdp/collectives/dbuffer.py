@@ -401,15 +401,8 @@ class DBuffer:
         Raises:
             ValueError: ``source`` has the wrong size, or ``op`` is unknown.
         """
-        src = self._global if source is None else source
-        if src.numel() != self._global.numel():
-            raise ValueError(f"reduce_scatter source must have {self._global.numel()} elements, "
-                             f"got {src.numel()}")
-        comm.check_op(op)
-        src = src.data
-        rdt = reduce_dtype or src.dtype
-        if src.dtype != rdt:
-            src = src.to(rdt)
+        src, rdt = self._reduce_source(self._global if source is None else source, op,
+                                       reduce_dtype)
         self.wait()
         self.ensure_shard(zero=accumulate)
         direct = rdt == self.dtype and not accumulate
@@ -436,6 +429,17 @@ class DBuffer:
 
         return self._launch(launch, async_op, done)
 
+    def _reduce_source(self, source: torch.Tensor, op: str,
+                       reduce_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.dtype]:
+        """The checked reduce-scatter input, detached and cast to the reduce dtype."""
+        if source.numel() != self._global.numel():
+            raise ValueError(f"reduce_scatter source must have {self._global.numel()} elements, "
+                             f"got {source.numel()}")
+        comm.check_op(op)
+        src = source.detach()
+        rdt = reduce_dtype or src.dtype
+        return (src if src.dtype == rdt else src.to(rdt)), rdt
+
     def reduce_scatter_new(self, source: torch.Tensor, op: str = "avg",
                            reduce_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Reduce-scatter ``source`` into a new ``S``-element tensor of this buffer's dtype
@@ -444,14 +448,7 @@ class DBuffer:
         Raises:
             ValueError: ``source`` has the wrong size, or ``op`` is unknown.
         """
-        if source.numel() != self._global.numel():
-            raise ValueError(f"reduce_scatter source must have {self._global.numel()} elements, "
-                             f"got {source.numel()}")
-        comm.check_op(op)
-        src = source.detach()
-        rdt = reduce_dtype or src.dtype
-        if src.dtype != rdt:
-            src = src.to(rdt)
+        src, rdt = self._reduce_source(source, op, reduce_dtype)
         out = torch.empty(self.shard.numel(), dtype=rdt, device=self.device)
         with torch.no_grad():
             comm.reduce_scatter_into(out, src, op, self.groups.shard)

@@ -24,6 +24,8 @@
   so a collective inside a ``torch.func`` backward may write its own output buffer (gloo copies
   into it, which functorch would refuse as mutating a captured tensor).
 * :func:`version`: a tensor's in-place version counter (``t._version``).
+* Multi-tensor kernels: :func:`foreach` (``torch._foreach_*``, with a per-tensor fallback) and
+  :func:`fused_adamw` (``torch._fused_adamw_``, the kernel of ``torch.optim.AdamW(fused=True)``).
 
 Other torch versions may move or change these, so they are guarded and versioned here.
 """
@@ -43,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_world",
            "report_failure", "groups_are_per_thread", "graph_task_id", "keep_graph",
            "running_node_seq", "storage_refs", "settle_transient_refs", "copy_many",
-           "add_many", "zero_many",
+           "add_many", "zero_many", "foreach", "has_fused_adamw", "fused_adamw",
            "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH"]
 
 TESTED_TORCH = ((2, 11), (2, 13))
@@ -120,6 +122,36 @@ def _many(name: str, one: str, dsts: list, *srcs: list) -> None:
             getattr(d, one)(*x)
         return
     many(dsts, *srcs)
+
+
+def foreach(op: str, *lists: list, scalar=None):
+    """``torch._foreach_<op>(*lists[, scalar])``: one multi-tensor op (one launch per few
+    hundred tensors on a GPU); where this torch lacks it, the per-tensor loop.
+
+    Returns:
+        What the op returns (a list for out-of-place ops, ``None`` for in-place ones).
+    """
+    extra = () if scalar is None else (scalar,)
+    many = getattr(torch, f"_foreach_{op}", None)
+    if many is not None:
+        return many(*lists, *extra)
+    out = [getattr(first, op)(*rest, *extra) for first, *rest in zip(*lists)]
+    return None if op.endswith("_") else out
+
+
+def has_fused_adamw() -> bool:
+    """Whether this torch has the fused AdamW kernel (``torch._fused_adamw_``)."""
+    return hasattr(torch, "_fused_adamw_")
+
+
+def fused_adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, *,
+                lr: float, beta1: float, beta2: float, weight_decay: float, eps: float) -> None:
+    """torch's fused AdamW kernel, as ``torch.optim.AdamW(fused=True)`` calls it (no amsgrad,
+    no maximize, no grad scaler); ``steps`` are float32 tensors on the parameters' device
+    holding the 1-based step."""
+    torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr,
+                        beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                        maximize=False, grad_scale=None, found_inf=None)
 
 
 def copy_many(dsts: list, srcs: list) -> None:

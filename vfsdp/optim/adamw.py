@@ -1,20 +1,22 @@
-"""AdamW over flat DBuffers: a few fused ops per unit, bitwise equal to ``torch.optim.AdamW``.
+"""AdamW over flat DBuffers: a constant number of multi-tensor ops per step.
 
-The state (``exp_avg``, ``exp_avg_sq``) lives in DBuffers with the parameters' layout, so each
-step is, per unit, the same element-wise ops as PyTorch's single-tensor AdamW applied to the
-whole ``S``-element shard at once::
+The state (``exp_avg``, ``exp_avg_sq``) lives in DBuffers with the parameters' layout, so a
+step is PyTorch's AdamW applied to every unit's whole ``S``-element shard at once, as
+multi-tensor ops over the list of shards (:mod:`vfsdp.optim.fused`)::
 
     p.mul_(1 - lr * wd)                       # only over tensors that decay
     m.lerp_(g, 1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
     p.addcdiv_(m, (v.sqrt() / sqrt(1 - b2**t)).add_(eps), value=-lr / (1 - b1**t))
 
-Padding stays zero: its gradient, moments and parameters are all zero.
+Bitwise equal to ``torch.optim.AdamW()`` (foreach path, the default off CUDA) or to
+``torch.optim.AdamW(fused=True)`` (fused path, the default on CUDA). Padding stays zero: its
+gradient, moments and parameters are all zero.
 """
 
 from __future__ import annotations
 
-import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -37,12 +39,22 @@ from vfsdp.optim.base import (
     state_dtype,
     unit_buffers,
 )
+from vfsdp.optim.fused import adamw_step, use_fused
+from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["adamw", "AdamWState", "AdamWPlan", "CHUNK", "runs", "owned_views", "trainable_runs"]
+__all__ = ["adamw", "AdamWState", "AdamWPlan", "StepSlices", "runs", "segments", "owned_views",
+           "trainable_runs"]
 
-CHUNK = 1 << 18
-"""Elements per slice of the fused update (bounds its temporary memory)."""
+
+def __getattr__(name: str):
+    if name == "CHUNK":  # 0.1: the per-chunk loop, replaced by multi-tensor ops
+        warnings.warn("vfsdp.optim.adamw.CHUNK is gone: the update is a few multi-tensor ops per "
+                      "step; its temporary is bounded by vfsdp.optim.fused.TEMP_ELEMS",
+                      FutureWarning, stacklevel=2)
+        from vfsdp.optim.fused import TEMP_ELEMS
+        return TEMP_ELEMS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def runs(db: DBuffer, mask: Mask) -> tuple[tuple[int, int], ...]:
@@ -86,6 +98,93 @@ class AdamWPlan:
         return db.tensors[k].path in self.paths.get(db.key, ())
 
 
+def segments(update_runs: tuple, decay_runs: tuple) -> tuple[tuple[int, int, bool], ...]:
+    """The update runs cut where decay starts or stops: ``(lo, hi, decays)`` each.
+
+    Example:
+        >>> segments(((0, 10), (12, 20)), ((4, 10), (12, 14)))
+        ((0, 4, False), (4, 10, True), (12, 14, True), (14, 20, False))
+    """
+    cuts = sorted({x for run in decay_runs for x in run})
+    out = []
+    for lo, hi in update_runs:
+        edges = [lo, *(c for c in cuts if lo < c < hi), hi]
+        for a, b in zip(edges, edges[1:]):
+            out.append((a, b, any(d0 <= a and b <= d1 for d0, d1 in decay_runs)))
+    return tuple(out)
+
+
+class StepSlices:
+    """The flat operands of each step, made once per unit and kept (the parameter and moment
+    shards are fixed tensors, so their views are too).
+
+    A unit whose every tensor is updated is one slice per operand, padding included: padding
+    is zero in the parameters, gradients and moments alike, and AdamW keeps it zero. A mask
+    or frozen tensors cut it into the updated ranges. Gradient slices are taken each step
+    and never kept: a kept view would hold the gradient buffer's memory after
+    ``zero_grads(set_to_none=True)``.
+    """
+
+    def __init__(self) -> None:
+        self._units: dict = {}
+        self._steps: dict = {}
+
+    def add(self, ops: tuple, u, g: torch.Tensor, state, update_runs: tuple, decay_runs: tuple,
+            fused: bool) -> None:
+        """Append unit ``u``'s slices to ``ops = (ps, gs, ms, vs, decay, flags)``; ``fused``:
+        for the fused kernel, which takes weight decay per slice, not per range."""
+        key = (update_runs, decay_runs, fused)
+        found = self._units.get(u.key)
+        if found is None or found[0] != key:
+            found = self._units[u.key] = (key, self._make(u, state, update_runs, decay_runs,
+                                                          fused))
+        (whole, cuts, ps, ms, vs, decay, flags) = found[1]
+        ops[0].extend(ps)
+        if whole:
+            ops[1].append(g)
+        else:  # one op cuts the whole shard (gaps included); keep the updated pieces
+            sizes, keep = cuts
+            pieces = g.split_with_sizes(sizes)
+            ops[1].extend(pieces[i] for i in keep)
+        ops[2].extend(ms)
+        ops[3].extend(vs)
+        ops[4].extend(decay)
+        ops[5].extend(flags)
+
+    @staticmethod
+    def _make(u, state, update_runs, decay_runs, fused) -> tuple:
+        p = u.db.shard
+        m, v = state.exp_avg[u.key].shard, state.exp_avg_sq[u.key].shard
+        every = runs(u.db, None)
+        partial_decay = decay_runs not in ((), every)
+        if update_runs == every and not (fused and partial_decay):
+            decay = [p[lo:hi] for lo, hi in decay_runs] if partial_decay else (
+                [p] if decay_runs else [])
+            return True, (), [p], [m], [v], decay, [bool(decay_runs)]
+        cut = segments(update_runs, decay_runs)
+        ps = [p[lo:hi] for lo, hi, _ in cut]
+        sizes, keep, end = [], [], 0
+        for lo, hi, _ in cut:
+            if lo > end:
+                sizes.append(lo - end)
+            keep.append(len(sizes))
+            sizes.append(hi - lo)
+            end = hi
+        if end < p.numel():
+            sizes.append(p.numel() - end)
+        return (False, (tuple(sizes), tuple(keep)), ps,
+                [m[lo:hi] for lo, hi, _ in cut], [v[lo:hi] for lo, hi, _ in cut],
+                [x for x, (_, _, d) in zip(ps, cut) if d], [d for _, _, d in cut])
+
+    def step_tensor(self, device: torch.device, step: int) -> torch.Tensor:
+        """A 0-d float32 tensor on ``device`` holding ``step`` (the fused kernel reads it)."""
+        t = self._steps.get(device)
+        if t is None:
+            t = self._steps[device] = torch.zeros((), dtype=torch.float32, device=device)
+        t.fill_(step)
+        return t
+
+
 @dataclass
 class AdamWState:
     """The step and, per unit it updates, the moment DBuffers (the parameters' layout)."""
@@ -94,6 +193,7 @@ class AdamWState:
     exp_avg: dict
     exp_avg_sq: dict
     plan: AdamWPlan = field(default_factory=AdamWPlan, repr=False, compare=False)
+    slices: StepSlices = field(default_factory=StepSlices, repr=False, compare=False)
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
         """The step, and the moments of the tensors it updates, shaped like the parameters."""
@@ -130,8 +230,10 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 0.01,
     weight_decay_mask: Optional[Callable[[tuple], bool]] = None,
+    fused: Optional[bool] = None,
 ) -> Optimizer:
-    """AdamW (decoupled weight decay), fused over each unit's flat shard.
+    """AdamW (decoupled weight decay): a constant number of multi-tensor ops per step over
+    every unit's flat shard (:mod:`vfsdp.optim.fused`).
 
     Args:
         lr: A float or a schedule ``step -> lr`` (steps count from 1).
@@ -140,12 +242,18 @@ def adamw(
         weight_decay: Decoupled weight decay.
         weight_decay_mask: ``path -> bool``; tensors for which it is false (e.g. norms and
             biases) take no weight decay. Default: every tensor decays.
+        fused: ``None`` (default): torch's fused AdamW kernel on CUDA where parameters,
+            gradients and moments share a dtype (fp32 master shards), bitwise equal to
+            ``torch.optim.AdamW(fused=True)``; elsewhere ``torch._foreach_*`` ops, bitwise
+            equal to ``torch.optim.AdamW()``. ``True``/``False`` force one path.
 
     Returns:
         An :class:`vfsdp.optim.Optimizer`.
 
     Raises:
-        ValueError: a negative learning rate, ``eps`` or weight decay, or betas outside [0, 1).
+        ValueError: a negative learning rate, ``eps`` or weight decay, or betas outside [0, 1);
+            from ``init``, ``fused=True`` for parameters whose dtype is not the state's
+            (e.g. bf16 parameters with fp32 moments), naming the tensor.
 
     Example:
         >>> def body():
@@ -172,6 +280,8 @@ def adamw(
             if not chosen:
                 continue  # nothing of this unit is ours: no state for it
             sdt = state_dtype(u.db.dtype)  # float32, or float64 for float64 parameters
+            if fused:
+                use_fused(True, u.db.device, {u.db.dtype, sdt}, format_path(chosen[0]))
             state.exp_avg[u.key] = u.db.like(sdt, Role.STATE, "exp_avg")
             state.exp_avg_sq[u.key] = u.db.like(sdt, Role.STATE, "exp_avg_sq")
             update_runs[u.key] = runs(u.db, mask)
@@ -184,36 +294,25 @@ def adamw(
         state.step += 1
         step = state.step
         rate = schedule(step)
-        bc1 = 1 - b1 ** step
-        bc2_sqrt = math.sqrt(1 - b2 ** step)
         leaves = grad_leaves(grads, spec, "adamw.update")
-        plan = state.plan
+        groups: dict = {}  # (device, param dtype, fused) -> the operand lists of the step
         with torch.no_grad():
             for u in unit_buffers(shards, spec, "adamw.update"):
                 if u.key not in state.exp_avg:
                     continue
-                update_runs, decay_runs = trainable_runs(u, plan, weight_decay_mask)
+                update_runs, decay_runs = trainable_runs(u, state.plan, weight_decay_mask)
                 if not update_runs:
                     continue  # every tensor of ours here is frozen
-                p = u.db.shard
-                m, v = state.exp_avg[u.key].shard, state.exp_avg_sq[u.key].shard
+                m = state.exp_avg[u.key].shard
                 g = flat_grads(leaves, u, "adamw.update", m.dtype)
-                if weight_decay:
-                    for lo, hi in decay_runs:
-                        p[lo:hi].mul_(1 - rate * weight_decay)
-                # Element-wise, so slices give the same bits; they bound the temporary
-                # (the denominator) to CHUNK elements instead of a whole unit.
-                for lo, hi in (c for run in update_runs for c in _chunks(*run)):
-                    gs, ms, vs = g[lo:hi], m[lo:hi], v[lo:hi]
-                    ms.lerp_(gs, 1 - b1)
-                    vs.mul_(b2).addcmul_(gs, gs, value=1 - b2)
-                    denom = vs.sqrt().div_(bc2_sqrt).add_(eps)
-                    p[lo:hi].addcdiv_(ms, denom, value=-rate / bc1)
+                on = use_fused(fused, m.device, {u.db.dtype, g.dtype, m.dtype})
+                ops = groups.setdefault((m.device, u.db.dtype, on), ([], [], [], [], [], []))
+                state.slices.add(ops, u, g, state, update_runs, decay_runs, on)
+            for (device, _, on), (ps, gs, ms, vs, decay, flags) in groups.items():
+                step_tensor = state.slices.step_tensor(device, step) if on else None
+                adamw_step(ps, gs, ms, vs, flags if on else decay, step=step, lr=rate,
+                           betas=betas, eps=eps, weight_decay=weight_decay, fused=on,
+                           step_tensor=step_tensor)
         return state
 
     return Optimizer(init, update)
-
-
-def _chunks(lo: int, hi: int):
-    for start in range(lo, hi, CHUNK):
-        yield start, min(start + CHUNK, hi)

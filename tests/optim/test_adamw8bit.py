@@ -105,3 +105,171 @@ def test_init_refuses_a_plan_that_cuts_tiles():
     msgs = simulate(3, body)
     assert any("w (70, 64) is split across ranks inside a 32x32 tile" in m and
                "granularity=opt.granularity" in m for m in msgs)
+
+
+# ---------------------------------------------------------------- fast path vs reference
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from vfsdp.optim.quant import (  # noqa: E402
+    TILE,
+    dequantize_tiles,
+    midpoints,
+    quantize_tiles,
+    tile_view,
+)
+
+
+@st.composite
+def _tile_ranges(draw):
+    """A tensor shape (matrix or stack, ragged or not) and a rank's range of whole stripes
+    (or whole matrices of a ragged stack), possibly empty."""
+    rows = draw(st.integers(1, 100))
+    cols = draw(st.integers(1, 70))
+    stack = draw(st.integers(0, 3))
+    shape = (stack, rows, cols) if stack else (rows, cols)
+    if stack and rows % TILE:
+        unit, count = rows * cols, stack
+    else:
+        total_rows = rows * max(stack, 1)
+        unit, count = TILE * cols, -(-total_rows // TILE)
+    a = draw(st.integers(0, count))
+    b = draw(st.integers(a, count))
+    numel = rows * cols * max(stack, 1)
+    return shape, min(a * unit, numel), min(b * unit, numel)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_tile_ranges(), st.booleans(), st.integers(0, 2 ** 16))
+def test_fast_tiles_are_bitwise_the_reference(case, signed, seed):
+    shape, start, stop = case
+    qmap = dynamic_map(signed)
+    x = torch.randn(stop - start, generator=torch.Generator().manual_seed(seed))
+    if not signed:
+        x = x.abs()
+    ids, n = tile_ids(shape, start, stop)
+    want_codes, want_scales = quantize(x, ids, n, qmap)
+    view = tile_view(shape, start, stop)
+    codes = torch.empty(view, dtype=torch.uint8)
+    scales = torch.empty(n)
+    quantize_tiles(x.view(view), midpoints(qmap), codes, scales)
+    assert torch.equal(codes.reshape(-1), want_codes) and torch.equal(scales, want_scales)
+    assert torch.equal(dequantize_tiles(codes, scales, qmap).reshape(-1),
+                       dequantize(want_codes, want_scales, ids, qmap))
+
+
+def _reference_8bit(steps=3):
+    """One process, one tensor at a time, with the reference (per-element tile index) code."""
+    params = _params()
+    leaves, paths = optree.tree_leaves(params), optree.tree_paths(params)
+    qm, qv = dynamic_map(True), dynamic_map(False)
+    state = []
+    for t in leaves:
+        if t.dim() >= 2 and t.numel() >= vfsdp.optim.adamw8bit.__defaults__[5]:
+            ids, n = tile_ids(tuple(t.shape), 0, t.numel())
+            state.append(("q", ids, n, torch.zeros(t.numel(), dtype=torch.uint8),
+                          torch.zeros(n), torch.zeros(t.numel(), dtype=torch.uint8),
+                          torch.zeros(n)))
+        else:
+            state.append(("f", torch.zeros(t.numel()), torch.zeros(t.numel())))
+    b1, b2, lr, wd, eps = 0.9, 0.999, 1e-2, 0.1, 1e-8
+    for step in range(1, steps + 1):
+        grads = optree.tree_leaves(_grads(step))
+        bc1, bc2 = 1 - b1 ** step, (1 - b2 ** step) ** 0.5
+        for i, (p, g, path) in enumerate(zip(leaves, grads, paths)):
+            p, g = p.view(-1), g.reshape(-1)
+            if path[-1] != "norm":
+                p.mul_(1 - lr * wd)
+            s = state[i]
+            if s[0] == "q":
+                _, ids, n, cm, sm, cv, sv = s
+                m, v = dequantize(cm, sm, ids, qm), dequantize(cv, sv, ids, qv)
+            else:
+                m, v = s[1], s[2]
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            p.addcdiv_(m, v.sqrt().div_(bc2).add_(eps), value=-lr / bc1)
+            if s[0] == "q":
+                cm2, sm2 = quantize(m, ids, n, qm)
+                cv2, sv2 = quantize(v, ids, n, qv)
+                state[i] = ("q", ids, n, cm2, sm2, cv2, sv2)
+    return [t.reshape(-1).tolist() for t in leaves]
+
+
+def test_the_8bit_step_is_bitwise_the_reference_loop():
+    assert simulate(1, _train)[0][0] == _reference_8bit()
+
+
+def _update_ops_8bit(scale: int):
+    def body():
+        g = torch.Generator().manual_seed(0)
+        params = {"layers": [{"w": torch.randn(64 * scale, 64 * scale, generator=g),
+                              "norm": torch.ones(64 * scale)} for _ in range(2)]}
+        opt = vfsdp.optim.adamw8bit(lr=1e-2, min_8bit_numel=1024)
+        spec = vfsdp.plan(params, 2, granularity=opt.granularity)
+        shards = vfsdp.shard(params, spec)
+        state = opt.init(shards, spec)
+        grads = vfsdp.grads(shards, spec)
+        state = opt.update(grads, state, shards, spec)
+        with CopyCounter() as c:
+            opt.update(grads, state, shards, spec)
+        return sum(c.ops.values())
+
+    return simulate(2, body)
+
+
+def test_8bit_update_op_count_does_not_grow_with_parameters():
+    assert _update_ops_8bit(1) == _update_ops_8bit(2) == _update_ops_8bit(4)  # x4, x16
+
+
+def test_compiled_8bit_step_matches_the_eager_one():
+    """torch.compile (inductor's C++ backend here, Triton on a GPU) fuses step8; the result
+    may differ in the last bit of a few moments, never more."""
+
+    def body(compile_):
+        opt = vfsdp.optim.adamw8bit(lr=1e-2, compile=compile_)
+        params = {"w": torch.randn(70, 40, generator=torch.Generator().manual_seed(0)) * 0.1,
+                  "x": torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) * 0.1}
+        spec = vfsdp.plan(params, 1, granularity=opt.granularity)
+        shards = vfsdp.shard(params, spec)
+        state = opt.init(shards, spec)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+            state = opt.update(grads, state, shards, spec)
+        return {k: v.detach().clone() for k, v in shards.items()}, state.codes_m[()].shard.clone()
+
+    import warnings
+
+    eager, codes_e = simulate(1, body, False)[0]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fused, codes_c = simulate(1, body, True)[0]
+    assert not [w for w in seen if "adamw8bit" in str(w.message)]  # no fallback to eager
+    for k in eager:
+        assert torch.allclose(eager[k], fused[k], rtol=1e-5, atol=1e-7)
+    assert (codes_e.int() - codes_c.int()).abs().max() <= 1
+
+
+def test_a_failing_compile_warns_and_runs_the_eager_step(monkeypatch):
+    import importlib
+
+    mod = importlib.import_module("vfsdp.optim.adamw8bit")
+
+    def broken(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no backend for this device\nmore")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    step = mod.compiled_step8()
+    p = torch.zeros(1, 32, 32)
+    args = (p, torch.ones(1, 32, 32), torch.zeros(1, 32, 32, dtype=torch.uint8),
+            torch.zeros(1, 32, 32, dtype=torch.uint8), torch.zeros(1), torch.zeros(1),
+            dynamic_map(True), dynamic_map(False), midpoints(dynamic_map(True)),
+            midpoints(dynamic_map(False)), 0.9, 0.999, 0.1, 0.999 ** 0.5, 1e-8, 0.1)
+    with pytest.warns(UserWarning, match=r"compile of the 8-bit step failed \(RuntimeError: no "
+                                         r"backend for this device\).*compile=False"):
+        step(*args)
+    assert float(p[0, 0, 0]) < 0  # the eager step ran

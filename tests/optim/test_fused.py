@@ -115,6 +115,7 @@ def test_update_op_count_does_not_grow_with_parameters_tensors_or_units(fused):
     per unit. fused: the step counter and one kernel per decay group; where a weight-decay
     mask cuts a unit, one view op per unit cuts its gradient (no kernel)."""
     base, views = _update_ops(16, 3, fused)
+    assert views == (0 if not fused else 3)
     assert base == (8 if not fused else 3)
     for width, layers in ((32, 3), (64, 3), (16, 12)):  # x4, x16 parameters; x4 tensors
         ops, more_views = _update_ops(width, layers, fused)

@@ -16,6 +16,7 @@ gradient, moments and parameters are all zero.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -109,7 +110,7 @@ def segments(update_runs: tuple, decay_runs: tuple) -> tuple[tuple[int, int, boo
     out = []
     for lo, hi in update_runs:
         edges = [lo, *(c for c in cuts if lo < c < hi), hi]
-        for a, b in zip(edges, edges[1:]):
+        for a, b in itertools.pairwise(edges):
             out.append((a, b, any(d0 <= a and b <= d1 for d0, d1 in decay_runs)))
     return tuple(out)
 
@@ -269,7 +270,6 @@ def adamw(
         [([0.9, 0.9, 0.9, 0.9], 1), ([0.9, 0.9, 0.9, 0.9], 1)]
     """
     check_hyper("adamw", lr, weight_decay, betas=betas, eps=eps)
-    b1, b2 = betas
     schedule = as_schedule(lr)
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> AdamWState:

@@ -25,27 +25,36 @@ from typing import Any, Optional
 
 import torch
 
+from vfsdp import _torch_private as tp
+from vfsdp._warnings import warn_user
 from vfsdp.collectives.piece import Piece
 from vfsdp.collectives.slot import Role
 from vfsdp.functional.state import param_tree
-from vfsdp.optim.adamw import owned_views, runs
+from vfsdp.optim.adamw import owned_views
 from vfsdp.optim.base import (
     Mask,
     Optimizer,
     Schedule,
     as_schedule,
-    both,
     check_hyper,
     flat_grads,
     grad_leaves,
     selected,
     unit_buffers,
 )
-from vfsdp.optim.quant import TILE, dequantize, dynamic_map, quantize, tile_ids
+from vfsdp.optim.fused import adamw_step
+from vfsdp.optim.quant import (
+    TILE,
+    dequantize_tiles,
+    dynamic_map,
+    midpoints,
+    quantize_tiles,
+    tile_view,
+)
 from vfsdp.planner.granularity import format_path, rows
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["adamw8bit", "AdamW8bitState", "AdamW8bitPlan", "Quantized", "MIN_8BIT_NUMEL"]
+__all__ = ["adamw8bit", "AdamW8bitState", "AdamW8bitPlan", "Quantized", "MIN_8BIT_NUMEL", "step8"]
 
 MIN_8BIT_NUMEL = 4096
 
@@ -71,12 +80,13 @@ def granularity_8bit(min_numel: int = MIN_8BIT_NUMEL) -> Callable:
 @dataclass(frozen=True)
 class Quantized:
     """One quantized tensor's place on this rank: buffer index ``k``, range ``[lo, hi)`` in
-    the shard, the tile of each element (local ids) and the number of tiles."""
+    the shard, that range seen as ``B`` matrices ``[R, C]`` (``view``, see
+    :func:`~vfsdp.optim.quant.tile_view`) and its number of tiles."""
 
     k: int
     lo: int
     hi: int
-    tiles: torch.Tensor
+    view: tuple
     n_tiles: int
 
 
@@ -84,12 +94,13 @@ class Quantized:
 class AdamW8bitPlan:
     """What ``init`` derives from the spec and the mask, per unit: the tensors it updates
     (``paths``), the quantized ones (``quantized``), those with fp32 moments (``fp32``:
-    ``(k, lo, hi)``) and the ranges that decay. Never saved; rebuilt by ``init``."""
+    ``(k, lo, hi)``) and the buffer indices that decay (``decays``). Never saved; rebuilt by
+    ``init``."""
 
     paths: Mapping[Any, frozenset] = field(default_factory=dict)
     quantized: Mapping[Any, tuple] = field(default_factory=dict)
     fp32: Mapping[Any, tuple] = field(default_factory=dict)
-    decay_runs: Mapping[Any, tuple] = field(default_factory=dict)
+    decays: Mapping[Any, frozenset] = field(default_factory=dict)
 
     def owns(self, db, k: int) -> bool:
         """Whether the plan updates tensor ``k`` of ``db``'s unit."""
@@ -172,12 +183,21 @@ def adamw8bit(
     weight_decay: float = 0.01,
     weight_decay_mask: Optional[Callable[[tuple], bool]] = None,
     min_8bit_numel: int = MIN_8BIT_NUMEL,
+    compile: Optional[bool] = None,
 ) -> Optimizer:
     """AdamW with 8-bit moments in 32x32 tiles. Plan with ``granularity=opt.granularity``.
+
+    A step is one pass per quantized tensor (:func:`step8`: dequantize, update, new absmax,
+    re-quantize; a fixed number of ops whatever its size, no per-element index kept) and one
+    multi-tensor AdamW over every fp32-moment tensor of every unit.
 
     Args:
         lr, betas, eps, weight_decay, weight_decay_mask: As :func:`vfsdp.optim.adamw`.
         min_8bit_numel: Tensors (by global numel) below this keep fp32 moments.
+        compile: Run :func:`step8` through ``torch.compile`` (one graph for every shape), which
+            fuses it into a few kernels. ``None`` (default): on CUDA; if compiling fails
+            there, a warning says why and the eager ops run. Compiled kernels may round
+            differently in the last bit than the eager ops.
 
     Returns:
         An :class:`vfsdp.optim.Optimizer` whose ``granularity`` the planner must honour.
@@ -203,11 +223,21 @@ def adamw8bit(
     b1, b2 = betas
     schedule = as_schedule(lr)
     maps: dict = {}
+    kernels: dict = {}
 
     def qmaps(device) -> tuple:
+        """Code maps and their midpoints, made once per device (on the parameters')."""
         found = maps.get(device)
         if found is None:
-            found = maps[device] = (dynamic_map(True, device), dynamic_map(False, device))
+            qm, qv = dynamic_map(True, device), dynamic_map(False, device)
+            found = maps[device] = (qm, qv, midpoints(qm), midpoints(qv))
+        return found
+
+    def kernel(device) -> Callable:
+        found = kernels.get(device.type)
+        if found is None:
+            on = compile if compile is not None else device.type == "cuda"
+            found = kernels[device.type] = compiled_step8() if on else step8
         return found
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> AdamW8bitState:
@@ -220,7 +250,9 @@ def adamw8bit(
                 continue
             state.codes_m[u.key] = db.like(torch.uint8, Role.STATE, "codes_m")
             state.codes_v[u.key] = db.like(torch.uint8, Role.STATE, "codes_v")
-            decay[u.key] = runs(db, both(weight_decay_mask, mask))
+            decay[u.key] = frozenset(
+                k for k, t in enumerate(db.tensors)
+                if t.path in chosen and selected(weight_decay_mask, t.path))
             q8, f32 = [], []
             for k, t in enumerate(db.tensors):
                 if t.path not in chosen:
@@ -236,14 +268,16 @@ def adamw8bit(
                     continue
                 shape = tuple(t.shape)
                 try:
-                    tiles, n = tile_ids(shape, start, stop)
+                    view = tile_view(shape, start, stop)
                 except ValueError as exc:
                     raise ValueError(
                         f"adamw8bit: {format_path(t.path)} {shape} is split across ranks inside a "
                         f"32x32 tile ({exc}); plan with granularity=opt.granularity so each tile "
                         f"stays on one rank"
                     ) from None
-                q8.append(Quantized(k, lo, hi, tiles.to(db.device), n))
+                b, r, c = view
+                n = b * -(-r // TILE) * -(-c // TILE)
+                q8.append(Quantized(k, lo, hi, view, n))
                 state.scales_m[(u.key, k)] = torch.zeros(n, dtype=torch.float32, device=db.device)
                 state.scales_v[(u.key, k)] = torch.zeros(n, dtype=torch.float32, device=db.device)
             paths[u.key], quantized[u.key], fp32[u.key] = chosen, tuple(q8), tuple(f32)
@@ -254,52 +288,93 @@ def adamw8bit(
         state.step += 1
         step = state.step
         rate = schedule(step)
-        bc1, bc2_sqrt = 1 - b1 ** step, math.sqrt(1 - b2 ** step)
+        hyper = (b1, b2, 1 - b1 ** step, math.sqrt(1 - b2 ** step), eps, rate)
         leaves = grad_leaves(grads, spec, "adamw8bit.update")
         plan = state.plan
+        small: tuple = ([], [], [], [], [])  # p, g, m, v slices; p slices that decay
+        decay: list = []                      # parameter slices that decay (one op for all)
+        quantized: list = []
         with torch.no_grad():
             for u in unit_buffers(shards, spec, "adamw8bit.update"):
                 if u.key not in state.codes_m:
                     continue
                 frozen = u.frozen()  # no gradient, no update, no decay
-                decay_runs = plan.decay_runs[u.key]
-                if frozen:
-                    owned = plan.paths[u.key]
-                    gone = {u.db.tensors[k].path for k in frozen}
-                    if owned <= gone:
-                        continue
-                    decay_runs = runs(u.db, both(weight_decay_mask,
-                                                 lambda path: path in owned and path not in gone))
+                owned = plan.paths[u.key]
+                if frozen and owned <= {u.db.tensors[k].path for k in frozen}:
+                    continue
                 g = flat_grads(leaves, u, "adamw8bit.update", torch.float32)  # its arithmetic
                 p = u.db.shard
-                qm, qv = qmaps(p.device)
-                if weight_decay:
-                    for lo, hi in decay_runs:
-                        p[lo:hi].mul_(1 - rate * weight_decay)
+                decays = plan.decays[u.key]
                 cm, cv = state.codes_m[u.key].shard, state.codes_v[u.key].shard
                 for t in plan.quantized[u.key]:
-                    if t.k in frozen:
+                    if t.k in frozen or t.hi == t.lo:
                         continue
-                    key = (u.key, t.k)
-                    m = dequantize(cm[t.lo:t.hi], state.scales_m[key], t.tiles, qm)
-                    v = dequantize(cv[t.lo:t.hi], state.scales_v[key], t.tiles, qv)
-                    _adam(p[t.lo:t.hi], g[t.lo:t.hi], m, v, b1, b2, bc1, bc2_sqrt, eps, rate)
-                    cm[t.lo:t.hi], state.scales_m[key] = quantize(m, t.tiles, t.n_tiles, qm)
-                    cv[t.lo:t.hi], state.scales_v[key] = quantize(v, t.tiles, t.n_tiles, qv)
+                    key, view = (u.key, t.k), t.view
+                    pt = p[t.lo:t.hi]
+                    if t.k in decays:
+                        decay.append(pt)
+                    quantized.append((pt.view(view), g[t.lo:t.hi].view(view),
+                                      cm[t.lo:t.hi].view(view), cv[t.lo:t.hi].view(view),
+                                      state.scales_m[key], state.scales_v[key]))
                 for k, lo, hi in plan.fp32[u.key]:
                     if k in frozen:
                         continue
-                    key = (u.key, k)
-                    _adam(p[lo:hi], g[lo:hi], state.fp32_m[key], state.fp32_v[key], b1, b2, bc1,
-                          bc2_sqrt, eps, rate)
+                    pt = p[lo:hi]
+                    if k in decays:
+                        decay.append(pt)
+                    for acc, x in zip(small, (pt, g[lo:hi], state.fp32_m[(u.key, k)],
+                                              state.fp32_v[(u.key, k)])):
+                        acc.append(x)
+            if weight_decay and decay:
+                tp.foreach("mul_", decay, scalar=1 - rate * weight_decay)
+            if quantized:
+                device = quantized[0][0].device
+                qm, qv, mm, mv = qmaps(device)
+                fn = kernel(device)
+                for args in quantized:
+                    fn(*args, qm, qv, mm, mv, *hyper)
+            ps, gs, ms, vs, _ = small
+            adamw_step(ps, gs, ms, vs, [], step=step, lr=rate, betas=betas, eps=eps,
+                       weight_decay=0.0, fused=False)
         return state
 
     return Optimizer(init, update, granularity_8bit(min_8bit_numel))
 
 
-def _adam(p, g, m, v, b1, b2, bc1, bc2_sqrt, eps, rate) -> None:
-    """The AdamW moment and parameter update in place (weight decay applied by the caller)."""
+def step8(p: torch.Tensor, g: torch.Tensor, cm: torch.Tensor, cv: torch.Tensor,
+          sm: torch.Tensor, sv: torch.Tensor, qm: torch.Tensor, qv: torch.Tensor,
+          mids_m: torch.Tensor, mids_v: torch.Tensor, b1: float, b2: float, bc1: float,
+          bc2_sqrt: float, eps: float, rate: float) -> None:
+    """One tensor's 8-bit AdamW step in place (weight decay applied before, by the caller):
+    dequantize ``m`` and ``v`` from codes ``cm``/``cv`` (``[B, R, C]``) and tile scales
+    ``sm``/``sv``, apply AdamW to ``p`` as :func:`vfsdp.optim.adamw`, re-quantize. A fixed
+    number of ops whatever the tensor's size; ``torch.compile`` fuses them."""
+    m = dequantize_tiles(cm, sm, qm)
+    v = dequantize_tiles(cv, sv, qv)
     m.lerp_(g, 1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
     denom = v.sqrt().div_(bc2_sqrt).add_(eps)
     p.addcdiv_(m, denom, value=-rate / bc1)
+    quantize_tiles(m, mids_m, cm, sm)
+    quantize_tiles(v, mids_v, cv, sv)
+
+
+def compiled_step8() -> Callable:
+    """:func:`step8` through ``torch.compile`` (dynamic shapes, one graph); where compiling
+    fails, a warning says why and the eager :func:`step8` runs instead."""
+    fn = torch.compile(step8, dynamic=True)
+    state = {"failed": False}
+
+    def run(*args) -> None:
+        if not state["failed"]:
+            try:
+                return fn(*args)
+            except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back
+                state["failed"] = True
+                warn_user(f"adamw8bit: torch.compile of the 8-bit step failed "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); running "
+                          f"the eager ops (same result, more kernels). Pass compile=False to "
+                          f"skip compiling.")
+        return step8(*args)
+
+    return run

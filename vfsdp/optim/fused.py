@@ -45,9 +45,11 @@ def use_fused(fused: Optional[bool], device: torch.device, dtypes: set, what: st
         return able and device.type == "cuda"
     if fused and not able:
         why = ("this torch has no torch._fused_adamw_" if not tp.has_fused_adamw() else
-               f"parameters, gradients and moments must share one dtype, got {sorted(map(str, dtypes))}")
-        raise ValueError(f"adamw(fused=True){': ' + what if what else ''}: {why}; use fused=False (the foreach path), or "
-                         f"fp32 master parameters (param_dtype= for the compute dtype)")
+               f"parameters, gradients and moments must share one dtype, got "
+               f"{sorted(map(str, dtypes))}")
+        where = f": {what}" if what else ""
+        raise ValueError(f"adamw(fused=True){where}: {why}; use fused=False (the foreach path), "
+                         f"or fp32 master parameters (param_dtype= for the compute dtype)")
     return bool(fused)
 
 

@@ -15,6 +15,15 @@ Tiles: a matrix ``[R, C]`` (or each matrix of a ``[E, R, C]`` stack) is cut into
 tiles at ragged edges are partial and their absmax covers their real elements only. A rank
 holding whole 32-row stripes of a matrix (``rows(32)`` granularity) holds whole tiles, so it
 quantizes its shard alone, bit for bit as one process would.
+
+Two implementations of the same arithmetic:
+
+* the fast one the optimizer runs, :func:`tile_view`, :func:`quantize_tiles` and
+  :func:`dequantize_tiles`: the local range seen as ``[B, R, C]`` matrices, tiles by reshaping
+  (no per-element index: nothing is stored beside the codes and one scale per tile), a fixed
+  number of ops per tensor whatever its size;
+* the reference, :func:`tile_ids`, :func:`quantize` and :func:`dequantize`: an explicit tile
+  index per element and a scatter-max, which the tests compare the fast one against.
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["dynamic_map", "quantize", "dequantize", "tile_ids", "TILE"]
+__all__ = ["dynamic_map", "midpoints", "tile_view", "quantize_tiles", "dequantize_tiles",
+           "quantize", "dequantize", "tile_ids", "TILE"]
 
 TILE = 32
 
@@ -56,12 +66,87 @@ def dynamic_map(signed: bool, device=None) -> torch.Tensor:
     return torch.tensor(_map(signed), dtype=torch.float32, device=device)
 
 
-def _midpoints(qmap: torch.Tensor) -> torch.Tensor:
+def midpoints(qmap: torch.Tensor) -> torch.Tensor:
+    """The 255 decision boundaries of round-to-nearest between neighbouring map entries."""
     return (qmap[1:] + qmap[:-1]) / 2
 
 
+def tile_view(shape: tuple, start: int, stop: int) -> tuple[int, int, int]:
+    """The flat range ``[start, stop)`` of a tensor of ``shape`` as ``B`` matrices ``[R, C]``
+    whose 32x32 tiles (from row 0, column 0, partial at the edges) are the tensor's tiles.
+
+    Rows of a matrix or of a stack whose matrices have a multiple of 32 rows: ``B = 1``,
+    the range's rows (whole 32-row stripes). A stack with ragged matrices: whole matrices.
+
+    Returns:
+        ``(B, R, C)``.
+
+    Raises:
+        ValueError: the range cuts a row, a 32-row stripe, or a ragged stack's matrix.
+
+    Example:
+        >>> tile_view((70, 40), 32 * 40, 70 * 40), tile_view((3, 40, 32), 40 * 32, 3 * 40 * 32)
+        ((1, 38, 40), (2, 40, 32))
+    """
+    cols, rows = shape[-1], shape[-2]
+    n = stop - start
+    if len(shape) >= 3 and rows % TILE:
+        per = rows * cols
+        if start % per or stop % per:
+            raise ValueError(f"range [{start}, {stop}) cuts a {rows}x{cols} matrix of a stack "
+                             f"whose matrices are not whole 32-row stripes")
+        return n // per, rows, cols
+    if start % cols or stop % cols:
+        raise ValueError(f"range [{start}, {stop}) cuts a row of {cols} elements")
+    r0, r1 = start // cols, stop // cols
+    if (r0 % rows) % TILE or ((r1 % rows) % TILE and r1 % rows != 0):
+        raise ValueError(f"range of rows [{r0}, {r1}) cuts a 32-row stripe")
+    return 1, r1 - r0, cols
+
+
+def _tiled(x: torch.Tensor) -> torch.Tensor:
+    """``[B, R, C]`` -> ``[B, R/32, 32, C/32, 32]``, zero-padded to whole tiles if ragged."""
+    b, r, c = x.shape
+    rt, ct = -(-r // TILE), -(-c // TILE)
+    if (r, c) != (rt * TILE, ct * TILE):
+        x = torch.nn.functional.pad(x, (0, ct * TILE - c, 0, rt * TILE - r))
+    return x.view(b, rt, TILE, ct, TILE)
+
+
+def quantize_tiles(x: torch.Tensor, mids: torch.Tensor, codes: torch.Tensor,
+                   scales: torch.Tensor) -> None:
+    """Quantize ``x`` (``[B, R, C]``, fp32) into ``codes`` (uint8, same shape) and ``scales``
+    (fp32, ``B * ceil(R/32) * ceil(C/32)`` elements, tile order), in place.
+
+    Args:
+        x: The values.
+        mids: :func:`midpoints` of the code map.
+        codes, scales: Written.
+    """
+    b, r, c = x.shape
+    tiled = _tiled(x)
+    absmax = tiled.abs().amax(dim=(2, 4))
+    scales.copy_(absmax.reshape(-1))
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    rt, ct = tiled.shape[1], tiled.shape[3]
+    y = (tiled / safe[:, :, None, :, None]).view(b, rt * TILE, ct * TILE)[:, :r, :c]
+    codes.copy_(torch.searchsorted(mids, y.contiguous(), right=True))
+
+
+def dequantize_tiles(codes: torch.Tensor, scales: torch.Tensor, qmap: torch.Tensor
+                     ) -> torch.Tensor:
+    """``qmap[codes] * scale of its tile`` in fp32, for ``codes`` of shape ``[B, R, C]``."""
+    b, r, c = codes.shape
+    rt, ct = -(-r // TILE), -(-c // TILE)
+    values = qmap[codes.long()]
+    if (r, c) == (rt * TILE, ct * TILE):
+        return (values.view(b, rt, TILE, ct, TILE) * scales.view(b, rt, 1, ct, 1)).view(b, r, c)
+    s = scales.view(b, rt, ct).repeat_interleave(TILE, 1).repeat_interleave(TILE, 2)
+    return values * s[:, :r, :c]
+
+
 def quantize(x: torch.Tensor, tiles: torch.Tensor, n_tiles: int, qmap: torch.Tensor):
-    """Codes (uint8) and per-tile absmax scales (fp32) of ``x`` (any shape, fp32).
+    """Reference: codes (uint8) and per-tile absmax scales (fp32) of ``x`` (any shape, fp32).
 
     Args:
         x: Values.
@@ -77,18 +162,19 @@ def quantize(x: torch.Tensor, tiles: torch.Tensor, n_tiles: int, qmap: torch.Ten
     scales.scatter_reduce_(0, tiles.reshape(-1), flat.abs(), reduce="amax", include_self=True)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     y = flat / safe[tiles.reshape(-1)]
-    codes = torch.searchsorted(_midpoints(qmap), y, right=True).to(torch.uint8)
+    codes = torch.searchsorted(midpoints(qmap), y, right=True).to(torch.uint8)
     return codes.reshape(x.shape), scales
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, tiles: torch.Tensor,
                qmap: torch.Tensor) -> torch.Tensor:
-    """``qmap[codes] * scales[tile]`` in fp32."""
+    """Reference: ``qmap[codes] * scales[tile]`` in fp32."""
     return qmap[codes.long()] * scales[tiles]
 
 
 def tile_ids(shape: tuple, start: int, stop: int) -> tuple[torch.Tensor, int]:
-    """Tile index of every element of the flat range ``[start, stop)`` of a tensor of ``shape``.
+    """Reference: the tile index of every element of the flat range ``[start, stop)`` of a
+    tensor of ``shape``.
 
     The range must hold whole 32-row stripes of its matrices (the planner's ``rows(32)``), so
     the tiles it touches are complete; indices are local (0 = first tile in the range).

@@ -124,9 +124,9 @@ def _many(name: str, one: str, dsts: list, *srcs: list) -> None:
     many(dsts, *srcs)
 
 
-def foreach(op: str, *lists: list, scalar=None):
-    """``torch._foreach_<op>(*lists[, scalar])``: one multi-tensor op (one launch per few
-    hundred tensors on a GPU); where this torch lacks it, the per-tensor loop.
+def foreach(op: str, *lists: list, scalar=None, **kwargs):
+    """``torch._foreach_<op>(*lists[, scalar], **kwargs)``: one multi-tensor op (one launch
+    per few hundred tensors on a GPU); where this torch lacks it, the per-tensor loop.
 
     Returns:
         What the op returns (a list for out-of-place ops, ``None`` for in-place ones).
@@ -134,8 +134,8 @@ def foreach(op: str, *lists: list, scalar=None):
     extra = () if scalar is None else (scalar,)
     many = getattr(torch, f"_foreach_{op}", None)
     if many is not None:
-        return many(*lists, *extra)
-    out = [getattr(first, op)(*rest, *extra) for first, *rest in zip(*lists)]
+        return many(*lists, *extra, **kwargs)
+    out = [getattr(first, op)(*rest, *extra, **kwargs) for first, *rest in zip(*lists)]
     return None if op.endswith("_") else out
 
 

@@ -2,15 +2,20 @@
 
 Per step, for every 2-D matrix the optimizer owns:
 
-1. momentum (Nesterov, group ops on this rank's shard): ``b.lerp_(g, 1 - mu)``,
-   ``u = g.lerp(b, mu)``;
+1. momentum (Nesterov), two multi-tensor ops over every matrix of every unit:
+   ``b.lerp_(g, 1 - mu)``, ``u = g.lerp(b, mu)``;
 2. the full ``u`` is gathered on the matrix's **root**: one flat redistribution
    (:class:`vfsdp.collectives.Redistribution`, one ``all_to_all_single`` with uneven splits,
    counted with the other collectives) per wave of matrices, planned once by ``init``;
 3. the root runs Newton-Schulz (5 quintic steps, coefficients (3.4445, -4.7750, 2.0315), bf16,
    tall matrices transposed) and scales the result;
 4. the update goes back to the holders with the reverse redistribution;
-5. ``p.mul_(1 - lr * wd)``, ``p.add_(update, alpha=-lr)`` on the shard.
+5. ``p.mul_(1 - lr * wd)``, ``p.add_(update, alpha=-lr)`` on the shard, two multi-tensor
+   ops over every matrix.
+
+Every buffer it makes (exchange buffers, updates) is on the parameters' device; on CUDA the
+exchanges run on vfsdp's communication stream while Newton-Schulz runs in bf16 on the compute
+stream.
 
 Roots come from a deterministic LPT plan (:func:`plan_roots`): matrices by Newton-Schulz cost
 ``rows * cols * min(rows, cols)`` descending, each to the least-loaded rank, ties to the rank
@@ -27,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 
+from vfsdp import _torch_private as tp
 from vfsdp.collectives.redistribute import Redistribution
 from vfsdp.collectives.slot import Role
 from vfsdp.functional.state import param_tree
@@ -251,21 +257,28 @@ def muon(
         frozen = {(key, k) for key, u in units.items() for k in u.frozen()}
         with torch.no_grad():
             upd: dict = {}
+            bufs, gs, live = [], [], []
             for key, mats in by_unit.items():
                 g = flat_grads(leaves, units[key], "muon.update", plan.dtype)
                 buf = state.momentum[key].shard
                 for m in mats:
-                    gs, bs = g[m.lo:m.hi], buf[m.lo:m.hi]
                     if (m.key, m.k) in frozen:  # still exchanged (every rank plans the same
-                        upd[id(m)] = torch.zeros_like(gs)  # waves), but neither moved nor kept
+                        upd[id(m)] = torch.zeros_like(g[m.lo:m.hi])  # waves), never applied
                         continue
-                    bs.lerp_(gs, 1 - momentum)
-                    upd[id(m)] = gs.lerp(bs, momentum) if nesterov else bs.clone()
+                    bufs.append(buf[m.lo:m.hi])
+                    gs.append(g[m.lo:m.hi])
+                    live.append(m)
+            # Momentum as two multi-tensor ops over every matrix of every unit.
+            tp.foreach("lerp_", bufs, gs, scalar=1 - momentum)
+            # The exchange copies what it sends: without Nesterov the buffer itself is sent.
+            ups = tp.foreach("lerp", gs, bufs, scalar=momentum) if nesterov else bufs
+            upd.update((id(m), x) for m, x in zip(live, ups))
 
             def start(wave: Wave):
                 return wave.to_roots.run([upd[id(m)] for m in wave.matrices], group, device,
                                          plan.dtype, async_op=True)
 
+            ps, pieces = [], []
             pending = start(plan.waves[0])
             for w, wave in enumerate(plan.waves):
                 fulls = pending.wait()
@@ -284,10 +297,12 @@ def muon(
                 back = wave.from_roots.run(out, group, device, plan.dtype)
                 for m, piece in zip(wave.matrices, back):
                     if m.hi > m.lo and (m.key, m.k) not in frozen:
-                        p = units[m.key].db.shard[m.lo:m.hi]
-                        if weight_decay:
-                            p.mul_(1 - rate * weight_decay)
-                        p.add_(piece, alpha=-rate)
+                        ps.append(units[m.key].db.shard[m.lo:m.hi])
+                        pieces.append(piece)
+            # The parameter update: two multi-tensor ops over every matrix.
+            if weight_decay:
+                tp.foreach("mul_", ps, scalar=1 - rate * weight_decay)
+            tp.foreach("add_", ps, pieces, alpha=-rate)
         return state
 
     return Optimizer(init, update)

@@ -83,7 +83,7 @@ def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=None,
     all-gathers of every unit per step (forward, and again in backward).
     """
     out = out or sys.stdout
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()  # cpu: dtype probe
     print(f"\n{'replicate x shard':>18} {'padding%':>10} {'bound%':>10} {'params/rank':>14} "
           f"{'Adam state/rank':>16} {'all-gather/rank/step':>21}", file=out)
     best = None

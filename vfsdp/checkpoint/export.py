@@ -91,7 +91,7 @@ def _gather_pieces(entries: list[Entry], dst: int) -> dict:
         if rank != dst:
             continue
         recv = recv.cpu()
-        fulls = {i: torch.zeros(math.prod(entries[i].shape), dtype=dtype) for i in idx}
+        fulls = {i: torch.zeros(math.prod(entries[i].shape), dtype=dtype) for i in idx}  # cpu: host copy
         for r in range(world):
             off = r * width
             for i in idx:

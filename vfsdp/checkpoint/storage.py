@@ -57,7 +57,8 @@ def item_key(fqn: str, offsets) -> str:
 
 def _placeholder(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """A tensor of the global shape and dtype that owns one element (zero strides)."""
-    return torch.zeros((), dtype=dtype).expand(shape) if shape else torch.zeros((), dtype=dtype)
+    one = torch.zeros((), dtype=dtype)  # cpu: metadata only, never moved
+    return one.expand(shape) if shape else one
 
 
 def _carrier(piece: Piece, data: torch.Tensor, write: bool) -> torch.Tensor:

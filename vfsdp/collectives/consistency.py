@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from vfsdp.collectives import comm
-from vfsdp.collectives.groups import MeshGroups
+from vfsdp.collectives.groups import MeshGroups, control_device
 from vfsdp.planner.spec import ShardSpec, unit_name
 
 __all__ = ["agree_on_spec", "SpecMismatch"]
@@ -52,6 +52,7 @@ def _check(spec: ShardSpec, group, device: torch.device) -> None:
     world = dist.get_world_size(group)
     if world == 1:
         return
+    device = control_device(device)
     mine = torch.frombuffer(bytearray(bytes.fromhex(spec.fingerprint)), dtype=torch.uint8)
     mine = mine.to(device)
     every = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)

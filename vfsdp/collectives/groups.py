@@ -10,16 +10,19 @@ A spec planned for ``m`` (or ``(R, m)``) runs on:
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["MeshGroups", "resolve_groups", "device_for", "default_mesh"]
+__all__ = ["MeshGroups", "resolve_groups", "device_for", "default_mesh", "use_device",
+           "control_device"]
 
 _CACHE = threading.local()
 
@@ -58,8 +61,43 @@ class MeshGroups:
         raise ValueError(f"rank {global_rank} is not in this mesh (ranks {self.grid})")
 
 
+_DEVICE = threading.local()  # .device: set by use_device() on this thread (rank)
+
+
+@contextlib.contextmanager
+def use_device(device: Union[str, torch.device, None]) -> Iterator[None]:
+    """Make :func:`device_for` answer ``device`` on this thread (rank) while the block runs.
+
+    Every buffer vfsdp creates takes its device from the groups (``device_for``) or from its
+    inputs, so this moves all of them: ``vfsdp.testing.simulate(..., device="cuda")`` runs
+    rank threads on one GPU, and ``device="meta"`` makes any tensor created on another
+    device (a missing ``device=``) fail at once, on a machine without a GPU.
+
+    Example:
+        >>> with use_device("meta"):
+        ...     device_for()
+        device(type='meta')
+    """
+    before = getattr(_DEVICE, "device", None)
+    _DEVICE.device = None if device is None else torch.device(device)
+    try:
+        yield
+    finally:
+        _DEVICE.device = before
+
+
+def control_device(device: torch.device) -> torch.device:
+    """Where small control exchanges whose values vfsdp reads (spec agreement, the backward's
+    marks) run: ``device``, or the CPU when buffers are on ``meta`` (no values there)."""
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 def device_for(group=None) -> torch.device:
-    """``cuda:<current>`` when the group's backend is NCCL, else ``cpu``."""
+    """The device of vfsdp's buffers: the one :func:`use_device` set on this thread, else
+    ``cuda:<current>`` when the group's backend is NCCL, else ``cpu``."""
+    forced = getattr(_DEVICE, "device", None)
+    if forced is not None:
+        return forced
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())

@@ -134,7 +134,7 @@ def boxes_reference(shape: tuple, start: int, stop: int) -> set:
     """The flat indices the boxes of ``[start, stop)`` cover, enumerated element by element."""
     covered = set()
     for offsets, sizes in boxes(shape, start, stop):
-        idx = torch.arange(math.prod(shape)).reshape(shape) if shape else torch.tensor(0)
+        idx = torch.arange(math.prod(shape)).reshape(shape) if shape else torch.tensor(0)  # cpu: reference
         sl = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
         covered |= set(idx[sl].reshape(-1).tolist())
     return covered

@@ -79,7 +79,7 @@ def reduce_scatter_reference(buffers: Sequence[torch.Tensor], op: str = "sum") -
     s = buffers[0].numel() // m
     out = []
     for r in range(m):
-        acc = torch.zeros(s, dtype=buffers[0].dtype)
+        acc = torch.zeros(s, dtype=buffers[0].dtype, device=buffers[0].device)
         for b in buffers:
             acc = acc + b[r * s:(r + 1) * s]
         out.append(acc / m if op == "avg" else acc)
@@ -143,6 +143,6 @@ def flat_redistribute_reference(sources: Sequence[Sequence[torch.Tensor]], src: 
                 owner = next(q for q in range(world) if src[i][q][0] <= e < src[i][q][1])
                 vals.append(sources[owner][i].reshape(-1)[e - src[i][owner][0]])
             dtype = sources[0][i].dtype if sources and sources[0] else torch.float32
-            mine.append(torch.stack(vals) if vals else torch.empty(0, dtype=dtype))
+            mine.append(torch.stack(vals) if vals else torch.empty(0, dtype=dtype))  # cpu: ref
         out.append(mine)
     return out

@@ -100,16 +100,16 @@ def _values(kind: Any, path: tuple, lo: int, hi: int, numel: int, seed: int,
     different sizes), then cut to the requested range.
     """
     if isinstance(kind, constant):
-        return torch.full((hi - lo,), kind.value, dtype=dtype)
+        return torch.full((hi - lo,), kind.value, dtype=dtype)  # cpu: copied into the shard
     if not isinstance(kind, normal):
         raise TypeError(f"init rule returned {kind!r} for {path}; use vfsdp.init.normal or constant")
-    out = torch.empty(hi - lo, dtype=dtype)
+    out = torch.empty(hi - lo, dtype=dtype)  # cpu: drawn on the host, copied into the shard
     pos = lo
     while pos < hi:
         c = pos // CHUNK
         start, stop = c * CHUNK, (c + 1) * CHUNK
         g = torch.Generator().manual_seed(_chunk_seed(seed, path, c))
-        block = torch.randn(min(stop, numel) - start, generator=g, dtype=torch.float32)
+        block = torch.randn(min(stop, numel) - start, generator=g, dtype=torch.float32)  # cpu: seeded
         block = block[:min(stop, hi) - start]
         take = block[pos - start:]
         out[pos - lo:pos - lo + take.numel()] = (take * kind.std).to(dtype)

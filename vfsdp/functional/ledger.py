@@ -41,6 +41,7 @@ import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
+from vfsdp.collectives.groups import control_device
 from vfsdp.collectives.handle import Handle
 
 __all__ = ["Entry", "Ledger", "Reductions", "ledger"]
@@ -246,6 +247,7 @@ def _agree(pending: list[Entry], mine: list[Entry], created: int,
     """
     lo = min((e.index for e in mine), default=created)
     with comm.collective_scope():  # the exchange's own small tensors: not data movement
+        device = control_device(device)
         span = torch.tensor([-lo, created, -created], dtype=torch.int64, device=device)
         comm.all_reduce_max_(span, count="backward_marks")
         neg_lo, most, neg_least = span.tolist()  # one sync

@@ -52,7 +52,7 @@ def unit_buffer_reference(params: Any, spec: ShardSpec, key: Hashable) -> torch.
     leaves = match_tree(params, spec, "unit_buffer_reference")
     layout = spec.units[key]
     by_path = {s.path: leaf for s, leaf in zip(spec.leaves(), leaves) if isinstance(s, TensorSpec)}
-    buf = torch.zeros(layout.padded_numel, dtype=layout.dtype)
+    buf = torch.zeros(layout.padded_numel, dtype=layout.dtype)  # cpu: reference
     for t in spec.unit_tensors(key):
         full = by_path[t.path]
         _check_full(full, t, "unit_buffer_reference")

@@ -108,7 +108,7 @@ def _init_piece(db, k: int, init_fn: InitFn, requires_grad: bool) -> torch.Tenso
     local = db.local(k)
     got = init_fn(t.path, local, t)
     if got is not None:
-        got = torch.as_tensor(got)
+        got = torch.as_tensor(got, device=local.device)
         if got.numel() != local.numel():
             raise ValueError(f"vfsdp.shard: init_fn returned {got.numel()} values ({tuple(got.shape)}) "
                              f"for {format_path(t.path)}, whose piece on this rank has "

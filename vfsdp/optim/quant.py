@@ -194,10 +194,10 @@ def tile_ids(shape: tuple, start: int, stop: int) -> tuple[torch.Tensor, int]:
     r0, r1 = start // cols, stop // cols
     if (r0 % rows) % TILE or ((r1 % rows) % TILE and r1 % rows != 0):
         raise ValueError(f"range of rows [{r0}, {r1}) cuts a 32-row stripe")
-    g = torch.arange(r0, r1)
+    g = torch.arange(r0, r1)  # cpu: reference
     stripe = (g // rows) * row_tiles + (g % rows) // TILE  # global stripe index per row
     first = int(stripe[0]) if len(stripe) else 0
-    col = torch.arange(cols) // TILE
+    col = torch.arange(cols) // TILE  # cpu: reference
     ids = ((stripe - first)[:, None] * col_tiles + col[None, :]).reshape(-1)
     n = (int(stripe[-1]) - first + 1) * col_tiles if len(stripe) else 0
     return ids, n

@@ -71,5 +71,6 @@ def assemble_reference(
                 f"piece {rank} has {piece.numel()} elements, placement expects {stop - start}"
             )
     dtype = pieces[0].dtype if pieces else torch.float32
-    flat = torch.cat([p.reshape(-1) for p in pieces]) if pieces else torch.empty(0, dtype=dtype)
+    flat = (torch.cat([p.reshape(-1) for p in pieces]) if pieces
+            else torch.empty(0, dtype=dtype))  # cpu: reference, nothing to take a device from
     return flat.reshape(tuple(shape))

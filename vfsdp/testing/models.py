@@ -229,7 +229,7 @@ def _holder(node: dict) -> torch.nn.Module:
         if isinstance(v, list):
             mod.add_module(k, torch.nn.ModuleList(_holder(x) for x in v))
         else:
-            mod.register_parameter(k, torch.nn.Parameter(torch.zeros(v.shape)))
+            mod.register_parameter(k, torch.nn.Parameter(torch.zeros(v.shape)))  # cpu: holder
     return mod
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from vfsdp import _torch_private
+from vfsdp.collectives.groups import use_device
 from vfsdp.testing.rank_rng import on_this_thread, rank_generators
 from vfsdp.testing.runners import RankError, check_world, waiting_in
 
@@ -46,7 +47,8 @@ def _leftovers() -> list[threading.Thread]:
     return alive
 
 
-def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[float]) -> list:
+def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[float],
+              device=None) -> list:
     check_world(world_size)
     left = _leftovers()
     if left:
@@ -66,7 +68,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
 
             def worker(rank: int) -> None:
                 try:
-                    with on_this_thread(rng_state):
+                    with on_this_thread(rng_state), use_device(device):
                         dist.init_process_group("threaded", rank=rank, world_size=world_size,
                                                 store=store)
                         try:
@@ -108,7 +110,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
 
 
 def simulate(world_size: int, fn: Optional[Callable] = None, *args: Any,
-             timeout: Optional[float] = 120.0, **kwargs: Any) -> Any:
+             timeout: Optional[float] = 120.0, device: Any = None, **kwargs: Any) -> Any:
     """Run SPMD code for ``world_size`` ranks in this process, one thread per rank.
 
     Use it in notebooks and for fast property tests; :func:`vfsdp.testing.spawn` runs the same
@@ -118,6 +120,10 @@ def simulate(world_size: int, fn: Optional[Callable] = None, *args: Any,
         world_size: Number of simulated ranks.
         fn: The function to run; without it, ``simulate(n)`` is a decorator.
         timeout: Seconds to wait for all ranks (one deadline for all); ``None``: no limit.
+        device: Where vfsdp puts every buffer on every rank (default: the CPU). ``"cuda"``:
+            all rank threads share the current GPU, so W=2..8 runs on one GPU and can be
+            checked against one process; ``"meta"``: shapes only, and any tensor vfsdp
+            creates on another device fails at once (a missing ``device=``).
 
     Returns:
         ``[result of rank 0, ...]`` (or a decorator when ``fn`` is omitted).
@@ -141,8 +147,8 @@ def simulate(world_size: int, fn: Optional[Callable] = None, *args: Any,
     """
     if fn is None:
         def decorate(f):
-            return lambda *a, **k: _simulate(world_size, f, a, k, timeout)
+            return lambda *a, **k: _simulate(world_size, f, a, k, timeout, device)
 
         return decorate
-    return _simulate(world_size, fn, args, kwargs, timeout)
+    return _simulate(world_size, fn, args, kwargs, timeout, device)
 

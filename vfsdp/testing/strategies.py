@@ -111,7 +111,8 @@ def param_trees(draw, max_layers: int = 3, max_tensors: int = 3, max_side: int =
         n = math.prod(shape)
         if meta:
             return torch.empty(shape, dtype=dtype, device="meta")
-        values = (torch.arange(n, dtype=torch.float64) * 0.25 + counter[0]).reshape(shape)
+        values = (torch.arange(n, dtype=torch.float64) * 0.25  # cpu: test data
+                   + counter[0]).reshape(shape)
         return values.to(dtype)
 
     layers = []

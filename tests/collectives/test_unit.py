@@ -117,3 +117,35 @@ def muon_collectives():
 def test_muon_exchanges_are_counted_collectives():
     for n, waves in simulate(3, muon_collectives):
         assert waves == 2 and n == 2 * waves  # one gather to the roots, one scatter back
+
+
+def _compute_copy_holds_no_memory():
+    """With param_dtype the cast writes straight into this rank's slice of the compute global
+    buffer, which is all-gathered in place: one cast, no other copy, and between gathers the
+    compute buffer holds no memory (only the master shard persists)."""
+    from vfsdp.testing import CopyCounter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    params = {"w": torch.arange(12.0).reshape(4, 3), "b": torch.arange(5.0)}
+    spec = vfsdp.plan(params, world)
+    unit = Unit(spec.units[()], resolve_groups(spec))
+    for k, t in enumerate(unit.tensors):
+        lo, hi = t.local_range(rank)
+        unit.params.local(k).data.copy_(params[t.path[0]].reshape(-1)[lo:hi])
+    with CopyCounter() as c:
+        db, _ = unit.gather(torch.bfloat16)
+    s = unit.layout.shard_numel
+    in_place = (db.shard.data_ptr() == db.global_buffer.data_ptr() + rank * s * 2)
+    full = {t.path[0]: db.full(k).float() for k, t in enumerate(unit.tensors)}
+    ok = all(torch.equal(full[k], v) for k, v in params.items())
+    copies = dict((k, v) for k, v in c.ops.items() if k in ("copy_", "_to_copy", "cat"))
+    del full
+    unit.release()
+    return (in_place, ok, copies, db.global_buffer.untyped_storage().nbytes(),
+            db.shard.untyped_storage().nbytes(), unit.params.shard.untyped_storage().nbytes() > 0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_the_compute_copy_is_a_slice_of_its_global_buffer_and_persists_nothing(world):
+    assert simulate(world, _compute_copy_holds_no_memory) == [
+        (True, True, {"copy_": 1}, 0, 0, True)] * world

@@ -6,6 +6,10 @@
                                               ^^^^^^^^
     shard (S, persistent)                    | rank 1 |           local views: shard_range(r)
 
+A compute copy (``Role.COMPUTE``, the ``param_dtype`` cast of the parameters) has no
+persistent shard: its shard is its rank's slice of the global buffer, so it holds memory only
+while gathered.
+
 A DBuffer is built from a :class:`~vfsdp.planner.UnitLayout` (what the unit holds, where)
 and the :class:`~vfsdp.collectives.MeshGroups` it communicates over. Every tensor of the unit
 is a **fixed view**: its local piece aliases the shard, its full tensor aliases the global
@@ -99,8 +103,12 @@ class DBuffer:
         self.device = groups.device
         self._unit_ref = weakref.ref(unit) if unit is not None else None
         s, m = layout.shard_numel, layout.world_size
-        self.shard = torch.zeros(s, dtype=self.dtype, device=self.device)
         self._global = torch.empty(m * s, dtype=self.dtype, device=self.device)
+        # A compute copy (param_dtype) keeps no memory of its own: its shard is this rank's
+        # slice of the global buffer, written by the cast and all-gathered in place.
+        self._in_global = role is Role.COMPUTE
+        self.shard = (_alias(self._global, self.rank * s, (s,)) if self._in_global
+                      else torch.zeros(s, dtype=self.dtype, device=self.device))
         self._global_bytes = self._global.untyped_storage().nbytes()
         self._pending: Optional[Handle] = None
         self.graphs = 0  # live autograd graphs that read this buffer's full views
@@ -218,6 +226,8 @@ class DBuffer:
         """How many tensors other than ``base`` and the views handed out share its memory:
         tensors users (or autograd) made from those views."""
         known = 1 + len(self._handed_out(view))
+        if self._in_global and base is self._global:
+            known += 1  # the shard is a slice of it
         refs = tp.storage_refs(base)
         if refs is None or refs <= known:
             return 0
@@ -355,6 +365,10 @@ class DBuffer:
 
     def all_gather(self, async_op: bool = False, source: Optional[torch.Tensor] = None) -> Handle:
         """Gather every rank's shard into the global buffer, in place; one collective.
+
+        A ``COMPUTE`` buffer's shard is this rank's slice of the global buffer (allocate it
+        with :meth:`alloc_global` and write the shard first): the collective reads and writes
+        the same memory, as NCCL's in-place all-gather does.
 
         Args:
             async_op: Return at once; ``handle.wait()`` before using the full views.

@@ -6,7 +6,9 @@ later stages need hangs off that object, created on first use:
 
 ========================  ==========================================================
 ``unit.params``           the master shard (``Role.PARAM``)
-``unit.compute(dtype)``   a copy in ``param_dtype`` that is gathered instead (``COMPUTE``)
+``unit.compute(dtype)``   the ``param_dtype`` copy gathered instead (``COMPUTE``): no
+                          memory of its own between gathers, the cast writes straight
+                          into this rank's slice of its global buffer
 ``unit.grads()``          the sharded gradients (``GRAD``)
 ``unit.accumulator(dt)``  unsharded gradients accumulated without reducing (``ACCUM``)
 ``unit.stage(dt)``        the reduce-scatter input in the reduction dtype (``STAGE``)
@@ -80,7 +82,8 @@ class Unit:
 
     def compute(self, dtype: Optional[torch.dtype]) -> DBuffer:
         """The buffer gathered for compute in ``dtype``: ``params`` itself when the dtypes
-        match (or ``dtype`` is ``None``), else a ``COMPUTE`` copy made once."""
+        match (or ``dtype`` is ``None``), else a ``COMPUTE`` buffer made once, whose shard is
+        its rank's slice of its global buffer (no persistent copy)."""
         if dtype is None or dtype == self.params.dtype:
             return self.params
         found = self._compute.get(dtype)
@@ -98,15 +101,14 @@ class Unit:
             The buffer holding the full tensors, and the collective's handle.
         """
         db = self.compute(param_dtype)
-        if db is not self.params:
-            db.wait()
-            db.copy_(self.params)
-        return db, db.all_gather(async_op=async_op)
+        return db, self.regather(db, async_op)
 
     def regather(self, db: DBuffer, async_op: bool = False) -> Handle:
-        """Gather ``db`` (``params`` or one of its compute copies) again, casting first."""
+        """Gather ``db`` (``params`` or one of its compute copies) again: a compute copy
+        first casts the master shard straight into its slice of the global buffer."""
         if db is not self.params:
             db.wait()
+            db.alloc_global()
             db.copy_(self.params)
         return db.all_gather(async_op=async_op)
 

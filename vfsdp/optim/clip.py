@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
 from vfsdp.collectives.groups import resolve_groups
 from vfsdp.collectives.slot import Role, View, slot_of
@@ -72,8 +73,9 @@ def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = N
                 ) -> torch.Tensor:
     """The 2-norm of all gradients across ranks (a replicated fp32 scalar tensor).
 
-    Each rank sums the squares of its gradient pieces (one reduction per unit when they are a
-    gradient buffer's views; padding is zero and adds nothing, an empty shard adds nothing);
+    Each rank sums the squares of its gradient pieces (one multi-tensor norm over the whole
+    shards of the units whose pieces are a gradient buffer's views, and the other pieces:
+    a fixed number of ops; padding is zero and adds nothing, an empty shard adds nothing);
     one all-reduce over the shard group adds the ranks' sums. Over HSDP's replicate dim the
     gradients are already identical, so they are not added again.
 
@@ -106,11 +108,14 @@ def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = N
 def _norm(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask) -> tuple:
     group, device = _group_and_device(leaves, spec, mesh)
     whole, loose = _plan(leaves, spec, mask)
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for gdb in whole:
-        total += gdb.shard.float().pow(2).sum()
-    for p in loose:
-        total += p.float().pow(2).sum()
+    pieces = [gdb.shard for gdb in whole] + [p for p in loose if p.numel()]
+    if pieces:
+        # One multi-tensor norm over every piece (fp32 arithmetic, no cast copy of bf16
+        # gradients), then the sum of their squares: a fixed number of ops per step.
+        norms = tp.foreach("norm", pieces, scalar=2, dtype=torch.float32)
+        total = torch.stack(norms).square().sum()
+    else:
+        total = torch.zeros((), dtype=torch.float32, device=device)
     comm.all_reduce_(total, "sum", group)
     return total.sqrt(), whole, loose
 
@@ -124,7 +129,7 @@ def clip_grad_norm(grads: Any, spec: ShardSpec, max_norm: float, *, mesh: Any = 
 
     Args:
         grads: This rank's gradient pieces (``vfsdp.grads(shards, spec)``: scaled in place,
-            one op per unit).
+            one multi-tensor op per gradient dtype).
         spec: The plan.
         max_norm: The largest allowed norm.
         mesh: A ``DeviceMesh`` matching the spec, for pieces that are not gradient buffer
@@ -154,10 +159,11 @@ def clip_grad_norm(grads: Any, spec: ShardSpec, max_norm: float, *, mesh: Any = 
     leaves = match_tree(grads, spec, "vfsdp.clip_grad_norm")
     norm, whole, loose = _norm(leaves, spec, mesh, mask)
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    by_dtype: dict = {}
+    for g in [gdb.shard for gdb in whole] + loose:
+        by_dtype.setdefault(g.dtype, []).append(g)
     with torch.no_grad():
-        for gdb in whole:
-            gdb.shard.mul_(coef.to(gdb.dtype))
-        for g in loose:
-            g.mul_(coef.to(g.dtype))
+        for dtype, gs in by_dtype.items():  # one multi-tensor op per gradient dtype
+            tp.foreach("mul_", gs, scalar=coef if dtype == coef.dtype else coef.to(dtype))
     return norm
 

@@ -11,11 +11,16 @@ configuration (world size x model) it prints medians over the timed steps after 
   buffers and activations, and re-reading storage sizes so storage-resize frees are seen;
 * bytes copied outside the collectives per step (``vfsdp.testing.CopyCounter``), in total and
   net of the model's own copies (the same model run unsharded on one process, same batch);
+* aten ops per step at the dispatcher (each op is a kernel launch on a GPU; the same
+  counter for both, collectives' own work excluded); FSDP2's optimizer kernel is chosen with
+  ``--fsdp2-optim`` (``single``, the default, is bitwise vfsdp's math; ``fused`` has the
+  fewest ops);
 * collectives per step (c10d ops at the dispatcher);
 * final loss of each.
 
     python benchmarks/vs_fsdp2.py                      # W = 2 and 4, dense and MoE
     python benchmarks/vs_fsdp2.py --world-sizes 2 --models dense --steps 12 --json out.json
+    python benchmarks/vs_fsdp2.py --world-sizes 1 2 --models dense --fsdp2-optim fused
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ def _vfsdp_system(cfg: GPTConfig, param_dtype):
     return step, persistent
 
 
-def _fsdp2_system(cfg: GPTConfig, param_dtype):
+def _fsdp2_system(cfg: GPTConfig, param_dtype, fsdp2_optim: str = "single"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -94,8 +99,10 @@ def _fsdp2_system(cfg: GPTConfig, param_dtype):
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    kind = {"single": {"foreach": False}, "foreach": {"foreach": True},
+            "fused": {"fused": True}}[fsdp2_optim]
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1,
-                            foreach=False)
+                            **kind)
 
     def step(tokens, targets):
         opt.zero_grad(set_to_none=True)
@@ -116,12 +123,14 @@ def _fsdp2_system(cfg: GPTConfig, param_dtype):
     return step, persistent
 
 
-def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str) -> dict:
+def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str,
+               fsdp2_optim: str = "single") -> dict:
     torch.manual_seed(0)
     rank = dist.get_rank()
     cfg = MODELS[model_name]
     param_dtype = {"fp32": None, "bf16": torch.bfloat16}[param_dtype_name]
-    systems = {"vfsdp": _vfsdp_system(cfg, param_dtype), "fsdp2": _fsdp2_system(cfg, param_dtype)}
+    systems = {"vfsdp": _vfsdp_system(cfg, param_dtype),
+               "fsdp2": _fsdp2_system(cfg, param_dtype, fsdp2_optim)}
     times = {k: [] for k in systems}
     losses = {k: [] for k in systems}
     for step in range(1, warmup + steps + 1):
@@ -140,6 +149,7 @@ def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str) 
             fn(tokens, targets)
         out[name] = {"step_s": statistics.median(times[name]), "peak_bytes": mem.peak,
                      "copied_bytes": copies.copy_bytes, "collectives": copies.collectives,
+                     "aten_ops": sum(copies.ops.values()),
                      "final_loss": losses[name][-1], "first_loss": losses[name][0]}
     # The model's own copies (attention reshapes, rotary stacks): the same model run on one
     # process without any FSDP, same batch; what each system adds is the rest.
@@ -156,6 +166,7 @@ def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str) 
     out["step_time_ratio"] = v["step_s"] / f["step_s"]
     out["peak_memory_ratio"] = v["peak_bytes"] / f["peak_bytes"]
     out["copied_bytes_ratio"] = v["copied_bytes"] / max(f["copied_bytes"], 1)
+    out["aten_ops_ratio"] = v["aten_ops"] / max(f["aten_ops"], 1)
     return out if rank == 0 else {}
 
 
@@ -166,6 +177,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per system (median)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--fsdp2-optim", choices=["single", "foreach", "fused"], default="single",
+                    help="torch.optim.AdamW's kernel for FSDP2: single (bitwise vfsdp's math on "
+                         "the CPU), foreach or fused (fewest ops)")
     ap.add_argument("--json", help="write one record per configuration to this file")
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -173,11 +187,12 @@ def main(argv=None) -> int:
     records = []
     print(f"{'config':<22} {'step ms vfsdp/FSDP2':>20} {'ratio':>6} {'peak MiB vfsdp/FSDP2':>22} "
           f"{'ratio':>6} {'copied MiB vfsdp/FSDP2':>23} {'ratio':>6} {'added by system':>16} "
-          f"{'ratio':>6} {'collectives':>12} {'final loss':>17}")
+          f"{'ratio':>6} {'aten ops vfsdp/FSDP2':>21} {'ratio':>6} {'collectives':>12} "
+          f"{'final loss':>17}")
     for world in args.world_sizes:
         for model in args.models:
             r = spawn(bench_rank, world, model, args.steps, args.warmup, args.param_dtype,
-                      timeout=3600)[0]
+                      args.fsdp2_optim, timeout=3600)[0]
             v, f = r["vfsdp"], r["fsdp2"]
             print(f"{r['config']:<22} {1e3 * v['step_s']:>9.1f}/{1e3 * f['step_s']:<10.1f} "
                   f"{r['step_time_ratio']:>6.3f} {v['peak_bytes'] / mib:>10.2f}/"
@@ -185,6 +200,7 @@ def main(argv=None) -> int:
                   f"{v['copied_bytes'] / mib:>10.2f}/{f['copied_bytes'] / mib:<12.2f} "
                   f"{r['copied_bytes_ratio']:>6.3f} {v['added_copied_bytes'] / mib:>7.2f}/"
                   f"{f['added_copied_bytes'] / mib:<8.2f} {r['added_copied_bytes_ratio']:>6.3f} "
+                  f"{v['aten_ops']:>9}/{f['aten_ops']:<11} {r['aten_ops_ratio']:>6.3f} "
                   f"{v['collectives']:>5}/{f['collectives']:<6} "
                   f"{v['final_loss']:>8.4f}/{f['final_loss']:<8.4f}", flush=True)
             records.append(r)

@@ -138,7 +138,7 @@ def _compute_copy_holds_no_memory():
     in_place = (db.shard.data_ptr() == db.global_buffer.data_ptr() + rank * s * 2)
     full = {t.path[0]: db.full(k).float() for k, t in enumerate(unit.tensors)}
     ok = all(torch.equal(full[k], v) for k, v in params.items())
-    copies = dict((k, v) for k, v in c.ops.items() if k in ("copy_", "_to_copy", "cat"))
+    copies = {k: v for k, v in c.ops.items() if k in ("copy_", "_to_copy", "cat")}
     del full
     unit.release()
     return (in_place, ok, copies, db.global_buffer.untyped_storage().nbytes(),

@@ -36,6 +36,7 @@ import torch
 from vfsdp import _torch_private as tp
 from vfsdp._warnings import warn_user
 from vfsdp.collectives import comm
+from vfsdp.collectives.alias import alias, contiguous_strides
 from vfsdp.collectives.events import emit
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle, comm_context
@@ -44,16 +45,8 @@ from vfsdp.collectives.slot import SLOT, Role, Slot, View, slot_of
 from vfsdp.placements.ragged import local_shape
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
-__all__ = ["DBuffer"]
+__all__ = ["DBuffer", "alias", "contiguous_strides"]
 
-
-
-def _alias(storage_tensor: torch.Tensor, offset: int, shape: tuple) -> torch.Tensor:
-    """A leaf tensor sharing ``storage_tensor``'s storage (not an autograd view of it)."""
-    out = torch.empty(0, dtype=storage_tensor.dtype, device=storage_tensor.device)
-    stride = torch.empty(shape, device="meta").stride()
-    out.set_(storage_tensor.untyped_storage(), storage_tensor.storage_offset() + offset, shape, stride)
-    return out
 
 
 class DBuffer:
@@ -107,7 +100,7 @@ class DBuffer:
         # A compute copy (param_dtype) keeps no memory of its own: its shard is this rank's
         # slice of the global buffer, written by the cast and all-gathered in place.
         self._in_global = role is Role.COMPUTE
-        self.shard = (_alias(self._global, self.rank * s, (s,)) if self._in_global
+        self.shard = (alias(self._global, self.rank * s, (s,)) if self._in_global
                       else torch.zeros(s, dtype=self.dtype, device=self.device))
         self._global_bytes = self._global.untyped_storage().nbytes()
         self._pending: Optional[Handle] = None
@@ -121,6 +114,9 @@ class DBuffer:
         # references to those whose memory it may release (to turn them into ReleasedTensors):
         # no reference cycle, so dropping the shards frees the memory at once.
         self._views: list = []
+        self._internal: Optional[list] = None  # internal_views(), made on first use
+        self._saved: dict = {}  # saved_view()s, made on first use
+        self._kept: dict = {}   # kept_local()s, made on first use
         self._local_spec = [(t.shard_range(self.rank)[0],
                              local_shape(t.placement, t.shape, self.rank)) for t in self.tensors]
         self._global.untyped_storage().resize_(0)  # released until the first gather
@@ -181,7 +177,17 @@ class DBuffer:
         """Tensor ``i``'s local piece: a leaf tensor aliasing the shard (its local shape)."""
         k = i if isinstance(i, int) else self.index(i)
         lo, shape = self._local_spec[k]
-        return self._tag(_alias(self.shard, lo, shape), k, View.LOCAL)
+        return self._tag(alias(self.shard, lo, shape), k, View.LOCAL)
+
+    def kept_local(self, k: int) -> torch.Tensor:
+        """Tensor ``k``'s local piece, made once and handed out again on later calls (for
+        readers such as :func:`vfsdp.grads` that run every step); it is released and revived
+        with the shard like any local view. Not for autograd: its ``AccumulateGrad`` would
+        copy a tensor someone else still references."""
+        found = self._kept.get(k)
+        if found is None:
+            found = self._kept[k] = self.local(k)
+        return found
 
     def full(self, i: Union[int, tuple]) -> torch.Tensor:
         """Tensor ``i``'s full view into the global buffer: a new tensor object aliasing it
@@ -196,7 +202,26 @@ class DBuffer:
             raise RuntimeError(f"unit {unit_name(self.key)} ({self.name}) is not gathered; "
                                f"call all_gather() (or vfsdp.gather) before taking full views")
         t = self.tensors[k]
-        return self._tag(_alias(self._global, t.offset, tuple(t.shape)), k, View.FULL)
+        return self._tag(alias(self._global, t.offset, tuple(t.shape)), k, View.FULL)
+
+    def internal_views(self) -> list[torch.Tensor]:
+        """Every tensor's full-shape view into the global buffer, made once and kept, for
+        vfsdp's own writes (gradient staging, accumulation); never handed to users, so they
+        are neither tagged nor released with the buffer. Valid while it is allocated."""
+        if self._internal is None:
+            self._internal = [alias(self._global, t.offset, tuple(t.shape))
+                              for t in self.tensors]
+        return self._internal
+
+    def saved_view(self, offset: int, shape: tuple, stride: tuple) -> torch.Tensor:
+        """A view into the global buffer for autograd to read in a backward (``run_layers``'
+        saved parameters), made once per ``(offset, shape, stride)`` and kept: autograd only
+        reads it, and it stays valid across releases and re-gathers (valid while gathered)."""
+        key = (offset, tuple(shape), tuple(stride))
+        found = self._saved.get(key)
+        if found is None:
+            found = self._saved[key] = alias(self._global, offset, tuple(shape), tuple(stride))
+        return found
 
     def local_views(self) -> list[torch.Tensor]:
         """Every tensor's local piece, in buffer order."""
@@ -226,8 +251,9 @@ class DBuffer:
         """How many tensors other than ``base`` and the views handed out share its memory:
         tensors users (or autograd) made from those views."""
         known = 1 + len(self._handed_out(view))
-        if self._in_global and base is self._global:
-            known += 1  # the shard is a slice of it
+        if base is self._global:
+            # vfsdp's own kept views: the compute shard (a slice of it), saved views
+            known += int(self._in_global) + len(self._saved)
         refs = tp.storage_refs(base)
         if refs is None or refs <= known:
             return 0

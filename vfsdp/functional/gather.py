@@ -130,7 +130,8 @@ class _GatherUnit(torch.autograd.Function):
             # retain_graph=True the graph runs again and reads them: they stay.)
             call.db.release(at_once=False)
         grads = [g if need else None for g, need in zip(grads, needs)]  # frozen: no gradient
-        pieces = reduce_unit(call.unit, call.index, grads, call.ropts)
+        pieces = reduce_unit(call.unit, call.index, grads, call.ropts,
+                             views=call.ropts.grads != "buffer")
         if call.ropts.grads == "buffer" or pieces is None:
             return (None,) * (1 + len(call.index))
         return (None, *[p if need else None for p, need in zip(pieces, needs)])
@@ -146,7 +147,8 @@ def _reduce_zeros(call: _Call, accumulates: bool) -> None:
         call.before_reduce()
     if call.gopts.free_after_backward:
         call.db.release(at_once=False)  # as after a backward that ran (kept while a graph reads)
-    pieces = reduce_unit(call.unit, call.index, [None] * len(call.index), call.ropts)
+    pieces = reduce_unit(call.unit, call.index, [None] * len(call.index), call.ropts,
+                         views=call.ropts.grads == "return")
     if call.ropts.grads != "return" or pieces is None or not accumulates:
         return
     with torch.no_grad():

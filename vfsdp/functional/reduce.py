@@ -37,7 +37,7 @@ __all__ = ["reduce_unit", "reduce_scatter"]
 
 
 def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch.Tensor]],
-                opts: GradOptions) -> Optional[list[Optional[torch.Tensor]]]:
+                opts: GradOptions, views: bool = True) -> Optional[list[Optional[torch.Tensor]]]:
     """Reduce-scatter the gradients of tensors ``index`` of ``unit``.
 
     Args:
@@ -49,6 +49,8 @@ def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch
             overwriting it on the unit's first reduction in a backward pass (unless
             ``accumulate_grads``) and adding on later ones in the same pass.
             ``grads="return"``: into a fresh tensor, nothing of vfsdp's is written.
+        views: For ``"buffer"``, return the gradient DBuffer's views (``False``: the caller
+            does not read them, return ``None`` and make none).
 
     Returns:
         This rank's gradient pieces in the order of ``index`` (``None`` at repeats of an
@@ -69,28 +71,29 @@ def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch
         if not accum.is_allocated:
             accum.alloc_global().data.zero_()
         buf = accum.global_buffer.data
-        pairs = [(db.tensors[i], g) for i, g in zip(index, grads) if g is not None]
+        dsts = accum.internal_views()
+        pairs = [(i, g) for i, g in zip(index, grads) if g is not None]
         with torch.no_grad():  # one op for the unit
-            tp.add_many([buf[t.offset:t.offset + t.numel].view(t.shape) for t, _ in pairs],
-                        [g for _, g in pairs])
+            tp.add_many([dsts[i] for i, _ in pairs], [g for _, g in pairs])
         if not opts.grad_sync:
             return None
         stage = accum
     else:
         stage = unit.stage(rdt, share_grads=to_buffer)
         buf = stage.alloc_global().data
+        dsts = stage.internal_views()  # made once: no view op per tensor per step
         covered, copies = set(), []
         for i, g in zip(index, grads):
             if g is None:
                 continue
-            t = db.tensors[i]
-            dst = buf[t.offset:t.offset + t.numel]
+            dst = dsts[i]
             covered.add(i)
             if not _is_slice_of(g, dst):  # produced in place: nothing to copy
                 copies.append((dst, g))
         _zero_gaps(buf, db.tensors, covered)
         with torch.no_grad():  # one op for all the unit's pieces, not one per tensor
-            tp.copy_many([dst.view(g.shape) for dst, g in copies], [g for _, g in copies])
+            tp.copy_many([dst if dst.shape == g.shape else dst.view(g.shape) for dst, g in copies],
+                         [g for _, g in copies])
     if not to_buffer:  # to autograd: a fresh tensor, nothing of vfsdp's is aliased
         out = db.reduce_scatter_new(buf, op=opts.grad_reduce, reduce_dtype=rdt)
         stage.free_global()
@@ -110,7 +113,7 @@ def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch
         gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
                            accumulate=accumulate)
         stage.free_global()
-    return _expand([gdb.local(i) for i in index], first)
+    return _expand([gdb.local(i) for i in index], first) if views else None
 
 
 def _merge(index, grads) -> tuple[list, list, list]:

@@ -103,8 +103,7 @@ class _Regather:
             ledger().reach(seq, lambda: writes_leaf_grads(calls[0]), saved.db.device)
         self.ensure(saved.db)
         buf = saved.db.global_buffer
-        out = torch.empty(0, dtype=buf.dtype, device=buf.device)
-        return out.set_(buf.untyped_storage(), saved.offset, saved.shape, saved.stride)
+        return saved.db.saved_view(saved.offset - buf.storage_offset(), saved.shape, saved.stride)
 
 
 def run_layers(

@@ -1,0 +1,58 @@
+"""The training step's op count (kernel launches on a GPU) does not grow with the parameters.
+
+``benchmarks/vs_fsdp2.py`` compares the count with FSDP2's side by side; here the invariant
+that makes it hold at any size: the example's step, ×4 and ×16 the parameters (same layers and
+tensors), dispatches exactly the same aten ops, with each optimizer.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vfsdp
+from vfsdp.testing import CopyCounter, simulate
+from vfsdp.testing.models import GPTConfig, init_rule, meta_params
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _optimizer(name: str):
+    if name == "adamw":
+        return vfsdp.optim.adamw(lr=1e-3, weight_decay=0.1,
+                                 weight_decay_mask=lambda p: p[-1] != "norm")
+    if name == "adamw8bit":
+        return vfsdp.optim.adamw8bit(lr=1e-3, min_8bit_numel=256, compile=False)
+    return vfsdp.optim.partition(
+        {"muon": vfsdp.optim.muon(), "adamw": vfsdp.optim.adamw()},
+        lambda p: "muon" if p[-1].startswith("w") else "adamw")
+
+
+def _step_ops(name: str, dim: int, param_dtype) -> dict:
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from train_gpt import train_step
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    cfg = GPTConfig(vocab=64, dim=dim, layers=2, heads=4, kv_heads=2, ffn=2 * dim, seq=8)
+    opt = _optimizer(name)
+    spec = vfsdp.plan(meta_params(cfg), 2, granularity=opt.granularity)
+    shards = vfsdp.shard(meta_params(cfg), spec, init_fn=vfsdp.init.sharded(init_rule(cfg), 0))
+    state = opt.init(shards, spec)
+    tokens = torch.zeros(2, cfg.seq, dtype=torch.long)
+    gopts = {"param_dtype": param_dtype, "reduce_dtype": torch.float32 if param_dtype else None}
+    _, _, state = train_step(shards, spec, opt, state, [(tokens, tokens)], cfg, gopts)
+    with CopyCounter() as c:
+        train_step(shards, spec, opt, state, [(tokens, tokens)], cfg, gopts)
+    return dict(c.ops)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon"])
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_step_ops_do_not_grow_with_parameters(name, param_dtype):
+    # From 128: every matrix has two 32-row stripes at least (one per rank) and whole tiles,
+    # so each rank runs the same kinds of ops at every size.
+    base = simulate(2, _step_ops, name, 128, param_dtype)
+    for dim in (256, 512):  # x4 and x16 the parameters
+        assert simulate(2, _step_ops, name, dim, param_dtype) == base

@@ -1,5 +1,6 @@
 """The examples run end to end in their smallest configuration."""
 
+import json
 import os
 import subprocess
 import sys
@@ -67,3 +68,23 @@ def test_train_gpt_checkpoints_and_resumes_on_another_world_size(tmp_path):
     assert resumed == straight[3:]
     other = losses("--world-size", "3", "--resume", os.path.join(ckpt, "step-3"), "--batch", "4")
     assert len(other) == 2
+
+
+def test_gpu_benchmark_runs_on_cpu_and_writes_its_records(tmp_path):
+    """benchmarks/gpu_vs_fsdp2.py with --cpu: every system in its own torchrun job (gloo),
+    one JSON record per configuration with the figures the GPU run reports."""
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_vs_fsdp2.py"), "--cpu", "--configs",
+         "small", "--steps", "1", "--warmup", "1", "--opt-steps", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (rec,) = json.loads(out.read_text())
+    assert rec["config"] == "small" and rec["world"] == 2
+    for system in ("vfsdp", "fsdp2"):
+        r = rec[system]
+        assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["launches"] > 0
+        assert r["final_loss"] == r["final_loss"]  # not NaN
+    assert set(rec["vfsdp"]["optimizer_s"]) == {"adamw", "adamw8bit", "muon"}
+    assert set(rec["torch"]["optimizer_s"]) == {"adamw_fused", "muon_adamw"}
+    assert "tokens/s" in proc.stdout and "kernel launches / step" in proc.stdout

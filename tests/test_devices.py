@@ -15,6 +15,7 @@ import importlib
 import pathlib
 import sys
 
+import optree
 import pytest
 import torch
 
@@ -128,3 +129,50 @@ def test_meta_catches_the_old_muon_crash(monkeypatch):
     monkeypatch.setattr(Redistribution, "run", on_the_default_device)
     with pytest.raises(RankError, match=r"Cannot copy out of meta tensor|expected device"):
         simulate(2, _step_on_this_device, "muon", device="meta")
+
+
+# ---------------------------------------------------------------- one GPU, several ranks
+
+def _train_three_steps(name: str):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from train_gpt import train_step
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    import torch.distributed as dist
+
+    opt = _optimizer(name)
+    world = dist.get_world_size()
+    spec = vfsdp.plan(meta_params(CFG), world, granularity=opt.granularity)
+    shards = vfsdp.shard(meta_params(CFG), spec, init_fn=vfsdp.init.sharded(init_rule(CFG), 0))
+    state = opt.init(shards, spec)
+    device = device_for()
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, CFG.vocab, (world, 2, CFG.seq + 1), generator=g)
+    mine = tokens[dist.get_rank()].to(device)
+    losses = []
+    for _ in range(3):
+        loss, _, state = train_step(shards, spec, opt, state, [(mine[:, :-1], mine[:, 1:])],
+                                    CFG, {})
+        losses.append(float(loss))
+    full = vfsdp.gather(shards, spec)
+    return losses, [t.detach().cpu() for t in optree.tree_leaves(full)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_sharing_one_gpu_match_the_cpu(world):
+    """simulate(device="cuda"): rank threads share the GPU; the result equals the same ranks
+    on the CPU (fp32, AdamW's foreach path on both)."""
+    on_cpu = simulate(world, _train_three_steps, "adamw")
+    on_gpu = simulate(world, _train_three_steps, "adamw", device="cuda")
+    for (la, pa), (lb, pb) in zip(on_cpu, on_gpu):
+        assert la == pytest.approx(lb, rel=1e-4)
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(pa, pb))
+
+
+def test_simulate_device_cpu_is_the_default():
+    a = simulate(2, _train_three_steps, "adamw", device="cpu")
+    b = simulate(2, _train_three_steps, "adamw")
+    for (la, pa), (lb, pb) in zip(a, b):
+        assert la == lb and all(torch.equal(x, y) for x, y in zip(pa, pb))

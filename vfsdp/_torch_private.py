@@ -217,6 +217,11 @@ def _module():
             "(torch.testing._internal.distributed.multi_threaded_pg), which this torch build "
             "lacks; use vfsdp.testing.spawn instead"
         ) from exc
+    world = getattr(multi_threaded_pg, "ThreadLocalWorld", None)
+    if world is not None and not hasattr(world, "comms"):
+        # torch 2.11: destroy_process_group() iterates and clears _world.comms, which the
+        # threaded world lacks; it holds no communicators, so an empty list is exact.
+        world.comms = property(lambda self: [])
     return multi_threaded_pg
 
 

@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from vfsdp import _torch_private as tp
+
 __all__ = ["all_gather_into", "reduce_scatter_into", "all_reduce_", "all_reduce_max_",
            "scatter_into", "broadcast_", "all_to_all_into", "check_op",
            "counts", "reset_counts", "in_collective", "collective_scope", "REDUCE_OPS"]
@@ -36,6 +38,28 @@ class _InCollective:
 
     def __exit__(self, *exc):
         _TLS.depth -= 1
+
+
+class _Collective(_InCollective):
+    """One collective call: marked (see :class:`_InCollective`); on CUDA tensors under
+    ``vfsdp.testing.simulate`` (rank threads sharing one GPU through the threaded group, whose
+    collectives copy between the threads' tensors on the host's schedule, not the streams'),
+    the device is synchronized before and after, so every rank's writes are complete when
+    another rank's thread reads them."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.sync = t.is_cuda and tp.groups_are_per_thread()
+        self.device = t.device
+
+    def __enter__(self):
+        super().__enter__()
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+
+    def __exit__(self, *exc):
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        super().__exit__(*exc)
 
 
 def collective_scope() -> _InCollective:
@@ -84,7 +108,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: 
                     count: str = "all_gather"):
     """``out`` (m*S) <- every rank's ``inp`` (S), in rank order (counted under ``count``)."""
     _count(count, out.numel() * out.element_size())
-    with _InCollective():
+    with _Collective(out):
         return _all_gather(out, inp, group=group, async_op=async_op)
 
 
@@ -92,7 +116,7 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: str = "sum", g
                         async_op: bool = False):
     """``out`` (S) <- ``op`` over ranks of their ``inp[r*S:(r+1)*S]``."""
     _count("reduce_scatter", inp.numel() * inp.element_size())
-    with _InCollective():
+    with _Collective(out):
         return _reduce_scatter(out, inp, op=_op(op), group=group, async_op=async_op)
 
 
@@ -100,7 +124,7 @@ def all_reduce_(t: torch.Tensor, op: str = "sum", group=None):
     """In-place all-reduce; ``avg`` is SUM then a division (gloo has no AVG all-reduce)."""
     _op(op)
     _count("all_reduce", t.numel() * t.element_size())
-    with _InCollective():
+    with _Collective(t):
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     if op == "avg":
         t.div_(dist.get_world_size(group))
@@ -110,7 +134,7 @@ def all_reduce_(t: torch.Tensor, op: str = "sum", group=None):
 def all_reduce_max_(t: torch.Tensor, group=None, count: str = "all_reduce_max"):
     """In-place element-wise MAX over ranks (counted under ``count``)."""
     _count(count, t.numel() * t.element_size())
-    with _InCollective():
+    with _Collective(t):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
 
@@ -118,7 +142,7 @@ def all_reduce_max_(t: torch.Tensor, group=None, count: str = "all_reduce_max"):
 def scatter_into(out: torch.Tensor, chunks: Optional[list], group=None, group_src: int = 0):
     """Equal-size scatter from ``group_src`` (``chunks`` there, ``None`` elsewhere)."""
     _count("scatter", out.numel() * out.element_size())
-    with _InCollective():
+    with _Collective(out):
         dist.scatter(out, chunks, group=group, group_src=group_src)
     return out
 
@@ -131,7 +155,7 @@ def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_s
         ``out``, or the work object when ``async_op``.
     """
     _count("all_to_all", inp.numel() * inp.element_size())
-    with _InCollective():
+    with _Collective(out):
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
                                       async_op=async_op)
     return work if async_op else out
@@ -139,6 +163,6 @@ def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_s
 
 def broadcast_(t: torch.Tensor, group=None, group_src: int = 0):
     _count("broadcast", t.numel() * t.element_size())
-    with _InCollective():
+    with _Collective(t):
         dist.broadcast(t, group=group, group_src=group_src)
     return t

@@ -83,16 +83,23 @@ def _optimizer(name: str):
         lambda p: "muon" if p[-1].startswith("w") else "adamw")
 
 
-def _step_on_this_device(name: str):
+def _setup(name: str):
+    """The example's step, and the optimizer, spec, shards and state on this rank."""
+    import torch.distributed as dist
+
     sys.path.insert(0, str(ROOT / "examples"))
     try:
         from train_gpt import train_step
     finally:
         sys.path.remove(str(ROOT / "examples"))
     opt = _optimizer(name)
-    spec = vfsdp.plan(meta_params(CFG), 2, granularity=opt.granularity)
+    spec = vfsdp.plan(meta_params(CFG), dist.get_world_size(), granularity=opt.granularity)
     shards = vfsdp.shard(meta_params(CFG), spec, init_fn=vfsdp.init.sharded(init_rule(CFG), 0))
-    state = opt.init(shards, spec)
+    return train_step, opt, spec, shards, opt.init(shards, spec)
+
+
+def _step_on_this_device(name: str):
+    train_step, opt, spec, shards, state = _setup(name)
     device = device_for()
     tokens = torch.zeros(2, CFG.seq, dtype=torch.long, device=device)
     for _ in range(2):
@@ -134,18 +141,10 @@ def test_meta_catches_the_old_muon_crash(monkeypatch):
 # ---------------------------------------------------------------- one GPU, several ranks
 
 def _train_three_steps(name: str):
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from train_gpt import train_step
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
     import torch.distributed as dist
 
-    opt = _optimizer(name)
+    train_step, opt, spec, shards, state = _setup(name)
     world = dist.get_world_size()
-    spec = vfsdp.plan(meta_params(CFG), world, granularity=opt.granularity)
-    shards = vfsdp.shard(meta_params(CFG), spec, init_fn=vfsdp.init.sharded(init_rule(CFG), 0))
-    state = opt.init(shards, spec)
     device = device_for()
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, CFG.vocab, (world, 2, CFG.seq + 1), generator=g)

@@ -131,6 +131,8 @@ def foreach(op: str, *lists: list, scalar=None, **kwargs):
     Returns:
         What the op returns (a list for out-of-place ops, ``None`` for in-place ones).
     """
+    if not lists or not lists[0]:
+        return None if op.endswith("_") else []  # torch refuses empty lists
     extra = () if scalar is None else (scalar,)
     many = getattr(torch, f"_foreach_{op}", None)
     if many is not None:
@@ -149,6 +151,8 @@ def fused_adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, st
     """torch's fused AdamW kernel, as ``torch.optim.AdamW(fused=True)`` calls it (no amsgrad,
     no maximize, no grad scaler); ``steps`` are float32 tensors on the parameters' device
     holding the 1-based step."""
+    if not params:
+        return
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr,
                         beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                         maximize=False, grad_scale=None, found_inf=None)

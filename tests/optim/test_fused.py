@@ -190,3 +190,27 @@ def test_old_chunk_constant_warns():
     adamw_mod = importlib.import_module("vfsdp.optim.adamw")
     with pytest.warns(FutureWarning, match="TEMP_ELEMS"):
         assert adamw_mod.CHUNK == fused_mod.TEMP_ELEMS
+
+
+def test_empty_lists_are_no_ops():
+    from vfsdp import _torch_private as tp
+
+    assert tp.foreach("lerp", [], [], scalar=0.5) == []
+    assert tp.foreach("mul_", [], scalar=2.0) is None
+    fused_mod.adamw_step([], [], [], [], [], step=1, lr=0.1, betas=(0.9, 0.99), eps=1e-8,
+                         weight_decay=0.1, fused=False)
+
+
+def test_muon_with_every_matrix_frozen_leaves_them_alone():
+    def body():
+        params = {"w": torch.randn(8, 8, generator=torch.Generator().manual_seed(0))}
+        spec = vfsdp.plan(params, 2)
+        shards = vfsdp.shard(params, spec)
+        shards["w"].requires_grad_(False)
+        opt = vfsdp.optim.muon(lr=0.1)
+        state = opt.init(shards, spec)
+        before = shards["w"].detach().clone()
+        opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+        return torch.equal(before, shards["w"])
+
+    assert simulate(2, body) == [True, True]

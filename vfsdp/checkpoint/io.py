@@ -309,6 +309,9 @@ def load(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *, strict: bo
         with open(os.path.join(path, METADATA), "rb") as f:
             if zlib.crc32(f.read()) != manifest["metadata_crc"]:
                 raise CheckpointError(f"checkpoint {path}: {METADATA} is corrupt (CRC-32)")
+        # Read (safely) here, not only inside DCP: torch 2.11's loader swallows a reader's
+        # refusal and only says "metadata is None".
+        SafeReader(path).read_metadata()
     except (CheckpointError, OSError, TypeError, ValueError) as exc:
         err = exc
     agree(err)

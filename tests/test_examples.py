@@ -88,3 +88,14 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_its_records(tmp_path):
     assert set(rec["vfsdp"]["optimizer_s"]) == {"adamw", "adamw8bit", "muon"}
     assert set(rec["torch"]["optimizer_s"]) == {"adamw_fused", "muon_adamw"}
     assert "tokens/s" in proc.stdout and "kernel launches / step" in proc.stdout
+
+
+def test_op_counts_benchmark_prints_equal_counts_at_both_sizes():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "op_counts.py"),
+                           "--dims", "128", "256", "--layers", "2"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["adamw", "adamw8bit", "muon"]
+    for r in rows:  # name, params -> params, update -> update, step -> step
+        assert r[4] == r[6] and r[7] == r[9], r

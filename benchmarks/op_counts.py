@@ -1,0 +1,81 @@
+"""Aten ops per optimizer update and per training step, at two model sizes (same layers).
+
+On a GPU every compute op is a kernel launch, so a count that grows with the parameters makes
+a step launch-bound. Counted at the dispatcher (``vfsdp.testing.CopyCounter``) on 2 simulated
+ranks, the second step of each (the first builds what later steps reuse)::
+
+    python benchmarks/op_counts.py
+    python benchmarks/op_counts.py --dims 256 512 --layers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import optree  # noqa: E402
+import torch  # noqa: E402
+
+import vfsdp  # noqa: E402
+from vfsdp.testing import CopyCounter, simulate  # noqa: E402
+from vfsdp.testing.models import GPTConfig, init_rule, meta_params  # noqa: E402
+
+
+def _optimizer(name: str):
+    no_norm = lambda path: not str(path[-1]).endswith("norm")
+    if name == "adamw":
+        return vfsdp.optim.adamw(lr=1e-3, weight_decay=0.1, weight_decay_mask=no_norm)
+    if name == "adamw8bit":
+        return vfsdp.optim.adamw8bit(lr=1e-3, weight_decay=0.1, weight_decay_mask=no_norm,
+                                     compile=False)
+    return vfsdp.optim.partition(
+        {"muon": vfsdp.optim.muon(lr=1e-3), "adamw": vfsdp.optim.adamw(lr=1e-3)},
+        lambda p: "muon" if p[0] == "layers" and str(p[-1]).startswith("w") else "adamw")
+
+
+def _counts(name: str, cfg: GPTConfig, world: int) -> dict:
+    from train_gpt import train_step
+
+    opt = _optimizer(name)
+    spec = vfsdp.plan(meta_params(cfg), world, granularity=opt.granularity,
+                      comm_dtypes=[torch.bfloat16])
+    shards = vfsdp.shard(meta_params(cfg), spec, init_fn=vfsdp.init.sharded(init_rule(cfg), 0))
+    state = opt.init(shards, spec)
+    tokens = torch.zeros(4, cfg.seq, dtype=torch.long)
+    gopts = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    _, _, state = train_step(shards, spec, opt, state, [(tokens, tokens)], cfg, gopts)
+    with CopyCounter() as step:
+        _, _, state = train_step(shards, spec, opt, state, [(tokens, tokens)], cfg, gopts)
+    grads = vfsdp.grads(shards, spec)
+    with CopyCounter() as update:
+        opt.update(grads, state, shards, spec)
+    return {"params": sum(t.numel() for t in optree.tree_leaves(meta_params(cfg))),
+            "step_ops": sum(step.ops.values()), "update_ops": sum(update.ops.values())}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dims", nargs=2, type=int, default=[256, 512],
+                    help="two model widths (x4 the parameters by default)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--world", type=int, default=2)
+    args = ap.parse_args(argv)
+    print(f"{'optimizer':<10} {'parameters':>22} {'update ops':>14} {'step ops':>14}")
+    for name in ("adamw", "adamw8bit", "muon"):
+        rows = []
+        for dim in args.dims:
+            cfg = GPTConfig(vocab=512, dim=dim, layers=args.layers, heads=8, kv_heads=4,
+                            ffn=int(2.75 * dim) // 32 * 32, seq=32)
+            rows.append(simulate(args.world, _counts, name, cfg, args.world)[0])
+        a, b = rows
+        print(f"{name:<10} {a['params']:>10,} -> {b['params']:<10,} {a['update_ops']:>6} -> "
+              f"{b['update_ops']:<6} {a['step_ops']:>6} -> {b['step_ops']:<6}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

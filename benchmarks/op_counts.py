@@ -17,12 +17,12 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-import optree  # noqa: E402
-import torch  # noqa: E402
+import optree
+import torch
 
-import vfsdp  # noqa: E402
-from vfsdp.testing import CopyCounter, simulate  # noqa: E402
-from vfsdp.testing.models import GPTConfig, init_rule, meta_params  # noqa: E402
+import vfsdp
+from vfsdp.testing import CopyCounter, simulate
+from vfsdp.testing.models import GPTConfig, init_rule, meta_params
 
 
 def _optimizer(name: str):

@@ -8,6 +8,7 @@ What a user calls, on one screen::
     reduce_scatter, run_layers, grads, zero_grads             # gradients
     clip_grad_norm                                            # one all-reduce
     to_dtensor, from_dtensor, dtensor_placement               # DTensor interop
+    mesh, lax                                                 # named axes and their collectives
     init, optim, checkpoint, testing                          # namespaces
 
 The layers underneath (each imports only the ones below it)::
@@ -26,6 +27,7 @@ import warnings
 from typing import Any
 
 from vfsdp import checkpoint, optim, testing
+from vfsdp.collectives.mesh import mesh
 from vfsdp.functional import (
     dtensor_placement,
     from_dtensor,
@@ -33,6 +35,7 @@ from vfsdp.functional import (
     gather_async,
     grads,
     init,
+    lax,
     reduce_scatter,
     release,
     run_layers,
@@ -63,6 +66,7 @@ __all__ = [
     "shard", "scatter", "gather", "gather_async", "release",
     "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm",
     "to_dtensor", "from_dtensor", "dtensor_placement",
+    "mesh", "lax",
     "init", "optim", "checkpoint", "testing",
 ]
 

@@ -148,13 +148,14 @@ def scatter_into(out: torch.Tensor, chunks: Optional[list], group=None, group_sr
 
 
 def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list,
-                    group=None, async_op: bool = False):
-    """``all_to_all_single`` with uneven splits (element counts per rank).
+                    group=None, async_op: bool = False, count: str = "all_to_all"):
+    """``all_to_all_single`` with uneven splits (element counts per rank; counted under
+    ``count``).
 
     Returns:
         ``out``, or the work object when ``async_op``.
     """
-    _count("all_to_all", inp.numel() * inp.element_size())
+    _count(count, inp.numel() * inp.element_size())
     with _Collective(out):
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
                                       async_op=async_op)

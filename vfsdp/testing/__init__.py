@@ -19,6 +19,7 @@ from vfsdp.collectives.reference import (
     flat_redistribute_reference,
     reduce_scatter_reference,
 )
+from vfsdp.functional import lax_reference
 from vfsdp.functional.reference import (
     gather_reference,
     scatter_reference,
@@ -42,6 +43,7 @@ __all__ = [
     "assemble_reference",
     "flat_redistribute_reference",
     "gather_reference",
+    "lax_reference",
     "reduce_scatter_reference",
     "scatter_reference",
     "shard_reference",

@@ -1,0 +1,143 @@
+"""Named meshes: ``vfsdp.mesh(("dp", 2), ("tp", 2))`` and what one rank sees of an axis.
+
+A mesh is torch's ``DeviceMesh`` with dim names, over the default process group (under
+``torchrun``, ``vfsdp.testing.spawn`` or ``vfsdp.testing.simulate``): ranks are laid out in
+row-major order, so with ``(("dp", 2), ("tp", 2))`` ranks 0 and 1 form a ``tp`` group, ranks 0
+and 2 a ``dp`` group. Any axis may have size 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from vfsdp.collectives.groups import device_for
+
+__all__ = ["mesh", "Axis", "axis_of", "use_mesh", "current_mesh"]
+
+_CURRENT = threading.local()  # .stack: meshes entered with use_mesh on this thread (rank)
+
+
+def mesh(*axes: tuple[str, int]) -> Any:
+    """A ``DeviceMesh`` with named axes over the default process group.
+
+    Args:
+        axes: ``(name, size)`` pairs, outermost first; their sizes multiply to the world size.
+
+    Returns:
+        A ``torch.distributed.device_mesh.DeviceMesh`` whose ``mesh_dim_names`` are the names.
+
+    Raises:
+        RuntimeError: no process group is initialised.
+        ValueError: no axes, a repeated or empty name, a size below 1, or sizes whose product
+            is not the world size (naming both).
+
+    Example:
+        >>> def body():
+        ...     m = vfsdp.mesh(("dp", 2), ("tp", 2))
+        ...     return axis_of("dp", m).index, axis_of("tp", m).index
+        >>> vfsdp.testing.simulate(4, body)
+        [(0, 0), (0, 1), (1, 0), (1, 1)]
+    """
+    if not axes:
+        raise ValueError("vfsdp.mesh: give at least one (name, size) axis")
+    names = [a[0] if isinstance(a, tuple) and len(a) == 2 else None for a in axes]
+    if any(not isinstance(n, str) or not n for n in names):
+        raise ValueError(f"vfsdp.mesh: axes are (name, size) pairs with a non-empty name, got "
+                         f"{axes!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"vfsdp.mesh: axis names must differ, got {names}")
+    sizes = [a[1] for a in axes]
+    if any(not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"vfsdp.mesh: axis sizes must be integers >= 1, got {sizes}")
+    if not dist.is_initialized():
+        raise RuntimeError("vfsdp.mesh needs an initialised process group (torchrun, "
+                           "vfsdp.testing.spawn or vfsdp.testing.simulate)")
+    world = dist.get_world_size()
+    if math.prod(sizes) != world:
+        raise ValueError(f"vfsdp.mesh: axes {dict(zip(names, sizes))} hold {math.prod(sizes)} "
+                         f"ranks, the process group has {world}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = device_for()
+    device_type = "cpu" if device.type == "meta" else device.type
+    return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One mesh axis as this rank sees it: its name, size, this rank's index along it, and
+    the process group of the ranks that differ from this one only along it."""
+
+    name: str
+    size: int
+    index: int
+    group: Any
+
+
+def axis_of(axis: str, device_mesh: Optional[Any] = None) -> Axis:
+    """This rank's view of ``axis`` of ``device_mesh`` (default: the mesh of the innermost
+    :func:`use_mesh`).
+
+    Raises:
+        TypeError: ``axis`` is not a string.
+        ValueError: no mesh is given or current, or it has no axis of that name (listing
+            those it has).
+
+    Example:
+        >>> def body():
+        ...     with use_mesh(vfsdp.mesh(("dp", 1), ("tp", 2))):
+        ...         a = axis_of("tp")
+        ...     return a.name, a.size, a.index
+        >>> vfsdp.testing.simulate(2, body)
+        [('tp', 2, 0), ('tp', 2, 1)]
+    """
+    if not isinstance(axis, str):
+        raise TypeError(f"a mesh axis is named by a string, got {axis!r}")
+    m = device_mesh if device_mesh is not None else current_mesh()
+    if m is None:
+        raise ValueError(f"axis {axis!r}: no mesh; pass mesh=vfsdp.mesh(...) or enter "
+                         f"`with vfsdp.lax.use_mesh(mesh):`")
+    names = tuple(m.mesh_dim_names or ())
+    if axis not in names:
+        raise ValueError(f"the mesh has no axis {axis!r}; its axes are {names}")
+    dim = names.index(axis)
+    return Axis(axis, int(m.mesh.shape[dim]), int(m.get_local_rank(axis)), m.get_group(axis))
+
+
+@contextlib.contextmanager
+def use_mesh(device_mesh: Any) -> Iterator[Any]:
+    """Make ``device_mesh`` the default mesh of the named-axis functions on this thread (rank).
+
+    Example:
+        >>> def body():
+        ...     with use_mesh(vfsdp.mesh(("x", 2))) as m:
+        ...         return current_mesh() is m
+        >>> vfsdp.testing.simulate(2, body)
+        [True, True]
+    """
+    stack = _stack()
+    stack.append(device_mesh)
+    try:
+        yield device_mesh
+    finally:
+        stack.pop()
+
+
+def current_mesh() -> Optional[Any]:
+    """The mesh of the innermost :func:`use_mesh` on this thread, or ``None``."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+def _stack() -> list:
+    stack = getattr(_CURRENT, "stack", None)
+    if stack is None:
+        stack = _CURRENT.stack = []
+    return stack

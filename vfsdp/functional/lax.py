@@ -1,0 +1,421 @@
+"""Differentiable collectives over a named mesh axis, as JAX's ``lax.psum`` & co.
+
+Inside a training step every rank runs the same code on its own piece; these functions are
+the communication, and autograd turns each into its transpose (Megatron's conventions):
+
+==============================  =====================================  ======================
+function                        forward, over the ranks of ``axis``    backward
+==============================  =====================================  ======================
+``psum(x, axis)``               sum (every rank gets it)               identity
+``pmean(x, axis)``              mean                                   ``/ size``
+``pvary(x, axis)``              identity                               ``psum``
+``all_gather(x, axis, dim)``    concatenate along ``dim``              ``psum_scatter``
+``psum_scatter(x, axis, dim)``  sum, rank ``i`` keeps chunk ``i``      ``all_gather``
+``all_to_all(x, axis, s, c)``   chunk ``j`` of ``dim s`` to rank ``j``,  ``all_to_all(c, s)``
+                                concatenated along ``dim c``
+``axis_index(axis)``            this rank's index along ``axis``       (an int)
+``axis_size(axis)``             the number of ranks along ``axis``     (an int)
+==============================  =====================================  ======================
+
+The two conventions that matter: a ``psum`` result is replicated and so is the code after it,
+so its cotangent is the same on every rank and counts once (backward: identity); a value that
+is replicated but feeds *different* code on each rank (the input of a column-parallel matmul)
+is marked with ``pvary``, whose backward sums the ranks' cotangents. ``all_gather``,
+``psum_scatter`` and ``all_to_all`` move data, and their backwards move cotangents back.
+
+Sizes may be uneven: ranks may hold different sizes along the gathered dim; ``psum_scatter``
+cuts like ``torch.tensor_split`` (the first ``len % size`` chunks one longer); ``all_to_all``
+takes ``split_sizes`` per rank. Every function works with ``loss.backward()``,
+``torch.autograd.grad`` and ``torch.func``, on gloo, NCCL and ``vfsdp.testing.simulate``.
+The mesh is ``mesh=`` or the innermost ``with use_mesh(m):``. Reference semantics (a loop over
+ranks): :mod:`vfsdp.functional.lax_reference`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from vfsdp import _torch_private as tp
+from vfsdp.collectives import comm
+from vfsdp.collectives.groups import control_device
+from vfsdp.collectives.mesh import Axis, axis_of, current_mesh, use_mesh
+
+__all__ = ["psum", "pmean", "pvary", "all_gather", "psum_scatter", "all_to_all", "axis_index",
+           "axis_size", "use_mesh", "current_mesh"]
+
+_MAX_DIMS = 8
+
+
+# ---------------------------------------------------------------- raw collectives (no autograd)
+
+def _reduce(x: torch.Tensor, ax: Axis) -> torch.Tensor:
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    if ax.size > 1:
+        with tp.functorch_paused():
+            comm.all_reduce_(out, "sum", ax.group)
+    return out
+
+
+def _shapes(x: torch.Tensor, ax: Axis, what: str) -> list[tuple]:
+    """Every rank's shape of ``x`` along the axis (one small all-gather)."""
+    if x.dim() > _MAX_DIMS:
+        raise ValueError(f"{what}: tensors of up to {_MAX_DIMS} dims, got {x.dim()}")
+    if ax.size == 1:
+        return [tuple(x.shape)]
+    device = control_device(x.device)
+    mine = torch.full((_MAX_DIMS + 1,), -1, dtype=torch.int64, device=device)
+    mine[0] = x.dim()
+    mine[1:1 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64, device=device)
+    every = torch.empty(ax.size * (_MAX_DIMS + 1), dtype=torch.int64, device=device)
+    with tp.functorch_paused():
+        comm.all_gather_into(every, mine, ax.group, count="shape_exchange")
+    rows = every.view(ax.size, -1).tolist()
+    return [tuple(r[1:1 + r[0]]) for r in rows]
+
+
+def _gather(x: torch.Tensor, ax: Axis, dim: int, shapes: Sequence[tuple]) -> torch.Tensor:
+    """Concatenate every rank's ``x`` (of ``shapes``) along ``dim``: one all-gather, padded to
+    the largest piece where they differ."""
+    if ax.size == 1:
+        return x.detach().clone(memory_format=torch.contiguous_format)
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    width = max(numels)
+    flat = x.detach().movedim(dim, 0).reshape(-1)
+    send = flat if flat.numel() == width else torch.cat(
+        [flat, flat.new_zeros(width - flat.numel())])
+    recv = flat.new_empty(ax.size * width)
+    with tp.functorch_paused():
+        comm.all_gather_into(recv, send.contiguous(), ax.group)
+    pieces = []
+    for r, s in enumerate(shapes):
+        moved = (s[dim], *s[:dim], *s[dim + 1:])
+        pieces.append(recv[r * width:r * width + numels[r]].view(moved))
+    return torch.cat(pieces, 0).movedim(0, dim)
+
+
+def _scatter(x: torch.Tensor, ax: Axis, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+    """Sum ``x`` over the axis; this rank keeps its chunk (``sizes`` along ``dim``): one
+    reduce-scatter, each chunk padded to the largest."""
+    if ax.size == 1:
+        return x.detach().clone(memory_format=torch.contiguous_format)
+    moved = x.detach().movedim(dim, 0)
+    rest = moved.shape[1:]
+    inner = int(rest.numel())
+    width = max(sizes) * inner
+    chunks = moved.split(list(sizes), 0)
+    send = moved.new_zeros(ax.size * width)
+    tp.copy_many([send[r * width:r * width + c.numel()] for r, c in enumerate(chunks)],
+                 [c.reshape(-1) for c in chunks])
+    out = moved.new_empty(width)
+    with tp.functorch_paused():
+        comm.reduce_scatter_into(out, send, "sum", ax.group)
+    mine = sizes[ax.index]
+    return out[:mine * inner].view(mine, *rest).movedim(0, dim)
+
+
+def _chunk_shapes(shape: tuple, split_dim: int, split_sizes: Sequence[int]) -> list[tuple]:
+    return [(*shape[:split_dim], n, *shape[split_dim + 1:]) for n in split_sizes]
+
+
+def _a2a_shapes(x: torch.Tensor, ax: Axis, split_dim: int,
+                split_sizes: Sequence[int]) -> list[tuple]:
+    """The shapes of the chunks this rank will receive, in rank order (one small
+    all-to-all of each chunk's shape)."""
+    mine = _chunk_shapes(tuple(x.shape), split_dim, split_sizes)
+    if ax.size == 1:
+        return mine
+    device = control_device(x.device)
+    meta = torch.tensor([list(s) + [-1] * (_MAX_DIMS - len(s)) for s in mine],
+                        dtype=torch.int64, device=device)
+    got = torch.empty_like(meta)
+    with tp.functorch_paused():
+        comm.all_to_all_into(got.view(-1), meta.view(-1), [_MAX_DIMS] * ax.size,
+                             [_MAX_DIMS] * ax.size, ax.group, count="shape_exchange")
+    return [tuple(int(v) for v in row[:x.dim()]) for row in got.tolist()]
+
+
+def _a2a(x: torch.Tensor, ax: Axis, split_dim: int, concat_dim: int,
+         split_sizes: Sequence[int], shapes: Sequence[tuple]) -> torch.Tensor:
+    """Chunk ``j`` (``split_sizes``) of ``x`` along ``split_dim`` goes to rank ``j``; the
+    chunks received (of ``shapes``) are concatenated along ``concat_dim``: one
+    ``all_to_all_single`` with uneven splits."""
+    chunks = x.detach().split(list(split_sizes), split_dim)
+    if ax.size == 1:
+        return chunks[0].clone(memory_format=torch.contiguous_format)
+    send = torch.cat([c.reshape(-1) for c in chunks])
+    in_sizes = [c.numel() for c in chunks]
+    out_sizes = [int(torch.Size(s).numel()) for s in shapes]
+    recv = x.new_empty(sum(out_sizes))
+    with tp.functorch_paused():
+        comm.all_to_all_into(recv, send.contiguous(), out_sizes, in_sizes, ax.group)
+    return torch.cat([p.view(s) for p, s in zip(recv.split(out_sizes), shapes)], concat_dim)
+
+
+def _tensor_split_sizes(n: int, parts: int) -> list[int]:
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+# ---------------------------------------------------------------- autograd
+
+
+class _PSum(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ax, scale):
+        out = _reduce(x, ax)
+        return out if scale == 1 else out.mul_(scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.scale = inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g if ctx.scale == 1 else g * ctx.scale), None, None
+
+
+class _PVary(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ax):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.ax = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce(g, ctx.ax), None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ax, dim, shapes):
+        return _gather(x, ax, dim, shapes)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.ax, ctx.dim, shapes = inputs
+        ctx.sizes = [s[ctx.dim] for s in shapes]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _scatter(g, ctx.ax, ctx.dim, ctx.sizes), None, None, None
+
+
+class _PSumScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ax, dim, sizes):
+        return _scatter(x, ax, dim, sizes)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ctx.ax, ctx.dim, sizes = inputs
+        ctx.shapes = [(*x.shape[:ctx.dim], s, *x.shape[ctx.dim + 1:]) for s in sizes]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.ax, ctx.dim, ctx.shapes), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ax, split_dim, concat_dim, split_sizes, shapes):
+        return _a2a(x, ax, split_dim, concat_dim, split_sizes, shapes)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ctx.ax, ctx.split_dim, ctx.concat_dim, split_sizes, shapes = inputs
+        ctx.back_sizes = [s[ctx.concat_dim] for s in shapes]  # what came from each rank
+        ctx.back_shapes = _chunk_shapes(tuple(x.shape), ctx.split_dim, split_sizes)
+
+    @staticmethod
+    def backward(ctx, g):
+        # The reverse exchange: each rank's piece of the cotangent goes back to its sender,
+        # which gets the shapes of the chunks it sent (no shape exchange needed).
+        back = _a2a(g, ctx.ax, ctx.concat_dim, ctx.split_dim, ctx.back_sizes, ctx.back_shapes)
+        return back, None, None, None, None, None
+
+
+# ---------------------------------------------------------------- public functions
+
+def _dim(x: torch.Tensor, dim: int, what: str) -> int:
+    if x.dim() == 0:
+        raise ValueError(f"{what}: a 0-d tensor has no dim to cut or join; reshape it to (1,)")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{what}: dim {dim} is out of range for a {x.dim()}-d tensor")
+    return dim % x.dim()
+
+
+def psum(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Tensor:
+    """Sum ``x`` over the ranks of ``axis``; every rank gets the sum. Backward: identity
+    (the result and the code after it are replicated: its cotangent counts once).
+
+    Args:
+        x: This rank's tensor (same shape on every rank of the axis).
+        axis: A mesh axis name.
+        mesh: The mesh (default: the innermost :func:`use_mesh`).
+
+    Returns:
+        The sum, a new tensor.
+
+    Raises:
+        ValueError: no mesh, or no such axis.
+
+    Example:
+        >>> def body():
+        ...     with use_mesh(vfsdp.mesh(("dp", 2), ("tp", 2))):
+        ...         return psum(torch.tensor([float(dist.get_rank())]), "tp").item()
+        >>> vfsdp.testing.simulate(4, body)
+        [1.0, 1.0, 5.0, 5.0]
+    """
+    return _PSum.apply(x, axis_of(axis, mesh), 1)
+
+
+def pmean(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Tensor:
+    """The mean of ``x`` over the ranks of ``axis``. Backward: the cotangent over the size.
+
+    Example:
+        >>> def body():
+        ...     return pmean(torch.tensor([float(dist.get_rank())]), "x",
+        ...                  mesh=vfsdp.mesh(("x", 4))).item()
+        >>> vfsdp.testing.simulate(4, body)
+        [1.5, 1.5, 1.5, 1.5]
+    """
+    ax = axis_of(axis, mesh)
+    return _PSum.apply(x, ax, 1.0 / ax.size)
+
+
+def pvary(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Tensor:
+    """Identity on a value replicated over ``axis`` that feeds different code on each rank
+    (e.g. the input of a column-parallel matmul). Backward: ``psum`` of the cotangents.
+
+    Example:
+        >>> def body():
+        ...     x = torch.ones(2, requires_grad=True)
+        ...     w = float(dist.get_rank() + 1)        # a different weight per rank
+        ...     (pvary(x, "tp", mesh=vfsdp.mesh(("tp", 2))) * w).sum().backward()
+        ...     return x.grad.tolist()                # 1 + 2 on both ranks
+        >>> vfsdp.testing.simulate(2, body)
+        [[3.0, 3.0], [3.0, 3.0]]
+    """
+    return _PVary.apply(x, axis_of(axis, mesh))
+
+
+def all_gather(x: torch.Tensor, axis: str, dim: int = 0, *,
+               mesh: Optional[Any] = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in axis order; sizes along ``dim`` may
+    differ between ranks (the other dims must agree). Backward: ``psum_scatter`` back into
+    each rank's piece.
+
+    Raises:
+        ValueError: ``dim`` out of range, or ranks' shapes that differ off ``dim`` (naming
+            them).
+
+    Example:
+        >>> def body():
+        ...     r = dist.get_rank()
+        ...     return all_gather(torch.full((r + 1,), float(r)), "x",
+        ...                       mesh=vfsdp.mesh(("x", 2))).tolist()
+        >>> vfsdp.testing.simulate(2, body)[0]
+        [0.0, 1.0, 1.0]
+    """
+    ax = axis_of(axis, mesh)
+    d = _dim(x, dim, "all_gather")
+    shapes = _shapes(x, ax, "all_gather")
+    off = [s[:d] + s[d + 1:] for s in shapes]
+    if any(len(s) != x.dim() for s in shapes) or any(o != off[0] for o in off):
+        raise ValueError(f"all_gather over {axis!r} along dim {dim}: the ranks' shapes "
+                         f"{shapes} differ off that dim")
+    return _AllGather.apply(x, ax, d, shapes)
+
+
+def psum_scatter(x: torch.Tensor, axis: str, dim: int = 0, *,
+                 mesh: Optional[Any] = None) -> torch.Tensor:
+    """Sum ``x`` over the ranks of ``axis``; rank ``i`` keeps chunk ``i`` of the sum along
+    ``dim``, cut as ``torch.tensor_split`` cuts (the first ``len % size`` chunks one longer).
+    Backward: ``all_gather`` of the cotangents.
+
+    Example:
+        >>> def body():
+        ...     x = torch.arange(5.0)                     # the same on both ranks
+        ...     return psum_scatter(x, "x", mesh=vfsdp.mesh(("x", 2))).tolist()
+        >>> vfsdp.testing.simulate(2, body)
+        [[0.0, 2.0, 4.0], [6.0, 8.0]]
+    """
+    ax = axis_of(axis, mesh)
+    d = _dim(x, dim, "psum_scatter")
+    length = x.shape[d]
+    return _PSumScatter.apply(x, ax, d, _tensor_split_sizes(length, ax.size))
+
+
+def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *,
+               split_sizes: Optional[Sequence[int]] = None,
+               mesh: Optional[Any] = None) -> torch.Tensor:
+    """Send chunk ``j`` of ``x`` along ``split_dim`` to rank ``j`` of ``axis`` and
+    concatenate the chunks received, in rank order, along ``concat_dim``. Backward: the
+    reverse exchange.
+
+    Args:
+        x: This rank's tensor.
+        axis: A mesh axis name.
+        split_dim, concat_dim: The dims to cut and to join.
+        split_sizes: This rank's chunk sizes along ``split_dim`` (one per rank; they may
+            differ between ranks, e.g. tokens per expert). Default: ``torch.tensor_split``.
+        mesh: The mesh.
+
+    Raises:
+        ValueError: ``split_sizes`` of the wrong length or sum, or chunks that do not
+            concatenate.
+
+    Example:
+        >>> def body():
+        ...     r = dist.get_rank()
+        ...     x = torch.tensor([10.0 * r, 10.0 * r + 1, 10.0 * r + 2])
+        ...     sizes = [1, 2] if r == 0 else [2, 1]
+        ...     return all_to_all(x, "ep", 0, 0, split_sizes=sizes,
+        ...                       mesh=vfsdp.mesh(("ep", 2))).tolist()
+        >>> vfsdp.testing.simulate(2, body)
+        [[0.0, 10.0, 11.0], [1.0, 2.0, 12.0]]
+    """
+    ax = axis_of(axis, mesh)
+    s = _dim(x, split_dim, "all_to_all split_dim")
+    c = _dim(x, concat_dim, "all_to_all concat_dim")
+    length = x.shape[s]
+    if split_sizes is None:
+        sizes = _tensor_split_sizes(length, ax.size)
+    else:
+        sizes = [int(v) for v in split_sizes]
+        if len(sizes) != ax.size or sum(sizes) != length or min(sizes, default=0) < 0:
+            raise ValueError(f"all_to_all over {axis!r}: split_sizes {list(split_sizes)} must "
+                             f"be {ax.size} sizes >= 0 adding up to {length}")
+    shapes = _a2a_shapes(x, ax, s, sizes)
+    off = [sh[:c] + sh[c + 1:] for sh in shapes]
+    if any(o != off[0] for o in off):
+        raise ValueError(f"all_to_all over {axis!r}: the chunks this rank would receive have "
+                         f"shapes {shapes}, which do not concatenate along dim {concat_dim}: "
+                         f"every dim but {concat_dim} must agree")
+    return _AllToAll.apply(x, ax, s, c, sizes, tuple(shapes))
+
+
+def axis_index(axis: str, *, mesh: Optional[Any] = None) -> int:
+    """This rank's index along ``axis``.
+
+    Example:
+        >>> vfsdp.testing.simulate(4, lambda: axis_index("tp", mesh=vfsdp.mesh(("dp", 2),
+        ...                                                                  ("tp", 2))))
+        [0, 1, 0, 1]
+    """
+    return axis_of(axis, mesh).index
+
+
+def axis_size(axis: str, *, mesh: Optional[Any] = None) -> int:
+    """The number of ranks along ``axis``.
+
+    Example:
+        >>> vfsdp.testing.simulate(4, lambda: axis_size("dp", mesh=vfsdp.mesh(("dp", 4))))
+        [4, 4, 4, 4]
+    """
+    return axis_of(axis, mesh).size

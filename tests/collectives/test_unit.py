@@ -149,3 +149,27 @@ def _compute_copy_holds_no_memory():
 def test_the_compute_copy_is_a_slice_of_its_global_buffer_and_persists_nothing(world):
     assert simulate(world, _compute_copy_holds_no_memory) == [
         (True, True, {"copy_": 1}, 0, 0, True)] * world
+
+
+def _dropping_the_shards_frees_the_unit_at_once():
+    """vfsdp.grads hands out views the unit keeps; they must not form a cycle with it."""
+    import weakref
+
+    params = {"w": torch.ones(4, 4)}
+    spec = vfsdp.plan(params, dist.get_world_size())
+    shards = vfsdp.shard(params, spec)
+    grads = vfsdp.grads(shards, spec)
+    again = vfsdp.grads(shards, spec)
+    same = again["w"] is grads["w"]
+    unit = weakref.ref(slot_of(shards["w"]).unit)
+    gdb = weakref.ref(slot_of(grads["w"]).buffer)
+    gc.disable()
+    try:
+        del shards, grads, again
+        return same, unit() is None, gdb() is None
+    finally:
+        gc.enable()
+
+
+def test_grads_views_are_kept_without_a_reference_cycle():
+    assert simulate(2, _dropping_the_shards_frees_the_unit_at_once) == [(True, True, True)] * 2

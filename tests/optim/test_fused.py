@@ -214,3 +214,44 @@ def test_muon_with_every_matrix_frozen_leaves_them_alone():
         return torch.equal(before, shards["w"])
 
     assert simulate(2, body) == [True, True]
+
+
+def test_update_writes_the_shards_it_is_given_not_the_first_ones():
+    """The step's slices are cached per unit: a second shards tree of the same spec must get
+    its own (review finding: the cache once kept updating the first tree)."""
+
+    def body():
+        params = {"w": torch.ones(4, 4), "b": torch.ones(4)}
+        spec = vfsdp.plan(params, 2)
+        one, two = vfsdp.shard(params, spec), vfsdp.shard(params, spec)
+        opt = vfsdp.optim.adamw(lr=0.1, weight_decay=0.0)
+        s1, s2 = opt.init(one, spec), opt.init(two, spec)
+        for shards, state in ((one, s1), (two, s2)):
+            grads = vfsdp.grads(shards, spec)
+            for g in grads.values():
+                g.fill_(1.0)
+            opt.update(grads, state, shards, spec)
+        moved = [bool((t < 0.95).all()) for t in (*one.values(), *two.values())]
+        return moved + [torch.equal(one[k], two[k]) for k in one]
+
+    assert simulate(2, body) == [[True] * 6] * 2
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon"])
+def test_weight_decay_of_bf16_parameters_rounds_as_the_single_tensor_op(name):
+    """torch's CPU multi-tensor mul rounds a Python scalar to bf16 first (0.998 -> 0.996):
+    the decay must still round like p.mul_(1 - lr * wd)."""
+
+    def body():
+        params = {"w": torch.full((64, 64), 1.5, dtype=torch.bfloat16)}
+        opt = {"adamw": vfsdp.optim.adamw(lr=0.02, weight_decay=0.1),
+               "adamw8bit": vfsdp.optim.adamw8bit(lr=0.02, weight_decay=0.1),
+               "muon": vfsdp.optim.muon(lr=0.02, weight_decay=0.1)}[name]
+        spec = vfsdp.plan(params, 2, granularity=opt.granularity)
+        shards = vfsdp.shard(params, spec)
+        state = opt.init(shards, spec)
+        opt.update(vfsdp.grads(shards, spec), state, shards, spec)  # zero gradients
+        want = torch.full((1,), 1.5, dtype=torch.bfloat16).mul_(1 - 0.02 * 0.1)
+        return bool((shards["w"] == want).all())
+
+    assert simulate(2, body) == [True, True]

@@ -147,3 +147,17 @@ def test_optimizers_take_float64_and_bfloat16_parameters(name, dtype):
         for k in g:
             assert g[k][0] == dtype
             assert torch.allclose(g[k][1], w[k][1], atol=tol), (name, k)
+
+
+def test_clipping_float64_gradients():
+    def body():
+        params = {"a": torch.ones(8, dtype=torch.float64), "b": torch.ones(3, dtype=torch.float64)}
+        spec = vfsdp.plan(params, 2)
+        shards = vfsdp.shard(params, spec)
+        grads = vfsdp.grads(shards, spec)
+        grads["a"].fill_(3.0)
+        grads["b"].fill_(4.0)
+        return float(vfsdp.clip_grad_norm(grads, spec, 1.0))
+
+    want = (8 * 9 + 3 * 16) ** 0.5
+    assert simulate(2, body) == [pytest.approx(want, rel=1e-6)] * 2

@@ -4,9 +4,9 @@
 
     global buffer (m*S, on demand)   | rank 0 | rank 1 | rank 2 |   full views: [off, off+numel)
                                               ^^^^^^^^
-    shard (S, persistent)                    | rank 1 |           local views: shard_range(r)
+    shard (S, persistent*)                   | rank 1 |           local views: shard_range(r)
 
-A compute copy (``Role.COMPUTE``, the ``param_dtype`` cast of the parameters) has no
+(*) A compute copy (``Role.COMPUTE``, the ``param_dtype`` cast of the parameters) has no
 persistent shard: its shard is its rank's slice of the global buffer, so it holds memory only
 while gathered.
 
@@ -36,7 +36,7 @@ import torch
 from vfsdp import _torch_private as tp
 from vfsdp._warnings import warn_user
 from vfsdp.collectives import comm
-from vfsdp.collectives.alias import alias, contiguous_strides
+from vfsdp.collectives.alias import alias
 from vfsdp.collectives.events import emit
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle, comm_context
@@ -45,8 +45,7 @@ from vfsdp.collectives.slot import SLOT, Role, Slot, View, slot_of
 from vfsdp.placements.ragged import local_shape
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
-__all__ = ["DBuffer", "alias", "contiguous_strides"]
-
+__all__ = ["DBuffer"]
 
 
 class DBuffer:
@@ -116,7 +115,6 @@ class DBuffer:
         self._views: list = []
         self._internal: Optional[list] = None  # internal_views(), made on first use
         self._saved: dict = {}  # saved_view()s, made on first use
-        self._kept: dict = {}   # kept_local()s, made on first use
         self._local_spec = [(t.shard_range(self.rank)[0],
                              local_shape(t.placement, t.shape, self.rank)) for t in self.tensors]
         self._global.untyped_storage().resize_(0)  # released until the first gather
@@ -152,8 +150,10 @@ class DBuffer:
 
     # ------------------------------------------------------------------ views
 
-    def _tag(self, t: torch.Tensor, k: int, view: View) -> torch.Tensor:
-        setattr(t, SLOT, Slot(self, k, view, self.unit))
+    def _tag(self, t: torch.Tensor, k: int, view: View, weak_unit: bool = False) -> torch.Tensor:
+        unit = self.unit
+        owner = weakref.ref(unit) if weak_unit and unit is not None else unit
+        setattr(t, SLOT, Slot(self, k, view, owner))
         if view is View.FULL or self.role is Role.GRAD:  # memory this buffer may release
             if len(self._views) > 2 * len(self) + 16:
                 self._views = [r for r in self._views if r() is not None]
@@ -173,21 +173,13 @@ class DBuffer:
             path = ".".join(map(str, self.tensors[getattr(t, SLOT).index].path))
             poison([t], f"{path} (unit {unit_name(self.key)}) was released; {why}")
 
-    def local(self, i: Union[int, tuple]) -> torch.Tensor:
-        """Tensor ``i``'s local piece: a leaf tensor aliasing the shard (its local shape)."""
+    def local(self, i: Union[int, tuple], weak_unit: bool = False) -> torch.Tensor:
+        """Tensor ``i``'s local piece: a leaf tensor aliasing the shard (its local shape).
+        ``weak_unit``: its slot refers to the unit weakly (for views the unit itself keeps,
+        which must not keep it alive)."""
         k = i if isinstance(i, int) else self.index(i)
         lo, shape = self._local_spec[k]
-        return self._tag(alias(self.shard, lo, shape), k, View.LOCAL)
-
-    def kept_local(self, k: int) -> torch.Tensor:
-        """Tensor ``k``'s local piece, made once and handed out again on later calls (for
-        readers such as :func:`vfsdp.grads` that run every step); it is released and revived
-        with the shard like any local view. Not for autograd: its ``AccumulateGrad`` would
-        copy a tensor someone else still references."""
-        found = self._kept.get(k)
-        if found is None:
-            found = self._kept[k] = self.local(k)
-        return found
+        return self._tag(alias(self.shard, lo, shape), k, View.LOCAL, weak_unit)
 
     def full(self, i: Union[int, tuple]) -> torch.Tensor:
         """Tensor ``i``'s full view into the global buffer: a new tensor object aliasing it

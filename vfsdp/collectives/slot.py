@@ -10,6 +10,7 @@ what a buffer holds.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -57,7 +58,13 @@ class Slot:
     buffer: Any  # the DBuffer
     index: int
     view: View
-    unit: Any = None
+    owner: Any = None  # the Unit, or a weak reference to it (views the unit itself keeps)
+
+    @property
+    def unit(self) -> Any:
+        """The :class:`~vfsdp.collectives.Unit` (``None`` if none, or if it is gone)."""
+        owner = self.owner
+        return owner() if isinstance(owner, weakref.ref) else owner
 
     def __reduce__(self):
         # A pickled tensor (torch.save, spawn results) is plain data: it carries no buffer.

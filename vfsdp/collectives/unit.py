@@ -60,6 +60,7 @@ class Unit:
         self.params = DBuffer(layout, groups, dtype, Role.PARAM, unit=self)
         self._compute: dict = {}
         self._grads: Optional[DBuffer] = None
+        self._grad_views: dict = {}  # grad_view(), made on first use
         self._accum: dict = {}
         self._stage: dict = {}
         self.grad_task = -2        # the backward pass that last wrote the gradient buffer
@@ -145,6 +146,16 @@ class Unit:
                                   unit=self)
         self._grads.wait()
         return self._grads
+
+    def grad_view(self, k: int) -> torch.Tensor:
+        """Tensor ``k``'s piece of the gradient buffer, made once and handed out again (what
+        :func:`vfsdp.grads` returns every step, with no op to make it). The unit keeps it and
+        its slot refers to the unit weakly, so nothing forms a cycle: dropping the unit frees
+        its memory at once. Released and revived with the gradient shard like any view."""
+        found = self._grad_views.get(k)
+        if found is None:
+            found = self._grad_views[k] = self.grads().local(k, weak_unit=True)
+        return found
 
     def accumulator(self, dtype: torch.dtype, create: bool = True) -> Optional[DBuffer]:
         """The unsharded gradient accumulator in ``dtype`` (``None`` if absent and not

@@ -58,7 +58,7 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
         gdb = u.unit.grads()
         gdb.ensure_shard()
         for i, k in u.leaves:
-            out[i] = gdb.kept_local(k)  # the same tensor each step: no op to make it
+            out[i] = u.unit.grad_view(k)  # the same tensor each step: no op to make it
     return optree.tree_unflatten(spec.treespec, out)
 
 

@@ -136,10 +136,11 @@ class StepSlices:
         for the fused kernel, which takes weight decay per slice, not per range."""
         key = (update_runs, decay_runs, fused)
         found = self._units.get(u.key)
-        if found is None or found[0] != key:
-            found = self._units[u.key] = (key, self._make(u, state, update_runs, decay_runs,
-                                                          fused))
-        (whole, cuts, ps, ms, vs, decay, flags) = found[1]
+        # Another shards tree for the same spec has other buffers: never reuse its slices.
+        if found is None or found[0] != key or found[1] is not u.db.shard:
+            found = self._units[u.key] = (key, u.db.shard, self._make(
+                u, state, update_runs, decay_runs, fused))
+        (whole, cuts, ps, ms, vs, decay, flags) = found[2]
         ops[0].extend(ps)
         if whole:
             ops[1].append(g)

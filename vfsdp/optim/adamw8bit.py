@@ -25,7 +25,6 @@ from typing import Any, Optional
 
 import torch
 
-from vfsdp import _torch_private as tp
 from vfsdp._warnings import warn_user
 from vfsdp.collectives.piece import Piece
 from vfsdp.collectives.slot import Role
@@ -42,7 +41,7 @@ from vfsdp.optim.base import (
     selected,
     unit_buffers,
 )
-from vfsdp.optim.fused import adamw_step
+from vfsdp.optim.fused import adamw_step, scale_
 from vfsdp.optim.quant import (
     TILE,
     dequantize_tiles,
@@ -326,7 +325,7 @@ def adamw8bit(
                                               state.fp32_v[(u.key, k)])):
                         acc.append(x)
             if weight_decay and decay:
-                tp.foreach("mul_", decay, scalar=1 - rate * weight_decay)
+                scale_(decay, 1 - rate * weight_decay)
             if quantized:
                 device = quantized[0][0].device
                 qm, qv, mm, mv = qmaps(device)

@@ -73,7 +73,7 @@ def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = N
                 ) -> torch.Tensor:
     """The 2-norm of all gradients across ranks (a replicated fp32 scalar tensor).
 
-    Each rank sums the squares of its gradient pieces (one multi-tensor norm over the whole
+    Each rank adds the squared norms of its gradient pieces (one multi-tensor norm over the whole
     shards of the units whose pieces are a gradient buffer's views, and the other pieces:
     a fixed number of ops; padding is zero and adds nothing, an empty shard adds nothing);
     one all-reduce over the shard group adds the ranks' sums. Over HSDP's replicate dim the
@@ -112,7 +112,10 @@ def _norm(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask) -> tuple:
     if pieces:
         # One multi-tensor norm over every piece (fp32 arithmetic, no cast copy of bf16
         # gradients), then the sum of their squares: a fixed number of ops per step.
-        norms = tp.foreach("norm", pieces, scalar=2, dtype=torch.float32)
+        wide = [p for p in pieces if p.dtype == torch.float64]  # float32 would narrow them
+        rest = [p for p in pieces if p.dtype != torch.float64]
+        norms = list(tp.foreach("norm", rest, scalar=2, dtype=torch.float32))
+        norms += [n.float() for n in tp.foreach("norm", wide, scalar=2)]
         total = torch.stack(norms).square().sum()
     else:
         total = torch.zeros((), dtype=torch.float32, device=device)

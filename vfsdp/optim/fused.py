@@ -27,7 +27,7 @@ import torch
 
 from vfsdp import _torch_private as tp
 
-__all__ = ["TEMP_ELEMS", "adamw_step", "use_fused", "batches"]
+__all__ = ["TEMP_ELEMS", "adamw_step", "use_fused", "batches", "scale_"]
 
 TEMP_ELEMS = 1 << 25
 """Largest temporary of the foreach path, in elements (128 MiB in fp32)."""
@@ -80,6 +80,28 @@ def batches(lists: tuple, limit: int = TEMP_ELEMS) -> list[tuple]:
     return out
 
 
+def scale_(tensors: list, factor: float) -> None:
+    """``t.mul_(factor)`` for every tensor, one multi-tensor op per dtype, rounded as the
+    single-tensor op rounds: torch's CPU multi-tensor kernel would first round a Python scalar
+    to a bf16/fp16 list's dtype (0.998 -> 0.996 in bf16), so those lists get it as an fp32
+    tensor, whose product is taken in fp32.
+
+    Example:
+        >>> t = torch.full((2,), 1.5, dtype=torch.bfloat16)
+        >>> scale_([t], 0.998); t.tolist()
+        [1.5, 1.5]
+    """
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype, ts in by_dtype.items():
+        if dtype in (torch.float32, torch.float64):
+            tp.foreach("mul_", ts, scalar=factor)
+        else:
+            tp.foreach("mul_", ts, scalar=torch.tensor(factor, dtype=torch.float32,
+                                                       device=ts[0].device))
+
+
 def adamw_step(ps: list, gs: list, ms: list, vs: list, decay: list, *, step: int, lr: float,
                betas: tuple, eps: float, weight_decay: float, fused: bool,
                step_tensor: Optional[torch.Tensor] = None,
@@ -111,7 +133,7 @@ def adamw_step(ps: list, gs: list, ms: list, vs: list, decay: list, *, step: int
                            beta2=b2, weight_decay=wd, eps=eps)
         return
     if weight_decay and decay:
-        tp.foreach("mul_", decay, scalar=1 - lr * weight_decay)
+        scale_(decay, 1 - lr * weight_decay)
     bc1 = 1 - b1 ** step
     bc2_sqrt = math.sqrt(1 - b2 ** step)
     tp.foreach("lerp_", ms, gs, scalar=1 - b1)

@@ -49,6 +49,7 @@ from vfsdp.optim.base import (
     state_dtype,
     unit_buffers,
 )
+from vfsdp.optim.fused import scale_
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["muon", "plan_roots", "newton_schulz", "MuonState", "MuonPlan", "Matrix", "Wave",
@@ -301,7 +302,7 @@ def muon(
                         pieces.append(piece)
             # The parameter update: two multi-tensor ops over every matrix.
             if weight_decay:
-                tp.foreach("mul_", ps, scalar=1 - rate * weight_decay)
+                scale_(ps, 1 - rate * weight_decay)
             tp.foreach("add_", ps, pieces, alpha=-rate)
         return state
 

@@ -1,6 +1,8 @@
 """Thin wrappers over the ``torch.distributed`` tensor collectives vfsdp uses.
 
-Only collectives that work on gloo, NCCL and the in-process threaded backend are used: the
+A group of one rank runs no collective: the wrappers copy locally (or do nothing), as
+FSDP2 does, and still count the call. Only collectives that work on gloo, NCCL and the
+in-process threaded backend are used: the
 equal-segment ``all_gather_single`` / ``reduce_scatter_single`` (2.13's names for
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor``), ``all_reduce``, ``broadcast``,
 equal-size ``scatter`` and ``all_to_all_single`` (uneven splits work there). Every call counts
@@ -104,10 +106,34 @@ def _op(op: str):
     return dist.ReduceOp.SUM if check_op(op) == "sum" else dist.ReduceOp.AVG
 
 
+class _Done:
+    """The work of a collective a single rank performs locally: already complete."""
+
+    @staticmethod
+    def wait() -> bool:
+        return True
+
+
+def _alone(group) -> bool:
+    """Whether the group is this rank alone: its collectives are local copies (or nothing),
+    without a call into the backend (FSDP2 skips them the same way)."""
+    return dist.get_world_size(group) == 1
+
+
+def _local_copy(out: torch.Tensor, inp: torch.Tensor) -> None:
+    """The one-rank collective's own work (so op counters leave it out, as the backend's)."""
+    if out.data_ptr() != inp.data_ptr() or out.dtype != inp.dtype:
+        with torch.no_grad(), _InCollective():
+            out.copy_(inp.reshape(out.shape))
+
+
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False,
                     count: str = "all_gather"):
     """``out`` (m*S) <- every rank's ``inp`` (S), in rank order (counted under ``count``)."""
     _count(count, out.numel() * out.element_size())
+    if _alone(group):
+        _local_copy(out, inp)
+        return _Done() if async_op else None
     with _Collective(out):
         return _all_gather(out, inp, group=group, async_op=async_op)
 
@@ -116,6 +142,10 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: str = "sum", g
                         async_op: bool = False):
     """``out`` (S) <- ``op`` over ranks of their ``inp[r*S:(r+1)*S]``."""
     _count("reduce_scatter", inp.numel() * inp.element_size())
+    if _alone(group):
+        _op(op)
+        _local_copy(out, inp)
+        return _Done() if async_op else None
     with _Collective(out):
         return _reduce_scatter(out, inp, op=_op(op), group=group, async_op=async_op)
 
@@ -124,6 +154,8 @@ def all_reduce_(t: torch.Tensor, op: str = "sum", group=None):
     """In-place all-reduce; ``avg`` is SUM then a division (gloo has no AVG all-reduce)."""
     _op(op)
     _count("all_reduce", t.numel() * t.element_size())
+    if _alone(group):
+        return t
     with _Collective(t):
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     if op == "avg":
@@ -134,6 +166,8 @@ def all_reduce_(t: torch.Tensor, op: str = "sum", group=None):
 def all_reduce_max_(t: torch.Tensor, group=None, count: str = "all_reduce_max"):
     """In-place element-wise MAX over ranks (counted under ``count``)."""
     _count(count, t.numel() * t.element_size())
+    if _alone(group):
+        return t
     with _Collective(t):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
@@ -156,6 +190,9 @@ def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_s
         ``out``, or the work object when ``async_op``.
     """
     _count(count, inp.numel() * inp.element_size())
+    if _alone(group):
+        _local_copy(out, inp)
+        return _Done() if async_op else out
     with _Collective(out):
         work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
                                       async_op=async_op)
@@ -164,6 +201,8 @@ def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_s
 
 def broadcast_(t: torch.Tensor, group=None, group_src: int = 0):
     _count("broadcast", t.numel() * t.element_size())
+    if _alone(group):
+        return t
     with _Collective(t):
         dist.broadcast(t, group=group, group_src=group_src)
     return t

@@ -8,7 +8,7 @@ What a user calls, on one screen::
     reduce_scatter, run_layers, grads, zero_grads             # gradients
     clip_grad_norm                                            # one all-reduce
     to_dtensor, from_dtensor, dtensor_placement               # DTensor interop
-    mesh, lax                                                 # named axes and their collectives
+    mesh, lax, visualize                                      # named axes; who holds what
     init, optim, checkpoint, testing                          # namespaces
 
 The layers underneath (each imports only the ones below it)::
@@ -44,6 +44,7 @@ from vfsdp.functional import (
     to_dtensor,
     zero_grads,
 )
+from vfsdp.functional.visualize import visualize
 from vfsdp.optim import clip_grad_norm
 from vfsdp.placements import RaggedShard
 from vfsdp.planner import (
@@ -66,7 +67,7 @@ __all__ = [
     "shard", "scatter", "gather", "gather_async", "release",
     "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm",
     "to_dtensor", "from_dtensor", "dtensor_placement",
-    "mesh", "lax",
+    "mesh", "lax", "visualize",
     "init", "optim", "checkpoint", "testing",
 ]
 

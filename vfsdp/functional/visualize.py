@@ -1,0 +1,172 @@
+"""``vfsdp.visualize``: which rank holds which bytes of which tensor, as text or a figure.
+
+Like ``jax.debug.visualize_array_sharding``, for a plan's communication units: each unit is
+one flat buffer of ``m * S`` elements, rank ``r`` holds ``[r*S, (r+1)*S)``, tensors sit at
+their offsets (a tensor may span ranks: its ragged shares), and what no tensor covers is
+padding. Text works in a terminal; ``figure=True`` draws the same with matplotlib, inline in a
+notebook.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any, Optional
+
+import optree
+
+from vfsdp.collectives.slot import slot_of
+from vfsdp.planner.granularity import format_path
+from vfsdp.planner.spec import ShardSpec, UnitLayout, unit_name
+
+__all__ = ["visualize"]
+
+_LETTERS = string.ascii_uppercase + string.ascii_lowercase + string.digits
+
+
+def _layouts(x: Any) -> list[UnitLayout]:
+    if isinstance(x, ShardSpec):
+        return list(x.units.values())
+    if isinstance(x, UnitLayout):
+        return [x]
+    found: dict = {}
+    for leaf in optree.tree_leaves(x):
+        slot = slot_of(leaf)
+        if slot is not None:
+            found.setdefault(slot.buffer.layout.key, slot.buffer.layout)
+    if not found:
+        raise TypeError(f"vfsdp.visualize: give a ShardSpec, a UnitLayout or a tree of shards "
+                        f"(vfsdp.shard's output), got {type(x).__name__}")
+    return list(found.values())
+
+
+def _pick(layouts: list, unit: Any) -> list:
+    if unit is None:
+        return layouts
+    chosen = [u for u in layouts if u.key == unit or unit_name(u.key) == unit]
+    if not chosen:
+        raise ValueError(f"vfsdp.visualize: no unit {unit!r}; the units are "
+                         f"{[unit_name(u.key) for u in layouts]}")
+    return chosen
+
+
+def _segments(u: UnitLayout) -> list[tuple[int, int, Optional[int]]]:
+    """``(start, stop, tensor index or None for padding)`` over the global buffer."""
+    out, end = [], 0
+    for i in sorted(range(len(u.paths)), key=lambda k: u.offsets[k]):
+        lo, hi = u.offsets[i], u.offsets[i] + u.numels[i]
+        if lo > end:
+            out.append((end, lo, None))
+        if hi > lo:
+            out.append((lo, hi, i))
+        end = max(end, hi)
+    total = u.world_size * u.shard_numel
+    if end < total:
+        out.append((end, total, None))
+    return out
+
+
+def _text(u: UnitLayout, width: int) -> str:
+    m, s = u.world_size, u.shard_numel
+    per = max(4, width // max(m, 1))
+    segs = _segments(u)
+    lines = [f"unit {unit_name(u.key)}: {len(u.paths)} tensors, {m} ranks x S={s} "
+             f"{str(u.dtype).replace('torch.', '')}, padding "
+             f"{sum(b - a for a, b, i in segs if i is None)} elements"]
+    bar = []
+    for r in range(m):
+        lo, hi = r * s, (r + 1) * s
+        cells = []
+        for c in range(per):  # each cell: what most of its elements are
+            a = lo + (hi - lo) * c // per
+            b = max(a + 1, lo + (hi - lo) * (c + 1) // per)
+            best, mark = 0, " "
+            for x, y, i in segs:
+                n = min(b, y) - max(a, x)
+                if n > best:
+                    best, mark = n, "." if i is None else _LETTERS[i % len(_LETTERS)]
+            cells.append(mark if hi > lo else " ")
+        bar.append("".join(cells))
+    lines.append("|" + "|".join(bar) + "|")
+    lines.append((" " + " ".join(f"rank {r}".center(per) for r in range(m))).rstrip())
+    for i, path in enumerate(u.paths):
+        t = u.tensors[i]
+        shares = [f"r{r}:{t.shard_range(r)[1] - t.shard_range(r)[0]}" for r in range(m)
+                  if t.shard_range(r)[1] > t.shard_range(r)[0]]
+        lines.append(f"  {_LETTERS[i % len(_LETTERS)]} {format_path(path)} "
+                     f"{tuple(u.shapes[i])}: {' '.join(shares) or 'empty'}")
+    lines.append("  . padding")
+    return "\n".join(lines)
+
+
+def visualize(x: Any, unit: Any = None, *, width: int = 72, figure: bool = False) -> Any:
+    """Draw which rank holds which elements of which tensor, per communication unit.
+
+    Args:
+        x: A :class:`~vfsdp.ShardSpec`, one :class:`~vfsdp.UnitLayout`, or a tree of shards.
+        unit: Only this unit (its key, e.g. ``("layers", 0)``, or its name ``"layers.0"``).
+        width: Characters for the ranks' bars (text).
+        figure: Return a matplotlib ``Figure`` (one row per unit, one bar per rank, a colour
+            per tensor, padding hatched) instead of text.
+
+    Returns:
+        The text (``print`` it), or the ``Figure``.
+
+    Raises:
+        TypeError: ``x`` is none of those.
+        ValueError: no such unit.
+        ImportError: ``figure=True`` without matplotlib (``pip install vfsdp[viz]``).
+
+    Example:
+        >>> params = {"w": torch.ones(6, 4), "b": torch.ones(5)}
+        >>> print(visualize(vfsdp.plan(params, 2, granularity=vfsdp.rows(1)), width=24))
+        unit <root>: 2 tensors, 2 ranks x S=16 float32, padding 3 elements
+        |AAAA..BBBBBB|BBBBBBBBBBBB|
+            rank 0       rank 1
+          A b (5,): r0:5
+          B w (6, 4): r0:8 r1:16
+          . padding
+    """
+    layouts = _pick(_layouts(x), unit)
+    if figure:
+        return _figure(layouts)
+    return "\n\n".join(_text(u, width) for u in layouts)
+
+
+def _figure(layouts: list) -> Any:
+    try:
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as exc:
+        raise ImportError("vfsdp.visualize(figure=True) needs matplotlib: pip install "
+                          "vfsdp[viz]") from exc
+    rows = sum(u.world_size for u in layouts)
+    fig, ax = plt.subplots(figsize=(10, 0.45 * rows + 1.2))
+    cmap = plt.get_cmap("tab20")
+    y, ticks, labels, handles = 0, [], [], {}
+    for u in layouts:
+        s = u.shard_numel
+        for r in range(u.world_size):
+            for a, b, i in _segments(u):
+                lo, hi = max(a, r * s), min(b, (r + 1) * s)
+                if hi <= lo:
+                    continue
+                if i is None:
+                    ax.barh(y, hi - lo, left=lo - r * s, color="white", edgecolor="grey",
+                            hatch="//", height=0.8)
+                    handles.setdefault("padding", Patch(facecolor="white", hatch="//",
+                                                        edgecolor="grey", label="padding"))
+                else:
+                    name = f"{unit_name(u.key)}: {format_path(u.paths[i])}"
+                    color = cmap(i % 20)
+                    ax.barh(y, hi - lo, left=lo - r * s, color=color, height=0.8)
+                    handles.setdefault(name, Patch(color=color, label=name))
+            ticks.append(y)
+            labels.append(f"{unit_name(u.key)} r{r}")
+            y -= 1
+        y -= 0.5
+    ax.set_yticks(ticks, labels)
+    ax.set_xlabel("element of the rank's shard (S)")
+    ax.legend(handles=list(handles.values()), bbox_to_anchor=(1.01, 1), loc="upper left",
+              fontsize="small")
+    fig.tight_layout()
+    return fig

@@ -244,8 +244,8 @@ class DBuffer:
         tensors users (or autograd) made from those views."""
         known = 1 + len(self._handed_out(view))
         if base is self._global:
-            # vfsdp's own kept views: the compute shard (a slice of it), saved views
-            known += int(self._in_global) + len(self._saved)
+            # vfsdp's own kept views: the compute shard (a slice of it), saved and internal
+            known += int(self._in_global) + len(self._saved) + len(self._internal or ())
         refs = tp.storage_refs(base)
         if refs is None or refs <= known:
             return 0

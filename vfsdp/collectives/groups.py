@@ -73,6 +73,12 @@ def use_device(device: Union[str, torch.device, None]) -> Iterator[None]:
     rank threads on one GPU, and ``device="meta"`` makes any tensor created on another
     device (a missing ``device=``) fail at once, on a machine without a GPU.
 
+    Args:
+        device: A device (or its name); ``None`` restores the default rule.
+
+    Returns:
+        A context manager.
+
     Example:
         >>> with use_device("meta"):
         ...     device_for()

@@ -277,6 +277,17 @@ def psum(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Ten
 def pmean(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Tensor:
     """The mean of ``x`` over the ranks of ``axis``. Backward: the cotangent over the size.
 
+    Args:
+        x: This rank's tensor (same shape on every rank of the axis).
+        axis: A mesh axis name.
+        mesh: The mesh (default: the innermost :func:`use_mesh`).
+
+    Returns:
+        The mean, a new tensor.
+
+    Raises:
+        ValueError: no mesh, or no such axis.
+
     Example:
         >>> def body():
         ...     return pmean(torch.tensor([float(dist.get_rank())]), "x",
@@ -291,6 +302,17 @@ def pmean(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Te
 def pvary(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Tensor:
     """Identity on a value replicated over ``axis`` that feeds different code on each rank
     (e.g. the input of a column-parallel matmul). Backward: ``psum`` of the cotangents.
+
+    Args:
+        x: The replicated value.
+        axis: A mesh axis name.
+        mesh: The mesh (default: the innermost :func:`use_mesh`).
+
+    Returns:
+        ``x`` (a view of it), whose gradient sums every rank's.
+
+    Raises:
+        ValueError: no mesh, or no such axis.
 
     Example:
         >>> def body():
@@ -309,6 +331,15 @@ def all_gather(x: torch.Tensor, axis: str, dim: int = 0, *,
     """Concatenate every rank's ``x`` along ``dim``, in axis order; sizes along ``dim`` may
     differ between ranks (the other dims must agree). Backward: ``psum_scatter`` back into
     each rank's piece.
+
+    Args:
+        x: This rank's piece (at least 1-d).
+        axis: A mesh axis name.
+        dim: The dim to concatenate along.
+        mesh: The mesh (default: the innermost :func:`use_mesh`).
+
+    Returns:
+        The concatenation, the same on every rank of the axis.
 
     Raises:
         ValueError: ``dim`` out of range, or ranks' shapes that differ off ``dim`` (naming
@@ -338,6 +369,18 @@ def psum_scatter(x: torch.Tensor, axis: str, dim: int = 0, *,
     ``dim``, cut as ``torch.tensor_split`` cuts (the first ``len % size`` chunks one longer).
     Backward: ``all_gather`` of the cotangents.
 
+    Args:
+        x: This rank's tensor (same shape on every rank of the axis, at least 1-d).
+        axis: A mesh axis name.
+        dim: The dim to cut.
+        mesh: The mesh (default: the innermost :func:`use_mesh`).
+
+    Returns:
+        This rank's chunk of the sum.
+
+    Raises:
+        ValueError: no mesh, no such axis, or ``dim`` out of range.
+
     Example:
         >>> def body():
         ...     x = torch.arange(5.0)                     # the same on both ranks
@@ -364,7 +407,10 @@ def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *,
         split_dim, concat_dim: The dims to cut and to join.
         split_sizes: This rank's chunk sizes along ``split_dim`` (one per rank; they may
             differ between ranks, e.g. tokens per expert). Default: ``torch.tensor_split``.
-        mesh: The mesh.
+        mesh: The mesh (default: the innermost :func:`use_mesh`).
+
+    Returns:
+        The chunks received, concatenated.
 
     Raises:
         ValueError: ``split_sizes`` of the wrong length or sum, or chunks that do not
@@ -401,7 +447,13 @@ def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *,
 
 
 def axis_index(axis: str, *, mesh: Optional[Any] = None) -> int:
-    """This rank's index along ``axis``.
+    """This rank's index along ``axis`` (``mesh``: default the innermost :func:`use_mesh`).
+
+    Returns:
+        An int in ``[0, axis_size(axis))``.
+
+    Raises:
+        ValueError: no mesh, or no such axis.
 
     Example:
         >>> vfsdp.testing.simulate(4, lambda: axis_index("tp", mesh=vfsdp.mesh(("dp", 2),
@@ -412,7 +464,14 @@ def axis_index(axis: str, *, mesh: Optional[Any] = None) -> int:
 
 
 def axis_size(axis: str, *, mesh: Optional[Any] = None) -> int:
-    """The number of ranks along ``axis``.
+    """The number of ranks along ``axis`` (``mesh``: default the innermost
+    :func:`use_mesh`).
+
+    Returns:
+        An int >= 1.
+
+    Raises:
+        ValueError: no mesh, or no such axis.
 
     Example:
         >>> vfsdp.testing.simulate(4, lambda: axis_size("dp", mesh=vfsdp.mesh(("dp", 4))))

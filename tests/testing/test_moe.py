@@ -57,7 +57,7 @@ def test_expert_parallel_layer_equals_the_reference_forward_and_backward(n):
 LR, STEPS = 1e-2, 3
 
 
-def _ep_fsdp_train(dp: int, ep: int):
+def _ep_fsdp_train(dp: int, ep: int, clip=None):
     r = dist.get_rank()
     world = dist.get_world_size()
     mesh = vfsdp.mesh(("dp", dp), ("ep", ep))
@@ -73,6 +73,7 @@ def _ep_fsdp_train(dp: int, ep: int):
     e_shards = vfsdp.shard(local, e_spec, mesh=dp_mesh)
     opt = vfsdp.optim.adamw(lr=LR, weight_decay=0.0)
     r_state, e_state = opt.init(r_shards, r_spec), opt.init(e_shards, e_spec)
+    norms = []
     for step in range(STEPS):
         vfsdp.zero_grads(r_shards, r_spec)
         vfsdp.zero_grads(e_shards, e_spec)
@@ -82,18 +83,23 @@ def _ep_fsdp_train(dp: int, ep: int):
         out = moe.moe_ep(router, experts, x, K, "ep", E, mesh=mesh)
         loss = (out - y).pow(2).mean() / world  # the sum over ranks is the global mean
         loss.backward()
+        if clip is not None:  # one norm over both trees: router on every rank, experts on "dp"
+            norms.append(float(vfsdp.optim.clip_grad_norm_of(
+                [(vfsdp.grads(r_shards, r_spec), r_spec),
+                 (vfsdp.grads(e_shards, e_spec), e_spec, dp_mesh)], clip)))
         opt.update(vfsdp.grads(r_shards, r_spec), r_state, r_shards, r_spec)
         opt.update(vfsdp.grads(e_shards, e_spec), e_state, e_shards, e_spec)
     full_router = vfsdp.gather(r_shards, r_spec)["router"].detach().clone()
     full_local = [optree.tree_map(lambda t: t.detach().clone(), p)
                   for p in vfsdp.gather(e_shards, e_spec, mesh=dp_mesh)]
-    return first, full_router, full_local
+    return first, full_router, full_local, norms
 
 
-def _reference_train(world: int):
+def _reference_train(world: int, clip=None):
     params = optree.tree_map(lambda t: t.clone().requires_grad_(True), moe.moe_params(D, H, E))
     leaves = optree.tree_leaves(params)
     opt = torch.optim.AdamW(leaves, lr=LR, weight_decay=0.0, foreach=False)
+    norms = []
     for step in range(STEPS):
         opt.zero_grad()
         loss = 0
@@ -101,14 +107,22 @@ def _reference_train(world: int):
             x, y = _tokens(100 * step + r)
             loss = loss + (moe.moe_reference(params, x, K) - y).pow(2).mean() / world
         loss.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(leaves, clip)))
         opt.step()
-    return params
+    return params, norms
 
 
-@pytest.mark.parametrize("dp, ep", [(2, 2), (1, 4), (4, 1)])
-def test_ep_times_fsdp_trains_like_one_process(dp, ep):
-    want = _reference_train(dp * ep)
-    for first, router, local in simulate(dp * ep, _ep_fsdp_train, dp, ep):
+@pytest.mark.parametrize("dp, ep, clip", [(2, 2, None), (1, 4, None), (4, 1, None),
+                                          (2, 2, 0.05), (1, 4, 0.05)])
+def test_ep_times_fsdp_trains_like_one_process(dp, ep, clip):
+    """With clip: one norm over the router (FSDP over every rank) and the experts (FSDP over
+    "dp", different experts per "ep" index) equals torch's over the unsharded model."""
+    want, want_norms = _reference_train(dp * ep, clip)
+    for first, router, local, norms in simulate(dp * ep, _ep_fsdp_train, dp, ep, clip):
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+        if clip is not None:
+            assert all(n > clip for n in norms)  # it did clip
         assert torch.allclose(router, want["router"].detach(), atol=1e-5)
         for j, p in enumerate(local):
             for name, t in p.items():

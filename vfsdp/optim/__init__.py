@@ -9,6 +9,7 @@ from vfsdp.optim.adamw8bit import AdamW8bitPlan, AdamW8bitState, adamw8bit
 from vfsdp.optim.base import Optimizer, as_schedule
 from vfsdp.optim.clip import clip_grad_norm, global_norm
 from vfsdp.optim.compose import ClipState, chain, clip_by_global_norm, partition
+from vfsdp.optim.mixed_clip import GradTree, clip_grad_norm_of, global_norm_of
 from vfsdp.optim.muon import MuonPlan, MuonState, muon
 from vfsdp.optim.schedules import constant, warmup_cosine
 
@@ -18,6 +19,7 @@ __all__ = [
     "AdamWPlan",
     "AdamWState",
     "ClipState",
+    "GradTree",
     "MuonPlan",
     "MuonState",
     "Optimizer",
@@ -27,8 +29,10 @@ __all__ = [
     "chain",
     "clip_by_global_norm",
     "clip_grad_norm",
+    "clip_grad_norm_of",
     "constant",
     "global_norm",
+    "global_norm_of",
     "muon",
     "partition",
     "warmup_cosine",

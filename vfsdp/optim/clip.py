@@ -15,7 +15,7 @@ from vfsdp.functional.tree import match_tree
 from vfsdp.optim.base import Mask, selected
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["clip_grad_norm", "global_norm", "check_max_norm"]
+__all__ = ["clip_grad_norm", "global_norm", "check_max_norm", "local_squares", "scale_by_norm"]
 
 
 def check_max_norm(max_norm: float) -> float:
@@ -59,14 +59,14 @@ def _plan(leaves: list, spec: ShardSpec, mask: Mask) -> tuple[list, list]:
     return whole, loose
 
 
-def _group_and_device(leaves: list, spec: ShardSpec, mesh: Any):
+def _groups_and_device(leaves: list, spec: ShardSpec, mesh: Any):
     for x in leaves:
         slot = slot_of(x)
         if slot is not None:
-            return slot.buffer.groups.shard, slot.buffer.device
+            return slot.buffer.groups, slot.buffer.device
     groups = resolve_groups(spec, mesh)
     device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), groups.device)
-    return groups.shard, device
+    return groups, device
 
 
 def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = None
@@ -106,7 +106,16 @@ def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = N
 
 
 def _norm(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask) -> tuple:
-    group, device = _group_and_device(leaves, spec, mesh)
+    total, whole, loose, groups = local_squares(leaves, spec, mesh, mask)
+    comm.all_reduce_(total, "sum", groups.shard)
+    return total.sqrt(), whole, loose
+
+
+def local_squares(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask) -> tuple:
+    """``(sum of squares of this rank's pieces (fp32 scalar), whole, loose, groups)``: the
+    gradient buffers whose whole shard is selected, the other selected pieces, and the
+    tree's :class:`~vfsdp.collectives.MeshGroups`."""
+    groups, device = _groups_and_device(leaves, spec, mesh)
     whole, loose = _plan(leaves, spec, mask)
     pieces = [gdb.shard for gdb in whole] + [p for p in loose if p.numel()]
     if pieces:
@@ -119,8 +128,7 @@ def _norm(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask) -> tuple:
         total = torch.stack(norms).square().sum()
     else:
         total = torch.zeros((), dtype=torch.float32, device=device)
-    comm.all_reduce_(total, "sum", group)
-    return total.sqrt(), whole, loose
+    return total, whole, loose, groups
 
 
 def clip_grad_norm(grads: Any, spec: ShardSpec, max_norm: float, *, mesh: Any = None,
@@ -161,12 +169,19 @@ def clip_grad_norm(grads: Any, spec: ShardSpec, max_norm: float, *, mesh: Any = 
     check_max_norm(max_norm)
     leaves = match_tree(grads, spec, "vfsdp.clip_grad_norm")
     norm, whole, loose = _norm(leaves, spec, mesh, mask)
+    scale_by_norm(whole, loose, norm, max_norm, eps)
+    return norm
+
+
+def scale_by_norm(whole: list, loose: list, norm: torch.Tensor, max_norm: float,
+                  eps: float) -> None:
+    """Multiply the gradient buffers ``whole`` and pieces ``loose`` by
+    ``min(1, max_norm / (norm + eps))``: one multi-tensor op per gradient dtype."""
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
     by_dtype: dict = {}
     for g in [gdb.shard for gdb in whole] + loose:
         by_dtype.setdefault(g.dtype, []).append(g)
     with torch.no_grad():
-        for dtype, gs in by_dtype.items():  # one multi-tensor op per gradient dtype
+        for dtype, gs in by_dtype.items():
             tp.foreach("mul_", gs, scalar=coef if dtype == coef.dtype else coef.to(dtype))
-    return norm
 

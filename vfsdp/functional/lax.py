@@ -478,3 +478,10 @@ def axis_size(axis: str, *, mesh: Optional[Any] = None) -> int:
         [4, 4, 4, 4]
     """
     return axis_of(axis, mesh).size
+
+
+# Tensor-parallel helpers written on the functions above, in the same namespace
+# (vfsdp.lax.tp_local, vfsdp.lax.column_parallel, vfsdp.lax.row_parallel).
+from vfsdp.functional.tp import column_parallel, row_parallel, tp_local  # noqa: E402
+
+__all__ += ["tp_local", "column_parallel", "row_parallel"]

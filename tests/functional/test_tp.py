@@ -38,22 +38,30 @@ def _mlp(p, x, mesh=None):
     return (x + h) * p["norm"]
 
 
-def _tp_fsdp(dp, tp):
-    mesh = vfsdp.mesh(("dp", dp), ("tp", tp))
+def _tp_fsdp(dp, tp, replicas=1):
+    """(replicas x dp) data-parallel ranks (HSDP when replicas > 1) times tp."""
+    if replicas > 1:
+        mesh = vfsdp.mesh(("rep", replicas), ("dp", dp), ("tp", tp))
+        data_mesh, data_shape = mesh["rep", "dp"], (replicas, dp)
+        group = mesh.get_local_rank("rep") * dp + mesh.get_local_rank("dp")
+    else:
+        mesh = vfsdp.mesh(("dp", dp), ("tp", tp))
+        data_mesh, data_shape = mesh["dp"], dp
+        group = mesh.get_local_rank("dp")  # tp ranks of one dp group see the same batch
+    groups = replicas * dp
     local = lax.tp_local(_params(), _rule, "tp", mesh=mesh)
-    spec = vfsdp.plan(local, dp)
-    shards = vfsdp.shard(local, spec, mesh=mesh["dp"])
+    spec = vfsdp.plan(local, data_shape)
+    shards = vfsdp.shard(local, spec, mesh=data_mesh)
     opt = vfsdp.optim.adamw(lr=LR, weight_decay=0.0)
     state = opt.init(shards, spec)
-    group = mesh.get_local_rank("dp")  # tp ranks of one dp group see the same batch
     for step in range(STEPS):
         vfsdp.zero_grads(shards, spec)
         x, y = _data(step, group)
-        full = vfsdp.gather(shards, spec, mesh=mesh["dp"], grad_reduce="sum")
-        loss = (_mlp(full, x, mesh) - y).pow(2).mean() / dp  # summed over dp: the mean
+        full = vfsdp.gather(shards, spec, mesh=data_mesh, grad_reduce="sum")
+        loss = (_mlp(full, x, mesh) - y).pow(2).mean() / groups  # summed: the mean
         loss.backward()
         state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
-    full = vfsdp.gather(shards, spec, mesh=mesh["dp"])
+    full = vfsdp.gather(shards, spec, mesh=data_mesh)
     return {k: v.detach().clone() for k, v in full.items()}
 
 
@@ -69,10 +77,11 @@ def _reference(dp):
     return {k: v.detach() for k, v in params.items()}
 
 
-@pytest.mark.parametrize("dp, tp", [(2, 2), (1, 4), (4, 1)])
-def test_tp_times_fsdp_trains_like_one_process(dp, tp):
-    want = _reference(dp)
-    for rank, got in enumerate(simulate(dp * tp, _tp_fsdp, dp, tp)):
+@pytest.mark.parametrize("replicas, dp, tp", [(1, 2, 2), (1, 1, 4), (1, 4, 1), (2, 2, 2)])
+def test_tp_times_fsdp_trains_like_one_process(replicas, dp, tp):
+    """(2, 2, 2): HSDP (replicate x shard) times TP, 8 simulated ranks."""
+    want = _reference(replicas * dp)
+    for rank, got in enumerate(simulate(replicas * dp * tp, _tp_fsdp, dp, tp, replicas)):
         i = rank % tp  # this rank's index along "tp"
         pieces = {k: (want[k].tensor_split(tp, _rule((k,)).dim)[i]
                       if isinstance(_rule((k,)), Shard) else want[k]) for k in want}

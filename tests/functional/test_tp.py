@@ -100,3 +100,36 @@ def test_tp_local_names_the_path_when_the_rule_is_wrong():
 
     assert "returned 'split' for w; return torch.distributed.tensor.Shard" in \
         simulate(2, body)[0]
+
+
+def _step_counts(dp, tp):
+    from vfsdp.collectives import counts, reset_counts
+
+    mesh = vfsdp.mesh(("dp", dp), ("tp", tp))
+    local = lax.tp_local(_params(), _rule, "tp", mesh=mesh)
+    spec = vfsdp.plan(local, dp)
+    shards = vfsdp.shard(local, spec, mesh=mesh["dp"])
+    opt = vfsdp.optim.adamw(lr=LR, weight_decay=0.0)
+    state = opt.init(shards, spec)
+    for step in range(2):  # the second step: nothing left from set-up
+        vfsdp.zero_grads(shards, spec)
+        x, y = _data(step, 0)
+        reset_counts()
+        full = vfsdp.gather(shards, spec, mesh=mesh["dp"], grad_reduce="sum")
+        ((_mlp(full, x, mesh) - y).pow(2).mean() / dp).backward()
+        state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+    (unit,) = spec.units.values()
+    return dict(counts()), unit.shard_numel
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 2), (1, 4)])
+def test_communication_per_step_is_the_analytic_count(dp, tp):
+    """Per rank and step: FSDP gathers and reduce-scatters the TP-local unit over "dp"
+    (m * S * 4 bytes each); TP sums the row-parallel output (T * D * 4 bytes; the input
+    needs no gradient, so pvary's backward sum does not run); the backward's agreement on
+    which units ran is two small all-reduces (24 + 1 bytes)."""
+    for got, s in simulate(dp * tp, _step_counts, dp, tp):
+        assert got == {"all_gather": 1, "all_gather_bytes": dp * s * 4,
+                       "reduce_scatter": 1, "reduce_scatter_bytes": dp * s * 4,
+                       "all_reduce": 1, "all_reduce_bytes": T * D * 4,
+                       "backward_marks": 2, "backward_marks_bytes": 24 + 1}

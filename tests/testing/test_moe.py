@@ -127,3 +127,53 @@ def test_ep_times_fsdp_trains_like_one_process(dp, ep, clip):
         for j, p in enumerate(local):
             for name, t in p.items():
                 assert torch.allclose(t, want["experts"][first + j][name].detach(), atol=1e-5)
+
+
+def _ep_step_counts(dp: int, ep: int):
+    from vfsdp.collectives import counts, reset_counts
+
+    r, world = dist.get_rank(), dist.get_world_size()
+    mesh = vfsdp.mesh(("dp", dp), ("ep", ep))
+    params = moe.moe_params(D, H, E)
+    per = E // ep
+    first = mesh.get_local_rank("ep") * per
+    r_spec = vfsdp.plan({"router": params["router"]}, world)
+    r_shards = vfsdp.shard({"router": params["router"]}, r_spec)
+    local = params["experts"][first:first + per]
+    e_spec = vfsdp.plan(local, dp)
+    e_shards = vfsdp.shard(local, e_spec, mesh=mesh["dp"])
+    x, y = _tokens(r)
+    reset_counts()
+    router = vfsdp.gather(r_shards, r_spec, grad_reduce="sum")["router"]
+    experts = vfsdp.gather(e_shards, e_spec, mesh=mesh["dp"], grad_reduce="sum")
+    out = moe.moe_ep(router, experts, x, K, "ep", E, mesh=mesh)
+    ((out - y).pow(2).mean() / world).backward()
+    got = dict(counts())
+    # What this rank sent and received (token-choices), from the routing itself.
+    sent = T * K
+    all_ids = [moe.route(_tokens(q)[0], params["router"], K)[0] for q in range(world)]
+    mine = mesh.get_local_rank("ep")
+    peers = [q for q in range(world) if q // ep == r // ep]  # this rank's "ep" group
+    received = sum(int(((all_ids[q] // per) == mine).sum()) for q in peers)
+    (r_unit,) = r_spec.units.values()
+    return got, sent, received, r_unit.shard_numel, [u.shard_numel for u in e_spec.units.values()]
+
+
+@pytest.mark.parametrize("dp, ep", [(2, 2), (1, 4)])
+def test_ep_communication_per_step_is_the_analytic_count(dp, ep):
+    """Per rank and step: FSDP gathers and reduce-scatters the router over every rank and
+    each expert's unit over "dp"; the MoE layer exchanges the counts (ep int64s), the tokens
+    and their expert ids out (s rows sent), the results back (r rows), and in the backward
+    the results' gradients out again (s rows; the tokens need none, so that exchange's
+    backward does not run); each forward exchange first sends its chunks' shapes (ep x 8
+    int64s); the backward's agreement is 24 bytes plus one per unit."""
+    world = dp * ep
+    for got, s, r, rs, es in simulate(world, _ep_step_counts, dp, ep):
+        fsdp = (world * rs + dp * sum(es)) * 4  # the router's unit, each expert's unit
+        assert got == {
+            "all_gather": 1 + len(es), "all_gather_bytes": fsdp,
+            "reduce_scatter": 1 + len(es), "reduce_scatter_bytes": fsdp,
+            "all_to_all": 5,
+            "all_to_all_bytes": ep * 8 + s * D * 4 + s * 8 + r * D * 4 + s * D * 4,
+            "shape_exchange": 4, "shape_exchange_bytes": 4 * ep * 8 * 8,
+            "backward_marks": 2, "backward_marks_bytes": 24 + 1 + len(es)}, got

@@ -57,20 +57,26 @@ def test_expert_parallel_layer_equals_the_reference_forward_and_backward(n):
 LR, STEPS = 1e-2, 3
 
 
-def _ep_fsdp_train(dp: int, ep: int, clip=None):
-    r = dist.get_rank()
+def _ep_setup(dp: int, ep: int):
+    """The router FSDP over every rank; this rank's expert group FSDP over its "dp" ranks."""
     world = dist.get_world_size()
     mesh = vfsdp.mesh(("dp", dp), ("ep", ep))
     params = moe.moe_params(D, H, E)
     per = E // ep
     first = mesh.get_local_rank("ep") * per
-    # The router is FSDP over every rank; each expert group FSDP over its "dp" ranks.
     r_spec = vfsdp.plan({"router": params["router"]}, world)
     r_shards = vfsdp.shard({"router": params["router"]}, r_spec)
     local = params["experts"][first:first + per]
     e_spec = vfsdp.plan(local, dp)
+    e_shards = vfsdp.shard(local, e_spec, mesh=mesh["dp"])
+    return mesh, params, per, first, r_spec, r_shards, e_spec, e_shards
+
+
+def _ep_fsdp_train(dp: int, ep: int, clip=None):
+    r = dist.get_rank()
+    world = dist.get_world_size()
+    mesh, _, _, first, r_spec, r_shards, e_spec, e_shards = _ep_setup(dp, ep)
     dp_mesh = mesh["dp"]
-    e_shards = vfsdp.shard(local, e_spec, mesh=dp_mesh)
     opt = vfsdp.optim.adamw(lr=LR, weight_decay=0.0)
     r_state, e_state = opt.init(r_shards, r_spec), opt.init(e_shards, e_spec)
     norms = []
@@ -133,15 +139,7 @@ def _ep_step_counts(dp: int, ep: int):
     from vfsdp.collectives import counts, reset_counts
 
     r, world = dist.get_rank(), dist.get_world_size()
-    mesh = vfsdp.mesh(("dp", dp), ("ep", ep))
-    params = moe.moe_params(D, H, E)
-    per = E // ep
-    first = mesh.get_local_rank("ep") * per
-    r_spec = vfsdp.plan({"router": params["router"]}, world)
-    r_shards = vfsdp.shard({"router": params["router"]}, r_spec)
-    local = params["experts"][first:first + per]
-    e_spec = vfsdp.plan(local, dp)
-    e_shards = vfsdp.shard(local, e_spec, mesh=mesh["dp"])
+    mesh, params, per, _, r_spec, r_shards, e_spec, e_shards = _ep_setup(dp, ep)
     x, y = _tokens(r)
     reset_counts()
     router = vfsdp.gather(r_shards, r_spec, grad_reduce="sum")["router"]

@@ -288,3 +288,10 @@ def test_column_then_row_parallel_mlp_equals_the_unsharded_one(n):
         assert torch.allclose(gx, xs.grad, atol=1e-5)
         assert torch.allclose(gu, us.grad[:, r * cols:(r + 1) * cols], atol=1e-5)
         assert torch.allclose(gd, ds.grad[r * cols:(r + 1) * cols], atol=1e-5)
+
+
+def test_the_same_axes_give_the_same_mesh():
+    def body():
+        a, b = vfsdp.mesh(("dp", 2), ("tp", 1)), vfsdp.mesh(("dp", 2), ("tp", 1))
+        return a is b and vfsdp.mesh(("x", 2)) is not a
+    assert simulate(2, body) == [True, True]

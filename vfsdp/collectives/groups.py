@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["MeshGroups", "resolve_groups", "device_for", "default_mesh", "use_device",
+__all__ = ["MeshGroups", "resolve_groups", "device_for", "default_mesh", "world_mesh", "use_device",
            "control_device"]
 
 _CACHE = threading.local()
@@ -188,16 +188,22 @@ def default_mesh(spec: ShardSpec):
 
     The last dim shards: ranks ``[i*m, (i+1)*m)`` shard together.
     """
+    return world_mesh(spec.mesh_shape, ("replicate", "shard")[-len(spec.mesh_shape):])
+
+
+def world_mesh(shape: tuple, names: tuple):
+    """The ``DeviceMesh`` of ``shape`` with dim ``names`` over the default group, built once
+    per group and kept (building one creates process groups), on :func:`device_for`'s device
+    type (the CPU for ``meta``, whose small exchanges need values)."""
     cache = getattr(_CACHE, "meshes", None)
     if cache is None:
         cache = _CACHE.meshes = {}
-    key = (id(dist.group.WORLD), spec.mesh_shape)
+    key = (id(dist.group.WORLD), tuple(shape), tuple(names))
     entry = cache.get(key)
     if entry is None or entry[0] is not dist.group.WORLD:
         from torch.distributed.device_mesh import init_device_mesh
 
-        device_type = device_for().type
-        mesh = init_device_mesh(device_type, spec.mesh_shape,
-                                mesh_dim_names=("replicate", "shard")[-len(spec.mesh_shape):])
+        device_type = control_device(device_for()).type
+        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
         entry = cache[key] = (dist.group.WORLD, mesh)
     return entry[1]

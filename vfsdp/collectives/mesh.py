@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from vfsdp.collectives.groups import device_for
+from vfsdp.collectives.groups import world_mesh
 
 __all__ = ["mesh", "Axis", "axis_of", "use_mesh", "current_mesh"]
 
@@ -31,7 +31,8 @@ def mesh(*axes: tuple[str, int]) -> Any:
         axes: ``(name, size)`` pairs, outermost first; their sizes multiply to the world size.
 
     Returns:
-        A ``torch.distributed.device_mesh.DeviceMesh`` whose ``mesh_dim_names`` are the names.
+        A ``torch.distributed.device_mesh.DeviceMesh`` whose ``mesh_dim_names`` are the names
+        (the same object when called again with the same axes on the same group).
 
     Raises:
         RuntimeError: no process group is initialised.
@@ -63,11 +64,7 @@ def mesh(*axes: tuple[str, int]) -> Any:
     if math.prod(sizes) != world:
         raise ValueError(f"vfsdp.mesh: axes {dict(zip(names, sizes))} hold {math.prod(sizes)} "
                          f"ranks, the process group has {world}")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    device = device_for()
-    device_type = "cpu" if device.type == "meta" else device.type
-    return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+    return world_mesh(tuple(sizes), tuple(names))  # one per group and axes: called again, kept
 
 
 @dataclass(frozen=True)

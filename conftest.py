@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
 
 import vfsdp
 from vfsdp.collectives import DBuffer, Unit, resolve_groups, slot_of
@@ -15,7 +16,8 @@ from vfsdp.placements import RaggedShard, flat_range
 def _doctest_names(doctest_namespace):
     doctest_namespace.update(torch=torch, dist=dist, vfsdp=vfsdp, RaggedShard=RaggedShard,
                              flat_range=flat_range, DBuffer=DBuffer, Unit=Unit,
-                             resolve_groups=resolve_groups, slot_of=slot_of)
+                             resolve_groups=resolve_groups, slot_of=slot_of, Shard=Shard,
+                             Replicate=Replicate)
 
 
 _START = time.monotonic()

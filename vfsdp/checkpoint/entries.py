@@ -24,7 +24,7 @@ import optree
 import torch
 
 from vfsdp.collectives.dbuffer import DBuffer
-from vfsdp.collectives.piece import Piece
+from vfsdp.collectives.piece import Piece, tensor_piece
 from vfsdp.collectives.slot import View, slot_of
 from vfsdp.functional.state import Checkpointable
 from vfsdp.planner.granularity import format_path
@@ -141,9 +141,7 @@ def _db_piece(t: torch.Tensor, db: DBuffer, k: int, name: str) -> Piece:
         raise ValueError(f"checkpoint: {name} claims to be {format_path(db.tensors[k].path)}'s "
                          f"piece of the {db.name} buffer of unit {db.key!r} but is not that "
                          f"memory; pass the tensors vfsdp.shard (or the optimizer) returned")
-    ts = db.tensors[k]
-    return Piece(t, tuple(ts.shape), ts.local_range(db.rank)[0],
-                 writer=db.groups.replicate_rank == 0, db=db, index=k)
+    return tensor_piece(db.tensors[k], t, db.rank, db.groups.replicate_rank == 0, db=db, index=k)
 
 
 def _adapter(leaf: Any):

@@ -50,6 +50,13 @@ def entries_and_names(tree: Any, spec: ShardSpec, rename: Rename, what: str) -> 
     ``rename`` maps two entries to one key."""
     def local():
         entries = flatten(tree, spec, what)
+        split = next((e for e in entries if e.kind == "sharded" and e.piece.within is not None),
+                     None)
+        if split is not None:
+            raise ValueError(f"{what}: {split.name} comes from a plan split over a model axis (TP/EP); "
+                             f"full-tensor exports gather over the data axes only. Save with "
+                             f"vfsdp.checkpoint.save (it reshards across TP/EP degrees), or "
+                             f"export from a plan without tp= (tp=1)")
         keys: dict = {}
         for e in entries:
             key = rename(e.name) if rename else e.name

@@ -10,6 +10,7 @@ those. vfsdp writes and reads the format itself; the ``safetensors`` package is 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -242,6 +243,12 @@ def _read_into(path: str, tree_like: Any, spec: ShardSpec, strict: bool, rename:
             start = e.piece.start if e.kind == "sharded" else 0
             if not target.numel():
                 continue
+            if e.kind == "sharded" and e.piece.within is not None:  # a TP/EP piece's boxes
+                for offsets, sizes in e.piece.boxes():
+                    e.piece.box_data(offsets, sizes).copy_(
+                        _read_box(f, begin, tuple(e.shape), offsets, sizes, target.dtype,
+                                  path, e.name))
+                continue
             nbytes = target.numel() * target.element_size()
             f.seek(begin + start * target.element_size())
             raw = bytearray(nbytes)  # a host buffer: numpy views would pin the shard's storage
@@ -249,3 +256,22 @@ def _read_into(path: str, tree_like: Any, spec: ShardSpec, strict: bool, rename:
                 raise CheckpointError(f"{path}: {e.name} ends early (truncated)")
             target.copy_(torch.frombuffer(raw, dtype=target.dtype).view(target.shape))
     return {e.name: values[names[e.name]] for e in entries if e.kind == "value"}
+
+
+def _read_box(f, begin: int, shape: tuple, offsets: tuple, sizes: tuple, dtype: torch.dtype,
+              path: str, name: str) -> torch.Tensor:
+    """One N-D box of a row-major tensor stored at byte ``begin``, read row by row."""
+    item = torch.empty((), dtype=dtype).element_size()  # cpu: metadata only
+    out = torch.empty(sizes, dtype=dtype)  # cpu: a host buffer, copied into the target
+    rows = out.reshape(-1, sizes[-1]) if sizes else out.reshape(1, 1)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    for j, lead in enumerate(itertools.product(*(range(o, o + n) for o, n in
+                                                 zip(offsets[:-1], sizes[:-1])))):
+        flat = sum(i * st for i, st in zip(lead, strides)) + (offsets[-1] if offsets else 0)
+        nbytes = rows.shape[1] * item
+        f.seek(begin + flat * item)
+        raw = bytearray(nbytes)
+        if f.readinto(raw) != nbytes:
+            raise CheckpointError(f"{path}: {name} ends early (truncated)")
+        rows[j].copy_(torch.frombuffer(raw, dtype=dtype))
+    return out

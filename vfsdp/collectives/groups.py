@@ -38,6 +38,8 @@ class MeshGroups:
         replicate_rank, replicate_size: The same for the replicate group (0 and 1 without).
         device: Device for buffers (``cuda`` for NCCL, ``cpu`` otherwise).
         grid: Global ranks of the mesh, ``grid[replicate_rank][shard_rank]``.
+        model: Process group of the spec's model axis (``spec.model_axis``: TP or EP) when
+            the mesh it runs on has it, else ``None``.
     """
 
     shard: Any
@@ -48,6 +50,7 @@ class MeshGroups:
     replicate_size: int
     device: torch.device
     grid: tuple = ()
+    model: Any = None
 
     def coords(self, global_rank: int) -> tuple[int, int]:
         """``(replicate_rank, shard_rank)`` of a global rank of the mesh.
@@ -110,7 +113,33 @@ def device_for(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+def _data_mesh(mesh, spec: ShardSpec) -> tuple[Any, Any]:
+    """``(data sub-mesh, model axis group)`` of a mesh that also has the spec's model axis
+    (``vfsdp.plan(..., tp=rule)`` on the full mesh), else ``(mesh, None)``.
+
+    Raises:
+        ValueError: the mesh's index along the model axis is not the spec's.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    model = spec.model_axis
+    if model is None or model[0] not in names or spec.mesh_dim_names is None:
+        return mesh, None
+    axis, size, index = model
+    here = int(mesh.get_local_rank(axis))
+    if here != index:
+        raise ValueError(f"the spec is of {axis}={index}'s pieces but this rank is {axis}={here} "
+                         f"of the mesh; plan on each rank with its own mesh coordinate "
+                         f"(vfsdp.plan(params, mesh, tp=rule) reads it)")
+    if int(mesh.mesh.shape[names.index(axis)]) != size:
+        raise ValueError(f"the spec splits over {size} {axis!r} ranks, the mesh has "
+                         f"{int(mesh.mesh.shape[names.index(axis)])}; re-plan for this mesh")
+    data = spec.mesh_dim_names
+    sub = mesh[data] if len(data) > 1 else mesh[data[0]]
+    return sub, mesh.get_group(axis)
+
+
 def _from_mesh(mesh, spec: ShardSpec) -> MeshGroups:
+    mesh, model = _data_mesh(mesh, spec)
     shape = tuple(int(d) for d in mesh.mesh.shape)
     if shape != spec.mesh_shape:
         raise ValueError(
@@ -131,6 +160,7 @@ def _from_mesh(mesh, spec: ShardSpec) -> MeshGroups:
         replicate_size=shape[0] if len(shape) == 2 else 1,
         device=device_for(shard),
         grid=tuple(tuple(int(r) for r in row) for row in grid),
+        model=model,
     )
 
 
@@ -171,6 +201,12 @@ def _groups_for(spec: ShardSpec, mesh: Optional[Any]) -> MeshGroups:
         )
     world = dist.get_world_size()
     want = spec.world_size * spec.replicas
+    if spec.model_axis is not None and world != want:
+        axis, size, _ = spec.model_axis
+        raise ValueError(f"the spec is of one {axis!r} index's pieces over the data axes "
+                         f"{spec.mesh_dim_names or spec.mesh_shape}; pass the mesh it was planned "
+                         f"on (mesh=vfsdp.mesh(..., ({axis!r}, {size}))) so vfsdp runs over the "
+                         f"data axes only")
     if world != want:
         raise ValueError(
             f"the spec was planned for mesh {spec.mesh_shape} ({want} ranks) but the default "

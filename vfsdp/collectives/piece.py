@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Piece", "boxes", "boxes_reference", "per_rank"]
+__all__ = ["Piece", "boxes", "boxes_reference", "per_rank", "tensor_piece"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,9 @@ class Piece:
             other than the first, which hold the same data).
         db: The DBuffer ``local`` aliases, if any (lets exports gather a unit at once).
         index: The tensor's index in ``db``.
+        within: For a tensor split over a model axis (TP, EP): ``(origin, shape)`` of this
+            rank's box of the global tensor, and ``start`` is then flat in that box (a
+            ``StridedRaggedShard``). ``None``: the range is flat in the global tensor.
 
     Example:
         >>> p = Piece(torch.arange(5.0), (3, 4), 6)
@@ -49,9 +52,16 @@ class Piece:
     writer: bool = True
     db: Any = None
     index: Optional[int] = None
+    within: Optional[tuple] = None
 
     def __post_init__(self) -> None:
-        numel = math.prod(self.shape)
+        if self.within is not None:
+            origin, box = self.within
+            if len(origin) != len(self.shape) or len(box) != len(self.shape) or any(
+                    o < 0 or o + b > d for o, b, d in zip(origin, box, self.shape)):
+                raise ValueError(f"a Piece's box at {tuple(origin)} of shape {tuple(box)} is "
+                                 f"outside its tensor {tuple(self.shape)}")
+        numel = math.prod(self.box_shape)
         n = self.local.numel()
         if not self.local.is_contiguous():
             raise ValueError(f"a Piece's local tensor must be contiguous (loads write through "
@@ -62,6 +72,11 @@ class Piece:
                              f"{numel} elements {tuple(self.shape)}")
 
     @property
+    def box_shape(self) -> tuple:
+        """Shape of the tensor ``start`` is flat in: the box, or the global tensor."""
+        return tuple(self.shape) if self.within is None else tuple(self.within[1])
+
+    @property
     def stop(self) -> int:
         return self.start + self.local.numel()
 
@@ -70,13 +85,20 @@ class Piece:
         return self.local.numel()
 
     def boxes(self) -> list:
-        """``[(offsets, sizes), ...]`` covering the range, in flat order."""
-        return boxes(tuple(self.shape), self.start, self.stop)
+        """``[(offsets, sizes), ...]`` covering the range, in flat order (offsets in the
+        global tensor)."""
+        found = boxes(self.box_shape, self.start, self.stop)
+        if self.within is None:
+            return found
+        origin = tuple(self.within[0])
+        return [(tuple(o + a for o, a in zip(offs, origin)), sizes) for offs, sizes in found]
 
     def box_data(self, offsets: tuple, sizes: tuple, data: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The slice of ``data`` (default: ``local``) holding one of :meth:`boxes`, box-shaped."""
         flat = (self.local if data is None else data).reshape(-1)
-        lo = _flat_index(tuple(self.shape), offsets) - self.start
+        if self.within is not None:
+            offsets = tuple(o - a for o, a in zip(offsets, self.within[0]))
+        lo = _flat_index(self.box_shape, offsets) - self.start
         return flat[lo:lo + math.prod(sizes)].view(sizes)
 
 
@@ -163,3 +185,37 @@ def per_rank(t: torch.Tensor, rank: int, world: int) -> Piece:
         ((4, 3), 3)
     """
     return Piece(t, (world, *t.shape), rank * t.numel())
+
+
+def tensor_piece(ts: Any, local: torch.Tensor, rank: int, writer: bool = True, db: Any = None,
+                 index: Optional[int] = None) -> Piece:
+    """Shard rank ``rank``'s range of a planned tensor as a :class:`Piece` of its **global**
+    tensor: flat in it, or, for a tensor a model axis splits (``ts.strided``), flat in this
+    index's box of it (a replicated tensor is written by index 0 only).
+
+    Args:
+        ts: The tensor's ``TensorSpec``.
+        local: The rank's data for it (contiguous, of its range's length).
+        rank: The shard rank.
+        writer: Whether this rank writes at all (``False`` on HSDP replicas but the first).
+        db, index: The DBuffer ``local`` aliases and the tensor's index in it, if any.
+
+    Returns:
+        The :class:`Piece`.
+
+    Raises:
+        ValueError: ``local`` does not fit the range.
+
+    Example:
+        >>> spec = vfsdp.plan({"w": torch.empty(4, 6)}, (("dp", 2), ("tp", 2)),
+        ...                   tp=lambda p: Shard(1), tp_index=1, granularity=vfsdp.rows(1))
+        >>> p = tensor_piece(spec.tensor(("w",)), torch.zeros(6), rank=1)
+        >>> p.shape, p.boxes()
+        ((4, 6), [((2, 3), (2, 3))])
+    """
+    st = ts.strided
+    start = ts.local_range(rank)[0]
+    if st is None:
+        return Piece(local, tuple(ts.shape), start, writer=writer, db=db, index=index)
+    return Piece(local, st.global_shape, start, writer=writer and st.writes, db=db, index=index,
+                 within=(st.origin, st.local_shape))

@@ -40,7 +40,7 @@ from vfsdp.functional.units import units_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["to_dtensor", "from_dtensor", "dtensor_placement"]
+__all__ = ["to_dtensor", "from_dtensor", "dtensor_placement", "model_placement"]
 
 RAGGED = ("error", "redistribute", "keep")
 
@@ -82,14 +82,19 @@ def to_dtensor(shards: Any, spec: ShardSpec, *, mesh: Any = None, ragged: str = 
     Args:
         shards: ``vfsdp.shard``'s tree.
         spec: Its spec.
-        mesh: The ``DeviceMesh`` (default: built over the default group for the spec's mesh).
+        mesh: The ``DeviceMesh`` (default: built over the default group for the spec's mesh;
+            required, with the model axis, for a plan split by ``tp=``).
         ragged: What to do with tensors whose layout DTensor cannot express: ``"error"``,
             ``"redistribute"`` (an even ``Shard(0)`` copy; later changes to the shards do
-            not show) or ``"keep"`` (leave the local shard).
+            not show; not for ``tp=`` plans) or ``"keep"`` (leave the local shard).
 
     Returns:
         A tree of the same structure of DTensors (placements ``[Shard(0)]`` or
-        ``[Replicate()]``; HSDP: ``[Replicate(), ...]``).
+        ``[Replicate()]``; HSDP: ``[Replicate(), ...]``). For a plan split over a model axis
+        (TP x FSDP), DTensors of the **global** shape on the full mesh, e.g.
+        ``[Shard(0), Shard(1)]`` on ``(dp, tp)`` for a column-split weight, where DTensor
+        can express the layout (the model split even, and not along dim 0 when the data axes
+        also cut rows); elsewhere an error says why.
 
     Raises:
         ValueError: a ragged tensor with ``ragged="error"`` (naming it and its placement),
@@ -108,6 +113,8 @@ def to_dtensor(shards: Any, spec: ShardSpec, *, mesh: Any = None, ragged: str = 
     if ragged not in RAGGED:
         raise ValueError(f"ragged must be one of {RAGGED}, got {ragged!r}")
     leaves = match_tree(shards, spec, "vfsdp.to_dtensor")
+    if spec.model_axis is not None:
+        return _to_dtensor_split(leaves, spec, mesh, ragged)
     device_mesh = _mesh(spec, mesh)
     lead = [Replicate()] * (len(spec.mesh_shape) - 1)
     out = list(leaves)
@@ -127,6 +134,64 @@ def to_dtensor(shards: Any, spec: ShardSpec, *, mesh: Any = None, ragged: str = 
                 moved.append((i, k, t))
         if moved:
             _even_copies(u.db, moved, out, device_mesh, lead)
+    return optree.tree_unflatten(spec.treespec, out)
+
+
+def model_placement(t: TensorSpec) -> tuple[Optional[Placement], str]:
+    """The DTensor placement over the model axis of a TP/EP-split tensor, or ``None`` and why
+    not.
+
+    DTensor's ``Shard`` cuts like ``torch.chunk``, vfsdp's model split like
+    ``torch.tensor_split``: they agree when the dim divides evenly (or chunk happens to give
+    the same sizes). DTensor applies mesh dims in order, so the data axes' ``Shard(0)`` of a
+    piece already cut along dim 0 by the model axis (model-major) has no placement either.
+    """
+    st = t.strided
+    if st.dim is None:
+        return Replicate(), ""
+    n = st.global_shape[st.dim]
+    chunk = [len(c) for c in torch.arange(n, device="meta").chunk(st.size)]
+    chunk += [0] * (st.size - len(chunk))
+    if tuple(chunk) != st.lengths:
+        return None, (f"its {st.describe()} split gives lengths {st.lengths}, DTensor's "
+                      f"Shard({st.dim}) (torch.chunk) {tuple(chunk)}")
+    return Shard(st.dim), ""
+
+
+def _to_dtensor_split(leaves: list, spec: ShardSpec, mesh: Any, ragged: str) -> Any:
+    """to_dtensor for a plan split over a model axis: DTensors of the global shape on the
+    mesh with the model axis."""
+    axis = spec.model_axis[0]
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if mesh is None or axis not in names:
+        raise ValueError(f"vfsdp.to_dtensor: the spec is split over the {axis!r} axis; pass "
+                         f"mesh= the DeviceMesh it was planned on (with {axis!r})")
+    out = list(leaves)
+    for u in units_of(leaves, spec, "vfsdp.to_dtensor"):
+        for i, k in u.leaves:
+            t = u.db.tensors[k]
+            data = dtensor_placement(t)
+            model, why = model_placement(t)
+            if data is not None and model is not None and isinstance(data, Shard) \
+                    and isinstance(model, Shard) and model.dim == 0:
+                data, why = None, (f"the data axes split its {axis}-piece by rows too "
+                                   f"({axis}-major); DTensor orders mesh dims data-major")
+            elif data is None:
+                why = _ragged_message(t).split(": ", 1)[1].split("; pass", 1)[0]
+            if data is None or model is None:
+                if ragged == "keep":
+                    continue
+                raise ValueError(f"vfsdp.to_dtensor: {format_path(t.path)} has no DTensor "
+                                 f"layout: {why}. Pass ragged='keep' for the local shard, or "
+                                 f"save with vfsdp.checkpoint.save, which stores it exactly")
+            places = []
+            for name in names:
+                places.append(model if name == axis else data if name == spec.mesh_dim_names[-1]
+                              else Replicate())
+            shape = t.global_shape
+            out[i] = DTensor.from_local(u.db.local(k), mesh, places, run_check=False,
+                                        shape=torch.Size(shape),
+                                        stride=torch.empty(shape, device="meta").stride())
     return optree.tree_unflatten(spec.treespec, out)
 
 
@@ -245,6 +310,11 @@ def from_dtensor(tree: Any, spec: ShardSpec, *, mesh: Any = None,
         [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
     """
     leaves = match_tree(tree, spec, "vfsdp.from_dtensor")
+    if spec.model_axis is not None:
+        raise ValueError(f"vfsdp.from_dtensor: the spec is split over the {spec.model_axis[0]!r} "
+                         f"axis (tp=), which from_dtensor does not read; shard the global "
+                         f"tensors with vfsdp.shard(params, spec, mesh=mesh), or load a "
+                         f"vfsdp.checkpoint")
     groups = resolve_groups(spec, mesh)
     units = group_by_unit(spec)
     m, rank = spec.world_size, groups.shard_rank

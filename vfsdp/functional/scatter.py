@@ -27,14 +27,24 @@ __all__ = ["scatter", "check_full"]
 
 
 def check_full(x: Any, t: TensorSpec, what: str) -> torch.Tensor:
-    """``x`` if it is a full tensor matching ``t`` (shape and dtype), with real data.
+    """``x`` if it is a full tensor matching ``t`` (shape and dtype), with real data. For a
+    tensor a model axis splits (``t.strided``), ``x`` may be the global tensor: its piece
+    (a view) is returned.
 
     Raises:
         ValueError: naming the path, what was found and the fix.
     """
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{what}: {format_path(t.path)} should be a tensor, got {type(x).__name__}")
+    st = t.strided
+    if st is not None and tuple(x.shape) == st.global_shape and st.dim is not None \
+            and tuple(x.shape) != tuple(t.shape):
+        x = x.narrow(st.dim, st.start, st.lengths[st.index])
     if tuple(x.shape) != tuple(t.shape):
+        if st is not None:
+            raise ValueError(f"{what}: {format_path(t.path)} has shape {tuple(x.shape)}; the "
+                             f"spec wants the global {st.global_shape} or this rank's "
+                             f"{st.describe()} piece {tuple(t.shape)}")
         raise ValueError(f"{what}: {format_path(t.path)} has shape {tuple(x.shape)}, the spec "
                          f"says {tuple(t.shape)}; re-plan for this model")
     if x.dtype != t.dtype:
@@ -87,7 +97,7 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
     if src is None:
         for i, t in enumerate(tensors):
             if isinstance(t, TensorSpec):
-                check_full(leaves[i], t, what)
+                leaves[i] = check_full(leaves[i], t, what)
         coords = None
     else:
         if not isinstance(src, int) or isinstance(src, bool):
@@ -98,7 +108,7 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
             try:
                 for i, t in enumerate(tensors):
                     if isinstance(t, TensorSpec):
-                        check_full(leaves[i], t, what)
+                        leaves[i] = check_full(leaves[i], t, what)
             except ValueError as exc:
                 error = exc
         agree(error, error_type=ValueError)  # every rank raises, none waits in the scatter

@@ -71,7 +71,7 @@ def _text(u: UnitLayout, width: int) -> str:
     segs = _segments(u)
     lines = [f"unit {unit_name(u.key)}: {len(u.paths)} tensors, {m} ranks x S={s} "
              f"{str(u.dtype).replace('torch.', '')}, padding "
-             f"{sum(b - a for a, b, i in segs if i is None)} elements"]
+             f"{sum(b - a for a, b, i in segs if i is None)} elements{_model(u)}"]
     bar = []
     for r in range(m):
         lo, hi = r * s, (r + 1) * s
@@ -92,10 +92,19 @@ def _text(u: UnitLayout, width: int) -> str:
         t = u.tensors[i]
         shares = [f"r{r}:{t.shard_range(r)[1] - t.shard_range(r)[0]}" for r in range(m)
                   if t.shard_range(r)[1] > t.shard_range(r)[0]]
+        st = t.strided
+        split = ("" if st is None else f" = {st.describe()} of {st.global_shape}"
+                 if st.dim is not None else f" ({st.describe()})")
         lines.append(f"  {_LETTERS[i % len(_LETTERS)]} {format_path(path)} "
-                     f"{tuple(u.shapes[i])}: {' '.join(shares) or 'empty'}")
+                     f"{tuple(u.shapes[i])}{split}: {' '.join(shares) or 'empty'}")
     lines.append("  . padding")
     return "\n".join(lines)
+
+
+def _model(u: UnitLayout) -> str:
+    """``', the tp=1 piece of a 2-way tp split'`` for a unit of a ``tp=`` plan, else ``''``."""
+    st = next((x for x in u.strided if x is not None), None)
+    return "" if st is None else f"; the {st.axis}={st.index} piece of a {st.size}-way split"
 
 
 def visualize(x: Any, unit: Any = None, *, width: int = 72, figure: bool = False) -> Any:
@@ -107,6 +116,11 @@ def visualize(x: Any, unit: Any = None, *, width: int = 72, figure: bool = False
         width: Characters for the ranks' bars (text).
         figure: Return a matplotlib ``Figure`` (one row per unit, one bar per rank, a colour
             per tensor, padding hatched) instead of text.
+
+    Ranks are the data-parallel (shard) ranks. For a plan split over a model axis
+    (``vfsdp.plan(..., tp=rule)``) the header names the model-axis index the plan is of, and
+    each tensor says where its piece sits in the global tensor (``Shard(1) over tp: 5 of 10
+    at 5``); visualize each index's spec (``tp_index=i``) to see them all.
 
     Returns:
         The text (``print`` it), or the ``Figure``.
@@ -156,12 +170,18 @@ def _figure(layouts: list) -> Any:
                     handles.setdefault("padding", Patch(facecolor="white", hatch="//",
                                                         edgecolor="grey", label="padding"))
                 else:
-                    name = f"{unit_name(u.key)}: {format_path(u.paths[i])}"
+                    st = u.tensors[i].strided
+                    part = ("" if st is None or st.dim is None else
+                            f" [{st.axis} {st.start}:{st.start + st.lengths[st.index]} of dim "
+                            f"{st.dim}]")
+                    name = f"{unit_name(u.key)}: {format_path(u.paths[i])}{part}"
                     color = cmap(i % 20)
                     ax.barh(y, hi - lo, left=lo - r * s, color=color, height=0.8)
                     handles.setdefault(name, Patch(color=color, label=name))
             ticks.append(y)
-            labels.append(f"{unit_name(u.key)} r{r}")
+            st = next((x for x in u.strided if x is not None), None)
+            where = "" if st is None else f" {st.axis}{st.index}"
+            labels.append(f"{unit_name(u.key)}{where} r{r}")
             y -= 1
         y -= 0.5
     ax.set_yticks(ticks, labels)

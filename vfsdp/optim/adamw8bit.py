@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from vfsdp._warnings import warn_user
-from vfsdp.collectives.piece import Piece
+from vfsdp.collectives.piece import Piece, tensor_piece
 from vfsdp.collectives.slot import Role
 from vfsdp.functional.state import param_tree
 from vfsdp.optim.adamw import owned_views
@@ -145,16 +145,23 @@ class AdamW8bitState:
                     return None
                 ts = db.tensors[k]
                 first, total = _tile_range(tuple(ts.shape), ts.local_range(db.rank)[0])
-                return Piece(found, (total,), first if found.numel() else 0,
-                             writer=db.groups.replicate_rank == 0)
+                first = first if found.numel() else 0
+                writer = db.groups.replicate_rank == 0
+                st = ts.strided
+                if st is None or st.dim is None:
+                    return Piece(found, (total,), first, writer=writer and
+                                 (st is None or st.writes))
+                # Tiles of this index's piece: row ``index`` of (model axis, most tiles); it
+                # reloads at the same model-axis degree only (tiles of other pieces differ).
+                most = max(_tile_range(_piece_shape(st, i), 0)[1] for i in range(st.size))
+                return Piece(found, (st.size, most), first, writer=writer,
+                             within=((st.index, 0), (1, most)))
 
             def small_piece(db, k, small=small):
                 found = small.get((db.key, k))
                 if found is None:
                     return None
-                ts = db.tensors[k]
-                return Piece(found, tuple(ts.shape), ts.local_range(db.rank)[0],
-                             writer=db.groups.replicate_rank == 0)
+                return tensor_piece(db.tensors[k], found, db.rank, db.groups.replicate_rank == 0)
 
             tree[f"scales_{attr}"] = param_tree(self.codes_m, spec, scale_piece)
             tree[f"fp32_{attr}"] = param_tree(self.codes_m, spec, small_piece)
@@ -163,6 +170,13 @@ class AdamW8bitState:
     def restore_checkpoint(self, tree: dict) -> AdamW8bitState:
         self.step = tree["step"]
         return self
+
+
+def _piece_shape(st: Any, index: int) -> tuple:
+    """Shape of index ``index``'s piece of a model-axis split."""
+    shape = list(st.global_shape)
+    shape[st.dim] = st.lengths[index]
+    return tuple(shape)
 
 
 def _tile_range(shape: tuple, start: int) -> tuple[int, int]:

@@ -8,7 +8,13 @@ from vfsdp.placements.ragged import (
     local_shape,
     validate_placement,
 )
-from vfsdp.placements.reference import assemble_reference, split_reference
+from vfsdp.placements.reference import (
+    assemble_reference,
+    split_reference,
+    strided_assemble_reference,
+    strided_split_reference,
+)
+from vfsdp.placements.strided import StridedRaggedShard, split_lengths
 
 __all__ = [
     "Placement",
@@ -19,4 +25,8 @@ __all__ = [
     "validate_placement",
     "split_reference",
     "assemble_reference",
+    "StridedRaggedShard",
+    "split_lengths",
+    "strided_split_reference",
+    "strided_assemble_reference",
 ]

@@ -14,6 +14,7 @@ import torch
 
 from vfsdp.planner.abstract import is_tensor_leaf, leaf_meta
 from vfsdp.planner.granularity import Granularity, Rows, Whole, block_elements, format_path
+from vfsdp.planner.model_split import split_params
 from vfsdp.planner.solver import lower_bound, pack
 from vfsdp.planner.spec import (
     PASSTHROUGH,
@@ -46,13 +47,20 @@ def resolve_mesh(mesh: Any) -> tuple[tuple[int, ...], Optional[tuple[str, ...]]]
         shape = (mesh,)
     elif isinstance(mesh, tuple) and mesh and all(isinstance(d, int) for d in mesh):
         shape = mesh
+    elif (isinstance(mesh, tuple) and mesh
+          and all(isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str)
+                  and isinstance(a[1], int) for a in mesh)):  # (("dp", 2), ("tp", 2))
+        shape = tuple(a[1] for a in mesh)
+        names = tuple(a[0] for a in mesh)
+        if len(set(names)) != len(names):
+            raise ValueError(f"mesh axis names must differ, got {names}")
     elif hasattr(mesh, "mesh") and hasattr(mesh, "mesh_dim_names"):  # torch DeviceMesh
         shape = tuple(int(d) for d in mesh.mesh.shape)
         names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
     else:
         raise TypeError(
-            f"mesh must be an int world size, a tuple (replicate, ..., shard) of ints, or a "
-            f"torch DeviceMesh; got {type(mesh).__name__}"
+            f"mesh must be an int world size, a tuple (replicate, ..., shard) of ints, "
+            f"(name, size) axes, or a torch DeviceMesh; got {type(mesh).__name__}"
         )
     if any(d < 1 for d in shape):
         raise ValueError(f"world size must be >= 1 on every mesh dim, got mesh shape {shape}")
@@ -227,15 +235,19 @@ def plan(
     alignment_bytes: int = 16,
     comm_dtypes: Sequence[torch.dtype] = (),
     split_threshold: float = 0.01,
+    tp: Optional[Callable[[tuple], Any]] = None,
+    tp_axis: str = "tp",
+    tp_index: Optional[int] = None,
 ) -> ShardSpec:
     """Plan how every tensor of ``params`` is sharded. Pure and deterministic.
 
     Args:
         params: Any optree pytree. ``torch.Tensor`` leaves (real or ``meta``) and
             :class:`vfsdp.ShapeDtype` leaves are sharded; other leaves pass through.
-        mesh: An int world size, a tuple ``(replicate, ..., shard)`` of ints, or a torch
-            ``DeviceMesh`` (only its shape is read; no process group is needed). Tensors
-            are sharded over the last dim.
+        mesh: An int world size, a tuple ``(replicate, ..., shard)`` of ints, a tuple of
+            ``(name, size)`` axes, or a torch ``DeviceMesh`` (only its shape, names and, with
+            ``tp``, this rank's coordinate are read; no process group is needed). Tensors are
+            sharded over the last data dim.
         granularity: The indivisible block per tensor: ``None`` (elements), an int number of
             elements, ``vfsdp.rows(k)``, ``vfsdp.whole``, or a callable ``(path, tensor) ->
             one of those``. See :mod:`vfsdp.planner.granularity`.
@@ -255,6 +267,17 @@ def plan(
             for a bf16 all-gather of fp32 shards); ``S`` is kept aligned in each of them.
         split_threshold: Units padded above this ratio get a split suggestion
             (``UnitLayout.split``); nothing is split unless you ask for it.
+        tp: Tensor (or expert) parallelism: a rule ``path -> Shard(dim) | Replicate()``
+            (torch's placement types) splitting each **global** tensor of ``params`` over the
+            mesh axis ``tp_axis`` as ``torch.tensor_split`` does. The plan is then of this
+            index's pieces over the remaining (data) axes: ``spec.mesh_shape`` has no
+            ``tp_axis``, each ``TensorSpec.shape`` is the piece's, and
+            ``TensorSpec.strided`` (a ``StridedRaggedShard``) says where it sits in the
+            global tensor, for checkpoints and ``to_dtensor``. Expert parallelism is the same
+            over an ``"ep"`` axis, ``Shard(0)`` of experts stacked on dim 0.
+        tp_axis: The model-parallel axis' name in ``mesh``.
+        tp_index: The index along ``tp_axis`` to plan for; default: this rank's coordinate
+            in the ``DeviceMesh`` (required for a mesh given as ``(name, size)`` axes).
 
     Returns:
         A frozen, hashable :class:`ShardSpec` mirroring ``params``.
@@ -275,16 +298,26 @@ def plan(
     mesh_shape, mesh_names = resolve_mesh(mesh)
     if not isinstance(alignment_bytes, int) or alignment_bytes < 1:
         raise ValueError(f"alignment_bytes must be an int >= 1, got {alignment_bytes!r}")
+    strided = tied = None
+    if tp is not None:
+        paths, leaves, _ = optree.tree_flatten_with_path(params)
+        tied = find_ties(leaves, paths, [i for i, x in enumerate(leaves) if is_tensor_leaf(x)])
+        split = split_params(params, mesh, mesh_shape, mesh_names, tp, tp_axis, tp_index)
+        params, strided = split.local, split.strided
+        mesh_shape, mesh_names = split.data_shape, split.data_names
+    elif tp_index is not None:
+        raise ValueError("vfsdp.plan: tp_index= without tp=; give the tp rule too")
     return _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes,
-                 tuple(comm_dtypes), split_threshold)
+                 tuple(comm_dtypes), split_threshold, strided, tied)
 
 
 def _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes, comm_dtypes,
-          split_threshold):
+          split_threshold, strided=None, tied=None):
     m = mesh_shape[-1]
     paths, leaves, treespec = optree.tree_flatten_with_path(params)
     all_idx = [i for i, x in enumerate(leaves) if is_tensor_leaf(x)]
-    tied = find_ties(leaves, paths, all_idx)  # leaf index -> the leaf index it repeats
+    if tied is None:
+        tied = find_ties(leaves, paths, all_idx)  # leaf index -> the leaf index it repeats
     t_idx = [i for i in all_idx if i not in tied]
     t_paths = [paths[i] for i in t_idx]
     keys = _unit_keys(units, t_paths, params)
@@ -353,13 +386,15 @@ def _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes, c
             split=None if split is None else SplitSuggestion(
                 tuple(unit_paths[k] for k in split[2]), split[0], split[1], sum(numels)
             ),
+            strided=() if strided is None else tuple(strided[t_idx[js[k]]] for k in order),
         )
         layouts[key] = layout
         offsets = packing.offsets
         for k, j in enumerate(js):
             shape, dtype_j, numel, block = metas[j]
             out_leaves[t_idx[j]] = TensorSpec(
-                unit_paths[k], key, offsets[k], numel, shape, dtype_j, block, layout
+                unit_paths[k], key, offsets[k], numel, shape, dtype_j, block, layout,
+                None if strided is None else strided[t_idx[j]],
             )
     for i, first in tied.items():  # a tie is one tensor: its spec at every place it appears
         out_leaves[i] = out_leaves[first]

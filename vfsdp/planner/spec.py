@@ -28,6 +28,7 @@ import optree
 import torch
 
 from vfsdp.placements.ragged import RaggedShard
+from vfsdp.placements.strided import StridedRaggedShard
 from vfsdp.planner.granularity import format_path
 
 __all__ = ["UnitLayout", "TensorSpec", "ShardSpec", "SplitSuggestion", "PASSTHROUGH", "unit_name"]
@@ -104,6 +105,8 @@ class UnitLayout:
         alignment: ``S`` is a multiple of this many elements.
         strategy: The ordering strategy the solver used.
         split: A :class:`SplitSuggestion` when the unit is heavily padded, else ``None``.
+        strided: Each tensor's :class:`~vfsdp.placements.StridedRaggedShard` (same order),
+            or ``()`` when no model axis splits any of them.
 
     Example:
         >>> u = vfsdp.plan({"a": torch.empty(5), "b": torch.empty(3, 3)}, 2).units[()]
@@ -124,6 +127,7 @@ class UnitLayout:
     alignment: int = 1
     strategy: str = "given"
     split: Optional[SplitSuggestion] = field(default=None, compare=False)
+    strided: tuple = ()
     _tensors: Optional[tuple] = field(default=None, compare=False, repr=False, init=False)
     _index: Optional[dict] = field(default=None, compare=False, repr=False, init=False)
 
@@ -139,6 +143,14 @@ class UnitLayout:
             if math.prod(shape) != numel:
                 raise ValueError(f"unit {unit_name(self.key)}: {format_path(path)} has shape "
                                  f"{tuple(shape)} but numel {numel}")
+        if self.strided and len(self.strided) != n:
+            raise ValueError(f"unit {unit_name(self.key)}: strided has {len(self.strided)} "
+                             f"entries for {n} tensors")
+        for path, shape, st in zip(self.paths, self.shapes, self.strided):
+            if st is not None and tuple(st.local_shape) != tuple(shape):
+                raise ValueError(f"unit {unit_name(self.key)}: {format_path(path)} has shape "
+                                 f"{tuple(shape)} but its {st.describe()} piece is "
+                                 f"{st.local_shape}")
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k not in ("_tensors", "_index")}
@@ -151,9 +163,10 @@ class UnitLayout:
     def tensors(self) -> tuple[TensorSpec, ...]:
         """The unit's :class:`TensorSpec` s in buffer order, built from this layout alone."""
         if self._tensors is None:
-            specs = tuple(TensorSpec(p, self.key, o, n, tuple(sh), self.dtype, b, self)
-                          for p, o, n, b, sh in zip(self.paths, self.offsets, self.numels,
-                                                    self.blocks, self.shapes))
+            strided = self.strided or (None,) * len(self.paths)
+            specs = tuple(TensorSpec(p, self.key, o, n, tuple(sh), self.dtype, b, self, st)
+                          for p, o, n, b, sh, st in zip(self.paths, self.offsets, self.numels,
+                                                        self.blocks, self.shapes, strided))
             object.__setattr__(self, "_tensors", specs)
         return self._tensors
 
@@ -238,6 +251,9 @@ class TensorSpec:
         numel, shape, dtype: Of the full tensor.
         block: Indivisible block in elements (a short last block is allowed for ``rows``).
         layout: The :class:`UnitLayout` it belongs to.
+        strided: Where this tensor (a model-parallel piece: ``shape`` is the piece's) sits in
+            its global tensor, a :class:`~vfsdp.placements.StridedRaggedShard`, or ``None``
+            (the tensor is the global one). Set by ``vfsdp.plan(..., tp=rule)``.
 
     Example:
         >>> t = vfsdp.plan({"w": torch.empty(10, 4)}, 4, granularity=vfsdp.rows(1)).tensor(("w",))
@@ -245,10 +261,12 @@ class TensorSpec:
         (0, 4, RaggedShard(dims=(0,), local_units=(3x3, 1)), (12, 24))
     """
 
-    __slots__ = ("path", "unit", "offset", "numel", "shape", "dtype", "block", "layout")
+    __slots__ = ("path", "unit", "offset", "numel", "shape", "dtype", "block", "layout", "strided")
 
-    def __init__(self, path, unit, offset, numel, shape, dtype, block, layout) -> None:
-        for name, value in zip(self.__slots__, (path, unit, offset, numel, shape, dtype, block, layout)):
+    def __init__(self, path, unit, offset, numel, shape, dtype, block, layout,
+                 strided: Optional[StridedRaggedShard] = None) -> None:
+        for name, value in zip(self.__slots__,
+                               (path, unit, offset, numel, shape, dtype, block, layout, strided)):
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name, value):
@@ -259,7 +277,7 @@ class TensorSpec:
 
     def _key(self) -> tuple:
         return (self.path, self.unit, self.offset, self.numel, self.shape, self.dtype, self.block,
-                self.layout.world_size, self.layout.shard_numel)
+                self.layout.world_size, self.layout.shard_numel, self.strided)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, TensorSpec) and self._key() == other._key()
@@ -274,6 +292,11 @@ class TensorSpec:
     @property
     def shard_numel(self) -> int:
         return self.layout.shard_numel
+
+    @property
+    def global_shape(self) -> tuple:
+        """Shape of the global tensor (``shape`` unless a model axis splits it)."""
+        return tuple(self.shape) if self.strided is None else self.strided.global_shape
 
     def ranks(self) -> range:
         """Ranks holding a non-empty piece of this tensor."""
@@ -388,6 +411,15 @@ class ShardSpec:
         return math.prod(self.mesh_shape[:-1])
 
     @property
+    def model_axis(self) -> Optional[tuple[str, int, int]]:
+        """``(axis, size, index)`` when ``vfsdp.plan(..., tp=rule)`` split the tensors over a
+        model axis (this spec is of index ``index``'s pieces), else ``None``."""
+        for t in self.tensors():
+            if t.strided is not None:
+                return (t.strided.axis, t.strided.size, t.strided.index)
+        return None
+
+    @property
     def tree(self) -> Any:
         """A fresh pytree mirroring ``params``: ``TensorSpec`` leaves, ``PASSTHROUGH`` elsewhere."""
         return optree.tree_unflatten(self.treespec, list(self._leaves))
@@ -479,7 +511,8 @@ class ShardSpec:
             h.update(repr((str(self.treespec), self.mesh_shape, self.mesh_dim_names)).encode())
             for u in self.units.values():
                 h.update(repr((u.key, u.world_size, u.shard_numel, str(u.dtype), u.paths,
-                               u.offsets, u.numels, u.blocks, u.alignment)).encode())
+                               u.offsets, u.numels, u.blocks, u.alignment,
+                               u.strided)).encode())
             for x in self._leaves:
                 h.update(repr(x._key() if isinstance(x, TensorSpec) else "passthrough").encode())
             object.__setattr__(self, "_fingerprint", h.hexdigest())
@@ -503,9 +536,12 @@ def format_spec(spec: ShardSpec, max_rows: Optional[int] = None) -> str:
     ratio = (padded - total) / total if total else 0.0
     bratio = (bound - total) / total if total else 0.0
     n_tensors = sum(1 for _ in spec.tensors())
+    split = next((t.strided for t in spec.tensors() if t.strided is not None), None)
+    where = ("" if split is None else
+             f", the {split.axis}={split.index} piece of a {split.size}-way {split.axis} split")
     head = (
-        f"ShardSpec(mesh={spec.mesh_shape}, m={spec.world_size}, {len(spec.units)} units, "
-        f"{n_tensors} tensors, {total:,} elements, padding {100 * ratio:.3f}% "
+        f"ShardSpec(mesh={spec.mesh_shape}, m={spec.world_size}{where}, {len(spec.units)} "
+        f"units, {n_tensors} tensors, {total:,} elements, padding {100 * ratio:.3f}% "
         f"(bound {100 * bratio:.3f}%)"
     )
     rows = []

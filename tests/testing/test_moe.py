@@ -21,11 +21,11 @@ def _ep_forward_backward(params):
     per = E // n
     x, ct = _tokens(r)
     router = params["router"].clone().requires_grad_(True)
-    local = [optree.tree_map(lambda t: t.clone().requires_grad_(True), p)
-             for p in params["experts"][r * per:(r + 1) * per]]
+    local = {k: v[r * per:(r + 1) * per].clone().requires_grad_(True)
+             for k, v in params["experts"].items()}
     y = moe.moe_ep(router, local, x, K, "ep", E, mesh=vfsdp.mesh(("ep", n)))
     (y * ct).sum().backward()
-    return y.detach(), router.grad, [optree.tree_map(lambda t: t.grad, p) for p in local]
+    return y.detach(), router.grad, {k: v.grad for k, v in local.items()}
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
@@ -46,10 +46,9 @@ def test_expert_parallel_layer_equals_the_reference_forward_and_backward(n):
     for r, (y, g_router, g_local) in enumerate(simulate(n, _ep_forward_backward, params)):
         assert torch.allclose(y, outs[r], atol=1e-5)
         assert torch.allclose(g_router, routers[r], atol=1e-5)  # this rank's tokens only
-        for j, g in enumerate(g_local):  # every rank's tokens routed to these experts
-            want = full["experts"][r * per + j]
-            for name in g:
-                assert torch.allclose(g[name], want[name].grad, atol=1e-5), (r, j, name)
+        for name, g in g_local.items():  # every rank's tokens routed to these experts
+            want = full["experts"][name].grad[r * per:(r + 1) * per]
+            assert torch.allclose(g, want, atol=1e-5), (r, name)
 
 
 # ---------------------------------------------------------------- EP x FSDP, trained
@@ -58,7 +57,8 @@ LR, STEPS = 1e-2, 3
 
 
 def _ep_setup(dp: int, ep: int):
-    """The router FSDP over every rank; this rank's expert group FSDP over its "dp" ranks."""
+    """The router FSDP over every rank; the stacked experts split over "ep" (ep_rule), each
+    index's experts FSDP over its "dp" ranks."""
     world = dist.get_world_size()
     mesh = vfsdp.mesh(("dp", dp), ("ep", ep))
     params = moe.moe_params(D, H, E)
@@ -66,9 +66,8 @@ def _ep_setup(dp: int, ep: int):
     first = mesh.get_local_rank("ep") * per
     r_spec = vfsdp.plan({"router": params["router"]}, world)
     r_shards = vfsdp.shard({"router": params["router"]}, r_spec)
-    local = params["experts"][first:first + per]
-    e_spec = vfsdp.plan(local, dp)
-    e_shards = vfsdp.shard(local, e_spec, mesh=mesh["dp"])
+    e_spec = vfsdp.plan(params["experts"], mesh, tp=moe.ep_rule, tp_axis="ep")
+    e_shards = vfsdp.shard(params["experts"], e_spec, mesh=mesh)
     return mesh, params, per, first, r_spec, r_shards, e_spec, e_shards
 
 
@@ -85,7 +84,7 @@ def _ep_fsdp_train(dp: int, ep: int, clip=None):
         vfsdp.zero_grads(e_shards, e_spec)
         x, y = _tokens(100 * step + r)
         router = vfsdp.gather(r_shards, r_spec, grad_reduce="sum")["router"]
-        experts = vfsdp.gather(e_shards, e_spec, mesh=dp_mesh, grad_reduce="sum")
+        experts = vfsdp.gather(e_shards, e_spec, mesh=mesh, grad_reduce="sum")
         out = moe.moe_ep(router, experts, x, K, "ep", E, mesh=mesh)
         loss = (out - y).pow(2).mean() / world  # the sum over ranks is the global mean
         loss.backward()
@@ -96,8 +95,8 @@ def _ep_fsdp_train(dp: int, ep: int, clip=None):
         opt.update(vfsdp.grads(r_shards, r_spec), r_state, r_shards, r_spec)
         opt.update(vfsdp.grads(e_shards, e_spec), e_state, e_shards, e_spec)
     full_router = vfsdp.gather(r_shards, r_spec)["router"].detach().clone()
-    full_local = [optree.tree_map(lambda t: t.detach().clone(), p)
-                  for p in vfsdp.gather(e_shards, e_spec, mesh=dp_mesh)]
+    full_local = {k: v.detach().clone()
+                  for k, v in vfsdp.gather(e_shards, e_spec, mesh=mesh).items()}
     return first, full_router, full_local, norms
 
 
@@ -130,9 +129,9 @@ def test_ep_times_fsdp_trains_like_one_process(dp, ep, clip):
         if clip is not None:
             assert all(n > clip for n in norms)  # it did clip
         assert torch.allclose(router, want["router"].detach(), atol=1e-5)
-        for j, p in enumerate(local):
-            for name, t in p.items():
-                assert torch.allclose(t, want["experts"][first + j][name].detach(), atol=1e-5)
+        for name, t in local.items():
+            assert torch.allclose(t, want["experts"][name].detach()[first:first + t.shape[0]],
+                                  atol=1e-5)
 
 
 def _ep_step_counts(dp: int, ep: int):
@@ -143,7 +142,7 @@ def _ep_step_counts(dp: int, ep: int):
     x, y = _tokens(r)
     reset_counts()
     router = vfsdp.gather(r_shards, r_spec, grad_reduce="sum")["router"]
-    experts = vfsdp.gather(e_shards, e_spec, mesh=mesh["dp"], grad_reduce="sum")
+    experts = vfsdp.gather(e_shards, e_spec, mesh=mesh, grad_reduce="sum")
     out = moe.moe_ep(router, experts, x, K, "ep", E, mesh=mesh)
     ((out - y).pow(2).mean() / world).backward()
     got = dict(counts())

@@ -2,14 +2,17 @@
 
 Real routing, not a dense soft mixture: each token goes to its ``k`` highest-scoring experts
 (softmax router, the top-k weights renormalised), only those experts compute it, and the
-results are summed with those weights. Experts are SwiGLU MLPs::
+results are summed with those weights. Experts are SwiGLU MLPs, stacked on dim 0 (as grouped
+GEMMs store them)::
 
-    {"router": [D, E], "experts": [{"w_gate": [D, H], "w_up": [D, H], "w_down": [H, D]} * E]}
+    {"router": [D, E], "experts": {"w_gate": [E, D, H], "w_up": [E, D, H], "w_down": [E, H, D]}}
 
 :func:`moe_ep` runs the same layer with the experts split over a mesh axis (expert parallelism):
 tokens are dispatched to the ranks holding their experts and combined back with
 :func:`vfsdp.lax.all_to_all` (uneven counts per rank), so autograd carries the gradients both
-ways.
+ways. Expert parallelism x FSDP is then ``vfsdp.plan(params, mesh, tp=ep_rule, tp_axis="ep")``:
+:func:`ep_rule` splits the stacked experts by dim 0 over ``"ep"`` and replicates the router, and
+checkpoints reshard across ``ep`` degrees like any ``tp=`` plan.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 
 from vfsdp.functional import lax
 
-__all__ = ["moe_params", "route", "expert", "moe_reference", "moe_ep"]
+__all__ = ["moe_params", "route", "expert", "moe_reference", "moe_ep", "ep_rule"]
 
 
 def moe_params(dim: int, hidden: int, experts: int, seed: int = 0) -> dict:
@@ -29,17 +32,31 @@ def moe_params(dim: int, hidden: int, experts: int, seed: int = 0) -> dict:
 
     Example:
         >>> p = moe_params(8, 16, 4)
-        >>> tuple(p["router"].shape), len(p["experts"]), tuple(p["experts"][0]["w_down"].shape)
-        ((8, 4), 4, (16, 8))
+        >>> tuple(p["router"].shape), tuple(p["experts"]["w_down"].shape)
+        ((8, 4), (4, 16, 8))
     """
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape):
-        return torch.randn(shape, generator=g) / shape[0] ** 0.5  # cpu: test data
+        return torch.randn(shape, generator=g) / shape[-2] ** 0.5  # cpu: test data
 
     return {"router": w(dim, experts),
-            "experts": [{"w_gate": w(dim, hidden), "w_up": w(dim, hidden),
-                         "w_down": w(hidden, dim)} for _ in range(experts)]}
+            "experts": {"w_gate": w(experts, dim, hidden), "w_up": w(experts, dim, hidden),
+                        "w_down": w(experts, hidden, dim)}}
+
+
+def ep_rule(path: tuple) -> Any:
+    """The expert-parallel placement of :func:`moe_params`' tensors: the stacked experts
+    (``w_gate``, ``w_up``, ``w_down``) ``Shard(0)``, whole experts per rank; everything else
+    (the router) ``Replicate()``.
+
+    Example:
+        >>> ep_rule(("experts", "w_up")), ep_rule(("router",))
+        (Shard(dim=0), Replicate())
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    return Shard(0) if path and path[-1] in ("w_gate", "w_up", "w_down") else Replicate()
 
 
 def route(x: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,9 +66,9 @@ def route(x: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     return ids, top / top.sum(-1, keepdim=True)
 
 
-def expert(p: dict, t: torch.Tensor) -> torch.Tensor:
-    """One SwiGLU expert on the tokens ``t`` [N, D]."""
-    return (F.silu(t @ p["w_gate"]) * (t @ p["w_up"])) @ p["w_down"]
+def expert(p: dict, t: torch.Tensor, e: int) -> torch.Tensor:
+    """Expert ``e`` of the stacked experts ``p`` (SwiGLU) on the tokens ``t`` [N, D]."""
+    return (F.silu(t @ p["w_gate"][e]) * (t @ p["w_up"][e])) @ p["w_down"][e]
 
 
 def moe_reference(params: dict, x: torch.Tensor, k: int) -> torch.Tensor:
@@ -64,17 +81,19 @@ def moe_reference(params: dict, x: torch.Tensor, k: int) -> torch.Tensor:
     """
     ids, weights = route(x, params["router"], k)
     out = torch.zeros_like(x)
-    for e, p in enumerate(params["experts"]):
+    for e in range(params["router"].shape[-1]):
         tok, slot = (ids == e).nonzero(as_tuple=True)
         if tok.numel():
-            out = out.index_add(0, tok, expert(p, x[tok]) * weights[tok, slot, None])
+            out = out.index_add(0, tok, expert(params["experts"], x[tok], e)
+                                * weights[tok, slot, None])
     return out
 
 
-def moe_ep(router: torch.Tensor, local_experts: list, x: torch.Tensor, k: int, axis: str,
+def moe_ep(router: torch.Tensor, local_experts: dict, x: torch.Tensor, k: int, axis: str,
            num_experts: int, *, mesh: Optional[Any] = None) -> torch.Tensor:
     """The layer with experts split over ``axis``: rank ``i`` holds experts
-    ``[i*E/n, (i+1)*E/n)`` (``local_experts``); ``x`` and the router are this rank's.
+    ``[i*E/n, (i+1)*E/n)`` (``local_experts``, stacked: :func:`ep_rule`'s pieces); ``x`` and
+    the router are this rank's.
 
     Tokens go to their experts' ranks in one ``all_to_all`` (uneven counts), are computed
     there, and come back in another; the top-k weights combine them where they started.
@@ -82,7 +101,7 @@ def moe_ep(router: torch.Tensor, local_experts: list, x: torch.Tensor, k: int, a
     Args:
         router: The router weights [D, E], data-parallel: its gradient here is this rank's
             tokens' (reduce it over the data-parallel ranks as any parameter's).
-        local_experts: This rank's experts (parameter dicts), ``E / n`` of them.
+        local_experts: This rank's experts, stacked (``{"w_gate": [E/n, D, H], ...}``).
         x: This rank's tokens [T, D].
         k: Experts per token.
         axis: The expert-parallel mesh axis.
@@ -97,10 +116,11 @@ def moe_ep(router: torch.Tensor, local_experts: list, x: torch.Tensor, k: int, a
             experts.
     """
     n = lax.axis_size(axis, mesh=mesh)
-    if num_experts % n or len(local_experts) != num_experts // n:
+    have = local_experts["w_up"].shape[0]
+    if num_experts % n or have != num_experts // n:
         raise ValueError(f"moe_ep: {num_experts} experts over {n} ranks need "
                          f"{num_experts // n if num_experts % n == 0 else '?'} local experts "
-                         f"each (and E a multiple of {n}); got {len(local_experts)}")
+                         f"each (and E a multiple of {n}); got {have}")
     per = num_experts // n
     first = lax.axis_index(axis, mesh=mesh) * per
     # The router is data-parallel: its gradient stays this rank's (FSDP or DDP reduces it).
@@ -116,10 +136,10 @@ def moe_ep(router: torch.Tensor, local_experts: list, x: torch.Tensor, k: int, a
     recv_x = lax.all_to_all(x[tok], axis, 0, 0, split_sizes=sizes, mesh=mesh)
     recv_ids = lax.all_to_all(sent_ids, axis, 0, 0, split_sizes=sizes, mesh=mesh)
     out = torch.zeros_like(recv_x)
-    for j, p in enumerate(local_experts):
+    for j in range(per):
         pos = (recv_ids == first + j).nonzero(as_tuple=True)[0]
         if pos.numel():
-            out = out.index_copy(0, pos, expert(p, recv_x[pos]))
+            out = out.index_copy(0, pos, expert(local_experts, recv_x[pos], j))
     back = lax.all_to_all(out, axis, 0, 0, split_sizes=back_sizes, mesh=mesh)
     w = weights.reshape(-1)[order]
     return torch.zeros_like(x).index_add(0, tok, back * w[:, None])

@@ -121,8 +121,9 @@ def sharded(init_rule: Rule, seed: int = 0) -> Callable:
     """An ``init_fn`` for :func:`vfsdp.shard` that fills each rank's pieces only.
 
     Args:
-        init_rule: A rule (:func:`rule`).
-        seed: The seed; the same seed gives the same values under any plan.
+        init_rule: A rule (:func:`rule`), given each tensor's global shape.
+        seed: The seed; the same seed gives the same values under any plan, including a
+            ``tp=`` plan's pieces (the global tensor's values at the piece's places).
 
     Returns:
         ``init_fn(path, local, tspec)`` for ``vfsdp.shard(..., init_fn=...)``.
@@ -144,8 +145,17 @@ def sharded(init_rule: Rule, seed: int = 0) -> Callable:
 
     def init_fn(path, local, tspec) -> None:
         lo, hi = tspec.local_range(local_rank(local))
-        kind = init_rule(tuple(path), tuple(tspec.shape))
-        values = _values(kind, tuple(path), lo, hi, tspec.numel, seed, local.dtype)
+        st = tspec.strided
+        kind = init_rule(tuple(path), tspec.global_shape)
+        if st is None or st.dim is None or lo == hi:
+            values = _values(kind, tuple(path), lo, hi, tspec.numel, seed, local.dtype)
+        else:  # a TP/EP piece: its elements' places in the global tensor
+            numel = math.prod(st.global_shape)
+            where = torch.arange(numel).view(st.global_shape).narrow(  # cpu: index arithmetic
+                st.dim, st.start, st.lengths[st.index]).reshape(-1)[lo:hi]
+            first, last = int(where.min()), int(where.max()) + 1
+            span = _values(kind, tuple(path), first, last, numel, seed, local.dtype)
+            values = span[where - first]
         local.view(-1).copy_(values.to(local.device))
 
     return init_fn

@@ -21,10 +21,19 @@ Roots come from a deterministic LPT plan (:func:`plan_roots`): matrices by Newto
 ``rows * cols * min(rows, cols)`` descending, each to the least-loaded rank, ties to the rank
 that holds most of it. The next wave's gather is in flight while the current wave's
 Newton-Schulz runs. Over HSDP the shard group does this once per replica.
+
+Tensor parallelism (a ``vfsdp.plan(..., tp=rule)`` spec): Muon orthogonalises the **global**
+matrix, not a TP piece. Roots are then planned on global shapes alone, so a matrix has the same
+root on every index of the model axis; each root gathers the pieces over that axis (one
+all-gather per wave, of every such matrix the rank is root of), runs Newton-Schulz on the
+whole matrix and keeps its own piece. Every index computes the same result (the model axis'
+ranks repeat the Newton-Schulz work rather than exchange it again). The model axis' group
+comes from the mesh the shards were made on (``vfsdp.shard(params, spec, mesh=mesh)``).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +42,7 @@ from typing import Any, Optional
 import torch
 
 from vfsdp import _torch_private as tp
+from vfsdp.collectives import comm
 from vfsdp.collectives.redistribute import Redistribution
 from vfsdp.collectives.slot import Role
 from vfsdp.functional.state import param_tree
@@ -50,6 +60,7 @@ from vfsdp.optim.base import (
     unit_buffers,
 )
 from vfsdp.optim.fused import scale_
+from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["muon", "plan_roots", "newton_schulz", "MuonState", "MuonPlan", "Matrix", "Wave",
@@ -82,10 +93,11 @@ def plan_roots(tensors: list[TensorSpec], world_size: int) -> list[int]:
     load = [0] * world_size
     roots = [0] * len(tensors)
     order = sorted(range(len(tensors)), key=lambda i: (-_cost(tensors[i]), i))
+    split = any(t.strided is not None for t in tensors)  # the same roots on every model index
     for i in order:
         t = tensors[i]
         held = [0] * world_size
-        for r in t.ranks():
+        for r in t.ranks() if not split else ():
             lo, hi = t.local_range(r)
             held[r] = hi - lo
         r = min(range(world_size), key=lambda q: (load[q], -held[q], q))
@@ -95,8 +107,56 @@ def plan_roots(tensors: list[TensorSpec], world_size: int) -> list[int]:
 
 
 def _cost(t: TensorSpec) -> int:
-    r, c = t.shape[-2], t.shape[-1]
+    r, c = t.global_shape[-2], t.global_shape[-1]
     return r * c * min(r, c)
+
+
+def _split(m: Matrix) -> bool:
+    return m.spec.strided is not None and m.spec.strided.dim is not None \
+        and m.spec.strided.size > 1
+
+
+def _whole(mats: list, fulls: list, model: Any, device: torch.device, dtype: torch.dtype) -> list:
+    """The global matrices of TP-split ``mats`` (this rank is their root), from their pieces
+    ``fulls`` on every index of the model axis: one all-gather over it, padded to the largest
+    index's share."""
+    if not mats:
+        return []
+    st0 = mats[0].spec.strided
+    size = st0.size
+
+    def numels(i: int) -> list:
+        out = []
+        for m in mats:
+            st = m.spec.strided
+            shape = list(st.global_shape)
+            shape[st.dim] = st.lengths[i]
+            out.append(shape)
+        return out
+
+    shapes = [numels(i) for i in range(size)]
+    widths = [sum(math.prod(sh) for sh in row) for row in shapes]
+    width = max(widths)
+    send = torch.zeros(width, dtype=dtype, device=device)
+    if widths[st0.index]:
+        torch.cat([f.reshape(-1) for f in fulls], out=send[:widths[st0.index]])
+    recv = torch.empty(size * width, dtype=dtype, device=device)
+    if model is None:
+        raise ValueError(f"muon: {format_path(mats[0].spec.path)} is split over "
+                         f"{st0.axis!r}; Newton-Schulz needs the whole matrix, so vfsdp needs "
+                         f"that axis' group: shard with vfsdp.shard(params, spec, mesh=mesh) on "
+                         f"the mesh with {st0.axis!r}, not its data sub-mesh")
+    comm.all_gather_into(recv, send, model)
+    out = []
+    offsets = [i * width for i in range(size)]
+    for j, m in enumerate(mats):
+        parts = []
+        for i in range(size):
+            n = math.prod(shapes[i][j])
+            parts.append(recv[offsets[i]:offsets[i] + n].view(shapes[i][j]))
+            offsets[i] += n
+        out.append(torch.cat(parts, m.spec.strided.dim))
+    return out
 
 
 @dataclass(frozen=True)
@@ -285,15 +345,23 @@ def muon(
                 fulls = pending.wait()
                 if w + 1 < len(plan.waves):
                     pending = start(plan.waves[w + 1])  # in flight during Newton-Schulz
+                split = [j for j, m in enumerate(wave.matrices) if m.root == rank and _split(m)]
+                whole = dict(zip(split, _whole(
+                    [wave.matrices[j] for j in split],
+                    [fulls[j].view(wave.matrices[j].spec.shape) for j in split],
+                    first.groups.model, device, plan.dtype)))
                 out = []
-                for m, full in zip(wave.matrices, fulls):
+                for j, (m, full) in enumerate(zip(wave.matrices, fulls)):
                     if m.root != rank:
                         out.append(full)  # empty: this rank is not the root
                         continue
-                    o = newton_schulz(full.view(m.spec.shape), ns_steps)
-                    rows, cols = m.spec.shape
+                    o = newton_schulz(whole.get(j, full.view(m.spec.shape)), ns_steps)
+                    rows, cols = m.spec.global_shape
                     o.mul_(max(1.0, rows / cols) ** 0.5 if scale == "original"
                            else 0.2 * max(rows, cols) ** 0.5)
+                    if j in whole:  # this index's piece of the global update
+                        st = m.spec.strided
+                        o = o.narrow(st.dim, st.start, st.lengths[st.index])
                     out.append(o.reshape(-1))
                 back = wave.from_roots.run(out, group, device, plan.dtype)
                 for m, piece in zip(wave.matrices, back):

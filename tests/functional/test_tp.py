@@ -4,7 +4,7 @@ trains like one process."""
 import optree
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import vfsdp
 from vfsdp import lax
@@ -38,7 +38,7 @@ def _mlp(p, x, mesh=None):
     return (x + h) * p["norm"]
 
 
-def _tp_fsdp(dp, tp, replicas=1):
+def _tp_fsdp(dp, tp, replicas=1, tp_local=False):
     """(replicas x dp) data-parallel ranks (HSDP when replicas > 1) times tp."""
     if replicas > 1:
         mesh = vfsdp.mesh(("rep", replicas), ("dp", dp), ("tp", tp))
@@ -49,9 +49,14 @@ def _tp_fsdp(dp, tp, replicas=1):
         data_mesh, data_shape = mesh["dp"], dp
         group = mesh.get_local_rank("dp")  # tp ranks of one dp group see the same batch
     groups = replicas * dp
-    local = lax.tp_local(_params(), _rule, "tp", mesh=mesh)
-    spec = vfsdp.plan(local, data_shape)
-    shards = vfsdp.shard(local, spec, mesh=data_mesh)
+    if tp_local:  # TP-local tensors planned as any tree over the data mesh
+        local = lax.tp_local(_params(), _rule, "tp", mesh=mesh)
+        spec = vfsdp.plan(local, data_shape)
+        shards = vfsdp.shard(local, spec, mesh=data_mesh)
+    else:  # the global tensors, split by the plan (StridedRaggedShard); runs on the full mesh
+        spec = vfsdp.plan(_params(), mesh, tp=_rule)
+        shards = vfsdp.shard(_params(), spec, mesh=mesh)
+        data_mesh = mesh
     opt = vfsdp.optim.adamw(lr=LR, weight_decay=0.0)
     state = opt.init(shards, spec)
     for step in range(STEPS):
@@ -77,11 +82,15 @@ def _reference(dp):
     return {k: v.detach() for k, v in params.items()}
 
 
-@pytest.mark.parametrize("replicas, dp, tp", [(1, 2, 2), (1, 1, 4), (1, 4, 1), (2, 2, 2)])
-def test_tp_times_fsdp_trains_like_one_process(replicas, dp, tp):
-    """(2, 2, 2): HSDP (replicate x shard) times TP, 8 simulated ranks."""
+@pytest.mark.parametrize("replicas, dp, tp, tp_local", [
+    (1, 2, 2, False), (1, 1, 4, False), (1, 4, 1, False), (2, 2, 2, False), (1, 2, 2, True),
+    (2, 2, 2, True)])
+def test_tp_times_fsdp_trains_like_one_process(replicas, dp, tp, tp_local):
+    """(2, 2, 2): HSDP (replicate x shard) times TP, 8 simulated ranks. tp_local: the pieces
+    cut by lax.tp_local and planned as a plain tree, instead of vfsdp.plan(..., tp=rule)."""
     want = _reference(replicas * dp)
-    for rank, got in enumerate(simulate(replicas * dp * tp, _tp_fsdp, dp, tp, replicas)):
+    for rank, got in enumerate(simulate(replicas * dp * tp, _tp_fsdp, dp, tp, replicas,
+                                        tp_local)):
         i = rank % tp  # this rank's index along "tp"
         pieces = {k: (want[k].tensor_split(tp, _rule((k,)).dim)[i]
                       if isinstance(_rule((k,)), Shard) else want[k]) for k in want}
@@ -133,3 +142,60 @@ def test_communication_per_step_is_the_analytic_count(dp, tp):
                        "reduce_scatter": 1, "reduce_scatter_bytes": dp * s * 4,
                        "all_reduce": 1, "all_reduce_bytes": T * D * 4,
                        "backward_marks": 2, "backward_marks_bytes": 24 + 1}
+
+
+
+def _export(dp, tp):
+    mesh = vfsdp.mesh(("dp", dp), ("tp", tp))
+    p = {"w_up": torch.randn(6, 8), "w_down": torch.randn(8, 6), "odd": torch.randn(4, 10)}
+    rule = {"w_up": Shard(1), "w_down": Shard(0), "odd": Shard(1)}
+    spec = vfsdp.plan(p, mesh, tp=lambda path: rule[path[-1]], units=lambda path: path,
+                      granularity=vfsdp.rows(1))
+    shards = vfsdp.shard(p, spec, mesh=mesh)
+    kept = vfsdp.to_dtensor(shards, spec, mesh=mesh, ragged="keep")
+    out = {k: (tuple(v.placements), torch.equal(v.full_tensor(), p[k]))
+           if isinstance(v, DTensor) else "kept" for k, v in kept.items()}
+    try:
+        vfsdp.to_dtensor(shards, spec, mesh=mesh)
+    except ValueError as exc:
+        out["error"] = str(exc)
+    out["text"] = vfsdp.visualize(spec, unit=("w_up",))
+    return out
+
+
+def test_to_dtensor_exports_tp_x_fsdp_where_dtensor_can_and_says_why_not():
+    got = simulate(4, _export, 2, 2)[0]
+    # columns over tp, rows over dp: [Shard(0), Shard(1)] on (dp, tp), the global tensor
+    assert got["w_up"] == ((Shard(0), Shard(1)), True)
+    assert got["odd"] == ((Shard(0), Shard(1)), True)
+    # rows over tp, then the piece's rows over dp (tp-major): DTensor orders mesh dims
+    # data-major, so it has no placement for this
+    assert got["w_down"] == "kept"
+    assert "w_down has no DTensor layout: the data axes split its tp-piece by rows too" \
+        in got["error"]
+    assert "Shard(1) over tp" in got["text"] and "the tp=0 piece" in got["text"]
+    # 10 columns over 4: tensor_split gives (3, 3, 2, 2), DTensor's chunk (3, 3, 3, 1)
+    got = simulate(4, _export, 1, 4)[0]
+    assert got["odd"] == "kept"
+    assert "(3, 3, 2, 2), DTensor's Shard(1) (torch.chunk) (3, 3, 3, 1)" in got["error"]
+
+
+def _misuse():
+    mesh = vfsdp.mesh(("dp", 2), ("tp", 2))
+    spec = vfsdp.plan(_params(), mesh, tp=_rule)
+    errors = []
+    for call in (lambda: vfsdp.shard(_params(), spec),                      # no mesh
+                 lambda: vfsdp.shard({**_params(), "w_up": torch.ones(6, 7)}, spec, mesh=mesh)):
+        try:
+            call()
+            errors.append("no error")
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_a_tp_plan_without_its_mesh_or_with_a_wrong_shape_says_what_to_pass():
+    no_mesh, shape = simulate(4, _misuse)[0]
+    assert "pass the mesh it was planned on (mesh=vfsdp.mesh(..., ('tp', 2)))" in no_mesh
+    assert "w_up has shape (6, 7); the spec wants the global (6, 10) or this rank's " \
+           "Shard(1) over tp: 5 of 10 at 0 (index 0/2) piece (6, 5)" in shape

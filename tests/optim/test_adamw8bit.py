@@ -273,3 +273,47 @@ def test_a_failing_compile_warns_and_runs_the_eager_step(monkeypatch):
                                          r"backend for this device\).*compile=False"):
         step(*args)
     assert float(p[0, 0, 0]) < 0  # the eager step ran
+
+
+def _tp_rule(path):
+    from torch.distributed.tensor import Replicate, Shard
+
+    # Cuts on 32-element tile edges (and between matrices of the stacked experts: 2 + 1), so
+    # every TP piece's tiles are tiles of the global tensor; each piece is on the same side
+    # of the 8-bit threshold (MIN_8BIT_NUMEL, which applies per piece) as its tensor.
+    return {"head": Shard(1), "experts": Shard(0)}.get(path[-1], Replicate())
+
+
+def _train_tp(dp, tp, steps=3):
+    mesh = vfsdp.mesh(("dp", dp), ("tp", tp))
+    opt = vfsdp.optim.adamw8bit(lr=1e-2, weight_decay=0.1,
+                                weight_decay_mask=lambda p: p[-1] != "norm")
+    params = _params()
+    spec = vfsdp.plan(params, mesh, tp=_tp_rule, granularity=opt.granularity)
+    shards = vfsdp.shard(params, spec, mesh=mesh)
+    state = opt.init(shards, spec)
+    rank = mesh.get_local_rank("dp")
+    for step in range(1, steps + 1):
+        def local(t, s):
+            st = s.strided
+            if st.dim is not None:
+                t = t.narrow(st.dim, st.start, st.lengths[st.index])
+            return t.reshape(-1)[slice(*s.local_range(rank))]
+
+        state = opt.update(optree.tree_map(local, _grads(step), spec.tree), state, shards, spec)
+    full = vfsdp.gather(shards, spec, mesh=mesh)
+    return [t.detach().clone() for t in optree.tree_leaves(full)]
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 2), (1, 2)])
+def test_8bit_on_tp_x_fsdp_is_bitwise_the_single_process_step(dp, tp):
+    one = simulate(1, _train)[0][0]
+    paths = optree.tree_paths(_params())
+    shapes = [t.shape for t in optree.tree_leaves(_params())]
+    for rank, got in enumerate(simulate(dp * tp, _train_tp, dp, tp)):
+        for path, shape, want, t in zip(paths, shapes, one, got):
+            w = torch.tensor(want).view(shape)
+            place = _tp_rule(path)
+            if hasattr(place, "dim"):
+                w = w.tensor_split(tp, place.dim)[rank % tp]
+            assert torch.equal(t, w), (rank, path)

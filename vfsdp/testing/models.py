@@ -10,7 +10,14 @@ Parameters::
                  "router": [D, E], "experts": [{"w_gate", "w_up", "w_down"} * E]}  # MoE
                 ...]}
 
+With ``experts`` the mixture is dense and soft (every expert computes every token, weighted by
+the router's softmax: the same compute in every system, which the FSDP2 benchmarks rely on).
+With ``top_k > 0`` it is a real top-k routed MoE (:mod:`vfsdp.testing.moe`) whose experts are
+stacked on dim 0: ``"experts": {"w_gate": [E, D, Fe], "w_up": [E, D, Fe], "w_down": [E, Fe, D]}``.
+
 Each element of ``layers`` is one unit under the planner's default rule and ``io`` is the root.
+The tensor- and expert-parallel versions of :func:`block` are in
+:mod:`vfsdp.testing.models_tp`.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from vfsdp.functional import init as vinit
+from vfsdp.testing import moe
 
-__all__ = ["GPTConfig", "meta_params", "init_rule", "block", "embed", "head_loss", "loss_fn",
-           "GPTModule", "TorchGPT"]
+__all__ = ["GPTConfig", "meta_params", "init_rule", "block", "mixture", "embed", "head_loss",
+           "loss_fn", "GPTModule", "TorchGPT"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,7 @@ class GPTConfig:
     seq: int = 64
     experts: int = 0          # > 0: MoE layers with this many small experts
     expert_ffn: int = 32
+    top_k: int = 0            # 0: dense soft mixture; > 0: top-k routing, stacked experts
 
     @property
     def head_dim(self) -> int:
@@ -56,7 +65,12 @@ def meta_params(cfg: GPTConfig) -> dict:
         layer = {"attn_norm": m(cfg.dim), "wq": m(cfg.dim, cfg.heads * hd),
                  "wk": m(cfg.dim, cfg.kv_heads * hd), "wv": m(cfg.dim, cfg.kv_heads * hd),
                  "wo": m(cfg.heads * hd, cfg.dim), "mlp_norm": m(cfg.dim)}
-        if cfg.experts:
+        if cfg.experts and cfg.top_k:
+            e, f = cfg.experts, cfg.expert_ffn
+            layer["router"] = m(cfg.dim, e)
+            layer["experts"] = {"w_gate": m(e, cfg.dim, f), "w_up": m(e, cfg.dim, f),
+                                "w_down": m(e, f, cfg.dim)}
+        elif cfg.experts:
             layer["router"] = m(cfg.dim, cfg.experts)
             layer["experts"] = [{"w_gate": m(cfg.dim, cfg.expert_ffn), "w_up": m(cfg.dim, cfg.expert_ffn),
                                  "w_down": m(cfg.expert_ffn, cfg.dim)} for _ in range(cfg.experts)]
@@ -101,25 +115,59 @@ def _swiglu(h: torch.Tensor, p: dict) -> torch.Tensor:
     return (F.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
 
 
-def block(p: dict, x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
-    """One decoder block on ``(batch, seq, dim)``."""
-    b, t, _ = x.shape
+def _heads(h: torch.Tensor, p: dict, cfg: GPTConfig, heads: int, kv_heads: int) -> torch.Tensor:
+    """Causal GQA over ``heads`` query and ``kv_heads`` key/value heads (all of them, or one
+    tensor-parallel rank's): the attention output before ``wo``, ``(batch, seq, heads * hd)``."""
+    b, t, _ = h.shape
     hd = cfg.head_dim
-    h = _rms(x, p["attn_norm"])
-    q = (h @ p["wq"]).view(b, t, cfg.heads, hd).transpose(1, 2)
-    k = (h @ p["wk"]).view(b, t, cfg.kv_heads, hd).transpose(1, 2)
-    v = (h @ p["wv"]).view(b, t, cfg.kv_heads, hd).transpose(1, 2)
+    q = (h @ p["wq"]).view(b, t, heads, hd).transpose(1, 2)
+    k = (h @ p["wk"]).view(b, t, kv_heads, hd).transpose(1, 2)
+    v = (h @ p["wv"]).view(b, t, kv_heads, hd).transpose(1, 2)
     q, k = _rotary(q), _rotary(k)
-    rep = cfg.heads // cfg.kv_heads
+    rep = heads // kv_heads
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    x = x + att.transpose(1, 2).reshape(b, t, cfg.heads * hd) @ p["wo"]
+    return att.transpose(1, 2).reshape(b, t, heads * hd)
+
+
+def block(p: dict, x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """One decoder block on ``(batch, seq, dim)``."""
+    x = x + _heads(_rms(x, p["attn_norm"]), p, cfg, cfg.heads, cfg.kv_heads) @ p["wo"]
     h = _rms(x, p["mlp_norm"])
-    if "experts" in p:  # dense soft mixture: deterministic, same compute in every system
-        gates = torch.softmax(h @ p["router"], dim=-1)
-        out = sum(gates[..., e:e + 1] * _swiglu(h, ex) for e, ex in enumerate(p["experts"]))
-        return x + out
+    if "experts" in p:
+        return x + mixture(p, h, cfg)
     return x + _swiglu(h, p)
+
+
+def mixture(p: dict, h: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """The MoE part of a block on ``(batch, seq, dim)``: the dense soft mixture, or with
+    ``cfg.top_k`` the top-k routed layer (:func:`vfsdp.testing.moe.moe_reference` over the
+    ``batch * seq`` tokens).
+
+    Args:
+        p: One layer's parameters (``router`` and ``experts``; full, not sharded).
+        h: The normalised input, ``(batch, seq, dim)``.
+        cfg: The model's configuration (``experts``, ``top_k``).
+
+    Returns:
+        The mixture's output, shaped like ``h``.
+
+    Raises:
+        KeyError: ``p`` has no router or experts.
+
+    Example:
+        >>> cfg = GPTConfig(dim=8, heads=2, kv_heads=1, experts=4, expert_ffn=6, top_k=2)
+        >>> p = vfsdp.init.full_tree(init_rule(cfg), meta_params(cfg))["layers"][0]
+        >>> mixture(p, torch.randn(2, 3, 8), cfg).shape
+        torch.Size([2, 3, 8])
+    """
+    if cfg.top_k:
+        out = moe.moe_reference({"router": p["router"], "experts": p["experts"]},
+                                h.reshape(-1, h.shape[-1]), cfg.top_k)
+        return out.view_as(h)
+    # dense soft mixture: deterministic, same compute in every system
+    gates = torch.softmax(h @ p["router"], dim=-1)
+    return sum(gates[..., e:e + 1] * _swiglu(h, ex) for e, ex in enumerate(p["experts"]))
 
 
 def embed(io: dict, tokens: torch.Tensor) -> torch.Tensor:
@@ -228,6 +276,8 @@ def _holder(node: dict) -> torch.nn.Module:
     for k, v in node.items():
         if isinstance(v, list):
             mod.add_module(k, torch.nn.ModuleList(_holder(x) for x in v))
+        elif isinstance(v, dict):  # stacked experts
+            mod.add_module(k, _holder(v))
         else:
             mod.register_parameter(k, torch.nn.Parameter(torch.zeros(v.shape)))  # cpu: holder
     return mod
@@ -236,5 +286,6 @@ def _holder(node: dict) -> torch.nn.Module:
 def _read(mod: torch.nn.Module) -> dict:
     out: dict = dict(mod.named_parameters(recurse=False))
     for k, child in mod.named_children():
-        out[k] = [_read(x) for x in child]
+        out[k] = ([_read(x) for x in child] if isinstance(child, torch.nn.ModuleList)
+                  else _read(child))
     return out

@@ -5,7 +5,6 @@ stored as boxes of the global tensor)."""
 import os
 
 import optree
-import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
@@ -67,7 +66,7 @@ def _local_state(shards, state, spec):
 
 
 def _load(model, axis, dp, n, path, resave=None):
-    mesh, _, spec, shards, opt, state = _setup(model, axis, dp, n, zero=True)
+    mesh, _, spec, shards, _opt, state = _setup(model, axis, dp, n, zero=True)
     tree = vfsdp.checkpoint.load(path, {"params": shards, "opt": state}, spec)
     if resave is not None:
         vfsdp.checkpoint.save(resave, tree, spec, overwrite=True)

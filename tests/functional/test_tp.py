@@ -38,7 +38,7 @@ def _mlp(p, x, mesh=None):
     return (x + h) * p["norm"]
 
 
-def _tp_fsdp(dp, tp, replicas=1, tp_local=False):
+def _tp_fsdp(dp, tp, replicas=1, tp_local=False, clip=None):
     """(replicas x dp) data-parallel ranks (HSDP when replicas > 1) times tp."""
     if replicas > 1:
         mesh = vfsdp.mesh(("rep", replicas), ("dp", dp), ("tp", tp))
@@ -59,27 +59,36 @@ def _tp_fsdp(dp, tp, replicas=1, tp_local=False):
         data_mesh = mesh
     opt = vfsdp.optim.adamw(lr=LR, weight_decay=0.0)
     state = opt.init(shards, spec)
+    norms = []
     for step in range(STEPS):
         vfsdp.zero_grads(shards, spec)
         x, y = _data(step, group)
         full = vfsdp.gather(shards, spec, mesh=data_mesh, grad_reduce="sum")
         loss = (_mlp(full, x, mesh) - y).pow(2).mean() / groups  # summed: the mean
         loss.backward()
+        if clip is not None:  # the norm adds the tp pieces, counts "norm" (replicated) once
+            norms.append(float(vfsdp.clip_grad_norm(vfsdp.grads(shards, spec), spec, clip,
+                                                    mesh=data_mesh)))
         state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
     full = vfsdp.gather(shards, spec, mesh=data_mesh)
-    return {k: v.detach().clone() for k, v in full.items()}
+    out = {k: v.detach().clone() for k, v in full.items()}
+    return (out, norms) if clip is not None else out
 
 
-def _reference(dp):
+def _reference(dp, clip=None):
     params = optree.tree_map(lambda t: t.clone().requires_grad_(True), _params())
     opt = torch.optim.AdamW(list(params.values()), lr=LR, weight_decay=0.0, foreach=False)
+    norms = []
     for step in range(STEPS):
         opt.zero_grad()
         loss = sum((_mlp(params, _data(step, g)[0]) - _data(step, g)[1]).pow(2).mean() / dp
                    for g in range(dp))
         loss.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(list(params.values()), clip)))
         opt.step()
-    return {k: v.detach() for k, v in params.items()}
+    out = {k: v.detach() for k, v in params.items()}
+    return (out, norms) if clip is not None else out
 
 
 @pytest.mark.parametrize("replicas, dp, tp, tp_local", [
@@ -199,3 +208,16 @@ def test_a_tp_plan_without_its_mesh_or_with_a_wrong_shape_says_what_to_pass():
     assert "pass the mesh it was planned on (mesh=vfsdp.mesh(..., ('tp', 2)))" in no_mesh
     assert "w_up has shape (6, 7); the spec wants the global (6, 10) or this rank's " \
            "Shard(1) over tp: 5 of 10 at 0 (index 0/2) piece (6, 5)" in shape
+
+
+@pytest.mark.parametrize("replicas, dp, tp", [(1, 2, 2), (1, 1, 4), (2, 2, 2)])
+def test_clip_grad_norm_of_a_tp_plan_equals_torch_over_the_whole_model(replicas, dp, tp):
+    want, want_norms = _reference(replicas * dp, clip=0.05)
+    for rank, (got, norms) in enumerate(simulate(replicas * dp * tp, _tp_fsdp, dp, tp,
+                                                 replicas, False, 0.05)):
+        assert norms == pytest.approx(want_norms, rel=1e-5) and min(norms) > 0.05
+        i = rank % tp
+        for k, v in got.items():
+            w = want[k].tensor_split(tp, _rule((k,)).dim)[i] \
+                if isinstance(_rule((k,)), Shard) else want[k]
+            assert torch.allclose(v, w, atol=1e-5), (rank, k)

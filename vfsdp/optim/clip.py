@@ -77,7 +77,9 @@ def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = N
     shards of the units whose pieces are a gradient buffer's views, and the other pieces:
     a fixed number of ops; padding is zero and adds nothing, an empty shard adds nothing);
     one all-reduce over the shard group adds the ranks' sums. Over HSDP's replicate dim the
-    gradients are already identical, so they are not added again.
+    gradients are already identical, so they are not added again. For a plan split over a
+    model axis (``vfsdp.plan(..., tp=rule)``) a second all-reduce over that axis adds the
+    other indices' pieces; tensors it replicates are counted by index 0 only.
 
     Args:
         grads: This rank's gradient pieces, shaped like the spec's tree.
@@ -108,7 +110,30 @@ def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = N
 def _norm(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask) -> tuple:
     total, whole, loose, groups = local_squares(leaves, spec, mesh, mask)
     comm.all_reduce_(total, "sum", groups.shard)
+    if spec.model_axis is not None and spec.model_axis[1] > 1:  # TP/EP: the other pieces
+        if groups.model is None:
+            raise ValueError(f"vfsdp.clip_grad_norm: the spec is split over "
+                             f"{spec.model_axis[0]!r}; its norm adds every index's pieces, so "
+                             f"vfsdp needs that axis: make the shards with vfsdp.shard(params, "
+                             f"spec, mesh=mesh) on the mesh with {spec.model_axis[0]!r}")
+        comm.all_reduce_(total, "sum", groups.model)
     return total.sqrt(), whole, loose
+
+
+def _counted(leaves: list, spec: ShardSpec, mask: Mask) -> list:
+    """The pieces this rank counts in a norm of a ``tp=`` plan off model index 0: those of
+    tensors split over the model axis (a replicated tensor is counted by index 0 only)."""
+    out, seen = [], set()
+    tensors = spec.leaves()
+    for members in spec.unit_leaves().values():
+        for i, k in members:
+            t = tensors[i]
+            if (t.unit, k) in seen or not selected(mask, t.path) or t.strided.dim is None:
+                continue
+            seen.add((t.unit, k))
+            if isinstance(leaves[i], torch.Tensor) and leaves[i].numel():
+                out.append(leaves[i])
+    return out
 
 
 def local_squares(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask) -> tuple:
@@ -118,6 +143,8 @@ def local_squares(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask) -> tuple
     groups, device = _groups_and_device(leaves, spec, mesh)
     whole, loose = _plan(leaves, spec, mask)
     pieces = [gdb.shard for gdb in whole] + [p for p in loose if p.numel()]
+    if spec.model_axis is not None and spec.model_axis[2] != 0:
+        pieces = _counted(leaves, spec, mask)
     if pieces:
         # One multi-tensor norm over every piece (fp32 arithmetic, no cast copy of bf16
         # gradients), then the sum of their squares: a fixed number of ops per step.

@@ -34,7 +34,8 @@ class GradTree(NamedTuple):
         mesh: The ``DeviceMesh`` its shards were made on (``None``: the default group).
         replicated: A process group over which this tree's gradients are identical (e.g. a
             tensor-parallel group for parameters every TP rank holds whole): only its rank 0
-            counts them. HSDP's replicate dim is handled without it.
+            counts them. HSDP's replicate dim, and the replicated tensors of a
+            ``vfsdp.plan(..., tp=rule)`` spec, are handled without it.
     """
 
     grads: Any
@@ -50,6 +51,10 @@ def _squares(trees: Sequence[GradTree], what: str) -> tuple[torch.Tensor, list]:
     for t in trees:
         if not isinstance(t, GradTree):
             t = GradTree(*t)
+        if t.replicated is not None and t.spec.model_axis is not None:
+            raise ValueError(f"{what}: a tree of a tp= plan (split over "
+                             f"{t.spec.model_axis[0]!r}) already counts the tensors it "
+                             f"replicates once; drop replicated=")
         leaves = match_tree(t.grads, t.spec, what)
         sq, whole, loose, groups = local_squares(leaves, t.spec, t.mesh, None)
         counted = groups.replicate_rank == 0 and (

@@ -106,7 +106,7 @@ def test_modules_stay_small():
 def test_one_screen_api():
     assert vfsdp.__all__ == [
         "plan", "rows", "whole", "ShapeDtype", "check_spec", "plan_stats",
-        "ShardSpec", "UnitLayout", "TensorSpec", "RaggedShard",
+        "ShardSpec", "UnitLayout", "TensorSpec", "RaggedShard", "StridedRaggedShard",
         "shard", "scatter", "gather", "gather_async", "release",
         "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm",
         "to_dtensor", "from_dtensor", "dtensor_placement",

@@ -3,7 +3,7 @@
 What a user calls, on one screen::
 
     plan, rows, whole, ShapeDtype, check_spec, plan_stats     # plan (pure)
-    ShardSpec, UnitLayout, TensorSpec, RaggedShard            # what a plan holds
+    ShardSpec, UnitLayout, TensorSpec, RaggedShard, StridedRaggedShard   # what a plan holds
     shard, scatter, gather, gather_async, release             # shards <-> full tensors
     reduce_scatter, run_layers, grads, zero_grads             # gradients
     clip_grad_norm                                            # one all-reduce
@@ -18,7 +18,7 @@ The layers underneath (each imports only the ones below it)::
     functional              shard/scatter/gather/reduce over pytrees, run_layers, init
     collectives             Unit, DBuffer, collectives, groups, redistribute
     planner                 plan, spec (pure: no torch.distributed)
-    placements              RaggedShard (pure data)
+    placements              RaggedShard, StridedRaggedShard (pure data)
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from vfsdp.functional import (
 )
 from vfsdp.functional.visualize import visualize
 from vfsdp.optim import clip_grad_norm
-from vfsdp.placements import RaggedShard
+from vfsdp.placements import RaggedShard, StridedRaggedShard
 from vfsdp.planner import (
     ShapeDtype,
     ShardSpec,
@@ -63,7 +63,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "plan", "rows", "whole", "ShapeDtype", "check_spec", "plan_stats",
-    "ShardSpec", "UnitLayout", "TensorSpec", "RaggedShard",
+    "ShardSpec", "UnitLayout", "TensorSpec", "RaggedShard", "StridedRaggedShard",
     "shard", "scatter", "gather", "gather_async", "release",
     "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm",
     "to_dtensor", "from_dtensor", "dtensor_placement",

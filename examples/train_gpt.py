@@ -6,12 +6,22 @@ layers with ``vfsdp.run_layers`` (prefetch, release after forward, regather in b
 reduce-scatter as each layer's backward ends), clips the global gradient norm and applies
 AdamW on the flat shards.
 
+``--tp N`` adds Megatron tensor parallelism (a ``(dp, tp)`` mesh: attention split by heads, the
+MLP by hidden units; the ``tp`` ranks of one data-parallel group read the same batch) and
+``--ep N`` expert parallelism over a top-k routed MoE (a ``(dp, ep)`` mesh: stacked experts
+split over ``ep``, every rank its own batch; the rest of the model data-parallel over every
+rank). Either composes with FSDP (and ``--hsdp``) over the data axes.
+
     python examples/train_gpt.py                       # 4 gloo processes, the embedded corpus
     python examples/train_gpt.py --world-size 2 --steps 40 --png loss.png   # vs one process
     python examples/train_gpt.py --data my.txt --param-dtype bf16 --hsdp 2
     python examples/train_gpt.py --ckpt runs/ckpt --save-every 50       # checkpoints
     python examples/train_gpt.py --world-size 2 --resume runs/ckpt/step-50   # on 2 ranks
+    python examples/train_gpt.py --tp 2                # mesh dp=2 x tp=2
+    python examples/train_gpt.py --ep 2 --experts 4    # mesh dp=2 x ep=2, top-2 routing
+    python examples/train_gpt.py --simulate --tp 2 --hsdp 2 --world-size 8   # threads
     torchrun --nproc-per-node 8 examples/train_gpt.py  # gloo on CPU, NCCL on GPUs
+    torchrun --nproc-per-node 8 examples/train_gpt.py --tp 4   # dp=2 x tp=4
 
 The default corpus is the text of Python's own help topics (``pydoc_data``), so nothing is
 downloaded. The loss curve is saved to ``--out`` as JSON.
@@ -34,6 +44,7 @@ import torch.distributed as dist
 import vfsdp
 from vfsdp.testing import GatheredProbe, simulate, spawn
 from vfsdp.testing.models import GPTConfig, block, embed, head_loss, init_rule, loss_fn, meta_params
+from vfsdp.testing.models_tp import block_ep, block_tp, ep_rule, split_experts, tp_rule
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -104,22 +115,116 @@ def train_step(shards, spec, opt, state, micro_batches, cfg: GPTConfig, gopts: d
     return step_loss, norm, state
 
 
+def train_step_tp(shards, spec, mesh, opt, state, micro_batches, cfg: GPTConfig, gopts: dict):
+    """:func:`train_step` on TP-local pieces: the same FSDP calls with ``mesh=`` (they run
+    over the data axes) and :func:`block_tp` for the layers. ``vfsdp.clip_grad_norm`` of a
+    ``tp=`` plan's gradients is the global norm: the split tensors' pieces add over ``tp``,
+    the replicated ones (the same gradient on every ``tp`` rank) count once."""
+    vfsdp.zero_grads(shards, spec)
+    layer_specs = [spec["layers"][i] for i in range(cfg.layers)]
+    step_loss = 0.0
+    for micro, (tokens, targets) in enumerate(micro_batches):
+        sync = micro == len(micro_batches) - 1
+        io = vfsdp.gather(shards["io"], spec["io"], mesh=mesh, grads="buffer",
+                          free_after_backward=True, grad_sync=sync, **gopts)
+        x = embed(io, tokens)
+        x = vfsdp.run_layers(lambda p, h: block_tp(p, h, cfg, mesh), shards["layers"],
+                             layer_specs, x, mesh=mesh, grad_sync=sync, **gopts)
+        loss = head_loss(io, x, targets) / len(micro_batches)
+        loss.backward()
+        step_loss = step_loss + loss.detach()
+    grads = vfsdp.grads(shards, spec)
+    norm = vfsdp.clip_grad_norm(grads, spec, 1.0, mesh=mesh)
+    state = opt.update(grads, state, shards, spec)
+    return step_loss, norm, state
+
+
+def train_step_ep(trees, mesh, opt, states, micro_batches, cfg: GPTConfig, gopts: dict):
+    """:func:`train_step` with the experts split over ``"ep"``. ``trees`` is ``[(shards,
+    spec)]`` of the rest (FSDP over every rank) and of the experts (over ``"dp"``).
+
+    Each rank's experts compute tokens of every rank of its ``ep`` group, so each rank's
+    loss is divided by the world size and the gradients are summed (``grad_reduce="sum"``):
+    the rest's over every rank, the experts' over ``dp`` (the ``ep`` peers' share came
+    through the all-to-all). An average would count the experts' gradients ``ep`` times.
+    Each layer's experts are gathered inside its ``run_layers`` step and stay gathered until
+    its backward.
+    """
+    (shards, spec), (e_shards, e_spec) = trees
+    world = dist.get_world_size()
+    for s, sp in trees:
+        vfsdp.zero_grads(s, sp)
+    layer_specs = [spec["layers"][i] for i in range(cfg.layers)]
+    step_loss = 0.0
+    for micro, (tokens, targets) in enumerate(micro_batches):
+        opts = dict(gopts, grad_sync=micro == len(micro_batches) - 1, grad_reduce="sum")
+        layer = iter(range(cfg.layers))  # run_layers calls the layer function once per layer
+
+        def layer_fn(p, h):
+            i = next(layer)
+            experts = vfsdp.gather(e_shards["layers"][i]["experts"],
+                                   e_spec["layers"][i]["experts"], mesh=mesh, grads="buffer",
+                                   free_after_backward=True, **opts)
+            return block_ep(dict(p, experts=experts), h, cfg, mesh)
+
+        io = vfsdp.gather(shards["io"], spec["io"], grads="buffer", free_after_backward=True,
+                          **opts)
+        x = vfsdp.run_layers(layer_fn, shards["layers"], layer_specs, embed(io, tokens), **opts)
+        loss = head_loss(io, x, targets) / len(micro_batches)
+        (loss / world).backward()
+        step_loss = step_loss + loss.detach()
+    grads = [vfsdp.grads(s, sp) for s, sp in trees]
+    norm = vfsdp.optim.clip_grad_norm_of([(grads[0], spec), (grads[1], e_spec, mesh)], 1.0)
+    states = [opt.update(g, st, s, sp) for g, st, (s, sp) in zip(grads, states, trees)]
+    return step_loss, norm, states
+
+
 def config(args) -> GPTConfig:
     return GPTConfig(dim=args.dim, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                     ffn=args.ffn, seq=args.seq, experts=args.experts)
+                     ffn=args.ffn, seq=args.seq, experts=args.experts, top_k=args.top_k or 0)
+
+
+def model_mesh(args, world: int):
+    """``(axes, DeviceMesh or None)``: ``[("rep", r),] ("dp", d), ("tp" | "ep", n)`` with
+    ``--tp``/``--ep``, else the plain FSDP (or HSDP) shape and no mesh object."""
+    model = ("tp", args.tp) if args.tp > 1 else ("ep", args.ep) if args.ep > 1 else None
+    if model is None:
+        return ((("rep", args.hsdp),) if args.hsdp > 1 else ()) + (("dp", world // args.hsdp),), None
+    axes = ((("rep", args.hsdp),) if args.hsdp > 1 else ()) + (
+        ("dp", world // (args.hsdp * model[1])), model)
+    return axes, vfsdp.mesh(*axes)
 
 
 def train(args) -> dict:
     """The SPMD training loop; every rank runs it. Returns losses and memory figures."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = config(args)
+    if world % (args.hsdp * args.tp * args.ep):
+        raise ValueError(f"{world} ranks do not split into --hsdp {args.hsdp} x --tp {args.tp} "
+                         f"x --ep {args.ep} x dp")
+    axes, par_mesh = model_mesh(args, world)  # the (rep,) dp x tp|ep mesh, or None
     mesh = (args.hsdp, world // args.hsdp) if args.hsdp > 1 else world
     param_dtype = DTYPES[args.param_dtype]
     opt = make_optimizer(args)  # it declares the blocks it needs kept whole on one rank
-    spec = vfsdp.plan(meta_params(cfg), mesh, granularity=opt.granularity,
-                      comm_dtypes=[torch.bfloat16])
-    shards = vfsdp.shard(meta_params(cfg), spec, init_fn=vfsdp.init.sharded(init_rule(cfg), args.seed))
+    init_fn = vfsdp.init.sharded(init_rule(cfg), args.seed)  # a tp/ep piece: the global values
+    if args.tp > 1:  # one plan of this tp index's pieces over the data axes
+        spec = vfsdp.plan(meta_params(cfg), par_mesh, tp=tp_rule(cfg), tp_axis="tp",
+                          granularity=opt.granularity, comm_dtypes=[torch.bfloat16])
+        shards = vfsdp.shard(meta_params(cfg), spec, mesh=par_mesh, init_fn=init_fn)
+    elif args.ep > 1:  # the rest over every rank, this ep index's experts over "dp"
+        rest, experts = split_experts(meta_params(cfg))
+        spec = vfsdp.plan(rest, mesh, granularity=opt.granularity, comm_dtypes=[torch.bfloat16])
+        shards = vfsdp.shard(rest, spec, init_fn=init_fn)
+        e_spec = vfsdp.plan(experts, par_mesh, tp=ep_rule, tp_axis="ep",
+                            granularity=opt.granularity, comm_dtypes=[torch.bfloat16])
+        e_shards = vfsdp.shard(experts, e_spec, mesh=par_mesh, init_fn=init_fn)
+        e_state = opt.init(e_shards, e_spec)
+    else:
+        spec = vfsdp.plan(meta_params(cfg), mesh, granularity=opt.granularity,
+                          comm_dtypes=[torch.bfloat16])
+        shards = vfsdp.shard(meta_params(cfg), spec, init_fn=init_fn)
     state = opt.init(shards, spec)
+    data_rank = rank // args.tp  # the tp ranks of one data-parallel group: the same batch
     first = 1
     if args.resume:  # any world size, mesh or optimizer plan: the checkpoint reshards
         tree = vfsdp.checkpoint.load(args.resume, {"params": shards, "opt": state, "step": 0},
@@ -133,20 +238,30 @@ def train(args) -> dict:
         else torch.device("cpu")
     gopts = {"param_dtype": param_dtype, "reduce_dtype": torch.float32}
 
-    losses, probe, t_start = [], GatheredProbe(), time.perf_counter()
-    tokens_per_step = world * args.batch * args.seq * args.accumulate
+    losses, norms, probe, t_start = [], [], GatheredProbe(), time.perf_counter()
+    tokens_per_step = world // args.tp * args.batch * args.seq * args.accumulate
     for step in range(first, args.steps + 1):
-        micro_batches = [tuple(t.to(device) for t in batch(data, step, rank, micro, args))
+        micro_batches = [tuple(t.to(device) for t in batch(data, step, data_rank, micro, args))
                          for micro in range(args.accumulate)]
         with probe:
-            step_loss, norm, state = train_step(shards, spec, opt, state, micro_batches, cfg, gopts)
+            if args.tp > 1:
+                step_loss, norm, state = train_step_tp(shards, spec, par_mesh, opt, state,
+                                                       micro_batches, cfg, gopts)
+            elif args.ep > 1:
+                step_loss, norm, (state, e_state) = train_step_ep(
+                    [(shards, spec), (e_shards, e_spec)], par_mesh, opt, [state, e_state],
+                    micro_batches, cfg, gopts)
+            else:
+                step_loss, norm, state = train_step(shards, spec, opt, state, micro_batches,
+                                                    cfg, gopts)
         dist.all_reduce(step_loss)
         losses.append(float(step_loss) / world)
+        norms.append(float(norm))
         if rank == 0:
             elapsed = time.perf_counter() - t_start
             done = int(30 * step / args.steps)
             print(f"\r[{'#' * done}{'.' * (30 - done)}] step {step}/{args.steps} loss "
-                  f"{losses[-1]:.4f} |g| {float(norm):.3f} "
+                  f"{losses[-1]:.4f} |g| {norms[-1]:.3f} "
                   f"{tokens_per_step * (step - first + 1) / elapsed:,.0f} tok/s",
                   end="", file=sys.stderr, flush=True)
         if args.ckpt and (step == args.steps or (args.save_every and step % args.save_every == 0)):
@@ -159,9 +274,10 @@ def train(args) -> dict:
     if rank == 0:
         print(file=sys.stderr)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"losses": losses, "rank": rank, "peak_gathered_mib": probe.peak_bytes / 2**20,
-            "peak_rss_mib": rss, "seconds": time.perf_counter() - t_start,
-            "tokens": tokens_per_step * (args.steps - first + 1)}
+    return {"losses": losses, "grad_norms": norms, "rank": rank,
+            "peak_gathered_mib": probe.peak_bytes / 2**20, "peak_rss_mib": rss,
+            "mesh": " x ".join(f"{n}={s}" for n, s in axes),
+            "seconds": time.perf_counter() - t_start, "tokens": tokens_per_step * (args.steps - first + 1)}
 
 
 def reference(args, world: int) -> list:
@@ -247,10 +363,17 @@ def parse(argv=None):
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--ffn", type=int, default=256)
-    ap.add_argument("--experts", type=int, default=0, help="MoE layers with this many experts")
+    ap.add_argument("--experts", type=int, default=0,
+                    help="MoE layers with this many experts (a dense soft mixture; see --top-k)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--hsdp", type=int, default=1, help="replicate dim of a (replicate, shard) mesh")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron, x FSDP)")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel degree (x FSDP); needs --experts, routes top-k")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="route each token to its top-k experts (default: 2 with --ep, else the "
+                         "dense soft mixture)")
     ap.add_argument("--optim", choices=["adamw", "adamw8bit", "muon"], default="adamw")
     ap.add_argument("--data", help="a text file to train on (default: Python's help topics)")
     ap.add_argument("--seed", type=int, default=0)
@@ -261,8 +384,30 @@ def parse(argv=None):
     ap.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     ap.add_argument("--resume", help="a checkpoint directory to continue from (any world size)")
     args = ap.parse_args(argv)
-    if args.world_size % args.hsdp:
-        ap.error(f"--hsdp {args.hsdp} must divide --world-size {args.world_size}")
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.world_size
+    for name in ("hsdp", "tp", "ep"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if world % (args.hsdp * args.tp * args.ep):
+        ap.error(f"the world size {world} must be a multiple of --hsdp {args.hsdp} x --tp "
+                 f"{args.tp} x --ep {args.ep} (the rest is the data-parallel shard dim)")
+    if args.tp > 1 and args.ep > 1:
+        ap.error("--tp and --ep together (a 3-D dp x tp x ep mesh) are not supported by this "
+                 "example; use one of them")
+    if args.tp > 1 and (args.heads % args.tp or args.kv_heads % args.tp):
+        ap.error(f"--tp {args.tp} splits attention by heads: --heads {args.heads} and --kv-heads "
+                 f"{args.kv_heads} must both be multiples of it")
+    if args.ep > 1 and (not args.experts or args.experts % args.ep):
+        ap.error(f"--ep {args.ep} splits the experts: give --experts E, a multiple of {args.ep} "
+                 f"(got {args.experts})")
+    if args.top_k is None and args.ep > 1:
+        args.top_k = 2
+    if args.top_k is not None and not (args.experts and 1 <= args.top_k <= args.experts):
+        ap.error(f"--top-k {args.top_k} needs --experts E with 1 <= k <= E "
+                 f"(got --experts {args.experts})")
+    if args.ep > 1 and (args.ckpt or args.resume):
+        ap.error("--ckpt/--resume with --ep: the model is two plans (experts and the rest), "
+                 "which one checkpoint here does not hold; drop --ep or the checkpoint")
     return args
 
 
@@ -282,6 +427,7 @@ def main(argv=None) -> int:
         world = args.world_size
         results = simulate(world, train, args) if args.simulate else spawn(train, world, args)
     losses = results[0]["losses"]
+    print(f"mesh: {results[0]['mesh']} ({world} ranks)")
     for r in results:
         print(f"rank {r['rank']}: peak RSS {r['peak_rss_mib']:.0f} MiB, peak gathered parameters "
               f"{r['peak_gathered_mib']:.2f} MiB, {r['tokens'] / r['seconds']:,.0f} tok/s")
@@ -289,27 +435,30 @@ def main(argv=None) -> int:
         print(f"nothing to do: the checkpoint is at or past step {args.steps}")
         return 0
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
-    title = (f"{world} ranks, {args.optim}, {args.param_dtype}, {args.steps} steps "
-             f"(dim {args.dim}, {args.layers} layers)")
+    title = (f"{world} ranks ({results[0]['mesh']}), {args.optim}, {args.param_dtype}, "
+             f"{args.steps} steps (dim {args.dim}, {args.layers} layers)")
     if args.out:  # saved before the (slow) reference run, so a failure there loses nothing
-        save_curve(args.out, args, losses, None)
+        save_curve(args.out, args, results[0], None)
         print(f"loss curve saved to {args.out}")
     if args.png:
         plot(args.png, losses, None, title)  # the sharded curve alone first, for the same reason
         print("running the same training in one process for comparison ...", file=sys.stderr)
-        ref = reference(args, world)
+        ref = reference(args, world // args.tp)  # the data-parallel ranks' batches
         if args.out:
-            save_curve(args.out, args, losses, ref)
+            save_curve(args.out, args, results[0], ref)
         plot(args.png, losses, ref, title)
         gap = max(abs(a - b) for a, b in zip(losses, ref[len(ref) - len(losses):]))
         print(f"max |loss - single-process loss| = {gap:.2e}; plot saved to {args.png}")
     return 0
 
 
-def save_curve(path: str, args, losses: list, ref: list | None) -> None:
+def save_curve(path: str, args, result: dict, ref: list | None) -> None:
+    """The run's arguments, mesh, losses and gradient norms (before clipping), and the
+    single-process losses when there are some."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"args": vars(args), "losses": losses, "reference": ref}, f)
+        json.dump({"args": vars(args), "mesh": result["mesh"], "losses": result["losses"],
+                   "grad_norms": result["grad_norms"], "reference": ref}, f)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,12 @@
 * Multi-tensor kernels: :func:`foreach` (``torch._foreach_*``, with a per-tensor fallback) and
   :func:`fused_adamw` (``torch._fused_adamw_``, the kernel of ``torch.optim.AdamW(fused=True)``).
 
+* The compiled path: :func:`compiling` (``torch.compiler.is_compiling``), the functional
+  collectives ``torch.ops._c10d_functional`` (:func:`traced_all_gather`,
+  :func:`traced_all_reduce`, :func:`traced_reduce_scatter`), dynamo's
+  ``trace_autograd_ops`` switch (:func:`trace_autograd_ops`) and
+  ``torch._dynamo.assume_constant_result`` (:func:`constant_result`).
+
 Other torch versions may move or change these, so they are guarded and versioned here.
 """
 
@@ -46,7 +52,9 @@ __all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_worl
            "report_failure", "groups_are_per_thread", "graph_task_id", "keep_graph",
            "running_node_seq", "storage_refs", "settle_transient_refs", "copy_many",
            "add_many", "zero_many", "foreach", "has_fused_adamw", "fused_adamw",
-           "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH"]
+           "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH",
+           "compiling", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter",
+           "trace_autograd_ops", "constant_result"]
 
 TESTED_TORCH = ((2, 11), (2, 13))
 _LOCK = threading.Lock()
@@ -254,3 +262,47 @@ def threaded_world() -> Iterator[object]:
 def report_failure(mtp, exc: BaseException) -> None:
     """Wake the other rank threads blocked in a collective after one rank failed."""
     mtp.ProcessLocalGroup.exception_handle(exc)
+
+
+# ------------------------------------------------------------------ compiled (traced) path
+
+
+def compiling() -> bool:
+    """Whether ``torch.compile`` (dynamo) is tracing the running code."""
+    return bool(torch.compiler.is_compiling())
+
+
+def traced_all_gather(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    """Every rank's 1-D ``x`` concatenated (``size`` ranks of the group named ``group_name``),
+    as a traceable, differentiable functional collective: its backward reduce-scatters (sum).
+    ``torch.ops._c10d_functional.all_gather_into_tensor`` with its registered autograd (torch
+    2.13; 2.11 keeps it in ``_c10d_functional_autograd``)."""
+    ops = torch.ops._c10d_functional_autograd if _torch_version() < (2, 12) else \
+        torch.ops._c10d_functional
+    out = ops.all_gather_into_tensor(x.contiguous(), size, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def traced_all_reduce(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    """``x`` reduced over the group named ``group_name``: a traceable functional collective
+    (not differentiable: for norms and for gradients inside a backward)."""
+    out = torch.ops._c10d_functional.all_reduce(x.contiguous(), op, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def traced_reduce_scatter(x: torch.Tensor, op: str, group_name: str, size: int) -> torch.Tensor:
+    """``x`` (1-D, ``size * n`` elements) reduced over the group, this rank's ``n``: traceable."""
+    out = torch.ops._c10d_functional.reduce_scatter_tensor(x.contiguous(), op, size, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def trace_autograd_ops() -> contextlib.AbstractContextManager:
+    """``torch._dynamo.config.patch(trace_autograd_ops=True)``: lets dynamo trace
+    ``loss.backward()`` and ``torch.autograd.grad`` inside a compiled function (torch 2.13)."""
+    return torch._dynamo.config.patch(trace_autograd_ops=True)
+
+
+def constant_result(fn):
+    """``torch._dynamo.assume_constant_result``: ``fn`` runs eagerly while tracing and its
+    (plain Python) result is baked into the graph."""
+    return torch._dynamo.assume_constant_result(fn)

@@ -27,6 +27,7 @@ from vfsdp.collectives.handle import Handle
 from vfsdp.functional.ledger import ledger
 from vfsdp.functional.options import GatherOptions, GradOptions, split_options
 from vfsdp.functional.reduce import reduce_unit
+from vfsdp.functional.traced import check_traced_options, traced_gather
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import find_unit, pack_unit, units_of
 from vfsdp.planner.spec import ShardSpec
@@ -254,6 +255,9 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
         [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]] [[1.5, 1.5]]
     """
     what = "vfsdp.gather"
+    if tp.compiling():  # torch.compile: the functional path (vfsdp.functional.traced)
+        check_traced_options(grads, accumulate_grads, grad_sync, async_reduce, what)
+        return traced_gather(shards, spec, mesh, param_dtype, grad_reduce, reduce_dtype)
     gopts = GatherOptions(param_dtype, free_after_backward)
     ropts = GradOptions(grad_reduce, reduce_dtype, grads, accumulate_grads, grad_sync,
                         async_reduce)

@@ -50,6 +50,11 @@ def ep_rule(path: tuple) -> Any:
     (``w_gate``, ``w_up``, ``w_down``) ``Shard(0)``, whole experts per rank; everything else
     (the router) ``Replicate()``.
 
+    Gradients: an expert's gradient sums the tokens of every ``ep`` rank, but FSDP reduces it
+    over the data axis only, so ``grad_reduce="avg"`` would divide by the data axis' size, not
+    by the number of ranks whose tokens it saw. Gather with ``grad_reduce="sum"`` and divide
+    the loss by the world size (the global mean), as the tests and ``train_gpt.py --ep`` do.
+
     Example:
         >>> ep_rule(("experts", "w_up")), ep_rule(("router",))
         (Shard(dim=0), Replicate())

@@ -60,11 +60,11 @@ def unit_plan(spec: ShardSpec, mesh: Any) -> tuple:
         for i, k in members:
             first.setdefault(k, i)
         pieces, views = [], []
-        for k, i in sorted(first.items(), key=lambda kv: tensors[kv[1]].shard_range(rank)):
+        for _k, i in sorted(first.items(), key=lambda kv: tensors[kv[1]].shard_range(rank)):
             t: TensorSpec = tensors[i]
             lo, hi = t.shard_range(rank)
             pieces.append((i, lo, hi))  # empty ones too: their gradient is an empty tensor
-        for i, k in members:
+        for i, _k in members:
             t = tensors[i]
             views.append((i, t.offset, t.numel, tuple(t.shape)))
         units.append((layout.shard_numel, layout.dtype, tuple(pieces), tuple(views)))

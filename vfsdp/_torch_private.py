@@ -54,7 +54,8 @@ __all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_worl
            "add_many", "zero_many", "foreach", "has_fused_adamw", "fused_adamw",
            "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH",
            "compiling", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter",
-           "trace_autograd_ops", "constant_result"]
+           "traced_all_reduce_autograd",
+           "trace_autograd_ops", "constant_result", "traced_gather_ops"]
 
 TESTED_TORCH = ((2, 11), (2, 13))
 _LOCK = threading.Lock()
@@ -290,10 +291,24 @@ def traced_all_reduce(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
+def traced_all_reduce_autograd(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    """``x`` reduced over the group, differentiable (the backward all-reduces the gradient)."""
+    ops = torch.ops._c10d_functional_autograd if _torch_version() < (2, 12) else \
+        torch.ops._c10d_functional
+    out = ops.all_reduce(x.contiguous(), op, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
 def traced_reduce_scatter(x: torch.Tensor, op: str, group_name: str, size: int) -> torch.Tensor:
     """``x`` (1-D, ``size * n`` elements) reduced over the group, this rank's ``n``: traceable."""
     out = torch.ops._c10d_functional.reduce_scatter_tensor(x.contiguous(), op, size, group_name)
     return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def traced_gather_ops() -> tuple:
+    """The ops of a traced all-gather (the collective and its wait)."""
+    return (torch.ops._c10d_functional.all_gather_into_tensor.default,
+            torch.ops._c10d_functional.wait_tensor.default)
 
 
 def trace_autograd_ops() -> contextlib.AbstractContextManager:

@@ -8,6 +8,7 @@ import optree
 import torch
 
 from vfsdp import _torch_private as tp
+from vfsdp.functional.traced import traced_grads, traced_zero_grads
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import units_of
 from vfsdp.planner.spec import ShardSpec
@@ -47,6 +48,8 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
         [([2.0, 2.0, 2.0, 2.0], None), ([2.0, 2.0, 2.0, 2.0], None)]
     """
     what = "vfsdp.grads"
+    if tp.compiling():  # torch.compile: the gradients are the shards' .grad
+        return traced_grads(shards, spec)
     leaves = match_tree(shards, spec, what)
     out = list(leaves)
     for u in units_of(leaves, spec, what):
@@ -90,6 +93,8 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
         [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
     """
     what = "vfsdp.zero_grads"
+    if tp.compiling():  # torch.compile: the gradients are the shards' .grad
+        return traced_zero_grads(shards, spec, set_to_none)
     leaves = match_tree(shards, spec, what)
     zero = []  # the .grad autograd accumulated (grads="return"), zeroed in one op
     for u in units_of(leaves, spec, what):

@@ -19,6 +19,7 @@ from vfsdp.collectives.agree import agree
 from vfsdp.collectives.groups import resolve_groups
 from vfsdp.collectives.scatter import scatter_unit
 from vfsdp.collectives.unit import Unit
+from vfsdp.functional.traced import prepare
 from vfsdp.functional.tree import match_tree
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
@@ -139,4 +140,5 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
                 out[i] = views[k]
     if coords is not None:
         agree(next((e for e in errors if e is not None), None))
+    prepare(spec, groups)  # what a compiled step reads (vfsdp.functional.traced)
     return optree.tree_unflatten(spec.treespec, out)

@@ -28,13 +28,14 @@ from typing import Any, Optional
 import optree
 import torch
 
-from vfsdp._torch_private import functorch_active, running_node_seq
+from vfsdp._torch_private import compiling, functorch_active, running_node_seq
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.handle import Handle
 from vfsdp.collectives.slot import View, slot_of
 from vfsdp.functional.gather import start_gather, writes_leaf_grads
 from vfsdp.functional.ledger import ledger
 from vfsdp.functional.options import split_options
+from vfsdp.functional.traced import check_traced_options, traced_children, traced_run_layers
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["run_layers"]
@@ -161,9 +162,19 @@ def run_layers(
         raise ValueError(f"{what} cannot run inside torch.func transforms: it keeps each unit's "
                          f"gradients in its gradient buffer; use vfsdp.gather (grads='return') "
                          f"there")
+    if compiling() and isinstance(specs, ShardSpec):  # the sub-specs vfsdp.shard prepared
+        specs = [specs[i] for i in range(max(traced_children(specs), 0))]
     specs = _spec_list(specs, what)
     if len(shards) != len(specs):
         raise ValueError(f"{what}: {len(shards)} shard subtrees but {len(specs)} specs")
+    if compiling():  # torch.compile: the functional path; gradients go to the shards' .grad
+        o = dict(gather_options)
+        check_traced_options("buffer" if o.get("grads", "return") == "buffer" else "return",
+                             o.get("accumulate_grads", False), o.get("grad_sync", True),
+                             False, what)
+        return traced_run_layers(layer_fn, shards, specs, h, mesh, reshard_after_forward,
+                                 o.get("param_dtype"), o.get("grad_reduce", "avg"),
+                                 o.get("reduce_dtype"))
     if gather_options.get("grads", "buffer") != "buffer":
         raise ValueError(f"{what}: grads={gather_options['grads']!r} is not supported: each "
                          f"unit's gradients are reduce-scattered into its gradient buffer as its "

@@ -19,6 +19,7 @@ from vfsdp.collectives.slot import slot_of
 from vfsdp.collectives.unit import Unit
 from vfsdp.functional.ledger import ledger
 from vfsdp.functional.scatter import scatter
+from vfsdp.functional.traced import prepare
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import find_unit
 from vfsdp.planner.granularity import format_path
@@ -95,6 +96,7 @@ def shard(
                 if k not in views:
                     views[k] = _init_piece(db, k, init_fn, requires_grad)
                 out[i] = views[k]
+    prepare(spec, groups)  # what a compiled step reads (vfsdp.functional.traced)
     return optree.tree_unflatten(spec.treespec, out)
 
 

@@ -15,9 +15,10 @@ functional path instead, and the compiler owns every buffer:
 * the full tensors are views of the gathered buffer at the plan's offsets: the same layout,
   the same values, and the eager path's reference semantics.
 
-What each unit needs (its group, this rank's pieces, offsets and shapes) is plain data,
-computed once per spec while tracing (:func:`unit_plan`), so a new spec compiles once more and
-the same spec never recompiles.
+What each unit needs (its group, this rank's pieces, offsets and shapes) is plain data that
+:func:`vfsdp.shard` keeps on the spec and on its sub-specs (:func:`prepare`, ``spec.traced``):
+nothing about a spec is computed while tracing, a new spec compiles once more and the same spec
+never recompiles. The shards' groups are those they were made on.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import torch
 import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
-from vfsdp.collectives.groups import resolve_groups
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["traced_gather", "unit_plan", "group_name", "check_traced_options", "traced_leaves"]
+__all__ = ["traced_gather", "prepare", "traced_children", "group_name", "check_traced_options",
+           "traced_leaves",
+           "traced_run_layers", "traced_grads", "traced_zero_grads"]
 
 
 def group_name(group: Any) -> str:
@@ -40,17 +42,11 @@ def group_name(group: Any) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
 
-@tp.constant_result
-def unit_plan(spec: ShardSpec, mesh: Any) -> tuple:
-    """Plain data for the traced gather of ``spec`` on this rank (computed once, eagerly).
-
-    Returns:
-        ``(shard group name, shard size, replicate group name or None, replicas, units)``;
-        each unit is ``(S, dtype, pieces, views)``: ``pieces`` are ``(leaf index, lo, hi)`` of the
-        rank's shard in order, ``views`` are ``(leaf index, offset, numel, shape)`` of the
-        full tensors.
-    """
-    groups = resolve_groups(spec, mesh)
+def _unit_plan(spec: ShardSpec, groups: Any) -> tuple:
+    """Plain data for the traced gather of ``spec`` on this rank: ``(shard group name, shard
+    size, replicate group name or None, replicas, units)``; each unit is ``(S, dtype, pieces,
+    views)``: ``pieces`` are ``(leaf index, lo, hi)`` of the rank's shard in order (empty ones
+    too), ``views`` are ``(leaf index, offset, numel, shape)`` of the full tensors."""
     rank = groups.shard_rank
     tensors = spec.leaves()
     units = []
@@ -59,23 +55,66 @@ def unit_plan(spec: ShardSpec, mesh: Any) -> tuple:
         first: dict = {}  # buffer index -> its first leaf (a tie is one tensor)
         for i, k in members:
             first.setdefault(k, i)
-        pieces, views = [], []
-        for _k, i in sorted(first.items(), key=lambda kv: tensors[kv[1]].shard_range(rank)):
-            t: TensorSpec = tensors[i]
-            lo, hi = t.shard_range(rank)
-            pieces.append((i, lo, hi))  # empty ones too: their gradient is an empty tensor
-        for i, _k in members:
-            t = tensors[i]
-            views.append((i, t.offset, t.numel, tuple(t.shape)))
-        units.append((layout.shard_numel, layout.dtype, tuple(pieces), tuple(views)))
+        pieces = tuple((i, *tensors[i].shard_range(rank)) for _k, i in
+                       sorted(first.items(), key=lambda kv: tensors[kv[1]].shard_range(rank)))
+        views = tuple((i, tensors[i].offset, tensors[i].numel, tuple(tensors[i].shape))
+                      for i, _k in members)
+        units.append((layout.shard_numel, layout.dtype, pieces, views))
     replicate = group_name(groups.replicate) if groups.replicate is not None else None
     return (group_name(groups.shard), groups.shard_size, replicate, groups.replicate_size,
             tuple(units))
 
 
-@tp.constant_result
-def _num_leaves(spec: ShardSpec) -> int:
-    return spec.treespec.num_leaves
+def prepare(spec: ShardSpec, groups: Any) -> None:
+    """Keep on ``spec``, and on every sub-spec of its containers (``spec["layers"]``,
+    ``spec["layers"][3]``, ...), the plain data the compiled path reads (``spec.traced``):
+    made eagerly, by :func:`vfsdp.shard`, since nothing about a spec can be computed while
+    tracing.
+
+    Args:
+        spec: The plan.
+        groups: The :class:`~vfsdp.collectives.MeshGroups` its shards live on.
+
+    Returns:
+        ``None``.
+
+    Raises:
+        Nothing.
+    """
+    tree = spec.tree
+    children = len(tree) if isinstance(tree, (list, tuple)) else -1
+    object.__setattr__(spec, "traced", (
+        spec.treespec.num_leaves,
+        tuple(i for i, t in enumerate(spec.leaves()) if isinstance(t, TensorSpec)),
+        children, _unit_plan(spec, groups)))
+    if isinstance(tree, dict):
+        keys = list(tree)
+    elif isinstance(tree, (list, tuple)):
+        keys = list(range(len(tree)))
+    else:
+        return
+    for key in keys:
+        node = tree[key]
+        if isinstance(node, (dict, list, tuple)) and not optree.tree_is_leaf(node):
+            prepare(spec[key], groups)
+
+
+def _traced(spec: ShardSpec, what: str) -> tuple:
+    found = spec.traced
+    if found is None:
+        raise ValueError(f"{what} under torch.compile: this spec was not prepared for the "
+                         f"compiled path; make its shards with vfsdp.shard before compiling "
+                         f"(and take sub-specs from that spec)")
+    return found
+
+
+def traced_children(spec: ShardSpec) -> int:
+    """How many subtrees a list spec has (``-1`` for another container), while compiling.
+
+    Raises:
+        ValueError: an unprepared spec.
+    """
+    return _traced(spec, "vfsdp.run_layers")[2]
 
 
 def traced_leaves(tree: Any, spec: ShardSpec, what: str) -> tuple[list, Any]:
@@ -87,35 +126,53 @@ def traced_leaves(tree: Any, spec: ShardSpec, what: str) -> tuple[list, Any]:
         ValueError: a different number of leaves than the spec's tree.
     """
     leaves, treespec = optree.tree_flatten(tree)
-    if len(leaves) != _num_leaves(spec):
-        raise ValueError(f"{what}: the tree has {len(leaves)} leaves, the spec "
-                         f"{_num_leaves(spec)}; pass the tree the spec was planned for")
+    n = _traced(spec, what)[0]
+    if len(leaves) != n:
+        raise ValueError(f"{what}: the tree has {len(leaves)} leaves, the spec {n}; pass the "
+                         f"tree the spec was planned for")
     return leaves, treespec
 
 
-class _Gather(torch.autograd.Function):
-    """All-gather a unit's shard (cast to the gather dtype); the backward reduce-scatters the
-    gradient in ``reduce_dtype`` (sums it over HSDP replicas), scales it for ``"avg"`` and
-    returns it in the shard's dtype."""
+def traced_grads(shards: Any, spec: ShardSpec) -> Any:
+    """:func:`vfsdp.grads` while compiling: the shards' ``.grad`` (zeros where none yet).
 
-    @staticmethod
-    def forward(shard, gather_dtype, reduce_dtype, shard_name, m, rep_name, scale):
-        return tp.traced_all_gather(shard.to(gather_dtype), shard_name, m)
+    Raises:
+        ValueError: a tree that does not match the spec.
+    """
+    leaves, treespec = traced_leaves(shards, spec, "vfsdp.grads")
+    out = list(leaves)
+    for i in _traced(spec, "vfsdp.grads")[1]:
+        g = leaves[i].grad
+        out[i] = g if g is not None else torch.zeros_like(leaves[i])
+    return optree.tree_unflatten(treespec, out)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        shard, _, reduce_dtype, shard_name, m, rep_name, scale = inputs
-        ctx.args = (shard.dtype, reduce_dtype, shard_name, m, rep_name, scale)
 
-    @staticmethod
-    def backward(ctx, g):
-        dtype, reduce_dtype, shard_name, m, rep_name, scale = ctx.args
-        g = tp.traced_reduce_scatter(g.to(reduce_dtype or g.dtype), "sum", shard_name, m)
-        if rep_name is not None:
-            g = tp.traced_all_reduce(g, "sum", rep_name)
-        if scale != 1.0:
-            g = g / (1.0 / scale)
-        return g.to(dtype), None, None, None, None, None, None
+def traced_zero_grads(shards: Any, spec: ShardSpec, set_to_none: bool) -> None:
+    """:func:`vfsdp.zero_grads` while compiling: the shards' ``.grad`` dropped (or zeroed).
+
+    Raises:
+        ValueError: a tree that does not match the spec.
+    """
+    leaves, _ = traced_leaves(shards, spec, "vfsdp.zero_grads")
+    for i in _traced(spec, "vfsdp.grads")[1]:
+        if leaves[i].grad is not None:
+            if set_to_none:
+                leaves[i].grad = None
+            else:
+                leaves[i].grad.zero_()
+
+
+def _grad_times(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` (exactly), whose gradient is multiplied by ``scale``."""
+    return x.detach() + (x - x.detach()) * scale
+
+
+def _grad_summed(x: torch.Tensor, group: str) -> torch.Tensor:
+    """``x`` (exactly; the same on every rank of ``group``), whose gradient is summed over
+    ``group``: the all-reduce's own backward does it. The forward all-reduce it costs is the
+    price of staying one traced graph (a custom autograd function would split the backward)."""
+    summed = tp.traced_all_reduce_autograd(x, "sum", group)
+    return x.detach() + (summed - summed.detach())
 
 
 def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional[torch.dtype],
@@ -128,16 +185,18 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
         mesh: The ``DeviceMesh`` the shards live on (``None``: the default group).
         param_dtype: Gather in this dtype.
         grad_reduce: ``"avg"`` or ``"sum"``.
-        reduce_dtype: Reduce-scatter the gradients in this dtype (default: the gather's).
+        reduce_dtype: ``None`` or the gather's dtype: compiled, the gradients are
+            reduce-scattered in the dtype they were gathered in.
 
     Returns:
         The full tree (views of one gathered buffer per unit).
 
     Raises:
-        ValueError: a tree that does not match the spec.
+        ValueError: a tree that does not match the spec, an unprepared spec, or a
+            ``reduce_dtype`` other than the gather's.
     """
     leaves, treespec = traced_leaves(shards, spec, "vfsdp.gather")
-    shard_name, m, rep_name, replicas, units = unit_plan(spec, mesh)
+    shard_name, m, rep_name, replicas, units = _traced(spec, "vfsdp.gather")[3]
     scale = 1.0 / (m * replicas) if grad_reduce == "avg" else 1.0
     out = list(leaves)
     for s, dtype, pieces, views in units:
@@ -150,8 +209,16 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
         if pos < s or not parts:
             parts.append(leaves[views[0][0]].new_zeros(s - pos))
         shard = torch.cat(parts) if len(parts) > 1 else parts[0]
-        full = _Gather.apply(shard, param_dtype or dtype, reduce_dtype, shard_name, m, rep_name,
-                             scale)
+        gather_dtype = param_dtype or dtype
+        if reduce_dtype is not None and reduce_dtype != gather_dtype:
+            raise ValueError(f"vfsdp.gather under torch.compile reduce-scatters the gradients "
+                             f"in the gather dtype ({gather_dtype}); reduce_dtype="
+                             f"{reduce_dtype} needs the eager path (or gather in that dtype)")
+        if rep_name is not None:  # HSDP: the replicas' gradients are summed too
+            shard = _grad_summed(shard, rep_name)
+        if scale != 1.0:  # "avg": the reduce-scatter's sum, times 1 / ranks
+            shard = _grad_times(shard, scale)
+        full = tp.traced_all_gather(shard.to(gather_dtype), shard_name, m)
         for i, offset, numel, shape in views:
             out[i] = full[offset:offset + numel].view(shape)
     return optree.tree_unflatten(treespec, out)
@@ -174,3 +241,51 @@ def check_traced_options(grads: str, accumulate_grads: bool, grad_sync: bool,
         raise ValueError(f"{what} under torch.compile: {bad[0]} needs vfsdp's eager gradient "
                          f"buffers; compiled, the sharded gradients go to autograd (.grad, "
                          f"autograd.grad): accumulate them by calling backward() again")
+
+
+def _regather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective activation checkpointing: recompute (re-gather) the all-gathers and their
+    waits in backward, save everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in tp.traced_gather_ops() or getattr(op, "is_view", False):
+        return CheckpointPolicy.MUST_RECOMPUTE  # views cost nothing to redo
+    return CheckpointPolicy.PREFER_SAVE
+
+
+def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any, mesh: Any,
+                      reshard_after_forward: bool, param_dtype: Optional[torch.dtype],
+                      grad_reduce: str, reduce_dtype: Optional[torch.dtype]) -> Any:
+    """:func:`vfsdp.run_layers` while compiling: each unit gathered functionally; with
+    ``reshard_after_forward`` the gathered parameters are not saved for backward but gathered
+    again there (selective activation checkpointing of the all-gathers), everything else
+    (activations) saved as in eager.
+
+    Args:
+        layer_fn, shards, specs, h, mesh, reshard_after_forward: As for ``run_layers``.
+        param_dtype, grad_reduce, reduce_dtype: As for :func:`traced_gather`.
+
+    Returns:
+        The last unit's output.
+
+    Raises:
+        ValueError: as :func:`traced_gather`.
+    """
+    import functools
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    def run(shards, h):
+        for shard, spec in zip(shards, specs):
+            h = layer_fn(traced_gather(shard, spec, mesh, param_dtype, grad_reduce,
+                                       reduce_dtype), h)
+        return h
+
+    if not reshard_after_forward:
+        return run(shards, h)
+    # One region (the compiler rematerialises one per forward-loss-backward graph): every
+    # all-gather is recomputed where the backward needs its unit, everything else is saved.
+    h = checkpoint(run, shards, h, use_reentrant=False,
+                   context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                _regather_policy))
+    return h

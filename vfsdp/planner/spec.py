@@ -16,6 +16,7 @@ Layout of a unit's buffer, rank r owning ``[r*S, (r+1)*S)``::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import statistics
@@ -27,6 +28,7 @@ from typing import Any, Optional
 import optree
 import torch
 
+from vfsdp._torch_private import compiling as _compiling
 from vfsdp.placements.ragged import RaggedShard
 from vfsdp.placements.strided import StridedRaggedShard
 from vfsdp.planner.granularity import format_path
@@ -378,7 +380,7 @@ class ShardSpec:
     """
 
     __slots__ = ("units", "mesh_shape", "mesh_dim_names", "treespec", "_leaves", "_fingerprint",
-                 "_by_path", "_by_unit", "_agreed")
+                 "_by_path", "_by_unit", "_agreed", "_subs", "traced")
 
     def __init__(self, treespec, leaves, units: Mapping, mesh_shape, mesh_dim_names=None) -> None:
         set_ = object.__setattr__
@@ -391,6 +393,8 @@ class ShardSpec:
         set_(self, "_by_path", None)
         set_(self, "_by_unit", None)
         set_(self, "_agreed", {})  # process groups whose ranks were checked to agree on this spec
+        set_(self, "_subs", {})  # key -> sub-spec, made once
+        set_(self, "traced", None)  # what the compiled path reads (vfsdp.functional.traced)
         if treespec.num_leaves != len(self._leaves):
             raise ValueError("ShardSpec: treespec and leaves disagree")
 
@@ -496,12 +500,30 @@ class ShardSpec:
         return tuple(self.tensor(p) for p in self.units[key].paths)
 
     def __getitem__(self, key) -> ShardSpec:
-        """Sub-spec of a subtree, e.g. ``spec["layers"][3]`` for one layer's unit(s)."""
+        """Sub-spec of a subtree, e.g. ``spec["layers"][3]`` for one layer's unit(s). Made
+        once per key and kept (under ``torch.compile`` only kept ones are looked up: those
+        :func:`vfsdp.shard` prepared, every subtree down to the leaves' containers).
+
+        Raises:
+            KeyError, IndexError: no such subtree.
+            ValueError: while compiling, a sub-spec that was not prepared.
+        """
+        try:
+            return self._subs[key]
+        except (KeyError, TypeError):
+            pass
+        if _compiling():
+            raise ValueError(f"vfsdp: spec[{key!r}] under torch.compile: only sub-specs made "
+                             f"before compiling can be looked up; take it from a spec "
+                             f"vfsdp.shard made shards for, or index it once before compiling")
         sub = self.tree[key]
         _paths, leaves, treespec = optree.tree_flatten_with_path(sub)
         keys = {x.unit for x in leaves if isinstance(x, TensorSpec)}
         units = {k: v for k, v in self.units.items() if k in keys}
-        return ShardSpec(treespec, leaves, units, self.mesh_shape, self.mesh_dim_names)
+        found = ShardSpec(treespec, leaves, units, self.mesh_shape, self.mesh_dim_names)
+        with contextlib.suppress(TypeError):  # an unhashable key: not kept
+            self._subs[key] = found
+        return found
 
     @property
     def fingerprint(self) -> str:

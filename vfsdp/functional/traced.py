@@ -65,9 +65,27 @@ def _unit_plan(spec: ShardSpec, groups: Any) -> tuple:
             tuple(units))
 
 
+def _norm_plan(spec: ShardSpec, groups: Any, shard_name: str) -> tuple:
+    """``(((leaf index, path), ...) of each tensor once, whether this rank counts each in a
+    norm, shard group name, model axis group name or None)`` for the traced clipping: off
+    model index 0, a tensor a ``tp=`` plan replicates is counted by index 0 only."""
+    seen, tensors, counted = set(), [], []
+    model = spec.model_axis
+    for i, t in enumerate(spec.leaves()):
+        if isinstance(t, TensorSpec) and (t.unit, t.path) not in seen:
+            seen.add((t.unit, t.path))
+            tensors.append((i, t.path))
+            counted.append(model is None or model[2] == 0 or t.strided.dim is not None)
+    model_name = None
+    if model is not None and model[1] > 1:  # "": the shards were made without that axis
+        model_name = group_name(groups.model) if groups.model is not None else ""
+    return tuple(tensors), tuple(counted), shard_name, model_name
+
+
 def prepare(spec: ShardSpec, groups: Any) -> None:
-    """Keep on ``spec``, and on every sub-spec of its containers (``spec["layers"]``,
-    ``spec["layers"][3]``, ...), the plain data the compiled path reads (``spec.traced``):
+    """Keep on ``spec``, and on every sub-spec of its subtrees (``spec["layers"]``,
+    ``spec["layers"][3]``, ``spec["embed"]``, ...), the plain data the compiled path reads
+    (``spec.traced``):
     made eagerly, by :func:`vfsdp.shard`, since nothing about a spec can be computed while
     tracing.
 
@@ -83,10 +101,11 @@ def prepare(spec: ShardSpec, groups: Any) -> None:
     """
     tree = spec.tree
     children = len(tree) if isinstance(tree, (list, tuple)) else -1
+    plan = _unit_plan(spec, groups)
     object.__setattr__(spec, "traced", (
         spec.treespec.num_leaves,
         tuple(i for i, t in enumerate(spec.leaves()) if isinstance(t, TensorSpec)),
-        children, _unit_plan(spec, groups)))
+        children, plan, _norm_plan(spec, groups, plan[0])))
     if isinstance(tree, dict):
         keys = list(tree)
     elif isinstance(tree, (list, tuple)):
@@ -95,7 +114,8 @@ def prepare(spec: ShardSpec, groups: Any) -> None:
         return
     for key in keys:
         node = tree[key]
-        if isinstance(node, (dict, list, tuple)) and not optree.tree_is_leaf(node):
+        if isinstance(node, TensorSpec) or (isinstance(node, (dict, list, tuple))
+                                            and not optree.tree_is_leaf(node)):
             prepare(spec[key], groups)
 
 
@@ -154,12 +174,11 @@ def traced_zero_grads(shards: Any, spec: ShardSpec, set_to_none: bool) -> None:
         ValueError: a tree that does not match the spec.
     """
     leaves, _ = traced_leaves(shards, spec, "vfsdp.zero_grads")
-    for i in _traced(spec, "vfsdp.grads")[1]:
-        if leaves[i].grad is not None:
-            if set_to_none:
-                leaves[i].grad = None
-            else:
-                leaves[i].grad.zero_()
+    for i in _traced(spec, "vfsdp.zero_grads")[1]:
+        if set_to_none:  # unconditionally: asking whether it was None would be a guard
+            leaves[i].grad = None
+        elif leaves[i].grad is not None:
+            leaves[i].grad.zero_()
 
 
 def _grad_times(x: torch.Tensor, scale: float) -> torch.Tensor:

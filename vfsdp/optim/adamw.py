@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.slot import Role
 from vfsdp.functional.state import param_tree
@@ -41,6 +42,7 @@ from vfsdp.optim.base import (
     unit_buffers,
 )
 from vfsdp.optim.fused import adamw_step, use_fused
+from vfsdp.optim.traced import TracedAdam, adam_views, traced_adamw
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
@@ -196,15 +198,29 @@ class AdamWState:
     exp_avg_sq: dict
     plan: AdamWPlan = field(default_factory=AdamWPlan, repr=False, compare=False)
     slices: StepSlices = field(default_factory=StepSlices, repr=False, compare=False)
+    traced: Optional[TracedAdam] = field(default=None, repr=False, compare=False)
+
+    def sync_step(self) -> int:
+        """``step``, caught up with the compiled path's counter (compiled steps count there,
+        as a tensor, so that a new step is not a new graph)."""
+        if self.traced is not None:
+            counted = int(self.traced.step.item())
+            if counted > self.step:
+                self.step = counted
+            else:
+                self.traced.step.fill_(self.step)
+        return self.step
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
         """The step, and the moments of the tensors it updates, shaped like the parameters."""
         keep = owned_views(self.plan)
-        return {"step": self.step, "exp_avg": param_tree(self.exp_avg, spec, keep),
+        return {"step": self.sync_step(), "exp_avg": param_tree(self.exp_avg, spec, keep),
                 "exp_avg_sq": param_tree(self.exp_avg_sq, spec, keep)}
 
     def restore_checkpoint(self, tree: dict) -> AdamWState:
         self.step = tree["step"]
+        if self.traced is not None:
+            self.traced.step.fill_(self.step)
         return self
 
 
@@ -289,9 +305,23 @@ def adamw(
             decay_runs[u.key] = runs(u.db, both(weight_decay_mask, mask))
             paths[u.key] = frozenset(chosen)
         state.plan = AdamWPlan(paths, update_runs, decay_runs)
+        units = unit_buffers(shards, spec, "adamw.init")
+        if units:  # what a compiled update reads (vfsdp.optim.traced)
+            state.traced = adam_views(units, state, spec, lambda p: selected(mask, p),
+                                      lambda p: selected(weight_decay_mask, p),
+                                      units[0].db.device)
         return state
 
     def update(grads: Any, state: AdamWState, shards: Any, spec: ShardSpec) -> AdamWState:
+        if tp.compiling():  # torch.compile: per-tensor element-wise ops, a tensor step count
+            if state.traced is None:
+                raise ValueError("adamw.update under torch.compile: this state has no views "
+                                 "for the compiled path; make it with opt.init before "
+                                 "compiling")
+            traced_adamw(grads, state.traced, shards, spec, schedule, betas, eps,
+                         weight_decay)
+            return state
+        state.sync_step()
         state.step += 1
         step = state.step
         rate = schedule(step)

@@ -194,6 +194,10 @@ def clip_grad_norm(grads: Any, spec: ShardSpec, max_norm: float, *, mesh: Any = 
         (8.4853, 0.3536)
     """
     check_max_norm(max_norm)
+    if tp.compiling():  # torch.compile: functional collectives over the shards' .grad
+        from vfsdp.optim.traced import traced_clip
+
+        return traced_clip(grads, spec, max_norm, eps, mask)
     leaves = match_tree(grads, spec, "vfsdp.clip_grad_norm")
     norm, whole, loose = _norm(leaves, spec, mesh, mask)
     scale_by_norm(whole, loose, norm, max_norm, eps)

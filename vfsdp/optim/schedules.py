@@ -1,9 +1,16 @@
-"""Learning-rate schedules: plain callables of the (1-based) step."""
+"""Learning-rate schedules: plain callables of the (1-based) step.
+
+Under ``torch.compile`` the optimizers count steps in a 0-d tensor (a Python int would be a
+new graph every step), so a schedule is also called with a tensor: these return a tensor then,
+computed without Python branches on it. Your own schedule must do the same to be compiled.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+
+import torch
 
 __all__ = ["constant", "warmup_cosine"]
 
@@ -51,6 +58,12 @@ def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.0) -> C
         raise ValueError(f"need 0 <= warmup <= total, got warmup={warmup}, total={total}")
 
     def schedule(step: int) -> float:
+        if isinstance(step, torch.Tensor):  # a compiled step counts in a tensor
+            progress = ((step - warmup) / max(1, total - warmup)).clamp(0, 1)
+            out = floor + 0.5 * (peak - floor) * (1 + torch.cos(math.pi * progress))
+            if warmup:
+                out = torch.where(step <= warmup, peak * step / warmup, out)
+            return torch.where(step >= total, torch.full_like(out, floor), out)
         if warmup and step <= warmup:
             return peak * step / warmup
         if step >= total:

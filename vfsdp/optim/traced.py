@@ -1,0 +1,167 @@
+"""The optimizers' and clipping's compiled path: what runs while ``torch.compile`` traces.
+
+The eager update walks DBuffers, caches slices and counts steps in Python: none of it is
+traceable, and a Python step count would be a new constant (a recompile) every step. So:
+
+* ``init`` (eager) also keeps, per tensor it updates, the views the compiled update reads:
+  the parameter's leaf index, whether it decays, its two moment views (``TracedAdam``), and a
+  one-element float64 step counter on the parameters' device (dynamo would take a 0-d
+  float64 CPU tensor for a constant);
+* the compiled update (:func:`traced_adamw`) adds one to that counter in the graph, computes
+  the learning rate (schedules take tensors), the bias corrections in float64 and runs
+  AdamW's element-wise update per tensor, which the compiler fuses; the result equals the
+  eager step within fp32 rounding (the bias corrections are taken as tensors, and the
+  compiler may fuse the arithmetic differently);
+* :func:`traced_clip` is ``clip_grad_norm`` over the shards' ``.grad``: a norm per tensor,
+  one functional all-reduce over the shard group (and the model axis), one scaling.
+
+The step counter is the truth while compiling; ``state.step`` follows it at the next eager
+call or checkpoint (``AdamWState.sync_step``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vfsdp import _torch_private as tp
+from vfsdp.functional.traced import traced_leaves
+from vfsdp.planner.spec import ShardSpec
+
+__all__ = ["TracedAdam", "traced_adamw", "traced_clip", "adam_views"]
+
+
+@dataclass
+class TracedAdam:
+    """What the compiled AdamW update reads, made by ``init`` (eager).
+
+    Attributes:
+        leaves: Leaf index (spec order) of each tensor it updates.
+        decay: Whether each decays.
+        m, v: Each one's moment views (views of the state DBuffers).
+X
+    """
+
+    leaves: tuple
+    decay: tuple
+    m: list
+    v: list
+    step: torch.Tensor
+
+
+def adam_views(units: list, state: Any, spec: ShardSpec, owns: Any, decays: Any,
+               device: torch.device) -> TracedAdam:
+    """The :class:`TracedAdam` of an AdamW state (eager, at ``init``).
+
+    Args:
+        units: ``unit_buffers(shards, spec)``.
+        state: The state (``exp_avg``/``exp_avg_sq`` DBuffers per unit key).
+        spec: The plan.
+        owns: ``path -> bool``: the tensors it updates.
+        decays: ``path -> bool``: those that take weight decay.
+        device: The parameters' device (for the counter).
+
+    Returns:
+        The views.
+    """
+    leaves, decay, ms, vs = [], [], [], []
+    for u in units:
+        if u.key not in state.exp_avg:
+            continue
+        seen = set()
+        for i, k in u.leaves:
+            t = u.db.tensors[k]
+            if k in seen or not owns(t.path):
+                continue
+            seen.add(k)
+            leaves.append(i)
+            decay.append(bool(decays(t.path)))
+            ms.append(state.exp_avg[u.key].local(k).view(-1))
+            vs.append(state.exp_avg_sq[u.key].local(k).view(-1))
+    step = torch.zeros(1, dtype=torch.float64, device=device)  # a 0-d float64 would be a constant
+    return TracedAdam(tuple(leaves), tuple(decay), ms, vs, step)
+
+
+def traced_adamw(grads: Any, views: TracedAdam, shards: Any, spec: ShardSpec, schedule: Any,
+                 betas: tuple, eps: float, weight_decay: float) -> None:
+    """One AdamW step while compiling (see the module).
+
+    Args:
+        grads: The gradient tree (``vfsdp.grads``).
+        views: The state's :class:`TracedAdam`.
+        shards: The shards.
+        spec: The plan.
+        schedule: ``step -> lr`` (given the one-element step tensor).
+        betas, eps, weight_decay: The hyperparameters.
+
+    Returns:
+        ``None``: the shards and moments change in place.
+
+    Raises:
+        ValueError: a tree that does not match the spec.
+    """
+    params, _ = traced_leaves(shards, spec, "adamw.update")
+    gleaves, _ = traced_leaves(grads, spec, "adamw.update")
+    b1, b2 = betas
+    views.step.add_(1)
+    step = views.step
+    lr = torch.as_tensor(schedule(step), dtype=torch.float64, device=step.device)
+    bc1 = 1 - b1 ** step
+    bc2_sqrt = torch.sqrt(1 - b2 ** step)
+    with torch.no_grad():
+        for i, decays, m, v in zip(views.leaves, views.decay, views.m, views.v):
+            p = params[i]
+            if not p.requires_grad:  # frozen: no update, no decay
+                continue
+            g = gleaves[i].reshape(-1).to(m.dtype)
+            flat = p.view(-1)
+            if weight_decay and decays:
+                flat.mul_((1 - lr * weight_decay).to(p.dtype))
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v.sqrt() / bc2_sqrt).add_(eps)
+            flat.sub_((m / denom * (lr / bc1)).to(p.dtype))
+
+
+def traced_clip(grads: Any, spec: ShardSpec, max_norm: float, eps: float,
+                mask: Any = None) -> torch.Tensor:
+    """``clip_grad_norm`` while compiling: every tensor's norm, one functional all-reduce
+    over the shard group (and over the model axis of a ``tp=`` plan), one scaling.
+
+    Args:
+        grads: The gradient tree.
+        spec: The plan.
+        max_norm, eps, mask: As for ``clip_grad_norm``.
+
+    Returns:
+        The norm before clipping.
+
+    Raises:
+        ValueError: a tree that does not match the spec, or an unprepared spec.
+    """
+    leaves, _ = traced_leaves(grads, spec, "vfsdp.clip_grad_norm")
+    tensors, counted, shard_name, model = spec.traced[4]
+    if model == "":
+        raise ValueError("vfsdp.clip_grad_norm: the spec is split over a model axis, but its "
+                         "shards were made on the data mesh only; make them with "
+                         "vfsdp.shard(params, spec, mesh=mesh) on the mesh with that axis")
+    chosen = [(i, c) for (i, path), c in zip(tensors, counted)
+              if mask is None or bool(mask(path))]
+    pieces = [leaves[i] for i, c in chosen if c]
+    device = leaves[tensors[0][0]].device if tensors else torch.device("cpu")
+    if pieces:
+        total = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32)
+                             for p in pieces]).square().sum()
+    else:
+        total = torch.zeros((), dtype=torch.float32, device=device)
+    total = tp.traced_all_reduce(total, "sum", shard_name)
+    if model is not None:
+        total = tp.traced_all_reduce(total, "sum", model)
+    norm = total.sqrt()
+    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
+    with torch.no_grad():
+        for i, _c in chosen:
+            leaves[i].mul_(coef.to(leaves[i].dtype))
+    return norm

@@ -55,7 +55,8 @@ __all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_worl
            "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH",
            "compiling", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter",
            "traced_all_reduce_autograd",
-           "trace_autograd_ops", "constant_result", "traced_gather_ops"]
+           "trace_autograd_ops", "constant_result", "traced_gather_ops",
+           "enable_compiled_backward"]
 
 TESTED_TORCH = ((2, 11), (2, 13))
 _LOCK = threading.Lock()
@@ -317,7 +318,32 @@ def trace_autograd_ops() -> contextlib.AbstractContextManager:
     return torch._dynamo.config.patch(trace_autograd_ops=True)
 
 
+def enable_compiled_backward() -> bool:
+    """Turn dynamo's ``trace_autograd_ops`` on for the process, so that
+    ``torch.compile(step, fullgraph=True)`` traces the ``backward()`` / ``autograd.grad`` in a
+    training step (otherwise it stops there, and ``fullgraph=True`` refuses).
+
+    vfsdp calls it while dynamo traces its first vfsdp call of a step (a gather comes before
+    any backward): it runs then, not traced (``assume_constant_result``), and dynamo reads the
+    switch when it meets the backward. Importing vfsdp does not load dynamo (1 s).
+    ``VFSDP_TRACE_AUTOGRAD=0`` leaves dynamo's setting alone. A process-wide switch, not a
+    ``patch``: the threads of one process (``simulate``) share dynamo's config."""
+    import os
+
+    if os.environ.get("VFSDP_TRACE_AUTOGRAD", "1") != "0" and hasattr(torch._dynamo.config,
+                                                                      "trace_autograd_ops"):
+        torch._dynamo.config.trace_autograd_ops = True
+    return True
+
+
 def constant_result(fn):
     """``torch._dynamo.assume_constant_result``: ``fn`` runs eagerly while tracing and its
-    (plain Python) result is baked into the graph."""
-    return torch._dynamo.assume_constant_result(fn)
+    (plain Python) result is baked into the graph (the decorator only sets this attribute)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+
+# Marked as torch._dynamo.assume_constant_result marks (that decorator only sets this
+# attribute, and importing dynamo to call it would cost a second): dynamo runs it, untraced.
+enable_compiled_backward._dynamo_marked_constant = True

@@ -145,6 +145,7 @@ def traced_leaves(tree: Any, spec: ShardSpec, what: str) -> tuple[list, Any]:
     Raises:
         ValueError: a different number of leaves than the spec's tree.
     """
+    tp.enable_compiled_backward()  # runs while tracing: lets dynamo trace the step's backward
     leaves, treespec = optree.tree_flatten(tree)
     n = _traced(spec, what)[0]
     if len(leaves) != n:
@@ -293,6 +294,8 @@ def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any, mesh: Any
     import functools
 
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    tp.enable_compiled_backward()  # runs while tracing: lets dynamo trace the step's backward
 
     def run(shards, h):
         for shard, spec in zip(shards, specs):

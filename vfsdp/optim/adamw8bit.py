@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 
+from vfsdp import _torch_private as tp
 from vfsdp._warnings import warn_user
 from vfsdp.collectives.piece import Piece, tensor_piece
 from vfsdp.collectives.slot import Role
@@ -298,6 +299,11 @@ def adamw8bit(
         return state
 
     def update(grads: Any, state: AdamW8bitState, shards: Any, spec: ShardSpec) -> AdamW8bitState:
+        if tp.compiling():
+            raise ValueError("adamw8bit.update under torch.compile is not supported yet (its "
+                             "per-tensor kernels and exchanges run eagerly); compile the "
+                             "forward and backward and call the update outside, or use "
+                             "vfsdp.optim.adamw, which compiles")
         state.step += 1
         step = state.step
         rate = schedule(step)

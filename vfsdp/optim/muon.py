@@ -302,6 +302,11 @@ def muon(
         return state
 
     def update(grads: Any, state: MuonState, shards: Any, spec: ShardSpec) -> MuonState:
+        if tp.compiling():
+            raise ValueError("muon.update under torch.compile is not supported yet (its "
+                             "per-tensor kernels and exchanges run eagerly); compile the "
+                             "forward and backward and call the update outside, or use "
+                             "vfsdp.optim.adamw, which compiles")
         state.step += 1
         rate = schedule(state.step)
         plan = state.plan

@@ -256,7 +256,7 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
     """
     what = "vfsdp.gather"
     if tp.compiling():  # torch.compile: the functional path (vfsdp.functional.traced)
-        check_traced_options(grads, accumulate_grads, grad_sync, async_reduce, what)
+        check_traced_options(grads, what)
         return traced_gather(shards, spec, mesh, param_dtype, grad_reduce, reduce_dtype)
     gopts = GatherOptions(param_dtype, free_after_backward)
     ropts = GradOptions(grad_reduce, reduce_dtype, grads, accumulate_grads, grad_sync,

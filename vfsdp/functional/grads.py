@@ -53,7 +53,9 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
     leaves = match_tree(shards, spec, what)
     out = list(leaves)
     for u in units_of(leaves, spec, what):
-        if u.unit.grads_mode == "return":  # its gradients went to autograd: the shards' .grad
+        if u.unit.grads_mode == "return" or (  # its gradients went to autograd: the .grad
+                u.unit.grads_mode is None  # (or a compiled backward put them there)
+                and any(leaves[i].grad is not None for i, _ in u.leaves)):
             for i, _ in u.leaves:
                 g = leaves[i].grad
                 out[i] = g if g is not None else torch.zeros_like(leaves[i])
@@ -105,6 +107,7 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
                 else:
                     zero.append(leaves[i].grad)
         u.unit.drop_accumulators()
+        u.unit.grads_mode = None  # no reduction since: .grad or the buffer, whichever comes
         if not u.unit.has_grads:
             continue  # no gradient buffer yet: nothing to zero
         gdb = u.unit.grads()

@@ -35,7 +35,7 @@ from vfsdp.collectives.slot import View, slot_of
 from vfsdp.functional.gather import start_gather, writes_leaf_grads
 from vfsdp.functional.ledger import ledger
 from vfsdp.functional.options import split_options
-from vfsdp.functional.traced import check_traced_options, traced_children, traced_run_layers
+from vfsdp.functional.traced import traced_children, traced_run_layers
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["run_layers"]
@@ -168,10 +168,7 @@ def run_layers(
     if len(shards) != len(specs):
         raise ValueError(f"{what}: {len(shards)} shard subtrees but {len(specs)} specs")
     if compiling():  # torch.compile: the functional path; gradients go to the shards' .grad
-        o = dict(gather_options)
-        check_traced_options("buffer" if o.get("grads", "return") == "buffer" else "return",
-                             o.get("accumulate_grads", False), o.get("grad_sync", True),
-                             False, what)
+        o = dict(gather_options)  # gradients go to the shards' .grad (vfsdp.grads reads them)
         return traced_run_layers(layer_fn, shards, specs, h, mesh, reshard_after_forward,
                                  o.get("param_dtype"), o.get("grad_reduce", "avg"),
                                  o.get("reduce_dtype"))

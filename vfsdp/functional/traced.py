@@ -245,22 +245,22 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
 
 
 
-def check_traced_options(grads: str, accumulate_grads: bool, grad_sync: bool,
-                         async_reduce: bool, what: str) -> None:
-    """Refuse, while compiling, the gather options that need vfsdp's own gradient buffers.
+def check_traced_options(grads: str, what: str) -> None:
+    """Refuse, while compiling, the gather option that needs vfsdp's own gradient buffers.
+
+    Compiled, the sharded gradients always go to autograd (``.grad``, ``autograd.grad``), as
+    with ``grads="return"``: several backwards accumulate there (so ``accumulate_grads`` and
+    ``grad_sync=False`` change nothing but when the reduce-scatters run, and every backward
+    runs them), and ``async_reduce`` is the compiler's to schedule.
 
     Raises:
-        ValueError: ``grads="buffer"``, ``accumulate_grads``, ``grad_sync=False`` or
-            ``async_reduce`` (naming the eager-only option and what to do instead).
+        ValueError: ``grads="buffer"`` (naming what to do instead).
     """
-    bad = [name for name, on in (("grads='buffer'", grads == "buffer"),
-                                 ("accumulate_grads=True", accumulate_grads),
-                                 ("grad_sync=False", not grad_sync),
-                                 ("async_reduce=True", async_reduce)) if on]
-    if bad:
-        raise ValueError(f"{what} under torch.compile: {bad[0]} needs vfsdp's eager gradient "
-                         f"buffers; compiled, the sharded gradients go to autograd (.grad, "
-                         f"autograd.grad): accumulate them by calling backward() again")
+    if grads == "buffer":
+        raise ValueError(f"{what} under torch.compile: grads='buffer' needs vfsdp's eager "
+                         f"gradient buffers; compiled, the sharded gradients go to autograd "
+                         f"(.grad, read them with vfsdp.grads): drop grads='buffer'")
+
 
 
 def _regather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:

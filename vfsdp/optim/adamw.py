@@ -202,13 +202,11 @@ class AdamWState:
 
     def sync_step(self) -> int:
         """``step``, caught up with the compiled path's counter (compiled steps count there,
-        as a tensor, so that a new step is not a new graph)."""
-        if self.traced is not None:
-            counted = int(self.traced.step.item())
-            if counted > self.step:
-                self.step = counted
-            else:
-                self.traced.step.fill_(self.step)
+        as a tensor, so that a new step is not a new graph). No op unless compiled steps ran
+        since (the compiled update marks ``traced.ran``)."""
+        if self.traced is not None and self.traced.ran:
+            self.step = int(self.traced.step.item())
+            self.traced.ran = False
         return self.step
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
@@ -221,6 +219,7 @@ class AdamWState:
         self.step = tree["step"]
         if self.traced is not None:
             self.traced.step.fill_(self.step)
+            self.traced.ran = False
         return self
 
 
@@ -323,6 +322,8 @@ def adamw(
             return state
         state.sync_step()
         state.step += 1
+        if state.traced is not None and state.traced.used:  # keep the compiled count in step
+            state.traced.step.fill_(state.step)
         step = state.step
         rate = schedule(step)
         leaves = grad_leaves(grads, spec, "adamw.update")

@@ -41,7 +41,8 @@ class TracedAdam:
         leaves: Leaf index (spec order) of each tensor it updates.
         decay: Whether each decays.
         m, v: Each one's moment views (views of the state DBuffers).
-X
+        step: A one-element float64 tensor on the parameters' device: the step count.
+        used, ran: Set by the compiled update (plain attributes: dynamo replays them).
     """
 
     leaves: tuple
@@ -49,6 +50,8 @@ X
     m: list
     v: list
     step: torch.Tensor
+    used: bool = False  # a compiled update ran once: eager updates then keep ``step`` in step
+    ran: bool = False  # compiled updates ran since ``state.step`` last caught up
 
 
 def adam_views(units: list, state: Any, spec: ShardSpec, owns: Any, decays: Any,
@@ -105,6 +108,7 @@ def traced_adamw(grads: Any, views: TracedAdam, shards: Any, spec: ShardSpec, sc
     params, _ = traced_leaves(shards, spec, "adamw.update")
     gleaves, _ = traced_leaves(grads, spec, "adamw.update")
     b1, b2 = betas
+    views.used = views.ran = True  # Python side effects: dynamo applies them after each call
     views.step.add_(1)
     step = views.step
     lr = torch.as_tensor(schedule(step), dtype=torch.float64, device=step.device)

@@ -27,7 +27,7 @@
 * Multi-tensor kernels: :func:`foreach` (``torch._foreach_*``, with a per-tensor fallback) and
   :func:`fused_adamw` (``torch._fused_adamw_``, the kernel of ``torch.optim.AdamW(fused=True)``).
 
-* The compiled path: :func:`compiling` (``torch.compiler.is_compiling``), the functional
+* The compiled path: :func:`compiling` (``torch.compiler.is_dynamo_compiling``), the functional
   collectives ``torch.ops._c10d_functional`` (:func:`traced_all_gather`,
   :func:`traced_all_reduce`, :func:`traced_reduce_scatter`), dynamo's
   ``trace_autograd_ops`` switch (:func:`trace_autograd_ops`) and
@@ -270,8 +270,10 @@ def report_failure(mtp, exc: BaseException) -> None:
 
 
 def compiling() -> bool:
-    """Whether ``torch.compile`` (dynamo) is tracing the running code."""
-    return bool(torch.compiler.is_compiling())
+    """Whether dynamo is tracing the running code (``torch.compiler.is_dynamo_compiling``,
+    which dynamo folds to ``True`` and which is ``False`` when run for real; not
+    ``is_compiling``, whose process-wide flag other threads see while one compiles)."""
+    return torch.compiler.is_dynamo_compiling()
 
 
 def traced_all_gather(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:

@@ -173,3 +173,16 @@ def test_op_counts_benchmark_prints_equal_counts_at_both_sizes():
     assert [r[0] for r in rows] == ["adamw", "adamw8bit", "muon"]
     for r in rows:  # name, params -> params, update -> update, step -> step
         assert r[4] == r[6] and r[7] == r[9], r
+
+
+@pytest.mark.slow
+def test_compile_benchmark_runs_and_compiles_one_graph():
+    """The smallest run of benchmarks/compile_bench.py: it prints both rows and one graph."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "compile_bench.py"),
+                           "--steps", "3", "--dim", "32", "--layers", "1", "--ffn", "64",
+                           "--seq", "16", "--batch", "2"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "eager" in out and "compiled" in out
+    assert "graphs compiled: 1 (1 = no recompiles)" in out, out

@@ -203,7 +203,7 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
            param_dtype: Optional[torch.dtype] = None, grad_reduce: str = "avg",
            reduce_dtype: Optional[torch.dtype] = None, accumulate_grads: bool = False,
            grad_sync: bool = True, grads: str = "return", free_after_backward: bool = False,
-           async_reduce: bool = False) -> Any:
+           async_reduce: bool = False, all_gather: Any = None) -> Any:
     """Full tensors from this rank's shards: one in-place all-gather per unit. Differentiable.
 
     Works on the whole tree or any subtree with its sub-spec (``spec["layers"][3]``). The
@@ -232,6 +232,12 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
         free_after_backward: Release the unit's gathered buffer once its backward is done.
         async_reduce: With ``grads="buffer"``: start each unit's reduce-scatter and go on
             with the backward; readers of the gradients wait for it.
+        all_gather: Low-precision all-gather hooks, e.g. ``vfsdp.functional.lowp.Float8()``
+            (float8 with per-tensor scales, half a bf16 gather's bytes): each unit's shard
+            goes through ``pre_all_gather`` / ``post_all_gather``
+            (:mod:`vfsdp.functional.lowp`); the backward reduce-scatters in ``reduce_dtype``
+            (float32 by default) into ``.grad``. A functional gather (no persistent buffers),
+            eager and compiled alike; ``grads="buffer"`` does not apply.
 
     Returns:
         A tree like ``shards`` with full tensors.
@@ -255,9 +261,10 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
         [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]] [[1.5, 1.5]]
     """
     what = "vfsdp.gather"
-    if tp.compiling():  # torch.compile: the functional path (vfsdp.functional.traced)
+    if tp.compiling() or all_gather is not None:  # the functional path (functional.traced)
         check_traced_options(grads, what)
-        return traced_gather(shards, spec, mesh, param_dtype, grad_reduce, reduce_dtype)
+        return traced_gather(shards, spec, mesh, param_dtype, grad_reduce, reduce_dtype,
+                             all_gather)
     gopts = GatherOptions(param_dtype, free_after_backward)
     ropts = GradOptions(grad_reduce, reduce_dtype, grads, accumulate_grads, grad_sync,
                         async_reduce)

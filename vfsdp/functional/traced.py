@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
+from vfsdp.functional.lowp import hooked_all_gather
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["traced_gather", "prepare", "traced_children", "group_name", "check_traced_options",
@@ -145,7 +146,8 @@ def traced_leaves(tree: Any, spec: ShardSpec, what: str) -> tuple[list, Any]:
     Raises:
         ValueError: a different number of leaves than the spec's tree.
     """
-    tp.enable_compiled_backward()  # runs while tracing: lets dynamo trace the step's backward
+    if tp.compiling():
+        tp.enable_compiled_backward()  # runs while tracing: lets dynamo trace the backward
     leaves, treespec = optree.tree_flatten(tree)
     n = _traced(spec, what)[0]
     if len(leaves) != n:
@@ -196,7 +198,7 @@ def _grad_summed(x: torch.Tensor, group: str) -> torch.Tensor:
 
 
 def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional[torch.dtype],
-                  grad_reduce: str, reduce_dtype: Optional[torch.dtype]) -> Any:
+                  grad_reduce: str, reduce_dtype: Optional[torch.dtype], hooks: Any = None) -> Any:
     """The full tree, by functional collectives the compiler can trace (see the module).
 
     Args:
@@ -206,7 +208,10 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
         param_dtype: Gather in this dtype.
         grad_reduce: ``"avg"`` or ``"sum"``.
         reduce_dtype: ``None`` or the gather's dtype: compiled, the gradients are
-            reduce-scattered in the dtype they were gathered in.
+            reduce-scattered in the dtype they were gathered in (with ``hooks``: any, float32
+            by default).
+        hooks: Low-precision all-gather hooks (:mod:`vfsdp.functional.lowp`); this path runs
+            them eagerly too.
 
     Returns:
         The full tree (views of one gathered buffer per unit).
@@ -230,6 +235,15 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
             parts.append(leaves[views[0][0]].new_zeros(s - pos))
         shard = torch.cat(parts) if len(parts) > 1 else parts[0]
         gather_dtype = param_dtype or dtype
+        if hooks is not None:  # a low-precision gather (vfsdp.functional.lowp)
+            if rep_name is not None:
+                shard = _grad_summed(shard, rep_name)
+            if scale != 1.0:
+                shard = _grad_times(shard, scale)
+            full = hooked_all_gather(shard, hooks, pieces, views, s, shard_name, m, reduce_dtype)
+            for i, offset, numel, shape in views:
+                out[i] = full[offset:offset + numel].view(shape)
+            continue
         if reduce_dtype is not None and reduce_dtype != gather_dtype:
             raise ValueError(f"vfsdp.gather under torch.compile reduce-scatters the gradients "
                              f"in the gather dtype ({gather_dtype}); reduce_dtype="

@@ -51,6 +51,7 @@ from vfsdp.optim.quant import (
     quantize_tiles,
     tile_view,
 )
+from vfsdp.optim.traced import TracedAdam8, traced_adamw8bit
 from vfsdp.planner.granularity import format_path, rows
 from vfsdp.planner.spec import ShardSpec
 
@@ -120,6 +121,14 @@ class AdamW8bitState:
     fp32_m: dict = field(default_factory=dict)
     fp32_v: dict = field(default_factory=dict)
     plan: AdamW8bitPlan = field(default_factory=AdamW8bitPlan, repr=False, compare=False)
+    traced: Optional[TracedAdam8] = field(default=None, repr=False, compare=False)
+
+    def sync_step(self) -> int:
+        """``step``, caught up with the compiled path's counter (as ``AdamWState``'s)."""
+        if self.traced is not None and self.traced.ran:
+            self.step = int(self.traced.step.item())
+            self.traced.ran = False
+        return self.step
 
     def state_bytes(self) -> tuple[int, int]:
         """``(bytes of 8-bit state incl. scales, elements it covers)`` on this rank."""
@@ -135,7 +144,7 @@ class AdamW8bitState:
         """The step; the codes per element and the tile scales indexed by global tile (so
         another block placement reloads them bit for bit); the small tensors' fp32 moments."""
         keep = owned_views(self.plan)
-        tree = {"step": self.step, "codes_m": param_tree(self.codes_m, spec, keep),
+        tree = {"step": self.sync_step(), "codes_m": param_tree(self.codes_m, spec, keep),
                 "codes_v": param_tree(self.codes_v, spec, keep)}
         for attr in ("m", "v"):
             scales, small = getattr(self, f"scales_{attr}"), getattr(self, f"fp32_{attr}")
@@ -170,6 +179,9 @@ class AdamW8bitState:
 
     def restore_checkpoint(self, tree: dict) -> AdamW8bitState:
         self.step = tree["step"]
+        if self.traced is not None:
+            self.traced.step.fill_(self.step)
+            self.traced.ran = False
         return self
 
 
@@ -296,15 +308,49 @@ def adamw8bit(
                 state.scales_v[(u.key, k)] = torch.zeros(n, dtype=torch.float32, device=db.device)
             paths[u.key], quantized[u.key], fp32[u.key] = chosen, tuple(q8), tuple(f32)
         state.plan = AdamW8bitPlan(paths, quantized, fp32, decay)
+        state.traced = _traced_views(shards, spec, state)
         return state
 
+    def _traced_views(shards: Any, spec: ShardSpec, state: AdamW8bitState) -> Any:
+        """What a compiled update reads (vfsdp.optim.traced): views made now, eagerly."""
+        units = unit_buffers(shards, spec, "adamw8bit.init")
+        if not units:
+            return None
+        q, small = [], []
+        for u in units:
+            if u.key not in state.codes_m:
+                continue
+            first = {}
+            for i, k in u.leaves:
+                first.setdefault(k, i)
+            decays = state.plan.decays[u.key]
+            cm, cv = state.codes_m[u.key], state.codes_v[u.key]
+            for t in state.plan.quantized[u.key]:
+                if t.hi > t.lo:
+                    q.append((first[t.k], t.view, t.k in decays, cm.local(t.k).view(t.view),
+                              cv.local(t.k).view(t.view), state.scales_m[(u.key, t.k)],
+                              state.scales_v[(u.key, t.k)]))
+            for k, lo, hi in state.plan.fp32[u.key]:
+                if hi > lo:
+                    small.append((first[k], k in decays, state.fp32_m[(u.key, k)],
+                                  state.fp32_v[(u.key, k)]))
+        device = units[0].db.device
+        return TracedAdam8(q, small, qmaps(device),
+                           torch.zeros(1, dtype=torch.float64, device=device))
+
     def update(grads: Any, state: AdamW8bitState, shards: Any, spec: ShardSpec) -> AdamW8bitState:
-        if tp.compiling():
-            raise ValueError("adamw8bit.update under torch.compile is not supported yet (its "
-                             "per-tensor kernels and exchanges run eagerly); compile the "
-                             "forward and backward and call the update outside, or use "
-                             "vfsdp.optim.adamw, which compiles")
+        if tp.compiling():  # torch.compile: per-tensor 8-bit steps, a tensor step count
+            if state.traced is None:
+                raise ValueError("adamw8bit.update under torch.compile: this state has no "
+                                 "views for the compiled path; make it with opt.init before "
+                                 "compiling")
+            traced_adamw8bit(grads, state.traced, shards, spec, schedule, betas, eps,
+                             weight_decay)
+            return state
+        state.sync_step()
         state.step += 1
+        if state.traced is not None and state.traced.used:  # keep the compiled count in step
+            state.traced.step.fill_(state.step)
         step = state.step
         rate = schedule(step)
         hyper = (b1, b2, 1 - b1 ** step, math.sqrt(1 - b2 ** step), eps, rate)

@@ -30,7 +30,8 @@ from vfsdp import _torch_private as tp
 from vfsdp.functional.traced import traced_leaves
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["TracedAdam", "traced_adamw", "traced_clip", "adam_views"]
+__all__ = ["TracedAdam", "traced_adamw", "traced_clip", "adam_views", "TracedAdam8",
+           "traced_adamw8bit", "traced_step8"]
 
 
 @dataclass
@@ -169,3 +170,91 @@ def traced_clip(grads: Any, spec: ShardSpec, max_norm: float, eps: float,
         for i, _c in chosen:
             leaves[i].mul_(coef.to(leaves[i].dtype))
     return norm
+
+
+@dataclass
+class TracedAdam8:
+    """What the compiled 8-bit AdamW update reads, made by ``init`` (eager).
+
+    Attributes:
+        quantized: Per quantized tensor: ``(leaf index, (B, R, C) view, decays, codes m,
+            codes v, scales m, scales v)``, the codes viewed ``[B, R, C]``.
+        small: Per tensor with fp32 moments: ``(leaf index, decays, m, v)``.
+        maps: The code maps and their midpoints (``qm, qv, mids_m, mids_v``).
+        step: A one-element float64 step counter (as :class:`TracedAdam`'s).
+        used, ran: As :class:`TracedAdam`'s.
+    """
+
+    quantized: list
+    small: list
+    maps: tuple
+    step: torch.Tensor
+    used: bool = False
+    ran: bool = False
+
+
+def traced_step8(p: torch.Tensor, g: torch.Tensor, cm: torch.Tensor, cv: torch.Tensor,
+                 sm: torch.Tensor, sv: torch.Tensor, maps: tuple, b1: float, b2: float,
+                 bc1: torch.Tensor, bc2_sqrt: torch.Tensor, eps: float,
+                 lr: torch.Tensor) -> None:
+    """``adamw8bit.step8`` with the step's scalars as tensors (a compiled step's counter)."""
+    from vfsdp.optim.quant import dequantize_tiles, quantize_tiles
+
+    qm, qv, mids_m, mids_v = maps
+    m = dequantize_tiles(cm, sm, qm)
+    v = dequantize_tiles(cv, sv, qv)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    p.sub_((m / denom * (lr / bc1)).to(p.dtype))
+    quantize_tiles(m, mids_m, cm, sm)
+    quantize_tiles(v, mids_v, cv, sv)
+
+
+def traced_adamw8bit(grads: Any, views: TracedAdam8, shards: Any, spec: ShardSpec,
+                     schedule: Any, betas: tuple, eps: float, weight_decay: float) -> None:
+    """One 8-bit AdamW step while compiling: per quantized tensor the 8-bit step (dequantize,
+    update, re-quantize) and per small tensor AdamW on its fp32 moments, which the compiler
+    fuses; the step counts in a tensor.
+
+    Args:
+        grads, shards, spec: As for ``update``.
+        views: The state's :class:`TracedAdam8`.
+        schedule, betas, eps, weight_decay: The hyperparameters.
+
+    Returns:
+        ``None``: the shards, codes, scales and moments change in place.
+
+    Raises:
+        ValueError: a tree that does not match the spec.
+    """
+    params, _ = traced_leaves(shards, spec, "adamw8bit.update")
+    gleaves, _ = traced_leaves(grads, spec, "adamw8bit.update")
+    b1, b2 = betas
+    views.used = views.ran = True
+    views.step.add_(1)
+    step = views.step
+    lr = torch.as_tensor(schedule(step), dtype=torch.float64, device=step.device)
+    bc1 = 1 - b1 ** step
+    bc2_sqrt = torch.sqrt(1 - b2 ** step)
+    with torch.no_grad():
+        for i, view, decays, cm, cv, sm, sv in views.quantized:
+            p = params[i]
+            if not p.requires_grad:
+                continue
+            if weight_decay and decays:
+                p.mul_((1 - lr * weight_decay).to(p.dtype))
+            traced_step8(p.view(view), gleaves[i].reshape(view).float(), cm, cv, sm, sv,
+                         views.maps, b1, b2, bc1, bc2_sqrt, eps, lr)
+        for i, decays, m, v in views.small:
+            p = params[i]
+            if not p.requires_grad:
+                continue
+            g = gleaves[i].reshape(-1).float()
+            flat = p.view(-1)
+            if weight_decay and decays:
+                flat.mul_((1 - lr * weight_decay).to(p.dtype))
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v.sqrt() / bc2_sqrt).add_(eps)
+            flat.sub_((m / denom * (lr / bc1)).to(p.dtype))

@@ -30,6 +30,7 @@ from vfsdp._warnings import warn_user
 from vfsdp.collectives.piece import Piece, tensor_piece
 from vfsdp.collectives.slot import Role
 from vfsdp.functional.state import param_tree
+from vfsdp.functional.tiles import blockwise, tile_granularity
 from vfsdp.optim.adamw import owned_views
 from vfsdp.optim.base import (
     Mask,
@@ -52,7 +53,7 @@ from vfsdp.optim.quant import (
     tile_view,
 )
 from vfsdp.optim.traced import TracedAdam8, traced_adamw8bit
-from vfsdp.planner.granularity import format_path, rows
+from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["adamw8bit", "AdamW8bitState", "AdamW8bitPlan", "Quantized", "MIN_8BIT_NUMEL", "step8"]
@@ -61,21 +62,12 @@ MIN_8BIT_NUMEL = 4096
 
 
 def _quantized(shape, min_numel: int) -> bool:
-    return len(shape) >= 2 and math.prod(shape) >= min_numel
+    return blockwise(shape, min_numel)
 
 
 def granularity_8bit(min_numel: int = MIN_8BIT_NUMEL) -> Callable:
     """The blocks 8-bit AdamW needs: 32-row stripes of matrices, whole matrices of ragged stacks."""
-
-    def gran(path, tensor):
-        shape = tuple(tensor.shape)
-        if not _quantized(shape, min_numel):
-            return None
-        if len(shape) >= 3 and shape[-2] % TILE:
-            return rows(shape[-2])  # keep each matrix of the stack whole
-        return rows(TILE)
-
-    return gran
+    return tile_granularity(min_numel)
 
 
 @dataclass(frozen=True)

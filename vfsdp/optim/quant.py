@@ -34,10 +34,11 @@ from functools import lru_cache
 
 import torch
 
+from vfsdp.functional.tiles import TILE, tile_view, tiled
+
 __all__ = ["dynamic_map", "midpoints", "tile_view", "quantize_tiles", "dequantize_tiles",
            "quantize", "dequantize", "tile_ids", "TILE"]
 
-TILE = 32
 
 
 @lru_cache(maxsize=4)
@@ -71,48 +72,6 @@ def midpoints(qmap: torch.Tensor) -> torch.Tensor:
     return (qmap[1:] + qmap[:-1]) / 2
 
 
-def tile_view(shape: tuple, start: int, stop: int) -> tuple[int, int, int]:
-    """The flat range ``[start, stop)`` of a tensor of ``shape`` as ``B`` matrices ``[R, C]``
-    whose 32x32 tiles (from row 0, column 0, partial at the edges) are the tensor's tiles.
-
-    Rows of a matrix or of a stack whose matrices have a multiple of 32 rows: ``B = 1``,
-    the range's rows (whole 32-row stripes). A stack with ragged matrices: whole matrices.
-
-    Returns:
-        ``(B, R, C)``.
-
-    Raises:
-        ValueError: the range cuts a row, a 32-row stripe, or a ragged stack's matrix.
-
-    Example:
-        >>> tile_view((70, 40), 32 * 40, 70 * 40), tile_view((3, 40, 32), 40 * 32, 3 * 40 * 32)
-        ((1, 38, 40), (2, 40, 32))
-    """
-    cols, rows = shape[-1], shape[-2]
-    n = stop - start
-    if len(shape) >= 3 and rows % TILE:
-        per = rows * cols
-        if start % per or stop % per:
-            raise ValueError(f"range [{start}, {stop}) cuts a {rows}x{cols} matrix of a stack "
-                             f"whose matrices are not whole 32-row stripes")
-        return n // per, rows, cols
-    if start % cols or stop % cols:
-        raise ValueError(f"range [{start}, {stop}) cuts a row of {cols} elements")
-    r0, r1 = start // cols, stop // cols
-    if (r0 % rows) % TILE or ((r1 % rows) % TILE and r1 % rows != 0):
-        raise ValueError(f"range of rows [{r0}, {r1}) cuts a 32-row stripe")
-    return 1, r1 - r0, cols
-
-
-def _tiled(x: torch.Tensor) -> torch.Tensor:
-    """``[B, R, C]`` -> ``[B, R/32, 32, C/32, 32]``, zero-padded to whole tiles if ragged."""
-    b, r, c = x.shape
-    rt, ct = -(-r // TILE), -(-c // TILE)
-    if (r, c) != (rt * TILE, ct * TILE):
-        x = torch.nn.functional.pad(x, (0, ct * TILE - c, 0, rt * TILE - r))
-    return x.view(b, rt, TILE, ct, TILE)
-
-
 def quantize_tiles(x: torch.Tensor, mids: torch.Tensor, codes: torch.Tensor,
                    scales: torch.Tensor) -> None:
     """Quantize ``x`` (``[B, R, C]``, fp32) into ``codes`` (uint8, same shape) and ``scales``
@@ -124,12 +83,12 @@ def quantize_tiles(x: torch.Tensor, mids: torch.Tensor, codes: torch.Tensor,
         codes, scales: Written.
     """
     b, r, c = x.shape
-    tiled = _tiled(x)
-    absmax = tiled.abs().amax(dim=(2, 4))
+    tiles = tiled(x)
+    absmax = tiles.abs().amax(dim=(2, 4))
     scales.copy_(absmax.reshape(-1))
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    rt, ct = tiled.shape[1], tiled.shape[3]
-    y = (tiled / safe[:, :, None, :, None]).view(b, rt * TILE, ct * TILE)[:, :r, :c]
+    rt, ct = tiles.shape[1], tiles.shape[3]
+    y = (tiles / safe[:, :, None, :, None]).view(b, rt * TILE, ct * TILE)[:, :r, :c]
     codes.copy_(torch.searchsorted(mids, y.contiguous(), right=True))
 
 

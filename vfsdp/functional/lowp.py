@@ -9,8 +9,9 @@ style of FSDP2's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` but function
 * ``hooks.post_all_gather(payload, meta, unit) -> full``: every rank's payloads and metas,
   concatenated in rank order, become the unit's ``m * S`` full buffer in the compute dtype.
 
-``unit`` (:class:`UnitInfo`) says which tensor each shard element belongs to, and lets a hook
-take a maximum over the ranks (``unit.all_max``), for scales that must agree.
+``unit`` (:class:`UnitInfo`) says which tensor each shard element belongs to and where every
+rank's pieces sit, and lets a hook take a maximum over the ranks (``unit.all_max``), for
+scales that must agree.
 
 The backward is the straight-through one FSDP's float8 all-gather uses: the gradient of the
 full buffer is reduce-scattered in ``reduce_dtype`` (float32 by default) as if the gather had
@@ -18,8 +19,10 @@ been exact, scaled for ``grad_reduce="avg"``, and returned in the shard's dtype.
 functional, eager and compiled alike: functional collectives, no persistent buffers.
 
 :class:`Float8` is the ready-made pair: float8 (e4m3 by default) with one scale per tensor
-(``amax / max representable``, the amax taken over every rank), half the bytes of a bf16
-gather; the compute sees ``compute_dtype`` tensors.
+(``amax / max representable``, the amax taken over every rank) or per 32x32 block of each
+matrix (the tiles of :mod:`vfsdp.functional.tiles`, kept whole on ranks by the planner as for
+8-bit AdamW), half the bytes of a bf16 gather plus the scales; the compute sees
+``compute_dtype`` tensors.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any, Optional
 import torch
 
 from vfsdp import _torch_private as tp
+from vfsdp.functional.tiles import blockwise, tile_granularity, tile_view, tiled, tiles_of
 
 __all__ = ["UnitInfo", "Float8", "hooked_all_gather"]
 
@@ -45,6 +49,10 @@ class UnitInfo:
         n_tensors: Tensors in the unit.
         world: Ranks in the shard group (``m``).
         group: The shard group's name (functional collectives).
+        shapes: Each tensor's shape (by tensor index).
+        pieces: Per rank, its pieces ``(tensor index, lo, hi, start, stop)``: ``[lo, hi)`` of
+            that rank's shard holds ``[start, stop)`` of the tensor (flat).
+        rank: This rank's index in the shard group.
     """
 
     segment: torch.Tensor
@@ -52,6 +60,9 @@ class UnitInfo:
     n_tensors: int
     world: int
     group: str
+    shapes: tuple = ()
+    pieces: tuple = ()
+    rank: int = 0
 
     def all_max(self, x: torch.Tensor) -> torch.Tensor:
         """The element-wise maximum of ``x`` over the shard group."""
@@ -60,11 +71,16 @@ class UnitInfo:
 
 @dataclass(frozen=True)
 class Float8:
-    """Gather in float8 with one scale per tensor (its amax over every rank).
+    """Gather in float8 with one scale per tensor (its amax over every rank), or per 32x32
+    block of each matrix (``scaling="block"``; plan with ``granularity=hooks.granularity`` so
+    blocks stay whole on ranks, as 8-bit AdamW's tiles do).
 
     Args:
         dtype: The float8 format sent (``torch.float8_e4m3fn``).
         compute_dtype: The dtype the compute sees (``torch.bfloat16``).
+        scaling: ``"tensor"`` or ``"block"``.
+        min_numel: With ``"block"``: matrices of fewer elements (and vectors) keep one scale
+            per tensor.
 
     Example:
         >>> def body():
@@ -78,21 +94,86 @@ class Float8:
 
     dtype: torch.dtype = torch.float8_e4m3fn
     compute_dtype: torch.dtype = torch.bfloat16
+    scaling: str = "tensor"
+    min_numel: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.scaling not in ("tensor", "block"):
+            raise ValueError(f"Float8: scaling must be 'tensor' or 'block', got {self.scaling!r}")
+
+    @property
+    def granularity(self) -> Any:
+        """The planner granularity this scaling needs (``None`` for ``"tensor"``)."""
+        return tile_granularity(self.min_numel) if self.scaling == "block" else None
+
+    def _blocks(self, unit: UnitInfo, rank: int) -> list:
+        """``(lo, hi, (B, R, C) view, tiles)`` of the rank's block-scaled pieces."""
+        if self.scaling != "block":
+            return []
+        out = []
+        for tid, lo, hi, start, stop in unit.pieces[rank]:
+            shape = unit.shapes[tid]
+            if hi > lo and blockwise(shape, self.min_numel):
+                try:
+                    view = tile_view(shape, start, stop)
+                except ValueError as exc:
+                    raise ValueError(f"Float8(scaling='block'): a tensor {shape} is split inside "
+                                     f"a 32x32 block ({exc}); plan with "
+                                     f"granularity=hooks.granularity") from None
+                out.append((lo, hi, view, tiles_of(view)))
+        return out
+
+    def _meta_size(self, unit: UnitInfo) -> int:
+        most = 0
+        for r in range(unit.world):  # (plain loops: dynamo traces them)
+            here = 0
+            for block in self._blocks(unit, r):
+                here += block[3]
+            most = max(most, here)
+        return unit.n_tensors + 1 + most
 
     def pre_all_gather(self, shard: torch.Tensor, unit: UnitInfo) -> tuple:
-        """``(float8 shard, per-tensor scales)``; the scales agree on every rank."""
+        """``(float8 shard, scales)``: per-tensor scales (agreed on every rank), then this
+        rank's block scales (zero-padded to the largest rank's)."""
+        top = torch.finfo(self.dtype).max
+        x = shard.detach().float()
         amax = torch.zeros(unit.n_tensors + 1, dtype=torch.float32, device=shard.device)
-        amax = amax.scatter_reduce(0, unit.segment, shard.detach().abs().float(), "amax")
-        amax = unit.all_max(amax)
-        scale = amax.clamp(min=1e-12) / torch.finfo(self.dtype).max
-        payload = (shard.detach().float() / scale[unit.segment]).to(self.dtype)
-        return payload, scale
+        amax = unit.all_max(amax.scatter_reduce(0, unit.segment, x.abs(), "amax"))
+        scale = amax.clamp(min=1e-12) / top
+        y = x / scale[unit.segment]  # cast once at the end (no in-place float8 writes)
+        meta = [scale]
+        for lo, hi, view, _n in self._blocks(unit, unit.rank):
+            b, r, c = view
+            blocks = tiled(x[lo:hi].view(view))
+            bscale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / top
+            rt, ct = blocks.shape[1], blocks.shape[3]
+            q = (blocks / bscale[:, :, None, :, None]).view(b, rt * 32, ct * 32)[:, :r, :c]
+            y[lo:hi] = q.reshape(-1)
+            meta.append(bscale.reshape(-1))
+        payload = y.to(self.dtype)
+        meta = torch.cat(meta)
+        pad = self._meta_size(unit) - meta.numel()
+        return payload, torch.cat([meta, meta.new_zeros(pad)]) if pad else meta
 
     def post_all_gather(self, payload: torch.Tensor, meta: torch.Tensor,
                         unit: UnitInfo) -> torch.Tensor:
-        """The full buffer: every element times its tensor's scale, in ``compute_dtype``."""
-        scale = meta[: unit.n_tensors + 1]  # every rank sent the same scales
-        return (payload.float() * scale[unit.full_segment]).to(self.compute_dtype)
+        """The full buffer: each element times its tensor's or its block's scale, in
+        ``compute_dtype``."""
+        scale = meta[: unit.n_tensors + 1]  # every rank sent the same per-tensor scales
+        full = payload.float() * scale[unit.full_segment]
+        if self.scaling == "block":
+            size, s = self._meta_size(unit), payload.numel() // unit.world
+            for rank in range(unit.world):
+                off = rank * size + unit.n_tensors + 1
+                for lo, hi, view, n in self._blocks(unit, rank):
+                    b, r, c = view
+                    blocks = tiled(payload[rank * s + lo:rank * s + hi].float().view(view))
+                    rt, ct = blocks.shape[1], blocks.shape[3]
+                    scales = meta[off:off + n].view(b, rt, 1, ct, 1)
+                    values = (blocks * scales).view(b, rt * 32, ct * 32)[:, :r, :c]
+                    full[rank * s + lo:rank * s + hi] = values.reshape(-1)
+                    off += n
+        return full.to(self.compute_dtype)
 
 
 class _HookedGather(torch.autograd.Function):
@@ -125,7 +206,7 @@ def _gather_bytes(x: torch.Tensor, unit: UnitInfo) -> torch.Tensor:
 
 
 def hooked_all_gather(shard: torch.Tensor, hooks: Any, pieces: tuple, views: tuple, s: int,
-                      group: str, world: int, reduce_dtype: Optional[torch.dtype]
+                      group: str, world: int, rank: int, reduce_dtype: Optional[torch.dtype]
                       ) -> torch.Tensor:
     """One unit's full buffer through ``hooks`` (see the module).
 
@@ -135,7 +216,7 @@ def hooked_all_gather(shard: torch.Tensor, hooks: Any, pieces: tuple, views: tup
         pieces: ``(leaf index, lo, hi)`` of this rank's tensor pieces, in the unit's order.
         views: ``(leaf index, offset, numel, shape)`` of the unit's tensors.
         s: ``S``.
-        group, world: The shard group's name and size.
+        group, world, rank: The shard group's name and size, and this rank's index.
         reduce_dtype: The backward's reduce-scatter dtype (default float32).
 
     Returns:
@@ -160,16 +241,34 @@ def hooked_all_gather(shard: torch.Tensor, hooks: Any, pieces: tuple, views: tup
             runs.append((tensor_of[leaf_offset[i]], hi - lo))
         pos = max(pos, hi)
     runs.append((k, s - pos))
+    sizes = {}
+    for _i, o, n, sh in views:
+        sizes[o] = (n, tuple(sh))
     full_runs, pos = [], 0
     for offset, tid in sorted(tensor_of.items()):
-        numel = next(n for _i, o, n, _s in views if o == offset)
+        numel = sizes[offset][0]
         if offset > pos:
             full_runs.append((k, offset - pos))
         full_runs.append((tid, numel))
         pos = max(pos, offset + numel)
     full_runs.append((k, world * s - pos))
     segment, full_segment = (_segments(r, device) for r in (runs, full_runs))
-    unit = UnitInfo(segment, full_segment, k, world, group)
+    shapes = [None] * k
+    spans = []
+    for offset, tid in sorted(tensor_of.items()):
+        numel, shape = sizes[offset]
+        shapes[tid] = shape
+        spans.append((tid, offset, numel))
+    pieces_by_rank = []
+    for r in range(world):
+        here = []
+        for tid, o, n in spans:
+            a, b = max(o, r * s), min(o + n, (r + 1) * s)
+            if a < b:
+                here.append((tid, a - r * s, b - r * s, a - o, b - o))
+        pieces_by_rank.append(tuple(here))
+    pieces_by_rank = tuple(pieces_by_rank)
+    unit = UnitInfo(segment, full_segment, k, world, group, tuple(shapes), pieces_by_rank, rank)
     return _HookedGather.apply(shard, hooks, unit, reduce_dtype or torch.float32)
 
 

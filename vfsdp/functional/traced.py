@@ -45,7 +45,7 @@ def group_name(group: Any) -> str:
 
 def _unit_plan(spec: ShardSpec, groups: Any) -> tuple:
     """Plain data for the traced gather of ``spec`` on this rank: ``(shard group name, shard
-    size, replicate group name or None, replicas, units)``; each unit is ``(S, dtype, pieces,
+    size, replicate group name or None, replicas, units, shard rank)``; each unit is ``(S, dtype, pieces,
     views)``: ``pieces`` are ``(leaf index, lo, hi)`` of the rank's shard in order (empty ones
     too), ``views`` are ``(leaf index, offset, numel, shape)`` of the full tensors."""
     rank = groups.shard_rank
@@ -63,7 +63,7 @@ def _unit_plan(spec: ShardSpec, groups: Any) -> tuple:
         units.append((layout.shard_numel, layout.dtype, pieces, views))
     replicate = group_name(groups.replicate) if groups.replicate is not None else None
     return (group_name(groups.shard), groups.shard_size, replicate, groups.replicate_size,
-            tuple(units))
+            tuple(units), rank)
 
 
 def _norm_plan(spec: ShardSpec, groups: Any, shard_name: str) -> tuple:
@@ -221,7 +221,7 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
             ``reduce_dtype`` other than the gather's.
     """
     leaves, treespec = traced_leaves(shards, spec, "vfsdp.gather")
-    shard_name, m, rep_name, replicas, units = _traced(spec, "vfsdp.gather")[3]
+    shard_name, m, rep_name, replicas, units, rank = _traced(spec, "vfsdp.gather")[3]
     scale = 1.0 / (m * replicas) if grad_reduce == "avg" else 1.0
     out = list(leaves)
     for s, dtype, pieces, views in units:
@@ -240,7 +240,8 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
                 shard = _grad_summed(shard, rep_name)
             if scale != 1.0:
                 shard = _grad_times(shard, scale)
-            full = hooked_all_gather(shard, hooks, pieces, views, s, shard_name, m, reduce_dtype)
+            full = hooked_all_gather(shard, hooks, pieces, views, s, shard_name, m, rank,
+                                     reduce_dtype)
             for i, offset, numel, shape in views:
                 out[i] = full[offset:offset + numel].view(shape)
             continue

@@ -17,7 +17,9 @@ Systems (each in its own job):
   ``MixedPrecisionPolicy(bf16, fp32)``, the same clipping, ``torch.optim.AdamW(fused=True)``;
 * ``torch``: the optimizer baselines on the full (unsharded) parameters of one rank:
   ``torch.optim.AdamW(fused=True)`` and ``torch.optim.Muon`` on the layers' matrices plus
-  fused AdamW on the rest.
+  fused AdamW on the rest;
+* ``vfsdp_compiled``: the same step written for ``torch.compile(fullgraph=True)`` (bf16
+  gathers, reduce-scatters in bf16, clipping and AdamW in the graph), against eager FSDP2.
 
 Configurations: ``large`` (886M LLaMA-style: vocab 32000, dim 2048, 16 layers, 16 heads, 8 KV
 heads, FFN 5632, 4 x 2048 tokens per rank) and ``small`` (``examples/train_gpt.py``'s
@@ -67,7 +69,7 @@ CPU_CONFIGS = {
     "large": (GPTConfig(vocab=512, dim=128, layers=2, heads=4, kv_heads=2, ffn=352, seq=64), 2),
     "small": CONFIGS["small"],
 }
-SYSTEMS = ("vfsdp", "fsdp2", "torch")
+SYSTEMS = ("vfsdp", "fsdp2", "torch", "vfsdp_compiled")
 OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
             "cudaLaunchCooperativeKernel")
@@ -136,10 +138,18 @@ def _timed(fn, device, steps: int, warmup: int) -> list:
     return times
 
 
-def _launches(fn, device) -> dict:
+def _launches(fn, device, compiled: bool = False) -> dict:
     """Kernel launches of one call (CUDA: runtime launch calls in a profiler trace; CPU: aten
-    ops at the dispatcher)."""
+    ops at the dispatcher, or, for a compiled function, which a dispatch mode would send back
+    to eager, aten ops in a profiler trace: its fused kernels are not among them)."""
     if device.type != "cuda":
+        if compiled:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+            ops = sum(1 for e in prof.events() if e.name.startswith("aten::"))
+            return {"launches": ops, "launch_kind": "aten ops in a profiler trace (CPU)"}
         with CopyCounter() as c:
             fn()
         return {"launches": sum(c.ops.values()), "launch_kind": "aten ops (CPU)"}
@@ -214,6 +224,54 @@ def _vfsdp(cfg, batch, device, args) -> dict:
     return out
 
 
+def _vfsdp_compiled(cfg, batch, device, args) -> dict:
+    """vfsdp's step under ``torch.compile(fullgraph=True)``: bf16 gathers (``run_layers``
+    re-gathering in backward), the gradients reduce-scattered in bf16 (the compiled path
+    reduces in the gather dtype; FSDP2 here reduces in fp32), clipping and AdamW in the graph."""
+    from torch._dynamo.utils import counters
+
+    from vfsdp.testing.models import block, embed, head_loss
+
+    world = dist.get_world_size()
+    spec = vfsdp.plan(meta_params(cfg), world, comm_dtypes=[torch.bfloat16])
+    shards = vfsdp.shard(meta_params(cfg), spec,
+                         init_fn=lambda path, local, t: _init_values(path, local.shape, device))
+    no_norm = lambda path: not str(path[-1]).endswith("norm")
+    opt = vfsdp.optim.adamw(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                            weight_decay_mask=no_norm)
+    state = opt.init(shards, spec)
+    layer_specs = spec["layers"]
+    bf16 = torch.bfloat16
+
+    def train(shards, state, tokens, targets):
+        vfsdp.zero_grads(shards, spec)
+        io = vfsdp.gather(shards["io"], spec["io"], param_dtype=bf16)
+        x = vfsdp.run_layers(lambda p, h: block(p, h, cfg), shards["layers"], layer_specs,
+                             embed(io, tokens), param_dtype=bf16)
+        loss = head_loss(io, x, targets)
+        loss.backward()
+        grads = vfsdp.grads(shards, spec)
+        vfsdp.clip_grad_norm(grads, spec, 1.0)
+        opt.update(grads, state, shards, spec)
+        return loss.detach()
+
+    fast = torch.compile(train, fullgraph=True)
+    box = {}
+
+    def step(i):
+        tokens, targets = _batch(cfg, batch, i, device)
+        box["loss"] = fast(shards, state, tokens, targets)
+
+    t0 = time.perf_counter()
+    step(0)
+    _sync(device)
+    compile_s = time.perf_counter() - t0
+    out = _run_steps(step, device, args, compiled=True)
+    out.update(final_loss=float(box["loss"]), compile_s=compile_s,
+               graphs=counters["stats"]["unique_graphs"])
+    return out
+
+
 def _fsdp2(cfg, batch, device, args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -285,7 +343,7 @@ def _torch(cfg, batch, device, args) -> dict:
     return out
 
 
-def _run_steps(step, device, args) -> dict:
+def _run_steps(step, device, args, compiled: bool = False) -> dict:
     for i in range(args.warmup):
         step(i)
     _sync(device)
@@ -295,7 +353,7 @@ def _run_steps(step, device, args) -> dict:
     times = _timed(lambda i: step(args.warmup + i), device, args.steps, 0)
     out = {"step_s": statistics.median(times), "persistent_allocated": persistent,
            **_memory(device)}
-    out.update(_launches(lambda: step(0), device))
+    out.update(_launches(lambda: step(0), device, compiled))
     return out
 
 
@@ -311,8 +369,9 @@ def worker(args) -> None:
         device = torch.device("cuda", local)
         dist.init_process_group("nccl", device_id=device)
     cfg, batch = (CPU_CONFIGS if args.cpu else CONFIGS)[args.config]
-    out = {"vfsdp": _vfsdp, "fsdp2": _fsdp2, "torch": _torch}[args.system](cfg, batch, device,
-                                                                            args)
+    systems = {"vfsdp": _vfsdp, "fsdp2": _fsdp2, "torch": _torch,
+               "vfsdp_compiled": _vfsdp_compiled}
+    out = systems[args.system](cfg, batch, device, args)
     world = dist.get_world_size()
     if "step_s" in out:
         tokens = batch * cfg.seq * world
@@ -426,6 +485,14 @@ def _print(rec: dict) -> None:
               f"{_ratio(vo[name], base[name]):>8}  torch.optim {names[name]}")
     if fo.get("adamw") is not None:
         print(f"{'(FSDP2 AdamW fused step)':28} {'':>12} {_fmt(fo['adamw'], 1, '.4f'):>12}")
+    c = rec.get("vfsdp_compiled", {})
+    if "step_s" in c:
+        print(f"{'compiled vfsdp':28} {'compiled':>12} {'FSDP2':>12} {'ratio':>8}")
+        for label, key, scale, spec in rows[:5] + rows[6:]:
+            a, b = c.get(key), f.get(key)
+            print(f"{label:28} {_fmt(a, scale, spec):>12} {_fmt(b, scale, spec):>12} "
+                  f"{_ratio(a, b):>8}")
+        print(f"  compiled in {c['compile_s']:.1f} s; graphs: {c['graphs']} (1 = no recompiles)")
 
 
 if __name__ == "__main__":

@@ -150,7 +150,8 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_its_records(tmp_path):
     out = tmp_path / "gpu.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_vs_fsdp2.py"), "--cpu", "--configs",
-         "small", "--steps", "1", "--warmup", "1", "--opt-steps", "1", "--json", str(out)],
+         "small", "--steps", "1", "--warmup", "1", "--opt-steps", "1", "--json", str(out),
+         "--systems", "vfsdp", "fsdp2", "torch"],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (rec,) = json.loads(out.read_text())
@@ -186,3 +187,20 @@ def test_compile_benchmark_runs_and_compiles_one_graph():
     out = proc.stdout
     assert "eager" in out and "compiled" in out
     assert "graphs compiled: 1 (1 = no recompiles)" in out, out
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_compiled_system_runs_on_cpu(tmp_path):
+    """The compiled vfsdp step of benchmarks/gpu_vs_fsdp2.py against FSDP2, on gloo: one graph
+    for every step, a finite loss, the side-by-side rows printed."""
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_vs_fsdp2.py"), "--cpu", "--configs",
+         "small", "--steps", "1", "--warmup", "1", "--json", str(out),
+         "--systems", "fsdp2", "vfsdp_compiled"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (rec,) = json.loads(out.read_text())
+    c = rec["vfsdp_compiled"]
+    assert c["graphs"] == 1 and c["step_s"] > 0 and c["final_loss"] == c["final_loss"]
+    assert "compiled vfsdp" in proc.stdout

@@ -14,8 +14,11 @@ allocate outside the profiler's view), aten ops per step as the profiler sees th
 step's fused kernels are not aten ops; its matmuls and collectives are), and how many graphs
 the steps compiled to (1: no recompiles).
 
-CPU and gloo only: the GPU comparison (the 886M configuration against eager FSDP2 on an
-H200, under torchrun with NCCL) is not in this script yet.
+``--cuda`` runs the GPU comparison instead: the 886M configuration, vfsdp eager, vfsdp compiled
+and eager FSDP2, each under torchrun with NCCL (``benchmarks/gpu_vs_fsdp2.py --configs large
+--systems vfsdp fsdp2 vfsdp_compiled``; ``--nproc`` ranks)::
+
+    python benchmarks/compile_bench.py --cuda --nproc 1
 """
 
 from __future__ import annotations
@@ -154,7 +157,20 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--ffn", type=int, default=256)
+    ap.add_argument("--cuda", action="store_true",
+                    help="the 886M configuration on GPUs, against eager FSDP2 (gpu_vs_fsdp2.py)")
+    ap.add_argument("--nproc", type=int, default=1, help="with --cuda: ranks (GPUs)")
     args = ap.parse_args(argv)
+    if args.cuda:
+        if not torch.cuda.is_available():
+            ap.error("--cuda needs CUDA GPUs (this machine has none); leave it out for the "
+                     "CPU comparison")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gpu_vs_fsdp2
+
+        return gpu_vs_fsdp2.main(["--configs", "large", "--systems", "vfsdp", "fsdp2",
+                                  "vfsdp_compiled", "--nproc", str(args.nproc),
+                                  "--optimizers", "adamw"])
     if args.steps < 3:
         ap.error("--steps must be at least 3 (the first compiles)")
     r = spawn(_run, args.world, args, timeout=1800)[0]

@@ -49,25 +49,25 @@ def _make_step(spec, opt, micro):
     return step
 
 
-def _compiled_vs_eager(steps=4, micro=1):
+def _compiled_vs_eager(steps=4, micro=1, mesh_shape=None):
     from torch._dynamo.utils import counters
 
-    spec = vfsdp.plan(_params(), dist.get_world_size())
+    spec = vfsdp.plan(_params(), mesh_shape or dist.get_world_size())
     opt = vfsdp.optim.adamw(lr=vfsdp.optim.warmup_cosine(1e-2, 2, 10), weight_decay=0.1,
                             weight_decay_mask=lambda p: p[-1] != "b")
     eager, compiled = vfsdp.shard(_params(), spec), vfsdp.shard(_params(), spec)
     se, sc = opt.init(eager, spec), opt.init(compiled, spec)
     step = _make_step(spec, opt, micro)
-    fast = torch.compile(step, fullgraph=True)
+    fast = torch.compile(step, fullgraph=True, dynamic=False)
     norms = []
     for s in range(steps):
         xs = [_batch(s, j) for j in range(micro)]
         norms.append((float(step(eager, se, xs)), float(fast(compiled, sc, xs))))
     graphs = counters["stats"]["unique_graphs"]
     # A new spec (another width) compiles once more, then runs without recompiling.
-    spec2 = vfsdp.plan(_params(12), dist.get_world_size())
+    spec2 = vfsdp.plan(_params(12), mesh_shape or dist.get_world_size())
     other = vfsdp.shard(_params(12), spec2)
-    step2 = torch.compile(_make_step(spec2, opt, micro), fullgraph=True)
+    step2 = torch.compile(_make_step(spec2, opt, micro), fullgraph=True, dynamic=False)
     s2 = opt.init(other, spec2)
     for s in range(2):
         step2(other, s2, [_batch(s, j, 12) for j in range(micro)])
@@ -86,6 +86,18 @@ def test_a_compiled_step_equals_the_eager_step_and_never_recompiles():
         assert steps_e == steps_c == 4
         for e, c in norms:
             assert c == pytest.approx(e, rel=1e-5) and e > 0.05  # it clipped
+        assert diff < 1e-6
+
+
+@pytest.mark.slow
+def test_a_compiled_hsdp_step_equals_the_eager_step():
+    """HSDP (2 replicas x 2 shards) on 4 gloo processes: the replicas' gradients summed in the
+    backward, the norm over the shard group."""
+    for norms, diff, graphs, more, steps_e, steps_c in spawn(_compiled_vs_eager, 4, 3, 1,
+                                                             (2, 2)):
+        assert graphs == 1 and more == 1 and steps_e == steps_c == 3
+        for e, c in norms:
+            assert c == pytest.approx(e, rel=1e-5)
         assert diff < 1e-6
 
 

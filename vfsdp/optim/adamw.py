@@ -24,7 +24,6 @@ from typing import Any, Optional
 
 import torch
 
-from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.slot import Role
 from vfsdp.functional.state import param_tree
@@ -42,7 +41,7 @@ from vfsdp.optim.base import (
     unit_buffers,
 )
 from vfsdp.optim.fused import adamw_step, use_fused
-from vfsdp.optim.traced import TracedAdam, adam_views, traced_adamw
+from vfsdp.optim.traced import TracedAdam, adam_views, compiled_update, traced_adamw
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
@@ -312,18 +311,9 @@ def adamw(
         return state
 
     def update(grads: Any, state: AdamWState, shards: Any, spec: ShardSpec) -> AdamWState:
-        if tp.compiling():  # torch.compile: per-tensor element-wise ops, a tensor step count
-            if state.traced is None:
-                raise ValueError("adamw.update under torch.compile: this state has no views "
-                                 "for the compiled path; make it with opt.init before "
-                                 "compiling")
-            traced_adamw(grads, state.traced, shards, spec, schedule, betas, eps,
-                         weight_decay)
+        if compiled_update(state, "adamw.update", lambda: traced_adamw(
+                grads, state.traced, shards, spec, schedule, betas, eps, weight_decay)):
             return state
-        state.sync_step()
-        state.step += 1
-        if state.traced is not None and state.traced.used:  # keep the compiled count in step
-            state.traced.step.fill_(state.step)
         step = state.step
         rate = schedule(step)
         leaves = grad_leaves(grads, spec, "adamw.update")

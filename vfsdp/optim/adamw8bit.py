@@ -25,7 +25,6 @@ from typing import Any, Optional
 
 import torch
 
-from vfsdp import _torch_private as tp
 from vfsdp._warnings import warn_user
 from vfsdp.collectives.piece import Piece, tensor_piece
 from vfsdp.collectives.slot import Role
@@ -52,7 +51,7 @@ from vfsdp.optim.quant import (
     quantize_tiles,
     tile_view,
 )
-from vfsdp.optim.traced import TracedAdam8, traced_adamw8bit
+from vfsdp.optim.traced import TracedAdam8, compiled_update, traced_adamw8bit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
@@ -331,18 +330,9 @@ def adamw8bit(
                            torch.zeros(1, dtype=torch.float64, device=device))
 
     def update(grads: Any, state: AdamW8bitState, shards: Any, spec: ShardSpec) -> AdamW8bitState:
-        if tp.compiling():  # torch.compile: per-tensor 8-bit steps, a tensor step count
-            if state.traced is None:
-                raise ValueError("adamw8bit.update under torch.compile: this state has no "
-                                 "views for the compiled path; make it with opt.init before "
-                                 "compiling")
-            traced_adamw8bit(grads, state.traced, shards, spec, schedule, betas, eps,
-                             weight_decay)
+        if compiled_update(state, "adamw8bit.update", lambda: traced_adamw8bit(
+                grads, state.traced, shards, spec, schedule, betas, eps, weight_decay)):
             return state
-        state.sync_step()
-        state.step += 1
-        if state.traced is not None and state.traced.used:  # keep the compiled count in step
-            state.traced.step.fill_(state.step)
         step = state.step
         rate = schedule(step)
         hyper = (b1, b2, 1 - b1 ** step, math.sqrt(1 - b2 ** step), eps, rate)

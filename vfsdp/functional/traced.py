@@ -189,11 +189,11 @@ def _grad_times(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x.detach() + (x - x.detach()) * scale
 
 
-def _grad_summed(x: torch.Tensor, group: str) -> torch.Tensor:
+def _grad_summed(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
     """``x`` (exactly; the same on every rank of ``group``), whose gradient is summed over
-    ``group``: the all-reduce's own backward does it. The forward all-reduce it costs is the
+    ``group``: the collective's own backward does it. The forward collective it costs is the
     price of staying one traced graph (a custom autograd function would split the backward)."""
-    summed = tp.traced_all_reduce_autograd(x, "sum", group)
+    summed = tp.traced_sum_autograd(x, group, size)
     return x.detach() + (summed - summed.detach())
 
 
@@ -237,7 +237,7 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
         gather_dtype = param_dtype or dtype
         if hooks is not None:  # a low-precision gather (vfsdp.functional.lowp)
             if rep_name is not None:
-                shard = _grad_summed(shard, rep_name)
+                shard = _grad_summed(shard, rep_name, replicas)
             if scale != 1.0:
                 shard = _grad_times(shard, scale)
             full = hooked_all_gather(shard, hooks, pieces, views, s, shard_name, m, rank,
@@ -250,7 +250,7 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
                              f"in the gather dtype ({gather_dtype}); reduce_dtype="
                              f"{reduce_dtype} needs the eager path (or gather in that dtype)")
         if rep_name is not None:  # HSDP: the replicas' gradients are summed too
-            shard = _grad_summed(shard, rep_name)
+            shard = _grad_summed(shard, rep_name, replicas)
         if scale != 1.0:  # "avg": the reduce-scatter's sum, times 1 / ranks
             shard = _grad_times(shard, scale)
         full = tp.traced_all_gather(shard.to(gather_dtype), shard_name, m)

@@ -2,8 +2,8 @@
 
 The eager gather owns its buffers: it all-gathers into a persistent global buffer in place,
 frees it by resizing its storage and hands out aliases with ``set_``. None of that can be
-traced. Under ``torch.compile`` (``torch.compiler.is_compiling()``) the same call takes a
-functional path instead, and the compiler owns every buffer:
+traced. While dynamo traces it (``torch.compiler.is_dynamo_compiling()``) the same call takes
+a functional path instead, and the compiler owns every buffer:
 
 * per unit, the rank's shard is assembled from its tensor pieces (zeros in the padding
   between them, exactly the eager shard's bytes), cast to ``param_dtype`` if asked, and
@@ -11,7 +11,7 @@ functional path instead, and the compiler owns every buffer:
   whose autograd backward is a reduce-scatter (sum): the sharded gradients land on the
   shards (``.grad`` or ``autograd.grad``), as with the eager default ``grads="return"``;
 * ``grad_reduce="avg"`` scales that gradient by ``1 / (ranks)``; over HSDP's replicate dim a
-  second functional all-reduce sums it in the backward;
+  differentiable sum over the replicas adds theirs in the backward;
 * the full tensors are views of the gathered buffer at the plan's offsets: the same layout,
   the same values, and the eager path's reference semantics.
 
@@ -45,8 +45,8 @@ def group_name(group: Any) -> str:
 
 def _unit_plan(spec: ShardSpec, groups: Any) -> tuple:
     """Plain data for the traced gather of ``spec`` on this rank: ``(shard group name, shard
-    size, replicate group name or None, replicas, units, shard rank)``; each unit is ``(S, dtype, pieces,
-    views)``: ``pieces`` are ``(leaf index, lo, hi)`` of the rank's shard in order (empty ones
+    size, replicate group name or None, replicas, units, shard rank)``; each unit is ``(S,
+    dtype, pieces, views)``: ``pieces`` are ``(leaf index, lo, hi)`` of the rank's shard in order (empty ones
     too), ``views`` are ``(leaf index, offset, numel, shape)`` of the full tensors."""
     rank = groups.shard_rank
     tensors = spec.leaves()

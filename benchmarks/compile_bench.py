@@ -40,14 +40,16 @@ from vfsdp.testing import spawn
 from vfsdp.testing.models import GPTConfig, block, embed, head_loss, init_rule, meta_params
 
 
-def _step_fn(spec, opt, cfg):
+def step_fn(spec, opt, cfg, param_dtype=None):
+    """The example's training step, written so that it compiles whole (also used by
+    ``gpu_vs_fsdp2.py``'s ``vfsdp_compiled`` system)."""
     layer_specs = spec["layers"]
 
     def step(shards, state, tokens, targets):
         vfsdp.zero_grads(shards, spec)
-        io = vfsdp.gather(shards["io"], spec["io"])
+        io = vfsdp.gather(shards["io"], spec["io"], param_dtype=param_dtype)
         x = vfsdp.run_layers(lambda p, h: block(p, h, cfg), shards["layers"], layer_specs,
-                             embed(io, tokens))
+                             embed(io, tokens), param_dtype=param_dtype)
         loss = head_loss(io, x, targets)
         loss.backward()
         grads = vfsdp.grads(shards, spec)
@@ -115,7 +117,7 @@ def _run(args: argparse.Namespace) -> dict:
     eager = vfsdp.shard(meta_params(cfg), spec, init_fn=init)
     compiled = vfsdp.shard(meta_params(cfg), spec, init_fn=init)
     se, sc = opt.init(eager, spec), opt.init(compiled, spec)
-    step = _step_fn(spec, opt, cfg)
+    step = step_fn(spec, opt, cfg)
     fast = torch.compile(step, fullgraph=True)
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, cfg.vocab, (args.batch, cfg.seq + 1), generator=g)

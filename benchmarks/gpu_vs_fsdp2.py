@@ -52,6 +52,7 @@ import zlib
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -228,9 +229,8 @@ def _vfsdp_compiled(cfg, batch, device, args) -> dict:
     """vfsdp's step under ``torch.compile(fullgraph=True)``: bf16 gathers (``run_layers``
     re-gathering in backward), the gradients reduce-scattered in bf16 (the compiled path
     reduces in the gather dtype; FSDP2 here reduces in fp32), clipping and AdamW in the graph."""
+    from compile_bench import step_fn
     from torch._dynamo.utils import counters
-
-    from vfsdp.testing.models import block, embed, head_loss
 
     world = dist.get_world_size()
     spec = vfsdp.plan(meta_params(cfg), world, comm_dtypes=[torch.bfloat16])
@@ -240,20 +240,7 @@ def _vfsdp_compiled(cfg, batch, device, args) -> dict:
     opt = vfsdp.optim.adamw(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             weight_decay_mask=no_norm)
     state = opt.init(shards, spec)
-    layer_specs = spec["layers"]
-    bf16 = torch.bfloat16
-
-    def train(shards, state, tokens, targets):
-        vfsdp.zero_grads(shards, spec)
-        io = vfsdp.gather(shards["io"], spec["io"], param_dtype=bf16)
-        x = vfsdp.run_layers(lambda p, h: block(p, h, cfg), shards["layers"], layer_specs,
-                             embed(io, tokens), param_dtype=bf16)
-        loss = head_loss(io, x, targets)
-        loss.backward()
-        grads = vfsdp.grads(shards, spec)
-        vfsdp.clip_grad_norm(grads, spec, 1.0)
-        opt.update(grads, state, shards, spec)
-        return loss.detach()
+    train = step_fn(spec, opt, cfg, param_dtype=torch.bfloat16)
 
     fast = torch.compile(train, fullgraph=True)
     box = {}

@@ -23,9 +23,12 @@ THREADS = pytest.mark.skipif(TORCH < (2, 13), reason="dynamo in threads crashes 
 
 def _params(width=D):
     g = torch.Generator().manual_seed(0)
+    # "embed" and "head" share the root unit, and on 2 ranks each rank holds only one of
+    # them: gathering one of them alone leaves a rank with nothing of it (the anchors' case).
     return {"embed": torch.randn(width, width, generator=g) / 3,
             "layers": [{"w": torch.randn(width, width, generator=g) / 3,
-                        "b": torch.randn(width, generator=g)} for _ in range(L)]}
+                        "b": torch.randn(width, generator=g)} for _ in range(L)],
+            "head": torch.randn(width, width, generator=g) / 3}
 
 
 def _layer(p, h):
@@ -44,7 +47,8 @@ def _make_step(spec, opt, micro):
             io = vfsdp.gather(shards["embed"], spec["embed"], accumulate_grads=True)
             h = vfsdp.run_layers(_layer, shards["layers"], spec["layers"], x @ io,
                                  accumulate_grads=True)
-            (h.pow(2).mean() / micro).backward()
+            head = vfsdp.gather(shards["head"], spec["head"], accumulate_grads=True)
+            ((h @ head).pow(2).mean() / micro).backward()
         grads = vfsdp.grads(shards, spec)
         norm = vfsdp.clip_grad_norm(grads, spec, 0.05)
         opt.update(grads, state, shards, spec)
@@ -246,7 +250,7 @@ def test_compiled_forward_gives_the_eager_gradients_under_simulate(mesh_shape, u
     """FSDP and HSDP (2 replicas x 2 shards: the replicas' gradients summed too)."""
     world = 4 if isinstance(mesh_shape, tuple) else 2
     assert simulate(world, _forward_compiled, mesh_shape, use_run_layers) == \
-        [(True, 1 + 2 * L)] * world
+        [(True, 2 + 2 * L)] * world
 
 
 def _refusals():

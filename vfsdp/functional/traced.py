@@ -13,7 +13,13 @@ a functional path instead, and the compiler owns every buffer:
 * ``grad_reduce="avg"`` scales that gradient by ``1 / (ranks)``; over HSDP's replicate dim a
   differentiable sum over the replicas adds theirs in the backward;
 * the full tensors are views of the gathered buffer at the plan's offsets: the same layout,
-  the same values, and the eager path's reference semantics.
+  the same values, and the eager path's reference semantics;
+* every shard also adds ``anchor * 0``, a one-element leaf per unit: the shard's gradient (the
+  reduce-scatter) then has a user on every rank. Ranks' graphs differ (ragged pieces; a rank
+  may hold nothing of a gathered tensor), and a reduce-scatter without a user would be dropped
+  on one rank and waited for on the others. ``loss.backward()`` computes the anchors' (zero)
+  gradients; ``torch.autograd.grad`` must be asked for them too (``vfsdp`` can't add inputs
+  to it), so prefer ``backward()`` in compiled steps.
 
 What each unit needs (its group, this rank's pieces, offsets and shapes) is plain data that
 :func:`vfsdp.shard` keeps on the spec and on its sub-specs (:func:`prepare`, ``spec.traced``):
@@ -43,7 +49,7 @@ def group_name(group: Any) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
 
-def _unit_plan(spec: ShardSpec, groups: Any) -> tuple:
+def _unit_plan(spec: ShardSpec, groups: Any, anchors: dict) -> tuple:
     """Plain data for the traced gather of ``spec`` on this rank: ``(shard group name, shard
     size, replicate group name or None, replicas, units, shard rank)``; each unit is ``(S,
     dtype, pieces, views)``: ``pieces`` are ``(leaf index, lo, hi)`` of the rank's shard in order (empty ones
@@ -60,7 +66,14 @@ def _unit_plan(spec: ShardSpec, groups: Any) -> tuple:
                        sorted(first.items(), key=lambda kv: tensors[kv[1]].shard_range(rank)))
         views = tuple((i, tensors[i].offset, tensors[i].numel, tuple(tensors[i].shape))
                       for i, _k in members)
-        units.append((layout.shard_numel, layout.dtype, pieces, views))
+        # A one-element leaf every rank adds (times 0) to its shard: the shard's gradient, the
+        # reduce-scatter, then always has a user on every rank, even one that holds nothing of
+        # these tensors (else the compiler drops it there and the ranks deadlock).
+        anchor = anchors.get(key)  # one per unit, shared by the spec and its sub-specs
+        if anchor is None:
+            anchor = anchors[key] = torch.zeros(1, dtype=layout.dtype, device=groups.device,
+                                                requires_grad=True)
+        units.append((layout.shard_numel, layout.dtype, pieces, views, anchor))
     replicate = group_name(groups.replicate) if groups.replicate is not None else None
     return (group_name(groups.shard), groups.shard_size, replicate, groups.replicate_size,
             tuple(units), rank)
@@ -83,7 +96,7 @@ def _norm_plan(spec: ShardSpec, groups: Any, shard_name: str) -> tuple:
     return tuple(tensors), tuple(counted), shard_name, model_name
 
 
-def prepare(spec: ShardSpec, groups: Any) -> None:
+def prepare(spec: ShardSpec, groups: Any, anchors: Optional[dict] = None) -> None:
     """Keep on ``spec``, and on every sub-spec of its subtrees (``spec["layers"]``,
     ``spec["layers"][3]``, ``spec["embed"]``, ...), the plain data the compiled path reads
     (``spec.traced``):
@@ -93,6 +106,7 @@ def prepare(spec: ShardSpec, groups: Any) -> None:
     Args:
         spec: The plan.
         groups: The :class:`~vfsdp.collectives.MeshGroups` its shards live on.
+        anchors: Unit key -> its anchor (see :func:`traced_gather`), shared with sub-specs.
 
     Returns:
         ``None``.
@@ -102,7 +116,8 @@ def prepare(spec: ShardSpec, groups: Any) -> None:
     """
     tree = spec.tree
     children = len(tree) if isinstance(tree, (list, tuple)) else -1
-    plan = _unit_plan(spec, groups)
+    anchors = {} if anchors is None else anchors
+    plan = _unit_plan(spec, groups, anchors)
     object.__setattr__(spec, "traced", (
         spec.treespec.num_leaves,
         tuple(i for i, t in enumerate(spec.leaves()) if isinstance(t, TensorSpec)),
@@ -117,7 +132,7 @@ def prepare(spec: ShardSpec, groups: Any) -> None:
         node = tree[key]
         if isinstance(node, TensorSpec) or (isinstance(node, (dict, list, tuple))
                                             and not optree.tree_is_leaf(node)):
-            prepare(spec[key], groups)
+            prepare(spec[key], groups, anchors)
 
 
 def _traced(spec: ShardSpec, what: str) -> tuple:
@@ -177,11 +192,14 @@ def traced_zero_grads(shards: Any, spec: ShardSpec, set_to_none: bool) -> None:
         ValueError: a tree that does not match the spec.
     """
     leaves, _ = traced_leaves(shards, spec, "vfsdp.zero_grads")
-    for i in _traced(spec, "vfsdp.zero_grads")[1]:
+    found = _traced(spec, "vfsdp.zero_grads")
+    for i in found[1]:
         if set_to_none:  # unconditionally: asking whether it was None would be a guard
             leaves[i].grad = None
         elif leaves[i].grad is not None:
             leaves[i].grad.zero_()
+    for unit in found[3][4]:
+        unit[4].grad = None  # the anchors' (always zero) gradients
 
 
 def _grad_times(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -224,7 +242,7 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
     shard_name, m, rep_name, replicas, units, rank = _traced(spec, "vfsdp.gather")[3]
     scale = 1.0 / (m * replicas) if grad_reduce == "avg" else 1.0
     out = list(leaves)
-    for s, dtype, pieces, views in units:
+    for s, dtype, pieces, views, anchor in units:
         parts, pos = [], 0
         for i, lo, hi in pieces:
             if lo > pos:
@@ -234,6 +252,7 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
         if pos < s or not parts:
             parts.append(leaves[views[0][0]].new_zeros(s - pos))
         shard = torch.cat(parts) if len(parts) > 1 else parts[0]
+        shard = shard + anchor * 0  # (see _unit_plan) exact: x + 0 == x
         gather_dtype = param_dtype or dtype
         if hooks is not None:  # a low-precision gather (vfsdp.functional.lowp)
             if rep_name is not None:

@@ -56,7 +56,7 @@ __all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_worl
            "compiling", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter",
            "traced_sum_autograd",
            "trace_autograd_ops", "constant_result", "traced_gather_ops",
-           "enable_compiled_backward", "keep_collectives"]
+           "enable_compiled_backward"]
 
 TESTED_TORCH = ((2, 11), (2, 13))
 _LOCK = threading.Lock()
@@ -339,24 +339,8 @@ def enable_compiled_backward() -> bool:
     if os.environ.get("VFSDP_TRACE_AUTOGRAD", "1") != "0" and hasattr(torch._dynamo.config,
                                                                       "trace_autograd_ops"):
         torch._dynamo.config.trace_autograd_ops = True
-    keep_collectives()
     return True
 
-
-def keep_collectives() -> None:
-    """Mark the functional collectives vfsdp traces as side-effectful
-    (``torch.fx.node.has_side_effect``), so the compiler never drops one as dead code.
-
-    Graphs differ between ranks (their pieces of ragged shards have different sizes; a rank
-    may hold nothing of a tensor), so a collective whose result is unused on one rank (a
-    gradient reduce-scatter into empty pieces) would be removed there and kept on the
-    others: the ranks would wait on each other forever."""
-    from torch.fx.node import has_side_effect
-
-    ops = torch.ops._c10d_functional
-    for op in (ops.all_gather_into_tensor.default, ops.reduce_scatter_tensor.default,
-               ops.all_reduce.default, ops.wait_tensor.default):
-        has_side_effect(op)
 
 
 def constant_result(fn):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vfsdp
-from vfsdp.functional.lowp import Float8, UnitInfo
+from vfsdp.functional.lowp import Float8
 from vfsdp.testing import simulate
 
 E4M3 = torch.float8_e4m3fn
@@ -54,20 +54,37 @@ def test_float8_gather_equals_the_reference_and_its_gradient_is_straight_through
             assert torch.equal(grads[k], plain_grads[k]), k
 
 
+class _Recording(Float8):
+    """Float8 that records what each rank sends: ``(payload bytes, shard elements)``."""
+
+    def pre_all_gather(self, shard, unit):
+        payload, meta = super().pre_all_gather(shard, unit)
+        _SENT.append((payload.numel() * payload.element_size(), shard.numel(),
+                      meta.numel() * meta.element_size()))
+        return payload, meta
+
+
+_SENT: list = []
+
+
+def _sent():
+    _SENT.clear()
+    spec = vfsdp.plan(_params(), 1)
+    shards = vfsdp.shard(_params(), spec)
+    vfsdp.gather(shards, spec, all_gather=_Recording())
+    return list(_SENT)
+
+
 def test_the_float8_payload_is_half_a_bf16_gathers_bytes():
-    s = 64
-    unit = UnitInfo(torch.zeros(s, dtype=torch.long), torch.zeros(2 * s, dtype=torch.long), 1,
-                    1, "unused")
-    hooks = Float8()
-    shard = torch.randn(s)
-    amax = shard.abs().max()
-    scale = amax / torch.finfo(E4M3).max
-    payload = (shard / scale).to(E4M3)
-    assert payload.element_size() * payload.numel() * 2 == \
-        shard.to(torch.bfloat16).element_size() * s
-    full = hooks.post_all_gather(torch.cat([payload, payload]), torch.stack([scale, scale]),
-                                 unit)
-    assert full.dtype == torch.bfloat16 and full.numel() == 2 * s
+    """What a gather actually sends: 1 byte per shard element (a bf16 gather sends 2), plus
+    one fp32 scale per tensor (and one for the padding)."""
+    for sent in simulate(1, _sent):
+        assert len(sent) == 1  # one unit, one gather
+        for payload_bytes, elements, meta_bytes in sent:
+            assert payload_bytes * 2 == elements * torch.tensor([], dtype=torch.bfloat16
+                                                               ).element_size()
+            assert meta_bytes == 4 * (len(_params()) + 1)
+
 
 
 def _train(hooks, steps=50, compiled=False):

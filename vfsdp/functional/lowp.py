@@ -16,7 +16,9 @@ scales that must agree.
 The backward is the straight-through one FSDP's float8 all-gather uses: the gradient of the
 full buffer is reduce-scattered in ``reduce_dtype`` (float32 by default) as if the gather had
 been exact, scaled for ``grad_reduce="avg"``, and returned in the shard's dtype. The gather is
-functional, eager and compiled alike: functional collectives, no persistent buffers.
+functional, eager and compiled alike: functional collectives, no persistent buffers. Eagerly,
+block scaling dequantizes each rank's piece of each matrix with its own few ops (a count that
+grows with the tensors); compiled, those fuse.
 
 :class:`Float8` is the ready-made pair: float8 (e4m3 by default) with one scale per tensor
 (``amax / max representable``, the amax taken over every rank) or per 32x32 block of each

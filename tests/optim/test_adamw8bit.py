@@ -252,6 +252,35 @@ def test_compiled_8bit_step_matches_the_eager_one():
     assert (codes_e.int() - codes_c.int()).abs().max() <= 1
 
 
+def test_the_compiled_8bit_step_compiles_once_for_every_step_and_shape(monkeypatch):
+    """The step's bias corrections and rate change every step: passed to the compiled graph
+    as Python floats they would recompile it at every update (seen on an H200: 9.4 s per
+    update of an 886M model). They go in as a tensor, so one graph serves every step."""
+    graphs = []
+    real_compile = torch.compile
+
+    def counting(fn, **kwargs):
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+        return real_compile(fn, backend=backend, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", counting)
+
+    def body():
+        opt = vfsdp.optim.adamw8bit(lr=vfsdp.optim.warmup_cosine(1e-2, 2, 10), compile=True)
+        params = {"w": torch.randn(70, 40) * 0.1, "x": torch.randn(64, 64) * 0.1}
+        spec = vfsdp.plan(params, 1, granularity=opt.granularity)
+        shards = vfsdp.shard(params, spec)
+        state = opt.init(shards, spec)
+        for _ in range(4):
+            grads = {k: torch.randn(v.shape) for k, v in params.items()}
+            state = opt.update(grads, state, shards, spec)
+
+    simulate(1, body)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for 4 steps of 2 tensors"
+
+
 def test_a_failing_compile_warns_and_runs_the_eager_step(monkeypatch):
     import importlib
 

@@ -87,7 +87,18 @@ class AdamW8bitPlan:
     """What ``init`` derives from the spec and the mask, per unit: the tensors it updates
     (``paths``), the quantized ones (``quantized``), those with fp32 moments (``fp32``:
     ``(k, lo, hi)``) and the buffer indices that decay (``decays``). Never saved; rebuilt by
-    ``init``."""
+    ``init``.
+
+    Example:
+        >>> opt = vfsdp.optim.adamw8bit(min_8bit_numel=1024)
+        >>> params = {"w": torch.ones(64, 32), "norm": torch.ones(32)}
+        >>> spec = vfsdp.plan(params, 2, granularity=opt.granularity)
+        >>> def body():
+        ...     plan = opt.init(vfsdp.shard(params, spec), spec).plan
+        ...     return [(q.k, q.lo, q.hi) for q in plan.quantized[()]], plan.fp32[()]
+        >>> vfsdp.testing.simulate(2, body)      # w: 8-bit, half a rank each; norm: fp32
+        [([(1, 32, 1056)], ((0, 0, 32),)), ([(1, 0, 1024)], ((0, 0, 0),))]
+    """
 
     paths: Mapping[Any, frozenset] = field(default_factory=dict)
     quantized: Mapping[Any, tuple] = field(default_factory=dict)
@@ -102,7 +113,18 @@ class AdamW8bitPlan:
 @dataclass
 class AdamW8bitState:
     """The step; uint8 codes per unit (DBuffers with the parameters' layout); per quantized
-    tensor ``(unit, k)`` its tile scales, per small tensor its fp32 moments."""
+    tensor ``(unit, k)`` its tile scales, per small tensor its fp32 moments.
+
+    Example:
+        >>> opt = vfsdp.optim.adamw8bit(min_8bit_numel=1024)
+        >>> params = {"w": torch.ones(64, 32), "norm": torch.ones(32)}
+        >>> spec = vfsdp.plan(params, 2, granularity=opt.granularity)
+        >>> def body():
+        ...     state = opt.init(vfsdp.shard(params, spec), spec)
+        ...     return state.step, state.codes_m[()].dtype, state.state_bytes()
+        >>> vfsdp.testing.simulate(2, body)      # (bytes, elements) of 8-bit state per rank
+        [(0, torch.uint8, (2056, 1024)), (0, torch.uint8, (2056, 1024))]
+    """
 
     step: int
     codes_m: dict
@@ -209,7 +231,11 @@ def adamw8bit(
     multi-tensor AdamW over every fp32-moment tensor of every unit.
 
     Args:
-        lr, betas, eps, weight_decay, weight_decay_mask: As :func:`vfsdp.optim.adamw`.
+        lr: As :func:`vfsdp.optim.adamw`.
+        betas: As :func:`vfsdp.optim.adamw`.
+        eps: As :func:`vfsdp.optim.adamw`.
+        weight_decay: As :func:`vfsdp.optim.adamw`.
+        weight_decay_mask: As :func:`vfsdp.optim.adamw`.
         min_8bit_numel: Tensors (by global numel) below this keep fp32 moments.
         compile: Run :func:`step8` through ``torch.compile`` (one graph for every shape), which
             fuses it into a few kernels. ``None`` (default): on CUDA; if compiling fails
@@ -406,16 +432,41 @@ def step8(p: torch.Tensor, g: torch.Tensor, cm: torch.Tensor, cv: torch.Tensor,
     quantize_tiles(v, mids_v, cv, sv)
 
 
+def _step8_hyper(p: torch.Tensor, g: torch.Tensor, cm: torch.Tensor, cv: torch.Tensor,
+                 sm: torch.Tensor, sv: torch.Tensor, qm: torch.Tensor, qv: torch.Tensor,
+                 mids_m: torch.Tensor, mids_v: torch.Tensor, b1: float, b2: float, eps: float,
+                 hyper: torch.Tensor) -> None:
+    """:func:`step8` with what changes every step (``bc1``, ``bc2_sqrt``, the rate) in one
+    float32 tensor: a compiled graph specialises on Python floats, so passing them as floats
+    would recompile it at every step."""
+    bc1, bc2_sqrt, rate = hyper.unbind()
+    m = dequantize_tiles(cm, sm, qm)
+    v = dequantize_tiles(cv, sv, qv)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = v.sqrt().div_(bc2_sqrt).add_(eps)
+    p.sub_(m / denom * (rate / bc1))
+    quantize_tiles(m, mids_m, cm, sm)
+    quantize_tiles(v, mids_v, cv, sv)
+
+
 def compiled_step8() -> Callable:
-    """:func:`step8` through ``torch.compile`` (dynamic shapes, one graph); where compiling
-    fails, a warning says why and the eager :func:`step8` runs instead."""
-    fn = torch.compile(step8, dynamic=True)
-    state = {"failed": False}
+    """:func:`step8` through ``torch.compile``: one graph for every shape and every step (the
+    step's bias corrections and rate go in as a tensor, made once per update); where
+    compiling fails, a warning says why and the eager :func:`step8` runs instead."""
+    fn = torch.compile(_step8_hyper, dynamic=True)
+    state: dict = {"failed": False, "key": None, "hyper": None}
 
     def run(*args) -> None:
         if not state["failed"]:
+            p, b1, b2, bc1, bc2_sqrt, eps, rate = args[0], *args[10:]
+            key = (bc1, bc2_sqrt, rate, p.device)
+            if state["key"] != key:  # a new step: one small tensor for all of its tensors
+                state["key"] = key
+                state["hyper"] = torch.tensor([bc1, bc2_sqrt, rate], dtype=torch.float32,
+                                              device=p.device)
             try:
-                return fn(*args)
+                return fn(*args[:10], b1, b2, eps, state["hyper"])
             except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back
                 state["failed"] = True
                 warn_user(f"adamw8bit: torch.compile of the 8-bit step failed "

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv with vfsdp installed in editable mode. `bash scripts/setup.sh dev` adds the test tools.
+# Create .venv with vfsdp installed in editable mode. `bash scripts/setup.sh dev` adds the test and
+# documentation tools (the dev and docs extras).
 #
 # torch: if the venv has no torch >= 2.13 yet, install torch==2.13.0 first. On machines that
 # carry a local CPU wheel (pip find-links) that is what pip takes, in seconds; elsewhere pip
@@ -20,7 +21,7 @@ then
   "$py" -m pip install --quiet ${TORCH_SPEC:-torch==2.13.0}
 fi
 if [ "$extra" = "dev" ]; then
-  "$py" -m pip install --quiet -e ".[dev]"
+  "$py" -m pip install --quiet -e ".[dev,docs]"
 else
   "$py" -m pip install --quiet -e ".[viz]"
 fi

@@ -259,7 +259,7 @@ def test_all_gather_refuses_shapes_that_differ_off_the_dim():
         simulate(2, body)
 
 
-# ---------------------------------------------------------------- the README's TP MLP
+# ------------------------------------------------------------ a TP MLP, as in the docs
 
 def _tp_mlp(x, w_up, w_down):
     r, n = dist.get_rank(), dist.get_world_size()

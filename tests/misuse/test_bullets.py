@@ -139,7 +139,7 @@ def _tied_under_torch_func():
 
 
 def test_a_tied_tensors_gradient_under_torch_func_sits_at_its_first_place():
-    """As the README says: the sum at the first place in the tree, zeros at the others."""
+    """As the docs say of tied parameters: the sum at the first place in the tree, zeros at the others."""
     for embed, head in simulate(2, _tied_under_torch_func):
         assert embed == [5.0] * len(embed) and head == [0.0] * len(head)
 
@@ -239,15 +239,19 @@ def test_every_optimizer_refuses_bad_hyperparameters_naming_itself(make, message
 # ------------------------------------------------------------------ checkpoints, runners, docs
 
 
-def test_readme_states_what_a_load_verifies_and_the_spmd_contract():
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    assert "What a load verifies" in readme and "never unpickles" in readme
-    assert "The SPMD contract" in readme
+def _doc(name: str) -> str:
+    with open(os.path.join(ROOT, "docs", name), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_the_docs_state_what_a_load_verifies_and_the_spmd_contract():
+    checkpoints = _doc("checkpoints.md")
+    assert "## What a load verifies" in checkpoints and "No arbitrary unpickling" in checkpoints
+    assert "## The SPMD contract" in _doc("concepts.md")
     import importlib
 
     sim = importlib.import_module("vfsdp.testing.simulate")
-    assert "functional_call" in sim.__doc__ and "functional_call" in readme
+    assert "functional_call" in sim.__doc__ and "functional_call" in _doc("runners.md")
 
 
 def test_old_checkpoints_load_with_a_warning(tmp_path):

@@ -262,7 +262,11 @@ def _refusals():
     for fn in (lambda: vfsdp.gather(shards, spec, grads="buffer"),
                lambda: q.update(vfsdp.grads(shards, spec), state, shards, spec),
                lambda: vfsdp.gather(shards, spec, param_dtype=torch.bfloat16,
-                                    reduce_dtype=torch.float32)):
+                                    reduce_dtype=torch.float32),
+               lambda: vfsdp.run_layers(_layer, shards["layers"], spec["layers"],
+                                        torch.ones(1, D), grads="buffer"),
+               lambda: vfsdp.run_layers(_layer, shards["layers"], spec["layers"],
+                                        torch.ones(1, D), param_dtpye=torch.bfloat16)):
         try:
             torch.compile(fn, fullgraph=True)()
             out.append("no error")
@@ -273,7 +277,10 @@ def _refusals():
 
 @THREADS
 def test_what_the_compiled_path_cannot_do_is_refused_by_name():
-    buffer, muon, reduce = simulate(2, _refusals)[0]
+    buffer, muon, reduce, layers_buffer, misspelt = simulate(2, _refusals)[0]
     assert "grads='buffer' needs vfsdp's eager gradient buffers" in buffer
+    # run_layers checks its options as eagerly, not ignoring them (it did before)
+    assert "vfsdp.run_layers under torch.compile: grads='buffer'" in layers_buffer
+    assert "vfsdp.run_layers got unexpected options ['param_dtpye']" in misspelt
     assert "muon.update under torch.compile is not supported yet" in muon
     assert "reduce-scatters the gradients in the gather dtype (torch.bfloat16)" in reduce

@@ -34,8 +34,8 @@ from vfsdp.collectives.handle import Handle
 from vfsdp.collectives.slot import View, slot_of
 from vfsdp.functional.gather import start_gather, writes_leaf_grads
 from vfsdp.functional.ledger import ledger
-from vfsdp.functional.options import split_options
-from vfsdp.functional.traced import traced_children, traced_run_layers
+from vfsdp.functional.options import NAMES, split_options
+from vfsdp.functional.traced import check_traced_options, traced_children, traced_run_layers
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["run_layers"]
@@ -168,6 +168,10 @@ def run_layers(
     if len(shards) != len(specs):
         raise ValueError(f"{what}: {len(shards)} shard subtrees but {len(specs)} specs")
     if compiling():  # torch.compile: the functional path; gradients go to the shards' .grad
+        unknown = sorted(set(gather_options) - set(NAMES))
+        if unknown:  # as eagerly: a misspelt option is never ignored
+            raise TypeError(f"{what} got unexpected options {unknown}; it takes {list(NAMES)}")
+        check_traced_options(gather_options.get("grads", "return"), what)
         o = dict(gather_options)  # gradients go to the shards' .grad (vfsdp.grads reads them)
         return traced_run_layers(layer_fn, shards, specs, h, mesh, reshard_after_forward,
                                  o.get("param_dtype"), o.get("grad_reduce", "avg"),

@@ -6,6 +6,7 @@
 
 import os
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -291,3 +292,34 @@ def test_simulate_refuses_world_size_zero_and_reports_rank_errors():
 
 def _meta_raises_everywhere():
     raise ValueError("boom")
+
+
+def _shards_as_gradients():
+    params = {"w": torch.ones(4, 2), "b": torch.ones(2)}
+    spec = vfsdp.plan(params, 2)
+    shards = vfsdp.shard(params, spec)
+    opt = vfsdp.optim.adamw(lr=0.1)
+    state = opt.init(shards, spec)
+    opt8 = vfsdp.optim.adamw8bit()
+    state8 = opt8.init(shards, spec)
+    before = [t.detach().clone() for t in optree.tree_leaves(shards)]
+    out = []
+    for call in (lambda: vfsdp.clip_grad_norm(shards, spec, 0.5),
+                 lambda: vfsdp.optim.global_norm(shards, spec),
+                 lambda: opt.update(shards, state, shards, spec),
+                 lambda: opt8.update(shards, state8, shards, spec)):
+        with pytest.raises(ValueError, match=r"is a parameter shard, not a gradient: pass "
+                                             r"vfsdp\.grads\(shards, spec\)") as info:
+            call()
+        out.append(str(info.value).split(":")[0])
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, optree.tree_leaves(shards)))
+    return out, unchanged
+
+
+def test_shards_passed_as_gradients_are_refused_before_anything_changes():
+    """clip_grad_norm(shards, ...), torch's clip_grad_norm_(params) habit, scaled the
+    parameters silently; an update read them as gradients."""
+    for names, unchanged in simulate(2, _shards_as_gradients):
+        assert names == ["vfsdp.clip_grad_norm", "vfsdp.global_norm", "adamw.update",
+                         "adamw8bit.update"]
+        assert unchanged

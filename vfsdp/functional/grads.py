@@ -8,10 +8,12 @@ import optree
 import torch
 
 from vfsdp import _torch_private as tp
+from vfsdp.collectives.slot import slot_of
 from vfsdp.functional.traced import traced_grads, traced_zero_grads
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import units_of
-from vfsdp.planner.spec import ShardSpec
+from vfsdp.planner.granularity import format_path
+from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["grads", "zero_grads"]
 
@@ -31,7 +33,7 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
 
     Returns:
         A tree like ``shards`` of this rank's gradient pieces (views into the gradient
-        DBuffers; a unit with no backward yet reads zeros).
+            DBuffers; a unit with no backward yet reads zeros).
 
     Raises:
         ValueError: the tree does not match the spec, or a unit's leaves are not shards
@@ -118,3 +120,45 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
                 gdb.ensure_shard().zero_()
     with torch.no_grad():
         tp.zero_many(zero)
+
+
+def gradient_leaves(grads: Any, spec: ShardSpec, what: str) -> list:
+    """The leaves of a gradient tree in spec order, refusing the parameter shards in its place.
+
+    ``clip_grad_norm(shards, spec, ...)``, the habit of ``torch.nn.utils.clip_grad_norm_(
+    params)``, would otherwise scale the parameters, and ``opt.update(shards, ...)`` read them
+    as gradients, silently: every shard names its buffer, so such a tree is refused.
+
+    Args:
+        grads: A tree shaped like the spec: ``vfsdp.grads(shards, spec)`` or the shards'
+            ``.grad`` s.
+        spec: The (sub-)spec.
+        what: The entry point, for messages.
+
+    Returns:
+        The leaves, one per leaf of ``spec``.
+
+    Raises:
+        ValueError: a leaf is a parameter shard (naming its path), or the tree does not match
+            the spec.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(4)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(4)}, spec)
+        ...     try:
+        ...         vfsdp.clip_grad_norm(shards, spec, 1.0)
+        ...     except ValueError as e:
+        ...         return str(e).split(": pass")[0]
+        >>> vfsdp.testing.simulate(2, body)[0]
+        'vfsdp.clip_grad_norm: w is a parameter shard, not a gradient'
+    """
+    leaves = match_tree(grads, spec, what)
+    for leaf, t in zip(leaves, spec.leaves()):
+        slot = slot_of(leaf)
+        if slot is not None and slot.buffer.role.holds_params and isinstance(t, TensorSpec):
+            raise ValueError(
+                f"{what}: {format_path(t.path)} is a parameter shard, not a gradient: pass "
+                f"vfsdp.grads(shards, spec) (the gradients), not the shards; taking the "
+                f"shards as gradients would change or read the parameters")
+    return leaves

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from vfsdp.collectives.slot import View, slot_of
+from vfsdp.functional.grads import gradient_leaves
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import UnitLeaves, units_of
 from vfsdp.optim.schedules import constant
@@ -45,7 +46,17 @@ UnitTensors = UnitLeaves  # each unit's Unit, parameter DBuffer (.db) and leaves
 
 class Optimizer(NamedTuple):
     """``init(shards, spec, mask=None) -> state``, ``update(grads, state, shards, spec) ->
-    state`` and the ``granularity`` it needs (see the module docstring)."""
+    state`` and the ``granularity`` it needs (see the module docstring).
+
+    Example:
+        >>> def init(shards, spec, mask=None):
+        ...     return 0                                   # the state: a step count
+        >>> def update(grads, state, shards, spec):
+        ...     return state + 1                           # a real one also steps shards
+        >>> counter = Optimizer(init, update)
+        >>> counter.update(None, counter.init(None, None), None, None), counter.granularity
+        (1, None)
+    """
 
     init: Callable[..., Any]
     update: Callable[..., Any]
@@ -150,7 +161,7 @@ def grad_leaves(grads: Any, spec: ShardSpec, what: str) -> list:
     Raises:
         ValueError: the tree does not match the spec.
     """
-    return match_tree(grads, spec, what)
+    return gradient_leaves(grads, spec, what)
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:

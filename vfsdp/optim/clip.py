@@ -11,7 +11,7 @@ from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
 from vfsdp.collectives.groups import resolve_groups
 from vfsdp.collectives.slot import Role, View, slot_of
-from vfsdp.functional.tree import match_tree
+from vfsdp.functional.grads import gradient_leaves
 from vfsdp.optim.base import Mask, selected
 from vfsdp.planner.spec import ShardSpec
 
@@ -104,7 +104,7 @@ def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = N
         >>> vfsdp.testing.simulate(2, body)[0]
         (2.8284270763397217, 0.0)
     """
-    return _norm(match_tree(grads, spec, "vfsdp.global_norm"), spec, mesh, mask)[0]
+    return _norm(gradient_leaves(grads, spec, "vfsdp.global_norm"), spec, mesh, mask)[0]
 
 
 def _norm(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask) -> tuple:
@@ -198,7 +198,7 @@ def clip_grad_norm(grads: Any, spec: ShardSpec, max_norm: float, *, mesh: Any = 
         from vfsdp.optim.traced import traced_clip
 
         return traced_clip(grads, spec, max_norm, eps, mask)
-    leaves = match_tree(grads, spec, "vfsdp.clip_grad_norm")
+    leaves = gradient_leaves(grads, spec, "vfsdp.clip_grad_norm")
     norm, whole, loose = _norm(leaves, spec, mesh, mask)
     scale_by_norm(whole, loose, norm, max_norm, eps)
     return norm

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from vfsdp.collectives import comm
-from vfsdp.functional.tree import match_tree
+from vfsdp.functional.grads import gradient_leaves
 from vfsdp.optim.clip import check_max_norm, local_squares, scale_by_norm
 from vfsdp.planner.spec import ShardSpec
 
@@ -36,6 +36,16 @@ class GradTree(NamedTuple):
             tensor-parallel group for parameters every TP rank holds whole): only its rank 0
             counts them. HSDP's replicate dim, and the replicated tensors of a
             ``vfsdp.plan(..., tp=rule)`` spec, are handled without it.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(4)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(4)}, spec)
+        ...     vfsdp.grads(shards, spec)["w"].fill_(1.0)
+        ...     tree = GradTree(vfsdp.grads(shards, spec), spec)
+        ...     return tree.mesh, float(global_norm_of([tree]))
+        >>> vfsdp.testing.simulate(2, body)
+        [(None, 2.0), (None, 2.0)]
     """
 
     grads: Any
@@ -55,7 +65,7 @@ def _squares(trees: Sequence[GradTree], what: str) -> tuple[torch.Tensor, list]:
             raise ValueError(f"{what}: a tree of a tp= plan (split over "
                              f"{t.spec.model_axis[0]!r}) already counts the tensors it "
                              f"replicates once; drop replicated=")
-        leaves = match_tree(t.grads, t.spec, what)
+        leaves = gradient_leaves(t.grads, t.spec, what)
         sq, whole, loose, groups = local_squares(leaves, t.spec, t.mesh, None)
         counted = groups.replicate_rank == 0 and (
             t.replicated is None or dist.get_rank(t.replicated) == 0)

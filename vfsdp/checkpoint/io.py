@@ -52,6 +52,19 @@ class AsyncSave:
 
     The data was copied when ``save`` returned, so training may change the parameters
     at once. ``wait()`` blocks until the checkpoint is committed and re-raises its error.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "step1")
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.arange(8.0)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.arange(8.0)}, spec)
+        ...     pending = vfsdp.checkpoint.save(path, shards, spec, async_save=True)
+        ...     with torch.no_grad():
+        ...         shards["w"].zero_()                  # safe: the data was copied
+        ...     return pending.wait() == path, pending.done()
+        >>> vfsdp.testing.simulate(2, body)
+        [(True, True), (True, True)]
     """
 
     def __init__(self, future: concurrent.futures.Future, path: str) -> None:
@@ -275,7 +288,7 @@ def load(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *, strict: bo
 
     Returns:
         ``tree_like`` with its tensors filled and its plain values (and optimizer steps)
-        taken from the checkpoint.
+            taken from the checkpoint.
 
     Raises:
         FileNotFoundError: nothing at ``path``.

@@ -47,7 +47,22 @@ _BLOCK = 1 << 22
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt, or does not match what is loaded into."""
+    """A checkpoint is missing, incomplete, corrupt, or does not match what is loaded into.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     vfsdp.checkpoint.save(path, vfsdp.shard({"w": torch.ones(8)}, spec), spec)
+        ...     spec = vfsdp.plan({"w": torch.zeros(6)}, 2)          # another model
+        ...     try:
+        ...         vfsdp.checkpoint.load(path, vfsdp.shard({"w": torch.zeros(6)}, spec), spec)
+        ...     except CheckpointError as e:
+        ...         return str(e).split(": ", 1)[1]                  # after the path
+        >>> vfsdp.testing.simulate(2, body)[0]
+        'w was saved as (8,) float32, the tree has (6,) float32; ...'
+    """
 
 
 def item_key(fqn: str, offsets) -> str:

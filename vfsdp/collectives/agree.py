@@ -16,8 +16,21 @@ import torch.distributed as dist
 __all__ = ["agree", "agreed"]
 
 
-def agree(error: Optional[BaseException], group=None, error_type: type = RuntimeError) -> None:
+def agree(error: Optional[BaseException], group: Optional[Any] = None,
+          error_type: type = RuntimeError) -> None:
     """Collective: raise ``error`` here, or ``error_type`` if another rank had one.
+
+    Without an initialised process group it raises ``error`` if there is one.
+
+    Args:
+        error: This rank's failure, or ``None``.
+        group: The process group of the ranks that agree (default: every rank).
+        error_type: What the ranks without an error raise.
+
+    Raises:
+        BaseException: ``error`` itself, on the rank that had it.
+        RuntimeError: on the other ranks (or ``error_type``), naming the first failing
+            rank and its error.
 
     Example:
         >>> def body():
@@ -43,9 +56,40 @@ def agree(error: Optional[BaseException], group=None, error_type: type = Runtime
             raise error_type(f"rank {r} failed: {e}")
 
 
-def agreed(fn: Callable[..., Any], *args: Any, group=None, error_type: type = RuntimeError,
-           **kwargs: Any) -> Any:
-    """Collective: ``fn(*args, **kwargs)`` on every rank; if it raises anywhere, all raise."""
+def agreed(fn: Callable[..., Any], *args: Any, group: Optional[Any] = None,
+           error_type: type = RuntimeError, **kwargs: Any) -> Any:
+    """Collective: ``fn(*args, **kwargs)`` on every rank; if it raises anywhere, all raise.
+
+    Args:
+        fn: The local work.
+        *args: Its positional arguments.
+        group: The process group of the ranks that agree (default: every rank).
+        error_type: What the ranks where ``fn`` succeeded raise when another failed.
+        **kwargs: Its keyword arguments.
+
+    Returns:
+        What ``fn`` returned, once every rank has succeeded.
+
+    Raises:
+        Exception: what ``fn`` raised, on the rank where it did.
+        RuntimeError: on the other ranks (or ``error_type``), naming the first failing
+            rank and its error.
+
+    Example:
+        >>> def body():
+        ...     def read(rank):
+        ...         if rank == 1:
+        ...             raise FileNotFoundError("shard_1.bin")
+        ...         return "read"
+        ...     try:
+        ...         return agreed(read, dist.get_rank())
+        ...     except Exception as exc:
+        ...         return f"{type(exc).__name__}: {exc}"
+        >>> vfsdp.testing.simulate(2, body)
+        ['RuntimeError: rank 1 failed: FileNotFoundError: shard_1.bin', 'FileNotFoundError: shard_1.bin']
+        >>> vfsdp.testing.simulate(2, lambda: agreed(sum, [1, 2]))
+        [3, 3]
+    """
     out, error = None, None
     try:
         out = fn(*args, **kwargs)

@@ -34,12 +34,21 @@ class MeshGroups:
     Attributes:
         shard: Process group of the shard dim (``None`` means the default group).
         replicate: Process group of the replicate dim, or ``None`` for plain FSDP.
-        shard_rank, shard_size: This rank's index in, and the size of, the shard group.
-        replicate_rank, replicate_size: The same for the replicate group (0 and 1 without).
+        shard_rank: This rank's index in the shard group.
+        shard_size: The size of the shard group.
+        replicate_rank: This rank's index in the replicate group (0 without one).
+        replicate_size: The size of the replicate group (1 without one).
         device: Device for buffers (``cuda`` for NCCL, ``cpu`` otherwise).
         grid: Global ranks of the mesh, ``grid[replicate_rank][shard_rank]``.
         model: Process group of the spec's model axis (``spec.model_axis``: TP or EP) when
             the mesh it runs on has it, else ``None``.
+
+    Example:
+        >>> def body():                               # HSDP: 2 replicas of 2 shards
+        ...     g = resolve_groups(vfsdp.plan({"w": torch.ones(8)}, (2, 2)))
+        ...     return (g.replicate_rank, g.shard_rank), g.grid, g.coords(3)
+        >>> vfsdp.testing.simulate(4, body)[2]
+        ((1, 0), ((0, 1), (2, 3)), (1, 1))
     """
 
     shard: Any
@@ -182,6 +191,17 @@ def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None, check: bool = Tr
         RuntimeError: no process group is initialised.
         ValueError: the group or mesh does not match the world size the spec was planned for,
             or the ranks hold different specs (naming the first unit that differs).
+
+    Example:
+        >>> def body():
+        ...     g = resolve_groups(vfsdp.plan({"w": torch.ones(8)}, 2))
+        ...     return g.shard_rank, g.shard_size, g.replicate, g.device
+        >>> vfsdp.testing.simulate(2, body)
+        [(0, 2, None, device(type='cpu')), (1, 2, None, device(type='cpu'))]
+        >>> resolve_groups(vfsdp.plan({"w": torch.ones(8)}, 2))     # no process group here
+        Traceback (most recent call last):
+        ...
+        RuntimeError: vfsdp needs an initialised process group ...
     """
     groups = _groups_for(spec, mesh)
     if check:

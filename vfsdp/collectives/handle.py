@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -32,9 +32,20 @@ class Handle:
         works: Work objects of async collectives (may be empty).
         finish: Called once after the works complete; its return value is the result.
         event: A CUDA event to make the current stream wait on.
+
+    Example:
+        >>> def body():
+        ...     t = torch.ones(2) * (dist.get_rank() + 1)
+        ...     h = Handle([dist.all_reduce(t, async_op=True)], finish=lambda: t.tolist())
+        ...     return h.done, h.wait(), h.done
+        >>> vfsdp.testing.simulate(2, body)
+        [(False, [3.0, 3.0], True), (False, [3.0, 3.0], True)]
+        >>> Handle(finish=lambda: "no collectives").wait()
+        'no collectives'
     """
 
-    def __init__(self, works=(), finish: Optional[Callable[[], Any]] = None, event=None) -> None:
+    def __init__(self, works: Iterable[Any] = (), finish: Optional[Callable[[], Any]] = None,
+                 event: Optional[torch.cuda.Event] = None) -> None:
         self._works = [w for w in works if w is not None]
         self._finish = finish
         self._event = event

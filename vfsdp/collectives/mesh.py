@@ -32,7 +32,7 @@ def mesh(*axes: tuple[str, int]) -> Any:
 
     Returns:
         A ``torch.distributed.device_mesh.DeviceMesh`` whose ``mesh_dim_names`` are the names
-        (the same object when called again with the same axes on the same group).
+            (the same object when called again with the same axes on the same group).
 
     Raises:
         RuntimeError: no process group is initialised.
@@ -112,6 +112,18 @@ def axis_of(axis: str, device_mesh: Optional[Any] = None) -> Axis:
 def use_mesh(device_mesh: Any) -> Iterator[Any]:
     """Make ``device_mesh`` the default mesh of the named-axis functions on this thread (rank).
 
+    Uses nest: the innermost wins, and leaving a block restores the mesh outside it.
+
+    Args:
+        device_mesh: A named ``DeviceMesh`` (e.g. from :func:`vfsdp.mesh`).
+
+    Returns:
+        A context manager; entering it yields ``device_mesh``.
+
+    Raises:
+        ValueError: not on entry (any object is accepted); inside the block, from a
+            named-axis function asked for an axis ``device_mesh`` does not have.
+
     Example:
         >>> def body():
         ...     with use_mesh(vfsdp.mesh(("x", 2))) as m:
@@ -128,7 +140,26 @@ def use_mesh(device_mesh: Any) -> Iterator[Any]:
 
 
 def current_mesh() -> Optional[Any]:
-    """The mesh of the innermost :func:`use_mesh` on this thread, or ``None``."""
+    """The mesh of the innermost :func:`use_mesh` on this thread, or ``None``.
+
+    Returns:
+        The mesh ``use_mesh`` made current, or ``None`` outside every ``use_mesh`` block.
+
+    Raises:
+        ValueError: not from ``current_mesh`` (it returns ``None`` when there is no mesh);
+            the named-axis functions raise it when neither a mesh nor ``mesh=`` is given.
+
+    Example:
+        >>> def body():
+        ...     with use_mesh(vfsdp.mesh(("x", 2))) as outer:
+        ...         with use_mesh(vfsdp.mesh(("x", 1), ("y", 2))) as inner:
+        ...             nested = current_mesh() is inner
+        ...         return nested, current_mesh() is outer
+        >>> vfsdp.testing.simulate(2, body)
+        [(True, True), (True, True)]
+        >>> current_mesh() is None                   # outside every block
+        True
+    """
     stack = _stack()
     return stack[-1] if stack else None
 

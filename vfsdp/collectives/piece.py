@@ -119,10 +119,11 @@ def boxes(shape: tuple, start: int, stop: int) -> list:
 
     Returns:
         ``[(offsets, sizes), ...]`` in flat order; each box is contiguous in the flat order
-        and the boxes tile the range exactly. ``[]`` for an empty range.
+            and the boxes tile the range exactly. ``[]`` for an empty range.
 
     Raises:
-        Nothing: any range inside the tensor is cut (at most ``2 * ndim - 1`` boxes).
+        TypeError: ``start`` or ``stop`` is not a number. Any range inside the tensor is
+            cut (at most ``2 * ndim - 1`` boxes); one reaching outside it is not checked.
 
     Example:
         >>> boxes((4, 3), 3, 9)            # whole rows: one box

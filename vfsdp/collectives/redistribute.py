@@ -67,13 +67,37 @@ class Redistribution:
     (Muon plans its waves this way), so a call is one ``cat``, one ``all_to_all_single`` and
     one copy per received range.
 
+    Args:
+        src: ``src[i][r]``: rank ``r``'s source range of tensor ``i`` (disjoint over ranks).
+        dst: ``dst[i][r]``: rank ``r``'s destination range of tensor ``i``.
+        rank: This rank's index in the group.
+        world: The group size.
+
+    Raises:
+        ValueError: a destination element that no source range holds.
+
     Attributes:
-        rank, world: This rank and the group size.
+        rank: This rank.
+        world: The group size.
         send: ``(tensor, lo, hi)`` slices of the sources to send, in destination-rank order.
-        send_sizes, recv_sizes: Elements to send to / receive from each rank.
+        send_sizes: Elements to send to each rank.
+        recv_sizes: Elements to receive from each rank.
         recv: ``(tensor, lo, hi)``: where each received range lands in the outputs, in
             source-rank order.
         out_sizes: Elements of each output.
+
+    Example:
+        >>> src, dst = [[(0, 3), (3, 4)]], [[(0, 2), (2, 4)]]      # one tensor of 4, 2 ranks
+        >>> plan = Redistribution(src, dst, rank=0, world=2)
+        >>> plan.send, plan.send_sizes, plan.recv, plan.recv_sizes
+        ([(0, 0, 2), (0, 2, 3)], [2, 1], [(0, 0, 2)], [2, 0])
+        >>> def body():
+        ...     r = dist.get_rank()
+        ...     lo, hi = src[0][r]
+        ...     handle = Redistribution(src, dst, r, 2).run([torch.arange(4.0)[lo:hi]], async_op=True)
+        ...     return [t.tolist() for t in handle.wait()]
+        >>> vfsdp.testing.simulate(2, body)
+        [[[0.0, 1.0]], [[2.0, 3.0]]]
     """
 
     __slots__ = ("rank", "world", "send", "send_sizes", "recv", "recv_sizes", "out_sizes",
@@ -104,10 +128,17 @@ class Redistribution:
                     self.recv.append((i, lo - base, hi - base))
                     self.recv_sizes[q] += hi - lo
 
-    def run(self, sources: Sequence[torch.Tensor], group=None,
+    def run(self, sources: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup] = None,
             device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
-            async_op: bool = False):
+            async_op: bool = False) -> list[torch.Tensor] | Handle:
         """Move ``sources`` (this rank's source pieces) to this rank's destination pieces.
+
+        Args:
+            sources: This rank's piece of each tensor, one dtype.
+            group: The process group the ranks index (default: every rank).
+            device: Device of the outputs (default: the first source's).
+            dtype: Dtype of the outputs when there are no sources (default float32).
+            async_op: Return a :class:`Handle` at once.
 
         Returns:
             The outputs (flat tensors), or a :class:`Handle` whose ``wait()`` returns them.
@@ -153,15 +184,16 @@ class Redistribution:
 
 
 def flat_redistribute(sources: Sequence[torch.Tensor], src: Sequence[Ranges],
-                      dst: Sequence[Ranges], group=None,
-                      device: Optional[torch.device] = None, async_op: bool = False):
+                      dst: Sequence[Ranges], group: Optional[dist.ProcessGroup] = None,
+                      device: Optional[torch.device] = None,
+                      async_op: bool = False) -> list[torch.Tensor] | Handle:
     """Move tensors from one flat-range layout to another in one ``all_to_all_single``.
 
     Args:
         sources: This rank's piece of each tensor (``numel`` = its source range), one dtype.
         src: ``src[i][r]``: rank ``r``'s source range of tensor ``i`` (disjoint over ranks).
         dst: ``dst[i][r]``: rank ``r``'s destination range of tensor ``i``.
-        group: The process group the ranks index.
+        group: The process group the ranks index (default: every rank).
         device: Device of the outputs (default: the first source's).
         async_op: Return a :class:`Handle` at once; its ``wait()`` returns the outputs.
 

@@ -118,7 +118,8 @@ def flat_redistribute_reference(sources: Sequence[Sequence[torch.Tensor]], src: 
 
     Args:
         sources: ``sources[r][i]``: rank ``r``'s piece of tensor ``i``.
-        src, dst: ``src[i][r]`` / ``dst[i][r]``: rank ``r``'s flat ranges of tensor ``i``.
+        src: ``src[i][r]``: rank ``r``'s source flat range of tensor ``i``.
+        dst: ``dst[i][r]``: rank ``r``'s destination flat range of tensor ``i``.
 
     Returns:
         ``out[r][i]``: rank ``r``'s destination piece of tensor ``i``.

@@ -34,8 +34,14 @@ def scatter_unit(db: DBuffer, pack: Optional[Callable[[torch.Tensor], None]],
 
     Returns:
         The exception ``pack`` raised on the source, or ``None``. The collectives run
-        either way (the buffer then holds zeros), so no rank is left waiting; raise it on
-        every rank afterwards (``vfsdp.collectives.agree``).
+            either way (the buffer then holds zeros), so no rank is left waiting; raise it on
+            every rank afterwards (``vfsdp.collectives.agree``).
+
+    Raises:
+        ValueError: ``src`` is not a ``(replicate_rank, shard_rank)`` pair.
+        RuntimeError: from torch's collectives, e.g. an ``out`` that does not hold ``S``
+            elements (raised on the source rank, while the others wait in the scatter).
+            What ``pack`` raises is returned, not raised.
 
     Example:
         >>> def body():

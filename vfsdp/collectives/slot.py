@@ -22,7 +22,18 @@ SLOT = "_vfsdp_slot"  # the attribute name on views
 
 
 class Role(enum.Enum):
-    """What a DBuffer holds."""
+    """What a DBuffer holds.
+
+    Example:
+        >>> Role.PARAM.holds_params, Role.GRAD.holds_params
+        (True, False)
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     return slot_of(shards["w"]).buffer.role, slot_of(vfsdp.grads(shards, spec)["w"]).buffer.role
+        >>> vfsdp.testing.simulate(2, body)[0]
+        (<Role.PARAM: 'param'>, <Role.GRAD: 'grad'>)
+    """
 
     PARAM = "param"      #: the parameters' master shard; gathered: the full parameters
     COMPUTE = "compute"  #: a low-precision copy of the parameters, gathered for compute
@@ -38,7 +49,17 @@ class Role(enum.Enum):
 
 
 class View(enum.Enum):
-    """Which memory a view aliases."""
+    """Which memory a view aliases.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     shard, full = slot_of(shards["w"]), slot_of(vfsdp.gather(shards, spec)["w"])
+        ...     return shard.view, full.view
+        >>> vfsdp.testing.simulate(2, body)[0]
+        (<View.LOCAL: 'local'>, <View.FULL: 'full'>)
+    """
 
     LOCAL = "local"  #: the rank's shard
     FULL = "full"    #: the gathered global buffer
@@ -53,6 +74,15 @@ class Slot:
         index: The tensor's position in the unit's buffer order.
         view: :attr:`View.LOCAL` or :attr:`View.FULL`.
         unit: The :class:`~vfsdp.collectives.Unit` the buffer belongs to, if any.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     shard, full = slot_of(shards["w"]), slot_of(vfsdp.gather(shards, spec)["w"])
+        ...     return shard.index, shard.buffer is full.buffer, shard.unit is full.unit
+        >>> vfsdp.testing.simulate(2, body)[0]         # one buffer: its shard and its gathered view
+        (0, True, True)
     """
 
     buffer: Any  # the DBuffer
@@ -78,8 +108,22 @@ def _no_slot() -> None:
 def slot_of(t: Any) -> Optional[Slot]:
     """The :class:`Slot` of a tensor a DBuffer handed out, or ``None`` for any other value.
 
+    Args:
+        t: Any value: a shard, a gathered view, a gradient piece, a plain tensor, ...
+
+    Returns:
+        The tensor's :class:`Slot`; ``None`` for a plain tensor or a non-tensor.
+
+    Raises:
+        TypeError: never: any value is accepted (a non-tensor has no slot).
+
     Example:
-        >>> slot_of(torch.zeros(2)) is None
-        True
+        >>> slot_of(torch.zeros(2)) is None, slot_of("w") is None
+        (True, True)
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     return slot_of(vfsdp.shard({"w": torch.ones(8)}, spec)["w"]).view
+        >>> vfsdp.testing.simulate(2, body)
+        [<View.LOCAL: 'local'>, <View.LOCAL: 'local'>]
     """
     return getattr(t, SLOT, None) if isinstance(t, torch.Tensor) else None

@@ -55,7 +55,8 @@ def dtensor_placement(t: TensorSpec) -> Optional[Placement]:
         The DTensor placement over the shard dim that describes ``t`` exactly, or ``None``.
 
     Raises:
-        Nothing: every layout gets an answer.
+        AttributeError: ``t`` is not a :class:`vfsdp.TensorSpec` (e.g. a whole ``ShardSpec``:
+            pass ``spec.tensor(path)``). Every layout gets an answer.
 
     Example:
         >>> spec = vfsdp.plan({"w": torch.empty(8, 4)}, 2)
@@ -90,11 +91,11 @@ def to_dtensor(shards: Any, spec: ShardSpec, *, mesh: Any = None, ragged: str = 
 
     Returns:
         A tree of the same structure of DTensors (placements ``[Shard(0)]`` or
-        ``[Replicate()]``; HSDP: ``[Replicate(), ...]``). For a plan split over a model axis
-        (TP x FSDP), DTensors of the **global** shape on the full mesh, e.g.
-        ``[Shard(0), Shard(1)]`` on ``(dp, tp)`` for a column-split weight, where DTensor
-        can express the layout (the model split even, and not along dim 0 when the data axes
-        also cut rows); elsewhere an error says why.
+            ``[Replicate()]``; HSDP: ``[Replicate(), ...]``). For a plan split over a model axis
+            (TP x FSDP), DTensors of the **global** shape on the full mesh, e.g.
+            ``[Shard(0), Shard(1)]`` on ``(dp, tp)`` for a column-split weight, where DTensor
+            can express the layout (the model split even, and not along dim 0 when the data axes
+            also cut rows); elsewhere an error says why.
 
     Raises:
         ValueError: a ragged tensor with ``ragged="error"`` (naming it and its placement),

@@ -69,7 +69,10 @@ def rule(default: Any = normal(0.02), ones: Optional[Callable[[tuple], bool]] = 
         The rule, a callable ``(path, shape) -> normal | constant``.
 
     Raises:
-        Nothing here; the rule's results are checked when values are drawn.
+        TypeError: not from ``rule`` itself; when values are drawn (:func:`sharded`,
+            :func:`full_tensor`, :func:`full_tree`), a ``default`` that is neither a
+            :class:`normal` nor a :class:`constant`. The rule raises what ``ones`` or
+            ``zeros`` raise.
 
     Example:
         >>> r = rule(normal(0.02), ones=lambda p: "norm" in str(p[-1]))
@@ -129,8 +132,8 @@ def sharded(init_rule: Rule, seed: int = 0) -> Callable:
         ``init_fn(path, local, tspec)`` for ``vfsdp.shard(..., init_fn=...)``.
 
     Raises:
-        ValueError (when called): ``local`` is not a piece ``vfsdp.shard`` handed over.
-        TypeError (when called): the rule returned something else than normal/constant.
+        ValueError: when called, ``local`` is not a piece ``vfsdp.shard`` handed over.
+        TypeError: when called, the rule returned something else than normal/constant.
 
     Example:
         >>> meta = {"w": torch.empty(5, 3, device="meta")}

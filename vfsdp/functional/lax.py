@@ -404,7 +404,8 @@ def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *,
     Args:
         x: This rank's tensor.
         axis: A mesh axis name.
-        split_dim, concat_dim: The dims to cut and to join.
+        split_dim: The dim to cut into one chunk per rank.
+        concat_dim: The dim to join the received chunks along.
         split_sizes: This rank's chunk sizes along ``split_dim`` (one per rank; they may
             differ between ranks, e.g. tokens per expert). Default: ``torch.tensor_split``.
         mesh: The mesh (default: the innermost :func:`use_mesh`).
@@ -449,6 +450,10 @@ def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *,
 def axis_index(axis: str, *, mesh: Optional[Any] = None) -> int:
     """This rank's index along ``axis`` (``mesh``: default the innermost :func:`use_mesh`).
 
+    Args:
+        axis: A mesh axis name.
+        mesh: The mesh (default: the innermost :func:`use_mesh`).
+
     Returns:
         An int in ``[0, axis_size(axis))``.
 
@@ -466,6 +471,10 @@ def axis_index(axis: str, *, mesh: Optional[Any] = None) -> int:
 def axis_size(axis: str, *, mesh: Optional[Any] = None) -> int:
     """The number of ranks along ``axis`` (``mesh``: default the innermost
     :func:`use_mesh`).
+
+    Args:
+        axis: A mesh axis name.
+        mesh: The mesh (default: the innermost :func:`use_mesh`).
 
     Returns:
         An int >= 1.

@@ -82,6 +82,16 @@ class Reductions:
     gradient buffer a reduction writes also records it, and every reader of the gradients
     (``vfsdp.grads``, clipping, optimizers, ``zero_grads``) waits for exactly the reductions
     of the units it reads.
+
+    Example:
+        >>> inflight = Reductions(limit=1)
+        >>> inflight.add(Handle(finish=lambda: print("a reduced")))
+        >>> inflight.add(Handle(finish=lambda: print("b reduced")))   # finishes a first
+        a reduced
+        >>> len(inflight)
+        1
+        >>> inflight.wait()
+        b reduced
     """
 
     def __init__(self, limit: int = 1) -> None:

@@ -55,6 +55,23 @@ class UnitInfo:
         pieces: Per rank, its pieces ``(tensor index, lo, hi, start, stop)``: ``[lo, hi)`` of
             that rank's shard holds ``[start, stop)`` of the tensor (flat).
         rank: This rank's index in the shard group.
+
+    Example:
+        >>> class Spy:                                   # a bf16 gather that keeps the unit
+        ...     def pre_all_gather(self, shard, unit):
+        ...         self.unit = unit
+        ...         return shard.to(torch.bfloat16), shard.new_zeros(0)
+        ...     def post_all_gather(self, payload, meta, unit):
+        ...         return payload.float()
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(3), "b": torch.ones(2)}, 2)
+        ...     spy = Spy()
+        ...     vfsdp.gather(vfsdp.shard({"w": torch.ones(3), "b": torch.ones(2)}, spec), spec,
+        ...                  all_gather=spy)
+        ...     return spy.unit.segment.tolist(), spy.unit.full_segment.tolist(), spy.unit.shapes
+        >>> vfsdp.testing.simulate(2, body)          # 0: b, 1: w, 2: padding
+        [([0, 0, 1, 1], [0, 0, 1, 1, 1, 2, 2, 2], ((2,), (3,))),
+         ([1, 2, 2, 2], [0, 0, 1, 1, 1, 2, 2, 2], ((2,), (3,)))]
     """
 
     segment: torch.Tensor
@@ -218,14 +235,34 @@ def hooked_all_gather(shard: torch.Tensor, hooks: Any, pieces: tuple, views: tup
         pieces: ``(leaf index, lo, hi)`` of this rank's tensor pieces, in the unit's order.
         views: ``(leaf index, offset, numel, shape)`` of the unit's tensors.
         s: ``S``.
-        group, world, rank: The shard group's name and size, and this rank's index.
+        group: The shard group's name (functional collectives).
+        world: The shard group's size (``m``).
+        rank: This rank's index in the shard group.
         reduce_dtype: The backward's reduce-scatter dtype (default float32).
 
     Returns:
         The ``m * S`` full buffer in the hooks' compute dtype.
 
     Raises:
-        ValueError: the hooks' payload or meta is not 1-D.
+        AttributeError: ``hooks`` lacks ``pre_all_gather`` or ``post_all_gather``. Payloads
+            and metas are sent as flat bytes, whatever their shape: sizes that differ
+            between ranks are not detected (the all-gather may hang or fail).
+
+    Example:
+        >>> class BF16:
+        ...     def pre_all_gather(self, shard, unit):
+        ...         return shard.to(torch.bfloat16), shard.new_zeros(0)
+        ...     def post_all_gather(self, payload, meta, unit):
+        ...         return payload.float()
+        >>> def body():                                  # one tensor of 8, S = 4 per rank
+        ...     r = dist.get_rank()
+        ...     shard = (torch.arange(4.0) + 4 * r).requires_grad_()
+        ...     full = hooked_all_gather(shard, BF16(), ((0, 0, 4),), ((0, 0, 8, (8,)),), 4,
+        ...                              dist.group.WORLD.group_name, 2, r, None)
+        ...     full.sum().backward()                    # reduce-scattered: summed over ranks
+        ...     return full.tolist(), shard.grad.tolist()
+        >>> vfsdp.testing.simulate(2, body)[1]
+        ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], [2.0, 2.0, 2.0, 2.0])
     """
     tensor_of: dict = {}  # offset -> tensor id (a tied tensor is one tensor)
     leaf_offset: dict = {}

@@ -47,7 +47,16 @@ def _check_dtype(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class GatherOptions:
-    """How a unit is gathered and how long it stays gathered."""
+    """How a unit is gathered and how long it stays gathered.
+
+    Example:
+        >>> GatherOptions(param_dtype=torch.bfloat16)
+        GatherOptions(param_dtype=torch.bfloat16, free_after_backward=False)
+        >>> GatherOptions(param_dtype=torch.int8)
+        Traceback (most recent call last):
+        ...
+        ValueError: param_dtype must be a floating-point torch.dtype or None, got torch.int8
+    """
 
     param_dtype: Optional[torch.dtype] = None
     free_after_backward: bool = False
@@ -58,7 +67,16 @@ class GatherOptions:
 
 @dataclass(frozen=True)
 class GradOptions:
-    """How a unit's gradients are reduced and where they go."""
+    """How a unit's gradients are reduced and where they go.
+
+    Example:
+        >>> GradOptions(grads="buffer", async_reduce=True).grad_reduce
+        'avg'
+        >>> GradOptions(async_reduce=True)              # needs grads="buffer"
+        Traceback (most recent call last):
+        ...
+        ValueError: async_reduce=True needs grads='buffer': ...
+    """
 
     grad_reduce: str = "avg"
     reduce_dtype: Optional[torch.dtype] = None

@@ -54,9 +54,9 @@ def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch
 
     Returns:
         This rank's gradient pieces in the order of ``index`` (``None`` at repeats of an
-        index), or ``None`` when ``opts.grad_sync`` is off (the gradients were only
-        accumulated, unsharded). Views of the gradient DBuffer for ``"buffer"``; fresh
-        tensors for ``"return"`` and inside ``torch.func``.
+            index), or ``None`` when ``opts.grad_sync`` is off (the gradients were only
+            accumulated, unsharded). Views of the gradient DBuffer for ``"buffer"``; fresh
+            tensors for ``"return"`` and inside ``torch.func``.
     """
     index, grads, first = _merge(index, grads)
     if functorch_active():

@@ -169,8 +169,25 @@ def release(tree: Any, spec: ShardSpec) -> None:
 def dbuffers(tree: Any, spec: ShardSpec) -> dict:
     """``unit key -> parameter DBuffer`` for the units whose leaves in ``tree`` are shards.
 
+    Args:
+        tree: The shards :func:`vfsdp.shard` returned (or any tree matching ``spec``).
+        spec: Their plan.
+
+    Returns:
+        A dict ``unit key -> DBuffer``; units whose leaves are plain tensors are left out.
+
     Raises:
+        TypeError: as :func:`match_tree` (swapped arguments, a module, ...).
         ValueError: the tree does not match the spec, or its shards are inconsistent.
+
+    Example:
+        >>> def body():
+        ...     params = {"layers": [{"w": torch.ones(4)}], "head": torch.ones(2)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     found = dbuffers(vfsdp.shard(params, spec), spec)
+        ...     return sorted(found), dbuffers(params, spec)    # plain tensors: no buffers
+        >>> vfsdp.testing.simulate(2, body)[0]
+        ([(), ('layers', 0)], {})
     """
     leaves = match_tree(tree, spec, "vfsdp.dbuffers")
     out = {}

@@ -30,7 +30,32 @@ __all__ = ["Checkpointable", "param_tree"]
 
 @runtime_checkable
 class Checkpointable(Protocol):
-    """A state that checkpoints itself (see the module docstring)."""
+    """A state that checkpoints itself (see the module docstring).
+
+    Example:
+        >>> class Counter:                                   # no base class needed
+        ...     def __init__(self):
+        ...         self.steps, self.ema = 0, torch.zeros(2)
+        ...     def checkpoint_tree(self, spec):
+        ...         return {"steps": self.steps, "ema": self.ema}    # ema: loaded in place
+        ...     def restore_checkpoint(self, tree):
+        ...         self.steps = tree["steps"]
+        ...         return self
+        >>> isinstance(Counter(), Checkpointable)
+        True
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(4)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(4)}, spec)
+        ...     saved = Counter()
+        ...     saved.steps, saved.ema = 3, torch.ones(2)
+        ...     vfsdp.checkpoint.save(path, {"params": shards, "counter": saved}, spec)
+        ...     out = vfsdp.checkpoint.load(path, {"params": shards, "counter": Counter()}, spec)
+        ...     return out["counter"].steps, out["counter"].ema.tolist()
+        >>> vfsdp.testing.simulate(2, body)
+        [(3, [1.0, 1.0]), (3, [1.0, 1.0])]
+    """
 
     def checkpoint_tree(self, spec: ShardSpec) -> Any:
         """What to save, as a pytree of local views, Pieces, tensors and plain values."""
@@ -52,7 +77,11 @@ def param_tree(buffers: Mapping[Any, DBuffer], spec: ShardSpec,
 
     Returns:
         The spec's tree structure; tensors whose unit is not in ``buffers``, or for which
-        ``pieces`` returns ``None``, become ``None`` (no leaf).
+            ``pieces`` returns ``None``, become ``None`` (no leaf).
+
+    Raises:
+        KeyError: a buffer in ``buffers`` that does not hold the tensors of the unit it is
+            keyed by (e.g. a buffer of another plan).
 
     Example:
         >>> def body():

@@ -37,13 +37,32 @@ def check_tree_arg(tree: Any, what: str, spec: Any = None) -> None:
 
 
 def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:
-    """Leaves of ``tree`` in spec order, after checking structure, shapes and dtypes.
+    """Leaves of ``tree`` in spec order, after checking its structure and that the spec's
+    tensors are tensors (shapes and dtypes are checked where the leaves are used, e.g. as
+    shards of a unit).
+
+    Args:
+        tree: A pytree shaped like the spec's (parameters, shards, gradients).
+        spec: The (sub-)spec.
+        what: The entry point, for messages.
+
+    Returns:
+        The leaves of ``tree``, one per leaf of ``spec``, in its order.
 
     Raises:
         TypeError: swapped arguments, something else than a spec, or a tree vfsdp cannot
             read (a module, a generator), with the fix.
-        ValueError: the structure differs (naming the first differing path), or a tensor leaf
-            has the wrong shape or dtype (naming its path and the expected values).
+        ValueError: the structure differs (naming the first differing path), or a leaf the
+            spec holds a tensor for is not a tensor (naming its path).
+
+    Example:
+        >>> spec = vfsdp.plan({"w": torch.ones(8), "b": torch.ones(2)}, 2)
+        >>> [tuple(x.shape) for x in match_tree({"w": torch.ones(8), "b": torch.ones(2)}, spec, "f")]
+        [(2,), (8,)]
+        >>> match_tree({"w": torch.ones(8)}, spec, "f")
+        Traceback (most recent call last):
+        ...
+        ValueError: f: tree structure differs from the spec (missing b); ...
     """
     check_tree_arg(tree, what, spec)
     paths, leaves, treespec = optree.tree_flatten_with_path(tree)

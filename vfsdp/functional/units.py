@@ -33,6 +33,17 @@ class UnitLeaves:
         unit: The unit's buffers on this rank.
         leaves: ``(leaf index in the tree, buffer index in the unit)`` per tensor present.
         values: The tree's leaves themselves, in the same order.
+
+    Example:
+        >>> def body():
+        ...     params = {"layers": [{"w": torch.ones(4)}], "head": torch.ones(2)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     shards = vfsdp.shard(params, spec)
+        ...     leaves = vfsdp.functional.match_tree(shards, spec, "example")
+        ...     u = units_of(leaves, spec, "example")[1]
+        ...     return u.key, u.leaves, u.index, u.db is u.unit.params
+        >>> vfsdp.testing.simulate(2, body)[0]      # leaf 1 of the tree is tensor 0 of the unit
+        (('layers', 0), ((1, 0),), (0,), True)
     """
 
     key: Hashable
@@ -135,8 +146,20 @@ def units_of(leaves: Sequence[Any], spec: ShardSpec, what: str, *, mesh: Any = N
         pack: Copy units whose leaves are plain tensors into temporary units; otherwise
             such units are refused.
 
+    Returns:
+        One :class:`UnitLeaves` per unit of ``spec``, in the spec's unit order.
+
     Raises:
         ValueError: as :func:`find_unit`, or plain tensors where ``pack`` is off.
+
+    Example:
+        >>> def body():
+        ...     params = {"layers": [{"w": torch.ones(4)}, {"w": torch.ones(4)}], "head": torch.ones(2)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     leaves = vfsdp.functional.match_tree(vfsdp.shard(params, spec), spec, "example")
+        ...     return [(u.key, u.leaves) for u in units_of(leaves, spec, "example")]
+        >>> vfsdp.testing.simulate(2, body)[0]
+        [((), ((0, 0),)), (('layers', 0), ((1, 0),)), (('layers', 1), ((2, 0),))]
     """
     out, groups = [], None
     for key, members in spec.unit_leaves().items():

@@ -89,7 +89,18 @@ def runs(db: DBuffer, mask: Mask) -> tuple[tuple[int, int], ...]:
 class AdamWPlan:
     """What ``init`` derives from the spec and the mask, per unit it updates: the tensors
     (``paths``), their flat ranges in this rank's shard (``update_runs``) and the ranges that
-    decay (``decay_runs``). Never saved; ``init`` rebuilds it under any plan."""
+    decay (``decay_runs``). Never saved; ``init`` rebuilds it under any plan.
+
+    Example:
+        >>> def body():
+        ...     params = {"w": torch.ones(6), "b": torch.zeros(2)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     opt = vfsdp.optim.adamw(weight_decay_mask=lambda path: path != ("b",))
+        ...     plan = opt.init(vfsdp.shard(params, spec), spec).plan
+        ...     return plan.update_runs[()], plan.decay_runs[()]
+        >>> vfsdp.testing.simulate(2, body)      # rank 0 holds b (no decay), then w[:2]
+        [(((0, 4),), ((2, 4),)), (((0, 4),), ((0, 4),))]
+    """
 
     paths: Mapping[Any, frozenset] = field(default_factory=dict)
     update_runs: Mapping[Any, tuple] = field(default_factory=dict)
@@ -190,7 +201,16 @@ class StepSlices:
 
 @dataclass
 class AdamWState:
-    """The step and, per unit it updates, the moment DBuffers (the parameters' layout)."""
+    """The step and, per unit it updates, the moment DBuffers (the parameters' layout).
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     state = vfsdp.optim.adamw().init(vfsdp.shard({"w": torch.ones(8)}, spec), spec)
+        ...     return state.step, state.checkpoint_tree(spec)["exp_avg"]["w"].tolist()
+        >>> vfsdp.testing.simulate(2, body)      # zero moments, shaped like each shard
+        [(0, [0.0, 0.0, 0.0, 0.0]), (0, [0.0, 0.0, 0.0, 0.0])]
+    """
 
     step: int
     exp_avg: dict

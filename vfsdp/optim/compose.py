@@ -31,11 +31,11 @@ def partition(transforms: dict, labels: Callable[[tuple], str]) -> Optimizer:
 
     Returns:
         An :class:`Optimizer` whose state is ``{label: state}`` and whose granularity is,
-        per tensor, that of its label's optimizer.
+            per tensor, that of its label's optimizer.
 
     Raises:
-        ValueError (from ``init``): a selected tensor whose label has no transform.
-        TypeError (from ``init``): a member whose ``init`` takes no ``mask``.
+        ValueError: from ``init``, a selected tensor whose label has no transform.
+        TypeError: from ``init``, a member whose ``init`` takes no ``mask``.
 
     Example:
         >>> opt = vfsdp.optim.partition(
@@ -105,7 +105,17 @@ def chain(*transforms: Optimizer) -> Optimizer:
 
 @dataclass
 class ClipState:
-    """``clip_by_global_norm``'s state: nothing to save, only the mask ``init`` was given."""
+    """``clip_by_global_norm``'s state: nothing to save, only the mask ``init`` was given.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(4)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(4)}, spec)
+        ...     state = vfsdp.optim.clip_by_global_norm(1.0).init(shards, spec)
+        ...     return state, state.checkpoint_tree(spec)
+        >>> vfsdp.testing.simulate(2, body)
+        [(ClipState(mask=None), {}), (ClipState(mask=None), {})]
+    """
 
     mask: Optional[Callable[[tuple], bool]] = None
 
@@ -126,7 +136,7 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
 
     Returns:
         An :class:`Optimizer` whose ``update`` scales the gradients in place (no parameters
-        change) and whose state is a :class:`ClipState`.
+            change) and whose state is a :class:`ClipState`.
 
     Raises:
         ValueError: ``max_norm`` is negative or not finite.

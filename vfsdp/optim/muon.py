@@ -185,7 +185,17 @@ class Wave:
 @dataclass(frozen=True)
 class MuonPlan:
     """What ``init`` derives from the spec and the mask: the matrices, their roots, the waves
-    with their exchange plans, and the units they live in. Never saved; rebuilt by ``init``."""
+    with their exchange plans, and the units they live in. Never saved; rebuilt by ``init``.
+
+    Example:
+        >>> def body():
+        ...     params = {"w": torch.ones(4, 4), "b": torch.ones(4)}   # b is not a matrix
+        ...     spec = vfsdp.plan(params, 2)
+        ...     plan = vfsdp.optim.muon().init(vfsdp.shard(params, spec), spec).plan
+        ...     return [(m.k, m.root, m.lo, m.hi) for m in plan.matrices], len(plan.waves)
+        >>> vfsdp.testing.simulate(2, body)      # w: rank 0 gathers it, each holds a part
+        [([(1, 0, 4, 12)], 1), ([(1, 0, 0, 8)], 1)]
+    """
 
     matrices: tuple = ()
     waves: tuple = ()
@@ -200,7 +210,17 @@ class MuonPlan:
 @dataclass
 class MuonState:
     """The step and, per unit holding matrices it updates, the momentum DBuffer (float32, or
-    float64 for float64 parameters)."""
+    float64 for float64 parameters).
+
+    Example:
+        >>> def body():
+        ...     params = {"w": torch.ones(4, 4)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     state = vfsdp.optim.muon().init(vfsdp.shard(params, spec), spec)
+        ...     return state.step, state.checkpoint_tree(spec)["momentum"]["w"].shape
+        >>> vfsdp.testing.simulate(2, body)
+        [(0, torch.Size([8])), (0, torch.Size([8]))]
+    """
 
     step: int
     momentum: dict
@@ -243,7 +263,7 @@ def muon(
 
     Returns:
         An :class:`vfsdp.optim.Optimizer` (whole matrices need no special granularity: the
-        root gathers them).
+            root gathers them).
 
     Raises:
         ValueError: an unknown ``scale``, a ``wave_size`` below 1, a negative ``lr`` or

@@ -25,7 +25,8 @@ def constant(lr: float) -> Callable[[int], float]:
         A callable ``step -> lr``.
 
     Raises:
-        Nothing.
+        TypeError: not from ``constant`` itself (it checks nothing); from the returned
+            schedule, a call without a step.
 
     Example:
         >>> constant(0.1)(7)

@@ -177,6 +177,17 @@ def flat_range(placement: Placement, shape: Sequence[int], rank: int) -> tuple[i
 def local_numel(placement: Placement, shape: Sequence[int], rank: int) -> int:
     """Number of elements ``rank`` holds. See :func:`flat_range`.
 
+    Args:
+        placement: The tensor's placement.
+        shape: The full tensor shape.
+        rank: Rank along the sharded mesh dim.
+
+    Returns:
+        The size of ``rank``'s flat range (0 on a rank that holds nothing).
+
+    Raises:
+        ValueError: as :func:`flat_range`.
+
     Example:
         >>> local_numel(RaggedShard((0,), (1, 3)), (4, 2), 1)
         6
@@ -195,7 +206,7 @@ def local_shape(placement: Placement, shape: Sequence[int], rank: int) -> tuple[
 
     Returns:
         The local shape. With empty ``dims`` (a 0-d tensor) it is ``shape`` on a rank that
-        holds the element and ``(0,)`` elsewhere.
+            holds the element and ``(0,)`` elsewhere.
 
     Raises:
         ValueError: as :func:`flat_range`.

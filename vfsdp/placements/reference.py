@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -77,8 +78,8 @@ def assemble_reference(
     return flat.reshape(tuple(shape))
 
 
-def strided_split_reference(full: torch.Tensor, size: int, dim, placements: Sequence[Placement]
-                            ) -> dict:
+def strided_split_reference(full: torch.Tensor, size: int, dim: Optional[int],
+                            placements: Sequence[Placement]) -> dict:
     """Split a global tensor over a model axis then over the data ranks: ``{(index, rank):
     piece}``, a loop over both (the reference of :class:`StridedRaggedShard`).
 
@@ -105,10 +106,25 @@ def strided_split_reference(full: torch.Tensor, size: int, dim, placements: Sequ
             for r, p in enumerate(split_reference(pieces[i], placements[i]))}
 
 
-def strided_assemble_reference(pieces: dict, size: int, dim, placements: Sequence[Placement],
+def strided_assemble_reference(pieces: dict, size: int, dim: Optional[int],
+                               placements: Sequence[Placement],
                                shape: Sequence[int]) -> torch.Tensor:
     """The global tensor back from :func:`strided_split_reference`'s pieces (index 0's copy of
     a replicated tensor).
+
+    Args:
+        pieces: ``{(index, rank): piece}``, as :func:`strided_split_reference` returns.
+        size: The model axis' size.
+        dim: The dim the tensor was cut along, or ``None`` (replicated).
+        placements: Index ``i``'s ``RaggedShard`` of its piece, one per index.
+        shape: The global shape.
+
+    Returns:
+        A new tensor of ``shape``.
+
+    Raises:
+        KeyError: a missing ``(index, rank)`` piece.
+        ValueError: as :func:`assemble_reference` (a piece of the wrong size).
 
     Example:
         >>> ps = [RaggedShard((0,), (1, 1))] * 2

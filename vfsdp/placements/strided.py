@@ -30,6 +30,16 @@ __all__ = ["StridedRaggedShard", "split_lengths"]
 def split_lengths(n: int, parts: int) -> tuple[int, ...]:
     """The lengths ``torch.tensor_split`` gives ``n`` elements cut into ``parts``.
 
+    Args:
+        n: Elements to cut (``>= 0``).
+        parts: Pieces (``>= 1``).
+
+    Returns:
+        ``parts`` lengths adding up to ``n``, the longer first.
+
+    Raises:
+        ZeroDivisionError: ``parts`` is 0. (Negative values are not checked.)
+
     Example:
         >>> split_lengths(10, 4)
         (3, 3, 2, 2)

@@ -124,10 +124,11 @@ def plan_stats(spec: ShardSpec) -> dict[str, Any]:
 
     Returns:
         ``{"total_numel", "padded_numel" (sum of m*S), "padding_ratio",
-        "lower_bound_numel", "lower_bound_ratio", "units", "tensors"}``.
+            "lower_bound_numel", "lower_bound_ratio", "units", "tensors"}``.
 
     Raises:
-        Nothing for a valid spec (:func:`check_spec` verifies one).
+        AttributeError: ``spec`` is not a :class:`ShardSpec` (nothing is raised for a
+            spec; :func:`check_spec` verifies one).
 
     Example:
         >>> plan_stats(vfsdp.plan({"w": torch.empty(10)}, 4))["padded_numel"]

@@ -30,7 +30,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Rows:
-    """Blocks of ``k`` rows (vectors along the last dim). Build with :func:`rows`."""
+    """Blocks of ``k`` rows (vectors along the last dim). Build with :func:`rows`.
+
+    Example:
+        >>> rows(2), Rows(2) == rows(2)
+        (rows(2), True)
+        >>> spec = vfsdp.plan({"w": torch.empty(6, 4)}, 4, granularity=rows(2))
+        >>> [spec.tensor(("w",)).local_range(r) for r in range(4)]   # 8-element blocks, uncut
+        [(0, 8), (8, 16), (16, 24), (24, 24)]
+    """
 
     k: int
 

@@ -80,6 +80,11 @@ class Packing:
         lower_bound: The certified lower bound on ``S``.
         strategy: Which strategy produced the order (``"given"``, ``"numel-desc"``,
             ``"block-desc"`` or ``"search"``).
+
+    Example:
+        >>> p = pack([10, 6], [1, 1], 4, 2)          # 16 elements on 4 ranks: S = 4, no padding
+        >>> p.shard_numel, p.offsets, p.lower_bound, p.strategy
+        (4, (0, 10), 4, 'given')
     """
 
     shard_numel: int
@@ -145,6 +150,9 @@ def lower_bound(numels: Sequence[int], blocks: Sequence[int], world_size: int, a
 
     Returns:
         The smallest admissible ``S``.
+
+    Raises:
+        ZeroDivisionError: ``world_size`` or ``align`` is 0.
 
     Example:
         >>> lower_bound([10, 6], [1, 1], 4, 2)

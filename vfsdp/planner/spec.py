@@ -72,6 +72,10 @@ class SplitSuggestion:
         padding_now: Padding elements of the unit as planned.
         padding_after: Padding elements of the two units together.
         total_numel: The unit's elements, for ratios.
+
+    Example:
+        >>> SplitSuggestion((("big",),), padding_now=900, padding_after=12, total_numel=1000)
+        split off [big]: padding 90.00% -> 1.20% at the cost of one more all-gather
     """
 
     moved: tuple[tuple, ...]

@@ -35,6 +35,14 @@ class CopyCounter(TorchDispatchMode):
         copy_bytes: Bytes written by copy-like ops.
         copies: Number of copy-like ops.
         collectives: Number of c10d collective ops dispatched (vfsdp's and anyone else's).
+
+    Example:
+        >>> with CopyCounter() as counter:
+        ...     a = torch.zeros(4)
+        ...     _ = a.copy_(torch.ones(4))             # 16 bytes
+        ...     _ = torch.cat([a, a])                  # 32 bytes
+        >>> counter.copies, counter.copy_bytes, counter.ops["cat"]
+        (2, 48, 1)
     """
 
     def __init__(self) -> None:

@@ -121,7 +121,17 @@ class GatheredProbe(_Observing):
 
 
 class LiveBytes(_Observing):
-    """Peak bytes of live storages created under it (plus existing tensors passed to ``track``)."""
+    """Peak bytes of live storages created under it (plus existing tensors passed to ``track``).
+
+    Example:
+        >>> with LiveBytes() as live:
+        ...     x = torch.zeros(256)                   # 1 KiB
+        ...     y = torch.zeros(512)                   # 2 KiB
+        ...     del x
+        ...     z = y + 1                              # 2 KiB more, x is gone
+        >>> live.peak, live.current
+        (4096, 4096)
+    """
 
     def __init__(self) -> None:
         super().__init__()

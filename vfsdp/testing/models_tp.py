@@ -48,7 +48,7 @@ def tp_rule(cfg: GPTConfig) -> Callable[[tuple], Any]:
 
     Returns:
         ``path -> Shard(dim) | Replicate()``, for ``vfsdp.plan(..., tp=)`` or
-        ``vfsdp.lax.tp_local``.
+            ``vfsdp.lax.tp_local``.
 
     Raises:
         TypeError: ``cfg`` is not a :class:`GPTConfig`.
@@ -102,7 +102,7 @@ def block_tp(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = Non
 
     Returns:
         The block's output, replicated over ``axis``: :func:`vfsdp.testing.models.block` of
-        the global parameters.
+            the global parameters.
 
     Raises:
         ValueError: heads or kv heads not divisible by the axis size, or no such axis.
@@ -202,7 +202,7 @@ def block_ep(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = Non
 
     Returns:
         The block's output for this rank's batch: :func:`vfsdp.testing.models.block` of the
-        global parameters.
+            global parameters.
 
     Raises:
         ValueError: ``cfg.top_k`` is 0, the experts do not split evenly over the axis, or

@@ -115,7 +115,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]`` (results must be picklable; tensors
-        may be in them).
+            may be in them).
 
     Raises:
         RankError: a rank raised, was killed by a signal (named), or hung (with the collective

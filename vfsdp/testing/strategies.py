@@ -49,26 +49,95 @@ PRIMES = (2, 3, 5, 7, 11, 13, 17)
 
 
 def ranks(spec: ShardSpec) -> int:
-    """The number of ranks a spec runs on (``simulate(ranks(spec), ...)``)."""
+    """The number of ranks a spec runs on (``simulate(ranks(spec), ...)``).
+
+    Args:
+        spec: A plan, e.g. the second item a :func:`plans` case holds.
+
+    Returns:
+        The shard-group size times the replicas (HSDP): ``spec.world_size * spec.replicas``.
+
+    Raises:
+        AttributeError: ``spec`` is not a :class:`vfsdp.ShardSpec`.
+
+    Example:
+        >>> ranks(vfsdp.plan({"w": torch.ones(8)}, 4))
+        4
+        >>> ranks(vfsdp.plan({"w": torch.ones(8)}, (2, 3)))      # HSDP: 2 replicas of 3
+        6
+    """
     return spec.world_size * spec.replicas
 
 
 @st.composite
 def shapes(draw, max_dims: int = 3, max_side: int = 6) -> tuple:
-    """Shapes with 0..``max_dims`` dims and sides 0..``max_side`` (0-size, 0-d, 1-element)."""
+    """Shapes with 0..``max_dims`` dims and sides 0..``max_side`` (0-size, 0-d, 1-element).
+
+    Args:
+        max_dims: The most dims a shape has.
+        max_side: The largest size of a dim.
+
+    Returns:
+        (st.SearchStrategy[tuple]): A strategy of shape tuples, shrinking towards ``()`` and sides of 0.
+
+    Raises:
+        hypothesis.errors.InvalidArgument: when a value is drawn, ``max_dims`` negative, or
+            ``max_side`` negative for a shape with dims.
+
+    Example:
+        >>> from hypothesis import find, settings
+        >>> fixed = settings(database=None, derandomize=True)     # the same result each run
+        >>> find(shapes(), lambda s: len(s) == 2, settings=fixed)
+        (0, 0)
+        >>> find(shapes(max_dims=1), lambda s: s and s[0] > 4, settings=fixed)
+        (5,)
+    """
     ndim = draw(st.integers(0, max_dims))
     return tuple(draw(st.integers(0, max_side)) for _ in range(ndim))
 
 
 def world_sizes(max_size: int = 17) -> st.SearchStrategy:
-    """Shard-group sizes 1..``max_size`` (primes included), shrinking towards 1."""
+    """Shard-group sizes 1..``max_size`` (primes included), shrinking towards 1.
+
+    Args:
+        max_size: The largest size.
+
+    Returns:
+        A strategy of ints.
+
+    Raises:
+        hypothesis.errors.InvalidArgument: when a value is drawn, ``max_size`` is below 1.
+
+    Example:
+        >>> from hypothesis import find, settings
+        >>> fixed = settings(database=None, derandomize=True)     # the same result each run
+        >>> find(world_sizes(), lambda m: m > 1, settings=fixed)
+        2
+    """
     return st.integers(1, max_size)
 
 
 @st.composite
 def meshes(draw, max_ranks: int = 8, hsdp: bool = True) -> Any:
     """An int world size, or (with ``hsdp``) a ``(replicate, shard)`` tuple, with at most
-    ``max_ranks`` ranks in all; primes and axes of size 1 included."""
+    ``max_ranks`` ranks in all; primes and axes of size 1 included.
+
+    Args:
+        max_ranks: The most ranks a mesh has.
+        hsdp: Draw ``(replicate, shard)`` tuples too.
+
+    Returns:
+        (st.SearchStrategy[Any]): A strategy of meshes, as :func:`vfsdp.plan` takes them.
+
+    Raises:
+        hypothesis.errors.InvalidArgument: when a value is drawn, ``max_ranks`` is below 1.
+
+    Example:
+        >>> from hypothesis import find, settings
+        >>> fixed = settings(database=None, derandomize=True)     # the same result each run
+        >>> find(meshes(), lambda m: isinstance(m, tuple) and m[0] * m[1] > 2, settings=fixed)
+        (1, 3)
+    """
     if hsdp and max_ranks >= 2 and draw(st.booleans()):
         r = draw(st.integers(1, max_ranks))
         m = draw(st.integers(1, max(1, max_ranks // r)))
@@ -77,7 +146,24 @@ def meshes(draw, max_ranks: int = 8, hsdp: bool = True) -> Any:
 
 
 def granularities() -> st.SearchStrategy:
-    """Element, ``rows(k)`` for k in 1..4, ``whole``, and a per-tensor mix of those."""
+    """Element, ``rows(k)`` for k in 1..4, ``whole``, and a per-tensor mix of those.
+
+    Returns:
+        A strategy of ``granularity=`` values for :func:`vfsdp.plan` (``None``: element).
+
+    Raises:
+        TypeError: not from ``granularities()`` itself (it takes no arguments); a drawn
+            per-tensor mix, a callable ``(path, tensor) -> granularity``, raises it when
+            called with other arguments.
+
+    Example:
+        >>> from hypothesis import find, settings
+        >>> fixed = settings(database=None, derandomize=True)     # the same result each run
+        >>> print(find(granularities(), lambda g: True, settings=fixed))
+        None
+        >>> find(granularities(), lambda g: g is not None, settings=fixed)
+        rows(1)
+    """
     fixed = st.sampled_from([None, rows(1), rows(2), rows(3), rows(4), whole])
 
     @st.composite
@@ -91,7 +177,25 @@ def granularities() -> st.SearchStrategy:
 
 
 def dtypes(choices: Sequence[torch.dtype] = DTYPES) -> st.SearchStrategy:
-    """One of ``choices``."""
+    """One of ``choices``.
+
+    Args:
+        choices: The dtypes (default: float32, float64 and bfloat16).
+
+    Returns:
+        A strategy of dtypes, shrinking towards the first.
+
+    Raises:
+        hypothesis.errors.InvalidArgument: when a value is drawn, ``choices`` is empty.
+
+    Example:
+        >>> from hypothesis import find, settings
+        >>> fixed = settings(database=None, derandomize=True)     # the same result each run
+        >>> find(dtypes(), lambda d: True, settings=fixed)
+        torch.float32
+        >>> find(dtypes(), lambda d: d.itemsize == 2, settings=fixed)
+        torch.bfloat16
+    """
     return st.sampled_from(list(choices))
 
 
@@ -103,6 +207,28 @@ def param_trees(draw, max_layers: int = 3, max_tensors: int = 3, max_side: int =
     Each layer is a unit under the planner's default rule and ``root`` the root unit; each
     unit draws its own dtype. Values are deterministic (``arange`` scaled per tensor), or
     ``meta`` tensors with ``meta=True``. At least one tensor is present.
+
+    Args:
+        max_layers: The most layers (0 layers: a root unit only).
+        max_tensors: The most tensors per unit.
+        max_side: The largest size of a dim.
+        dtype_choices: The dtypes a unit draws from.
+        meta: Make ``meta`` tensors (no data), e.g. to plan large trees.
+
+    Returns:
+        (st.SearchStrategy[dict]): A strategy of parameter trees.
+
+    Raises:
+        hypothesis.errors.InvalidArgument: when a value is drawn, ``max_tensors`` below 1, a negative
+            ``max_layers``, no ``dtype_choices``, or a negative ``max_side`` for a tensor
+            with dims.
+
+    Example:
+        >>> from hypothesis import find, settings
+        >>> fixed = settings(database=None, derandomize=True)     # the same result each run
+        >>> tree = find(param_trees(), lambda t: len(t["layers"]) == 2, settings=fixed)
+        >>> tree["layers"], tree["root"], tree["note"]
+        ([{'t0': tensor(1.)}, {'t0': tensor(2.)}], {}, 'passes through')
     """
     counter = [0]
 
@@ -129,7 +255,28 @@ def param_trees(draw, max_layers: int = 3, max_tensors: int = 3, max_side: int =
 @st.composite
 def plans(draw, trees: Optional[st.SearchStrategy] = None, mesh: Optional[st.SearchStrategy] = None,
           granularity: Optional[st.SearchStrategy] = None) -> tuple:
-    """``(params, spec)``: a drawn tree planned for a drawn mesh and granularity."""
+    """``(params, spec)``: a drawn tree planned for a drawn mesh and granularity.
+
+    Args:
+        trees: The trees (default: :func:`param_trees`).
+        mesh: The meshes (default: :func:`meshes`).
+        granularity: The granularities (default: :func:`granularities`).
+
+    Returns:
+        (st.SearchStrategy[tuple]): A strategy of ``(params, spec)`` tuples; run a case on
+            ``ranks(spec)`` ranks.
+
+    Raises:
+        ValueError: when a value is drawn, a mesh :func:`vfsdp.plan` refuses (e.g. a
+            world size of 0).
+
+    Example:
+        >>> from hypothesis import find, settings
+        >>> fixed = settings(database=None, derandomize=True)     # the same result each run
+        >>> params, spec = find(plans(), lambda case: case[1].world_size == 3, settings=fixed)
+        >>> params["root"], ranks(spec)
+        ({'r0': tensor(1.)}, 3)
+    """
     params = draw(trees if trees is not None else param_trees())
     spec = plan(params, draw(mesh if mesh is not None else meshes()),
                 granularity=draw(granularity if granularity is not None else granularities()))
@@ -138,7 +285,26 @@ def plans(draw, trees: Optional[st.SearchStrategy] = None, mesh: Optional[st.Sea
 
 @st.composite
 def compositions(draw, total: int, parts: int) -> tuple:
-    """``parts`` non-negative ints summing to ``total`` (zeros allowed)."""
+    """``parts`` non-negative ints summing to ``total`` (zeros allowed).
+
+    Args:
+        total: The sum.
+        parts: How many ints.
+
+    Returns:
+        (st.SearchStrategy[tuple]): A strategy of ``parts``-tuples.
+
+    Raises:
+        hypothesis.errors.InvalidArgument: when a value is drawn, ``parts`` below 1 or ``total`` negative.
+
+    Example:
+        >>> from hypothesis import find, settings
+        >>> fixed = settings(database=None, derandomize=True)     # the same result each run
+        >>> find(compositions(5, 3), lambda c: True, settings=fixed)
+        (0, 0, 5)
+        >>> find(compositions(5, 3), lambda c: c[0] == 2, settings=fixed)
+        (2, 0, 3)
+    """
     cuts = sorted(draw(st.lists(st.integers(0, total), min_size=parts - 1, max_size=parts - 1)))
     bounds = [0, *cuts, total]
     return tuple(bounds[i + 1] - bounds[i] for i in range(parts))
@@ -147,7 +313,28 @@ def compositions(draw, total: int, parts: int) -> tuple:
 @st.composite
 def ragged_cases(draw, max_world: int = 17) -> tuple:
     """``(shape, RaggedShard)`` pairs that form valid placements (world sizes up to
-    ``max_world`` and 64)."""
+    ``max_world`` and 64).
+
+    Args:
+        max_world: The largest world size besides 64.
+
+    Returns:
+        (st.SearchStrategy[tuple]): A strategy of ``(shape, placement)`` tuples; the placement
+            has one unit count per rank.
+
+    Raises:
+        hypothesis.errors.InvalidArgument: when a value is drawn, ``max_world`` is below 1.
+
+    Example:
+        >>> from hypothesis import given, settings
+        >>> @settings(max_examples=25, database=None, deadline=None)
+        ... @given(ragged_cases(max_world=5))
+        ... def test_ranks_cover_the_tensor(case):
+        ...     shape, p = case
+        ...     ranges = [flat_range(p, shape, r) for r in range(len(p.local_units))]
+        ...     assert sum(hi - lo for lo, hi in ranges) == math.prod(shape)
+        >>> test_ranks_cover_the_tensor()
+    """
     shape = draw(shapes())
     m = draw(st.one_of(st.integers(1, max_world), st.just(64)))
     d = draw(st.integers(0, len(shape)))

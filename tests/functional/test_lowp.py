@@ -111,7 +111,7 @@ def _train(hooks, steps=50, compiled=False):
         loss = run(shards, x)
         loss.backward()
         state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 

@@ -26,6 +26,8 @@ from vfsdp.collectives.slot import slot_of
 __all__ = ["normal", "constant", "rule", "sharded", "full_tensor", "full_tree", "CHUNK"]
 
 CHUNK = 1 << 14
+"""Elements per counter-based random block: a tensor's values are drawn in blocks of this
+many elements, so any rank can draw any range of them alone, the same as one process."""
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ class Whole:
 
 
 whole = Whole()
+"""Granularity: the whole tensor is one block (never split across ranks)."""
 Granularity = Union[None, int, Rows, Whole, Callable[[tuple, Any], Any]]
 
 

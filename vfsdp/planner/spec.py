@@ -61,6 +61,7 @@ class _Passthrough:
 
 
 PASSTHROUGH = _Passthrough()
+"""The marker a spec tree holds where the parameter tree holds a non-tensor leaf."""
 
 
 @dataclass(frozen=True)

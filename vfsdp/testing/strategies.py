@@ -45,7 +45,9 @@ __all__ = ["shapes", "world_sizes", "meshes", "granularities", "dtypes", "param_
            "compositions", "ragged_cases", "ranks", "DTYPES", "PRIMES"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+"""The dtypes the strategies draw parameters in."""
 PRIMES = (2, 3, 5, 7, 11, 13, 17)
+"""Prime world sizes the strategies favour (no shard size divides evenly)."""
 
 
 def ranks(spec: ShardSpec) -> int:

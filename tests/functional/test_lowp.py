@@ -210,3 +210,26 @@ def test_block_scaled_gather_compiles_to_the_same_values():
     assert all(torch.equal(simulate(2, _block_gathered, 2, True)[r][k],
                            simulate(2, _block_gathered, 2)[r][k])
                for r in range(2) for k in _block_params())
+
+
+def _refused_options():
+    params = {"w": torch.randn(8, 4)}
+    spec = vfsdp.plan(params, 2)
+    shards = vfsdp.shard(params, spec)
+    out = []
+    for kw in ({"grad_reduce": "max"}, {"async_reduce": True}, {"grads": "buffer"},
+               {"grads": "nope"}):
+        with pytest.raises(ValueError) as info:
+            vfsdp.gather(shards, spec, all_gather=Float8(), **kw)
+        out.append(str(info.value))
+    return out
+
+
+def test_bad_options_with_all_gather_hooks_are_refused_as_eagerly():
+    """The functional path took any grad_reduce but "avg" as a sum and accepted async_reduce
+    without the gradient buffer; it checks them as the eager path does now."""
+    max_, async_, buffer, nope = simulate(2, _refused_options)[0]
+    assert max_ == "grad_reduce must be one of ('sum', 'avg'), got 'max'"
+    assert async_.startswith("vfsdp.gather with all_gather=: async_reduce=True needs grads='buffer'")
+    assert buffer.startswith("vfsdp.gather with all_gather=: grads='buffer' needs vfsdp's eager")
+    assert nope == "grads must be one of ('return', 'buffer'), got 'nope'"

@@ -323,3 +323,17 @@ def test_shards_passed_as_gradients_are_refused_before_anything_changes():
         assert names == ["vfsdp.clip_grad_norm", "vfsdp.global_norm", "adamw.update",
                          "adamw8bit.update"]
         assert unchanged
+
+
+def _three_dim_int_mesh():
+    spec = vfsdp.plan({"w": torch.ones(8)}, (2, 2, 2))
+    with pytest.raises(ValueError, match=r"planned for \(2, 2, 2\): plan for \(4, 2\) "
+                                         r"\(replicate, shard\)"):
+        vfsdp.shard({"w": torch.ones(8)}, spec)
+    return True
+
+
+def test_a_three_dim_int_mesh_is_refused_by_vfsdp_naming_the_2d_plan():
+    """It failed inside torch's DeviceMesh ("mesh_shape and mesh_dim_names should have same
+    length")."""
+    assert all(simulate(8, _three_dim_int_mesh))

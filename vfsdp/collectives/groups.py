@@ -243,7 +243,15 @@ def default_mesh(spec: ShardSpec):
     """The ``DeviceMesh`` of ``spec.mesh_shape`` over the default group (built once, cached).
 
     The last dim shards: ranks ``[i*m, (i+1)*m)`` shard together.
+
+    Raises:
+        ValueError: a spec of more than 2 dims (naming the 2-D plan with the same ranks).
     """
+    if len(spec.mesh_shape) > 2:
+        raise ValueError(f"vfsdp runs 1-D (FSDP) and 2-D (HSDP) meshes over the default "
+                         f"group, and the spec was planned for {spec.mesh_shape}: plan for "
+                         f"({spec.replicas}, {spec.world_size}) (replicate, shard), the same "
+                         f"ranks and the same shards")
     return world_mesh(spec.mesh_shape, ("replicate", "shard")[-len(spec.mesh_shape):])
 
 

@@ -262,7 +262,7 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
     """
     what = "vfsdp.gather"
     if tp.compiling() or all_gather is not None:  # the functional path (functional.traced)
-        check_traced_options(grads, what)
+        check_traced_options(grads, what, grad_reduce, async_reduce)
         return traced_gather(shards, spec, mesh, param_dtype, grad_reduce, reduce_dtype,
                              all_gather)
     gopts = GatherOptions(param_dtype, free_after_backward)

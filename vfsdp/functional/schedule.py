@@ -171,7 +171,9 @@ def run_layers(
         unknown = sorted(set(gather_options) - set(NAMES))
         if unknown:  # as eagerly: a misspelt option is never ignored
             raise TypeError(f"{what} got unexpected options {unknown}; it takes {list(NAMES)}")
-        check_traced_options(gather_options.get("grads", "return"), what)
+        check_traced_options(gather_options.get("grads", "return"), what,
+                             gather_options.get("grad_reduce", "avg"),
+                             gather_options.get("async_reduce", False))
         o = dict(gather_options)  # gradients go to the shards' .grad (vfsdp.grads reads them)
         return traced_run_layers(layer_fn, shards, specs, h, mesh, reshard_after_forward,
                                  o.get("param_dtype"), o.get("grad_reduce", "avg"),

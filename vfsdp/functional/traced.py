@@ -279,22 +279,34 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
 
 
 
-def check_traced_options(grads: str, what: str) -> None:
-    """Refuse, while compiling, the gather option that needs vfsdp's own gradient buffers.
+def check_traced_options(grads: str, what: str, grad_reduce: str = "avg",
+                         async_reduce: bool = False) -> None:
+    """Refuse, on the functional path (while compiling, or with ``all_gather=`` hooks), the
+    option values it cannot honour, as the eager path refuses bad values.
 
-    Compiled, the sharded gradients always go to autograd (``.grad``, ``autograd.grad``), as
-    with ``grads="return"``: several backwards accumulate there (so ``accumulate_grads`` and
-    ``grad_sync=False`` change nothing but when the reduce-scatters run, and every backward
-    runs them), and ``async_reduce`` is the compiler's to schedule.
+    On this path the sharded gradients always go to autograd (``.grad``, ``autograd.grad``),
+    as with ``grads="return"``: several backwards accumulate there (so ``accumulate_grads``
+    and ``grad_sync=False`` change nothing but when the reduce-scatters run, and every
+    backward runs them), and the gathered tensors are the compiler's or fresh, so
+    ``free_after_backward`` has nothing to free.
 
     Raises:
-        ValueError: ``grads="buffer"`` (naming what to do instead).
+        ValueError: ``grads="buffer"`` (naming what to do instead), a ``grads`` or
+            ``grad_reduce`` value that is none of the allowed ones, or ``async_reduce=True``
+            (which needs ``grads="buffer"``).
     """
+    where = f"{what} under torch.compile" if tp.compiling() else f"{what} with all_gather="
     if grads == "buffer":
-        raise ValueError(f"{what} under torch.compile: grads='buffer' needs vfsdp's eager "
-                         f"gradient buffers; compiled, the sharded gradients go to autograd "
+        raise ValueError(f"{where}: grads='buffer' needs vfsdp's eager "
+                         f"gradient buffers; here the sharded gradients go to autograd "
                          f"(.grad, read them with vfsdp.grads): drop grads='buffer'")
-
+    if grads != "return":
+        raise ValueError(f"grads must be one of ('return', 'buffer'), got {grads!r}")
+    if grad_reduce not in ("avg", "sum"):
+        raise ValueError(f"grad_reduce must be one of ('sum', 'avg'), got {grad_reduce!r}")
+    if async_reduce:
+        raise ValueError(f"{where}: async_reduce=True needs grads='buffer', which this path "
+                         f"does not have (the compiler schedules the reduce-scatters): drop it")
 
 
 def _regather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:

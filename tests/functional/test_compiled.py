@@ -269,7 +269,8 @@ def _refusals():
                                         torch.ones(1, D), param_dtpye=torch.bfloat16),
                lambda: vfsdp.gather(shards, spec, grad_reduce="max"),
                lambda: vfsdp.run_layers(_layer, shards["layers"], spec["layers"],
-                                        torch.ones(1, D), async_reduce=True)):
+                                        torch.ones(1, D), async_reduce=True),
+               lambda: vfsdp.gather_async(shards, spec).wait()):
         try:
             torch.compile(fn, fullgraph=True)()
             out.append("no error")
@@ -280,12 +281,14 @@ def _refusals():
 
 @THREADS
 def test_what_the_compiled_path_cannot_do_is_refused_by_name():
-    buffer, muon, reduce, layers_buffer, misspelt, max_, async_ = simulate(2, _refusals)[0]
+    buffer, muon, reduce, layers_buffer, misspelt, max_, async_, handle = \
+        simulate(2, _refusals)[0]
     assert "grads='buffer' needs vfsdp's eager gradient buffers" in buffer
     # run_layers checks its options as eagerly, not ignoring them (it did before)
     assert "vfsdp.run_layers under torch.compile: grads='buffer'" in layers_buffer
     assert "vfsdp.run_layers got unexpected options ['param_dtpye']" in misspelt
     assert "grad_reduce must be one of ('sum', 'avg'), got 'max'" in max_  # summed before
     assert "vfsdp.run_layers under torch.compile: async_reduce=True needs" in async_
+    assert "vfsdp.gather_async under torch.compile is not supported" in handle
     assert "muon.update under torch.compile is not supported yet" in muon
     assert "reduce-scatters the gradients in the gather dtype (torch.bfloat16)" in reduce

@@ -7,8 +7,9 @@ name their units (:mod:`vfsdp.functional.units`), each unit gathers itself
 (:class:`vfsdp.collectives.Unit`), and the backward reduce-scatters
 (:mod:`vfsdp.functional.reduce`).
 
-The returned gradients (``grads="return"``) alias the unit's persistent gradient DBuffer:
-the next backward through the same unit overwrites them. Clone them to keep them.
+With ``grads="return"`` the backward hands autograd fresh tensors holding this rank's reduced
+pieces (nothing vfsdp later overwrites or frees); with ``grads="buffer"`` the pieces stay in
+the unit's gradient DBuffer, which the next backward through the unit overwrites.
 """
 
 from __future__ import annotations
@@ -334,7 +335,7 @@ def gather_async(shards: Any, spec: ShardSpec, *, mesh: Any = None, **options: A
 
     Raises:
         TypeError: an unknown option.
-        ValueError: as :func:`gather`.
+        ValueError: as :func:`gather`; and under ``torch.compile`` (use :func:`gather`).
 
     Example:
         >>> def body():
@@ -347,5 +348,9 @@ def gather_async(shards: Any, spec: ShardSpec, *, mesh: Any = None, **options: A
         [[1.0, 1.0], [1.0, 1.0]]
     """
     what = "vfsdp.gather_async"
+    if tp.compiling():
+        raise ValueError("vfsdp.gather_async under torch.compile is not supported: its handle "
+                         "is eager state the compiler cannot trace; call vfsdp.gather, whose "
+                         "all-gathers the compiler schedules (and overlaps) itself")
     gopts, ropts = split_options(options, what)
     return start_gather(shards, spec, mesh, gopts, ropts, what)

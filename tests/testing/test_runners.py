@@ -58,3 +58,20 @@ def test_bad_world_size():
         simulate(0, _rank_times, 1)
     with pytest.raises(ValueError, match="world_size"):
         spawn(_rank_times, 0, 1)
+
+
+def _rank1_skips_the_all_reduce():
+    import torch
+
+    if dist.get_rank() != 1:
+        dist.all_reduce(torch.ones(1))
+
+
+def test_a_hang_names_the_collective_and_the_user_code_that_called_it():
+    """Every torch call of a rank thread passes through simulate's per-rank RNG mode; the
+    report named that frame (rank_rng.py) instead of the caller."""
+    with pytest.raises(RankError) as info:
+        simulate(2, _rank1_skips_the_all_reduce, timeout=1.0)
+    why = info.value.failures[0]
+    assert "waiting in the collective all_reduce" in why
+    assert "called from _rank1_skips_the_all_reduce (" in why and "rank_rng" not in why

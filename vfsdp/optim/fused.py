@@ -10,7 +10,8 @@ Two kernels, chosen by :func:`use_fused`:
   same order as ``torch.optim.AdamW``'s single-tensor and foreach paths, so the result is
   **bitwise equal** to ``torch.optim.AdamW()``. Its one temporary (the denominator) is bounded:
   the slices are taken in batches of at most :data:`TEMP_ELEMS` elements, so a step runs
-  ``7 * ceil(elements / TEMP_ELEMS)`` ops (7 for up to 32M elements per rank).
+  3 ops on the moments, 4 per batch and 1 for the weight decay (8 for up to 32M elements per
+  rank).
 * **fused** (default on CUDA, where the parameters, gradients and moments share a dtype):
   torch's fused AdamW kernel (``torch._fused_adamw_``), one pass over the memory and no
   temporary; **bitwise equal to** ``torch.optim.AdamW(fused=True)``, whose rounding differs

@@ -93,9 +93,12 @@ def _describe(stack: list) -> str:
     """``stack``: ``(file, line, function)`` innermost first."""
     for i, (f, line, fn) in enumerate(stack):
         if any(f.endswith(c) for c in _COLLECTIVE_FILES):
+            # The first frame that is neither a collective, torch, nor simulate's per-rank
+            # RNG mode (every torch call of a rank thread passes through its hook).
             caller = next(((g, ln, name) for g, ln, name in stack[i + 1:]
                            if not any(g.endswith(c) for c in _COLLECTIVE_FILES)
-                           and "torch" + os.sep not in g), None)
+                           and "torch" + os.sep not in g
+                           and not g.endswith(os.path.join("testing", "rank_rng.py"))), None)
             where = f" called from {caller[2]} ({caller[0]}:{caller[1]})" if caller else ""
             return f"waiting in the collective {fn} ({os.path.basename(f)}:{line}){where}"
     if stack:

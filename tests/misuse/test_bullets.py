@@ -337,3 +337,37 @@ def test_a_three_dim_int_mesh_is_refused_by_vfsdp_naming_the_2d_plan():
     """It failed inside torch's DeviceMesh ("mesh_shape and mesh_dim_names should have same
     length")."""
     assert all(simulate(8, _three_dim_int_mesh))
+
+
+def _conflicting_tie_labels():
+    w = torch.randn(64, 8)
+    params = {"io": {"embed": w, "head": w}, "b": torch.zeros(8)}
+    spec = vfsdp.plan(params, 2)
+    shards = vfsdp.shard(params, spec)
+    adamw, adamw8bit = vfsdp.optim.adamw, vfsdp.optim.adamw8bit
+    out = []
+    for opt in (vfsdp.optim.partition({"d": adamw(), "n": adamw(weight_decay=0.0)},
+                                      lambda p: "d" if p[-1] == "embed" else "n"),
+                adamw(weight_decay_mask=lambda p: p[-1] == "embed"),
+                adamw8bit(weight_decay_mask=lambda p: p[-1] == "head"),
+                vfsdp.optim.chain(adamw()),
+                ):
+        try:
+            opt.init(shards, spec)
+            out.append("ok")
+        except ValueError as exc:
+            out.append(str(exc).split(",")[0])
+    agreeing = vfsdp.optim.partition({"d": adamw(), "n": adamw(weight_decay=0.0)},
+                                     lambda p: "d" if p[-1] in ("embed", "head") else "n")
+    agreeing.init(shards, spec)
+    return out
+
+
+def test_a_tied_tensor_gets_one_answer_from_labels_and_masks():
+    """The optimizers ask about a tied tensor at its first place; a different label or mask at
+    the repeat was ignored silently (found by a fresh reader)."""
+    for out in simulate(2, _conflicting_tie_labels):
+        assert out == ["partition: labels gives 'd' at io.embed but 'n' at io.head",
+                       "adamw.init: weight_decay_mask gives True at io.embed but False at io.head",
+                       "adamw8bit.init: weight_decay_mask gives False at io.embed but True at "
+                       "io.head", "ok"]

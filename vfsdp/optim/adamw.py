@@ -36,6 +36,7 @@ from vfsdp.optim.base import (
     check_hyper,
     flat_grads,
     grad_leaves,
+    same_at_ties,
     selected,
     state_dtype,
     unit_buffers,
@@ -308,6 +309,9 @@ def adamw(
     schedule = as_schedule(lr)
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> AdamWState:
+        same_at_ties(mask and (lambda p: selected(mask, p)), spec, "adamw.init", "mask")
+        same_at_ties(weight_decay_mask and (lambda p: selected(weight_decay_mask, p)), spec,
+                     "adamw.init", "weight_decay_mask")
         state = AdamWState(0, {}, {})
         update_runs, decay_runs, paths = {}, {}, {}
         for u in unit_buffers(shards, spec, "adamw.init"):

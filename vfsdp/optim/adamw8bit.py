@@ -39,6 +39,7 @@ from vfsdp.optim.base import (
     check_hyper,
     flat_grads,
     grad_leaves,
+    same_at_ties,
     selected,
     unit_buffers,
 )
@@ -284,6 +285,9 @@ def adamw8bit(
         return found
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> AdamW8bitState:
+        same_at_ties(mask and (lambda p: selected(mask, p)), spec, "adamw8bit.init", "mask")
+        same_at_ties(weight_decay_mask and (lambda p: selected(weight_decay_mask, p)), spec,
+                     "adamw8bit.init", "weight_decay_mask")
         state = AdamW8bitState(0, {}, {})
         paths, quantized, fp32, decay = {}, {}, {}, {}
         for u in unit_buffers(shards, spec, "adamw8bit.init"):

@@ -126,6 +126,41 @@ def selected(mask: Mask, path: tuple) -> bool:
     return mask is None or bool(mask(path))
 
 
+def same_at_ties(fn: Optional[Callable[[tuple], Any]], spec: ShardSpec, what: str,
+                 name: str) -> None:
+    """Refuse a per-path choice (a label, a mask) that differs between a tied tensor's places.
+
+    A tied tensor (``spec.ties``) is one tensor, planned, stored and updated once, and the
+    optimizer asks about it at its first place in the tree; a different answer at a repeat
+    would be ignored silently.
+
+    Args:
+        fn: ``path -> value`` (``None``: nothing to check).
+        spec: The spec.
+        what: The entry point, for the message.
+        name: What ``fn`` is (``"labels"``, ``"mask"``, ``"weight_decay_mask"``).
+
+    Raises:
+        ValueError: naming both places and both values.
+
+    Example:
+        >>> w = torch.empty(8, 4)
+        >>> spec = vfsdp.plan({"embed": w, "head": w}, 1)
+        >>> same_at_ties(lambda p: p[-1] == "embed", spec, "adamw.init", "weight_decay_mask")
+        Traceback (most recent call last):
+        ...
+        ValueError: adamw.init: weight_decay_mask gives True at embed but False at head, ...
+    """
+    if fn is None:
+        return
+    for repeat, first in spec.ties.items():
+        a, b = fn(first), fn(repeat)
+        if a != b:
+            raise ValueError(f"{what}: {name} gives {a!r} at {format_path(first)} but {b!r} at "
+                             f"{format_path(repeat)}, the same (tied) tensor, which is updated "
+                             f"once: give both places the same answer")
+
+
 def init_masked(opt: Optimizer, shards: Any, spec: ShardSpec, mask: Mask, what: str) -> Any:
     """``opt.init(shards, spec, mask=mask)``; ``opt.init(shards, spec)`` when ``mask`` is None.
 

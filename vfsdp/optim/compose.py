@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from vfsdp.optim.base import Mask, Optimizer, both, init_masked, selected
+from vfsdp.optim.base import Mask, Optimizer, both, init_masked, same_at_ties, selected
 from vfsdp.planner.granularity import combine, format_path
 from vfsdp.planner.spec import ShardSpec
 
@@ -48,6 +48,7 @@ def partition(transforms: dict, labels: Callable[[tuple], str]) -> Optimizer:
         raise TypeError("partition(transforms, labels) takes a non-empty dict of optimizers")
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> dict:
+        same_at_ties(labels, spec, "partition", "labels")
         for t in spec.tensors():
             if selected(mask, t.path) and labels(t.path) not in transforms:
                 raise ValueError(f"partition: {format_path(t.path)} is labelled "

@@ -15,13 +15,13 @@ from typing import Any
 
 import griffe
 
-# The modules the API reference renders: their public names are the link targets.
+# The modules the API reference renders: their public names are the link targets. Where a
+# name is rendered on several pages, links go to the first listed here (the top level first).
 RENDERED = (
     "vfsdp", "vfsdp.optim", "vfsdp.checkpoint", "vfsdp.testing", "vfsdp.testing.strategies",
     "vfsdp.functional", "vfsdp.functional.lax", "vfsdp.functional.init",
     "vfsdp.functional.lowp", "vfsdp.collectives", "vfsdp.planner", "vfsdp.placements",
 )
-# Where a name is rendered on several pages, link to the first: the top level first.
 ROLE = re.compile(r":(?:func|class|meth|attr|mod|data|exc|obj):`~?([^`]+)`")
 
 
@@ -53,9 +53,6 @@ def _targets() -> tuple[set[str], dict[str, str]]:
                         public.add(f"{path}.{member}")
                         if qual and owner:
                             canonical.setdefault(f"{owner}.{qual}.{member}", f"{path}.{member}")
-    # A module rendered under its real name (vfsdp.functional.lax is vfsdp.lax).
-    for name in RENDERED:
-        canonical.setdefault(name, name)
     return public, canonical
 
 

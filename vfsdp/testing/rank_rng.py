@@ -7,21 +7,30 @@ runs, each rank thread gets its own ``torch.Generator``, started from the caller
 generator state (as every torchrun process starts from the same script):
 
 * torch's sampling functions and in-place samplers called without ``generator=`` draw from the
-  rank's generator (a :class:`~torch.overrides.TorchFunctionMode` on the rank thread);
+  rank's generator (a :class:`~torch.overrides.TorchFunctionMode` on the rank thread), and so
+  do ``torch.nn.init``'s initialisers (the layers' ``reset_parameters``: an ``nn.Module``
+  built inside a rank after ``torch.manual_seed(s)`` gets the same weights on every rank, as
+  under torchrun);
+* dropout (``torch.nn.functional.dropout``, ``dropout1d/2d/3d``, ``alpha_dropout``,
+  ``feature_alpha_dropout``, their ``torch.*`` ops and the modules calling them), which takes
+  no generator, draws its mask from the rank's generator with the same formula as torch's
+  kernel (the values differ from the process generator's draw, the distribution does not);
 * ``torch.manual_seed``, ``torch.seed``, ``torch.initial_seed``, ``torch.get_rng_state`` and
   ``torch.set_rng_state`` act on the calling rank's generator.
 
-What still shares the process generator: ops without a ``generator`` argument (dropout), and
-CUDA generators.
+What still shares the process generator: CUDA generators (``simulate(device="cuda")``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import math
 import threading
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["rank_generators", "RankRNG"]
@@ -38,8 +47,62 @@ _LOCK = threading.Lock()
 _PATCHED: dict = {}
 
 
+# Dropout ops (no generator argument): function -> (spatial dims the mask is shared over,
+# alpha dropout). ``None`` dims: an element-wise mask.
+_DROPOUTS = {
+    F.dropout: (0, False), torch.dropout: (0, False),
+    F.alpha_dropout: (0, True), torch.alpha_dropout: (0, True),
+    F.dropout1d: (1, False), F.dropout2d: (2, False), F.dropout3d: (3, False),
+    torch.feature_dropout: ("feature", False),
+    F.feature_alpha_dropout: ("feature", True), torch.feature_alpha_dropout: ("feature", True),
+}
+_TAKES_GENERATOR: dict = {}  # torch.nn.init function -> whether it has a generator parameter
+_ALPHA = 1.7580993408473766  # SELU's -alpha' (torch's alpha dropout constant)
+
+
+def _takes_generator(func) -> bool:
+    found = _TAKES_GENERATOR.get(func)
+    if found is None:
+        try:
+            found = "generator" in inspect.signature(func).parameters
+        except (TypeError, ValueError):
+            found = False
+        _TAKES_GENERATOR[func] = found
+    return found
+
+
+def _dropout(func, g: torch.Generator, args, kwargs):
+    """``func`` (a dropout) with its mask drawn from ``g``; ``None`` when it would not draw
+    (not training, ``p == 0``, or a bad ``p``, which torch itself then refuses)."""
+    dims, alpha = _DROPOUTS[func]
+    names = ("input", "p", "train" if func.__module__ != "torch.nn.functional" else "training",
+             "inplace")
+    bound = dict(zip(names, args), **kwargs)
+    x = bound["input"]
+    p = bound.get("p", 0.5)
+    default_train = not (func in (F.alpha_dropout, F.feature_alpha_dropout))
+    training = bound.get("training", bound.get("train", default_train))
+    if not training or not 0.0 < p <= 1.0 or not isinstance(x, torch.Tensor):
+        return None
+    if dims == "feature":
+        dims = max(x.dim() - 2, 0)
+    elif func is F.dropout2d and x.dim() == 3:
+        dims = 1  # torch's dropout2d treats a 3-D input as (N, C, L)
+    shape = tuple(x.shape[:x.dim() - dims]) + (1,) * dims if dims else tuple(x.shape)
+    keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p, generator=g)
+    inplace = bound.get("inplace", False)
+    if alpha:  # as torch's kernel: x * a * keep + alpha * a * (keep - 1 + p)
+        a = 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1.0) * (1.0 - p))
+        shift = (keep - 1.0).mul_(_ALPHA * a).add_(_ALPHA * a * p)
+        keep.mul_(a)
+        return (x.mul_(keep) if inplace else x * keep).add_(shift)
+    keep = keep.div_(1.0 - p) if p < 1.0 else keep
+    return x.mul_(keep) if inplace else x * keep
+
+
 class RankRNG(TorchFunctionMode):
-    """Routes samplers called without ``generator=`` to ``generator`` (this thread only)."""
+    """Routes torch's random draws on this thread to ``generator``: samplers and
+    ``torch.nn.init`` functions called without ``generator=``, and dropout."""
 
     def __init__(self, generator: torch.Generator) -> None:
         super().__init__()
@@ -47,8 +110,14 @@ class RankRNG(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _SAMPLERS and kwargs.get("generator") is None:
+        if kwargs.get("generator") is None and (
+                func in _SAMPLERS or (getattr(func, "__module__", None) == "torch.nn.init"
+                                      and _takes_generator(func))):
             kwargs = dict(kwargs, generator=self.generator)
+        elif func in _DROPOUTS:
+            out = _dropout(func, self.generator, args, kwargs)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
 
 

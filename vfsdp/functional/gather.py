@@ -31,7 +31,7 @@ from vfsdp.functional.reduce import reduce_unit
 from vfsdp.functional.traced import check_traced_options, traced_gather
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import find_unit, pack_unit, units_of
-from vfsdp.planner.spec import ShardSpec
+from vfsdp.planner.spec import ShardSpec, unit_name
 
 __all__ = ["gather", "gather_async", "start_gather", "GatherHandle", "writes_leaf_grads"]
 
@@ -43,8 +43,8 @@ class _Call:
     """
 
     __slots__ = ("spec", "key", "index", "mesh", "what", "gopts", "ropts",
-                 "unit", "db", "locals", "versions", "needs", "entry", "before_reduce",
-                 "recording")
+                 "unit", "db", "locals", "versions", "flat_version", "needs", "entry",
+                 "before_reduce", "recording")
 
     def __init__(self, spec, key, index, mesh, what, gopts, ropts) -> None:
         self.spec, self.key, self.index, self.mesh, self.what = spec, key, index, mesh, what
@@ -53,6 +53,7 @@ class _Call:
         self.db = None
         self.locals: tuple = ()   # the shards (to check their versions, to write .grad)
         self.versions: tuple = ()
+        self.flat_version = -1    # the unit's flat parameter shard's (optimizers write that)
         self.needs: tuple = ()    # which of them require grad
         self.entry = None         # this gather's place in the rank's backward ledger
         self.recording = True     # autograd records the gather (grad mode was on at apply)
@@ -74,6 +75,13 @@ class _Call:
                     f"the backward would mix old and new values (torch raises the same for a "
                     f"tensor saved for backward). Change shards only after the backward, e.g. "
                     f"in the optimizer step")
+        if self.flat_version >= 0 and tp.version(self.unit.params.shard) != self.flat_version:
+            raise RuntimeError(
+                f"the parameters of unit {unit_name(self.key)} were updated in place (an "
+                f"optimizer update, vfsdp.scatter or a checkpoint load) after {self.what} used "
+                f"them for the forward, before its backward; the backward would mix old and "
+                f"new values. Run the backward first, then update (for several micro-batches, "
+                f"update once after the last backward)")
 
     def resolve(self, local) -> None:
         """Find the unit from the shards (unwrapped here under ``torch.func``), or pack them."""
@@ -110,6 +118,7 @@ class _GatherUnit(torch.autograd.Function):
         if any(needs) and call.recording and not functorch_active():
             call.locals, call.needs = tuple(inputs[1:]), needs
             call.versions = tuple(tp.version(x) for x in call.locals)
+            call.flat_version = tp.version(call.unit.params.shard)
             call.entry = ledger().add(ctx, lambda acc, c=call: _reduce_zeros(c, acc), call.db,
                                       lambda c=call: _orphaned(c))
 

@@ -91,7 +91,12 @@ class _Regather:
         slot = slot_of(t) or slot_of(t._base)
         if slot is not None and slot.view is View.FULL and id(slot.buffer) in self.index:
             return _Saved(slot.buffer, t)
-        return t
+        # Not ``t`` itself: an op that saves its own output (tanh, relu) would then hold the
+        # output, whose grad_fn holds this record: a cycle through C++ that Python's collector
+        # cannot break, so a graph dropped without its backward (an evaluation with grad mode
+        # on, an exception) would never be freed. A detached alias (no kernel, no copy, the
+        # same version counter) is what autograd unpacks without hooks, too.
+        return t.detach()
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Saved):

@@ -25,7 +25,7 @@ def cases(draw):
     mesh = draw(st.sampled_from([1, 2, 3, 4, (2, 2)]))
     return {
         "mode": draw(st.sampled_from(["return", "buffer"])),
-        "accumulate": draw(st.booleans()),
+        "accumulate": draw(st.sampled_from([None, True, False])),   # None: the default
         "steps": steps,
         "retain": retain,
         "path": draw(st.sampled_from(["backward", "autograd"])),
@@ -59,11 +59,11 @@ def test_every_combination_matches_one_process(case):
 
 
 @pytest.mark.parametrize("case", [
-    {"mode": "return", "accumulate": False, "retain": False, "path": "backward", "frozen": [],
+    {"mode": "return", "accumulate": None, "retain": False, "path": "backward", "frozen": [],
      "op": "avg", "mesh": 2, "steps": [{"sync": True, "zero_before": False}] * 3},
     {"mode": "buffer", "accumulate": True, "retain": True, "path": "backward", "frozen": [1],
      "op": "sum", "mesh": 2, "steps": [{"sync": True, "zero_before": False}] * 2},
-    {"mode": "return", "accumulate": False, "retain": False, "path": "autograd", "frozen": [0],
+    {"mode": "return", "accumulate": None, "retain": False, "path": "autograd", "frozen": [0],
      "op": "avg", "mesh": 3,
      "steps": [{"sync": False, "zero_before": False}, {"sync": True, "zero_before": False}]},
 ])
@@ -73,7 +73,7 @@ def test_on_gloo_processes(case):
 
 def test_the_reported_doubling_is_gone():
     """Issue row 1: shards reused across steps with zero_grads between: gradients 1, 2, 3."""
-    case = {"mode": "return", "accumulate": False, "retain": False, "path": "backward",
+    case = {"mode": "return", "accumulate": None, "retain": False, "path": "backward",
             "frozen": [], "op": "avg", "mesh": 2,
             "steps": [{"sync": True, "zero_before": i > 0} for i in range(3)]}
     _check(case, simulate(2, sb.run, case))

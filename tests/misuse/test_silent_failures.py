@@ -11,8 +11,7 @@ import torch.nn.functional as F
 
 import vfsdp
 from vfsdp._torch_private import TorchDispatchMode, storage_id
-from vfsdp.testing import RankError, simulate, spawn
-
+from vfsdp.testing import simulate, spawn
 
 # ------------------------------------------------------------------ per-rank seeding
 
@@ -46,7 +45,7 @@ def _dropouts(seed_by_rank):
 
 
 def test_dropout_draws_from_the_rank_generator():
-    (d0, c0, ch0, a0, e0, t0), (d1, c1, ch1, a1, e1, t1) = simulate(2, _dropouts, False)
+    (d0, c0, ch0, a0, e0, t0), (d1, c1, ch1, _a1, _e1, t1) = simulate(2, _dropouts, False)
     assert torch.equal(d0, d1) and torch.equal(c0, c1) and torch.equal(t0, t1)  # same seed
     assert set(d0.tolist()) == {0.0, 2.0} and {round(v, 5) for v in t0.tolist()} == {0.0, 1.33333}
     assert ch0 and ch1                                     # dropout2d zeroes whole channels
@@ -129,10 +128,10 @@ def _dropped_graphs(how, n):
             try:
                 h = vfsdp.run_layers(layer, shards["layers"], spec["layers"], x)
                 if how == "loss":
-                    raise ValueError("a loss that raises")
+                    raise ValueError(f"a loss that raises ({h.shape})")
             except ValueError:
                 pass
-            h = None
+            h = None  # the graph is dropped without a backward
             if step in (9, n - 1):
                 gc.collect()
                 seen.append(census.live())
@@ -154,3 +153,79 @@ def test_a_dropped_run_layers_graph_frees_what_it_held(how):
 def test_a_dropped_run_layers_graph_frees_what_it_held_on_gloo():
     for (after_10, after_30), trained in spawn(_dropped_graphs, 2, "eval", 30):
         assert after_30 == after_10 and trained == [True] * 3
+
+
+# ------------------------------------------------------------------ accumulation
+
+
+def _micro_batches(accumulate, zero_between):
+    torch.manual_seed(0)
+    params = {"layers": [{"w": torch.randn(4, 4)} for _ in range(2)]}
+    spec = vfsdp.plan(params, dist.get_world_size(), granularity=vfsdp.rows(1))
+    shards = vfsdp.shard(params, spec)
+    opts = {} if accumulate is None else {"accumulate_grads": accumulate}
+    for k in range(2):                                 # two micro-batches, no zeroing
+        if zero_between:
+            vfsdp.zero_grads(shards, spec)
+        x = torch.full((1, 4), 1.0 + k + dist.get_rank())
+        vfsdp.run_layers(lambda p, a: torch.tanh(a @ p["w"]), shards["layers"],
+                         spec["layers"], x, **opts).sum().backward()
+    return [g["w"] for g in vfsdp.grads(shards, spec)["layers"]], spec
+
+
+def _torch_micro_batches(world, batches):
+    torch.manual_seed(0)
+    ws = [torch.randn(4, 4).requires_grad_() for _ in range(2)]
+    for k in batches:
+        for r in range(world):
+            h = torch.full((1, 4), 1.0 + k + r)
+            for w in ws:
+                h = torch.tanh(h @ w)
+            (h.sum() / world).backward()                # "avg" over the ranks
+    return [w.grad for w in ws]
+
+
+@pytest.mark.parametrize("accumulate", [None, True])
+def test_two_run_layers_micro_batches_sum_as_in_torch(accumulate):
+    """run_layers kept only the last micro-batch's gradients unless accumulate_grads=True."""
+    want = _torch_micro_batches(2, [0, 1])
+    with pytest.warns(FutureWarning, match="adds its gradients to those an earlier") if (
+            accumulate is None) else _no_future_warning():
+        out = simulate(2, _micro_batches, accumulate, False)
+    for r, (got, spec) in enumerate(out):
+        for g, w, t in zip(got, want, spec.tensors()):
+            lo, hi = t.local_range(r)
+            assert torch.allclose(g.reshape(-1), w.reshape(-1)[lo:hi], atol=1e-6)
+
+
+def test_zero_grads_between_micro_batches_starts_afresh_without_a_warning():
+    want = _torch_micro_batches(2, [1])
+    with _no_future_warning():
+        out = simulate(2, _micro_batches, None, True)
+    for r, (got, spec) in enumerate(out):
+        for g, w, t in zip(got, want, spec.tensors()):
+            lo, hi = t.local_range(r)
+            assert torch.allclose(g.reshape(-1), w.reshape(-1)[lo:hi], atol=1e-6)
+
+
+def test_accumulate_grads_false_is_deprecated_and_keeps_the_overwrite():
+    want = _torch_micro_batches(2, [1])
+    with pytest.warns(FutureWarning, match="accumulate_grads=False is deprecated"):
+        out = simulate(2, _micro_batches, False, False)
+    for r, (got, spec) in enumerate(out):
+        for g, w, t in zip(got, want, spec.tensors()):
+            lo, hi = t.local_range(r)
+            assert torch.allclose(g.reshape(-1), w.reshape(-1)[lo:hi], atol=1e-6)
+
+
+class _no_future_warning:
+    def __enter__(self):
+        import warnings
+        self._cm = warnings.catch_warnings(record=True)
+        self.seen = self._cm.__enter__()
+        warnings.simplefilter("always")
+
+    def __exit__(self, *exc):
+        self._cm.__exit__(*exc)
+        assert not [w for w in self.seen if issubclass(w.category, FutureWarning)], \
+            [str(w.message) for w in self.seen]

@@ -500,6 +500,12 @@ class DBuffer:
         still referenced by tensors made from its views)."""
         return self.shard.untyped_storage().nbytes() > 0
 
+    @property
+    def holds_shard(self) -> bool:
+        """Whether the shard holds values: allocated and not released (a released shard whose
+        memory is kept because tensors made from its views still reference it holds none)."""
+        return self.shard_allocated and not self._shard_held
+
     def release_shard(self) -> None:
         """Free the shard's memory (for gradient buffers between steps: "set to none").
 

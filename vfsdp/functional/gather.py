@@ -211,7 +211,7 @@ def _caller(spec, mesh, what, gopts, ropts):
 
 def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
            param_dtype: Optional[torch.dtype] = None, grad_reduce: str = "avg",
-           reduce_dtype: Optional[torch.dtype] = None, accumulate_grads: bool = False,
+           reduce_dtype: Optional[torch.dtype] = None, accumulate_grads: Optional[bool] = None,
            grad_sync: bool = True, grads: str = "return", free_after_backward: bool = False,
            async_reduce: bool = False, all_gather: Any = None) -> Any:
     """Full tensors from this rank's shards: one in-place all-gather per unit. Differentiable.
@@ -231,8 +231,11 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
             one cast over the unit's shard (a group op) into the all-gather input.
         grad_reduce: ``"avg"`` or ``"sum"``: how the backward reduces across ranks.
         reduce_dtype: Dtype of the backward's reduce-scatter (default: the gradient dtype).
-        accumulate_grads: Add the reduced gradients into the gradient DBuffer instead of
-            overwriting it (gradient accumulation, reducing every micro-batch).
+        accumulate_grads: ``None`` (default) or ``True``: the reduced gradients add up
+            across backwards until they are zeroed (:func:`vfsdp.zero_grads`), in the
+            gradient DBuffer as in ``.grad``, as torch does (gradient accumulation, reducing
+            every micro-batch; ``True`` also silences the warning that this differs from
+            0.2). ``False`` is deprecated: it keeps 0.2's overwrite of the gradient buffer.
         grad_sync: ``False`` accumulates this backward's gradients unsharded (in
             ``reduce_dtype``) without communicating; the next backward with ``True`` adds its
             own and reduce-scatters the sum (accumulation reducing only on the last step).

@@ -13,7 +13,9 @@ option                   default                 what it does
 ``reduce_dtype``         ``None`` (grad dtype)   dtype of the reduce-scatter
 ``grads``                ``"return"``            ``"return"``: to autograd; ``"buffer"``: only
                                                  into the gradient DBuffer
-``accumulate_grads``     ``False``               add into the gradient DBuffer
+``accumulate_grads``     ``None`` (as torch)     ``None``/``True``: backwards add up until the
+                                                 gradients are zeroed, as ``.grad`` does;
+                                                 ``False`` (deprecated): overwrite
 ``grad_sync``            ``True``                ``False``: accumulate unsharded, no reduce
 ``async_reduce``         ``False``               reduce-scatter without waiting (``"buffer"``)
 =======================  ======================  ===========================================
@@ -27,6 +29,7 @@ to autograd must be complete when the backward returns it).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -81,7 +84,7 @@ class GradOptions:
     grad_reduce: str = "avg"
     reduce_dtype: Optional[torch.dtype] = None
     grads: str = "return"
-    accumulate_grads: bool = False
+    accumulate_grads: Optional[bool] = None
     grad_sync: bool = True
     async_reduce: bool = False
 
@@ -92,6 +95,14 @@ class GradOptions:
         if self.grads not in GRAD_MODES:
             raise ValueError(f"grads must be one of {GRAD_MODES}, got {self.grads!r}")
         _check_dtype("reduce_dtype", self.reduce_dtype)
+        if self.accumulate_grads is False:
+            warnings.warn(
+                "accumulate_grads=False is deprecated and goes in vfsdp 0.4: gradients add up "
+                "across backwards until you zero them, as torch's .grad does, on every path (0.2 "
+                "overwrote the gradient buffer with grads='buffer' and run_layers). Call "
+                "vfsdp.zero_grads(shards, spec) before a backward that should start afresh, and "
+                "drop accumulate_grads; until 0.4 it keeps 0.2's meaning (a grads='buffer' "
+                "backward overwrites the gradient buffer)", FutureWarning, stacklevel=4)
         if self.async_reduce and self.grads != "buffer":
             raise ValueError("async_reduce=True needs grads='buffer': a gradient returned to "
                              "autograd must be complete when the backward returns it")

@@ -37,7 +37,8 @@ __all__ = ["reduce_unit", "reduce_scatter"]
 
 
 def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch.Tensor]],
-                opts: GradOptions, views: bool = True) -> Optional[list[Optional[torch.Tensor]]]:
+                opts: GradOptions, views: bool = True,
+                overwrite: bool = False) -> Optional[list[Optional[torch.Tensor]]]:
     """Reduce-scatter the gradients of tensors ``index`` of ``unit``.
 
     Args:
@@ -46,11 +47,14 @@ def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch
             appear more than once: its gradients are summed).
         grads: Their full gradients (``None``: zero, e.g. a frozen tensor).
         opts: The gradient options. ``grads="buffer"``: into the unit's gradient DBuffer,
-            overwriting it on the unit's first reduction in a backward pass (unless
-            ``accumulate_grads``) and adding on later ones in the same pass.
+            adding to what it holds, as torch's ``.grad`` does (overwriting only a released
+            or new buffer: ``vfsdp.zero_grads`` releases it; or with the deprecated
+            ``accumulate_grads=False``, on the unit's first reduction in a pass).
             ``grads="return"``: into a fresh tensor, nothing of vfsdp's is written.
         views: For ``"buffer"``, return the gradient DBuffer's views (``False``: the caller
             does not read them, return ``None`` and make none).
+        overwrite: For ``"buffer"``: replace what the gradient buffer holds
+            (:func:`reduce_scatter`'s default, a collective into the buffer).
 
     Returns:
         This rank's gradient pieces in the order of ``index`` (``None`` at repeats of an
@@ -59,6 +63,7 @@ def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch
             tensors for ``"return"`` and inside ``torch.func``.
     """
     index, grads, first = _merge(index, grads)
+    fresh = not unit.has_grads  # a new gradient buffer holds zeros: nothing to add to
     if functorch_active():
         return _expand(_reduce_functional(unit, index, grads, opts), first)
     db = unit.params
@@ -102,7 +107,15 @@ def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch
             db.local_shape(i)) for i in index], first)
     gdb = unit.grads()
     task = tp.graph_task_id()
-    accumulate = opts.accumulate_grads or (task != -1 and unit.grad_task == task)
+    same_pass = task != -1 and unit.grad_task == task
+    if overwrite:
+        accumulate = False
+    elif opts.accumulate_grads is False:  # deprecated: 0.2's overwrite
+        accumulate = same_pass
+    else:  # as torch's .grad: add to what the buffer holds (a new or released one: nothing)
+        accumulate = gdb.holds_shard and not fresh
+        if accumulate and not same_pass and opts.accumulate_grads is None:
+            warn_changed_default()
     unit.grad_task, unit.grads_mode = task, "buffer"
     if opts.async_reduce and stage is not accum:
         # Overlaps the next unit's backward; the staging buffer is freed once it is done.
@@ -114,6 +127,17 @@ def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch
                            accumulate=accumulate)
         stage.free_global()
     return _expand([gdb.local(i) for i in index], first) if views else None
+
+
+def warn_changed_default() -> None:
+    """A ``grads="buffer"`` backward added to an earlier backward's gradients, where 0.2
+    overwrote them (shown once, as Python shows a warning)."""
+    warnings.warn(
+        "vfsdp 0.3: this backward adds its gradients to those an earlier backward left in the "
+        "gradient buffer, as torch's .grad does (0.2 overwrote them with grads='buffer' and "
+        "run_layers). To start afresh, call vfsdp.zero_grads(shards, spec) before the "
+        "backward; to accumulate micro-batches, pass accumulate_grads=True, which also "
+        "silences this warning", FutureWarning, stacklevel=2)
 
 
 def _merge(index, grads) -> tuple[list, list, list]:
@@ -233,7 +257,7 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
         raise ValueError("vfsdp.reduce_scatter(accumulate_grads=True) needs shards=: without "
                          "them the result goes to fresh buffers, so there is nothing to add to")
     opts = GradOptions(grad_reduce=grad_reduce, reduce_dtype=reduce_dtype, grads="buffer",
-                       accumulate_grads=accumulate_grads)
+                       accumulate_grads=True if accumulate_grads else None)
     what = "vfsdp.reduce_scatter"
     grads = optree.tree_leaves(full_grads, none_is_leaf=True)
     treespec = optree.tree_structure(full_grads, none_is_leaf=True)
@@ -255,7 +279,7 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
                 raise ValueError(f"{what}: gradient of {format_path(t.path)} has shape "
                                  f"{tuple(g.shape)}, expected {tuple(t.shape)}")
             unit_grads.append(g)
-        pieces = reduce_unit(u.unit, u.index, unit_grads, opts)
+        pieces = reduce_unit(u.unit, u.index, unit_grads, opts, overwrite=not accumulate_grads)
         for (i, _), piece in zip(u.leaves, pieces):
             out[i] = piece
     return optree.tree_unflatten(spec.treespec, out)

@@ -80,7 +80,7 @@ def _dropout(func, g: torch.Generator, args, kwargs):
     bound = dict(zip(names, args), **kwargs)
     x = bound["input"]
     p = bound.get("p", 0.5)
-    default_train = not (func in (F.alpha_dropout, F.feature_alpha_dropout))
+    default_train = func not in (F.alpha_dropout, F.feature_alpha_dropout)
     training = bound.get("training", bound.get("train", default_train))
     if not training or not 0.0 < p <= 1.0 or not isinstance(x, torch.Tensor):
         return None

@@ -133,3 +133,52 @@ def test_chain_rejects_non_optimizers():
         chain(muon(), "adamw")
     with pytest.raises(ValueError, match="finite"):
         clip_by_global_norm(float("nan"))
+
+
+def _shift():
+    """A gradient transform that returns new tensors (nothing changed in place); a shift,
+    since AdamW's update does not see a scale."""
+    return vfsdp.optim.gradient_transform(
+        lambda shards, spec, mask=None: None,
+        lambda g, state, shards, spec: ({k: v + 1.0 for k, v in g.items()}, state))
+
+
+def _threaded(how):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    params = {"a": torch.randn(6), "b": torch.randn(5)}
+    spec = vfsdp.plan(params, dist.get_world_size())
+    shards = vfsdp.shard(params, spec)
+    grads = vfsdp.grads(shards, spec)
+    with torch.no_grad():
+        grads["a"].copy_(torch.arange(grads["a"].numel()) + 1.0)
+        grads["b"].copy_(torch.arange(grads["b"].numel()) - 2.0)
+    before = {k: v.clone() for k, v in grads.items()}
+    label = lambda path: path[0]
+    if how == "chain":
+        opt = chain(_shift(), adamw(0.1))
+    elif how == "by_hand":
+        opt = adamw(0.1)
+        grads = {k: v + 1.0 for k, v in grads.items()}
+    elif how == "partition":    # a's gradients shifted, b's handed on as they are
+        opt = chain(partition({"a": _shift(), "b": clip_by_global_norm(1e9)}, label), adamw(0.1))
+    else:                        # by hand: only a's shifted
+        opt = adamw(0.1)
+        grads = {"a": grads["a"] + 1.0, "b": grads["b"]}
+    state = opt.init(shards, spec)
+    for _ in range(2):
+        state = opt.update(grads, state, shards, spec)
+    untouched = all(torch.equal(before[k], vfsdp.grads(shards, spec)[k]) for k in before)
+    return {k: v.tolist() for k, v in shards.items()}, untouched
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_chain_threads_a_transforms_new_gradients_into_the_next_member(world):
+    """chain handed every member the same gradients: a transform returning new tensors was
+    lost (it only worked for clip, which scales in place)."""
+    chained = simulate(world, _threaded, "chain")
+    assert chained == simulate(world, _threaded, "by_hand")      # bitwise
+    assert all(untouched for _, untouched in chained)            # returned, not in place
+    assert simulate(world, _threaded, "partition") == simulate(world, _threaded, "by_hand_partition")
+    assert chained != simulate(world, _threaded, "by_hand_partition")

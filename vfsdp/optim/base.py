@@ -10,6 +10,10 @@ An optimizer is an :class:`Optimizer` of three parts:
   place, as a few fused ops over each unit's flat buffer; other tensors are left alone.
 * ``opt.granularity``: which blocks it needs whole on one rank (``None``: any), for
   ``vfsdp.plan(..., granularity=opt.granularity)``.
+* ``opt.transform`` (gradient transforms, :func:`gradient_transform`): ``(grads, state) =
+  opt.transform(grads, state, shards, spec)``, optax's form: the gradients the next member of
+  a :func:`~vfsdp.optim.chain` receives (new tensors, or the same ones scaled in place), and
+  the new state. ``update`` then returns the state alone.
 
 ``mask`` is how :func:`~vfsdp.optim.partition` hands each optimizer its subset, and
 :func:`~vfsdp.optim.chain` passes it on to every member, so they nest in any order. A state
@@ -35,9 +39,9 @@ from vfsdp.optim.schedules import constant
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["Optimizer", "Schedule", "Mask", "as_schedule", "unit_buffers", "grad_leaves",
-           "state_dtype", "check_hyper", "flat_grads", "UnitTensors", "init_masked", "both",
-           "selected"]
+__all__ = ["Optimizer", "gradient_transform", "apply_update", "Schedule", "Mask", "as_schedule",
+           "unit_buffers", "grad_leaves", "state_dtype", "check_hyper", "flat_grads",
+           "UnitTensors", "init_masked", "both", "selected"]
 
 Schedule = Union[float, Callable[[int], float]]
 Mask = Optional[Callable[[tuple], bool]]
@@ -61,6 +65,37 @@ class Optimizer(NamedTuple):
     init: Callable[..., Any]
     update: Callable[..., Any]
     granularity: Any = None
+    transform: Optional[Callable[..., tuple]] = None
+
+
+def gradient_transform(init: Callable[..., Any], transform: Callable[..., tuple],
+                       granularity: Any = None) -> Optimizer:
+    """An :class:`Optimizer` that transforms gradients: ``transform(grads, state, shards,
+    spec) -> (grads, state)`` hands its gradients (new tensors or the same ones) to the next
+    member of a :func:`~vfsdp.optim.chain`; its ``update`` returns the state alone.
+
+    Example:
+        >>> double = gradient_transform(lambda shards, spec, mask=None: None,
+        ...                             lambda g, state, shards, spec: ({"w": 2 * g["w"]}, state))
+        >>> double.transform({"w": torch.ones(2)}, None, None, None)
+        ({'w': tensor([2., 2.])}, None)
+    """
+    return Optimizer(init, lambda *a: transform(*a)[1], granularity, transform)
+
+
+def apply_update(opt: Optimizer, grads: Any, state: Any, shards: Any,
+                 spec: ShardSpec) -> tuple:
+    """``(gradients for the next transform, new state)`` of one member of a chain: a
+    gradient transform's own, or the same gradients and ``opt.update``'s state.
+
+    Example:
+        >>> counter = Optimizer(lambda shards, spec, mask=None: 0, lambda g, s, p, sp: s + 1)
+        >>> apply_update(counter, "g", 0, None, None)
+        ('g', 1)
+    """
+    if opt.transform is not None:
+        return opt.transform(grads, state, shards, spec)
+    return grads, opt.update(grads, state, shards, spec)
 
 
 def as_schedule(value: Schedule) -> Callable[[int], float]:

@@ -15,9 +15,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from vfsdp.optim.base import Mask, Optimizer, both, init_masked, same_at_ties, selected
+import optree
+
+from vfsdp.optim.base import (
+    Mask,
+    Optimizer,
+    apply_update,
+    both,
+    gradient_transform,
+    init_masked,
+    same_at_ties,
+    selected,
+)
 from vfsdp.planner.granularity import combine, format_path
-from vfsdp.planner.spec import ShardSpec
+from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["partition", "chain", "clip_by_global_norm", "ClipState"]
 
@@ -58,20 +69,33 @@ def partition(transforms: dict, labels: Callable[[tuple], str]) -> Optimizer:
                                   both(mask, lambda p, n=name: labels(p) == n), "partition")
                 for name, opt in transforms.items()}
 
-    def update(grads: Any, state: dict, shards: Any, spec: ShardSpec) -> dict:
-        return {name: opt.update(grads, state[name], shards, spec)
-                for name, opt in transforms.items()}
+    def transform(grads: Any, state: dict, shards: Any, spec: ShardSpec) -> tuple:
+        out, new = {}, {}
+        for name, opt in transforms.items():
+            out[name], new[name] = apply_update(opt, grads, state[name], shards, spec)
+        if all(g is grads for g in out.values()):
+            return grads, new
+        # Each tensor's gradient is what its own label's member handed on.
+        leaves, treespec = optree.tree_flatten(grads, none_is_leaf=True)
+        theirs = {name: optree.tree_leaves(g, none_is_leaf=True) for name, g in out.items()}
+        for i, t in enumerate(spec.leaves()):
+            if isinstance(t, TensorSpec) and labels(t.path) in theirs:
+                leaves[i] = theirs[labels(t.path)][i]
+        return optree.tree_unflatten(treespec, leaves), new
 
     def granularity(path, tensor):
         opt = transforms.get(labels(path))
         g = getattr(opt, "granularity", None)
         return g(path, tensor) if callable(g) else g
 
-    return Optimizer(init, update, granularity)
+    return gradient_transform(init, transform, granularity)
 
 
 def chain(*transforms: Optimizer) -> Optimizer:
-    """Apply transforms in order to the same gradients (e.g. clipping, then an optimizer).
+    """Apply transforms in order, each to the gradients the one before it handed on (e.g.
+    clipping, then an optimizer), as ``optax.chain`` does: a gradient transform
+    (:func:`~vfsdp.optim.base.gradient_transform`) may return new gradient tensors or scale
+    the same ones in place, and the next member gets what it returned.
 
     The chain's granularity keeps whole every block any member needs
     (:func:`vfsdp.planner.granularity.combine`); its ``mask`` goes to every member.
@@ -98,10 +122,14 @@ def chain(*transforms: Optimizer) -> Optimizer:
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> list:
         return [init_masked(t, shards, spec, mask, "chain") for t in transforms]
 
-    def update(grads: Any, state: list, shards: Any, spec: ShardSpec) -> list:
-        return [t.update(grads, s, shards, spec) for t, s in zip(transforms, state)]
+    def transform(grads: Any, state: list, shards: Any, spec: ShardSpec) -> tuple:
+        new = []
+        for t, s in zip(transforms, state):
+            grads, s = apply_update(t, grads, s, shards, spec)
+            new.append(s)
+        return grads, new
 
-    return Optimizer(init, update, combine(*(t.granularity for t in transforms)))
+    return gradient_transform(init, transform, combine(*(t.granularity for t in transforms)))
 
 
 @dataclass
@@ -161,8 +189,8 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> ClipState:
         return ClipState(mask)
 
-    def update(grads: Any, state: ClipState, shards: Any, spec: ShardSpec) -> ClipState:
+    def transform(grads: Any, state: ClipState, shards: Any, spec: ShardSpec) -> tuple:
         clip_grad_norm(grads, spec, max_norm, mask=state.mask)
-        return state
+        return grads, state
 
-    return Optimizer(init, update)
+    return gradient_transform(init, transform)

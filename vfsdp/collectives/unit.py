@@ -65,6 +65,9 @@ class Unit:
         self._stage: dict = {}
         self.grad_task = -2        # the backward pass that last wrote the gradient buffer
         self.grads_mode: Optional[str] = None  # where the last reduction went: buffer/return
+        # The shards' .grad were made views of the gradient buffer (a grads="buffer"
+        # backward()): the buffer holds the gradients while they still are.
+        self.grad_linked = False
 
     @property
     def key(self):

@@ -141,8 +141,12 @@ class _GatherUnit(torch.autograd.Function):
             # retain_graph=True the graph runs again and reads them: they stay.)
             call.db.release(at_once=False)
         grads = [g if need else None for g, need in zip(grads, needs)]  # frozen: no gradient
+        if call.ropts.grads == "buffer":
+            unlink_stale(call.unit, call.locals, call.index, call.needs)
         pieces = reduce_unit(call.unit, call.index, grads, call.ropts,
                              views=call.ropts.grads != "buffer")
+        if call.ropts.grads == "buffer" and call.ropts.grad_sync and call.entry is not None:
+            grads_to_buffer(call)
         if call.ropts.grads == "buffer" or pieces is None:
             return (None,) * (1 + len(call.index))
         return (None, *[p if need else None for p, need in zip(pieces, needs)])
@@ -158,8 +162,12 @@ def _reduce_zeros(call: _Call, accumulates: bool) -> None:
         call.before_reduce()
     if call.gopts.free_after_backward:
         call.db.release(at_once=False)  # as after a backward that ran (kept while a graph reads)
+    if call.ropts.grads == "buffer":
+        unlink_stale(call.unit, call.locals, call.index, call.needs)
     pieces = reduce_unit(call.unit, call.index, [None] * len(call.index), call.ropts,
                          views=call.ropts.grads == "return")
+    if call.ropts.grads == "buffer" and call.ropts.grad_sync:
+        grads_to_buffer(call, accumulates)
     if call.ropts.grads != "return" or pieces is None or not accumulates:
         return
     with torch.no_grad():
@@ -169,6 +177,42 @@ def _reduce_zeros(call: _Call, accumulates: bool) -> None:
                     x.grad = p
                 else:
                     x.grad.add_(p)
+
+
+def unlink_stale(unit: Any, locals_: tuple, index: tuple, needs: tuple) -> None:
+    """The shards' ``.grad`` were the unit's gradient buffer's views, and something other than
+    vfsdp replaced them (a compiled ``zero_grads`` or backward, ``x.grad = None``): the
+    ``.grad`` is the truth, so the buffer's values are stale. Drop them; what ``.grad`` holds
+    now is added back when it is linked again (:func:`grads_to_buffer`)."""
+    if unit.grad_linked and not all(x.grad is unit.grad_view(k)
+                                    for x, k, need in zip(locals_, index, needs) if need):
+        unit.grad_linked = False
+        unit.grads().release_shard()
+
+
+def grads_to_buffer(call: _Call, accumulates: Optional[bool] = None) -> None:
+    """``grads="buffer"`` in a pass that writes leaves' ``.grad`` (``backward()``): each
+    shard's ``.grad`` is its piece of the unit's gradient buffer, a view (no memory of its
+    own), so whoever reads ``.grad`` (torch, a compiled step, a later ``grads="return"``
+    backward adding into it) reads and writes the buffer. Gradients autograd put in ``.grad``
+    before (a ``grads="return"`` backward) are added into the buffer first. ``accumulates``:
+    whether the pass writes ``.grad``, when known (else asked of the engine)."""
+    if not (writes_leaf_grads(call) if accumulates is None else accumulates):
+        return
+    unit = call.unit
+    with torch.no_grad():
+        for x, k, need in zip(call.locals, call.index, call.needs):
+            if not need:
+                continue
+            view = unit.grad_view(k)
+            old = x.grad
+            if old is view:
+                continue
+            if old is not None:
+                unit.grads()  # the reduction in flight into the buffer lands first
+                view.add_(old.view(view.shape))
+            x.grad = view
+    unit.grad_linked = True
 
 
 def _orphaned(call: _Call) -> None:

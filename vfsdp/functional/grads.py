@@ -55,9 +55,7 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
     leaves = match_tree(shards, spec, what)
     out = list(leaves)
     for u in units_of(leaves, spec, what):
-        if u.unit.grads_mode == "return" or (  # its gradients went to autograd: the .grad
-                u.unit.grads_mode is None  # (or a compiled backward put them there)
-                and any(leaves[i].grad is not None for i, _ in u.leaves)):
+        if _in_dot_grad(u.unit, leaves, u.leaves):
             for i, _ in u.leaves:
                 g = leaves[i].grad
                 out[i] = g if g is not None else torch.zeros_like(leaves[i])
@@ -67,6 +65,19 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
         for i, k in u.leaves:
             out[i] = u.unit.grad_view(k)  # the same tensor each step: no op to make it
     return optree.tree_unflatten(spec.treespec, out)
+
+
+def _in_dot_grad(unit: Any, leaves: list, members: tuple) -> bool:
+    """Whether a unit's gradients are its shards' ``.grad`` rather than its gradient buffer:
+    they went to autograd (``grads="return"``), a compiled backward put them there, or
+    something replaced the ``.grad`` that were the buffer's views (a compiled
+    ``zero_grads``)."""
+    if unit.grads_mode == "return":
+        return True
+    if unit.grad_linked:
+        return not all(leaves[i].grad is unit.grad_view(k) for i, k in members
+                       if leaves[i].requires_grad)
+    return unit.grads_mode is None and any(leaves[i].grad is not None for i, _ in members)
 
 
 def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> None:
@@ -110,6 +121,7 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
                     zero.append(leaves[i].grad)
         u.unit.drop_accumulators()
         u.unit.grads_mode = None  # no reduction since: .grad or the buffer, whichever comes
+        u.unit.grad_linked = False
         if not u.unit.has_grads:
             continue  # no gradient buffer yet: nothing to zero
         gdb = u.unit.grads()

@@ -234,6 +234,9 @@ class Ledger:
                              and id(e) in self.marked), key=lambda e: -e.seq):
             self._zeros(entry, task)
         self.callback_task, self.marked = -2, set()
+        # As FSDP2 at the end of its backward: the last reductions land before the backward
+        # returns, so .grad (the gradient buffers' views) is complete for any reader.
+        self.inflight.wait()
 
     def _zeros(self, entry: Entry, task: int) -> None:
         entry.ran_in = task

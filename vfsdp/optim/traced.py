@@ -274,6 +274,6 @@ def compiled_update(state: Any, what: str, run: Any) -> bool:
         return True
     state.sync_step()
     state.step += 1
-    if state.traced is not None and state.traced.used:
+    if state.traced is not None:  # one count on every path: a compiled step goes on from it
         state.traced.step.fill_(state.step)
     return False

@@ -9,7 +9,8 @@ name their units (:mod:`vfsdp.functional.units`), each unit gathers itself
 
 With ``grads="return"`` the backward hands autograd fresh tensors holding this rank's reduced
 pieces (nothing vfsdp later overwrites or frees); with ``grads="buffer"`` the pieces stay in
-the unit's gradient DBuffer, which the next backward through the unit overwrites.
+the unit's gradient DBuffer, which later backwards add to until it is zeroed, and whose views
+``backward()`` makes the shards' ``.grad``.
 """
 
 from __future__ import annotations
@@ -284,8 +285,9 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
             ``reduce_dtype``) without communicating; the next backward with ``True`` adds its
             own and reduce-scatters the sum (accumulation reducing only on the last step).
         grads: ``"return"`` hands the gradient pieces to autograd (``.grad``,
-            ``autograd.grad``, ``torch.func``); ``"buffer"`` leaves them only in the gradient
-            DBuffer (read them with :func:`vfsdp.grads`), so ``.grad`` costs no memory.
+            ``autograd.grad``, ``torch.func``); ``"buffer"`` leaves them in the gradient
+            DBuffer (read them with :func:`vfsdp.grads`); ``backward()`` makes the shards'
+            ``.grad`` its views, so ``.grad`` costs no memory.
         free_after_backward: Release the unit's gathered buffer once its backward is done.
         async_reduce: With ``grads="buffer"``: start each unit's reduce-scatter and go on
             with the backward; readers of the gradients wait for it.

@@ -22,8 +22,10 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
     """This rank's sharded gradients: a tree of views into each unit's gradient DBuffer.
 
     For units reduced with ``grads="buffer"`` (and ``run_layers``) these are views of the
-    unit's gradient DBuffer; for units whose gradients went to autograd (``grads="return"``,
-    the default of :func:`vfsdp.gather`) they are the shards' ``.grad`` (zeros where ``None``).
+    unit's gradient DBuffer, which ``backward()`` also makes the shards' ``.grad``; for units
+    whose gradients went to autograd (``grads="return"``, the default of
+    :func:`vfsdp.gather`, or a compiled backward) they are the shards' ``.grad`` (zeros where
+    ``None``).
     Units that had no backward yet read zeros. Reductions still in flight
     (``async_reduce``) into these units are waited for first.
 
@@ -45,9 +47,10 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
         ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
         ...     full = vfsdp.gather(shards, spec, grads="buffer")
         ...     (full["w"] * 2).sum().backward()
-        ...     return vfsdp.grads(shards, spec)["w"].tolist(), shards["w"].grad
+        ...     g = vfsdp.grads(shards, spec)["w"]
+        ...     return g.tolist(), shards["w"].grad is g     # .grad: the buffer's view
         >>> vfsdp.testing.simulate(2, body)
-        [([2.0, 2.0, 2.0, 2.0], None), ([2.0, 2.0, 2.0, 2.0], None)]
+        [([2.0, 2.0, 2.0, 2.0], True), ([2.0, 2.0, 2.0, 2.0], True)]
     """
     what = "vfsdp.grads"
     if tp.compiling():  # torch.compile: the gradients are the shards' .grad

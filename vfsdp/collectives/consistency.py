@@ -93,6 +93,11 @@ def _check(spec: ShardSpec, group, device: torch.device) -> None:
                        f"differ); {fix}")
 
 
+# This process's record of the specs its ranks checked, per world and grid (the spec itself is
+# never written: a plan is data).
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def agree_on_spec(spec: ShardSpec, groups: MeshGroups) -> None:
     """Collective, once per spec and group: every rank holds this spec.
 
@@ -101,7 +106,9 @@ def agree_on_spec(spec: ShardSpec, groups: MeshGroups) -> None:
     """
     world = dist.group.WORLD
     key = (id(world), groups.grid)
-    agreed = spec._agreed
+    agreed = _AGREED.get(spec)
+    if agreed is None:
+        agreed = _AGREED[spec] = {}
     ref = agreed.get(key)
     if ref is not None and ref() is world:
         return

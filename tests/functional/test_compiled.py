@@ -108,9 +108,11 @@ def test_a_compiled_hsdp_step_equals_the_eager_step():
         assert diff < 1e-6
 
 
-def _accumulated(steps=3, micro=2):
+def _accumulated(steps=3, micro=2, how="accumulate"):
     """Gradient accumulation compiled: one compiled micro-step (forward and backward) per
-    micro-batch, then one compiled update; the .grad sums the micro-batches."""
+    micro-batch, then one compiled update; the .grad sums the micro-batches. ``how="sync"``:
+    ``grad_sync=False`` on all but the last micro-batch, whose backwards reduce nothing (the
+    shards' .grad stays None until the synced one)."""
     from torch._dynamo.utils import counters
 
     spec = vfsdp.plan(_params(), dist.get_world_size())
@@ -118,10 +120,10 @@ def _accumulated(steps=3, micro=2):
     eager, compiled = vfsdp.shard(_params(), spec), vfsdp.shard(_params(), spec)
     se, sc = opt.init(eager, spec), opt.init(compiled, spec)
 
-    def micro_step(shards, x):
-        io = vfsdp.gather(shards["embed"], spec["embed"], accumulate_grads=True)
-        h = vfsdp.run_layers(_layer, shards["layers"], spec["layers"], x @ io,
-                             accumulate_grads=True)
+    def micro_step(shards, x, sync):
+        opts = {"accumulate_grads": True} if how == "accumulate" else {"grad_sync": sync}
+        io = vfsdp.gather(shards["embed"], spec["embed"], **opts)
+        h = vfsdp.run_layers(_layer, shards["layers"], spec["layers"], x @ io, **opts)
         (h.pow(2).mean() / micro).backward()
 
     def update(shards, state):
@@ -129,25 +131,39 @@ def _accumulated(steps=3, micro=2):
         opt.update(grads, state, shards, spec)
 
     fast_micro, fast_update = (torch.compile(f, fullgraph=True) for f in (micro_step, update))
+    unreduced = []
     for s in range(steps):
         for shards, state, m, u in ((eager, se, micro_step, update),
                                     (compiled, sc, fast_micro, fast_update)):
-            vfsdp.zero_grads(shards, spec, set_to_none=False)  # .grad kept: one graph
+            if how == "accumulate":
+                vfsdp.zero_grads(shards, spec, set_to_none=False)  # .grad kept: one graph
+            else:
+                vfsdp.zero_grads(shards, spec)
             for j in range(micro):
-                m(shards, _batch(s, j))
+                m(shards, _batch(s, j), j == micro - 1)
+                if shards is compiled and j < micro - 1 and how == "sync":
+                    unreduced.append(all(x.grad is None for x in optree.tree_leaves(shards)))
             u(shards, state)
         if s == 0:
             warm = counters["stats"]["unique_graphs"]
     return (max(float((a - b).abs().max()) if a.numel() else 0.0
                 for a, b in zip(optree.tree_leaves(eager), optree.tree_leaves(compiled))),
-            counters["stats"]["unique_graphs"] - warm)
+            counters["stats"]["unique_graphs"] - warm, all(unreduced))
 
 
 def test_compiled_gradient_accumulation_equals_eager():
     """After the first step (whose first micro-batch finds no .grad yet: one more graph),
     nothing recompiles."""
-    for diff, later in spawn(_accumulated, 2):
+    for diff, later, _ in spawn(_accumulated, 2):
         assert diff < 1e-6 and later == 0
+
+
+def test_compiled_grad_sync_false_skips_the_reduce_scatter_as_eagerly():
+    """Compiled, grad_sync=False was accepted and every backward still reduce-scattered; now
+    those backwards reduce nothing (the full gradients add up unsharded) and the synced one
+    reduces the sum, as eagerly."""
+    for diff, later, unreduced in spawn(_accumulated, 2, 3, 3, "sync"):
+        assert diff < 1e-5 and later == 0 and unreduced
 
 
 def _eight_bit(steps=4):

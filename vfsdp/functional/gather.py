@@ -323,7 +323,7 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
     if tp.compiling() or all_gather is not None:  # the functional path (functional.traced)
         check_traced_options(grads, what, grad_reduce, async_reduce)
         return traced_gather(shards, spec, mesh, param_dtype, grad_reduce, reduce_dtype,
-                             all_gather)
+                             all_gather, grad_sync)
     gopts = GatherOptions(param_dtype, free_after_backward)
     ropts = GradOptions(grad_reduce, reduce_dtype, grads, accumulate_grads, grad_sync,
                         async_reduce)

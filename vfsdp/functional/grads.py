@@ -9,7 +9,7 @@ import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.slot import slot_of
-from vfsdp.functional.traced import traced_grads, traced_zero_grads
+from vfsdp.functional.traced import drop_plan_grads, traced_grads, traced_zero_grads
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import units_of
 from vfsdp.planner.granularity import format_path
@@ -135,6 +135,7 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
                 gdb.ensure_shard().zero_()
     with torch.no_grad():
         tp.zero_many(zero)
+    drop_plan_grads(spec, keep=not set_to_none)  # the compiled path's anchors and accumulators
 
 
 def gradient_leaves(grads: Any, spec: ShardSpec, what: str) -> list:

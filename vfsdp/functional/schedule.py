@@ -182,7 +182,7 @@ def run_layers(
         o = dict(gather_options)  # gradients go to the shards' .grad (vfsdp.grads reads them)
         return traced_run_layers(layer_fn, shards, specs, h, mesh, reshard_after_forward,
                                  o.get("param_dtype"), o.get("grad_reduce", "avg"),
-                                 o.get("reduce_dtype"))
+                                 o.get("reduce_dtype"), o.get("grad_sync", True))
     if gather_options.get("grads", "buffer") != "buffer":
         raise ValueError(f"{what}: grads={gather_options['grads']!r} is not supported: each "
                          f"unit's gradients are reduce-scattered into its gradient buffer as its "

@@ -45,7 +45,7 @@ from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["TracedPlans", "PLANS", "traced_gather", "prepare", "traced_children", "group_name",
            "check_traced_options", "traced_leaves", "traced_run_layers", "traced_grads",
-           "traced_zero_grads"]
+           "traced_zero_grads", "drop_plan_grads"]
 
 
 def group_name(group: Any) -> str:
@@ -73,11 +73,15 @@ def _unit_plan(spec: ShardSpec, groups: Any, anchors: dict) -> tuple:
         # A one-element leaf every rank adds (times 0) to its shard: the shard's gradient, the
         # reduce-scatter, then always has a user on every rank, even one that holds nothing of
         # these tensors (else the compiler drops it there and the ranks deadlock).
-        anchor = anchors.get(key)  # one per unit, shared by the spec and its sub-specs
-        if anchor is None:
-            anchor = anchors[key] = torch.zeros(1, dtype=layout.dtype, device=groups.device,
-                                                requires_grad=True)
-        units.append((layout.shard_numel, layout.dtype, pieces, views, anchor))
+        found = anchors.get(key)  # one per unit, shared by the spec and its sub-specs
+        if found is None:
+            anchor = torch.zeros(1, dtype=layout.dtype, device=groups.device, requires_grad=True)
+            # grad_sync=False's unsharded accumulator: its .grad, made by the backward and
+            # dropped at the sync, holds the unreduced gradients (one element until then).
+            full = layout.shard_numel * groups.shard_size
+            acc = torch.zeros(1, dtype=layout.dtype, device=groups.device).expand(full)
+            found = anchors[key] = (anchor, acc.requires_grad_())
+        units.append((layout.shard_numel, layout.dtype, pieces, views, *found))
     replicate = group_name(groups.replicate) if groups.replicate is not None else None
     return (group_name(groups.shard), groups.shard_size, replicate, groups.replicate_size,
             tuple(units), rank)
@@ -251,8 +255,25 @@ def traced_zero_grads(shards: Any, spec: ShardSpec, set_to_none: bool) -> None:
             leaves[i].grad = None
         elif leaves[i].grad is not None:
             leaves[i].grad.zero_()
-    for unit in found[3][4]:
-        unit[4].grad = None  # the anchors' (always zero) gradients
+    drop_plan_grads(spec)
+
+
+def drop_plan_grads(spec: ShardSpec, keep: bool = False) -> None:
+    """What ``zero_grads`` does, on every path, to the compiled path's own leaves:
+    ``grad_sync=False``'s unreduced gradients are dropped, and the anchors' (always zero)
+    gradients too, or with ``keep`` (eager ``set_to_none=False``) zeroed where they exist, so
+    that a compiled step finds what it found before (one graph). While compiling ``keep`` is
+    off: asking whether a gradient is ``None`` would be a guard."""
+    found = PLANS.by_spec.get(id(spec))
+    if found is None or found[1] is None:
+        return
+    for unit in found[1][3][4]:
+        anchor = unit[4]
+        if keep and anchor.grad is not None:
+            anchor.grad.zero_()
+        else:
+            anchor.grad = None
+        unit[5].grad = None
 
 
 def _grad_times(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -268,8 +289,41 @@ def _grad_summed(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
     return x.detach() + (summed - summed.detach())
 
 
+def _flush(acc: torch.Tensor, leaves: list, pieces: tuple, groups: tuple, scale: float) -> None:
+    """A synced gather after ``grad_sync=False`` backwards: reduce-scatter the unreduced
+    gradients the accumulator holds (as the eager sync does, with this backward's own added
+    there, here in a reduce-scatter of their own) into the shards' ``.grad``, and drop them."""
+    shard_name, m, rep_name, _replicas = groups
+    red = tp.traced_reduce_scatter(acc.grad, "sum", shard_name, m)
+    if rep_name is not None:
+        red = tp.traced_all_reduce(red, "sum", rep_name)
+    if scale != 1.0:
+        red = red * scale
+    with torch.no_grad():
+        for i, lo, hi in pieces:
+            x = leaves[i]
+            if x.requires_grad:
+                piece = red[lo:hi].view(x.shape).to(x.dtype)
+                if x.grad is None:
+                    x.grad = piece
+                else:
+                    x.grad.add_(piece)
+    acc.grad = None
+
+
+def _flush_tree(shards: Any, spec: ShardSpec, grad_reduce: str) -> None:
+    """:func:`_flush` for every unit of a tree whose accumulator holds gradients."""
+    leaves, _ = traced_leaves(shards, spec, "vfsdp.run_layers")
+    shard_name, m, rep_name, replicas, units, _rank = _traced(spec, "vfsdp.run_layers")[3]
+    scale = 1.0 / (m * replicas) if grad_reduce == "avg" else 1.0
+    for _s, _dtype, pieces, _views, _anchor, acc in units:
+        if acc.grad is not None:
+            _flush(acc, leaves, pieces, (shard_name, m, rep_name, replicas), scale)
+
+
 def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional[torch.dtype],
-                  grad_reduce: str, reduce_dtype: Optional[torch.dtype], hooks: Any = None) -> Any:
+                  grad_reduce: str, reduce_dtype: Optional[torch.dtype], hooks: Any = None,
+                  grad_sync: bool = True, flush: bool = True) -> Any:
     """The full tree, by functional collectives the compiler can trace (see the module).
 
     Args:
@@ -283,6 +337,11 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
             by default).
         hooks: Low-precision all-gather hooks (:mod:`vfsdp.functional.lowp`); this path runs
             them eagerly too.
+        grad_sync: ``False``: no reduce-scatter in the backward; the gradients of the full
+            tensors add up, unsharded, in the unit's accumulator (its ``.grad``, in the
+            parameters' dtype), and the next synced gather reduce-scatters them into the
+            shards' ``.grad`` before its own backward adds to them.
+        flush: Do that here (``False``: the caller did, outside a checkpointed region).
 
     Returns:
         The full tree (views of one gathered buffer per unit).
@@ -295,7 +354,9 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
     shard_name, m, rep_name, replicas, units, rank = _traced(spec, "vfsdp.gather")[3]
     scale = 1.0 / (m * replicas) if grad_reduce == "avg" else 1.0
     out = list(leaves)
-    for s, dtype, pieces, views, anchor in units:
+    for s, dtype, pieces, views, anchor, acc in units:
+        if flush and grad_sync and acc.grad is not None:  # after grad_sync=False backwards
+            _flush(acc, leaves, pieces, (shard_name, m, rep_name, replicas), scale)
         parts, pos = [], 0
         for i, lo, hi in pieces:
             if lo > pos:
@@ -306,14 +367,18 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
             parts.append(leaves[views[0][0]].new_zeros(s - pos))
         shard = torch.cat(parts) if len(parts) > 1 else parts[0]
         shard = shard + anchor * 0  # (see _unit_plan) exact: x + 0 == x
+        if not grad_sync:  # no reduce-scatter: the full gradients go to the accumulator
+            shard = shard.detach()
+        elif rep_name is not None:  # HSDP: the replicas' gradients are summed too
+            shard = _grad_summed(shard, rep_name, replicas)
+        if grad_sync and scale != 1.0:  # "avg": the reduce-scatter's sum, times 1 / ranks
+            shard = _grad_times(shard, scale)
         gather_dtype = param_dtype or dtype
         if hooks is not None:  # a low-precision gather (vfsdp.functional.lowp)
-            if rep_name is not None:
-                shard = _grad_summed(shard, rep_name, replicas)
-            if scale != 1.0:
-                shard = _grad_times(shard, scale)
             full = hooked_all_gather(shard, hooks, pieces, views, s, shard_name, m, rank,
                                      reduce_dtype)
+            if not grad_sync:
+                full = full + (acc - acc.detach()).to(full.dtype)
             for i, offset, numel, shape in views:
                 out[i] = full[offset:offset + numel].view(shape)
             continue
@@ -321,11 +386,9 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
             raise ValueError(f"vfsdp.gather under torch.compile reduce-scatters the gradients "
                              f"in the gather dtype ({gather_dtype}); reduce_dtype="
                              f"{reduce_dtype} needs the eager path (or gather in that dtype)")
-        if rep_name is not None:  # HSDP: the replicas' gradients are summed too
-            shard = _grad_summed(shard, rep_name, replicas)
-        if scale != 1.0:  # "avg": the reduce-scatter's sum, times 1 / ranks
-            shard = _grad_times(shard, scale)
         full = tp.traced_all_gather(shard.to(gather_dtype), shard_name, m)
+        if not grad_sync:
+            full = full + (acc - acc.detach()).to(gather_dtype)
         for i, offset, numel, shape in views:
             out[i] = full[offset:offset + numel].view(shape)
     return optree.tree_unflatten(treespec, out)
@@ -374,7 +437,8 @@ def _regather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 
 def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any, mesh: Any,
                       reshard_after_forward: bool, param_dtype: Optional[torch.dtype],
-                      grad_reduce: str, reduce_dtype: Optional[torch.dtype]) -> Any:
+                      grad_reduce: str, reduce_dtype: Optional[torch.dtype],
+                      grad_sync: bool = True) -> Any:
     """:func:`vfsdp.run_layers` while compiling: each unit gathered functionally; with
     ``reshard_after_forward`` the gathered parameters are not saved for backward but gathered
     again there (selective activation checkpointing of the all-gathers), everything else
@@ -382,7 +446,7 @@ def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any, mesh: Any
 
     Args:
         layer_fn, shards, specs, h, mesh, reshard_after_forward: As for ``run_layers``.
-        param_dtype, grad_reduce, reduce_dtype: As for :func:`traced_gather`.
+        param_dtype, grad_reduce, reduce_dtype, grad_sync: As for :func:`traced_gather`.
 
     Returns:
         The last unit's output.
@@ -396,10 +460,14 @@ def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any, mesh: Any
 
     tp.enable_compiled_backward()  # runs while tracing: lets dynamo trace the step's backward
 
+    if grad_sync:  # what grad_sync=False backwards left unreduced: outside the region below
+        for shard, spec in zip(shards, specs):
+            _flush_tree(shard, spec, grad_reduce)
+
     def run(shards, h):
         for shard, spec in zip(shards, specs):
             h = layer_fn(traced_gather(shard, spec, mesh, param_dtype, grad_reduce,
-                                       reduce_dtype), h)
+                                       reduce_dtype, grad_sync=grad_sync, flush=False), h)
         return h
 
     if not reshard_after_forward:

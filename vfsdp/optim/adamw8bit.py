@@ -195,7 +195,7 @@ class AdamW8bitState:
         self.step = tree["step"]
         if self.traced is not None:
             self.traced.step.fill_(self.step)
-            self.traced.ran = False
+            self.traced.ran = self.traced.stale = False
         return self
 
 

@@ -43,7 +43,9 @@ class TracedAdam:
         decay: Whether each decays.
         m, v: Each one's moment views (views of the state DBuffers).
         step: A one-element float64 tensor on the parameters' device: the step count.
-        used, ran: Set by the compiled update (plain attributes: dynamo replays them).
+        stale: An eager update counted a step the tensor does not hold yet (the next
+            compiled update fills it from ``state.step`` first): no op per eager update.
+        ran: Set by the compiled update (a plain attribute: dynamo replays it).
     """
 
     leaves: tuple
@@ -51,7 +53,7 @@ class TracedAdam:
     m: list
     v: list
     step: torch.Tensor
-    used: bool = False  # a compiled update ran once: eager updates then keep ``step`` in step
+    stale: bool = False  # eager updates counted steps ``step`` does not hold yet
     ran: bool = False  # compiled updates ran since ``state.step`` last caught up
 
 
@@ -118,7 +120,7 @@ def _step_scalars(views: Any, schedule: Any, betas: tuple) -> tuple:
     """Count the step in the graph: ``(lr, bias correction 1, sqrt of bias correction 2)`` as
     tensors."""
     b1, b2 = betas
-    views.used = views.ran = True  # Python side effects: dynamo applies them after each call
+    views.ran = True  # a Python side effect: dynamo applies it after each call
     views.step.add_(1)
     step = views.step
     lr = torch.as_tensor(schedule(step), dtype=torch.float64, device=step.device)
@@ -194,14 +196,14 @@ class TracedAdam8:
         small: Per tensor with fp32 moments: ``(leaf index, decays, m, v)``.
         maps: The code maps and their midpoints (``qm, qv, mids_m, mids_v``).
         step: A one-element float64 step counter (as :class:`TracedAdam`'s).
-        used, ran: As :class:`TracedAdam`'s.
+        stale, ran: As :class:`TracedAdam`'s.
     """
 
     quantized: list
     small: list
     maps: tuple
     step: torch.Tensor
-    used: bool = False
+    stale: bool = False
     ran: bool = False
 
 
@@ -270,10 +272,13 @@ def compiled_update(state: Any, what: str, run: Any) -> bool:
         if state.traced is None:
             raise ValueError(f"{what} under torch.compile: this state has no views for the "
                              f"compiled path; make it with opt.init before compiling")
+        if state.traced.stale:  # after eager updates: go on from their count (one count on
+            state.traced.step.fill_(state.step)  # every path; a graph of its own)
+            state.traced.stale = False
         run()
         return True
     state.sync_step()
     state.step += 1
-    if state.traced is not None:  # one count on every path: a compiled step goes on from it
-        state.traced.step.fill_(state.step)
+    if state.traced is not None:
+        state.traced.stale = True  # no op here: the next compiled update catches up
     return False

@@ -15,8 +15,11 @@ traceable, and a Python step count would be a new constant (a recompile) every s
 * :func:`traced_clip` is ``clip_grad_norm`` over the shards' ``.grad``: a norm per tensor,
   one functional all-reduce over the shard group (and the model axis), one scaling.
 
-The step counter is the truth while compiling; ``state.step`` follows it at the next eager
-call or checkpoint (``AdamWState.sync_step``).
+One count, whatever mixes: the step counter is the truth while compiling, and ``state.step``
+follows it at the next eager call or checkpoint (``AdamWState.sync_step``); an eager update
+counts in ``state.step`` and marks the counter stale (no op), and the next compiled update
+fills it from ``state.step`` first (a graph of its own, traced once). So eager and compiled
+updates on one state give the all-eager bias corrections and schedule in any order.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def _check(spec: ShardSpec, group, device: torch.device) -> None:
 
 # This process's record of the specs its ranks checked, per world and grid (the spec itself is
 # never written: a plan is data).
-_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_AGREED: dict = {}  # id(spec) -> {(id(world), grid): the world}, while the spec lives
 
 
 def agree_on_spec(spec: ShardSpec, groups: MeshGroups) -> None:
@@ -106,9 +106,10 @@ def agree_on_spec(spec: ShardSpec, groups: MeshGroups) -> None:
     """
     world = dist.group.WORLD
     key = (id(world), groups.grid)
-    agreed = _AGREED.get(spec)
-    if agreed is None:
-        agreed = _AGREED[spec] = {}
+    agreed = _AGREED.get(id(spec))
+    if agreed is None:  # by identity: equal specs of two simulated ranks are two records
+        agreed = _AGREED[id(spec)] = {}
+        weakref.finalize(spec, _AGREED.pop, id(spec), None)
     ref = agreed.get(key)
     if ref is not None and ref() is world:
         return

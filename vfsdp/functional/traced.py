@@ -22,17 +22,16 @@ a functional path instead, and the compiler owns every buffer:
   to it), so prefer ``backward()`` in compiled steps.
 
 What each unit needs (its group, this rank's pieces, offsets and shapes) is plain data that
-:func:`vfsdp.shard` records, for the spec and each of its sub-specs, in :data:`PLANS` (this
-process's :class:`TracedPlans`; the spec itself is never written): nothing about a spec is
-computed while tracing, a new spec compiles once more and the same spec never recompiles. The
-shards' groups are those they were made on; a spec whose shards were made on two different
-meshes (or, under ``simulate``, by two ranks) in one process is refused while compiling, since
-a compiled call cannot tell which shards it is handed.
+:func:`vfsdp.shard` keeps on the spec and on its sub-specs (:func:`prepare`, ``spec.traced``):
+nothing about a spec is computed while tracing, a new spec compiles once more and the same spec
+never recompiles. The shards' groups are those they were made on. (That slot is the one piece
+of runtime state a spec still carries: dynamo reads a constant's attribute without guarding
+on the object's identity, which a lookup elsewhere by spec adds, with a graph per spec object
+and rank.)
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional
 
 import optree
@@ -43,7 +42,7 @@ from vfsdp import _torch_private as tp
 from vfsdp.functional.lowp import hooked_all_gather
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["TracedPlans", "PLANS", "traced_gather", "prepare", "traced_children", "group_name",
+__all__ = ["traced_gather", "prepare", "traced_children", "group_name",
            "check_traced_options", "traced_leaves", "traced_run_layers", "traced_grads",
            "traced_zero_grads", "drop_plan_grads"]
 
@@ -104,65 +103,11 @@ def _norm_plan(spec: ShardSpec, groups: Any, shard_name: str) -> tuple:
     return tuple(tensors), tuple(counted), shard_name, model_name
 
 
-class TracedPlans:
-    """This process's record of what the compiled path reads, per spec object that
-    :func:`vfsdp.shard` (or ``scatter``) made shards for: ``by_spec[id(spec)]`` is ``(where,
-    plan)``, ``where`` naming the groups and rank the shards were made on (``None`` once two
-    different ones were). An entry goes with its spec. Dynamo reads it as plain data: a lookup
-    by ``id`` of a constant.
-
-    Example:
-        >>> plans = TracedPlans()
-        >>> spec = vfsdp.plan({"w": torch.ones(4)}, 1)
-        >>> plans.put(spec, ("g", 0), "plan"); plans.get(spec, "f")
-        'plan'
-        >>> plans.put(spec, ("h", 1), "other"); plans.get(spec, "f")
-        Traceback (most recent call last):
-        ...
-        ValueError: f under torch.compile: this spec's shards were made on two different ...
-    """
-
-    def __init__(self) -> None:
-        self.by_spec: dict[int, tuple] = {}
-
-    def put(self, spec: ShardSpec, where: tuple, plan: tuple) -> None:
-        """Record ``plan`` for ``spec``'s shards made on ``where`` (the first one made there is
-        kept: the same data)."""
-        key = id(spec)
-        found = self.by_spec.get(key)
-        if found is None:
-            self.by_spec[key] = (where, plan)
-            weakref.finalize(spec, self.by_spec.pop, key, None)
-        elif found[0] != where:
-            self.by_spec[key] = (None, None)
-
-    def get(self, spec: ShardSpec, what: str) -> tuple:
-        """The plan for ``spec`` (while compiling).
-
-        Raises:
-            ValueError: none was recorded, or shards were made on two meshes or ranks.
-        """
-        found = self.by_spec.get(id(spec))
-        if found is None:
-            raise ValueError(f"{what} under torch.compile: this spec was not prepared for the "
-                             f"compiled path; make its shards with vfsdp.shard before compiling "
-                             f"(and take sub-specs from that spec)")
-        if found[0] is None:
-            raise ValueError(f"{what} under torch.compile: this spec's shards were made on two "
-                             f"different meshes (or by two simulated ranks) in this process, "
-                             f"and a compiled call cannot tell which it is handed; plan once "
-                             f"per mesh (in vfsdp.testing.simulate: inside the rank function)")
-        return found[1]
-
-
-PLANS = TracedPlans()
-
-
 def prepare(spec: ShardSpec, groups: Any, anchors: Optional[dict] = None) -> None:
-    """Record in :data:`PLANS`, for ``spec`` and every sub-spec of its subtrees
-    (``spec["layers"]``, ``spec["layers"][3]``, ``spec["embed"]``, ...), the plain data the
-    compiled path reads: made eagerly, by :func:`vfsdp.shard`, since nothing about a spec can
-    be computed while tracing.
+    """Keep on ``spec``, and on every sub-spec of its subtrees (``spec["layers"]``,
+    ``spec["layers"][3]``, ``spec["embed"]``, ...), the plain data the compiled path reads
+    (``spec.traced``): made eagerly, by :func:`vfsdp.shard`, since nothing about a spec can be
+    computed while tracing.
 
     Args:
         spec: The plan.
@@ -180,7 +125,7 @@ def prepare(spec: ShardSpec, groups: Any, anchors: Optional[dict] = None) -> Non
     anchors = {} if anchors is None else anchors
     plan = _unit_plan(spec, groups, anchors)
     norms = _norm_plan(spec, groups, plan[0])
-    PLANS.put(spec, (plan[0], plan[2], plan[5], norms[3]), (
+    object.__setattr__(spec, "traced", (
         spec.treespec.num_leaves,
         tuple(i for i, t in enumerate(spec.leaves()) if isinstance(t, TensorSpec)),
         children, plan, norms))
@@ -198,7 +143,12 @@ def prepare(spec: ShardSpec, groups: Any, anchors: Optional[dict] = None) -> Non
 
 
 def _traced(spec: ShardSpec, what: str) -> tuple:
-    return PLANS.get(spec, what)
+    found = spec.traced
+    if found is None:
+        raise ValueError(f"{what} under torch.compile: this spec was not prepared for the "
+                         f"compiled path; make its shards with vfsdp.shard before compiling "
+                         f"(and take sub-specs from that spec)")
+    return found
 
 
 def traced_children(spec: ShardSpec) -> int:
@@ -264,10 +214,10 @@ def drop_plan_grads(spec: ShardSpec, keep: bool = False) -> None:
     gradients too, or with ``keep`` (eager ``set_to_none=False``) zeroed where they exist, so
     that a compiled step finds what it found before (one graph). While compiling ``keep`` is
     off: asking whether a gradient is ``None`` would be a guard."""
-    found = PLANS.by_spec.get(id(spec))
-    if found is None or found[1] is None:
+    found = spec.traced
+    if found is None:
         return
-    for unit in found[1][3][4]:
+    for unit in found[3][4]:
         anchor = unit[4]
         if keep and anchor.grad is not None:
             anchor.grad.zero_()

@@ -74,6 +74,17 @@ def gradient_transform(init: Callable[..., Any], transform: Callable[..., tuple]
     spec) -> (grads, state)`` hands its gradients (new tensors or the same ones) to the next
     member of a :func:`~vfsdp.optim.chain`; its ``update`` returns the state alone.
 
+    Args:
+        init: ``init(shards, spec, mask=None) -> state``.
+        transform: ``transform(grads, state, shards, spec) -> (grads, state)``.
+        granularity: The blocks it needs whole (``None``: any).
+
+    Returns:
+        An :class:`Optimizer` with ``transform`` set.
+
+    Raises:
+        Nothing.
+
     Example:
         >>> double = gradient_transform(lambda shards, spec, mask=None: None,
         ...                             lambda g, state, shards, spec: ({"w": 2 * g["w"]}, state))
@@ -87,6 +98,16 @@ def apply_update(opt: Optimizer, grads: Any, state: Any, shards: Any,
                  spec: ShardSpec) -> tuple:
     """``(gradients for the next transform, new state)`` of one member of a chain: a
     gradient transform's own, or the same gradients and ``opt.update``'s state.
+
+    Args:
+        opt: The member.
+        grads, state, shards, spec: As for ``opt.update``.
+
+    Returns:
+        ``(grads, state)``.
+
+    Raises:
+        Whatever the member raises.
 
     Example:
         >>> counter = Optimizer(lambda shards, spec, mask=None: 0, lambda g, s, p, sp: s + 1)

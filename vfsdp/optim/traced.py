@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from vfsdp import _torch_private as tp
-from vfsdp.functional.traced import PLANS, traced_leaves
+from vfsdp.functional.traced import traced_leaves
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["TracedAdam", "traced_adamw", "traced_clip", "adam_views", "TracedAdam8",
@@ -164,7 +164,7 @@ def traced_clip(grads: Any, spec: ShardSpec, max_norm: float, eps: float,
         ValueError: a tree that does not match the spec, or an unprepared spec.
     """
     leaves, _ = traced_leaves(grads, spec, "vfsdp.clip_grad_norm")
-    tensors, counted, shard_name, model = PLANS.get(spec, "vfsdp.clip_grad_norm")[4]
+    tensors, counted, shard_name, model = spec.traced[4]
     if model == "":
         raise ValueError("vfsdp.clip_grad_norm: the spec is split over a model axis, but its "
                          "shards were made on the data mesh only; make them with "

@@ -384,11 +384,10 @@ class ShardSpec:
         ([(), ('layers', 0), ('layers', 1)], 4, [('layers', 1)])
     """
 
-    # Only the plan's own data and pure caches of it (fingerprint, lookups, sub-specs): nothing
-    # writes a process's runtime state here (that lives with the units, or in
-    # vfsdp.functional.traced.PLANS and vfsdp.collectives.consistency's record).
+    # The plan's own data and caches of it (fingerprint, lookups, sub-specs), and ``traced``:
+    # what the compiled path reads, which vfsdp.shard still writes (a dynamo constant).
     __slots__ = ("units", "mesh_shape", "mesh_dim_names", "treespec", "_leaves", "_fingerprint",
-                 "_by_path", "_by_unit", "_subs", "__weakref__")
+                 "_by_path", "_by_unit", "_subs", "traced", "__weakref__")
 
     def __init__(self, treespec, leaves, units: Mapping, mesh_shape, mesh_dim_names=None) -> None:
         set_ = object.__setattr__
@@ -401,6 +400,7 @@ class ShardSpec:
         set_(self, "_by_path", None)
         set_(self, "_by_unit", None)
         set_(self, "_subs", {})  # key -> sub-spec, made once
+        set_(self, "traced", None)  # what the compiled path reads (vfsdp.functional.traced)
         if treespec.num_leaves != len(self._leaves):
             raise ValueError("ShardSpec: treespec and leaves disagree")
 

@@ -150,19 +150,25 @@ def unused_on_some_ranks(mode: str):
     return [g.tolist() for g in got]
 
 
-def modified_between(path: str):
-    """Row 8: a shard changed in place between forward and backward."""
+def modified_between(path: str, how: str = "add_"):
+    """Row 8: a shard changed in place between forward and backward: ``add_`` on one shard,
+    or (``how="update"``) an optimizer update, which writes the units' flat shards."""
     params = {"layers": [{"w": torch.ones(4, 4)} for _ in range(2)]}
     spec = vfsdp.plan(params, dist.get_world_size())
     shards = vfsdp.shard(params, spec)
+    opt = vfsdp.optim.adamw(0.1)
+    state = opt.init(shards, spec)
     x = torch.ones(1, 4)
     if path == "gather":
         full = vfsdp.gather(shards, spec)
         h = x @ full["layers"][0]["w"] @ full["layers"][1]["w"]
     else:
         h = vfsdp.run_layers(lambda p, a: a @ p["w"], shards["layers"], spec["layers"], x)
-    with torch.no_grad():
-        shards["layers"][0]["w"].add_(100.0)
+    if how == "update":
+        opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+    else:
+        with torch.no_grad():
+            shards["layers"][0]["w"].add_(100.0)
     try:
         h.sum().backward()
     except RuntimeError as exc:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import vfsdp
+from tests.misuse import bodies
 from vfsdp._torch_private import TorchDispatchMode, storage_id
 from vfsdp.testing import simulate, spawn
 
@@ -59,31 +60,11 @@ def test_dropout_draws_from_the_rank_generator():
 # ------------------------------------------------------------------ update before backward
 
 
-def _update_between(path):
-    params = {"layers": [{"w": torch.ones(4, 4)} for _ in range(2)]}
-    spec = vfsdp.plan(params, dist.get_world_size())
-    shards = vfsdp.shard(params, spec)
-    opt = vfsdp.optim.adamw(0.1)
-    state = opt.init(shards, spec)
-    x = torch.ones(1, 4)
-    if path == "gather":
-        full = vfsdp.gather(shards, spec)
-        h = x @ full["layers"][0]["w"] @ full["layers"][1]["w"]
-    else:
-        h = vfsdp.run_layers(lambda p, a: a @ p["w"], shards["layers"], spec["layers"], x)
-    opt.update(vfsdp.grads(shards, spec), state, shards, spec)   # before the backward
-    try:
-        h.sum().backward()
-    except RuntimeError as exc:
-        return str(exc)
-    return "no error"
-
-
 @pytest.mark.parametrize("path", ["gather", "run_layers"])
 def test_an_update_between_forward_and_backward_is_refused(path):
     """The optimizers write the unit's flat shard: its version is checked too (the backward
     ran, mixing old and new parameters: 3.8 instead of 4.0)."""
-    for msg in simulate(2, _update_between, path):
+    for msg in simulate(2, bodies.modified_between, path, "update"):
         assert "were updated in place (an optimizer update" in msg, msg
         assert f"after vfsdp.{path} used them" in msg, msg
 
@@ -186,6 +167,14 @@ def _torch_micro_batches(world, batches):
     return [w.grad for w in ws]
 
 
+def _assert_pieces(out, want):
+    """Each rank's gradient pieces are its ranges of the one-process gradients."""
+    for r, (got, spec) in enumerate(out):
+        for g, w, t in zip(got, want, spec.tensors()):
+            lo, hi = t.local_range(r)
+            assert torch.allclose(g.reshape(-1), w.reshape(-1)[lo:hi], atol=1e-6)
+
+
 @pytest.mark.parametrize("accumulate", [None, True])
 def test_two_run_layers_micro_batches_sum_as_in_torch(accumulate):
     """run_layers kept only the last micro-batch's gradients unless accumulate_grads=True."""
@@ -193,30 +182,21 @@ def test_two_run_layers_micro_batches_sum_as_in_torch(accumulate):
     with pytest.warns(FutureWarning, match="adds its gradients to those an earlier") if (
             accumulate is None) else _no_future_warning():
         out = simulate(2, _micro_batches, accumulate, False)
-    for r, (got, spec) in enumerate(out):
-        for g, w, t in zip(got, want, spec.tensors()):
-            lo, hi = t.local_range(r)
-            assert torch.allclose(g.reshape(-1), w.reshape(-1)[lo:hi], atol=1e-6)
+    _assert_pieces(out, want)
 
 
 def test_zero_grads_between_micro_batches_starts_afresh_without_a_warning():
     want = _torch_micro_batches(2, [1])
     with _no_future_warning():
         out = simulate(2, _micro_batches, None, True)
-    for r, (got, spec) in enumerate(out):
-        for g, w, t in zip(got, want, spec.tensors()):
-            lo, hi = t.local_range(r)
-            assert torch.allclose(g.reshape(-1), w.reshape(-1)[lo:hi], atol=1e-6)
+    _assert_pieces(out, want)
 
 
 def test_accumulate_grads_false_is_deprecated_and_keeps_the_overwrite():
     want = _torch_micro_batches(2, [1])
     with pytest.warns(FutureWarning, match="accumulate_grads=False is deprecated"):
         out = simulate(2, _micro_batches, False, False)
-    for r, (got, spec) in enumerate(out):
-        for g, w, t in zip(got, want, spec.tensors()):
-            lo, hi = t.local_range(r)
-            assert torch.allclose(g.reshape(-1), w.reshape(-1)[lo:hi], atol=1e-6)
+    _assert_pieces(out, want)
 
 
 class _no_future_warning:

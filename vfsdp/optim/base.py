@@ -83,7 +83,7 @@ def gradient_transform(init: Callable[..., Any], transform: Callable[..., tuple]
         An :class:`Optimizer` with ``transform`` set.
 
     Raises:
-        Nothing.
+        Exception: only what ``init`` and ``transform`` raise, when they are called.
 
     Example:
         >>> double = gradient_transform(lambda shards, spec, mask=None: None,
@@ -107,7 +107,7 @@ def apply_update(opt: Optimizer, grads: Any, state: Any, shards: Any,
         ``(grads, state)``.
 
     Raises:
-        Whatever the member raises.
+        Exception: only what the member raises.
 
     Example:
         >>> counter = Optimizer(lambda shards, spec, mask=None: 0, lambda g, s, p, sp: s + 1)

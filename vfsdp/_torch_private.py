@@ -104,6 +104,17 @@ def running_node_seq() -> Optional[int]:
     return None if node is None else int(node._sequence_nr())
 
 
+def is_own_output(t: torch.Tensor) -> bool:
+    """In a saved-tensor pack hook: whether ``t`` is an output of the op saving it (its
+    ``grad_fn`` is the node just made: the newest sequence number on this thread). Such a
+    tensor, kept as it is by the hook, would hold its own node: a cycle through C++."""
+    node = t.grad_fn
+    if node is None:
+        return False
+    next_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
+    return next_nr is None or int(node._sequence_nr()) == next_nr() - 1  # unknown: assume so
+
+
 def keep_graph() -> bool:
     """Inside a backward: whether it runs with ``retain_graph=True`` (the graph runs again)."""
     return bool(torch._C._autograd._get_current_graph_task_keep_graph())

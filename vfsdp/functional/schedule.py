@@ -28,7 +28,7 @@ from typing import Any, Optional
 import optree
 import torch
 
-from vfsdp._torch_private import compiling, functorch_active, running_node_seq
+from vfsdp._torch_private import compiling, functorch_active, is_own_output, running_node_seq
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.handle import Handle
 from vfsdp.collectives.slot import View, slot_of
@@ -91,12 +91,12 @@ class _Regather:
         slot = slot_of(t) or slot_of(t._base)
         if slot is not None and slot.view is View.FULL and id(slot.buffer) in self.index:
             return _Saved(slot.buffer, t)
-        # Not ``t`` itself: an op that saves its own output (tanh, relu) would then hold the
-        # output, whose grad_fn holds this record: a cycle through C++ that Python's collector
+        # An op that saves its own output (tanh, relu) must not get that output back as it
+        # is: its grad_fn would hold this record, a cycle through C++ that Python's collector
         # cannot break, so a graph dropped without its backward (an evaluation with grad mode
         # on, an exception) would never be freed. A detached alias (no kernel, no copy, the
-        # same version counter) is what autograd unpacks without hooks, too.
-        return t.detach()
+        # same version counter) is what autograd keeps of its outputs without hooks, too.
+        return t.detach() if is_own_output(t) else t
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Saved):

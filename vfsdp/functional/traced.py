@@ -261,10 +261,10 @@ def _flush(acc: torch.Tensor, leaves: list, pieces: tuple, groups: tuple, scale:
     acc.grad = None
 
 
-def _flush_tree(shards: Any, spec: ShardSpec, grad_reduce: str) -> None:
+def _flush_tree(shards: Any, spec: ShardSpec, grad_reduce: str, what: str) -> None:
     """:func:`_flush` for every unit of a tree whose accumulator holds gradients."""
-    leaves, _ = traced_leaves(shards, spec, "vfsdp.run_layers")
-    shard_name, m, rep_name, replicas, units, _rank = _traced(spec, "vfsdp.run_layers")[3]
+    leaves, _ = traced_leaves(shards, spec, what)
+    shard_name, m, rep_name, replicas, units, _rank = _traced(spec, what)[3]
     scale = 1.0 / (m * replicas) if grad_reduce == "avg" else 1.0
     for _s, _dtype, pieces, _views, _anchor, acc in units:
         if acc.grad is not None:
@@ -303,10 +303,10 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
     leaves, treespec = traced_leaves(shards, spec, "vfsdp.gather")
     shard_name, m, rep_name, replicas, units, rank = _traced(spec, "vfsdp.gather")[3]
     scale = 1.0 / (m * replicas) if grad_reduce == "avg" else 1.0
+    if flush and grad_sync:  # what grad_sync=False backwards left unreduced
+        _flush_tree(shards, spec, grad_reduce, "vfsdp.gather")
     out = list(leaves)
     for s, dtype, pieces, views, anchor, acc in units:
-        if flush and grad_sync and acc.grad is not None:  # after grad_sync=False backwards
-            _flush(acc, leaves, pieces, (shard_name, m, rep_name, replicas), scale)
         parts, pos = [], 0
         for i, lo, hi in pieces:
             if lo > pos:
@@ -412,7 +412,7 @@ def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any, mesh: Any
 
     if grad_sync:  # what grad_sync=False backwards left unreduced: outside the region below
         for shard, spec in zip(shards, specs):
-            _flush_tree(shard, spec, grad_reduce)
+            _flush_tree(shard, spec, grad_reduce, "vfsdp.run_layers")
 
     def run(shards, h):
         for shard, spec in zip(shards, specs):

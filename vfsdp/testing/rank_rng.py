@@ -48,7 +48,7 @@ _PATCHED: dict = {}
 
 
 # Dropout ops (no generator argument): function -> (spatial dims the mask is shared over,
-# alpha dropout). ``None`` dims: an element-wise mask.
+# alpha dropout). 0: an element-wise mask; "feature": every dim past (N, C).
 _DROPOUTS = {
     F.dropout: (0, False), torch.dropout: (0, False),
     F.alpha_dropout: (0, True), torch.alpha_dropout: (0, True),

@@ -178,22 +178,15 @@ def test_no_docstring_skips_its_example():
     assert skipped == [], skipped
 
 
-@pytest.mark.parametrize("name, home", [("dbuffers", "vfsdp.functional"),
-                                        ("PASSTHROUGH", "vfsdp.planner"),
-                                        ("assemble_reference", "vfsdp.testing"),
-                                        ("split_reference", "vfsdp.testing")])
-def test_moved_names_warn_loudly(name, home):
-    with pytest.warns(FutureWarning, match=rf"moved to {home}"):
-        obj = getattr(vfsdp, name)
-    assert obj is getattr(importlib.import_module(home), name)
-
-
-def test_removed_names_say_why():
-    with pytest.raises(AttributeError, match=r"torch\.distributed\.tensor\.Replicate"):
-        vfsdp.Replicate  # noqa: B018
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        vfsdp.nope  # noqa: B018
-    assert "dbuffers" not in dir(vfsdp) or "dbuffers" not in vfsdp.__all__
+@pytest.mark.parametrize("module, name", [("vfsdp", "dbuffers"), ("vfsdp", "PASSTHROUGH"),
+                                          ("vfsdp", "split_reference"), ("vfsdp", "Replicate"),
+                                          ("vfsdp.collectives", "owner_of"),
+                                          ("vfsdp.collectives", "live_dbuffers"),
+                                          ("vfsdp.optim.adamw", "CHUNK")])
+def test_names_deprecated_in_0_2_are_gone(module, name):
+    """0.2 warned that these 0.1 names go in 0.3: they are plain missing attributes now."""
+    with pytest.raises(AttributeError, match=f"has no attribute '{name}'"):
+        getattr(importlib.import_module(module), name)
 
 
 def _package(filename):

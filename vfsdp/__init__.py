@@ -23,9 +23,6 @@ The layers underneath (each imports only the ones below it)::
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
-
 from vfsdp import checkpoint, optim, testing
 from vfsdp.collectives.mesh import mesh
 from vfsdp.functional import (
@@ -59,7 +56,7 @@ from vfsdp.planner import (
     whole,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 
 __all__ = [
     "plan", "rows", "whole", "ShapeDtype", "check_spec", "plan_stats",
@@ -70,26 +67,3 @@ __all__ = [
     "mesh", "lax", "visualize",
     "init", "optim", "checkpoint", "testing",
 ]
-
-_MOVED = {
-    "dbuffers": ("vfsdp.functional", "dbuffers",
-                 "read a shard's buffers from the shard: vfsdp.collectives.slot_of(t).unit"),
-    "PASSTHROUGH": ("vfsdp.planner", "PASSTHROUGH", "it is the planner's marker"),
-    "assemble_reference": ("vfsdp.testing", "assemble_reference", "references live there"),
-    "split_reference": ("vfsdp.testing", "split_reference", "references live there"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    """Names 0.1 exported that moved: a FutureWarning, then the object from its new home."""
-    if name in _MOVED:
-        module, attr, why = _MOVED[name]
-        warnings.warn(f"vfsdp.{name} moved to {module}.{attr} ({why}) and will be removed from "
-                      f"vfsdp in 0.3", FutureWarning, stacklevel=2)
-        import importlib
-
-        return getattr(importlib.import_module(module), attr)
-    if name == "Replicate":
-        raise AttributeError("vfsdp.Replicate was removed in 0.2: nothing in vfsdp produced or "
-                             "read it; DTensor's is torch.distributed.tensor.Replicate")
-    raise AttributeError(f"module 'vfsdp' has no attribute {name!r}")

@@ -24,7 +24,7 @@
   so a collective inside a ``torch.func`` backward may write its own output buffer (gloo copies
   into it, which functorch would refuse as mutating a captured tensor).
 * :func:`version`: a tensor's in-place version counter (``t._version``).
-* Multi-tensor kernels: :func:`foreach` (``torch._foreach_*``, with a per-tensor fallback) and
+* Multi-tensor kernels: :func:`foreach` (``torch._foreach_*``) and
   :func:`fused_adamw` (``torch._fused_adamw_``, the kernel of ``torch.optim.AdamW(fused=True)``).
 
 * The compiled path: :func:`compiling` (``torch.compiler.is_dynamo_compiling``), the functional
@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_world",
            "report_failure", "groups_are_per_thread", "graph_task_id", "keep_graph",
            "running_node_seq", "storage_refs", "settle_transient_refs", "copy_many",
-           "add_many", "zero_many", "foreach", "has_fused_adamw", "fused_adamw",
+           "add_many", "zero_many", "foreach", "fused_adamw",
            "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH",
            "compiling", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter",
            "traced_sum_autograd",
@@ -70,8 +70,7 @@ def _torch_version() -> tuple[int, int]:
 
 def functorch_active() -> bool:
     """Whether a ``torch.func`` transform (grad, vjp, vmap, ...) is active on this thread."""
-    probe = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return bool(probe()) if probe is not None else False
+    return bool(torch._C._are_functorch_transforms_active())
 
 
 def storage_id(t: torch.Tensor) -> int:
@@ -134,20 +133,9 @@ def queue_final_callback(fn) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
-def _many(name: str, one: str, dsts: list, *srcs: list) -> None:
-    if not dsts:
-        return
-    many = getattr(torch, name, None)
-    if many is None:
-        for d, *x in zip(dsts, *srcs):
-            getattr(d, one)(*x)
-        return
-    many(dsts, *srcs)
-
-
 def foreach(op: str, *lists: list, scalar=None, **kwargs):
     """``torch._foreach_<op>(*lists[, scalar], **kwargs)``: one multi-tensor op (one launch
-    per few hundred tensors on a GPU); where this torch lacks it, the per-tensor loop.
+    per few hundred tensors on a GPU).
 
     Returns:
         What the op returns (a list for out-of-place ops, ``None`` for in-place ones).
@@ -155,16 +143,7 @@ def foreach(op: str, *lists: list, scalar=None, **kwargs):
     if not lists or not lists[0]:
         return None if op.endswith("_") else []  # torch refuses empty lists
     extra = () if scalar is None else (scalar,)
-    many = getattr(torch, f"_foreach_{op}", None)
-    if many is not None:
-        return many(*lists, *extra, **kwargs)
-    out = [getattr(first, op)(*rest, *extra, **kwargs) for first, *rest in zip(*lists)]
-    return None if op.endswith("_") else out
-
-
-def has_fused_adamw() -> bool:
-    """Whether this torch has the fused AdamW kernel (``torch._fused_adamw_``)."""
-    return hasattr(torch, "_fused_adamw_")
+    return getattr(torch, f"_foreach_{op}")(*lists, *extra, **kwargs)
 
 
 def fused_adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, *,
@@ -181,18 +160,18 @@ def fused_adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, st
 
 def copy_many(dsts: list, srcs: list) -> None:
     """``dst.copy_(src)`` for each pair, as one multi-tensor op (one launch on a GPU for
-    matching dtypes) where this torch has ``_foreach_copy_``."""
-    _many("_foreach_copy_", "copy_", dsts, srcs)
+    matching dtypes)."""
+    foreach("copy_", dsts, srcs)
 
 
 def add_many(dsts: list, srcs: list) -> None:
-    """``dst.add_(src)`` for each pair, as one multi-tensor op where torch has it."""
-    _many("_foreach_add_", "add_", dsts, srcs)
+    """``dst.add_(src)`` for each pair, as one multi-tensor op."""
+    foreach("add_", dsts, srcs)
 
 
 def zero_many(dsts: list) -> None:
-    """``dst.zero_()`` for each tensor, as one multi-tensor op where torch has it."""
-    _many("_foreach_zero_", "zero_", dsts)
+    """``dst.zero_()`` for each tensor, as one multi-tensor op."""
+    foreach("zero_", dsts)
 
 
 def functorch_paused():

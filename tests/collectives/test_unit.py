@@ -59,13 +59,17 @@ def test_dbuffer_is_built_from_a_layout_and_groups():
             except TypeError as exc:
                 msgs.append(str(exc))
         db = DBuffer(spec.units[()], groups)
-        with pytest.warns(FutureWarning, match="roles are vfsdp.collectives.Role"):
-            legacy = db.like(role="exp_avg")
-        return msgs, legacy.role, legacy.name, repr(db)
+        try:
+            db.like(role="exp_avg")  # 0.1's spelling, deprecated in 0.2
+        except TypeError as exc:
+            msgs.append(str(exc))
+        state = db.like(role=Role.STATE, name="exp_avg")
+        return msgs, state.role, state.name, repr(db)
 
     msgs, role, name, text = simulate(2, body)[0]
     assert "layout must be a UnitLayout (spec.units[key])" in msgs[0]
     assert "role must be a vfsdp.collectives.Role" in msgs[1]
+    assert "role must be a vfsdp.collectives.Role, got 'exp_avg'" in msgs[2]
     assert role is Role.STATE and name == "exp_avg"
     assert text.startswith("DBuffer(param, unit <root>, rank 0/2")
 

@@ -89,8 +89,7 @@ def test_run_layers_refuses_returned_grads_and_unknown_options():
 
 
 def test_reduce_scatter_options():
-    with pytest.warns(FutureWarning, match="grad_reduce everywhere"):
-        results = simulate(2, ob.explicit_reduce_scatter)
+    results = simulate(2, ob.explicit_reduce_scatter)
     assert results == [(True, True, True)] * 2
 
 

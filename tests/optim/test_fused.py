@@ -184,14 +184,6 @@ def test_fused_true_refuses_parameters_of_another_dtype_than_the_state():
     assert simulate(1, body) == [True]
 
 
-def test_old_chunk_constant_warns():
-    import importlib
-
-    adamw_mod = importlib.import_module("vfsdp.optim.adamw")
-    with pytest.warns(FutureWarning, match="TEMP_ELEMS"):
-        assert adamw_mod.CHUNK == fused_mod.TEMP_ELEMS
-
-
 def test_empty_lists_are_no_ops():
     from vfsdp import _torch_private as tp
 

@@ -20,19 +20,6 @@ from vfsdp.collectives.scatter import scatter_unit
 from vfsdp.collectives.slot import Role, Slot, View, slot_of
 from vfsdp.collectives.unit import Unit
 
-_REMOVED = {"owner_of": "read a tensor's buffer from the tensor: vfsdp.collectives.slot_of(t)",
-            "global_owner": "read a tensor's buffer from the tensor: "
-                            "vfsdp.collectives.slot_of(t) (or slot_of(t._base))",
-            "live_dbuffers": "observe buffer events with vfsdp.collectives.events.observe"}
-
-
-def __getattr__(name: str):
-    if name in _REMOVED:
-        raise AttributeError(f"vfsdp.collectives.{name} was removed in 0.2 (no registry of "
-                             f"buffers any more): {_REMOVED[name]}")
-    raise AttributeError(f"module 'vfsdp.collectives' has no attribute {name!r}")
-
-
 __all__ = [
     "DBuffer",
     "Handle",

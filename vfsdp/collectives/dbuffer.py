@@ -26,7 +26,6 @@ autograd version counter: regathering the same values does not invalidate saved 
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, Optional, Union
@@ -570,11 +569,6 @@ class DBuffer:
             role: A :class:`Role` (default ``Role.STATE``).
             name: A label (e.g. ``"exp_avg"``).
         """
-        if isinstance(role, str):  # 0.1 spelled roles as strings: like(dtype, role="exp_avg")
-            warnings.warn(f"DBuffer.like(role={role!r}): roles are vfsdp.collectives.Role values "
-                          f"now; pass role=Role.STATE, name={role!r}", FutureWarning,
-                          stacklevel=2)
-            role, name = Role.STATE, name or role
         return DBuffer(self.layout, self.groups, dtype or self.dtype, role, name, self.unit)
 
     def _flat(self, other) -> torch.Tensor:

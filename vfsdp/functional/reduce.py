@@ -215,7 +215,7 @@ def _zero_gaps(buf: torch.Tensor, tensors, covered: set) -> None:
 
 def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh: Any = None,
                    grad_reduce: str = "avg", reduce_dtype: Optional[torch.dtype] = None,
-                   accumulate_grads: bool = False, op: Optional[str] = None) -> Any:
+                   accumulate_grads: bool = False) -> Any:
     """Reduce-scatter full gradients into the sharded gradient DBuffers (explicit form).
 
     Args:
@@ -228,7 +228,6 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
         grad_reduce: ``"avg"`` or ``"sum"`` over every rank of the mesh.
         reduce_dtype: Dtype to reduce in.
         accumulate_grads: Add into the gradient buffers instead of overwriting them.
-        op: Deprecated spelling of ``grad_reduce``.
 
     Returns:
         A tree of this rank's gradient shards (views into the gradient DBuffers).
@@ -245,10 +244,6 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
         >>> vfsdp.testing.simulate(2, body)
         [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
     """
-    if op is not None:
-        warnings.warn("vfsdp.reduce_scatter(op=...) is deprecated: the option is called "
-                      "grad_reduce everywhere", FutureWarning, stacklevel=2)
-        grad_reduce = op
     if functorch_active():
         raise ValueError("vfsdp.reduce_scatter cannot run inside torch.func transforms (it "
                          "writes gradient buffers); differentiate through vfsdp.gather instead, "

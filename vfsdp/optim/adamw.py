@@ -17,7 +17,6 @@ gradient, moments and parameters are all zero.
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -48,16 +47,6 @@ from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["adamw", "AdamWState", "AdamWPlan", "StepSlices", "runs", "segments", "owned_views",
            "trainable_runs"]
-
-
-def __getattr__(name: str):
-    if name == "CHUNK":  # 0.1: the per-chunk loop, replaced by multi-tensor ops
-        warnings.warn("vfsdp.optim.adamw.CHUNK is gone: the update is a few multi-tensor ops per "
-                      "step; its temporary is bounded by vfsdp.optim.fused.TEMP_ELEMS",
-                      FutureWarning, stacklevel=2)
-        from vfsdp.optim.fused import TEMP_ELEMS
-        return TEMP_ELEMS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def runs(db: DBuffer, mask: Mask) -> tuple[tuple[int, int], ...]:

@@ -36,17 +36,16 @@ TEMP_ELEMS = 1 << 25
 
 def use_fused(fused: Optional[bool], device: torch.device, dtypes: set, what: str = "") -> bool:
     """Whether the fused kernel runs: ``fused`` if given, else on CUDA; it needs one dtype
-    for parameters, gradients and moments (``dtypes``) and a torch that has the kernel.
+    for parameters, gradients and moments (``dtypes``).
 
     Raises:
         ValueError: ``fused=True`` where the kernel cannot run (naming why).
     """
-    able = len(dtypes) == 1 and tp.has_fused_adamw()
+    able = len(dtypes) == 1
     if fused is None:
         return able and device.type == "cuda"
     if fused and not able:
-        why = ("this torch has no torch._fused_adamw_" if not tp.has_fused_adamw() else
-               f"parameters, gradients and moments must share one dtype, got "
+        why = (f"parameters, gradients and moments must share one dtype, got "
                f"{sorted(map(str, dtypes))}")
         where = f": {what}" if what else ""
         raise ValueError(f"adamw(fused=True){where}: {why}; use fused=False (the foreach path), "

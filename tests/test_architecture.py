@@ -108,7 +108,7 @@ def test_one_screen_api():
         "plan", "rows", "whole", "ShapeDtype", "check_spec", "plan_stats",
         "ShardSpec", "UnitLayout", "TensorSpec", "RaggedShard", "StridedRaggedShard",
         "shard", "scatter", "gather", "gather_async", "release",
-        "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm",
+        "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm", "Policy",
         "to_dtensor", "from_dtensor", "dtensor_placement",
         "mesh", "lax", "visualize",
         "init", "optim", "checkpoint", "testing",

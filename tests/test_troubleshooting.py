@@ -232,7 +232,7 @@ def inventory() -> tuple[list, list]:
                     if len(node.args) > index:
                         text = _render(node.args[index], consts)
                         if text is not None:
-                            classes = (_warning_class(node) if name == "warn"
+                            classes = (_warning_class(node) if name in ("warn", "warn_user")
                                        else {cls} if cls else None)
                             messages.append(Message(rel, func, node.lineno, classes, _text(text),
                                                     kind=name))

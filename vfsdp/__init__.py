@@ -6,6 +6,7 @@ What a user calls, on one screen::
     ShardSpec, UnitLayout, TensorSpec, RaggedShard, StridedRaggedShard   # what a plan holds
     shard, scatter, gather, gather_async, release             # shards <-> full tensors
     reduce_scatter, run_layers, grads, zero_grads             # gradients
+    Policy                                                    # the options, frozen
     clip_grad_norm                                            # one all-reduce
     to_dtensor, from_dtensor, dtensor_placement               # DTensor interop
     mesh, lax, visualize                                      # named axes; who holds what
@@ -26,6 +27,7 @@ from __future__ import annotations
 from vfsdp import checkpoint, optim, testing
 from vfsdp.collectives.mesh import mesh
 from vfsdp.functional import (
+    Policy,
     dtensor_placement,
     from_dtensor,
     gather,
@@ -62,7 +64,7 @@ __all__ = [
     "plan", "rows", "whole", "ShapeDtype", "check_spec", "plan_stats",
     "ShardSpec", "UnitLayout", "TensorSpec", "RaggedShard", "StridedRaggedShard",
     "shard", "scatter", "gather", "gather_async", "release",
-    "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm",
+    "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm", "Policy",
     "to_dtensor", "from_dtensor", "dtensor_placement",
     "mesh", "lax", "visualize",
     "init", "optim", "checkpoint", "testing",

@@ -177,3 +177,75 @@ def _dropping_the_shards_frees_the_unit_at_once():
 
 def test_grads_views_are_kept_without_a_reference_cycle():
     assert simulate(2, _dropping_the_shards_frees_the_unit_at_once) == [(True, True, True)] * 2
+
+
+def _lifecycle():
+    """Unit.state follows its transitions, and repr(unit) shows it, the buffers holding
+    memory and what is pending."""
+    from vfsdp.collectives import UnitState
+    from vfsdp.functional.backward import pending
+
+    params = {"layers": [{"w": torch.full((4, 2), 0.5)} for _ in range(3)]}
+    spec = vfsdp.plan(params, dist.get_world_size(), granularity=vfsdp.rows(1))
+    shards = vfsdp.shard(params, spec)
+    units = [slot_of(s["w"]).unit for s in shards["layers"]]
+    seen = {"start": [u.state for u in units]}
+    units[0].gather(async_op=True)
+    seen["async"] = units[0].state
+    units[0].wait()
+    seen["waited"] = units[0].state
+    units[0].release()
+    seen["released"] = units[0].state
+    h = vfsdp.run_layers(lambda p, x: x @ p["w"] @ p["w"].T, shards["layers"], spec["layers"],
+                         torch.ones(1, 4))
+    seen["forward"] = [u.state for u in units]
+    seen["repr"] = repr(units[0])
+    seen["record"] = repr(pending())
+    seen["links"] = [u.backward_prefetch is not None for u in units]
+    h.sum().backward()
+    seen["backward"] = [u.state for u in units]
+    seen["after"] = (repr(units[0]), repr(pending()))
+    full = vfsdp.gather(shards["layers"][0], spec["layers"][0])
+    loss = full["w"].sum()
+    units[0].release()
+    seen["held"] = units[0].state
+    loss.backward()
+    seen["freed"] = units[0].state
+    return seen, UnitState
+
+
+def test_a_unit_moves_through_its_lifecycle_and_shows_it():
+    seen, UnitState = simulate(2, _lifecycle)[0]
+    R, G = UnitState.RELEASED, UnitState.GATHERED
+    assert seen["start"] == [R, R, R]
+    assert seen["async"] in (UnitState.GATHERING, G)  # threads: the collective may be done
+    assert (seen["waited"], seen["released"]) == (G, R)
+    # run_layers: every unit but the last resharded after its forward, the last kept gathered
+    assert seen["forward"] == [UnitState.RESHARDED, UnitState.RESHARDED, G]
+    assert "resharded" in seen["repr"] and "1 backward(s)" in seen["repr"]
+    assert seen["record"].startswith("RankGathers(3 awaiting")
+    assert seen["links"] == [False, True, True]  # each prefetches the one run before it
+    # gathered again for their backward, then freed after it (free_after_backward)
+    assert seen["backward"] == [R, R, R]
+    assert ("released; holding [param float32 shard, grad float32 shard]; pending []"
+            in seen["after"][0])
+    assert seen["after"][1].startswith("RankGathers(0 awaiting") and "running: None" in seen["after"][1]
+    assert (seen["held"], seen["freed"]) == (UnitState.HELD, R)
+
+
+def test_only_the_units_transitions_issue_unit_collectives():
+    """The functional and optimizer layers never call a DBuffer's all-gather or
+    reduce-scatter: the Unit's transitions do."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(vfsdp.__file__).parent
+    bad = []
+    for sub in ("functional", "optim"):
+        for path in sorted((root / sub).glob("*.py")):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#")[0]
+                if re.search(r"\.(all_gather|reduce_scatter|reduce_scatter_new|regather)\(", code) \
+                        and ">>>" not in code and "vfsdp.reduce_scatter(" not in code:
+                    bad.append(f"{path.name}:{n}: {line.strip()}")
+    assert bad == []

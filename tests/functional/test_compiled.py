@@ -299,12 +299,14 @@ def _refusals():
 def test_what_the_compiled_path_cannot_do_is_refused_by_name():
     buffer, muon, reduce, layers_buffer, misspelt, max_, async_, handle = \
         simulate(2, _refusals)[0]
-    assert "grads='buffer' needs vfsdp's eager gradient buffers" in buffer
+    # one wording for what a path cannot honour, on every path
+    assert "vfsdp.gather: grads='buffer' is not supported under torch.compile" in buffer
     # run_layers checks its options as eagerly, not ignoring them (it did before)
-    assert "vfsdp.run_layers under torch.compile: grads='buffer'" in layers_buffer
+    assert "vfsdp.run_layers: grads='buffer' is not supported under torch.compile" in layers_buffer
     assert "vfsdp.run_layers got unexpected options ['param_dtpye']" in misspelt
     assert "grad_reduce must be one of ('sum', 'avg'), got 'max'" in max_  # summed before
-    assert "vfsdp.run_layers under torch.compile: async_reduce=True needs" in async_
+    assert "vfsdp.run_layers: async_reduce=True is not supported under torch.compile" in async_
     assert "vfsdp.gather_async under torch.compile is not supported" in handle
     assert "muon.update under torch.compile is not supported yet" in muon
-    assert "reduce-scatters the gradients in the gather dtype (torch.bfloat16)" in reduce
+    assert ("reduce_dtype=torch.float32 is not supported under torch.compile with a "
+            "torch.bfloat16 gather" in reduce)

@@ -230,6 +230,6 @@ def test_bad_options_with_all_gather_hooks_are_refused_as_eagerly():
     without the gradient buffer; it checks them as the eager path does now."""
     max_, async_, buffer, nope = simulate(2, _refused_options)[0]
     assert max_ == "grad_reduce must be one of ('sum', 'avg'), got 'max'"
-    assert async_.startswith("vfsdp.gather with all_gather=: async_reduce=True needs grads='buffer'")
-    assert buffer.startswith("vfsdp.gather with all_gather=: grads='buffer' needs vfsdp's eager")
+    assert async_.startswith("vfsdp.gather: async_reduce=True is not supported with all_gather= hooks")
+    assert buffer.startswith("vfsdp.gather: grads='buffer' is not supported with all_gather= hooks")
     assert nope == "grads must be one of ('return', 'buffer'), got 'nope'"

@@ -6,7 +6,7 @@ import torch
 
 import vfsdp
 from tests.functional import option_bodies as ob
-from vfsdp.functional.options import GradOptions, split_options
+from vfsdp.functional.options import GradOptions, merge
 from vfsdp.testing import simulate
 
 
@@ -79,7 +79,7 @@ def test_bad_values_and_unknown_names():
     with pytest.raises(ValueError, match="reduce_dtype must be a floating-point"):
         GradOptions(reduce_dtype=torch.int32)
     with pytest.raises(TypeError, match="unexpected options \\['accumulate'\\]"):
-        split_options({"accumulate": True}, "vfsdp.gather_async")
+        merge(None, {"accumulate": True}, "vfsdp.gather_async")
 
 
 def test_run_layers_refuses_returned_grads_and_unknown_options():

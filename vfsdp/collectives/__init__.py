@@ -18,7 +18,7 @@ from vfsdp.collectives.reference import (
 )
 from vfsdp.collectives.scatter import scatter_unit
 from vfsdp.collectives.slot import Role, Slot, View, slot_of
-from vfsdp.collectives.unit import Unit
+from vfsdp.collectives.unit import Unit, UnitState
 
 __all__ = [
     "DBuffer",
@@ -29,6 +29,7 @@ __all__ = [
     "Role",
     "Slot",
     "Unit",
+    "UnitState",
     "View",
     "agree",
     "agreed",

@@ -361,6 +361,12 @@ class DBuffer:
 
     # ------------------------------------------------------------------ collectives
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether an asynchronous collective writing this buffer was started and not
+        waited for."""
+        return self._pending is not None and not self._pending.done
+
     def wait(self) -> None:
         """Wait for this buffer's pending asynchronous collective, if any."""
         pending, self._pending = self._pending, None

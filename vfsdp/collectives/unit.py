@@ -1,4 +1,4 @@
-"""Unit: one communication unit on this rank, owning its parameter DBuffer and what derives from it.
+"""Unit: one communication unit on this rank, its buffers and its lifecycle.
 
 ``vfsdp.shard`` makes one ``Unit`` per unit of the spec; every shard it returns is a local view
 of ``unit.params`` whose :class:`~vfsdp.collectives.Slot` names the unit. Everything the
@@ -14,13 +14,29 @@ later stages need hangs off that object, created on first use:
 ``unit.stage(dt)``        the reduce-scatter input in the reduction dtype (``STAGE``)
 ========================  ==========================================================
 
-An asynchronous gradient reduction in flight is recorded on the gradient buffer itself, and
+**The lifecycle.** :attr:`Unit.state` is a :class:`UnitState`; the transitions are methods of
+the unit, and they are the only code that issues the unit's collectives (the all-gather on
+the way in, the reduce-scatter on the way out)::
+
+    RELEASED --gather(async_op=True): all-gather--> GATHERING --wait()--> GATHERED
+    RELEASED --gather(): all-gather-----------------------------------> GATHERED
+    GATHERED --reshard() (run_layers, after the unit's forward)------> RESHARDED
+    RESHARDED --prepare_backward(): all-gather (or wait the prefetch)-> GATHERED
+    GATHERED --release(): no graph reads the full tensors-------------> RELEASED
+    GATHERED --release(): a live graph still reads them---------------> HELD
+    HELD --the last such graph is done or dropped---------------------> RELEASED
+    any --reduce(): reduce-scatter of the gradients (the grads side: reducing until done)
+
+``repr(unit)`` shows the state, the buffers holding memory and what is pending. An
+asynchronous gradient reduction in flight is recorded on the gradient buffer itself, and
 :meth:`Unit.grads` waits for it: whoever reads the gradients waits for exactly the work that
 writes them.
 """
 
 from __future__ import annotations
 
+import enum
+import weakref
 from typing import Optional
 
 import torch
@@ -29,13 +45,28 @@ from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle
 from vfsdp.collectives.slot import Role
-from vfsdp.planner.spec import TensorSpec, UnitLayout
+from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
-__all__ = ["Unit"]
+__all__ = ["Unit", "UnitState"]
+
+
+class UnitState(enum.Enum):
+    """Where a unit's parameters are in their life on this rank (see the module diagram).
+
+    Example:
+        >>> [s.value for s in UnitState]
+        ['released', 'gathering', 'gathered', 'resharded', 'held']
+    """
+
+    RELEASED = "released"    #: the shard only: no gathered memory
+    GATHERING = "gathering"  #: an all-gather is in flight (``wait()`` finishes it)
+    GATHERED = "gathered"    #: the full tensors are valid
+    RESHARDED = "resharded"  #: released after its forward; its backward gathers it again
+    HELD = "held"            #: released, the memory kept while a graph or tensors use it
 
 
 class Unit:
-    """One unit's buffers on this rank.
+    """One unit's buffers on this rank, and its lifecycle (:class:`UnitState`).
 
     Args:
         layout: The unit's layout (``spec.units[key]``).
@@ -48,9 +79,11 @@ class Unit:
         ...     unit = Unit(spec.units[()], resolve_groups(spec))
         ...     unit.params.local(0).data.fill_(dist.get_rank() + 1.0)
         ...     full, _ = unit.gather(torch.bfloat16)
-        ...     return full.full(0).tolist(), full.dtype
+        ...     state = unit.state.value
+        ...     unit.release()
+        ...     return full.full(0).tolist(), full.dtype, state, unit.state.value
         >>> vfsdp.testing.simulate(2, body)[1]
-        ([1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0], torch.bfloat16)
+        ([1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0], torch.bfloat16, 'gathered', 'released')
     """
 
     def __init__(self, layout: UnitLayout, groups: MeshGroups,
@@ -68,6 +101,11 @@ class Unit:
         # The shards' .grad were made views of the gradient buffer (a grads="buffer"
         # backward()): the buffer holds the gradients while they still are.
         self.grad_linked = False
+        self._resharded: set = set()  # the buffers (ids) reshard() released: gathered again
+        # What prepare_backward() prefetches (run_layers: the unit that ran before this one),
+        # as (weak unit, dtype); the same on every rank, as the runs are.
+        self.backward_prefetch: Optional[tuple] = None
+        self.awaiting = 0  # differentiable gathers of this unit whose backward is pending
 
     @property
     def key(self):
@@ -82,7 +120,27 @@ class Unit:
     def tensors(self) -> tuple[TensorSpec, ...]:
         return self.layout.tensors
 
-    # ------------------------------------------------------------------ parameters
+    # ------------------------------------------------------------------ the lifecycle
+
+    @property
+    def state(self) -> UnitState:
+        """The parameters' :class:`UnitState` (of the buffer gathered last, when several
+        dtypes were)."""
+        states = [self._state_of(db) for db in (self.params, *self._compute.values())]
+        for s in (UnitState.GATHERING, UnitState.GATHERED, UnitState.HELD,
+                  UnitState.RESHARDED):
+            if s in states:
+                return s
+        return UnitState.RELEASED
+
+    def _state_of(self, db: DBuffer) -> UnitState:
+        if db.is_gathered:
+            if db.release_pending:
+                return UnitState.HELD
+            return UnitState.GATHERING if db.in_flight else UnitState.GATHERED
+        if db.is_allocated:
+            return UnitState.HELD
+        return UnitState.RESHARDED if id(db) in self._resharded else UnitState.RELEASED
 
     def compute(self, dtype: Optional[torch.dtype]) -> DBuffer:
         """The buffer gathered for compute in ``dtype``: ``params`` itself when the dtypes
@@ -98,23 +156,64 @@ class Unit:
 
     def gather(self, param_dtype: Optional[torch.dtype] = None,
                async_op: bool = False) -> tuple[DBuffer, Handle]:
-        """All-gather the parameters, in ``param_dtype`` if given: one cast over the shard
-        (a group op) into the compute buffer, then the in-place all-gather of that.
+        """Any state -> ``GATHERING`` (``async_op``) or ``GATHERED``: all-gather the
+        parameters, in ``param_dtype`` if given (one cast over the shard, a group op, into
+        the compute buffer, then the in-place all-gather of that). Gathering a gathered unit
+        again re-runs its all-gather.
 
         Returns:
             The buffer holding the full tensors, and the collective's handle.
         """
         db = self.compute(param_dtype)
-        return db, self.regather(db, async_op)
+        return db, self._all_gather(db, async_op)
 
-    def regather(self, db: DBuffer, async_op: bool = False) -> Handle:
-        """Gather ``db`` (``params`` or one of its compute copies) again: a compute copy
-        first casts the master shard straight into its slice of the global buffer."""
+    def _all_gather(self, db: DBuffer, async_op: bool) -> Handle:
+        self._resharded.discard(id(db))
         if db is not self.params:
             db.wait()
             db.alloc_global()
             db.copy_(self.params)
         return db.all_gather(async_op=async_op)
+
+    def wait(self) -> None:
+        """``GATHERING`` -> ``GATHERED``: finish the all-gathers in flight."""
+        for db in (self.params, *self._compute.values()):
+            if db.in_flight:
+                db.wait()
+
+    def reshard(self, db: DBuffer) -> None:
+        """``GATHERED`` -> ``RESHARDED`` (``run_layers``, after the unit's forward): free the
+        gathered memory now; :meth:`prepare_backward` gathers it again."""
+        db.free_global()
+        if not db.is_allocated:
+            self._resharded.add(id(db))
+
+    def prepare_backward(self, db: DBuffer) -> None:
+        """Before the unit's backward or its zero reduction, on every rank alike:
+        ``RESHARDED`` -> ``GATHERED`` (finish the prefetch, or all-gather now), then start the
+        prefetch of :attr:`backward_prefetch` if that unit is resharded (``GATHERING``)."""
+        if db.in_flight:
+            db.wait()
+        elif id(db) in self._resharded:
+            self._all_gather(db, async_op=False)
+        link = self.backward_prefetch
+        prev = link[0]() if link is not None else None
+        if prev is not None:
+            pdb = prev.compute(link[1])
+            if id(pdb) in prev._resharded and not pdb.in_flight:
+                prev._all_gather(pdb, async_op=True)
+
+    def release(self, at_once: bool = True) -> None:
+        """``GATHERED`` -> ``RELEASED``, or ``HELD`` while a backward through the full
+        tensors is pending (the memory goes as soon as it is done or its graph is dropped):
+        every gathered parameter buffer of the unit (:meth:`DBuffer.release`).
+
+        Args:
+            at_once: The full tensors handed out read as released at once (``False``:
+                ``free_after_backward``, when the memory goes).
+        """
+        for db in (self.params, *self._compute.values()):
+            db.release(at_once)
 
     def buffers(self) -> list[DBuffer]:
         """Every buffer the unit holds now: parameters, compute copies, gradients,
@@ -127,14 +226,23 @@ class Unit:
         """The parameter buffers whose global buffer holds memory now."""
         return [db for db in (self.params, *self._compute.values()) if db.is_allocated]
 
-    def release(self) -> None:
-        """Release every gathered parameter buffer of the unit (:meth:`DBuffer.release`): the
-        full tensors handed out read as released at once; the memory goes now, or, while a
-        backward through them is pending, as soon as it is done or its graph is dropped."""
-        for db in (self.params, *self._compute.values()):
-            db.release()
-
     # ------------------------------------------------------------------ gradients
+
+    def reduce(self, source: torch.Tensor, op: str, reduce_dtype: Optional[torch.dtype],
+               accumulate: bool = False, async_op: bool = False,
+               release: Optional[DBuffer] = None) -> Handle:
+        """Reduce-scatter ``source`` (an ``m*S`` buffer laid out like the unit) into the
+        gradient buffer (see :meth:`DBuffer.reduce_scatter`); the grads side is *reducing*
+        until the handle is done, and readers of the gradients wait for it."""
+        return self.grads().reduce_scatter(source=source, op=op, reduce_dtype=reduce_dtype,
+                                           accumulate=accumulate, async_op=async_op,
+                                           release=release)
+
+    def reduce_new(self, source: torch.Tensor, op: str,
+                   reduce_dtype: Optional[torch.dtype]) -> torch.Tensor:
+        """Reduce-scatter ``source`` into a new ``S``-element tensor (the gradients handed
+        to autograd); the unit's buffers are not touched."""
+        return self.params.reduce_scatter_new(source, op=op, reduce_dtype=reduce_dtype)
 
     @property
     def has_grads(self) -> bool:
@@ -189,6 +297,28 @@ class Unit:
         for db in self._accum.values():
             db.free_global()
 
+    def link_prefetch(self, prev: Optional[Unit], dtype: Optional[torch.dtype]) -> None:
+        """Set :attr:`backward_prefetch`: ``prev`` (held weakly) is gathered, in ``dtype``,
+        while this unit's backward runs."""
+        self.backward_prefetch = None if prev is None else (weakref.ref(prev), dtype)
+
     def __repr__(self) -> str:
-        return (f"Unit({self.layout.key!r}, rank {self.rank}/{self.layout.world_size}, "
-                f"S={self.layout.shard_numel}, {self.params.dtype})")
+        held = []
+        for db in self.buffers():
+            parts = [p for p, on in (("shard", db.role is not Role.COMPUTE and db.holds_shard),
+                                     ("full", db.is_allocated)) if on]
+            if parts:
+                held.append(f"{db.name} {str(db.dtype).replace('torch.', '')} "
+                            f"{'+'.join(parts)}")
+        pending = []
+        if any(db.in_flight for db in (self.params, *self._compute.values())):
+            pending.append("all-gather")
+        if self._grads is not None and self._grads.in_flight:
+            pending.append("reduce-scatter")
+        if self.awaiting:
+            pending.append(f"{self.awaiting} backward(s)")
+        if self.accumulating():
+            pending.append("unreduced gradients")
+        return (f"Unit({unit_name(self.layout.key)}, rank {self.rank}/{self.layout.world_size}, "
+                f"S={self.layout.shard_numel}, {self.params.dtype}, {self.state.value}; "
+                f"holding [{', '.join(held)}]; pending [{', '.join(pending)}])")

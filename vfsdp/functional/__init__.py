@@ -4,11 +4,11 @@ Imports ``vfsdp.collectives`` and below, never ``optim``, ``checkpoint`` or ``te
 """
 
 from vfsdp.functional import init
+from vfsdp.functional.backward import Reductions
 from vfsdp.functional.dtensor import dtensor_placement, from_dtensor, to_dtensor
 from vfsdp.functional.gather import gather, gather_async
 from vfsdp.functional.grads import grads, zero_grads
-from vfsdp.functional.ledger import Reductions
-from vfsdp.functional.options import GatherOptions, GradOptions
+from vfsdp.functional.options import GatherOptions, GradOptions, Policy
 from vfsdp.functional.reduce import reduce_scatter
 from vfsdp.functional.reference import (
     gather_reference,
@@ -27,6 +27,7 @@ __all__ = [
     "Checkpointable",
     "GatherOptions",
     "GradOptions",
+    "Policy",
     "Reductions",
     "UnitLeaves",
     "dbuffers",

@@ -15,7 +15,6 @@ the unit's gradient DBuffer, which later backwards add to until it is zeroed, an
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Optional
 
 import optree
@@ -26,10 +25,10 @@ from vfsdp import _torch_private as tp
 from vfsdp._torch_private import functorch_active
 from vfsdp.collectives.groups import resolve_groups
 from vfsdp.collectives.handle import Handle
-from vfsdp.functional.ledger import ledger
-from vfsdp.functional.options import GatherOptions, GradOptions, split_options
+from vfsdp.functional.backward import pending
+from vfsdp.functional.options import GatherOptions, GradOptions, Policy, merge, refuse, resolve
 from vfsdp.functional.reduce import reduce_unit
-from vfsdp.functional.traced import check_traced_options, traced_gather
+from vfsdp.functional.traced import traced_gather
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import find_unit, pack_unit, units_of
 from vfsdp.planner.spec import ShardSpec, unit_name
@@ -45,7 +44,7 @@ class _Call:
 
     __slots__ = ("spec", "key", "index", "mesh", "what", "gopts", "ropts",
                  "unit", "db", "locals", "versions", "flat_version", "needs", "entry",
-                 "before_reduce", "recording")
+                 "recording")
 
     def __init__(self, spec, key, index, mesh, what, gopts, ropts) -> None:
         self.spec, self.key, self.index, self.mesh, self.what = spec, key, index, mesh, what
@@ -56,11 +55,8 @@ class _Call:
         self.versions: tuple = ()
         self.flat_version = -1    # the unit's flat parameter shard's (optimizers write that)
         self.needs: tuple = ()    # which of them require grad
-        self.entry = None         # this gather's place in the rank's backward ledger
+        self.entry = None         # this gather's place in the rank's RankGathers
         self.recording = True     # autograd records the gather (grad mode was on at apply)
-        # What must happen on every rank before the unit's reduce-scatter, whether its
-        # backward runs or it reduces zeros (run_layers: regather it, prefetch the previous).
-        self.before_reduce: Optional[Callable[[], None]] = None
 
     def check_versions(self) -> None:
         """Raise if a shard was changed in place since the forward gathered it.
@@ -83,6 +79,40 @@ class _Call:
                 f"them for the forward, before its backward; the backward would mix old and "
                 f"new values. Run the backward first, then update (for several micro-batches, "
                 f"update once after the last backward)")
+
+    def reduce_zeros(self, accumulates: bool) -> None:
+        """This rank's loss did not reach the unit: take part in its reduce-scatter with
+        zeros (the other ranks' backward runs it).
+
+        With ``grads="return"`` the result (the other ranks' contributions) goes into the
+        shards' ``.grad`` when the pass accumulates into leaves (``backward()``), as FSDP2
+        does."""
+        self.unit.prepare_backward(self.db)  # as where the backward runs: same collectives
+        if self.gopts.free_after_backward:
+            self.db.release(at_once=False)  # as after a backward that ran (kept while read)
+        if self.ropts.grads == "buffer":
+            unlink_stale(self.unit, self.locals, self.index, self.needs)
+        pieces = reduce_unit(self.unit, self.index, [None] * len(self.index), self.ropts,
+                             views=self.ropts.grads == "return")
+        if self.ropts.grads == "buffer" and self.ropts.grad_sync:
+            grads_to_buffer(self, accumulates)
+        if self.ropts.grads != "return" or pieces is None or not accumulates:
+            return
+        with torch.no_grad():
+            for x, p, need in zip(self.locals, pieces, self.needs):
+                if need and p is not None:
+                    if x.grad is None:
+                        x.grad = p
+                    else:
+                        x.grad.add_(p)
+
+    def orphaned(self) -> None:
+        """The unit's autograd node died before any backward reached it: with
+        ``free_after_backward``, its gathered memory can go now (the next backward reduces
+        its zeros if another rank's runs the unit; a resharded unit is gathered again
+        then)."""
+        if self.gopts.free_after_backward:
+            self.db.release(at_once=False)
 
     def resolve(self, local) -> None:
         """Find the unit from the shards (unwrapped here under ``torch.func``), or pack them."""
@@ -120,8 +150,7 @@ class _GatherUnit(torch.autograd.Function):
             call.locals, call.needs = tuple(inputs[1:]), needs
             call.versions = tuple(tp.version(x) for x in call.locals)
             call.flat_version = tp.version(call.unit.params.shard)
-            call.entry = ledger().add(ctx, lambda acc, c=call: _reduce_zeros(c, acc), call.db,
-                                      lambda c=call: _orphaned(c))
+            call.entry = pending().add(ctx, call)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -131,9 +160,11 @@ class _GatherUnit(torch.autograd.Function):
         if call.entry is not None:
             call.check_versions()
             keep = tp.keep_graph()
-            ledger().ran(call.entry, lambda: writes_leaf_grads(call))
-        if call.before_reduce is not None:
-            call.before_reduce()
+            record = pending().backward(lambda: writes_leaf_grads(call), call.db.device,
+                                        running=call.entry)
+            record.reach(call.entry.seq)  # the units after it that do not run here: zeros
+            record.ran(call.entry)
+        call.unit.prepare_backward(call.db)  # run_layers: gathered again, the previous one
         if call.gopts.free_after_backward and not keep:
             # The unit's backward is done, its gathered parameters are no longer read by it:
             # release them before the gradient staging buffer is allocated, so the two never
@@ -151,33 +182,6 @@ class _GatherUnit(torch.autograd.Function):
         if call.ropts.grads == "buffer" or pieces is None:
             return (None,) * (1 + len(call.index))
         return (None, *[p if need else None for p, need in zip(pieces, needs)])
-
-
-def _reduce_zeros(call: _Call, accumulates: bool) -> None:
-    """This rank's loss did not reach the unit: take part in its reduce-scatter with zeros.
-
-    With ``grads="return"`` the result (the other ranks' contributions) goes into the
-    shards' ``.grad`` when the pass accumulates into leaves (``backward()``), as FSDP2 does.
-    """
-    if call.before_reduce is not None:
-        call.before_reduce()
-    if call.gopts.free_after_backward:
-        call.db.release(at_once=False)  # as after a backward that ran (kept while a graph reads)
-    if call.ropts.grads == "buffer":
-        unlink_stale(call.unit, call.locals, call.index, call.needs)
-    pieces = reduce_unit(call.unit, call.index, [None] * len(call.index), call.ropts,
-                         views=call.ropts.grads == "return")
-    if call.ropts.grads == "buffer" and call.ropts.grad_sync:
-        grads_to_buffer(call, accumulates)
-    if call.ropts.grads != "return" or pieces is None or not accumulates:
-        return
-    with torch.no_grad():
-        for x, p, need in zip(call.locals, pieces, call.needs):
-            if need and p is not None:
-                if x.grad is None:
-                    x.grad = p
-                else:
-                    x.grad.add_(p)
 
 
 def unlink_stale(unit: Any, locals_: tuple, index: tuple, needs: tuple) -> None:
@@ -216,15 +220,6 @@ def grads_to_buffer(call: _Call, accumulates: Optional[bool] = None) -> None:
     unit.grad_linked = True
 
 
-def _orphaned(call: _Call) -> None:
-    """The unit's autograd node died before any backward reached it: with
-    ``free_after_backward``, its gathered memory can go now (the next backward reduces its
-    zeros if another rank's runs the unit). Under ``run_layers`` (``before_reduce`` set) it
-    stays, so that every rank's regathers match."""
-    if call.gopts.free_after_backward and call.before_reduce is None:
-        call.db.release(at_once=False)
-
-
 def writes_leaf_grads(call: _Call) -> bool:
     """Whether the running backward writes leaves' ``.grad`` (``backward()``, not
     ``autograd.grad``): the engine will run a gathered shard's AccumulateGrad node."""
@@ -254,11 +249,8 @@ def _caller(spec, mesh, what, gopts, ropts):
     return lambda key, index: _Call(spec, key, index, mesh, what, gopts, ropts)
 
 
-def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
-           param_dtype: Optional[torch.dtype] = None, grad_reduce: str = "avg",
-           reduce_dtype: Optional[torch.dtype] = None, accumulate_grads: Optional[bool] = None,
-           grad_sync: bool = True, grads: str = "return", free_after_backward: bool = False,
-           async_reduce: bool = False, all_gather: Any = None) -> Any:
+def gather(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
+           mesh: Any = None, **options: Any) -> Any:
     """Full tensors from this rank's shards: one in-place all-gather per unit. Differentiable.
 
     Works on the whole tree or any subtree with its sub-spec (``spec["layers"][3]``). The
@@ -270,33 +262,41 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
         shards: The tree returned by :func:`vfsdp.shard` (or plain tensors of the right local
             shapes; those are copied into a temporary unit, one copy per tensor).
         spec: The plan (or the sub-spec of the subtree).
+        policy: A :class:`vfsdp.Policy`: every option below at once, the same object for
+            ``gather``, ``gather_async`` and ``run_layers``, eager and compiled.
         mesh: For plain-tensor shards: a ``DeviceMesh`` matching the spec (default: the
             default group). Shards from ``vfsdp.shard`` use the mesh they were made on.
-        param_dtype: Gather in this dtype (e.g. ``torch.bfloat16`` for fp32 master shards):
-            one cast over the unit's shard (a group op) into the all-gather input.
-        grad_reduce: ``"avg"`` or ``"sum"``: how the backward reduces across ranks.
-        reduce_dtype: Dtype of the backward's reduce-scatter (default: the gradient dtype).
-        accumulate_grads: ``None`` (default) or ``True``: the reduced gradients add up
-            across backwards until they are zeroed (:func:`vfsdp.zero_grads`), in the
-            gradient DBuffer as in ``.grad``, as torch does (gradient accumulation, reducing
-            every micro-batch; ``True`` also silences the warning that this differs from
-            0.2). ``False`` is deprecated: it keeps 0.2's overwrite of the gradient buffer.
-        grad_sync: ``False`` accumulates this backward's gradients unsharded (in
-            ``reduce_dtype``) without communicating; the next backward with ``True`` adds its
-            own and reduce-scatters the sum (accumulation reducing only on the last step).
-        grads: ``"return"`` hands the gradient pieces to autograd (``.grad``,
-            ``autograd.grad``, ``torch.func``); ``"buffer"`` leaves them in the gradient
-            DBuffer (read them with :func:`vfsdp.grads`); ``backward()`` makes the shards'
-            ``.grad`` its views, so ``.grad`` costs no memory.
-        free_after_backward: Release the unit's gathered buffer once its backward is done.
-        async_reduce: With ``grads="buffer"``: start each unit's reduce-scatter and go on
-            with the backward; readers of the gradients wait for it.
-        all_gather: Low-precision all-gather hooks, e.g. ``vfsdp.functional.lowp.Float8()``
-            (float8 with per-tensor scales, half a bf16 gather's bytes): each unit's shard
-            goes through ``pre_all_gather`` / ``post_all_gather``
-            (:mod:`vfsdp.functional.lowp`); the backward reduce-scatters in ``reduce_dtype``
-            (float32 by default) into ``.grad``. A functional gather (no persistent buffers),
-            eager and compiled alike; ``grads="buffer"`` does not apply.
+        options: Any :class:`vfsdp.Policy` field as a keyword, overriding the policy's:
+
+            * ``param_dtype``: gather in this dtype (e.g. ``torch.bfloat16`` for fp32 master
+              shards): one cast over the unit's shard (a group op) into the all-gather input.
+            * ``grad_reduce``: ``"avg"`` (default) or ``"sum"``: how the backward reduces
+              across ranks.
+            * ``reduce_dtype``: dtype of the backward's reduce-scatter (default: the gradient
+              dtype).
+            * ``accumulate_grads``: ``None`` (default) or ``True``: the reduced gradients add
+              up across backwards until they are zeroed (:func:`vfsdp.zero_grads`), in the
+              gradient DBuffer as in ``.grad``, as torch does (``True`` also silences the
+              warning that this differs from 0.2). ``False`` is deprecated: it keeps 0.2's
+              overwrite of the gradient buffer.
+            * ``grad_sync``: ``False`` accumulates this backward's gradients unsharded (in
+              ``reduce_dtype``) without communicating; the next backward with ``True`` adds
+              its own and reduce-scatters the sum.
+            * ``grads``: ``"return"`` (the default here) hands the gradient pieces to autograd
+              (``.grad``, ``autograd.grad``, ``torch.func``); ``"buffer"`` leaves them in the
+              gradient DBuffer (read them with :func:`vfsdp.grads`); ``backward()`` makes the
+              shards' ``.grad`` its views, so ``.grad`` costs no memory.
+            * ``free_after_backward``: release the unit's gathered buffer once its backward
+              is done (default here: no, you hold the full tensors).
+            * ``async_reduce``: with ``grads="buffer"``, start each unit's reduce-scatter and
+              go on with the backward; readers of the gradients wait for it (default here:
+              no).
+            * ``all_gather``: low-precision all-gather hooks, e.g.
+              ``vfsdp.functional.lowp.Float8()`` (float8 with per-tensor scales, half a bf16
+              gather's bytes): each unit's shard goes through ``pre_all_gather`` /
+              ``post_all_gather`` (:mod:`vfsdp.functional.lowp`); the backward
+              reduce-scatters in ``reduce_dtype`` (float32 by default) into ``.grad``. A
+              functional gather (no persistent buffers), eager and compiled alike.
 
     Returns:
         A tree like ``shards`` with full tensors.
@@ -320,17 +320,31 @@ def gather(shards: Any, spec: ShardSpec, *, mesh: Any = None,
         [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]] [[1.5, 1.5]]
     """
     what = "vfsdp.gather"
-    if tp.compiling() or all_gather is not None:  # the functional path (functional.traced)
-        check_traced_options(grads, what, grad_reduce, async_reduce)
-        return traced_gather(shards, spec, mesh, param_dtype, grad_reduce, reduce_dtype,
-                             all_gather, grad_sync)
-    gopts = GatherOptions(param_dtype, free_after_backward)
-    ropts = GradOptions(grad_reduce, reduce_dtype, grads, accumulate_grads, grad_sync,
-                        async_reduce)
-    ropts.check(functorch_active(), what)
+    values = merge(policy, options, what)
+    if tp.compiling() or values["all_gather"] is not None:  # the functional path (traced)
+        return _functional(shards, spec, mesh, values, what)
+    gopts, ropts = _eager(values, what)
     leaves = match_tree(shards, spec, what)
-    ledger().settle()
+    pending().settle()
     return _assemble(leaves, spec, {}, _caller(spec, mesh, what, gopts, ropts))
+
+
+def _eager(values: dict, what: str, layers: bool = False) -> tuple:
+    """The resolved eager options of a call, after refusing what the path cannot honour."""
+    refuse(values, "torch.func" if functorch_active() else "eager", what)
+    return resolve(values, layers)
+
+
+def _functional(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str) -> Any:
+    """The functional gather: while compiling, or with ``all_gather=`` hooks."""
+    refuse(values, "compiled" if tp.compiling() else "all_gather", what)
+    if values["grads"] not in (None, "return"):
+        raise ValueError(f"grads must be one of ('return', 'buffer'), got {values['grads']!r}")
+    if values["grad_reduce"] not in ("avg", "sum"):
+        raise ValueError(f"grad_reduce must be one of ('sum', 'avg'), got "
+                         f"{values['grad_reduce']!r}")
+    return traced_gather(shards, spec, mesh, values["param_dtype"], values["grad_reduce"],
+                         values["reduce_dtype"], values["all_gather"], values["grad_sync"])
 
 
 def start_gather(shards: Any, spec: ShardSpec, mesh: Any, gopts: GatherOptions,
@@ -339,9 +353,8 @@ def start_gather(shards: Any, spec: ShardSpec, mesh: Any, gopts: GatherOptions,
 
     The building block of :func:`gather_async` and :func:`vfsdp.run_layers`.
     """
-    ropts.check(functorch_active(), what)
     leaves = match_tree(shards, spec, what)
-    ledger().settle()
+    pending().settle()
     make = _caller(spec, mesh, what, gopts, ropts)
     calls, handles = {}, []
     if not functorch_active():  # under torch.func the shards are wrapped until forward
@@ -363,6 +376,13 @@ class GatherHandle(Handle):
         self._handles, self._args = handles, (leaves, spec, calls, make)
         self.calls = calls  # unit key -> its gather (its unit, gathered buffer, shards)
 
+    @classmethod
+    def done_with(cls, result: Any) -> GatherHandle:
+        """A handle whose gathers are done: ``wait()`` returns ``result``."""
+        handle = cls([], [], None, {}, None)
+        handle._result, handle._done = result, True
+        return handle
+
     def wait(self) -> Any:
         if not self._done:
             for h in self._handles:
@@ -372,19 +392,24 @@ class GatherHandle(Handle):
         return self._result
 
 
-def gather_async(shards: Any, spec: ShardSpec, *, mesh: Any = None, **options: Any) -> Handle:
+def gather_async(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
+                 mesh: Any = None, **options: Any) -> Handle:
     """Start the all-gathers now; ``handle.wait()`` returns what :func:`gather` would.
 
-    Takes the same options as :func:`gather`. Use it to overlap the next unit's gather with
-    the current unit's compute::
+    Takes the same policy and options as :func:`gather`. Use it to overlap the next unit's
+    gather with the current unit's compute::
 
         nxt = vfsdp.gather_async(shards["layers"][i + 1], spec["layers"][i + 1])
         x = layer(full_i, x)
         full_next = nxt.wait()
 
+    With ``all_gather=`` hooks the functional gather runs at once, and ``wait()`` returns
+    its result.
+
     Args:
         shards: As for :func:`gather`.
         spec: As for :func:`gather`.
+        policy: As for :func:`gather`.
         mesh: As for :func:`gather`.
         options: The keyword options of :func:`gather`.
 
@@ -410,5 +435,8 @@ def gather_async(shards: Any, spec: ShardSpec, *, mesh: Any = None, **options: A
         raise ValueError("vfsdp.gather_async under torch.compile is not supported: its handle "
                          "is eager state the compiler cannot trace; call vfsdp.gather, whose "
                          "all-gathers the compiler schedules (and overlaps) itself")
-    gopts, ropts = split_options(options, what)
+    values = merge(policy, options, what)
+    if values["all_gather"] is not None:
+        return GatherHandle.done_with(_functional(shards, spec, mesh, values, what))
+    gopts, ropts = _eager(values, what)
     return start_gather(shards, spec, mesh, gopts, ropts, what)

@@ -1,43 +1,56 @@
-"""The gather and gradient options: one name each, the same on every entry point.
+"""The gather and gradient options: one frozen :class:`Policy`, one meaning on every path.
 
-:func:`vfsdp.gather`, :func:`vfsdp.gather_async` and :func:`vfsdp.run_layers` take the same
-keywords, and :func:`vfsdp.reduce_scatter` the reduction ones:
+:func:`vfsdp.gather`, :func:`vfsdp.gather_async`, :func:`vfsdp.run_layers` and their compiled
+forms take a ``policy=`` and the same names as keywords (sugar: a keyword overrides the
+policy's field). :func:`vfsdp.reduce_scatter` takes the reduction ones:
 
 =======================  ======================  ===========================================
 option                   default                 what it does
 =======================  ======================  ===========================================
 ``param_dtype``          ``None``                gather in this dtype (one cast of the shard)
-``free_after_backward``  ``False``               release the gathered unit once its backward
-                                                 is done
+``free_after_backward``  ``None``                release the gathered unit once its backward
+                                                 is done; ``None``: where vfsdp alone holds
+                                                 the full tensors (``run_layers``), not where
+                                                 you hold them (``gather``)
 ``grad_reduce``          ``"avg"``               ``"avg"`` or ``"sum"`` over every rank
 ``reduce_dtype``         ``None`` (grad dtype)   dtype of the reduce-scatter
-``grads``                ``"return"``            ``"return"``: to autograd; ``"buffer"``: only
-                                                 into the gradient DBuffer
+``grads``                ``None``                ``"return"``: to autograd; ``"buffer"``: only
+                                                 into the gradient DBuffer; ``None``: each
+                                                 entry point's one way (``gather``:
+                                                 ``"return"``, ``run_layers``: ``"buffer"``)
 ``accumulate_grads``     ``None`` (as torch)     ``None``/``True``: backwards add up until the
                                                  gradients are zeroed, as ``.grad`` does;
                                                  ``False`` (deprecated): overwrite
 ``grad_sync``            ``True``                ``False``: accumulate unsharded, no reduce
-``async_reduce``         ``False``               reduce-scatter without waiting (``"buffer"``)
+``async_reduce``         ``None``                reduce-scatter without waiting (needs
+                                                 ``"buffer"``); ``None``: where vfsdp runs the
+                                                 backward unit by unit (``run_layers``)
+``all_gather``           ``None``                low-precision all-gather hooks
+                                                 (:mod:`vfsdp.functional.lowp`)
 =======================  ======================  ===========================================
 
-:meth:`GradOptions.check` refuses, naming the option and the reason, whatever a path
-cannot honour: inside ``torch.func`` gradients are values returned by the transform, so
-``grads="buffer"``, ``accumulate_grads``, ``grad_sync=False`` and ``async_reduce`` are
-refused there; ``async_reduce`` also needs ``grads="buffer"`` everywhere (a gradient returned
-to autograd must be complete when the backward returns it).
+:func:`refuse` refuses, in one wording (``<entry point>: <option> is not supported <where>
+(<why>); <hint>``), whatever a path cannot honour: inside ``torch.func`` gradients are values
+the transform returns, so ``grads="buffer"``, ``accumulate_grads=True``, ``grad_sync=False``
+and ``async_reduce=True`` are refused there; compiled and with ``all_gather=`` hooks the
+sharded gradients go to autograd, so ``grads="buffer"`` and ``async_reduce=True`` are refused
+there. Compiled, the reduce-scatter runs in the gather dtype, so a ``reduce_dtype`` other
+than that is refused in the same wording (by the traced gather, which knows the dtype).
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from vfsdp._warnings import warn_user
 from vfsdp.collectives.comm import REDUCE_OPS
 
-__all__ = ["GatherOptions", "GradOptions", "split_options", "GRAD_MODES", "GRAD_REDUCE_OPS"]
+__all__ = ["Policy", "GatherOptions", "GradOptions", "merge", "refuse", "NAMES", "GRAD_MODES",
+           "GRAD_REDUCE_OPS"]
 
 GRAD_REDUCE_OPS = REDUCE_OPS
 GRAD_MODES = ("return", "buffer")
@@ -49,28 +62,124 @@ def _check_dtype(name: str, value: Any) -> None:
 
 
 @dataclass(frozen=True)
+class Policy:
+    """Every gather and gradient option, frozen: pass one to :func:`vfsdp.gather`,
+    :func:`vfsdp.gather_async` and :func:`vfsdp.run_layers`, eager or compiled (see the
+    module for each field). ``None`` fields take the entry point's documented default.
+
+    Raises:
+        ValueError: a bad value (naming the option and what it takes).
+
+    Example:
+        >>> p = Policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        >>> p.param_dtype, dataclasses.replace(p, grad_reduce="sum").grad_reduce
+        (torch.bfloat16, 'sum')
+        >>> Policy(grad_reduce="max")
+        Traceback (most recent call last):
+        ...
+        ValueError: grad_reduce must be one of ('sum', 'avg'), got 'max'
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    free_after_backward: Optional[bool] = None
+    grad_reduce: str = "avg"
+    reduce_dtype: Optional[torch.dtype] = None
+    grads: Optional[str] = None
+    accumulate_grads: Optional[bool] = None
+    grad_sync: bool = True
+    async_reduce: Optional[bool] = None
+    all_gather: Any = None
+
+    def __post_init__(self) -> None:
+        _check_dtype("param_dtype", self.param_dtype)
+        _check_dtype("reduce_dtype", self.reduce_dtype)
+        if self.grad_reduce not in GRAD_REDUCE_OPS:
+            raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_OPS}, got "
+                             f"{self.grad_reduce!r}")
+        if self.grads is not None and self.grads not in GRAD_MODES:
+            raise ValueError(f"grads must be one of {GRAD_MODES}, got {self.grads!r}")
+
+
+NAMES = tuple(f.name for f in dataclasses.fields(Policy))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Policy)}
+
+
+def merge(policy: Optional[Policy], options: dict, what: str) -> dict:
+    """The option values of one call: ``policy``'s fields (or the defaults), overridden by the
+    keyword ``options``. Plain dict work, so the compiled path traces it too.
+
+    Raises:
+        TypeError: an unknown keyword (listing the known ones), or a ``policy`` that is not
+            a :class:`Policy`.
+    """
+    unknown = sorted(set(options) - set(NAMES))
+    if unknown:
+        raise TypeError(f"{what} got unexpected options {unknown}; it takes {list(NAMES)}")
+    if policy is None:
+        values = dict(_DEFAULTS)
+    elif isinstance(policy, Policy):
+        values = {name: getattr(policy, name) for name in NAMES}
+    else:
+        raise TypeError(f"{what}: policy must be a vfsdp.Policy, got {type(policy).__name__}")
+    values.update(options)
+    return values
+
+
+_FUNC = ("inside torch.func transforms gradients are the values the transform returns, and "
+         "tensors made outside it must not be mutated")
+_AUTOGRAD = ("the sharded gradients go to autograd (.grad; vfsdp.grads reads them) and the "
+             "compiler schedules the reduce-scatters")
+# option, whether the values ask for it, and per path: (why, what to do instead)
+_REFUSED = (
+    ("grads='buffer'", lambda v: v["grads"] == "buffer",
+     {"torch.func": (_FUNC, "use grads='return'"),
+      "compiled": (_AUTOGRAD, "drop grads='buffer'"),
+      "all_gather": (_AUTOGRAD, "drop grads='buffer'")}),
+    ("accumulate_grads=True", lambda v: v["accumulate_grads"] is True,
+     {"torch.func": (_FUNC, "add the returned gradients yourself")}),
+    ("grad_sync=False", lambda v: not v["grad_sync"],
+     {"torch.func": (_FUNC, "sum the returned gradients, or call outside torch.func")}),
+    ("async_reduce=True", lambda v: v["async_reduce"] is True,
+     {"torch.func": (_FUNC, "drop it"), "compiled": (_AUTOGRAD, "drop it"),
+      "all_gather": (_AUTOGRAD, "drop it")}),
+)
+_WHERE = {"torch.func": "under torch.func", "compiled": "under torch.compile",
+          "all_gather": "with all_gather= hooks"}
+
+
+def refuse(values: dict, path: str, what: str) -> None:
+    """Refuse, in one wording on every path, the options ``path`` cannot honour.
+
+    Args:
+        values: The call's options (:func:`merge`).
+        path: ``"eager"``, ``"torch.func"``, ``"compiled"`` or ``"all_gather"``.
+        what: The entry point, for the message.
+
+    Raises:
+        ValueError: ``<what>: <option> is not supported <where> (<why>); <hint>``.
+    """
+    for name, asked, paths in _REFUSED:
+        if path in paths and asked(values):
+            why, hint = paths[path]
+            raise ValueError(f"{what}: {name} is not supported {_WHERE[path]} ({why}); {hint}")
+
+
+@dataclass(frozen=True)
 class GatherOptions:
-    """How a unit is gathered and how long it stays gathered.
+    """How a unit is gathered and how long it stays gathered (a resolved :class:`Policy`).
 
     Example:
         >>> GatherOptions(param_dtype=torch.bfloat16)
         GatherOptions(param_dtype=torch.bfloat16, free_after_backward=False)
-        >>> GatherOptions(param_dtype=torch.int8)
-        Traceback (most recent call last):
-        ...
-        ValueError: param_dtype must be a floating-point torch.dtype or None, got torch.int8
     """
 
     param_dtype: Optional[torch.dtype] = None
     free_after_backward: bool = False
 
-    def __post_init__(self) -> None:
-        _check_dtype("param_dtype", self.param_dtype)
-
 
 @dataclass(frozen=True)
 class GradOptions:
-    """How a unit's gradients are reduced and where they go.
+    """How a unit's gradients are reduced and where they go (a resolved :class:`Policy`).
 
     Example:
         >>> GradOptions(grads="buffer", async_reduce=True).grad_reduce
@@ -96,62 +205,35 @@ class GradOptions:
             raise ValueError(f"grads must be one of {GRAD_MODES}, got {self.grads!r}")
         _check_dtype("reduce_dtype", self.reduce_dtype)
         if self.accumulate_grads is False:
-            warnings.warn(
+            warn_user(
                 "accumulate_grads=False is deprecated and goes in vfsdp 0.4: gradients add up "
                 "across backwards until you zero them, as torch's .grad does, on every path (0.2 "
                 "overwrote the gradient buffer with grads='buffer' and run_layers). Call "
                 "vfsdp.zero_grads(shards, spec) before a backward that should start afresh, and "
                 "drop accumulate_grads; until 0.4 it keeps 0.2's meaning (a grads='buffer' "
-                "backward overwrites the gradient buffer)", FutureWarning, stacklevel=4)
+                "backward overwrites the gradient buffer)", FutureWarning)
         if self.async_reduce and self.grads != "buffer":
             raise ValueError("async_reduce=True needs grads='buffer': a gradient returned to "
                              "autograd must be complete when the backward returns it")
 
-    def check(self, functorch: bool, what: str) -> None:
-        """Refuse options the current path cannot honour.
 
-        Args:
-            functorch: Whether a ``torch.func`` transform is running.
-            what: The entry point, for the message.
-
-        Raises:
-            ValueError: naming the option and why.
-        """
-        if not functorch:
-            return
-        why = ("inside torch.func transforms gradients are the values the transform returns, "
-               "and tensors made outside it must not be mutated")
-        for name, bad, hint in (
-                ("grads='buffer'", self.grads == "buffer", "use grads='return'"),
-                ("accumulate_grads=True", self.accumulate_grads,
-                 "add the returned gradients yourself"),
-                ("grad_sync=False", not self.grad_sync,
-                 "sum the returned gradients, or call outside torch.func"),
-                ("async_reduce=True", self.async_reduce, "drop it")):
-            if bad:
-                raise ValueError(f"{what}: {name} is not supported under torch.func ({why}); "
-                                 f"{hint}")
-
-
-_GATHER = tuple(f.name for f in fields(GatherOptions))
-_GRAD = tuple(f.name for f in fields(GradOptions))
-NAMES = _GATHER + _GRAD
-
-
-def split_options(options: dict, what: str) -> tuple[GatherOptions, GradOptions]:
-    """Keyword options of a gather entry point as ``(GatherOptions, GradOptions)``.
+def resolve(values: dict, layers: bool) -> tuple[GatherOptions, GradOptions]:
+    """The eager options of one call: ``None`` fields take the entry point's default
+    (``layers``: :func:`vfsdp.run_layers`, which alone holds the full tensors and runs the
+    backward unit by unit: free after it, reduce asynchronously, into the buffer).
 
     Raises:
-        TypeError: an unknown keyword (listing the known ones).
-        ValueError: a bad value.
+        ValueError: a bad value or combination.
 
     Example:
-        >>> g, r = split_options({"param_dtype": torch.bfloat16, "grads": "buffer"}, "gather")
-        >>> g.param_dtype, r.grads
-        (torch.bfloat16, 'buffer')
+        >>> g, r = resolve(merge(None, {"param_dtype": torch.bfloat16}, "gather"), layers=True)
+        >>> g.param_dtype, g.free_after_backward, r.grads, r.async_reduce
+        (torch.bfloat16, True, 'buffer', True)
     """
-    unknown = sorted(set(options) - set(NAMES))
-    if unknown:
-        raise TypeError(f"{what} got unexpected options {unknown}; it takes {list(NAMES)}")
-    return (GatherOptions(**{k: v for k, v in options.items() if k in _GATHER}),
-            GradOptions(**{k: v for k, v in options.items() if k in _GRAD}))
+    Policy(**values)  # the values' own checks, as a policy's
+    pick = lambda name, default: default if values[name] is None else values[name]
+    return (GatherOptions(values["param_dtype"], pick("free_after_backward", layers)),
+            GradOptions(values["grad_reduce"], values["reduce_dtype"],
+                        pick("grads", "buffer" if layers else "return"),
+                        values["accumulate_grads"], values["grad_sync"],
+                        pick("async_reduce", layers)))

@@ -26,7 +26,7 @@ from vfsdp import _torch_private as tp
 from vfsdp._torch_private import functorch_active
 from vfsdp.collectives.groups import resolve_groups
 from vfsdp.collectives.unit import Unit
-from vfsdp.functional.ledger import ledger
+from vfsdp.functional.backward import pending
 from vfsdp.functional.options import GradOptions
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import UnitLeaves, units_of
@@ -100,7 +100,7 @@ def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch
             tp.copy_many([dst if dst.shape == g.shape else dst.view(g.shape) for dst, g in copies],
                          [g for _, g in copies])
     if not to_buffer:  # to autograd: a fresh tensor, nothing of vfsdp's is aliased
-        out = db.reduce_scatter_new(buf, op=opts.grad_reduce, reduce_dtype=rdt)
+        out = unit.reduce_new(buf, opts.grad_reduce, rdt)
         stage.free_global()
         unit.grads_mode = "return"
         return _expand([out[slice(*db.tensors[i].shard_range(unit.rank))].view(
@@ -119,12 +119,11 @@ def reduce_unit(unit: Unit, index: Sequence[int], grads: Sequence[Optional[torch
     unit.grad_task, unit.grads_mode = task, "buffer"
     if opts.async_reduce and stage is not accum:
         # Overlaps the next unit's backward; the staging buffer is freed once it is done.
-        handle = gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
-                                    accumulate=accumulate, async_op=True, release=stage)
-        ledger().inflight.add(handle)  # at most one in flight on this rank
+        handle = unit.reduce(buf, opts.grad_reduce, rdt, accumulate=accumulate,
+                             async_op=True, release=stage)
+        pending().inflight.add(handle)  # at most one in flight on this rank
     else:
-        gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
-                           accumulate=accumulate)
+        unit.reduce(buf, opts.grad_reduce, rdt, accumulate=accumulate)
         stage.free_global()
     return _expand([gdb.local(i) for i in index], first) if views else None
 
@@ -186,7 +185,7 @@ def _reduce_functional(unit: Unit, index, grads, opts: GradOptions) -> list[torc
         pieces.append(torch.zeros(layout.padded_numel - end, dtype=rdt, device=db.device))
     full = torch.cat(pieces)
     with tp.functorch_paused():  # gloo writes into its output; functorch would refuse that
-        out = db.reduce_scatter_new(full, op=opts.grad_reduce, reduce_dtype=rdt)
+        out = unit.reduce_new(full, opts.grad_reduce, rdt)
     return [out[slice(*db.tensors[i].shard_range(rank))].view(db.local_shape(i)) for i in index]
 
 

@@ -32,10 +32,10 @@ from vfsdp._torch_private import compiling, functorch_active, is_own_output, run
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.handle import Handle
 from vfsdp.collectives.slot import View, slot_of
+from vfsdp.functional.backward import pending
 from vfsdp.functional.gather import start_gather, writes_leaf_grads
-from vfsdp.functional.ledger import ledger
-from vfsdp.functional.options import NAMES, split_options
-from vfsdp.functional.traced import check_traced_options, traced_children, traced_run_layers
+from vfsdp.functional.options import Policy, merge, refuse, resolve
+from vfsdp.functional.traced import traced_children, traced_run_layers
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["run_layers"]
@@ -51,45 +51,31 @@ class _Saved:
 
 
 class _Regather:
-    """The run's gathered buffers: regathers released ones when backward needs them, and
-    prefetches the previous unit."""
+    """The run's gathered buffers, for its saved-tensor hooks: which saved tensors are its
+    gathered parameters, and the gathers whose shards a regather re-reads. The regather and
+    the prefetch themselves are the units' transitions (:meth:`Unit.prepare_backward`)."""
 
     def __init__(self, prefetch: bool) -> None:
-        self.order: list[DBuffer] = []
-        self.index: dict[int, int] = {}
-        self.pending: dict[int, Handle] = {}
-        self.calls: dict[int, list] = {}  # the gathers whose shards a regather re-reads
+        self.last: Optional[DBuffer] = None  # the buffer gathered before (for the prefetch)
+        self.calls: dict[int, list] = {}  # buffer id -> its gathers in this run
         self.prefetch = prefetch
 
     def add(self, db: DBuffer, call) -> None:
-        if id(db) not in self.index:
-            self.index[id(db)] = len(self.order)
-            self.order.append(db)
+        if id(db) not in self.calls:  # its backward prefetches the one gathered before it
+            prev = self.last if self.prefetch else None
+            db.unit.link_prefetch(prev.unit if prev is not None else None,
+                                  prev.dtype if prev is not None else None)
+            self.last = db
         self.calls.setdefault(id(db), []).append(call)
-        # Before the unit's reduce-scatter, on every rank, whether this rank's backward read
-        # its parameters or not: the same regather and prefetch, so collectives stay in step.
-        call.before_reduce = lambda: self.ensure(db)
-
-    def _start(self, db: DBuffer, async_op: bool) -> Handle:
-        return db.unit.regather(db, async_op=async_op)
 
     def ensure(self, db: DBuffer) -> None:
-        i = self.index.get(id(db))
         for call in self.calls.get(id(db), ()):
             call.check_versions()  # a shard changed since the forward: refuse to regather it
-        handle = self.pending.pop(id(db), None)
-        if handle is not None:
-            handle.wait()
-        elif not db.is_gathered:
-            self._start(db, async_op=False)
-        if self.prefetch and i is not None and i > 0:
-            prev = self.order[i - 1]
-            if not prev.is_gathered and id(prev) not in self.pending:
-                self.pending[id(prev)] = self._start(prev, async_op=True)
+        db.unit.prepare_backward(db)
 
     def pack(self, t: torch.Tensor) -> Any:
         slot = slot_of(t) or slot_of(t._base)
-        if slot is not None and slot.view is View.FULL and id(slot.buffer) in self.index:
+        if slot is not None and slot.view is View.FULL and id(slot.buffer) in self.calls:
             return _Saved(slot.buffer, t)
         # An op that saves its own output (tanh, relu) must not get that output back as it
         # is: its grad_fn would hold this record, a cycle through C++ that Python's collector
@@ -106,7 +92,7 @@ class _Regather:
         if seq is not None and calls:
             # Units created after the running node that did not run reduce (zeros) first,
             # as they do on a rank whose backward reaches one of their nodes before this.
-            ledger().reach(seq, lambda: writes_leaf_grads(calls[0]), saved.db.device)
+            pending().backward(lambda: writes_leaf_grads(calls[0]), saved.db.device).reach(seq)
         self.ensure(saved.db)
         buf = saved.db.global_buffer
         return saved.db.saved_view(saved.offset - buf.storage_offset(), saved.shape, saved.stride)
@@ -117,11 +103,12 @@ def run_layers(
     shards: Sequence[Any],
     specs: Sequence[ShardSpec],
     h: Any,
+    policy: Optional[Policy] = None,
     *,
     prefetch: bool = True,
     reshard_after_forward: bool = True,
     mesh: Any = None,
-    **gather_options: Any,
+    **options: Any,
 ) -> Any:
     """Run ``h = layer_fn(full_i, h)`` over units with FSDP prefetch, release and regather.
 
@@ -134,11 +121,13 @@ def run_layers(
         reshard_after_forward: Release each unit (but the last) after its forward and gather
             it again in backward; ``False`` keeps them gathered until their backward.
         mesh: As for :func:`vfsdp.gather`.
-        gather_options: The options of :func:`vfsdp.gather` (``param_dtype``,
-            ``reduce_dtype``, ``grad_reduce``, ``accumulate_grads``, ``grad_sync``,
-            ``free_after_backward``, ``async_reduce``). Here ``grads`` is ``"buffer"`` (the
-            only value accepted), and ``free_after_backward`` and ``async_reduce`` default
-            to ``True``.
+        policy: A :class:`vfsdp.Policy`, as for :func:`vfsdp.gather` (the same object
+            serves both). Its ``None`` fields take ``run_layers``' defaults: ``grads`` is
+            ``"buffer"`` (the only value accepted eagerly), and ``free_after_backward`` and
+            ``async_reduce`` are ``True`` (vfsdp alone holds the full tensors and runs the
+            backward unit by unit). With ``all_gather=`` hooks each unit is gathered by the
+            functional path, its gathers recomputed in backward, its gradients to ``.grad``.
+        options: Any :class:`vfsdp.Policy` field as a keyword, overriding the policy's.
 
     Returns:
         The last unit's output.
@@ -172,48 +161,41 @@ def run_layers(
     specs = _spec_list(specs, what)
     if len(shards) != len(specs):
         raise ValueError(f"{what}: {len(shards)} shard subtrees but {len(specs)} specs")
-    if compiling():  # torch.compile: the functional path; gradients go to the shards' .grad
-        unknown = sorted(set(gather_options) - set(NAMES))
-        if unknown:  # as eagerly: a misspelt option is never ignored
-            raise TypeError(f"{what} got unexpected options {unknown}; it takes {list(NAMES)}")
-        check_traced_options(gather_options.get("grads", "return"), what,
-                             gather_options.get("grad_reduce", "avg"),
-                             gather_options.get("async_reduce", False))
-        o = dict(gather_options)  # gradients go to the shards' .grad (vfsdp.grads reads them)
+    values = merge(policy, options, what)
+    if compiling() or values["all_gather"] is not None:  # the functional path: to .grad
+        refuse(values, "compiled" if compiling() else "all_gather", what)
         return traced_run_layers(layer_fn, shards, specs, h, mesh, reshard_after_forward,
-                                 o.get("param_dtype"), o.get("grad_reduce", "avg"),
-                                 o.get("reduce_dtype"), o.get("grad_sync", True))
-    if gather_options.get("grads", "buffer") != "buffer":
-        raise ValueError(f"{what}: grads={gather_options['grads']!r} is not supported: each "
-                         f"unit's gradients are reduce-scattered into its gradient buffer as its "
-                         f"backward ends; read them with vfsdp.grads (use vfsdp.gather for "
-                         f"grads='return')")
-    options = dict(gather_options, grads="buffer")
-    options.setdefault("free_after_backward", True)
-    options.setdefault("async_reduce", True)
-    gopts, ropts = split_options(options, what)
+                                 values["param_dtype"], values["grad_reduce"],
+                                 values["reduce_dtype"], values["grad_sync"],
+                                 values["all_gather"])
+    if values["grads"] == "return":
+        raise ValueError(f"{what}: grads='return' is not supported: each unit's gradients are "
+                         f"reduce-scattered into its gradient buffer as its backward ends; read "
+                         f"them with vfsdp.grads (use vfsdp.gather for grads='return')")
+    refuse(values, "eager", what)
+    gopts, ropts = resolve(values, layers=True)
     regather = _Regather(prefetch)
     n = len(shards)
 
     def start(i: int) -> Handle:
         return start_gather(shards[i], specs[i], mesh, gopts, ropts, what)
 
-    pending: Optional[Handle] = start(0) if n else None
+    ahead: Optional[Handle] = start(0) if n else None  # the next unit's gather in flight
     for i in range(n):
-        handle = pending
+        handle = ahead
         full = handle.wait()
         dbs = _gathered_buffers(full)
         for call in handle.calls.values():
             regather.add(call.db, call)
         nxt = i + 1 < n
-        pending = start(i + 1) if nxt and prefetch else None
+        ahead = start(i + 1) if nxt and prefetch else None
         with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
             h = layer_fn(full, h)
         if reshard_after_forward and nxt:
             for db in dbs:
-                db.free_global()
-        if nxt and pending is None:
-            pending = start(i + 1)
+                db.unit.reshard(db)
+        if nxt and ahead is None:
+            ahead = start(i + 1)
     return h
 
 

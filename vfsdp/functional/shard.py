@@ -17,7 +17,7 @@ import torch
 from vfsdp.collectives.groups import resolve_groups
 from vfsdp.collectives.slot import slot_of
 from vfsdp.collectives.unit import Unit
-from vfsdp.functional.ledger import ledger
+from vfsdp.functional.backward import pending
 from vfsdp.functional.scatter import scatter
 from vfsdp.functional.traced import prepare
 from vfsdp.functional.tree import match_tree
@@ -156,7 +156,7 @@ def release(tree: Any, spec: ShardSpec) -> None:
     """
     leaves = match_tree(tree, spec, "vfsdp.release")
     seen = set()
-    ledger().settle()  # graphs dropped since: their memory may go now
+    pending().settle()  # graphs dropped since: their memory may go now
     for key, members in spec.unit_leaves().items():
         for i, _ in members:
             slot = slot_of(leaves[i])

@@ -43,7 +43,7 @@ from vfsdp.functional.lowp import hooked_all_gather
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["traced_gather", "prepare", "traced_children", "group_name",
-           "check_traced_options", "traced_leaves", "traced_run_layers", "traced_grads",
+           "traced_leaves", "traced_run_layers", "traced_grads",
            "traced_zero_grads", "drop_plan_grads"]
 
 
@@ -333,9 +333,10 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
                 out[i] = full[offset:offset + numel].view(shape)
             continue
         if reduce_dtype is not None and reduce_dtype != gather_dtype:
-            raise ValueError(f"vfsdp.gather under torch.compile reduce-scatters the gradients "
-                             f"in the gather dtype ({gather_dtype}); reduce_dtype="
-                             f"{reduce_dtype} needs the eager path (or gather in that dtype)")
+            raise ValueError(f"vfsdp.gather: reduce_dtype={reduce_dtype} is not supported under "
+                             f"torch.compile with a {gather_dtype} gather (the compiled "
+                             f"reduce-scatter runs in the gather dtype); gather in that dtype, "
+                             f"or run this step eagerly")
         full = tp.traced_all_gather(shard.to(gather_dtype), shard_name, m)
         if not grad_sync:
             full = full + (acc - acc.detach()).to(gather_dtype)
@@ -343,36 +344,6 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
             out[i] = full[offset:offset + numel].view(shape)
     return optree.tree_unflatten(treespec, out)
 
-
-
-def check_traced_options(grads: str, what: str, grad_reduce: str = "avg",
-                         async_reduce: bool = False) -> None:
-    """Refuse, on the functional path (while compiling, or with ``all_gather=`` hooks), the
-    option values it cannot honour, as the eager path refuses bad values.
-
-    On this path the sharded gradients always go to autograd (``.grad``, ``autograd.grad``),
-    as with ``grads="return"``: several backwards accumulate there (so ``accumulate_grads``
-    and ``grad_sync=False`` change nothing but when the reduce-scatters run, and every
-    backward runs them), and the gathered tensors are the compiler's or fresh, so
-    ``free_after_backward`` has nothing to free.
-
-    Raises:
-        ValueError: ``grads="buffer"`` (naming what to do instead), a ``grads`` or
-            ``grad_reduce`` value that is none of the allowed ones, or ``async_reduce=True``
-            (which needs ``grads="buffer"``).
-    """
-    where = f"{what} under torch.compile" if tp.compiling() else f"{what} with all_gather="
-    if grads == "buffer":
-        raise ValueError(f"{where}: grads='buffer' needs vfsdp's eager "
-                         f"gradient buffers; here the sharded gradients go to autograd "
-                         f"(.grad, read them with vfsdp.grads): drop grads='buffer'")
-    if grads != "return":
-        raise ValueError(f"grads must be one of ('return', 'buffer'), got {grads!r}")
-    if grad_reduce not in ("avg", "sum"):
-        raise ValueError(f"grad_reduce must be one of ('sum', 'avg'), got {grad_reduce!r}")
-    if async_reduce:
-        raise ValueError(f"{where}: async_reduce=True needs grads='buffer', which this path "
-                         f"does not have (the compiler schedules the reduce-scatters): drop it")
 
 
 def _regather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -388,7 +359,7 @@ def _regather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
 def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any, mesh: Any,
                       reshard_after_forward: bool, param_dtype: Optional[torch.dtype],
                       grad_reduce: str, reduce_dtype: Optional[torch.dtype],
-                      grad_sync: bool = True) -> Any:
+                      grad_sync: bool = True, hooks: Any = None) -> Any:
     """:func:`vfsdp.run_layers` while compiling: each unit gathered functionally; with
     ``reshard_after_forward`` the gathered parameters are not saved for backward but gathered
     again there (selective activation checkpointing of the all-gathers), everything else
@@ -396,7 +367,8 @@ def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any, mesh: Any
 
     Args:
         layer_fn, shards, specs, h, mesh, reshard_after_forward: As for ``run_layers``.
-        param_dtype, grad_reduce, reduce_dtype, grad_sync: As for :func:`traced_gather`.
+        param_dtype, grad_reduce, reduce_dtype, grad_sync, hooks: As for
+            :func:`traced_gather`.
 
     Returns:
         The last unit's output.
@@ -408,7 +380,8 @@ def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any, mesh: Any
 
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    tp.enable_compiled_backward()  # runs while tracing: lets dynamo trace the step's backward
+    if tp.compiling():
+        tp.enable_compiled_backward()  # runs while tracing: lets dynamo trace its backward
 
     if grad_sync:  # what grad_sync=False backwards left unreduced: outside the region below
         for shard, spec in zip(shards, specs):
@@ -417,7 +390,7 @@ def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any, mesh: Any
     def run(shards, h):
         for shard, spec in zip(shards, specs):
             h = layer_fn(traced_gather(shard, spec, mesh, param_dtype, grad_reduce,
-                                       reduce_dtype, grad_sync=grad_sync, flush=False), h)
+                                       reduce_dtype, hooks, grad_sync=grad_sync, flush=False), h)
         return h
 
     if not reshard_after_forward:

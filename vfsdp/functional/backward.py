@@ -1,0 +1,329 @@
+"""The backward's bookkeeping: every unit a backward pass needs on any rank reduces exactly
+once in it, in the same order on every rank, even where a rank's loss does not use the unit.
+
+Two objects hold it, both with a ``repr`` that shows it:
+
+* :class:`RankGathers` (:func:`pending`): this rank's differentiable gathers whose backward
+  has not run, in creation order, one :class:`Entry` each, recorded when the gather's
+  autograd node is made. Every rank makes the same entries in the same order (the SPMD
+  contract), so a position names the same unit everywhere. It belongs to the rank's default
+  process group (a rank of ``vfsdp.testing.simulate`` has its own), not to a thread.
+* :class:`BackwardPass`: the record of one backward pass, made at its first vfsdp hook. Its
+  :meth:`~BackwardPass.agree` is the one cross-rank call: each rank marks the entries whose
+  nodes this pass will run, and the ranks OR these marks over the world (two small
+  all-reduces, the way DDP finds unused parameters). The pass then reduces exactly the marked
+  units, on every rank. A rank whose loss does not reach a marked unit takes part in its
+  reduce-scatter with zero gradients, as FSDP2 does for unused parameters. The order is the
+  autograd engine's: it runs nodes in decreasing creation order, so when the pass reaches a
+  node, every marked entry created after it that has not run here will not run here: its
+  zeros are reduced first (:meth:`~BackwardPass.reach`). The marked entries still left at the
+  end of the pass (the engine's final callback) are reduced then.
+
+An entry whose node died before any backward reached it (the unit's full tensors were dropped
+without this rank's loss using them: ``run_layers`` and helper functions drop the gathered
+tree as soon as the forward is done) is kept as an *orphan*: the next pass reduces its zeros
+if another rank marks the unit, and forgets it, with no collective, if no rank does (a
+forward whose graph was dropped without a backward, e.g. an evaluation with gradients
+enabled).
+
+What an entry does is its gather's (:class:`vfsdp.functional.gather` ``_Call``):
+``reduce_zeros(accumulates)`` and ``orphaned()``; nothing is injected from elsewhere.
+
+The SPMD contract this needs: on every rank the same differentiable gathers, and the backward
+reaches at least one unit gathered for it. A rank whose loss uses no gathered tensor at all
+runs none of these hooks, and the other ranks wait in the marks' all-reduce (make such a loss
+depend on one, e.g. add ``0 * full["w"].sum()``). Ranks whose records disagree raise.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from vfsdp import _torch_private as tp
+from vfsdp.collectives import comm
+from vfsdp.collectives.groups import control_device
+from vfsdp.collectives.handle import Handle
+
+__all__ = ["Entry", "RankGathers", "BackwardPass", "Reductions", "pending"]
+
+
+class Entry:
+    """One differentiable gather awaiting its backward on this rank."""
+
+    __slots__ = ("index", "seq", "node", "call", "ran_in", "closed", "orphan", "holds_graph",
+                 "__weakref__")
+
+    def __init__(self, index: int, node: Any, call: Any) -> None:
+        self.index = index                # its place in the record: the same on every rank
+        self.seq = node._sequence_nr()    # the autograd node's sequence number
+        self.node = weakref.ref(node)     # the node itself, while it lives
+        self.call = call                  # the gather (its unit, buffer, reduce_zeros)
+        self.ran_in = -2                  # the last backward pass (task id) it reduced in
+        self.closed = False
+        self.orphan = False               # its node died before any backward reached it
+        self.holds_graph = True           # counted in the buffer's graphs (its graph reads it)
+
+    def will_run(self) -> bool:
+        """Whether the running backward pass runs this entry's node."""
+        node = None if self.orphan else self.node()
+        return node is not None and tp.will_execute(node)
+
+    def __repr__(self) -> str:
+        what = "orphan" if self.orphan else "closed" if self.closed else "awaiting"
+        return f"Entry(#{self.index}, unit {self.call.key!r}, {what})"
+
+
+class Reductions:
+    """Asynchronous gradient reductions in flight on this rank (``async_reduce``).
+
+    Each one holds its unit's staging buffer, so at most ``limit`` run at once, across every
+    ``gather`` and ``run_layers`` call: adding one more first finishes the oldest. The
+    gradient buffer a reduction writes also records it, and every reader of the gradients
+    (``vfsdp.grads``, clipping, optimizers, ``zero_grads``) waits for exactly the reductions
+    of the units it reads.
+
+    Example:
+        >>> inflight = Reductions(limit=1)
+        >>> inflight.add(Handle(finish=lambda: print("a reduced")))
+        >>> inflight.add(Handle(finish=lambda: print("b reduced")))   # finishes a first
+        a reduced
+        >>> len(inflight)
+        1
+        >>> inflight.wait()
+        b reduced
+    """
+
+    def __init__(self, limit: int = 1) -> None:
+        self.limit = limit
+        self._inflight: list[Handle] = []
+
+    def add(self, handle: Handle) -> None:
+        self._inflight.append(handle)
+        while len(self._inflight) > self.limit:
+            self._inflight.pop(0).wait()
+
+    def wait(self) -> None:
+        """Finish every reduction this object started."""
+        while self._inflight:
+            self._inflight.pop(0).wait()
+
+    def __len__(self) -> int:
+        return sum(not h.done for h in self._inflight)
+
+
+class BackwardPass:
+    """The record of one backward pass on this rank: which units it reduces (agreed with
+    every rank), and which of them have.
+
+    Made by :meth:`RankGathers.backward` at the pass's first vfsdp hook."""
+
+    def __init__(self, gathers: RankGathers, task: int, accumulates: bool) -> None:
+        self.gathers = gathers
+        self.task = task
+        self.accumulates = accumulates  # the pass writes leaves' .grad (not autograd.grad)
+        self.marked: set = set()        # ids of the entries it reduces (on some rank)
+
+    def agree(self, running: Optional[Entry], device: torch.device) -> None:
+        """The one cross-rank call: mark, with every rank, the units this pass reduces (two
+        small all-reduces); forget orphans no rank marks (no collective).
+
+        Raises:
+            RuntimeError: the ranks' records disagree (raised on every rank).
+        """
+        g = self.gathers
+        awaiting = sorted(g.entries, key=lambda e: e.seq)
+        mine = [e for e in awaiting if e is running or e.will_run()]
+        self.marked = {id(e) for e in _agree(awaiting, mine, g.created, device)}
+        for e in awaiting:
+            if e.orphan and id(e) not in self.marked:
+                g.close(e)  # died unused on every rank: no collective
+
+    def reach(self, seq: int) -> None:
+        """The pass is running the node numbered ``seq``: the marked units created after it
+        that did not run here will not run here; reduce them, with zeros, now (before any
+        collective the caller issues next)."""
+        self.gathers.settle()
+        for other in sorted((e for e in self.gathers.entries if e.seq > seq
+                             and e.ran_in != self.task and id(e) in self.marked),
+                            key=lambda e: -e.seq):
+            self._zeros(other)
+
+    def ran(self, entry: Entry) -> None:
+        """``entry``'s backward ran in this pass (its node called it)."""
+        entry.ran_in = self.task
+        if not tp.keep_graph():
+            self.gathers.close(entry)
+
+    def finish(self) -> None:
+        """End of the pass (the engine's final callback): reduce, with zeros, every marked
+        unit left that did not run, then wait for the reductions in flight."""
+        g = self.gathers
+        g.settle()
+        for entry in sorted((e for e in g.entries if e.ran_in != self.task
+                             and id(e) in self.marked), key=lambda e: -e.seq):
+            self._zeros(entry)
+        g.current = None
+        # As FSDP2 at the end of its backward: the last reductions land before the backward
+        # returns, so .grad (the gradient buffers' views) is complete for any reader.
+        g.inflight.wait()
+
+    def _zeros(self, entry: Entry) -> None:
+        entry.ran_in = self.task
+        entry.call.reduce_zeros(self.accumulates)
+        if entry.orphan:
+            self.gathers.close(entry)
+        elif not tp.keep_graph():
+            # Done in this pass on every rank; its node, alive here but not run, may still be
+            # read by its graph until it dies.
+            self.gathers.close(entry, graph_done=False)
+
+    def __repr__(self) -> str:
+        return (f"BackwardPass(task {self.task}, {len(self.marked)} unit(s) marked, "
+                f"{'backward()' if self.accumulates else 'autograd.grad'})")
+
+
+class RankGathers:
+    """This rank's differentiable gathers awaiting their backward (see the module)."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.dying: list[Entry] = []  # entries whose nodes died, to settle
+        self.inflight = Reductions(limit=1)
+        self.current: Optional[BackwardPass] = None  # the backward pass running now
+        self.created = 0  # entries made so far (the next one's index)
+
+    def add(self, ctx: Any, call: Any) -> Entry:
+        """Record the gather ``call`` whose autograd node ``ctx`` was just made."""
+        self.settle()
+        entry = Entry(self.created, ctx, call)
+        self.created += 1
+        self.entries.append(entry)
+        call.db.graphs += 1
+        call.unit.awaiting += 1
+        weakref.finalize(ctx, self.died, weakref.ref(entry))
+        return entry
+
+    def died(self, ref) -> None:
+        """The entry's autograd node was freed: settle it at the next operation.
+
+        Not now: the node usually dies inside the destruction of the last tensor holding it,
+        a view of the unit's memory still being torn down, so the memory cannot be judged
+        free yet (see :meth:`DBuffer.free_global`)."""
+        entry = ref()
+        if entry is not None:
+            self.dying.append(entry)
+
+    def settle(self) -> None:
+        """Settle the entries whose nodes died: no graph reads their memory any more. One that
+        reduced in a pass is done; one never reached by a backward stays, as an orphan, for
+        the next pass (another rank's loss may use the unit)."""
+        while self.dying:
+            entry = self.dying.pop(0)
+            self._release_graph(entry)
+            if entry.closed or entry.orphan:
+                continue
+            if entry.ran_in != -2:
+                self.close(entry)
+                continue
+            entry.orphan = True
+            entry.call.orphaned()
+
+    def close(self, entry: Entry, graph_done: bool = True) -> None:
+        """Forget the entry: it reduced in a pass that will not run again, or (an orphan) no
+        rank needs it. ``graph_done``: its graph no longer reads the memory either (else that
+        is settled when its node dies)."""
+        if graph_done:
+            self._release_graph(entry)
+        if entry.closed:
+            return
+        entry.closed = True
+        entry.call.unit.awaiting -= 1
+        if entry in self.entries:
+            self.entries.remove(entry)
+
+    @staticmethod
+    def _release_graph(entry: Entry) -> None:
+        if entry.holds_graph:
+            entry.holds_graph = False
+            entry.call.db.graph_done()
+
+    def backward(self, accumulates: Callable[[], bool], device: torch.device,
+                 running: Optional[Entry] = None) -> BackwardPass:
+        """The record of the backward pass running now: at its first vfsdp hook made, agreed
+        with every rank (:meth:`BackwardPass.agree`) and given the end-of-pass callback.
+        ``accumulates()`` tells whether the pass writes leaves' ``.grad`` (asked once)."""
+        self.settle()
+        task = tp.graph_task_id()
+        if self.current is None or self.current.task != task:
+            record = self.current = BackwardPass(self, task, accumulates())
+            tp.queue_final_callback(record.finish)
+            record.agree(running, device)
+        return self.current
+
+    def __repr__(self) -> str:
+        return (f"RankGathers({len(self.entries)} awaiting of {self.created} made, "
+                f"{len(self.inflight)} reduction(s) in flight, running: {self.current})")
+
+
+def _agree(awaiting: list[Entry], mine: list[Entry], created: int,
+           device: torch.device) -> list[Entry]:
+    """The awaiting entries some rank's pass runs: every rank's marks ORed over the world (two
+    small all-reduces: the span of places that any rank runs, then one mark per place in it).
+    Every rank made the same entries, so a place names the same unit everywhere.
+
+    Raises:
+        RuntimeError: the ranks' records disagree (raised on every rank).
+    """
+    lo = min((e.index for e in mine), default=created)
+    with comm.collective_scope():  # the exchange's own small tensors: not data movement
+        device = control_device(device)
+        span = torch.tensor([-lo, created, -created], dtype=torch.int64, device=device)
+        comm.all_reduce_max_(span, count="backward_marks")
+        neg_lo, most, neg_least = span.tolist()  # one sync
+        lo, least = -neg_lo, -neg_least
+        if most != least:
+            raise RuntimeError(
+                f"vfsdp: ranks made different numbers of differentiable gathers ({least} to "
+                f"{most}, {created} here): every rank must make the same vfsdp.gather/"
+                f"run_layers calls, in the same order, with the same requires_grad flags")
+        bits = [0] * (created - lo)
+        for e in mine:
+            bits[e.index - lo] = 1
+        marks = torch.tensor(bits, dtype=torch.uint8, device=device)
+        comm.all_reduce_max_(marks, count="backward_marks")
+        marked = [k for k, bit in enumerate(marks.tolist()) if bit]  # one sync
+    by_index = {e.index: e for e in awaiting}
+    out = []
+    for k in marked:
+        e = by_index.get(lo + k)
+        if e is None:
+            raise RuntimeError(
+                f"vfsdp: another rank's backward runs gathered unit #{lo + k} (its place in "
+                f"the record), which this rank had already reduced or dropped: every rank must "
+                f"keep or drop its graphs alike (retain_graph, a second backward through one "
+                f"graph)")
+        out.append(e)
+    return out
+
+
+class _NoGroup:
+    """The key of a process that has no default process group (yet)."""
+
+
+_NO_GROUP = _NoGroup()
+_BY_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def pending() -> RankGathers:
+    """This rank's :class:`RankGathers`: the one of its default process group (a rank of
+    ``vfsdp.testing.simulate`` has its own)."""
+    key = dist.group.WORLD if dist.is_initialized() else _NO_GROUP
+    found = _BY_GROUP.get(key)
+    if found is None:
+        found = _BY_GROUP[key] = RankGathers()
+    return found

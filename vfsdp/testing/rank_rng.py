@@ -118,6 +118,10 @@ class RankRNG(TorchFunctionMode):
             out = _dropout(func, self.generator, args, kwargs)
             if out is not None:
                 return out
+        elif func is torch.Tensor.backward:
+            # As a method call: dynamo traces `loss.backward()` (trace_autograd_ops), but not
+            # torch.autograd.backward, which Tensor.backward's body calls.
+            return args[0].backward(*args[1:], **kwargs)
         return func(*args, **kwargs)
 
 

@@ -3,8 +3,9 @@ never recompiles across steps, compiles once more for a new spec, and re-gathers
 instead of saving the gathered parameters.
 
 Whole steps (backward inside the compiled function) run on gloo processes (``spawn``): in
-threads (``simulate``) dynamo does not trace the backward on torch 2.13, so there the forward
-is compiled and the backward runs eagerly through the compiled graph.
+threads (``simulate``) a compiled whole step left dynamo unable to compile other functions
+later in the process, so there the forward is compiled and the backward runs eagerly through
+the compiled graph.
 """
 
 import optree
@@ -310,3 +311,48 @@ def test_what_the_compiled_path_cannot_do_is_refused_by_name():
     assert "muon.update under torch.compile is not supported yet" in muon
     assert ("reduce_dtype=torch.float32 is not supported under torch.compile with a "
             "torch.bfloat16 gather" in reduce)
+
+
+def _frozen_spec():
+    """A spec's slots before and after shard, gather, a backward and a compiled forward with
+    its backward: the plan's own data are the same objects; what filled in are caches of the
+    spec's own data, equal to a fresh spec's, and no tensor, group or unit is reachable."""
+    from vfsdp.planner.spec import ShardSpec
+
+    params = {"layers": [{"w": torch.randn(4, 4), "b": torch.randn(4)} for _ in range(2)]}
+    spec = vfsdp.plan(params, dist.get_world_size())
+    names = [n for n in ShardSpec.__slots__ if n != "__weakref__"]
+    before = {n: getattr(spec, n) for n in names}
+    shards = vfsdp.shard(params, spec)
+    x = torch.ones(2, 4) * (dist.get_rank() + 1)
+    loss = lambda full, x: sum((x @ p["w"] + p["b"]).sum() for p in full["layers"])  # noqa: E731
+    loss(vfsdp.gather(shards, spec), x).backward()
+    fast = torch.compile(lambda s, x: loss(vfsdp.gather(s, spec), x), fullgraph=True,
+                         backend="aot_eager")
+    fast(shards, x).backward()
+    after = {n: getattr(spec, n) for n in names}
+    data = ("units", "mesh_shape", "mesh_dim_names", "treespec", "_leaves")
+    same_objects = all(after[n] is before[n] for n in data)
+    fresh = vfsdp.plan(params, dist.get_world_size())
+    caches_pure = (spec.fingerprint == fresh.fingerprint
+                   and all(spec.local_plan(r) == fresh.local_plan(r) for r in spec._local))
+    runtime = []
+
+    def walk(x, depth=0):
+        if isinstance(x, (torch.Tensor, dist.ProcessGroup)) or type(x).__name__ in (
+                "Unit", "DBuffer", "MeshGroups"):
+            runtime.append(type(x).__name__)
+        elif depth < 6 and isinstance(x, (dict, list, tuple)):
+            for v in (x.values() if isinstance(x, dict) else x):
+                walk(v, depth + 1)
+        elif depth < 6 and isinstance(x, ShardSpec):
+            for n in names:
+                walk(getattr(x, n), depth + 1)
+
+    walk(spec)
+    return set(names) == set(before), same_objects, caches_pure, runtime
+
+
+@THREADS
+def test_the_spec_stays_frozen_through_shard_gather_backward_and_a_compiled_step():
+    assert simulate(2, _frozen_spec) == [(True, True, True, [])] * 2

@@ -10,12 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.functional import paths_bodies as pb
-from vfsdp.testing import simulate
-
-THREADS_COMPILE = pytest.mark.skipif(
-    tuple(int(x) for x in __import__("torch").__version__.split("+")[0].split(".")[:2]) < (2, 13),
-    reason="torch 2.11 crashes compiling in threads")
-
+from vfsdp.testing import simulate, spawn
 
 @st.composite
 def cases(draw, paths=("gather", "run_layers", "lowp", "lowp_layers", "func")):
@@ -62,8 +57,7 @@ COMPILED = [  # a fixed set: each compiles a graph per grad_sync value
 
 
 @pytest.mark.slow
-@THREADS_COMPILE
 @pytest.mark.parametrize("case", COMPILED, ids=lambda c: f"{c['entry']}-{len(c['micro'])}")
 def test_the_compiled_path_gives_plain_torchs_gradients(case):
     case = dict(case, path="compiled", world=2)
-    _check(case, simulate(2, pb.run_compiled, case))
+    _check(case, spawn(pb.run_compiled, 2, case))  # processes: see test_compiled's docstring

@@ -106,6 +106,9 @@ class Unit:
         # as (weak unit, dtype); the same on every rank, as the runs are.
         self.backward_prefetch: Optional[tuple] = None
         self.awaiting = 0  # differentiable gathers of this unit whose backward is pending
+        # What the compiled path reads of this unit (vfsdp.functional.traced): its groups'
+        # names, its anchor and accumulator leaves; made by vfsdp.shard.
+        self.traced: Optional[tuple] = None
 
     @property
     def key(self):

@@ -115,7 +115,8 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
         return traced_zero_grads(shards, spec, set_to_none)
     leaves = match_tree(shards, spec, what)
     zero = []  # the .grad autograd accumulated (grads="return"), zeroed in one op
-    for u in units_of(leaves, spec, what):
+    units = units_of(leaves, spec, what)
+    for u in units:
         for i, _ in u.leaves:
             if leaves[i].grad is not None:
                 if set_to_none:
@@ -135,7 +136,8 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
                 gdb.ensure_shard().zero_()
     with torch.no_grad():
         tp.zero_many(zero)
-    drop_plan_grads(spec, keep=not set_to_none)  # the compiled path's anchors and accumulators
+    # the compiled path's anchors and accumulators
+    drop_plan_grads([u.unit.traced for u in units], keep=not set_to_none)
 
 
 def gradient_leaves(grads: Any, spec: ShardSpec, what: str) -> list:

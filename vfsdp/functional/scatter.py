@@ -114,10 +114,10 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
                 error = exc
         agree(error, error_type=ValueError)  # every rank raises, none waits in the scatter
     out = list(leaves)
-    errors = []
+    errors, units = [], {}
     with torch.no_grad():
         for key, members in spec.unit_leaves().items():
-            unit = Unit(spec.units[key], groups)
+            unit = units[key] = Unit(spec.units[key], groups)
             db = unit.params
             if coords is None:
                 for i, k in members:
@@ -140,5 +140,5 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
                 out[i] = views[k]
     if coords is not None:
         agree(next((e for e in errors if e is not None), None))
-    prepare(spec, groups)  # what a compiled step reads (vfsdp.functional.traced)
+    prepare(spec, units)  # what a compiled step reads (vfsdp.functional.traced)
     return optree.tree_unflatten(spec.treespec, out)

@@ -87,16 +87,17 @@ def shard(
     leaves = match_tree(params, spec, "vfsdp.shard")
     groups = resolve_groups(spec, mesh)
     out = list(leaves)
+    units = {}
     with torch.no_grad():
         for key, members in spec.unit_leaves().items():
-            unit = Unit(spec.units[key], groups)  # the views' slots keep it alive
+            unit = units[key] = Unit(spec.units[key], groups)  # the views' slots keep it alive
             db = unit.params
             views: dict = {}  # one tensor per buffer index: a tie stays one tensor
             for i, k in members:
                 if k not in views:
                     views[k] = _init_piece(db, k, init_fn, requires_grad)
                 out[i] = views[k]
-    prepare(spec, groups)  # what a compiled step reads (vfsdp.functional.traced)
+    prepare(spec, units)  # what a compiled step reads (vfsdp.functional.traced)
     return optree.tree_unflatten(spec.treespec, out)
 
 

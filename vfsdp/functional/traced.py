@@ -21,13 +21,14 @@ a functional path instead, and the compiler owns every buffer:
   gradients; ``torch.autograd.grad`` must be asked for them too (``vfsdp`` can't add inputs
   to it), so prefer ``backward()`` in compiled steps.
 
-What each unit needs (its group, this rank's pieces, offsets and shapes) is plain data that
-:func:`vfsdp.shard` keeps on the spec and on its sub-specs (:func:`prepare`, ``spec.traced``):
-nothing about a spec is computed while tracing, a new spec compiles once more and the same spec
-never recompiles. The shards' groups are those they were made on. (That slot is the one piece
-of runtime state a spec still carries: dynamo reads a constant's attribute without guarding
-on the object's identity, which a lookup elsewhere by spec adds, with a graph per spec object
-and rank.)
+What each unit needs is plain data made eagerly, by :func:`vfsdp.shard` (:func:`prepare`),
+since nothing can be computed while tracing: this rank's pieces, offsets and shapes are the
+spec's own (``spec.local_plan(rank)``, a pure function of the spec, kept with it), and the
+unit's runtime (its groups' names, its anchor and accumulator leaves) is the shards' unit's
+(``unit.traced``, reached from a shard's slot). The spec holds nothing of any process's
+runtime. Dynamo guards on the values it reads there, not on the objects: a new spec
+compiles once more, and the same spec never recompiles. The shards' groups are those they
+were made on.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ import torch
 import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
+from vfsdp.collectives.slot import SLOT
 from vfsdp.functional.lowp import hooked_all_gather
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["traced_gather", "prepare", "traced_children", "group_name",
+__all__ = ["traced_gather", "prepare", "traced_children", "group_name", "clip_groups",
+           "CLIP_GROUPS",
            "traced_leaves", "traced_run_layers", "traced_grads",
-           "traced_zero_grads", "drop_plan_grads"]
+           "traced_zero_grads", "drop_plan_grads", "unit_context"]
 
 
 def group_name(group: Any) -> str:
@@ -52,67 +55,37 @@ def group_name(group: Any) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
 
-def _unit_plan(spec: ShardSpec, groups: Any, anchors: dict) -> tuple:
-    """Plain data for the traced gather of ``spec`` on this rank: ``(shard group name, shard
-    size, replicate group name or None, replicas, units, shard rank)``; each unit is ``(S,
-    dtype, pieces, views)``: ``pieces`` are ``(leaf index, lo, hi)`` of the rank's shard in order (empty ones
-    too), ``views`` are ``(leaf index, offset, numel, shape)`` of the full tensors."""
-    rank = groups.shard_rank
-    tensors = spec.leaves()
-    units = []
-    for key, members in spec.unit_leaves().items():
-        layout = spec.units[key]
-        first: dict = {}  # buffer index -> its first leaf (a tie is one tensor)
-        for i, k in members:
-            first.setdefault(k, i)
-        pieces = tuple((i, *tensors[i].shard_range(rank)) for _k, i in
-                       sorted(first.items(), key=lambda kv: tensors[kv[1]].shard_range(rank)))
-        views = tuple((i, tensors[i].offset, tensors[i].numel, tuple(tensors[i].shape))
-                      for i, _k in members)
-        # A one-element leaf every rank adds (times 0) to its shard: the shard's gradient, the
-        # reduce-scatter, then always has a user on every rank, even one that holds nothing of
-        # these tensors (else the compiler drops it there and the ranks deadlock).
-        found = anchors.get(key)  # one per unit, shared by the spec and its sub-specs
-        if found is None:
-            anchor = torch.zeros(1, dtype=layout.dtype, device=groups.device, requires_grad=True)
-            # grad_sync=False's unsharded accumulator: its .grad, made by the backward and
-            # dropped at the sync, holds the unreduced gradients (one element until then).
-            full = layout.shard_numel * groups.shard_size
-            acc = torch.zeros(1, dtype=layout.dtype, device=groups.device).expand(full)
-            found = anchors[key] = (anchor, acc.requires_grad_())
-        units.append((layout.shard_numel, layout.dtype, pieces, views, *found))
-    replicate = group_name(groups.replicate) if groups.replicate is not None else None
-    return (group_name(groups.shard), groups.shard_size, replicate, groups.replicate_size,
-            tuple(units), rank)
+def _runtime(unit: Any) -> tuple:
+    """``unit.traced``, made once: ``(anchor, accumulator, shard group name, shard group size,
+    replicate group name or None, replicas, model axis group name or None, shard rank)``.
+
+    The anchor is a one-element leaf every rank adds (times 0) to its shard: the shard's
+    gradient, the reduce-scatter, then always has a user on every rank, even one that holds
+    nothing of the unit's tensors (else the compiler drops it there and the ranks deadlock).
+    The accumulator is ``grad_sync=False``'s: its ``.grad``, made by the backward and dropped
+    at the sync, holds the unreduced gradients (one element, expanded, until then)."""
+    if unit.traced is None:
+        groups, layout = unit.groups, unit.layout
+        anchor = torch.zeros(1, dtype=layout.dtype, device=groups.device, requires_grad=True)
+        full = layout.shard_numel * groups.shard_size
+        acc = torch.zeros(1, dtype=layout.dtype, device=groups.device).expand(full)
+        replicate = group_name(groups.replicate) if groups.replicate is not None else None
+        model = group_name(groups.model) if groups.model is not None else None
+        unit.traced = (anchor, acc.requires_grad_(), group_name(groups.shard), groups.shard_size,
+                       replicate, groups.replicate_size, model, groups.shard_rank)
+    return unit.traced
 
 
-def _norm_plan(spec: ShardSpec, groups: Any, shard_name: str) -> tuple:
-    """``(((leaf index, path), ...) of each tensor once, whether this rank counts each in a
-    norm, shard group name, model axis group name or None)`` for the traced clipping: off
-    model index 0, a tensor a ``tp=`` plan replicates is counted by index 0 only."""
-    seen, tensors, counted = set(), [], []
-    model = spec.model_axis
-    for i, t in enumerate(spec.leaves()):
-        if isinstance(t, TensorSpec) and (t.unit, t.path) not in seen:
-            seen.add((t.unit, t.path))
-            tensors.append((i, t.path))
-            counted.append(model is None or model[2] == 0 or t.strided.dim is not None)
-    model_name = None
-    if model is not None and model[1] > 1:  # "": the shards were made without that axis
-        model_name = group_name(groups.model) if groups.model is not None else ""
-    return tuple(tensors), tuple(counted), shard_name, model_name
-
-
-def prepare(spec: ShardSpec, groups: Any, anchors: Optional[dict] = None) -> None:
-    """Keep on ``spec``, and on every sub-spec of its subtrees (``spec["layers"]``,
-    ``spec["layers"][3]``, ``spec["embed"]``, ...), the plain data the compiled path reads
-    (``spec.traced``): made eagerly, by :func:`vfsdp.shard`, since nothing about a spec can be
-    computed while tracing.
+def prepare(spec: ShardSpec, units: dict) -> None:
+    """Make, eagerly, what the compiled path reads: each unit's runtime (``unit.traced``),
+    this rank's :meth:`ShardSpec.local_plan` of ``spec`` and of every sub-spec of its subtrees
+    (``spec["layers"]``, ``spec["layers"][3]``, ``spec["embed"]``, ...), and, for the compiled
+    ``clip_grad_norm`` (which sees gradients, not shards), the groups of each in
+    :data:`CLIP_GROUPS`.
 
     Args:
         spec: The plan.
-        groups: The :class:`~vfsdp.collectives.MeshGroups` its shards live on.
-        anchors: Unit key -> its anchor (see :func:`traced_gather`), shared with sub-specs.
+        units: Unit key -> the :class:`~vfsdp.collectives.Unit` its shards live in.
 
     Returns:
         ``None``.
@@ -120,15 +93,30 @@ def prepare(spec: ShardSpec, groups: Any, anchors: Optional[dict] = None) -> Non
     Raises:
         Nothing.
     """
+    rank, groups = None, None
+    for unit in units.values():
+        rank, groups = _runtime(unit)[7], unit.groups
+    _local(spec, rank, groups)
+
+
+CLIP_GROUPS: dict = {}
+"""``(spec fingerprint, global rank) -> (shard group name, model axis group name or None,
+or "" when the spec has a model axis its shards' groups lack)``: what the compiled
+``clip_grad_norm`` all-reduces over, for each spec this process made shards for (the last
+shards made for a spec on a rank are the ones it reads)."""
+
+
+def _local(spec: ShardSpec, rank: Optional[int], groups: Any) -> None:
+    spec.local_plan(None)
+    if rank is not None:
+        spec.local_plan(rank)
+    if groups is not None:
+        model = spec.model_axis
+        name = None
+        if model is not None and model[1] > 1:
+            name = group_name(groups.model) if groups.model is not None else ""
+        CLIP_GROUPS[(spec.fingerprint, dist.get_rank())] = (group_name(groups.shard), name)
     tree = spec.tree
-    children = len(tree) if isinstance(tree, (list, tuple)) else -1
-    anchors = {} if anchors is None else anchors
-    plan = _unit_plan(spec, groups, anchors)
-    norms = _norm_plan(spec, groups, plan[0])
-    object.__setattr__(spec, "traced", (
-        spec.treespec.num_leaves,
-        tuple(i for i, t in enumerate(spec.leaves()) if isinstance(t, TensorSpec)),
-        children, plan, norms))
     if isinstance(tree, dict):
         keys = list(tree)
     elif isinstance(tree, (list, tuple)):
@@ -139,16 +127,55 @@ def prepare(spec: ShardSpec, groups: Any, anchors: Optional[dict] = None) -> Non
         node = tree[key]
         if isinstance(node, TensorSpec) or (isinstance(node, (dict, list, tuple))
                                             and not optree.tree_is_leaf(node)):
-            prepare(spec[key], groups, anchors)
+            _local(spec[key], rank, groups)
 
 
-def _traced(spec: ShardSpec, what: str) -> tuple:
-    found = spec.traced
+def clip_groups(spec: ShardSpec, what: str) -> tuple:
+    """This rank's :data:`CLIP_GROUPS` entry for ``spec``.
+
+    Raises:
+        ValueError: no shards were made for the spec on this rank.
+    """
+    found = CLIP_GROUPS.get((spec.fingerprint, dist.get_rank()))
     if found is None:
-        raise ValueError(f"{what} under torch.compile: this spec was not prepared for the "
-                         f"compiled path; make its shards with vfsdp.shard before compiling "
-                         f"(and take sub-specs from that spec)")
+        raise ValueError(f"{what} under torch.compile: no shards were made for this spec "
+                         f"here; make them with vfsdp.shard before compiling")
     return found
+
+
+def _unit_of(leaves: list, views: tuple, what: str) -> tuple:
+    """The runtime (``unit.traced``) of the unit whose full tensors ``views`` names, from its
+    first shard's slot.
+
+    Raises:
+        ValueError: the leaf is not a shard made by ``vfsdp.shard`` (or ``scatter``).
+    """
+    slot = getattr(leaves[views[0][0]], SLOT, None)
+    found = getattr(slot.owner, "traced", None) if slot is not None else None
+    if found is None:
+        raise ValueError(f"{what} under torch.compile: these shards were not made for the "
+                         f"compiled path; make them with vfsdp.shard before compiling (plain "
+                         f"tensors are gathered eagerly only)")
+    return found
+
+
+def _rank(leaves: list, spec: ShardSpec, what: str) -> int:
+    """This rank's index in the shard group, from the tree's first tensor's unit."""
+    tensors = spec.local_plan(None)[1]
+    if not tensors:
+        return 0
+    return _unit_of(leaves, ((tensors[0],),), what)[7]
+
+
+def unit_context(leaves: list, spec: ShardSpec, what: str) -> list:
+    """Per unit of ``spec``: its :meth:`~ShardSpec.local_plan` entry on this rank and its
+    runtime (``unit.traced``), read from the shards ``leaves``.
+
+    Raises:
+        ValueError: shards not made by ``vfsdp.shard``.
+    """
+    return [(u, _unit_of(leaves, u[4], what))
+            for u in spec.local_plan(_rank(leaves, spec, what))]
 
 
 def traced_children(spec: ShardSpec) -> int:
@@ -157,7 +184,7 @@ def traced_children(spec: ShardSpec) -> int:
     Raises:
         ValueError: an unprepared spec.
     """
-    return _traced(spec, "vfsdp.run_layers")[2]
+    return spec.local_plan(None)[2]
 
 
 def traced_leaves(tree: Any, spec: ShardSpec, what: str) -> tuple[list, Any]:
@@ -171,7 +198,7 @@ def traced_leaves(tree: Any, spec: ShardSpec, what: str) -> tuple[list, Any]:
     if tp.compiling():
         tp.enable_compiled_backward()  # runs while tracing: lets dynamo trace the backward
     leaves, treespec = optree.tree_flatten(tree)
-    n = _traced(spec, what)[0]
+    n = spec.local_plan(None)[0]
     if len(leaves) != n:
         raise ValueError(f"{what}: the tree has {len(leaves)} leaves, the spec {n}; pass the "
                          f"tree the spec was planned for")
@@ -186,7 +213,7 @@ def traced_grads(shards: Any, spec: ShardSpec) -> Any:
     """
     leaves, treespec = traced_leaves(shards, spec, "vfsdp.grads")
     out = list(leaves)
-    for i in _traced(spec, "vfsdp.grads")[1]:
+    for i in spec.local_plan(None)[1]:
         g = leaves[i].grad
         out[i] = g if g is not None else torch.zeros_like(leaves[i])
     return optree.tree_unflatten(treespec, out)
@@ -199,31 +226,32 @@ def traced_zero_grads(shards: Any, spec: ShardSpec, set_to_none: bool) -> None:
         ValueError: a tree that does not match the spec.
     """
     leaves, _ = traced_leaves(shards, spec, "vfsdp.zero_grads")
-    found = _traced(spec, "vfsdp.zero_grads")
-    for i in found[1]:
+    for i in spec.local_plan(None)[1]:
         if set_to_none:  # unconditionally: asking whether it was None would be a guard
             leaves[i].grad = None
         elif leaves[i].grad is not None:
             leaves[i].grad.zero_()
-    drop_plan_grads(spec)
+    rank = _rank(leaves, spec, "vfsdp.zero_grads")
+    drop_plan_grads([_unit_of(leaves, u[4], "vfsdp.zero_grads")
+                     for u in spec.local_plan(rank)])
 
 
-def drop_plan_grads(spec: ShardSpec, keep: bool = False) -> None:
-    """What ``zero_grads`` does, on every path, to the compiled path's own leaves:
-    ``grad_sync=False``'s unreduced gradients are dropped, and the anchors' (always zero)
-    gradients too, or with ``keep`` (eager ``set_to_none=False``) zeroed where they exist, so
-    that a compiled step finds what it found before (one graph). While compiling ``keep`` is
-    off: asking whether a gradient is ``None`` would be a guard."""
-    found = spec.traced
-    if found is None:
-        return
-    for unit in found[3][4]:
-        anchor = unit[4]
+def drop_plan_grads(runtimes: list, keep: bool = False) -> None:
+    """What ``zero_grads`` does, on every path, to the compiled path's own leaves (of the
+    units whose ``unit.traced`` are ``runtimes``): ``grad_sync=False``'s unreduced gradients
+    are dropped, and the anchors' (always zero) gradients too, or with ``keep`` (eager
+    ``set_to_none=False``) zeroed where they exist, so that a compiled step finds what it
+    found before (one graph). While compiling ``keep`` is off: asking whether a gradient is
+    ``None`` would be a guard."""
+    for runtime in runtimes:
+        if runtime is None:
+            continue
+        anchor = runtime[0]
         if keep and anchor.grad is not None:
             anchor.grad.zero_()
         else:
             anchor.grad = None
-        unit[5].grad = None
+        runtime[1].grad = None
 
 
 def _grad_times(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -261,19 +289,19 @@ def _flush(acc: torch.Tensor, leaves: list, pieces: tuple, groups: tuple, scale:
     acc.grad = None
 
 
-def _flush_tree(shards: Any, spec: ShardSpec, grad_reduce: str, what: str) -> None:
+def _flush_tree(leaves: list, spec: ShardSpec, grad_reduce: str, what: str) -> None:
     """:func:`_flush` for every unit of a tree whose accumulator holds gradients."""
-    leaves, _ = traced_leaves(shards, spec, what)
-    shard_name, m, rep_name, replicas, units, _rank = _traced(spec, what)[3]
-    scale = 1.0 / (m * replicas) if grad_reduce == "avg" else 1.0
-    for _s, _dtype, pieces, _views, _anchor, acc in units:
+    for *_k, pieces, views in spec.local_plan(_rank(leaves, spec, what)):
+        _anchor, acc, shard_name, m, rep_name, replicas, _model, _r = _unit_of(leaves, views, what)
         if acc.grad is not None:
+            scale = 1.0 / (m * replicas) if grad_reduce == "avg" else 1.0
             _flush(acc, leaves, pieces, (shard_name, m, rep_name, replicas), scale)
 
 
 def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional[torch.dtype],
                   grad_reduce: str, reduce_dtype: Optional[torch.dtype], hooks: Any = None,
-                  grad_sync: bool = True, flush: bool = True) -> Any:
+                  grad_sync: bool = True, flush: bool = True,
+                  context: Optional[list] = None) -> Any:
     """The full tree, by functional collectives the compiler can trace (see the module).
 
     Args:
@@ -292,6 +320,8 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
             parameters' dtype), and the next synced gather reduce-scatters them into the
             shards' ``.grad`` before its own backward adds to them.
         flush: Do that here (``False``: the caller did, outside a checkpointed region).
+        context: :func:`unit_context` of the shards, when the caller read it (outside a
+            checkpointed region, where dynamo guards what it reads).
 
     Returns:
         The full tree (views of one gathered buffer per unit).
@@ -300,13 +330,14 @@ def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional
         ValueError: a tree that does not match the spec, an unprepared spec, or a
             ``reduce_dtype`` other than the gather's.
     """
-    leaves, treespec = traced_leaves(shards, spec, "vfsdp.gather")
-    shard_name, m, rep_name, replicas, units, rank = _traced(spec, "vfsdp.gather")[3]
-    scale = 1.0 / (m * replicas) if grad_reduce == "avg" else 1.0
+    what = "vfsdp.gather"
+    leaves, treespec = traced_leaves(shards, spec, what)
     if flush and grad_sync:  # what grad_sync=False backwards left unreduced
-        _flush_tree(shards, spec, grad_reduce, "vfsdp.gather")
+        _flush_tree(leaves, spec, grad_reduce, what)
     out = list(leaves)
-    for s, dtype, pieces, views, anchor, acc in units:
+    for (_key, s, dtype, pieces, views), runtime in context or unit_context(leaves, spec, what):
+        anchor, acc, shard_name, m, rep_name, replicas, _model, rank = runtime
+        scale = 1.0 / (m * replicas) if grad_reduce == "avg" else 1.0
         parts, pos = [], 0
         for i, lo, hi in pieces:
             if lo > pos:
@@ -383,14 +414,19 @@ def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any, mesh: Any
     if tp.compiling():
         tp.enable_compiled_backward()  # runs while tracing: lets dynamo trace its backward
 
-    if grad_sync:  # what grad_sync=False backwards left unreduced: outside the region below
-        for shard, spec in zip(shards, specs):
-            _flush_tree(shard, spec, grad_reduce, "vfsdp.run_layers")
+    what = "vfsdp.run_layers"
+    contexts = []  # read here, outside the checkpointed region below: dynamo guards them
+    for shard, spec in zip(shards, specs):
+        leaves = traced_leaves(shard, spec, what)[0]
+        if grad_sync:  # what grad_sync=False backwards left unreduced
+            _flush_tree(leaves, spec, grad_reduce, what)
+        contexts.append(unit_context(leaves, spec, what))
 
     def run(shards, h):
-        for shard, spec in zip(shards, specs):
+        for shard, spec, context in zip(shards, specs, contexts):
             h = layer_fn(traced_gather(shard, spec, mesh, param_dtype, grad_reduce,
-                                       reduce_dtype, hooks, grad_sync=grad_sync, flush=False), h)
+                                       reduce_dtype, hooks, grad_sync=grad_sync, flush=False,
+                                       context=context), h)
         return h
 
     if not reshard_after_forward:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from vfsdp import _torch_private as tp
-from vfsdp.functional.traced import traced_leaves
+from vfsdp.functional.traced import clip_groups, traced_leaves
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["TracedAdam", "traced_adamw", "traced_clip", "adam_views", "TracedAdam8",
@@ -163,8 +163,10 @@ def traced_clip(grads: Any, spec: ShardSpec, max_norm: float, eps: float,
     Raises:
         ValueError: a tree that does not match the spec, or an unprepared spec.
     """
-    leaves, _ = traced_leaves(grads, spec, "vfsdp.clip_grad_norm")
-    tensors, counted, shard_name, model = spec.traced[4]
+    what = "vfsdp.clip_grad_norm"
+    leaves, _ = traced_leaves(grads, spec, what)
+    tensors, counted = spec.local_plan(None)[3:]
+    shard_name, model = clip_groups(spec, what)
     if model == "":
         raise ValueError("vfsdp.clip_grad_norm: the spec is split over a model axis, but its "
                          "shards were made on the data mesh only; make them with "

@@ -325,7 +325,7 @@ def _frozen_spec():
     before = {n: getattr(spec, n) for n in names}
     shards = vfsdp.shard(params, spec)
     x = torch.ones(2, 4) * (dist.get_rank() + 1)
-    loss = lambda full, x: sum((x @ p["w"] + p["b"]).sum() for p in full["layers"])  # noqa: E731
+    loss = lambda full, x: sum((x @ p["w"] + p["b"]).sum() for p in full["layers"])
     loss(vfsdp.gather(shards, spec), x).backward()
     fast = torch.compile(lambda s, x: loss(vfsdp.gather(s, spec), x), fullgraph=True,
                          backend="aot_eager")

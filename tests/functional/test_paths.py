@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tests.functional import paths_bodies as pb
 from vfsdp.testing import simulate, spawn
 
+
 @st.composite
 def cases(draw, paths=("gather", "run_layers", "lowp", "lowp_layers", "func")):
     micro = draw(st.integers(1, 2))

@@ -317,6 +317,7 @@ def _frozen_spec():
     """A spec's slots before and after shard, gather, a backward and a compiled forward with
     its backward: the plan's own data are the same objects; what filled in are caches of the
     spec's own data, equal to a fresh spec's, and no tensor, group or unit is reachable."""
+    from vfsdp.planner.local import local_plan
     from vfsdp.planner.spec import ShardSpec
 
     params = {"layers": [{"w": torch.randn(4, 4), "b": torch.randn(4)} for _ in range(2)]}
@@ -335,7 +336,7 @@ def _frozen_spec():
     same_objects = all(after[n] is before[n] for n in data)
     fresh = vfsdp.plan(params, dist.get_world_size())
     caches_pure = (spec.fingerprint == fresh.fingerprint
-                   and all(spec.local_plan(r) == fresh.local_plan(r) for r in spec._local))
+                   and all(local_plan(spec, r) == local_plan(fresh, r) for r in spec._local))
     runtime = []
 
     def walk(x, depth=0):

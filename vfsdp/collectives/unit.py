@@ -79,9 +79,9 @@ class Unit:
         ...     unit = Unit(spec.units[()], resolve_groups(spec))
         ...     unit.params.local(0).data.fill_(dist.get_rank() + 1.0)
         ...     full, _ = unit.gather(torch.bfloat16)
-        ...     state = unit.state.value
+        ...     values, state = full.full(0).tolist(), unit.state.value
         ...     unit.release()
-        ...     return full.full(0).tolist(), full.dtype, state, unit.state.value
+        ...     return values, full.dtype, state, unit.state.value
         >>> vfsdp.testing.simulate(2, body)[1]
         ([1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0], torch.bfloat16, 'gathered', 'released')
     """

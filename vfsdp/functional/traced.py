@@ -23,7 +23,7 @@ a functional path instead, and the compiler owns every buffer:
 
 What each unit needs is plain data made eagerly, by :func:`vfsdp.shard` (:func:`prepare`),
 since nothing can be computed while tracing: this rank's pieces, offsets and shapes are the
-spec's own (``spec.local_plan(rank)``, a pure function of the spec, kept with it), and the
+spec's own (``local_plan(spec, rank)``, a pure function of the spec, kept with it), and the
 unit's runtime (its groups' names, its anchor and accumulator leaves) is the shards' unit's
 (``unit.traced``, reached from a shard's slot). The spec holds nothing of any process's
 runtime. Dynamo guards on the values it reads there, not on the objects: a new spec
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.slot import SLOT
 from vfsdp.functional.lowp import hooked_all_gather
+from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["traced_gather", "prepare", "traced_children", "group_name", "clip_groups",
@@ -78,8 +79,9 @@ def _runtime(unit: Any) -> tuple:
 
 def prepare(spec: ShardSpec, units: dict) -> None:
     """Make, eagerly, what the compiled path reads: each unit's runtime (``unit.traced``),
-    this rank's :meth:`ShardSpec.local_plan` of ``spec`` and of every sub-spec of its subtrees
-    (``spec["layers"]``, ``spec["layers"][3]``, ``spec["embed"]``, ...), and, for the compiled
+    this rank's :func:`~vfsdp.planner.local.local_plan` of ``spec`` and of every sub-spec of
+    its subtrees (``spec["layers"]``, ``spec["layers"][3]``, ``spec["embed"]``, ...), and, for
+    the compiled
     ``clip_grad_norm`` (which sees gradients, not shards), the groups of each in
     :data:`CLIP_GROUPS`.
 
@@ -107,9 +109,9 @@ shards made for a spec on a rank are the ones it reads)."""
 
 
 def _local(spec: ShardSpec, rank: Optional[int], groups: Any) -> None:
-    spec.local_plan(None)
+    local_plan(spec, None)
     if rank is not None:
-        spec.local_plan(rank)
+        local_plan(spec, rank)
     if groups is not None:
         model = spec.model_axis
         name = None
@@ -161,21 +163,21 @@ def _unit_of(leaves: list, views: tuple, what: str) -> tuple:
 
 def _rank(leaves: list, spec: ShardSpec, what: str) -> int:
     """This rank's index in the shard group, from the tree's first tensor's unit."""
-    tensors = spec.local_plan(None)[1]
+    tensors = local_plan(spec, None)[1]
     if not tensors:
         return 0
     return _unit_of(leaves, ((tensors[0],),), what)[7]
 
 
 def unit_context(leaves: list, spec: ShardSpec, what: str) -> list:
-    """Per unit of ``spec``: its :meth:`~ShardSpec.local_plan` entry on this rank and its
+    """Per unit of ``spec``: its :func:`~vfsdp.planner.local.local_plan` entry on this rank and its
     runtime (``unit.traced``), read from the shards ``leaves``.
 
     Raises:
         ValueError: shards not made by ``vfsdp.shard``.
     """
     return [(u, _unit_of(leaves, u[4], what))
-            for u in spec.local_plan(_rank(leaves, spec, what))]
+            for u in local_plan(spec, _rank(leaves, spec, what))]
 
 
 def traced_children(spec: ShardSpec) -> int:
@@ -184,7 +186,7 @@ def traced_children(spec: ShardSpec) -> int:
     Raises:
         ValueError: an unprepared spec.
     """
-    return spec.local_plan(None)[2]
+    return local_plan(spec, None)[2]
 
 
 def traced_leaves(tree: Any, spec: ShardSpec, what: str) -> tuple[list, Any]:
@@ -198,7 +200,7 @@ def traced_leaves(tree: Any, spec: ShardSpec, what: str) -> tuple[list, Any]:
     if tp.compiling():
         tp.enable_compiled_backward()  # runs while tracing: lets dynamo trace the backward
     leaves, treespec = optree.tree_flatten(tree)
-    n = spec.local_plan(None)[0]
+    n = local_plan(spec, None)[0]
     if len(leaves) != n:
         raise ValueError(f"{what}: the tree has {len(leaves)} leaves, the spec {n}; pass the "
                          f"tree the spec was planned for")
@@ -213,7 +215,7 @@ def traced_grads(shards: Any, spec: ShardSpec) -> Any:
     """
     leaves, treespec = traced_leaves(shards, spec, "vfsdp.grads")
     out = list(leaves)
-    for i in spec.local_plan(None)[1]:
+    for i in local_plan(spec, None)[1]:
         g = leaves[i].grad
         out[i] = g if g is not None else torch.zeros_like(leaves[i])
     return optree.tree_unflatten(treespec, out)
@@ -226,14 +228,14 @@ def traced_zero_grads(shards: Any, spec: ShardSpec, set_to_none: bool) -> None:
         ValueError: a tree that does not match the spec.
     """
     leaves, _ = traced_leaves(shards, spec, "vfsdp.zero_grads")
-    for i in spec.local_plan(None)[1]:
+    for i in local_plan(spec, None)[1]:
         if set_to_none:  # unconditionally: asking whether it was None would be a guard
             leaves[i].grad = None
         elif leaves[i].grad is not None:
             leaves[i].grad.zero_()
     rank = _rank(leaves, spec, "vfsdp.zero_grads")
     drop_plan_grads([_unit_of(leaves, u[4], "vfsdp.zero_grads")
-                     for u in spec.local_plan(rank)])
+                     for u in local_plan(spec, rank)])
 
 
 def drop_plan_grads(runtimes: list, keep: bool = False) -> None:
@@ -291,7 +293,7 @@ def _flush(acc: torch.Tensor, leaves: list, pieces: tuple, groups: tuple, scale:
 
 def _flush_tree(leaves: list, spec: ShardSpec, grad_reduce: str, what: str) -> None:
     """:func:`_flush` for every unit of a tree whose accumulator holds gradients."""
-    for *_k, pieces, views in spec.local_plan(_rank(leaves, spec, what)):
+    for *_k, pieces, views in local_plan(spec, _rank(leaves, spec, what)):
         _anchor, acc, shard_name, m, rep_name, replicas, _model, _r = _unit_of(leaves, views, what)
         if acc.grad is not None:
             scale = 1.0 / (m * replicas) if grad_reduce == "avg" else 1.0

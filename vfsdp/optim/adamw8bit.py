@@ -44,14 +44,7 @@ from vfsdp.optim.base import (
     unit_buffers,
 )
 from vfsdp.optim.fused import adamw_step, scale_
-from vfsdp.optim.quant import (
-    TILE,
-    dequantize_tiles,
-    dynamic_map,
-    midpoints,
-    quantize_tiles,
-    tile_view,
-)
+from vfsdp.optim.quant import TILE, dynamic_map, midpoints, step8, tile_view
 from vfsdp.optim.traced import TracedAdam8, compiled_update, traced_adamw8bit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
@@ -365,7 +358,7 @@ def adamw8bit(
             return state
         step = state.step
         rate = schedule(step)
-        hyper = (b1, b2, 1 - b1 ** step, math.sqrt(1 - b2 ** step), eps, rate)
+        step_scalars = (1 - b1 ** step, math.sqrt(1 - b2 ** step), rate)
         leaves = grad_leaves(grads, spec, "adamw8bit.update")
         plan = state.plan
         small: tuple = ([], [], [], [], [])  # p, g, m, v slices; p slices that decay
@@ -408,8 +401,9 @@ def adamw8bit(
                 device = quantized[0][0].device
                 qm, qv, mm, mv = qmaps(device)
                 fn = kernel(device)
+                hyper = torch.tensor(step_scalars, dtype=torch.float32, device=device)
                 for args in quantized:
-                    fn(*args, qm, qv, mm, mv, *hyper)
+                    fn(*args, qm, qv, mm, mv, b1, b2, eps, hyper)
             ps, gs, ms, vs, _ = small
             adamw_step(ps, gs, ms, vs, [], step=step, lr=rate, betas=betas, eps=eps,
                        weight_decay=0.0, fused=False)
@@ -418,59 +412,16 @@ def adamw8bit(
     return Optimizer(init, update, granularity_8bit(min_8bit_numel))
 
 
-def step8(p: torch.Tensor, g: torch.Tensor, cm: torch.Tensor, cv: torch.Tensor,
-          sm: torch.Tensor, sv: torch.Tensor, qm: torch.Tensor, qv: torch.Tensor,
-          mids_m: torch.Tensor, mids_v: torch.Tensor, b1: float, b2: float, bc1: float,
-          bc2_sqrt: float, eps: float, rate: float) -> None:
-    """One tensor's 8-bit AdamW step in place (weight decay applied before, by the caller):
-    dequantize ``m`` and ``v`` from codes ``cm``/``cv`` (``[B, R, C]``) and tile scales
-    ``sm``/``sv``, apply AdamW to ``p`` as :func:`vfsdp.optim.adamw`, re-quantize. A fixed
-    number of ops whatever the tensor's size; ``torch.compile`` fuses them."""
-    m = dequantize_tiles(cm, sm, qm)
-    v = dequantize_tiles(cv, sv, qv)
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    denom = v.sqrt().div_(bc2_sqrt).add_(eps)
-    p.addcdiv_(m, denom, value=-rate / bc1)
-    quantize_tiles(m, mids_m, cm, sm)
-    quantize_tiles(v, mids_v, cv, sv)
-
-
-def _step8_hyper(p: torch.Tensor, g: torch.Tensor, cm: torch.Tensor, cv: torch.Tensor,
-                 sm: torch.Tensor, sv: torch.Tensor, qm: torch.Tensor, qv: torch.Tensor,
-                 mids_m: torch.Tensor, mids_v: torch.Tensor, b1: float, b2: float, eps: float,
-                 hyper: torch.Tensor) -> None:
-    """:func:`step8` with what changes every step (``bc1``, ``bc2_sqrt``, the rate) in one
-    float32 tensor: a compiled graph specialises on Python floats, so passing them as floats
-    would recompile it at every step."""
-    bc1, bc2_sqrt, rate = hyper.unbind()
-    m = dequantize_tiles(cm, sm, qm)
-    v = dequantize_tiles(cv, sv, qv)
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    denom = v.sqrt().div_(bc2_sqrt).add_(eps)
-    p.sub_(m / denom * (rate / bc1))
-    quantize_tiles(m, mids_m, cm, sm)
-    quantize_tiles(v, mids_v, cv, sv)
-
-
 def compiled_step8() -> Callable:
-    """:func:`step8` through ``torch.compile``: one graph for every shape and every step (the
-    step's bias corrections and rate go in as a tensor, made once per update); where
-    compiling fails, a warning says why and the eager :func:`step8` runs instead."""
-    fn = torch.compile(_step8_hyper, dynamic=True)
-    state: dict = {"failed": False, "key": None, "hyper": None}
+    """:func:`step8` through ``torch.compile``: one graph for every shape and every step;
+    where compiling fails, a warning says why and the eager :func:`step8` runs instead."""
+    fn = torch.compile(step8, dynamic=True)
+    state: dict = {"failed": False}
 
     def run(*args) -> None:
         if not state["failed"]:
-            p, b1, b2, bc1, bc2_sqrt, eps, rate = args[0], *args[10:]
-            key = (bc1, bc2_sqrt, rate, p.device)
-            if state["key"] != key:  # a new step: one small tensor for all of its tensors
-                state["key"] = key
-                state["hyper"] = torch.tensor([bc1, bc2_sqrt, rate], dtype=torch.float32,
-                                              device=p.device)
             try:
-                return fn(*args[:10], b1, b2, eps, state["hyper"])
+                return fn(*args)
             except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back
                 state["failed"] = True
                 warn_user(f"adamw8bit: torch.compile of the 8-bit step failed "

@@ -37,7 +37,7 @@ import torch
 from vfsdp.functional.tiles import TILE, tile_view, tiled
 
 __all__ = ["dynamic_map", "midpoints", "tile_view", "quantize_tiles", "dequantize_tiles",
-           "quantize", "dequantize", "tile_ids", "TILE"]
+           "quantize", "dequantize", "tile_ids", "TILE", "step8"]
 
 
 
@@ -160,3 +160,27 @@ def tile_ids(shape: tuple, start: int, stop: int) -> tuple[torch.Tensor, int]:
     ids = ((stripe - first)[:, None] * col_tiles + col[None, :]).reshape(-1)
     n = (int(stripe[-1]) - first + 1) * col_tiles if len(stripe) else 0
     return ids, n
+
+
+def step8(p: torch.Tensor, g: torch.Tensor, cm: torch.Tensor, cv: torch.Tensor,
+          sm: torch.Tensor, sv: torch.Tensor, qm: torch.Tensor, qv: torch.Tensor,
+          mids_m: torch.Tensor, mids_v: torch.Tensor, b1: float, b2: float, eps: float,
+          hyper: torch.Tensor) -> None:
+    """One tensor's 8-bit AdamW step in place (weight decay applied before, by the caller):
+    dequantize ``m`` and ``v`` from codes ``cm``/``cv`` (``[B, R, C]``) and tile scales
+    ``sm``/``sv``, apply AdamW to ``p``, re-quantize. The one implementation of the 8-bit
+    math: the eager update runs it, ``torch.compile`` fuses it (:func:`compiled_step8`), and
+    a compiled update traces it. A fixed number of ops whatever the tensor's size.
+
+    ``hyper`` holds what changes every step, ``(bias correction 1, sqrt of bias correction 2,
+    rate)``, as one float32 tensor on the parameters' device: a compiled graph specialises on
+    Python floats, so they would recompile it at every step."""
+    bc1, bc2_sqrt, rate = hyper.unbind()
+    m = dequantize_tiles(cm, sm, qm)
+    v = dequantize_tiles(cv, sv, qv)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = v.sqrt().div_(bc2_sqrt).add_(eps)
+    p.sub_((m / denom * (rate / bc1)).to(p.dtype))
+    quantize_tiles(m, mids_m, cm, sm)
+    quantize_tiles(v, mids_v, cv, sv)

@@ -31,10 +31,12 @@ import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.functional.traced import clip_groups, traced_leaves
+from vfsdp.optim.quant import step8
+from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["TracedAdam", "traced_adamw", "traced_clip", "adam_views", "TracedAdam8",
-           "traced_adamw8bit", "traced_step8", "compiled_update"]
+           "traced_adamw8bit", "compiled_update"]
 
 
 @dataclass
@@ -165,7 +167,7 @@ def traced_clip(grads: Any, spec: ShardSpec, max_norm: float, eps: float,
     """
     what = "vfsdp.clip_grad_norm"
     leaves, _ = traced_leaves(grads, spec, what)
-    tensors, counted = spec.local_plan(None)[3:]
+    tensors, counted = local_plan(spec, None)[3:]
     shard_name, model = clip_groups(spec, what)
     if model == "":
         raise ValueError("vfsdp.clip_grad_norm: the spec is split over a model axis, but its "
@@ -212,24 +214,6 @@ class TracedAdam8:
     ran: bool = False
 
 
-def traced_step8(p: torch.Tensor, g: torch.Tensor, cm: torch.Tensor, cv: torch.Tensor,
-                 sm: torch.Tensor, sv: torch.Tensor, maps: tuple, b1: float, b2: float,
-                 bc1: torch.Tensor, bc2_sqrt: torch.Tensor, eps: float,
-                 lr: torch.Tensor) -> None:
-    """``adamw8bit.step8`` with the step's scalars as tensors (a compiled step's counter)."""
-    from vfsdp.optim.quant import dequantize_tiles, quantize_tiles
-
-    qm, qv, mids_m, mids_v = maps
-    m = dequantize_tiles(cm, sm, qm)
-    v = dequantize_tiles(cv, sv, qv)
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    denom = (v.sqrt() / bc2_sqrt).add_(eps)
-    p.sub_((m / denom * (lr / bc1)).to(p.dtype))
-    quantize_tiles(m, mids_m, cm, sm)
-    quantize_tiles(v, mids_v, cv, sv)
-
-
 def traced_adamw8bit(grads: Any, views: TracedAdam8, shards: Any, spec: ShardSpec,
                      schedule: Any, betas: tuple, eps: float, weight_decay: float) -> None:
     """One 8-bit AdamW step while compiling: per quantized tensor the 8-bit step (dequantize,
@@ -252,6 +236,7 @@ def traced_adamw8bit(grads: Any, views: TracedAdam8, shards: Any, spec: ShardSpe
     b1, b2 = betas
     scalars = _step_scalars(views, schedule, betas)
     lr, bc1, bc2_sqrt = scalars
+    hyper = torch.cat([bc1, bc2_sqrt, lr.reshape(-1)]).float()  # as the eager update's
     with torch.no_grad():
         for i, view, decays, cm, cv, sm, sv in views.quantized:
             p = params[i]
@@ -259,8 +244,8 @@ def traced_adamw8bit(grads: Any, views: TracedAdam8, shards: Any, spec: ShardSpe
                 continue
             if weight_decay and decays:
                 p.mul_((1 - lr * weight_decay).to(p.dtype))
-            traced_step8(p.view(view), gleaves[i].reshape(view).float(), cm, cv, sm, sv,
-                         views.maps, b1, b2, bc1, bc2_sqrt, eps, lr)
+            step8(p.view(view), gleaves[i].reshape(view).float(), cm, cv, sm, sv, *views.maps,
+                  b1, b2, eps, hyper)
         for i, decays, m, v in views.small:
             _adam(params[i], gleaves[i], m, v, decays, scalars, betas, eps, weight_decay)
 

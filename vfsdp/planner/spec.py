@@ -400,7 +400,7 @@ class ShardSpec:
         set_(self, "_by_path", None)
         set_(self, "_by_unit", None)
         set_(self, "_subs", {})  # key -> sub-spec, made once
-        set_(self, "_local", {})  # rank (or None) -> local_plan(rank), made once
+        set_(self, "_local", {})  # rank (or None) -> planner.local.local_plan, made once
         if treespec.num_leaves != len(self._leaves):
             raise ValueError("ShardSpec: treespec and leaves disagree")
 
@@ -530,63 +530,6 @@ class ShardSpec:
         with contextlib.suppress(TypeError):  # an unhashable key: not kept
             self._subs[key] = found
         return found
-
-    def local_plan(self, rank: Optional[int] = None) -> tuple:
-        """Plain data about this spec as shard rank ``rank`` sees it, made once and kept: what
-        the compiled path reads (nothing about a spec is computed while tracing, so
-        ``vfsdp.shard`` makes it first). A pure function of the spec and ``rank``.
-
-        ``rank=None``: ``(number of leaves, indices of the tensor leaves, subtrees of a list
-        spec or -1, ((leaf index, path), ...) of each tensor once, whether this spec's ranks
-        count each in a norm)`` (off model index 0, a tensor a ``tp=`` plan replicates is
-        counted by index 0 only). A rank: its units, each ``(key, S, dtype, pieces, views)``
-        with ``pieces`` the ``(leaf index, lo, hi)`` of the rank's shard in order (empty ones
-        too, a tie once) and ``views`` the ``(leaf index, offset, numel, shape)`` of the full
-        tensors.
-
-        Raises:
-            ValueError: while compiling, a plan that was not made before.
-        """
-        found = self._local.get(rank)
-        if found is not None:
-            return found
-        if _compiling():
-            raise ValueError("vfsdp: this spec was not prepared for the compiled path under "
-                             "torch.compile; make its shards with vfsdp.shard before compiling "
-                             "(and take sub-specs from that spec)")
-        if rank is None:
-            tree = self.tree
-            found = (self.treespec.num_leaves,
-                     tuple(i for i, t in enumerate(self._leaves) if isinstance(t, TensorSpec)),
-                     len(tree) if isinstance(tree, (list, tuple)) else -1, *self._local_norms())
-        else:
-            found = self._local_units(rank)
-        self._local[rank] = found
-        return found
-
-    def _local_units(self, rank: int) -> tuple:
-        units = []
-        for key, members in self.unit_leaves().items():
-            first: dict = {}  # buffer index -> its first leaf (a tie is one tensor)
-            for i, k in members:
-                first.setdefault(k, i)
-            ts = self._leaves
-            pieces = tuple((i, *ts[i].shard_range(rank)) for _k, i in
-                           sorted(first.items(), key=lambda kv: ts[kv[1]].shard_range(rank)))
-            views = tuple((i, ts[i].offset, ts[i].numel, tuple(ts[i].shape)) for i, _k in members)
-            layout = self.units[key]
-            units.append((key, layout.shard_numel, layout.dtype, pieces, views))
-        return tuple(units)
-
-    def _local_norms(self) -> tuple:
-        seen, tensors, counted = set(), [], []
-        model = self.model_axis
-        for i, t in enumerate(self._leaves):
-            if isinstance(t, TensorSpec) and (t.unit, t.path) not in seen:
-                seen.add((t.unit, t.path))
-                tensors.append((i, t.path))
-                counted.append(model is None or model[2] == 0 or t.strided.dim is not None)
-        return tuple(tensors), tuple(counted)
 
     @property
     def fingerprint(self) -> str:

@@ -189,11 +189,7 @@ def _reference_8bit(steps=3):
                 m, v = s[1], s[2]
             m.lerp_(g, 1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            if s[0] == "q":  # the step's scalars as one float32 tensor, as step8 takes them
-                h = torch.tensor([bc1, bc2, lr], dtype=torch.float32)
-                p.sub_(m / v.sqrt().div_(h[1]).add_(eps) * (h[2] / h[0]))
-            else:  # fp32 moments: torch's AdamW
-                p.addcdiv_(m, v.sqrt().div_(bc2).add_(eps), value=-lr / bc1)
+            p.addcdiv_(m, v.sqrt().div_(bc2).add_(eps), value=-lr / bc1)
             if s[0] == "q":
                 cm2, sm2 = quantize(m, ids, n, qm)
                 cv2, sv2 = quantize(v, ids, n, qv)
@@ -255,9 +251,9 @@ def test_the_compiled_8bit_step_compiles_once_for_every_step_and_shape(monkeypat
         cv = torch.zeros(1, rows, cols, dtype=torch.uint8)
         sm, sv = torch.zeros(rows * cols // 1024), torch.zeros(rows * cols // 1024)
         for t in range(1, 5):
-            hyper = torch.tensor([1 - 0.9 ** t, (1 - 0.999 ** t) ** 0.5, 1e-3 * t])
             step(p, torch.randn(1, rows, cols), cm, cv, sm, sv, qm, qv, midpoints(qm),
-                 midpoints(qv), 0.9, 0.999, 1e-8, hyper)
+                 midpoints(qv), 0.9, 0.999, 1e-8, (1 - 0.999 ** t) ** 0.5,
+                 -1e-3 * t / (1 - 0.9 ** t))
             per_shape.append(len(graphs))
     # One graph at the first step, none added by the three later steps (a new shape may add
     # one: dynamic shapes still guard on some properties, e.g. tile divisibility).
@@ -309,8 +305,7 @@ def test_a_failing_compile_warns_and_runs_the_eager_step(monkeypatch):
     args = (p, torch.ones(1, 32, 32), torch.zeros(1, 32, 32, dtype=torch.uint8),
             torch.zeros(1, 32, 32, dtype=torch.uint8), torch.zeros(1), torch.zeros(1),
             dynamic_map(True), dynamic_map(False), midpoints(dynamic_map(True)),
-            midpoints(dynamic_map(False)), 0.9, 0.999, 1e-8,
-            torch.tensor([0.1, 0.999 ** 0.5, 0.1]))
+            midpoints(dynamic_map(False)), 0.9, 0.999, 1e-8, 0.999 ** 0.5, -1.0)
     with pytest.warns(UserWarning, match=r"compile of the 8-bit step failed \(RuntimeError: no "
                                          r"backend for this device\).*compile=False"):
         step(*args)

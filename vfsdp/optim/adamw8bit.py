@@ -358,7 +358,7 @@ def adamw8bit(
             return state
         step = state.step
         rate = schedule(step)
-        step_scalars = (1 - b1 ** step, math.sqrt(1 - b2 ** step), rate)
+        scalars = (math.sqrt(1 - b2 ** step), -rate / (1 - b1 ** step))
         leaves = grad_leaves(grads, spec, "adamw8bit.update")
         plan = state.plan
         small: tuple = ([], [], [], [], [])  # p, g, m, v slices; p slices that decay
@@ -401,9 +401,8 @@ def adamw8bit(
                 device = quantized[0][0].device
                 qm, qv, mm, mv = qmaps(device)
                 fn = kernel(device)
-                hyper = torch.tensor(step_scalars, dtype=torch.float32, device=device)
                 for args in quantized:
-                    fn(*args, qm, qv, mm, mv, b1, b2, eps, hyper)
+                    fn(*args, qm, qv, mm, mv, b1, b2, eps, *scalars)
             ps, gs, ms, vs, _ = small
             adamw_step(ps, gs, ms, vs, [], step=step, lr=rate, betas=betas, eps=eps,
                        weight_decay=0.0, fused=False)
@@ -413,15 +412,21 @@ def adamw8bit(
 
 
 def compiled_step8() -> Callable:
-    """:func:`step8` through ``torch.compile``: one graph for every shape and every step;
-    where compiling fails, a warning says why and the eager :func:`step8` runs instead."""
-    fn = torch.compile(step8, dynamic=True)
-    state: dict = {"failed": False}
+    """:func:`~vfsdp.optim.quant.step8` through ``torch.compile``: one graph for every shape
+    and every step (the step's two scalars go in as one tensor, made once per update); where
+    compiling fails, a warning says why and the eager step runs instead."""
+    fn = torch.compile(_tensor_scalars, dynamic=True)
+    state: dict = {"failed": False, "key": None, "scalars": None}
 
     def run(*args) -> None:
         if not state["failed"]:
+            key = (*args[-2:], args[0].device)
+            if state["key"] != key:  # a new step: one small tensor for all of its tensors
+                state["key"] = key
+                state["scalars"] = torch.tensor(args[-2:], dtype=torch.float32,
+                                                device=args[0].device)
             try:
-                return fn(*args)
+                return fn(*args[:-2], state["scalars"])
             except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back
                 state["failed"] = True
                 warn_user(f"adamw8bit: torch.compile of the 8-bit step failed "
@@ -431,3 +436,9 @@ def compiled_step8() -> Callable:
         return step8(*args)
 
     return run
+
+
+def _tensor_scalars(*args) -> None:
+    """:func:`~vfsdp.optim.quant.step8` with its two per-step scalars in one tensor."""
+    bc2_sqrt, step = args[-1].unbind()
+    step8(*args[:-1], bc2_sqrt, step)

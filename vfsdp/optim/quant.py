@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -165,22 +166,35 @@ def tile_ids(shape: tuple, start: int, stop: int) -> tuple[torch.Tensor, int]:
 def step8(p: torch.Tensor, g: torch.Tensor, cm: torch.Tensor, cv: torch.Tensor,
           sm: torch.Tensor, sv: torch.Tensor, qm: torch.Tensor, qv: torch.Tensor,
           mids_m: torch.Tensor, mids_v: torch.Tensor, b1: float, b2: float, eps: float,
-          hyper: torch.Tensor) -> None:
+          bc2_sqrt: Any, step: Any) -> None:
     """One tensor's 8-bit AdamW step in place (weight decay applied before, by the caller):
     dequantize ``m`` and ``v`` from codes ``cm``/``cv`` (``[B, R, C]``) and tile scales
-    ``sm``/``sv``, apply AdamW to ``p``, re-quantize. The one implementation of the 8-bit
-    math: the eager update runs it, ``torch.compile`` fuses it (:func:`compiled_step8`), and
-    a compiled update traces it. A fixed number of ops whatever the tensor's size.
+    ``sm``/``sv``, apply AdamW to ``p`` (``p + step * m / (sqrt(v) / bc2_sqrt + eps)``, with
+    ``step = -rate / bias correction 1``), re-quantize. The one implementation of the 8-bit
+    math: the eager update runs it, ``torch.compile`` fuses it (``compiled_step8``), and a
+    compiled update traces it. A fixed number of ops whatever the tensor's size.
 
-    ``hyper`` holds what changes every step, ``(bias correction 1, sqrt of bias correction 2,
-    rate)``, as one float32 tensor on the parameters' device: a compiled graph specialises on
-    Python floats, so they would recompile it at every step."""
-    bc1, bc2_sqrt, rate = hyper.unbind()
+    ``bc2_sqrt`` and ``step`` change every step: Python floats eagerly (the last line is then
+    one ``addcdiv``), or float32 tensors where a compiled graph must not specialise on them.
+
+    Example:
+        >>> qm, qv = dynamic_map(True), dynamic_map(False)
+        >>> p, g = torch.ones(1, 32, 32), torch.full((1, 32, 32), 0.5)
+        >>> codes = [torch.zeros(1, 32, 32, dtype=torch.uint8) for _ in range(2)]
+        >>> scales = [torch.zeros(1), torch.zeros(1)]
+        >>> step8(p, g, codes[0], codes[1], *scales, qm, qv, midpoints(qm), midpoints(qv),
+        ...       0.9, 0.999, 1e-8, (1 - 0.999) ** 0.5, -0.1 / (1 - 0.9))
+        >>> round(float(p[0, 0, 0]), 4)                  # the first step moves p by -lr
+        0.9
+    """
     m = dequantize_tiles(cm, sm, qm)
     v = dequantize_tiles(cv, sv, qv)
     m.lerp_(g, 1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
     denom = v.sqrt().div_(bc2_sqrt).add_(eps)
-    p.sub_((m / denom * (rate / bc1)).to(p.dtype))
+    if isinstance(step, torch.Tensor):  # the same sum, the scalar taken as a tensor
+        p.addcmul_(m / denom, step)
+    else:
+        p.addcdiv_(m, denom, value=step)
     quantize_tiles(m, mids_m, cm, sm)
     quantize_tiles(v, mids_v, cv, sv)

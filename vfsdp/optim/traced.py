@@ -236,7 +236,7 @@ def traced_adamw8bit(grads: Any, views: TracedAdam8, shards: Any, spec: ShardSpe
     b1, b2 = betas
     scalars = _step_scalars(views, schedule, betas)
     lr, bc1, bc2_sqrt = scalars
-    hyper = torch.cat([bc1, bc2_sqrt, lr.reshape(-1)]).float()  # as the eager update's
+    step = (-lr / bc1).float()  # the eager update's scalars, as tensors
     with torch.no_grad():
         for i, view, decays, cm, cv, sm, sv in views.quantized:
             p = params[i]
@@ -245,7 +245,7 @@ def traced_adamw8bit(grads: Any, views: TracedAdam8, shards: Any, spec: ShardSpe
             if weight_decay and decays:
                 p.mul_((1 - lr * weight_decay).to(p.dtype))
             step8(p.view(view), gleaves[i].reshape(view).float(), cm, cv, sm, sv, *views.maps,
-                  b1, b2, eps, hyper)
+                  b1, b2, eps, bc2_sqrt.float(), step)
         for i, decays, m, v in views.small:
             _adam(params[i], gleaves[i], m, v, decays, scalars, betas, eps, weight_decay)
 

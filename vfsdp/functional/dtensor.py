@@ -35,6 +35,7 @@ from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.groups import default_mesh, resolve_groups
 from vfsdp.collectives.redistribute import flat_redistribute, shard0_range
 from vfsdp.collectives.unit import Unit
+from vfsdp.functional.traced import prepare
 from vfsdp.functional.tree import group_by_unit, match_tree
 from vfsdp.functional.units import units_of
 from vfsdp.planner.granularity import format_path
@@ -327,10 +328,10 @@ def from_dtensor(tree: Any, spec: ShardSpec, *, mesh: Any = None,
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
         error = exc
     agree(error)
-    out = list(leaves)
+    out, made = list(leaves), {}
     with torch.no_grad():
         for key, members in units.items():
-            unit = Unit(spec.units[key], groups)  # the views' slots keep it alive
+            unit = made[key] = Unit(spec.units[key], groups)  # the views' slots keep it alive
             db = unit.params
             src = [ranges for ranges, _ in found[key]]
             pieces = [piece.to(db.device) for _, piece in found[key]]
@@ -345,4 +346,5 @@ def from_dtensor(tree: Any, spec: ShardSpec, *, mesh: Any = None,
                     if requires_grad and views[k].is_floating_point():
                         views[k].requires_grad_(True)
                 out[i] = views[k]
+    prepare(spec, made)  # what a compiled step reads, as vfsdp.shard's shards
     return optree.tree_unflatten(spec.treespec, out)

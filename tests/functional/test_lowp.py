@@ -222,13 +222,21 @@ def _refused_options():
         with pytest.raises(ValueError) as info:
             vfsdp.gather(shards, spec, all_gather=Float8(), **kw)
         out.append(str(info.value))
+    layers = {"layers": [{"w": torch.randn(4, 4)} for _ in range(2)]}
+    lspec = vfsdp.plan(layers, 2)
+    lshards = vfsdp.shard(layers, lspec)
+    with pytest.raises(ValueError) as info:  # run_layers' functional path checks them too
+        vfsdp.run_layers(lambda p, h: h @ p["w"], lshards["layers"], lspec["layers"],
+                         torch.ones(1, 4), all_gather=Float8(), grad_reduce="max")
+    out.append(str(info.value))
     return out
 
 
 def test_bad_options_with_all_gather_hooks_are_refused_as_eagerly():
     """The functional path took any grad_reduce but "avg" as a sum and accepted async_reduce
     without the gradient buffer; it checks them as the eager path does now."""
-    max_, async_, buffer, nope = simulate(2, _refused_options)[0]
+    max_, async_, buffer, nope, layers_max = simulate(2, _refused_options)[0]
+    assert layers_max == "grad_reduce must be one of ('sum', 'avg'), got 'max'"
     assert max_ == "grad_reduce must be one of ('sum', 'avg'), got 'max'"
     assert async_.startswith("vfsdp.gather: async_reduce=True is not supported with all_gather= hooks")
     assert buffer.startswith("vfsdp.gather: grads='buffer' is not supported with all_gather= hooks")

@@ -337,12 +337,7 @@ def _eager(values: dict, what: str, layers: bool = False) -> tuple:
 
 def _functional(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str) -> Any:
     """The functional gather: while compiling, or with ``all_gather=`` hooks."""
-    refuse(values, "compiled" if tp.compiling() else "all_gather", what)
-    if values["grads"] not in (None, "return"):
-        raise ValueError(f"grads must be one of ('return', 'buffer'), got {values['grads']!r}")
-    if values["grad_reduce"] not in ("avg", "sum"):
-        raise ValueError(f"grad_reduce must be one of ('sum', 'avg'), got "
-                         f"{values['grad_reduce']!r}")
+    refuse(values, "compiled" if tp.compiling() else "all_gather", what)  # values checked too
     return traced_gather(shards, spec, mesh, values["param_dtype"], values["grad_reduce"],
                          values["reduce_dtype"], values["all_gather"], values["grad_sync"])
 

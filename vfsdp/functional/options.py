@@ -61,6 +61,16 @@ def _check_dtype(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a floating-point torch.dtype or None, got {value!r}")
 
 
+def _check_values(grad_reduce: Any, grads: Any, **dtypes: Any) -> None:
+    """The value checks every path makes (a policy, resolved options, the functional path)."""
+    for name, value in dtypes.items():
+        _check_dtype(name, value)
+    if grad_reduce not in GRAD_REDUCE_OPS:
+        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_OPS}, got {grad_reduce!r}")
+    if grads is not None and grads not in GRAD_MODES:
+        raise ValueError(f"grads must be one of {GRAD_MODES}, got {grads!r}")
+
+
 @dataclass(frozen=True)
 class Policy:
     """Every gather and gradient option, frozen: pass one to :func:`vfsdp.gather`,
@@ -91,13 +101,8 @@ class Policy:
     all_gather: Any = None
 
     def __post_init__(self) -> None:
-        _check_dtype("param_dtype", self.param_dtype)
-        _check_dtype("reduce_dtype", self.reduce_dtype)
-        if self.grad_reduce not in GRAD_REDUCE_OPS:
-            raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_OPS}, got "
-                             f"{self.grad_reduce!r}")
-        if self.grads is not None and self.grads not in GRAD_MODES:
-            raise ValueError(f"grads must be one of {GRAD_MODES}, got {self.grads!r}")
+        _check_values(self.grad_reduce, self.grads, param_dtype=self.param_dtype,
+                      reduce_dtype=self.reduce_dtype)
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(Policy))
@@ -156,8 +161,11 @@ def refuse(values: dict, path: str, what: str) -> None:
         what: The entry point, for the message.
 
     Raises:
-        ValueError: ``<what>: <option> is not supported <where> (<why>); <hint>``.
+        ValueError: a bad value (as a :class:`Policy` refuses it), or ``<what>: <option> is
+            not supported <where> (<why>); <hint>``.
     """
+    _check_values(values["grad_reduce"], values["grads"], param_dtype=values["param_dtype"],
+                  reduce_dtype=values["reduce_dtype"])
     for name, asked, paths in _REFUSED:
         if path in paths and asked(values):
             why, hint = paths[path]
@@ -198,12 +206,9 @@ class GradOptions:
     async_reduce: bool = False
 
     def __post_init__(self) -> None:
-        if self.grad_reduce not in GRAD_REDUCE_OPS:
-            raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_OPS}, got "
-                             f"{self.grad_reduce!r}")
-        if self.grads not in GRAD_MODES:
-            raise ValueError(f"grads must be one of {GRAD_MODES}, got {self.grads!r}")
-        _check_dtype("reduce_dtype", self.reduce_dtype)
+        if self.grads is None:
+            raise ValueError(f"grads must be one of {GRAD_MODES}, got None")
+        _check_values(self.grad_reduce, self.grads, reduce_dtype=self.reduce_dtype)
         if self.accumulate_grads is False:
             warn_user(
                 "accumulate_grads=False is deprecated and goes in vfsdp 0.4: gradients add up "
@@ -218,7 +223,8 @@ class GradOptions:
 
 
 def resolve(values: dict, layers: bool) -> tuple[GatherOptions, GradOptions]:
-    """The eager options of one call: ``None`` fields take the entry point's default
+    """The eager options of one call (checked by :func:`refuse` first): ``None`` fields take
+    the entry point's default
     (``layers``: :func:`vfsdp.run_layers`, which alone holds the full tensors and runs the
     backward unit by unit: free after it, reduce asynchronously, into the buffer).
 
@@ -230,7 +236,6 @@ def resolve(values: dict, layers: bool) -> tuple[GatherOptions, GradOptions]:
         >>> g.param_dtype, g.free_after_backward, r.grads, r.async_reduce
         (torch.bfloat16, True, 'buffer', True)
     """
-    Policy(**values)  # the values' own checks, as a policy's
     pick = lambda name, default: default if values[name] is None else values[name]
     return (GatherOptions(values["param_dtype"], pick("free_after_backward", layers)),
             GradOptions(values["grad_reduce"], values["reduce_dtype"],

@@ -1,8 +1,9 @@
 """Aten ops per optimizer update and per training step, at two model sizes (same layers).
 
 On a GPU every compute op is a kernel launch, so a count that grows with the parameters makes
-a step launch-bound. Counted at the dispatcher (``vfsdp.testing.CopyCounter``) on 2 simulated
-ranks, the second step of each (the first builds what later steps reuse)::
+a step launch-bound. View ops (metadata only: no kernel, no copy) are also shown apart.
+Counted at the dispatcher (``vfsdp.testing.CopyCounter``) on 2 simulated ranks, the
+second step of each (the first builds what later steps reuse)::
 
     python benchmarks/op_counts.py
     python benchmarks/op_counts.py --dims 256 512 --layers 4
@@ -54,7 +55,8 @@ def _counts(name: str, cfg: GPTConfig, world: int) -> dict:
     with CopyCounter() as update:
         opt.update(grads, state, shards, spec)
     return {"params": sum(t.numel() for t in optree.tree_leaves(meta_params(cfg))),
-            "step_ops": sum(step.ops.values()), "update_ops": sum(update.ops.values())}
+            "step_ops": sum(step.ops.values()), "update_ops": sum(update.ops.values()),
+            "step_views": step.views, "update_views": update.views}
 
 
 def main(argv=None) -> int:
@@ -64,7 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--world", type=int, default=2)
     args = ap.parse_args(argv)
-    print(f"{'optimizer':<10} {'parameters':>22} {'update ops':>14} {'step ops':>14}")
+    print(f"{'optimizer':<10} {'parameters':>22} {'update ops':>14} {'step ops':>14} "
+          f"{'of them views (update, step)':>30}")
     for name in ("adamw", "adamw8bit", "muon"):
         rows = []
         for dim in args.dims:
@@ -73,7 +76,9 @@ def main(argv=None) -> int:
             rows.append(simulate(args.world, _counts, name, cfg, args.world)[0])
         a, b = rows
         print(f"{name:<10} {a['params']:>10,} -> {b['params']:<10,} {a['update_ops']:>6} -> "
-              f"{b['update_ops']:<6} {a['step_ops']:>6} -> {b['step_ops']:<6}")
+              f"{b['update_ops']:<6} {a['step_ops']:>6} -> {b['step_ops']:<6} "
+              f"{a['update_views']:>6} -> {b['update_views']:<6} {a['step_views']:>6} -> "
+              f"{b['step_views']:<6}")
     return 0
 
 

@@ -62,7 +62,7 @@ BUILDERS = {
 _DBUFFER = "vfsdp/collectives/dbuffer.py"
 _RUNNERS = "vfsdp/testing/runners.py"
 COMPOSED = {
-    (_DBUFFER, "DBuffer._poison"): [(_DBUFFER, "DBuffer.release"), (_DBUFFER, "DBuffer.free_global"),
+    (_DBUFFER, "DBuffer._poison"): [(_DBUFFER, "DBuffer._release_views"),
                                     (_DBUFFER, "DBuffer.release_shard")],
     ("vfsdp/testing/simulate.py", "_simulate"): [(_RUNNERS, "_describe")],
     ("vfsdp/testing/spawn.py", "spawn"): [(_RUNNERS, "_describe"), (_RUNNERS, "waiting_in_dump")],

@@ -24,6 +24,8 @@
   so a collective inside a ``torch.func`` backward may write its own output buffer (gloo copies
   into it, which functorch would refuse as mutating a captured tensor).
 * :func:`version`: a tensor's in-place version counter (``t._version``).
+* :func:`set_data`: ``t.data = src`` past a subclass's ``__torch_function__``
+  (``torch._C.DisableTorchFunctionSubclass``), to point a released view at no memory.
 * Multi-tensor kernels: :func:`foreach` (``torch._foreach_*``) and
   :func:`fused_adamw` (``torch._fused_adamw_``, the kernel of ``torch.optim.AdamW(fused=True)``).
 
@@ -40,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Optional
@@ -50,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_world",
            "report_failure", "groups_are_per_thread", "graph_task_id", "keep_graph",
-           "running_node_seq", "storage_refs", "settle_transient_refs", "copy_many",
+           "running_node_seq", "set_data", "copy_many",
            "add_many", "zero_many", "foreach", "fused_adamw",
            "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH",
            "compiling", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter",
@@ -82,13 +83,12 @@ def storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def storage_refs(t: torch.Tensor) -> Optional[int]:
-    """How many tensors share ``t``'s storage (``t`` included), or ``None`` where this torch
-    cannot tell."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    if count is None:
-        return None
-    return int(count(t.untyped_storage()._cdata)) - 1  # less the storage object made here
+def set_data(t: torch.Tensor, src: torch.Tensor) -> None:
+    """``t.data = src`` on any tensor, a subclass (whose ``__torch_function__`` would see the
+    setter) included: ``t`` takes ``src``'s storage and layout, keeping its own identity,
+    autograd metadata and version counter; no op is dispatched."""
+    with torch._C.DisableTorchFunctionSubclass():
+        t.data = src
 
 
 def graph_task_id() -> int:
@@ -189,20 +189,6 @@ def version(t: torch.Tensor) -> int:
 def groups_are_per_thread() -> bool:
     """Whether c10d process groups belong to the thread that created them (``simulate``)."""
     return _ISOLATED.is_set()
-
-
-def settle_transient_refs(t: torch.Tensor, refs: int) -> None:
-    """Wait, briefly, until at most ``refs`` tensors share ``t``'s storage.
-
-    A finished collective's bookkeeping can keep views of its tensors a moment longer: under
-    ``simulate``'s threaded world torch's ``Collective`` object holds every rank's until the
-    last rank leaves the call, and a process group's worker thread may still hold a completed
-    asynchronous work. Waits up to 0.5 s there (yielding to the other threads), 0.1 s
-    elsewhere; only called when more references than expected were found.
-    """
-    deadline = time.monotonic() + (0.5 if _ISOLATED.is_set() else 0.1)
-    while (storage_refs(t) or 0) > refs and time.monotonic() < deadline:
-        time.sleep(0.0002)
 
 
 def _module():

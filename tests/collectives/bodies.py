@@ -32,7 +32,11 @@ def group_ops_keep_padding_zero():
     return pad_zero and values_ok and not db.shard.any()
 
 
-def release_keeps_views_valid():
+def release_lets_go_of_memory():
+    """The memory rule: a release lets go; views read as released, tensors made from them
+    keep the values they were made from, the next gather hands out fresh memory."""
+    from vfsdp.collectives.released import ReleasedTensor
+
     world = dist.get_world_size()
     spec = _unit_spec(world)
     db = DBuffer(spec.units[("layers", 0)], resolve_groups(spec))
@@ -48,11 +52,40 @@ def release_keeps_views_valid():
     handle.wait()
     fulls = db.full_views()
     first = [f.clone() for f in fulls]
+    derived = [f.T if f.dim() == 2 else f[1:] for f in fulls]  # not vfsdp's to change
     db.free_global()
     assert not db.is_allocated and db.global_buffer.untyped_storage().nbytes() == 0
+    released = all(type(f) is ReleasedTensor and f.untyped_storage().nbytes() == 0
+                   and f.shape == a.shape for f, a in zip(fulls, first))
+    kept = all(torch.equal(d, a.T if a.dim() == 2 else a[1:]) for d, a in zip(derived, first))
     db.all_gather()
-    same_memory = all(a.data_ptr() == b.data_ptr() for a, b in zip(fulls, db.full_views()))
-    return same_memory and all(torch.equal(a, b) for a, b in zip(first, fulls))
+    again = db.full_views()
+    return (released and kept and all(torch.equal(a, b) for a, b in zip(first, again))
+            and all(type(f) is ReleasedTensor for f in fulls))
+
+
+def holders(t):
+    """How many tensors share ``t``'s storage (``t`` included)."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata)) - 1
+
+
+def release_keeps_no_reference():
+    """After a release (and a set_to_none), only the user's own tensors hold the memory: it
+    goes when they do, and vfsdp never frees memory under them."""
+    import vfsdp
+
+    params = {"w": torch.arange(16.0).view(4, 4)}
+    spec = vfsdp.plan(params, dist.get_world_size())
+    shards = vfsdp.shard(params, spec)
+    full = vfsdp.gather(shards, spec, grads="buffer")
+    t = full["w"].T
+    (full["w"] * 2).sum().backward()
+    g = vfsdp.grads(shards, spec)["w"]
+    piece = g[:1]
+    vfsdp.release(shards, spec)
+    vfsdp.zero_grads(shards, spec)
+    return (holders(t), holders(piece), float(t.sum()), set(piece.flatten().tolist()),
+            type(full["w"]).__name__, type(g).__name__)
 
 
 def reduce_scatter_semantics(op, reduce_dtype):

@@ -59,7 +59,8 @@ def returned_grad_after_zero_grads():
 
 
 def derived_views_after_release():
-    """Views made from gathered tensors (x.T, .view, slices, .detach) keep the memory."""
+    """Views made from gathered tensors (x.T, .view, slices, .detach) keep the memory they
+    were made from, as torch views do: a release lets go of it, a gather gets fresh memory."""
     spec, shards = _setup()
     full = vfsdp.gather(shards, spec)
     kept = [full["v"].T, full["v"].view(-1), full["v"][1:], full["v"].detach()]
@@ -69,9 +70,9 @@ def derived_views_after_release():
     del junk
     with torch.no_grad():
         before = [float(t.sum()) for t in kept]
-        vfsdp.release(shards, spec)  # still referenced at a second release: a warning
+        vfsdp.release(shards, spec)
         shards["v"].mul_(2.0)
-        vfsdp.gather(shards, spec)   # reuses the memory: the kept tensors read the new values
+        vfsdp.gather(shards, spec)   # fresh memory: the kept tensors still read the old values
         return before, [float(t.sum()) for t in kept]
 
 
@@ -83,8 +84,8 @@ def derived_grad_view_after_zero_grads():
     vfsdp.zero_grads(shards, spec)
     before = float(flat.sum())
     full = vfsdp.gather(shards, spec, grads="buffer")
-    full["w"].sum().backward()  # writes the kept memory (a warning): it reads the new gradient
-    return before, float(flat.sum())
+    full["w"].sum().backward()  # fresh gradient memory: the kept tensor reads the old one
+    return before, float(flat.sum()), float(vfsdp.grads(shards, spec)["w"].sum())
 
 
 def gathered_twice_freed_after_backward():

@@ -18,10 +18,13 @@ buffer, the tensor's index and the kind of view, so code that receives it finds 
 from the tensor itself: there is no lookup by address and no registry.
 
 The all-gather takes the shard as its input and the global buffer as its output, with
-nothing packed before or unpacked after. The global buffer is released by resizing its
-storage to zero bytes and re-allocated by resizing it back, so views (and autograd's saved
-views) survive. Collectives write through ``tensor.data`` aliases, which do not share the
-autograd version counter: regathering the same values does not invalidate saved views.
+nothing packed before or unpacked after. **Memory rule:** a release lets go of memory whose
+views were handed out (the parameters' full tensors, the gradient shard's pieces): those views
+read as released and point at a zero-byte storage, so the memory goes with the last tensor
+anyone made from them, and the next gather gets fresh memory. Memory only vfsdp reads (staging,
+accumulators) is resized in place. Nothing counts references, nothing can point at freed
+memory. Collectives write through ``tensor.data`` aliases, which do not share the autograd
+version counter: a gather does not invalidate what autograd saved.
 """
 
 from __future__ import annotations
@@ -32,14 +35,12 @@ from typing import Any, Optional, Union
 
 import torch
 
-from vfsdp import _torch_private as tp
-from vfsdp._warnings import warn_user
 from vfsdp.collectives import comm
 from vfsdp.collectives.alias import alias
 from vfsdp.collectives.events import emit
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle, comm_context
-from vfsdp.collectives.released import poison, revive
+from vfsdp.collectives.released import let_go, poison, revive
 from vfsdp.collectives.slot import SLOT, Role, Slot, View, slot_of
 from vfsdp.placements.ragged import local_shape
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
@@ -94,28 +95,42 @@ class DBuffer:
         self.device = groups.device
         self._unit_ref = weakref.ref(unit) if unit is not None else None
         s, m = layout.shard_numel, layout.world_size
+        # Memory vfsdp hands out (the parameters' full tensors, the gradient pieces) is only
+        # ever let go of: a release points vfsdp's views at a zero-byte storage (made here,
+        # with one view per tensor) and drops its reference, so the memory goes with the last
+        # tensor anyone made from it; the next gather or gradient write gets fresh memory.
+        # Memory only vfsdp reads (staging, accumulators) is resized in place.
+        self._fresh = role.holds_params
         self._global = torch.empty(m * s, dtype=self.dtype, device=self.device)
+        self._dead = self._global  # stays zero bytes when fresh: the released state's storage
+        self._dead_full = ([alias(self._dead, t.offset, tuple(t.shape)) for t in self.tensors]
+                           if self._fresh else None)
         # A compute copy (param_dtype) keeps no memory of its own: its shard is this rank's
         # slice of the global buffer, written by the cast and all-gathered in place.
         self._in_global = role is Role.COMPUTE
-        self.shard = (alias(self._global, self.rank * s, (s,)) if self._in_global
+        self._local_spec = [(t.shard_range(self.rank)[0],
+                             local_shape(t.placement, t.shape, self.rank)) for t in self.tensors]
+        self._dead_shard: Optional[torch.Tensor] = None
+        self._dead_local: Optional[list] = None
+        if self._in_global:
+            self._dead_shard = alias(self._dead, self.rank * s, (s,))
+        elif role is Role.GRAD:  # released with set_to_none: its pieces are handed out
+            self._dead_shard = torch.empty(s, dtype=self.dtype, device=self.device)
+            self._dead_local = [alias(self._dead_shard, lo, shape)
+                                for lo, shape in self._local_spec]
+            self._dead_shard.untyped_storage().resize_(0)
+        self.shard = (self._dead_shard if self._in_global
                       else torch.zeros(s, dtype=self.dtype, device=self.device))
         self._global_bytes = self._global.untyped_storage().nbytes()
         self._pending: Optional[Handle] = None
         self.graphs = 0  # live autograd graphs that read this buffer's full views
         self.release_pending = False  # release() was asked while such a graph was alive
-        # Released, but tensors made from the views handed out (x.T, x.detach(), slices) still
-        # reference the memory: it is kept (freeing it would leave them pointing at nothing).
-        self._held = False        # the global buffer
-        self._shard_held = False  # the shard (release_shard)
         # Views are made on demand and point back at this DBuffer, which keeps only weak
         # references to those whose memory it may release (to turn them into ReleasedTensors):
         # no reference cycle, so dropping the shards frees the memory at once.
         self._views: list = []
         self._internal: Optional[list] = None  # internal_views(), made on first use
         self._saved: dict = {}  # saved_view()s, made on first use
-        self._local_spec = [(t.shard_range(self.rank)[0],
-                             local_shape(t.placement, t.shape, self.rank)) for t in self.tensors]
         self._global.untyped_storage().resize_(0)  # released until the first gather
         emit("create", self)
 
@@ -167,10 +182,22 @@ class DBuffer:
                 out.append(t)
         return out
 
-    def _poison(self, view: View, why: str) -> None:
+    def _poison(self, view: View, why: str, dead: Optional[list] = None) -> None:
+        """The views handed out read as released; ``dead`` (one zero-byte view per tensor):
+        they also let go of the memory (point at it) and are forgotten."""
         for t in self._handed_out(view):
-            path = ".".join(map(str, self.tensors[getattr(t, SLOT).index].path))
+            k = getattr(t, SLOT).index
+            path = ".".join(map(str, self.tensors[k].path))
+            if dead is not None:
+                let_go(t, dead[k])
             poison([t], f"{path} (unit {unit_name(self.key)}) was released; {why}")
+        if dead is not None:
+            self._views = [r for r in self._views if r() is not None
+                           and getattr(r(), SLOT).view is not view]
+
+    def _release_views(self, dead: Optional[list] = None) -> None:
+        self._poison(View.FULL, "gather the unit again (vfsdp.gather) and read the full tensors "
+                                "it returns", dead)
 
     def local(self, i: Union[int, tuple], weak_unit: bool = False) -> torch.Tensor:
         """Tensor ``i``'s local piece: a leaf tensor aliasing the shard (its local shape).
@@ -182,7 +209,7 @@ class DBuffer:
 
     def full(self, i: Union[int, tuple]) -> torch.Tensor:
         """Tensor ``i``'s full view into the global buffer: a new tensor object aliasing it
-        (no autograd link). It stays valid across releases and re-gathers.
+        (no autograd link), valid until the buffer is released.
 
         Raises:
             RuntimeError: the global buffer is released (``set_`` would silently re-allocate
@@ -206,8 +233,8 @@ class DBuffer:
 
     def saved_view(self, offset: int, shape: tuple, stride: tuple) -> torch.Tensor:
         """A view into the global buffer for autograd to read in a backward (``run_layers``'
-        saved parameters), made once per ``(offset, shape, stride)`` and kept: autograd only
-        reads it, and it stays valid across releases and re-gathers (valid while gathered)."""
+        saved parameters), made once per ``(offset, shape, stride)`` and gather, and kept
+        until the release (valid while gathered)."""
         key = (offset, tuple(shape), tuple(stride))
         found = self._saved.get(key)
         if found is None:
@@ -229,51 +256,13 @@ class DBuffer:
 
     @property
     def is_allocated(self) -> bool:
-        """Whether the global buffer holds memory (gathered, being gathered, or released but
-        still referenced by tensors made from its views)."""
+        """Whether the global buffer holds memory (gathered, or being gathered)."""
         return self._global.untyped_storage().nbytes() > 0
 
     @property
     def is_gathered(self) -> bool:
-        """Whether the global buffer is gathered (or being gathered) and not released since."""
-        return self.is_allocated and not self._held
-
-    def _foreign(self, base: torch.Tensor, view: View) -> int:
-        """How many tensors other than ``base`` and the views handed out share its memory:
-        tensors users (or autograd) made from those views."""
-        known = 1 + len(self._handed_out(view))
-        if base is self._global:
-            # vfsdp's own kept views: the compute shard (a slice of it), saved and internal
-            known += int(self._in_global) + len(self._saved) + len(self._internal or ())
-        refs = tp.storage_refs(base)
-        if refs is None or refs <= known:
-            return 0
-        tp.settle_transient_refs(base, known)  # a collective's passing references may go
-        return max(0, (tp.storage_refs(base) or 0) - known)
-
-    def _referenced(self, base: torch.Tensor, view: View, what: str, held: bool) -> bool:
-        """Whether tensors made from the views handed out still reference ``base``'s memory:
-        then it must be kept (freeing it would leave them pointing at nothing). ``held``: it
-        was kept at an earlier release already; finding them still alive, say so."""
-        if not self._foreign(base, view):
-            return False
-        if held:
-            self._still_held(base, view, what)
-        return True
-
-    def _still_held(self, base: torch.Tensor, view: View, what: str) -> None:
-        """A buffer kept at release (tensors made from its views referenced the memory) is
-        released or gathered again: if such tensors are still alive, they are the user's (or
-        a live graph's), not a collective's passing references; say so."""
-        count = self._foreign(base, view)
-        if count:
-            warn_user(
-                f"vfsdp: unit {unit_name(self.key)} ({self.name}) was released, but {count} "
-                f"tensor(s) made from its {what} (a view such as x.T, x.view(...), x.detach() "
-                f"or a slice, or a tensor an autograd graph saved) still reference its memory, "
-                f"so the memory stays allocated until they are dropped (the next release frees "
-                f"it, the next gather reuses it and they read the new values). .clone() what "
-                f"you keep.")
+        """Whether the global buffer is gathered (or being gathered)."""
+        return self.is_allocated
 
     def view_index(self, t: torch.Tensor) -> Optional[int]:
         """Which tensor's local piece ``t`` is, when ``t`` came from :meth:`local` (and still
@@ -296,13 +285,19 @@ class DBuffer:
     # ------------------------------------------------------------------ global buffer
 
     def alloc_global(self) -> torch.Tensor:
-        """Re-allocate the global buffer's storage (contents undefined); views stay valid."""
+        """Allocate the global buffer (contents undefined): fresh memory for a buffer whose
+        views are handed out, its own storage resized back for one only vfsdp reads. Views
+        handed out since the last release (kept for a graph) read as live again."""
         self.release_pending = False
-        if self._held:
-            self._still_held(self._global, View.FULL, "full tensors")
-            self._held = False
         if not self.is_allocated:
-            self._global.untyped_storage().resize_(self._global_bytes)
+            if self._fresh:
+                self._global = torch.empty(self._dead.numel(), dtype=self.dtype,
+                                           device=self.device)
+                if self._in_global:
+                    self.shard = alias(self._global, self.rank * self.shard.numel(),
+                                       tuple(self.shard.shape))
+            else:
+                self._global.untyped_storage().resize_(self._global_bytes)
             emit("alloc", self)
         revive(self._handed_out(View.FULL))
         return self._global
@@ -319,14 +314,11 @@ class DBuffer:
                 another may still be forwarding with them) only when the memory goes.
         """
         if not self.is_gathered:
-            if self._held:
-                self.free_global()  # retry: the tensors holding its memory may be gone
             return
         if self.graphs > 0:
             self.release_pending = True
             if at_once:
-                self._poison(View.FULL, "gather the unit again (vfsdp.gather) before reading "
-                                        "its full tensors")
+                self._release_views()
             return
         self.free_global()
 
@@ -348,15 +340,14 @@ class DBuffer:
         self.release_pending = False
         if not self.is_allocated:
             return
-        self._poison(View.FULL, "gather the unit again (vfsdp.gather) before reading its full "
-                                "tensors")
-        # Only parameters' full views reach users; staging and accumulators stay internal.
-        if self.role in (Role.PARAM, Role.COMPUTE) and self._referenced(
-                self._global, View.FULL, "full tensors", self._held):
-            self._held = True
-            return
-        self._held = False
-        self._global.untyped_storage().resize_(0)
+        if self._fresh:  # let go: the memory goes with the last tensor made from it
+            self._release_views(self._dead_full)
+            self._saved.clear()
+            self._global = self._dead
+            if self._in_global:
+                self.shard = self._dead_shard
+        else:  # only vfsdp's own views read it: freed in place
+            self._global.untyped_storage().resize_(0)
         emit("free", self)
 
     # ------------------------------------------------------------------ collectives
@@ -404,12 +395,13 @@ class DBuffer:
         Raises:
             ValueError: ``source`` has the wrong size or dtype.
         """
-        src = self.shard if source is None else source
-        if src.numel() != self.shard.numel() or src.dtype != self.dtype:
+        if source is not None and (source.numel() != self.shard.numel()
+                                   or source.dtype != self.dtype):
             raise ValueError(f"all_gather source must be {self.shard.numel()} x {self.dtype}, "
-                             f"got {src.numel()} x {src.dtype}")
+                             f"got {source.numel()} x {source.dtype}")
         self.wait()
         self.alloc_global()
+        src = self.shard if source is None else source  # a compute copy's: in fresh memory
         out = self._global.data
         return self._launch(lambda a: comm.all_gather_into(out, src, self.groups.shard, a), async_op)
 
@@ -500,46 +492,32 @@ class DBuffer:
     # ------------------------------------------------------------------ group ops
 
     @property
-    def shard_allocated(self) -> bool:
-        """Whether the shard holds memory (see :meth:`release_shard`; also while released but
-        still referenced by tensors made from its views)."""
+    def holds_shard(self) -> bool:
+        """Whether the shard holds memory (see :meth:`release_shard`)."""
         return self.shard.untyped_storage().nbytes() > 0
 
-    @property
-    def holds_shard(self) -> bool:
-        """Whether the shard holds values: allocated and not released (a released shard whose
-        memory is kept because tensors made from its views still reference it holds none)."""
-        return self.shard_allocated and not self._shard_held
-
     def release_shard(self) -> None:
-        """Free the shard's memory (for gradient buffers between steps: "set to none").
+        """Let go of a gradient shard's memory ("set to none"): the pieces handed out read as
+        released and point at no memory; the memory goes with the last tensor made from them.
+        :meth:`ensure_shard` brings fresh memory (and :meth:`local` new pieces).
 
-        Views of it stay valid objects; :meth:`ensure_shard` brings the memory back.
+        Raises:
+            TypeError: not a gradient buffer (only those are released).
         """
+        if self._dead_local is None:
+            raise TypeError(f"release_shard: {self.name} of unit {unit_name(self.key)} is not a "
+                            f"gradient buffer; only gradient shards are released")
         self.wait()
         self._poison(View.LOCAL, "its gradients were zeroed with set_to_none (vfsdp.zero_grads); "
-                                 "read them again with vfsdp.grads after the next backward")
-        if not self.shard_allocated:
-            return
-        if self._referenced(self.shard, View.LOCAL, "gradients", self._shard_held):
-            self._shard_held = True
-            return
-        self._shard_held = False
-        self.shard.untyped_storage().resize_(0)
+                                 "read them again with vfsdp.grads after the next backward",
+                     self._dead_local)
+        self.shard = self._dead_shard
 
     def ensure_shard(self, zero: bool = True) -> torch.Tensor:
-        """Re-allocate a released shard (zero-filled unless ``zero=False``); return it."""
-        if not self.shard_allocated or self._shard_held:
-            if self._shard_held:
-                self._still_held(self.shard, View.LOCAL, "gradients")
-            self._shard_held = False
-            if not self.shard_allocated:
-                self.shard.untyped_storage().resize_(self.shard.numel() *
-                                                     self.shard.element_size())
-            if zero:
-                with torch.no_grad():
-                    self.shard.zero_()
-            revive(self._handed_out(View.LOCAL))
+        """Fresh memory for a released shard (zero-filled unless ``zero=False``); return it."""
+        if not self.holds_shard:
+            self.shard = (torch.zeros if zero else torch.empty)(
+                self.shard.numel(), dtype=self.dtype, device=self.device)
         return self.shard
 
     def zero_(self) -> DBuffer:

@@ -1,21 +1,20 @@
 """Views of released memory raise instead of crashing.
 
-Releasing a buffer resizes its storage to zero bytes, so the views handed out earlier (the full
-tensors ``vfsdp.gather`` returned, the gradient pieces ``vfsdp.grads`` returned) would point at
-freed memory, and reading them would crash the process. Instead, on release every view a
-DBuffer handed out turns into a :class:`ReleasedTensor`: any torch operation on it raises a
-``RuntimeError`` that names the tensor, the unit and what to do. When the memory comes back
-(the unit is gathered again, the gradients are written again), the same objects turn back into
-plain tensors. Only released views pay anything: live ones are ordinary ``torch.Tensor`` s.
+Releasing a buffer lets go of its memory: the views handed out earlier (the full tensors
+``vfsdp.gather`` returned, the gradient pieces ``vfsdp.grads`` returned) are pointed at a
+zero-byte storage (:func:`let_go`), and reading them would crash the process. Instead, on
+release every view a DBuffer handed out turns into a :class:`ReleasedTensor`: any torch
+operation on it raises a ``RuntimeError`` that names the tensor, the unit and what to do. The
+next gather (or backward) hands out new views of fresh memory; the released ones stay released.
+Only released views pay anything: live ones are ordinary ``torch.Tensor`` s.
 
 Metadata that does not read memory (shape, dtype, device, ``requires_grad``, ``repr``, where
 the memory is: ``untyped_storage``, ``stride``, ``data_ptr``) stays available, so debuggers,
 memory probes and error messages still work.
 
 Tensors made *from* those views (``x.T``, ``x.view(...)``, slices, ``x.detach()``) are not
-vfsdp's to change; they reference the memory as torch views do, and a release keeps the memory
-while any of them is alive (:meth:`DBuffer.free_global` counts the storage's references), so
-they never point at freed memory.
+vfsdp's to change; they keep the memory they were made from, as torch views do, for as long as
+they live, and read the values it held. They never point at freed memory.
 """
 
 from __future__ import annotations
@@ -25,7 +24,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReleasedTensor", "poison", "revive"]
+from vfsdp import _torch_private as tp
+
+__all__ = ["ReleasedTensor", "let_go", "poison", "revive"]
 
 _WHY = "_vfsdp_released"  # on a released view: the sentence explaining what happened
 
@@ -91,7 +92,14 @@ def poison(views: Iterable[torch.Tensor], why: str) -> None:
 
 
 def revive(views: Iterable[torch.Tensor]) -> None:
-    """Turn released views back into plain tensors (their memory is back)."""
+    """Turn released views back into plain tensors: their memory was kept (a graph still
+    read it) and the unit is gathered again before it went."""
     for v in views:
         if type(v) is ReleasedTensor:
             v.__class__ = torch.Tensor
+
+
+def let_go(view: torch.Tensor, dead: torch.Tensor) -> None:
+    """Point ``view`` at ``dead`` (a zero-byte storage, the same shape), with no op: ``view``
+    no longer holds its memory, which tensors made from it keep as long as they live."""
+    tp.set_data(view, dead)

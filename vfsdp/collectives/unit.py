@@ -27,6 +27,12 @@ the way in, the reduce-scatter on the way out)::
     HELD --the last such graph is done or dropped---------------------> RELEASED
     any --reduce(): reduce-scatter of the gradients (the grads side: reducing until done)
 
+**The memory rule.** A release lets go of the memory vfsdp handed out (the full tensors, the
+gradient pieces): vfsdp's views of it read as released and point at no memory, and the memory
+goes with the last tensor anyone made from them (at once, unless the user kept one); a gather
+or a backward gets fresh memory. Memory only vfsdp reads (staging, accumulators) is resized
+in place. Nothing counts references, so nothing can point at freed memory.
+
 ``repr(unit)`` shows the state, the buffers holding memory and what is pending. An
 asynchronous gradient reduction in flight is recorded on the gradient buffer itself, and
 :meth:`Unit.grads` waits for it: whoever reads the gradients waits for exactly the work that
@@ -44,6 +50,7 @@ import torch
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle
+from vfsdp.collectives.released import ReleasedTensor
 from vfsdp.collectives.slot import Role
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
@@ -141,8 +148,6 @@ class Unit:
             if db.release_pending:
                 return UnitState.HELD
             return UnitState.GATHERING if db.in_flight else UnitState.GATHERED
-        if db.is_allocated:
-            return UnitState.HELD
         return UnitState.RESHARDED if id(db) in self._resharded else UnitState.RELEASED
 
     def compute(self, dtype: Optional[torch.dtype]) -> DBuffer:
@@ -267,7 +272,7 @@ class Unit:
         its slot refers to the unit weakly, so nothing forms a cycle: dropping the unit frees
         its memory at once. Released and revived with the gradient shard like any view."""
         found = self._grad_views.get(k)
-        if found is None:
+        if found is None or type(found) is ReleasedTensor:  # released with set_to_none
             found = self._grad_views[k] = self.grads().local(k, weak_unit=True)
         return found
 

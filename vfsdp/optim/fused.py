@@ -95,8 +95,8 @@ def scale_(tensors: list, factor: float) -> None:
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype, ts in by_dtype.items():
-        if dtype in (torch.float32, torch.float64):
-            tp.foreach("mul_", ts, scalar=factor)
+        if dtype in (torch.float32, torch.float64) or isinstance(factor, torch.Tensor):
+            tp.foreach("mul_", ts, scalar=factor)  # a tensor factor: float32 already
         else:
             tp.foreach("mul_", ts, scalar=torch.tensor(factor, dtype=torch.float32,
                                                        device=ts[0].device))
@@ -112,7 +112,8 @@ def adamw_step(ps: list, gs: list, ms: list, vs: list, decay: list, *, step: int
         ps, gs, ms, vs: Parameters, gradients, first and second moments (matching slices).
         decay: For the foreach path, the parameter slices that take weight decay (a subset
             of ``ps``); for the fused path, one bool per slice of ``ps``.
-        step: The 1-based step.
+        step: The 1-based step. The compiled update passes a one-element float64 tensor
+            (and ``lr`` as a tensor): the same ops then take their scalars from the graph.
         lr, betas, eps, weight_decay: The hyperparameters.
         fused: Run torch's fused kernel (see :func:`use_fused`).
         step_tensor: For the fused path: a 0-d float32 tensor on the parameters' device that
@@ -132,10 +133,17 @@ def adamw_step(ps: list, gs: list, ms: list, vs: list, decay: list, *, step: int
             tp.fused_adamw(ps_, gs_, ms_, vs_, [step_tensor] * len(idx), lr=lr, beta1=b1,
                            beta2=b2, weight_decay=wd, eps=eps)
         return
+    traced = isinstance(step, torch.Tensor)
+    if traced:  # the scalars in the graph, as 0-d float32 tensors (what fp32 lists round to)
+        step = step.reshape(())
+        lr = torch.as_tensor(lr, dtype=step.dtype, device=step.device).reshape(())
+        bc1, bc2_sqrt = 1 - b1 ** step, (1 - b2 ** step).sqrt().float()
+        decayed, size = (1 - lr * weight_decay).float(), (-bc1 / lr).float()
+    else:
+        bc1, bc2_sqrt = 1 - b1 ** step, math.sqrt(1 - b2 ** step)
+        decayed, size = 1 - lr * weight_decay, -lr / bc1
     if weight_decay and decay:
-        scale_(decay, 1 - lr * weight_decay)
-    bc1 = 1 - b1 ** step
-    bc2_sqrt = math.sqrt(1 - b2 ** step)
+        scale_(decay, decayed)
     tp.foreach("lerp_", ms, gs, scalar=1 - b1)
     tp.foreach("mul_", vs, scalar=b2)
     tp.foreach("addcmul_", vs, gs, gs, scalar=1 - b2)
@@ -143,4 +151,8 @@ def adamw_step(ps: list, gs: list, ms: list, vs: list, decay: list, *, step: int
         denom = tp.foreach("sqrt", bv)
         tp.foreach("div_", denom, scalar=bc2_sqrt)
         tp.foreach("add_", denom, scalar=eps)
-        tp.foreach("addcdiv_", bp, bm, denom, scalar=-lr / bc1)
+        if traced:  # dynamo takes no tensor `value` in addcdiv_: the step size goes in denom
+            tp.foreach("mul_", denom, scalar=size)
+            tp.foreach("addcdiv_", bp, bm, denom)
+        else:
+            tp.foreach("addcdiv_", bp, bm, denom, scalar=size)

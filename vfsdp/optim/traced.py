@@ -31,6 +31,7 @@ import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.functional.traced import clip_groups, traced_leaves
+from vfsdp.optim.fused import adamw_step
 from vfsdp.optim.quant import step8
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
@@ -115,10 +116,29 @@ def traced_adamw(grads: Any, views: TracedAdam, shards: Any, spec: ShardSpec, sc
     """
     params, _ = traced_leaves(shards, spec, "adamw.update")
     gleaves, _ = traced_leaves(grads, spec, "adamw.update")
-    scalars = _step_scalars(views, schedule, betas)
+    lr = _step_scalars(views, schedule, betas)[0]
+    _adam(zip(views.leaves, views.decay, views.m, views.v), params, gleaves, views.step, lr,
+          betas, eps, weight_decay)
+
+
+def _adam(members: Any, params: list, gleaves: list, step: torch.Tensor, lr: torch.Tensor,
+          betas: tuple, eps: float, weight_decay: float) -> None:
+    """The eager update's own AdamW step (:func:`~vfsdp.optim.fused.adamw_step`) over the
+    trained tensors of ``members`` (``(leaf, decays, exp_avg, exp_avg_sq)``), its scalars
+    tensors of the graph."""
+    ps, gs, ms, vs, decay = [], [], [], [], []
+    for i, decays, m, v in members:
+        if not params[i].requires_grad:  # frozen: no update, no decay
+            continue
+        ps.append(params[i].view(-1))
+        gs.append(gleaves[i].reshape(-1).to(m.dtype))
+        ms.append(m)
+        vs.append(v)
+        if decays:
+            decay.append(ps[-1])
     with torch.no_grad():
-        for i, decays, m, v in zip(views.leaves, views.decay, views.m, views.v):
-            _adam(params[i], gleaves[i], m, v, decays, scalars, betas, eps, weight_decay)
+        adamw_step(ps, gs, ms, vs, decay, step=step, lr=lr, betas=betas, eps=eps,
+                   weight_decay=weight_decay, fused=False)
 
 
 def _step_scalars(views: Any, schedule: Any, betas: tuple) -> tuple:
@@ -130,23 +150,6 @@ def _step_scalars(views: Any, schedule: Any, betas: tuple) -> tuple:
     step = views.step
     lr = torch.as_tensor(schedule(step), dtype=torch.float64, device=step.device)
     return lr, 1 - b1 ** step, torch.sqrt(1 - b2 ** step)
-
-
-def _adam(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, decays: bool,
-          scalars: tuple, betas: tuple, eps: float, weight_decay: float) -> None:
-    """One tensor's AdamW step on fp32 moments, in place (nothing for a frozen tensor)."""
-    if not p.requires_grad:  # frozen: no update, no decay
-        return
-    lr, bc1, bc2_sqrt = scalars
-    b1, b2 = betas
-    g = g.reshape(-1).to(m.dtype)
-    flat = p.view(-1)
-    if weight_decay and decays:
-        flat.mul_((1 - lr * weight_decay).to(p.dtype))
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    denom = (v.sqrt() / bc2_sqrt).add_(eps)
-    flat.sub_((m / denom * (lr / bc1)).to(p.dtype))
 
 
 def traced_clip(grads: Any, spec: ShardSpec, max_norm: float, eps: float,
@@ -246,8 +249,7 @@ def traced_adamw8bit(grads: Any, views: TracedAdam8, shards: Any, spec: ShardSpe
                 p.mul_((1 - lr * weight_decay).to(p.dtype))
             step8(p.view(view), gleaves[i].reshape(view).float(), cm, cv, sm, sv, *views.maps,
                   b1, b2, eps, bc2_sqrt.float(), step)
-        for i, decays, m, v in views.small:
-            _adam(params[i], gleaves[i], m, v, decays, scalars, betas, eps, weight_decay)
+    _adam(views.small, params, gleaves, views.step, lr, betas, eps, weight_decay)
 
 
 def compiled_update(state: Any, what: str, run: Any) -> bool:

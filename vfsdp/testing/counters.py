@@ -35,6 +35,8 @@ class CopyCounter(TorchDispatchMode):
         copy_bytes: Bytes written by copy-like ops.
         copies: Number of copy-like ops.
         collectives: Number of c10d collective ops dispatched (vfsdp's and anyone else's).
+        views: Number of aten ops that only make or change a view (``view``, ``as_strided_``,
+            ``slice``, ``detach``...): metadata, no kernel and no copy on any device.
 
     Example:
         >>> with CopyCounter() as counter:
@@ -51,6 +53,7 @@ class CopyCounter(TorchDispatchMode):
         self.copy_bytes = 0
         self.copies = 0
         self.collectives = 0
+        self.views = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -77,6 +80,8 @@ class CopyCounter(TorchDispatchMode):
                     self.copy_bytes += t.numel() * t.element_size()
             return out
         self.ops[name] += 1
+        if func.is_view or torch.Tag.inplace_view in func.tags:
+            self.views += 1
         if name in COPY_OPS:
             self.copies += 1
             if "out" in kwargs:

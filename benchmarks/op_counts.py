@@ -1,7 +1,8 @@
 """Aten ops per optimizer update and per training step, at two model sizes (same layers).
 
 On a GPU every compute op is a kernel launch, so a count that grows with the parameters makes
-a step launch-bound. View ops (metadata only: no kernel, no copy) are also shown apart.
+a step launch-bound. The kernels are shown apart: the ops less views and allocations (metadata
+and allocator calls, which launch nothing).
 Counted at the dispatcher (``vfsdp.testing.CopyCounter``) on 2 simulated ranks, the
 second step of each (the first builds what later steps reuse)::
 
@@ -56,7 +57,7 @@ def _counts(name: str, cfg: GPTConfig, world: int) -> dict:
         opt.update(grads, state, shards, spec)
     return {"params": sum(t.numel() for t in optree.tree_leaves(meta_params(cfg))),
             "step_ops": sum(step.ops.values()), "update_ops": sum(update.ops.values()),
-            "step_views": step.views, "update_views": update.views}
+            "step_kernels": step.kernels, "update_kernels": update.kernels}
 
 
 def main(argv=None) -> int:
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=2)
     args = ap.parse_args(argv)
     print(f"{'optimizer':<10} {'parameters':>22} {'update ops':>14} {'step ops':>14} "
-          f"{'of them views (update, step)':>30}")
+          f"{'of them kernels (update, step)':>32}")
     for name in ("adamw", "adamw8bit", "muon"):
         rows = []
         for dim in args.dims:
@@ -77,8 +78,8 @@ def main(argv=None) -> int:
         a, b = rows
         print(f"{name:<10} {a['params']:>10,} -> {b['params']:<10,} {a['update_ops']:>6} -> "
               f"{b['update_ops']:<6} {a['step_ops']:>6} -> {b['step_ops']:<6} "
-              f"{a['update_views']:>6} -> {b['update_views']:<6} {a['step_views']:>6} -> "
-              f"{b['step_views']:<6}")
+              f"{a['update_kernels']:>6} -> {b['update_kernels']:<6} {a['step_kernels']:>6} -> "
+              f"{b['step_kernels']:<6}")
     return 0
 
 

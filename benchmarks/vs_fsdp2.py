@@ -11,8 +11,9 @@ configuration (world size x model) it prints medians over the timed steps after 
   buffers and activations, and re-reading storage sizes so storage-resize frees are seen;
 * bytes copied outside the collectives per step (``vfsdp.testing.CopyCounter``), in total and
   net of the model's own copies (the same model run unsharded on one process, same batch);
-* aten ops per step at the dispatcher (each op is a kernel launch on a GPU; the same
-  counter for both, collectives' own work excluded); FSDP2's optimizer kernel is chosen with
+* aten ops per step at the dispatcher (the same counter for both, collectives' own work
+  excluded), and of them the kernels: the ops less views and allocations, which launch
+  nothing (each kernel is a launch on a GPU); FSDP2's optimizer kernel is chosen with
   ``--fsdp2-optim`` (``single``, the default, is bitwise vfsdp's math; ``fused`` has the
   fewest ops);
 * collectives per step (c10d ops at the dispatcher);
@@ -149,7 +150,7 @@ def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str,
             fn(tokens, targets)
         out[name] = {"step_s": statistics.median(times[name]), "peak_bytes": mem.peak,
                      "copied_bytes": copies.copy_bytes, "collectives": copies.collectives,
-                     "aten_ops": sum(copies.ops.values()),
+                     "aten_ops": sum(copies.ops.values()), "kernels": copies.kernels,
                      "final_loss": losses[name][-1], "first_loss": losses[name][0]}
     # The model's own copies (attention reshapes, rotary stacks): the same model run on one
     # process without any FSDP, same batch; what each system adds is the rest.
@@ -167,6 +168,7 @@ def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str,
     out["peak_memory_ratio"] = v["peak_bytes"] / f["peak_bytes"]
     out["copied_bytes_ratio"] = v["copied_bytes"] / max(f["copied_bytes"], 1)
     out["aten_ops_ratio"] = v["aten_ops"] / max(f["aten_ops"], 1)
+    out["kernels_ratio"] = v["kernels"] / max(f["kernels"], 1)
     return out if rank == 0 else {}
 
 
@@ -187,7 +189,8 @@ def main(argv=None) -> int:
     records = []
     print(f"{'config':<22} {'step ms vfsdp/FSDP2':>20} {'ratio':>6} {'peak MiB vfsdp/FSDP2':>22} "
           f"{'ratio':>6} {'copied MiB vfsdp/FSDP2':>23} {'ratio':>6} {'added by system':>16} "
-          f"{'ratio':>6} {'aten ops vfsdp/FSDP2':>21} {'ratio':>6} {'collectives':>12} "
+          f"{'ratio':>6} {'aten ops vfsdp/FSDP2':>21} {'ratio':>6} {'kernels vfsdp/FSDP2':>20} "
+          f"{'ratio':>6} {'collectives':>12} "
           f"{'final loss':>17}")
     for world in args.world_sizes:
         for model in args.models:
@@ -201,6 +204,7 @@ def main(argv=None) -> int:
                   f"{r['copied_bytes_ratio']:>6.3f} {v['added_copied_bytes'] / mib:>7.2f}/"
                   f"{f['added_copied_bytes'] / mib:<8.2f} {r['added_copied_bytes_ratio']:>6.3f} "
                   f"{v['aten_ops']:>9}/{f['aten_ops']:<11} {r['aten_ops_ratio']:>6.3f} "
+                  f"{v['kernels']:>9}/{f['kernels']:<10} {r['kernels_ratio']:>6.3f} "
                   f"{v['collectives']:>5}/{f['collectives']:<6} "
                   f"{v['final_loss']:>8.4f}/{f['final_loss']:<8.4f}", flush=True)
             records.append(r)

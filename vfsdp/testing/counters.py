@@ -27,6 +27,9 @@ COPY_OPS = frozenset({
 })
 
 
+ALLOC_OPS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
+
+
 class CopyCounter(TorchDispatchMode):
     """Records aten ops run under it (on this thread), outside vfsdp's collective calls.
 
@@ -37,6 +40,9 @@ class CopyCounter(TorchDispatchMode):
         collectives: Number of c10d collective ops dispatched (vfsdp's and anyone else's).
         views: Number of aten ops that only make or change a view (``view``, ``as_strided_``,
             ``slice``, ``detach``...): metadata, no kernel and no copy on any device.
+        allocations: Number of aten ops that only allocate (``empty``, ``empty_strided``...).
+        kernels: Every other op counted (``sum(ops.values())`` less views and allocations):
+            the ones that launch work on a GPU.
 
     Example:
         >>> with CopyCounter() as counter:
@@ -54,6 +60,12 @@ class CopyCounter(TorchDispatchMode):
         self.copies = 0
         self.collectives = 0
         self.views = 0
+        self.allocations = 0
+
+    @property
+    def kernels(self) -> int:
+        """Ops that launch work: all counted ops less views and allocations."""
+        return sum(self.ops.values()) - self.views - self.allocations
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -82,6 +94,8 @@ class CopyCounter(TorchDispatchMode):
         self.ops[name] += 1
         if func.is_view or torch.Tag.inplace_view in func.tags:
             self.views += 1
+        elif name in ALLOC_OPS:
+            self.allocations += 1
         if name in COPY_OPS:
             self.copies += 1
             if "out" in kwargs:

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["alias", "contiguous_strides"]
+__all__ = ["alias", "contiguous_strides", "view_of"]
 
 
 def contiguous_strides(shape: tuple) -> tuple:
@@ -44,3 +44,21 @@ def alias(storage_tensor: torch.Tensor, offset: int, shape: tuple,
     out.as_strided_(shape, contiguous_strides(shape) if stride is None else stride,
                     storage_tensor.storage_offset() + offset)
     return out
+
+
+def view_of(base: torch.Tensor, offset: int, shape: tuple,
+            stride: Optional[tuple] = None) -> torch.Tensor:
+    """An autograd view of ``base`` at ``offset`` (elements, from its own offset): one op
+    (``as_strided``), sharing ``base``'s version counter and keeping ``base`` alive. For
+    vfsdp's own views of a buffer that no autograd check reads the version of and that it
+    drops at release (the saved parameters ``run_layers`` hands its backward, a compute
+    copy's shard); :func:`alias` for views handed out.
+
+    Example:
+        >>> x = torch.arange(6.0)
+        >>> v = view_of(x, 2, (2, 2))
+        >>> v.tolist(), v._base is x
+        ([[2.0, 3.0], [4.0, 5.0]], True)
+    """
+    return base.as_strided(shape, contiguous_strides(shape) if stride is None else stride,
+                           base.storage_offset() + offset)

@@ -36,7 +36,7 @@ from typing import Any, Optional, Union
 import torch
 
 from vfsdp.collectives import comm
-from vfsdp.collectives.alias import alias
+from vfsdp.collectives.alias import alias, view_of
 from vfsdp.collectives.events import emit
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle, comm_context
@@ -238,7 +238,7 @@ class DBuffer:
         key = (offset, tuple(shape), tuple(stride))
         found = self._saved.get(key)
         if found is None:
-            found = self._saved[key] = alias(self._global, offset, tuple(shape), tuple(stride))
+            found = self._saved[key] = view_of(self._global, offset, tuple(shape), tuple(stride))
         return found
 
     def local_views(self) -> list[torch.Tensor]:
@@ -293,9 +293,9 @@ class DBuffer:
             if self._fresh:
                 self._global = torch.empty(self._dead.numel(), dtype=self.dtype,
                                            device=self.device)
-                if self._in_global:
-                    self.shard = alias(self._global, self.rank * self.shard.numel(),
-                                       tuple(self.shard.shape))
+                if self._in_global:  # a view: nothing checks the global buffer's version
+                    self.shard = view_of(self._global, self.rank * self.shard.numel(),
+                                         tuple(self.shard.shape))
             else:
                 self._global.untyped_storage().resize_(self._global_bytes)
             emit("alloc", self)

@@ -267,13 +267,18 @@ class Unit:
         return self._grads
 
     def grad_view(self, k: int) -> torch.Tensor:
-        """Tensor ``k``'s piece of the gradient buffer, made once and handed out again (what
-        :func:`vfsdp.grads` returns every step, with no op to make it). The unit keeps it and
-        its slot refers to the unit weakly, so nothing forms a cycle: dropping the unit frees
-        its memory at once. Released and revived with the gradient shard like any view."""
+        """Tensor ``k``'s piece of the gradient buffer, made once per allocation of the shard
+        and handed out again (what :func:`vfsdp.grads` returns, with no op to make it). The
+        unit keeps it and its slot refers to the unit weakly, so nothing forms a cycle:
+        dropping the unit frees its memory at once. Released with the gradient shard
+        (``set_to_none``); the next one is made over its fresh memory. Making it waits for no
+        reduction in flight (it reads nothing)."""
         found = self._grad_views.get(k)
-        if found is None or type(found) is ReleasedTensor:  # released with set_to_none
-            found = self._grad_views[k] = self.grads().local(k, weak_unit=True)
+        gdb = self._grads
+        if found is None or (type(found) is ReleasedTensor and gdb is not None
+                             and gdb.holds_shard):
+            gdb = gdb if gdb is not None else self.grads()
+            found = self._grad_views[k] = gdb.local(k, weak_unit=True)
         return found
 
     def accumulator(self, dtype: torch.dtype, create: bool = True) -> Optional[DBuffer]:

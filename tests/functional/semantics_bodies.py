@@ -132,3 +132,20 @@ def reference(case: dict, world: int):
             mine.append(v.reshape(-1)[lo:hi].tolist())
         out.append(mine)
     return out
+
+
+def one_grad_replaced():
+    """After a grads="buffer" backward the user sets one shard's .grad to None, as torch allows:
+    the next backward gives that shard the new gradient alone and adds to the others'."""
+    import vfsdp
+
+    params = {"a": torch.ones(8), "b": torch.ones(8)}
+    spec = vfsdp.plan(params, dist.get_world_size())
+    shards = vfsdp.shard(params, spec)
+    for step in range(2):
+        full = vfsdp.gather(shards, spec, grads="buffer")
+        (full["a"] * 2 + full["b"] * 3).sum().backward()
+        if step == 0:
+            shards["a"].grad = None
+    grads = vfsdp.grads(shards, spec)
+    return sorted(set(grads["a"].tolist())), sorted(set(grads["b"].tolist()))

@@ -77,3 +77,10 @@ def test_the_reported_doubling_is_gone():
             "frozen": [], "op": "avg", "mesh": 2,
             "steps": [{"sync": True, "zero_before": i > 0} for i in range(3)]}
     _check(case, simulate(2, sb.run, case))
+
+
+def test_a_grad_set_to_none_by_hand_restarts_that_tensor_only():
+    """torch: a.grad = None, then a backward: a gets the new gradient, b adds to what it had.
+    (The second backward raised "b was released" on the gradient buffer's released view.)"""
+    got = simulate(2, sb.one_grad_replaced)  # rank 0 holds all of a, rank 1 all of b
+    assert got == [([2.0], []), ([], [6.0])]

@@ -101,11 +101,32 @@ def gathered_twice_freed_after_backward():
     return still, shards["w"].grad.sum().item(), type(f1["w"]).__name__
 
 
+def state_views_after_export():
+    """Optimizer states' full tensors a checkpoint stream handed out, kept after it."""
+    from vfsdp.checkpoint.export import entries_and_names, stream_full
+
+    spec, shards = _setup()
+    state = vfsdp.optim.adamw().init(shards, spec)
+    entries, _ = entries_and_names({"params": shards, "opt": state}, spec, None, "export")
+    kept = [v for _, v in stream_full(entries) if isinstance(v, torch.Tensor)]
+    return [float(v.sum()) for v in kept]
+
+
+def update_with_grads_from_before_zero_grads():
+    spec, shards = _setup()
+    opt = vfsdp.optim.adamw()
+    state = opt.init(shards, spec)
+    g = vfsdp.grads(shards, spec)
+    vfsdp.zero_grads(shards, spec)
+    opt.update(g, state, shards, spec)
+
+
 CASES = {f.__name__: f for f in (read_after_release, release_before_backward,
                                  saved_tensor_after_free, grad_after_zero_grads,
                                  returned_grad_after_zero_grads, derived_views_after_release,
                                  derived_grad_view_after_zero_grads,
-                                 gathered_twice_freed_after_backward)}
+                                 gathered_twice_freed_after_backward, state_views_after_export,
+                                 update_with_grads_from_before_zero_grads)}
 
 
 if __name__ == "__main__":

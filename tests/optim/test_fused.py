@@ -247,3 +247,25 @@ def test_weight_decay_of_bf16_parameters_rounds_as_the_single_tensor_op(name):
         return bool((shards["w"] == want).all())
 
     assert simulate(2, body) == [True, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compiled_updates_tensor_scalars_give_the_eager_step(dtype):
+    """adamw_step with its step and lr as tensors (what the compiled update passes) against
+    the same step with Python scalars; float64 moments keep float64 scalars."""
+    gen = torch.Generator().manual_seed(0)
+    make = lambda: [torch.randn(n, generator=gen, dtype=dtype) for n in (5, 0, 7)]
+    ps, gs = make(), make()
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    a = [[t.clone() for t in xs] for xs in (ps, gs, ms, vs)]
+    b = [[t.clone() for t in xs] for xs in (ps, gs, ms, vs)]
+    step = torch.zeros(1, dtype=torch.float64)
+    for s in range(1, 4):
+        step.add_(1)
+        kw = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "fused": False}
+        fused_mod.adamw_step(*a, a[0][:1], step=s, lr=1e-2, **kw)
+        fused_mod.adamw_step(*b, b[0][:1], step=step, lr=torch.tensor(1e-2, dtype=torch.float64), **kw)
+    tol = 1e-14 if dtype == torch.float64 else 1e-6
+    for x, y in zip(a[0], b[0]):
+        assert x.dtype == y.dtype == dtype
+        assert torch.allclose(x, y, rtol=tol, atol=tol)

@@ -47,6 +47,9 @@ from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
 __all__ = ["DBuffer"]
 
+# Roles whose global buffer only vfsdp reads (through internal_views): it is resized in place.
+_INTERNAL = frozenset({Role.GRAD, Role.STAGE, Role.ACCUM})
+
 
 class DBuffer:
     """One unit's buffers for one role (params, grads, an optimizer state) on this rank.
@@ -100,7 +103,7 @@ class DBuffer:
         # with one view per tensor) and drops its reference, so the memory goes with the last
         # tensor anyone made from it; the next gather or gradient write gets fresh memory.
         # Memory only vfsdp reads (staging, accumulators) is resized in place.
-        self._fresh = role.holds_params
+        self._fresh = role not in _INTERNAL
         self._global = torch.empty(m * s, dtype=self.dtype, device=self.device)
         self._dead = self._global  # stays zero bytes when fresh: the released state's storage
         self._dead_full = ([alias(self._dead, t.offset, tuple(t.shape)) for t in self.tensors]
@@ -216,6 +219,10 @@ class DBuffer:
                 it with garbage); gather first.
         """
         k = i if isinstance(i, int) else self.index(i)
+        if not self._fresh:
+            raise TypeError(f"unit {unit_name(self.key)} ({self.name}): the full buffer of a "
+                            f"{self.role.value} buffer is vfsdp's own (it is freed in place); "
+                            f"take full views of parameters or optimizer states")
         if not self.is_gathered:
             raise RuntimeError(f"unit {unit_name(self.key)} ({self.name}) is not gathered; "
                                f"call all_gather() (or vfsdp.gather) before taking full views")
@@ -279,6 +286,8 @@ class DBuffer:
             return False
         if t.numel() == 0:
             return True
+        if not self.holds_shard:  # a released piece of a released shard: no memory to read
+            return False
         return (t.untyped_storage().data_ptr() == self.shard.untyped_storage().data_ptr()
                 and t.storage_offset() == self.shard.storage_offset() + lo and t.is_contiguous())
 

@@ -134,11 +134,12 @@ def adamw_step(ps: list, gs: list, ms: list, vs: list, decay: list, *, step: int
                            beta2=b2, weight_decay=wd, eps=eps)
         return
     traced = isinstance(step, torch.Tensor)
-    if traced:  # the scalars in the graph, as 0-d float32 tensors (what fp32 lists round to)
+    if traced:  # the scalars in the graph: 0-d tensors in the moments' dtype, as a list of
+        dt = ms[0].dtype  # that dtype rounds a Python scalar
         step = step.reshape(())
         lr = torch.as_tensor(lr, dtype=step.dtype, device=step.device).reshape(())
-        bc1, bc2_sqrt = 1 - b1 ** step, (1 - b2 ** step).sqrt().float()
-        decayed, size = (1 - lr * weight_decay).float(), (-bc1 / lr).float()
+        bc1, bc2_sqrt = 1 - b1 ** step, (1 - b2 ** step).sqrt().to(dt)
+        decayed, size = (1 - lr * weight_decay).to(dt), (-bc1 / lr).to(dt)
     else:
         bc1, bc2_sqrt = 1 - b1 ** step, math.sqrt(1 - b2 ** step)
         decayed, size = 1 - lr * weight_decay, -lr / bc1

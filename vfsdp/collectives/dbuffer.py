@@ -19,7 +19,7 @@ from the tensor itself: there is no lookup by address and no registry.
 
 The all-gather takes the shard as its input and the global buffer as its output, with
 nothing packed before or unpacked after. **Memory rule:** a release lets go of memory whose
-views were handed out (the parameters' full tensors, the gradient shard's pieces): those views
+views are handed out (the full parameters and optimizer states, the gradient pieces): those views
 read as released and point at a zero-byte storage, so the memory goes with the last tensor
 anyone made from them, and the next gather gets fresh memory. Memory only vfsdp reads (staging,
 accumulators) is resized in place. Nothing counts references, nothing can point at freed
@@ -98,7 +98,7 @@ class DBuffer:
         self.device = groups.device
         self._unit_ref = weakref.ref(unit) if unit is not None else None
         s, m = layout.shard_numel, layout.world_size
-        # Memory vfsdp hands out (the parameters' full tensors, the gradient pieces) is only
+        # Memory vfsdp hands out (full parameters and optimizer states, gradient pieces) is only
         # ever let go of: a release points vfsdp's views at a zero-byte storage (made here,
         # with one view per tensor) and drops its reference, so the memory goes with the last
         # tensor anyone made from it; the next gather or gradient write gets fresh memory.
@@ -195,8 +195,8 @@ class DBuffer:
                 let_go(t, dead[k])
             poison([t], f"{path} (unit {unit_name(self.key)}) was released; {why}")
         if dead is not None:
-            self._views = [r for r in self._views if r() is not None
-                           and getattr(r(), SLOT).view is not view]
+            self._views = [r for r in self._views
+                           if (t := r()) is not None and getattr(t, SLOT).view is not view]
 
     def _release_views(self, dead: Optional[list] = None) -> None:
         self._poison(View.FULL, "gather the unit again (vfsdp.gather) and read the full tensors "
@@ -215,6 +215,7 @@ class DBuffer:
         (no autograd link), valid until the buffer is released.
 
         Raises:
+            TypeError: a staging, accumulator or gradient buffer (vfsdp's own, freed in place).
             RuntimeError: the global buffer is released (``set_`` would silently re-allocate
                 it with garbage); gather first.
         """

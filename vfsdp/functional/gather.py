@@ -192,7 +192,8 @@ def unlink_stale(unit: Any, locals_: tuple, index: tuple, needs: tuple) -> None:
     if unit.grad_linked and not all(x.grad is unit.grad_view(k)
                                     for x, k, need in zip(locals_, index, needs) if need):
         unit.grad_linked = False
-        with torch.no_grad():  # the .grad still linked keep their values: added back after
+        with torch.no_grad():  # a .grad still linked keeps its values (a copy of its own):
+            # grads_to_buffer adds it into the buffer when it links the .grad again
             for x, k, need in zip(locals_, index, needs):
                 if need and x.grad is unit.grad_view(k):
                     x.grad = x.grad.clone()

@@ -96,7 +96,7 @@ def scale_(tensors: list, factor: float) -> None:
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype, ts in by_dtype.items():
         if dtype in (torch.float32, torch.float64) or isinstance(factor, torch.Tensor):
-            tp.foreach("mul_", ts, scalar=factor)  # a tensor factor: float32 already
+            tp.foreach("mul_", ts, scalar=factor)  # a tensor factor: the moments' dtype
         else:
             tp.foreach("mul_", ts, scalar=torch.tensor(factor, dtype=torch.float32,
                                                        device=ts[0].device))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import vfsdp
 from tests.misuse import bodies
 from vfsdp._torch_private import TorchDispatchMode, storage_id
-from vfsdp.testing import simulate, spawn
+from vfsdp.testing import RankError, simulate, spawn
 
 # ------------------------------------------------------------------ per-rank seeding
 
@@ -197,6 +197,36 @@ def test_accumulate_grads_false_is_deprecated_and_keeps_the_overwrite():
     with pytest.warns(FutureWarning, match="accumulate_grads=False is deprecated"):
         out = simulate(2, _micro_batches, False, False)
     _assert_pieces(out, want)
+
+
+def _uneven_micro_batches(swallow):
+    params = {"layers": [{"w": torch.ones(4, 4)} for _ in range(2)]}
+    spec = vfsdp.plan(params, dist.get_world_size())
+    shards = vfsdp.shard(params, spec)
+    for k in range(1 if swallow else 1 + dist.get_rank()):   # rank 1 runs one more
+        try:
+            h = vfsdp.run_layers(lambda p, a: torch.tanh(a @ p["w"]), shards["layers"],
+                                 spec["layers"], torch.ones(1, 4), accumulate_grads=True)
+            if swallow and dist.get_rank() == 0:
+                raise ValueError("a bad batch")                  # rank 0 skips the backward
+            h.sum().backward()
+        except ValueError:
+            pass
+    return "finished"
+
+
+@pytest.mark.parametrize("swallow", [False, True], ids=["micro_batches", "swallowed"])
+def test_ranks_that_run_different_run_layers_calls_are_reported_naming_the_user_line(swallow):
+    """Different numbers of run_layers micro-batches (or a rank that swallows its loss's
+    exception and skips the backward) leave one rank waiting in a collective no other rank
+    starts. That cannot be told before it waits; simulate reports it, naming the collective
+    and the user's line (it named a vfsdp lambda, or torch's threaded group raised IndexError)."""
+    with pytest.raises(RankError) as info:
+        simulate(2, _uneven_micro_batches, swallow, timeout=3)
+    why = info.value.failures[1]          # rank 1 runs the backward, or one more micro-batch
+    assert "waiting in the collective " + ("all_reduce" if swallow else "all_gather") in why, why
+    assert f"from your code at _uneven_micro_batches ({__file__}:" in why, why
+    assert "IndexError" not in str(info.value)
 
 
 class _no_future_warning:

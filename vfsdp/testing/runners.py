@@ -71,6 +71,9 @@ def check_world(world_size: int) -> None:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def waiting_in(frame: Optional[FrameType]) -> str:
     """Where a hung thread waits: the collective and the code that called it."""
     stack = []
@@ -100,6 +103,10 @@ def _describe(stack: list) -> str:
                            and "torch" + os.sep not in g
                            and not g.endswith(os.path.join("testing", "rank_rng.py"))), None)
             where = f" called from {caller[2]} ({caller[0]}:{caller[1]})" if caller else ""
+            if caller and caller[0].startswith(_PACKAGE):  # and the user's line that led there
+                user = next(((g, ln, name) for g, ln, name in stack[i + 1:]
+                             if not g.startswith(_PACKAGE) and "torch" + os.sep not in g), None)
+                where += f", from your code at {user[2]} ({user[0]}:{user[1]})" if user else ""
             return f"waiting in the collective {fn} ({os.path.basename(f)}:{line}){where}"
     if stack:
         f, line, fn = stack[0]

@@ -8,6 +8,10 @@ second step of each (the first builds what later steps reuse)::
 
     python benchmarks/op_counts.py
     python benchmarks/op_counts.py --dims 256 512 --layers 4
+
+A second table counts one update over the same parameters cut into more tensors: 8-bit AdamW
+with every matrix split into 4 (4x the tensors, the same numbers), Muon with 4x the layers of
+the same shapes. A structure-aware update whose ops grow per tensor shows it here.
 """
 
 from __future__ import annotations
@@ -60,6 +64,39 @@ def _counts(name: str, cfg: GPTConfig, world: int) -> dict:
             "step_kernels": step.kernels, "update_kernels": update.kernels}
 
 
+def split_params(name: str, times: int, dim: int = 256, layers: int = 4) -> dict:
+    """The tensors of :func:`split_counts`: for ``adamw8bit`` each layer's two matrices cut
+    into ``times`` row blocks each (the same parameters); for ``muon`` ``times`` as many layers
+    of the same shapes."""
+    g = torch.Generator().manual_seed(0)
+    if name == "adamw8bit":
+        rows = [dim // times] * times
+        return {"layers": [{**{f"w{j}": torch.randn(r, dim, generator=g) for j, r in
+                               enumerate(rows)},
+                            **{f"up{j}": torch.randn(2 * r, dim, generator=g) for j, r in
+                               enumerate(rows)},
+                            "norm": torch.ones(dim)} for _ in range(layers)]}
+    return {"layers": [{"w": torch.randn(dim, dim, generator=g),
+                        "up": torch.randn(2 * dim, dim, generator=g), "norm": torch.ones(dim)}
+                       for _ in range(layers * times)]}
+
+
+def split_counts(name: str, times: int, world: int) -> int:
+    """Aten ops of one update (the second) over :func:`split_params` on ``world`` ranks."""
+    opt = _optimizer(name)
+    params = split_params(name, times)
+    spec = vfsdp.plan(params, world, granularity=opt.granularity)
+    shards = vfsdp.shard(params, spec)
+    state = opt.init(shards, spec)
+    grads = vfsdp.grads(shards, spec)
+    for g in optree.tree_leaves(grads):
+        g.fill_(0.01)
+    state = opt.update(grads, state, shards, spec)
+    with CopyCounter() as update:
+        opt.update(grads, state, shards, spec)
+    return sum(update.ops.values())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", nargs=2, type=int, default=[256, 512],
@@ -80,6 +117,11 @@ def main(argv=None) -> int:
               f"{b['update_ops']:<6} {a['step_ops']:>6} -> {b['step_ops']:<6} "
               f"{a['update_kernels']:>6} -> {b['update_kernels']:<6} {a['step_kernels']:>6} -> "
               f"{b['step_kernels']:<6}")
+    print(f"\n{'optimizer':<10} {'update ops: tensors x1 -> x4':>30}  (same parameters for "
+          f"adamw8bit, 4x the same shapes for muon)")
+    for name in ("adamw8bit", "muon"):
+        one, four = (simulate(args.world, split_counts, name, t, args.world)[0] for t in (1, 4))
+        print(f"{name:<10} {one:>14} -> {four:<8} ({four / one:.2f}x)")
     return 0
 
 

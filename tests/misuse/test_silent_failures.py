@@ -203,7 +203,7 @@ def _uneven_micro_batches(swallow):
     params = {"layers": [{"w": torch.ones(4, 4)} for _ in range(2)]}
     spec = vfsdp.plan(params, dist.get_world_size())
     shards = vfsdp.shard(params, spec)
-    for k in range(1 if swallow else 1 + dist.get_rank()):   # rank 1 runs one more
+    for _ in range(1 if swallow else 1 + dist.get_rank()):   # rank 1 runs one more
         try:
             h = vfsdp.run_layers(lambda p, a: torch.tanh(a @ p["w"]), shards["layers"],
                                  spec["layers"], torch.ones(1, 4), accumulate_grads=True)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import vfsdp
-from vfsdp.optim.quant import dequantize, dynamic_map, quantize, tile_ids
+from vfsdp.optim.quant import dequantize, dynamic_map, quantize, span_tiles, tile_ids
 from vfsdp.testing import CopyCounter, simulate, spawn
 
 
@@ -117,6 +117,8 @@ from vfsdp.optim.quant import (  # noqa: E402
     dequantize_tiles,
     midpoints,
     quantize_tiles,
+    step8,
+    step8_flat,
     tile_view,
 )
 
@@ -157,6 +159,66 @@ def test_fast_tiles_are_bitwise_the_reference(case, signed, seed):
     assert torch.equal(codes.reshape(-1), want_codes) and torch.equal(scales, want_scales)
     assert torch.equal(dequantize_tiles(codes, scales, qmap).reshape(-1),
                        dequantize(want_codes, want_scales, ids, qmap))
+
+
+@st.composite
+def _spans(draw):
+    """A unit's flat span: 1-4 tensors (ranges of whole stripes, some empty, some not updated
+    this step) with gaps of other elements between them."""
+    pieces = []
+    for _ in range(draw(st.integers(1, 4))):
+        shape, start, stop = draw(_tile_ranges())
+        pieces.append((draw(st.integers(0, 40)), shape, start, stop, draw(st.booleans())))
+    return pieces, draw(st.integers(0, 2 ** 16)), draw(st.booleans())
+
+
+@settings(max_examples=40, deadline=None)
+@given(_spans())
+def test_the_flat_pass_over_a_unit_is_bitwise_the_per_tensor_step(case):
+    """step8_flat (one pass over every quantized tensor of a unit) against step8 per tensor:
+    the same parameters, codes and scales bit for bit; gaps and skipped tensors untouched."""
+    pieces, seed, tensor_scalars = case
+    gen = torch.Generator().manual_seed(seed)
+    qm, qv = dynamic_map(True), dynamic_map(False)
+    layout, at, t0 = [], 0, 0
+    for gap, shape, start, stop, skip in pieces:
+        view = tile_view(shape, start, stop)
+        n_tiles = view[0] * -(-view[1] // TILE) * -(-view[2] // TILE)
+        layout.append((at + gap, stop - start, view, t0, n_tiles, skip))
+        at, t0 = at + gap + stop - start, t0 + n_tiles
+    numel = at + 3
+    p = torch.randn(numel, generator=gen)
+    g = torch.randn(numel, generator=gen) * 3
+    cm = torch.randint(0, 256, (numel,), generator=gen, dtype=torch.uint8)
+    cv = torch.randint(0, 256, (numel,), generator=gen, dtype=torch.uint8)
+    sm = torch.cat([torch.rand(t0, generator=gen), torch.zeros(1)])
+    sv = torch.cat([torch.rand(t0, generator=gen), torch.zeros(1)])
+    scalars = (0.999 ** 0.5, -1e-2 / 0.1)
+    if tensor_scalars:
+        scalars = tuple(torch.tensor(x, dtype=torch.float32) for x in scalars)
+    want = [x.clone() for x in (p, cm, cv, sm, sv)]
+    for lo, n, view, first, n_tiles, skip in layout:
+        if skip or n == 0:
+            continue
+        sl, tl = slice(lo, lo + n), slice(first, first + n_tiles)
+        m_s, v_s = want[3][tl].clone(), want[4][tl].clone()
+        codes = [want[1][sl].view(view).clone(), want[2][sl].view(view).clone()]
+        step8(want[0][sl].view(view), g[sl].view(view), *codes, m_s, v_s, qm, qv,
+              midpoints(qm), midpoints(qv), 0.9, 0.999, 1e-8, *scalars)
+        want[1][sl], want[2][sl] = codes[0].view(-1), codes[1].view(-1)
+        want[3][tl], want[4][tl] = m_s, v_s
+    spans = []
+    end = 0
+    for lo, n, view, first, _n_tiles, skip in layout:
+        spans += [(lo - end, None, None), (n, None if skip else view, first)]
+        end = lo + n
+    spans.append((numel - end, None, None))
+    keep = tuple((first, n_tiles) for _lo, _n, _v, first, n_tiles, skip in layout if skip)
+    tiles = span_tiles(spans, t0, "cpu", keep)
+    step8_flat(p, g, cm, cv, sm, sv, tiles, qm, qv, midpoints(qm), midpoints(qv), 0.9, 0.999,
+               1e-8, *scalars)
+    for got, ref in zip((p, cm, cv, sm, sv), want):
+        assert torch.equal(got, ref)
 
 
 def _reference_8bit(steps=3):
@@ -245,13 +307,15 @@ def test_the_compiled_8bit_step_compiles_once_for_every_step_and_shape(monkeypat
     step = mod.compiled_step8()
     qm, qv = dynamic_map(True), dynamic_map(False)
     per_shape = []
-    for rows, cols in ((64, 64), (96, 32)):
-        p = torch.randn(1, rows, cols) * 0.1
-        cm = torch.zeros(1, rows, cols, dtype=torch.uint8)
-        cv = torch.zeros(1, rows, cols, dtype=torch.uint8)
-        sm, sv = torch.zeros(rows * cols // 1024), torch.zeros(rows * cols // 1024)
+    for rows, cols in ((64, 64), (96, 32)):  # two units: other sizes, other tables
+        n = rows * cols
+        p = torch.randn(n + 5) * 0.1
+        cm = torch.zeros(n + 5, dtype=torch.uint8)
+        cv = torch.zeros(n + 5, dtype=torch.uint8)
+        tiles = span_tiles([(n, (1, rows, cols), 0), (5, None, None)], n // 1024, "cpu")
+        sm, sv = torch.zeros(n // 1024 + 1), torch.zeros(n // 1024 + 1)
         for t in range(1, 5):
-            step(p, torch.randn(1, rows, cols), cm, cv, sm, sv, qm, qv, midpoints(qm),
+            step(p, torch.randn(n + 5), cm, cv, sm, sv, tiles, qm, qv, midpoints(qm),
                  midpoints(qv), 0.9, 0.999, 1e-8, (1 - 0.999 ** t) ** 0.5,
                  -1e-3 * t / (1 - 0.9 ** t))
             per_shape.append(len(graphs))
@@ -301,15 +365,16 @@ def test_a_failing_compile_warns_and_runs_the_eager_step(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", broken)
     step = mod.compiled_step8()
-    p = torch.zeros(1, 32, 32)
-    args = (p, torch.ones(1, 32, 32), torch.zeros(1, 32, 32, dtype=torch.uint8),
-            torch.zeros(1, 32, 32, dtype=torch.uint8), torch.zeros(1), torch.zeros(1),
+    p = torch.zeros(1024)
+    args = (p, torch.ones(1024), torch.zeros(1024, dtype=torch.uint8),
+            torch.zeros(1024, dtype=torch.uint8), torch.zeros(2), torch.zeros(2),
+            span_tiles([(1024, (1, 32, 32), 0)], 1, "cpu"),
             dynamic_map(True), dynamic_map(False), midpoints(dynamic_map(True)),
             midpoints(dynamic_map(False)), 0.9, 0.999, 1e-8, 0.999 ** 0.5, -1.0)
     with pytest.warns(UserWarning, match=r"compile of the 8-bit step failed \(RuntimeError: no "
                                          r"backend for this device\).*compile=False"):
         step(*args)
-    assert float(p[0, 0, 0]) < 0  # the eager step ran
+    assert float(p[0]) < 0  # the eager step ran
 
 
 def _tp_rule(path):

@@ -29,13 +29,14 @@ from vfsdp._warnings import warn_user
 from vfsdp.collectives.piece import Piece, tensor_piece
 from vfsdp.collectives.slot import Role
 from vfsdp.functional.state import param_tree
-from vfsdp.functional.tiles import blockwise, tile_granularity
-from vfsdp.optim.adamw import owned_views
+from vfsdp.functional.tiles import blockwise, tile_granularity, tiles_of
+from vfsdp.optim.adamw import owned_views, runs
 from vfsdp.optim.base import (
     Mask,
     Optimizer,
     Schedule,
     as_schedule,
+    both,
     check_hyper,
     flat_grads,
     grad_leaves,
@@ -44,12 +45,20 @@ from vfsdp.optim.base import (
     unit_buffers,
 )
 from vfsdp.optim.fused import adamw_step, scale_
-from vfsdp.optim.quant import TILE, dynamic_map, midpoints, step8, tile_view
+from vfsdp.optim.quant import (
+    TILE,
+    SpanTiles,
+    dynamic_map,
+    midpoints,
+    span_tiles,
+    step8_flat,
+    tile_view,
+)
 from vfsdp.optim.traced import TracedAdam8, compiled_update, traced_adamw8bit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["adamw8bit", "AdamW8bitState", "AdamW8bitPlan", "Quantized", "MIN_8BIT_NUMEL", "step8"]
+__all__ = ["adamw8bit", "AdamW8bitState", "AdamW8bitPlan", "Quantized", "MIN_8BIT_NUMEL"]
 
 MIN_8BIT_NUMEL = 4096
 
@@ -67,21 +76,25 @@ def granularity_8bit(min_numel: int = MIN_8BIT_NUMEL) -> Callable:
 class Quantized:
     """One quantized tensor's place on this rank: buffer index ``k``, range ``[lo, hi)`` in
     the shard, that range seen as ``B`` matrices ``[R, C]`` (``view``, see
-    :func:`~vfsdp.optim.quant.tile_view`) and its number of tiles."""
+    :func:`~vfsdp.optim.quant.tile_view`), its number of tiles and the first of them in its
+    unit's scales (``t0``)."""
 
     k: int
     lo: int
     hi: int
     view: tuple
     n_tiles: int
+    t0: int = 0
 
 
 @dataclass(frozen=True)
 class AdamW8bitPlan:
     """What ``init`` derives from the spec and the mask, per unit: the tensors it updates
-    (``paths``), the quantized ones (``quantized``), those with fp32 moments (``fp32``:
-    ``(k, lo, hi)``) and the buffer indices that decay (``decays``). Never saved; rebuilt by
-    ``init``.
+    (``paths``), the quantized ones (``quantized``, by shard offset), those with fp32 moments
+    (``fp32``: ``(k, lo, hi)``), the buffer indices that decay (``decays``) and their shard
+    ranges, merged (``decay_runs``). Never saved;
+    rebuilt by ``init``. ``tables`` caches each unit's span tiles per set of tensors not
+    updated (:meth:`span`).
 
     Example:
         >>> opt = vfsdp.optim.adamw8bit(min_8bit_numel=1024)
@@ -98,16 +111,28 @@ class AdamW8bitPlan:
     quantized: Mapping[Any, tuple] = field(default_factory=dict)
     fp32: Mapping[Any, tuple] = field(default_factory=dict)
     decays: Mapping[Any, frozenset] = field(default_factory=dict)
+    decay_runs: Mapping[Any, tuple] = field(default_factory=dict)
+    tables: dict = field(default_factory=dict, compare=False, repr=False)
 
     def owns(self, db, k: int) -> bool:
         """Whether the plan updates tensor ``k`` of ``db``'s unit."""
         return db.tensors[k].path in self.paths.get(db.key, ())
 
+    def span(self, key: Any, skip: frozenset, device: Any) -> Optional[tuple]:
+        """``(lo, hi, SpanTiles)`` of unit ``key``'s quantized tensors as one span of its shard,
+        the tensors ``skip`` (buffer indices) left out as gaps; ``None`` if none is left."""
+        found = self.tables.get((key, skip))
+        if found is None:
+            found = self.tables[(key, skip)] = _span(self.quantized[key], skip, device)
+        return found
+
 
 @dataclass
 class AdamW8bitState:
     """The step; uint8 codes per unit (DBuffers with the parameters' layout); per quantized
-    tensor ``(unit, k)`` its tile scales, per small tensor its fp32 moments.
+    tensor ``(unit, k)`` its tile scales (views of its unit's scales, ``unit_scales_m``/``_v``:
+    every tile of the unit in shard order, then a spare one), per small tensor its fp32
+    moments.
 
     Example:
         >>> opt = vfsdp.optim.adamw8bit(min_8bit_numel=1024)
@@ -127,6 +152,8 @@ class AdamW8bitState:
     scales_v: dict = field(default_factory=dict)
     fp32_m: dict = field(default_factory=dict)
     fp32_v: dict = field(default_factory=dict)
+    unit_scales_m: dict = field(default_factory=dict, repr=False, compare=False)
+    unit_scales_v: dict = field(default_factory=dict, repr=False, compare=False)
     plan: AdamW8bitPlan = field(default_factory=AdamW8bitPlan, repr=False, compare=False)
     traced: Optional[TracedAdam8] = field(default=None, repr=False, compare=False)
 
@@ -209,6 +236,19 @@ def _tile_range(shape: tuple, start: int) -> tuple[int, int]:
     return stripe * col_tiles, total
 
 
+def _span(quantized: tuple, skip: frozenset, device: Any) -> Optional[tuple]:
+    live = [t for t in quantized if t.hi > t.lo]
+    if not live or all(t.k in skip for t in live):
+        return None
+    n = sum(t.n_tiles for t in quantized)
+    pieces, at = [], live[0].lo
+    for t in live:
+        pieces += [(t.lo - at, None, None), (t.hi - t.lo, None if t.k in skip else t.view, t.t0)]
+        at = t.hi
+    keep = tuple((t.t0, t.n_tiles) for t in live if t.k in skip)
+    return live[0].lo, at, span_tiles(pieces, n, device, keep)
+
+
 def adamw8bit(
     lr: Schedule = 1e-3,
     betas: tuple = (0.9, 0.999),
@@ -274,7 +314,7 @@ def adamw8bit(
         found = kernels.get(device.type)
         if found is None:
             on = compile if compile is not None else device.type == "cuda"
-            found = kernels[device.type] = compiled_step8() if on else step8
+            found = kernels[device.type] = compiled_step8() if on else step8_flat
         return found
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> AdamW8bitState:
@@ -282,7 +322,7 @@ def adamw8bit(
         same_at_ties(weight_decay_mask and (lambda p: selected(weight_decay_mask, p)), spec,
                      "adamw8bit.init", "weight_decay_mask")
         state = AdamW8bitState(0, {}, {})
-        paths, quantized, fp32, decay = {}, {}, {}, {}
+        paths, quantized, fp32, decay, decay_runs = {}, {}, {}, {}, {}
         for u in unit_buffers(shards, spec, "adamw8bit.init"):
             db = u.db
             chosen = frozenset(t.path for t in db.tensors if selected(mask, t.path))
@@ -293,6 +333,7 @@ def adamw8bit(
             decay[u.key] = frozenset(
                 k for k, t in enumerate(db.tensors)
                 if t.path in chosen and selected(weight_decay_mask, t.path))
+            decay_runs[u.key] = runs(db, both(weight_decay_mask, lambda path: path in chosen))
             q8, f32 = [], []
             for k, t in enumerate(db.tensors):
                 if t.path not in chosen:
@@ -315,13 +356,19 @@ def adamw8bit(
                         f"32x32 tile ({exc}); plan with granularity=opt.granularity so each tile "
                         f"stays on one rank"
                     ) from None
-                b, r, c = view
-                n = b * -(-r // TILE) * -(-c // TILE)
-                q8.append(Quantized(k, lo, hi, view, n))
-                state.scales_m[(u.key, k)] = torch.zeros(n, dtype=torch.float32, device=db.device)
-                state.scales_v[(u.key, k)] = torch.zeros(n, dtype=torch.float32, device=db.device)
+                q8.append(Quantized(k, lo, hi, view, tiles_of(view)))
+            q8.sort(key=lambda t: t.lo)
+            t0 = 0
+            for i, t in enumerate(q8):  # the unit's tiles, in shard order, then the spare
+                q8[i] = Quantized(t.k, t.lo, t.hi, t.view, t.n_tiles, t0)
+                t0 += t.n_tiles
+            for attr in ("m", "v"):
+                whole = torch.zeros(t0 + 1, dtype=torch.float32, device=db.device)
+                getattr(state, f"unit_scales_{attr}")[u.key] = whole
+                for t in q8:
+                    getattr(state, f"scales_{attr}")[(u.key, t.k)] = whole[t.t0:t.t0 + t.n_tiles]
             paths[u.key], quantized[u.key], fp32[u.key] = chosen, tuple(q8), tuple(f32)
-        state.plan = AdamW8bitPlan(paths, quantized, fp32, decay)
+        state.plan = AdamW8bitPlan(paths, quantized, fp32, decay, decay_runs)
         state.traced = _traced_views(shards, spec, state)
         return state
 
@@ -339,11 +386,11 @@ def adamw8bit(
                 first.setdefault(k, i)
             decays = state.plan.decays[u.key]
             cm, cv = state.codes_m[u.key], state.codes_v[u.key]
-            for t in state.plan.quantized[u.key]:
-                if t.hi > t.lo:
-                    q.append((first[t.k], t.view, t.k in decays, cm.local(t.k).view(t.view),
-                              cv.local(t.k).view(t.view), state.scales_m[(u.key, t.k)],
-                              state.scales_v[(u.key, t.k)]))
+            live = [t for t in state.plan.quantized[u.key] if t.hi > t.lo]
+            if live:
+                q.append(([(first[t.k], t, t.k in decays, cm.local(t.k).view(-1),
+                            cv.local(t.k).view(-1)) for t in live],
+                          state.unit_scales_m[u.key], state.unit_scales_v[u.key]))
             for k, lo, hi in state.plan.fp32[u.key]:
                 if hi > lo:
                     small.append((first[k], k in decays, state.fp32_m[(u.key, k)],
@@ -361,9 +408,9 @@ def adamw8bit(
         scalars = (math.sqrt(1 - b2 ** step), -rate / (1 - b1 ** step))
         leaves = grad_leaves(grads, spec, "adamw8bit.update")
         plan = state.plan
-        small: tuple = ([], [], [], [], [])  # p, g, m, v slices; p slices that decay
-        decay: list = []                      # parameter slices that decay (one op for all)
-        quantized: list = []
+        small: tuple = ([], [], [], [])  # p, g, m, v slices of the fp32-moment tensors
+        decay: list = []                  # parameter slices that decay (one op for all)
+        spans: list = []                  # one flat pass per unit
         with torch.no_grad():
             for u in unit_buffers(shards, spec, "adamw8bit.update"):
                 if u.key not in state.codes_m:
@@ -374,36 +421,30 @@ def adamw8bit(
                     continue
                 g = flat_grads(leaves, u, "adamw8bit.update", torch.float32)  # its arithmetic
                 p = u.db.shard
-                decays = plan.decays[u.key]
-                cm, cv = state.codes_m[u.key].shard, state.codes_v[u.key].shard
-                for t in plan.quantized[u.key]:
-                    if t.k in frozen or t.hi == t.lo:
-                        continue
-                    key, view = (u.key, t.k), t.view
-                    pt = p[t.lo:t.hi]
-                    if t.k in decays:
-                        decay.append(pt)
-                    quantized.append((pt.view(view), g[t.lo:t.hi].view(view),
-                                      cm[t.lo:t.hi].view(view), cv[t.lo:t.hi].view(view),
-                                      state.scales_m[key], state.scales_v[key]))
+                live = {t.path for k, t in enumerate(u.db.tensors)
+                        if k in plan.decays[u.key] and k not in frozen}
+                decay += [p[lo:hi] for lo, hi in (plan.decay_runs[u.key] if not frozen else
+                                                  runs(u.db, lambda path: path in live))]
+                found = plan.span(u.key, frozen, p.device)
+                if found is not None:
+                    lo, hi, tiles = found
+                    spans.append((p[lo:hi], g[lo:hi], state.codes_m[u.key].shard[lo:hi],
+                                  state.codes_v[u.key].shard[lo:hi], state.unit_scales_m[u.key],
+                                  state.unit_scales_v[u.key], tiles))
                 for k, lo, hi in plan.fp32[u.key]:
-                    if k in frozen:
-                        continue
-                    pt = p[lo:hi]
-                    if k in decays:
-                        decay.append(pt)
-                    for acc, x in zip(small, (pt, g[lo:hi], state.fp32_m[(u.key, k)],
-                                              state.fp32_v[(u.key, k)])):
-                        acc.append(x)
+                    if k not in frozen:
+                        for acc, x in zip(small, (p[lo:hi], g[lo:hi], state.fp32_m[(u.key, k)],
+                                                  state.fp32_v[(u.key, k)])):
+                            acc.append(x)
             if weight_decay and decay:
                 scale_(decay, 1 - rate * weight_decay)
-            if quantized:
-                device = quantized[0][0].device
+            if spans:
+                device = spans[0][0].device
                 qm, qv, mm, mv = qmaps(device)
                 fn = kernel(device)
-                for args in quantized:
+                for args in spans:
                     fn(*args, qm, qv, mm, mv, b1, b2, eps, *scalars)
-            ps, gs, ms, vs, _ = small
+            ps, gs, ms, vs = small
             adamw_step(ps, gs, ms, vs, [], step=step, lr=rate, betas=betas, eps=eps,
                        weight_decay=0.0, fused=False)
         return state
@@ -412,33 +453,39 @@ def adamw8bit(
 
 
 def compiled_step8() -> Callable:
-    """:func:`~vfsdp.optim.quant.step8` through ``torch.compile``: one graph for every shape
-    and every step (the step's two scalars go in as one tensor, made once per update); where
-    compiling fails, a warning says why and the eager step runs instead."""
-    fn = torch.compile(_tensor_scalars, dynamic=True)
+    """:func:`~vfsdp.optim.quant.step8_flat` through ``torch.compile``: one graph for every
+    unit and every step (the span's table and sizes go in as arguments, the step's two scalars
+    as one tensor, made once per update); where compiling fails, a warning says why and the
+    eager pass runs instead."""
+    fn = torch.compile(_unpacked, dynamic=True)
     state: dict = {"failed": False, "key": None, "scalars": None}
 
     def run(*args) -> None:
         if not state["failed"]:
             key = (*args[-2:], args[0].device)
-            if state["key"] != key:  # a new step: one small tensor for all of its tensors
+            if state["key"] != key:  # a new step: one small tensor for all of its units
                 state["key"] = key
                 state["scalars"] = torch.tensor(args[-2:], dtype=torch.float32,
                                                 device=args[0].device)
+            t = args[6]
             try:
-                return fn(*args[:-2], state["scalars"])
+                return fn(*args[:6], t.table, t.chunks, t.numel, t.n_tiles, t.keep,
+                          *args[7:-2], state["scalars"])
             except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back
                 state["failed"] = True
                 warn_user(f"adamw8bit: torch.compile of the 8-bit step failed "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); running "
                           f"the eager ops (same result, more kernels). Pass compile=False to "
                           f"skip compiling.")
-        return step8(*args)
+        return step8_flat(*args)
 
     return run
 
 
-def _tensor_scalars(*args) -> None:
-    """:func:`~vfsdp.optim.quant.step8` with its two per-step scalars in one tensor."""
+def _unpacked(p, g, cm, cv, sm, sv, table, chunks, numel, n_tiles, keep, *args) -> None:
+    """:func:`~vfsdp.optim.quant.step8_flat` with its span's tiles unpacked (sizes as
+    arguments, not attributes a graph would specialise on) and its two per-step scalars in
+    one tensor."""
     bc2_sqrt, step = args[-1].unbind()
-    step8(*args[:-1], bc2_sqrt, step)
+    step8_flat(p, g, cm, cv, sm, sv, SpanTiles(table, chunks, numel, n_tiles, keep),
+               *args[:-1], bc2_sqrt, step)

@@ -32,7 +32,7 @@ import torch
 from vfsdp import _torch_private as tp
 from vfsdp.functional.traced import clip_groups, traced_leaves
 from vfsdp.optim.fused import adamw_step
-from vfsdp.optim.quant import step8
+from vfsdp.optim.quant import span_tiles, step8_flat
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
@@ -201,8 +201,9 @@ class TracedAdam8:
     """What the compiled 8-bit AdamW update reads, made by ``init`` (eager).
 
     Attributes:
-        quantized: Per quantized tensor: ``(leaf index, (B, R, C) view, decays, codes m,
-            codes v, scales m, scales v)``, the codes viewed ``[B, R, C]``.
+        quantized: Per unit with quantized tensors: ``(pieces, scales m, scales v)``, each
+            piece ``(leaf index, Quantized, decays, codes m, codes v)`` with the codes flat,
+            the scales the unit's (its tiles, then the spare one).
         small: Per tensor with fp32 moments: ``(leaf index, decays, m, v)``.
         maps: The code maps and their midpoints (``qm, qv, mids_m, mids_v``).
         step: A one-element float64 step counter (as :class:`TracedAdam`'s).
@@ -219,9 +220,10 @@ class TracedAdam8:
 
 def traced_adamw8bit(grads: Any, views: TracedAdam8, shards: Any, spec: ShardSpec,
                      schedule: Any, betas: tuple, eps: float, weight_decay: float) -> None:
-    """One 8-bit AdamW step while compiling: per quantized tensor the 8-bit step (dequantize,
-    update, re-quantize) and per small tensor AdamW on its fp32 moments, which the compiler
-    fuses; the step counts in a tensor.
+    """One 8-bit AdamW step while compiling: per unit the eager update's flat pass
+    (:func:`~vfsdp.optim.quant.step8_flat`) over its trained quantized tensors laid end to
+    end (the compiler fuses the concatenation and the copies back), and AdamW on the fp32
+    moments of the small tensors; the step counts in a tensor.
 
     Args:
         grads, shards, spec: As for ``update``.
@@ -237,18 +239,32 @@ def traced_adamw8bit(grads: Any, views: TracedAdam8, shards: Any, spec: ShardSpe
     params, _ = traced_leaves(shards, spec, "adamw8bit.update")
     gleaves, _ = traced_leaves(grads, spec, "adamw8bit.update")
     b1, b2 = betas
-    scalars = _step_scalars(views, schedule, betas)
-    lr, bc1, bc2_sqrt = scalars
+    lr, bc1, bc2_sqrt = _step_scalars(views, schedule, betas)
     step = (-lr / bc1).float()  # the eager update's scalars, as tensors
     with torch.no_grad():
-        for i, view, decays, cm, cv, sm, sv in views.quantized:
-            p = params[i]
-            if not p.requires_grad:
+        for pieces, sm, sv in views.quantized:
+            live = [x for x in pieces if params[x[0]].requires_grad]
+            if not live:
                 continue
-            if weight_decay and decays:
-                p.mul_((1 - lr * weight_decay).to(p.dtype))
-            step8(p.view(view), gleaves[i].reshape(view).float(), cm, cv, sm, sv, *views.maps,
-                  b1, b2, eps, bc2_sqrt.float(), step)
+            for i, _t, decays, _cm, _cv in live:
+                if weight_decay and decays:
+                    params[i].mul_((1 - lr * weight_decay).to(params[i].dtype))
+            n = sm.numel() - 1
+            skip = tuple((x[1].t0, x[1].n_tiles) for x in pieces
+                         if not params[x[0]].requires_grad)  # their scales stay
+            tiles = span_tiles([(x[1].hi - x[1].lo, x[1].view, x[1].t0) for x in live], n,
+                               sm.device, skip)
+            flat = [torch.cat(xs) for xs in zip(*[
+                (params[i].view(-1), gleaves[i].reshape(-1).float(), cm, cv)
+                for i, _t, _d, cm, cv in live])]
+            step8_flat(*flat, sm, sv, tiles, *views.maps, b1, b2, eps, bc2_sqrt.float(), step)
+            at = 0
+            for (i, t, _d, cm, cv) in live:
+                n_i = t.hi - t.lo
+                params[i].view(-1).copy_(flat[0][at:at + n_i])
+                cm.copy_(flat[2][at:at + n_i])
+                cv.copy_(flat[3][at:at + n_i])
+                at += n_i
     _adam(views.small, params, gleaves, views.step, lr, betas, eps, weight_decay)
 
 

@@ -1,0 +1,144 @@
+"""Seconds per optimizer update, side by side in one run, medians (CPU here; GPU if present).
+
+One rank (``simulate(1)``, one torch thread), the same parameters and gradients for every row:
+a stack of layers with two matrices and a norm each, and the same parameters with every matrix
+cut into 4 row blocks (4x the tensors). Rows:
+
+* ``torch AdamW``: ``torch.optim.AdamW(foreach=True)`` (``fused=True`` on CUDA), the yardstick;
+* ``vfsdp adamw``;
+* ``vfsdp adamw8bit``: the whole update, one flat 8-bit pass per unit
+  (``vfsdp.optim.quant.step8_flat``) and one multi-tensor AdamW for the norms;
+* ``8-bit pass, per unit`` and ``8-bit pass, per tensor``: that pass alone, and the reference
+  beside it (``step8`` once per quantized tensor, what 0.2 ran), over the same state;
+* ``vfsdp muon``: Muon on the matrices, AdamW on the norms.
+
+    python benchmarks/optim_bench.py
+    python benchmarks/optim_bench.py --dim 512 --layers 2 --repeat 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import optree
+import torch
+
+import vfsdp
+from vfsdp.optim.quant import step8
+from vfsdp.testing import simulate
+
+
+def params(dim: int, layers: int, cut: int, device) -> dict:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(layers):
+        w, up = torch.randn(dim, dim, generator=g), torch.randn(2 * dim, dim, generator=g)
+        layer = {"norm": torch.ones(dim)}
+        for j, (a, b) in enumerate(zip(w.chunk(cut), up.chunk(cut))):
+            layer[f"w{j}"], layer[f"up{j}"] = a, b
+        out.append(layer)
+    return optree.tree_map(lambda t: t.to(device), {"layers": out})
+
+
+def _median(fn, repeat: int, sync) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _passes_8bit(state, shards, spec, flat: bool):
+    """The 8-bit pass alone over ``state``: per unit (``step8_flat``) or per tensor
+    (``step8``, the reference)."""
+    from vfsdp.optim.base import unit_buffers
+    from vfsdp.optim.quant import step8_flat
+
+    maps = state.traced.maps
+    with torch.no_grad():
+        for u in unit_buffers(shards, spec, "bench"):
+            key = u.key
+            p, g = u.db.shard, u.unit.grads().shard
+            cm, cv = state.codes_m[key].shard, state.codes_v[key].shard
+            if flat:
+                lo, hi, tiles = state.plan.span(key, frozenset(), p.device)
+                step8_flat(p[lo:hi], g[lo:hi], cm[lo:hi], cv[lo:hi], state.unit_scales_m[key],
+                           state.unit_scales_v[key], tiles, *maps, 0.9, 0.999, 1e-8, 0.5, -1e-3)
+                continue
+            for t in state.plan.quantized[key]:
+                if t.hi > t.lo:
+                    s = slice(t.lo, t.hi)
+                    step8(p[s].view(t.view), g[s].view(t.view), cm[s].view(t.view),
+                          cv[s].view(t.view), state.scales_m[(key, t.k)],
+                          state.scales_v[(key, t.k)], *maps, 0.9, 0.999, 1e-8, 0.5, -1e-3)
+
+
+def rows(dim: int, layers: int, cut: int, repeat: int, device: str) -> dict:
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    out = {}
+    tree = params(dim, layers, cut, dev)
+    leaves = [t.clone().requires_grad_() for t in optree.tree_leaves(tree)]
+    for t in leaves:
+        t.grad = torch.full_like(t, 0.01)
+    fused = {"fused": True} if dev.type == "cuda" else {"foreach": True}
+    topt = torch.optim.AdamW(leaves, lr=1e-3, **fused)
+    out["torch AdamW"] = _median(topt.step, repeat, sync)
+    is_matrix = lambda p: str(p[-1]) != "norm"
+    for name, opt in (
+            ("vfsdp adamw", vfsdp.optim.adamw(lr=1e-3)),
+            ("vfsdp adamw8bit", vfsdp.optim.adamw8bit(lr=1e-3, compile=False)),
+            ("vfsdp muon", vfsdp.optim.partition(
+                {"muon": vfsdp.optim.muon(lr=1e-3), "adamw": vfsdp.optim.adamw(lr=1e-3)},
+                lambda p: "muon" if is_matrix(p) else "adamw"))):
+        spec = vfsdp.plan(tree, 1, granularity=opt.granularity)
+        shards = vfsdp.shard(tree, spec)
+        state = opt.init(shards, spec)
+        grads = vfsdp.grads(shards, spec)
+        for g in optree.tree_leaves(grads):
+            g.fill_(0.01)
+        out[name] = _median(lambda: opt.update(grads, state, shards, spec), repeat, sync)
+        if name == "vfsdp adamw8bit":
+            for flat, row in ((True, "8-bit pass, per unit"), (False, "8-bit pass, per tensor")):
+                out[row] = _median(lambda flat=flat: _passes_8bit(state, shards, spec, flat),
+                                   repeat, sync)
+    out["tensors"] = len(leaves)
+    out["parameters"] = sum(t.numel() for t in leaves)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    device = args.device
+    table = {cut: simulate(1, rows, args.dim, args.layers, cut, args.repeat, device,
+                           device=device if device != "cpu" else None)[0] for cut in (1, 4)}
+    one, four = table[1], table[4]
+    print(f"{device}, {one['parameters']:,} parameters in {one['tensors']} tensors, then "
+          f"{four['tensors']}; seconds per update (median of {args.repeat}), and against torch "
+          f"AdamW in the same run")
+    for name in ("torch AdamW", "vfsdp adamw", "vfsdp adamw8bit", "8-bit pass, per unit",
+                 "8-bit pass, per tensor", "vfsdp muon"):
+        a, b = one[name], four[name]
+        print(f"{name:<22} {a:9.4f} s ({a / one['torch AdamW']:5.2f}x)   x4 tensors: "
+              f"{b:9.4f} s ({b / four['torch AdamW']:5.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

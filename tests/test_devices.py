@@ -127,13 +127,12 @@ def test_meta_catches_the_old_muon_crash(monkeypatch):
     """0.1 made Muon's receive buffers on the default (CPU) device."""
     from vfsdp.collectives.redistribute import Redistribution
 
-    real = Redistribution.run
+    real = Redistribution.exchange
 
-    def on_the_default_device(self, sources, group=None, device=None, dtype=None,
-                              async_op=False):
-        return real(self, sources, group, torch.device("cpu"), dtype, async_op)
+    def on_the_default_device(self, send_buf, group=None, async_op=False, then=None):
+        return real(self, send_buf.to("cpu"), group, async_op, then)
 
-    monkeypatch.setattr(Redistribution, "run", on_the_default_device)
+    monkeypatch.setattr(Redistribution, "exchange", on_the_default_device)
     with pytest.raises(RankError, match=r"Cannot copy out of meta tensor|expected device"):
         simulate(2, _step_on_this_device, "muon", device="meta")
 

@@ -56,3 +56,23 @@ def test_step_ops_do_not_grow_with_parameters(name, param_dtype):
     base = simulate(2, _step_ops, name, 128, param_dtype)
     for dim in (256, 512):  # x4 and x16 the parameters
         assert simulate(2, _step_ops, name, dim, param_dtype) == base
+
+
+def _split_counts(name: str, times: int) -> int:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from op_counts import split_counts
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return simulate(2, split_counts, name, times, 2)[0]
+
+
+def test_structure_aware_updates_do_not_grow_with_the_number_of_tensors():
+    """8-bit AdamW over the same parameters cut into 4x the tensors, and Muon over 4x the
+    matrices of the same shapes, dispatch (about) the same ops per update: one flat 8-bit pass
+    per unit, one batched Newton-Schulz per shape (they grew per tensor: 332 -> ~1300 and
+    152 -> 570 before)."""
+    one, four = _split_counts("adamw8bit", 1), _split_counts("adamw8bit", 4)
+    assert abs(four - one) <= 0.1 * one, (one, four)
+    one, four = _split_counts("muon", 1), _split_counts("muon", 4)
+    assert abs(four - one) <= 0.1 * one, (one, four)

@@ -84,6 +84,9 @@ def release_keeps_no_reference():
     piece = g[:1]
     vfsdp.release(shards, spec)
     vfsdp.zero_grads(shards, spec)
+    # torch's threaded group keeps each collective's tensors until every rank has finished
+    # it (not vfsdp's reference): wait for the other rank first.
+    dist.barrier()
     return (holders(t), holders(piece), float(t.sum()), set(piece.flatten().tolist()),
             type(full["w"]).__name__, type(g).__name__)
 

@@ -153,3 +153,56 @@ def test_muon_under_tp_names_the_missing_model_axis():
 
     msg = simulate(4, body)[0]
     assert "is split over 'tp'; Newton-Schulz needs the whole matrix" in msg, msg
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 40), st.integers(1, 40), st.integers(0, 2 ** 16),
+       st.sampled_from([torch.float32, torch.float64]))
+def test_batched_newton_schulz_is_bitwise_each_matrix_alone(b, rows, cols, seed, dtype):
+    """The batched Newton-Schulz (one stack per shape on a root) against the reference, one
+    matrix at a time: bit for bit, so the stacks a world size makes do not change a bit."""
+    from vfsdp.optim.muon import newton_schulz
+
+    g = torch.randn(b, rows, cols, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    stacked = newton_schulz(g)
+    assert stacked.dtype == dtype and stacked.shape == g.shape
+    for i in range(b):
+        assert torch.equal(stacked[i], newton_schulz(g[i]))
+
+
+def _tp_with_an_empty_piece(tp):
+    from torch.distributed.tensor import Shard
+
+    params = {"w": torch.randn(3, 8, generator=torch.Generator().manual_seed(0)),
+              "v": torch.randn(8, 8, generator=torch.Generator().manual_seed(1))}
+    if tp:
+        mesh = vfsdp.mesh(("dp", 1), ("tp", 4))
+        spec = vfsdp.plan(params, mesh, tp=lambda path: Shard(0))
+        shards = vfsdp.shard(params, spec, mesh=mesh)
+    else:
+        spec = vfsdp.plan(params, 1)
+        shards = vfsdp.shard(params, spec)
+    opt = vfsdp.optim.muon(lr=0.02)
+    state = opt.init(shards, spec)
+    vfsdp.grads(shards, spec)["w"].copy_(torch.arange(24.0).view(3, 8).tensor_split(
+        4 if tp else 1)[dist.get_rank() if tp else 0].reshape(-1))
+    vfsdp.grads(shards, spec)["v"].fill_(0.5)
+    opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+    return {k: v.detach().clone() for k, v in shards.items()}
+
+
+def test_muon_under_tp_with_an_empty_piece_does_not_hang():
+    """dp=1, tp=4 and a dimension of 3: one index holds a 0-size piece of w. It left the
+    matrix out there while the others exchanged it (a hang in all_gather_single). Each piece
+    is now that of one process's update, bit for bit."""
+    want = simulate(1, _tp_with_an_empty_piece, False)[0]
+    got = simulate(4, _tp_with_an_empty_piece, True, timeout=60)
+    assert got[3]["w"].numel() == 0
+    for i, g in enumerate(got):
+        for k, shape in (("w", (3, 8)), ("v", (8, 8))):
+            piece = want[k].view(shape).tensor_split(4)[i]
+            assert torch.equal(g[k].reshape(-1), piece.reshape(-1)), (i, k)

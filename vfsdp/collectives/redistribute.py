@@ -159,28 +159,47 @@ class Redistribution:
         send = [flat[i][lo:hi] for i, lo, hi in self.send]
         send_buf = (torch.cat(send).to(device) if send
                     else torch.empty(0, dtype=dtype, device=device))
-        recv = torch.empty(sum(self.recv_sizes), dtype=dtype, device=device)
         outs = [torch.empty(n, dtype=dtype, device=device) for n in self.out_sizes]
-        keep = [send_buf]
 
-        def unpack():
-            del keep[:]  # the send buffer lives until the exchange is done (no record_stream)
+        def unpack(recv):
             off = 0
             for i, lo, hi in self.recv:
                 outs[i][lo:hi] = recv[off:off + hi - lo]
                 off += hi - lo
             return outs
 
+        return self.exchange(send_buf, group, async_op, unpack)
+
+    def exchange(self, send_buf: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                 async_op: bool = False, then=None) -> torch.Tensor | Handle:
+        """The one ``all_to_all_single`` of :meth:`run`, for a send buffer already laid out in
+        :attr:`send` order: returns the receive buffer (in :attr:`recv` order), or ``then`` of
+        it; or a :class:`Handle` whose ``wait()`` does.
+
+        Raises:
+            ValueError: a send buffer of the wrong size.
+        """
+        if send_buf.numel() != sum(self.send_sizes):
+            raise ValueError(f"flat_redistribute: the send buffer has {send_buf.numel()} "
+                             f"elements, the plan sends {sum(self.send_sizes)}")
+        device = send_buf.device
+        recv = torch.empty(sum(self.recv_sizes), dtype=send_buf.dtype, device=device)
+        keep = [send_buf]
+
+        def done():
+            del keep[:]  # the send buffer lives until the exchange is done (no record_stream)
+            return then(recv) if then is not None else recv
+
         if self.world == 1:
             recv.copy_(send_buf)
-            return Handle((), unpack) if async_op else unpack()
+            return Handle((), done) if async_op else done()
         if not async_op:
             comm.all_to_all_into(recv, send_buf, self.recv_sizes, self.send_sizes, group)
-            return unpack()
+            return done()
         with comm_context(device) as box:
             work = comm.all_to_all_into(recv, send_buf, self.recv_sizes, self.send_sizes, group,
                                         async_op=device.type != "cuda")
-        return Handle([work] if device.type != "cuda" else [], unpack, box[0] if box else None)
+        return Handle([work] if device.type != "cuda" else [], done, box[0] if box else None)
 
 
 def flat_redistribute(sources: Sequence[torch.Tensor], src: Sequence[Ranges],

@@ -1,21 +1,22 @@
-"""Distributed Muon: Newton-Schulz once per matrix, on a load-balanced root rank.
+"""Distributed Muon: Newton-Schulz once per matrix, on a load-balanced root rank, batched by
+shape.
 
-Per step, for every 2-D matrix the optimizer owns:
+Per step, for every 2-D matrix the optimizer owns (ops that grow with the number of distinct
+shapes, not of matrices; the waves' plans are in :mod:`vfsdp.optim.muon_waves`):
 
-1. momentum (Nesterov), two multi-tensor ops over every matrix of every unit:
-   ``b.lerp_(g, 1 - mu)``, ``u = g.lerp(b, mu)``;
-2. the full ``u`` is gathered on the matrix's **root**: one flat redistribution
-   (:class:`vfsdp.collectives.Redistribution`, one ``all_to_all_single`` with uneven splits,
-   counted with the other collectives) per wave of matrices, planned once by ``init``;
-3. the root runs Newton-Schulz (5 quintic steps, coefficients (3.4445, -4.7750, 2.0315), bf16,
-   tall matrices transposed) and scales the result;
-4. the update goes back to the holders with the reverse redistribution;
+1. momentum (Nesterov), multi-tensor ops over every unit's whole shard:
+   ``b.lerp_(g, 1 - mu)``, then ``u = g.lerp(b, mu)`` into one flat workspace (the units'
+   shards end to end; only the matrices' elements are read);
+2. the full ``u`` is gathered on the matrix's **root**, one wave of same-shape matrices at a
+   time: a ``split`` and a ``cat`` of the workspace, one ``all_to_all_single`` with uneven
+   splits (counted with the other collectives), a ``split`` and a ``cat`` into a stack
+   ``[B, rows, cols]`` of the root's matrices;
+3. the root runs Newton-Schulz on the stack (5 quintic steps, coefficients (3.4445, -4.7750,
+   2.0315), bf16, batched matmuls, tall matrices transposed) and scales the result: each
+   matrix bitwise as alone;
+4. the updates go back to the holders with the reverse exchange, laid out the same way;
 5. ``p.mul_(1 - lr * wd)``, ``p.add_(update, alpha=-lr)`` on the shard, two multi-tensor
    ops over every matrix.
-
-Every buffer it makes (exchange buffers, updates) is on the parameters' device; on CUDA the
-exchanges run on vfsdp's communication stream while Newton-Schulz runs in bf16 on the compute
-stream.
 
 Roots come from a deterministic LPT plan (:func:`plan_roots`): matrices by Newton-Schulz cost
 ``rows * cols * min(rows, cols)`` descending, each to the least-loaded rank, ties to the rank
@@ -36,14 +37,13 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
-from vfsdp.collectives.redistribute import Redistribution
 from vfsdp.collectives.slot import Role
 from vfsdp.functional.state import param_tree
 from vfsdp.optim.adamw import owned_views
@@ -60,29 +60,31 @@ from vfsdp.optim.base import (
     unit_buffers,
 )
 from vfsdp.optim.fused import scale_
+from vfsdp.optim.muon_waves import cuts_of, group_matrices, plan_waves
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["muon", "plan_roots", "newton_schulz", "MuonState", "MuonPlan", "Matrix", "Wave",
-           "NS_CALLS"]
+__all__ = ["muon", "plan_roots", "newton_schulz", "MuonState", "MuonPlan", "Matrix", "NS_CALLS"]
 
 NS_CALLS = threading.local()  # .count: Newton-Schulz calls on this thread (rank), for tests
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """Orthogonalise ``g`` with the quintic Newton-Schulz iteration (in bf16), as Muon does;
-    the result is float32 (float64 for a float64 ``g``)."""
-    NS_CALLS.count = getattr(NS_CALLS, "count", 0) + 1
+    """Orthogonalise ``g`` (a matrix, or a stack ``[B, rows, cols]`` of matrices of one
+    shape, each on its own) with the quintic Newton-Schulz iteration (in bf16), as Muon does;
+    the result is float32 (float64 for a float64 ``g``). Each matrix of a stack comes out
+    bitwise as it would alone (tested on the CPU)."""
+    NS_CALLS.count = getattr(NS_CALLS, "count", 0) + (g.shape[0] if g.dim() == 3 else 1)
     a, b, c = 3.4445, -4.7750, 2.0315
     x = g.bfloat16()
-    tall = x.shape[0] > x.shape[1]
+    tall = x.shape[-2] > x.shape[-1]
     if tall:
-        x = x.T
-    x = x / (x.norm() + 1e-7)
+        x = x.mT
+    x = x / (torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) + 1e-7)
     for _ in range(steps):
-        s = x @ x.T
+        s = x @ x.mT
         x = a * x + (b * s + c * s @ s) @ x
-    return (x.T if tall else x).to(torch.promote_types(g.dtype, torch.float32))
+    return (x.mT if tall else x).to(torch.promote_types(g.dtype, torch.float32))
 
 
 def plan_roots(tensors: list[TensorSpec], world_size: int) -> list[int]:
@@ -116,47 +118,25 @@ def _split(m: Matrix) -> bool:
         and m.spec.strided.size > 1
 
 
-def _whole(mats: list, fulls: list, model: Any, device: torch.device, dtype: torch.dtype) -> list:
-    """The global matrices of TP-split ``mats`` (this rank is their root), from their pieces
-    ``fulls`` on every index of the model axis: one all-gather over it, padded to the largest
-    index's share."""
-    if not mats:
-        return []
-    st0 = mats[0].spec.strided
-    size = st0.size
-
-    def numels(i: int) -> list:
-        out = []
-        for m in mats:
-            st = m.spec.strided
-            shape = list(st.global_shape)
-            shape[st.dim] = st.lengths[i]
-            out.append(shape)
-        return out
-
-    shapes = [numels(i) for i in range(size)]
-    widths = [sum(math.prod(sh) for sh in row) for row in shapes]
+def _whole(stack: torch.Tensor, m: Matrix, model: Any) -> torch.Tensor:
+    """The global matrices of a stack of TP pieces ``[B, *piece]`` (this rank is their root;
+    every matrix of the stack is cut like ``m``), from the stacks of every index of the model
+    axis: one all-gather over it, padded to the largest index's share."""
+    st = m.spec.strided
+    b = stack.shape[0]
+    shapes = []
+    for i in range(st.size):
+        shape = list(st.global_shape)
+        shape[st.dim] = st.lengths[i]
+        shapes.append(shape)
+    widths = [b * math.prod(sh) for sh in shapes]
     width = max(widths)
-    send = torch.zeros(width, dtype=dtype, device=device)
-    if widths[st0.index]:
-        torch.cat([f.reshape(-1) for f in fulls], out=send[:widths[st0.index]])
-    recv = torch.empty(size * width, dtype=dtype, device=device)
-    if model is None:
-        raise ValueError(f"muon: {format_path(mats[0].spec.path)} is split over "
-                         f"{st0.axis!r}; Newton-Schulz needs the whole matrix, so vfsdp needs "
-                         f"that axis' group: shard with vfsdp.shard(params, spec, mesh=mesh) on "
-                         f"the mesh with {st0.axis!r}, not its data sub-mesh")
+    send = torch.zeros(width, dtype=stack.dtype, device=stack.device)
+    send[:widths[st.index]] = stack.reshape(-1)
+    recv = torch.empty(st.size * width, dtype=stack.dtype, device=stack.device)
     comm.all_gather_into(recv, send, model)
-    out = []
-    offsets = [i * width for i in range(size)]
-    for j, m in enumerate(mats):
-        parts = []
-        for i in range(size):
-            n = math.prod(shapes[i][j])
-            parts.append(recv[offsets[i]:offsets[i] + n].view(shapes[i][j]))
-            offsets[i] += n
-        out.append(torch.cat(parts, m.spec.strided.dim))
-    return out
+    parts = [recv[i * width:i * width + widths[i]].view(b, *shapes[i]) for i in range(st.size)]
+    return torch.cat(parts, st.dim + 1)
 
 
 @dataclass(frozen=True)
@@ -173,19 +153,10 @@ class Matrix:
 
 
 @dataclass(frozen=True)
-class Wave:
-    """Matrices exchanged together: one redistribution gathers their updates on their roots,
-    the reverse one scatters the orthogonalised updates back."""
-
-    matrices: tuple
-    to_roots: Redistribution
-    from_roots: Redistribution
-
-
-@dataclass(frozen=True)
 class MuonPlan:
     """What ``init`` derives from the spec and the mask: the matrices, their roots, the waves
-    with their exchange plans, and the units they live in. Never saved; rebuilt by ``init``.
+    with their exchange plans (:mod:`vfsdp.optim.muon_waves`), the units they live in (the
+    workspace's layout) and its cuts. Never saved; rebuilt by ``init``.
 
     Example:
         >>> def body():
@@ -201,6 +172,8 @@ class MuonPlan:
     waves: tuple = ()
     paths: Mapping[Any, frozenset] = field(default_factory=dict)
     dtype: torch.dtype = torch.float32  # momentum and exchange dtype (float64 for float64)
+    units: tuple = ()  # (key, shard elements) of the units in the workspace, in its order
+    cuts: tuple = ()   # sizes cutting the workspace at every piece a wave sends
 
     def owns(self, db, k: int) -> bool:
         """Whether the plan updates tensor ``k`` of ``db``'s unit."""
@@ -225,6 +198,18 @@ class MuonState:
     step: int
     momentum: dict
     plan: MuonPlan = field(default_factory=MuonPlan, repr=False, compare=False)
+    kept: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def views(self, units: dict, targets: list) -> list:
+        """The parameter shard slices an update adds into (``targets``: ``(matrix, lo, hi)``
+        within its piece), made once and kept: the parameter shards are fixed tensors."""
+        key = tuple((m.key, m.k, lo, hi) for m, lo, hi in targets)
+        found = self.kept.get(key)
+        if found is None or any(units[k].db.shard is not x for k, x in found[0].items()):
+            shards = {m.key: units[m.key].db.shard for m, _, _ in targets}
+            found = self.kept[key] = (shards, [shards[m.key][m.lo + lo:m.lo + hi]
+                                               for m, lo, hi in targets])
+        return found[1]
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
         """The step, and the momentum of the matrices it updates, shaped like the parameters."""
@@ -258,8 +243,9 @@ def muon(
             ``0.2 * sqrt(max(rows, cols))`` (matches AdamW's update RMS).
         only: ``path -> bool``: the matrices this optimizer updates (default: every 2-D tensor
             its ``mask`` selects).
-        wave_size: Matrices per batched gather/scatter; the next wave overlaps this one's
-            Newton-Schulz.
+        wave_size: Matrices of one shape per root in one wave (one stack, one exchange each
+            way); the next wave's gather overlaps this one's Newton-Schulz. It bounds the
+            full matrices a root holds at once.
 
     Returns:
         An :class:`vfsdp.optim.Optimizer` (whole matrices need no special granularity: the
@@ -267,7 +253,8 @@ def muon(
 
     Raises:
         ValueError: an unknown ``scale``, a ``wave_size`` below 1, a negative ``lr`` or
-            ``weight_decay``, or ``momentum`` outside [0, 1).
+            ``weight_decay``, or ``momentum`` outside [0, 1); from ``init``, a matrix split
+            over a model axis the shards' mesh lacks.
 
     Example:
         >>> params = {"w": torch.randn(6, 4), "v": torch.randn(4, 4)}
@@ -292,7 +279,10 @@ def muon(
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> MuonState:
         def owns(t: TensorSpec) -> bool:
-            return (len(t.shape) == 2 and t.numel > 0 and (only is None or only(t.path))
+            # By the global size: a TP piece may be empty on some index of the model axis,
+            # which still takes part in its matrix's exchanges.
+            return (len(t.shape) == 2 and math.prod(t.global_shape) > 0
+                    and (only is None or only(t.path))
                     and selected(mask, t.path))
 
         state = MuonState(0, {})
@@ -315,10 +305,27 @@ def muon(
         roots = plan_roots([f[2] for f in found], spec.world_size)
         matrices = tuple(Matrix(key, k, t, root, *t.shard_range(rank))
                          for (key, k, t, rank), root in zip(found, roots))
+        split = next((m for m in matrices if _split(m)), None)
+        if split is not None and units[0].db.groups.model is None:  # on every rank, at init
+            axis = split.spec.strided.axis
+            raise ValueError(f"muon: {format_path(split.spec.path)} is split over {axis!r}; "
+                             f"Newton-Schulz needs the whole matrix, so vfsdp needs that "
+                             f"axis' group: shard with vfsdp.shard(params, spec, mesh=mesh) on "
+                             f"the mesh with {axis!r}, not its data sub-mesh")
         rank = units[0].db.rank if units else 0
-        waves = tuple(_wave(matrices[i:i + wave_size], rank, spec.world_size)
-                      for i in range(0, len(matrices), wave_size))
-        state.plan = MuonPlan(matrices, waves, paths, dtype)
+        layout, base, at = [], {}, 0  # the workspace: the units' shards end to end
+        for u in units:
+            if u.key in state.momentum:
+                layout.append((u.key, u.db.shard.numel()))
+                base[u.key] = at
+                at += u.db.shard.numel()
+        waves, sends = plan_waves(group_matrices(matrices, wave_size, _shape), rank,
+                                  spec.world_size, base)
+        cuts, index = cuts_of([r for wave in sends for r in wave], at)
+        picked = iter(index)
+        waves = tuple(replace(w, send=tuple(next(picked) for _ in wave))
+                      for w, wave in zip(waves, sends))
+        state.plan = MuonPlan(matrices, waves, paths, dtype, tuple(layout), cuts)
         return state
 
     def update(grads: Any, state: MuonState, shards: Any, spec: ShardSpec) -> MuonState:
@@ -335,77 +342,85 @@ def muon(
         if not plan.waves:
             return state
         first = next(iter(units.values())).db
-        group, device, rank = first.groups.shard, first.device, first.rank
+        group, device, _rank = first.groups.shard, first.device, first.rank
         leaves = grad_leaves(grads, spec, "muon.update")
-        by_unit: dict = {}
-        for m in plan.matrices:
-            by_unit.setdefault(m.key, []).append(m)
         frozen = {(key, k) for key, u in units.items() for k in u.frozen()}
         with torch.no_grad():
-            upd: dict = {}
-            bufs, gs, live = [], [], []
-            for key, mats in by_unit.items():
-                g = flat_grads(leaves, units[key], "muon.update", plan.dtype)
-                buf = state.momentum[key].shard
-                for m in mats:
-                    if (m.key, m.k) in frozen:  # still exchanged (every rank plans the same
-                        upd[id(m)] = torch.zeros_like(g[m.lo:m.hi])  # waves), never applied
-                        continue
-                    bufs.append(buf[m.lo:m.hi])
-                    gs.append(g[m.lo:m.hi])
-                    live.append(m)
-            # Momentum as two multi-tensor ops over every matrix of every unit.
+            gflat = {key: flat_grads(leaves, units[key], "muon.update", plan.dtype)
+                     for key, _ in plan.units}
+            moms = [state.momentum[key].shard for key, _ in plan.units]
+            bufs, gs = [], []
+            for (key, _), buf in zip(plan.units, moms):
+                if not any(k == key for k, _ in frozen):  # the whole shard (only matrices
+                    bufs.append(buf)                     # are read)
+                    gs.append(gflat[key])
+                    continue
+                for m in plan.matrices:  # a frozen matrix keeps its momentum
+                    if m.key == key and (key, m.k) not in frozen and m.hi > m.lo:
+                        bufs.append(buf[m.lo:m.hi])
+                        gs.append(gflat[key][m.lo:m.hi])
+            # Momentum, then the updates it sends, as multi-tensor ops into one workspace.
             tp.foreach("lerp_", bufs, gs, scalar=1 - momentum)
-            # The exchange copies what it sends: without Nesterov the buffer itself is sent.
-            ups = tp.foreach("lerp", gs, bufs, scalar=momentum) if nesterov else bufs
-            upd.update((id(m), x) for m, x in zip(live, ups))
+            work = torch.empty(sum(n for _, n in plan.units), dtype=plan.dtype, device=device)
+            ws = list(work.split_with_sizes([n for _, n in plan.units]))
+            if nesterov:
+                tp.foreach("copy_", ws, list(gflat.values()))
+                tp.foreach("lerp_", ws, moms, scalar=momentum)
+            else:
+                tp.foreach("copy_", ws, moms)
+            pieces = work.split_with_sizes(plan.cuts)
 
-            def start(wave: Wave):
-                return wave.to_roots.run([upd[id(m)] for m in wave.matrices], group, device,
-                                         plan.dtype, async_op=True)
+            def start(wave):
+                send = _cat([pieces[i] for i in wave.send], work)
+                return wave.to_roots.exchange(send, group, async_op=True)
 
-            ps, pieces = [], []
+            targets, updates = [], []
             pending = start(plan.waves[0])
             for w, wave in enumerate(plan.waves):
-                fulls = pending.wait()
+                recv = pending.wait()
                 if w + 1 < len(plan.waves):
                     pending = start(plan.waves[w + 1])  # in flight during Newton-Schulz
-                split = [j for j, m in enumerate(wave.matrices) if m.root == rank and _split(m)]
-                whole = dict(zip(split, _whole(
-                    [wave.matrices[j] for j in split],
-                    [fulls[j].view(wave.matrices[j].spec.shape) for j in split],
-                    first.groups.model, device, plan.dtype)))
-                out = []
-                for j, (m, full) in enumerate(zip(wave.matrices, fulls)):
-                    if m.root != rank:
-                        out.append(full)  # empty: this rank is not the root
-                        continue
-                    o = newton_schulz(whole.get(j, full.view(m.spec.shape)), ns_steps)
+                out = work.new_empty(0)
+                if wave.stacked:
+                    m = wave.matrices[wave.stacked[0]]
+                    got = recv.split_with_sizes(wave.pieces)
+                    stack = _cat([got[c] for c in wave.order], work).view(
+                        len(wave.stacked), *m.spec.shape)
+                    split = _split(m)
+                    if split:
+                        stack = _whole(stack, m, first.groups.model)
+                    o = newton_schulz(stack, ns_steps)
                     rows, cols = m.spec.global_shape
                     o.mul_(max(1.0, rows / cols) ** 0.5 if scale == "original"
                            else 0.2 * max(rows, cols) ** 0.5)
-                    if j in whole:  # this index's piece of the global update
+                    if split:  # this index's piece of the global updates
                         st = m.spec.strided
-                        o = o.narrow(st.dim, st.start, st.lengths[st.index])
-                    out.append(o.reshape(-1))
-                back = wave.from_roots.run(out, group, device, plan.dtype)
-                for m, piece in zip(wave.matrices, back):
-                    if m.hi > m.lo and (m.key, m.k) not in frozen:
-                        ps.append(units[m.key].db.shard[m.lo:m.hi])
-                        pieces.append(piece)
+                        o = o.narrow(st.dim + 1, st.start, st.lengths[st.index])
+                    cut = o.reshape(-1).split_with_sizes(wave.out_cuts)
+                    out = _cat([cut[c] for c in wave.out_send], work)
+                back = wave.from_roots.exchange(out, group).split_with_sizes(wave.back)
+                for (j, lo, hi), piece in zip(wave.targets, back):
+                    m = wave.matrices[j]
+                    if (m.key, m.k) not in frozen:
+                        targets.append((m, lo, hi))
+                        updates.append(piece)
+            views = state.views(units, targets)
             # The parameter update: two multi-tensor ops over every matrix.
             if weight_decay:
-                scale_(ps, 1 - rate * weight_decay)
-            tp.foreach("add_", ps, pieces, alpha=-rate)
+                scale_(views, 1 - rate * weight_decay)
+            tp.foreach("add_", views, updates, alpha=-rate)
         return state
 
     return Optimizer(init, update)
 
 
-def _wave(matrices: tuple, rank: int, world: int) -> Wave:
-    """The two exchange plans of a wave: pieces to their roots, and back."""
-    held = [[m.spec.local_range(r) for r in range(world)] for m in matrices]
-    at_root = [[(0, m.spec.numel) if r == m.root else (0, 0) for r in range(world)]
-               for m in matrices]
-    return Wave(matrices, Redistribution(held, at_root, rank, world),
-                Redistribution(at_root, held, rank, world))
+def _cat(parts: list, like: torch.Tensor) -> torch.Tensor:
+    """``torch.cat(parts)``, or an empty tensor like ``like`` (a rank with nothing to send)."""
+    return torch.cat(parts) if parts else like.new_empty(0)
+
+
+def _shape(m: Matrix) -> tuple:
+    """What a wave's matrices share: the shape, and under TP the cut of this index's piece."""
+    st = m.spec.strided
+    return (tuple(m.spec.global_shape), tuple(m.spec.shape),
+            (st.dim, tuple(st.lengths), st.index) if _split(m) else None)

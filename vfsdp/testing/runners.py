@@ -102,11 +102,16 @@ def _describe(stack: list) -> str:
                            if not any(g.endswith(c) for c in _COLLECTIVE_FILES)
                            and "torch" + os.sep not in g
                            and not g.endswith(os.path.join("testing", "rank_rng.py"))), None)
-            where = f" called from {caller[2]} ({caller[0]}:{caller[1]})" if caller else ""
-            if caller and caller[0].startswith(_PACKAGE):  # and the user's line that led there
-                user = next(((g, ln, name) for g, ln, name in stack[i + 1:]
-                             if not g.startswith(_PACKAGE) and "torch" + os.sep not in g), None)
-                where += f", from your code at {user[2]} ({user[0]}:{user[1]})" if user else ""
+            # Where vfsdp called it: also the user's line that led there.
+            user = next(((g, ln, name) for g, ln, name in stack[i + 1:]
+                         if not g.startswith(_PACKAGE) and "torch" + os.sep not in g),
+                        None) if caller and caller[0].startswith(_PACKAGE) else None
+            where = ""
+            if user:
+                where = (f" called from {caller[2]} ({caller[0]}:{caller[1]}), from your code "
+                         f"at {user[2]} ({user[0]}:{user[1]})")
+            elif caller:
+                where = f" called from {caller[2]} ({caller[0]}:{caller[1]})"
             return f"waiting in the collective {fn} ({os.path.basename(f)}:{line}){where}"
     if stack:
         f, line, fn = stack[0]

@@ -1,0 +1,130 @@
+"""Muon's waves: matrices of one shape exchanged and orthogonalised as one stack.
+
+``init`` groups the matrices Muon updates by shape (the global shape, and under TP the piece's
+cut), and cuts each group into waves of at most ``wave_size`` matrices per root. Per wave and
+rank it plans, as pure data, what one update does with a fixed number of ops whatever the
+number of matrices:
+
+* **to the roots**: the momentum updates of every unit are one flat workspace (the units'
+  shards end to end); one ``split`` of it gives every piece a rank sends, a ``cat`` lays out a
+  wave's send buffer, one ``all_to_all_single`` moves it, and on each root a ``split`` and a
+  ``cat`` put the received pieces in stack order: ``[B, rows, cols]``, its matrices in wave
+  order;
+* **back to the holders**: the root's orthogonalised stack is cut and laid out the same way;
+  each holder receives its pieces and adds them into its parameter shard with one
+  multi-tensor op per update.
+
+The exchanges are :class:`~vfsdp.collectives.Redistribution` plans (their ``send``/``recv``
+lists), turned into these cuts and orders.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from vfsdp.collectives.redistribute import Redistribution
+
+__all__ = ["Wave", "plan_waves", "cuts_of", "group_matrices"]
+
+
+@dataclass(frozen=True)
+class Wave:
+    """One wave, as seen from one rank.
+
+    Attributes:
+        matrices: Its :class:`~vfsdp.optim.muon.Matrix` values, in wave order.
+        stacked: Indices (into ``matrices``) of those whose root is this rank, in stack order.
+        to_roots: The exchange of the momentum updates to the roots.
+        send: Indices of the workspace cuts (:attr:`MuonPlan.cuts`) this rank sends, in
+            ``to_roots.send`` order.
+        pieces: Sizes of the received pieces (``to_roots.recv`` order).
+        order: Those pieces' indices in stack order.
+        from_roots: The exchange of the orthogonalised updates back to the holders.
+        out_cuts: Sizes cutting this rank's flat stack of updates into what it sends.
+        out_send: Indices of those cuts in ``from_roots.send`` order.
+        back: Sizes of the pieces received back (``from_roots.recv`` order).
+        targets: Per piece received back: ``(index into matrices, lo, hi)`` within that
+            matrix's piece on this rank.
+    """
+
+    matrices: tuple
+    stacked: tuple
+    to_roots: Redistribution
+    send: tuple
+    pieces: tuple
+    order: tuple
+    from_roots: Redistribution
+    out_cuts: tuple
+    out_send: tuple
+    back: tuple
+    targets: tuple
+
+
+def cuts_of(ranges: list, total: int) -> tuple[tuple, list]:
+    """``(sizes, index)``: the cuts of ``[0, total)`` at every boundary of ``ranges`` (disjoint
+    ``(lo, hi)``), and the cut each range is.
+
+    Example:
+        >>> cuts_of([(4, 6), (0, 2)], 8)
+        ((2, 2, 2, 2), [2, 0])
+    """
+    edges = sorted({0, total, *(x for r in ranges for x in r)})
+    sizes = tuple(b - a for a, b in itertools.pairwise(edges))
+    return sizes, [bisect.bisect_left(edges, lo) for lo, _ in ranges]
+
+
+def plan_waves(groups: list, rank: int, world: int, base: dict) -> tuple[tuple, list]:
+    """The :class:`Wave` values of ``groups`` (lists of matrices exchanged together), and the
+    workspace ranges each wave sends (``base``: unit key -> the unit's offset in the
+    workspace), for :func:`cuts_of`."""
+    waves, sends = [], []
+    for mats in groups:
+        held = [[m.spec.local_range(r) for r in range(world)] for m in mats]
+        at_root = [[(0, m.spec.numel) if r == m.root else (0, 0) for r in range(world)]
+                   for m in mats]
+        to_roots = Redistribution(held, at_root, rank, world)
+        from_roots = Redistribution(at_root, held, rank, world)
+        stacked = tuple(j for j, m in enumerate(mats) if m.root == rank)
+        first = {}
+        at = 0
+        for j in stacked:
+            first[j] = at
+            at += mats[j].spec.numel
+        sends.append([(base[mats[i].key] + mats[i].lo + lo, base[mats[i].key] + mats[i].lo + hi)
+                      for i, lo, hi in to_roots.send])
+        pieces = tuple(hi - lo for _, lo, hi in to_roots.recv)
+        order = tuple(sorted(range(len(pieces)),
+                             key=lambda c: first[to_roots.recv[c][0]] + to_roots.recv[c][1]))
+        out_cuts, out_send = cuts_of([(first[i] + lo, first[i] + hi)
+                                      for i, lo, hi in from_roots.send], at)
+        waves.append(Wave(tuple(mats), stacked, to_roots, (), pieces, order, from_roots,
+                          out_cuts, tuple(out_send), tuple(hi - lo for _, lo, hi in
+                                                          from_roots.recv),
+                          tuple(from_roots.recv)))
+    return tuple(waves), sends
+
+
+def group_matrices(matrices: tuple, wave_size: int, key: Any) -> list:
+    """Matrices with the same ``key(m)`` (their shape), in order of first appearance, cut so
+    that no root holds more than ``wave_size`` of one wave.
+
+    Example:
+        >>> from types import SimpleNamespace as M
+        >>> ms = [M(root=r, s=s) for r, s in [(0, "a"), (0, "a"), (1, "b"), (0, "a")]]
+        >>> [[ms.index(m) for m in g] for g in group_matrices(ms, 2, lambda m: m.s)]
+        [[0, 1], [3], [2]]
+    """
+    out: dict = {}
+    counts: dict = {}
+    for m in matrices:
+        k = key(m)
+        waves = out.setdefault(k, [])
+        index = counts.get((k, m.root), 0) // wave_size
+        counts[(k, m.root)] = counts.get((k, m.root), 0) + 1
+        while len(waves) <= index:
+            waves.append([])
+        waves[index].append(m)
+    return [w for waves in out.values() for w in waves]

@@ -5,11 +5,11 @@ on one rank (``rows(32)``; a ``[E, R, C]`` expert stack whose ``R`` is not a mul
 keeps whole matrices), so every 32x32 tile lives on one rank and each rank quantizes its shard
 alone, exactly as one process would. ``init`` refuses a spec that does not honour the tiles.
 
-Per step and tensor, in fp32: dequantize ``m`` (signed dynamic map) and ``v`` (unsigned
-dynamic map, ``v`` itself), apply AdamW exactly as :func:`vfsdp.optim.adamw`, take each tile's
-new absmax and re-quantize with round-to-nearest. State: 1 byte per element per moment in
-uint8 DBuffers with the parameters' layout, plus one fp32 scale per tile per moment
-(2 + 8/1024 bytes per parameter).
+Per step, in one flat pass per unit over its quantized tensors (in fp32): dequantize ``m``
+(signed dynamic map) and ``v`` (unsigned dynamic map, ``v`` itself), apply AdamW exactly as
+:func:`vfsdp.optim.adamw`, take each tile's new absmax and re-quantize with round-to-nearest.
+State: 1 byte per element per moment in uint8 DBuffers with the parameters' layout, plus one
+fp32 scale per tile per moment (2 + 8/1024 bytes per parameter).
 
 Rules: tensors with fewer than ``min_8bit_numel`` elements (**global** numel, never the local
 shard's) and 1-D tensors keep fp32 moments. Partial tiles at ragged edges take the absmax of
@@ -260,9 +260,11 @@ def adamw8bit(
 ) -> Optimizer:
     """AdamW with 8-bit moments in 32x32 tiles. Plan with ``granularity=opt.granularity``.
 
-    A step is one pass per quantized tensor (:func:`step8`: dequantize, update, new absmax,
-    re-quantize; a fixed number of ops whatever its size, no per-element index kept) and one
-    multi-tensor AdamW over every fp32-moment tensor of every unit.
+    A step is one flat pass per unit over all its quantized tensors
+    (:func:`~vfsdp.optim.quant.step8_flat`: tile indices from a small table per tensor,
+    dequantize, update, new absmax by one scatter-max, re-quantize; a fixed number of ops
+    whatever the unit's tensors, no per-element index kept) and one multi-tensor AdamW over
+    every fp32-moment tensor of every unit.
 
     Args:
         lr: As :func:`vfsdp.optim.adamw`.
@@ -271,8 +273,8 @@ def adamw8bit(
         weight_decay: As :func:`vfsdp.optim.adamw`.
         weight_decay_mask: As :func:`vfsdp.optim.adamw`.
         min_8bit_numel: Tensors (by global numel) below this keep fp32 moments.
-        compile: Run :func:`step8` through ``torch.compile`` (one graph for every shape), which
-            fuses it into a few kernels. ``None`` (default): on CUDA; if compiling fails
+        compile: Run the per-unit pass through ``torch.compile`` (one graph for every unit
+            and step), which fuses it into a few kernels. ``None`` (default): on CUDA; if compiling fails
             there, a warning says why and the eager ops run. Compiled kernels may round
             differently in the last bit than the eager ops.
 

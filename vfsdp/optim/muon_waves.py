@@ -113,9 +113,10 @@ def group_matrices(matrices: tuple, wave_size: int, key: Any) -> list:
 
     Example:
         >>> from types import SimpleNamespace as M
-        >>> ms = [M(root=r, s=s) for r, s in [(0, "a"), (0, "a"), (1, "b"), (0, "a")]]
-        >>> [[ms.index(m) for m in g] for g in group_matrices(ms, 2, lambda m: m.s)]
-        [[0, 1], [3], [2]]
+        >>> ms = [M(i=i, root=r, s=s) for i, (r, s) in enumerate([(0, "a"), (0, "a"), (1, "b"),
+        ...                                                       (0, "a"), (1, "a")])]
+        >>> [[m.i for m in g] for g in group_matrices(ms, 2, lambda m: m.s)]
+        [[0, 1, 4], [3], [2]]
     """
     out: dict = {}
     counts: dict = {}

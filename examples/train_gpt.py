@@ -125,16 +125,16 @@ def train_step_tp(shards, spec, mesh, opt, state, micro_batches, cfg: GPTConfig,
     step_loss = 0.0
     for micro, (tokens, targets) in enumerate(micro_batches):
         sync = micro == len(micro_batches) - 1
-        io = vfsdp.gather(shards["io"], spec["io"], mesh=mesh, grads="buffer",
+        io = vfsdp.gather(shards["io"], spec["io"], grads="buffer",
                           free_after_backward=True, grad_sync=sync, **gopts)
         x = embed(io, tokens)
         x = vfsdp.run_layers(lambda p, h: block_tp(p, h, cfg, mesh), shards["layers"],
-                             layer_specs, x, mesh=mesh, grad_sync=sync, **gopts)
+                             layer_specs, x, grad_sync=sync, **gopts)
         loss = head_loss(io, x, targets) / len(micro_batches)
         loss.backward()
         step_loss = step_loss + loss.detach()
     grads = vfsdp.grads(shards, spec)
-    norm = vfsdp.clip_grad_norm(grads, spec, 1.0, mesh=mesh)
+    norm = vfsdp.clip_grad_norm(grads, spec, 1.0)
     state = opt.update(grads, state, shards, spec)
     return step_loss, norm, state
 

@@ -3,6 +3,7 @@
 import optree
 import pytest
 import torch
+import torch.distributed as dist
 
 import vfsdp
 from tests.functional import option_bodies as ob
@@ -95,3 +96,57 @@ def test_reduce_scatter_options():
 
 def test_plain_tensors_use_a_temporary_unit_that_is_freed():
     assert simulate(2, ob.temporary_units_are_not_kept) == [(True, True)] * 2
+
+
+def _mesh_with_carrying_shards():
+    import warnings
+
+    mesh = vfsdp.mesh(("dp", dist.get_world_size()))
+    params = {"layers": [{"w": torch.arange(16.0).view(4, 4) + i} for i in range(2)]}
+    spec = vfsdp.plan(params, mesh)
+    shards = vfsdp.shard(params, spec, mesh=mesh)
+    other = vfsdp.mesh(("x", dist.get_world_size()))     # a different mesh: never read
+    calls = {
+        "vfsdp.gather": lambda m: vfsdp.gather(shards, spec, grads="buffer", mesh=m),
+        "vfsdp.gather_async": lambda m: vfsdp.gather_async(shards, spec, mesh=m).wait(),
+        "vfsdp.run_layers": lambda m: vfsdp.run_layers(
+            lambda p, h: h @ p["w"], shards["layers"], spec["layers"], torch.ones(1, 4), mesh=m),
+        "vfsdp.clip_grad_norm": lambda m: vfsdp.clip_grad_norm(vfsdp.grads(shards, spec), spec,
+                                                               1e6, mesh=m),
+        "vfsdp.global_norm": lambda m: vfsdp.optim.global_norm(vfsdp.grads(shards, spec), spec,
+                                                                mesh=m),
+    }
+    out = {}
+    for name, call in calls.items():
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            a = call(None)
+            b = call(other)
+        texts = [str(w.message) for w in seen if w.category is FutureWarning]
+        same = optree.tree_all(optree.tree_map(
+            lambda x, y: torch.equal(x, y) if isinstance(x, torch.Tensor) else True, a, b))
+        out[name] = (texts, same, [w.filename for w in seen])
+        vfsdp.release(shards, spec)
+    with warnings.catch_warnings(record=True) as seen:  # plain tensors: mesh= is theirs
+        warnings.simplefilter("always")
+        plain = vfsdp.gather({"layers": [{"w": shards["layers"][i]["w"].detach().clone()}
+                                         for i in range(2)]}, spec, mesh=mesh)
+    out["plain"] = ([str(w.message) for w in seen], float(plain["layers"][1]["w"].sum()))
+    return out
+
+
+def test_mesh_with_shards_that_carry_their_mesh_is_deprecated_and_changes_nothing():
+    """mesh= was threaded through every entry point though shards of vfsdp.shard carry their
+    mesh (a different mesh there was silently ignored): now each call says so, once, at the
+    user's line; plain-tensor shards still take it. (One rank: recording warnings is
+    process-wide, so two rank threads would record each other's.)"""
+    for out in simulate(1, _mesh_with_carrying_shards):
+        for name in ("vfsdp.gather", "vfsdp.gather_async", "vfsdp.run_layers",
+                     "vfsdp.clip_grad_norm", "vfsdp.global_norm"):
+            texts, same, files = out[name]
+            assert texts == [f"{name}: mesh= is ignored for the shards (and gradients) of "
+                             f"vfsdp.shard, which carry the mesh they were made on; drop it "
+                             f"(deprecated in vfsdp 0.3, it goes in 0.4; it stays for "
+                             f"plain-tensor shards)"], (name, texts)
+            assert same and files == [__file__], (name, files)
+        assert out["plain"] == ([], float((torch.arange(16.0) + 1).sum()))

@@ -63,14 +63,14 @@ def _tp_fsdp(dp, tp, replicas=1, tp_local=False, clip=None):
     for step in range(STEPS):
         vfsdp.zero_grads(shards, spec)
         x, y = _data(step, group)
-        full = vfsdp.gather(shards, spec, mesh=data_mesh, grad_reduce="sum")
+        full = vfsdp.gather(shards, spec, grad_reduce="sum")
         loss = (_mlp(full, x, mesh) - y).pow(2).mean() / groups  # summed: the mean
         loss.backward()
         if clip is not None:  # the norm adds the tp pieces, counts "norm" (replicated) once
             norms.append(float(vfsdp.clip_grad_norm(vfsdp.grads(shards, spec), spec, clip,
-                                                    mesh=data_mesh)))
+                                                    mesh=data_mesh)))  # .grad: plain pieces
         state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
-    full = vfsdp.gather(shards, spec, mesh=data_mesh)
+    full = vfsdp.gather(shards, spec)
     out = {k: v.detach().clone() for k, v in full.items()}
     return (out, norms) if clip is not None else out
 
@@ -133,7 +133,7 @@ def _step_counts(dp, tp):
         vfsdp.zero_grads(shards, spec)
         x, y = _data(step, 0)
         reset_counts()
-        full = vfsdp.gather(shards, spec, mesh=mesh["dp"], grad_reduce="sum")
+        full = vfsdp.gather(shards, spec, grad_reduce="sum")
         ((_mlp(full, x, mesh) - y).pow(2).mean() / dp).backward()
         state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
     (unit,) = spec.units.values()

@@ -403,7 +403,7 @@ def _train_tp(dp, tp, steps=3):
             return t.reshape(-1)[slice(*s.local_range(rank))]
 
         state = opt.update(optree.tree_map(local, _grads(step), spec.tree), state, shards, spec)
-    full = vfsdp.gather(shards, spec, mesh=mesh)
+    full = vfsdp.gather(shards, spec)
     return [t.detach().clone() for t in optree.tree_leaves(full)]
 
 

@@ -122,7 +122,7 @@ def _train_tp(dp, tp, steps=3, data_mesh_only=False):
             return t.reshape(-1)[slice(*s.local_range(rank))]
 
         state = opt.update(optree.tree_map(local, full_g, spec.tree), state, shards, spec)
-    full = vfsdp.gather(shards, spec, mesh=mesh)
+    full = vfsdp.gather(shards, spec)
     return {"/".join(map(str, p)): t.detach().clone()
             for p, t in zip(optree.tree_paths(full), optree.tree_leaves(full))}
 

@@ -41,7 +41,7 @@ from vfsdp.collectives.events import emit
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle, comm_context
 from vfsdp.collectives.released import let_go, poison, revive
-from vfsdp.collectives.slot import SLOT, Role, Slot, View, slot_of
+from vfsdp.collectives.slot import SLOT, Role, Slot, View
 from vfsdp.placements.ragged import local_shape
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
@@ -271,14 +271,6 @@ class DBuffer:
     def is_gathered(self) -> bool:
         """Whether the global buffer is gathered (or being gathered)."""
         return self.is_allocated
-
-    def view_index(self, t: torch.Tensor) -> Optional[int]:
-        """Which tensor's local piece ``t`` is, when ``t`` came from :meth:`local` (and still
-        sits there), else ``None``."""
-        slot = slot_of(t)
-        if slot is None or slot.buffer is not self or slot.view is not View.LOCAL:
-            return None
-        return slot.index if self.is_local_view(slot.index, t) else None
 
     def is_local_view(self, i: int, t: torch.Tensor) -> bool:
         """Whether ``t`` is exactly tensor ``i``'s local piece (same memory, shape, strides)."""

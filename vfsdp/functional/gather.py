@@ -23,14 +23,13 @@ from torch.autograd.graph import get_gradient_edge
 
 from vfsdp import _torch_private as tp
 from vfsdp._torch_private import functorch_active
-from vfsdp.collectives.groups import resolve_groups
 from vfsdp.collectives.handle import Handle
 from vfsdp.functional.backward import pending
 from vfsdp.functional.options import GatherOptions, GradOptions, Policy, merge, refuse, resolve
 from vfsdp.functional.reduce import reduce_unit
 from vfsdp.functional.traced import traced_gather
 from vfsdp.functional.tree import match_tree
-from vfsdp.functional.units import find_unit, pack_unit, units_of
+from vfsdp.functional.units import own_mesh, unit_for, units_of
 from vfsdp.planner.spec import ShardSpec, unit_name
 
 __all__ = ["gather", "gather_async", "start_gather", "GatherHandle", "writes_leaf_grads"]
@@ -116,12 +115,7 @@ class _Call:
 
     def resolve(self, local) -> None:
         """Find the unit from the shards (unwrapped here under ``torch.func``), or pack them."""
-        layout = self.spec.units[self.key]
-        unit = find_unit(local, layout, self.index, self.what)
-        if unit is None:
-            unit = pack_unit(local, layout, self.index, resolve_groups(self.spec, self.mesh),
-                             self.what)
-        self.unit = unit
+        self.unit = unit_for(local, self.spec, self.key, self.index, self.mesh, self.what)
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -270,7 +264,8 @@ def gather(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
         policy: A :class:`vfsdp.Policy`: every option below at once, the same object for
             ``gather``, ``gather_async`` and ``run_layers``, eager and compiled.
         mesh: For plain-tensor shards: a ``DeviceMesh`` matching the spec (default: the
-            default group). Shards from ``vfsdp.shard`` use the mesh they were made on.
+            default group). Shards from ``vfsdp.shard`` carry the mesh they were made on:
+            passing one with them is deprecated (a ``FutureWarning``; it goes in 0.4).
         options: Any :class:`vfsdp.Policy` field as a keyword, overriding the policy's:
 
             * ``param_dtype``: gather in this dtype (e.g. ``torch.bfloat16`` for fp32 master
@@ -331,7 +326,8 @@ def gather(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
     gopts, ropts = _eager(values, what)
     leaves = match_tree(shards, spec, what)
     pending().settle()
-    return _assemble(leaves, spec, {}, _caller(spec, mesh, what, gopts, ropts))
+    return _assemble(leaves, spec, {}, _caller(spec, own_mesh(leaves, mesh, what), what, gopts,
+                                                ropts))
 
 
 def _eager(values: dict, what: str, layers: bool = False) -> tuple:
@@ -341,9 +337,12 @@ def _eager(values: dict, what: str, layers: bool = False) -> tuple:
 
 
 def _functional(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str) -> Any:
-    """The functional gather: while compiling, or with ``all_gather=`` hooks."""
+    """The functional gather: while compiling, or with ``all_gather=`` hooks (of shards
+    made by ``vfsdp.shard`` only: ``mesh`` is ignored, as on the eager path)."""
     refuse(values, "compiled" if tp.compiling() else "all_gather", what)  # values checked too
-    return traced_gather(shards, spec, mesh, values["param_dtype"], values["grad_reduce"],
+    if not tp.compiling():
+        own_mesh(shards, mesh, what)  # only vfsdp.shard's shards get here
+    return traced_gather(shards, spec, values["param_dtype"], values["grad_reduce"],
                          values["reduce_dtype"], values["all_gather"], values["grad_sync"])
 
 
@@ -439,4 +438,4 @@ def gather_async(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, 
     if values["all_gather"] is not None:
         return GatherHandle.done_with(_functional(shards, spec, mesh, values, what))
     gopts, ropts = _eager(values, what)
-    return start_gather(shards, spec, mesh, gopts, ropts, what)
+    return start_gather(shards, spec, own_mesh(shards, mesh, what), gopts, ropts, what)

@@ -24,6 +24,7 @@ import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp._torch_private import functorch_active
+from vfsdp._warnings import warn_mesh_ignored
 from vfsdp.collectives.groups import resolve_groups
 from vfsdp.collectives.unit import Unit
 from vfsdp.functional.backward import pending
@@ -223,7 +224,8 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
         shards: The shards tree whose gradient buffers receive the result (default: fresh
             buffers for this call).
         mesh: A ``DeviceMesh`` matching the spec, for fresh buffers; default: the default
-            group. Shards from ``vfsdp.shard`` use the mesh they were made on.
+            group. Shards from ``vfsdp.shard`` carry the mesh they were made on: passing one
+            with ``shards`` is deprecated (a ``FutureWarning``; it goes in 0.4).
         grad_reduce: ``"avg"`` or ``"sum"`` over every rank of the mesh.
         reduce_dtype: Dtype to reduce in.
         accumulate_grads: Add into the gradient buffers instead of overwriting them.
@@ -259,6 +261,8 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
         match_tree(full_grads, spec, what)  # raises with the differing path
     if shards is not None:
         units = units_of(match_tree(shards, spec, what), spec, what)
+        if mesh is not None:
+            warn_mesh_ignored(what)
     else:  # fresh units: only their gradient buffers are used
         groups = resolve_groups(spec, mesh)
         units = [UnitLeaves(key, Unit(spec.units[key], groups), tuple(members))

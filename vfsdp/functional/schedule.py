@@ -36,6 +36,7 @@ from vfsdp.functional.backward import pending
 from vfsdp.functional.gather import start_gather, writes_leaf_grads
 from vfsdp.functional.options import Policy, merge, refuse, resolve
 from vfsdp.functional.traced import traced_children, traced_run_layers
+from vfsdp.functional.units import own_mesh
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["run_layers"]
@@ -120,7 +121,7 @@ def run_layers(
         prefetch: Gather unit ``i+1`` while unit ``i`` computes (and ``i-1`` in backward).
         reshard_after_forward: Release each unit (but the last) after its forward and gather
             it again in backward; ``False`` keeps them gathered until their backward.
-        mesh: As for :func:`vfsdp.gather`.
+        mesh: As for :func:`vfsdp.gather` (deprecated with shards of ``vfsdp.shard``).
         policy: A :class:`vfsdp.Policy`, as for :func:`vfsdp.gather` (the same object
             serves both). Its ``None`` fields take ``run_layers``' defaults: ``grads`` is
             ``"buffer"`` (the only value accepted eagerly), and ``free_after_backward`` and
@@ -164,7 +165,9 @@ def run_layers(
     values = merge(policy, options, what)
     if compiling() or values["all_gather"] is not None:  # the functional path: to .grad
         refuse(values, "compiled" if compiling() else "all_gather", what)
-        return traced_run_layers(layer_fn, shards, specs, h, mesh, reshard_after_forward,
+        if not compiling():
+            own_mesh(shards, mesh, what)  # only vfsdp.shard's shards get here, as gather's
+        return traced_run_layers(layer_fn, shards, specs, h, reshard_after_forward,
                                  values["param_dtype"], values["grad_reduce"],
                                  values["reduce_dtype"], values["grad_sync"],
                                  values["all_gather"])
@@ -174,6 +177,7 @@ def run_layers(
                          f"them with vfsdp.grads (use vfsdp.gather for grads='return')")
     refuse(values, "eager", what)
     gopts, ropts = resolve(values, layers=True)
+    mesh = own_mesh(shards, mesh, what)
     regather = _Regather(prefetch)
     n = len(shards)
 

@@ -300,16 +300,15 @@ def _flush_tree(leaves: list, spec: ShardSpec, grad_reduce: str, what: str) -> N
             _flush(acc, leaves, pieces, (shard_name, m, rep_name, replicas), scale)
 
 
-def traced_gather(shards: Any, spec: ShardSpec, mesh: Any, param_dtype: Optional[torch.dtype],
+def traced_gather(shards: Any, spec: ShardSpec, param_dtype: Optional[torch.dtype],
                   grad_reduce: str, reduce_dtype: Optional[torch.dtype], hooks: Any = None,
                   grad_sync: bool = True, flush: bool = True,
                   context: Optional[list] = None) -> Any:
     """The full tree, by functional collectives the compiler can trace (see the module).
 
     Args:
-        shards: The shards (``vfsdp.shard``'s tree, or plain tensors of the local shapes).
+        shards: The shards (``vfsdp.shard``'s tree: their units carry their groups).
         spec: Their spec.
-        mesh: The ``DeviceMesh`` the shards live on (``None``: the default group).
         param_dtype: Gather in this dtype.
         grad_reduce: ``"avg"`` or ``"sum"``.
         reduce_dtype: ``None`` or the gather's dtype: compiled, the gradients are
@@ -389,7 +388,7 @@ def _regather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.PREFER_SAVE
 
 
-def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any, mesh: Any,
+def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any,
                       reshard_after_forward: bool, param_dtype: Optional[torch.dtype],
                       grad_reduce: str, reduce_dtype: Optional[torch.dtype],
                       grad_sync: bool = True, hooks: Any = None) -> Any:
@@ -399,7 +398,7 @@ def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any, mesh: Any
     (activations) saved as in eager.
 
     Args:
-        layer_fn, shards, specs, h, mesh, reshard_after_forward: As for ``run_layers``.
+        layer_fn, shards, specs, h, reshard_after_forward: As for ``run_layers``.
         param_dtype, grad_reduce, reduce_dtype, grad_sync, hooks: As for
             :func:`traced_gather`.
 
@@ -426,7 +425,7 @@ def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any, mesh: Any
 
     def run(shards, h):
         for shard, spec, context in zip(shards, specs, contexts):
-            h = layer_fn(traced_gather(shard, spec, mesh, param_dtype, grad_reduce,
+            h = layer_fn(traced_gather(shard, spec, param_dtype, grad_reduce,
                                        reduce_dtype, hooks, grad_sync=grad_sync, flush=False,
                                        context=context), h)
         return h

@@ -13,15 +13,17 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import optree
 import torch
 
+from vfsdp._warnings import warn_mesh_ignored
 from vfsdp.collectives.groups import resolve_groups
 from vfsdp.collectives.slot import View, slot_of
 from vfsdp.collectives.unit import Unit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, UnitLayout, unit_name
 
-__all__ = ["UnitLeaves", "find_unit", "pack_unit", "units_of"]
+__all__ = ["UnitLeaves", "find_unit", "pack_unit", "units_of", "unit_for", "own_mesh"]
 
 
 @dataclass(frozen=True)
@@ -161,19 +163,44 @@ def units_of(leaves: Sequence[Any], spec: ShardSpec, what: str, *, mesh: Any = N
         >>> vfsdp.testing.simulate(2, body)[0]
         [((), ((0, 0),)), (('layers', 0), ((1, 0),)), (('layers', 1), ((2, 0),))]
     """
-    out, groups = [], None
+    out = []
     for key, members in spec.unit_leaves().items():
-        layout = spec.units[key]
         local = [leaves[i] for i, _ in members]
         index = [k for _, k in members]
-        unit = find_unit(local, layout, index, what)
-        if unit is None:
-            if not pack:
+        if pack:
+            unit = unit_for(local, spec, key, index, mesh, what)
+        else:
+            unit = find_unit(local, spec.units[key], index, what)
+            if unit is None:
                 raise ValueError(f"{what}: the tensors of unit {unit_name(key)} (e.g. "
-                                 f"{format_path(layout.paths[index[0]])}) are not vfsdp shards; "
-                                 f"pass the tree returned by vfsdp.shard")
-            groups = groups or resolve_groups(spec, mesh)
-            unit = pack_unit(local, layout, index, groups, what)
+                                 f"{format_path(spec.units[key].paths[index[0]])}) are not "
+                                 f"vfsdp shards; pass the tree returned by vfsdp.shard")
         out.append(UnitLeaves(key, unit, tuple(members), tuple(local)))
     return out
 
+
+def unit_for(local: Sequence[Any], spec: ShardSpec, key: Hashable, index: Sequence[int],
+             mesh: Any, what: str) -> Unit:
+    """The unit of shards made by ``vfsdp.shard``, or a temporary one packed from plain
+    tensors on ``mesh``'s groups (default: the default group).
+
+    Raises:
+        ValueError: as :func:`find_unit` and :func:`pack_unit`.
+    """
+    unit = find_unit(local, spec.units[key], index, what)
+    if unit is None:
+        return pack_unit(local, spec.units[key], index, resolve_groups(spec, mesh), what)
+    return unit
+
+
+def own_mesh(tree: Any, mesh: Any, what: str) -> Any:
+    """``mesh`` for plain-tensor shards; ``None`` for shards (or gradients) of
+    ``vfsdp.shard``, which carry the mesh they were made on, with the deprecation warning
+    when one was passed. Called once by each entry point that takes ``mesh=``."""
+    if mesh is None:
+        return None
+    if any(slot_of(x) is not None for x in optree.tree_leaves(tree)
+           if isinstance(x, torch.Tensor)):
+        warn_mesh_ignored(what)
+        return None
+    return mesh

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from vfsdp import _torch_private as tp
+from vfsdp._warnings import warn_mesh_ignored
 from vfsdp.collectives import comm
 from vfsdp.collectives.groups import resolve_groups
 from vfsdp.collectives.slot import Role, View, slot_of
@@ -59,10 +60,12 @@ def _plan(leaves: list, spec: ShardSpec, mask: Mask) -> tuple[list, list]:
     return whole, loose
 
 
-def _groups_and_device(leaves: list, spec: ShardSpec, mesh: Any):
+def _groups_and_device(leaves: list, spec: ShardSpec, mesh: Any, what: Optional[str]):
     for x in leaves:
         slot = slot_of(x)
-        if slot is not None:
+        if slot is not None:  # gradient buffer views: their unit's groups
+            if mesh is not None and what is not None:
+                warn_mesh_ignored(what)
             return slot.buffer.groups, slot.buffer.device
     groups = resolve_groups(spec, mesh)
     device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), groups.device)
@@ -84,7 +87,8 @@ def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = N
     Args:
         grads: This rank's gradient pieces, shaped like the spec's tree.
         spec: The plan.
-        mesh: For pieces that are not gradient buffer views: the ``DeviceMesh``.
+        mesh: For pieces that are not gradient buffer views: the ``DeviceMesh`` (as for
+            :func:`clip_grad_norm`).
         mask: ``path -> bool``: only the selected tensors count (default: all).
 
     Returns:
@@ -104,11 +108,12 @@ def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = N
         >>> vfsdp.testing.simulate(2, body)[0]
         (2.8284270763397217, 0.0)
     """
-    return _norm(gradient_leaves(grads, spec, "vfsdp.global_norm"), spec, mesh, mask)[0]
+    what = "vfsdp.global_norm"
+    return _norm(gradient_leaves(grads, spec, what), spec, mesh, mask, what)[0]
 
 
-def _norm(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask) -> tuple:
-    total, whole, loose, groups = local_squares(leaves, spec, mesh, mask)
+def _norm(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask, what: str) -> tuple:
+    total, whole, loose, groups = local_squares(leaves, spec, mesh, mask, what)
     comm.all_reduce_(total, "sum", groups.shard)
     if spec.model_axis is not None and spec.model_axis[1] > 1:  # TP/EP: the other pieces
         if groups.model is None:
@@ -136,11 +141,12 @@ def _counted(leaves: list, spec: ShardSpec, mask: Mask) -> list:
     return out
 
 
-def local_squares(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask) -> tuple:
+def local_squares(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask,
+                  what: Optional[str] = None) -> tuple:
     """``(sum of squares of this rank's pieces (fp32 scalar), whole, loose, groups)``: the
     gradient buffers whose whole shard is selected, the other selected pieces, and the
     tree's :class:`~vfsdp.collectives.MeshGroups`."""
-    groups, device = _groups_and_device(leaves, spec, mesh)
+    groups, device = _groups_and_device(leaves, spec, mesh, what)
     whole, loose = _plan(leaves, spec, mask)
     pieces = [gdb.shard for gdb in whole] + [p for p in loose if p.numel()]
     if spec.model_axis is not None and spec.model_axis[2] != 0:
@@ -171,7 +177,8 @@ def clip_grad_norm(grads: Any, spec: ShardSpec, max_norm: float, *, mesh: Any = 
         spec: The plan.
         max_norm: The largest allowed norm.
         mesh: A ``DeviceMesh`` matching the spec, for pieces that are not gradient buffer
-            views; default: the default group.
+            views; default: the default group. With gradient buffer views (which carry
+            their mesh) it is deprecated: a ``FutureWarning``, gone in 0.4.
         eps: Added to the norm before dividing.
         mask: ``path -> bool``: clip only the selected tensors, by their own norm.
 
@@ -198,8 +205,9 @@ def clip_grad_norm(grads: Any, spec: ShardSpec, max_norm: float, *, mesh: Any = 
         from vfsdp.optim.traced import traced_clip
 
         return traced_clip(grads, spec, max_norm, eps, mask)
-    leaves = gradient_leaves(grads, spec, "vfsdp.clip_grad_norm")
-    norm, whole, loose = _norm(leaves, spec, mesh, mask)
+    what = "vfsdp.clip_grad_norm"
+    leaves = gradient_leaves(grads, spec, what)
+    norm, whole, loose = _norm(leaves, spec, mesh, mask, what)
     scale_by_norm(whole, loose, norm, max_norm, eps)
     return norm
 

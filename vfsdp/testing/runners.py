@@ -117,17 +117,3 @@ def _describe(stack: list) -> str:
         f, line, fn = stack[0]
         return f"busy in {fn} ({f}:{line}), not in a collective"
     return "no stack available"
-
-
-def __getattr__(name: str):
-    # simulate and spawn live in their own modules; keep `from vfsdp.testing.runners import
-    # simulate` working.
-    if name == "simulate":
-        from vfsdp.testing.simulate import simulate
-
-        return simulate
-    if name == "spawn":
-        from vfsdp.testing.spawn import spawn
-
-        return spawn
-    raise AttributeError(f"module 'vfsdp.testing.runners' has no attribute {name!r}")

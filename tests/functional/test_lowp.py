@@ -4,6 +4,7 @@ a bf16 gather's bytes, it trains like a bf16 gather, and it compiles."""
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import vfsdp
 from vfsdp.functional.lowp import Float8
@@ -241,3 +242,53 @@ def test_bad_options_with_all_gather_hooks_are_refused_as_eagerly():
     assert async_.startswith("vfsdp.gather: async_reduce=True is not supported with all_gather= hooks")
     assert buffer.startswith("vfsdp.gather: grads='buffer' is not supported with all_gather= hooks")
     assert nope == "grads must be one of ('return', 'buffer'), got 'nope'"
+
+
+def _tiny_float8(amax, scaling):
+    from vfsdp.functional.lowp import Float8
+
+    x = torch.linspace(-1, 1, 64 * 32).view(64, 32) * amax
+    hooks = Float8(compute_dtype=torch.float32, scaling=scaling, min_numel=16)
+    spec = vfsdp.plan({"w": x}, dist.get_world_size(), granularity=hooks.granularity)
+    shards = vfsdp.shard({"w": x}, spec)
+    with torch.no_grad():
+        full = vfsdp.gather(shards, spec, all_gather=hooks)
+    return float((full["w"] - x).abs().max() / x.abs().max())
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "block"])
+def test_float8_gathers_of_tiny_tensors_keep_their_values(scaling):
+    """amax 1e-20, 1e-17, 1e-15: the scale was floored at 1e-12 / 448, so every value
+    rounded to zero (relative error 1); now about e4m3's rounding (1/32), as for amax 1."""
+    for amax in (1e-20, 1e-17, 1e-15, 1.0, 1e20):
+        errors = simulate(2, _tiny_float8, amax, scaling)
+        assert max(errors) < 0.07, (amax, errors)
+
+
+def _non_finite(grad_reduce, hooks, mesh):
+    from tests.functional.paths_bodies import Identity
+
+    x = torch.arange(8.0)
+    x[3], x[5], x[6] = float("inf"), float("-inf"), float("nan")
+    spec = vfsdp.plan({"w": x}, mesh)
+    shards = vfsdp.shard({"w": x}, spec)
+    opts = {"all_gather": Identity()} if hooks else {}
+    full = vfsdp.gather(shards, spec, grad_reduce=grad_reduce, **opts)["w"]
+    (full * torch.arange(1.0, 9.0)).sum().backward()  # the gradient passes everywhere
+    return full.detach(), shards["w"].grad.clone()
+
+
+@pytest.mark.parametrize("mesh", [2, (2, 1), (2, 2)], ids=["fsdp", "ddp", "hsdp"])
+@pytest.mark.parametrize("grad_reduce", ["avg", "sum"])
+def test_the_functional_gather_keeps_infinities_as_the_eager_one_does(grad_reduce, mesh):
+    """The functional path (hooks; compiled, the same code) made the avg's gradient scale,
+    and HSDP's sum over the replicas, with ``x + (y - y)``, which is NaN at +-inf: a
+    parameter's inf gathered as NaN. Values and gradients now equal the eager path's."""
+    world = 4 if mesh == (2, 2) else 2
+    eager = simulate(world, _non_finite, grad_reduce, False, mesh)
+    hooked = simulate(world, _non_finite, grad_reduce, True, mesh)
+    for (fe, ge), (fh, gh) in zip(eager, hooked):
+        assert torch.equal(fe.isnan(), fh.isnan()) and torch.equal(fe[~fe.isnan()],
+                                                                   fh[~fh.isnan()])
+        assert fh.isinf().sum() == 2
+        assert torch.equal(ge, gh)

@@ -84,7 +84,7 @@ def _ep_fsdp_train(dp: int, ep: int, clip=None):
         vfsdp.zero_grads(e_shards, e_spec)
         x, y = _tokens(100 * step + r)
         router = vfsdp.gather(r_shards, r_spec, grad_reduce="sum")["router"]
-        experts = vfsdp.gather(e_shards, e_spec, mesh=mesh, grad_reduce="sum")
+        experts = vfsdp.gather(e_shards, e_spec, grad_reduce="sum")
         out = moe.moe_ep(router, experts, x, K, "ep", E, mesh=mesh)
         loss = (out - y).pow(2).mean() / world  # the sum over ranks is the global mean
         loss.backward()
@@ -96,7 +96,7 @@ def _ep_fsdp_train(dp: int, ep: int, clip=None):
         opt.update(vfsdp.grads(e_shards, e_spec), e_state, e_shards, e_spec)
     full_router = vfsdp.gather(r_shards, r_spec)["router"].detach().clone()
     full_local = {k: v.detach().clone()
-                  for k, v in vfsdp.gather(e_shards, e_spec, mesh=mesh).items()}
+                  for k, v in vfsdp.gather(e_shards, e_spec).items()}
     return first, full_router, full_local, norms
 
 
@@ -142,7 +142,7 @@ def _ep_step_counts(dp: int, ep: int):
     x, y = _tokens(r)
     reset_counts()
     router = vfsdp.gather(r_shards, r_spec, grad_reduce="sum")["router"]
-    experts = vfsdp.gather(e_shards, e_spec, mesh=mesh, grad_reduce="sum")
+    experts = vfsdp.gather(e_shards, e_spec, grad_reduce="sum")
     out = moe.moe_ep(router, experts, x, K, "ep", E, mesh=mesh)
     ((out - y).pow(2).mean() / world).backward()
     got = dict(counts())
@@ -174,3 +174,72 @@ def test_ep_communication_per_step_is_the_analytic_count(dp, ep):
             "all_to_all_bytes": ep * 8 + s * D * 4 + s * 8 + r * D * 4 + s * D * 4,
             "shape_exchange": 4, "shape_exchange_bytes": 4 * ep * 8 * 8,
             "backward_marks": 2, "backward_marks_bytes": 24 + 1 + len(es)}, got
+
+
+# ---------------------------------------------------------------- skewed routing
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _skewed(params, tokens, k):
+    n, r = dist.get_world_size(), dist.get_rank()
+    per = params["router"].shape[1] // n
+    x = tokens[r].clone().requires_grad_(True)
+    router = params["router"].clone().requires_grad_(True)
+    local = {name: v[r * per:(r + 1) * per].clone().requires_grad_(True)
+             for name, v in params["experts"].items()}
+    y = moe.moe_ep(router, local, x, k, "ep", n * per, mesh=vfsdp.mesh(("ep", n)))
+    y.pow(2).sum().backward()
+    return y.detach(), x.grad, router.grad, {name: v.grad for name, v in local.items()}
+
+
+@st.composite
+def _routings(draw):
+    """ep 1..4, 1-2 experts per rank, top-1 or top-2, 0-4 tokens per rank, and a router that
+    is random, sends every token to one expert, or favours one of two."""
+    n = draw(st.integers(1, 4))
+    e = n * draw(st.integers(1, 2))
+    k = draw(st.integers(1, min(2, e)))
+    counts = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
+    kind = draw(st.sampled_from(["random", "one", "two"]))
+    seed = draw(st.integers(0, 2 ** 16))
+    return n, e, k, counts, kind, seed
+
+
+@settings(max_examples=15, deadline=None)
+@given(_routings())
+def test_any_routing_skew_gives_the_reference_outputs_and_gradients(case):
+    """Every token to one expert, ranks with no token, experts no token reaches: the layer's
+    outputs and the gradients of its input, router and experts equal the one-process
+    reference's (every token to expert 0 hung in the backward's all_to_all: the rank whose
+    experts got nothing skipped it)."""
+    n, e, k, counts, kind, seed = case
+    g = torch.Generator().manual_seed(seed)
+    params = moe.moe_params(D, H, e, seed=seed)
+    if kind != "random":  # positive tokens, one (or two) dominant router columns
+        params["router"] = torch.randn(D, e, generator=g) * 0.01
+        params["router"][:, seed % e] += 5.0
+        if kind == "two":
+            params["router"][:, (seed + 1) % e] += 4.0
+    tokens = [torch.rand(c, D, generator=g) + 0.1 for c in counts]
+    full = optree.tree_map(lambda t: t.clone().requires_grad_(True), params)
+    xs = [x.clone().requires_grad_(True) for x in tokens]
+    ys = [moe.moe_reference(full, x, k) for x in xs]
+    leaves = [*xs, full["router"], *full["experts"].values()]
+    loss = sum(y.pow(2).sum() for y in ys)
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else (
+        [None] * len(leaves))  # no token anywhere: every gradient is zero
+    grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip(leaves, grads)]
+    x_grads, router_grad, expert_grads = grads[:n], grads[n], dict(zip(full["experts"],
+                                                                       grads[n + 1:]))
+    per = e // n
+    zero = lambda t, like: torch.zeros_like(like) if t is None else t
+    got = simulate(n, _skewed, params, tokens, k, timeout=60)
+    assert torch.allclose(sum(zero(r[2], router_grad) for r in got), router_grad, atol=1e-5)
+    for r, (y, x_grad, _, local) in enumerate(got):
+        assert torch.allclose(y, ys[r].detach(), atol=1e-5)
+        assert torch.allclose(zero(x_grad, xs[r]), x_grads[r], atol=1e-5)
+        for name, grad in local.items():
+            want = expert_grads[name][r * per:(r + 1) * per]
+            assert torch.allclose(zero(grad, want), want, atol=1e-5), (r, name)

@@ -159,13 +159,13 @@ class Float8:
         x = shard.detach().float()
         amax = torch.zeros(unit.n_tensors + 1, dtype=torch.float32, device=shard.device)
         amax = unit.all_max(amax.scatter_reduce(0, unit.segment, x.abs(), "amax"))
-        scale = amax.clamp(min=1e-12) / top
+        scale = _scale(amax, top)
         y = x / scale[unit.segment]  # cast once at the end (no in-place float8 writes)
         meta = [scale]
         for lo, hi, view, _n in self._blocks(unit, unit.rank):
             b, r, c = view
             blocks = tiled(x[lo:hi].view(view))
-            bscale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / top
+            bscale = _scale(blocks.abs().amax(dim=(2, 4)), top)
             rt, ct = blocks.shape[1], blocks.shape[3]
             q = (blocks / bscale[:, :, None, :, None]).view(b, rt * 32, ct * 32)[:, :r, :c]
             y[lo:hi] = q.reshape(-1)
@@ -194,6 +194,14 @@ class Float8:
                     full[rank * s + lo:rank * s + hi] = values.reshape(-1)
                     off += n
         return full.to(self.compute_dtype)
+
+
+def _scale(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """``amax / top``, the scale that maps the largest value onto the format's largest; 1 for
+    an all-zero tensor or block, and never below float32's smallest normal (a fixed floor such
+    as 1e-12 sent tensors whose amax is far below it to zero)."""
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.where(amax > 0, (amax / top).clamp(min=tiny), torch.ones_like(amax))
 
 
 class _HookedGather(torch.autograd.Function):

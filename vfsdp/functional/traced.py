@@ -257,16 +257,24 @@ def drop_plan_grads(runtimes: list, keep: bool = False) -> None:
 
 
 def _grad_times(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x`` (exactly), whose gradient is multiplied by ``scale``."""
-    return x.detach() + (x - x.detach()) * scale
+    """``x`` (exactly, infinities and NaN included), whose gradient is multiplied by
+    ``scale``. Plain ops, so the compiled backward stays one region: ``x.detach() + (x -
+    x.detach()) * scale`` where ``x`` is finite (there ``x - x.detach()`` is 0), ``x * scale``
+    where it is not (``inf * scale`` is ``inf``; ``x - x.detach()`` would be NaN)."""
+    d = x.detach()
+    return torch.where(torch.isfinite(d), d + (x - d) * scale, x * scale)
 
 
 def _grad_summed(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
-    """``x`` (exactly; the same on every rank of ``group``), whose gradient is summed over
-    ``group``: the collective's own backward does it. The forward collective it costs is the
-    price of staying one traced graph (a custom autograd function would split the backward)."""
-    summed = tp.traced_sum_autograd(x, group, size)
-    return x.detach() + (summed - summed.detach())
+    """``x`` (exactly, infinities and NaN included; the same on every rank of ``group``),
+    whose gradient is summed over ``group``: the collective's own backward does it. The
+    forward collective it costs is the price of staying one traced graph (a custom autograd
+    function splits the compiled backward). The sum runs in float32 (``size * x`` could
+    overflow a half-precision shard); where ``x`` is not finite the sum is the value."""
+    summed = tp.traced_sum_autograd(x.float(), group, size)
+    d = x.detach()
+    return torch.where(torch.isfinite(d), d + (summed - summed.detach()).to(x.dtype),
+                       summed.to(x.dtype))
 
 
 def _flush(acc: torch.Tensor, leaves: list, pieces: tuple, groups: tuple, scale: float) -> None:

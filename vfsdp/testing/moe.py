@@ -140,7 +140,9 @@ def moe_ep(router: torch.Tensor, local_experts: dict, x: torch.Tensor, k: int, a
     sizes, back_sizes = counts.tolist(), got.tolist()
     recv_x = lax.all_to_all(x[tok], axis, 0, 0, split_sizes=sizes, mesh=mesh)
     recv_ids = lax.all_to_all(sent_ids, axis, 0, 0, split_sizes=sizes, mesh=mesh)
-    out = torch.zeros_like(recv_x)
+    # recv_x stays in the graph even where no token came (skewed routing): its backward's
+    # all_to_all must run on every rank, or the others wait in it (+ an empty sum: 0).
+    out = torch.zeros_like(recv_x) + recv_x[:0].sum()
     for j in range(per):
         pos = (recv_ids == first + j).nonzero(as_tuple=True)[0]
         if pos.numel():

@@ -107,3 +107,30 @@ def test_shard_src_uses_scatter():
         return counts()["scatter"], shards["w"].tolist()
 
     assert simulate(2, body) == [(1, [0.0, 1.0, 2.0, 3.0]), (1, [4.0, 5.0])]
+
+
+def _scatter_with_none(case):
+    params = {"w": torch.arange(10.0).view(5, 2), "e": torch.ones(3)}
+    if case == "passthrough":
+        params["n"] = 3
+    spec = vfsdp.plan(params, dist.get_world_size())
+    source = dist.get_rank() == 0
+    full = params if source and case != "none_on_source" else None
+    try:
+        out = vfsdp.scatter(full, spec, src=0)
+    except ValueError as exc:
+        return str(exc)
+    want = vfsdp.shard(params, spec)
+    return all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(out),
+                                                 optree.tree_leaves(want))
+               if isinstance(a, torch.Tensor))
+
+
+def test_scatter_takes_none_off_the_source_as_torch_distributed_does():
+    """Off the source, ``None`` was refused ("tree structure differs ... missing e"):
+    torch.distributed.scatter users pass None there, and the spec holds the structure."""
+    assert simulate(3, _scatter_with_none, "tensors") == [True] * 3
+    for msg in simulate(3, _scatter_with_none, "none_on_source"):  # every rank raises
+        assert "the full tensors are None on rank 0, the source; pass them there" in msg, msg
+    for msg in simulate(3, _scatter_with_none, "passthrough"):
+        assert "passed None, but the tree has leaves that are not tensors" in msg, msg

@@ -206,3 +206,29 @@ def test_muon_under_tp_with_an_empty_piece_does_not_hang():
         for k, shape in (("w", (3, 8)), ("v", (8, 8))):
             piece = want[k].view(shape).tensor_split(4)[i]
             assert torch.equal(g[k].reshape(-1), piece.reshape(-1)), (i, k)
+
+
+def _labelled(label, only=None):
+    params = {"b": torch.ones(4), "w": torch.ones(4, 4), "experts": torch.ones(2, 4, 4)}
+    spec = vfsdp.plan(params, dist.get_world_size())
+    shards = vfsdp.shard(params, spec)
+    opt = vfsdp.optim.partition({"muon": vfsdp.optim.muon(only=only),
+                                 "adamw": vfsdp.optim.adamw()}, label)
+    try:
+        opt.init(shards, spec)
+    except ValueError as exc:
+        return str(exc)
+    return "ok"
+
+
+def test_a_partition_that_gives_muon_what_it_cannot_update_is_refused_on_every_rank():
+    """A 1-D bias and a 3-D expert stack labelled "muon" were silently left un-updated."""
+    for path, why in (("b", "not a 2-D matrix ((4,))"), ("experts", "not a 2-D matrix")):
+        for msg in simulate(2, _labelled, lambda p, path=path: "muon" if p[0] in (path, "w")
+                            else "adamw"):
+            assert f"muon: {path} is given to Muon" in msg and why in msg, msg
+            assert "label it for another optimizer" in msg
+    for msg in simulate(2, _labelled, lambda p: "muon" if p[0] == "w" else "adamw",
+                        lambda p: False):
+        assert "w is given to Muon (its mask or partition label) but is excluded by only=" in msg
+    assert simulate(2, _labelled, lambda p: "muon" if p[0] == "w" else "adamw") == ["ok"] * 2

@@ -64,8 +64,9 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
 
     Args:
         full_tree: The tree the spec was planned for, with full tensors on ``src`` (other
-            ranks pass a tree of the same structure: ``meta`` tensors are fine), or on every
-            rank when ``src`` is ``None``.
+            ranks pass a tree of the same structure, ``meta`` tensors are fine, or ``None``,
+            as ``torch.distributed.scatter`` takes it), or on every rank when ``src`` is
+            ``None``.
         spec: The plan.
         src: The global rank holding the full tensors, or ``None``: every rank holds them
             and copies its own pieces (no communication, beyond the one-time check that the
@@ -92,7 +93,11 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
         [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0], []]
     """
     what = "vfsdp.scatter" if src is None or src == 0 else f"vfsdp.scatter(src={src})"
-    leaves = match_tree(full_tree, spec, what)
+    source = src is None or dist.get_rank() == src
+    # Off the source, None is fine (as torch.distributed.scatter takes it): the spec holds
+    # the structure, and non-tensor leaves are the spec's own.
+    leaves = list(spec.leaves()) if full_tree is None and not source else \
+        match_tree(full_tree, spec, what) if full_tree is not None or src is None else None
     groups = resolve_groups(spec, mesh)
     tensors = spec.leaves()
     if src is None:
@@ -105,8 +110,16 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
             raise ValueError(f"{what}: src must be a global rank (int) or None, got {src!r}")
         coords = groups.coords(src)  # raises for a rank outside the mesh
         error = None
+        if full_tree is None and not source and any(not isinstance(t, TensorSpec)
+                                                    for t in tensors):
+            error = ValueError(f"{what}: rank {dist.get_rank()} passed None, but the tree has "
+                               f"leaves that are not tensors (their values are not in the "
+                               f"spec); pass the tree there too (meta tensors are fine)")
         if dist.get_rank() == src:
             try:
+                if leaves is None:
+                    raise ValueError(f"{what}: the full tensors are None on rank {src}, the "
+                                     f"source; pass them there (the other ranks may pass None)")
                 for i, t in enumerate(tensors):
                     if isinstance(t, TensorSpec):
                         leaves[i] = check_full(leaves[i], t, what)

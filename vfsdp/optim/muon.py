@@ -254,7 +254,8 @@ def muon(
     Raises:
         ValueError: an unknown ``scale``, a ``wave_size`` below 1, a negative ``lr`` or
             ``weight_decay``, or ``momentum`` outside [0, 1); from ``init``, a matrix split
-            over a model axis the shards' mesh lacks.
+            over a model axis the shards' mesh lacks, or a tensor its mask (a partition
+            label) selects that it would not update (not 2-D, or excluded by ``only``).
 
     Example:
         >>> params = {"w": torch.randn(6, 4), "v": torch.randn(4, 4)}
@@ -285,6 +286,15 @@ def muon(
                     and (only is None or only(t.path))
                     and selected(mask, t.path))
 
+        if mask is not None:  # a partition's label: what it gives Muon, Muon must update
+            for t in spec.tensors():
+                if selected(mask, t.path) and math.prod(t.global_shape) > 0 and not owns(t):
+                    why = ("excluded by only=" if len(t.shape) == 2 else
+                           f"not a 2-D matrix ({tuple(t.global_shape)})")
+                    raise ValueError(f"muon: {format_path(t.path)} is given to Muon (its mask "
+                                     f"or partition label) but is {why}, so nothing would "
+                                     f"update it; label it for another optimizer (e.g. "
+                                     f"adamw)")
         state = MuonState(0, {})
         units = unit_buffers(shards, spec, "muon.init")
         found: list[tuple] = []

@@ -111,3 +111,16 @@ def test_strided_shard_is_validated_data():
         StridedRaggedShard("tp", 2, 2, 0, (4,))
     with pytest.raises(ValueError, match="dim 1 outside shape"):
         StridedRaggedShard("tp", 2, 0, 1, (4,))
+
+
+def test_a_tie_with_two_placements_is_refused_naming_both_paths():
+    """A tied tensor whose paths the tp= rule places differently was planned with the first
+    path's placement, silently."""
+    w = torch.empty(8, 4, device="meta")
+    mesh = (("dp", 2), ("tp", 2))
+    with pytest.raises(ValueError, match=r"head is the same tensor as embed \(a tie\), but tp= "
+                                         r"places it Shard\(0\) there and Replicate\(\) here"):
+        vfsdp.plan({"embed": w, "head": w}, mesh, tp_index=0,
+                   tp=lambda p: Shard(0) if p[0] == "embed" else Replicate())
+    spec = vfsdp.plan({"embed": w, "head": w}, mesh, tp_index=0, tp=lambda p: Shard(0))
+    assert spec.ties == {("head",): ("embed",)}

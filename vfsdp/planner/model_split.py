@@ -112,17 +112,28 @@ def split_params(params: Any, mesh: Any, mesh_shape: tuple, mesh_names: Optional
             local.append(leaf)
             strided.append(None)
             continue
-        if id(leaf) in by_id:  # a tie: the same tensor, the same piece
-            local.append(by_id[id(leaf)][0])
-            strided.append(by_id[id(leaf)][1])
-            continue
         shape, dtype, _ = leaf_meta(leaf)
         dim = _placement(rule(tuple(path)), tuple(path), tuple(shape))
+        if id(leaf) in by_id:  # a tie: the same tensor, the same piece
+            piece, st, first = by_id[id(leaf)]
+            if dim != st.dim:
+                raise ValueError(
+                    f"vfsdp.plan: {format_path(tuple(path))} is the same tensor as "
+                    f"{format_path(first)} (a tie), but tp= places it {_name(st.dim)} there "
+                    f"and {_name(dim)} here; a tied tensor is one tensor with one placement: "
+                    f"give both paths the same rule")
+            local.append(piece)
+            strided.append(st)
+            continue
         st = StridedRaggedShard(axis, size, index, dim, tuple(shape))
         piece = ShapeDtype(st.local_shape, dtype)
-        by_id[id(leaf)] = (piece, st)
+        by_id[id(leaf)] = (piece, st, tuple(path))
         local.append(piece)
         strided.append(st)
     data_shape = mesh_shape[:d] + mesh_shape[d + 1:]
     data_names = mesh_names[:d] + mesh_names[d + 1:]
     return ModelSplit(optree.tree_unflatten(treespec, local), strided, data_shape, data_names)
+
+
+def _name(dim: Optional[int]) -> str:
+    return "Replicate()" if dim is None else f"Shard({dim})"

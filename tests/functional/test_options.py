@@ -115,6 +115,9 @@ def _mesh_with_carrying_shards():
                                                                1e6, mesh=m),
         "vfsdp.global_norm": lambda m: vfsdp.optim.global_norm(vfsdp.grads(shards, spec), spec,
                                                                 mesh=m),
+        "vfsdp.reduce_scatter": lambda m: vfsdp.reduce_scatter(
+            {"layers": [{"w": torch.ones(4, 4) * i} for i in range(2)]}, spec, shards=shards,
+            mesh=m),
     }
     out = {}
     for name, call in calls.items():
@@ -142,7 +145,7 @@ def test_mesh_with_shards_that_carry_their_mesh_is_deprecated_and_changes_nothin
     process-wide, so two rank threads would record each other's.)"""
     for out in simulate(1, _mesh_with_carrying_shards):
         for name in ("vfsdp.gather", "vfsdp.gather_async", "vfsdp.run_layers",
-                     "vfsdp.clip_grad_norm", "vfsdp.global_norm"):
+                     "vfsdp.clip_grad_norm", "vfsdp.global_norm", "vfsdp.reduce_scatter"):
             texts, same, files = out[name]
             assert texts == [f"{name}: mesh= is ignored for the shards (and gradients) of "
                              f"vfsdp.shard, which carry the mesh they were made on; drop it "

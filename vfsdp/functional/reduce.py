@@ -24,13 +24,12 @@ import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp._torch_private import functorch_active
-from vfsdp._warnings import warn_mesh_ignored
 from vfsdp.collectives.groups import resolve_groups
 from vfsdp.collectives.unit import Unit
 from vfsdp.functional.backward import pending
 from vfsdp.functional.options import GradOptions
 from vfsdp.functional.tree import match_tree
-from vfsdp.functional.units import UnitLeaves, units_of
+from vfsdp.functional.units import UnitLeaves, own_mesh, units_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
@@ -260,9 +259,8 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
     if treespec.num_leaves != spec.treespec.num_leaves:
         match_tree(full_grads, spec, what)  # raises with the differing path
     if shards is not None:
+        own_mesh(shards, mesh, what)  # the shards' units carry their mesh
         units = units_of(match_tree(shards, spec, what), spec, what)
-        if mesh is not None:
-            warn_mesh_ignored(what)
     else:  # fresh units: only their gradient buffers are used
         groups = resolve_groups(spec, mesh)
         units = [UnitLeaves(key, Unit(spec.units[key], groups), tuple(members))

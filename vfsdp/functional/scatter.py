@@ -96,8 +96,10 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
     source = src is None or dist.get_rank() == src
     # Off the source, None is fine (as torch.distributed.scatter takes it): the spec holds
     # the structure, and non-tensor leaves are the spec's own.
-    leaves = list(spec.leaves()) if full_tree is None and not source else \
-        match_tree(full_tree, spec, what) if full_tree is not None or src is None else None
+    if full_tree is None and src is not None:
+        leaves = None if source else list(spec.leaves())  # None on the source: refused below
+    else:
+        leaves = match_tree(full_tree, spec, what)
     groups = resolve_groups(spec, mesh)
     tensors = spec.leaves()
     if src is None:

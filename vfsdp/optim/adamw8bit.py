@@ -92,9 +92,8 @@ class AdamW8bitPlan:
     """What ``init`` derives from the spec and the mask, per unit: the tensors it updates
     (``paths``), the quantized ones (``quantized``, by shard offset), those with fp32 moments
     (``fp32``: ``(k, lo, hi)``), the buffer indices that decay (``decays``) and their shard
-    ranges, merged (``decay_runs``). Never saved;
-    rebuilt by ``init``. ``tables`` caches each unit's span tiles per set of tensors not
-    updated (:meth:`span`).
+    ranges, merged (``decay_runs``). Never saved; rebuilt by ``init``. ``tables`` caches each
+    unit's span tiles per set of tensors not updated (:meth:`span`).
 
     Example:
         >>> opt = vfsdp.optim.adamw8bit(min_8bit_numel=1024)
@@ -423,10 +422,12 @@ def adamw8bit(
                     continue
                 g = flat_grads(leaves, u, "adamw8bit.update", torch.float32)  # its arithmetic
                 p = u.db.shard
-                live = {t.path for k, t in enumerate(u.db.tensors)
-                        if k in plan.decays[u.key] and k not in frozen}
-                decay += [p[lo:hi] for lo, hi in (plan.decay_runs[u.key] if not frozen else
-                                                  runs(u.db, lambda path: path in live))]
+                if frozen:  # the decaying runs of the tensors still trained
+                    live = {t.path for k, t in enumerate(u.db.tensors)
+                            if k in plan.decays[u.key] and k not in frozen}
+                    decay += [p[lo:hi] for lo, hi in runs(u.db, lambda path: path in live)]
+                else:
+                    decay += [p[lo:hi] for lo, hi in plan.decay_runs[u.key]]
                 found = plan.span(u.key, frozen, p.device)
                 if found is not None:
                     lo, hi, tiles = found

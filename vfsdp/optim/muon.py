@@ -352,7 +352,7 @@ def muon(
         if not plan.waves:
             return state
         first = next(iter(units.values())).db
-        group, device, _rank = first.groups.shard, first.device, first.rank
+        group, device = first.groups.shard, first.device
         leaves = grad_leaves(grads, spec, "muon.update")
         frozen = {(key, k) for key, u in units.items() for k in u.frozen()}
         with torch.no_grad():

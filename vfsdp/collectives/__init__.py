@@ -6,7 +6,7 @@ Imports only ``vfsdp.planner`` and ``vfsdp.placements`` (and ``torch.distributed
 from vfsdp.collectives.agree import agree, agreed
 from vfsdp.collectives.comm import counts, reset_counts
 from vfsdp.collectives.dbuffer import DBuffer
-from vfsdp.collectives.groups import MeshGroups, resolve_groups
+from vfsdp.collectives.groups import MeshGroups, host_groups, resolve_groups
 from vfsdp.collectives.handle import Handle
 from vfsdp.collectives.piece import Piece
 from vfsdp.collectives.redistribute import Redistribution, flat_redistribute
@@ -38,6 +38,7 @@ __all__ = [
     "counts",
     "flat_redistribute",
     "flat_redistribute_reference",
+    "host_groups",
     "reduce_scatter_reference",
     "reset_counts",
     "resolve_groups",

@@ -522,6 +522,21 @@ class DBuffer:
                 self.shard.numel(), dtype=self.dtype, device=self.device)
         return self.shard
 
+    def pin_shard(self) -> DBuffer:
+        """Move a host shard into pinned (page-locked) memory, so that copies between it and
+        a GPU run asynchronously (``vfsdp.optim.offload``); its values are kept. Call it
+        before any of its views are handed out: they would keep the old memory.
+
+        Raises:
+            ValueError: the shard is not in CPU memory.
+        """
+        if self.shard.device.type != "cpu":
+            raise ValueError(f"pin_shard: the {self.name} shard of unit {unit_name(self.key)} is "
+                             f"on {self.shard.device}, not in host memory")
+        if not self.shard.is_pinned():
+            self.shard = self.shard.pin_memory()
+        return self
+
     def zero_(self) -> DBuffer:
         """One kernel over the whole shard."""
         with torch.no_grad():

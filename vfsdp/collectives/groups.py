@@ -22,7 +22,7 @@ import torch.distributed as dist
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["MeshGroups", "resolve_groups", "device_for", "default_mesh", "world_mesh", "use_device",
-           "control_device"]
+           "control_device", "host_groups"]
 
 _CACHE = threading.local()
 
@@ -271,3 +271,43 @@ def world_mesh(shape: tuple, names: tuple):
         mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
         entry = cache[key] = (dist.group.WORLD, mesh)
     return entry[1]
+
+
+def host_groups(groups: MeshGroups) -> MeshGroups:
+    """The groups of host (CPU) copies of a spec's buffers (``vfsdp.optim.offload``): the
+    same groups when they already run on the CPU (gloo), else gloo groups over the same ranks
+    (built once per mesh, by every rank in the same order: call it collectively).
+
+    Raises:
+        ValueError: buffers on ``meta`` (no values to copy), or a CUDA mesh with a model axis
+            (TP/EP), whose host groups vfsdp does not build.
+
+    Example:
+        >>> def body():
+        ...     g = resolve_groups(vfsdp.plan({"w": torch.ones(8)}, 2))
+        ...     return host_groups(g) is g, host_groups(g).device
+        >>> vfsdp.testing.simulate(2, body)[0]
+        (True, device(type='cpu'))
+    """
+    if groups.device.type == "cpu":
+        return groups
+    if groups.device.type == "meta":
+        raise ValueError("offload: the buffers are on meta, which holds no values to copy to "
+                         "the host; offload real parameters")
+    if groups.model is not None:
+        raise ValueError("offload: a spec with a model axis (TP/EP) on a GPU needs host groups "
+                         "for that axis, which vfsdp does not build; offload FSDP/HSDP specs, "
+                         "or run the optimizer on the device")
+    cache = getattr(_CACHE, "hosts", None)
+    if cache is None:
+        cache = _CACHE.hosts = {}
+    found = cache.get(groups.grid)
+    if found is None:
+        rows = [dist.new_group(list(row), backend="gloo") for row in groups.grid]
+        cols = ([dist.new_group(list(col), backend="gloo") for col in zip(*groups.grid)]
+                if groups.replicate is not None else None)
+        found = cache[groups.grid] = MeshGroups(
+            rows[groups.replicate_rank], None if cols is None else cols[groups.shard_rank],
+            groups.shard_rank, groups.shard_size, groups.replicate_rank, groups.replicate_size,
+            torch.device("cpu"), groups.grid)
+    return found

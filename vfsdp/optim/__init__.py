@@ -11,6 +11,7 @@ from vfsdp.optim.clip import clip_grad_norm, global_norm
 from vfsdp.optim.compose import ClipState, chain, clip_by_global_norm, partition
 from vfsdp.optim.mixed_clip import GradTree, clip_grad_norm_of, global_norm_of
 from vfsdp.optim.muon import MuonPlan, MuonState, muon
+from vfsdp.optim.offload import OffloadState, offload
 from vfsdp.optim.schedules import constant, warmup_cosine
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "GradTree",
     "MuonPlan",
     "MuonState",
+    "OffloadState",
     "Optimizer",
     "adamw",
     "adamw8bit",
@@ -35,6 +37,7 @@ __all__ = [
     "global_norm_of",
     "gradient_transform",
     "muon",
+    "offload",
     "partition",
     "warmup_cosine",
 ]

@@ -1,0 +1,315 @@
+"""Optimizer state and master parameters in host memory: ``offload(opt)``.
+
+``offload(opt)`` runs any optimizer (``adamw``, ``adamw8bit``, ``muon``, a ``chain`` or
+``partition`` of them, or a member of one) on host copies of the units' shards:
+
+* ``init`` makes, per unit, a host copy of this rank's shard (the *master*, in
+  ``master_dtype``: float32 for bf16 and fp32 parameters) and the wrapped optimizer's state
+  over those copies, all in host memory (the master and gradient copies pinned when the
+  parameters are on a GPU). The device keeps the parameters and their gradients only.
+* ``update``, per unit: one device-to-host copy of the unit's reduced gradient shard, the
+  wrapped optimizer's update on the host (torch's CPU kernels; ``adamw(fused=True)`` takes
+  torch's fused CPU AdamW), and one host-to-device copy per run of updated tensors back into
+  the shard, cast to its dtype. On a GPU the copies run on a stream of their own, from pinned
+  memory; the compute stream waits for the last one before anything reads the parameters.
+  There is no per-parameter loop: the copies are per unit (per run of selected tensors).
+* Parameters written on the device by anything else (a checkpoint load, another member of a
+  ``partition`` over the same unit, a user's in-place write) are seen by the shard's version
+  counter and read back into the master before the update (``state.resyncs`` counts it).
+* A failure of the host update on one rank raises on every rank (one small exchange per
+  update), instead of leaving the others waiting in the next collective.
+* A checkpoint of the state holds what the wrapped optimizer's state holds, under the same
+  names: a checkpoint saved offloaded loads without offload, and back, at any world size. The
+  masters are not saved (the parameters are): after a load they are read back from them.
+
+With parameters in the masters' dtype (fp32 shards) the result is bitwise that of the same
+optimizer on the host without offload, and on the device where torch's kernels round alike
+(see the optimizer docs). With narrower parameters (bf16 shards) the masters keep float32
+values between steps, which the device shards alone cannot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import optree
+import torch
+
+from vfsdp import _torch_private as tp
+from vfsdp.collectives.agree import agree
+from vfsdp.collectives.groups import host_groups
+from vfsdp.collectives.unit import Unit
+from vfsdp.optim.adamw import runs
+from vfsdp.optim.base import (
+    Mask,
+    Optimizer,
+    apply_update,
+    flat_grads,
+    grad_leaves,
+    init_masked,
+    state_dtype,
+    unit_buffers,
+)
+from vfsdp.planner.spec import ShardSpec
+
+__all__ = ["offload", "OffloadState", "HostUnit"]
+
+
+@dataclass(frozen=True)
+class HostUnit:
+    """One unit's host side: the device unit, its host copy (``host.params`` holds the
+    master, ``host.grads()`` the gradient copy) and the flat ranges of this rank's shard the
+    wrapped optimizer updates (``runs``: copied back after each update); ``views``: the
+    masters' tensor views, by buffer index."""
+
+    device: Unit
+    host: Unit
+    runs: tuple
+    views: dict = field(default_factory=dict, repr=False)  # buffer index -> master view
+
+
+@dataclass
+class OffloadState:
+    """The wrapped optimizer's state (``inner``, over host memory) and the host copies.
+
+    Attributes:
+        inner: The wrapped optimizer's state.
+        units: One :class:`HostUnit` per unit, in the spec's unit order.
+        shards: The masters, as a tree like the parameters (what ``inner`` updates).
+        grads: The host gradient copies, as a tree like the parameters.
+        resyncs: How many times a unit's master was read back from its device shard because
+            something else wrote the shard.
+
+    Example:
+        >>> def body():
+        ...     params = {"w": torch.ones(8)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     shards = vfsdp.shard(params, spec)
+        ...     state = vfsdp.optim.offload(vfsdp.optim.adamw()).init(shards, spec)
+        ...     return type(state.inner).__name__, state.host_bytes(), state.resyncs
+        >>> vfsdp.testing.simulate(2, body)[0]       # master, gradient, two moments: 4 x 16 B
+        ('AdamWState', 64, 0)
+    """
+
+    inner: Any
+    units: tuple = field(repr=False)
+    shards: Any = field(repr=False)
+    grads: Any = field(repr=False)
+    resyncs: int = 0
+    seen: dict = field(default_factory=dict, repr=False)  # key -> (shard id, version) we wrote
+    stream: Any = field(default=None, repr=False)  # the copies' CUDA stream (None on the CPU)
+    pending: Any = field(default=None, repr=False)  # the event of the last copy to the device
+
+    def host_bytes(self) -> int:
+        """Bytes of host memory the masters, gradient copies and the wrapped optimizer's
+        state buffers hold on this rank."""
+        seen, total = set(), 0
+        for hu in self.units:
+            for db in hu.host.buffers():
+                total += db.shard.untyped_storage().nbytes()
+                seen.add(id(db.shard.untyped_storage()))
+        for x in optree.tree_leaves(_buffers(self.inner)):
+            s = x.shard.untyped_storage()
+            if id(s) not in seen:
+                seen.add(id(s))
+                total += s.nbytes()
+        return total
+
+    def wait(self) -> None:
+        """Wait until the last copy to the device has read the masters (before the host
+        writes them again)."""
+        if self.pending is not None:
+            self.pending.synchronize()
+            self.pending = None
+
+    def checkpoint_tree(self, spec: ShardSpec) -> Any:
+        """What the wrapped optimizer's state saves, under the same names."""
+        return self.inner
+
+    def restore_checkpoint(self, tree: Any) -> OffloadState:
+        self.inner = tree
+        self.seen.clear()  # the parameters were loaded too: read the masters back from them
+        return self
+
+
+def _buffers(state: Any) -> list:
+    """The DBuffers a state object holds (its attributes' and containers' values), found by
+    walking it; for the byte count only."""
+    from vfsdp.collectives.dbuffer import DBuffer
+
+    out, todo, seen = [], [state], set()
+    while todo:
+        x = todo.pop()
+        if id(x) in seen or isinstance(x, (torch.Tensor, str, int, float, type(None))):
+            continue
+        seen.add(id(x))
+        if isinstance(x, DBuffer):
+            out.append(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif hasattr(x, "__dict__"):
+            todo.extend(vars(x).values())
+    return out
+
+
+def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optimizer:
+    """``opt`` with its state and the master parameters in host memory (see the module
+    docstring): the device holds no optimizer state and no master copy.
+
+    Args:
+        opt: Any optimizer: ``adamw``, ``adamw8bit``, ``muon``, a ``chain`` or
+            ``partition``, and it may be a member of one. It must be the member that
+            updates parameters: the gradients it hands on stay on the host.
+        master_dtype: The masters' dtype (default: float32, or the parameters' own dtype
+            where it is wider).
+
+    Returns:
+        An :class:`vfsdp.optim.Optimizer` whose state is an :class:`OffloadState`.
+
+    Raises:
+        TypeError: ``opt`` is not an Optimizer, or ``master_dtype`` is not floating point.
+        ValueError: from ``init``, parameters on ``meta``, or a GPU spec with a model axis
+            (see :func:`vfsdp.collectives.host_groups`); from ``update``, under
+            ``torch.compile``, or for other shards than ``init`` was given.
+        RuntimeError: from ``update``, on every rank but the one where the host update
+            failed (which raises its own error), naming that rank.
+
+    Example:
+        >>> def body():
+        ...     params = {"w": torch.ones(8)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     shards = vfsdp.shard(params, spec)
+        ...     opt = vfsdp.optim.offload(vfsdp.optim.adamw(lr=0.1, weight_decay=0.0))
+        ...     state = opt.init(shards, spec)
+        ...     vfsdp.grads(shards, spec)["w"].fill_(1.0)
+        ...     state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+        ...     return [round(x, 4) for x in shards["w"].tolist()], state.inner.step
+        >>> vfsdp.testing.simulate(2, body)
+        [([0.9, 0.9, 0.9, 0.9], 1), ([0.9, 0.9, 0.9, 0.9], 1)]
+    """
+    if not isinstance(opt, Optimizer):
+        raise TypeError(f"offload(opt) takes a vfsdp.optim.Optimizer, got {type(opt).__name__}")
+    if master_dtype is not None and not (isinstance(master_dtype, torch.dtype)
+                                         and master_dtype.is_floating_point):
+        raise TypeError(f"offload: master_dtype must be a floating-point torch.dtype, got "
+                        f"{master_dtype!r}")
+
+    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> OffloadState:
+        what = "offload.init"
+        units = unit_buffers(shards, spec, what)
+        host_leaves: list = [None] * spec.treespec.num_leaves
+        grad_leaves_: list = [None] * spec.treespec.num_leaves
+        made = []
+        with torch.no_grad():
+            for u in units:
+                groups = host_groups(u.unit.groups)
+                pin = u.db.device.type == "cuda"
+                host = Unit(u.unit.layout, groups, master_dtype or state_dtype(u.db.dtype))
+                gdb = host.grads()
+                if pin:
+                    host.params.pin_shard()
+                    gdb.pin_shard()
+                chosen = runs(u.db, mask)
+                for lo, hi in chosen:
+                    host.params.shard[lo:hi].copy_(u.db.shard[lo:hi])
+                views = {}
+                for (i, k), x in zip(u.leaves, u.values):
+                    if k not in views:
+                        views[k] = host.params.local(k)
+                        views[k].requires_grad_(x.requires_grad)
+                    host_leaves[i], grad_leaves_[i] = views[k], host.grad_view(k)
+                made.append(HostUnit(u.unit, host, chosen, views))
+        host_shards = optree.tree_unflatten(spec.treespec, host_leaves)
+        inner = init_masked(opt, host_shards, spec, mask, "offload")
+        stream = None
+        if units and units[0].db.device.type == "cuda":
+            stream = torch.cuda.Stream(units[0].db.device)
+        state = OffloadState(inner, tuple(made), host_shards,
+                             optree.tree_unflatten(spec.treespec, grad_leaves_), stream=stream)
+        for u, hu in zip(units, made):
+            state.seen[u.key] = _mark(hu.device, u.values)
+        return state
+
+    def update(grads: Any, state: OffloadState, shards: Any, spec: ShardSpec) -> OffloadState:
+        what = "offload.update"
+        if tp.compiling():
+            raise ValueError("offload.update under torch.compile is not supported (the host "
+                             "update runs eagerly); call it after the compiled step")
+        leaves = grad_leaves(grads, spec, what)
+        units = unit_buffers(shards, spec, what)
+        if len(units) != len(state.units) or any(
+                u.unit is not hu.device for u, hu in zip(units, state.units)):
+            raise ValueError(f"{what}: these shards are not the ones offload.init was given "
+                             f"(the state holds host copies of those); init a state for them")
+        state.wait()
+        blocking = state.stream is None
+        if not blocking:  # the gradients are written on the compute stream
+            state.stream.wait_stream(torch.cuda.current_stream(state.stream.device))
+        with torch.no_grad(), _on(state.stream):
+            for u, hu in zip(units, state.units):
+                _sync_frozen(u, hu)
+                if not hu.runs:
+                    continue
+                if state.seen.get(u.key) != _mark(hu.device, u.values):
+                    _read_back(hu, blocking)
+                    state.resyncs += 1
+                hu.host.grads().shard.copy_(flat_grads(leaves, u, what), non_blocking=not blocking)
+        if state.stream is not None:
+            state.stream.synchronize()
+        error = None
+        try:
+            _, state.inner = apply_update(opt, state.grads, state.inner, state.shards, spec)
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            error = exc
+        agree(error)
+        with torch.no_grad(), _on(state.stream):
+            for u, hu in zip(units, state.units):
+                dev, master = hu.device.params.shard, hu.host.params.shard
+                for lo, hi in hu.runs:
+                    dev[lo:hi].copy_(master[lo:hi], non_blocking=not blocking)
+                state.seen[u.key] = _mark(hu.device, u.values)
+        if state.stream is not None:
+            state.pending = state.stream.record_event()
+            torch.cuda.current_stream(state.stream.device).wait_event(state.pending)
+        return state
+
+    return Optimizer(init, update, opt.granularity)
+
+
+def _mark(unit: Unit, leaves: tuple) -> tuple:
+    """What changes when anything writes the unit's parameter shard: its identity and the
+    version counters of the shard (written through slices of it: optimizers) and of the
+    tensors of the tree (written in place by the user, or by a checkpoint load)."""
+    shard = unit.params.shard
+    return id(shard), tp.version(shard), tuple(tp.version(x) for x in leaves)
+
+
+def _on(stream: Any):
+    """The copies' stream as the current one (nothing on the CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _sync_frozen(u, hu: HostUnit) -> None:
+    """Give the masters the parameters' ``requires_grad`` (a frozen tensor gets no update,
+    as without offload)."""
+    for (_, k), x in zip(u.leaves, u.values):
+        master = hu.views[k]
+        if master.requires_grad != x.requires_grad:
+            master.requires_grad_(x.requires_grad)
+
+
+def _read_back(hu: HostUnit, blocking: bool) -> None:
+    """Read the device shard's runs into the master: where the master's value, cast to the
+    parameters' dtype, is what the device holds, the master keeps its extra precision."""
+    dev, master = hu.device.params.shard, hu.host.params.shard
+    for lo, hi in hu.runs:
+        if dev.dtype == master.dtype:
+            master[lo:hi].copy_(dev[lo:hi], non_blocking=not blocking)
+            continue
+        now = dev[lo:hi].to("cpu")
+        part = master[lo:hi]
+        part.copy_(torch.where(part.to(now.dtype) == now, part, now.to(part.dtype)))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session, in the order that matters if time runs out: the 886M comparison with
-# FSDP2 (eager and optimizers, then compiled), the small example model, then the tests that need a
+# FSDP2 (eager, optimizers and offload, then compiled), the small example model, then the tests that need a
 # GPU. Every part writes its log under $OUT as it goes, so a cut session keeps what ran.
 #
 #   OUT=runs/gpu bash benchmarks/gpu_session.sh          # on a GPU machine
@@ -34,8 +34,8 @@ part() {  # part NAME SECONDS CMD...: run, log to $OUT/NAME.txt, show the tail
 
 part env 60 "$PY" -c "import torch, optree, vfsdp; print(torch.__version__, torch.version.cuda, \
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU', optree.__version__, vfsdp.__version__)"
-part large 230 "$PY" benchmarks/gpu_vs_fsdp2.py $CPU --configs large --systems vfsdp fsdp2 torch \
-    --timeout 200 --json "$OUT/large.json"
+part large 330 "$PY" benchmarks/gpu_vs_fsdp2.py $CPU --configs large --systems vfsdp fsdp2 torch \
+    vfsdp_offload fsdp2_offload --timeout 200 --json "$OUT/large.json"
 part large_compiled 190 "$PY" benchmarks/gpu_vs_fsdp2.py $CPU --configs large --systems vfsdp_compiled \
     --timeout 180 --json "$OUT/large_compiled.json"
 part small 80 "$PY" benchmarks/gpu_vs_fsdp2.py $CPU --configs small --timeout 70 --json "$OUT/small.json"

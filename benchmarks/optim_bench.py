@@ -10,7 +10,11 @@ cut into 4 row blocks (4x the tensors). Rows:
   (``vfsdp.optim.quant.step8_flat``) and one multi-tensor AdamW for the norms;
 * ``8-bit pass, per unit`` and ``8-bit pass, per tensor``: that pass alone, and the reference
   beside it (``step8`` once per quantized tensor, what 0.2 ran), over the same state;
-* ``vfsdp muon``: Muon on the matrices, AdamW on the norms.
+* ``vfsdp muon``: Muon on the matrices, AdamW on the norms;
+* ``offload(...)``: the same optimizers through ``vfsdp.optim.offload`` (state and fp32
+  masters in host memory; on the CPU the "host" is the same memory, so the row shows what
+  the per-unit copies and bookkeeping add), and ``offload(adamw fused)``, torch's fused CPU
+  AdamW kernel on the host (``adamw(fused=True)``).
 
     python benchmarks/optim_bench.py
     python benchmarks/optim_bench.py --dim 512 --layers 2 --repeat 5
@@ -96,12 +100,21 @@ def rows(dim: int, layers: int, cut: int, repeat: int, device: str) -> dict:
     topt = torch.optim.AdamW(leaves, lr=1e-3, **fused)
     out["torch AdamW"] = _median(topt.step, repeat, sync)
     is_matrix = lambda p: str(p[-1]) != "norm"
-    for name, opt in (
-            ("vfsdp adamw", vfsdp.optim.adamw(lr=1e-3)),
-            ("vfsdp adamw8bit", vfsdp.optim.adamw8bit(lr=1e-3, compile=False)),
-            ("vfsdp muon", vfsdp.optim.partition(
-                {"muon": vfsdp.optim.muon(lr=1e-3), "adamw": vfsdp.optim.adamw(lr=1e-3)},
-                lambda p: "muon" if is_matrix(p) else "adamw"))):
+    made = {
+        "vfsdp adamw": lambda: vfsdp.optim.adamw(lr=1e-3),
+        "vfsdp adamw8bit": lambda: vfsdp.optim.adamw8bit(lr=1e-3, compile=False),
+        "vfsdp muon": lambda: vfsdp.optim.partition(
+            {"muon": vfsdp.optim.muon(lr=1e-3), "adamw": vfsdp.optim.adamw(lr=1e-3)},
+            lambda p: "muon" if is_matrix(p) else "adamw")}
+    offload = getattr(vfsdp.optim, "offload", None)
+    if offload is not None:
+        made.update({
+            "offload(adamw)": lambda: offload(made["vfsdp adamw"]()),
+            "offload(adamw fused)": lambda: offload(vfsdp.optim.adamw(lr=1e-3, fused=True)),
+            "offload(adamw8bit)": lambda: offload(made["vfsdp adamw8bit"]()),
+            "offload(muon)": lambda: offload(made["vfsdp muon"]())})
+    for name, make in made.items():
+        opt = make()
         spec = vfsdp.plan(tree, 1, granularity=opt.granularity)
         shards = vfsdp.shard(tree, spec)
         state = opt.init(shards, spec)
@@ -136,7 +149,10 @@ def main(argv=None) -> int:
           f"{four['tensors']}; seconds per update (median of {args.repeat}), and against torch "
           f"AdamW in the same run")
     for name in ("torch AdamW", "vfsdp adamw", "vfsdp adamw8bit", "8-bit pass, per unit",
-                 "8-bit pass, per tensor", "vfsdp muon"):
+                 "8-bit pass, per tensor", "vfsdp muon", "offload(adamw)",
+                 "offload(adamw fused)", "offload(adamw8bit)", "offload(muon)"):
+        if name not in one:
+            continue
         a, b = one[name], four[name]
         print(f"{name:<22} {a:9.4f} s ({a / one['torch AdamW']:5.2f}x)   x4 tensors: "
               f"{b:9.4f} s ({b / four['torch AdamW']:5.2f}x)")

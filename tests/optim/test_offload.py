@@ -77,7 +77,7 @@ def test_bf16_parameters_keep_fp32_masters():
 
 
 def test_misuse_is_refused(monkeypatch):
-    with pytest.raises(TypeError, match="takes a vfsdp.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"takes a vfsdp\.optim\.Optimizer"):
         offload(lambda: None)
     with pytest.raises(TypeError, match="master_dtype must be a floating-point"):
         offload(adamw(), master_dtype=torch.int8)

@@ -278,6 +278,12 @@ def host_groups(groups: MeshGroups) -> MeshGroups:
     same groups when they already run on the CPU (gloo), else gloo groups over the same ranks
     (built once per mesh, by every rank in the same order: call it collectively).
 
+    Args:
+        groups: The device buffers' groups (``unit.groups``).
+
+    Returns:
+        A :class:`MeshGroups` whose ``device`` is the CPU.
+
     Raises:
         ValueError: buffers on ``meta`` (no values to copy), or a CUDA mesh with a model axis
             (TP/EP), whose host groups vfsdp does not build.

@@ -243,8 +243,9 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         units = unit_buffers(shards, spec, what)
         if len(units) != len(state.units) or any(
                 u.unit is not hu.device for u, hu in zip(units, state.units)):
-            raise ValueError(f"{what}: these shards are not the ones offload.init was given "
-                             f"(the state holds host copies of those); init a state for them")
+            raise ValueError("offload.update: these shards are not the ones offload.init was "
+                             "given (the state holds host copies of those); init a state for "
+                             "them")
         state.wait()
         blocking = state.stream is None
         if not blocking:  # the gradients are written on the compute stream

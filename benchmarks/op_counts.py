@@ -12,6 +12,7 @@ second step of each (the first builds what later steps reuse)::
 A second table counts one update over the same parameters cut into more tensors: 8-bit AdamW
 with every matrix split into 4 (4x the tensors, the same numbers), Muon with 4x the layers of
 the same shapes. A structure-aware update whose ops grow per tensor shows it here.
+``offload(...)`` rows: the same optimizer on host copies (its copies are per unit).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from vfsdp.testing.models import GPTConfig, init_rule, meta_params
 
 
 def _optimizer(name: str):
+    if name.startswith("offload("):  # the same optimizer on host copies
+        return vfsdp.optim.offload(_optimizer(name[len("offload("):-1]))
     no_norm = lambda path: not str(path[-1]).endswith("norm")
     if name == "adamw":
         return vfsdp.optim.adamw(lr=1e-3, weight_decay=0.1, weight_decay_mask=no_norm)
@@ -69,7 +72,7 @@ def split_params(name: str, times: int, dim: int = 256, layers: int = 4) -> dict
     into ``times`` row blocks each (the same parameters); for ``muon`` ``times`` as many layers
     of the same shapes."""
     g = torch.Generator().manual_seed(0)
-    if name == "adamw8bit":
+    if name.endswith("adamw8bit)") or name == "adamw8bit":
         rows = [dim // times] * times
         return {"layers": [{**{f"w{j}": torch.randn(r, dim, generator=g) for j, r in
                                enumerate(rows)},
@@ -104,24 +107,24 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--world", type=int, default=2)
     args = ap.parse_args(argv)
-    print(f"{'optimizer':<10} {'parameters':>22} {'update ops':>14} {'step ops':>14} "
+    print(f"{'optimizer':<14} {'parameters':>22} {'update ops':>14} {'step ops':>14} "
           f"{'of them kernels (update, step)':>32}")
-    for name in ("adamw", "adamw8bit", "muon"):
+    for name in ("adamw", "adamw8bit", "muon", "offload(adamw)"):
         rows = []
         for dim in args.dims:
             cfg = GPTConfig(vocab=512, dim=dim, layers=args.layers, heads=8, kv_heads=4,
                             ffn=int(2.75 * dim) // 32 * 32, seq=32)
             rows.append(simulate(args.world, _counts, name, cfg, args.world)[0])
         a, b = rows
-        print(f"{name:<10} {a['params']:>10,} -> {b['params']:<10,} {a['update_ops']:>6} -> "
+        print(f"{name:<14} {a['params']:>10,} -> {b['params']:<10,} {a['update_ops']:>6} -> "
               f"{b['update_ops']:<6} {a['step_ops']:>6} -> {b['step_ops']:<6} "
               f"{a['update_kernels']:>6} -> {b['update_kernels']:<6} {a['step_kernels']:>6} -> "
               f"{b['step_kernels']:<6}")
-    print(f"\n{'optimizer':<10} {'update ops: tensors x1 -> x4':>30}  (same parameters for "
+    print(f"\n{'optimizer':<18} {'update ops: tensors x1 -> x4':>30}  (same parameters for "
           f"adamw8bit, 4x the same shapes for muon)")
-    for name in ("adamw8bit", "muon"):
+    for name in ("adamw8bit", "muon", "offload(adamw8bit)"):
         one, four = (simulate(args.world, split_counts, name, t, args.world)[0] for t in (1, 4))
-        print(f"{name:<10} {one:>14} -> {four:<8} ({four / one:.2f}x)")
+        print(f"{name:<18} {one:>14} -> {four:<8} ({four / one:.2f}x)")
     return 0
 
 

@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 import optree
 import torch
+import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.agree import agree
@@ -266,7 +267,7 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
             _, state.inner = apply_update(opt, state.grads, state.inner, state.shards, spec)
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             error = exc
-        agree(error)
+        _agree(error, state.units)
         with torch.no_grad(), _on(state.stream):
             for u, hu in zip(units, state.units):
                 dev, master = hu.device.params.shard, hu.host.params.shard
@@ -279,6 +280,25 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         return state
 
     return Optimizer(init, update, opt.granularity)
+
+
+def _agree(error: Optional[BaseException], units: tuple) -> None:
+    """Every rank raises if the host update failed on any: one 1-element all-reduce when all
+    went well (over the default group on the CPU; over the host groups, shard then replicate,
+    on a GPU, whose default group is NCCL), the messages exchanged only on a failure."""
+    if not dist.is_initialized():
+        agree(error)  # raises it, if any
+        return
+    on_cpu = not units or units[0].device.groups.device.type == "cpu"
+    host = None if on_cpu else units[0].host.groups
+    flag = torch.tensor([0.0 if error is None else 1.0])
+    for group in ([None] if on_cpu else [g for g in (host.shard, host.replicate) if g]):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if flag.item() == 0:
+        return
+    agree(error, None if on_cpu else host.shard)
+    raise RuntimeError("offload.update: the host update failed on a rank of another replica "
+                       "(its error is raised there)")
 
 
 def _mark(unit: Unit, leaves: tuple) -> tuple:

@@ -47,18 +47,31 @@ def optimizer(kind: str, offloaded: bool) -> Optimizer:
     raise ValueError(kind)
 
 
-def _step(shards, spec, step: int) -> None:
-    full = vfsdp.gather(shards, spec, grads="buffer")
-    leaves = optree.tree_leaves(full)
-    loss = sum(((x.float() - 0.1 * step) ** 2).sum() * (i + 1) for i, x in enumerate(leaves))
-    loss.backward()
+def _step(shards, spec, step: int, mode: str = "buffer") -> None:
+    """One backward: ``buffer`` (grads="buffer"), ``async`` (async_reduce=True), ``micro``
+    (two micro-batches accumulated), ``return`` (grads="return": the gradients go to .grad),
+    ``clip`` (then clipped on the device, in place)."""
+    for micro in range(2 if mode == "micro" else 1):
+        opts = {"grads": "return"} if mode == "return" else {"grads": "buffer"}
+        if mode == "async":
+            opts["async_reduce"] = True
+        if mode == "micro":
+            opts["accumulate_grads"] = True
+        full = vfsdp.gather(shards, spec, **opts)
+        leaves = optree.tree_leaves(full)
+        loss = sum(((x.float() - 0.1 * step - micro) ** 2).sum() * (i + 1)
+                   for i, x in enumerate(leaves))
+        loss.backward()
+    if mode == "clip":
+        vfsdp.optim.clip_grad_norm(vfsdp.grads(shards, spec), spec, 1.0)
 
 
 def train(kind: str, offloaded: bool, steps: int = 3, freeze: bool = False,
-          poke: bool = False) -> dict:
+          poke: bool = False, mode: str = "buffer") -> dict:
     """``steps`` updates of ``kind``; ``freeze``: the first layer's norm is frozen after
     the first step; ``poke``: the embedding is scaled in place on the device after the
-    second. Returns this rank's shards and what the offloaded state counted."""
+    second; ``mode``: how the backward runs (see ``_step``). Returns this rank's shards and
+    what the offloaded state counted."""
     opt = optimizer(kind, offloaded)
     spec = vfsdp.plan(params(), dist.get_world_size(), granularity=opt.granularity)
     shards = vfsdp.shard(params(), spec)
@@ -69,12 +82,13 @@ def train(kind: str, offloaded: bool, steps: int = 3, freeze: bool = False,
         if poke and step == 2:
             with torch.no_grad():
                 shards["embed"].mul_(0.5)
-        _step(shards, spec, step)
+        _step(shards, spec, step, mode)
         state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
         vfsdp.zero_grads(shards, spec)
     inner = state if offloaded and kind != "member" else None
     return {"shards": [x.detach().clone() for x in optree.tree_leaves(shards)],
             "resyncs": inner.resyncs if inner is not None else None,
+            "grad_copies": inner.grad_copies if inner is not None else None,
             "host_bytes": inner.host_bytes() if inner is not None else None}
 
 

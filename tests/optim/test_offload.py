@@ -36,6 +36,17 @@ def test_offload_of_a_chain_with_clip_and_odd_worlds(world):
                  simulate(world, ob.train, "chain", True))
 
 
+@pytest.mark.parametrize("mode,copies", [("buffer", 0), ("async", 0), ("micro", 0),
+                                         ("return", 12), ("clip", 12)])
+def test_the_backward_copies_gradients_to_the_host_unless_they_change_after(mode, copies):
+    # Each reduction copies the unit's gradient shard to the host; the update copies again
+    # only what changed since (clipped in place on the device) or is not the buffer (.grad).
+    plain = simulate(2, ob.train, "adamw", False, 3, False, False, mode)
+    off = simulate(2, ob.train, "adamw", True, 3, False, False, mode)
+    assert _same(plain, off)
+    assert [r["grad_copies"] for r in off] == [copies, copies]  # 4 units x 3 steps
+
+
 def test_frozen_tensors_and_device_writes_are_followed():
     # A tensor frozen after init gets no update, as without offload.
     assert _same(simulate(2, ob.train, "adamw", False, 3, True),

@@ -8,6 +8,7 @@ from vfsdp.collectives.comm import counts, reset_counts
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.groups import MeshGroups, host_groups, resolve_groups
 from vfsdp.collectives.handle import Handle
+from vfsdp.collectives.mirror import HostMirror
 from vfsdp.collectives.piece import Piece
 from vfsdp.collectives.redistribute import Redistribution, flat_redistribute
 from vfsdp.collectives.reference import (
@@ -23,6 +24,7 @@ from vfsdp.collectives.unit import Unit, UnitState
 __all__ = [
     "DBuffer",
     "Handle",
+    "HostMirror",
     "MeshGroups",
     "Piece",
     "Redistribution",

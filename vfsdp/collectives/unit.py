@@ -43,10 +43,11 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
+from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle
@@ -101,6 +102,7 @@ class Unit:
         self._compute: dict = {}
         self._grads: Optional[DBuffer] = None
         self._grad_views: dict = {}  # grad_view(), made on first use
+        self._grad_born: dict = {}  # their version counters when made
         self._accum: dict = {}
         self._stage: dict = {}
         self.grad_task = -2        # the backward pass that last wrote the gradient buffer
@@ -116,6 +118,7 @@ class Unit:
         # What the compiled path reads of this unit (vfsdp.functional.traced): its groups'
         # names, its anchor and accumulator leaves; made by vfsdp.shard.
         self.traced: Optional[tuple] = None
+        self._mirror: Optional[weakref.ref] = None  # grad_mirror, held weakly
 
     @property
     def key(self):
@@ -244,7 +247,29 @@ class Unit:
         until the handle is done, and readers of the gradients wait for it."""
         return self.grads().reduce_scatter(source=source, op=op, reduce_dtype=reduce_dtype,
                                            accumulate=accumulate, async_op=async_op,
-                                           release=release)
+                                           release=release, mirror=self.grad_mirror)
+
+    @property
+    def grad_mirror(self) -> Any:
+        """The :class:`~vfsdp.collectives.HostMirror` each reduction ends by copying the
+        gradient shard into (``vfsdp.optim.offload``'s), or ``None``."""
+        return None if self._mirror is None else self._mirror()
+
+    def mirror_grads(self, mirror: Any) -> None:
+        """Copy the gradient shard into ``mirror`` after each reduction (``None``: stop).
+        Held weakly: it stops when its owner (an offloaded optimizer state) goes."""
+        self._mirror = None if mirror is None else weakref.ref(mirror)
+
+    def grads_shard(self) -> Optional[torch.Tensor]:
+        """The gradient buffer's shard as it is (no wait), or ``None`` without a buffer."""
+        return None if self._grads is None else self._grads.shard
+
+    def grad_writes(self) -> int:
+        """How many in-place writes the gradient views :meth:`grad_view` handed out
+        (``vfsdp.grads``, ``.grad``) took since they were made: it grows with every write
+        through them (their version counters), and not when a view is made."""
+        return sum(tp.version(v) - self._grad_born[k] for k, v in self._grad_views.items()
+                   if type(v) is not ReleasedTensor)
 
     def reduce_new(self, source: torch.Tensor, op: str,
                    reduce_dtype: Optional[torch.dtype]) -> torch.Tensor:
@@ -279,6 +304,7 @@ class Unit:
                              and gdb.holds_shard):
             gdb = gdb if gdb is not None else self.grads()
             found = self._grad_views[k] = gdb.local(k, weak_unit=True)
+            self._grad_born[k] = tp.version(found)
         return found
 
     def accumulator(self, dtype: torch.dtype, create: bool = True) -> Optional[DBuffer]:
@@ -334,4 +360,5 @@ class Unit:
             pending.append("unreduced gradients")
         return (f"Unit({unit_name(self.layout.key)}, rank {self.rank}/{self.layout.world_size}, "
                 f"S={self.layout.shard_numel}, {self.params.dtype}, {self.state.value}; "
-                f"holding [{', '.join(held)}]; pending [{', '.join(pending)}])")
+                f"holding [{', '.join(held)}]; pending [{', '.join(pending)}]"
+                f"{'; gradients mirrored to the host' if self.grad_mirror is not None else ''})")

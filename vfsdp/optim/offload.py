@@ -7,12 +7,17 @@
   ``master_dtype``: float32 for bf16 and fp32 parameters) and the wrapped optimizer's state
   over those copies, all in host memory (the master and gradient copies pinned when the
   parameters are on a GPU). The device keeps the parameters and their gradients only.
-* ``update``, per unit: one device-to-host copy of the unit's reduced gradient shard, the
-  wrapped optimizer's update on the host (torch's CPU kernels; ``adamw(fused=True)`` takes
-  torch's fused CPU AdamW), and one host-to-device copy per run of updated tensors back into
-  the shard, cast to its dtype. On a GPU the copies run on a stream of their own, from pinned
-  memory; the compute stream waits for the last one before anything reads the parameters.
-  There is no per-parameter loop: the copies are per unit (per run of selected tensors).
+* The backward copies each unit's reduced gradient shard to the host as soon as its
+  reduction is done (the unit's :class:`~vfsdp.collectives.HostMirror`, one copy per unit; on
+  a GPU on a stream of its own, into pinned memory, while the backward of the other units
+  goes on).
+* ``update``, per unit: the gradient copy again only where the backward's is stale
+  (something wrote the gradients after the reduction, e.g. a clip on the device:
+  ``state.grad_copies`` counts these), the wrapped optimizer's update on the host (torch's CPU
+  kernels; ``adamw(fused=True)`` takes torch's fused CPU AdamW), and one host-to-device copy
+  per run of updated tensors back into the shard, cast to its dtype; on a GPU on the same
+  stream, and the compute stream waits for the last one before anything reads the
+  parameters. There is no per-parameter loop.
 * Parameters written on the device by anything else (a checkpoint load, another member of a
   ``partition`` over the same unit, a user's in-place write) are seen by the shard's version
   counter and read back into the master before the update (``state.resyncs`` counts it).
@@ -41,6 +46,7 @@ import torch.distributed as dist
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.agree import agree
 from vfsdp.collectives.groups import host_groups
+from vfsdp.collectives.mirror import HostMirror
 from vfsdp.collectives.unit import Unit
 from vfsdp.optim.adamw import runs
 from vfsdp.optim.base import (
@@ -63,12 +69,15 @@ class HostUnit:
     """One unit's host side: the device unit, its host copy (``host.params`` holds the
     master, ``host.grads()`` the gradient copy) and the flat ranges of this rank's shard the
     wrapped optimizer updates (``runs``: copied back after each update); ``views``: the
-    masters' tensor views, by buffer index."""
+    masters' tensor views, by buffer index; ``mirror``: the unit's
+    :class:`~vfsdp.collectives.HostMirror`, which each reduction of the backward copies the
+    gradient shard into (``None`` where another offloaded state mirrors the unit)."""
 
     device: Unit
     host: Unit
     runs: tuple
     views: dict = field(default_factory=dict, repr=False)  # buffer index -> master view
+    mirror: Optional[HostMirror] = field(default=None, repr=False)  # what backward copies into
 
 
 @dataclass
@@ -82,6 +91,9 @@ class OffloadState:
         grads: The host gradient copies, as a tree like the parameters.
         resyncs: How many times a unit's master was read back from its device shard because
             something else wrote the shard.
+        grad_copies: How many gradient shards ``update`` copied itself, because the copy the
+            backward made was stale or missing (something wrote the gradients after the
+            reduction, or they were not the unit's gradient buffer).
 
     Example:
         >>> def body():
@@ -99,6 +111,7 @@ class OffloadState:
     shards: Any = field(repr=False)
     grads: Any = field(repr=False)
     resyncs: int = 0
+    grad_copies: int = 0
     seen: dict = field(default_factory=dict, repr=False)  # key -> (shard id, version) we wrote
     stream: Any = field(default=None, repr=False)  # the copies' CUDA stream (None on the CPU)
     pending: Any = field(default=None, repr=False)  # the event of the last copy to the device
@@ -205,16 +218,21 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         host_leaves: list = [None] * spec.treespec.num_leaves
         grad_leaves_: list = [None] * spec.treespec.num_leaves
         made = []
+        on_gpu = bool(units) and units[0].db.device.type == "cuda"
+        stream = torch.cuda.Stream(units[0].db.device) if on_gpu else None
         with torch.no_grad():
             for u in units:
                 groups = host_groups(u.unit.groups)
-                pin = u.db.device.type == "cuda"
                 host = Unit(u.unit.layout, groups, master_dtype or state_dtype(u.db.dtype))
                 gdb = host.grads()
-                if pin:
+                if on_gpu:
                     host.params.pin_shard()
                     gdb.pin_shard()
                 chosen = runs(u.db, mask)
+                mirror = None
+                if chosen and u.unit.grad_mirror is None:
+                    mirror = HostMirror(gdb.shard, stream)
+                    u.unit.mirror_grads(mirror)
                 for lo, hi in chosen:
                     host.params.shard[lo:hi].copy_(u.db.shard[lo:hi])
                 views = {}
@@ -223,12 +241,9 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
                         views[k] = host.params.local(k)
                         views[k].requires_grad_(x.requires_grad)
                     host_leaves[i], grad_leaves_[i] = views[k], host.grad_view(k)
-                made.append(HostUnit(u.unit, host, chosen, views))
+                made.append(HostUnit(u.unit, host, chosen, views, mirror))
         host_shards = optree.tree_unflatten(spec.treespec, host_leaves)
         inner = init_masked(opt, host_shards, spec, mask, "offload")
-        stream = None
-        if units and units[0].db.device.type == "cuda":
-            stream = torch.cuda.Stream(units[0].db.device)
         state = OffloadState(inner, tuple(made), host_shards,
                              optree.tree_unflatten(spec.treespec, grad_leaves_), stream=stream)
         for u, hu in zip(units, made):
@@ -259,7 +274,12 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
                 if state.seen.get(u.key) != _mark(hu.device, u.values):
                     _read_back(hu, blocking)
                     state.resyncs += 1
-                hu.host.grads().shard.copy_(flat_grads(leaves, u, what), non_blocking=not blocking)
+                g = flat_grads(leaves, u, what)  # (waits for a reduction still in flight)
+                mirror = hu.mirror
+                if (mirror is None or u.unit.grad_mirror is not mirror
+                        or g is not u.unit.grads_shard() or not mirror.current(u.unit)):
+                    hu.host.grads().shard.copy_(g, non_blocking=not blocking)
+                    state.grad_copies += 1
         if state.stream is not None:
             state.stream.synchronize()
         error = None
@@ -267,6 +287,9 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
             _, state.inner = apply_update(opt, state.grads, state.inner, state.shards, spec)
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             error = exc
+        for hu in state.units:  # the host update may have changed them (a clip, in place)
+            if hu.mirror is not None:
+                hu.mirror.forget()
         _agree(error, state.units)
         with torch.no_grad(), _on(state.stream):
             for u, hu in zip(units, state.units):

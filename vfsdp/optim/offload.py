@@ -314,7 +314,7 @@ def _agree(error: Optional[BaseException], units: tuple) -> None:
         return
     on_cpu = not units or units[0].device.groups.device.type == "cpu"
     host = None if on_cpu else units[0].host.groups
-    flag = torch.tensor([0.0 if error is None else 1.0])
+    flag = torch.tensor([0.0 if error is None else 1.0])  # cpu: the host groups' flag
     for group in ([None] if on_cpu else [g for g in (host.shard, host.replicate) if g]):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if flag.item() == 0:

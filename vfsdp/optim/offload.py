@@ -264,20 +264,26 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
                              "them")
         state.wait()
         blocking = state.stream is None
-        if not blocking:  # the gradients are written on the compute stream
-            state.stream.wait_stream(torch.cuda.current_stream(state.stream.device))
-        with torch.no_grad(), _on(state.stream):
+        todo = []
+        with torch.no_grad():  # on the compute stream: waits for reductions still in flight
             for u, hu in zip(units, state.units):
                 _sync_frozen(u, hu)
                 if not hu.runs:
                     continue
-                if state.seen.get(u.key) != _mark(hu.device, u.values):
+                stale = state.seen.get(u.key) != _mark(hu.device, u.values)
+                g = flat_grads(leaves, u, what)
+                mirror = hu.mirror
+                fresh = (mirror is not None and u.unit.grad_mirror is mirror
+                         and g is u.unit.grads_shard() and mirror.current(u.unit))
+                todo.append((hu, stale, None if fresh else g))
+        if not blocking:  # the copies read what the compute stream wrote
+            state.stream.wait_stream(torch.cuda.current_stream(state.stream.device))
+        with torch.no_grad(), _on(state.stream):
+            for hu, stale, g in todo:
+                if stale:
                     _read_back(hu, blocking)
                     state.resyncs += 1
-                g = flat_grads(leaves, u, what)  # (waits for a reduction still in flight)
-                mirror = hu.mirror
-                if (mirror is None or u.unit.grad_mirror is not mirror
-                        or g is not u.unit.grads_shard() or not mirror.current(u.unit)):
+                if g is not None:
                     hu.host.grads().shard.copy_(g, non_blocking=not blocking)
                     state.grad_copies += 1
         if state.stream is not None:

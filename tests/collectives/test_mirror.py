@@ -1,12 +1,17 @@
-"""HostMirror: the reduce transition copies the gradient shard; any later write makes it stale."""
+"""HostMirror: the reduce transition copies the gradient shard; its fingerprint tells any
+later write, whether or not a version counter sees it."""
 
 import gc
 
+import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import vfsdp
 from vfsdp.collectives import HostMirror, slot_of
-from vfsdp.testing import simulate
+from vfsdp.collectives.mirror import fingerprint
+from vfsdp.testing import simulate, spawn
 
 
 def _setup():
@@ -24,24 +29,28 @@ def _backward(shards, spec, scale=3.0, **opts):
     (full["w"] * scale).sum().add(full["b"].sum()).backward()
 
 
+def _same(mirror, unit):
+    return mirror.same_as(unit.grads().shard)
+
+
 def lifecycle():
     spec, shards, unit, mirror = _setup()
     seen = []
     _backward(shards, spec)
-    seen.append((mirror.current(unit), mirror.host.tolist() == unit.grads().shard.tolist()))
-    vfsdp.grads(shards, spec)["b"].add_(1.0)            # a write through a handed-out view
-    seen.append(mirror.current(unit))
-    _backward(shards, spec, accumulate_grads=True)      # the next reduction: current again
-    seen.append((mirror.current(unit), mirror.host.tolist() == unit.grads().shard.tolist()))
-    vfsdp.zero_grads(shards, spec)                      # a released shard: stale
-    seen.append(mirror.current(unit))
-    _backward(shards, spec, async_reduce=True)          # copied when the reduction is done
+    seen.append((_same(mirror, unit), mirror.host.tolist() == unit.grads().shard.tolist()))
+    vfsdp.grads(shards, spec)["w"].add_(1.0)            # a write through a handed-out view
+    seen.append(_same(mirror, unit))
+    _backward(shards, spec, accumulate_grads=True)      # the next reduction: the same again
+    seen.append(_same(mirror, unit))
+    vfsdp.grads(shards, spec)["w"].data.mul_(0.5)       # no version counter sees .data
+    seen.append(_same(mirror, unit))
+    _backward(shards, spec, async_reduce=True, accumulate_grads=True)  # copied when done
     vfsdp.grads(shards, spec)
-    seen.append((mirror.current(unit), mirror.host.tolist() == unit.grads().shard.tolist()))
-    unit.grads().scale_(0.5)                            # a write to the shard itself
-    seen.append(mirror.current(unit))
+    seen.append(_same(mirror, unit))
+    torch.distributed.all_reduce(unit.grads().shard)    # a collective, in place
+    seen.append(_same(mirror, unit))
     mirror.forget()
-    seen.append(mirror.current(unit))
+    seen.append(_same(mirror, unit))
     copies = mirror.copies
     del mirror
     gc.collect()                                        # held weakly: it goes with its owner
@@ -50,7 +59,28 @@ def lifecycle():
     return seen
 
 
-def test_the_mirror_follows_reductions_and_goes_stale_on_any_later_write():
-    for world in simulate(2, lifecycle):
-        assert world == [(True, True), False, (True, True), False, (True, True), False, False,
-                         (True, 3, False)]
+@pytest.mark.parametrize("run", [simulate, spawn])
+def test_the_mirror_follows_reductions_and_tells_any_later_write(run):
+    for world in (run(lifecycle, 2) if run is spawn else run(2, lifecycle)):
+        assert world == [(True, True), False, True, False, True, False, False, (True, 3, False)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                        torch.int8]),
+       st.integers(0, 40), st.integers(0, 2**31 - 1))
+def test_fingerprint_is_the_sum_of_the_bits_and_tells_any_single_change(dtype, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, generator=g) * 100).to(dtype)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    reference = sum(int(v) for v in x.view(bits).tolist()) if n else 0  # a loop, unwrapped
+    assert int(fingerprint(x)) == (reference + 2**63) % 2**64 - 2**63
+    if n:
+        y = x.clone()
+        y.view(bits)[seed % n] += 1                     # one bit pattern changed
+        assert int(fingerprint(y)) != int(fingerprint(x))
+
+
+def test_fingerprint_refuses_a_strided_tensor():
+    with pytest.raises(ValueError, match="not contiguous"):
+        fingerprint(torch.ones(4, 4).t())

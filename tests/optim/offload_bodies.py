@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import vfsdp
 import vfsdp.checkpoint as ckpt
+from vfsdp.collectives import slot_of
 from vfsdp.optim import (
     Optimizer,
     adamw,
@@ -177,3 +178,56 @@ def bf16_masters(steps: int = 4) -> dict:
             "plain_moved": sum(int((d != b).sum()) for d, b in
                                zip(optree.tree_leaves(shards2), before)),
             "resyncs": state.resyncs}
+
+
+def hidden_writes(offloaded: bool, steps: int = 3) -> dict:
+    """Writes no version counter sees, between the backward and the update: the gradients
+    summed over the ranks by ``torch.distributed.all_reduce`` (gloo), unscaled as
+    ``GradScaler.unscale_`` does, halved through ``.data``; the parameters broadcast from
+    rank 0 after rank 1 changed its own, and a frozen tensor written through ``.data``."""
+    opt = optimizer("adamw", offloaded)
+    spec = vfsdp.plan(params(), dist.get_world_size(), granularity=opt.granularity)
+    shards = vfsdp.shard(params(), spec)
+    state = opt.init(shards, spec)
+    shards["layers"][1]["norm"].requires_grad_(False)
+    for step in range(steps):
+        _step(shards, spec, step)
+        grads = optree.tree_leaves(vfsdp.grads(shards, spec))
+        if step == 0:  # each unit's gradient shard (the same size on every rank)
+            units = {id(u): u for u in (slot_of(x).unit for x in optree.tree_leaves(shards))}
+            for u in units.values():
+                dist.all_reduce(u.grads().shard)
+        if step == 1:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1),
+                                                            torch.tensor(0.25))
+        if step == 2:
+            grads[0].data.mul_(0.5)
+            with torch.no_grad():
+                if dist.get_rank() == 1:
+                    shards["embed"].data.add_(1.0)
+                dist.broadcast(shards["embed"], 0)
+                shards["layers"][1]["norm"].data.fill_(3.0)
+        state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+        vfsdp.zero_grads(shards, spec)
+    inner = state if offloaded else None
+    return {"shards": [x.detach().clone() for x in optree.tree_leaves(shards)],
+            "resyncs": inner.resyncs if inner is not None else None,
+            "grad_copies": inner.grad_copies if inner is not None else None}
+
+
+
+def reinit(steps: int = 2) -> dict:
+    """A second init while the first state lives: the newest state gets the units' mirrors
+    (the backward's copies); the older one, used again, copies for itself."""
+    opt = optimizer("adamw", True)
+    spec = vfsdp.plan(params(), dist.get_world_size(), granularity=opt.granularity)
+    shards = vfsdp.shard(params(), spec)
+    old = opt.init(shards, spec)
+    new = opt.init(shards, spec)
+    for step in range(steps):
+        _step(shards, spec, step)
+        new = opt.update(vfsdp.grads(shards, spec), new, shards, spec)
+        vfsdp.zero_grads(shards, spec)
+    _step(shards, spec, steps)
+    old = opt.update(vfsdp.grads(shards, spec), old, shards, spec)
+    return {"new": (new.grad_copies, new.resyncs), "old": (old.grad_copies, old.resyncs)}

@@ -124,3 +124,19 @@ def test_meta_parameters_are_refused():
 
     with pytest.raises(Exception, match="on meta, which holds no values"):
         simulate(2, body, device="meta")
+
+
+def test_writes_no_version_counter_sees_are_followed():
+    # all_reduce (gloo), GradScaler's unscale kernel and .data writes of the gradients after
+    # the backward; a broadcast and .data writes of the parameters, a frozen one among them
+    plain = spawn(ob.hidden_writes, 2, False, timeout=60)
+    off = spawn(ob.hidden_writes, 2, True, timeout=60)
+    assert _same(plain, off)
+    assert [r["grad_copies"] for r in off] == [9, 9]  # all 4 units twice, then the embedding
+    assert [r["resyncs"] for r in off] == [1, 1]  # rank 0 holds the norm, rank 1 got a broadcast
+
+
+
+def test_a_second_init_takes_the_mirrors_and_the_first_state_still_steps():
+    for r in simulate(2, ob.reinit):
+        assert r == {"new": (0, 0), "old": (4, 4)}  # old: copies its 4 units, reads them back

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["MeshGroups", "resolve_groups", "device_for", "default_mesh", "world_mesh", "use_device",
-           "control_device", "host_groups"]
+           "control_device", "host_groups", "side_group"]
 
 _CACHE = threading.local()
 
@@ -317,3 +317,32 @@ def host_groups(groups: MeshGroups) -> MeshGroups:
             groups.shard_rank, groups.shard_size, groups.replicate_rank, groups.replicate_size,
             torch.device("cpu"), groups.grid)
     return found
+
+
+def side_group():
+    """A gloo group over every rank that no collective but its caller's uses
+    (``vfsdp.optim.offload``'s failure flag), so its exchanges never pair with one another
+    rank is in the middle of. Built once per default group, by every rank: call it
+    collectively.
+
+    Returns:
+        The process group.
+
+    Raises:
+        RuntimeError: no process group is initialised.
+
+    Example:
+        >>> def body():
+        ...     flag = torch.tensor([float(dist.get_rank())])
+        ...     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=side_group())
+        ...     return flag.item(), side_group() is side_group()
+        >>> vfsdp.testing.simulate(2, body)
+        [(1.0, True), (1.0, True)]
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("side_group: no process group is initialised; call it inside "
+                           "vfsdp.testing.simulate/spawn or after init_process_group")
+    entry = getattr(_CACHE, "side", None)
+    if entry is None or entry[0] is not dist.group.WORLD:
+        entry = _CACHE.side = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return entry[1]

@@ -1,26 +1,54 @@
-"""A host copy of a unit's gradient shard, kept current by the unit's reduce transition.
+"""A host copy of a unit's gradient shard, made by the unit's reduce transition.
 
 ``vfsdp.optim.offload`` gives each unit it updates a :class:`HostMirror` (``unit.grad_mirror``,
 held weakly: it goes with the optimizer state). Each reduce-scatter into the unit's gradient
 buffer then ends with one device-to-host copy of the shard into the mirror (on a GPU, on the
 mirror's stream, asynchronously into pinned memory), so the copies of the units reduced first
-run while the backward of the others goes on. The mirror records what the buffer was when it
-copied it (the shard's identity and the version counters of the shard and of the gradient
-views vfsdp handed out); anything that writes the buffer afterwards (clipping, a zeroing, an
-in-place change of ``vfsdp.grads``' views) makes it stale, and the optimizer copies again.
-Writes through ``.data``, which no version counter sees (autograd does not see them either),
-are the one thing it cannot tell.
+run while the backward of the others goes on.
+
+Whether the copy still holds what the buffer holds when the optimizer reads it is decided by
+content, not by bookkeeping: :func:`fingerprint` of the buffer (on its device) against the
+fingerprint of the copy (on the host). No write can hide from that, whether or not a version
+counter sees it (``.data``, ``torch.distributed`` collectives, ``GradScaler.unscale_``, a
+custom kernel): any write that changes the bits changes the fingerprint, save one that only
+permutes values.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from vfsdp import _torch_private as tp
+__all__ = ["HostMirror", "fingerprint"]
 
-__all__ = ["HostMirror"]
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """A 0-d int64 tensor on ``x``'s device: the sum of ``x``'s bits read as integers of its
+    element size (wrapping at 2**64). Exact integer arithmetic, so the same bits give the
+    same value on every device and in every reduction order; one kernel.
+
+    Args:
+        x: A contiguous tensor.
+
+    Returns:
+        The fingerprint (0 for an empty tensor).
+
+    Raises:
+        ValueError: ``x`` is not contiguous.
+
+    Example:
+        >>> a = torch.tensor([1.0, -2.0, 0.5])
+        >>> int(fingerprint(a)) == int(fingerprint(a.clone()))
+        True
+        >>> int(fingerprint(a)) == int(fingerprint(a * 0.999))      # any change of the bits
+        False
+    """
+    if not x.is_contiguous():
+        raise ValueError("fingerprint: the tensor is not contiguous; pass a contiguous shard")
+    return x.view(_INT[x.element_size()]).sum(dtype=torch.int64)
 
 
 class HostMirror:
@@ -39,9 +67,9 @@ class HostMirror:
         ...     mirror = HostMirror(torch.zeros(4), None)
         ...     unit.mirror_grads(mirror)
         ...     (vfsdp.gather(shards, spec, grads="buffer")["w"] * 3).sum().backward()
-        ...     fresh = mirror.current(unit)
-        ...     vfsdp.grads(shards, spec)["w"].mul_(2)        # clipping, say: stale now
-        ...     return mirror.host.tolist(), fresh, mirror.current(unit)
+        ...     same = mirror.same_as(unit.grads().shard)
+        ...     vfsdp.grads(shards, spec)["w"].data.mul_(2)   # no version counter sees this
+        ...     return mirror.host.tolist(), same, mirror.same_as(unit.grads().shard)
         >>> vfsdp.testing.simulate(2, body)[0]
         ([3.0, 3.0, 3.0, 3.0], True, False)
     """
@@ -50,12 +78,12 @@ class HostMirror:
         self.host = host
         self.stream = stream
         self.copies = 0  # how many reductions it followed
-        self._mark: Optional[tuple] = None
+        self.holds = False  # whether a copy was made since the last forget()
         self._event: Any = None
 
     def refresh(self, unit: Any) -> None:
         """Copy the unit's gradient shard into the host tensor (its reduction is done, or
-        ordered before on the device) and remember what the buffer was."""
+        ordered before on the device)."""
         shard = unit.grads_shard()
         if self.stream is None:
             self.host.copy_(shard)
@@ -65,23 +93,24 @@ class HostMirror:
                 self.host.copy_(shard, non_blocking=True)
                 self._event = self.stream.record_event()
         self.copies += 1
-        self._mark = _mark(unit)
+        self.holds = True
 
-    def current(self, unit: Any) -> bool:
-        """Whether the host tensor holds what the unit's gradient buffer holds now."""
-        return self._mark is not None and self._mark == _mark(unit)
+    def same_as(self, source: torch.Tensor, seen: Any = None) -> bool:
+        """Whether the host tensor holds what ``source`` (the gradient shard on its device)
+        holds now: their fingerprints, compared on the host (``seen``: ``source``'s
+        fingerprint, already read back as an int). Waits for the last copy to land."""
+        if not self.holds or source.numel() != self.host.numel():
+            return False
+        self.wait()
+        mine = int(fingerprint(self.host))
+        return mine == (int(fingerprint(source)) if seen is None else seen)
 
     def forget(self) -> None:
-        """Make it stale (the next reader copies the buffer itself)."""
-        self._mark = None
+        """Drop the copy (the next reader copies the buffer itself)."""
+        self.holds = False
 
     def wait(self) -> None:
         """Wait for the last copy to land (before the host reads the tensor)."""
         if self._event is not None:
             self._event.synchronize()
             self._event = None
-
-
-def _mark(unit: Any) -> tuple:
-    shard = unit.grads_shard()
-    return id(shard), tp.version(shard), unit.grad_writes()

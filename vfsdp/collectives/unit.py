@@ -47,7 +47,6 @@ from typing import Any, Optional
 
 import torch
 
-from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle
@@ -102,7 +101,6 @@ class Unit:
         self._compute: dict = {}
         self._grads: Optional[DBuffer] = None
         self._grad_views: dict = {}  # grad_view(), made on first use
-        self._grad_born: dict = {}  # their version counters when made
         self._accum: dict = {}
         self._stage: dict = {}
         self.grad_task = -2        # the backward pass that last wrote the gradient buffer
@@ -264,13 +262,6 @@ class Unit:
         """The gradient buffer's shard as it is (no wait), or ``None`` without a buffer."""
         return None if self._grads is None else self._grads.shard
 
-    def grad_writes(self) -> int:
-        """How many in-place writes the gradient views :meth:`grad_view` handed out
-        (``vfsdp.grads``, ``.grad``) took since they were made: it grows with every write
-        through them (their version counters), and not when a view is made."""
-        return sum(tp.version(v) - self._grad_born[k] for k, v in self._grad_views.items()
-                   if type(v) is not ReleasedTensor)
-
     def reduce_new(self, source: torch.Tensor, op: str,
                    reduce_dtype: Optional[torch.dtype]) -> torch.Tensor:
         """Reduce-scatter ``source`` into a new ``S``-element tensor (the gradients handed
@@ -304,7 +295,6 @@ class Unit:
                              and gdb.holds_shard):
             gdb = gdb if gdb is not None else self.grads()
             found = self._grad_views[k] = gdb.local(k, weak_unit=True)
-            self._grad_born[k] = tp.version(found)
         return found
 
     def accumulator(self, dtype: torch.dtype, create: bool = True) -> Optional[DBuffer]:

@@ -11,18 +11,27 @@
   reduction is done (the unit's :class:`~vfsdp.collectives.HostMirror`, one copy per unit; on
   a GPU on a stream of its own, into pinned memory, while the backward of the other units
   goes on).
-* ``update``, per unit: the gradient copy again only where the backward's is stale
-  (something wrote the gradients after the reduction, e.g. a clip on the device:
-  ``state.grad_copies`` counts these), the wrapped optimizer's update on the host (torch's CPU
-  kernels; ``adamw(fused=True)`` takes torch's fused CPU AdamW), and one host-to-device copy
-  per run of updated tensors back into the shard, cast to its dtype; on a GPU on the same
-  stream, and the compute stream waits for the last one before anything reads the
-  parameters. There is no per-parameter loop.
+* ``update``, per unit: the gradient copy again only where the backward's no longer holds
+  what the device holds (something wrote the gradients after the reduction, e.g. a clip or
+  ``GradScaler.unscale_`` on the device: ``state.grad_copies`` counts these), the wrapped
+  optimizer's update on the host (torch's CPU kernels; ``adamw(fused=True)`` takes torch's
+  fused CPU AdamW), and one host-to-device copy per run of updated tensors back into the
+  shard, cast to its dtype; on a GPU on the same stream, and the compute stream waits for the
+  last one before anything reads the parameters. There is no per-parameter loop.
 * Parameters written on the device by anything else (a checkpoint load, another member of a
-  ``partition`` over the same unit, a user's in-place write) are seen by the shard's version
-  counter and read back into the master before the update (``state.resyncs`` counts it).
+  ``partition`` over the same unit, a user's in-place write, ``.data``, a broadcast) are read
+  back into the master before the update (``state.resyncs`` counts it).
+* Both are decided by content: a :func:`~vfsdp.collectives.mirror.fingerprint` per unit of
+  the parameter shard (against the one taken after the last copy back) and of the gradient
+  shard (against the host copy's), all read in one device-to-host copy. So no write is
+  missed, whether or not a version counter sees it; the one a 64-bit sum of the bits cannot
+  tell is a write that only permutes values.
 * A failure of the host update on one rank raises on every rank (one small exchange per
-  update), instead of leaving the others waiting in the next collective.
+  update, over a group nothing else uses), instead of leaving the others waiting in the next
+  collective. A failure between two of the wrapped optimizer's own collectives (a global-norm
+  clip's all-reduce, Muon's exchange) leaves the other ranks waiting in that collective, as
+  it does without offload (until the process group's timeout); the exchange never pairs with
+  it.
 * A checkpoint of the state holds what the wrapped optimizer's state holds, under the same
   names: a checkpoint saved offloaded loads without offload, and back, at any world size. The
   masters are not saved (the parameters are): after a load they are read back from them.
@@ -45,8 +54,8 @@ import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.agree import agree
-from vfsdp.collectives.groups import host_groups
-from vfsdp.collectives.mirror import HostMirror
+from vfsdp.collectives.groups import host_groups, side_group
+from vfsdp.collectives.mirror import HostMirror, fingerprint
 from vfsdp.collectives.unit import Unit
 from vfsdp.optim.adamw import runs
 from vfsdp.optim.base import (
@@ -71,7 +80,7 @@ class HostUnit:
     wrapped optimizer updates (``runs``: copied back after each update); ``views``: the
     masters' tensor views, by buffer index; ``mirror``: the unit's
     :class:`~vfsdp.collectives.HostMirror`, which each reduction of the backward copies the
-    gradient shard into (``None`` where another offloaded state mirrors the unit)."""
+    gradient shard into (``None`` where the wrapped optimizer updates none of the unit)."""
 
     device: Unit
     host: Unit
@@ -112,7 +121,8 @@ class OffloadState:
     grads: Any = field(repr=False)
     resyncs: int = 0
     grad_copies: int = 0
-    seen: dict = field(default_factory=dict, repr=False)  # key -> (shard id, version) we wrote
+    seen: dict = field(default_factory=dict, repr=False)  # key -> fingerprint of what we wrote
+    flags: Any = field(default=None, repr=False)  # the failure flag's group (side_group)
     stream: Any = field(default=None, repr=False)  # the copies' CUDA stream (None on the CPU)
     pending: Any = field(default=None, repr=False)  # the event of the last copy to the device
 
@@ -230,7 +240,7 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
                     gdb.pin_shard()
                 chosen = runs(u.db, mask)
                 mirror = None
-                if chosen and u.unit.grad_mirror is None:
+                if chosen:  # the newest state's mirror: an older state copies for itself
                     mirror = HostMirror(gdb.shard, stream)
                     u.unit.mirror_grads(mirror)
                 for lo, hi in chosen:
@@ -245,9 +255,10 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         host_shards = optree.tree_unflatten(spec.treespec, host_leaves)
         inner = init_masked(opt, host_shards, spec, mask, "offload")
         state = OffloadState(inner, tuple(made), host_shards,
-                             optree.tree_unflatten(spec.treespec, grad_leaves_), stream=stream)
+                             optree.tree_unflatten(spec.treespec, grad_leaves_), stream=stream,
+                             flags=side_group() if dist.is_initialized() else None)
         for u, hu in zip(units, made):
-            state.seen[u.key] = _mark(hu.device, u.values)
+            state.seen[u.key] = fingerprint(hu.device.params.shard)
         return state
 
     def update(grads: Any, state: OffloadState, shards: Any, spec: ShardSpec) -> OffloadState:
@@ -264,18 +275,25 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
                              "them")
         state.wait()
         blocking = state.stream is None
-        todo = []
+        rows, checks = [], []
         with torch.no_grad():  # on the compute stream: waits for reductions still in flight
             for u, hu in zip(units, state.units):
                 _sync_frozen(u, hu)
                 if not hu.runs:
                     continue
-                stale = state.seen.get(u.key) != _mark(hu.device, u.values)
                 g = flat_grads(leaves, u, what)
-                mirror = hu.mirror
-                fresh = (mirror is not None and u.unit.grad_mirror is mirror
-                         and g is u.unit.grads_shard() and mirror.current(u.unit))
-                todo.append((hu, stale, None if fresh else g))
+                mirrored = hu.mirror.holds and u.unit.grad_mirror is hu.mirror
+                now, saved = fingerprint(hu.device.params.shard), state.seen.get(u.key)
+                checks += [now, now if saved is None else saved]
+                if mirrored:
+                    checks.append(fingerprint(g))
+                rows.append((hu, g, mirrored, saved is None))
+            read = iter(torch.stack(checks).tolist() if checks else ())  # one copy to the host
+        todo = []
+        for hu, g, mirrored, unseen in rows:
+            now, saved = next(read), next(read)
+            fresh = mirrored and hu.mirror.same_as(g, next(read))
+            todo.append((hu, unseen or now != saved, None if fresh else g))
         if not blocking:  # the copies read what the compute stream wrote
             state.stream.wait_stream(torch.cuda.current_stream(state.stream.device))
         with torch.no_grad(), _on(state.stream):
@@ -296,13 +314,13 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         for hu in state.units:  # the host update may have changed them (a clip, in place)
             if hu.mirror is not None:
                 hu.mirror.forget()
-        _agree(error, state.units)
+        _agree(error, state.flags)
         with torch.no_grad(), _on(state.stream):
             for u, hu in zip(units, state.units):
                 dev, master = hu.device.params.shard, hu.host.params.shard
                 for lo, hi in hu.runs:
                     dev[lo:hi].copy_(master[lo:hi], non_blocking=not blocking)
-                state.seen[u.key] = _mark(hu.device, u.values)
+                state.seen[u.key] = fingerprint(dev)  # what we wrote (ordered after it)
         if state.stream is not None:
             state.pending = state.stream.record_event()
             torch.cuda.current_stream(state.stream.device).wait_event(state.pending)
@@ -311,31 +329,18 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
     return Optimizer(init, update, opt.granularity)
 
 
-def _agree(error: Optional[BaseException], units: tuple) -> None:
-    """Every rank raises if the host update failed on any: one 1-element all-reduce when all
-    went well (over the default group on the CPU; over the host groups, shard then replicate,
-    on a GPU, whose default group is NCCL), the messages exchanged only on a failure."""
-    if not dist.is_initialized():
-        agree(error)  # raises it, if any
+def _agree(error: Optional[BaseException], flags: Any) -> None:
+    """Every rank raises if the host update failed on any: one 1-element all-reduce over
+    ``flags`` (:func:`~vfsdp.collectives.groups.side_group`, which no other exchange uses, so
+    it never pairs with a collective of the wrapped update another rank is still in) when all
+    went well, the messages exchanged only on a failure."""
+    if flags is None:
+        agree(error)  # no process group: raises it, if any
         return
-    on_cpu = not units or units[0].device.groups.device.type == "cpu"
-    host = None if on_cpu else units[0].host.groups
-    flag = torch.tensor([0.0 if error is None else 1.0])  # cpu: the host groups' flag
-    for group in ([None] if on_cpu else [g for g in (host.shard, host.replicate) if g]):
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if flag.item() == 0:
-        return
-    agree(error, None if on_cpu else host.shard)
-    raise RuntimeError("offload.update: the host update failed on a rank of another replica "
-                       "(its error is raised there)")
-
-
-def _mark(unit: Unit, leaves: tuple) -> tuple:
-    """What changes when anything writes the unit's parameter shard: its identity and the
-    version counters of the shard (written through slices of it: optimizers) and of the
-    tensors of the tree (written in place by the user, or by a checkpoint load)."""
-    shard = unit.params.shard
-    return id(shard), tp.version(shard), tuple(tp.version(x) for x in leaves)
+    flag = torch.tensor([0.0 if error is None else 1.0])  # cpu: the side group is gloo
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=flags)
+    if flag.item() != 0:
+        agree(error, flags)
 
 
 def _on(stream: Any):

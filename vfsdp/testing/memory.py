@@ -26,7 +26,7 @@ from vfsdp._torch_private import TorchDispatchMode, storage_id
 from vfsdp.collectives.events import observe
 from vfsdp.collectives.slot import slot_of
 
-__all__ = ["GatheredProbe", "LiveBytes"]
+__all__ = ["GatheredProbe", "LiveBytes", "BufferBytes"]
 
 
 def _unit_buffers(trees) -> list:
@@ -188,5 +188,31 @@ class LiveBytes(_Observing):
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (list, tuple)) else (out,)):
             self._add(t)
+        self.sample()
+        return out
+
+
+class BufferBytes(LiveBytes):
+    """Peak bytes of vfsdp's own buffers: the DBuffers' shards and global buffers (parameters,
+    compute copies, gradients, staging, optimizer state) created, allocated or tracked under
+    it, and nothing else (no activations, no temporaries). What ``vfsdp.estimate`` predicts
+    exactly.
+
+    Example:
+        >>> def body():
+        ...     params = {"w": torch.ones(8)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     shards = vfsdp.shard(params, spec)
+        ...     with BufferBytes().track(shards) as live:
+        ...         full = vfsdp.gather(shards, spec)             # 8 floats gathered
+        ...         y = full["w"] * 2                              # not a buffer
+        ...     return live.peak
+        >>> vfsdp.testing.simulate(2, body)[0]                  # the shard is a view of it
+        32
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.sample()
+        out = func(*args, **(kwargs or {}))
         self.sample()
         return out

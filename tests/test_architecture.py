@@ -110,7 +110,7 @@ def test_one_screen_api():
         "shard", "scatter", "gather", "gather_async", "release",
         "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm", "Policy",
         "to_dtensor", "from_dtensor", "dtensor_placement",
-        "mesh", "lax", "visualize",
+        "mesh", "lax", "visualize", "estimate",
         "init", "optim", "checkpoint", "testing",
     ]
     for name in vfsdp.__all__:
@@ -127,7 +127,7 @@ NAMESPACES = {name: importlib.import_module(home) for name, home in (
     ("vfsdp.init", "vfsdp.functional.init"), ("vfsdp.lax", "vfsdp.functional.lax"),
     ("vfsdp.functional", "vfsdp.functional"), ("vfsdp.functional.lowp", "vfsdp.functional.lowp"),
     ("vfsdp.collectives", "vfsdp.collectives"), ("vfsdp.planner", "vfsdp.planner"),
-    ("vfsdp.placements", "vfsdp.placements"))}
+    ("vfsdp.placements", "vfsdp.placements"), ("vfsdp.estimation", "vfsdp.estimation"))}
 
 
 def test_namespaces_are_the_public_ones():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from vfsdp import checkpoint, optim, testing
 from vfsdp.collectives.mesh import mesh
+from vfsdp.estimation import estimate
 from vfsdp.functional import (
     Policy,
     dtensor_placement,
@@ -66,6 +67,6 @@ __all__ = [
     "shard", "scatter", "gather", "gather_async", "release",
     "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm", "Policy",
     "to_dtensor", "from_dtensor", "dtensor_placement",
-    "mesh", "lax", "visualize",
+    "mesh", "lax", "visualize", "estimate",
     "init", "optim", "checkpoint", "testing",
 ]

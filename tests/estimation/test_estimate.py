@@ -1,0 +1,91 @@
+"""vfsdp.estimate against what a step measures: vfsdp's buffers' peak and every collective's
+bytes, exactly; the profiles and the errors."""
+
+import pytest
+import torch
+
+import vfsdp
+from tests.estimation import bodies
+from vfsdp.estimation import LayerCost, hardware, layer_cost, shape_costs
+from vfsdp.estimation.memory import split_units
+from vfsdp.testing import simulate
+
+
+@pytest.mark.parametrize("world,optimizer,dtype,prefetch,reshard", [
+    (2, "adamw", None, True, True),
+    (2, "adamw8bit", torch.bfloat16, True, True),
+    (2, "muon", None, False, True),
+    (4, "adamw", torch.bfloat16, True, False),
+    (4, "adamw8bit", None, False, True),
+    (4, "muon", torch.bfloat16, True, True),
+])
+def test_buffer_peak_and_collective_bytes_are_what_the_step_measures(world, optimizer, dtype,
+                                                                     prefetch, reshard):
+    for r in simulate(world, bodies.step, optimizer, dtype, prefetch, reshard):
+        assert abs(r["predicted_peak"] - r["measured_peak"]) <= 0.03 * r["measured_peak"], r
+        assert r["measured_bytes"] == r["predicted_bytes"]
+
+
+def test_hsdp_bytes_and_peak():
+    for r in simulate(4, bodies.step, "adamw", torch.bfloat16, True, True, 2, (2, 2)):
+        assert abs(r["predicted_peak"] - r["measured_peak"]) <= 0.03 * r["measured_peak"], r
+        assert r["measured_bytes"] == r["predicted_bytes"]
+
+
+def test_the_layers_are_the_longest_run_of_indexed_units():
+    spec = vfsdp.plan({"io": {"e": torch.empty(8, 4, device="meta")},
+                       "layers": [{"w": torch.empty(4, 4, device="meta")} for _ in range(3)]}, 2)
+    layers, rest = split_units(spec)
+    assert layers == [("layers", 0), ("layers", 1), ("layers", 2)] and rest == [()]
+
+
+def test_layer_cost_traces_flops_and_saved_activations_on_meta():
+    w, x = torch.empty(64, 32), torch.empty(128, 64)
+    c = layer_cost(lambda p, x: torch.relu(x @ p["w"]) * 2, {"w": w}, x)
+    assert c.flops == 3 * 2 * 128 * 64 * 32           # forward, and twice it backward
+    assert c.activation_bytes == 128 * 32 * 4          # relu's output (for its backward)
+
+
+def test_shape_costs_count_routed_experts_by_top_k_and_refuse_without_it():
+    p = {"embed": torch.empty(100, 8, device="meta"),
+         "layers": [{"experts": [{"w": torch.empty(8, 8, device="meta")} for _ in range(4)],
+                     "o": torch.empty(8, 8, device="meta")} for _ in range(2)]}
+    spec = vfsdp.plan(p, 2)
+    with pytest.raises(ValueError, match="pass experts_per_token"):
+        shape_costs(spec, 10)
+    c = shape_costs(spec, 10, experts_per_token=1)
+    assert c[("layers", 0)].flops == 6 * 10 * (64 + 64)   # one of the 4 experts, and o
+
+
+def test_estimate_is_pure_and_plausible_at_scale():
+    params = {"embed": torch.empty(32000, 4096, device="meta"),
+              "layers": [{"wq": torch.empty(4096, 4096, device="meta"),
+                          "w1": torch.empty(11008, 4096, device="meta"),
+                          "w2": torch.empty(4096, 11008, device="meta"),
+                          "norm": torch.empty(4096, device="meta")} for _ in range(8)]}
+    small = vfsdp.estimate(vfsdp.plan(params, 8), hw="h100", tokens_per_rank=4096, seq=4096)
+    big = vfsdp.estimate(vfsdp.plan(params, (16, 8)), hw="h100", tokens_per_rank=4096,
+                         seq=4096)
+    assert small.gpus == 8 and big.gpus == 128 and big.replicas == 16
+    assert big.memory_per_rank == small.memory_per_rank  # HSDP: the same shards per rank
+    assert big.step_s >= small.step_s                    # and an all-reduce across nodes
+    assert 0 < small.mfu < hardware("h100").compute_efficiency
+    assert "fits" in str(small) and small.record()["gpus"] == 8
+
+
+def test_bad_input_is_refused():
+    spec = vfsdp.plan({"w": torch.empty(8, 8, device="meta")}, 2)
+    with pytest.raises(ValueError, match="neither a profile"):
+        vfsdp.estimate(spec, hw="tpu9")
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        vfsdp.estimate(spec, optimizer="sgd")
+    with pytest.raises(ValueError, match="tokens_per_rank must be at least 1"):
+        vfsdp.estimate(spec, tokens_per_rank=0)
+
+
+def test_declared_costs_replace_the_shapes_by_key_prefix():
+    params = {"layers": [{"w": torch.empty(64, 64, device="meta")} for _ in range(2)]}
+    spec = vfsdp.plan(params, 2)
+    declared = vfsdp.estimate(spec, costs={("layers",): LayerCost(1e12, 2**20)})
+    assert declared.memory["activations"] == 2 * 2**20
+    assert declared.compute_s > vfsdp.estimate(spec).compute_s

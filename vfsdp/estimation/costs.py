@@ -1,0 +1,171 @@
+"""What each unit's layer costs: FLOPs and the activation bytes saved for backward.
+
+Either traced from the user's layer function on ``meta`` tensors (:func:`layer_cost`: torch's
+own ``FlopCounterMode`` for the FLOPs of forward and backward, and
+``torch.autograd.graph.saved_tensors_hooks`` for what autograd keeps), or, for a shape list
+without code, the usual rules (:func:`shape_costs`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import optree
+import torch
+
+from vfsdp.planner.spec import ShardSpec
+
+__all__ = ["LayerCost", "layer_cost", "shape_costs"]
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One unit's cost for one rank's tokens per step.
+
+    Attributes:
+        flops: FLOPs of its forward and backward.
+        activation_bytes: Bytes its forward saves for its backward.
+
+    Example:
+        >>> LayerCost(flops=6e9, activation_bytes=2**20).activation_bytes
+        1048576
+    """
+
+    flops: float
+    activation_bytes: int
+
+
+def _meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        out = torch.empty_like(x, device="meta")
+        return out.requires_grad_(x.requires_grad or x.is_floating_point())
+    return x
+
+
+def layer_cost(fn: Callable[..., torch.Tensor], params: Any, *inputs: Any) -> LayerCost:
+    """Trace ``fn(params, *inputs)`` forward and backward on ``meta`` copies (no memory, no
+    compute): the FLOPs torch's flop counter counts, and the bytes of the tensors autograd
+    saves for backward that are not parameters or inputs.
+
+    Args:
+        fn: The layer, ``fn(params, *inputs) -> tensor`` (summed for the backward).
+        params: Its parameters (a tree; real or ``meta``, full size: as gathered).
+        *inputs: Its inputs for one rank's tokens (real or ``meta``).
+
+    Returns:
+        A :class:`LayerCost`.
+
+    Raises:
+        RuntimeError: ``fn`` does not run on ``meta`` tensors.
+
+    Example:
+        >>> w = torch.empty(64, 32, device="meta")
+        >>> x = torch.empty(128, 64, device="meta")
+        >>> c = layer_cost(lambda p, x: torch.tanh(x @ p["w"]), {"w": w}, x)
+        >>> c.flops == 3 * 2 * 128 * 64 * 32, c.activation_bytes    # the tanh output, 16 KiB
+        (True, 16384)
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    p = optree.tree_map(_meta, params)
+    xs = [optree.tree_map(_meta, x) for x in inputs]
+    known = {id(t) for t in optree.tree_leaves([p, xs]) if isinstance(t, torch.Tensor)}
+    saved: dict = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if id(t) not in known and id(base) not in known:
+            saved[id(base)] = base.untyped_storage().nbytes()
+        return t
+
+    with FlopCounterMode(display=False) as counter:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn(p, *xs)
+        out.float().sum().backward()
+    return LayerCost(float(counter.get_total_flops()), int(sum(saved.values())))
+
+
+_EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")
+
+
+def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] = None,
+                seq: Optional[int] = None, recompute: bool = False) -> dict:
+    """Costs from the shapes alone, per unit key, for ``tokens`` tokens per rank:
+
+    * FLOPs: ``6 * tokens`` per weight of a matrix (forward 2, backward 4), routed experts'
+      weights counted ``experts_per_token / experts`` times, embedding tables (paths naming
+      ``embed``) not at all; with ``seq``, attention's ``12 * seq * width`` per token and
+      layer (PaLM's accounting, ``width`` the embedding's second dim);
+    * activations: 34 bytes per token and width per layer (Korthikanti et al. 2022, bf16,
+      attention that saves no score matrix), or the layer input only (2 bytes per token and
+      width) with ``recompute``; for the unit with the embedding, the logits (10 bytes per
+      token and vocabulary entry: bf16 logits, fp32 softmax and its gradient).
+
+    Args:
+        spec: The plan.
+        tokens: Tokens per rank per step.
+        experts_per_token: Routed experts per token (top-k), for a model with experts.
+        seq: The sequence length (adds attention's FLOPs).
+        recompute: Activation checkpointing (only each layer's input is kept).
+
+    Returns:
+        ``{unit key: LayerCost}``.
+
+    Raises:
+        ValueError: the shapes hold routed experts and ``experts_per_token`` is not given.
+
+    Example:
+        >>> p = {"embed": torch.empty(1000, 64, device="meta"),
+        ...      "layers": [{"w": torch.empty(64, 64, device="meta")} for _ in range(2)]}
+        >>> c = shape_costs(vfsdp.plan(p, 2), tokens=10)
+        >>> c[("layers", 0)].flops, c[()].flops
+        (245760.0, 0.0)
+    """
+    by_unit: dict = {key: [] for key in spec.units}
+    for t in spec.tensors():
+        by_unit[t.unit].append(t)
+    experts: dict = {}
+    for t in spec.tensors():
+        found = _EXPERT.search(".".join(map(str, t.path)))
+        if found:
+            experts.setdefault(t.unit, set()).add(found.group(2))
+    if experts and experts_per_token is None:
+        raise ValueError("estimate: the model has routed experts (paths '...experts.<i>...'); "
+                         "pass experts_per_token (top-k, e.g. 8 for DeepSeek-V3)")
+    width, vocab = _embedding(spec)
+    out = {}
+    for key, ts in by_unit.items():
+        flops = 0.0
+        has_embed = False
+        for t in ts:
+            name = ".".join(map(str, t.path))
+            if "embed" in name:
+                has_embed = True
+                continue
+            if len(t.shape) < 2:
+                continue
+            n = math.prod(t.shape)
+            if _EXPERT.search(name):
+                n *= experts_per_token / len(experts[t.unit])
+            flops += 6 * tokens * n
+        layer = len(key) >= 2 and isinstance(key[-1], int)
+        if layer and seq and width:
+            flops += 12 * tokens * seq * width
+        acts = 0
+        if layer and width:
+            acts = tokens * width * (2 if recompute else 34)
+        if has_embed and vocab:
+            acts += tokens * vocab * 10
+        out[key] = LayerCost(flops, int(acts))
+    return out
+
+
+def _embedding(spec: ShardSpec) -> tuple:
+    for t in spec.tensors():
+        if "embed" in ".".join(map(str, t.path)) and len(t.shape) == 2:
+            return int(t.shape[1]), int(t.shape[0])
+    return 0, 0

@@ -1,0 +1,123 @@
+"""Hardware profiles: what one GPU (or one CPU process) can compute and move, as data.
+
+A :class:`Hardware` holds peak rates from the vendor's datasheet and the fractions of them
+that training kernels and NCCL reach in practice (stated assumptions, not measurements),
+or, written by ``python -m vfsdp calibrate``, rates measured on this machine (fractions 1.0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Union
+
+__all__ = ["Hardware", "PROFILES", "hardware"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator's rates.
+
+    Attributes:
+        name: The profile's name.
+        flops: Peak dense bf16 FLOP/s of one device.
+        memory: Bytes of device memory.
+        memory_bw: Device memory bandwidth, bytes/s (the optimizer's rate).
+        gpus_per_node: Devices joined by the intra-node link.
+        intra_bw: Intra-node bandwidth per device and direction (NVLink), bytes/s.
+        intra_latency: Seconds per ring step inside a node.
+        inter_bw: Inter-node bandwidth per device and direction (its NIC), bytes/s.
+        inter_latency: Seconds per ring step across nodes.
+        compute_efficiency: The fraction of ``flops`` a training step's kernels reach.
+        comm_efficiency: The fraction of the link bandwidths a ring collective reaches.
+        source: Where the figures come from.
+
+    Example:
+        >>> hw = hardware("h800")
+        >>> hw.flops / 1e12, hw.intra_bw / 1e9, hw.inter_bw / 1e9
+        (989.0, 200.0, 50.0)
+    """
+
+    name: str
+    flops: float
+    memory: int
+    memory_bw: float
+    gpus_per_node: int
+    intra_bw: float
+    intra_latency: float
+    inter_bw: float
+    inter_latency: float
+    compute_efficiency: float = 0.6
+    comm_efficiency: float = 0.8
+    source: str = ""
+
+    def to_json(self, path: str) -> None:
+        """Write the profile as JSON (what :func:`hardware` reads back)."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1)
+
+
+_ASSUMED = ("compute_efficiency 0.6 and comm_efficiency 0.8 are assumptions (large-GEMM MFU "
+            "and NCCL ring bus bandwidth are typically 50-70 % and 75-90 % of peak); ring "
+            "step latencies 4 us in a node and 12 us across nodes are assumptions too")
+
+PROFILES = {p.name: p for p in [
+    Hardware("a100", 312e12, 80 * 10**9, 2.039e12, 8, 300e9, 4e-6, 25e9, 12e-6,
+             source="NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOP/s bf16 dense, 2,039 GB/s "
+                    "HBM2e, NVLink 600 GB/s both directions); DGX A100: one 200 Gb/s HDR NIC "
+                    "per GPU. " + _ASSUMED),
+    Hardware("h100", 989e12, 80 * 10**9, 3.35e12, 8, 450e9, 4e-6, 50e9, 12e-6,
+             source="NVIDIA H100 datasheet (SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, "
+                    "NVLink 900 GB/s both directions); DGX H100: one 400 Gb/s NDR NIC per "
+                    "GPU. " + _ASSUMED),
+    Hardware("h800", 989e12, 80 * 10**9, 3.35e12, 8, 200e9, 4e-6, 50e9, 12e-6,
+             source="NVIDIA H800 SXM5 (H100 compute, NVLink 400 GB/s both directions); "
+                    "DeepSeek-V3 technical report, arXiv 2412.19437, sec. 3.2.2: 400 Gb/s IB "
+                    "(50 GB/s) per GPU, about 160 GB/s NVLink achieved. " + _ASSUMED),
+    Hardware("h200", 989e12, 141 * 10**9, 4.8e12, 8, 450e9, 4e-6, 50e9, 12e-6,
+             source="NVIDIA H200 datasheet (SXM: 989 TFLOP/s bf16 dense, 141 GB HBM3e at "
+                    "4.8 TB/s, NVLink 900 GB/s both directions); one 400 Gb/s NIC per GPU. "
+                    + _ASSUMED),
+    Hardware("b200", 2.25e15, 180 * 10**9, 8e12, 8, 900e9, 4e-6, 50e9, 12e-6,
+             source="NVIDIA DGX B200 datasheet (2.25 PFLOP/s bf16 dense per GPU, 180 GB "
+                    "HBM3e at 8 TB/s, NVLink 5 1.8 TB/s both directions, one 400 Gb/s "
+                    "ConnectX-7 NIC per GPU). " + _ASSUMED),
+]}
+
+
+def hardware(profile: Union[str, os.PathLike, Hardware]) -> Hardware:
+    """A profile: one of :data:`PROFILES` by name, a JSON file ``calibrate`` wrote, or a
+    :class:`Hardware` itself.
+
+    Args:
+        profile: ``"a100"``, ``"h100"``, ``"h800"``, ``"h200"``, ``"b200"``, a path, or a
+            profile.
+
+    Returns:
+        The :class:`Hardware`.
+
+    Raises:
+        ValueError: an unknown name, or a file that is not a profile.
+
+    Example:
+        >>> hardware("b200").memory // 10**9
+        180
+    """
+    if isinstance(profile, Hardware):
+        return profile
+    name = os.fspath(profile)
+    if name.lower() in PROFILES:
+        return PROFILES[name.lower()]
+    if not os.path.isfile(name):
+        raise ValueError(f"hardware: {name!r} is neither a profile ({', '.join(PROFILES)}) nor "
+                         f"a file; pass a name, or a JSON file `python -m vfsdp calibrate` wrote")
+    with open(name, encoding="utf-8") as f:
+        data = json.load(f)
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    if not isinstance(data, dict) or not {"name", "flops", "memory"} <= set(data) \
+            or set(data) - fields:
+        raise ValueError(f"hardware: {name} is not a profile (fields {sorted(fields)}); write "
+                         f"one with `python -m vfsdp calibrate --out {name}`")
+    return Hardware(**data)

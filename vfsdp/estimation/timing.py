@@ -1,0 +1,119 @@
+"""Step time: each unit's collectives from an alpha-beta model per link level, overlapped with
+compute by the schedule ``run_layers`` runs, and the optimizer from the bytes it moves.
+
+A ring collective over ``n`` ranks moving ``b`` bytes per rank per step takes
+``(n - 1) * (latency + b / bandwidth)``. The bandwidth and latency are the intra-node link's
+when the group's ranks share a node, else the inter-node link's (a ring across nodes is as fast
+as its slowest hop). A shard group is the mesh's last dim (consecutive ranks); the replicate
+group (HSDP) strides over it. An all-reduce is a reduce-scatter plus an all-gather.
+
+The schedule (:func:`simulate`) is a two-lane timeline, compute and communication, one lane
+each (the collectives of one rank run one at a time on one stream):
+
+* forward: the whole-step units are gathered first; layer ``i+1``'s gather is issued when layer
+  ``i``'s compute starts (``prefetch``; else when it ends), and a compute waits for its gather;
+* backward, in reverse: a layer released after forward is gathered again (issued when the layer
+  after it starts its backward); each layer's reduce-scatter (and, with replicas, its
+  all-reduce) is issued when its backward ends;
+* the optimizer starts when the last reduction is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from vfsdp.estimation.hardware import Hardware
+
+__all__ = ["Link", "links", "ring", "simulate", "Schedule"]
+
+
+@dataclass(frozen=True)
+class Link:
+    """A ring's effective rates: bytes/s per rank and direction, and seconds per step."""
+
+    bandwidth: float
+    latency: float
+
+
+def links(hw: Hardware, shard: int, replicas: int) -> tuple:
+    """The shard group's and the replicate group's :class:`Link` on ``hw``."""
+    intra = Link(hw.intra_bw * hw.comm_efficiency, hw.intra_latency)
+    inter = Link(hw.inter_bw * hw.comm_efficiency, hw.inter_latency)
+    shard_link = intra if shard <= hw.gpus_per_node else inter
+    replicate_link = intra if shard * replicas <= hw.gpus_per_node else inter
+    return shard_link, replicate_link
+
+
+def ring(n: int, per_rank_bytes: float, link: Link) -> float:
+    """Seconds of a ring all-gather or reduce-scatter over ``n`` ranks, ``per_rank_bytes``
+    each (the shard's size)."""
+    return 0.0 if n <= 1 else (n - 1) * (link.latency + per_rank_bytes / link.bandwidth)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What :func:`simulate` found."""
+
+    step: float       # seconds from the first gather to the end of the optimizer
+    compute: float    # seconds of compute (forward and backward)
+    comm: float       # seconds of collectives
+    exposed: float    # seconds the compute lane waited on the collectives
+    optimizer: float  # seconds of the optimizer
+
+
+def simulate(rest: list, layers: list, optimizer: float, prefetch: bool = True,
+             reshard_after_forward: bool = True) -> Schedule:
+    """The two-lane timeline (see the module docstring).
+
+    Args:
+        rest: The whole-step units as ``(gather_s, forward_s, backward_s, reduce_s)``: their
+            forward runs before the layers' (half) and after (half), their backward likewise.
+        layers: ``run_layers``' units, in order, as the same tuples.
+        optimizer: Seconds of the update.
+        prefetch: As ``run_layers``'.
+        reshard_after_forward: As ``run_layers``'.
+    """
+    comm_free = 0.0  # when the communication lane is next free
+    now = 0.0        # the compute lane
+    comm_total = sum(g + r for g, _, _, r in rest + layers)
+    comm_total += sum(g for g, _, _, _ in layers[:-1]) if reshard_after_forward else 0.0
+
+    def issue(at: float, seconds: float) -> float:
+        nonlocal comm_free
+        comm_free = max(comm_free, at) + seconds
+        return comm_free
+
+    ready = [issue(0.0, g) for g, _, _, _ in rest]
+    now = max([now] + ready)
+    now += sum(f for _, f, _, _ in rest) / 2
+    done = {}
+    n = len(layers)
+    if n:
+        done[0] = issue(now, layers[0][0])
+    for i in range(n):  # forward
+        start = max(now, done[i])
+        if i + 1 < n and prefetch:
+            done[i + 1] = issue(start, layers[i + 1][0])
+        now = start + layers[i][1]
+        if i + 1 < n and not prefetch:
+            done[i + 1] = issue(now, layers[i + 1][0])
+    now += sum(f for _, f, _, _ in rest) / 2
+    now += sum(b for _, _, b, _ in rest) / 2  # the head's backward
+    ready = {i: 0.0 for i in range(n)} if not reshard_after_forward else {n - 1: 0.0}
+    last_reduce = 0.0
+    for i in range(n - 1, -1, -1):  # backward
+        if i not in ready:  # released after forward and not prefetched
+            ready[i] = issue(now, layers[i][0])
+        start = max(now, ready[i])
+        if prefetch and i > 0 and i - 1 not in ready:
+            ready[i - 1] = issue(start, layers[i - 1][0])
+        now = start + layers[i][2]
+        last_reduce = issue(now, layers[i][3])
+    now += sum(b for _, _, b, _ in rest) / 2  # the embedding's backward
+    for _, _, _, r in rest:
+        last_reduce = issue(now, r)
+    compute = sum(f + b for _, f, b, _ in rest + layers)
+    start_opt = max(now, last_reduce)
+    step = start_opt + optimizer
+    return Schedule(step, compute, comm_total, step - compute - optimizer, optimizer)

@@ -21,7 +21,6 @@ each (the collectives of one rank run one at a time on one stream):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from vfsdp.estimation.hardware import Hardware
 
@@ -100,7 +99,7 @@ def simulate(rest: list, layers: list, optimizer: float, prefetch: bool = True,
             done[i + 1] = issue(now, layers[i + 1][0])
     now += sum(f for _, f, _, _ in rest) / 2
     now += sum(b for _, _, b, _ in rest) / 2  # the head's backward
-    ready = {i: 0.0 for i in range(n)} if not reshard_after_forward else {n - 1: 0.0}
+    ready = dict.fromkeys(range(n), 0.0) if not reshard_after_forward else {n - 1: 0.0}
     last_reduce = 0.0
     for i in range(n - 1, -1, -1):  # backward
         if i not in ready:  # released after forward and not prefetched

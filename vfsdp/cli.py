@@ -1,4 +1,6 @@
-"""Command line: ``python -m vfsdp plan SHAPES.json --world-size N --granularity rows:32``.
+"""Command line: ``python -m vfsdp plan SHAPES.json --world-size N --granularity rows:32``, and
+``python -m vfsdp estimate SHAPES.json --gpus 8,64,1024 --hw h800`` (see
+:mod:`vfsdp.estimation.cli`).
 
 Prints one line per distinct unit (S, padding, the certified bound, tensors per rank, and the
 padding FSDP2 and Megatron-FSDP would need), a total, split options, and with ``--suggest`` a
@@ -15,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from vfsdp.estimation import cli as estimate_cli
 from vfsdp.planner.baselines import fsdp2_padding, megatron_padding
 from vfsdp.planner.check import check_spec, plan_stats
 from vfsdp.planner.granularity import parse_granularity
@@ -130,7 +133,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-ranks", type=int, default=64, help="ranks to draw in --png")
     p.add_argument("--suggest", action="store_true",
                    help="compare every replicate x shard factorisation of --world-size")
+    estimate_cli.add_parser(sub)
     args = ap.parse_args(argv)
+    if args.command == "estimate":
+        return estimate_cli.run(args)
 
     try:
         gran = parse_granularity(args.granularity)

@@ -329,3 +329,14 @@ def test_split_suggestion_is_offered_and_accepting_it_helps():
     check_spec(accepted)
     assert plan_stats(accepted)["padded_numel"] - plan_stats(accepted)["total_numel"] == u.split.padding_after
     assert "option: split off" in repr(spec)
+
+
+@given(__import__("vfsdp.testing.strategies", fromlist=["plans"]).plans())
+def test_local_shape_equals_the_placements_local_shape(case):
+    # the O(1) fast path (what DBuffers use) against the placement's, on every rank
+    from vfsdp.placements.ragged import local_shape
+
+    _, spec = case
+    for t in spec.tensors():
+        for r in range(spec.world_size):
+            assert t.local_shape(r) == local_shape(t.placement, t.shape, r), (t.path, r)

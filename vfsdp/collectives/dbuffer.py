@@ -42,7 +42,6 @@ from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle, comm_context
 from vfsdp.collectives.released import let_go, poison, revive
 from vfsdp.collectives.slot import SLOT, Role, Slot, View
-from vfsdp.placements.ragged import local_shape
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
 __all__ = ["DBuffer"]
@@ -111,8 +110,8 @@ class DBuffer:
         # A compute copy (param_dtype) keeps no memory of its own: its shard is this rank's
         # slice of the global buffer, written by the cast and all-gathered in place.
         self._in_global = role is Role.COMPUTE
-        self._local_spec = [(t.shard_range(self.rank)[0],
-                             local_shape(t.placement, t.shape, self.rank)) for t in self.tensors]
+        self._local_spec = [(t.shard_range(self.rank)[0], t.local_shape(self.rank))
+                            for t in self.tensors]
         self._dead_shard: Optional[torch.Tensor] = None
         self._dead_local: Optional[list] = None
         if self._in_global:

@@ -30,10 +30,10 @@ from vfsdp._torch_private import storage_id
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.unit import Unit
-from vfsdp.planner.spec import ShardSpec
+from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["UnitBytes", "unit_bytes", "timeline", "peak", "optimizer_bytes", "split_units",
-           "state_tensors"]
+           "state_tensors", "baseline_sizes"]
 
 
 @dataclass(frozen=True)
@@ -52,16 +52,36 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
+def baseline_sizes(spec: ShardSpec, system: str) -> dict:
+    """Each unit's ``S`` under another system's sharding rule and padding (``"fsdp2"``:
+    every tensor split on dim 0; ``"megatron"``: Megatron-FSDP's LCM chunks), from
+    :mod:`vfsdp.planner.baselines`: padding only, none of their copies."""
+    from vfsdp.planner.baselines import fsdp2_padding, megatron_padding
+
+    rule = {"fsdp2": fsdp2_padding, "megatron": megatron_padding}.get(system)
+    if rule is None:
+        raise ValueError(f"estimate: unknown baseline {system!r}; pass 'fsdp2' or 'megatron'")
+    shapes = {t.path: t for t in spec.tensors()}
+    out = {}
+    for key, u in spec.units.items():
+        items = [(tuple(shapes[p].shape), shapes[p].block) for p in u.paths]
+        pad = rule(items, u.world_size)
+        out[key] = -(-(u.total_numel + pad) // u.world_size)
+    return out
+
+
 def unit_bytes(spec: ShardSpec, param_dtype: Optional[torch.dtype] = None,
-               reduce_dtype: Optional[torch.dtype] = None) -> list:
-    """Every unit's :class:`UnitBytes`, in the spec's unit order."""
+               reduce_dtype: Optional[torch.dtype] = None,
+               sizes: Optional[dict] = None) -> list:
+    """Every unit's :class:`UnitBytes`, in the spec's unit order (``sizes``: ``S`` per unit
+    key in place of the plan's, e.g. :func:`baseline_sizes`)."""
     out = []
     for key, u in spec.units.items():
         p = _size(u.dtype)
         c = _size(param_dtype or u.dtype)
         r_dtype = reduce_dtype or param_dtype or u.dtype
         r = _size(r_dtype)
-        S, m = u.shard_numel, u.world_size
+        S, m = (sizes or {}).get(key, u.shard_numel), u.world_size
         out.append(UnitBytes(key, S * p, m * S * c, m * S * r,
                              S * r if r_dtype != u.dtype else 0, S * p))
     return out
@@ -163,7 +183,43 @@ def _meta_groups(m: int, rank: int, replicas: int) -> MeshGroups:
 
 def optimizer_bytes(opt: Any, spec: ShardSpec, rank: int = 0) -> int:
     """Bytes of the optimizer's state on ``rank``: its ``init`` run over ``meta`` shards of
-    that rank (no memory, no process group), every tensor of the state counted once."""
+    that rank (no memory, no process group), every tensor of the state counted once; once
+    per distinct unit (the same layout and shapes give the same state), times its count."""
+    groups: dict = {}
+    for key, u in spec.units.items():
+        shapes = tuple(tuple(sh) for sh in u.shapes)
+        groups.setdefault((u.signature, shapes), []).append(key)
+    by_unit: dict = {}
+    for i, t in enumerate(spec._leaves):
+        if isinstance(t, TensorSpec):
+            by_unit.setdefault(t.unit, []).append(t)
+    total = 0
+    for keys in groups.values():
+        leaves = by_unit.get(keys[0], [])
+        if not leaves:
+            continue
+        one = _sub_spec(spec, keys[0], leaves)
+        total += len(keys) * _unit_state_bytes(opt, one, rank)
+    return total
+
+
+def _sub_spec(spec: ShardSpec, key: Any, leaves: list) -> ShardSpec:
+    """A spec of one unit's tensors, under their own paths (what labels and ties read)."""
+    root: Any = {}
+    if len(leaves) == 1 and not leaves[0].path:  # the whole tree is one tensor
+        root = leaves[0]
+    for t in leaves if isinstance(root, dict) else ():
+        node = root
+        for part in t.path[:-1]:
+            node = node.setdefault(part, {})
+        node[t.path[-1]] = t
+    paths, ordered, treespec = optree.tree_flatten_with_path(
+        root, is_leaf=lambda x: isinstance(x, TensorSpec))
+    return ShardSpec(treespec, ordered, {key: spec.units[key]}, spec.mesh_shape,
+                     spec.mesh_dim_names)
+
+
+def _unit_state_bytes(opt: Any, spec: ShardSpec, rank: int) -> int:
     leaves: list = [None] * spec.treespec.num_leaves
     with torch.no_grad():
         for key, members in spec.unit_leaves().items():

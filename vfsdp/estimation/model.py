@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -11,7 +12,14 @@ import torch
 
 from vfsdp.estimation.costs import LayerCost, shape_costs
 from vfsdp.estimation.hardware import Hardware, hardware
-from vfsdp.estimation.memory import optimizer_bytes, peak, split_units, timeline, unit_bytes
+from vfsdp.estimation.memory import (
+    baseline_sizes,
+    optimizer_bytes,
+    peak,
+    split_units,
+    timeline,
+    unit_bytes,
+)
 from vfsdp.estimation.timing import links, ring, simulate
 from vfsdp.planner.spec import ShardSpec
 
@@ -117,7 +125,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
              costs: Optional[Mapping[Any, LayerCost]] = None,
              experts_per_token: Optional[int] = None, seq: Optional[int] = None,
              recompute: bool = False, allocator_fraction: float = 0.05,
-             comm_library_bytes: int = 2 * GiB, rank: Optional[int] = None) -> Estimate:
+             comm_library_bytes: int = 2 * GiB, rank: Optional[int] = None,
+             baseline: Optional[str] = None) -> Estimate:
     """Predict one training step of ``spec`` on ``hw`` (see ``docs/estimate.md``).
 
     Args:
@@ -142,13 +151,16 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         rank: The shard rank whose optimizer state is counted (default: the larger of the
             first and the last rank's; they differ where whole tiles or matrices sit on
             one rank).
+        baseline: ``"fsdp2"`` or ``"megatron"``: the same step with that system's sharding
+            rule and padding (:func:`~vfsdp.estimation.memory.baseline_sizes`), and none of
+            its copy-in/copy-out or per-parameter allocations (a bound in its favour).
 
     Returns:
         An :class:`Estimate`.
 
     Raises:
         ValueError: an unknown profile or optimizer, a model with experts and no
-            ``experts_per_token``, or ``tokens_per_rank`` below 1.
+            ``experts_per_token``, ``tokens_per_rank`` below 1, or an unknown baseline.
 
     Example:
         >>> params = {"layers": [{"w": torch.empty(4096, 4096, device="meta")}
@@ -161,10 +173,15 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         raise ValueError(f"estimate: tokens_per_rank must be at least 1, got {tokens_per_rank}")
     prof = hardware(hw)
     opt = optimizer_for(optimizer, spec)
-    ub = unit_bytes(spec, param_dtype, reduce_dtype)
+    sizes = baseline_sizes(spec, baseline) if baseline else None
+    ub = unit_bytes(spec, param_dtype, reduce_dtype, sizes)
     layers, rest = split_units(spec)
     ranks = sorted({0, spec.world_size - 1}) if rank is None else [rank]
-    state = max(optimizer_bytes(opt, spec, r) for r in ranks)
+    state = max(_state(optimizer, spec, r) if isinstance(optimizer, str)
+                else optimizer_bytes(opt, spec, r) for r in ranks)
+    if sizes:  # the same state per element, over the baseline's shards
+        state = int(state * sum(sizes.values()) / max(sum(u.shard_numel for u in
+                                                          spec.units.values()), 1))
     shards = sum(u.shard for u in ub)
     per_unit = _costs(spec, costs, tokens_per_rank, experts_per_token, seq, recompute)
     events = timeline(ub, layers, prefetch, reshard_after_forward,
@@ -201,10 +218,17 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
                      reshard_after_forward)
     model_flops = sum(c.flops for c in per_unit.values())
     gpus = m * r
-    return Estimate(gpus, m, r, prof.name, memory, total, total <= prof.memory, at, comm,
+    name = prof.name if baseline is None else f"{prof.name}, {baseline} sharding"
+    return Estimate(gpus, m, r, name, memory, total, total <= prof.memory, at, comm,
                     sched.step, sched.compute, max(sched.exposed, 0.0), sched.optimizer,
                     gpus * tokens_per_rank / sched.step,
                     model_flops / sched.step / prof.flops, tokens_per_rank)
+
+
+@functools.lru_cache(maxsize=64)
+def _state(name: str, spec: ShardSpec, rank: int) -> int:
+    """The named optimizer's state bytes (a pure function of the plan: kept for sweeps)."""
+    return optimizer_bytes(optimizer_for(name, spec), spec, rank)
 
 
 def _costs(spec, costs, tokens, experts_per_token, seq, recompute) -> dict:

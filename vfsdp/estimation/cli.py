@@ -1,0 +1,149 @@
+"""``python -m vfsdp estimate SHAPES.json --gpus 8,64,1024 --hw h800 --tokens-per-gpu 8192``.
+
+Plans the shape list at each GPU count (the shard group ``--shard``, default: the smallest
+power of two, at least one node, at which the model fits; the rest replicas) and prints
+one row per count: memory per rank by kind, the step time split, tokens/s, MFU and whether
+it fits. ``--vs fsdp2,megatron`` adds the same rows under those systems' sharding rules
+(padding only); ``--json`` writes the records, ``--png`` draws the scaling curves and the
+memory stack.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from vfsdp.estimation.hardware import PROFILES, hardware
+from vfsdp.estimation.model import Estimate, GiB, estimate
+from vfsdp.planner.granularity import parse_granularity
+from vfsdp.planner.plan import plan
+from vfsdp.planner.shapes import load_shapes
+
+__all__ = ["add_parser", "run"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def add_parser(sub) -> None:
+    """The ``estimate`` subcommand's options."""
+    p = sub.add_parser("estimate", help="memory and step time per GPU count, from a shape list")
+    p.add_argument("shapes", help='JSON file {"params": [["dotted.name", [shape]], ...]}')
+    p.add_argument("--gpus", required=True, help="comma-separated GPU counts, e.g. 8,64,1024")
+    p.add_argument("--hw", default="h100",
+                   help=f"profile ({', '.join(PROFILES)}) or a JSON file from calibrate")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--tokens-per-gpu", type=int, help="weak scaling (default 4096)")
+    batch.add_argument("--global-tokens", type=int, help="strong scaling: tokens per step")
+    p.add_argument("--shard", type=int, help="shard group size (default: see above)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon"])
+    p.add_argument("--granularity", "-g", default="element")
+    p.add_argument("--master-dtype", default="fp32", choices=sorted(_DTYPES))
+    p.add_argument("--param-dtype", default="bf16", choices=sorted(_DTYPES))
+    p.add_argument("--top-k", type=int, help="routed experts per token (MoE shape lists)")
+    p.add_argument("--seq", type=int, help="sequence length (adds attention FLOPs)")
+    p.add_argument("--recompute", action="store_true", help="activation checkpointing")
+    p.add_argument("--no-prefetch", action="store_true")
+    p.add_argument("--no-reshard", action="store_true", help="keep units after forward")
+    p.add_argument("--vs", default="", help="also fsdp2 and/or megatron, comma-separated")
+    p.add_argument("--json", help="write one record per GPU count and system here")
+    p.add_argument("--png", help="draw scaling curves and the memory stack (matplotlib)")
+
+
+def _pick_shard(tree, gpus: int, args, gran) -> int:
+    if args.shard:
+        return min(args.shard, gpus)
+    node = min(gpus, hardware(args.hw).gpus_per_node)
+    shard = node
+    while True:
+        est = _one(tree, gpus, shard, args, gran, None)
+        if est.fits or shard >= gpus:
+            return shard
+        shard = min(shard * 2, gpus)
+
+
+def _one(tree, gpus: int, shard: int, args, gran, baseline) -> Estimate:
+    if gpus % shard:
+        raise ValueError(f"--shard {shard} does not divide {gpus} GPUs")
+    mesh = shard if gpus == shard else (gpus // shard, shard)
+    spec = plan(tree, mesh, granularity=gran)
+    tokens = args.tokens_per_gpu or (args.global_tokens // gpus if args.global_tokens else 4096)
+    return estimate(spec, hw=args.hw, optimizer=args.optimizer,
+                    param_dtype=_DTYPES[args.param_dtype], tokens_per_rank=max(tokens, 1),
+                    experts_per_token=args.top_k, seq=args.seq, recompute=args.recompute,
+                    prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard,
+                    baseline=baseline)
+
+
+def run(args, out=None) -> int:
+    """Run the ``estimate`` subcommand; 0 on success, 2 on bad input."""
+    out = out or sys.stdout
+    try:
+        counts = [int(x) for x in args.gpus.split(",") if x]
+        systems = [None] + [s for s in args.vs.split(",") if s]
+        gran = parse_granularity(args.granularity)
+        tree = load_shapes(args.shapes, _DTYPES[args.master_dtype])
+        hardware(args.hw)
+        t0 = time.perf_counter()
+        rows = []
+        for gpus in counts:
+            shard = _pick_shard(tree, gpus, args, gran)
+            for system in systems:
+                rows.append((system or "vfsdp", _one(tree, gpus, shard, args, gran, system)))
+        secs = time.perf_counter() - t0
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"error: {exc}", file=out if out is not sys.stdout else sys.stderr)
+        return 2
+    print(f"{args.shapes} on {args.hw}, {args.optimizer}, {args.param_dtype} compute; "
+          f"planned and estimated in {secs:.2f} s", file=out)
+    head = (f"{'system':<9} {'gpus':>6} {'mesh':>11} {'GiB/rank':>9} {'params':>7} {'grads':>7} "
+            f"{'optim':>7} {'buffers':>8} {'acts':>7} {'step s':>8} {'compute':>8} "
+            f"{'exposed':>8} {'optim s':>8} {'tokens/s':>13} {'MFU%':>6}  fits")
+    print(head, file=out)
+    for system, e in rows:
+        g = {k: v / GiB for k, v in e.memory.items()}
+        print(f"{system:<9} {e.gpus:>6} {f'{e.replicas}x{e.shard}':>11} "
+              f"{e.memory_per_rank / GiB:>9.2f} {g['params']:>7.2f} {g['gradients']:>7.2f} "
+              f"{g['optimizer']:>7.2f} {g['buffers']:>8.2f} {g['activations']:>7.2f} "
+              f"{e.step_s:>8.3f} {e.compute_s:>8.3f} {e.exposed_comm_s:>8.3f} "
+              f"{e.optimizer_s:>8.3f} {e.tokens_per_s:>13,.0f} {100 * e.mfu:>6.1f}  "
+              f"{'yes' if e.fits else 'NO'}", file=out)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([dict(e.record(), system=s) for s, e in rows], f, indent=1)
+    if args.png:
+        try:
+            print(_draw([e for s, e in rows if s == "vfsdp"], args.png), file=out)
+        except ImportError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def _draw(rows: list, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    gpus = [e.gpus for e in rows]
+    base = rows[0].tokens_per_s / rows[0].gpus
+    a.plot(gpus, [e.tokens_per_s for e in rows], "o-", label="projected")
+    a.plot(gpus, [base * g for g in gpus], "--", label="linear")
+    a.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="tokens/s", title="scaling")
+    a.legend()
+    kinds = list(rows[0].memory)
+    bottom = [0.0] * len(rows)
+    for k in kinds:
+        vals = [e.memory[k] / GiB for e in rows]
+        b.bar([str(g) for g in gpus], vals, bottom=bottom, label=k)
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    b.set(xlabel="GPUs", ylabel="GiB per rank", title="memory per rank")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"wrote {path}"

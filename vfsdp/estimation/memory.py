@@ -190,7 +190,7 @@ def optimizer_bytes(opt: Any, spec: ShardSpec, rank: int = 0) -> int:
         shapes = tuple(tuple(sh) for sh in u.shapes)
         groups.setdefault((u.signature, shapes), []).append(key)
     by_unit: dict = {}
-    for i, t in enumerate(spec._leaves):
+    for t in spec._leaves:
         if isinstance(t, TensorSpec):
             by_unit.setdefault(t.unit, []).append(t)
     total = 0
@@ -213,7 +213,7 @@ def _sub_spec(spec: ShardSpec, key: Any, leaves: list) -> ShardSpec:
         for part in t.path[:-1]:
             node = node.setdefault(part, {})
         node[t.path[-1]] = t
-    paths, ordered, treespec = optree.tree_flatten_with_path(
+    _, ordered, treespec = optree.tree_flatten_with_path(
         root, is_leaf=lambda x: isinstance(x, TensorSpec))
     return ShardSpec(treespec, ordered, {key: spec.units[key]}, spec.mesh_shape,
                      spec.mesh_dim_names)

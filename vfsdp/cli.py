@@ -134,9 +134,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--suggest", action="store_true",
                    help="compare every replicate x shard factorisation of --world-size")
     estimate_cli.add_parser(sub)
+    estimate_cli.add_calibrate_parser(sub)
     args = ap.parse_args(argv)
     if args.command == "estimate":
         return estimate_cli.run(args)
+    if args.command == "calibrate":
+        return estimate_cli.run_calibrate(args)
 
     try:
         gran = parse_granularity(args.granularity)

@@ -54,3 +54,46 @@ def step(optimizer: str, dtype, prefetch: bool = True, reshard: bool = True, lay
 
 def _shard_rank(spec) -> int:
     return dist.get_rank() % spec.world_size
+
+
+def calibrated_step(steps: int = 5, batch: int = 4) -> dict:
+    """Calibrate this machine at this world size, then time ``steps`` training steps of the
+    example model (median, after a warm-up) beside what the estimate predicts from the
+    calibrated profile and the layers' traced costs."""
+    import statistics
+    import time
+
+    from vfsdp.estimation import layer_cost
+    from vfsdp.estimation.calibrate import calibrate, example_layer
+
+    cfg = GPTConfig()
+    tokens = batch * cfg.seq
+    hw = calibrate(example_layer(tokens))
+    opt = vfsdp.optim.adamw()
+    params = meta_params(cfg)
+    spec = vfsdp.plan(params, dist.get_world_size(), granularity=opt.granularity)
+    shards = vfsdp.shard(params, spec, init_fn=vfsdp.init.sharded(init_rule(cfg), 0))
+    state = opt.init(shards, spec)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    toks = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
+    times = []
+    for i in range(steps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        io = vfsdp.gather(shards["io"], spec["io"], grads="buffer")
+        h = vfsdp.run_layers(lambda p, x: block(p, x, cfg), shards["layers"], spec["layers"],
+                             embed(io, toks))
+        head_loss(io, h, toks).backward()
+        del io, h
+        state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+        vfsdp.zero_grads(shards, spec)
+        if i:
+            times.append(time.perf_counter() - t0)
+    full = {k: torch.empty(v.shape) for k, v in params["io"].items()}
+    x = torch.empty(batch, cfg.seq, cfg.dim)
+    costs = {("layers",): layer_cost(lambda p, h: block(p, h, cfg), params["layers"][0], x),
+             (): layer_cost(lambda p, t: head_loss(p, embed(p, t), t), full, toks)}
+    est = vfsdp.estimate(spec, hw=hw, optimizer="adamw", param_dtype=None,
+                         tokens_per_rank=tokens, costs=costs)
+    return {"measured": statistics.median(times), "predicted": est.step_s,
+            "compute": est.compute_s, "exposed": est.exposed_comm_s, "opt": est.optimizer_s}

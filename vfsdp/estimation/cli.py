@@ -22,7 +22,7 @@ from vfsdp.planner.granularity import parse_granularity
 from vfsdp.planner.plan import plan
 from vfsdp.planner.shapes import load_shapes
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "add_calibrate_parser", "run", "run_calibrate"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -50,6 +50,43 @@ def add_parser(sub) -> None:
     p.add_argument("--vs", default="", help="also fsdp2 and/or megatron, comma-separated")
     p.add_argument("--json", help="write one record per GPU count and system here")
     p.add_argument("--png", help="draw scaling curves and the memory stack (matplotlib)")
+
+
+def add_calibrate_parser(sub) -> None:
+    """The ``calibrate`` subcommand's options."""
+    p = sub.add_parser("calibrate", help="measure this machine's rates into a profile")
+    p.add_argument("--world-size", "-n", type=int, default=2,
+                   help="gloo processes to start (under torchrun: its world)")
+    p.add_argument("--tokens", type=int, default=256, help="tokens of the timed layer")
+    p.add_argument("--out", default="calibrated.json", help="where to write the profile")
+
+
+def _calibrate_rank(tokens: int):
+    from vfsdp.estimation.calibrate import calibrate, example_layer
+
+    return calibrate(example_layer(tokens))
+
+
+def run_calibrate(args, out=None) -> int:
+    """Run ``calibrate``: measure, write the profile, print it; 0 on success."""
+    import os
+
+    import torch.distributed as dist
+
+    out = out or sys.stdout
+    if dist.is_initialized() or "RANK" in os.environ:
+        if not dist.is_initialized():
+            dist.init_process_group()
+        hw = _calibrate_rank(args.tokens)
+        if dist.get_rank() != 0:
+            return 0
+    else:
+        from vfsdp.testing import spawn
+
+        hw = spawn(_calibrate_rank, args.world_size, args.tokens)[0]
+    hw.to_json(args.out)
+    print(f"wrote {args.out}: {hw.source}", file=out)
+    return 0
 
 
 def _pick_shard(tree, gpus: int, args, gran) -> int:

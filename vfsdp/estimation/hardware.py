@@ -32,6 +32,11 @@ class Hardware:
         inter_latency: Seconds per ring step across nodes.
         compute_efficiency: The fraction of ``flops`` a training step's kernels reach.
         comm_efficiency: The fraction of the link bandwidths a ring collective reaches.
+        unit_overhead: Host seconds per unit per step that no FLOP or byte accounts for
+            (vfsdp's bookkeeping, launching its collectives and the update's kernels):
+            measured by ``calibrate``; 0 in the datasheet profiles, whose launches run
+            ahead of the device.
+        tensor_overhead: Host seconds per tensor of a unit per step, likewise.
         source: Where the figures come from.
 
     Example:
@@ -51,6 +56,8 @@ class Hardware:
     inter_latency: float
     compute_efficiency: float = 0.6
     comm_efficiency: float = 0.8
+    unit_overhead: float = 0.0
+    tensor_overhead: float = 0.0
     source: str = ""
 
     def to_json(self, path: str) -> None:

@@ -190,9 +190,8 @@ def optimizer_bytes(opt: Any, spec: ShardSpec, rank: int = 0) -> int:
         shapes = tuple(tuple(sh) for sh in u.shapes)
         groups.setdefault((u.signature, shapes), []).append(key)
     by_unit: dict = {}
-    for t in spec._leaves:
-        if isinstance(t, TensorSpec):
-            by_unit.setdefault(t.unit, []).append(t)
+    for t in spec.tensors():
+        by_unit.setdefault(t.unit, []).append(t)
     total = 0
     for keys in groups.values():
         leaves = by_unit.get(keys[0], [])

@@ -209,8 +209,10 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             comm["all_reduce"] += shard_grad
             rs += 2 * ring(r, shard_grad / r, rep_link)
         flops = per_unit[u.key].flops
-        lanes[u.key] = (ring(m, u.gathered / m, shard_link), flops / 3 / rate,
-                        2 * flops / 3 / rate, rs)
+        # the host's own work per unit and step, on the compute lane
+        host = prof.unit_overhead + prof.tensor_overhead * len(spec.units[u.key].paths)
+        lanes[u.key] = (ring(m, u.gathered / m, shard_link), flops / 3 / rate + host / 3,
+                        2 * flops / 3 / rate + 2 * host / 3, rs)
     grads = sum(u.grad_shard for u in ub)
     opt_s = (2 * state + 2 * shards + grads) / (prof.memory_bw * prof.compute_efficiency)
     opt_s += _muon_flops(spec, optimizer) / rate

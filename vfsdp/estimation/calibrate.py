@@ -1,0 +1,147 @@
+"""``calibrate``: measure this machine's rates with the collectives vfsdp uses, as a profile.
+
+Run collectively on every rank of a process group (``python -m vfsdp calibrate --world-size
+W`` starts W gloo processes; under torchrun, NCCL on GPUs). It times:
+
+* vfsdp's all-gather (``vfsdp.collectives.comm.all_gather_into``) at two sizes, and fits the
+  ring's latency per step and bandwidth per rank (``t = (W - 1) * (latency + bytes / bw)``);
+* the compute rate: forward and backward of a layer (default: the example model's block at
+  the given tokens) on every rank at once, over the FLOPs torch's flop counter counts for it;
+* the memory bandwidth: an in-place add over a large tensor;
+* the host's own work per unit and per tensor of a step (vfsdp's bookkeeping, launches): steps
+  of tiny units of 1 and 8 tensors, which have next to no compute or bytes.
+
+The profile has ``compute_efficiency`` and ``comm_efficiency`` 1.0 (its rates are achieved
+ones), one node of W devices, and the measured figures in ``source``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from vfsdp.collectives.comm import all_gather_into
+from vfsdp.estimation.costs import layer_cost
+from vfsdp.estimation.hardware import Hardware
+
+__all__ = ["calibrate", "example_layer"]
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for i in range(repeats + 1):
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        if i:  # the first is a warm-up
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def example_layer(tokens: int = 64, device: Optional[torch.device] = None) -> tuple:
+    """The example model's block (``vfsdp.testing.models``) at ``tokens`` tokens:
+    ``(fn, params, inputs)`` for :func:`calibrate`."""
+    from vfsdp.testing.models import GPTConfig, block, meta_params
+
+    cfg = GPTConfig()
+    g = torch.Generator().manual_seed(0)
+    params = {k: (torch.randn(v.shape, generator=g) * 0.02).to(device or "cpu")
+              for k, v in meta_params(cfg)["layers"][0].items()}
+    seq = min(tokens, cfg.seq)
+    x = torch.randn(max(tokens // seq, 1), seq, cfg.dim, generator=g).to(device or "cpu")
+    return (lambda p, h: block(p, h, cfg)), params, (x,)
+
+
+def _host_overhead(repeats: int, tensors: int) -> float:
+    """Host seconds per step of 4 tiny units of ``tensors`` tensors each (gather, backward,
+    reduce, AdamW update), per unit: almost no compute or bytes, so it is bookkeeping."""
+    import vfsdp
+
+    params = {"layers": [{f"w{i}": torch.ones(4, 4) for i in range(tensors)}
+                         for _ in range(4)]}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    spec = vfsdp.plan(params, world)
+    shards = vfsdp.shard(params, spec)
+    opt = vfsdp.optim.adamw()
+    box = [opt.init(shards, spec)]
+
+    def layer(p, x):
+        for w in p.values():
+            x = x @ w
+        return x
+
+    def step() -> None:
+        h = vfsdp.run_layers(layer, shards["layers"], spec["layers"], torch.ones(2, 4))
+        h.sum().backward()
+        box[0] = opt.update(vfsdp.grads(shards, spec), box[0], shards, spec)
+        vfsdp.zero_grads(shards, spec)
+
+    return _median_time(step, repeats) / len(spec.units)
+
+
+def calibrate(layer: Optional[tuple] = None, sizes: tuple = (2**12, 2**24),
+              repeats: int = 7, name: str = "calibrated") -> Hardware:
+    """Collective: measure this machine (see the module docstring).
+
+    Args:
+        layer: ``(fn, params, inputs)`` whose forward and backward give the compute rate
+            (default: :func:`example_layer`).
+        sizes: Two per-rank all-gather sizes in bytes (small: latency; large: bandwidth).
+        repeats: Timed repetitions of each (medians).
+        name: The profile's name.
+
+    Returns:
+        The :class:`Hardware` profile (write it with ``to_json``).
+
+    Raises:
+        ValueError: ``sizes`` are not two increasing sizes.
+
+    Example:
+        >>> def body():
+        ...     return calibrate(repeats=1).gpus_per_node
+        >>> vfsdp.testing.simulate(2, body)
+        [2, 2]
+    """
+    if len(sizes) != 2 or not 0 < sizes[0] < sizes[1]:
+        raise ValueError(f"calibrate: sizes must be two increasing byte counts, got {sizes!r}")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = torch.device("cpu")
+    fits = []
+    for size in sizes:
+        n = size // 4
+        inp = torch.ones(n, device=device)
+        out = torch.empty(world * n, device=device)
+        fits.append(_median_time(lambda: all_gather_into(out, inp), repeats)
+                    / max(world - 1, 1))
+    if fits[1] > fits[0]:
+        bw = (sizes[1] - sizes[0]) / (fits[1] - fits[0])
+        latency = max(fits[0] - sizes[0] / bw, 1e-7)
+    else:  # noise swamped the small one: all of the large one's time is bandwidth
+        bw, latency = sizes[1] / fits[1], 1e-7
+    fn, params, inputs = layer or example_layer()
+    flops = layer_cost(fn, params, *inputs).flops
+    live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+
+    def run() -> None:
+        fn(live, *inputs).float().sum().backward()
+
+    rate = flops / _median_time(run, repeats)
+    big = torch.zeros(2**23, device=device)
+    mem_bw = 3 * big.numel() * 4 / _median_time(lambda: big.add_(1.0), repeats)
+    one, eight = _host_overhead(repeats, 1), _host_overhead(repeats, 8)
+    per_tensor = max((eight - one) / 7, 0.0)
+    overhead = max(one - per_tensor, 0.0)
+    return Hardware(name, rate, 2**40, mem_bw, world, bw, latency, bw, latency,
+                    compute_efficiency=1.0, comm_efficiency=1.0, unit_overhead=overhead,
+                    tensor_overhead=per_tensor,
+                    source=f"measured by vfsdp calibrate on {world} rank(s): all-gather "
+                           f"{bw / 1e9:.3f} GB/s per rank, {latency * 1e6:.1f} us per ring "
+                           f"step; {rate / 1e9:.2f} GFLOP/s on the layer; memory "
+                           f"{mem_bw / 1e9:.2f} GB/s; host work per step {overhead * 1e3:.2f} "
+                           f"ms per unit and {per_tensor * 1e3:.3f} ms per tensor")

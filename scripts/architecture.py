@@ -27,11 +27,11 @@ from collections import Counter, defaultdict
 LAYERS = ["_torch_private", "placements", "planner", "collectives", "functional",
           "optim", "checkpoint", "testing", "estimation", "<top>"]
 """Bottom to top. A package may import only packages below it (``optim`` and ``checkpoint``
-are siblings: neither imports the other; so are ``testing`` and ``estimation``). ``<top>``
-is ``vfsdp/__init__``, ``cli`` and ``__main__``."""
+are siblings: neither imports the other). ``<top>`` is ``vfsdp/__init__``, ``cli`` and
+``__main__``."""
 
 RANK = {"_torch_private": 0, "placements": 1, "planner": 2, "collectives": 3, "functional": 4,
-        "optim": 5, "checkpoint": 5, "testing": 6, "estimation": 6, "<top>": 7}
+        "optim": 5, "checkpoint": 5, "testing": 6, "estimation": 7, "<top>": 8}
 
 REGISTRY_CALLS = {"owner_of", "global_owner", "live_dbuffers", "_packing_dbuffer",
                   "wait_reductions", "_pending", "_finish_oldest"}

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from vfsdp.collectives.comm import all_gather_into
+from vfsdp.collectives.groups import device_for
 from vfsdp.estimation.costs import layer_cost
 from vfsdp.estimation.hardware import Hardware
 
@@ -39,6 +40,8 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> float:
             dist.barrier()
         t0 = time.perf_counter()
         fn()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the device's work, not only its launch
         if i:  # the first is a warm-up
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -51,19 +54,19 @@ def example_layer(tokens: int = 64, device: Optional[torch.device] = None) -> tu
 
     cfg = GPTConfig()
     g = torch.Generator().manual_seed(0)
-    params = {k: (torch.randn(v.shape, generator=g) * 0.02).to(device or "cpu")
+    params = {k: (torch.randn(v.shape, generator=g) * 0.02).to(device or "cpu")  # cpu: seeded
               for k, v in meta_params(cfg)["layers"][0].items()}
     seq = min(tokens, cfg.seq)
-    x = torch.randn(max(tokens // seq, 1), seq, cfg.dim, generator=g).to(device or "cpu")
-    return (lambda p, h: block(p, h, cfg)), params, (x,)
+    x = torch.randn(max(tokens // seq, 1), seq, cfg.dim, generator=g)  # cpu: seeded, moved
+    return (lambda p, h: block(p, h, cfg)), params, (x.to(device or "cpu"),)
 
 
-def _host_overhead(repeats: int, tensors: int) -> float:
+def _host_overhead(repeats: int, tensors: int, device: torch.device) -> float:
     """Host seconds per step of 4 tiny units of ``tensors`` tensors each (gather, backward,
     reduce, AdamW update), per unit: almost no compute or bytes, so it is bookkeeping."""
     import vfsdp
 
-    params = {"layers": [{f"w{i}": torch.ones(4, 4) for i in range(tensors)}
+    params = {"layers": [{f"w{i}": torch.ones(4, 4, device=device) for i in range(tensors)}
                          for _ in range(4)]}
     world = dist.get_world_size() if dist.is_initialized() else 1
     spec = vfsdp.plan(params, world)
@@ -77,7 +80,8 @@ def _host_overhead(repeats: int, tensors: int) -> float:
         return x
 
     def step() -> None:
-        h = vfsdp.run_layers(layer, shards["layers"], spec["layers"], torch.ones(2, 4))
+        h = vfsdp.run_layers(layer, shards["layers"], spec["layers"],
+                             torch.ones(2, 4, device=device))
         h.sum().backward()
         box[0] = opt.update(vfsdp.grads(shards, spec), box[0], shards, spec)
         vfsdp.zero_grads(shards, spec)
@@ -111,7 +115,7 @@ def calibrate(layer: Optional[tuple] = None, sizes: tuple = (2**12, 2**24),
     if len(sizes) != 2 or not 0 < sizes[0] < sizes[1]:
         raise ValueError(f"calibrate: sizes must be two increasing byte counts, got {sizes!r}")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    device = torch.device("cpu")
+    device = device_for()  # where vfsdp's buffers go: CUDA under NCCL, else the CPU
     fits = []
     for size in sizes:
         n = size // 4
@@ -124,7 +128,7 @@ def calibrate(layer: Optional[tuple] = None, sizes: tuple = (2**12, 2**24),
         latency = max(fits[0] - sizes[0] / bw, 1e-7)
     else:  # noise swamped the small one: all of the large one's time is bandwidth
         bw, latency = sizes[1] / fits[1], 1e-7
-    fn, params, inputs = layer or example_layer()
+    fn, params, inputs = layer or example_layer(device=device)
     flops = layer_cost(fn, params, *inputs).flops
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
 
@@ -134,7 +138,7 @@ def calibrate(layer: Optional[tuple] = None, sizes: tuple = (2**12, 2**24),
     rate = flops / _median_time(run, repeats)
     big = torch.zeros(2**23, device=device)
     mem_bw = 3 * big.numel() * 4 / _median_time(lambda: big.add_(1.0), repeats)
-    one, eight = _host_overhead(repeats, 1), _host_overhead(repeats, 8)
+    one, eight = _host_overhead(repeats, 1, device), _host_overhead(repeats, 8, device)
     per_tensor = max((eight - one) / 7, 0.0)
     overhead = max(one - per_tensor, 0.0)
     return Hardware(name, rate, 2**40, mem_bw, world, bw, latency, bw, latency,

@@ -119,12 +119,13 @@ def hardware(profile: Union[str, os.PathLike, Hardware]) -> Hardware:
         return PROFILES[name.lower()]
     if not os.path.isfile(name):
         raise ValueError(f"hardware: {name!r} is neither a profile ({', '.join(PROFILES)}) nor "
-                         f"a file; pass a name, or a JSON file `python -m vfsdp calibrate` wrote")
+                         f"a file; pass a name, or a JSON file that 'python -m vfsdp "
+                         f"calibrate' wrote")
     with open(name, encoding="utf-8") as f:
         data = json.load(f)
     fields = {f.name for f in dataclasses.fields(Hardware)}
     if not isinstance(data, dict) or not {"name", "flops", "memory"} <= set(data) \
             or set(data) - fields:
         raise ValueError(f"hardware: {name} is not a profile (fields {sorted(fields)}); write "
-                         f"one with `python -m vfsdp calibrate --out {name}`")
+                         f"one with 'python -m vfsdp calibrate --out {name}'")
     return Hardware(**data)

@@ -54,6 +54,13 @@ class Estimate:
         optimizer_s: Seconds of the update.
         tokens_per_s: Tokens per second over all ranks.
         mfu: Model FLOPs per second over the devices' peak.
+        tokens_per_rank: The tokens each rank processes per step.
+
+    Example:
+        >>> spec = vfsdp.plan({"w": torch.empty(1024, 1024, device="meta")}, 8)
+        >>> est = vfsdp.estimate(spec, hw="h800")
+        >>> est.memory_per_rank == sum(est.memory.values()), sorted(est.record())[:3]
+        (True, ['bytes_all_gather', 'bytes_all_reduce', 'bytes_backward_marks'])
     """
 
     gpus: int

@@ -1,6 +1,4 @@
-"""The shard spec: frozen, hashable, introspectable output of ``vfsdp.plan``.
-
-Three types:
+"""The shard spec: frozen, hashable, introspectable output of ``vfsdp.plan``, in three types:
 
 * :class:`UnitLayout`: one communication unit (one all-gather): ``world_size`` (m),
   ``shard_numel`` (S), ``dtype``, and its tensors' paths in buffer order.
@@ -18,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import math
 import statistics
 from collections.abc import Hashable, Iterator, Mapping
@@ -228,11 +227,7 @@ class UnitLayout:
             if e and s:
                 diff[off // s] += 1
                 diff[(off + e - 1) // s + 1] -= 1
-        out, run = [], 0
-        for r in range(m):
-            run += diff[r]
-            out.append(run)
-        return out
+        return list(itertools.accumulate(diff[:m]))
 
     def tensors_per_rank_summary(self) -> tuple[int, float, int]:
         """``(min, median, max)`` of :meth:`tensors_per_rank`."""
@@ -328,21 +323,12 @@ class TensorSpec:
         return (lo - self.offset, hi - self.offset)
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
-        """Shape of ``rank``'s piece: what ``local_shape(self.placement, self.shape, rank)``
-        gives, without building the placement (O(1), not O(world size)).
-
-        Example:
-            >>> spec = vfsdp.plan({"w": torch.empty(10, 3)}, 4, granularity=vfsdp.rows(1))
-            >>> [spec.tree["w"].local_shape(r) for r in range(4)]
-            [(3, 3), (3, 3), (3, 3), (1, 3)]
-        """
+        """``local_shape(self.placement, self.shape, rank)`` without building the placement."""
         start, stop = self.local_range(rank)
-        dims = self.dims
-        trailing = tuple(self.shape[len(dims):])
-        if not dims:
+        lead = len(self.dims)
+        if not lead:
             return tuple(self.shape) if stop > start else (0,)
-        slab = math.prod(trailing)
-        return ((stop - start) // slab if slab else 0, *trailing)
+        return ((stop - start) // (math.prod(self.shape[lead:]) or 1), *self.shape[lead:])
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """Where ``rank``'s piece sits in that rank's ``S``-element shard buffer."""

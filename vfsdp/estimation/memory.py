@@ -27,9 +27,9 @@ import optree
 import torch
 
 from vfsdp._torch_private import storage_id
-from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.unit import Unit
+from vfsdp.optim.base import state_tensors
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["UnitBytes", "unit_bytes", "timeline", "peak", "optimizer_bytes", "split_units",
@@ -235,28 +235,6 @@ def _unit_state_bytes(opt: Any, spec: ShardSpec, rank: int) -> int:
     shards = optree.tree_unflatten(spec.treespec, leaves)
     state = opt.init(shards, spec)
     return _state_bytes(state, {storage_id(x) for x in leaves if isinstance(x, torch.Tensor)})
-
-
-def state_tensors(state: Any) -> list:
-    """Every tensor an optimizer state holds (its DBuffers' shards, its attributes' and
-    containers' tensors), found by walking it."""
-    out, todo, visited = [], [state], set()
-    while todo:
-        x = todo.pop()
-        if id(x) in visited or isinstance(x, (str, int, float, bool, type(None))):
-            continue
-        visited.add(id(x))
-        if isinstance(x, DBuffer):
-            todo.append(x.shard)
-        elif isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, dict):
-            todo.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            todo.extend(x)
-        elif hasattr(x, "__dict__"):
-            todo.extend(vars(x).values())
-    return out
 
 
 def _state_bytes(state: Any, skip: set) -> int:

@@ -41,7 +41,7 @@ from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["Optimizer", "gradient_transform", "apply_update", "Schedule", "Mask", "as_schedule",
            "unit_buffers", "grad_leaves", "state_dtype", "check_hyper", "flat_grads",
-           "UnitTensors", "init_masked", "both", "selected"]
+           "UnitTensors", "init_masked", "both", "selected", "state_tensors"]
 
 Schedule = Union[float, Callable[[int], float]]
 Mask = Optional[Callable[[tuple], bool]]
@@ -308,3 +308,49 @@ def _is_view(g: Any, gdb, k: int) -> bool:
     slot = slot_of(g)
     return (slot is not None and slot.buffer is gdb and slot.view is View.LOCAL
             and slot.index == k and gdb.is_local_view(k, g))
+
+
+def state_tensors(state: Any) -> list:
+    """Every tensor an optimizer state holds (its DBuffers' shards, its attributes' and
+    containers' tensors), found by walking it (for byte counts: offload's host bytes, the
+    estimate's optimizer memory).
+
+    Args:
+        state: Any optimizer state.
+
+    Returns:
+        The tensors, each once.
+
+    Raises:
+        RecursionError: never: the walk is iterative and visits each object once.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     state = vfsdp.optim.adamw().init(shards, spec)
+        ...     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        ...                 for t in state_tensors(state)}
+        ...     return sum(storages.values())
+        >>> vfsdp.testing.simulate(2, body)[0]      # two moments of 4 floats, the step count
+        40
+    """
+    from vfsdp.collectives.dbuffer import DBuffer
+
+    out, todo, visited = [], [state], set()
+    while todo:
+        x = todo.pop()
+        if id(x) in visited or isinstance(x, (str, int, float, bool, type(None))):
+            continue
+        visited.add(id(x))
+        if isinstance(x, DBuffer):
+            todo.append(x.shard)
+        elif isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif hasattr(x, "__dict__"):
+            todo.extend(vars(x).values())
+    return out

@@ -66,6 +66,7 @@ from vfsdp.optim.base import (
     grad_leaves,
     init_masked,
     state_dtype,
+    state_tensors,
     unit_buffers,
 )
 from vfsdp.planner.spec import ShardSpec
@@ -111,8 +112,8 @@ class OffloadState:
         ...     shards = vfsdp.shard(params, spec)
         ...     state = vfsdp.optim.offload(vfsdp.optim.adamw()).init(shards, spec)
         ...     return type(state.inner).__name__, state.host_bytes(), state.resyncs
-        >>> vfsdp.testing.simulate(2, body)[0]       # master, gradient, two moments: 4 x 16 B
-        ('AdamWState', 64, 0)
+        >>> vfsdp.testing.simulate(2, body)[0]   # master, gradient, two moments: 4 x 16 B, + 8
+        ('AdamWState', 72, 0)
     """
 
     inner: Any
@@ -128,16 +129,16 @@ class OffloadState:
 
     def host_bytes(self) -> int:
         """Bytes of host memory the masters, gradient copies and the wrapped optimizer's
-        state buffers hold on this rank."""
+        state (every tensor of it: moments, scales, its step count) hold on this rank."""
         seen, total = set(), 0
         for hu in self.units:
             for db in hu.host.buffers():
                 total += db.shard.untyped_storage().nbytes()
-                seen.add(id(db.shard.untyped_storage()))
-        for x in optree.tree_leaves(_buffers(self.inner)):
-            s = x.shard.untyped_storage()
-            if id(s) not in seen:
-                seen.add(id(s))
+                seen.add(db.shard.untyped_storage().data_ptr())
+        for x in state_tensors(self.inner):
+            s = x.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
                 total += s.nbytes()
         return total
 
@@ -156,28 +157,6 @@ class OffloadState:
         self.inner = tree
         self.seen.clear()  # the parameters were loaded too: read the masters back from them
         return self
-
-
-def _buffers(state: Any) -> list:
-    """The DBuffers a state object holds (its attributes' and containers' values), found by
-    walking it; for the byte count only."""
-    from vfsdp.collectives.dbuffer import DBuffer
-
-    out, todo, seen = [], [state], set()
-    while todo:
-        x = todo.pop()
-        if id(x) in seen or isinstance(x, (torch.Tensor, str, int, float, type(None))):
-            continue
-        seen.add(id(x))
-        if isinstance(x, DBuffer):
-            out.append(x)
-        elif isinstance(x, dict):
-            todo.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            todo.extend(x)
-        elif hasattr(x, "__dict__"):
-            todo.extend(vars(x).values())
-    return out
 
 
 def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optimizer:

@@ -207,8 +207,8 @@ class BufferBytes(LiveBytes):
         ...         full = vfsdp.gather(shards, spec)             # 8 floats gathered
         ...         y = full["w"] * 2                              # not a buffer
         ...     return live.peak
-        >>> vfsdp.testing.simulate(2, body)[0]                  # the shard is a view of it
-        32
+        >>> vfsdp.testing.simulate(2, body)[0]         # the 16 B shard, the 32 B gathered
+        48
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -67,6 +67,15 @@ def _step(shards, spec, step: int, mode: str = "buffer") -> None:
         vfsdp.optim.clip_grad_norm(vfsdp.grads(shards, spec), spec, 1.0)
 
 
+def _steps(opt, state, shards, spec, steps: int, start: int = 0):
+    """``steps`` backwards and updates (steps ``start`` on), gradients zeroed after each."""
+    for step in range(start, start + steps):
+        _step(shards, spec, step)
+        state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+        vfsdp.zero_grads(shards, spec)
+    return state
+
+
 def train(kind: str, offloaded: bool, steps: int = 3, freeze: bool = False,
           poke: bool = False, mode: str = "buffer") -> dict:
     """``steps`` updates of ``kind``; ``freeze``: the first layer's norm is frozen after
@@ -162,13 +171,8 @@ def bf16_masters(steps: int = 4) -> dict:
     plain = adamw(lr=1e-4, weight_decay=0.0)
     shards2 = vfsdp.shard(params(torch.bfloat16), spec)
     state2 = plain.init(shards2, spec)
-    for step in range(steps):
-        _step(shards, spec, step)
-        state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
-        vfsdp.zero_grads(shards, spec)
-        _step(shards2, spec, step)
-        state2 = plain.update(vfsdp.grads(shards2, spec), state2, shards2, spec)
-        vfsdp.zero_grads(shards2, spec)
+    state = _steps(opt, state, shards, spec, steps)
+    _steps(plain, state2, shards2, spec, steps)
     masters = optree.tree_leaves(state.shards)
     device = optree.tree_leaves(shards)
     return {"master_dtype": str(masters[0].dtype),
@@ -224,10 +228,6 @@ def reinit(steps: int = 2) -> dict:
     shards = vfsdp.shard(params(), spec)
     old = opt.init(shards, spec)
     new = opt.init(shards, spec)
-    for step in range(steps):
-        _step(shards, spec, step)
-        new = opt.update(vfsdp.grads(shards, spec), new, shards, spec)
-        vfsdp.zero_grads(shards, spec)
-    _step(shards, spec, steps)
-    old = opt.update(vfsdp.grads(shards, spec), old, shards, spec)
+    new = _steps(opt, new, shards, spec, steps)
+    old = _steps(opt, old, shards, spec, 1, start=steps)
     return {"new": (new.grad_copies, new.resyncs), "old": (old.grad_copies, old.resyncs)}

@@ -7,7 +7,8 @@ Sections:
 
 1. vfsdp's buffers' peak per rank (``vfsdp.testing.memory.BufferBytes``) and every
    collective's bytes (``vfsdp.collectives.comm.counts``) against the prediction, on gloo
-   at W = 2 and 4, for AdamW, 8-bit AdamW and Muon, fp32 and bf16 compute, HSDP;
+   at W = 2 and 4, for AdamW, 8-bit AdamW and Muon, fp32 and bf16 compute, HSDP, and
+   TP x FSDP (the layers' all-reduces over tp included);
 2. a training step of the example model after ``calibrate`` at the same world size: the
    measured median against the predicted step time;
 3. planning and estimating one model at ten GPU counts;
@@ -47,6 +48,14 @@ def memory_and_bytes() -> None:
         err = abs(worst["predicted_peak"] - worst["measured_peak"]) / worst["measured_peak"]
         same = all(r["measured_bytes"] == r["predicted_bytes"] for r in rs)
         print(f"{world:>2} {mesh or world!s:>6} {opt:<10} {str(dtype or 'fp32')[6:] or 'fp32':<8} "
+              f"{worst['measured_peak']:>11,} {worst['predicted_peak']:>12,} {100 * err:>6.2f}%  "
+              f"{'equal' if same else 'DIFFER'}")
+    for dtype in (None, torch.bfloat16):  # TP x FSDP, the layers' all-reduces over tp included
+        rs = simulate(4, bodies.tp_step, dtype)
+        worst = max(rs, key=lambda r: abs(r["predicted_peak"] - r["measured_peak"]))
+        err = abs(worst["predicted_peak"] - worst["measured_peak"]) / worst["measured_peak"]
+        same = all(r["measured_bytes"] == r["predicted_bytes"] for r in rs)
+        print(f" 4 dp2xtp2 {'adamw':<10} {str(dtype or 'fp32')[6:] or 'fp32':<8} "
               f"{worst['measured_peak']:>11,} {worst['predicted_peak']:>12,} {100 * err:>6.2f}%  "
               f"{'equal' if same else 'DIFFER'}")
 

@@ -81,8 +81,8 @@ def test_structure_aware_updates_do_not_grow_with_the_number_of_tensors():
 def test_offloaded_update_copies_per_unit_not_per_tensor():
     """offload(adamw8bit) over 4x the tensors (the same units): its copies are one per unit
     each way, so its ops stay flat too, a few per unit above the update's own: the copy back
-    (two slices and a copy), and three fingerprints of two ops each (the parameter shard
-    before the update and after the copy back, the gradient shard)."""
+    (two slices and a copy), and three fingerprints of about ten ops each (the parameter
+    shard before the update and after the copy back, the gradient shard)."""
     one, four = _split_counts("offload(adamw8bit)", 1), _split_counts("offload(adamw8bit)", 4)
     assert abs(four - one) <= 0.1 * one, (one, four)
-    assert 0 < one - _split_counts("adamw8bit", 1) <= 10 * 5, one  # 5 units: 4 layers, root
+    assert 0 < one - _split_counts("adamw8bit", 1) <= 30 * 5, one  # 5 units: 4 layers, root

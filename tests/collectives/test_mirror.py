@@ -65,24 +65,43 @@ def test_the_mirror_follows_reductions_and_tells_any_later_write(run):
         assert world == [(True, True), False, True, False, True, False, False, (True, 3, False)]
 
 
+def _reference(x: torch.Tensor) -> list:
+    """The fingerprint by a loop over the bytes: 32-bit lanes, then the partial tail."""
+    data = bytes(x.reshape(-1).view(torch.uint8).tolist()) if x.numel() else b""
+    words = len(data) // 8 * 8
+    lanes = [int.from_bytes(data[i:i + 4], "little") for i in range(0, words, 4)]
+    high = [v for k, v in enumerate(lanes) if k % 2]
+    tail = list(data[words:])
+    linear = sum(lanes) + sum(tail)
+    square = sum(v * v for v in lanes) + 2 * sum(v * v for v in high) + sum(t * t for t in tail)
+    wrap = lambda v: (v + 2**63) % 2**64 - 2**63  # noqa: E731
+    return [wrap(linear), wrap(square)]
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64,
                         torch.int8]),
        st.integers(0, 40), st.integers(0, 7), st.integers(0, 2**31 - 1))
-def test_fingerprint_is_the_sum_of_the_words_and_tells_any_single_change(dtype, n, skip, seed):
+def test_fingerprint_is_the_lane_sums_and_tells_bit_flips_and_sign_changes(dtype, n, skip,
+                                                                         seed):
     g = torch.Generator().manual_seed(seed)
     base = (torch.randn(n + skip, generator=g) * 100).to(dtype)
     x = base[skip:]                                     # any start in its storage
-    data = bytes(x.view(torch.uint8).tolist()) if n else b""
-    words = len(data) // 8 * 8                          # a loop: the words, then the tail
-    reference = sum(int.from_bytes(data[i:i + 8], "little", signed=True)
-                    for i in range(0, words, 8)) + sum(data[words:])
-    assert int(fingerprint(x)) == (reference + 2**63) % 2**64 - 2**63
-    assert int(fingerprint(x)) == int(fingerprint(x.clone()))  # alignment does not matter
+    assert fingerprint(x).tolist() == _reference(x)
+    assert fingerprint(x).tolist() == fingerprint(x.clone()).tolist()  # alignment aside
     if n:
         y = x.clone()
         y.view(torch.uint8)[seed % (n * x.element_size())] ^= 1 << (seed % 8)  # one bit
-        assert int(fingerprint(y)) != int(fingerprint(x))
+        assert fingerprint(y).tolist() != fingerprint(x).tolist()
+    if dtype.is_floating_point and bool((x != 0).any()):
+        assert fingerprint(-x).tolist() != fingerprint(x).tolist()  # signs both ways
+
+
+def test_fingerprint_tells_sign_changes_a_plain_sum_cancels():
+    a = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    assert fingerprint(a).tolist() != fingerprint(a * torch.tensor([1, -1, 1, -1])).tolist()
+    b = torch.tensor([1.0, 2.0, -1.0, 3.0])
+    assert fingerprint(b).tolist() != fingerprint(b.neg()).tolist()
 
 
 def test_fingerprint_refuses_a_strided_tensor():

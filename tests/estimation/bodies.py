@@ -97,3 +97,41 @@ def calibrated_step(steps: int = 5, batch: int = 4) -> dict:
                          tokens_per_rank=tokens, costs=costs)
     return {"measured": statistics.median(times), "predicted": est.step_s,
             "compute": est.compute_s, "exposed": est.exposed_comm_s, "opt": est.optimizer_s}
+
+
+def tp_step(dtype=None) -> dict:
+    """One TP x FSDP step (dp=2 x tp=2, Megatron's placements): vfsdp's buffers and every
+    collective measured beside the estimate of this tp index's plan, the layers' own
+    all-reduces over ``tp`` included (``model_parallel="tp"``)."""
+    from vfsdp.testing.models_tp import block_tp, tp_rule
+
+    cfg = GPTConfig(layers=2)
+    mesh = vfsdp.mesh(("dp", 2), ("tp", 2))
+    opt = vfsdp.optim.adamw()
+    spec = vfsdp.plan(meta_params(cfg), mesh, tp=tp_rule(cfg), tp_axis="tp",
+                      granularity=opt.granularity)
+    shards = vfsdp.shard(meta_params(cfg), spec, mesh=mesh,
+                         init_fn=vfsdp.init.sharded(init_rule(cfg), 0))
+    dp_rank = dist.get_rank() // 2
+    toks = torch.randint(0, cfg.vocab, (2, 32), generator=torch.Generator().manual_seed(dp_rank))
+    layer_specs = [spec["layers"][i] for i in range(cfg.layers)]
+    with BufferBytes().track(shards) as live:
+        state = opt.init(shards, spec)
+        live.track(state_tensors(state))
+        reset_counts()
+        io = vfsdp.gather(shards["io"], spec["io"], param_dtype=dtype, grads="buffer")
+        h = vfsdp.run_layers(lambda p, x: block_tp(p, x, cfg, mesh), shards["layers"],
+                             layer_specs, embed(io, toks), param_dtype=dtype)
+        head_loss(io, h, toks).backward()
+        del io, h
+        measured = dict(counts())
+        state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+    est = vfsdp.estimate(spec, hw="h100", optimizer="adamw", param_dtype=dtype,
+                         rank=_shard_rank(spec), tokens_per_rank=toks.numel(),
+                         model_parallel="tp",
+                         costs={(): LayerCost(0.0, 0), ("layers",): LayerCost(0.0, 0)})
+    return {"measured_peak": live.peak,
+            "predicted_peak": sum(est.memory[k] for k in
+                                  ("params", "optimizer", "gradients", "buffers")),
+            "measured_bytes": {k: v for k, v in measured.items() if k.endswith("_bytes")},
+            "predicted_bytes": {f"{k}_bytes": v for k, v in est.comm_bytes.items() if v}}

@@ -32,6 +32,16 @@ def test_hsdp_bytes_and_peak():
         assert r["measured_bytes"] == r["predicted_bytes"]
 
 
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_tp_by_fsdp_buffers_and_bytes_the_layers_all_reduces_included(dtype):
+    for r in simulate(4, bodies.tp_step, dtype):
+        assert abs(r["predicted_peak"] - r["measured_peak"]) <= 0.03 * r["measured_peak"], r
+        assert r["measured_bytes"] == r["predicted_bytes"]
+    spec = vfsdp.plan({"w": torch.empty(8, 8, device="meta")}, 2)
+    with pytest.raises(ValueError, match="needs 'tp' and a plan with a model axis"):
+        vfsdp.estimate(spec, model_parallel="tp")
+
+
 def test_the_layers_are_the_longest_run_of_indexed_units():
     spec = vfsdp.plan({"io": {"e": torch.empty(8, 4, device="meta")},
                        "layers": [{"w": torch.empty(4, 4, device="meta")} for _ in range(3)]}, 2)

@@ -181,7 +181,7 @@ def bf16_masters(steps: int = 4) -> dict:
             "device_moved": sum(int((d != b).sum()) for d, b in zip(device, before)),
             "plain_moved": sum(int((d != b).sum()) for d, b in
                                zip(optree.tree_leaves(shards2), before)),
-            "resyncs": state.resyncs}
+            "resyncs": state.resyncs, "grad_copies": state.grad_copies}
 
 
 def hidden_writes(offloaded: bool, steps: int = 3) -> dict:

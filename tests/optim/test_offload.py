@@ -83,6 +83,7 @@ def test_a_host_failure_on_one_rank_raises_on_every_rank():
 def test_bf16_parameters_keep_fp32_masters():
     for r in simulate(2, ob.bf16_masters):
         assert r["master_dtype"] == "torch.float32" and r["rounded"] and r["resyncs"] == 0
+        assert r["grad_copies"] == 0  # the backward's bf16 copies are used, not made again
         # updates below bf16's resolution add up in the master and reach the device
         assert r["masters_moved"] > r["device_moved"] > r["plain_moved"]
 

@@ -7,11 +7,13 @@ mirror's stream, asynchronously into pinned memory), so the copies of the units 
 run while the backward of the others goes on.
 
 Whether the copy still holds what the buffer holds when the optimizer reads it is decided by
-content, not by bookkeeping: :func:`fingerprint` of the buffer (on its device) against the
-fingerprint of the copy (on the host). No write can hide from that, whether or not a version
-counter sees it (``.data``, ``torch.distributed`` collectives, ``GradScaler.unscale_``, a
-custom kernel): any write that changes the bits changes the fingerprint, save one that only
-permutes values.
+content, not by bookkeeping: :func:`fingerprint` of the buffer taken on the mirror's stream
+just before the copy, against the buffer's fingerprint when the optimizer reads it (both on
+the device). No write hides from that, whether or not a version counter sees it (``.data``,
+``torch.distributed`` collectives, ``GradScaler.unscale_``, a custom kernel): a write after
+the fingerprint was taken (even one racing with the copy) changes what the optimizer sees,
+and it copies again. What a fingerprint cannot tell is a write that only permutes values, or
+one whose changes cancel in both of its sums (see :func:`fingerprint`).
 """
 
 from __future__ import annotations
@@ -22,27 +24,34 @@ import torch
 
 __all__ = ["HostMirror", "fingerprint"]
 
+_LANE = 0xFFFFFFFF
+
+
 def fingerprint(x: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 tensor on ``x``'s device: the sum of ``x``'s bytes read as little-endian
-    64-bit words (wrapping at 2**64), plus the bytes after the last whole word. Exact integer
-    arithmetic, so the same bits give the same value on every device and in every reduction
-    order; one vectorised sum (two ops) when the bytes start on a word and fill whole words,
-    as shards do.
+    """Two int64s on ``x``'s device that change when ``x``'s bits do: over the 32-bit lanes
+    of its bytes (read as unsigned little-endian values ``v``, a last partial lane as its
+    bytes), the exact sum of ``v`` and the sum of ``v**2`` (wrapping at 2**64; the high
+    lane's squares weighted 3). A plain sum misses changes that cancel, such as one value's
+    sign set and another's cleared (``neg_()`` of as many negatives as positives); for
+    those to cancel in the squares too, the values must match to within one part in 2**32.
+    Exact integer arithmetic: the same bits give the same value on every device and in every
+    reduction order. About ten ops and two temporaries of ``x``'s size when the bytes start on
+    a 64-bit word and fill whole words, as shards do.
 
     Args:
         x: A contiguous tensor.
 
     Returns:
-        The fingerprint (0 for an empty tensor).
+        A 2-element int64 tensor (zeros for an empty tensor).
 
     Raises:
         ValueError: ``x`` is not contiguous.
 
     Example:
-        >>> a = torch.tensor([1.0, -2.0, 0.5])
-        >>> int(fingerprint(a)) == int(fingerprint(a.clone()))
+        >>> a = torch.tensor([1.0, -1.0, 1.0, -1.0])
+        >>> fingerprint(a).tolist() == fingerprint(a.clone()).tolist()
         True
-        >>> int(fingerprint(a)) == int(fingerprint(a * 0.999))      # any change of the bits
+        >>> fingerprint(a).tolist() == fingerprint(-a).tolist()     # a plain sum misses this
         False
     """
     if not x.is_contiguous():
@@ -50,16 +59,26 @@ def fingerprint(x: torch.Tensor) -> torch.Tensor:
     size = x.element_size()
     nbytes = x.numel() * size
     if nbytes % 8 == 0 and (x.storage_offset() * size) % 8 == 0 and x.dim() == 1:
-        return x.view(torch.int64).sum()
+        return _lanes(x.view(torch.int64))
     raw = x.reshape(-1).view(torch.uint8)
     whole = nbytes - nbytes % 8
     head = raw[:whole]
     if raw.storage_offset() % 8 != 0:
         head = head.clone()  # a word view needs an aligned start: rare (odd alignments)
-    total = head.view(torch.int64).sum()
+    total = _lanes(head.view(torch.int64))
     if whole < nbytes:
-        total = total + raw[whole:].sum(dtype=torch.int64)
+        tail = raw[whole:].to(torch.int64)
+        total = total + torch.stack([tail.sum(), (tail * tail).sum()])
     return total
+
+
+def _lanes(words: torch.Tensor) -> torch.Tensor:
+    low = words & _LANE
+    high = words >> 32
+    high &= _LANE
+    linear = (low + high).sum()
+    low.mul_(low).add_(high.mul_(high).mul_(3))
+    return torch.stack([linear, low.sum()])
 
 
 class HostMirror:
@@ -90,35 +109,38 @@ class HostMirror:
         self.stream = stream
         self.copies = 0  # how many reductions it followed
         self.holds = False  # whether a copy was made since the last forget()
+        self.seen: Any = None  # the shard's fingerprint (on its device) when it was copied
         self._event: Any = None
 
     def refresh(self, unit: Any) -> None:
         """Copy the unit's gradient shard into the host tensor (its reduction is done, or
-        ordered before on the device)."""
+        ordered before on the device), its :func:`fingerprint` taken just before (so a
+        write that lands after it, or during the copy, shows as a different fingerprint)."""
         shard = unit.grads_shard()
         if self.stream is None:
+            self.seen = fingerprint(shard)
             self.host.copy_(shard)
         else:  # after the reduction, which the compute stream is ordered after
             self.stream.wait_stream(torch.cuda.current_stream(shard.device))
             with torch.cuda.stream(self.stream):
+                self.seen = fingerprint(shard)
                 self.host.copy_(shard, non_blocking=True)
                 self._event = self.stream.record_event()
         self.copies += 1
         self.holds = True
 
-    def same_as(self, source: torch.Tensor, seen: Any = None) -> bool:
+    def same_as(self, source: torch.Tensor) -> bool:
         """Whether the host tensor holds what ``source`` (the gradient shard on its device)
-        holds now: their fingerprints, compared on the host (``seen``: ``source``'s
-        fingerprint, already read back as an int). Waits for the last copy to land."""
+        holds now: its fingerprint against the one taken before the copy. Waits for the
+        copy (the one-off form of what ``offload.update`` does for every unit at once)."""
         if not self.holds or source.numel() != self.host.numel():
             return False
         self.wait()
-        mine = int(fingerprint(self.host))
-        return mine == (int(fingerprint(source)) if seen is None else seen)
+        return fingerprint(source).tolist() == self.seen.tolist()
 
     def forget(self) -> None:
         """Drop the copy (the next reader copies the buffer itself)."""
-        self.holds = False
+        self.holds, self.seen = False, None
 
     def wait(self) -> None:
         """Wait for the last copy to land (before the host reads the tensor)."""

@@ -166,6 +166,13 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
 
 def _embedding(spec: ShardSpec) -> tuple:
     for t in spec.tensors():
-        if "embed" in ".".join(map(str, t.path)) and len(t.shape) == 2:
-            return int(t.shape[1]), int(t.shape[0])
+        shape = t.global_shape
+        if "embed" in ".".join(map(str, t.path)) and len(shape) == 2:
+            return int(shape[1]), int(shape[0])
     return 0, 0
+
+
+def embedding_width(spec: ShardSpec) -> int:
+    """The model's width: the second dim of its embedding table (a path naming ``embed``),
+    or 0 without one."""
+    return _embedding(spec)[0]

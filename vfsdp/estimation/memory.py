@@ -33,7 +33,7 @@ from vfsdp.optim.base import state_tensors
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["UnitBytes", "unit_bytes", "timeline", "peak", "optimizer_bytes", "split_units",
-           "state_tensors", "baseline_sizes"]
+           "baseline_sizes", "itemsize"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,8 @@ class UnitBytes:
     grad_shard: int   # the reduced gradient shard
 
 
-def _size(dtype: torch.dtype) -> int:
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
@@ -77,10 +78,10 @@ def unit_bytes(spec: ShardSpec, param_dtype: Optional[torch.dtype] = None,
     key in place of the plan's, e.g. :func:`baseline_sizes`)."""
     out = []
     for key, u in spec.units.items():
-        p = _size(u.dtype)
-        c = _size(param_dtype or u.dtype)
+        p = itemsize(u.dtype)
+        c = itemsize(param_dtype or u.dtype)
         r_dtype = reduce_dtype or param_dtype or u.dtype
-        r = _size(r_dtype)
+        r = itemsize(r_dtype)
         S, m = (sizes or {}).get(key, u.shard_numel), u.world_size
         out.append(UnitBytes(key, S * p, m * S * c, m * S * r,
                              S * r if r_dtype != u.dtype else 0, S * p))

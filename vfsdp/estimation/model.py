@@ -10,10 +10,11 @@ from typing import Any, Optional, Union
 import optree
 import torch
 
-from vfsdp.estimation.costs import LayerCost, shape_costs
+from vfsdp.estimation.costs import LayerCost, embedding_width, shape_costs
 from vfsdp.estimation.hardware import Hardware, hardware
 from vfsdp.estimation.memory import (
     baseline_sizes,
+    itemsize,
     optimizer_bytes,
     peak,
     split_units,
@@ -133,7 +134,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
              experts_per_token: Optional[int] = None, seq: Optional[int] = None,
              recompute: bool = False, allocator_fraction: float = 0.05,
              comm_library_bytes: int = 2 * GiB, rank: Optional[int] = None,
-             baseline: Optional[str] = None) -> Estimate:
+             baseline: Optional[str] = None, model_parallel: Optional[str] = None) -> Estimate:
     """Predict one training step of ``spec`` on ``hw`` (see ``docs/estimate.md``).
 
     Args:
@@ -161,13 +162,19 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         baseline: ``"fsdp2"`` or ``"megatron"``: the same step with that system's sharding
             rule and padding (:func:`~vfsdp.estimation.memory.baseline_sizes`), and none of
             its copy-in/copy-out or per-parameter allocations (a bound in its favour).
+        model_parallel: ``"tp"`` for a ``tp=`` plan of Megatron-style layers: each layer
+            all-reduces its activations (``tokens_per_rank`` x the embedding's width, in the
+            compute dtype) twice forward and twice backward over the model axis, on the
+            compute lane (exposed). ``None``: the model axis's own collectives are not
+            modelled.
 
     Returns:
         An :class:`Estimate`.
 
     Raises:
         ValueError: an unknown profile or optimizer, a model with experts and no
-            ``experts_per_token``, ``tokens_per_rank`` below 1, or an unknown baseline.
+            ``experts_per_token``, ``tokens_per_rank`` below 1, an unknown baseline, or
+            ``model_parallel="tp"`` for a plan without a model axis.
 
     Example:
         >>> params = {"layers": [{"w": torch.empty(4096, 4096, device="meta")}
@@ -221,6 +228,23 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         lanes[u.key] = (ring(m, u.gathered / m, shard_link), flops / 3 / rate + host / 3,
                         2 * flops / 3 / rate + 2 * host / 3, rs)
     grads = sum(u.grad_shard for u in ub)
+    tp_s = 0.0
+    if model_parallel is not None:
+        axis = spec.model_axis
+        if model_parallel != "tp" or axis is None:
+            raise ValueError(f"estimate: model_parallel={model_parallel!r} needs 'tp' and a "
+                             f"plan with a model axis (vfsdp.plan(..., tp=rule)); got "
+                             f"{'no model axis' if axis is None else axis[0]!r}")
+        n = axis[1]
+        width = embedding_width(spec)
+        act = tokens_per_rank * width * itemsize(param_dtype or next(iter(spec.units.values())).dtype)
+        tp_link = links(prof, n, 1)[0]
+        one = 2 * ring(n, act / n, tp_link)  # a ring all-reduce of the activations
+        for key in layers:
+            comm["all_reduce"] += 4 * act
+            f, fwd, bwd, red = lanes[key]
+            lanes[key] = (f, fwd + 2 * one, bwd + 2 * one, red)
+            tp_s += 4 * one
     opt_s = (2 * state + 2 * shards + grads) / (prof.memory_bw * prof.compute_efficiency)
     opt_s += _muon_flops(spec, optimizer) / rate
     sched = simulate([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s, prefetch,
@@ -229,7 +253,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
     gpus = m * r
     name = prof.name if baseline is None else f"{prof.name}, {baseline} sharding"
     return Estimate(gpus, m, r, name, memory, total, total <= prof.memory, at, comm,
-                    sched.step, sched.compute, max(sched.exposed, 0.0), sched.optimizer,
+                    sched.step, sched.compute - tp_s, max(sched.exposed + tp_s, 0.0),
+                    sched.optimizer,
                     gpus * tokens_per_rank / sched.step,
                     model_flops / sched.step / prof.flops, tokens_per_rank)
 

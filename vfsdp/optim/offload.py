@@ -21,11 +21,11 @@
 * Parameters written on the device by anything else (a checkpoint load, another member of a
   ``partition`` over the same unit, a user's in-place write, ``.data``, a broadcast) are read
   back into the master before the update (``state.resyncs`` counts it).
-* Both are decided by content: a :func:`~vfsdp.collectives.mirror.fingerprint` per unit of
-  the parameter shard (against the one taken after the last copy back) and of the gradient
-  shard (against the host copy's), all read in one device-to-host copy. So no write is
-  missed, whether or not a version counter sees it; the one a 64-bit sum of the bits cannot
-  tell is a write that only permutes values.
+* Both are decided by content: a :func:`~vfsdp.collectives.mirror.fingerprint` (two sums
+  over the bits' 32-bit lanes, of the values and of their squares) per unit of the parameter shard (against the one taken after the last copy back)
+  and of the gradient shard (against the one taken when the backward copied it), all read in
+  one device-to-host copy. So no write is missed, whether or not a version counter sees it;
+  what a hash cannot tell is a write that only permutes values.
 * A failure of the host update on one rank raises on every rank (one small exchange per
   update, over a group nothing else uses), instead of leaving the others waiting in the next
   collective. A failure between two of the wrapped optimizer's own collectives (a global-norm
@@ -255,23 +255,29 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         state.wait()
         blocking = state.stream is None
         rows, checks = [], []
+        if not blocking:  # the mirrors' fingerprints were taken on the copy stream
+            torch.cuda.current_stream(state.stream.device).wait_stream(state.stream)
         with torch.no_grad():  # on the compute stream: waits for reductions still in flight
             for u, hu in zip(units, state.units):
                 _sync_frozen(u, hu)
                 if not hu.runs:
                     continue
                 g = flat_grads(leaves, u, what)
-                mirrored = hu.mirror.holds and u.unit.grad_mirror is hu.mirror
+                mirror = hu.mirror
+                mirrored = (mirror.holds and u.unit.grad_mirror is mirror
+                            and g.numel() == mirror.host.numel())
                 now, saved = fingerprint(hu.device.params.shard), state.seen.get(u.key)
                 checks += [now, now if saved is None else saved]
                 if mirrored:
-                    checks.append(fingerprint(g))
+                    checks += [fingerprint(g), mirror.seen]
                 rows.append((hu, g, mirrored, saved is None))
             read = iter(torch.stack(checks).tolist() if checks else ())  # one copy to the host
         todo = []
         for hu, g, mirrored, unseen in rows:
             now, saved = next(read), next(read)
-            fresh = mirrored and hu.mirror.same_as(g, next(read))
+            fresh = mirrored and next(read) == next(read)  # the fingerprints: lists of two
+            if fresh:
+                hu.mirror.wait()  # its copy has landed before the host reads it
             todo.append((hu, unseen or now != saved, None if fresh else g))
         if not blocking:  # the copies read what the compute stream wrote
             state.stream.wait_stream(torch.cuda.current_stream(state.stream.device))

@@ -52,3 +52,5 @@ def test_the_cli_prints_a_row_per_count_and_writes_json_and_png(capsys):
     text = capsys.readouterr().out
     assert "tokens/s" in text and "MFU%" in text
     assert main(["estimate", shapes, "--gpus", "8", "--hw", "nope"]) == 2
+    # a count that is not a power-of-two multiple of a node: the shard group divides it
+    assert main(["estimate", shapes, "--gpus", "24", "--hw", "h100", "--json", os.devnull]) == 0

@@ -99,3 +99,55 @@ def test_declared_costs_replace_the_shapes_by_key_prefix():
     declared = vfsdp.estimate(spec, costs={("layers",): LayerCost(1e12, 2**20)})
     assert declared.memory["activations"] == 2 * 2**20
     assert declared.compute_s > vfsdp.estimate(spec).compute_s
+
+
+def _llama(layers=4, width=256):
+    meta = lambda *s: torch.empty(*s, device="meta")
+    return {"embed": meta(1000, width),
+            "layers": [{"w1": meta(4 * width, width), "w2": meta(width, 4 * width),
+                        "norm": meta(width)} for _ in range(layers)]}
+
+
+def test_a_root_cost_is_the_root_units_alone():
+    spec = vfsdp.plan(_llama(), 2)
+    est = vfsdp.estimate(spec, costs={(): LayerCost(1e15, 0)})
+    alone = vfsdp.estimate(spec, costs={(): LayerCost(1e15, 0), ("layers",): LayerCost(0, 0)})
+    assert est.compute_s > alone.compute_s  # the layers kept their shape costs
+
+
+def test_recompute_costs_the_forward_again_and_holds_a_layer_during_its_backward():
+    spec = vfsdp.plan(_llama(), 2)
+    plain = vfsdp.estimate(spec, tokens_per_rank=4096)
+    again = vfsdp.estimate(spec, tokens_per_rank=4096, recompute=True)
+    flops = shape_costs(spec, 4096)[("layers", 0)].flops
+    assert shape_costs(spec, 4096, recompute=True)[("layers", 0)].flops == flops * 8 / 6
+    assert again.compute_s > plain.compute_s
+    assert again.memory["activations"] < plain.memory["activations"]
+    assert again.memory["activations"] >= 4096 * 256 * 34  # one layer, recomputed
+
+
+def test_a_tp_plan_counts_the_model_axis_in_gpus_and_links():
+    from vfsdp.testing.models import GPTConfig, meta_params
+    from vfsdp.testing.models_tp import tp_rule
+
+    cfg = GPTConfig()
+    spec = vfsdp.plan(meta_params(cfg), (("dp", 8), ("tp", 8)), tp=tp_rule(cfg),
+                      tp_axis="tp", tp_index=0)
+    est = vfsdp.estimate(spec, hw="h100", model_parallel="tp")
+    assert est.gpus == 64 and est.shard == 8
+    one_node = vfsdp.estimate(vfsdp.plan(meta_params(cfg), 8), hw="h100")
+    assert est.exposed_comm_s > one_node.exposed_comm_s  # dp rings across 8 nodes, and TP
+
+
+def test_layers_can_be_named_and_unknown_ones_are_refused():
+    spec = vfsdp.plan(_llama(), 2)
+    keys = [("layers", i) for i in range(4)]
+    assert vfsdp.estimate(spec, layers=keys).step_s == vfsdp.estimate(spec).step_s
+    assert vfsdp.estimate(spec, layers=[]).peak_at != vfsdp.estimate(spec).peak_at
+    with pytest.raises(ValueError, match="layers= names units the plan does not have"):
+        vfsdp.estimate(spec, layers=[("nope", 0)])
+
+
+def test_an_empty_plan_estimates_zero_not_a_division_error():
+    est = vfsdp.estimate(vfsdp.plan({}, 4))
+    assert est.tokens_per_s == 0 and est.mfu == 0

@@ -17,6 +17,7 @@ ones), one node of W devices, and the measured figures in ``source``.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -137,11 +138,15 @@ def calibrate(layer: Optional[tuple] = None, sizes: tuple = (2**12, 2**24),
 
     rate = flops / _median_time(run, repeats)
     big = torch.zeros(2**23, device=device)
-    mem_bw = 3 * big.numel() * 4 / _median_time(lambda: big.add_(1.0), repeats)
+    mem_bw = 2 * big.numel() * 4 / _median_time(lambda: big.add_(1.0), repeats)  # r + w
     one, eight = _host_overhead(repeats, 1, device), _host_overhead(repeats, 8, device)
     per_tensor = max((eight - one) / 7, 0.0)
     overhead = max(one - per_tensor, 0.0)
-    return Hardware(name, rate, 2**40, mem_bw, world, bw, latency, bw, latency,
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:  # the host's memory, shared by the ranks on it
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(world, 1)
+    return Hardware(name, rate, memory, mem_bw, world, bw, latency, bw, latency,
                     compute_efficiency=1.0, comm_efficiency=1.0, unit_overhead=overhead,
                     tensor_overhead=per_tensor,
                     source=f"measured by vfsdp calibrate on {world} rank(s): all-gather "

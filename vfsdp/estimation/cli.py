@@ -1,7 +1,8 @@
 """``python -m vfsdp estimate SHAPES.json --gpus 8,64,1024 --hw h800 --tokens-per-gpu 8192``.
 
 Plans the shape list at each GPU count (the shard group ``--shard``, default: the smallest
-power of two, at least one node, at which the model fits; the rest replicas) and prints
+divisor of the count, at least one node and a power of two or the count itself, at which
+the model fits; the rest replicas) and prints
 one row per count: memory per rank by kind, the step time split, tokens/s, MFU and whether
 it fits. ``--vs fsdp2,megatron`` adds the same rows under those systems' sharding rules
 (padding only); ``--json`` writes the records, ``--png`` draws the scaling curves and the
@@ -17,7 +18,7 @@ import time
 import torch
 
 from vfsdp.estimation.hardware import PROFILES, hardware
-from vfsdp.estimation.model import Estimate, GiB, estimate
+from vfsdp.estimation.model import Estimate, GiB, estimate, optimizer_for
 from vfsdp.planner.granularity import parse_granularity
 from vfsdp.planner.plan import plan
 from vfsdp.planner.shapes import load_shapes
@@ -39,7 +40,8 @@ def add_parser(sub) -> None:
     batch.add_argument("--global-tokens", type=int, help="strong scaling: tokens per step")
     p.add_argument("--shard", type=int, help="shard group size (default: see above)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon"])
-    p.add_argument("--granularity", "-g", default="element")
+    p.add_argument("--granularity", "-g",
+                   help="element, rows:K, whole or int (default: what --optimizer needs)")
     p.add_argument("--master-dtype", default="fp32", choices=sorted(_DTYPES))
     p.add_argument("--param-dtype", default="bf16", choices=sorted(_DTYPES))
     p.add_argument("--top-k", type=int, help="routed experts per token (MoE shape lists)")
@@ -62,9 +64,10 @@ def add_calibrate_parser(sub) -> None:
 
 
 def _calibrate_rank(tokens: int):
+    from vfsdp.collectives.groups import device_for
     from vfsdp.estimation.calibrate import calibrate, example_layer
 
-    return calibrate(example_layer(tokens))
+    return calibrate(example_layer(tokens, device=device_for()))
 
 
 def run_calibrate(args, out=None) -> int:
@@ -93,12 +96,13 @@ def _pick_shard(tree, gpus: int, args, gran) -> int:
     if args.shard:
         return min(args.shard, gpus)
     node = min(gpus, hardware(args.hw).gpus_per_node)
-    shard = node
-    while True:
-        est = _one(tree, gpus, shard, args, gran, None)
-        if est.fits or shard >= gpus:
+    # the divisors of gpus from one node up, doubling where that divides
+    sizes = [d for d in range(node, gpus + 1) if gpus % d == 0 and
+             (d in (node, gpus) or (d & (d - 1)) == 0)] or [gpus]
+    for shard in sizes:
+        if _one(tree, gpus, shard, args, gran, None).fits:
             return shard
-        shard = min(shard * 2, gpus)
+    return sizes[-1]
 
 
 def _one(tree, gpus: int, shard: int, args, gran, baseline) -> Estimate:
@@ -120,8 +124,9 @@ def run(args, out=None) -> int:
     try:
         counts = [int(x) for x in args.gpus.split(",") if x]
         systems = [None] + [s for s in args.vs.split(",") if s]
-        gran = parse_granularity(args.granularity)
         tree = load_shapes(args.shapes, _DTYPES[args.master_dtype])
+        gran = (parse_granularity(args.granularity) if args.granularity
+                else optimizer_for(args.optimizer, tree).granularity)
         hardware(args.hw)
         t0 = time.perf_counter()
         rows = []

@@ -27,8 +27,10 @@ class LayerCost:
     """One unit's cost for one rank's tokens per step.
 
     Attributes:
-        flops: FLOPs of its forward and backward.
+        flops: FLOPs of its forward and backward (and of the forward again, recomputed).
         activation_bytes: Bytes its forward saves for its backward.
+        recompute_bytes: Bytes its backward holds while it runs beyond those (activation
+            checkpointing: the activations it recomputes).
 
     Example:
         >>> LayerCost(flops=6e9, activation_bytes=2**20).activation_bytes
@@ -37,6 +39,7 @@ class LayerCost:
 
     flops: float
     activation_bytes: int
+    recompute_bytes: int = 0
 
 
 def _meta(x: Any) -> Any:
@@ -101,9 +104,10 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
       ``embed``) not at all; with ``seq``, attention's ``12 * seq * width`` per token and
       layer (PaLM's accounting, ``width`` the embedding's second dim);
     * activations: 34 bytes per token and width per layer (Korthikanti et al. 2022, bf16,
-      attention that saves no score matrix), or the layer input only (2 bytes per token and
-      width) with ``recompute``; for the unit with the embedding, the logits (10 bytes per
-      token and vocabulary entry: bf16 logits, fp32 softmax and its gradient).
+      attention that saves no score matrix), or with ``recompute`` the layer input only (2
+      bytes per token and width), the 34 held again while its backward runs, and the layer's
+      FLOPs times 8/6 (its forward once more); for the unit with the embedding, the logits
+      (10 bytes per token and vocabulary entry: bf16 logits, fp32 softmax and its gradient).
 
     Args:
         spec: The plan.
@@ -152,15 +156,18 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
             if _EXPERT.search(name):
                 n *= experts_per_token / len(experts[t.unit])
             flops += 6 * tokens * n
-        layer = len(key) >= 2 and isinstance(key[-1], int)
+        layer = isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int)
         if layer and seq and width:
             flops += 12 * tokens * seq * width
-        acts = 0
+        if layer and recompute:
+            flops *= 8 / 6  # the forward (a third) once more
+        acts = again = 0
         if layer and width:
             acts = tokens * width * (2 if recompute else 34)
+            again = tokens * width * 34 if recompute else 0
         if has_embed and vocab:
             acts += tokens * vocab * 10
-        out[key] = LayerCost(flops, int(acts))
+        out[key] = LayerCost(flops, int(acts), int(again))
     return out
 
 

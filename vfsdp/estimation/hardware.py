@@ -23,7 +23,7 @@ class Hardware:
     Attributes:
         name: The profile's name.
         flops: Peak dense bf16 FLOP/s of one device.
-        memory: Bytes of device memory.
+        memory: Bytes of device memory (what ``nvidia-smi`` reports as the total).
         memory_bw: Device memory bandwidth, bytes/s (the optimizer's rate).
         gpus_per_node: Devices joined by the intra-node link.
         intra_bw: Intra-node bandwidth per device and direction (NVLink), bytes/s.
@@ -71,23 +71,23 @@ _ASSUMED = ("compute_efficiency 0.6 and comm_efficiency 0.8 are assumptions (lar
             "step latencies 4 us in a node and 12 us across nodes are assumptions too")
 
 PROFILES = {p.name: p for p in [
-    Hardware("a100", 312e12, 80 * 10**9, 2.039e12, 8, 300e9, 4e-6, 25e9, 12e-6,
+    Hardware("a100", 312e12, 81920 * 2**20, 2.039e12, 8, 300e9, 4e-6, 25e9, 12e-6,
              source="NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOP/s bf16 dense, 2,039 GB/s "
                     "HBM2e, NVLink 600 GB/s both directions); DGX A100: one 200 Gb/s HDR NIC "
                     "per GPU. " + _ASSUMED),
-    Hardware("h100", 989e12, 80 * 10**9, 3.35e12, 8, 450e9, 4e-6, 50e9, 12e-6,
+    Hardware("h100", 989e12, 81559 * 2**20, 3.35e12, 8, 450e9, 4e-6, 50e9, 12e-6,
              source="NVIDIA H100 datasheet (SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, "
                     "NVLink 900 GB/s both directions); DGX H100: one 400 Gb/s NDR NIC per "
                     "GPU. " + _ASSUMED),
-    Hardware("h800", 989e12, 80 * 10**9, 3.35e12, 8, 200e9, 4e-6, 50e9, 12e-6,
+    Hardware("h800", 989e12, 81559 * 2**20, 3.35e12, 8, 200e9, 4e-6, 50e9, 12e-6,
              source="NVIDIA H800 SXM5 (H100 compute, NVLink 400 GB/s both directions); "
                     "DeepSeek-V3 technical report, arXiv 2412.19437, sec. 3.2.2: 400 Gb/s IB "
                     "(50 GB/s) per GPU, about 160 GB/s NVLink achieved. " + _ASSUMED),
-    Hardware("h200", 989e12, 141 * 10**9, 4.8e12, 8, 450e9, 4e-6, 50e9, 12e-6,
+    Hardware("h200", 989e12, 143771 * 2**20, 4.8e12, 8, 450e9, 4e-6, 50e9, 12e-6,
              source="NVIDIA H200 datasheet (SXM: 989 TFLOP/s bf16 dense, 141 GB HBM3e at "
                     "4.8 TB/s, NVLink 900 GB/s both directions); one 400 Gb/s NIC per GPU. "
                     + _ASSUMED),
-    Hardware("b200", 2.25e15, 180 * 10**9, 8e12, 8, 900e9, 4e-6, 50e9, 12e-6,
+    Hardware("b200", 2.25e15, 183359 * 2**20, 8e12, 8, 900e9, 4e-6, 50e9, 12e-6,
              source="NVIDIA DGX B200 datasheet (2.25 PFLOP/s bf16 dense per GPU, 180 GB "
                     "HBM3e at 8 TB/s, NVLink 5 1.8 TB/s both directions, one 400 Gb/s "
                     "ConnectX-7 NIC per GPU). " + _ASSUMED),
@@ -109,8 +109,8 @@ def hardware(profile: Union[str, os.PathLike, Hardware]) -> Hardware:
         ValueError: an unknown name, or a file that is not a profile.
 
     Example:
-        >>> hardware("b200").memory // 10**9
-        180
+        >>> hardware("b200").memory // 2**30
+        179
     """
     if isinstance(profile, Hardware):
         return profile

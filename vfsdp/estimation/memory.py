@@ -88,26 +88,42 @@ def unit_bytes(spec: ShardSpec, param_dtype: Optional[torch.dtype] = None,
     return out
 
 
-def split_units(spec: ShardSpec) -> tuple:
-    """The units ``run_layers`` runs (the longest run of units keyed ``(name, i)``, in
-    order) and the others (gathered around them for the whole step)."""
-    runs: dict = {}
-    for key in spec.units:
-        if len(key) >= 2 and isinstance(key[-1], int):
-            runs.setdefault(key[:-1], []).append(key)
-    layers = max(runs.values(), key=len) if runs else []
-    return layers, [k for k in spec.units if k not in set(layers)]
+def split_units(spec: ShardSpec, layers: Optional[list] = None) -> tuple:
+    """The units ``run_layers`` runs (``layers``, or by default the longest run of units
+    keyed ``(name, i)``, in order) and the others (gathered around them for the whole
+    step).
+
+    Raises:
+        ValueError: ``layers`` names a unit the plan does not have.
+    """
+    if layers is None:
+        runs: dict = {}
+        for key in spec.units:
+            if isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int):
+                runs.setdefault(key[:-1], []).append(key)
+        layers = max(runs.values(), key=len) if runs else []
+    missing = [k for k in layers if k not in spec.units]
+    if missing:
+        raise ValueError(f"estimate: layers= names units the plan does not have: "
+                         f"{missing[:3]}; pass keys of spec.units")
+    chosen = set(layers)
+    return list(layers), [k for k in spec.units if k not in chosen]
 
 
 def timeline(units: list, layers: list, prefetch: bool = True,
-             reshard_after_forward: bool = True, activations: Optional[dict] = None) -> list:
+             reshard_after_forward: bool = True, activations: Optional[dict] = None,
+             transient: Optional[dict] = None) -> list:
     """The step's buffer events, as ``(label, kind, delta_bytes)`` in the order vfsdp runs
     them: the whole-step units gathered, ``run_layers``' forward and backward over ``layers``
     (gather ahead by one with ``prefetch``, release after forward unless the last), each
     unit's reduce-scatter input allocated as its backward ends and freed when the next
     reduction waits for it, the whole-step units reduced last. ``activations``: bytes each
-    unit's forward saves for its backward (kind ``"activations"``), if given."""
+    unit's forward saves for its backward (kind ``"activations"``), if given, the whole-step
+    units' (the head's logits) from the end of the layers' forward to the start of their
+    backward; ``transient``: bytes a layer's backward holds while it runs (what activation
+    checkpointing recomputes)."""
     acts = activations or {}
+    transient = transient or {}
     by = {u.key: u for u in units}
     rest = [by[k] for k in by if k not in set(layers)]
     run = [by[k] for k in layers]
@@ -131,7 +147,6 @@ def timeline(units: list, layers: list, prefetch: bool = True,
 
     for u in rest:
         gather(u)
-        saved(u, 1)
     for i, u in enumerate(run):  # forward
         gather(u)
         if prefetch and i + 1 < len(run):
@@ -139,12 +154,19 @@ def timeline(units: list, layers: list, prefetch: bool = True,
         saved(u, 1)
         if reshard_after_forward and i + 1 < len(run):
             release(u)
+    for u in rest:  # the head's forward (the logits), and its backward, before the layers'
+        saved(u, 1)
+    for u in reversed(rest):
+        saved(u, -1)
     pending = None
     for i in range(len(run) - 1, -1, -1):  # backward
         u = run[i]
         gather(u)
         if prefetch and i > 0:
             gather(run[i - 1])
+        if transient.get(u.key):  # what its backward recomputes, while it runs
+            ev.append((f"recompute {u.key}", "activations", transient[u.key]))
+            ev.append((f"recomputed {u.key}", "activations", -transient[u.key]))
         saved(u, -1)
         release(u)
         ev.append((f"gradient shard {u.key}", "gradients", u.grad_shard + u.stage_shard))
@@ -153,7 +175,6 @@ def timeline(units: list, layers: list, prefetch: bool = True,
             ev.append((f"reduced {pending.key}", "buffers", -pending.reduce_in))
         pending = u
     for u in reversed(rest):
-        saved(u, -1)
         ev.append((f"gradient shard {u.key}", "gradients", u.grad_shard + u.stage_shard))
         ev.append((f"reduce {u.key}", "buffers", u.reduce_in))
         ev.append((f"reduced {u.key}", "buffers", -u.reduce_in))

@@ -34,7 +34,8 @@ class Estimate:
     """What :func:`estimate` predicts for one rank of one step.
 
     Attributes:
-        gpus: Ranks in the mesh (``replicas * shard``).
+        gpus: Ranks in the mesh (``replicas * shard``, times the model axis of a ``tp=``
+            plan, which is taken to be the innermost: consecutive ranks).
         shard: The shard group's size.
         replicas: The replicate group's size (HSDP; 1 for FSDP).
         hw: The hardware profile's name.
@@ -134,7 +135,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
              experts_per_token: Optional[int] = None, seq: Optional[int] = None,
              recompute: bool = False, allocator_fraction: float = 0.05,
              comm_library_bytes: int = 2 * GiB, rank: Optional[int] = None,
-             baseline: Optional[str] = None, model_parallel: Optional[str] = None) -> Estimate:
+             baseline: Optional[str] = None, model_parallel: Optional[str] = None,
+             layers: Optional[list] = None) -> Estimate:
     """Predict one training step of ``spec`` on ``hw`` (see ``docs/estimate.md``).
 
     Args:
@@ -167,6 +169,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             compute dtype) twice forward and twice backward over the model axis, on the
             compute lane (exposed). ``None``: the model axis's own collectives are not
             modelled.
+        layers: The unit keys ``run_layers`` runs, in order (default: the longest run of
+            units keyed ``(name, i)``; the other units are gathered for the whole step).
 
     Returns:
         An :class:`Estimate`.
@@ -174,7 +178,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
     Raises:
         ValueError: an unknown profile or optimizer, a model with experts and no
             ``experts_per_token``, ``tokens_per_rank`` below 1, an unknown baseline, or
-            ``model_parallel="tp"`` for a plan without a model axis.
+            ``model_parallel="tp"`` for a plan without a model axis, or ``layers`` naming
+            a unit the plan does not have.
 
     Example:
         >>> params = {"layers": [{"w": torch.empty(4096, 4096, device="meta")}
@@ -189,7 +194,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
     opt = optimizer_for(optimizer, spec)
     sizes = baseline_sizes(spec, baseline) if baseline else None
     ub = unit_bytes(spec, param_dtype, reduce_dtype, sizes)
-    layers, rest = split_units(spec)
+    layers, rest = split_units(spec, layers)
     ranks = sorted({0, spec.world_size - 1}) if rank is None else [rank]
     state = max(_state(optimizer, spec, r) if isinstance(optimizer, str)
                 else optimizer_bytes(opt, spec, r) for r in ranks)
@@ -199,7 +204,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
     shards = sum(u.shard for u in ub)
     per_unit = _costs(spec, costs, tokens_per_rank, experts_per_token, seq, recompute)
     events = timeline(ub, layers, prefetch, reshard_after_forward,
-                      {k: c.activation_bytes for k, c in per_unit.items()})
+                      {k: c.activation_bytes for k, c in per_unit.items()},
+                      {k: c.recompute_bytes for k, c in per_unit.items()})
     top, at, kinds = peak(shards + state, events)
     allowance = int(allocator_fraction * top) + int(comm_library_bytes)
     memory = {"params": shards, "gradients": kinds["gradients"], "optimizer": state,
@@ -207,7 +213,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
               "allowance": allowance}
     total = sum(memory.values())
     m, r = spec.world_size, spec.replicas
-    shard_link, rep_link = links(prof, m, r)
+    model_size = spec.model_axis[1] if spec.model_axis is not None else 1
+    shard_link, rep_link, model_link = links(prof, m, r, model_size)
     # the backward's agreement: 3 int64 and a byte per differentiable gather (one per unit)
     comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0,
             "backward_marks": 24 + len(ub) if m * r > 1 else 0}
@@ -237,9 +244,9 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
                              f"{'no model axis' if axis is None else axis[0]!r}")
         n = axis[1]
         width = embedding_width(spec)
-        act = tokens_per_rank * width * itemsize(param_dtype or next(iter(spec.units.values())).dtype)
-        tp_link = links(prof, n, 1)[0]
-        one = 2 * ring(n, act / n, tp_link)  # a ring all-reduce of the activations
+        act_dtype = param_dtype or next(iter(spec.units.values())).dtype
+        act = tokens_per_rank * width * itemsize(act_dtype)
+        one = 2 * ring(n, act / n, model_link)  # a ring all-reduce of the activations
         for key in layers:
             comm["all_reduce"] += 4 * act
             f, fwd, bwd, red = lanes[key]
@@ -250,13 +257,14 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
     sched = simulate([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s, prefetch,
                      reshard_after_forward)
     model_flops = sum(c.flops for c in per_unit.values())
-    gpus = m * r
+    gpus = m * r * model_size
     name = prof.name if baseline is None else f"{prof.name}, {baseline} sharding"
+    step = sched.step
     return Estimate(gpus, m, r, name, memory, total, total <= prof.memory, at, comm,
-                    sched.step, sched.compute - tp_s, max(sched.exposed + tp_s, 0.0),
+                    step, sched.compute - tp_s, max(sched.exposed + tp_s, 0.0),
                     sched.optimizer,
-                    gpus * tokens_per_rank / sched.step,
-                    model_flops / sched.step / prof.flops, tokens_per_rank)
+                    gpus * tokens_per_rank / step if step else 0.0,
+                    model_flops / step / prof.flops if step else 0.0, tokens_per_rank)
 
 
 @functools.lru_cache(maxsize=64)
@@ -271,11 +279,9 @@ def _costs(spec, costs, tokens, experts_per_token, seq, recompute) -> dict:
         return base
     out = {}
     for key in spec.units:
-        found = None
-        for n in range(len(key), -1, -1):
-            if key[:n] in costs:
-                found = costs[key[:n]]
-                break
+        # a key, or a prefix of one (("layers",)); () only names the root unit itself
+        found = next((costs[key[:n]] for n in range(len(key), 0, -1) if key[:n] in costs),
+                     costs.get(()) if key == () else None)
         out[key] = found if found is not None else base[key]
     return out
 

@@ -4,8 +4,9 @@ compute by the schedule ``run_layers`` runs, and the optimizer from the bytes it
 A ring collective over ``n`` ranks moving ``b`` bytes per rank per step takes
 ``(n - 1) * (latency + b / bandwidth)``. The bandwidth and latency are the intra-node link's
 when the group's ranks share a node, else the inter-node link's (a ring across nodes is as fast
-as its slowest hop). A shard group is the mesh's last dim (consecutive ranks); the replicate
-group (HSDP) strides over it. An all-reduce is a reduce-scatter plus an all-gather.
+as its slowest hop). A model axis (TP) takes consecutive ranks, the shard group strides over
+it and the replicate group (HSDP) over both. An all-reduce is a reduce-scatter plus an
+all-gather.
 
 The schedule (:func:`simulate`) is a two-lane timeline, compute and communication, one lane
 each (the collectives of one rank run one at a time on one stream):
@@ -35,13 +36,17 @@ class Link:
     latency: float
 
 
-def links(hw: Hardware, shard: int, replicas: int) -> tuple:
-    """The shard group's and the replicate group's :class:`Link` on ``hw``."""
+def links(hw: Hardware, shard: int, replicas: int, model: int = 1) -> tuple:
+    """The shard group's, the replicate group's and the model axis's :class:`Link` on
+    ``hw``. The mesh is ``(replicas, shard, model)`` from the outside in: the model axis
+    (TP) takes consecutive ranks, the shard group strides over it, the replicate group over
+    both."""
     intra = Link(hw.intra_bw * hw.comm_efficiency, hw.intra_latency)
     inter = Link(hw.inter_bw * hw.comm_efficiency, hw.inter_latency)
-    shard_link = intra if shard <= hw.gpus_per_node else inter
-    replicate_link = intra if shard * replicas <= hw.gpus_per_node else inter
-    return shard_link, replicate_link
+    node = hw.gpus_per_node
+    return (intra if shard * model <= node else inter,
+            intra if shard * replicas * model <= node else inter,
+            intra if model <= node else inter)
 
 
 def ring(n: int, per_rank_bytes: float, link: Link) -> float:

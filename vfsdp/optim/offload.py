@@ -22,10 +22,12 @@
   ``partition`` over the same unit, a user's in-place write, ``.data``, a broadcast) are read
   back into the master before the update (``state.resyncs`` counts it).
 * Both are decided by content: a :func:`~vfsdp.collectives.mirror.fingerprint` (two sums
-  over the bits' 32-bit lanes, of the values and of their squares) per unit of the parameter shard (against the one taken after the last copy back)
-  and of the gradient shard (against the one taken when the backward copied it), all read in
-  one device-to-host copy. So no write is missed, whether or not a version counter sees it;
-  what a hash cannot tell is a write that only permutes values.
+  over the bits' 32-bit lanes, of the values and of their squares) per unit of the parameter
+  shard (against the one taken after the last copy back) and of the gradient shard (against
+  the one taken when the backward copied it), all read in one device-to-host copy. So no
+  write is missed, whether or not a version counter sees it; what a fingerprint cannot tell
+  is a write that only permutes values. On a CPU-only machine, where host and device are
+  the same memory, the fingerprints cost more than the copies they spare.
 * A failure of the host update on one rank raises on every rank (one small exchange per
   update, over a group nothing else uses), instead of leaving the others waiting in the next
   collective. A failure between two of the wrapped optimizer's own collectives (a global-norm

@@ -33,7 +33,8 @@
   collective. A failure between two of the wrapped optimizer's own collectives (a global-norm
   clip's all-reduce, Muon's exchange) leaves the other ranks waiting in that collective, as
   it does without offload (until the process group's timeout); the exchange never pairs with
-  it.
+  it. The group spans every rank: every rank calls ``update``, as every rank runs the
+  wrapped optimizer's collectives.
 * A checkpoint of the state holds what the wrapped optimizer's state holds, under the same
   names: a checkpoint saved offloaded loads without offload, and back, at any world size. The
   masters are not saved (the parameters are): after a load they are read back from them.

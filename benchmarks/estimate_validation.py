@@ -36,28 +36,26 @@ from vfsdp.testing import simulate, spawn
 SHAPES = os.path.join(os.path.dirname(__file__), "shapes")
 
 
+def _row(world, mesh: str, opt: str, dtype, rs: list) -> None:
+    worst = max(rs, key=lambda r: abs(r["predicted_peak"] - r["measured_peak"]))
+    err = abs(worst["predicted_peak"] - worst["measured_peak"]) / worst["measured_peak"]
+    same = all(r["measured_bytes"] == r["predicted_bytes"] for r in rs)
+    print(f"{world:>2} {mesh:>7} {opt:<10} {str(dtype or 'fp32')[6:] or 'fp32':<8} "
+          f"{worst['measured_peak']:>11,} {worst['predicted_peak']:>12,} {100 * err:>6.2f}%  "
+          f"{'equal' if same else 'DIFFER'}")
+
+
 def memory_and_bytes() -> None:
     print("1. vfsdp's buffers (peak per rank, worst rank) and collective bytes, gloo threads")
-    print(f"{'W':>2} {'mesh':>6} {'optimizer':<10} {'compute':<8} {'measured B':>11} "
+    print(f"{'W':>2} {'mesh':>7} {'optimizer':<10} {'compute':<8} {'measured B':>11} "
           f"{'predicted B':>12} {'error':>7}  bytes per collective")
     cases = [(w, o, d, None) for w in (2, 4) for o in ("adamw", "adamw8bit", "muon")
              for d in (None, torch.bfloat16)] + [(4, "adamw", torch.bfloat16, (2, 2))]
     for world, opt, dtype, mesh in cases:
-        rs = simulate(world, bodies.step, opt, dtype, True, True, 3, mesh)
-        worst = max(rs, key=lambda r: abs(r["predicted_peak"] - r["measured_peak"]))
-        err = abs(worst["predicted_peak"] - worst["measured_peak"]) / worst["measured_peak"]
-        same = all(r["measured_bytes"] == r["predicted_bytes"] for r in rs)
-        print(f"{world:>2} {mesh or world!s:>6} {opt:<10} {str(dtype or 'fp32')[6:] or 'fp32':<8} "
-              f"{worst['measured_peak']:>11,} {worst['predicted_peak']:>12,} {100 * err:>6.2f}%  "
-              f"{'equal' if same else 'DIFFER'}")
+        _row(world, str(mesh or world), opt, dtype,
+             simulate(world, bodies.step, opt, dtype, True, True, 3, mesh))
     for dtype in (None, torch.bfloat16):  # TP x FSDP, the layers' all-reduces over tp included
-        rs = simulate(4, bodies.tp_step, dtype)
-        worst = max(rs, key=lambda r: abs(r["predicted_peak"] - r["measured_peak"]))
-        err = abs(worst["predicted_peak"] - worst["measured_peak"]) / worst["measured_peak"]
-        same = all(r["measured_bytes"] == r["predicted_bytes"] for r in rs)
-        print(f" 4 dp2xtp2 {'adamw':<10} {str(dtype or 'fp32')[6:] or 'fp32':<8} "
-              f"{worst['measured_peak']:>11,} {worst['predicted_peak']:>12,} {100 * err:>6.2f}%  "
-              f"{'equal' if same else 'DIFFER'}")
+        _row(4, "dp2xtp2", "adamw", dtype, simulate(4, bodies.tp_step, dtype))
 
 
 def step_time() -> None:

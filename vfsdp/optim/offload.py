@@ -302,7 +302,11 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         for hu in state.units:  # the host update may have changed them (a clip, in place)
             if hu.mirror is not None:
                 hu.mirror.forget()
-        _agree(error, state.flags)
+        try:
+            _agree(error, state.flags)
+        except BaseException:
+            state.seen.clear()  # a failed update may have left the masters half written:
+            raise               # the next one reads them all back from the device
         with torch.no_grad(), _on(state.stream):
             for u, hu in zip(units, state.units):
                 dev, master = hu.device.params.shard, hu.host.params.shard

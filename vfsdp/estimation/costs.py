@@ -27,10 +27,11 @@ class LayerCost:
     """One unit's cost for one rank's tokens per step.
 
     Attributes:
-        flops: FLOPs of its forward and backward (and of the forward again, recomputed).
+        flops: FLOPs of its forward and backward (the model's: what MFU counts).
         activation_bytes: Bytes its forward saves for its backward.
         recompute_bytes: Bytes its backward holds while it runs beyond those (activation
             checkpointing: the activations it recomputes).
+        recompute_flops: FLOPs of the forward run again in its backward (time, not MFU).
 
     Example:
         >>> LayerCost(flops=6e9, activation_bytes=2**20).activation_bytes
@@ -40,6 +41,7 @@ class LayerCost:
     flops: float
     activation_bytes: int
     recompute_bytes: int = 0
+    recompute_flops: float = 0.0
 
 
 def _meta(x: Any) -> Any:
@@ -105,8 +107,8 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
       layer (PaLM's accounting, ``width`` the embedding's second dim);
     * activations: 34 bytes per token and width per layer (Korthikanti et al. 2022, bf16,
       attention that saves no score matrix), or with ``recompute`` the layer input only (2
-      bytes per token and width), the 34 held again while its backward runs, and the layer's
-      FLOPs times 8/6 (its forward once more); for the unit with the embedding, the logits
+      bytes per token and width), the 34 held again while its backward runs, and a third of
+      the layer's FLOPs again (its forward, recomputed: time, not MFU); for the unit with the embedding, the logits
       (10 bytes per token and vocabulary entry: bf16 logits, fp32 softmax and its gradient).
 
     Args:
@@ -159,15 +161,14 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
         layer = isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int)
         if layer and seq and width:
             flops += 12 * tokens * seq * width
-        if layer and recompute:
-            flops *= 8 / 6  # the forward (a third) once more
+        extra = flops / 3 if layer and recompute else 0.0  # the forward once more
         acts = again = 0
         if layer and width:
             acts = tokens * width * (2 if recompute else 34)
             again = tokens * width * 34 if recompute else 0
         if has_embed and vocab:
             acts += tokens * vocab * 10
-        out[key] = LayerCost(flops, int(acts), int(again))
+        out[key] = LayerCost(flops, int(acts), int(again), extra)
     return out
 
 

@@ -55,7 +55,8 @@ class Estimate:
         exposed_comm_s: Seconds the compute waited on collectives.
         optimizer_s: Seconds of the update.
         tokens_per_s: Tokens per second over all ranks.
-        mfu: Model FLOPs per second over the devices' peak.
+        mfu: Model FLOPs per second over the devices' peak (recomputed forwards not
+            counted).
         tokens_per_rank: The tokens each rank processes per step.
 
     Example:
@@ -229,7 +230,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             shard_grad = u.reduce_in // m
             comm["all_reduce"] += shard_grad
             rs += 2 * ring(r, shard_grad / r, rep_link)
-        flops = per_unit[u.key].flops
+        flops = per_unit[u.key].flops + per_unit[u.key].recompute_flops
         # the host's own work per unit and step, on the compute lane
         host = prof.unit_overhead + prof.tensor_overhead * len(spec.units[u.key].paths)
         lanes[u.key] = (ring(m, u.gathered / m, shard_link), flops / 3 / rate + host / 3,

@@ -108,8 +108,9 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
     * activations: 34 bytes per token and width per layer (Korthikanti et al. 2022, bf16,
       attention that saves no score matrix), or with ``recompute`` the layer input only (2
       bytes per token and width), the 34 held again while its backward runs, and a third of
-      the layer's FLOPs again (its forward, recomputed: time, not MFU); for the unit with the embedding, the logits
-      (10 bytes per token and vocabulary entry: bf16 logits, fp32 softmax and its gradient).
+      the layer's FLOPs again (its forward, recomputed: time, not MFU); for the unit with
+      the embedding, the logits (10 bytes per token and vocabulary entry: bf16 logits, fp32
+      softmax and its gradient).
 
     Args:
         spec: The plan.

@@ -304,3 +304,19 @@ def test_eager_and_compiled_backward_clip_and_update_mix_in_any_order():
             assert all(abs(a - b) < 1e-5 for a, b in zip(n, norms)), (order, n, norms)
             assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(p, params)), order
 
+
+
+def test_an_estimate_that_finds_no_layers_says_so_and_layers_names_them():
+    # units= with string keys: nothing says which units run_layers runs, and taking them all
+    # as gathered for the whole step overstates the peak; it warns, and layers= fixes it
+    import warnings
+
+    params = {"blocks": {f"b{i}": {"w": torch.empty(64, 64, device="meta")} for i in range(4)}}
+    spec = vfsdp.plan(params, 2, units=lambda path: path[:2])
+    with pytest.warns(UserWarning, match="pass layers= with the unit keys"):
+        held = vfsdp.estimate(spec)
+    keys = list(spec.units)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        named = vfsdp.estimate(spec, layers=keys)
+    assert named.memory["buffers"] < held.memory["buffers"]

@@ -27,6 +27,7 @@ import optree
 import torch
 
 from vfsdp._torch_private import storage_id
+from vfsdp._warnings import warn_user
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.unit import Unit
 from vfsdp.optim.base import state_tensors
@@ -102,6 +103,10 @@ def split_units(spec: ShardSpec, layers: Optional[list] = None) -> tuple:
             if isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int):
                 runs.setdefault(key[:-1], []).append(key)
         layers = max(runs.values(), key=len) if runs else []
+        if not layers and len(spec.units) > 1:
+            warn_user("estimate: no run of units keyed (name, i) found, so every unit is "
+                      "taken as gathered for the whole step (no prefetch, no release); pass "
+                      "layers= with the unit keys run_layers runs")
     missing = [k for k in layers if k not in spec.units]
     if missing:
         raise ValueError(f"estimate: layers= names units the plan does not have: "

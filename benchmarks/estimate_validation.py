@@ -11,9 +11,10 @@ Sections:
    TP x FSDP (the layers' all-reduces over tp included);
 2. a training step of the example model after ``calibrate`` at the same world size: the
    measured median against the predicted step time;
-3. planning and estimating one model at ten GPU counts;
+3. planning and estimating one model at ten GPU counts (``vfsdp.estimation.sweep``);
 4. projections with the H800 profile for a DeepSeek-V3-sized MoE (the paper's scaling
-   claims): weak scaling 1K -> 8K GPUs, and a 16M-token global batch from 1K to 8K.
+   claims): weak scaling 1K -> 8K GPUs, and a 16M-token global batch from 1K to 8K, with
+   the experts FSDP-sharded with the rest or split over 8, 32 or 64 GPUs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 import vfsdp
 from tests.estimation import bodies
+from vfsdp.estimation import sweep
 from vfsdp.estimation.model import optimizer_for
 from vfsdp.planner.shapes import load_shapes
 from vfsdp.testing import simulate, spawn
@@ -69,44 +71,51 @@ def step_time() -> None:
 
 
 def planning() -> None:
-    print("\n3. plan + estimate at ten GPU counts (8 ... 8192, shard group 64 beyond it)")
-    counts = [8, 16, 32, 64, 128, 256, 512, 1024, 4096, 8192]
-    for name, opt, extra in [("llama3-70b", "adamw", {}),
-                             ("deepseek-v3-671b", "adamw", {"experts_per_token": 8})]:
+    print("\n3. plan + estimate at ten GPU counts (8 ... 4096): vfsdp.estimation.sweep, the "
+          "shard group fixed at 256 or the default's smallest that fits; beside it, "
+          "estimate(plan(...)) per count")
+    counts = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    for name, extra in [("llama3-70b", {}), ("deepseek-v3-671b", {"experts_per_token": 8}),
+                        ("deepseek-v3-671b", {"experts_per_token": 8, "ep": 8})]:
         tree = load_shapes(os.path.join(SHAPES, f"{name}.json"), torch.float32)
-        gran = optimizer_for(opt, tree).granularity
-        t0 = time.perf_counter()
-        for n in counts:
-            mesh = n if n <= 64 else (n // 64, 64)
-            vfsdp.estimate(vfsdp.plan(tree, mesh, granularity=gran), hw="h800", optimizer=opt,
-                           recompute=True, **extra)
-        print(f"   {name:<18} {time.perf_counter() - t0:.2f} s")
+        label = name + (f" ep{extra['ep']}" if "ep" in extra else "")
+        times = []
+        for shard in (256, None):
+            t0 = time.perf_counter()
+            sweep(tree, counts, shard=shard, hw="h800", recompute=True, **extra)
+            times.append(time.perf_counter() - t0)
+        line = f"   {label:<22} sweep: shard 256 {times[0]:.2f} s, default {times[1]:.2f} s"
+        if "ep" not in extra:
+            gran = optimizer_for("adamw", tree).granularity
+            t0 = time.perf_counter()
+            for n in counts:
+                mesh = n if n <= 256 else (n // 256, 256)
+                vfsdp.estimate(vfsdp.plan(tree, mesh, granularity=gran), hw="h800",
+                               recompute=True, **extra)
+            line += f"; estimate(plan(...)) per count, shard 256: {time.perf_counter() - t0:.2f} s"
+        print(line)
 
 
 def paper() -> None:
     print("\n4. projected, H800 profile, DeepSeek-V3-sized MoE (671B, top-8 of 256 experts), "
-          "HSDP with shard groups of 256, AdamW, bf16, activation checkpointing, seq 4096")
+          "HSDP with shard groups of 256, AdamW, bf16, activation checkpointing, seq 4096; "
+          "the routed experts FSDP-sharded with the rest (ep 1) or split over ep GPUs")
     tree = load_shapes(os.path.join(SHAPES, "deepseek-v3-671b.json"), torch.float32)
-    specs = {n: vfsdp.plan(tree, (n // 256, 256)) for n in (1024, 2048, 4096, 8192)}
-
-    def run(n, tokens):
-        return vfsdp.estimate(specs[n], hw="h800", tokens_per_rank=tokens, seq=4096,
-                              experts_per_token=8, recompute=True)
-
-    print(f"{'GPUs':>6} {'tokens/GPU':>10} {'step s':>8} {'exposed':>8} {'tokens/s':>13} "
-          f"{'MFU%':>6} {'GiB/rank':>9}")
-    weak = {n: run(n, 8192) for n in specs}
-    for n, e in weak.items():
-        print(f"{n:>6} {8192:>10} {e.step_s:>8.2f} {e.exposed_comm_s:>8.2f} "
-              f"{e.tokens_per_s:>13,.0f} {100 * e.mfu:>6.1f} {e.memory_per_rank / 2**30:>9.1f}")
-    eff = weak[8192].tokens_per_s / weak[1024].tokens_per_s / 8
-    print(f"   weak scaling efficiency 1K -> 8K: {100 * eff:.1f} % (paper: near-linear)")
-    strong = {n: run(n, 16 * 2**20 // n) for n in specs}
-    for n, e in strong.items():
-        print(f"{n:>6} {16 * 2**20 // n:>10} {e.step_s:>8.2f} {e.exposed_comm_s:>8.2f} "
-              f"{e.tokens_per_s:>13,.0f} {100 * e.mfu:>6.1f} {e.memory_per_rank / 2**30:>9.1f}")
-    speed = strong[8192].tokens_per_s / strong[1024].tokens_per_s
-    print(f"   16M-token batch, 1K -> 8K: {speed:.2f}x (paper: 3.4x)")
+    counts = [1024, 2048, 4096, 8192]
+    opts = {"hw": "h800", "shard": 256, "seq": 4096, "experts_per_token": 8, "recompute": True}
+    print(f"{'ep':>3} {'GPUs':>6} {'tokens/GPU':>10} {'step s':>8} {'exposed':>8} "
+          f"{'tokens/s':>13} {'MFU%':>6} {'GiB/rank':>9} fits")
+    for ep in (1, 8, 32, 64):
+        weak = [e for _, e in sweep(tree, counts, ep=ep, tokens_per_gpu=8192, **opts)]
+        strong = [e for _, e in sweep(tree, counts, ep=ep, global_tokens=16 * 2**20, **opts)]
+        for e in weak + strong:
+            print(f"{ep:>3} {e.gpus:>6} {e.tokens_per_rank:>10} {e.step_s:>8.2f} "
+                  f"{e.exposed_comm_s:>8.2f} {e.tokens_per_s:>13,.0f} {100 * e.mfu:>6.1f} "
+                  f"{e.memory_per_rank / 2**30:>9.1f} {'yes' if e.fits else 'NO'}")
+        eff = weak[-1].tokens_per_s / weak[0].tokens_per_s / 8
+        speed = strong[-1].tokens_per_s / strong[0].tokens_per_s
+        print(f"   ep {ep}: weak scaling 1K -> 8K at 8,192 tokens/GPU {100 * eff:.1f} % "
+              f"(paper: near-linear); 16M-token batch 1K -> 8K {speed:.2f}x (paper: 3.4x)")
 
 
 def main() -> None:

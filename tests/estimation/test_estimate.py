@@ -45,7 +45,7 @@ def test_tp_by_fsdp_buffers_and_bytes_the_layers_all_reduces_included(dtype):
 def test_the_layers_are_the_longest_run_of_indexed_units():
     spec = vfsdp.plan({"io": {"e": torch.empty(8, 4, device="meta")},
                        "layers": [{"w": torch.empty(4, 4, device="meta")} for _ in range(3)]}, 2)
-    layers, rest = split_units(spec)
+    layers, rest = split_units(spec.units)
     assert layers == [("layers", 0), ("layers", 1), ("layers", 2)] and rest == [()]
 
 
@@ -152,3 +152,131 @@ def test_layers_can_be_named_and_unknown_ones_are_refused():
 def test_an_empty_plan_estimates_zero_not_a_division_error():
     est = vfsdp.estimate(vfsdp.plan({}, 4))
     assert est.tokens_per_s == 0 and est.mfu == 0
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "muon"])
+def test_a_sweep_equals_an_estimate_of_each_plan(optimizer):
+    """Each row of sweep() (one prepared tree, layouts per shard size, the state once per
+    size) is estimate(plan(...)) at that count: the shard groups the default picks (the
+    smallest at which it fits), a given one, HSDP, strong scaling, and a baseline."""
+    import dataclasses
+
+    from vfsdp.estimation import sweep
+    from vfsdp.estimation.model import optimizer_for
+
+    params = {"embed": torch.empty(96, 32, device="meta"), "norm": torch.empty(32, device="meta"),
+              "layers": [{"w": torch.empty(32, 96, device="meta"),
+                          "b": torch.empty(96, device="meta"),
+                          "mlp": {"experts": [{"up": torch.empty(32, 16, device="meta")}
+                                              for _ in range(3)]}} for _ in range(5)]}
+    # 2**25 bytes of allowance, and room for ~250 kB more: 2 ranks hold 315 kB, 4 ranks 213 kB
+    hw = dataclasses.replace(hardware("h100"), memory=2**25 + 250_000, gpus_per_node=2)
+    opts = {"param_dtype": torch.bfloat16, "experts_per_token": 2, "seq": 8, "recompute": True,
+            "allocator_fraction": 0.0, "comm_library_bytes": 2**25}
+    gran = optimizer_for(optimizer, params).granularity
+    for shard, tokens in ((None, {"tokens_per_gpu": 64}), (2, {"global_tokens": 4096})):
+        rows = sweep(params, [1, 2, 4, 6, 8], hw=hw, optimizer=optimizer, shard=shard,
+                     vs=("fsdp2",), **tokens, **opts)
+        assert [(s, e.gpus) for s, e in rows] == [
+            (s, g) for g in (1, 2, 4, 6, 8) for s in ("vfsdp", "fsdp2")]
+        for system, got in rows:
+            m, gpus = got.shard, got.gpus
+            mesh = m if m == gpus else (gpus // m, m)
+            want = vfsdp.estimate(vfsdp.plan(params, mesh, granularity=gran), hw=hw,
+                                  optimizer=optimizer, baseline=None if system == "vfsdp"
+                                  else system, tokens_per_rank=got.tokens_per_rank, **opts)
+            assert got == want, (system, gpus)
+        if shard is None:  # the smallest group at which the model fits, else the largest
+            shards = [e.shard for s, e in rows if s == "vfsdp"]
+            assert shards[:2] == [1, 2] and min(shards[2:]) > 2, shards
+            for _s, e in rows:
+                assert e.fits or e.shard == e.gpus
+                smaller = [d for d in (2, 4) if d < e.shard and e.gpus % d == 0]
+                assert all(not vfsdp.estimate(
+                    vfsdp.plan(params, (e.gpus // d, d), granularity=gran), hw=hw,
+                    optimizer=optimizer, tokens_per_rank=64, **opts).fits for d in smaller)
+    with pytest.raises(ValueError, match="does not divide 6 GPUs"):
+        sweep(params, [6], shard=4)
+    with pytest.raises(ValueError, match="not both"):
+        sweep(params, [2], tokens_per_gpu=1, global_tokens=2)
+    with pytest.raises(TypeError, match="baseline= is estimate"):
+        sweep(params, [2], baseline="fsdp2")
+
+
+def _moe(experts=4, layers=3):
+    return {"embed": torch.empty(64, 16, device="meta"),
+            "layers": [{"attn": torch.empty(16, 16, device="meta"),
+                        "experts": [{"up": torch.empty(16, 24, device="meta"),
+                                     "down": torch.empty(24, 16, device="meta")}
+                                    for _ in range(experts)]} for _ in range(layers)]}
+
+
+def test_expert_parallelism_gathers_a_share_and_moves_the_tokens():
+    """estimate(rest, experts=share): both plans' buffers and state, each layer's experts
+    gathered and reduced with it over their own group, and the routed tokens' all-to-alls;
+    a sweep with ep= gives the same rows."""
+    from vfsdp.estimation import sweep
+    from vfsdp.estimation.sweep import expert_share
+
+    rest, share = expert_share(_moe(), 2)
+    opts = {"hw": "h800", "tokens_per_rank": 32, "experts_per_token": 2, "recompute": True}
+    est = vfsdp.estimate(vfsdp.plan(rest, (2, 4)), experts=vfsdp.plan(share, 4), ep=2,
+                         **opts)
+    plain = vfsdp.estimate(vfsdp.plan(_moe(), (2, 4)), **opts)
+    assert (est.gpus, est.ep, plain.ep) == (8, 2, 1)
+    # each layer: 32 tokens x top-2 x width 16 x bf16, half of it to the other rank; two
+    # all-to-alls forward, four backward (the recomputed forward's again)
+    assert est.comm_bytes["all_to_all"] == 3 * 6 * (32 * 2 * 16 * 2) // 2
+    assert plain.comm_bytes["all_to_all"] == 0
+    # the share is gathered over 2 ranks, the whole model's experts over 4: half the bytes
+    expert_bytes = 3 * 4 * 2 * 16 * 24 * 2  # layers x experts x matrices x elements x bf16
+    assert plain.comm_bytes["all_gather"] - est.comm_bytes["all_gather"] == pytest.approx(
+        (2 * 3 - 1) / 3 * expert_bytes / 2, rel=0.02)   # gathered twice but the last layer
+    # the same routed FLOPs per rank: top-2 of 4 experts here, of the 2 held there
+    assert est.compute_s == pytest.approx(plain.compute_s, rel=1e-9)
+    rows = sweep(_moe(), [8], shard=4, ep=2, tokens_per_gpu=32, experts_per_token=2,
+                 recompute=True, hw="h800")
+    assert rows == [("vfsdp", est)]
+
+
+def test_expert_parallelism_refuses_what_does_not_fit():
+    from vfsdp.estimation.sweep import expert_share
+
+    rest, share = expert_share(_moe(), 2)
+    spec = vfsdp.plan(rest, 4)
+    with pytest.raises(ValueError, match="ep=2 without experts="):
+        vfsdp.estimate(spec, ep=2)
+    with pytest.raises(ValueError, match="no expert-parallel axis and ep=None"):
+        vfsdp.estimate(spec, experts=vfsdp.plan(share, 2), experts_per_token=2)
+    with pytest.raises(ValueError, match=r"spans 4 x ep 2 = 8 GPUs and the model's 4"):
+        vfsdp.estimate(spec, experts=vfsdp.plan(share, 4), ep=2, experts_per_token=2)
+    other = {"blocks": list(share["layers"])}
+    with pytest.raises(ValueError, match=r"unit \('blocks', 0\) is no unit of the model"):
+        vfsdp.estimate(spec, experts=vfsdp.plan(other, 2), ep=2, experts_per_token=2)
+    with pytest.raises(TypeError, match="experts= takes the experts' ShardSpec"):
+        vfsdp.estimate(spec, experts=share, ep=2)
+    with pytest.raises(ValueError, match="one of 4 experts, which ep=3 does not divide"):
+        expert_share(_moe(), 3)
+    with pytest.raises(ValueError, match="has no routed experts"):
+        expert_share({"w": torch.empty(2, 2)}, 2)
+    with pytest.raises(ValueError, match="that ep=2 divides"):
+        from vfsdp.estimation import sweep
+        sweep(_moe(), [6, 3], ep=2)
+
+
+def test_stacked_experts_planned_with_an_ep_rule_take_ep_from_the_plan():
+    from vfsdp.testing.models import GPTConfig, meta_params
+    from vfsdp.testing.models_tp import ep_rule, split_experts
+
+    cfg = GPTConfig(layers=2, experts=4, top_k=2)
+    rest, experts = split_experts(meta_params(cfg))
+    mesh = (("dp", 2), ("ep", 2))
+    e_spec = vfsdp.plan(experts, mesh, tp=ep_rule, tp_axis="ep", tp_index=0)
+    est = vfsdp.estimate(vfsdp.plan(rest, 4), experts=e_spec, experts_per_token=2,
+                         tokens_per_rank=64, param_dtype=None)
+    assert est.ep == 2 and est.gpus == 4
+    width = cfg.dim
+    assert est.comm_bytes["all_to_all"] == 2 * 4 * (64 * 2 * width * 4) // 2
+    whole = vfsdp.estimate(vfsdp.plan(meta_params(cfg), 4), experts_per_token=2,
+                           tokens_per_rank=64, param_dtype=None)
+    assert est.compute_s == pytest.approx(whole.compute_s, rel=1e-9)

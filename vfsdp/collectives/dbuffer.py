@@ -110,8 +110,7 @@ class DBuffer:
         # A compute copy (param_dtype) keeps no memory of its own: its shard is this rank's
         # slice of the global buffer, written by the cast and all-gathered in place.
         self._in_global = role is Role.COMPUTE
-        self._local_spec = [(t.shard_range(self.rank)[0], t.local_shape(self.rank))
-                            for t in self.tensors]
+        self._local_spec = layout.pieces(self.rank)
         self._dead_shard: Optional[torch.Tensor] = None
         self._dead_local: Optional[list] = None
         if self._in_global:

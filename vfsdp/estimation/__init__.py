@@ -9,6 +9,7 @@ See ``docs/estimate.md``.
 from vfsdp.estimation.costs import LayerCost, layer_cost, shape_costs
 from vfsdp.estimation.hardware import PROFILES, Hardware, hardware
 from vfsdp.estimation.model import Estimate, estimate
+from vfsdp.estimation.sweep import sweep
 
-__all__ = ["estimate", "Estimate", "Hardware", "hardware", "PROFILES", "LayerCost",
+__all__ = ["estimate", "sweep", "Estimate", "Hardware", "hardware", "PROFILES", "LayerCost",
            "layer_cost", "shape_costs"]

@@ -2,7 +2,8 @@
 
 Plans the shape list at each GPU count (the shard group ``--shard``, default: the smallest
 divisor of the count, at least one node and a power of two or the count itself, at which
-the model fits; the rest replicas) and prints
+the model fits; the rest replicas; ``--ep N``: the routed experts split over N GPUs) and
+prints
 one row per count: memory per rank by kind, the step time split, tokens/s, MFU and whether
 it fits. ``--vs fsdp2,megatron`` adds the same rows under those systems' sharding rules
 (padding only); ``--json`` writes the records, ``--png`` draws the scaling curves and the
@@ -18,9 +19,9 @@ import time
 import torch
 
 from vfsdp.estimation.hardware import PROFILES, hardware
-from vfsdp.estimation.model import Estimate, GiB, estimate, optimizer_for
+from vfsdp.estimation.model import GiB
+from vfsdp.estimation.sweep import sweep
 from vfsdp.planner.granularity import parse_granularity
-from vfsdp.planner.plan import plan
 from vfsdp.planner.shapes import load_shapes
 
 __all__ = ["add_parser", "add_calibrate_parser", "run", "run_calibrate"]
@@ -45,6 +46,8 @@ def add_parser(sub) -> None:
     p.add_argument("--master-dtype", default="fp32", choices=sorted(_DTYPES))
     p.add_argument("--param-dtype", default="bf16", choices=sorted(_DTYPES))
     p.add_argument("--top-k", type=int, help="routed experts per token (MoE shape lists)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism: routed experts split over this many GPUs")
     p.add_argument("--seq", type=int, help="sequence length (adds attention FLOPs)")
     p.add_argument("--recompute", action="store_true", help="activation checkpointing")
     p.add_argument("--no-prefetch", action="store_true")
@@ -92,48 +95,23 @@ def run_calibrate(args, out=None) -> int:
     return 0
 
 
-def _pick_shard(tree, gpus: int, args, gran) -> int:
-    if args.shard:
-        return min(args.shard, gpus)
-    node = min(gpus, hardware(args.hw).gpus_per_node)
-    # the divisors of gpus from one node up, doubling where that divides
-    sizes = [d for d in range(node, gpus + 1) if gpus % d == 0 and
-             (d in (node, gpus) or (d & (d - 1)) == 0)] or [gpus]
-    for shard in sizes:
-        if _one(tree, gpus, shard, args, gran, None).fits:
-            return shard
-    return sizes[-1]
-
-
-def _one(tree, gpus: int, shard: int, args, gran, baseline) -> Estimate:
-    if gpus % shard:
-        raise ValueError(f"--shard {shard} does not divide {gpus} GPUs")
-    mesh = shard if gpus == shard else (gpus // shard, shard)
-    spec = plan(tree, mesh, granularity=gran)
-    tokens = args.tokens_per_gpu or (args.global_tokens // gpus if args.global_tokens else 4096)
-    return estimate(spec, hw=args.hw, optimizer=args.optimizer,
-                    param_dtype=_DTYPES[args.param_dtype], tokens_per_rank=max(tokens, 1),
-                    experts_per_token=args.top_k, seq=args.seq, recompute=args.recompute,
-                    prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard,
-                    baseline=baseline)
-
-
 def run(args, out=None) -> int:
     """Run the ``estimate`` subcommand; 0 on success, 2 on bad input."""
     out = out or sys.stdout
     try:
         counts = [int(x) for x in args.gpus.split(",") if x]
-        systems = [None] + [s for s in args.vs.split(",") if s]
+        systems = [s for s in args.vs.split(",") if s]
         tree = load_shapes(args.shapes, _DTYPES[args.master_dtype])
-        gran = (parse_granularity(args.granularity) if args.granularity
-                else optimizer_for(args.optimizer, tree).granularity)
+        gran = parse_granularity(args.granularity) if args.granularity else None
         hardware(args.hw)
         t0 = time.perf_counter()
-        rows = []
-        for gpus in counts:
-            shard = _pick_shard(tree, gpus, args, gran)
-            for system in systems:
-                rows.append((system or "vfsdp", _one(tree, gpus, shard, args, gran, system)))
+        rows = sweep(tree, counts, hw=args.hw, optimizer=args.optimizer, shard=args.shard,
+                     ep=args.ep,
+                     granularity=gran, tokens_per_gpu=args.tokens_per_gpu,
+                     global_tokens=args.global_tokens, vs=systems,
+                     param_dtype=_DTYPES[args.param_dtype], experts_per_token=args.top_k,
+                     seq=args.seq, recompute=args.recompute, prefetch=not args.no_prefetch,
+                     reshard_after_forward=not args.no_reshard)
         secs = time.perf_counter() - t0
     except (ValueError, TypeError, OSError) as exc:
         print(f"error: {exc}", file=out if out is not sys.stdout else sys.stderr)
@@ -146,7 +124,8 @@ def run(args, out=None) -> int:
     print(head, file=out)
     for system, e in rows:
         g = {k: v / GiB for k, v in e.memory.items()}
-        print(f"{system:<9} {e.gpus:>6} {f'{e.replicas}x{e.shard}':>11} "
+        mesh = f"{e.replicas}x{e.shard}" + (f" ep{e.ep}" if e.ep > 1 else "")
+        print(f"{system:<9} {e.gpus:>6} {mesh:>11} "
               f"{e.memory_per_rank / GiB:>9.2f} {g['params']:>7.2f} {g['gradients']:>7.2f} "
               f"{g['optimizer']:>7.2f} {g['buffers']:>8.2f} {g['activations']:>7.2f} "
               f"{e.step_s:>8.3f} {e.compute_s:>8.3f} {e.exposed_comm_s:>8.3f} "

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Optional
 
 import optree
@@ -19,7 +20,7 @@ import torch
 
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["LayerCost", "layer_cost", "shape_costs"]
+__all__ = ["LayerCost", "layer_cost", "shape_costs", "Shapes"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,83 @@ def layer_cost(fn: Callable[..., torch.Tensor], params: Any, *inputs: Any) -> La
     return LayerCost(float(counter.get_total_flops()), int(sum(saved.values())))
 
 
-_EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")
+_EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What :func:`shape_costs` reads of a plan, whatever its mesh and tokens: per unit key
+    ``(weights, weights per routed expert, has routed experts, has the embedding)``, and the
+    embedding table's width and vocabulary (its second and first dims; 0 without one).
+
+    Weights are those of matrices other than routed experts' and embedding tables (paths
+    naming ``embed``). A routed expert is a path through ``experts.<i>`` (one expert's
+    tensors) or through ``experts`` with the experts stacked on dim 0; a unit's weights per
+    expert are what it holds of them over the experts it holds, the same whether it holds
+    all of them or an expert-parallel rank's share. A sweep reads them once
+    (:func:`vfsdp.estimation.sweep`)."""
+
+    units: Mapping
+    width: int
+    vocab: int
+
+    @classmethod
+    def of(cls, spec: ShardSpec) -> Shapes:
+        """Read ``spec``'s tensors (in tree order: the first table naming ``embed`` is the
+        embedding)."""
+        # weights, stacked experts' weights per expert, indexed experts' weights, their ids
+        rows: dict = {key: [0.0, 0.0, 0.0, set(), False] for key in spec.units}
+        width = vocab = 0
+        for t in spec.tensors():
+            name = ".".join(map(str, t.path))
+            row = rows[t.unit]
+            found = _EXPERT.search(name)
+            if found and found.group(3):
+                row[3].add(found.group(3))
+            if "embed" in name:
+                row[4] = True
+                shape = t.global_shape
+                if not width and len(shape) == 2:
+                    width, vocab = int(shape[1]), int(shape[0])
+                continue
+            if len(t.shape) < 2:
+                continue
+            n = math.prod(t.shape)
+            if not found:
+                row[0] += n
+            elif found.group(3):
+                row[2] += n
+            elif t.shape[0]:
+                row[1] += n / t.shape[0]
+        units = {k: (w, stacked + (indexed / len(ids) if ids else 0.0), bool(stacked or ids),
+                     emb) for k, (w, stacked, indexed, ids, emb) in rows.items()}
+        return cls(MappingProxyType(units), width, vocab)
+
+    def costs(self, tokens: int, experts_per_token: Optional[int] = None,
+              seq: Optional[int] = None, recompute: bool = False) -> dict:
+        """``{unit key: LayerCost}`` for ``tokens`` tokens per rank (see
+        :func:`shape_costs`)."""
+        if experts_per_token is None and any(row[2] for row in self.units.values()):
+            raise ValueError("estimate: the model has routed experts (paths "
+                             "'...experts.<i>...' or stacked '...experts...'); pass "
+                             "experts_per_token (top-k, e.g. 8 for DeepSeek-V3)")
+        width, vocab = self.width, self.vocab
+        out = {}
+        for key, (weights, per_expert, experts, has_embed) in self.units.items():
+            n = weights + (per_expert * experts_per_token if experts else 0.0)
+            flops = 6 * tokens * n
+            layer = isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int)
+            if layer and seq and width:
+                flops += 12 * tokens * seq * width
+            extra = flops / 3 if layer and recompute else 0.0  # the forward once more
+            acts = again = 0
+            if layer and width:
+                acts = tokens * width * (2 if recompute else 34)
+                again = tokens * width * 34 if recompute else 0
+            if has_embed and vocab:
+                acts += tokens * vocab * 10
+            out[key] = LayerCost(float(flops), int(acts), int(again), extra)
+        return out
 
 
 def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] = None,
@@ -102,7 +179,8 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
     """Costs from the shapes alone, per unit key, for ``tokens`` tokens per rank:
 
     * FLOPs: ``6 * tokens`` per weight of a matrix (forward 2, backward 4), routed experts'
-      weights counted ``experts_per_token / experts`` times, embedding tables (paths naming
+      weights counted ``experts_per_token / experts`` times (each token meets that many of
+      them; see :class:`Shapes` for what is an expert), embedding tables (paths naming
       ``embed``) not at all; with ``seq``, attention's ``12 * seq * width`` per token and
       layer (PaLM's accounting, ``width`` the embedding's second dim);
     * activations: 34 bytes per token and width per layer (Korthikanti et al. 2022, bf16,
@@ -132,56 +210,4 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
         >>> c[("layers", 0)].flops, c[()].flops
         (245760.0, 0.0)
     """
-    by_unit: dict = {key: [] for key in spec.units}
-    for t in spec.tensors():
-        by_unit[t.unit].append(t)
-    experts: dict = {}
-    for t in spec.tensors():
-        found = _EXPERT.search(".".join(map(str, t.path)))
-        if found:
-            experts.setdefault(t.unit, set()).add(found.group(2))
-    if experts and experts_per_token is None:
-        raise ValueError("estimate: the model has routed experts (paths '...experts.<i>...'); "
-                         "pass experts_per_token (top-k, e.g. 8 for DeepSeek-V3)")
-    width, vocab = _embedding(spec)
-    out = {}
-    for key, ts in by_unit.items():
-        flops = 0.0
-        has_embed = False
-        for t in ts:
-            name = ".".join(map(str, t.path))
-            if "embed" in name:
-                has_embed = True
-                continue
-            if len(t.shape) < 2:
-                continue
-            n = math.prod(t.shape)
-            if _EXPERT.search(name):
-                n *= experts_per_token / len(experts[t.unit])
-            flops += 6 * tokens * n
-        layer = isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int)
-        if layer and seq and width:
-            flops += 12 * tokens * seq * width
-        extra = flops / 3 if layer and recompute else 0.0  # the forward once more
-        acts = again = 0
-        if layer and width:
-            acts = tokens * width * (2 if recompute else 34)
-            again = tokens * width * 34 if recompute else 0
-        if has_embed and vocab:
-            acts += tokens * vocab * 10
-        out[key] = LayerCost(flops, int(acts), int(again), extra)
-    return out
-
-
-def _embedding(spec: ShardSpec) -> tuple:
-    for t in spec.tensors():
-        shape = t.global_shape
-        if "embed" in ".".join(map(str, t.path)) and len(shape) == 2:
-            return int(shape[1]), int(shape[0])
-    return 0, 0
-
-
-def embedding_width(spec: ShardSpec) -> int:
-    """The model's width: the second dim of its embedding table (a path naming ``embed``),
-    or 0 without one."""
-    return _embedding(spec)[0]
+    return Shapes.of(spec).costs(tokens, experts_per_token, seq, recompute)

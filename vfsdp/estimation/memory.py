@@ -20,6 +20,7 @@ the whole step, such as the embedding and head) allocate and free these, and its
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,7 +32,7 @@ from vfsdp._warnings import warn_user
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.unit import Unit
 from vfsdp.optim.base import state_tensors
-from vfsdp.planner.spec import ShardSpec, TensorSpec
+from vfsdp.planner.spec import ShardSpec, TensorSpec, UnitLayout
 
 __all__ = ["UnitBytes", "unit_bytes", "timeline", "peak", "optimizer_bytes", "split_units",
            "baseline_sizes", "itemsize"]
@@ -54,31 +55,31 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-def baseline_sizes(spec: ShardSpec, system: str) -> dict:
+def baseline_sizes(units: Mapping[Any, UnitLayout], system: str) -> dict:
     """Each unit's ``S`` under another system's sharding rule and padding (``"fsdp2"``:
     every tensor split on dim 0; ``"megatron"``: Megatron-FSDP's LCM chunks), from
-    :mod:`vfsdp.planner.baselines`: padding only, none of their copies."""
+    :mod:`vfsdp.planner.baselines`: padding only, none of their copies (``units``: a
+    spec's ``units``)."""
     from vfsdp.planner.baselines import fsdp2_padding, megatron_padding
 
     rule = {"fsdp2": fsdp2_padding, "megatron": megatron_padding}.get(system)
     if rule is None:
         raise ValueError(f"estimate: unknown baseline {system!r}; pass 'fsdp2' or 'megatron'")
-    shapes = {t.path: t for t in spec.tensors()}
     out = {}
-    for key, u in spec.units.items():
-        items = [(tuple(shapes[p].shape), shapes[p].block) for p in u.paths]
+    for key, u in units.items():
+        items = [(tuple(sh), b) for sh, b in zip(u.shapes, u.blocks)]
         pad = rule(items, u.world_size)
         out[key] = -(-(u.total_numel + pad) // u.world_size)
     return out
 
 
-def unit_bytes(spec: ShardSpec, param_dtype: Optional[torch.dtype] = None,
+def unit_bytes(units: Mapping[Any, UnitLayout], param_dtype: Optional[torch.dtype] = None,
                reduce_dtype: Optional[torch.dtype] = None,
                sizes: Optional[dict] = None) -> list:
     """Every unit's :class:`UnitBytes`, in the spec's unit order (``sizes``: ``S`` per unit
     key in place of the plan's, e.g. :func:`baseline_sizes`)."""
     out = []
-    for key, u in spec.units.items():
+    for key, u in units.items():
         p = itemsize(u.dtype)
         c = itemsize(param_dtype or u.dtype)
         r_dtype = reduce_dtype or param_dtype or u.dtype
@@ -89,7 +90,7 @@ def unit_bytes(spec: ShardSpec, param_dtype: Optional[torch.dtype] = None,
     return out
 
 
-def split_units(spec: ShardSpec, layers: Optional[list] = None) -> tuple:
+def split_units(units: Mapping[Any, UnitLayout], layers: Optional[list] = None) -> tuple:
     """The units ``run_layers`` runs (``layers``, or by default the longest run of units
     keyed ``(name, i)``, in order) and the others (gathered around them for the whole
     step).
@@ -99,20 +100,20 @@ def split_units(spec: ShardSpec, layers: Optional[list] = None) -> tuple:
     """
     if layers is None:
         runs: dict = {}
-        for key in spec.units:
+        for key in units:
             if isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int):
                 runs.setdefault(key[:-1], []).append(key)
         layers = max(runs.values(), key=len) if runs else []
-        if not layers and len(spec.units) > 1:
+        if not layers and len(units) > 1:
             warn_user("estimate: no run of units keyed (name, i) found, so every unit is "
                       "taken as gathered for the whole step (no prefetch, no release); pass "
                       "layers= with the unit keys run_layers runs")
-    missing = [k for k in layers if k not in spec.units]
+    missing = [k for k in layers if k not in units]
     if missing:
         raise ValueError(f"estimate: layers= names units the plan does not have: "
                          f"{missing[:3]}; pass keys of spec.units")
     chosen = set(layers)
-    return list(layers), [k for k in spec.units if k not in chosen]
+    return list(layers), [k for k in units if k not in chosen]
 
 
 def timeline(units: list, layers: list, prefetch: bool = True,
@@ -208,29 +209,26 @@ def _meta_groups(m: int, rank: int, replicas: int) -> MeshGroups:
     return MeshGroups(None, None, rank, m, 0, replicas, torch.device("meta"), (tuple(range(m)),))
 
 
-def optimizer_bytes(opt: Any, spec: ShardSpec, rank: int = 0) -> int:
-    """Bytes of the optimizer's state on ``rank``: its ``init`` run over ``meta`` shards of
-    that rank (no memory, no process group), every tensor of the state counted once; once
-    per distinct unit (the same layout and shapes give the same state), times its count."""
+def optimizer_bytes(opt: Any, units: Mapping[Any, UnitLayout], rank: int = 0,
+                    replicas: int = 1) -> int:
+    """Bytes of the optimizer's state on ``rank`` of a plan's ``units`` (``spec.units``): its
+    ``init`` run over ``meta`` shards of that rank (no memory, no process group), every tensor
+    of the state counted once; once per distinct unit (the same layout and shapes give the
+    same state), times its count."""
     groups: dict = {}
-    for key, u in spec.units.items():
-        shapes = tuple(tuple(sh) for sh in u.shapes)
-        groups.setdefault((u.signature, shapes), []).append(key)
-    by_unit: dict = {}
-    for t in spec.tensors():
-        by_unit.setdefault(t.unit, []).append(t)
+    for key, u in units.items():
+        groups.setdefault((u.signature, u.shapes), []).append(key)
     total = 0
     for keys in groups.values():
-        leaves = by_unit.get(keys[0], [])
-        if not leaves:
-            continue
-        one = _sub_spec(spec, keys[0], leaves)
-        total += len(keys) * _unit_state_bytes(opt, one, rank)
+        u = units[keys[0]]
+        if u.paths:
+            total += len(keys) * _unit_state_bytes(opt, _sub_spec(u, replicas), rank)
     return total
 
 
-def _sub_spec(spec: ShardSpec, key: Any, leaves: list) -> ShardSpec:
+def _sub_spec(u: UnitLayout, replicas: int) -> ShardSpec:
     """A spec of one unit's tensors, under their own paths (what labels and ties read)."""
+    leaves = u.tensors
     root: Any = {}
     if len(leaves) == 1 and not leaves[0].path:  # the whole tree is one tensor
         root = leaves[0]
@@ -241,8 +239,8 @@ def _sub_spec(spec: ShardSpec, key: Any, leaves: list) -> ShardSpec:
         node[t.path[-1]] = t
     _, ordered, treespec = optree.tree_flatten_with_path(
         root, is_leaf=lambda x: isinstance(x, TensorSpec))
-    return ShardSpec(treespec, ordered, {key: spec.units[key]}, spec.mesh_shape,
-                     spec.mesh_dim_names)
+    mesh = (replicas, u.world_size) if replicas > 1 else (u.world_size,)
+    return ShardSpec(treespec, ordered, {u.key: u}, mesh)
 
 
 def _unit_state_bytes(opt: Any, spec: ShardSpec, rank: int) -> int:

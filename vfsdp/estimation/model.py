@@ -2,112 +2,26 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import optree
 import torch
 
-from vfsdp.estimation.costs import LayerCost, embedding_width, shape_costs
-from vfsdp.estimation.hardware import Hardware, hardware
-from vfsdp.estimation.memory import (
-    baseline_sizes,
-    itemsize,
-    optimizer_bytes,
-    peak,
-    split_units,
-    timeline,
-    unit_bytes,
-)
-from vfsdp.estimation.timing import links, ring, simulate
+from vfsdp.estimation.costs import LayerCost
+from vfsdp.estimation.hardware import Hardware
+from vfsdp.estimation.predict import Estimate, GiB, Part, predict
+from vfsdp.planner.abstract import is_tensor_leaf, leaf_meta
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["estimate", "Estimate", "optimizer_for"]
+__all__ = ["estimate", "Estimate", "optimizer_for", "GiB"]
 
-GiB = 2**30
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """What :func:`estimate` predicts for one rank of one step.
-
-    Attributes:
-        gpus: Ranks in the mesh (``replicas * shard``, times the model axis of a ``tp=``
-            plan, which is taken to be the innermost: consecutive ranks).
-        shard: The shard group's size.
-        replicas: The replicate group's size (HSDP; 1 for FSDP).
-        hw: The hardware profile's name.
-        memory: Bytes by kind at the peak: ``params`` (shards), ``gradients`` (shards, and
-            staging shards), ``optimizer`` (its state), ``buffers`` (gathered and
-            reduce-scatter buffers live at the peak), ``activations`` (saved for backward),
-            ``allowance`` (the caching allocator and the communication library).
-        memory_per_rank: Their sum.
-        fits: Whether ``memory_per_rank`` fits the device.
-        peak_at: The schedule event at which vfsdp's buffers peak.
-        comm_bytes: Bytes per step and rank by collective, counted as
-            :func:`vfsdp.collectives.comm.counts` counts them (an all-gather or
-            reduce-scatter by its full ``m * S`` buffer, an all-reduce by its tensor;
-            ``backward_marks``: the backward's agreement on which gathers it runs).
-        step_s: Seconds per step.
-        compute_s: Seconds of forward and backward compute.
-        exposed_comm_s: Seconds the compute waited on collectives.
-        optimizer_s: Seconds of the update.
-        tokens_per_s: Tokens per second over all ranks.
-        mfu: Model FLOPs per second over the devices' peak (recomputed forwards not
-            counted).
-        tokens_per_rank: The tokens each rank processes per step.
-
-    Example:
-        >>> spec = vfsdp.plan({"w": torch.empty(1024, 1024, device="meta")}, 8)
-        >>> est = vfsdp.estimate(spec, hw="h800")
-        >>> est.memory_per_rank == sum(est.memory.values()), sorted(est.record())[:3]
-        (True, ['bytes_all_gather', 'bytes_all_reduce', 'bytes_backward_marks'])
-    """
-
-    gpus: int
-    shard: int
-    replicas: int
-    hw: str
-    memory: Mapping[str, int]
-    memory_per_rank: int
-    fits: bool
-    peak_at: str
-    comm_bytes: Mapping[str, int]
-    step_s: float
-    compute_s: float
-    exposed_comm_s: float
-    optimizer_s: float
-    tokens_per_s: float
-    mfu: float
-    tokens_per_rank: int = 0
-    notes: tuple = field(default=(), repr=False)
-
-    def record(self) -> dict:
-        """One flat JSON record (``--json``)."""
-        out = {k: getattr(self, k) for k in (
-            "gpus", "shard", "replicas", "hw", "memory_per_rank", "fits", "step_s",
-            "compute_s", "exposed_comm_s", "optimizer_s", "tokens_per_s", "mfu",
-            "tokens_per_rank", "peak_at")}
-        out.update({f"memory_{k}": v for k, v in self.memory.items()})
-        out.update({f"bytes_{k}": v for k, v in self.comm_bytes.items()})
-        return out
-
-    def __str__(self) -> str:
-        mem = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.memory.items())
-        return (f"{self.gpus} GPUs ({self.replicas} x {self.shard}) on {self.hw}: "
-                f"{self.memory_per_rank / GiB:.2f} GiB per rank ({mem}; "
-                f"{'fits' if self.fits else 'does NOT fit'}), step {self.step_s:.3f} s "
-                f"(compute {self.compute_s:.3f}, exposed comm {self.exposed_comm_s:.3f}, "
-                f"optimizer {self.optimizer_s:.3f}), {self.tokens_per_s:,.0f} tokens/s, "
-                f"MFU {100 * self.mfu:.1f} %")
 
 
 def optimizer_for(name: Union[str, Any], like: Any = None) -> Any:
     """A vfsdp optimizer from its name (``"adamw"``, ``"adamw8bit"``, ``"muon"``: Muon for
-    the matrices of ``like``, a spec or a parameter tree, AdamW for the rest), or the
-    optimizer itself."""
+    the matrices of ``like``, a spec, a parameter tree or the tree's
+    ``optree.tree_flatten_with_path``, AdamW for the rest), or the optimizer itself."""
     from vfsdp import optim
 
     if not isinstance(name, str):
@@ -118,10 +32,12 @@ def optimizer_for(name: Union[str, Any], like: Any = None) -> Any:
         return optim.adamw8bit()
     if name == "muon":
         if isinstance(like, ShardSpec):
-            ndim = {t.path: len(t.shape) for t in like.tensors()}
-        else:
-            paths, leaves, _ = optree.tree_flatten_with_path(like)
-            ndim = {tuple(p): getattr(x, "ndim", 0) for p, x in zip(paths, leaves)}
+            ndim = {p: len(sh) for u in like.units.values() for p, sh in zip(u.paths, u.shapes)}
+        else:  # a tree, or its optree.tree_flatten_with_path
+            paths, leaves, _ = like if isinstance(like, tuple) else \
+                optree.tree_flatten_with_path(like)
+            ndim = {tuple(p): len(leaf_meta(x)[0]) for p, x in zip(paths, leaves)
+                    if is_tensor_leaf(x)}
         return optim.partition({"muon": optim.muon(), "adamw": optim.adamw()},
                                lambda path: "muon" if ndim.get(tuple(path)) == 2 else "adamw")
     raise ValueError(f"estimate: unknown optimizer {name!r}; pass 'adamw', 'adamw8bit', "
@@ -137,7 +53,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
              recompute: bool = False, allocator_fraction: float = 0.05,
              comm_library_bytes: int = 2 * GiB, rank: Optional[int] = None,
              baseline: Optional[str] = None, model_parallel: Optional[str] = None,
-             layers: Optional[list] = None) -> Estimate:
+             layers: Optional[list] = None, experts: Optional[ShardSpec] = None,
+             ep: Optional[int] = None) -> Estimate:
     """Predict one training step of ``spec`` on ``hw`` (see ``docs/estimate.md``).
 
     Args:
@@ -172,6 +89,14 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             modelled.
         layers: The unit keys ``run_layers`` runs, in order (default: the longest run of
             units keyed ``(name, i)``; the other units are gathered for the whole step).
+        experts: Expert parallelism: the plan of one expert-parallel rank's experts (planned
+            with ``tp=rule, tp_axis="ep"``, or that rank's share of the experts planned over
+            the GPUs divided by ``ep``), keyed like the layers of ``spec`` they belong to;
+            ``spec`` is then the rest of the model, over every GPU. Each layer's experts are
+            gathered, reduced and held with it, and its routed tokens cross the expert group
+            in all-to-alls (two forward, two backward, two more with ``recompute``), on the
+            compute lane.
+        ep: The expert group's size, where ``experts`` has no ``"ep"`` axis of its own.
 
     Returns:
         An :class:`Estimate`.
@@ -179,8 +104,10 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
     Raises:
         ValueError: an unknown profile or optimizer, a model with experts and no
             ``experts_per_token``, ``tokens_per_rank`` below 1, an unknown baseline, or
-            ``model_parallel="tp"`` for a plan without a model axis, or ``layers`` naming
-            a unit the plan does not have.
+            ``model_parallel="tp"`` for a plan without a model axis, ``layers`` naming
+            a unit the plan does not have, or experts that do not fit the model's GPUs or
+            layers.
+        TypeError: ``experts`` is not a :class:`ShardSpec`.
 
     Example:
         >>> params = {"layers": [{"w": torch.empty(4096, 4096, device="meta")}
@@ -191,110 +118,15 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
     """
     if tokens_per_rank < 1:
         raise ValueError(f"estimate: tokens_per_rank must be at least 1, got {tokens_per_rank}")
-    prof = hardware(hw)
-    opt = optimizer_for(optimizer, spec)
-    sizes = baseline_sizes(spec, baseline) if baseline else None
-    ub = unit_bytes(spec, param_dtype, reduce_dtype, sizes)
-    layers, rest = split_units(spec, layers)
-    ranks = sorted({0, spec.world_size - 1}) if rank is None else [rank]
-    state = max(_state(optimizer, spec, r) if isinstance(optimizer, str)
-                else optimizer_bytes(opt, spec, r) for r in ranks)
-    if sizes:  # the same state per element, over the baseline's shards
-        state = int(state * sum(sizes.values()) / max(sum(u.shard_numel for u in
-                                                          spec.units.values()), 1))
-    shards = sum(u.shard for u in ub)
-    per_unit = _costs(spec, costs, tokens_per_rank, experts_per_token, seq, recompute)
-    events = timeline(ub, layers, prefetch, reshard_after_forward,
-                      {k: c.activation_bytes for k, c in per_unit.items()},
-                      {k: c.recompute_bytes for k, c in per_unit.items()})
-    top, at, kinds = peak(shards + state, events)
-    allowance = int(allocator_fraction * top) + int(comm_library_bytes)
-    memory = {"params": shards, "gradients": kinds["gradients"], "optimizer": state,
-              "buffers": kinds["buffers"], "activations": kinds["activations"],
-              "allowance": allowance}
-    total = sum(memory.values())
-    m, r = spec.world_size, spec.replicas
-    model_size = spec.model_axis[1] if spec.model_axis is not None else 1
-    shard_link, rep_link, model_link = links(prof, m, r, model_size)
-    # the backward's agreement: 3 int64 and a byte per differentiable gather (one per unit)
-    comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0,
-            "backward_marks": 24 + len(ub) if m * r > 1 else 0}
-    lanes: dict = {}
-    rate = prof.flops * prof.compute_efficiency
-    for u in ub:
-        again = u.key in layers and reshard_after_forward and u.key != layers[-1]
-        comm["all_gather"] += u.gathered * (2 if again else 1)
-        comm["reduce_scatter"] += u.reduce_in
-        rs = ring(m, u.reduce_in / m, shard_link)
-        if r > 1:
-            shard_grad = u.reduce_in // m
-            comm["all_reduce"] += shard_grad
-            rs += 2 * ring(r, shard_grad / r, rep_link)
-        flops = per_unit[u.key].flops + per_unit[u.key].recompute_flops
-        # the host's own work per unit and step, on the compute lane
-        host = prof.unit_overhead + prof.tensor_overhead * len(spec.units[u.key].paths)
-        lanes[u.key] = (ring(m, u.gathered / m, shard_link), flops / 3 / rate + host / 3,
-                        2 * flops / 3 / rate + 2 * host / 3, rs)
-    grads = sum(u.grad_shard for u in ub)
-    tp_s = 0.0
-    if model_parallel is not None:
-        axis = spec.model_axis
-        if model_parallel != "tp" or axis is None:
-            raise ValueError(f"estimate: model_parallel={model_parallel!r} needs 'tp' and a "
-                             f"plan with a model axis (vfsdp.plan(..., tp=rule)); got "
-                             f"{'no model axis' if axis is None else axis[0]!r}")
-        n = axis[1]
-        width = embedding_width(spec)
-        act_dtype = param_dtype or next(iter(spec.units.values())).dtype
-        act = tokens_per_rank * width * itemsize(act_dtype)
-        one = 2 * ring(n, act / n, model_link)  # a ring all-reduce of the activations
-        for key in layers:
-            comm["all_reduce"] += 4 * act
-            f, fwd, bwd, red = lanes[key]
-            lanes[key] = (f, fwd + 2 * one, bwd + 2 * one, red)
-            tp_s += 4 * one
-    opt_s = (2 * state + 2 * shards + grads) / (prof.memory_bw * prof.compute_efficiency)
-    opt_s += _muon_flops(spec, optimizer) / rate
-    sched = simulate([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s, prefetch,
-                     reshard_after_forward)
-    model_flops = sum(c.flops for c in per_unit.values())
-    gpus = m * r * model_size
-    name = prof.name if baseline is None else f"{prof.name}, {baseline} sharding"
-    step = sched.step
-    return Estimate(gpus, m, r, name, memory, total, total <= prof.memory, at, comm,
-                    step, sched.compute - tp_s, max(sched.exposed + tp_s, 0.0),
-                    sched.optimizer,
-                    gpus * tokens_per_rank / step if step else 0.0,
-                    model_flops / step / prof.flops if step else 0.0, tokens_per_rank)
-
-
-@functools.lru_cache(maxsize=64)
-def _state(name: str, spec: ShardSpec, rank: int) -> int:
-    """The named optimizer's state bytes (a pure function of the plan: kept for sweeps)."""
-    return optimizer_bytes(optimizer_for(name, spec), spec, rank)
-
-
-def _costs(spec, costs, tokens, experts_per_token, seq, recompute) -> dict:
-    base = shape_costs(spec, tokens, experts_per_token, seq, recompute)
-    if not costs:
-        return base
-    out = {}
-    for key in spec.units:
-        # a key, or a prefix of one (("layers",)); () only names the root unit itself
-        found = next((costs[key[:n]] for n in range(len(key), 0, -1) if key[:n] in costs),
-                     costs.get(()) if key == () else None)
-        out[key] = found if found is not None else base[key]
-    return out
-
-
-def _muon_flops(spec: ShardSpec, optimizer: Any) -> float:
-    """Newton-Schulz FLOPs per rank for ``"muon"`` (5 iterations of three matmuls per
-    matrix, spread over the ranks)."""
-    if optimizer != "muon":
-        return 0.0
-    total = 0.0
-    for t in spec.tensors():
-        if len(t.shape) == 2:
-            a, b = sorted(t.shape)
-            total += 5 * (4 * a * a * b + 2 * a ** 3)
-    return total / spec.world_size  # each replica orthogonalises all of its own
+    model = Part.of(spec, optimizer_for(optimizer, spec), rank)
+    if experts is not None and not isinstance(experts, ShardSpec):
+        raise TypeError(f"estimate: experts= takes the experts' ShardSpec, got "
+                        f"{type(experts).__name__}")
+    part = None if experts is None else Part.of(experts, optimizer_for(optimizer, experts))
+    return predict(model, part, ep, hw=hw, muon=optimizer == "muon", param_dtype=param_dtype,
+                   reduce_dtype=reduce_dtype, prefetch=prefetch,
+                   reshard_after_forward=reshard_after_forward, tokens_per_rank=tokens_per_rank,
+                   costs=costs, experts_per_token=experts_per_token, seq=seq,
+                   recompute=recompute, allocator_fraction=allocator_fraction,
+                   comm_library_bytes=comm_library_bytes, baseline=baseline,
+                   model_parallel=model_parallel, layers=layers)

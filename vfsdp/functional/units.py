@@ -82,11 +82,15 @@ def find_unit(local: Sequence[Any], layout: UnitLayout, index: Sequence[int],
     """
     found, plain = None, None
     for x, k in zip(local, index):
-        path = format_path(layout.paths[k])
         slot = slot_of(x)
         if slot is None:
-            plain = path
+            plain = format_path(layout.paths[k])
             continue
+        if (found is not None and slot.buffer is found.params and slot.unit is found
+                and slot.index == k and slot.view is not View.FULL
+                and found.params.is_local_view(k, x)):
+            continue  # the common case: the next shard of the same unit
+        path = format_path(layout.paths[k])
         if slot.view is View.FULL:
             raise ValueError(f"{what}: {path} is a gathered full view (vfsdp.gather's output); "
                              f"pass the shards vfsdp.shard returned")

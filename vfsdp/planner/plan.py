@@ -6,12 +6,14 @@ No process group is needed or touched: a ``DeviceMesh`` is only read for its sha
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import optree
 import torch
 
+from vfsdp._gc import paused_gc
 from vfsdp.planner.abstract import is_tensor_leaf, leaf_meta
 from vfsdp.planner.granularity import Granularity, Rows, Whole, block_elements, format_path
 from vfsdp.planner.model_split import split_params
@@ -20,12 +22,12 @@ from vfsdp.planner.spec import (
     PASSTHROUGH,
     ShardSpec,
     SplitSuggestion,
-    TensorSpec,
     UnitLayout,
     unit_name,
 )
 
-__all__ = ["plan", "resolve_mesh", "alignment_elements", "Units"]
+__all__ = ["plan", "prepare", "unit_layouts", "assemble", "Prepared", "resolve_mesh",
+           "alignment_elements", "Units"]
 
 Units = Union[None, int, Callable[[tuple], Hashable], Sequence[Union[str, tuple]]]
 ROOT: tuple = ()
@@ -307,26 +309,52 @@ def plan(
         mesh_shape, mesh_names = split.data_shape, split.data_names
     elif tp_index is not None:
         raise ValueError("vfsdp.plan: tp_index= without tp=; give the tp rule too")
-    return _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes,
-                 tuple(comm_dtypes), split_threshold, strided, tied)
+    with paused_gc():
+        return _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes,
+                     tuple(comm_dtypes), split_threshold, strided, tied)
 
 
 def _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes, comm_dtypes,
           split_threshold, strided=None, tied=None):
-    m = mesh_shape[-1]
-    paths, leaves, treespec = optree.tree_flatten_with_path(params)
+    prepared = prepare(params, granularity, units, strided, tied)
+    layouts, orders = _layouts(prepared, mesh_shape[-1], alignment_bytes, comm_dtypes,
+                               split_threshold)
+    return assemble(prepared, layouts, mesh_shape, mesh_names, orders)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What :func:`plan` reads of a parameter tree, whatever the mesh: its structure, and per
+    unit key its tensors (in tree order) with their paths, shapes, numels, blocks and dtype.
+    :func:`unit_layouts` lays it out for a shard group of any size, so a sweep over GPU counts
+    reads the tree once (``vfsdp.estimation.sweep``)."""
+
+    treespec: Any
+    num_leaves: int
+    tied: dict                 # leaf index -> the leaf index it repeats
+    members: dict              # unit key -> (leaf indices, paths, shapes, numels, blocks, dtype)
+    strided: Optional[list]    # leaf index -> StridedRaggedShard, for a tp= plan
+
+
+def prepare(params: Any, granularity: Granularity = None, units: Units = None,
+            strided: Optional[list] = None, tied: Optional[dict] = None,
+            flat: Optional[tuple] = None) -> Prepared:
+    """The mesh-independent half of :func:`plan` (see :class:`Prepared`); ``flat``: the
+    tree's ``optree.tree_flatten_with_path``, where the caller has it already.
+
+    Raises:
+        ValueError: a complex tensor, a unit mixing dtypes, a bad block, an unmatched prefix.
+    """
+    paths, leaves, treespec = flat or optree.tree_flatten_with_path(params)
     all_idx = [i for i, x in enumerate(leaves) if is_tensor_leaf(x)]
     if tied is None:
         tied = find_ties(leaves, paths, all_idx)  # leaf index -> the leaf index it repeats
     t_idx = [i for i in all_idx if i not in tied]
-    t_paths = [paths[i] for i in t_idx]
-    keys = _unit_keys(units, t_paths, params)
-
-    members: dict[Hashable, list[int]] = {}
-    metas = []
+    keys = _unit_keys(units, [paths[i] for i in t_idx], params)
+    grouped: dict[Hashable, list] = {}
     block_cache: dict = {}
     dynamic = callable(granularity) and not isinstance(granularity, (Rows, Whole))
-    for j, (i, key) in enumerate(zip(t_idx, keys)):
+    for i, key in zip(t_idx, keys):
         leaf = leaves[i]
         shape, dtype, numel = leaf_meta(leaf)
         if dtype.is_complex:
@@ -340,24 +368,39 @@ def _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes, c
             block = block_cache.get(ck)
             if block is None:
                 block = block_cache[ck] = block_elements(granularity, paths[i], shape, numel, leaf)
-        metas.append((shape, dtype, numel, block))
-        members.setdefault(key, []).append(j)
-
-    out_leaves: list[Any] = [PASSTHROUGH] * len(leaves)
-    layouts: dict[Hashable, UnitLayout] = {}
-    solved: dict[tuple, tuple] = {}  # identical units (same numels, blocks, dtype) solve once
-    for key, js in members.items():
-        dtype = metas[js[0]][1]
-        for j in js:
-            if metas[j][1] != dtype:
+        grouped.setdefault(key, []).append((i, paths[i], shape, numel, block, dtype))
+    members = {}
+    for key, rows in grouped.items():
+        dtype = rows[0][5]
+        for row in rows:
+            if row[5] != dtype:
                 raise ValueError(
-                    f"unit {unit_name(key)} mixes dtypes: {format_path(t_paths[js[0]])} is "
-                    f"{dtype} but {format_path(t_paths[j])} is {metas[j][1]}. One unit is one "
+                    f"unit {unit_name(key)} mixes dtypes: {format_path(rows[0][1])} is "
+                    f"{dtype} but {format_path(row[1])} is {row[5]}. One unit is one "
                     f"all-gather of one dtype: cast the tensors to one dtype, or pass units= "
                     f"that puts them in separate units"
                 )
-        numels = tuple(metas[j][2] for j in js)
-        blocks = tuple(metas[j][3] for j in js)
+        idx, ps, shapes, numels, blocks, _ = (tuple(c) for c in zip(*rows))
+        members[key] = (idx, ps, shapes, numels, blocks, dtype)
+    return Prepared(treespec, len(leaves), tied, members, strided)
+
+
+def unit_layouts(prepared: Prepared, m: int, alignment_bytes: int = 16,
+                 comm_dtypes: Sequence[torch.dtype] = (),
+                 split_threshold: float = 0.01) -> dict[Hashable, UnitLayout]:
+    """Every unit's :class:`UnitLayout` over a shard group of ``m`` ranks, in unit order;
+    units with the same numels, blocks and dtype are solved once."""
+    return _layouts(prepared, m, alignment_bytes, tuple(comm_dtypes), split_threshold)[0]
+
+
+def _layouts(prepared, m, alignment_bytes, comm_dtypes, split_threshold) -> tuple[dict, dict]:
+    """``(layouts, orders)``: ``orders[key][k]`` is the tree-order position of the unit's
+    ``k``-th tensor in buffer order."""
+    layouts: dict[Hashable, UnitLayout] = {}
+    orders: dict[Hashable, tuple] = {}
+    solved: dict[tuple, tuple] = {}
+    strided = prepared.strided
+    for key, (idx, paths, shapes, numels, blocks, dtype) in prepared.members.items():
         signature = (numels, blocks, dtype)
         if signature not in solved:
             align = alignment_elements(dtype, alignment_bytes, comm_dtypes)
@@ -368,37 +411,47 @@ def _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes, c
                 split = _suggest_split(numels, blocks, m, align, packing.shard_numel)
             solved[signature] = (packing, align, split)
         packing, align, split = solved[signature]
-        order = packing.order
-        unit_paths = [t_paths[j] for j in js]
-        layout = UnitLayout(
+        order = orders[key] = packing.order
+        layouts[key] = UnitLayout(
             key=key,
             world_size=m,
             shard_numel=packing.shard_numel,
             dtype=dtype,
-            paths=tuple(unit_paths[k] for k in order),
+            paths=tuple(paths[k] for k in order),
             offsets=tuple(packing.offsets[k] for k in order),
             numels=tuple(numels[k] for k in order),
             blocks=tuple(blocks[k] for k in order),
-            shapes=tuple(metas[js[k]][0] for k in order),
+            shapes=tuple(shapes[k] for k in order),
             lower_bound=packing.lower_bound,
             alignment=align,
             strategy=packing.strategy,
             split=None if split is None else SplitSuggestion(
-                tuple(unit_paths[k] for k in split[2]), split[0], split[1], sum(numels)
+                tuple(paths[k] for k in split[2]), split[0], split[1], sum(numels)
             ),
-            strided=() if strided is None else tuple(strided[t_idx[js[k]]] for k in order),
+            strided=() if strided is None else tuple(strided[idx[k]] for k in order),
         )
-        layouts[key] = layout
-        offsets = packing.offsets
-        for k, j in enumerate(js):
-            shape, dtype_j, numel, block = metas[j]
-            out_leaves[t_idx[j]] = TensorSpec(
-                unit_paths[k], key, offsets[k], numel, shape, dtype_j, block, layout,
-                None if strided is None else strided[t_idx[j]],
-            )
-    for i, first in tied.items():  # a tie is one tensor: its spec at every place it appears
+    return layouts, orders
+
+
+def assemble(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout], mesh_shape: tuple,
+             mesh_names: Optional[tuple] = None, orders: Optional[dict] = None) -> ShardSpec:
+    """The :class:`ShardSpec` of ``prepared`` laid out as ``layouts`` (from
+    :func:`unit_layouts`) over ``mesh_shape``, whose last dim is the layouts' ``m``."""
+    out_leaves: list[Any] = [PASSTHROUGH] * prepared.num_leaves
+    for key, layout in layouts.items():
+        idx, paths = prepared.members[key][:2]
+        order = orders[key] if orders else _order(layout, paths)
+        for k, t in enumerate(layout.tensors):
+            out_leaves[idx[order[k]]] = t
+    for i, first in prepared.tied.items():  # a tie is one tensor: its spec at every place
         out_leaves[i] = out_leaves[first]
-    return ShardSpec(treespec, out_leaves, layouts, mesh_shape, mesh_names)
+    return ShardSpec(prepared.treespec, out_leaves, layouts, mesh_shape, mesh_names)
+
+
+def _order(layout: UnitLayout, paths: tuple) -> list:
+    """Position in tree order of each of ``layout``'s tensors (buffer order)."""
+    where = {p: k for k, p in enumerate(paths)}
+    return [where[p] for p in layout.paths]
 
 
 def _check_params(params: Any) -> None:

@@ -136,6 +136,7 @@ class UnitLayout:
     strided: tuple = ()
     _tensors: Optional[tuple] = field(default=None, compare=False, repr=False, init=False)
     _index: Optional[dict] = field(default=None, compare=False, repr=False, init=False)
+    _pieces: dict = field(default_factory=dict, compare=False, repr=False, init=False)
 
     def __post_init__(self) -> None:
         n = len(self.paths)
@@ -159,10 +160,11 @@ class UnitLayout:
                                  f"{st.local_shape}")
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_tensors", "_index")}
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("_tensors", "_index", "_pieces")}
 
     def __setstate__(self, state: dict) -> None:
-        for k, v in dict(state, _tensors=None, _index=None).items():
+        for k, v in dict(state, _tensors=None, _index=None, _pieces={}).items():
             object.__setattr__(self, k, v)
 
     @property
@@ -175,6 +177,15 @@ class UnitLayout:
                                                         self.blocks, self.shapes, strided))
             object.__setattr__(self, "_tensors", specs)
         return self._tensors
+
+    def pieces(self, rank: int) -> tuple:
+        """``(start in the shard, local shape)`` of each tensor's piece on ``rank``, in buffer
+        order; made once per rank and kept (every buffer of the unit reads them)."""
+        found = self._pieces.get(rank)
+        if found is None:
+            found = self._pieces[rank] = tuple((t.shard_range(rank)[0], t.local_shape(rank))
+                                               for t in self.tensors)
+        return found
 
     def index(self, path: tuple) -> int:
         """Position of a tensor path in the buffer order.
@@ -267,9 +278,16 @@ class TensorSpec:
 
     def __init__(self, path, unit, offset, numel, shape, dtype, block, layout,
                  strided: Optional[StridedRaggedShard] = None) -> None:
-        for name, value in zip(self.__slots__,
-                               (path, unit, offset, numel, shape, dtype, block, layout, strided)):
-            object.__setattr__(self, name, value)
+        set_ = object.__setattr__
+        set_(self, "path", path)
+        set_(self, "unit", unit)
+        set_(self, "offset", offset)
+        set_(self, "numel", numel)
+        set_(self, "shape", shape)
+        set_(self, "dtype", dtype)
+        set_(self, "block", block)
+        set_(self, "layout", layout)
+        set_(self, "strided", strided)
 
     def __setattr__(self, name, value):
         raise AttributeError("TensorSpec is immutable")
@@ -556,44 +574,6 @@ class ShardSpec:
         return hash(self.fingerprint)
 
     def __repr__(self) -> str:
+        from vfsdp.planner.table import format_spec  # the table reads the spec's classes
+
         return format_spec(self, max_rows=12)
-
-
-def format_spec(spec: ShardSpec, max_rows: Optional[int] = None) -> str:
-    """A table of the spec's units; consecutive identical units are merged into one row."""
-    total = sum(u.total_numel for u in spec.units.values())
-    padded = sum(u.padded_numel for u in spec.units.values())
-    bound = sum(u.world_size * u.lower_bound for u in spec.units.values())
-    ratio = (padded - total) / total if total else 0.0
-    bratio = (bound - total) / total if total else 0.0
-    n_tensors = sum(1 for _ in spec.tensors())
-    split = next((t.strided for t in spec.tensors() if t.strided is not None), None)
-    where = ("" if split is None else
-             f", the {split.axis}={split.index} piece of a {split.size}-way {split.axis} split")
-    head = (
-        f"ShardSpec(mesh={spec.mesh_shape}, m={spec.world_size}{where}, {len(spec.units)} "
-        f"units, {n_tensors} tensors, {total:,} elements, padding {100 * ratio:.3f}% "
-        f"(bound {100 * bratio:.3f}%)"
-    )
-    rows = []
-    groups: list[list[UnitLayout]] = []
-    for u in spec.units.values():
-        if groups and groups[-1][0].signature == u.signature:
-            groups[-1].append(u)
-        else:
-            groups.append([u])
-    for g in groups:
-        u = g[0]
-        name = (unit_name(u.key) if len(g) == 1
-                else f"{unit_name(u.key)} .. {unit_name(g[-1].key)} (x{len(g)})")
-        lo, med, hi = u.tensors_per_rank_summary()
-        rows.append(
-            f"  {name:<34} {len(u.paths):>5} tensors  S={u.shard_numel:<12,} "
-            f"padding {100 * u.padding_ratio:8.3f}% (bound {100 * u.lower_bound_ratio:8.3f}%)  "
-            f"tensors/rank {lo}/{med:g}/{hi}"
-        )
-        if u.split is not None:
-            rows.append(f"      ^ option: {u.split!r}")
-    if max_rows is not None and len(rows) > max_rows:
-        rows = rows[: max_rows - 1] + [f"  ... {len(rows) - max_rows + 1} more rows"]
-    return "\n".join([head, *rows]) + "\n)"

@@ -1,0 +1,319 @@
+"""The step :func:`~vfsdp.estimation.estimate` predicts, from what it reads of the plans.
+
+:func:`predict` takes the model's :class:`Part` (and, with expert parallelism, the experts'):
+each unit's buffers replayed over ``run_layers``' schedule for the memory
+(:mod:`vfsdp.estimation.memory`), its collectives on the links the mesh implies and the
+two-lane schedule for the time (:mod:`vfsdp.estimation.timing`), the FLOPs from the layers'
+costs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import astuple, dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from vfsdp.estimation.costs import LayerCost, Shapes
+from vfsdp.estimation.hardware import Hardware, hardware
+from vfsdp.estimation.memory import (
+    UnitBytes,
+    baseline_sizes,
+    itemsize,
+    optimizer_bytes,
+    peak,
+    split_units,
+    timeline,
+    unit_bytes,
+)
+from vfsdp.estimation.timing import links, ring, simulate
+from vfsdp.planner.spec import ShardSpec
+
+__all__ = ["Estimate", "Part", "predict", "GiB"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What :func:`estimate` predicts for one rank of one step.
+
+    Attributes:
+        gpus: Ranks in the mesh (``replicas * shard``, times the model axis of a ``tp=``
+            plan, which is taken to be the innermost: consecutive ranks).
+        shard: The shard group's size.
+        replicas: The replicate group's size (HSDP; 1 for FSDP).
+        hw: The hardware profile's name.
+        memory: Bytes by kind at the peak: ``params`` (shards), ``gradients`` (shards, and
+            staging shards), ``optimizer`` (its state), ``buffers`` (gathered and
+            reduce-scatter buffers live at the peak), ``activations`` (saved for backward),
+            ``allowance`` (the caching allocator and the communication library).
+        memory_per_rank: Their sum.
+        fits: Whether ``memory_per_rank`` fits the device.
+        peak_at: The schedule event at which vfsdp's buffers peak.
+        comm_bytes: Bytes per step and rank by collective, counted as
+            :func:`vfsdp.collectives.comm.counts` counts them (an all-gather or
+            reduce-scatter by its full ``m * S`` buffer, an all-reduce by its tensor;
+            ``backward_marks``: the backward's agreement on which gathers it runs;
+            ``all_to_all``: with experts, the tokens each rank sends to other expert-parallel
+            ranks).
+        step_s: Seconds per step.
+        compute_s: Seconds of forward and backward compute.
+        exposed_comm_s: Seconds the compute waited on collectives.
+        optimizer_s: Seconds of the update.
+        tokens_per_s: Tokens per second over all ranks.
+        mfu: Model FLOPs per second over the devices' peak (recomputed forwards not
+            counted).
+        tokens_per_rank: The tokens each rank processes per step.
+        ep: The expert-parallel group's size (1 without experts).
+
+    Example:
+        >>> spec = vfsdp.plan({"w": torch.empty(1024, 1024, device="meta")}, 8)
+        >>> est = vfsdp.estimate(spec, hw="h800")
+        >>> est.memory_per_rank == sum(est.memory.values()), sorted(est.record())[:3]
+        (True, ['bytes_all_gather', 'bytes_all_reduce', 'bytes_all_to_all'])
+    """
+
+    gpus: int
+    shard: int
+    replicas: int
+    hw: str
+    memory: Mapping[str, int]
+    memory_per_rank: int
+    fits: bool
+    peak_at: str
+    comm_bytes: Mapping[str, int]
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    optimizer_s: float
+    tokens_per_s: float
+    mfu: float
+    tokens_per_rank: int = 0
+    ep: int = 1
+
+    def record(self) -> dict:
+        """One flat JSON record (``--json``)."""
+        out = {k: getattr(self, k) for k in (
+            "gpus", "shard", "replicas", "hw", "memory_per_rank", "fits", "step_s",
+            "compute_s", "exposed_comm_s", "optimizer_s", "tokens_per_s", "mfu",
+            "tokens_per_rank", "ep", "peak_at")}
+        out.update({f"memory_{k}": v for k, v in self.memory.items()})
+        out.update({f"bytes_{k}": v for k, v in self.comm_bytes.items()})
+        return out
+
+    def __str__(self) -> str:
+        mem = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.memory.items())
+        return (f"{self.gpus} GPUs ({self.replicas} x {self.shard}) on {self.hw}: "
+                f"{self.memory_per_rank / GiB:.2f} GiB per rank ({mem}; "
+                f"{'fits' if self.fits else 'does NOT fit'}), step {self.step_s:.3f} s "
+                f"(compute {self.compute_s:.3f}, exposed comm {self.exposed_comm_s:.3f}, "
+                f"optimizer {self.optimizer_s:.3f}), {self.tokens_per_s:,.0f} tokens/s, "
+                f"MFU {100 * self.mfu:.1f} %")
+
+
+
+@dataclass(frozen=True)
+class Part:
+    """What :func:`predict` reads of one plan: its ``units`` (``spec.units``) and
+    ``mesh_shape`` (the data axes), the optimizer's ``state`` bytes on the rank estimated
+    (:func:`~vfsdp.estimation.memory.optimizer_bytes`), and its
+    :class:`~vfsdp.estimation.costs.Shapes`. Each is the same at every GPU count with the
+    same shard group, which is what :func:`vfsdp.estimation.sweep` reuses."""
+
+    units: Mapping
+    mesh_shape: tuple
+    state: int
+    shapes: Shapes
+
+    @classmethod
+    def of(cls, spec: ShardSpec, opt: Any, rank: Optional[int] = None) -> Part:
+        """A plan's part, the state the larger of its first and last rank's (or ``rank``'s:
+        they differ where whole tiles or matrices sit on one rank)."""
+        ranks = sorted({0, spec.world_size - 1}) if rank is None else [rank]
+        state = max(optimizer_bytes(opt, spec.units, r, spec.replicas) for r in ranks)
+        return cls(spec.units, spec.mesh_shape, state, Shapes.of(spec))
+
+    @property
+    def model_axis(self) -> Optional[Any]:
+        """The first tensor's :class:`~vfsdp.placements.StridedRaggedShard`, for a ``tp=``
+        plan, else ``None``."""
+        return next((st for u in self.units.values() for st in u.strided if st is not None),
+                    None)
+
+
+def predict(model: Part, experts: Optional[Part] = None, ep: Optional[int] = None, *,
+            hw: Union[str, Hardware] = "h100", muon: bool = False,
+            param_dtype: Optional[torch.dtype] = torch.bfloat16,
+            reduce_dtype: Optional[torch.dtype] = None, prefetch: bool = True,
+            reshard_after_forward: bool = True, tokens_per_rank: int = 4096,
+            costs: Optional[Mapping[Any, LayerCost]] = None,
+            experts_per_token: Optional[int] = None, seq: Optional[int] = None,
+            recompute: bool = False, allocator_fraction: float = 0.05,
+            comm_library_bytes: int = 2 * GiB, baseline: Optional[str] = None,
+            model_parallel: Optional[str] = None, layers: Optional[list] = None) -> Estimate:
+    """:func:`~vfsdp.estimation.estimate` from the :class:`Part` s it reads: the model's (or,
+    with expert parallelism, the rest's) and the experts'; ``muon``: add Newton-Schulz's
+    FLOPs. The other arguments are :func:`~vfsdp.estimation.estimate`'s."""
+    if tokens_per_rank < 1:
+        raise ValueError(f"estimate: tokens_per_rank must be at least 1, got {tokens_per_rank}")
+    prof = hardware(hw)
+    parts = [model] if experts is None else [model, experts]
+    layers, rest = split_units(model.units, layers)
+    m, r = model.mesh_shape[-1], math.prod(model.mesh_shape[:-1])
+    axis = model.model_axis
+    model_size = axis.size if axis is not None else 1
+    gpus = m * r * model_size
+    ep, ep_link = _expert_group(model, experts, ep, gpus, prof)
+    rate = prof.flops * prof.compute_efficiency
+    comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0,
+            # the backward's agreement: 3 int64 and a byte per differentiable gather
+            "backward_marks": 24 + sum(map(len, (p.units for p in parts))) if gpus > 1 else 0}
+    per_unit = _costs(parts, costs, tokens_per_rank, experts_per_token, seq, recompute)
+    by_key: dict = {}  # unit key -> its UnitBytes, the experts' added to their layer's
+    times: dict = {}  # unit key -> [gather s, reduce s, host s]
+    shards = state = grads = 0
+    for p in parts:
+        pm, pr = p.mesh_shape[-1], math.prod(p.mesh_shape[:-1])
+        sizes = baseline_sizes(p.units, baseline) if baseline else None
+        ub = unit_bytes(p.units, param_dtype, reduce_dtype, sizes)
+        share = p.state
+        if sizes:  # the same state per element, over the baseline's shards
+            share = int(share * sum(sizes.values()) /
+                        max(sum(u.shard_numel for u in p.units.values()), 1))
+        state += share
+        shards += sum(u.shard for u in ub)
+        grads += sum(u.grad_shard for u in ub)
+        shard_link, rep_link, _ = links(prof, pm, pr, gpus // (pm * pr))
+        for u in ub:
+            if u.key not in model.units:
+                raise ValueError(f"estimate: the experts' unit {u.key!r} is no unit of the "
+                                 f"model's plan; key the experts by the layers they belong to "
+                                 f"(plan them as a tree of the same paths)")
+            again = u.key in layers and reshard_after_forward and u.key != layers[-1]
+            comm["all_gather"] += u.gathered * (2 if again else 1)
+            comm["reduce_scatter"] += u.reduce_in
+            red = ring(pm, u.reduce_in / pm, shard_link)
+            if pr > 1:
+                shard_grad = u.reduce_in // pm
+                comm["all_reduce"] += shard_grad
+                red += 2 * ring(pr, shard_grad / pr, rep_link)
+            t = times.setdefault(u.key, [0.0, 0.0, 0.0])
+            t[0] += ring(pm, u.gathered / pm, shard_link)
+            t[1] += red
+            # the host's own work per unit and step, on the compute lane
+            t[2] += prof.unit_overhead + prof.tensor_overhead * len(p.units[u.key].paths)
+            by_key[u.key] = u if u.key not in by_key else UnitBytes(
+                u.key, *(a + b for a, b in zip(astuple(by_key[u.key])[1:], astuple(u)[1:])))
+    ub = [by_key[k] for k in model.units]
+    events = timeline(ub, layers, prefetch, reshard_after_forward,
+                      {k: c.activation_bytes for k, c in per_unit.items()},
+                      {k: c.recompute_bytes for k, c in per_unit.items()})
+    top, at, kinds = peak(shards + state, events)
+    allowance = int(allocator_fraction * top) + int(comm_library_bytes)
+    memory = {"params": shards, "gradients": kinds["gradients"], "optimizer": state,
+              "buffers": kinds["buffers"], "activations": kinds["activations"],
+              "allowance": allowance}
+    total = sum(memory.values())
+    lanes = {}
+    for key, (gather, reduce, host) in times.items():
+        flops = per_unit[key].flops + per_unit[key].recompute_flops
+        lanes[key] = (gather, flops / 3 / rate + host / 3, 2 * flops / 3 / rate + 2 * host / 3,
+                      reduce)
+    act_dtype = param_dtype or next(iter(model.units.values())).dtype
+    act = tokens_per_rank * model.shapes.width * itemsize(act_dtype)
+    exposed = 0.0  # on the compute lane: the model axis's all-reduces, the experts' all-to-alls
+    if model_parallel is not None:
+        if model_parallel != "tp" or axis is None:
+            raise ValueError(f"estimate: model_parallel={model_parallel!r} needs 'tp' and a "
+                             f"plan with a model axis (vfsdp.plan(..., tp=rule)); got "
+                             f"{'no model axis' if axis is None else axis.axis!r}")
+        n = axis.size
+        model_link = links(prof, m, r, n)[2]
+        one = 2 * ring(n, act / n, model_link)  # a ring all-reduce of the activations
+        for key in layers:
+            comm["all_reduce"] += 4 * act
+            exposed += _add(lanes, key, 2 * one, 2 * one)
+    if experts is not None and ep > 1:
+        # each routed token's activation goes to its experts' ranks and back: an all-to-all
+        # forward (dispatch, combine), two backward, and the forward's again if recomputed
+        sent = act * (experts_per_token or 0) * (ep - 1) / ep
+        one = (ep - 1) * ep_link.latency + sent / ep_link.bandwidth
+        backward = 4 if recompute else 2
+        for key in experts.units:
+            comm["all_to_all"] += int((2 + backward) * sent)
+            exposed += _add(lanes, key, 2 * one, backward * one)
+    opt_s = (2 * state + 2 * shards + grads) / (prof.memory_bw * prof.compute_efficiency)
+    opt_s += sum(_muon_flops(p.units, p.mesh_shape[-1]) for p in parts) / rate if muon else 0.0
+    sched = simulate([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s, prefetch,
+                     reshard_after_forward)
+    model_flops = sum(c.flops for c in per_unit.values())
+    name = prof.name if baseline is None else f"{prof.name}, {baseline} sharding"
+    step = sched.step
+    return Estimate(gpus, m, r, name, memory, total, total <= prof.memory, at, comm,
+                    step, sched.compute - exposed, max(sched.exposed + exposed, 0.0),
+                    sched.optimizer,
+                    gpus * tokens_per_rank / step if step else 0.0,
+                    model_flops / step / prof.flops if step else 0.0, tokens_per_rank, ep)
+
+
+def _expert_group(model: Part, experts: Optional[Part], ep: Optional[int], gpus: int,
+                  prof: Hardware) -> tuple:
+    """``(ep, the expert group's link)``, checked against the model's GPUs."""
+    if experts is None:
+        if ep not in (None, 1):
+            raise ValueError(f"estimate: ep={ep} without experts=; pass the experts' plan")
+        return 1, None
+    axis = experts.model_axis
+    size = axis.size if axis is not None else ep
+    if size is None or (ep is not None and ep != size):
+        raise ValueError(f"estimate: the experts' plan has {'no' if axis is None else size} "
+                         f"expert-parallel axis and ep={ep}; pass ep= (the ranks the experts "
+                         f"are split over) or plan them with tp=rule, tp_axis='ep'")
+    em, er = experts.mesh_shape[-1], math.prod(experts.mesh_shape[:-1])
+    if em * er * size != gpus:
+        raise ValueError(f"estimate: the experts' plan spans {em * er} x ep {size} = "
+                         f"{em * er * size} GPUs and the model's {gpus}; plan the experts over "
+                         f"the GPUs divided by ep")
+    return size, links(prof, em, er, size)[2]
+
+
+def _add(lanes: dict, key: Any, forward: float, backward: float) -> float:
+    """Add seconds to a unit's forward and backward compute; returns their sum."""
+    f, fwd, bwd, red = lanes[key]
+    lanes[key] = (f, fwd + forward, bwd + backward, red)
+    return forward + backward
+
+
+def _costs(parts, costs, tokens, experts_per_token, seq, recompute) -> dict:
+    """Per unit key of the model its cost: ``costs`` (a key, or a prefix of one such as
+    ``("layers",)``; ``()`` only names the root unit itself), else the shape rules' over
+    every part (the experts' added to their layer's)."""
+    out: dict = {}
+    for p in parts:
+        for key, c in p.shapes.costs(tokens, experts_per_token, seq, recompute).items():
+            if key in out:
+                c = LayerCost(out[key].flops + c.flops, out[key].activation_bytes +
+                              c.activation_bytes, out[key].recompute_bytes +
+                              c.recompute_bytes, out[key].recompute_flops + c.recompute_flops)
+            out[key] = c
+    for key in parts[0].units if costs else ():
+        found = next((costs[key[:n]] for n in range(len(key), 0, -1) if key[:n] in costs),
+                     costs.get(()) if key == () else None)
+        if found is not None:
+            out[key] = found
+    return out
+
+
+def _muon_flops(units: Mapping, m: int) -> float:
+    """Newton-Schulz FLOPs per rank for Muon (5 iterations of three matmuls per matrix,
+    spread over the ranks)."""
+    total = 0.0
+    for u in units.values():
+        for shape in u.shapes:
+            if len(shape) == 2:
+                a, b = sorted(shape)
+                total += 5 * (4 * a * a * b + 2 * a ** 3)
+    return total / m  # each replica orthogonalises all of its own

@@ -1,0 +1,215 @@
+"""``vfsdp.estimation.sweep``: one model's estimate at many GPU counts, reading the tree once.
+
+What :func:`~vfsdp.estimation.estimate` reads of a plan splits three ways, and a sweep does each
+part once:
+
+* the tree (its structure, each unit's tensors and blocks, what the shape rules read):
+  :func:`vfsdp.planner.plan.prepare` and :class:`~vfsdp.estimation.costs.Shapes`, once;
+* each shard group size ``m``: the units' layouts (:func:`vfsdp.planner.plan.unit_layouts`, no
+  per-tensor specs) and the optimizer's state on its first and last rank, once per ``m``;
+* each GPU count: the schedule and the rings (:func:`~vfsdp.estimation.predict.predict`),
+  which reads units, not tensors.
+
+Each row equals ``estimate(plan(params, (gpus // shard, shard)), ...)`` (tested), and with
+``ep`` the same with ``experts=`` the plan of one expert-parallel rank's share
+(:func:`expert_share`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import optree
+
+from vfsdp._gc import paused_gc
+from vfsdp.estimation.costs import Shapes
+from vfsdp.estimation.hardware import Hardware, hardware
+from vfsdp.estimation.memory import optimizer_bytes
+from vfsdp.estimation.model import optimizer_for
+from vfsdp.estimation.predict import Estimate, Part, predict
+from vfsdp.planner.abstract import ShapeDtype, is_tensor_leaf, leaf_meta
+from vfsdp.planner.granularity import format_path
+from vfsdp.planner.plan import assemble, prepare, unit_layouts
+
+__all__ = ["sweep", "shard_sizes", "expert_share"]
+
+_EXPERTS = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
+
+
+def shard_sizes(gpus: int, gpus_per_node: int) -> list:
+    """The shard group sizes a sweep tries for ``gpus`` GPUs, smallest first: the divisors of
+    ``gpus`` from one node up that are one node, ``gpus`` or a power of two."""
+    node = min(gpus, gpus_per_node)
+    return [d for d in range(node, gpus + 1) if gpus % d == 0 and
+            (d in (node, gpus) or (d & (d - 1)) == 0)] or [gpus]
+
+
+def expert_share(params: Any, ep: int) -> tuple:
+    """``(rest, experts)``: the tree without its routed experts, and expert-parallel rank 0's
+    share of them (every tensor at its own path; what is not in a tree is ``None``).
+
+    Routed experts are tensors on a path through ``experts.<i>`` (one expert's tensors: the
+    rank keeps the first ``n / ep`` of the ``n`` experts under each ``experts``) or through
+    ``experts`` with the experts stacked on dim 0 (it keeps a ``ShapeDtype`` of ``1 / ep``
+    of them).
+
+    Raises:
+        ValueError: no routed experts, or a count of experts ``ep`` does not divide (naming
+            the path).
+
+    Example:
+        >>> tree = {"layers": [{"attn": torch.empty(4, 4, device="meta"), "experts": [
+        ...     {"w": torch.empty(4, 8, device="meta")} for _ in range(4)]}]}
+        >>> rest, experts = expert_share(tree, 2)
+        >>> rest["layers"][0]["experts"][0], [e["w"] is not None
+        ...                                   for e in experts["layers"][0]["experts"]]
+        ({'w': None}, [True, True, False, False])
+    """
+    paths, leaves, treespec = optree.tree_flatten_with_path(params)
+    found = [(i, _EXPERTS.search(".".join(map(str, p)))) for i, p in enumerate(paths)
+             if is_tensor_leaf(leaves[i])]
+    found = [(i, m) for i, m in found if m]
+    if not found:
+        raise ValueError("expert parallelism: the tree has no routed experts (paths through "
+                         "'experts.<i>' or stacked under 'experts'); pass ep=1")
+    counts: dict = {}  # the path up to 'experts' -> the expert indices under it
+    for i, m in found:
+        if m.group(3):
+            counts.setdefault(".".join(map(str, paths[i]))[:m.start(3)], set()).add(m.group(3))
+    rest, share = list(leaves), [None] * len(leaves)
+    for i, m in found:
+        rest[i] = None
+        shape, dtype, _ = leaf_meta(leaves[i])
+        if m.group(3):
+            n = len(counts[".".join(map(str, paths[i]))[:m.start(3)]])
+            if n % ep:
+                raise ValueError(f"expert parallelism: {format_path(paths[i])} is one of {n} "
+                                 f"experts, which ep={ep} does not divide")
+            share[i] = ShapeDtype(shape, dtype) if int(m.group(3)) < n // ep else None
+        elif not shape or shape[0] % ep:
+            raise ValueError(f"expert parallelism: {format_path(paths[i])} stacks "
+                             f"{shape[0] if shape else 0} experts on dim 0, which ep={ep} does "
+                             f"not divide")
+        else:
+            share[i] = ShapeDtype((shape[0] // ep, *shape[1:]), dtype)
+    return optree.tree_unflatten(treespec, rest), optree.tree_unflatten(treespec, share)
+
+
+def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100",
+          optimizer: Any = "adamw", shard: Optional[int] = None, ep: int = 1,
+          granularity: Any = None, units: Any = None, tokens_per_gpu: Optional[int] = None,
+          global_tokens: Optional[int] = None, vs: Sequence[str] = (),
+          **options: Any) -> list:
+    """Estimate one model at each GPU count, as HSDP with replicas of one shard group.
+
+    Args:
+        params: The parameter tree (real or ``meta`` tensors, or ``ShapeDtype`` leaves).
+        gpus: The GPU counts.
+        hw: A hardware profile or its name.
+        optimizer: A vfsdp optimizer or its name; its granularity plans the units unless
+            ``granularity`` is given.
+        shard: The shard group's size (capped at each count, which it must divide);
+            default: the smallest of :func:`shard_sizes` at which the model fits, else the
+            largest.
+        ep: Expert parallelism: the routed experts (:func:`expert_share`) split over ``ep``
+            consecutive GPUs, each share sharded over the GPUs divided by ``ep`` (its shard
+            group the largest that divides both that and the model's), the rest of the
+            model over every GPU.
+        granularity, units: As :func:`vfsdp.plan`'s.
+        tokens_per_gpu: Tokens each GPU processes per step (weak scaling; default 4096).
+        global_tokens: Tokens per step over all GPUs (strong scaling), instead.
+        vs: Also ``"fsdp2"`` and/or ``"megatron"``: the same plan under their sharding rule
+            and padding (``estimate(baseline=...)``).
+        **options: :func:`~vfsdp.estimation.estimate`'s other arguments (``param_dtype``,
+            ``experts_per_token``, ``seq``, ``recompute``, ``prefetch``, ...).
+
+    Returns:
+        ``[(system, Estimate), ...]``: per count, ``"vfsdp"`` then each of ``vs``.
+
+    Raises:
+        ValueError: a count below 1 or that ``ep`` does not divide, a ``shard`` that does
+            not divide a count, both ``tokens_per_gpu`` and ``global_tokens``, and
+            :func:`~vfsdp.estimation.estimate`'s errors.
+        TypeError: ``rank=`` or ``baseline=`` (estimate's own).
+
+    Example:
+        >>> params = {"layers": [{"w": torch.empty(1024, 1024, device="meta")}
+        ...                      for _ in range(8)]}
+        >>> rows = sweep(params, [8, 64], hw="h100", tokens_per_gpu=2048)
+        >>> [(system, e.gpus, e.shard) for system, e in rows]
+        [('vfsdp', 8, 8), ('vfsdp', 64, 8)]
+    """
+    if tokens_per_gpu is not None and global_tokens is not None:
+        raise ValueError("sweep: give tokens_per_gpu (weak scaling) or global_tokens (strong "
+                         "scaling), not both")
+    if any(not isinstance(g, int) or g < 1 or g % ep for g in gpus):
+        raise ValueError(f"sweep: GPU counts must be ints >= 1 that ep={ep} divides, got "
+                         f"{list(gpus)}")
+    for key in ("rank", "baseline"):
+        if key in options:
+            raise TypeError(f"sweep: {key}= is estimate()'s; a sweep takes the larger of the "
+                            f"first and last rank's state, and vs= for baselines")
+    prof = hardware(hw)
+    with paused_gc():  # see vfsdp._gc: a sweep builds many small objects
+        return _Sweep(params, prof, optimizer, ep, granularity, units).rows(
+            gpus, shard, tokens_per_gpu, global_tokens, vs, options)
+
+
+class _Sweep:
+    """The prepared trees, and per shard group size the parts :func:`predict` reads."""
+
+    def __init__(self, params, prof, optimizer, ep, granularity, units) -> None:
+        self.prof, self.optimizer, self.ep = prof, optimizer, ep
+        trees = [params] if ep == 1 else list(expert_share(params, ep))
+        self.prepared, self.opts = [], []
+        for tree in trees:
+            flat = optree.tree_flatten_with_path(tree)
+            opt = optimizer_for(optimizer, flat)
+            gran = opt.granularity if granularity is None else granularity
+            self.prepared.append(prepare(tree, gran, units, flat=flat))
+            self.opts.append(opt)
+        self.parts: list = [{} for _ in trees]  # per tree: m -> (layouts, state)
+        self.shapes: list = [None] * len(trees)
+
+    def part(self, i: int, m: int, mesh: tuple) -> Part:
+        """Tree ``i``'s :class:`Part` over ``mesh`` (whose last dim is ``m``)."""
+        if m not in self.parts[i]:
+            layouts = unit_layouts(self.prepared[i], m)
+            state = max(optimizer_bytes(self.opts[i], layouts, r) for r in {0, m - 1})
+            self.parts[i][m] = (layouts, state)
+            if self.shapes[i] is None:  # the shape rules read tensors: once, from one spec
+                self.shapes[i] = Shapes.of(assemble(self.prepared[i], layouts, (m,)))
+        layouts, state = self.parts[i][m]
+        return Part(layouts, mesh, state, self.shapes[i])
+
+    def one(self, count: int, m: int, tokens: int, baseline: Optional[str],
+            options: dict) -> Estimate:
+        if count % m:
+            raise ValueError(f"sweep: shard={m} does not divide {count} GPUs")
+        model = self.part(0, m, (m,) if m == count else (count // m, m))
+        experts = None
+        if self.ep > 1:
+            data = count // self.ep
+            em = math.gcd(m, data)
+            experts = self.part(1, em, (em,) if em == data else (data // em, em))
+        return predict(model, experts, self.ep if experts else None, hw=self.prof,
+                       muon=self.optimizer == "muon", tokens_per_rank=tokens,
+                       baseline=baseline, **options)
+
+    def rows(self, gpus, shard, tokens_per_gpu, global_tokens, vs, options) -> list:
+        out = []
+        for count in gpus:
+            tokens = max(tokens_per_gpu or (global_tokens // count if global_tokens else 4096),
+                         1)
+            if shard is not None:
+                m = min(shard, count)
+            else:
+                sizes = shard_sizes(count, self.prof.gpus_per_node)
+                m = next((d for d in sizes if self.one(count, d, tokens, None, options).fits),
+                         sizes[-1])
+            out.append(("vfsdp", self.one(count, m, tokens, None, options)))
+            out.extend((s, self.one(count, m, tokens, s, options)) for s in vs)
+        return out

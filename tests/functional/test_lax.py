@@ -295,3 +295,28 @@ def test_the_same_axes_give_the_same_mesh():
         a, b = vfsdp.mesh(("dp", 2), ("tp", 1)), vfsdp.mesh(("dp", 2), ("tp", 1))
         return a is b and vfsdp.mesh(("x", 2)) is not a
     assert simulate(2, body) == [True, True]
+
+
+def _mismatched(op):
+    r = dist.get_rank()
+    m = vfsdp.mesh(("x", 2))
+    try:
+        if op == "pvary":  # the backward's sum of cotangents of different shapes
+            x = torch.ones(2 + r, requires_grad=True)
+            lax.pvary(x, "x", mesh=m).sum().backward()
+        else:
+            getattr(lax, op)(torch.ones(2 + r), "x", mesh=m)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("op", ["psum", "pmean", "pvary"])
+def test_a_sum_over_shapes_that_differ_is_the_same_error_on_every_rank(op):
+    """2 elements on one rank, 3 on the other: the all-reduce gave one rank a result and the
+    other a transport error (gloo), or hung (threads); now every rank raises, naming the
+    shapes."""
+    got = simulate(2, _mismatched, op, timeout=20)
+    assert got[0] == got[1], got
+    assert "the ranks' shapes [(2,), (3,)] differ" in got[0], got[0]
+    assert got[0].startswith("pvary's backward" if op == "pvary" else f"{op} over 'x'"), got[0]

@@ -168,8 +168,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         model_parallel: ``"tp"`` for a ``tp=`` plan of Megatron-style layers: each layer
             all-reduces its activations (``tokens_per_rank`` x the embedding's width, in the
             compute dtype) twice forward and twice backward over the model axis, on the
-            compute lane (exposed). ``None``: the model axis's own collectives are not
-            modelled.
+            compute lane (exposed), each after an all-gather of its shape (9 int64s a
+            rank). ``None``: the model axis's own collectives are not modelled.
         layers: The unit keys ``run_layers`` runs, in order (default: the longest run of
             units keyed ``(name, i)``; the other units are gathered for the whole step).
 
@@ -248,8 +248,11 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         act_dtype = param_dtype or next(iter(spec.units.values())).dtype
         act = tokens_per_rank * width * itemsize(act_dtype)
         one = 2 * ring(n, act / n, model_link)  # a ring all-reduce of the activations
+        comm["shape_exchange"] = 0
         for key in layers:
             comm["all_reduce"] += 4 * act
+            # before each sum the ranks agree on its shape (vfsdp.lax: 9 int64s per rank)
+            comm["shape_exchange"] += 4 * n * 9 * 8
             f, fwd, bwd, red = lanes[key]
             lanes[key] = (f, fwd + 2 * one, bwd + 2 * one, red)
             tp_s += 4 * one

@@ -29,6 +29,13 @@ takes ``split_sizes`` per rank. Every function works with ``loss.backward()``,
 ``torch.autograd.grad`` and ``torch.func``, on gloo, NCCL and ``vfsdp.testing.simulate``.
 The mesh is ``mesh=`` or the innermost ``with use_mesh(m):``. Reference semantics (a loop over
 ranks): :mod:`vfsdp.functional.lax_reference`.
+
+Every rank must run the same collectives, the backward's included. Autograd runs a
+collective's backward only where its result reaches the loss: if it does on some ranks only
+(an expert-parallel rank none of whose experts got a token leaves the tokens it received
+unused), the others wait in that backward for ever. Keep the result in the loss on every
+rank, with an empty term where nothing else uses it (``out + received[:0].sum()``, as
+:func:`vfsdp.testing.moe.moe_ep` does).
 """
 
 from __future__ import annotations
@@ -51,9 +58,17 @@ _MAX_DIMS = 8
 
 # ---------------------------------------------------------------- raw collectives (no autograd)
 
-def _reduce(x: torch.Tensor, ax: Axis) -> torch.Tensor:
+def _reduce(x: torch.Tensor, ax: Axis, what: str = "psum") -> torch.Tensor:
+    """Sum ``x`` over the axis. The ranks first agree on its shape (one small all-gather,
+    :func:`_shapes`): an all-reduce of tensors whose sizes differ gives some ranks a result
+    and others a transport error or a hang; this way every rank raises the same error."""
     out = x.detach().clone(memory_format=torch.contiguous_format)
     if ax.size > 1:
+        shapes = _shapes(x, ax, what)
+        if any(s != shapes[0] for s in shapes):
+            raise ValueError(f"{what} over {ax.name!r}: the ranks' shapes {shapes} differ; "
+                             f"every rank of the axis must pass a tensor of the same shape "
+                             f"(pad it, or all_gather pieces of different sizes)")
         with tp.functorch_paused():
             comm.all_reduce_(out, "sum", ax.group)
     return out
@@ -164,7 +179,7 @@ def _tensor_split_sizes(n: int, parts: int) -> list[int]:
 class _PSum(torch.autograd.Function):
     @staticmethod
     def forward(x, ax, scale):
-        out = _reduce(x, ax)
+        out = _reduce(x, ax, "psum" if scale == 1 else "pmean")
         return out if scale == 1 else out.mul_(scale)
 
     @staticmethod
@@ -187,7 +202,7 @@ class _PVary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _reduce(g, ctx.ax), None
+        return _reduce(g, ctx.ax, "pvary's backward (psum)"), None
 
 
 class _AllGather(torch.autograd.Function):
@@ -262,7 +277,9 @@ def psum(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Ten
         The sum, a new tensor.
 
     Raises:
-        ValueError: no mesh, or no such axis.
+        ValueError: no mesh, or no such axis; or ranks whose shapes differ (the same error
+            on every rank: before the sum, one all-gather of each rank's shape, nine int64s,
+            checks it, and the host reads it).
 
     Example:
         >>> def body():
@@ -286,7 +303,8 @@ def pmean(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Te
         The mean, a new tensor.
 
     Raises:
-        ValueError: no mesh, or no such axis.
+        ValueError: no mesh, or no such axis; or ranks whose shapes differ (on every rank,
+            as :func:`psum`).
 
     Example:
         >>> def body():
@@ -312,7 +330,8 @@ def pvary(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Te
         ``x`` (a view of it), whose gradient sums every rank's.
 
     Raises:
-        ValueError: no mesh, or no such axis.
+        ValueError: no mesh, or no such axis; in the backward, cotangents whose shapes differ
+            between ranks (on every rank, as :func:`psum`).
 
     Example:
         >>> def body():

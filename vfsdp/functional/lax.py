@@ -27,6 +27,9 @@ Sizes may be uneven: ranks may hold different sizes along the gathered dim; ``ps
 cuts like ``torch.tensor_split`` (the first ``len % size`` chunks one longer); ``all_to_all``
 takes ``split_sizes`` per rank. Every function works with ``loss.backward()``,
 ``torch.autograd.grad`` and ``torch.func``, on gloo, NCCL and ``vfsdp.testing.simulate``.
+Each backward is made of these differentiable functions (psum's of pvary, pvary's of psum,
+all_gather's of psum_scatter and back, all_to_all's of all_to_all), so double backward
+(``create_graph=True``, e.g. a gradient penalty) differentiates through the collectives.
 The mesh is ``mesh=`` or the innermost ``with use_mesh(m):``. Reference semantics (a loop over
 ranks): :mod:`vfsdp.functional.lax_reference`.
 
@@ -178,17 +181,20 @@ def _tensor_split_sizes(n: int, parts: int) -> list[int]:
 
 class _PSum(torch.autograd.Function):
     @staticmethod
-    def forward(x, ax, scale):
-        out = _reduce(x, ax, "psum" if scale == 1 else "pmean")
+    def forward(x, ax, scale, what="psum"):
+        out = _reduce(x, ax, what)
         return out if scale == 1 else out.mul_(scale)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.scale = inputs[2]
+        ctx.ax, ctx.scale = inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx, g):
-        return (g if ctx.scale == 1 else g * ctx.scale), None, None
+        # The cotangent (replicated) feeds each rank's own input: pvary, whose backward is
+        # psum; so double backward (create_graph=True) sees the collective.
+        g = _PVary.apply(g, ctx.ax)
+        return (g if ctx.scale == 1 else g * ctx.scale), None, None, None
 
 
 class _PVary(torch.autograd.Function):
@@ -202,7 +208,7 @@ class _PVary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _reduce(g, ctx.ax, "pvary's backward (psum)"), None
+        return _PSum.apply(g, ctx.ax, 1, "pvary's backward (psum)"), None
 
 
 class _AllGather(torch.autograd.Function):
@@ -217,7 +223,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _scatter(g, ctx.ax, ctx.dim, ctx.sizes), None, None, None
+        return _PSumScatter.apply(g, ctx.ax, ctx.dim, ctx.sizes), None, None, None
 
 
 class _PSumScatter(torch.autograd.Function):
@@ -232,7 +238,7 @@ class _PSumScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, ctx.ax, ctx.dim, ctx.shapes), None, None, None
+        return _AllGather.apply(g, ctx.ax, ctx.dim, ctx.shapes), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -250,7 +256,8 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, g):
         # The reverse exchange: each rank's piece of the cotangent goes back to its sender,
         # which gets the shapes of the chunks it sent (no shape exchange needed).
-        back = _a2a(g, ctx.ax, ctx.concat_dim, ctx.split_dim, ctx.back_sizes, ctx.back_shapes)
+        back = _AllToAll.apply(g, ctx.ax, ctx.concat_dim, ctx.split_dim, ctx.back_sizes,
+                               tuple(ctx.back_shapes))
         return back, None, None, None, None, None
 
 
@@ -314,7 +321,7 @@ def pmean(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Te
         [1.5, 1.5, 1.5, 1.5]
     """
     ax = axis_of(axis, mesh)
-    return _PSum.apply(x, ax, 1.0 / ax.size)
+    return _PSum.apply(x, ax, 1.0 / ax.size, "pmean")
 
 
 def pvary(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Tensor:

@@ -178,3 +178,23 @@ def test_shard_from_a_source_holding_only_its_piece_of_a_tp_plan_is_refused_on_e
            "global tensors (4, 6)" in got[0], got
     assert all("rank 0 failed" in m and "must hold the global tensors" in m
                for m in got[1:]), got
+
+
+def _tp_scatter_on_the_data_mesh():
+    from torch.distributed.tensor import Shard
+
+    mesh = vfsdp.mesh(("dp", 2), ("tp", 2))
+    params = {"w": torch.ones(4, 4)}
+    spec = vfsdp.plan(params, mesh, tp=lambda path: Shard(0))
+    try:
+        vfsdp.shard(params if dist.get_rank() == 0 else None, spec, mesh=mesh["dp"], src=0)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_shard_from_a_source_of_a_tp_plan_on_the_data_mesh_asks_for_the_whole_mesh():
+    """Given only the data mesh, the source cannot reach the other tp indices: every rank
+    says so (the other indices failed in groups.coords while the source's waited)."""
+    for msg in simulate(4, _tp_scatter_on_the_data_mesh, timeout=30):
+        assert "split over 'tp', but the mesh given has no such axis; pass the whole mesh" in msg

@@ -163,7 +163,13 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
             raise ValueError(f"{what}: src must be a global rank (int) or None, got {src!r}")
         error = None
         local_src, src_index = src, None
-        if groups.model is not None and spec.model_axis[1] > 1:
+        if spec.model_axis is not None and spec.model_axis[1] > 1:
+            if groups.model is None:  # the same on every rank: each raises
+                raise ValueError(f"{what}: the plan is split over {spec.model_axis[0]!r}, but "
+                                 f"the mesh given has no such axis; pass the whole mesh "
+                                 f"(mesh=vfsdp.mesh(..., ({spec.model_axis[0]!r}, "
+                                 f"{spec.model_axis[1]}))), so the source can reach every "
+                                 f"index")
             local_src, src_index = _model_source(spec, mesh, src, what)
         coords = groups.coords(local_src)  # raises for a rank outside the mesh
         whole: dict = {}  # on the source of a plan with a model axis: the global tensors

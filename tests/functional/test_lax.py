@@ -367,9 +367,10 @@ def test_a_gradient_penalty_through_column_and_row_parallel_equals_one_process(n
         assert torch.allclose(gd_r, ds.grad[r * cols:(r + 1) * cols], atol=1e-4), r
 
 
-def _penalised_move(op, xs, ct):
-    """``L + |dL/dx|^2`` on each rank, for ``L = tanh(op(x)) . ct``: the gradient's backward
-    is the op's transpose's (all_gather <-> psum_scatter, all_to_all <-> all_to_all)."""
+def _penalised_move(op, xs, ct, with_loss):
+    """``L + |dL/dx|^2`` (or the penalty alone: the collective's backward is then its only
+    path) on each rank, for ``L = tanh(op(x)) . ct``: the gradient's backward is the op's
+    transpose's (all_gather <-> psum_scatter, all_to_all <-> all_to_all)."""
     r = dist.get_rank()
     mesh = vfsdp.mesh(("x", dist.get_world_size()))
     x = xs[r].clone().requires_grad_(True)
@@ -381,12 +382,13 @@ def _penalised_move(op, xs, ct):
         y = lax.all_to_all(x, "x", 0, 1, mesh=mesh)
     loss = (torch.tanh(y) * ct[: y.shape[0], : y.shape[1]]).sum()
     (gx,) = torch.autograd.grad(loss, x, create_graph=True)
-    (loss + gx.pow(2).sum()).backward()
+    (gx.pow(2).sum() + (loss if with_loss else 0)).backward()
     return x.grad
 
 
+@pytest.mark.parametrize("with_loss", [True, False])
 @pytest.mark.parametrize("op", ["all_gather", "psum_scatter", "all_to_all"])
-def test_a_gradient_penalty_through_the_moving_collectives_equals_one_process(op):
+def test_a_gradient_penalty_through_the_moving_collectives_equals_one_process(op, with_loss):
     n = 2
     g = torch.Generator().manual_seed(1)
     shape = {"all_gather": (2, 3), "psum_scatter": (4, 3), "all_to_all": (4, 3)}[op]
@@ -401,6 +403,6 @@ def test_a_gradient_penalty_through_the_moving_collectives_equals_one_process(op
         ys = [torch.cat([x.tensor_split(n, 0)[j] for x in leaves], 1) for j in range(n)]
     loss = sum((torch.tanh(y) * ct[: y.shape[0], : y.shape[1]]).sum() for y in ys)
     grads = torch.autograd.grad(loss, leaves, create_graph=True)
-    (loss + sum(gr.pow(2).sum() for gr in grads)).backward()
-    for r, got in enumerate(simulate(n, _penalised_move, op, xs, ct, timeout=30)):
+    (sum(gr.pow(2).sum() for gr in grads) + (loss if with_loss else 0)).backward()
+    for r, got in enumerate(simulate(n, _penalised_move, op, xs, ct, with_loss, timeout=30)):
         assert torch.allclose(got, leaves[r].grad, atol=1e-4), (r, got, leaves[r].grad)

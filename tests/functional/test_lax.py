@@ -295,3 +295,114 @@ def test_the_same_axes_give_the_same_mesh():
         a, b = vfsdp.mesh(("dp", 2), ("tp", 1)), vfsdp.mesh(("dp", 2), ("tp", 1))
         return a is b and vfsdp.mesh(("x", 2)) is not a
     assert simulate(2, body) == [True, True]
+
+
+def _mismatched(op):
+    r = dist.get_rank()
+    m = vfsdp.mesh(("x", 2))
+    try:
+        if op == "pvary":  # the backward's sum of cotangents of different shapes
+            x = torch.ones(2 + r, requires_grad=True)
+            lax.pvary(x, "x", mesh=m).sum().backward()
+        else:
+            getattr(lax, op)(torch.ones(2 + r), "x", mesh=m)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("op", ["psum", "pmean", "pvary"])
+def test_a_sum_over_shapes_that_differ_is_the_same_error_on_every_rank(op):
+    """2 elements on one rank, 3 on the other: the all-reduce gave one rank a result and the
+    other a transport error (gloo), or hung (threads); now every rank raises, naming the
+    shapes."""
+    got = simulate(2, _mismatched, op, timeout=20)
+    assert got[0] == got[1], got
+    assert "the ranks' shapes [(2,), (3,)] differ" in got[0], got[0]
+    assert got[0].startswith("pvary's backward" if op == "pvary" else f"{op} over 'x'"), got[0]
+
+
+# ------------------------------------------------- double backward (a gradient penalty)
+
+def _penalised_mlp(x, w_up, w_down, ct, extra):
+    """``L + |dL/dx|^2 + |dL/dw_up|^2`` of the TP MLP (``column_parallel`` then
+    ``row_parallel``), the gradients taken with ``create_graph=True``; ``extra``: ``L`` also
+    has a term in ``x`` that needs no collective (it kept the graph alive, and the
+    collectives' terms were dropped silently)."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    cols = w_up.shape[1] // n
+    up = w_up[:, r * cols:(r + 1) * cols].clone().requires_grad_(True)
+    down = w_down[r * cols:(r + 1) * cols].clone().requires_grad_(True)
+    x = x.clone().requires_grad_(True)
+    mesh = vfsdp.mesh(("tp", n))
+    h = torch.tanh(lax.column_parallel(x, up, "tp", mesh=mesh))
+    loss = (lax.row_parallel(h, down, "tp", mesh=mesh) * ct).sum()
+    if extra:
+        loss = loss + x.pow(3).sum()
+    gx, gup = torch.autograd.grad(loss, (x, up), create_graph=True)
+    # |dL/dw_up|^2 sums over every rank's columns: its sum over the axis, counted once
+    penalty = gx.pow(2).sum() + lax.psum(gup.pow(2).sum().view(1), "tp", mesh=mesh).sum()
+    (loss + penalty).backward()
+    return x.grad, up.grad, down.grad
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("extra", [False, True])
+def test_a_gradient_penalty_through_column_and_row_parallel_equals_one_process(n, extra):
+    """Double backward: pvary's and psum's backwards are collectives too, now made of the
+    differentiable ones. It raised "element 0 of tensors does not require grad" where the
+    collective was the only path, and dropped its term where another kept the graph."""
+    g = torch.Generator().manual_seed(0)
+    x, w_up, w_down, ct = (torch.randn(3, 4, generator=g), torch.randn(4, 4, generator=g),
+                           torch.randn(4, 2, generator=g), torch.randn(3, 2, generator=g))
+    xs, us, ds = (t.clone().requires_grad_(True) for t in (x, w_up, w_down))
+    loss = ((torch.tanh(xs @ us) @ ds) * ct).sum() + (xs.pow(3).sum() if extra else 0)
+    gx, gu = torch.autograd.grad(loss, (xs, us), create_graph=True)
+    (loss + gx.pow(2).sum() + gu.pow(2).sum()).backward()
+    cols = 4 // n
+    for r, (gx_r, gu_r, gd_r) in enumerate(
+            simulate(n, _penalised_mlp, x, w_up, w_down, ct, extra, timeout=30)):
+        assert torch.allclose(gx_r, xs.grad, atol=1e-4), (r, gx_r, xs.grad)
+        assert torch.allclose(gu_r, us.grad[:, r * cols:(r + 1) * cols], atol=1e-4), r
+        assert torch.allclose(gd_r, ds.grad[r * cols:(r + 1) * cols], atol=1e-4), r
+
+
+def _penalised_move(op, xs, ct, with_loss):
+    """``L + |dL/dx|^2`` (or the penalty alone: the collective's backward is then its only
+    path) on each rank, for ``L = tanh(op(x)) . ct``: the gradient's backward is the op's
+    transpose's (all_gather <-> psum_scatter, all_to_all <-> all_to_all)."""
+    r = dist.get_rank()
+    mesh = vfsdp.mesh(("x", dist.get_world_size()))
+    x = xs[r].clone().requires_grad_(True)
+    if op == "all_gather":
+        y = lax.all_gather(x, "x", 0, mesh=mesh)
+    elif op == "psum_scatter":
+        y = lax.psum_scatter(x, "x", 0, mesh=mesh)
+    else:
+        y = lax.all_to_all(x, "x", 0, 1, mesh=mesh)
+    loss = (torch.tanh(y) * ct[: y.shape[0], : y.shape[1]]).sum()
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+    (gx.pow(2).sum() + (loss if with_loss else 0)).backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("with_loss", [True, False])
+@pytest.mark.parametrize("op", ["all_gather", "psum_scatter", "all_to_all"])
+def test_a_gradient_penalty_through_the_moving_collectives_equals_one_process(op, with_loss):
+    n = 2
+    g = torch.Generator().manual_seed(1)
+    shape = {"all_gather": (2, 3), "psum_scatter": (4, 3), "all_to_all": (4, 3)}[op]
+    xs = [torch.randn(shape, generator=g) for _ in range(n)]
+    ct = torch.randn(8, 8, generator=g)
+    leaves = [x.clone().requires_grad_(True) for x in xs]
+    if op == "all_gather":
+        ys = [torch.cat(leaves)] * n
+    elif op == "psum_scatter":
+        ys = list(sum(leaves).tensor_split(n, 0))
+    else:  # chunk j of rank i's rows goes to rank j, joined along dim 1
+        ys = [torch.cat([x.tensor_split(n, 0)[j] for x in leaves], 1) for j in range(n)]
+    loss = sum((torch.tanh(y) * ct[: y.shape[0], : y.shape[1]]).sum() for y in ys)
+    grads = torch.autograd.grad(loss, leaves, create_graph=True)
+    (sum(gr.pow(2).sum() for gr in grads) + (loss if with_loss else 0)).backward()
+    for r, got in enumerate(simulate(n, _penalised_move, op, xs, ct, with_loss, timeout=30)):
+        assert torch.allclose(got, leaves[r].grad, atol=1e-4), (r, got, leaves[r].grad)

@@ -244,25 +244,35 @@ def test_bad_options_with_all_gather_hooks_are_refused_as_eagerly():
     assert nope == "grads must be one of ('return', 'buffer'), got 'nope'"
 
 
-def _tiny_float8(amax, scaling):
+def _tiny_float8(amaxes, scaling):
+    """Per amax: the relative error of a float8-gathered tensor, and what an all-zero and a
+    0-size tensor of the same unit gather to."""
     from vfsdp.functional.lowp import Float8
 
-    x = torch.linspace(-1, 1, 64 * 32).view(64, 32) * amax
-    hooks = Float8(compute_dtype=torch.float32, scaling=scaling, min_numel=16)
-    spec = vfsdp.plan({"w": x}, dist.get_world_size(), granularity=hooks.granularity)
-    shards = vfsdp.shard({"w": x}, spec)
-    with torch.no_grad():
-        full = vfsdp.gather(shards, spec, all_gather=hooks)
-    return float((full["w"] - x).abs().max() / x.abs().max())
+    out = []
+    for amax in amaxes:
+        x = torch.linspace(-1, 1, 64 * 32).view(64, 32) * amax
+        params = {"w": x, "zero": torch.zeros(32, 32), "empty": torch.zeros(0, 32)}
+        hooks = Float8(compute_dtype=torch.float32, scaling=scaling, min_numel=0)
+        spec = vfsdp.plan(params, dist.get_world_size(), granularity=hooks.granularity)
+        shards = vfsdp.shard(params, spec)
+        with torch.no_grad():
+            full = vfsdp.gather(shards, spec, all_gather=hooks)
+        out.append((float((full["w"] - x).abs().max() / x.abs().max()),
+                    torch.equal(full["zero"], params["zero"]), tuple(full["empty"].shape)))
+    return out
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "block"])
 def test_float8_gathers_of_tiny_tensors_keep_their_values(scaling):
-    """amax 1e-20, 1e-17, 1e-15: the scale was floored at 1e-12 / 448, so every value
-    rounded to zero (relative error 1); now about e4m3's rounding (1/32), as for amax 1."""
-    for amax in (1e-20, 1e-17, 1e-15, 1.0, 1e20):
-        errors = simulate(2, _tiny_float8, amax, scaling)
-        assert max(errors) < 0.07, (amax, errors)
+    """amax 1e-30 to 1e30: the scale was floored at 1e-12 / 448, so every value below about
+    1e-12 rounded to zero (relative error 1 at amax 1e-20, 1e-17, 1e-15); now about e4m3's
+    rounding (1/32) at every magnitude, as for amax 1. An all-zero tensor stays zeros (scale
+    1) and a 0-size one gathers to its shape."""
+    amaxes = (1e-30, 1e-20, 1e-17, 1e-15, 1e-5, 1.0, 1e5, 1e20, 1e30)
+    for rank in simulate(2, _tiny_float8, amaxes, scaling):
+        for amax, (error, zero, empty) in zip(amaxes, rank):
+            assert error < 0.07 and zero and empty == (0, 32), (amax, error, zero, empty)
 
 
 def _non_finite(grad_reduce, hooks, mesh):
@@ -292,3 +302,29 @@ def test_the_functional_gather_keeps_infinities_as_the_eager_one_does(grad_reduc
                                                                    fh[~fh.isnan()])
         assert fh.isinf().sum() == 2
         assert torch.equal(ge, gh)
+
+
+def _one_bad_value(scaling, bad):
+    from vfsdp.functional.lowp import Float8
+
+    x = torch.linspace(-1, 1, 64 * 32).view(64, 32)
+    x[40, 5] = bad  # in the second 32-row block, on rank 1's half
+    hooks = Float8(compute_dtype=torch.float32, scaling=scaling, min_numel=0)
+    spec = vfsdp.plan({"w": x}, dist.get_world_size(), granularity=hooks.granularity)
+    with torch.no_grad():
+        full = vfsdp.gather(vfsdp.shard({"w": x}, spec), spec, all_gather=hooks)["w"]
+    return full.isfinite()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_one_non_finite_value_poisons_its_tensor_per_tensor_and_its_block_per_block(bad):
+    """What docs/mixed-precision.md says: under scaling="tensor" one NaN or inf makes the
+    whole gathered tensor non-finite; under scaling="block" only its 32x32 block, the advice
+    given there. (A NaN stayed in its element or poisoned the tensor by the order of the
+    elements: scatter_reduce's amax may skip it; and a NaN block took scale 1.)"""
+    for finite in simulate(2, _one_bad_value, "tensor", bad):
+        assert not finite.any()
+    block = torch.ones(64, 32, dtype=torch.bool)
+    block[32:64, 0:32] = False
+    for finite in simulate(2, _one_bad_value, "block", bad):
+        assert torch.equal(finite, block)

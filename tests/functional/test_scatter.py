@@ -134,3 +134,67 @@ def test_scatter_takes_none_off_the_source_as_torch_distributed_does():
         assert "the full tensors are None on rank 0, the source; pass them there" in msg, msg
     for msg in simulate(3, _scatter_with_none, "passthrough"):
         assert "passed None, but the tree has leaves that are not tensors" in msg, msg
+
+
+def _tp_scatter(mesh_shape, src, given):
+    """A tp= plan (Megatron's column and row cuts, a replicated bias, a 0-size piece at
+    tp=4) sharded from the global tensors on ``src``: meta tensors or None elsewhere."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = vfsdp.mesh(*mesh_shape)
+    g = torch.Generator().manual_seed(0)
+    params = {"up": torch.randn(4, 6, generator=g), "down": torch.randn(6, 4, generator=g),
+              "b": torch.randn(5, generator=g), "odd": torch.randn(3, 2, generator=g)}
+    rule = {"up": Shard(1), "down": Shard(0), "b": Replicate(), "odd": Shard(0)}
+    spec = vfsdp.plan(params, mesh, tp=lambda path: rule[path[-1]])
+    here = dist.get_rank() == src
+    full = params if here else None if given == "none" else optree.tree_map(
+        lambda t: torch.empty_like(t, device="meta"), params)
+    if here and given == "piece":  # the source's own piece of up, not the global tensor
+        full = {**params, "up": params["up"][:, :6 // mesh_shape[-1][1]]}
+    try:
+        shards = vfsdp.shard(full, spec, mesh=mesh, src=src)
+    except ValueError as exc:
+        return str(exc)
+    want = vfsdp.shard(params, spec, mesh=mesh)  # every rank copies its own pieces
+    return all(torch.equal(shards[k], want[k]) for k in params)
+
+
+@pytest.mark.parametrize("mesh_shape, src, given", [
+    ((("dp", 2), ("tp", 2)), 0, "meta"), ((("dp", 2), ("tp", 2)), 3, "none"),
+    ((("dp", 1), ("tp", 4)), 1, "meta"), ((("rep", 2), ("dp", 1), ("tp", 2)), 2, "meta")])
+def test_shard_from_a_source_of_a_tp_plan_gives_every_index_its_pieces(mesh_shape, src,
+                                                                       given):
+    """The source holds the global tensors, the others meta tensors or None: each tp index
+    gets its pieces from the source's model group (it failed on the other indices with a
+    traceback from inside, while the source's index waited)."""
+    world = 4
+    assert simulate(world, _tp_scatter, mesh_shape, src, given, timeout=30) == [True] * world
+
+
+def test_shard_from_a_source_holding_only_its_piece_of_a_tp_plan_is_refused_on_every_rank():
+    got = simulate(4, _tp_scatter, (("dp", 2), ("tp", 2)), 0, "piece", timeout=30)
+    assert "vfsdp.scatter: up has shape (4, 3); the source of a plan split over 'tp' must hold the " \
+           "global tensors (4, 6)" in got[0], got
+    assert all("rank 0 failed" in m and "must hold the global tensors" in m
+               for m in got[1:]), got
+
+
+def _tp_scatter_on_the_data_mesh():
+    from torch.distributed.tensor import Shard
+
+    mesh = vfsdp.mesh(("dp", 2), ("tp", 2))
+    params = {"w": torch.ones(4, 4)}
+    spec = vfsdp.plan(params, mesh, tp=lambda path: Shard(0))
+    try:
+        vfsdp.shard(params if dist.get_rank() == 0 else None, spec, mesh=mesh["dp"], src=0)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_shard_from_a_source_of_a_tp_plan_on_the_data_mesh_asks_for_the_whole_mesh():
+    """Given only the data mesh, the source cannot reach the other tp indices: every rank
+    says so (the other indices failed in groups.coords while the source's waited)."""
+    for msg in simulate(4, _tp_scatter_on_the_data_mesh, timeout=30):
+        assert "split over 'tp', but the mesh given has no such axis; pass the whole mesh" in msg

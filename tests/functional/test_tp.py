@@ -144,12 +144,14 @@ def _step_counts(dp, tp):
 def test_communication_per_step_is_the_analytic_count(dp, tp):
     """Per rank and step: FSDP gathers and reduce-scatters the TP-local unit over "dp"
     (m * S * 4 bytes each); TP sums the row-parallel output (T * D * 4 bytes; the input
-    needs no gradient, so pvary's backward sum does not run); the backward's agreement on
+    needs no gradient, so pvary's backward sum does not run), after the ranks agree on its
+    shape (one all-gather of 9 int64s per rank); the backward's agreement on
     which units ran is two small all-reduces (24 + 1 bytes)."""
     for got, s in simulate(dp * tp, _step_counts, dp, tp):
         assert got == {"all_gather": 1, "all_gather_bytes": dp * s * 4,
                        "reduce_scatter": 1, "reduce_scatter_bytes": dp * s * 4,
                        "all_reduce": 1, "all_reduce_bytes": T * D * 4,
+                       "shape_exchange": 1, "shape_exchange_bytes": tp * 9 * 8,
                        "backward_marks": 2, "backward_marks_bytes": 24 + 1}
 
 

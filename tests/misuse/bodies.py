@@ -327,3 +327,38 @@ def rows_on_gloo():
             ("run_layers", "first_on_rank0", {"prefetch": False}))],
         "08": [modified_between(path) for path in ("gather", "run_layers")],
     }
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def parallelism_errors() -> dict:
+    """Issue 25's collective misuses, one after another on the same ranks (W=2): each must be
+    the same clear error on every rank, and the ranks must go on to the next."""
+    from vfsdp import lax
+
+    r = dist.get_rank()
+    mesh = vfsdp.mesh(("x", 2))
+    out = {"psum": _message(lambda: lax.psum(torch.ones(2 + r), "x", mesh=mesh)),
+           "pmean": _message(lambda: lax.pmean(torch.ones(2, 1 + r), "x", mesh=mesh))}
+
+    def pvary_backward():
+        x = torch.ones(2 + r, requires_grad=True)
+        lax.pvary(x, "x", mesh=mesh).sum().backward()
+
+    out["pvary"] = _message(pvary_backward)
+    params = {"b": torch.ones(4), "w": torch.ones(4, 4)}
+    spec = vfsdp.plan(params, 2)
+    shards = vfsdp.shard(params, spec)
+    opt = vfsdp.optim.partition({"muon": vfsdp.optim.muon(), "adamw": vfsdp.optim.adamw()},
+                                lambda path: "muon")
+    out["muon"] = _message(lambda: opt.init(shards, spec))
+    got = vfsdp.scatter(params if r == 0 else None, spec, src=0)  # None off the source
+    out["scatter"] = all(torch.equal(got[k], shards[k]) for k in params)
+    out["after"] = lax.psum(torch.ones(3), "x", mesh=mesh).tolist()  # the ranks go on
+    return out

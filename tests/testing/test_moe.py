@@ -71,9 +71,16 @@ def _ep_setup(dp: int, ep: int):
     return mesh, params, per, first, r_spec, r_shards, e_spec, e_shards
 
 
-def _ep_fsdp_train(dp: int, ep: int, clip=None):
+def _step_tokens(step: int, r: int, empty=None):
+    """Rank ``r``'s tokens and targets at ``step``; none on the rank ``empty``."""
+    x, y = _tokens(100 * step + r)
+    return (x[:0], y[:0]) if r == empty else (x, y)
+
+
+def _ep_fsdp_train(dp: int, ep: int, clip=None, empty=None):
     r = dist.get_rank()
     world = dist.get_world_size()
+    total = D * T * (world - (empty is not None))  # the elements of the global mean
     mesh, _, _, first, r_spec, r_shards, e_spec, e_shards = _ep_setup(dp, ep)
     dp_mesh = mesh["dp"]
     opt = vfsdp.optim.adamw(lr=LR, weight_decay=0.0)
@@ -82,11 +89,11 @@ def _ep_fsdp_train(dp: int, ep: int, clip=None):
     for step in range(STEPS):
         vfsdp.zero_grads(r_shards, r_spec)
         vfsdp.zero_grads(e_shards, e_spec)
-        x, y = _tokens(100 * step + r)
+        x, y = _step_tokens(step, r, empty)
         router = vfsdp.gather(r_shards, r_spec, grad_reduce="sum")["router"]
         experts = vfsdp.gather(e_shards, e_spec, grad_reduce="sum")
         out = moe.moe_ep(router, experts, x, K, "ep", E, mesh=mesh)
-        loss = (out - y).pow(2).mean() / world  # the sum over ranks is the global mean
+        loss = (out - y).pow(2).sum() / total  # the sum over ranks is the global mean
         loss.backward()
         if clip is not None:  # one norm over both trees: router on every rank, experts on "dp"
             norms.append(float(vfsdp.optim.clip_grad_norm_of(
@@ -100,7 +107,7 @@ def _ep_fsdp_train(dp: int, ep: int, clip=None):
     return first, full_router, full_local, norms
 
 
-def _reference_train(world: int, clip=None):
+def _reference_train(world: int, clip=None, empty=None):
     params = optree.tree_map(lambda t: t.clone().requires_grad_(True), moe.moe_params(D, H, E))
     leaves = optree.tree_leaves(params)
     opt = torch.optim.AdamW(leaves, lr=LR, weight_decay=0.0, foreach=False)
@@ -109,8 +116,9 @@ def _reference_train(world: int, clip=None):
         opt.zero_grad()
         loss = 0
         for r in range(world):
-            x, y = _tokens(100 * step + r)
-            loss = loss + (moe.moe_reference(params, x, K) - y).pow(2).mean() / world
+            x, y = _step_tokens(step, r, empty)
+            total = D * T * (world - (empty is not None))
+            loss = loss + (moe.moe_reference(params, x, K) - y).pow(2).sum() / total
         loss.backward()
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(leaves, clip)))
@@ -118,13 +126,16 @@ def _reference_train(world: int, clip=None):
     return params, norms
 
 
-@pytest.mark.parametrize("dp, ep, clip", [(2, 2, None), (1, 4, None), (4, 1, None),
-                                          (2, 2, 0.05), (1, 4, 0.05)])
-def test_ep_times_fsdp_trains_like_one_process(dp, ep, clip):
+@pytest.mark.parametrize("dp, ep, clip, empty", [
+    (2, 2, None, None), (1, 4, None, None), (4, 1, None, None), (2, 2, 0.05, None),
+    (1, 4, 0.05, None), (2, 2, 0.05, 1)])
+def test_ep_times_fsdp_trains_like_one_process(dp, ep, clip, empty):
     """With clip: one norm over the router (FSDP over every rank) and the experts (FSDP over
-    "dp", different experts per "ep" index) equals torch's over the unsharded model."""
-    want, want_norms = _reference_train(dp * ep, clip)
-    for first, router, local, norms in simulate(dp * ep, _ep_fsdp_train, dp, ep, clip):
+    "dp", different experts per "ep" index) equals torch's over the unsharded model. With
+    ``empty``, that rank holds no token (it hung in the backward's all_to_all)."""
+    want, want_norms = _reference_train(dp * ep, clip, empty)
+    for first, router, local, norms in simulate(dp * ep, _ep_fsdp_train, dp, ep, clip, empty,
+                                                timeout=60):
         assert norms == pytest.approx(want_norms, rel=1e-5)
         if clip is not None:
             assert all(n > clip for n in norms)  # it did clip
@@ -207,7 +218,7 @@ def _routings(draw):
     return n, e, k, counts, kind, seed
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(_routings())
 def test_any_routing_skew_gives_the_reference_outputs_and_gradients(case):
     """Every token to one expert, ranks with no token, experts no token reaches: the layer's
@@ -243,3 +254,34 @@ def test_any_routing_skew_gives_the_reference_outputs_and_gradients(case):
         for name, grad in local.items():
             want = expert_grads[name][r * per:(r + 1) * per]
             assert torch.allclose(zero(grad, want), want, atol=1e-5), (r, name)
+
+
+@pytest.mark.parametrize("n, e, counts, hot", [
+    (2, 2, [5, 5], 0),         # top-1, every token to expert 0
+    (4, 4, [0, 3, 0, 3], 3),   # two ranks with no token, every other token to expert 3
+])
+def test_the_skews_that_hung_give_the_reference_outputs_and_gradients(n, e, counts, hot):
+    """The routings of the adversarial sweep, top-1: the ranks whose experts got no token left
+    the tokens they received out of their loss, so they skipped that all_to_all's backward
+    and the others waited in it (now they keep them in the graph)."""
+    g = torch.Generator().manual_seed(0)
+    params = moe.moe_params(D, H, e)
+    params["router"] = torch.randn(D, e, generator=g) * 0.01
+    params["router"][:, hot] += 5.0
+    tokens = [torch.rand(c, D, generator=g) + 0.1 for c in counts]
+    full = optree.tree_map(lambda t: t.clone().requires_grad_(True), params)
+    xs = [x.clone().requires_grad_(True) for x in tokens]
+    ys = [moe.moe_reference(full, x, 1) for x in xs]
+    sum(y.pow(2).sum() for y in ys).backward()
+    per = e // n
+    got = simulate(n, _skewed, params, tokens, 1, timeout=30)
+    routers = [torch.zeros(D, e) if r[2] is None else r[2] for r in got]
+    assert torch.allclose(sum(routers), full["router"].grad, atol=1e-5)
+    for r, (y, x_grad, _, local) in enumerate(got):
+        assert torch.allclose(y, ys[r].detach(), atol=1e-5)
+        want_x = torch.zeros_like(xs[r]) if xs[r].grad is None else xs[r].grad
+        assert torch.allclose(torch.zeros_like(want_x) if x_grad is None else x_grad, want_x)
+        for name, grad in local.items():  # None: no token reached these experts
+            want = full["experts"][name].grad[r * per:(r + 1) * per]
+            assert torch.allclose(torch.zeros_like(want) if grad is None else grad, want,
+                                  atol=1e-5), (r, name)

@@ -27,8 +27,18 @@ Sizes may be uneven: ranks may hold different sizes along the gathered dim; ``ps
 cuts like ``torch.tensor_split`` (the first ``len % size`` chunks one longer); ``all_to_all``
 takes ``split_sizes`` per rank. Every function works with ``loss.backward()``,
 ``torch.autograd.grad`` and ``torch.func``, on gloo, NCCL and ``vfsdp.testing.simulate``.
+Each backward is made of these differentiable functions (psum's of pvary, pvary's of psum,
+all_gather's of psum_scatter and back, all_to_all's of all_to_all), so double backward
+(``create_graph=True``, e.g. a gradient penalty) differentiates through the collectives.
 The mesh is ``mesh=`` or the innermost ``with use_mesh(m):``. Reference semantics (a loop over
 ranks): :mod:`vfsdp.functional.lax_reference`.
+
+Every rank must run the same collectives, the backward's included. Autograd runs a
+collective's backward only where its result reaches the loss: if it does on some ranks only
+(an expert-parallel rank none of whose experts got a token leaves the tokens it received
+unused), the others wait in that backward for ever. Keep the result in the loss on every
+rank, with an empty term where nothing else uses it (``out + received[:0].sum()``, as
+:func:`vfsdp.testing.moe.moe_ep` does).
 """
 
 from __future__ import annotations
@@ -51,9 +61,19 @@ _MAX_DIMS = 8
 
 # ---------------------------------------------------------------- raw collectives (no autograd)
 
-def _reduce(x: torch.Tensor, ax: Axis) -> torch.Tensor:
+def _reduce(x: torch.Tensor, ax: Axis, what: str = "psum") -> torch.Tensor:
+    """Sum ``x`` over the axis. An all-reduce of tensors whose sizes differ gives some ranks a
+    result and others a transport error or a hang, so off CUDA the ranks first agree on its
+    shape (one small all-gather, :func:`_shapes`) and all raise the same error. On CUDA that
+    would be a host sync in every sum (four per tensor-parallel layer and step): there
+    torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks every collective's shapes instead."""
     out = x.detach().clone(memory_format=torch.contiguous_format)
     if ax.size > 1:
+        shapes = _shapes(x, ax, what) if x.device.type != "cuda" else [tuple(x.shape)]
+        if any(s != shapes[0] for s in shapes):
+            raise ValueError(f"{what} over {ax.name!r}: the ranks' shapes {shapes} differ; "
+                             f"every rank of the axis must pass a tensor of the same shape "
+                             f"(pad it, or all_gather pieces of different sizes)")
         with tp.functorch_paused():
             comm.all_reduce_(out, "sum", ax.group)
     return out
@@ -163,17 +183,20 @@ def _tensor_split_sizes(n: int, parts: int) -> list[int]:
 
 class _PSum(torch.autograd.Function):
     @staticmethod
-    def forward(x, ax, scale):
-        out = _reduce(x, ax)
+    def forward(x, ax, scale, what="psum"):
+        out = _reduce(x, ax, what)
         return out if scale == 1 else out.mul_(scale)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.scale = inputs[2]
+        ctx.ax, ctx.scale = inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx, g):
-        return (g if ctx.scale == 1 else g * ctx.scale), None, None
+        # The cotangent (replicated) feeds each rank's own input: pvary, whose backward is
+        # psum; so double backward (create_graph=True) sees the collective.
+        g = _PVary.apply(g, ctx.ax)
+        return (g if ctx.scale == 1 else g * ctx.scale), None, None, None
 
 
 class _PVary(torch.autograd.Function):
@@ -187,7 +210,7 @@ class _PVary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _reduce(g, ctx.ax), None
+        return _PSum.apply(g, ctx.ax, 1, "pvary's backward (psum)"), None
 
 
 class _AllGather(torch.autograd.Function):
@@ -202,7 +225,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _scatter(g, ctx.ax, ctx.dim, ctx.sizes), None, None, None
+        return _PSumScatter.apply(g, ctx.ax, ctx.dim, ctx.sizes), None, None, None
 
 
 class _PSumScatter(torch.autograd.Function):
@@ -217,7 +240,7 @@ class _PSumScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, ctx.ax, ctx.dim, ctx.shapes), None, None, None
+        return _AllGather.apply(g, ctx.ax, ctx.dim, ctx.shapes), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -235,7 +258,8 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, g):
         # The reverse exchange: each rank's piece of the cotangent goes back to its sender,
         # which gets the shapes of the chunks it sent (no shape exchange needed).
-        back = _a2a(g, ctx.ax, ctx.concat_dim, ctx.split_dim, ctx.back_sizes, ctx.back_shapes)
+        back = _AllToAll.apply(g, ctx.ax, ctx.concat_dim, ctx.split_dim, ctx.back_sizes,
+                               tuple(ctx.back_shapes))
         return back, None, None, None, None, None
 
 
@@ -262,7 +286,10 @@ def psum(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Ten
         The sum, a new tensor.
 
     Raises:
-        ValueError: no mesh, or no such axis.
+        ValueError: no mesh, or no such axis; or ranks whose shapes differ (the same error
+            on every rank: off CUDA, before the sum, one all-gather of each rank's shape,
+            nine int64s, checks it; on CUDA, where that would be a host sync per sum, run
+            with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for torch's own check).
 
     Example:
         >>> def body():
@@ -286,7 +313,8 @@ def pmean(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Te
         The mean, a new tensor.
 
     Raises:
-        ValueError: no mesh, or no such axis.
+        ValueError: no mesh, or no such axis; or ranks whose shapes differ (on every rank,
+            as :func:`psum`).
 
     Example:
         >>> def body():
@@ -296,7 +324,7 @@ def pmean(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Te
         [1.5, 1.5, 1.5, 1.5]
     """
     ax = axis_of(axis, mesh)
-    return _PSum.apply(x, ax, 1.0 / ax.size)
+    return _PSum.apply(x, ax, 1.0 / ax.size, "pmean")
 
 
 def pvary(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Tensor:
@@ -312,7 +340,8 @@ def pvary(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Te
         ``x`` (a view of it), whose gradient sums every rank's.
 
     Raises:
-        ValueError: no mesh, or no such axis.
+        ValueError: no mesh, or no such axis; in the backward, cotangents whose shapes differ
+            between ranks (on every rank, as :func:`psum`).
 
     Example:
         >>> def body():

@@ -101,6 +101,10 @@ class Float8:
         min_numel: With ``"block"``: matrices of fewer elements (and vectors) keep one scale
             per tensor.
 
+    One NaN or inf makes its whole tensor NaN under ``"tensor"`` scaling (its amax, so its
+    scale, is inf); under ``"block"`` only its 32x32 block. Use ``"block"`` where a stray
+    non-finite value must stay local.
+
     Example:
         >>> def body():
         ...     spec = vfsdp.plan({"w": torch.linspace(-1, 1, 8)}, 2)
@@ -158,7 +162,12 @@ class Float8:
         top = torch.finfo(self.dtype).max
         x = shard.detach().float()
         amax = torch.zeros(unit.n_tensors + 1, dtype=torch.float32, device=shard.device)
-        amax = unit.all_max(amax.scatter_reduce(0, unit.segment, x.abs(), "amax"))
+        # A NaN counts as inf: scatter_reduce's amax may skip it (by the order of the
+        # elements, and the device) and an all-reduce MAX may drop it, so a NaN would poison
+        # its tensor only sometimes; this way one NaN or inf always does (docs: use
+        # scaling="block" to keep it to its block).
+        mag = x.abs().nan_to_num(nan=float("inf"), posinf=float("inf"))
+        amax = unit.all_max(amax.scatter_reduce(0, unit.segment, mag, "amax"))
         scale = _scale(amax, top)
         y = x / scale[unit.segment]  # cast once at the end (no in-place float8 writes)
         meta = [scale]
@@ -201,6 +210,7 @@ def _scale(amax: torch.Tensor, top: float) -> torch.Tensor:
     an all-zero tensor or block, and never below float32's smallest normal (a fixed floor such
     as 1e-12 sent tensors whose amax is far below it to zero)."""
     tiny = torch.finfo(torch.float32).tiny
+    amax = amax.nan_to_num(nan=float("inf"), posinf=float("inf"))  # a NaN poisons as an inf
     return torch.where(amax > 0, (amax / top).clamp(min=tiny), torch.ones_like(amax))
 
 

@@ -15,6 +15,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from vfsdp.collectives import comm
 from vfsdp.collectives.agree import agree
 from vfsdp.collectives.groups import resolve_groups
 from vfsdp.collectives.scatter import scatter_unit
@@ -57,6 +58,54 @@ def check_full(x: Any, t: TensorSpec, what: str) -> torch.Tensor:
     return x
 
 
+def _model_source(spec: ShardSpec, mesh: Any, src: int, what: str) -> tuple[int, int]:
+    """For a plan split over a model axis: the rank at ``src``'s data coordinates and this
+    rank's model index (it scatters this index's pieces), and ``src``'s model index."""
+    axis, _, index = spec.model_axis
+    grid = mesh.mesh
+    where = (grid == src).nonzero().tolist()
+    if not where:
+        raise ValueError(f"{what}: rank {src} is not in this mesh (ranks {grid.tolist()})")
+    coord = where[0]
+    k = tuple(mesh.mesh_dim_names).index(axis)
+    src_index, coord[k] = coord[k], index
+    return int(grid[tuple(coord)]), src_index
+
+
+def _global(x: Any, t: TensorSpec, what: str) -> Any:
+    """``x`` on the source of a plan split over a model axis: it must be the global tensor,
+    since every index's piece comes from it."""
+    st = t.strided
+    if isinstance(x, torch.Tensor) and st is not None and tuple(x.shape) != st.global_shape:
+        raise ValueError(f"{what}: {format_path(t.path)} has shape {tuple(x.shape)}; the source "
+                         f"of a plan split over {st.axis!r} must hold the global tensors "
+                         f"{st.global_shape} (every {st.axis} index's piece comes from it)")
+    return x
+
+
+def _pieces_from_source(leaves: list, whole: dict, tensors: list, groups: Any,
+                        src_index: int) -> None:
+    """The source's model group (the ranks at its data coordinates, one per model index):
+    each tensor's global values are broadcast from the source, and each rank keeps its own
+    piece, which it then scatters to its index's data ranks (set-up: one broadcast per
+    tensor; a rank holds its pieces plus one global tensor at a time)."""
+    with torch.no_grad():
+        for i, t in enumerate(tensors):
+            if not isinstance(t, TensorSpec):
+                continue
+            st = t.strided
+            shape = st.global_shape if st is not None else tuple(t.shape)
+            if i in whole:  # the source: its piece is already a view of the global tensor
+                buf = whole[i].detach().contiguous()
+            else:
+                buf = torch.empty(shape, dtype=t.dtype, device=groups.device)
+            comm.broadcast_(buf, group=groups.model, group_src=src_index)
+            if i not in whole:
+                piece = buf if st is None or st.dim is None else buf.narrow(
+                    st.dim, st.start, st.lengths[st.index])
+                leaves[i] = piece.clone()
+
+
 def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: Any = None,
             requires_grad: bool = True) -> Any:
     """This rank's shards of full tensors: the inverse of :func:`vfsdp.gather`. Collective
@@ -70,7 +119,9 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
         spec: The plan.
         src: The global rank holding the full tensors, or ``None``: every rank holds them
             and copies its own pieces (no communication, beyond the one-time check that the
-            ranks agree on the spec).
+            ranks agree on the spec). For a plan split over a model axis (``tp=``), ``src``
+            holds the global tensors and broadcasts each, one at a time, to the ranks at its
+            data coordinates (one per model index), which scatter their index's pieces.
         mesh: A ``DeviceMesh`` matching ``spec.mesh_shape``; default: the default group.
         requires_grad: Make floating-point shards require grad.
 
@@ -110,8 +161,18 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
     else:
         if not isinstance(src, int) or isinstance(src, bool):
             raise ValueError(f"{what}: src must be a global rank (int) or None, got {src!r}")
-        coords = groups.coords(src)  # raises for a rank outside the mesh
         error = None
+        local_src, src_index = src, None
+        if spec.model_axis is not None and spec.model_axis[1] > 1:
+            if groups.model is None:  # the same on every rank: each raises
+                raise ValueError(f"{what}: the plan is split over {spec.model_axis[0]!r}, but "
+                                 f"the mesh given has no such axis; pass the whole mesh "
+                                 f"(mesh=vfsdp.mesh(..., ({spec.model_axis[0]!r}, "
+                                 f"{spec.model_axis[1]}))), so the source can reach every "
+                                 f"index")
+            local_src, src_index = _model_source(spec, mesh, src, what)
+        coords = groups.coords(local_src)  # raises for a rank outside the mesh
+        whole: dict = {}  # on the source of a plan with a model axis: the global tensors
         if full_tree is None and not source and any(not isinstance(t, TensorSpec)
                                                     for t in tensors):
             error = ValueError(f"{what}: rank {dist.get_rank()} passed None, but the tree has "
@@ -124,10 +185,14 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
                                      f"source; pass them there (the other ranks may pass None)")
                 for i, t in enumerate(tensors):
                     if isinstance(t, TensorSpec):
+                        if src_index is not None:
+                            whole[i] = _global(leaves[i], t, what)
                         leaves[i] = check_full(leaves[i], t, what)
             except ValueError as exc:
                 error = exc
         agree(error, error_type=ValueError)  # every rank raises, none waits in the scatter
+        if src_index is not None and local_src == dist.get_rank():
+            _pieces_from_source(leaves, whole, tensors, groups, src_index)
     out = list(leaves)
     errors, units = [], {}
     with torch.no_grad():

@@ -250,6 +250,11 @@ def test_expert_parallelism_refuses_what_does_not_fit():
         vfsdp.estimate(spec, experts=vfsdp.plan(share, 2), experts_per_token=2)
     with pytest.raises(ValueError, match=r"spans 4 x ep 2 = 8 GPUs and the model's 4"):
         vfsdp.estimate(spec, experts=vfsdp.plan(share, 4), ep=2, experts_per_token=2)
+    with pytest.raises(ValueError, match="experts= holds no routed experts"):
+        vfsdp.estimate(spec, experts=vfsdp.plan({"layers": [{"w": torch.empty(4, 4)}]}, 2),
+                       ep=2, experts_per_token=2)
+    with pytest.raises(ValueError, match="pass experts_per_token"):
+        vfsdp.estimate(spec, experts=vfsdp.plan(share, 2), ep=2)
     other = {"blocks": list(share["layers"])}
     with pytest.raises(ValueError, match=r"unit \('blocks', 0\) is no unit of the model"):
         vfsdp.estimate(spec, experts=vfsdp.plan(other, 2), ep=2, experts_per_token=2)

@@ -106,13 +106,13 @@ class Estimate:
 
     def __str__(self) -> str:
         mem = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.memory.items())
-        return (f"{self.gpus} GPUs ({self.replicas} x {self.shard}) on {self.hw}: "
+        ep = f", experts over {self.ep}" if self.ep > 1 else ""
+        return (f"{self.gpus} GPUs ({self.replicas} x {self.shard}{ep}) on {self.hw}: "
                 f"{self.memory_per_rank / GiB:.2f} GiB per rank ({mem}; "
                 f"{'fits' if self.fits else 'does NOT fit'}), step {self.step_s:.3f} s "
                 f"(compute {self.compute_s:.3f}, exposed comm {self.exposed_comm_s:.3f}, "
                 f"optimizer {self.optimizer_s:.3f}), {self.tokens_per_s:,.0f} tokens/s, "
                 f"MFU {100 * self.mfu:.1f} %")
-
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def predict(model: Part, experts: Optional[Part] = None, ep: Optional[int] = Non
     rate = prof.flops * prof.compute_efficiency
     comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0,
             # the backward's agreement: 3 int64 and a byte per differentiable gather
-            "backward_marks": 24 + sum(map(len, (p.units for p in parts))) if gpus > 1 else 0}
+            "backward_marks": 24 + sum(map(len, (p.units for p in parts))) if m * r > 1 else 0}
     per_unit = _costs(parts, costs, tokens_per_rank, experts_per_token, seq, recompute)
     by_key: dict = {}  # unit key -> its UnitBytes, the experts' added to their layer's
     times: dict = {}  # unit key -> [gather s, reduce s, host s]
@@ -266,6 +266,10 @@ def _expert_group(model: Part, experts: Optional[Part], ep: Optional[int], gpus:
         if ep not in (None, 1):
             raise ValueError(f"estimate: ep={ep} without experts=; pass the experts' plan")
         return 1, None
+    if not any(row[2] for row in experts.shapes.units.values()):
+        raise ValueError("estimate: experts= holds no routed experts (paths through "
+                         "'experts.<i>' or stacked under 'experts'); plan the experts' tree "
+                         "under their own names")
     axis = experts.model_axis
     size = axis.size if axis is not None else ep
     if size is None or (ep is not None and ep != size):

@@ -6,6 +6,7 @@ No process group is needed or touched: a ``DeviceMesh`` is only read for its sha
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -412,16 +413,17 @@ def _layouts(prepared, m, alignment_bytes, comm_dtypes, split_threshold) -> tupl
             solved[signature] = (packing, align, split)
         packing, align, split = solved[signature]
         order = orders[key] = packing.order
+        take = _taker(order)
         layouts[key] = UnitLayout(
             key=key,
             world_size=m,
             shard_numel=packing.shard_numel,
             dtype=dtype,
-            paths=tuple(paths[k] for k in order),
-            offsets=tuple(packing.offsets[k] for k in order),
-            numels=tuple(numels[k] for k in order),
-            blocks=tuple(blocks[k] for k in order),
-            shapes=tuple(shapes[k] for k in order),
+            paths=take(paths),
+            offsets=take(packing.offsets),
+            numels=take(numels),
+            blocks=take(blocks),
+            shapes=take(shapes),
             lower_bound=packing.lower_bound,
             alignment=align,
             strategy=packing.strategy,
@@ -431,6 +433,13 @@ def _layouts(prepared, m, alignment_bytes, comm_dtypes, split_threshold) -> tupl
             strided=() if strided is None else tuple(strided[idx[k]] for k in order),
         )
     return layouts, orders
+
+
+def _taker(order: Sequence[int]) -> Callable[[Sequence], tuple]:
+    """``seq -> tuple(seq[k] for k in order)``, in C (a unit can hold thousands of tensors)."""
+    if len(order) == 1:
+        return lambda seq: (seq[order[0]],)
+    return operator.itemgetter(*order) if order else lambda seq: ()
 
 
 def assemble(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout], mesh_shape: tuple,

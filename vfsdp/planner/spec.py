@@ -146,10 +146,11 @@ class UnitLayout:
                              f"differ in length")
         if self.world_size < 1 or self.shard_numel < 0:
             raise ValueError(f"unit {unit_name(self.key)}: bad world_size/shard_numel")
-        for path, shape, numel in zip(self.paths, self.shapes, self.numels):
-            if math.prod(shape) != numel:
-                raise ValueError(f"unit {unit_name(self.key)}: {format_path(path)} has shape "
-                                 f"{tuple(shape)} but numel {numel}")
+        if list(map(math.prod, self.shapes)) != list(self.numels):
+            path, shape, numel = next((p, sh, n) for p, sh, n in zip(
+                self.paths, self.shapes, self.numels) if math.prod(sh) != n)
+            raise ValueError(f"unit {unit_name(self.key)}: {format_path(path)} has shape "
+                             f"{tuple(shape)} but numel {numel}")
         if self.strided and len(self.strided) != n:
             raise ValueError(f"unit {unit_name(self.key)}: strided has {len(self.strided)} "
                              f"entries for {n} tensors")

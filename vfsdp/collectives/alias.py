@@ -7,6 +7,7 @@ autograd saved) and survives the buffer's storage being resized to zero and back
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -14,6 +15,7 @@ import torch
 __all__ = ["alias", "contiguous_strides", "view_of"]
 
 
+@functools.lru_cache(maxsize=4096)
 def contiguous_strides(shape: tuple) -> tuple:
     """Row-major strides of ``shape`` (computed, no tensor made).
 

@@ -52,12 +52,19 @@ def _covered(src: Ranges, dst: Ranges) -> int:
     starts = [lo for lo, _ in held]
     total = 0
     for lo, hi in dst:
+        if hi <= lo:
+            continue
         k = max(bisect.bisect_right(starts, lo) - 1, 0)
         while k < len(held) and held[k][0] < hi:
             a, b = _cut(held[k], (lo, hi))
             total += b - a
             k += 1
     return total
+
+
+def _nonempty(ranges: Ranges) -> list:
+    """``(rank, (lo, hi))`` of the ranks with a non-empty range, in rank order."""
+    return [(q, r) for q, r in enumerate(ranges) if r[1] > r[0]]
 
 
 class Redistribution:
@@ -114,19 +121,29 @@ class Redistribution:
             if have != want:
                 raise ValueError(f"flat_redistribute: tensor {i}: the source ranges cover {have} "
                                  f"of the {want} destination elements")
-        self.send, self.send_sizes, self.recv_sizes, self.recv = [], [0] * world, [0] * world, []
-        for q in range(world):
-            for i in range(n):
-                lo, hi = _cut(src[i][rank], dst[i][q])
-                base = src[i][rank][0]
-                if hi > lo:
-                    self.send.append((i, lo - base, hi - base))
-                    self.send_sizes[q] += hi - lo
-                lo, hi = _cut(src[i][q], dst[i][rank])
-                if hi > lo:
-                    base = dst[i][rank][0]
-                    self.recv.append((i, lo - base, hi - base))
-                    self.recv_sizes[q] += hi - lo
+        # Only the ranks with a non-empty range meet (a tensor spans few ranks): the slices in
+        # (rank, tensor) order, found per tensor.
+        send, recv = [], []
+        self.send_sizes, self.recv_sizes = [0] * world, [0] * world
+        for i in range(n):
+            mine, base = src[i][rank], src[i][rank][0]
+            if mine[1] > mine[0]:
+                for q, d in _nonempty(dst[i]):
+                    lo, hi = _cut(mine, d)
+                    if hi > lo:
+                        send.append((q, i, lo - base, hi - base))
+                        self.send_sizes[q] += hi - lo
+            want, base = dst[i][rank], dst[i][rank][0]
+            if want[1] > want[0]:
+                for q, h in _nonempty(src[i]):
+                    lo, hi = _cut(h, want)
+                    if hi > lo:
+                        recv.append((q, i, lo - base, hi - base))
+                        self.recv_sizes[q] += hi - lo
+        send.sort(key=lambda x: (x[0], x[1]))
+        recv.sort(key=lambda x: (x[0], x[1]))
+        self.send = [x[1:] for x in send]
+        self.recv = [x[1:] for x in recv]
 
     def run(self, sources: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup] = None,
             device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,

@@ -174,27 +174,30 @@ class _Sweep:
         self.parts: list = [{} for _ in trees]  # per tree: m -> (layouts, state)
         self.shapes: list = [None] * len(trees)
 
-    def part(self, i: int, m: int, mesh: tuple) -> Part:
-        """Tree ``i``'s :class:`Part` over ``mesh`` (whose last dim is ``m``)."""
+    def part(self, i: int, m: int, mesh: tuple, state: bool = True) -> Part:
+        """Tree ``i``'s :class:`Part` over ``mesh`` (whose last dim is ``m``); without its
+        optimizer's ``state`` (0 bytes) where ``state=False``."""
         if m not in self.parts[i]:
-            layouts = unit_layouts(self.prepared[i], m)
-            state = max(optimizer_bytes(self.opts[i], layouts, r) for r in {0, m - 1})
-            self.parts[i][m] = (layouts, state)
+            self.parts[i][m] = [unit_layouts(self.prepared[i], m), None]
             if self.shapes[i] is None:  # the shape rules read tensors: once, from one spec
-                self.shapes[i] = Shapes.of(assemble(self.prepared[i], layouts, (m,)))
-        layouts, state = self.parts[i][m]
-        return Part(layouts, mesh, state, self.shapes[i])
+                self.shapes[i] = Shapes.of(assemble(self.prepared[i], self.parts[i][m][0], (m,)))
+        entry = self.parts[i][m]
+        if state and entry[1] is None:
+            entry[1] = max(optimizer_bytes(self.opts[i], entry[0], r) for r in {0, m - 1})
+        return Part(entry[0], mesh, entry[1] or 0, self.shapes[i])
 
     def one(self, count: int, m: int, tokens: int, baseline: Optional[str],
-            options: dict) -> Estimate:
+            options: dict, state: bool = True) -> Estimate:
+        """The estimate at ``count`` GPUs in shard groups of ``m``; ``state=False``: without
+        the optimizer's state, a lower bound of the memory (what fits so does not, first)."""
         if count % m:
             raise ValueError(f"sweep: shard={m} does not divide {count} GPUs")
-        model = self.part(0, m, (m,) if m == count else (count // m, m))
+        model = self.part(0, m, (m,) if m == count else (count // m, m), state)
         experts = None
         if self.ep > 1:
             data = count // self.ep
             em = math.gcd(m, data)
-            experts = self.part(1, em, (em,) if em == data else (data // em, em))
+            experts = self.part(1, em, (em,) if em == data else (data // em, em), state)
         return predict(model, experts, self.ep if experts else None, hw=self.prof,
                        muon=self.optimizer == "muon", tokens_per_rank=tokens,
                        baseline=baseline, **options)
@@ -208,8 +211,9 @@ class _Sweep:
                 m = min(shard, count)
             else:
                 sizes = shard_sizes(count, self.prof.gpus_per_node)
-                m = next((d for d in sizes if self.one(count, d, tokens, None, options).fits),
-                         sizes[-1])
+                m = next((d for d in sizes
+                          if self.one(count, d, tokens, None, options, state=False).fits
+                          and self.one(count, d, tokens, None, options).fits), sizes[-1])
             out.append(("vfsdp", self.one(count, m, tokens, None, options)))
             out.extend((s, self.one(count, m, tokens, s, options)) for s in vs)
         return out

@@ -76,13 +76,21 @@ def cuts_of(ranges: list, total: int) -> tuple[tuple, list]:
     return sizes, [bisect.bisect_left(edges, lo) for lo, _ in ranges]
 
 
+def _held(t: Any, world: int) -> list:
+    """Each rank's flat range of ``t`` (``local_range``), read only on the ranks it spans."""
+    out = [(0, 0)] * world
+    for r in t.ranks():
+        out[r] = t.local_range(r)
+    return out
+
+
 def plan_waves(groups: list, rank: int, world: int, base: dict) -> tuple[tuple, list]:
     """The :class:`Wave` values of ``groups`` (lists of matrices exchanged together), and the
     workspace ranges each wave sends (``base``: unit key -> the unit's offset in the
     workspace), for :func:`cuts_of`."""
     waves, sends = [], []
     for mats in groups:
-        held = [[m.spec.local_range(r) for r in range(world)] for m in mats]
+        held = [_held(m.spec, world) for m in mats]
         at_root = [[(0, m.spec.numel) if r == m.root else (0, 0) for r in range(world)]
                    for m in mats]
         to_roots = Redistribution(held, at_root, rank, world)

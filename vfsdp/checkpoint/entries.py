@@ -31,7 +31,7 @@ from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["Entry", "flatten", "unflatten", "register_state", "VALUE_TYPES", "dtype_name",
-           "parse_dtype", "tensor_bytes"]
+           "parse_dtype", "tensor_bytes", "is_state_leaf"]
 
 VALUE_TYPES = (bool, int, float, str)
 
@@ -155,19 +155,20 @@ def _adapter(leaf: Any):
     return None
 
 
-def _is_leaf(x: Any) -> bool:
+def is_state_leaf(x: Any) -> bool:
+    """Whether a checkpoint flattens ``x`` as a whole (a state object, a Piece, a DBuffer)."""
     return _adapter(x) is not None or isinstance(x, (Piece, DBuffer))
 
 
-def flatten(tree: Any, spec: ShardSpec, what: str = "checkpoint") -> list[Entry]:
-    """The entries of ``tree``, in optree order.
+def flatten(tree: Any, spec: ShardSpec, what: str = "checkpoint", prefix: tuple = ()) -> list[Entry]:
+    """The entries of ``tree``, in optree order (named under ``prefix``: a part's name).
 
     Raises:
         TypeError: a leaf that cannot be checkpointed (naming its path and what to do).
         ValueError: two leaves with the same dotted name, or a gathered full view.
     """
     out: list[Entry] = []
-    _flatten_into(tree, spec, (), out, what)
+    _flatten_into(tree, spec, prefix, out, what)
     seen: dict = {}
     for e in out:
         if e.name in seen:
@@ -178,7 +179,7 @@ def flatten(tree: Any, spec: ShardSpec, what: str = "checkpoint") -> list[Entry]
 
 
 def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: str) -> None:
-    paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=is_state_leaf)
     for path, leaf in zip(paths, leaves):
         path = prefix + tuple(path)
         name = _path_name(path)
@@ -211,14 +212,14 @@ def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: st
                             f"the type with vfsdp.checkpoint.register_state")
 
 
-def unflatten(tree: Any, spec: ShardSpec, values: dict) -> Any:
+def unflatten(tree: Any, spec: ShardSpec, values: dict, prefix: tuple = ()) -> Any:
     """``tree`` with its plain values replaced by ``values[name]`` and registered states
     restored (tensors were filled in place and stay the same objects)."""
-    return _unflatten(tree, spec, (), values)
+    return _unflatten(tree, spec, prefix, values)
 
 
 def _unflatten(tree: Any, spec: ShardSpec, prefix: tuple, values: dict) -> Any:
-    paths, leaves, treespec = optree.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+    paths, leaves, treespec = optree.tree_flatten_with_path(tree, is_leaf=is_state_leaf)
     new = []
     for path, leaf in zip(paths, leaves):
         path = prefix + tuple(path)

@@ -26,7 +26,15 @@ from vfsdp._torch_private import groups_are_per_thread
 from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.atomic import commit, prepare
 from vfsdp.checkpoint.entries import Entry, flatten, tensor_bytes, unflatten
-from vfsdp.checkpoint.manifest import METADATA, match_manifest, write_manifest
+from vfsdp.checkpoint.manifest import METADATA, match_manifest, single_layout, write_manifest
+from vfsdp.checkpoint.parts import (
+    check_one_tree,
+    check_parts,
+    flatten_parts,
+    normalize,
+    parts_layout,
+    unflatten_parts,
+)
 from vfsdp.checkpoint.safe_pickle import SafeReader
 from vfsdp.checkpoint.storage import (
     CheckpointError,
@@ -133,7 +141,7 @@ def _unwrap(exc: CheckpointException, what: str) -> BaseException:
     return out
 
 
-def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], spec: ShardSpec,
+def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], layout: dict,
            group, thread_count: int) -> str:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     state = save_state(entries, data, rank)
@@ -156,7 +164,7 @@ def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], spec
     commit_err = None
     if rank == 0:
         try:
-            write_manifest(tmp, entries, spec, world, gathered)
+            write_manifest(tmp, entries, layout, world, gathered)
             commit(tmp, path)
         except Exception as exc:  # noqa: BLE001
             commit_err = CheckpointError(f"committing {path} failed: {type(exc).__name__}: {exc}")
@@ -197,9 +205,22 @@ def wait_pending() -> None:
         pending.wait()
 
 
-def save(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, overwrite: bool = False,
-         async_save: bool = False, thread_count: int = 1) -> Optional[AsyncSave]:
+def _entries(tree: Any, spec: Optional[ShardSpec], what: str) -> tuple[list[Entry], dict]:
+    """The entries to save and what the manifest records of their plan(s)."""
+    if spec is None:
+        return flatten_parts(tree, what), parts_layout(tree, what)
+    return flatten(tree, spec, what), single_layout(spec)
+
+
+def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *,
+         overwrite: bool = False, async_save: bool = False,
+         thread_count: int = 1) -> Optional[AsyncSave]:
     """Save ``tree`` (shards, optimizer states, step, extras) as a DCP checkpoint; collective.
+
+    ``save(path, parts)`` saves several trees planned apart (e.g. an expert-parallel model's
+    dense part and its experts) as one checkpoint: ``parts`` is ``{name: (tree, spec)}`` or
+    ``{name: (tree, spec, mesh)}``, or a list of such tuples. Each part's entries are stored
+    under its name, and each reshards on load on its own (see :mod:`vfsdp.checkpoint.parts`).
 
     Args:
         path: Directory to create, on a filesystem every rank can read (as DCP needs to
@@ -207,7 +228,7 @@ def save(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, overwrite: bool
         tree: Any pytree of parameter shards (``vfsdp.shard``'s tree), optimizer states,
             other tensors (replicated: equal on every rank) and ``bool``/``int``/``float``/
             ``str`` values.
-        spec: The spec the shards were made with.
+        spec: The spec the shards were made with (``None``: ``tree`` is a set of parts).
         overwrite: Replace an existing checkpoint at ``path``.
         async_save: Copy the data to host memory, return an :class:`AsyncSave` and write in
             the background (on a separate gloo group); ``wait()`` on it before the process
@@ -220,8 +241,9 @@ def save(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, overwrite: bool
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is false.
-        ValueError: ranks pass different trees, or a replicated tensor/value differs.
-        TypeError: a leaf that cannot be saved (naming its path).
+        ValueError: ranks pass different trees, a replicated tensor/value differs, or a part's
+            shard belongs to another plan than the part's spec.
+        TypeError: a leaf that cannot be saved (naming its path), or malformed parts.
         CheckpointError: writing failed on some rank (every rank raises).
 
     Example:
@@ -240,11 +262,11 @@ def save(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, overwrite: bool
     """
     path = os.fspath(path)
     wait_pending()
-    entries = agreed(flatten, tree, spec, "vfsdp.checkpoint.save")
+    entries, layout = agreed(_entries, tree, spec, "vfsdp.checkpoint.save")
     _check_consistent(entries, None)
     if not async_save:
         tmp = prepare(path, overwrite, None)
-        _write(path, tmp, entries, None, spec, None, thread_count)
+        _write(path, tmp, entries, None, layout, None, thread_count)
         return None
     if groups_are_per_thread():
         # Process groups belong to their rank's thread (vfsdp.testing.simulate), so a
@@ -252,7 +274,7 @@ def save(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, overwrite: bool
         tmp = prepare(path, overwrite, None)
         future: concurrent.futures.Future = concurrent.futures.Future()
         data = agreed(_stage, entries, dist.get_rank())
-        future.set_result(_write(path, tmp, entries, data, spec, None, thread_count))
+        future.set_result(_write(path, tmp, entries, data, layout, None, thread_count))
         return AsyncSave(future, path)
     group = _async_group()
     tmp = prepare(path, overwrite, group)
@@ -261,16 +283,20 @@ def save(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, overwrite: bool
         torch.cuda.synchronize()
     key = threading.get_ident()
     executor = _EXECUTORS.setdefault(key, concurrent.futures.ThreadPoolExecutor(1, "vfsdp-ckpt"))
-    future = executor.submit(_write, path, tmp, entries, data, spec, group, thread_count)
+    future = executor.submit(_write, path, tmp, entries, data, layout, group, thread_count)
     handle = AsyncSave(future, path)
     with _LOCK:
         _PENDING[key] = handle
     return handle
 
 
-def load(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *, strict: bool = True,
-         verify: bool = True) -> Any:
+def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = None, *,
+         strict: bool = True, verify: bool = True) -> Any:
     """Load a checkpoint into ``tree_like``'s tensors, in place; collective.
+
+    ``load(path, parts)`` loads a checkpoint of parts (see :func:`save`): ``parts`` in the
+    form it was saved in, each part under any world size, mesh or spec of its own; it returns
+    the same form, with each part's loaded tree in place of its tuple.
 
     Works under any world size, mesh (FSDP or HSDP) or spec: each rank reads exactly the
     pieces it holds now. Tensors may also be plain full tensors (e.g. loading a sharded
@@ -280,20 +306,21 @@ def load(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *, strict: bo
         path: A directory written by :func:`save`.
         tree_like: The tree to fill: same paths as the saved tree (e.g. fresh shards and
             ``opt.init(shards, spec)``), tensors of the saved shapes and dtypes.
-        spec: The spec of ``tree_like``'s shards.
-        strict: Refuse a checkpoint holding entries ``tree_like`` lacks (``False``: load
-            the subset ``tree_like`` names).
+        spec: The spec of ``tree_like``'s shards (``None``: ``tree_like`` is a set of parts).
+        strict: Refuse a checkpoint holding entries (or parts) ``tree_like`` lacks
+            (``False``: load the subset ``tree_like`` names).
         verify: Check each chunk this rank reads against its CRC-32 first (file sizes are
             always checked).
 
     Returns:
         ``tree_like`` with its tensors filled and its plain values (and optimizer steps)
-            taken from the checkpoint.
+            taken from the checkpoint; for parts, their dict or list of loaded trees.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
         CheckpointError: an incomplete save, a missing, truncated or corrupt file, an entry
-            missing or of another shape or dtype (naming it).
+            missing or of another shape or dtype (naming it), a part missing or not named, or
+            parts loaded as one tree and the reverse.
 
     Example:
         >>> import os, tempfile
@@ -316,7 +343,12 @@ def load(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *, strict: bo
     err, manifest, values, entries = None, None, {}, []
     try:
         manifest = read_manifest(path)
-        entries = flatten(tree_like, spec, "vfsdp.checkpoint.load")
+        if spec is None:
+            check_parts(manifest, normalize(tree_like, "vfsdp.checkpoint.load"), strict, path)
+            entries = flatten_parts(tree_like, "vfsdp.checkpoint.load")
+        else:
+            check_one_tree(manifest, path)
+            entries = flatten(tree_like, spec, "vfsdp.checkpoint.load")
         values = match_manifest(manifest, entries, strict, path)
         verify_files(path, manifest)
         with open(os.path.join(path, METADATA), "rb") as f:
@@ -333,4 +365,4 @@ def load(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *, strict: bo
                  planner=VerifyingLoadPlanner(path, manifest, verify))
     except CheckpointException as exc:
         raise _unwrap(exc, "vfsdp.checkpoint.load") from None
-    return unflatten(tree_like, spec, values)
+    return unflatten_parts(tree_like, values) if spec is None else unflatten(tree_like, spec, values)

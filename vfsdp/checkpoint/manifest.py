@@ -18,13 +18,20 @@ from vfsdp.checkpoint.entries import Entry, dtype_name, parse_dtype
 from vfsdp.checkpoint.storage import FORMAT, MANIFEST, VERSION, CheckpointError, manifest_checksum
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["write_manifest", "match_manifest", "METADATA"]
+__all__ = ["write_manifest", "match_manifest", "single_layout", "METADATA"]
 
 METADATA = ".metadata"
 
 
-def write_manifest(tmp: str, entries: list[Entry], spec: ShardSpec, world: int,
-                    gathered: list) -> None:
+def single_layout(spec: ShardSpec) -> dict:
+    """What the manifest records of a one-tree save's plan."""
+    return {"mesh_shape": list(spec.mesh_shape), "spec_fingerprint": spec.fingerprint}
+
+
+def write_manifest(tmp: str, entries: list[Entry], layout: dict, world: int,
+                   gathered: list) -> None:
+    """Write ``vfsdp.json``: the entries, ``layout`` (:func:`single_layout`, or the parts'),
+    the CRCs and sizes ``gathered`` from every rank."""
     items, files = {}, {}
     for _, (crcs, sizes) in gathered:
         items.update(crcs)
@@ -42,8 +49,7 @@ def write_manifest(tmp: str, entries: list[Entry], spec: ShardSpec, world: int,
                               "dtype": dtype_name(e.dtype)})
     manifest = {
         "format": FORMAT, "version": VERSION, "created": time.time(),
-        "torch": torch.__version__, "world_size": world,
-        "mesh_shape": list(spec.mesh_shape), "spec_fingerprint": spec.fingerprint,
+        "torch": torch.__version__, "world_size": world, **layout,
         "bytes": sum(v[2] for v in items.values()),
         "metadata_crc": zlib.crc32(meta), "entries": described, "files": files, "items": items,
     }

@@ -19,6 +19,8 @@ rank). Either composes with FSDP (and ``--hsdp``) over the data axes.
     python examples/train_gpt.py --world-size 2 --resume runs/ckpt/step-50   # on 2 ranks
     python examples/train_gpt.py --tp 2                # mesh dp=2 x tp=2
     python examples/train_gpt.py --ep 2 --experts 4    # mesh dp=2 x ep=2, top-2 routing
+    python examples/train_gpt.py --ep 2 --experts 4 --ckpt runs/moe --save-every 50
+    python examples/train_gpt.py --ep 4 --experts 4 --resume runs/moe/step-50    # ep 2 -> 4
     python examples/train_gpt.py --simulate --tp 2 --hsdp 2 --world-size 8   # threads
     torchrun --nproc-per-node 8 examples/train_gpt.py  # gloo on CPU, NCCL on GPUs
     torchrun --nproc-per-node 8 examples/train_gpt.py --tp 4   # dp=2 x tp=4
@@ -227,8 +229,14 @@ def train(args) -> dict:
     data_rank = rank // args.tp  # the tp ranks of one data-parallel group: the same batch
     first = 1
     if args.resume:  # any world size, mesh or optimizer plan: the checkpoint reshards
-        tree = vfsdp.checkpoint.load(args.resume, {"params": shards, "opt": state, "step": 0},
-                                     spec)
+        tree = {"params": shards, "opt": state, "step": 0}
+        if args.ep > 1:  # two plans in one checkpoint; each part reshards (another dp or ep)
+            loaded = vfsdp.checkpoint.load(args.resume, {
+                "rest": (tree, spec),
+                "experts": ({"params": e_shards, "opt": e_state}, e_spec, par_mesh)})
+            tree, e_state = loaded["rest"], loaded["experts"]["opt"]
+        else:
+            tree = vfsdp.checkpoint.load(args.resume, tree, spec)
         state, first = tree["opt"], tree["step"] + 1
         if rank == 0:
             print(f"resumed from {args.resume} at step {tree['step']}", file=sys.stderr)
@@ -266,9 +274,15 @@ def train(args) -> dict:
                   end="", file=sys.stderr, flush=True)
         if args.ckpt and (step == args.steps or (args.save_every and step % args.save_every == 0)):
             # each rank writes its own shards; async: copied now, written while training goes on
-            pending = vfsdp.checkpoint.save(os.path.join(args.ckpt, f"step-{step}"),
-                                            {"params": shards, "opt": state, "step": step}, spec,
-                                            overwrite=True, async_save=args.async_save)
+            tree = {"params": shards, "opt": state, "step": step}
+            if args.ep > 1:  # the rest's plan and the experts' plan as one checkpoint
+                tree, spec_or_none = {"rest": (tree, spec), "experts": (
+                    {"params": e_shards, "opt": e_state}, e_spec, par_mesh)}, None
+            else:
+                spec_or_none = spec
+            pending = vfsdp.checkpoint.save(os.path.join(args.ckpt, f"step-{step}"), tree,
+                                            spec_or_none, overwrite=True,
+                                            async_save=args.async_save)
     if pending is not None:
         pending.wait()
     if rank == 0:
@@ -405,9 +419,6 @@ def parse(argv=None):
     if args.top_k is not None and not (args.experts and 1 <= args.top_k <= args.experts):
         ap.error(f"--top-k {args.top_k} needs --experts E with 1 <= k <= E "
                  f"(got --experts {args.experts})")
-    if args.ep > 1 and (args.ckpt or args.resume):
-        ap.error("--ckpt/--resume with --ep: the model is two plans (experts and the rest), "
-                 "which one checkpoint here does not hold; drop --ep or the checkpoint")
     return args
 
 

@@ -155,7 +155,8 @@ def _bad_load(path, case):
              "swapped": {"rest": (rest[0], e_spec), "experts": experts},
              "list": [rest, experts],
              "not_a_tuple": {"rest": rest, "experts": [e, e_spec]},
-             "dotted": {"rest": rest, "ex.perts": experts}}[case]
+             "dotted": {"rest": rest, "ex.perts": experts},
+             "wrong_mesh": {"rest": rest, "experts": (*experts[:2], mesh["dp"])}}[case]
     if case == "as_one_tree":
         return _try(vfsdp.checkpoint.load, path, rest[0], r_spec)
     if case == "subset":
@@ -175,6 +176,8 @@ def _bad_load(path, case):
     ("list", ["has no part '0'", "name the parts as they were saved"]),
     ("not_a_tuple", ["TypeError", "part 'experts' is a list, not a (tree, spec)"]),
     ("dotted", ["part name 'ex.perts' is empty or holds a '.'"]),
+    ("wrong_mesh", ["part 'experts''s mesh {'dp': 2} is not the one its spec was planned on "
+                    "(2 data ranks x ep=1)", "pass the mesh its shards were made on"]),
 ])
 def test_mismatches_name_the_part_and_the_fix(saved, case, words):
     msgs = simulate(2, _bad_load, saved, case)

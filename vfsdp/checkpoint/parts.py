@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Optional
 
@@ -106,8 +107,22 @@ def normalize(parts: Any, what: str) -> list[Part]:
             raise TypeError(f"{what}: part {name!r}'s mesh must be the DeviceMesh its shards "
                             f"were made on (vfsdp.mesh(...)) or None, got "
                             f"{type(mesh).__name__}")
+        if mesh is not None:
+            _check_mesh(name, spec, mesh, what)
         out.append(Part(name, tree, spec, mesh))
     return out
+
+
+def _check_mesh(name: str, spec: ShardSpec, mesh: Any, what: str) -> None:
+    """The mesh spans the ranks the spec was planned for (and names its model axis)."""
+    axis = spec.model_axis
+    want = spec.world_size * spec.replicas * (axis[1] if axis else 1)
+    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+    if math.prod(mesh.shape) != want or (axis and sizes.get(axis[0]) != axis[1]):
+        split = f" x {axis[0]}={axis[1]}" if axis else ""
+        raise ValueError(f"{what}: part {name!r}'s mesh {dict(sizes) or tuple(mesh.shape)} is "
+                         f"not the one its spec was planned on ({spec.replicas * spec.world_size}"
+                         f" data ranks{split}); pass the mesh its shards were made on, or none")
 
 
 def _check_owner(name: str, layout: Any, part: Part, what: str) -> None:

@@ -245,3 +245,30 @@ def test_malformed_parts_are_refused_before_anything_is_written(tmp_path):
                            "mesh must be the DeviceMesh", "got a Tensor"]):
         assert w in m, (w, m)
     assert not os.path.exists(path)
+
+
+def _per_group(path, same):
+    """Experts planned per ep group on its "dp" sub-mesh (no tp=): one name, and different
+    tensors in the two groups unless ``same``."""
+    m = vfsdp.mesh(("dp", 2), ("ep", 2))
+    ep = m.get_local_rank("ep")
+    mine = {"w": torch.arange(6.0) + (0 if same else 10 * ep)}
+    spec = vfsdp.plan(mine, 2)
+    e = vfsdp.shard(mine, spec, mesh=m["dp"])
+    msg = _try(vfsdp.checkpoint.save, path, {"experts": (e, spec, m["dp"])})
+    if msg is not None:
+        return msg
+    back = vfsdp.shard({"w": torch.zeros(6)}, spec, mesh=m["dp"])
+    vfsdp.checkpoint.load(path, {"experts": (back, spec, m["dp"])})
+    return vfsdp.gather(back, spec)["w"].tolist()
+
+
+def test_different_tensors_under_one_name_are_refused_not_lost(tmp_path):
+    """Each ep group's experts under one name would keep one group's (DCP stores one chunk per
+    place): refused on every rank, naming the entry and the fix; equal copies save."""
+    msgs = simulate(4, _per_group, str(tmp_path / "diff"), False)
+    for m in msgs:
+        assert "ranks write different data for the same elements of experts.w (6,)" in m, m
+        assert "tp= over the axis that tells them apart" in m
+    assert not os.path.exists(tmp_path / "diff")
+    assert simulate(4, _per_group, str(tmp_path / "same"), True) == [list(range(6))] * 4

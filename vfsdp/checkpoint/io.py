@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import math
 import os
 import threading
 import zlib
@@ -45,6 +46,7 @@ from vfsdp.checkpoint.storage import (
     save_state,
     verify_files,
 )
+from vfsdp.collectives.groups import control_device, device_for
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["save", "load", "AsyncSave", "CheckpointError"]
@@ -128,6 +130,52 @@ def _check_consistent(entries: list[Entry], group) -> None:
                 raise ValueError(f"vfsdp.checkpoint.save: {a[0]} differs between rank 0 and rank "
                                  f"{r} ({a[1:4]} vs {b[1:4]}{', different ' + what if same else ''})"
                                  f"; replicated tensors and values must be equal on every rank")
+
+
+def _check_written_once(entries: list[Entry], group) -> None:
+    """No element of a sharded tensor is written twice with different values.
+
+    DCP keeps one of two chunks stored at the same place, so two writers of different data
+    would lose one silently: e.g. a plain plan sharded on each expert group's sub-mesh, whose
+    groups hold different tensors under one name. One all-reduce of each entry's written
+    element count; only where some are written twice, the writers compare CRC-32s (equal
+    copies, e.g. a part replicated over its sub-meshes by hand, save as before).
+    """
+    sharded = [e for e in entries if e.kind == "sharded"]
+    if not sharded:
+        return
+    counts = torch.tensor([e.piece.numel if e.piece.writer else 0 for e in sharded],
+                          dtype=torch.int64, device=control_device(device_for(group)))
+    dist.all_reduce(counts, group=group)
+    twice = [e for e, got in zip(sharded, counts.tolist()) if got > math.prod(e.shape)]
+    if not twice:
+        return
+    mine = [(e.name, e.piece.start, e.piece.numel, e.piece.within,
+             zlib.crc32(tensor_bytes(e.piece.local))) for e in twice
+            if e.piece.writer and e.piece.numel]
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    crcs: dict = {}
+    conflict = None
+    for name, start, numel, within, crc in (x for rank in every for x in rank):
+        if crcs.setdefault((name, start, numel, within), crc) != crc:
+            conflict = name
+            break
+    if conflict is None:  # same ranges, same data: the distinct ranges cover each once
+        held: dict = {}
+        for name, _start, numel, _within in crcs:
+            held[name] = held.get(name, 0) + numel
+        conflict = next((e.name for e in twice if held.get(e.name, 0) > math.prod(e.shape)),
+                        None)
+    if conflict is None:
+        return
+    e = next(e for e in twice if e.name == conflict)
+    raise ValueError(
+        f"vfsdp.checkpoint.save: ranks write different data for the same elements of {e.name} "
+        f"{tuple(e.shape)}: shards of one plan made on several sub-meshes (e.g. one per expert "
+        f"group) hold different tensors under one name, and all but one would be lost; plan "
+        f"them over the whole mesh with tp= over the axis that tells them apart "
+        f"(vfsdp.plan(params, mesh, tp=rule, tp_axis=...)), as for expert parallelism")
 
 
 def _unwrap(exc: CheckpointException, what: str) -> BaseException:
@@ -264,6 +312,7 @@ def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *
     wait_pending()
     entries, layout = agreed(_entries, tree, spec, "vfsdp.checkpoint.save")
     _check_consistent(entries, None)
+    _check_written_once(entries, None)
     if not async_save:
         tmp = prepare(path, overwrite, None)
         _write(path, tmp, entries, None, layout, None, thread_count)

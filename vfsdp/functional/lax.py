@@ -23,6 +23,12 @@ is replicated but feeds *different* code on each rank (the input of a column-par
 is marked with ``pvary``, whose backward sums the ranks' cotangents. ``all_gather``,
 ``psum_scatter`` and ``all_to_all`` move data, and their backwards move cotangents back.
 
+``axis`` may be a tuple of names, in the mesh's order: ``psum(x, ("dp", "tp"))`` sums over
+every rank that differs from this one only along ``dp`` and ``tp``, as one axis whose index is
+row-major over them (``all_gather`` concatenates in that order, ``psum_scatter`` gives the
+rank of combined index ``i`` chunk ``i``); the backward is the same transposed collective over
+the same ranks. ``axis_index``/``axis_size`` of a tuple are the combined index and size.
+
 Sizes may be uneven: ranks may hold different sizes along the gathered dim; ``psum_scatter``
 cuts like ``torch.tensor_split`` (the first ``len % size`` chunks one longer); ``all_to_all``
 takes ``split_sizes`` per rank. Every function works with ``loss.backward()``,
@@ -44,7 +50,7 @@ rank, with an empty term where nothing else uses it (``out + received[:0].sum()`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -57,6 +63,7 @@ __all__ = ["psum", "pmean", "pvary", "all_gather", "psum_scatter", "all_to_all",
            "axis_size", "use_mesh", "current_mesh"]
 
 _MAX_DIMS = 8
+Axes = Union[str, tuple]  # one mesh axis name, or a tuple of them in the mesh's order
 
 
 # ---------------------------------------------------------------- raw collectives (no autograd)
@@ -273,13 +280,14 @@ def _dim(x: torch.Tensor, dim: int, what: str) -> int:
     return dim % x.dim()
 
 
-def psum(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Tensor:
+def psum(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
     """Sum ``x`` over the ranks of ``axis``; every rank gets the sum. Backward: identity
     (the result and the code after it are replicated: its cotangent counts once).
 
     Args:
         x: This rank's tensor (same shape on every rank of the axis).
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
     Returns:
@@ -301,12 +309,13 @@ def psum(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Ten
     return _PSum.apply(x, axis_of(axis, mesh), 1)
 
 
-def pmean(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Tensor:
+def pmean(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
     """The mean of ``x`` over the ranks of ``axis``. Backward: the cotangent over the size.
 
     Args:
         x: This rank's tensor (same shape on every rank of the axis).
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
     Returns:
@@ -327,13 +336,14 @@ def pmean(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Te
     return _PSum.apply(x, ax, 1.0 / ax.size, "pmean")
 
 
-def pvary(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Tensor:
+def pvary(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
     """Identity on a value replicated over ``axis`` that feeds different code on each rank
     (e.g. the input of a column-parallel matmul). Backward: ``psum`` of the cotangents.
 
     Args:
         x: The replicated value.
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
     Returns:
@@ -355,7 +365,7 @@ def pvary(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Te
     return _PVary.apply(x, axis_of(axis, mesh))
 
 
-def all_gather(x: torch.Tensor, axis: str, dim: int = 0, *,
+def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, *,
                mesh: Optional[Any] = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in axis order; sizes along ``dim`` may
     differ between ranks (the other dims must agree). Backward: ``psum_scatter`` back into
@@ -363,7 +373,8 @@ def all_gather(x: torch.Tensor, axis: str, dim: int = 0, *,
 
     Args:
         x: This rank's piece (at least 1-d).
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         dim: The dim to concatenate along.
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
@@ -392,7 +403,7 @@ def all_gather(x: torch.Tensor, axis: str, dim: int = 0, *,
     return _AllGather.apply(x, ax, d, shapes)
 
 
-def psum_scatter(x: torch.Tensor, axis: str, dim: int = 0, *,
+def psum_scatter(x: torch.Tensor, axis: Axes, dim: int = 0, *,
                  mesh: Optional[Any] = None) -> torch.Tensor:
     """Sum ``x`` over the ranks of ``axis``; rank ``i`` keeps chunk ``i`` of the sum along
     ``dim``, cut as ``torch.tensor_split`` cuts (the first ``len % size`` chunks one longer).
@@ -400,7 +411,8 @@ def psum_scatter(x: torch.Tensor, axis: str, dim: int = 0, *,
 
     Args:
         x: This rank's tensor (same shape on every rank of the axis, at least 1-d).
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         dim: The dim to cut.
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
@@ -423,7 +435,7 @@ def psum_scatter(x: torch.Tensor, axis: str, dim: int = 0, *,
     return _PSumScatter.apply(x, ax, d, _tensor_split_sizes(length, ax.size))
 
 
-def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *,
+def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
                split_sizes: Optional[Sequence[int]] = None,
                mesh: Optional[Any] = None) -> torch.Tensor:
     """Send chunk ``j`` of ``x`` along ``split_dim`` to rank ``j`` of ``axis`` and
@@ -432,7 +444,8 @@ def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *,
 
     Args:
         x: This rank's tensor.
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         split_dim: The dim to cut into one chunk per rank.
         concat_dim: The dim to join the received chunks along.
         split_sizes: This rank's chunk sizes along ``split_dim`` (one per rank; they may
@@ -476,11 +489,12 @@ def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *,
     return _AllToAll.apply(x, ax, s, c, sizes, tuple(shapes))
 
 
-def axis_index(axis: str, *, mesh: Optional[Any] = None) -> int:
+def axis_index(axis: Axes, *, mesh: Optional[Any] = None) -> int:
     """This rank's index along ``axis`` (``mesh``: default the innermost :func:`use_mesh`).
 
     Args:
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
     Returns:
@@ -497,12 +511,13 @@ def axis_index(axis: str, *, mesh: Optional[Any] = None) -> int:
     return axis_of(axis, mesh).index
 
 
-def axis_size(axis: str, *, mesh: Optional[Any] = None) -> int:
+def axis_size(axis: Axes, *, mesh: Optional[Any] = None) -> int:
     """The number of ranks along ``axis`` (``mesh``: default the innermost
     :func:`use_mesh`).
 
     Args:
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
     Returns:

@@ -57,7 +57,8 @@ import torch
 from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
 from vfsdp.collectives.groups import control_device
-from vfsdp.collectives.mesh import Axis, axis_of, current_mesh, use_mesh
+from vfsdp.collectives.mesh import Axis, axis_names, axis_of, current_mesh, use_mesh
+from vfsdp.functional import vma
 
 __all__ = ["psum", "pmean", "pvary", "all_gather", "psum_scatter", "all_to_all", "axis_index",
            "axis_size", "use_mesh", "current_mesh"]
@@ -272,6 +273,18 @@ class _AllToAll(torch.autograd.Function):
 
 # ---------------------------------------------------------------- public functions
 
+def _tracked(op: str, x: torch.Tensor, axis: Axes, run) -> torch.Tensor:
+    """``run()``, checked and its result marked by the ``shard_map`` body's replication
+    tracking (:mod:`vfsdp.functional.vma`) when one runs on this thread."""
+    tracker = vma.current()
+    if tracker is None:
+        return run()
+    after = vma.check_collective(op, x, axis_names(axis))
+    with tracker.pause():
+        out = run()
+    return vma.mark(out, after, tracker)
+
+
 def _dim(x: torch.Tensor, dim: int, what: str) -> int:
     if x.dim() == 0:
         raise ValueError(f"{what}: a 0-d tensor has no dim to cut or join; reshape it to (1,)")
@@ -306,7 +319,7 @@ def psum(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Te
         >>> vfsdp.testing.simulate(4, body)
         [1.0, 1.0, 5.0, 5.0]
     """
-    return _PSum.apply(x, axis_of(axis, mesh), 1)
+    return _tracked("psum", x, axis, lambda: _PSum.apply(x, axis_of(axis, mesh), 1))
 
 
 def pmean(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
@@ -332,8 +345,10 @@ def pmean(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.T
         >>> vfsdp.testing.simulate(4, body)
         [1.5, 1.5, 1.5, 1.5]
     """
-    ax = axis_of(axis, mesh)
-    return _PSum.apply(x, ax, 1.0 / ax.size, "pmean")
+    def run():
+        ax = axis_of(axis, mesh)
+        return _PSum.apply(x, ax, 1.0 / ax.size, "pmean")
+    return _tracked("pmean", x, axis, run)
 
 
 def pvary(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
@@ -362,7 +377,7 @@ def pvary(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.T
         >>> vfsdp.testing.simulate(2, body)
         [[3.0, 3.0], [3.0, 3.0]]
     """
-    return _PVary.apply(x, axis_of(axis, mesh))
+    return _tracked("pvary", x, axis, lambda: _PVary.apply(x, axis_of(axis, mesh)))
 
 
 def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, *,
@@ -393,14 +408,16 @@ def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, *,
         >>> vfsdp.testing.simulate(2, body)[0]
         [0.0, 1.0, 1.0]
     """
-    ax = axis_of(axis, mesh)
-    d = _dim(x, dim, "all_gather")
-    shapes = _shapes(x, ax, "all_gather")
-    off = [s[:d] + s[d + 1:] for s in shapes]
-    if any(len(s) != x.dim() for s in shapes) or any(o != off[0] for o in off):
-        raise ValueError(f"all_gather over {axis!r} along dim {dim}: the ranks' shapes "
-                         f"{shapes} differ off that dim")
-    return _AllGather.apply(x, ax, d, shapes)
+    def run():
+        ax = axis_of(axis, mesh)
+        d = _dim(x, dim, "all_gather")
+        shapes = _shapes(x, ax, "all_gather")
+        off = [s[:d] + s[d + 1:] for s in shapes]
+        if any(len(s) != x.dim() for s in shapes) or any(o != off[0] for o in off):
+            raise ValueError(f"all_gather over {axis!r} along dim {dim}: the ranks' shapes "
+                             f"{shapes} differ off that dim")
+        return _AllGather.apply(x, ax, d, shapes)
+    return _tracked("all_gather", x, axis, run)
 
 
 def psum_scatter(x: torch.Tensor, axis: Axes, dim: int = 0, *,
@@ -429,10 +446,11 @@ def psum_scatter(x: torch.Tensor, axis: Axes, dim: int = 0, *,
         >>> vfsdp.testing.simulate(2, body)
         [[0.0, 2.0, 4.0], [6.0, 8.0]]
     """
-    ax = axis_of(axis, mesh)
-    d = _dim(x, dim, "psum_scatter")
-    length = x.shape[d]
-    return _PSumScatter.apply(x, ax, d, _tensor_split_sizes(length, ax.size))
+    def run():
+        ax = axis_of(axis, mesh)
+        d = _dim(x, dim, "psum_scatter")
+        return _PSumScatter.apply(x, ax, d, _tensor_split_sizes(x.shape[d], ax.size))
+    return _tracked("psum_scatter", x, axis, run)
 
 
 def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
@@ -469,6 +487,11 @@ def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
         >>> vfsdp.testing.simulate(2, body)
         [[0.0, 10.0, 11.0], [1.0, 2.0, 12.0]]
     """
+    return _tracked("all_to_all", x, axis,
+                    lambda: _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh))
+
+
+def _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh) -> torch.Tensor:
     ax = axis_of(axis, mesh)
     s = _dim(x, split_dim, "all_to_all split_dim")
     c = _dim(x, concat_dim, "all_to_all concat_dim")

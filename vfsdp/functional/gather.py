@@ -240,7 +240,7 @@ def _assemble(leaves: list, spec: ShardSpec, calls: dict, make) -> Any:
         call = calls.get(key) or make(key, tuple(k for _, k in members))
         call.recording = torch.is_grad_enabled()
         fulls = _GatherUnit.apply(call, *(leaves[i] for i, _ in members))
-        mark_gathered(fulls, spec)  # under shard_map's check_vma (else nothing)
+        mark_gathered(fulls, spec, members)  # under shard_map's check_vma (else nothing)
         for (i, _), f in zip(members, fulls):
             out[i] = f
     return optree.tree_unflatten(spec.treespec, out)

@@ -231,10 +231,12 @@ def check_collective(op: str, x: torch.Tensor, names: tuple) -> Optional[frozens
     return have
 
 
-def mark_gathered(fulls: Iterable, spec: Any) -> None:
-    """Mark ``vfsdp.gather``'s full tensors as varying over the axes ``spec`` runs on (its
-    data axes and model axis; every axis of the mesh for a plan of the default group): the
-    backward reduces their cotangents over them. Nothing outside a ``shard_map`` body.
+def mark_gathered(fulls: Iterable, spec: Any, members: tuple = ()) -> None:
+    """Mark ``vfsdp.gather``'s full tensors (the spec's leaves ``members``: ``(index, key)``
+    pairs) as varying over the data axes ``spec`` runs on (every axis of the mesh for a plan
+    of the default group), whose backward reduces their cotangents, and a model-parallel
+    piece (``plan(tp=...)``'s ``Shard``) over its model axis. Nothing outside a
+    ``shard_map`` body.
 
     Example:
         >>> mark_gathered([torch.ones(1)], None)          # no tracker: nothing to do
@@ -243,10 +245,9 @@ def mark_gathered(fulls: Iterable, spec: Any) -> None:
     if tracker is None:
         return
     names = getattr(spec, "mesh_dim_names", None)
-    axes = set(tracker.axes) if names is None else set(names)
-    model = getattr(spec, "model_axis", None)
-    if model is not None:
-        axes.add(model[0])
-    axes &= set(tracker.axes)
-    for f in fulls:
-        mark(f, axes, tracker)
+    data = set(tracker.axes) if names is None else set(names) & set(tracker.axes)
+    leaves = spec.leaves() if members else ()
+    for n, f in enumerate(fulls):
+        strided = getattr(leaves[members[n][0]], "strided", None) if members else None
+        split = strided is not None and strided.dim is not None  # dim None: replicated
+        mark(f, data | ({strided.axis} & set(tracker.axes) if split else set()), tracker)

@@ -7,6 +7,7 @@ the forgotten ``pvary`` raises, and none of the examples raises a false alarm (`
 is on in every test here unless a test says otherwise).
 """
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -379,3 +380,39 @@ def test_check_vma_false_checks_nothing():
         return y.tolist()
 
     assert simulate(2, body) == [[2.0, 2.0], [2.0, 2.0]]
+
+
+# ------------------------------------------------------------------ run_layers inside
+
+def _layers_params():
+    return {"layers": [{"w": _randn(4, 4, seed=30 + i) / 2} for i in range(3)]}
+
+
+def _run_layers_body():
+    mesh = vfsdp.mesh(("dp", dist.get_world_size()))
+    spec = vfsdp.plan(_layers_params(), mesh, granularity=vfsdp.rows(1))
+    shards = vfsdp.shard(_layers_params(), spec, mesh=mesh)
+
+    def body(x):  # FSDP over the same axis that splits the batch
+        return vfsdp.run_layers(lambda p, h: torch.tanh(h @ p["w"]), shards["layers"],
+                                spec["layers"], x, grad_reduce="sum")
+
+    (x,) = _leaves(_randn(5, 4, seed=33))
+    y = vfsdp.shard_map(body, mesh, P("dp"), P("dp"))(x)
+    (y * _randn(5, 4, seed=34)).sum().backward()
+    # run_layers keeps them in the gradient buffer: gather copies of its views
+    full = vfsdp.gather(optree.tree_map(torch.clone, vfsdp.grads(shards, spec)), spec)
+    return [y.detach(), x.grad] + [layer["w"].clone() for layer in full["layers"]]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_run_layers_inside_shard_map_equals_one_process(n):
+    ws = _leaves(*(layer["w"] for layer in _layers_params()["layers"]))
+    (x,) = _leaves(_randn(5, 4, seed=33))
+    h = x
+    for w in ws:
+        h = torch.tanh(h @ w)
+    (h * _randn(5, 4, seed=34)).sum().backward()
+    want = [h.detach(), x.grad] + [w.grad for w in ws]
+    for got in simulate(n, _run_layers_body):
+        _close(got, want, "run_layers in shard_map")

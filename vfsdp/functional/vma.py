@@ -33,7 +33,7 @@ Design: a ``TorchFunctionMode`` on the rank's thread sees every torch call; the 
 an attribute of the tensor (``_vfsdp_vma``: the call's token and a frozenset), so the table is
 keyed by identity, costs no subclass and no cleanup, and a stale entry from another call is
 ignored (its token differs). Ints (``axis_index``) are not tracked: a tensor built from this
-rank's index alone counts as invariant. Cost per op: ``benchmarks/bench_vma.py``.
+rank's index alone counts as invariant. Cost per op: ``benchmarks/vma_bench.py`` and docs/shard_map.md.
 """
 
 from __future__ import annotations
@@ -100,42 +100,44 @@ class Tracker(TorchFunctionMode):
             self.paused -= 1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if kwargs else func(*args)
         if self.paused:
             return out
         self.ops += 1
-        tensors = _tensors(args, kwargs)
-        if not tensors:
-            return out
         token = self.token
-        sets = []
-        for t in tensors:
-            entry = t.__dict__.get(_ATTR)
-            sets.append(entry[1] if entry is not None and entry[0] is token else _NONE)
-        union = frozenset().union(*sets)
+        union = _NONE
+        seen = []  # (tensor, its axes)
+        for a in (args if not kwargs else (*args, *kwargs.values())):
+            if isinstance(a, torch.Tensor):
+                entry = a.__dict__.get(_ATTR)
+                v = entry[1] if entry is not None and entry[0] is token else _NONE
+                seen.append((a, v))
+                if v and v is not union:
+                    union = v if not union else union | v
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor):
+                        entry = b.__dict__.get(_ATTR)
+                        v = entry[1] if entry is not None and entry[0] is token else _NONE
+                        seen.append((b, v))
+                        if v and v is not union:
+                            union = v if not union else union | v
         if not union:
             return out
-        outs = (out,) if isinstance(out, torch.Tensor) else tuple(
-            o for o in out if isinstance(o, torch.Tensor)) if isinstance(out, (tuple, list)) else ()
-        if any(o.requires_grad for o in outs):
-            for i, (t, s) in enumerate(zip(tensors, sets)):
-                if t.requires_grad and not union <= s:
-                    _mixed(func, i, t, sorted(union - s))
+        if isinstance(out, torch.Tensor):
+            outs = (out,)
+        elif isinstance(out, (tuple, list)):
+            outs = tuple(o for o in out if isinstance(o, torch.Tensor))
+        else:
+            return out
+        if len(seen) > 1 and any(o.requires_grad for o in outs):
+            for i, (t, v) in enumerate(seen):
+                if v is not union and t.requires_grad and not union <= v:
+                    _mixed(func, i, t, sorted(union - v))
         entry = (token, union)
         for o in outs:
             o.__dict__[_ATTR] = entry
         return out
-
-
-def _tensors(args: tuple, kwargs: dict) -> list:
-    found = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found.extend(b for b in a if isinstance(b, torch.Tensor))
-    return found
 
 
 def _mixed(func, i: int, t: torch.Tensor, axes: list) -> None:

@@ -416,3 +416,28 @@ def test_run_layers_inside_shard_map_equals_one_process(n):
     want = [h.detach(), x.grad] + [w.grad for w in ws]
     for got in simulate(n, _run_layers_body):
         _close(got, want, "run_layers in shard_map")
+
+
+# ------------------------------------------------------------------ double backward
+
+def _penalised(x0, w0):
+    mesh = vfsdp.mesh(("dp", dist.get_world_size()))
+    x, w = _leaves(x0, w0)
+    f = vfsdp.shard_map(lambda x, w: torch.tanh(x @ lax.pvary(w, "dp")), mesh,
+                        (P("dp"), P()), P("dp"))
+    loss = f(x, w).pow(2).sum()
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+    (loss + gx.pow(2).sum()).backward()
+    return x.grad, w.grad
+
+
+def test_a_gradient_penalty_through_shard_map_equals_one_process():
+    """The split's and the assembly's backwards are each other (differentiable), so
+    create_graph=True differentiates through them."""
+    x0, w0 = _randn(5, 3, seed=40), _randn(3, 3, seed=41)
+    x, w = _leaves(x0, w0)
+    loss = torch.tanh(x @ w).pow(2).sum()
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+    (loss + gx.pow(2).sum()).backward()
+    for got in simulate(3, _penalised, x0, w0):
+        _close(list(got), [x.grad, w.grad], "double backward")

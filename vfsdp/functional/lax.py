@@ -39,6 +39,11 @@ all_gather's of psum_scatter and back, all_to_all's of all_to_all), so double ba
 The mesh is ``mesh=`` or the innermost ``with use_mesh(m):``. Reference semantics (a loop over
 ranks): :mod:`vfsdp.functional.lax_reference`.
 
+Inside a :func:`vfsdp.shard_map` body (``check_vma=True``, its default) each collective first
+checks its input's replication: ``psum``, ``pmean``, ``all_gather``, ``psum_scatter`` and
+``all_to_all`` need a value that varies over their axes, ``pvary`` one that does not
+(:mod:`vfsdp.functional.vma`); outside one nothing is checked.
+
 Every rank must run the same collectives, the backward's included. Autograd runs a
 collective's backward only where its result reaches the loss: if it does on some ranks only
 (an expert-parallel rank none of whose experts got a token leaves the tokens it received

@@ -110,7 +110,7 @@ def test_one_screen_api():
         "shard", "scatter", "gather", "gather_async", "release",
         "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm", "Policy",
         "to_dtensor", "from_dtensor", "dtensor_placement",
-        "mesh", "lax", "visualize", "estimate",
+        "mesh", "lax", "shard_map", "P", "visualize", "estimate",
         "init", "optim", "checkpoint", "testing",
     ]
     for name in vfsdp.__all__:

@@ -1,5 +1,5 @@
 """The tutorial notebook examples/prototype_parallelism.ipynb runs end to end in a Jupyter kernel,
-is stored clean, and covers its five steps.
+is stored clean, and covers its five steps (on ``vfsdp.shard_map``).
 
 nbclient, nbformat and ipykernel are dev dependencies (``pip install -e ".[dev]"``): without them
 this test fails rather than skips, so a missing tool cannot hide a broken notebook.
@@ -62,7 +62,9 @@ def test_notebook_explains_its_five_steps():
                  "lax.all_gather(", "lax.psum_scatter(", "lax.all_to_all(", "lax.axis_index(",
                  "lax.axis_size(", "vfsdp.visualize(", "figure=True", "vfsdp.optim.adamw(",
                  "vfsdp.zero_grads(", "opt.update(", "torch.optim.AdamW(", "moe.moe_ep(",
-                 "moe.moe_reference(", 'tp_axis="ep"', "clip_grad_norm_of(", "simulate(4,"]:
+                 "moe.moe_reference(", 'tp_axis="ep"', "clip_grad_norm_of(", "simulate(4,",
+                 "vfsdp.shard_map(", 'in_specs=P("dp")', 'P(("dp", "ep"))', "check_vma=",
+                 'lax.psum(b.sum(), ("dp", "tp"))']:
         assert call in code, f"the notebook's code no longer shows {call}"
 
 
@@ -95,6 +97,10 @@ def test_notebook_executes(monkeypatch):
     printed = "".join(o.get("text", "") for c in code for o in c.outputs)
     assert "TP x FSDP equals one process on all 4 ranks" in printed, printed
     assert "EP x FSDP equals one process on all 4 ranks" in printed, printed
+    # the replication check turns the forgotten pvary into an error; unchecked, x.grad is off
+    assert "check_vma=True:  vfsdp.shard_map (check_vma): TensorBase.matmul mixes" in printed
+    off = re.search(r"check_vma=False: x.grad off by ([0-9.]+)", printed)
+    assert off and float(off.group(1)) > 0.1, printed
     assert "the tp=1 piece of a 2-way split" in printed, printed  # visualize's text
     figures = [c for c in code if "figure=True" in c.source]
     assert figures and any("image/png" in o.get("data", {}) for c in figures

@@ -9,7 +9,7 @@ What a user calls, on one screen::
     Policy                                                    # the options, frozen
     clip_grad_norm                                            # one all-reduce
     to_dtensor, from_dtensor, dtensor_placement               # DTensor interop
-    mesh, lax, visualize                                      # named axes; who holds what
+    mesh, lax, shard_map, P, visualize                        # named axes; who holds what
     init, optim, checkpoint, testing                          # namespaces
 
 The layers underneath (each imports only the ones below it)::
@@ -44,6 +44,7 @@ from vfsdp.functional import (
     to_dtensor,
     zero_grads,
 )
+from vfsdp.functional.shard_map import P, shard_map
 from vfsdp.functional.visualize import visualize
 from vfsdp.optim import clip_grad_norm
 from vfsdp.placements import RaggedShard, StridedRaggedShard
@@ -67,6 +68,6 @@ __all__ = [
     "shard", "scatter", "gather", "gather_async", "release",
     "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm", "Policy",
     "to_dtensor", "from_dtensor", "dtensor_placement",
-    "mesh", "lax", "visualize", "estimate",
+    "mesh", "lax", "shard_map", "P", "visualize", "estimate",
     "init", "optim", "checkpoint", "testing",
 ]

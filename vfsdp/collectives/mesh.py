@@ -13,15 +13,16 @@ import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
 from vfsdp.collectives.groups import world_mesh
 
-__all__ = ["mesh", "Axis", "axis_of", "use_mesh", "current_mesh"]
+__all__ = ["mesh", "Axis", "axis_of", "axis_names", "use_mesh", "current_mesh"]
 
 _CURRENT = threading.local()  # .stack: meshes entered with use_mesh on this thread (rank)
+_GROUPS = threading.local()   # .cache: {(mesh id, axes): (mesh, Axis)} of several axes
 
 
 def mesh(*axes: tuple[str, int]) -> Any:
@@ -72,20 +73,42 @@ class Axis:
     """One mesh axis as this rank sees it: its name, size, this rank's index along it, and
     the process group of the ranks that differ from this one only along it."""
 
-    name: str
+    name: Union[str, tuple]
     size: int
     index: int
     group: Any
 
 
-def axis_of(axis: str, device_mesh: Optional[Any] = None) -> Axis:
+def axis_names(axis: Union[str, tuple, list]) -> tuple:
+    """The axis names of ``axis``: one name, or a tuple of them, as a tuple.
+
+    Raises:
+        TypeError: not a string nor a tuple/list of strings.
+
+    Example:
+        >>> axis_names("tp"), axis_names(("dp", "tp"))
+        (('tp',), ('dp', 'tp'))
+    """
+    names = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(
+        axis, (tuple, list)) else None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"a mesh axis is named by a string or a tuple of strings, got {axis!r}")
+    return names
+
+
+def axis_of(axis: Union[str, tuple], device_mesh: Optional[Any] = None) -> Axis:
     """This rank's view of ``axis`` of ``device_mesh`` (default: the mesh of the innermost
     :func:`use_mesh`).
 
+    ``axis`` may be a tuple of names, in the mesh's order: the ranks that differ from this one
+    only along those axes, as one axis whose index is row-major over them (JAX's
+    ``psum(x, ("dp", "tp"))``). Its process group is built on first use by every rank (each
+    group of the tuple, in the same order on every rank: SPMD code does) and kept.
+
     Raises:
-        TypeError: ``axis`` is not a string.
-        ValueError: no mesh is given or current, or it has no axis of that name (listing
-            those it has).
+        TypeError: ``axis`` is not a string nor a tuple of strings.
+        ValueError: no mesh is given or current, it has no axis of that name (listing
+            those it has), a name repeats, or a tuple is not in the mesh's order.
 
     Example:
         >>> def body():
@@ -95,17 +118,50 @@ def axis_of(axis: str, device_mesh: Optional[Any] = None) -> Axis:
         >>> vfsdp.testing.simulate(2, body)
         [('tp', 2, 0), ('tp', 2, 1)]
     """
-    if not isinstance(axis, str):
-        raise TypeError(f"a mesh axis is named by a string, got {axis!r}")
+    wanted = axis_names(axis)
     m = device_mesh if device_mesh is not None else current_mesh()
     if m is None:
         raise ValueError(f"axis {axis!r}: no mesh; pass mesh=vfsdp.mesh(...) or enter "
                          f"`with vfsdp.lax.use_mesh(mesh):`")
     names = tuple(m.mesh_dim_names or ())
-    if axis not in names:
-        raise ValueError(f"the mesh has no axis {axis!r}; its axes are {names}")
-    dim = names.index(axis)
-    return Axis(axis, int(m.mesh.shape[dim]), int(m.get_local_rank(axis)), m.get_group(axis))
+    for a in wanted:
+        if a not in names:
+            raise ValueError(f"the mesh has no axis {a!r}; its axes are {names}")
+    if len(wanted) == 1:
+        (a,) = wanted
+        return Axis(axis, int(m.mesh.shape[names.index(a)]), int(m.get_local_rank(a)),
+                    m.get_group(a))
+    if len(set(wanted)) != len(wanted):
+        raise ValueError(f"axes {wanted}: a name repeats; name each axis once")
+    dims = [names.index(a) for a in wanted]
+    if dims != sorted(dims):
+        raise ValueError(f"axes {wanted} are not in the mesh's order {names}; name them as "
+                         f"{tuple(sorted(wanted, key=names.index))}")
+    return _several(m, wanted, dims)
+
+
+def _several(m: Any, wanted: tuple, dims: list) -> Axis:
+    """The :class:`Axis` of several axes of ``m`` (their groups built once, on every rank)."""
+    cache = getattr(_GROUPS, "cache", None)
+    if cache is None:
+        cache = _GROUPS.cache = {}
+    key = (id(m), wanted)
+    entry = cache.get(key)
+    if entry is not None and entry[0] is m:
+        return entry[1]
+    rest = [d for d in range(m.mesh.dim()) if d not in dims]
+    rows = m.mesh.permute(*rest, *dims).reshape(-1, math.prod(int(m.mesh.shape[d])
+                                                              for d in dims)).tolist()
+    me = dist.get_rank()
+    found = None
+    for row in rows:  # every rank builds every group of the tuple, in the same order
+        group = dist.new_group(row)
+        if me in row:
+            found = Axis(wanted, len(row), row.index(me), group)
+    if found is None:
+        raise ValueError(f"rank {me} is not in the mesh {m.mesh.tolist()}")
+    cache[key] = (m, found)
+    return found
 
 
 @contextlib.contextmanager

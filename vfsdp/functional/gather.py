@@ -30,6 +30,7 @@ from vfsdp.functional.reduce import reduce_unit
 from vfsdp.functional.traced import traced_gather
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import own_mesh, unit_for, units_of
+from vfsdp.functional.vma import mark_gathered
 from vfsdp.planner.spec import ShardSpec, unit_name
 
 __all__ = ["gather", "gather_async", "start_gather", "GatherHandle", "writes_leaf_grads"]
@@ -239,6 +240,7 @@ def _assemble(leaves: list, spec: ShardSpec, calls: dict, make) -> Any:
         call = calls.get(key) or make(key, tuple(k for _, k in members))
         call.recording = torch.is_grad_enabled()
         fulls = _GatherUnit.apply(call, *(leaves[i] for i, _ in members))
+        mark_gathered(fulls, spec, members)  # under shard_map's check_vma (else nothing)
         for (i, _), f in zip(members, fulls):
             out[i] = f
     return optree.tree_unflatten(spec.treespec, out)

@@ -23,6 +23,12 @@ is replicated but feeds *different* code on each rank (the input of a column-par
 is marked with ``pvary``, whose backward sums the ranks' cotangents. ``all_gather``,
 ``psum_scatter`` and ``all_to_all`` move data, and their backwards move cotangents back.
 
+``axis`` may be a tuple of names, in the mesh's order: ``psum(x, ("dp", "tp"))`` sums over
+every rank that differs from this one only along ``dp`` and ``tp``, as one axis whose index is
+row-major over them (``all_gather`` concatenates in that order, ``psum_scatter`` gives the
+rank of combined index ``i`` chunk ``i``); the backward is the same transposed collective over
+the same ranks. ``axis_index``/``axis_size`` of a tuple are the combined index and size.
+
 Sizes may be uneven: ranks may hold different sizes along the gathered dim; ``psum_scatter``
 cuts like ``torch.tensor_split`` (the first ``len % size`` chunks one longer); ``all_to_all``
 takes ``split_sizes`` per rank. Every function works with ``loss.backward()``,
@@ -32,6 +38,11 @@ all_gather's of psum_scatter and back, all_to_all's of all_to_all), so double ba
 (``create_graph=True``, e.g. a gradient penalty) differentiates through the collectives.
 The mesh is ``mesh=`` or the innermost ``with use_mesh(m):``. Reference semantics (a loop over
 ranks): :mod:`vfsdp.functional.lax_reference`.
+
+Inside a :func:`vfsdp.shard_map` body (``check_vma=True``, its default) each collective first
+checks its input's replication: ``psum``, ``pmean``, ``all_gather``, ``psum_scatter`` and
+``all_to_all`` need a value that varies over their axes, ``pvary`` one that does not
+(:mod:`vfsdp.functional.vma`); outside one nothing is checked.
 
 Every rank must run the same collectives, the backward's included. Autograd runs a
 collective's backward only where its result reaches the loss: if it does on some ranks only
@@ -44,19 +55,21 @@ rank, with an empty term where nothing else uses it (``out + received[:0].sum()`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
 from vfsdp.collectives.groups import control_device
-from vfsdp.collectives.mesh import Axis, axis_of, current_mesh, use_mesh
+from vfsdp.collectives.mesh import Axis, axis_names, axis_of, current_mesh, use_mesh
+from vfsdp.functional import vma
 
 __all__ = ["psum", "pmean", "pvary", "all_gather", "psum_scatter", "all_to_all", "axis_index",
            "axis_size", "use_mesh", "current_mesh"]
 
 _MAX_DIMS = 8
+Axes = Union[str, tuple]  # one mesh axis name, or a tuple of them in the mesh's order
 
 
 # ---------------------------------------------------------------- raw collectives (no autograd)
@@ -265,6 +278,18 @@ class _AllToAll(torch.autograd.Function):
 
 # ---------------------------------------------------------------- public functions
 
+def _tracked(op: str, x: torch.Tensor, axis: Axes, run) -> torch.Tensor:
+    """``run()``, checked and its result marked by the ``shard_map`` body's replication
+    tracking (:mod:`vfsdp.functional.vma`) when one runs on this thread."""
+    tracker = vma.current()
+    if tracker is None:
+        return run()
+    after = vma.check_collective(op, x, axis_names(axis))
+    with tracker.pause():
+        out = run()
+    return vma.mark(out, after, tracker)
+
+
 def _dim(x: torch.Tensor, dim: int, what: str) -> int:
     if x.dim() == 0:
         raise ValueError(f"{what}: a 0-d tensor has no dim to cut or join; reshape it to (1,)")
@@ -273,13 +298,14 @@ def _dim(x: torch.Tensor, dim: int, what: str) -> int:
     return dim % x.dim()
 
 
-def psum(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Tensor:
+def psum(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
     """Sum ``x`` over the ranks of ``axis``; every rank gets the sum. Backward: identity
     (the result and the code after it are replicated: its cotangent counts once).
 
     Args:
         x: This rank's tensor (same shape on every rank of the axis).
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
     Returns:
@@ -298,15 +324,16 @@ def psum(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Ten
         >>> vfsdp.testing.simulate(4, body)
         [1.0, 1.0, 5.0, 5.0]
     """
-    return _PSum.apply(x, axis_of(axis, mesh), 1)
+    return _tracked("psum", x, axis, lambda: _PSum.apply(x, axis_of(axis, mesh), 1))
 
 
-def pmean(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Tensor:
+def pmean(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
     """The mean of ``x`` over the ranks of ``axis``. Backward: the cotangent over the size.
 
     Args:
         x: This rank's tensor (same shape on every rank of the axis).
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
     Returns:
@@ -323,17 +350,20 @@ def pmean(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Te
         >>> vfsdp.testing.simulate(4, body)
         [1.5, 1.5, 1.5, 1.5]
     """
-    ax = axis_of(axis, mesh)
-    return _PSum.apply(x, ax, 1.0 / ax.size, "pmean")
+    def run():
+        ax = axis_of(axis, mesh)
+        return _PSum.apply(x, ax, 1.0 / ax.size, "pmean")
+    return _tracked("pmean", x, axis, run)
 
 
-def pvary(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Tensor:
+def pvary(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
     """Identity on a value replicated over ``axis`` that feeds different code on each rank
     (e.g. the input of a column-parallel matmul). Backward: ``psum`` of the cotangents.
 
     Args:
         x: The replicated value.
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
     Returns:
@@ -352,10 +382,10 @@ def pvary(x: torch.Tensor, axis: str, *, mesh: Optional[Any] = None) -> torch.Te
         >>> vfsdp.testing.simulate(2, body)
         [[3.0, 3.0], [3.0, 3.0]]
     """
-    return _PVary.apply(x, axis_of(axis, mesh))
+    return _tracked("pvary", x, axis, lambda: _PVary.apply(x, axis_of(axis, mesh)))
 
 
-def all_gather(x: torch.Tensor, axis: str, dim: int = 0, *,
+def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, *,
                mesh: Optional[Any] = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in axis order; sizes along ``dim`` may
     differ between ranks (the other dims must agree). Backward: ``psum_scatter`` back into
@@ -363,7 +393,8 @@ def all_gather(x: torch.Tensor, axis: str, dim: int = 0, *,
 
     Args:
         x: This rank's piece (at least 1-d).
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         dim: The dim to concatenate along.
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
@@ -382,17 +413,19 @@ def all_gather(x: torch.Tensor, axis: str, dim: int = 0, *,
         >>> vfsdp.testing.simulate(2, body)[0]
         [0.0, 1.0, 1.0]
     """
-    ax = axis_of(axis, mesh)
-    d = _dim(x, dim, "all_gather")
-    shapes = _shapes(x, ax, "all_gather")
-    off = [s[:d] + s[d + 1:] for s in shapes]
-    if any(len(s) != x.dim() for s in shapes) or any(o != off[0] for o in off):
-        raise ValueError(f"all_gather over {axis!r} along dim {dim}: the ranks' shapes "
-                         f"{shapes} differ off that dim")
-    return _AllGather.apply(x, ax, d, shapes)
+    def run():
+        ax = axis_of(axis, mesh)
+        d = _dim(x, dim, "all_gather")
+        shapes = _shapes(x, ax, "all_gather")
+        off = [s[:d] + s[d + 1:] for s in shapes]
+        if any(len(s) != x.dim() for s in shapes) or any(o != off[0] for o in off):
+            raise ValueError(f"all_gather over {axis!r} along dim {dim}: the ranks' shapes "
+                             f"{shapes} differ off that dim")
+        return _AllGather.apply(x, ax, d, shapes)
+    return _tracked("all_gather", x, axis, run)
 
 
-def psum_scatter(x: torch.Tensor, axis: str, dim: int = 0, *,
+def psum_scatter(x: torch.Tensor, axis: Axes, dim: int = 0, *,
                  mesh: Optional[Any] = None) -> torch.Tensor:
     """Sum ``x`` over the ranks of ``axis``; rank ``i`` keeps chunk ``i`` of the sum along
     ``dim``, cut as ``torch.tensor_split`` cuts (the first ``len % size`` chunks one longer).
@@ -400,7 +433,8 @@ def psum_scatter(x: torch.Tensor, axis: str, dim: int = 0, *,
 
     Args:
         x: This rank's tensor (same shape on every rank of the axis, at least 1-d).
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         dim: The dim to cut.
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
@@ -417,13 +451,14 @@ def psum_scatter(x: torch.Tensor, axis: str, dim: int = 0, *,
         >>> vfsdp.testing.simulate(2, body)
         [[0.0, 2.0, 4.0], [6.0, 8.0]]
     """
-    ax = axis_of(axis, mesh)
-    d = _dim(x, dim, "psum_scatter")
-    length = x.shape[d]
-    return _PSumScatter.apply(x, ax, d, _tensor_split_sizes(length, ax.size))
+    def run():
+        ax = axis_of(axis, mesh)
+        d = _dim(x, dim, "psum_scatter")
+        return _PSumScatter.apply(x, ax, d, _tensor_split_sizes(x.shape[d], ax.size))
+    return _tracked("psum_scatter", x, axis, run)
 
 
-def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *,
+def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
                split_sizes: Optional[Sequence[int]] = None,
                mesh: Optional[Any] = None) -> torch.Tensor:
     """Send chunk ``j`` of ``x`` along ``split_dim`` to rank ``j`` of ``axis`` and
@@ -432,7 +467,8 @@ def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *,
 
     Args:
         x: This rank's tensor.
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         split_dim: The dim to cut into one chunk per rank.
         concat_dim: The dim to join the received chunks along.
         split_sizes: This rank's chunk sizes along ``split_dim`` (one per rank; they may
@@ -456,6 +492,11 @@ def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *,
         >>> vfsdp.testing.simulate(2, body)
         [[0.0, 10.0, 11.0], [1.0, 2.0, 12.0]]
     """
+    return _tracked("all_to_all", x, axis,
+                    lambda: _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh))
+
+
+def _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh) -> torch.Tensor:
     ax = axis_of(axis, mesh)
     s = _dim(x, split_dim, "all_to_all split_dim")
     c = _dim(x, concat_dim, "all_to_all concat_dim")
@@ -476,11 +517,12 @@ def all_to_all(x: torch.Tensor, axis: str, split_dim: int, concat_dim: int, *,
     return _AllToAll.apply(x, ax, s, c, sizes, tuple(shapes))
 
 
-def axis_index(axis: str, *, mesh: Optional[Any] = None) -> int:
+def axis_index(axis: Axes, *, mesh: Optional[Any] = None) -> int:
     """This rank's index along ``axis`` (``mesh``: default the innermost :func:`use_mesh`).
 
     Args:
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
     Returns:
@@ -497,12 +539,13 @@ def axis_index(axis: str, *, mesh: Optional[Any] = None) -> int:
     return axis_of(axis, mesh).index
 
 
-def axis_size(axis: str, *, mesh: Optional[Any] = None) -> int:
+def axis_size(axis: Axes, *, mesh: Optional[Any] = None) -> int:
     """The number of ranks along ``axis`` (``mesh``: default the innermost
     :func:`use_mesh`).
 
     Args:
-        axis: A mesh axis name.
+        axis: A mesh axis name, or a tuple of names in the mesh's order (their ranks as
+            one axis, row-major).
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
     Returns:

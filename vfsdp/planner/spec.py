@@ -574,6 +574,14 @@ class ShardSpec:
     def __hash__(self) -> int:
         return hash(self.fingerprint)
 
+    def recipe(self) -> str:
+        """The ``vfsdp.plan(...)`` call that rebuilds this spec, as Python code: each tensor's
+        block and unit, the mesh and the alignment (:func:`vfsdp.planner.recipe.recipe`).
+        Print it from a shrunk hypothesis example to plan the same spec again."""
+        from vfsdp.planner.recipe import recipe  # it reads the spec's classes
+
+        return recipe(self)
+
     def __repr__(self) -> str:
         from vfsdp.planner.table import format_spec  # the table reads the spec's classes
 

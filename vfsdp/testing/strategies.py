@@ -21,6 +21,15 @@ different dtype per unit. A property test a user can copy::
                        for a, b in zip(tree_leaves(full), tree_leaves(params)))
 
         assert all(vfsdp.testing.simulate(vst.ranks(spec), body))
+
+Reproducing a falsifying example: print ``spec.recipe()`` in the property; it is the
+``vfsdp.plan(...)`` call (the tree as ``ShapeDtype`` leaves, each tensor's block and unit, the
+mesh) that rebuilds the spec hypothesis shrank to, which its table alone does not say.
+
+Discard rate: hypothesis discards a few draws of these strategies itself (draws that run past
+their data; the test never sees them): about 13 % of ``plans()``, 9 % of ``param_trees()``,
+6 % of ``ragged_cases()``, under 3 % of ``shapes()``/``granularities()``, measured by
+``python benchmarks/strategy_discards.py --examples 1000``.
 """
 
 from __future__ import annotations

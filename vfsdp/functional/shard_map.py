@@ -1,0 +1,302 @@
+"""``vfsdp.shard_map``: an SPMD function over a named mesh, with input and output specs.
+
+As JAX's ``shard_map``: every rank calls the mapped function with the same **global** inputs;
+each input is split by its spec (a :class:`P`: per dim, the mesh axis, or tuple of axes, that
+splits it, or ``None``), ``fn`` runs on this rank's pieces (the mesh is its ``use_mesh``, so
+``vfsdp.lax`` collectives name axes alone), and the outputs are assembled by ``out_specs``:
+pieces concatenated along the dims their spec splits, in axis order. Uneven splits cut as
+``torch.tensor_split`` (as ``plan(tp=...)``); output pieces may have any lengths.
+
+Gradients are plain torch's: the global inputs' gradients are the ones one process computing
+the global function gets (each rank ends with all of them). Under the conventions of
+:mod:`vfsdp.lax`, the split's backward gathers the pieces' cotangents, the assembly's backward
+hands each rank its piece of the global cotangent; a replicated (``P()``) input's gradient
+counts once, so a body that uses it differently per rank marks it with ``pvary``.
+``check_vma=True`` (the default) tracks which axes each tensor varies over and raises where
+that was forgotten (:mod:`vfsdp.functional.vma`); it also proves each output's replication
+against its out_spec. With ``check_vma=False`` nothing is checked: an output replicated over
+an axis (not in its out_spec) is each rank's own value, taken as it is.
+
+Costs: the split is one slice and copy per split input (no communication); the assembly one
+all-gather per split dim of an output (with one small exchange of the pieces' shapes), the
+backward the same the other way. Each input and output is handled in a Python loop over the
+tree's leaves (a spec per tensor), which fits prototyping; a training step over many tensors
+belongs in ``vfsdp.gather``/``run_layers`` inside ``fn``, which compose with it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from vfsdp.collectives.mesh import Axis, axis_names, axis_of, use_mesh
+from vfsdp.functional import vma
+from vfsdp.functional.lax import _gather, _shapes, _tensor_split_sizes
+
+__all__ = ["shard_map", "P"]
+
+
+class P(tuple):
+    """A partition spec: per dim of a tensor, the mesh axis that splits it, a tuple of axes
+    (split over them as one axis, row-major, in the mesh's order), or ``None`` (whole).
+    Missing trailing dims are whole; axes it does not name replicate the tensor.
+
+    Example:
+        >>> P("dp", None), P(("dp", "tp")), P()
+        (P('dp', None), P(('dp', 'tp')), P())
+    """
+
+    def __new__(cls, *dims: Any) -> P:
+        out = []
+        for d in dims:
+            if d is not None:
+                names = axis_names(d)
+                if not names:
+                    raise ValueError(f"P{dims!r}: an empty tuple of axes; use None for a "
+                                     f"whole dim")
+                d = names if isinstance(d, (tuple, list)) else d
+            out.append(d)
+        return super().__new__(cls, out)
+
+    def __repr__(self) -> str:
+        return f"P({', '.join(repr(d) for d in self)})"
+
+    def axes(self) -> list:
+        """Every axis name it splits over, in order."""
+        return [a for d in self if d is not None for a in axis_names(d)]
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """One split dim of a tensor: its axis (one or several mesh axes) and every rank's length
+    along it, in the axis's order."""
+
+    dim: int
+    axis: Axis
+    sizes: tuple
+
+
+def _split(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
+    for c in cuts:
+        i = c.axis.index
+        t = t.narrow(c.dim, sum(c.sizes[:i]), c.sizes[i])
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _join(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
+    t = t.detach()
+    for c in cuts:
+        shape = tuple(t.shape)
+        shapes = [(*shape[:c.dim], n, *shape[c.dim + 1:]) for n in c.sizes]
+        t = _gather(t, c.axis, c.dim, shapes)
+    return t
+
+
+class _Split(torch.autograd.Function):
+    """Global tensors -> this rank's pieces; backward: :class:`_Join` of the cotangents."""
+
+    @staticmethod
+    def forward(layouts, *ts):
+        return tuple(_split(t, cuts) for t, cuts in zip(ts, layouts))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.layouts = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *gs):
+        return (None, *_Join.apply(ctx.layouts, *gs))
+
+
+class _Join(torch.autograd.Function):
+    """Every rank's pieces -> the global tensors; backward: :class:`_Split` of the global
+    cotangent (the same on every rank: it counts once)."""
+
+    @staticmethod
+    def forward(layouts, *ts):
+        return tuple(_join(t, cuts) for t, cuts in zip(ts, layouts))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.layouts = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *gs):
+        return (None, *_Split.apply(ctx.layouts, *gs))
+
+
+def _where(kind: str, path: tuple) -> str:
+    return kind + "".join(f"[{p!r}]" for p in path)
+
+
+def _check_spec(spec: Any, t: Any, where: str, names: tuple) -> list:
+    """The ``(dim, names)`` pairs ``spec`` splits ``t`` along, after refusing a spec that
+    does not fit, naming ``where`` and the fix."""
+    if not isinstance(spec, P):
+        raise TypeError(f"shard_map: the spec of {where} is {spec!r}; give a vfsdp.P(...) "
+                        f"(P() replicates)")
+    if not isinstance(t, torch.Tensor):
+        if len(spec):
+            raise ValueError(f"shard_map: {where} is a {type(t).__name__}, not a tensor: its "
+                             f"spec must be P() (it is passed as it is), got {spec!r}")
+        return []
+    if len(spec) > t.dim():
+        raise ValueError(f"shard_map: {spec!r} has {len(spec)} entries but {where} "
+                         f"{tuple(t.shape)} has {t.dim()} dims; give at most one entry per "
+                         f"dim (None: whole, P(): replicated)")
+    seen: set = set()
+    out = []
+    for dim, entry in enumerate(spec):
+        if entry is None:
+            continue
+        for a in axis_names(entry):
+            if a not in names:
+                raise ValueError(f"shard_map: {spec!r} of {where} names axis {a!r}, which the "
+                                 f"mesh does not have; its axes are {names}")
+            if a in seen:
+                raise ValueError(f"shard_map: {spec!r} of {where} uses axis {a!r} twice; a "
+                                 f"tensor is split over an axis once (a tuple splits one dim "
+                                 f"over several)")
+            seen.add(a)
+        if isinstance(entry, tuple) and [names.index(a) for a in entry] != sorted(
+                names.index(a) for a in entry):
+            raise ValueError(f"shard_map: {spec!r} of {where} names {entry} out of the mesh's "
+                             f"order {names}; write {tuple(sorted(entry, key=names.index))}")
+        out.append((dim, entry))
+    return out
+
+
+def _specs(specs: Any, tree: Any, kind: str) -> list:
+    try:
+        return optree.broadcast_prefix(specs, tree, is_leaf=lambda s: isinstance(s, P),
+                                       none_is_leaf=True)
+    except ValueError as exc:
+        raise ValueError(f"shard_map: {kind}_specs {specs!r} do not match the {kind}puts' "
+                         f"structure: give one P per {kind}put (a tuple for several), or one "
+                         f"P for a whole subtree ({exc})") from None
+
+
+def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
+              check_vma: bool = True) -> Callable:
+    """``fn`` as an SPMD program over ``mesh``: called on every rank with the global inputs,
+    it runs ``fn`` on this rank's pieces and returns the global outputs.
+
+    Args:
+        fn: The body: this rank's pieces in, its pieces out (any pytrees). Inside it the mesh
+            is current (``vfsdp.lax.psum(x, "tp")``), and ``vfsdp.gather``/``run_layers``
+            work as anywhere.
+        mesh: A named ``DeviceMesh`` (:func:`vfsdp.mesh`).
+        in_specs: A :class:`P` per input (a tuple for the positional arguments, or a prefix
+            of their pytree: one P for a whole subtree). A split dim is cut as
+            ``torch.tensor_split``; an axis not named replicates the input.
+        out_specs: A :class:`P` per output, as ``in_specs``: each rank's pieces are
+            concatenated, in axis order, along the dims it names; ``P()`` returns an output
+            replicated over every axis.
+        check_vma: Track which axes each tensor varies over (:mod:`vfsdp.functional.vma`):
+            a missing ``pvary`` (a replicated input that requires grad mixed with split
+            values), a collective of a value of the wrong replication, or an output whose
+            replication is not its out_spec's raise a ``ValueError`` naming the axis and the
+            fix. ``False``: none of it (each rank then returns its own value of a replicated
+            output, unchecked).
+
+    Returns:
+        The mapped function (call it on every rank, with the same global inputs).
+
+    Raises:
+        ValueError: a spec that does not fit its input (more entries than dims, an axis the
+            mesh does not have or twice, a tuple out of the mesh's order), naming the input
+            and the fix; with ``check_vma``, replication errors (above).
+        TypeError: a spec that is not a :class:`P`.
+
+    Example:
+        >>> def body():
+        ...     mesh = vfsdp.mesh(("dp", 2))
+        ...     f = vfsdp.shard_map(lambda x: vfsdp.lax.psum(x.sum(0), "dp"), mesh,
+        ...                         in_specs=P("dp"), out_specs=P())
+        ...     return f(torch.arange(6.0).view(3, 2)).tolist()
+        >>> vfsdp.testing.simulate(2, body)
+        [[6.0, 9.0], [6.0, 9.0]]
+    """
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if not names:
+        raise ValueError("shard_map: the mesh has no axis names; make it with "
+                         "vfsdp.mesh((name, size), ...)")
+
+    @functools.wraps(fn)
+    def mapped(*args: Any) -> Any:
+        paths, leaves, treespec = optree.tree_flatten_with_path(args, none_is_leaf=True)
+        specs = _specs(in_specs, args, "in")
+        # A Python loop over the inputs: each has its own spec (noted in the module docstring).
+        layouts = [_layout(_check_spec(s, t, _where("args", p), names), t, mesh, split=True)
+                   for p, s, t in zip(paths, specs, leaves)]
+        cut = [i for i, lay in enumerate(layouts) if lay]
+        pieces = list(leaves)
+        if cut:
+            for i, piece in zip(cut, _Split.apply(tuple(layouts[i] for i in cut),
+                                                  *(leaves[i] for i in cut))):
+                pieces[i] = piece
+        tracker = vma.Tracker(names) if check_vma else None
+        if tracker is not None:
+            for i in cut:
+                vma.mark(pieces[i], [a for c in layouts[i] for a in axis_names(c.axis.name)],
+                         tracker)
+        with use_mesh(mesh):
+            if tracker is None:
+                result = fn(*optree.tree_unflatten(treespec, pieces))
+            else:
+                with tracker:
+                    result = fn(*optree.tree_unflatten(treespec, pieces))
+        return _assemble(result, out_specs, names, mesh, tracker)
+
+    return mapped
+
+
+def _layout(pairs: list, t: Any, mesh: Any, split: bool) -> tuple:
+    """The :class:`_Cut` of each ``(dim, names)``: lengths by ``tensor_split`` (inputs) or as
+    the ranks hold them (outputs: one small exchange of shapes per cut)."""
+    cuts = []
+    for dim, entry in pairs:
+        ax = axis_of(entry, mesh)
+        if split:
+            sizes = tuple(_tensor_split_sizes(t.shape[dim], ax.size))
+        else:
+            sizes = tuple(s[dim] for s in _shapes(t, ax, "shard_map's output"))
+        cuts.append(_Cut(dim, ax, sizes))
+    return tuple(cuts)
+
+
+def _assemble(result: Any, out_specs: Any, names: tuple, mesh: Any, tracker) -> Any:
+    paths, leaves, treespec = optree.tree_flatten_with_path(result, none_is_leaf=True)
+    specs = _specs(out_specs, result, "out")
+    layouts = []
+    for p, s, t in zip(paths, specs, leaves):
+        where = _where("output", p)
+        pairs = _check_spec(s, t, where, names)
+        if tracker is not None and isinstance(t, torch.Tensor):
+            _check_output(tracker.vma(t), s, where)
+        layouts.append(_layout(pairs, t, mesh, split=False))
+    cut = [i for i, lay in enumerate(layouts) if lay]
+    out = list(leaves)
+    if cut:
+        for i, full in zip(cut, _Join.apply(tuple(layouts[i] for i in cut),
+                                            *(leaves[i] for i in cut))):
+            out[i] = full
+    return optree.tree_unflatten(treespec, out)
+
+
+def _check_output(have: frozenset, spec: P, where: str) -> None:
+    named = set(spec.axes())
+    for a in sorted(have - named):
+        raise ValueError(f"shard_map (check_vma): {where} varies over {a!r} but its out_spec "
+                         f"{spec!r} replicates it over {a!r}: psum (or pmean) it over {a!r}, "
+                         f"or name {a!r} in its out_spec to concatenate the ranks' pieces")
+    for a in sorted(named - have):
+        raise ValueError(f"shard_map (check_vma): {where} is invariant over {a!r} (the same on "
+                         f"every rank) but its out_spec {spec!r} splits it over {a!r}: each "
+                         f"rank's gradient would be its part only. pvary it over {a!r} first, "
+                         f"or drop {a!r} from its out_spec")

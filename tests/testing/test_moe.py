@@ -295,7 +295,7 @@ def test_any_routing_skew_gives_the_reference_outputs_and_gradients(case):
     outputs and the gradients of its input, router and experts equal the one-process
     reference's (every token to expert 0 hung in the backward's all_to_all: the rank whose
     experts got nothing skipped it)."""
-    n, e, k, counts, kind, seed, cut = case
+    _, e, k, counts, kind, seed, cut = case
     g = torch.Generator().manual_seed(seed)
     params = moe.moe_params(D, H, e, seed=seed)
     if kind != "random":  # positive tokens, one (or two) dominant router columns
@@ -304,6 +304,13 @@ def test_any_routing_skew_gives_the_reference_outputs_and_gradients(case):
         if kind == "two":
             params["router"][:, (seed + 1) % e] += 4.0
     tokens = [torch.rand(c, D, generator=g) + 0.1 for c in counts]
+    _check_against_reference(params, tokens, k, cut)
+
+
+def _check_against_reference(params, tokens, k, cut):
+    """The layer on ``len(tokens)`` ranks (rank ``r`` holding ``tokens[r]``) against one
+    process: outputs, and the gradients of the tokens, the router and every expert piece."""
+    n = len(tokens)
     full = optree.tree_map(lambda t: t.clone().requires_grad_(True), params)
     xs = [x.clone().requires_grad_(True) for x in tokens]
     ys = [moe.moe_reference(full, x, k) for x in xs]
@@ -323,6 +330,44 @@ def test_any_routing_skew_gives_the_reference_outputs_and_gradients(case):
         for name, grad in local.items():
             want = expert_grads[name].tensor_split(n, RULES[cut](("experts", name)).dim)[r]
             assert torch.allclose(zero(grad, want), want, atol=1e-5), (r, name)
+
+
+@st.composite
+def _assignments(draw):
+    """Top-k assignments drawn directly, each token's k experts in order: any, or every
+    token to the same k experts; 0-4 tokens per rank; ep 1..4; top-1..3; both cuts."""
+    n = draw(st.integers(1, 4))
+    e = n * draw(st.integers(1, 2))
+    k = draw(st.integers(1, min(3, e)))
+    counts = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
+    choice = st.permutations(range(e)).map(lambda p: tuple(p[:k]))
+    if draw(st.booleans()):  # degenerate: one assignment for every token of every rank
+        same = draw(choice)
+        picks = [[same] * c for c in counts]
+    else:
+        picks = [draw(st.lists(choice, min_size=c, max_size=c)) for c in counts]
+    return n, e, k, picks, draw(st.integers(0, 2 ** 16)), draw(st.sampled_from(["ep", "etp"]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(_assignments())
+def test_any_top_k_assignment_gives_the_reference_outputs_and_gradients(case):
+    """The router made the identity and each token its logits, so the drawn assignment is
+    the routing: every token to the same experts, experts no token reaches, ranks with no
+    token, over ep 1..4 and both cuts of the stacks."""
+    _, e, k, picks, seed, cut = case
+    params = moe.moe_params(D, H, e, seed=seed)
+    params["router"] = torch.eye(D, e)  # x @ router: the token's first e features
+    g = torch.Generator().manual_seed(seed)
+    tokens = []
+    for rank_picks in picks:
+        x = torch.rand(len(rank_picks), D, generator=g) * 0.1  # below every chosen logit
+        for t, chosen in enumerate(rank_picks):
+            for place, expert in enumerate(chosen):
+                x[t, expert] = 3.0 - 0.5 * place  # distinct: the order of the choice
+        assert moe.route(x, params["router"], k)[0].tolist() == [list(c) for c in rank_picks]
+        tokens.append(x)
+    _check_against_reference(params, tokens, k, cut)
 
 
 @pytest.mark.parametrize("n, e, counts, hot", [

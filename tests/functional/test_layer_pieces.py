@@ -76,7 +76,9 @@ def _train(dp: int, ep: int, scheduled, micro: int, empty):
     for m in range(micro):
         x, y = _tokens(m, r, empty)
         opts = {"grad_reduce": "sum", "grad_sync": m == micro - 1}
-        if scheduled == "hooks":  # (its regather recomputes the layer: no all_to_all there)
+        if scheduled == "hooks":  # reshard off: under simulate's threads, the regather's
+            # selective checkpoint finds its saved all_to_all output written after it was
+            # saved (the threaded group copies into it late); gloo processes run it
             opts.update(all_gather=_Identity(), reshard_after_forward=False)
         if scheduled:
             h = vfsdp.run_layers(lambda p, h: _layer(p, h, mesh),

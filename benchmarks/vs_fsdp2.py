@@ -22,11 +22,23 @@ configuration (world size x model) it prints medians over the timed steps after 
     python benchmarks/vs_fsdp2.py                      # W = 2 and 4, dense and MoE
     python benchmarks/vs_fsdp2.py --world-sizes 2 --models dense --steps 12 --json out.json
     python benchmarks/vs_fsdp2.py --world-sizes 1 2 --models dense --fsdp2-optim fused
+    python benchmarks/vs_fsdp2.py --world-sizes 4 --models moe --ep 2     # EP x FSDP
+
+``--ep N`` runs the MoE model top-2 routed with its experts split over ``N`` ranks, on a
+``(dp, ep)`` mesh, both ways torchtitan does it: vfsdp as ``examples/train_gpt.py --ep``
+(the rest planned over every rank, each ``ep`` index's experts over ``dp``, every layer one
+``run_layers`` step of both pieces), FSDP2 with each block's experts ``fully_shard``-ed over
+``dp`` (their gradients divided by the world size: by ``dp`` in the reduce-scatter, by
+``ep`` with the clip, as gloo has no ``PREMUL_SUM``) and the rest over every rank; the same
+``moe_ep`` all-to-alls, one gradient norm over both, clipped to 1. The table's collectives
+column also gives the bytes they move (each collective's largest tensor, the same count for
+both).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -42,8 +54,19 @@ import torch.distributed as dist
 
 import vfsdp
 from vfsdp.collectives import slot_of
-from vfsdp.testing import CopyCounter, LiveBytes, spawn
-from vfsdp.testing.models import GPTConfig, GPTModule, init_rule, loss_fn, meta_params
+from vfsdp.testing import CopyCounter, LiveBytes, moe, spawn
+from vfsdp.testing.models import (
+    GPTConfig,
+    GPTModule,
+    _Block,
+    _heads,
+    _rms,
+    embed,
+    head_loss,
+    init_rule,
+    loss_fn,
+    meta_params,
+)
 
 MODELS = {
     "dense": GPTConfig(dim=256, layers=4, heads=8, kv_heads=4, ffn=688, seq=64),
@@ -74,17 +97,7 @@ def _vfsdp_system(cfg: GPTConfig, param_dtype):
                                            cfg, gopts)
         return float(loss)
 
-    def persistent():  # every buffer of every unit, read from the shards themselves
-        units = {id(u): u for u in (slot_of(t).unit for t in optree.tree_leaves(shards))}
-        out = []
-        for u in units.values():
-            for db in u.buffers():
-                out += [db.shard, db.global_buffer]
-        for db in (*box["state"].exp_avg.values(), *box["state"].exp_avg_sq.values()):
-            out.append(db.shard)
-        return out
-
-    return step, persistent
+    return step, lambda: _units_buffers([shards], [box["state"]])
 
 
 def _fsdp2_system(cfg: GPTConfig, param_dtype, fsdp2_optim: str = "single"):
@@ -124,14 +137,164 @@ def _fsdp2_system(cfg: GPTConfig, param_dtype, fsdp2_optim: str = "single"):
     return step, persistent
 
 
+def _units_buffers(trees: list, states: list) -> list:
+    """Every buffer of every unit of the shards ``trees``, and the AdamW ``states``' moments."""
+    units = {id(u): u for tree in trees for u in (slot_of(t).unit for t in optree.tree_leaves(tree))}
+    out = []
+    for u in units.values():
+        for db in u.buffers():
+            out += [db.shard, db.global_buffer]
+    for state in states:
+        for db in (*state.exp_avg.values(), *state.exp_avg_sq.values()):
+            out.append(db.shard)
+    return out
+
+
+def _vfsdp_ep_system(cfg: GPTConfig, param_dtype, ep: int):
+    """``train_gpt --ep``'s step: the rest over every rank, this ``ep`` index's experts over
+    ``dp``, each layer one ``run_layers`` step of both."""
+    from train_gpt import train_step_ep
+
+    from vfsdp.testing.models_tp import ep_rule, split_experts
+
+    world = dist.get_world_size()
+    mesh = vfsdp.mesh(("dp", world // ep), ("ep", ep))
+    init_fn = vfsdp.init.sharded(init_rule(cfg), 0)
+    rest, experts = split_experts(meta_params(cfg))
+    spec = vfsdp.plan(rest, world, comm_dtypes=[torch.bfloat16])
+    shards = vfsdp.shard(rest, spec, init_fn=init_fn)
+    e_spec = vfsdp.plan(experts, mesh, tp=ep_rule, tp_axis="ep", comm_dtypes=[torch.bfloat16])
+    e_shards = vfsdp.shard(experts, e_spec, mesh=mesh, init_fn=init_fn)
+    opt = vfsdp.optim.adamw(lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    box = {"states": [opt.init(shards, spec), opt.init(e_shards, e_spec)]}
+    gopts = {"param_dtype": param_dtype, "reduce_dtype": torch.float32 if param_dtype else None}
+
+    def step(tokens, targets):
+        loss, _, box["states"] = train_step_ep([(shards, spec), (e_shards, e_spec)], mesh, opt,
+                                               box["states"], [(tokens, targets)], cfg, gopts)
+        return float(loss)
+
+    return step, lambda: _units_buffers([shards, e_shards], box["states"])
+
+
+class _Experts(torch.nn.Module):
+    """This ``ep`` index's experts of one layer; its forward is the routed MoE layer (so FSDP2
+    gathers them around it)."""
+
+    def __init__(self, local: dict, cfg: GPTConfig, mesh) -> None:
+        super().__init__()
+        self.cfg, self.mesh = cfg, mesh
+        for name, value in local.items():
+            self.register_parameter(name, torch.nn.Parameter(value.clone()))
+
+    def forward(self, router: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        local = {n: getattr(self, n) for n in ("w_gate", "w_up", "w_down")}
+        return moe.moe_ep(router, local, h, self.cfg.top_k, "ep", self.cfg.experts,
+                          mesh=self.mesh)
+
+
+class _EPBlock(torch.nn.Module):
+    """``block_ep`` as modules: the dense part's parameters here, the experts a child."""
+
+    def __init__(self, tree: dict, cfg: GPTConfig, mesh, index: int, ep: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.names = [k for k in tree if k != "experts"]
+        for name in self.names:
+            self.register_parameter(name, torch.nn.Parameter(tree[name].clone()))
+        per = cfg.experts // ep
+        self.experts = _Experts({k: v[index * per:(index + 1) * per]
+                                 for k, v in tree["experts"].items()}, cfg, mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p, cfg = {n: getattr(self, n) for n in self.names}, self.cfg
+        x = x + _heads(_rms(x, p["attn_norm"]), p, cfg, cfg.heads, cfg.kv_heads) @ p["wo"]
+        h = _rms(x, p["mlp_norm"])
+        return x + self.experts(p["router"], h.reshape(-1, h.shape[-1])).view_as(h)
+
+
+class _EPModel(torch.nn.Module):
+    def __init__(self, full: dict, cfg: GPTConfig, mesh, ep: int) -> None:
+        super().__init__()
+        index = mesh.get_local_rank("ep")
+        self.io = _Block(full["io"], cfg)
+        self.blocks = torch.nn.ModuleList(_EPBlock(p, cfg, mesh, index, ep)
+                                          for p in full["layers"])
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        io = self.io.tree()
+        x = embed(io, tokens)
+        for blk in self.blocks:
+            x = blk(x)
+        return head_loss(io, x, targets)
+
+
+def _fsdp2_ep_system(cfg: GPTConfig, param_dtype, ep: int, fsdp2_optim: str = "single"):
+    """torchtitan's EP x FSDP2: each block's experts ``fully_shard``-ed over ``dp`` (their
+    gradients divided by the world size: they hold every ``ep`` peer's tokens), the rest over
+    every rank; one gradient norm over both (the experts' squares summed over ``ep``).
+    ``ep`` divides the experts: ``E / ep`` each."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = dist.get_world_size()
+    mesh = vfsdp.mesh(("dp", world // ep), ("ep", ep))
+    model = _EPModel(vfsdp.init.full_tree(init_rule(cfg), meta_params(cfg), 0), cfg, mesh, ep)
+    world_mesh = init_device_mesh("cpu", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype,
+                              reduce_dtype=torch.float32 if param_dtype else None)
+    for blk in model.blocks:
+        fully_shard(blk.experts, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=True)
+        fully_shard(blk, mesh=world_mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=world_mesh, mp_policy=mp, reshard_after_forward=True)
+    expert_ids = {id(p) for blk in model.blocks for p in blk.experts.parameters()}
+    experts = [p for p in model.parameters() if id(p) in expert_ids]
+    rest = [p for p in model.parameters() if id(p) not in expert_ids]
+    kind = {"single": {"foreach": False}, "foreach": {"foreach": True},
+            "fused": {"fused": True}}[fsdp2_optim]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1,
+                            **kind)
+    ep_group = mesh.get_group("ep")
+
+    def step(tokens, targets):
+        opt.zero_grad(set_to_none=True)
+        loss = model(tokens, targets)
+        loss.backward()
+        # The experts' gradients came averaged over dp: / ep more makes them / world (gloo
+        # has no PREMUL_SUM for set_gradient_divide_factor); folded into the clip's scale.
+        sq = (torch.nn.utils.get_total_norm([p.grad for p in experts]).full_tensor() / ep) ** 2
+        dist.all_reduce(sq, group=ep_group)  # every ep index's experts
+        sq = sq + torch.nn.utils.get_total_norm([p.grad for p in rest]).full_tensor() ** 2
+        coef = min(1.0, 1.0 / (float(sq.sqrt()) + 1e-6))
+        for p in rest:
+            p.grad.mul_(coef)
+        for p in experts:
+            p.grad.mul_(coef / ep)
+        opt.step()
+        return loss.item()
+
+    def persistent():
+        out = [p._local_tensor if hasattr(p, "_local_tensor") else p for p in model.parameters()]
+        for st in opt.state.values():
+            out += [v for v in st.values() if isinstance(v, torch.Tensor)]
+        return out
+
+    return step, persistent
+
+
 def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str,
-               fsdp2_optim: str = "single") -> dict:
+               fsdp2_optim: str = "single", ep: int = 1) -> dict:
     torch.manual_seed(0)
     rank = dist.get_rank()
     cfg = MODELS[model_name]
     param_dtype = {"fp32": None, "bf16": torch.bfloat16}[param_dtype_name]
-    systems = {"vfsdp": _vfsdp_system(cfg, param_dtype),
-               "fsdp2": _fsdp2_system(cfg, param_dtype, fsdp2_optim)}
+    if ep > 1:  # top-2 routed, the experts split over ep
+        cfg = dataclasses.replace(cfg, top_k=2)
+        systems = {"vfsdp": _vfsdp_ep_system(cfg, param_dtype, ep),
+                   "fsdp2": _fsdp2_ep_system(cfg, param_dtype, ep, fsdp2_optim)}
+    else:
+        systems = {"vfsdp": _vfsdp_system(cfg, param_dtype),
+                   "fsdp2": _fsdp2_system(cfg, param_dtype, fsdp2_optim)}
     times = {k: [] for k in systems}
     losses = {k: [] for k in systems}
     for step in range(1, warmup + steps + 1):
@@ -142,7 +305,8 @@ def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str,
             losses[name].append(fn(tokens, targets))
             if step > warmup:
                 times[name].append(time.perf_counter() - t0)
-    out = {"config": f"W={dist.get_world_size()} {model_name} {param_dtype_name}"}
+    out = {"config": f"W={dist.get_world_size()} {model_name}{f' ep={ep}' if ep > 1 else ''} "
+                     f"{param_dtype_name}"}
     tokens, targets = _batches(warmup + steps + 1, rank, cfg)
     for name, (fn, persistent) in systems.items():
         mem = LiveBytes().track(*persistent())
@@ -150,6 +314,7 @@ def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str,
             fn(tokens, targets)
         out[name] = {"step_s": statistics.median(times[name]), "peak_bytes": mem.peak,
                      "copied_bytes": copies.copy_bytes, "collectives": copies.collectives,
+                     "collective_bytes": copies.collective_bytes,
                      "aten_ops": sum(copies.ops.values()), "kernels": copies.kernels,
                      "final_loss": losses[name][-1], "first_loss": losses[name][0]}
     # The model's own copies (attention reshapes, rotary stacks): the same model run on one
@@ -169,6 +334,7 @@ def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str,
     out["copied_bytes_ratio"] = v["copied_bytes"] / max(f["copied_bytes"], 1)
     out["aten_ops_ratio"] = v["aten_ops"] / max(f["aten_ops"], 1)
     out["kernels_ratio"] = v["kernels"] / max(f["kernels"], 1)
+    out["collective_bytes_ratio"] = v["collective_bytes"] / max(f["collective_bytes"], 1)
     return out if rank == 0 else {}
 
 
@@ -182,20 +348,29 @@ def main(argv=None) -> int:
     ap.add_argument("--fsdp2-optim", choices=["single", "foreach", "fused"], default="single",
                     help="torch.optim.AdamW's kernel for FSDP2: single (bitwise vfsdp's math on "
                          "the CPU), foreach or fused (fewest ops)")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="MoE only: split the experts over this many ranks (EP x FSDP), top-2")
     ap.add_argument("--json", help="write one record per configuration to this file")
     args = ap.parse_args(argv)
+    if args.ep > 1:
+        if args.models != ["moe"]:
+            ap.error(f"--ep {args.ep} splits the MoE model's experts: pass --models moe")
+        bad = [w for w in args.world_sizes if w % args.ep]
+        if bad or MODELS["moe"].experts % args.ep:
+            ap.error(f"--ep {args.ep} must divide every world size (not {bad}) and the "
+                     f"{MODELS['moe'].experts} experts")
     os.environ["OMP_NUM_THREADS"] = "1"
     mib = 2 ** 20
     records = []
     print(f"{'config':<22} {'step ms vfsdp/FSDP2':>20} {'ratio':>6} {'peak MiB vfsdp/FSDP2':>22} "
           f"{'ratio':>6} {'copied MiB vfsdp/FSDP2':>23} {'ratio':>6} {'added by system':>16} "
           f"{'ratio':>6} {'aten ops vfsdp/FSDP2':>21} {'ratio':>6} {'kernels vfsdp/FSDP2':>20} "
-          f"{'ratio':>6} {'collectives':>12} "
+          f"{'ratio':>6} {'collectives (MiB)':>26} {'ratio':>6} "
           f"{'final loss':>17}")
     for world in args.world_sizes:
         for model in args.models:
             r = spawn(bench_rank, world, model, args.steps, args.warmup, args.param_dtype,
-                      args.fsdp2_optim, timeout=3600)[0]
+                      args.fsdp2_optim, args.ep, timeout=3600)[0]
             v, f = r["vfsdp"], r["fsdp2"]
             print(f"{r['config']:<22} {1e3 * v['step_s']:>9.1f}/{1e3 * f['step_s']:<10.1f} "
                   f"{r['step_time_ratio']:>6.3f} {v['peak_bytes'] / mib:>10.2f}/"
@@ -205,7 +380,9 @@ def main(argv=None) -> int:
                   f"{f['added_copied_bytes'] / mib:<8.2f} {r['added_copied_bytes_ratio']:>6.3f} "
                   f"{v['aten_ops']:>9}/{f['aten_ops']:<11} {r['aten_ops_ratio']:>6.3f} "
                   f"{v['kernels']:>9}/{f['kernels']:<10} {r['kernels_ratio']:>6.3f} "
-                  f"{v['collectives']:>5}/{f['collectives']:<6} "
+                  f"{v['collectives']:>4} ({v['collective_bytes'] / mib:.2f})/"
+                  f"{f['collectives']:<4} ({f['collective_bytes'] / mib:.2f}) "
+                  f"{r['collective_bytes_ratio']:>6.3f} "
                   f"{v['final_loss']:>8.4f}/{f['final_loss']:<8.4f}", flush=True)
             records.append(r)
     if args.json:

@@ -149,29 +149,24 @@ def train_step_ep(trees, mesh, opt, states, micro_batches, cfg: GPTConfig, gopts
     loss is divided by the world size and the gradients are summed (``grad_reduce="sum"``):
     the rest's over every rank, the experts' over ``dp`` (the ``ep`` peers' share came
     through the all-to-all). An average would count the experts' gradients ``ep`` times.
-    Each layer's experts are gathered inside its ``run_layers`` step and stay gathered until
-    its backward.
+    Each layer is one ``run_layers`` step of two pieces, its dense part and its experts,
+    gathered, prefetched, released after its forward and regathered for its backward together,
+    each reduce-scattered over its own group.
     """
     (shards, spec), (e_shards, e_spec) = trees
     world = dist.get_world_size()
     for s, sp in trees:
         vfsdp.zero_grads(s, sp)
-    layer_specs = [spec["layers"][i] for i in range(cfg.layers)]
+    layers = [{"dense": (shards["layers"][i], spec["layers"][i]),
+               "experts": (e_shards["layers"][i], e_spec["layers"][i])}
+              for i in range(cfg.layers)]
     step_loss = 0.0
     for micro, (tokens, targets) in enumerate(micro_batches):
         opts = dict(gopts, grad_sync=micro == len(micro_batches) - 1, grad_reduce="sum")
-        layer = iter(range(cfg.layers))  # run_layers calls the layer function once per layer
-
-        def layer_fn(p, h):
-            i = next(layer)
-            experts = vfsdp.gather(e_shards["layers"][i]["experts"],
-                                   e_spec["layers"][i]["experts"], mesh=mesh, grads="buffer",
-                                   free_after_backward=True, **opts)
-            return block_ep(dict(p, experts=experts), h, cfg, mesh)
-
         io = vfsdp.gather(shards["io"], spec["io"], grads="buffer", free_after_backward=True,
                           **opts)
-        x = vfsdp.run_layers(layer_fn, shards["layers"], layer_specs, embed(io, tokens), **opts)
+        x = vfsdp.run_layers(lambda p, h: block_ep(dict(p["dense"], **p["experts"]), h, cfg, mesh),
+                             layers, None, embed(io, tokens), **opts)
         loss = head_loss(io, x, targets) / len(micro_batches)
         (loss / world).backward()
         step_loss = step_loss + loss.detach()

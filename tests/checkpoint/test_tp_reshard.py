@@ -1,6 +1,7 @@
 """Checkpoints of TP x FSDP and EP x FSDP plans reshard across model-axis degrees bitwise:
-tp 2 -> 1 -> 4 and ep 2 -> 4, parameters and AdamW moments (a StridedRaggedShard piece is
-stored as boxes of the global tensor)."""
+tp 2 -> 1 -> 4, ep 2 -> 4, and expert stacks cut on their hidden dim to whole experts per
+rank, parameters and AdamW moments (a StridedRaggedShard piece is stored as boxes of the global
+tensor)."""
 
 import os
 
@@ -22,7 +23,8 @@ def _mlp_rule(path):
     return {"w_up": Shard(1), "w_down": Shard(0)}.get(path[-1], Replicate())
 
 
-MODELS = {"tp": (_mlp, _mlp_rule), "ep": (lambda: moe.moe_params(8, 12, 4), moe.ep_rule)}
+MODELS = {"tp": (_mlp, _mlp_rule), "ep": (lambda: moe.moe_params(8, 12, 4), moe.ep_rule),
+          "etp": (lambda: moe.moe_params(8, 12, 4), moe.etp_rule)}
 
 
 def _piece(t, s, rank):
@@ -96,6 +98,16 @@ def test_ep_2_to_4_bitwise(tmp_path):
     simulate(4, _train_save, "ep", "ep", 2, 2, a)
     _expect("ep", "ep", simulate(4, _load, "ep", "ep", 1, 4, a))
     _expect("ep", "ep", simulate(2, _load, "ep", "ep", 1, 2, a))
+
+
+def test_expert_stacks_cut_on_their_hidden_dim_reshard_to_any_cut_bitwise(tmp_path):
+    """[E, D, H] stacks cut on dim 2 (and [E, H, D] on dim 1) at (dp, ep) = (2, 2) load at
+    (1, 4) with the same cut, and with whole experts per rank (dim 0), and back."""
+    a, b = os.path.join(tmp_path, "etp2"), os.path.join(tmp_path, "ep4")
+    simulate(4, _train_save, "etp", "ep", 2, 2, a)
+    _expect("etp", "ep", simulate(4, _load, "etp", "ep", 1, 4, a))
+    _expect("ep", "ep", simulate(4, _load, "ep", "ep", 1, 4, a, b))   # saved again, dim 0
+    _expect("etp", "ep", simulate(2, _load, "etp", "ep", 1, 2, b))
 
 
 def _save_8bit(path, n):

@@ -51,14 +51,55 @@ def test_expert_parallel_layer_equals_the_reference_forward_and_backward(n):
             assert torch.allclose(g, want, atol=1e-5), (r, name)
 
 
+def _etp_forward_backward(params, counts):
+    n, r = dist.get_world_size(), dist.get_rank()
+    x = torch.randn(counts[r], D, generator=torch.Generator().manual_seed(r)).requires_grad_(True)
+    router = params["router"].clone().requires_grad_(True)
+    local = _local(params["experts"], "etp", n, r)
+    y = moe.moe_etp(router, local, x, K, "etp", mesh=vfsdp.mesh(("etp", n)))
+    y.pow(2).sum().backward()
+    zero = lambda t, like: torch.zeros_like(like) if t is None else t
+    return y.detach(), zero(x.grad, x), zero(router.grad, router), {
+        k: zero(v.grad, v) for k, v in local.items()}
+
+
+@pytest.mark.parametrize("n, hidden, counts", [(1, 10, [5]), (2, 10, [4, 0]),
+                                               (4, 10, [3, 1, 0, 6]), (3, 2, [2, 2, 2])])
+def test_experts_cut_on_their_hidden_dim_equal_the_reference(n, hidden, counts):
+    """The 3-D stacks cut on dim 2 (``w_gate``, ``w_up``) and 1 (``w_down``) over ``n``
+    ranks, unevenly (10 hidden units over 4: 3, 3, 2, 2; 2 over 3: one rank holds none),
+    ranks with no token: outputs and the gradients of the tokens, the router and every
+    expert's slice equal one process's."""
+    params = moe.moe_params(D, hidden, E)
+    full = optree.tree_map(lambda t: t.clone().requires_grad_(True), params)
+    xs = [torch.randn(c, D, generator=torch.Generator().manual_seed(r)).requires_grad_(True)
+          for r, c in enumerate(counts)]
+    ys = [moe.moe_reference(full, x, K) for x in xs]
+    sum(y.pow(2).sum() for y in ys).backward()
+    got = simulate(n, _etp_forward_backward, params, counts)
+    assert torch.allclose(sum(g[2] for g in got), full["router"].grad, atol=1e-5)
+    for r, (y, x_grad, _, local) in enumerate(got):
+        assert torch.allclose(y, ys[r].detach(), atol=1e-5)
+        assert torch.allclose(x_grad, torch.zeros_like(x_grad) if xs[r].grad is None
+                              else xs[r].grad, atol=1e-5)  # no token: no gradient
+        for name, grad in local.items():
+            dim = moe.etp_rule(("experts", name)).dim
+            assert torch.allclose(grad, full["experts"][name].grad.tensor_split(n, dim)[r],
+                                  atol=1e-5), (r, name)
+
+
 # ---------------------------------------------------------------- EP x FSDP, trained
 
 LR, STEPS = 1e-2, 3
 
 
-def _ep_setup(dp: int, ep: int):
-    """The router FSDP over every rank; the stacked experts split over "ep" (ep_rule), each
-    index's experts FSDP over its "dp" ranks."""
+RULES = {"ep": moe.ep_rule, "etp": moe.etp_rule}
+
+
+def _ep_setup(dp: int, ep: int, cut: str = "ep"):
+    """The router FSDP over every rank (over "dp" and "ep" together: no copy per "ep"
+    index); the stacked experts split over "ep" (``cut``: "ep", whole experts, or "etp",
+    every expert's hidden units), each index's pieces FSDP over its "dp" ranks."""
     world = dist.get_world_size()
     mesh = vfsdp.mesh(("dp", dp), ("ep", ep))
     params = moe.moe_params(D, H, E)
@@ -66,7 +107,7 @@ def _ep_setup(dp: int, ep: int):
     first = mesh.get_local_rank("ep") * per
     r_spec = vfsdp.plan({"router": params["router"]}, world)
     r_shards = vfsdp.shard({"router": params["router"]}, r_spec)
-    e_spec = vfsdp.plan(params["experts"], mesh, tp=moe.ep_rule, tp_axis="ep")
+    e_spec = vfsdp.plan(params["experts"], mesh, tp=RULES[cut], tp_axis="ep")
     e_shards = vfsdp.shard(params["experts"], e_spec, mesh=mesh)
     return mesh, params, per, first, r_spec, r_shards, e_spec, e_shards
 
@@ -77,11 +118,11 @@ def _step_tokens(step: int, r: int, empty=None):
     return (x[:0], y[:0]) if r == empty else (x, y)
 
 
-def _ep_fsdp_train(dp: int, ep: int, clip=None, empty=None):
+def _ep_fsdp_train(dp: int, ep: int, clip=None, empty=None, cut="ep"):
     r = dist.get_rank()
     world = dist.get_world_size()
     total = D * T * (world - (empty is not None))  # the elements of the global mean
-    mesh, _, _, first, r_spec, r_shards, e_spec, e_shards = _ep_setup(dp, ep)
+    mesh, _, _, _, r_spec, r_shards, e_spec, e_shards = _ep_setup(dp, ep, cut)
     dp_mesh = mesh["dp"]
     opt = vfsdp.optim.adamw(lr=LR, weight_decay=0.0)
     r_state, e_state = opt.init(r_shards, r_spec), opt.init(e_shards, e_spec)
@@ -92,7 +133,8 @@ def _ep_fsdp_train(dp: int, ep: int, clip=None, empty=None):
         x, y = _step_tokens(step, r, empty)
         router = vfsdp.gather(r_shards, r_spec, grad_reduce="sum")["router"]
         experts = vfsdp.gather(e_shards, e_spec, grad_reduce="sum")
-        out = moe.moe_ep(router, experts, x, K, "ep", E, mesh=mesh)
+        out = (moe.moe_ep(router, experts, x, K, "ep", E, mesh=mesh) if cut == "ep" else
+               moe.moe_etp(router, experts, x, K, "ep", mesh=mesh))
         loss = (out - y).pow(2).sum() / total  # the sum over ranks is the global mean
         loss.backward()
         if clip is not None:  # one norm over both trees: router on every rank, experts on "dp"
@@ -104,7 +146,22 @@ def _ep_fsdp_train(dp: int, ep: int, clip=None, empty=None):
     full_router = vfsdp.gather(r_shards, r_spec)["router"].detach().clone()
     full_local = {k: v.detach().clone()
                   for k, v in vfsdp.gather(e_shards, e_spec).items()}
-    return first, full_router, full_local, norms
+    return mesh.get_local_rank("ep"), full_router, full_local, norms
+
+
+def test_the_dense_part_is_sharded_over_dp_and_ep_together():
+    """Planned over every rank (``vfsdp.plan(dense, world)``, as the tests and ``train_gpt
+    --ep`` do), the router's shards, gradients and optimizer state are split over "dp" and
+    "ep" together: a quarter per rank at (2, 2). Inside the experts' ``tp=`` plan it would be
+    ``Replicate()`` over "ep": a whole copy per "ep" index, half per rank."""
+    params = moe.moe_params(D, H, E)
+    n = params["router"].numel()
+    alone = vfsdp.plan({"router": params["router"]}, 4).tree["router"]
+    assert [hi - lo for lo, hi in map(alone.local_range, range(4))] == [n // 4] * 4
+    for index in range(2):
+        inside = vfsdp.plan(params, (("dp", 2), ("ep", 2)), tp=moe.ep_rule, tp_axis="ep",
+                            tp_index=index).tree["router"]
+        assert sum(hi - lo for lo, hi in map(inside.local_range, range(2))) == n
 
 
 def _reference_train(world: int, clip=None, empty=None):
@@ -126,23 +183,27 @@ def _reference_train(world: int, clip=None, empty=None):
     return params, norms
 
 
-@pytest.mark.parametrize("dp, ep, clip, empty", [
-    (2, 2, None, None), (1, 4, None, None), (4, 1, None, None), (2, 2, 0.05, None),
-    (1, 4, 0.05, None), (2, 2, 0.05, 1)])
-def test_ep_times_fsdp_trains_like_one_process(dp, ep, clip, empty):
+@pytest.mark.parametrize("dp, ep, clip, empty, cut", [
+    (2, 2, None, None, "ep"), (1, 4, None, None, "ep"), (4, 1, None, None, "ep"),
+    (2, 2, 0.05, None, "ep"), (1, 4, 0.05, None, "ep"), (2, 2, 0.05, 1, "ep"),
+    (2, 2, None, None, "etp"), (1, 4, 0.05, None, "etp"), (2, 2, 0.05, 1, "etp")])
+def test_ep_times_fsdp_trains_like_one_process(dp, ep, clip, empty, cut):
     """With clip: one norm over the router (FSDP over every rank) and the experts (FSDP over
-    "dp", different experts per "ep" index) equals torch's over the unsharded model. With
-    ``empty``, that rank holds no token (it hung in the backward's all_to_all)."""
+    "dp", different pieces per "ep" index) equals torch's over the unsharded model. With
+    ``empty``, that rank holds no token (it hung in the backward's all_to_all). ``cut="etp"``
+    cuts the 3-D stacks on their hidden dim (``[E, D, H]`` on dim 2, ``[E, H, D]`` on dim 1)
+    instead of dim 0."""
     want, want_norms = _reference_train(dp * ep, clip, empty)
-    for first, router, local, norms in simulate(dp * ep, _ep_fsdp_train, dp, ep, clip, empty,
-                                                timeout=60):
+    for index, router, local, norms in simulate(dp * ep, _ep_fsdp_train, dp, ep, clip, empty,
+                                                cut, timeout=60):
         assert norms == pytest.approx(want_norms, rel=1e-5)
         if clip is not None:
             assert all(n > clip for n in norms)  # it did clip
         assert torch.allclose(router, want["router"].detach(), atol=1e-5)
         for name, t in local.items():
-            assert torch.allclose(t, want["experts"][name].detach()[first:first + t.shape[0]],
-                                  atol=1e-5)
+            dim = RULES[cut](("experts", name)).dim
+            piece = want["experts"][name].detach().tensor_split(ep, dim)[index]
+            assert t.shape == piece.shape and torch.allclose(t, piece, atol=1e-5), name
 
 
 def _ep_step_counts(dp: int, ep: int):
@@ -193,29 +254,38 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
-def _skewed(params, tokens, k):
+def _local(experts: dict, cut: str, n: int, r: int) -> dict:
+    """Rank ``r``'s pieces of the stacked experts under ``cut``'s rule, as leaves."""
+    return {name: v.tensor_split(n, RULES[cut](("experts", name)).dim)[r].clone()
+            .requires_grad_(True) for name, v in experts.items()}
+
+
+def _skewed(params, tokens, k, cut="ep"):
     n, r = dist.get_world_size(), dist.get_rank()
-    per = params["router"].shape[1] // n
+    e = params["router"].shape[1]
     x = tokens[r].clone().requires_grad_(True)
     router = params["router"].clone().requires_grad_(True)
-    local = {name: v[r * per:(r + 1) * per].clone().requires_grad_(True)
-             for name, v in params["experts"].items()}
-    y = moe.moe_ep(router, local, x, k, "ep", n * per, mesh=vfsdp.mesh(("ep", n)))
+    local = _local(params["experts"], cut, n, r)
+    mesh = vfsdp.mesh(("ep", n))
+    y = (moe.moe_ep(router, local, x, k, "ep", e, mesh=mesh) if cut == "ep" else
+         moe.moe_etp(router, local, x, k, "ep", mesh=mesh))
     y.pow(2).sum().backward()
     return y.detach(), x.grad, router.grad, {name: v.grad for name, v in local.items()}
 
 
 @st.composite
 def _routings(draw):
-    """ep 1..4, 1-2 experts per rank, top-1 or top-2, 0-4 tokens per rank, and a router that
-    is random, sends every token to one expert, or favours one of two."""
+    """ep 1..4, 1-2 experts per rank, top-1 or top-2, 0-4 tokens per rank, a router that
+    is random, sends every token to one expert, or favours one of two, and the stacks cut on
+    dim 0 (whole experts per rank) or on their hidden dim (``etp``)."""
     n = draw(st.integers(1, 4))
     e = n * draw(st.integers(1, 2))
     k = draw(st.integers(1, min(2, e)))
     counts = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
     kind = draw(st.sampled_from(["random", "one", "two"]))
     seed = draw(st.integers(0, 2 ** 16))
-    return n, e, k, counts, kind, seed
+    cut = draw(st.sampled_from(["ep", "etp"]))
+    return n, e, k, counts, kind, seed, cut
 
 
 @settings(max_examples=25, deadline=None)
@@ -225,7 +295,7 @@ def test_any_routing_skew_gives_the_reference_outputs_and_gradients(case):
     outputs and the gradients of its input, router and experts equal the one-process
     reference's (every token to expert 0 hung in the backward's all_to_all: the rank whose
     experts got nothing skipped it)."""
-    n, e, k, counts, kind, seed = case
+    _, e, k, counts, kind, seed, cut = case
     g = torch.Generator().manual_seed(seed)
     params = moe.moe_params(D, H, e, seed=seed)
     if kind != "random":  # positive tokens, one (or two) dominant router columns
@@ -234,6 +304,13 @@ def test_any_routing_skew_gives_the_reference_outputs_and_gradients(case):
         if kind == "two":
             params["router"][:, (seed + 1) % e] += 4.0
     tokens = [torch.rand(c, D, generator=g) + 0.1 for c in counts]
+    _check_against_reference(params, tokens, k, cut)
+
+
+def _check_against_reference(params, tokens, k, cut):
+    """The layer on ``len(tokens)`` ranks (rank ``r`` holding ``tokens[r]``) against one
+    process: outputs, and the gradients of the tokens, the router and every expert piece."""
+    n = len(tokens)
     full = optree.tree_map(lambda t: t.clone().requires_grad_(True), params)
     xs = [x.clone().requires_grad_(True) for x in tokens]
     ys = [moe.moe_reference(full, x, k) for x in xs]
@@ -244,16 +321,53 @@ def test_any_routing_skew_gives_the_reference_outputs_and_gradients(case):
     grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip(leaves, grads)]
     x_grads, router_grad, expert_grads = grads[:n], grads[n], dict(zip(full["experts"],
                                                                        grads[n + 1:]))
-    per = e // n
     zero = lambda t, like: torch.zeros_like(like) if t is None else t
-    got = simulate(n, _skewed, params, tokens, k, timeout=60)
+    got = simulate(n, _skewed, params, tokens, k, cut, timeout=60)
     assert torch.allclose(sum(zero(r[2], router_grad) for r in got), router_grad, atol=1e-5)
     for r, (y, x_grad, _, local) in enumerate(got):
         assert torch.allclose(y, ys[r].detach(), atol=1e-5)
         assert torch.allclose(zero(x_grad, xs[r]), x_grads[r], atol=1e-5)
         for name, grad in local.items():
-            want = expert_grads[name][r * per:(r + 1) * per]
+            want = expert_grads[name].tensor_split(n, RULES[cut](("experts", name)).dim)[r]
             assert torch.allclose(zero(grad, want), want, atol=1e-5), (r, name)
+
+
+@st.composite
+def _assignments(draw):
+    """Top-k assignments drawn directly, each token's k experts in order: any, or every
+    token to the same k experts; 0-4 tokens per rank; ep 1..4; top-1..3; both cuts."""
+    n = draw(st.integers(1, 4))
+    e = n * draw(st.integers(1, 2))
+    k = draw(st.integers(1, min(3, e)))
+    counts = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
+    choice = st.permutations(range(e)).map(lambda p: tuple(p[:k]))
+    if draw(st.booleans()):  # degenerate: one assignment for every token of every rank
+        same = draw(choice)
+        picks = [[same] * c for c in counts]
+    else:
+        picks = [draw(st.lists(choice, min_size=c, max_size=c)) for c in counts]
+    return n, e, k, picks, draw(st.integers(0, 2 ** 16)), draw(st.sampled_from(["ep", "etp"]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(_assignments())
+def test_any_top_k_assignment_gives_the_reference_outputs_and_gradients(case):
+    """The router made the identity and each token its logits, so the drawn assignment is
+    the routing: every token to the same experts, experts no token reaches, ranks with no
+    token, over ep 1..4 and both cuts of the stacks."""
+    _, e, k, picks, seed, cut = case
+    params = moe.moe_params(D, H, e, seed=seed)
+    params["router"] = torch.eye(D, e)  # x @ router: the token's first e features
+    g = torch.Generator().manual_seed(seed)
+    tokens = []
+    for rank_picks in picks:
+        x = torch.rand(len(rank_picks), D, generator=g) * 0.1  # below every chosen logit
+        for t, chosen in enumerate(rank_picks):
+            for place, expert in enumerate(chosen):
+                x[t, expert] = 3.0 - 0.5 * place  # distinct: the order of the choice
+        assert moe.route(x, params["router"], k)[0].tolist() == [list(c) for c in rank_picks]
+        tokens.append(x)
+    _check_against_reference(params, tokens, k, cut)
 
 
 @pytest.mark.parametrize("n, e, counts, hot", [

@@ -13,6 +13,12 @@ for each unit ``i`` and, like FSDP2's ``fully_shard`` on every block:
   the next unit's backward) into its gradient DBuffer and its gathered buffer is released.
 
 So at most two units' full parameters are gathered at once in forward and in backward.
+
+A layer may come from several plans: with ``specs=None`` each layer is a dict of pieces,
+``{"dense": (shards, spec), "experts": (shards, spec)}`` (an MoE layer: dense on every rank,
+experts on the expert-data mesh; :mod:`vfsdp.functional.pieces`). Its pieces are gathered
+together as one step, prefetched, resharded and regathered like one unit each, and each
+reduce-scatters over its own groups; ``layer_fn`` gets ``{name: full tree}``.
 ``reshard_after_forward=False`` keeps every unit gathered until its backward (no regather).
 Gradients land in the gradient DBuffers only; read them with :func:`vfsdp.grads`.
 
@@ -35,8 +41,8 @@ from vfsdp.collectives.slot import View, slot_of
 from vfsdp.functional.backward import pending
 from vfsdp.functional.gather import start_gather, writes_leaf_grads
 from vfsdp.functional.options import Policy, merge, refuse, resolve
+from vfsdp.functional.pieces import assemble_layer, layer_pieces
 from vfsdp.functional.traced import traced_children, traced_run_layers
-from vfsdp.functional.units import own_mesh
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["run_layers"]
@@ -102,7 +108,7 @@ class _Regather:
 def run_layers(
     layer_fn: Callable[[Any, Any], Any],
     shards: Sequence[Any],
-    specs: Sequence[ShardSpec],
+    specs: Optional[Sequence[ShardSpec]],
     h: Any,
     policy: Optional[Policy] = None,
     *,
@@ -114,14 +120,19 @@ def run_layers(
     """Run ``h = layer_fn(full_i, h)`` over units with FSDP prefetch, release and regather.
 
     Args:
-        layer_fn: ``(full parameters of one unit, h) -> h``.
-        shards: One shards subtree per unit, in execution order (e.g. ``shards["layers"]``).
-        specs: The matching sub-specs: ``spec["layers"]`` itself, or a list of them.
+        layer_fn: ``(full parameters of one unit, h) -> h``; with pieces, ``({name: full
+            tree of that piece}, h) -> h``.
+        shards: One shards subtree per unit, in execution order (e.g. ``shards["layers"]``);
+            or, with ``specs=None``, one dict of pieces per layer, each ``(shards, spec)`` or
+            ``(shards, spec, mesh)`` (the mesh as ``mesh=`` below, for that piece).
+        specs: The matching sub-specs: ``spec["layers"]`` itself, or a list of them; ``None``
+            with pieces.
         h: The input of the first unit.
         prefetch: Gather unit ``i+1`` while unit ``i`` computes (and ``i-1`` in backward).
         reshard_after_forward: Release each unit (but the last) after its forward and gather
             it again in backward; ``False`` keeps them gathered until their backward.
-        mesh: As for :func:`vfsdp.gather` (deprecated with shards of ``vfsdp.shard``).
+        mesh: As for :func:`vfsdp.gather` (deprecated with shards of ``vfsdp.shard``); with
+            pieces, in each piece's tuple.
         policy: A :class:`vfsdp.Policy`, as for :func:`vfsdp.gather` (the same object
             serves both). Its ``None`` fields take ``run_layers``' defaults: ``grads`` is
             ``"buffer"`` (the only value accepted eagerly), and ``free_after_backward`` and
@@ -134,9 +145,10 @@ def run_layers(
         The last unit's output.
 
     Raises:
-        ValueError: ``shards`` and ``specs`` differ in length, ``grads="return"``, or an
-            option :func:`vfsdp.gather` refuses.
-        TypeError: an unknown option.
+        ValueError: ``shards`` and ``specs`` differ in length, ``grads="return"``, an
+            option :func:`vfsdp.gather` refuses, or a piece's shards that do not match its
+            spec (naming the layer and the piece).
+        TypeError: an unknown option, or a layer or piece of the wrong form (naming them).
 
     Example:
         >>> def body():
@@ -151,6 +163,25 @@ def run_layers(
         ...     print(h, grad)
         [[8.0, 8.0, 8.0, 8.0]] [[16.0, 16.0], [16.0, 16.0]]
         [[8.0, 8.0, 8.0, 8.0]] [[16.0, 16.0], [16.0, 16.0]]
+
+        Two plans per layer, gathered as one step: ``a`` sharded over both ranks, ``b``
+        over ``"dp"`` of a (dp=1, ep=2) mesh (each rank holds it whole, as an expert-parallel
+        rank holds its experts):
+
+        >>> def pieces():
+        ...     a = {"layers": [{"w": torch.full((4, 2), 0.5)} for _ in range(3)]}
+        ...     b = {"layers": [{"v": torch.full((2, 4), 0.25)} for _ in range(3)]}
+        ...     mesh = vfsdp.mesh(("dp", 1), ("ep", 2))
+        ...     a_spec = vfsdp.plan(a, 2)
+        ...     b_spec = vfsdp.plan(b, mesh, tp=lambda path: Replicate(), tp_axis="ep")
+        ...     a_shards, b_shards = vfsdp.shard(a, a_spec), vfsdp.shard(b, b_spec, mesh=mesh)
+        ...     layers = [{"a": (a_shards["layers"][i], a_spec["layers"][i]),
+        ...                "b": (b_shards["layers"][i], b_spec["layers"][i])} for i in range(3)]
+        ...     h = vfsdp.run_layers(lambda p, x: x @ p["a"]["w"] @ p["b"]["v"], layers, None,
+        ...                          torch.ones(1, 4))
+        ...     return h.tolist()
+        >>> vfsdp.testing.simulate(2, pieces)[0]
+        [[1.0, 1.0, 1.0, 1.0]]
     """
     what = "vfsdp.run_layers"
     if functorch_active():
@@ -159,15 +190,12 @@ def run_layers(
                          f"there")
     if compiling() and isinstance(specs, ShardSpec):  # the sub-specs vfsdp.shard prepared
         specs = [specs[i] for i in range(max(traced_children(specs), 0))]
-    specs = _spec_list(specs, what)
-    if len(shards) != len(specs):
-        raise ValueError(f"{what}: {len(shards)} shard subtrees but {len(specs)} specs")
     values = merge(policy, options, what)
     if compiling() or values["all_gather"] is not None:  # the functional path: to .grad
         refuse(values, "compiled" if compiling() else "all_gather", what)
-        if not compiling():
-            own_mesh(shards, mesh, what)  # only vfsdp.shard's shards get here, as gather's
-        return traced_run_layers(layer_fn, shards, specs, h, reshard_after_forward,
+        layers = layer_pieces(shards, specs, mesh, what,
+                              "compiled" if compiling() else "functional")
+        return traced_run_layers(layer_fn, layers, h, reshard_after_forward,
                                  values["param_dtype"], values["grad_reduce"],
                                  values["reduce_dtype"], values["grad_sync"],
                                  values["all_gather"])
@@ -177,20 +205,21 @@ def run_layers(
                          f"them with vfsdp.grads (use vfsdp.gather for grads='return')")
     refuse(values, "eager", what)
     gopts, ropts = resolve(values, layers=True)
-    mesh = own_mesh(shards, mesh, what)
+    layers = layer_pieces(shards, specs, mesh, what)
     regather = _Regather(prefetch)
-    n = len(shards)
+    n = len(layers)
 
-    def start(i: int) -> Handle:
-        return start_gather(shards[i], specs[i], mesh, gopts, ropts, what)
+    def start(i: int) -> list[Handle]:  # every piece's gathers: one step
+        return [start_gather(p.shards, p.spec, p.mesh, gopts, ropts, p.what) for p in layers[i]]
 
-    ahead: Optional[Handle] = start(0) if n else None  # the next unit's gather in flight
+    ahead: Optional[list[Handle]] = start(0) if n else None  # the next layer's gathers
     for i in range(n):
-        handle = ahead
-        full = handle.wait()
+        handles = ahead
+        full = assemble_layer(layers[i], [handle.wait() for handle in handles])
         dbs = _gathered_buffers(full)
-        for call in handle.calls.values():
-            regather.add(call.db, call)
+        for handle in handles:
+            for call in handle.calls.values():
+                regather.add(call.db, call)
         nxt = i + 1 < n
         ahead = start(i + 1) if nxt and prefetch else None
         with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
@@ -201,18 +230,6 @@ def run_layers(
         if nxt and ahead is None:
             ahead = start(i + 1)
     return h
-
-
-def _spec_list(specs: Any, what: str) -> list:
-    """``spec["layers"]`` (a ShardSpec whose tree is a list) or a sequence of sub-specs."""
-    if isinstance(specs, ShardSpec):
-        tree = specs.tree
-        if not isinstance(tree, (list, tuple)):
-            raise ValueError(f"{what}: specs is a ShardSpec of a {type(tree).__name__}; pass the "
-                             f"sub-spec of a list of layers (spec['layers']) or a list of "
-                             f"sub-specs")
-        return [specs[i] for i in range(len(tree))]
-    return list(specs)
 
 
 def _gathered_buffers(full: Any) -> list[DBuffer]:

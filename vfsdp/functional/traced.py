@@ -42,6 +42,7 @@ import torch.distributed as dist
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.slot import SLOT
 from vfsdp.functional.lowp import hooked_all_gather
+from vfsdp.functional.pieces import assemble_layer
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
@@ -396,7 +397,7 @@ def _regather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.PREFER_SAVE
 
 
-def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any,
+def traced_run_layers(layer_fn: Any, layers: list, h: Any,
                       reshard_after_forward: bool, param_dtype: Optional[torch.dtype],
                       grad_reduce: str, reduce_dtype: Optional[torch.dtype],
                       grad_sync: bool = True, hooks: Any = None) -> Any:
@@ -406,7 +407,8 @@ def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any,
     (activations) saved as in eager.
 
     Args:
-        layer_fn, shards, specs, h, reshard_after_forward: As for ``run_layers``.
+        layer_fn, h, reshard_after_forward: As for ``run_layers``.
+        layers: Per layer, its pieces (:func:`vfsdp.functional.pieces.layer_pieces`).
         param_dtype, grad_reduce, reduce_dtype, grad_sync, hooks: As for
             :func:`traced_gather`.
 
@@ -423,19 +425,22 @@ def traced_run_layers(layer_fn: Any, shards: Any, specs: list, h: Any,
     if tp.compiling():
         tp.enable_compiled_backward()  # runs while tracing: lets dynamo trace its backward
 
-    what = "vfsdp.run_layers"
     contexts = []  # read here, outside the checkpointed region below: dynamo guards them
-    for shard, spec in zip(shards, specs):
-        leaves = traced_leaves(shard, spec, what)[0]
-        if grad_sync:  # what grad_sync=False backwards left unreduced
-            _flush_tree(leaves, spec, grad_reduce, what)
-        contexts.append(unit_context(leaves, spec, what))
+    for layer in layers:
+        for piece in layer:
+            leaves = traced_leaves(piece.shards, piece.spec, piece.what)[0]
+            if grad_sync:  # what grad_sync=False backwards left unreduced
+                _flush_tree(leaves, piece.spec, grad_reduce, piece.what)
+            contexts.append(unit_context(leaves, piece.spec, piece.what))
+    shards = [[piece.shards for piece in layer] for layer in layers]
 
     def run(shards, h):
-        for shard, spec, context in zip(shards, specs, contexts):
-            h = layer_fn(traced_gather(shard, spec, param_dtype, grad_reduce,
-                                       reduce_dtype, hooks, grad_sync=grad_sync, flush=False,
-                                       context=context), h)
+        found = iter(contexts)
+        for layer, trees in zip(layers, shards):
+            h = layer_fn(assemble_layer(layer, [
+                traced_gather(tree, piece.spec, param_dtype, grad_reduce, reduce_dtype, hooks,
+                              grad_sync=grad_sync, flush=False, context=next(found))
+                for piece, tree in zip(layer, trees)]), h)
         return h
 
     if not reshard_after_forward:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import optree
 import torch
 
 from vfsdp._torch_private import TorchDispatchMode
@@ -38,6 +39,9 @@ class CopyCounter(TorchDispatchMode):
         copy_bytes: Bytes written by copy-like ops.
         copies: Number of copy-like ops.
         collectives: Number of c10d collective ops dispatched (vfsdp's and anyone else's).
+        collective_bytes: Per collective, the bytes of its largest tensor argument (an
+            all-gather's or reduce-scatter's full buffer, an all-to-all's or all-reduce's
+            input), summed: what it moves, counted the same way for any system.
         views: Number of aten ops that only make or change a view (``view``, ``as_strided_``,
             ``slice``, ``detach``...): metadata, no kernel and no copy on any device.
         allocations: Number of aten ops that only allocate (``empty``, ``empty_strided``...).
@@ -59,6 +63,7 @@ class CopyCounter(TorchDispatchMode):
         self.copy_bytes = 0
         self.copies = 0
         self.collectives = 0
+        self.collective_bytes = 0
         self.views = 0
         self.allocations = 0
 
@@ -75,6 +80,10 @@ class CopyCounter(TorchDispatchMode):
         if namespace in ("c10d", "_c10d_functional"):
             self.collectives += 1  # any system's collectives, counted the same way
             self.ops[f"{namespace}::{name}"] += 1
+            tensors = [t for t in optree.tree_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor)]
+            self.collective_bytes += max((t.numel() * t.element_size() for t in tensors),
+                                         default=0)
             return out
         if in_collective():
             return out  # the collective's own work, not work around it

@@ -13,6 +13,12 @@ tokens are dispatched to the ranks holding their experts and combined back with
 ways. Expert parallelism x FSDP is then ``vfsdp.plan(params, mesh, tp=ep_rule, tp_axis="ep")``:
 :func:`ep_rule` splits the stacked experts by dim 0 over ``"ep"`` and replicates the router, and
 checkpoints reshard across ``ep`` degrees like any ``tp=`` plan.
+
+:func:`moe_etp` cuts the stacks on another dim instead (expert tensor parallelism): every rank
+of the axis holds a slice of every expert's hidden units (:func:`etp_rule`: ``w_gate`` and
+``w_up`` ``Shard(2)``, ``w_down`` ``Shard(1)``); the axis' tokens are gathered, each rank
+computes its slice of every expert, and the partial outputs are summed back to the tokens'
+ranks. A checkpoint of either cut loads into the other (the boxes are the global tensor's).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import torch.nn.functional as F
 
 from vfsdp.functional import lax
 
-__all__ = ["moe_params", "route", "expert", "moe_reference", "moe_ep", "ep_rule"]
+__all__ = ["moe_params", "route", "expert", "moe_reference", "moe_ep", "ep_rule", "etp_rule",
+           "moe_etp"]
 
 
 def moe_params(dim: int, hidden: int, experts: int, seed: int = 0) -> dict:
@@ -62,6 +69,24 @@ def ep_rule(path: tuple) -> Any:
     from torch.distributed.tensor import Replicate, Shard
 
     return Shard(0) if path and path[-1] in ("w_gate", "w_up", "w_down") else Replicate()
+
+
+def etp_rule(path: tuple) -> Any:
+    """The expert-tensor-parallel placement of :func:`moe_params`' tensors: every expert's
+    hidden units split over the axis, so the stacks are cut on dims 2 (``w_gate``, ``w_up``:
+    ``[E, D, H]``) and 1 (``w_down``: ``[E, H, D]``); the router ``Replicate()``. Gradients
+    as for :func:`ep_rule`: gather with ``grad_reduce="sum"``, the loss divided by the world
+    size.
+
+    Example:
+        >>> etp_rule(("experts", "w_up")), etp_rule(("experts", "w_down")), etp_rule(("router",))
+        (Shard(dim=2), Shard(dim=1), Replicate())
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    name = path[-1] if path else None
+    return Shard(2) if name in ("w_gate", "w_up") else Shard(1) if name == "w_down" else (
+        Replicate())
 
 
 def route(x: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,3 +175,65 @@ def moe_ep(router: torch.Tensor, local_experts: dict, x: torch.Tensor, k: int, a
     back = lax.all_to_all(out, axis, 0, 0, split_sizes=back_sizes, mesh=mesh)
     w = weights.reshape(-1)[order]
     return torch.zeros_like(x).index_add(0, tok, back * w[:, None])
+
+
+def moe_etp(router: torch.Tensor, local_experts: dict, x: torch.Tensor, k: int, axis: str, *,
+            mesh: Optional[Any] = None) -> torch.Tensor:
+    """The layer with every expert's hidden units split over ``axis`` (:func:`etp_rule`'s
+    pieces: ``{"w_gate": [E, D, H_i], "w_up": [E, D, H_i], "w_down": [E, H_i, D]}``); ``x``
+    and the router are this rank's.
+
+    Each rank routes its own tokens; the axis' tokens, expert ids and weights are gathered
+    (:func:`vfsdp.lax.all_gather`, uneven counts), each rank computes its hidden slice of
+    every token's experts (a SwiGLU MLP is a sum over its hidden units), and the partial
+    outputs go back to the tokens' ranks and are summed there (an ``all_to_all``).
+
+    Args:
+        router: The router weights [D, E], data-parallel (its gradient: this rank's tokens').
+        local_experts: Every expert's slice of hidden units, stacked.
+        x: This rank's tokens [T, D] (``T`` may differ between ranks, 0 included).
+        k: Experts per token.
+        axis: The expert-tensor-parallel mesh axis.
+        mesh: The mesh (default: the innermost ``use_mesh``).
+
+    Returns:
+        This rank's output [T, D], as :func:`moe_reference` computes it for these tokens.
+
+    Raises:
+        ValueError: pieces whose shapes do not fit one another (naming them).
+
+    Example:
+        >>> p = moe_params(8, 6, 4)
+        >>> def body():
+        ...     n, r = dist.get_world_size(), dist.get_rank()
+        ...     x = torch.randn(3 + r, 8, generator=torch.Generator().manual_seed(r))
+        ...     local = {name: v.tensor_split(n, dim=etp_rule(("experts", name)).dim)[r]
+        ...              for name, v in p["experts"].items()}
+        ...     y = moe_etp(p["router"], local, x, 2, "etp", mesh=vfsdp.mesh(("etp", n)))
+        ...     return torch.allclose(y, moe_reference(p, x, 2), atol=1e-6)
+        >>> vfsdp.testing.simulate(2, body)
+        [True, True]
+    """
+    gate, up, down = (local_experts[n] for n in ("w_gate", "w_up", "w_down"))
+    if not (gate.shape == up.shape and down.shape == (gate.shape[0], gate.shape[2], gate.shape[1])
+            and router.shape[-1] == gate.shape[0]):
+        raise ValueError(f"moe_etp: the pieces do not fit: router {tuple(router.shape)}, w_gate "
+                         f"{tuple(gate.shape)}, w_up {tuple(up.shape)}, w_down "
+                         f"{tuple(down.shape)}; expected [D, E], [E, D, h], [E, D, h], [E, h, D] "
+                         f"(etp_rule's pieces)")
+    n = lax.axis_size(axis, mesh=mesh)
+    ids, weights = route(x, router, k)
+    sizes = lax.all_gather(torch.tensor([x.shape[0]], device=x.device), axis, mesh=mesh)
+    xs = lax.all_gather(x, axis, mesh=mesh)
+    all_ids = lax.all_gather(ids, axis, mesh=mesh)
+    all_w = lax.all_gather(weights, axis, mesh=mesh)
+    # Every gathered tensor stays in the graph where no token reaches an expert here: the
+    # all_gathers' backwards run on every rank (+ empty sums: 0).
+    out = torch.zeros_like(xs) + xs[:0].sum() + all_w[:0].sum()
+    for e in range(gate.shape[0]):
+        tok, slot = (all_ids == e).nonzero(as_tuple=True)
+        if tok.numel():
+            out = out.index_add(0, tok, expert(local_experts, xs[tok], e)
+                                * all_w[tok, slot, None])
+    back = lax.all_to_all(out, axis, 0, 0, split_sizes=sizes.tolist(), mesh=mesh)
+    return back.view(n, *x.shape).sum(0)

@@ -1,0 +1,161 @@
+"""One layer from several plans: the pieces :func:`vfsdp.run_layers` gathers as one step.
+
+An MoE layer's dense part (attention, norms, router) is planned over every rank, its experts
+over the expert-data mesh: two plans, two shards trees, two meshes. ``run_layers`` takes them
+per layer as a dict of pieces (``specs=None``)::
+
+    layers = [{"dense": (shards["layers"][i], spec["layers"][i]),
+               "experts": (e_shards["layers"][i], e_spec["layers"][i])} for i in range(n)]
+    h = vfsdp.run_layers(lambda p, h: block(p["dense"], p["experts"], h), layers, None, h)
+
+Each piece is ``(shards, spec)`` or ``(shards, spec, mesh)`` (the mesh for plain-tensor
+shards, as ``gather``'s ``mesh=``; shards of ``vfsdp.shard`` carry theirs). Every piece's
+units are gathered, prefetched, resharded and reduced as the units of a one-plan layer are,
+each over its own groups. Layers may hold different pieces (dense layers before MoE ones).
+
+This module only reads the arguments into :class:`Piece` records, and refuses malformed
+ones naming the layer, the piece and the fix; :mod:`vfsdp.functional.schedule` runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vfsdp.functional.units import own_mesh
+from vfsdp.planner.spec import ShardSpec
+
+__all__ = ["Piece", "layer_pieces", "assemble_layer"]
+
+_FORM = ("{name: (shards, spec)} or {name: (shards, spec, mesh)}, e.g. "
+         "{'dense': (shards['layers'][i], spec['layers'][i]), "
+         "'experts': (e_shards['layers'][i], e_spec['layers'][i])}")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One plan's share of one layer.
+
+    Attributes:
+        name: The piece's key in the layer's dict (``None`` in the one-plan form).
+        shards: Its shards subtree.
+        spec: Its sub-spec.
+        mesh: ``mesh=`` for plain-tensor shards (``None`` for ``vfsdp.shard``'s).
+        what: The entry point, with the layer and piece, for messages.
+
+    Example:
+        >>> spec = vfsdp.plan({"w": torch.ones(4)}, 1)
+        >>> Piece("dense", {"w": torch.ones(4)}, spec, None, "f").name
+        'dense'
+    """
+
+    name: Any
+    shards: Any
+    spec: ShardSpec
+    mesh: Any
+    what: str
+
+
+def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str,
+                 path: str = "eager") -> list[tuple[Piece, ...]]:
+    """The layers of a ``run_layers`` call, each a tuple of :class:`Piece`.
+
+    Args:
+        shards: One shards subtree per layer, or (``specs=None``) one dict of pieces per layer.
+        specs: The matching sub-specs (a list spec or a sequence of them), or ``None``.
+        mesh: ``run_layers``' ``mesh=`` (the one-plan form only).
+        what: The entry point, for messages.
+        path: ``"eager"``; ``"functional"`` (``all_gather=`` hooks: only shards of
+            ``vfsdp.shard`` get there, a mesh passed with them is warned about and dropped,
+            as ``gather`` does); ``"compiled"`` (meshes are not read).
+
+    Returns:
+        One tuple per layer; the one-plan form's hold one piece each, named ``None``
+        (:func:`assemble_layer` hands the layer function its tree as it is).
+
+    Raises:
+        TypeError: a layer or piece of the wrong form, ``mesh=`` beside pieces, or a spec
+            that is not a ``ShardSpec``: naming the layer, the piece and the form to pass.
+        ValueError: ``shards`` and ``specs`` differ in length.
+
+    Example:
+        >>> spec = vfsdp.plan({"layers": [{"w": torch.ones(4)}] * 2}, 1)
+        >>> layers = [{"a": ({"w": torch.ones(4)}, spec["layers"][i])} for i in range(2)]
+        >>> [[(p.name, p.what) for p in layer] for layer in layer_pieces(layers, None, None, "f")]
+        [[('a', "f (layer 0, piece 'a')")], [('a', "f (layer 1, piece 'a')")]]
+    """
+    if specs is not None:
+        specs = _spec_list(specs, what)
+        if len(shards) != len(specs):
+            raise ValueError(f"{what}: {len(shards)} shard subtrees but {len(specs)} specs")
+        mesh = _mesh(shards, mesh, what, path)
+        return [(Piece(None, s, sp, mesh, what),) for s, sp in zip(shards, specs)]
+    if mesh is not None:
+        raise TypeError(f"{what}: mesh= beside pieces (specs=None); give a piece of plain-tensor "
+                        f"shards its mesh as (shards, spec, mesh)")
+    if isinstance(shards, (Mapping, ShardSpec)) or not isinstance(shards, Sequence):
+        raise TypeError(f"{what}: with specs=None, shards is a list of layers, each a dict of "
+                        f"pieces {_FORM}; got a {type(shards).__name__}")
+    return [_layer(layer, i, what, path) for i, layer in enumerate(shards)]
+
+
+def _mesh(tree: Any, mesh: Any, what: str, path: str) -> Any:
+    """The mesh a piece's gathers take (``own_mesh``: ``None`` for ``vfsdp.shard``'s shards,
+    warned about); the functional path reads none (only ``vfsdp.shard``'s shards get there)."""
+    if path == "compiled":
+        return None
+    mesh = own_mesh(tree, mesh, what)
+    return mesh if path == "eager" else None
+
+
+def _layer(layer: Any, i: int, what: str, path: str) -> tuple[Piece, ...]:
+    if not isinstance(layer, Mapping) or not layer:
+        got = "an empty dict" if isinstance(layer, Mapping) else f"a {type(layer).__name__}"
+        raise TypeError(f"{what}: layer {i} is {got}; with specs=None each layer is a dict of "
+                        f"pieces {_FORM}")
+    out = []
+    for name, piece in layer.items():
+        at = f"{what} (layer {i}, piece {name!r})"
+        if name is None:
+            raise TypeError(f"{what}: layer {i} has a piece named None; name each piece (the "
+                            f"layer function gets {{name: full tree}})")
+        if not isinstance(piece, tuple) or len(piece) not in (2, 3):
+            raise TypeError(f"{at}: a piece is (shards, spec) or (shards, spec, mesh), got "
+                            f"{_describe(piece)}; pass {_FORM}")
+        tree, spec, piece_mesh = piece if len(piece) == 3 else (*piece, None)
+        if isinstance(tree, ShardSpec) and not isinstance(spec, ShardSpec):
+            raise TypeError(f"{at}: got a ShardSpec where the shards go; a piece is "
+                            f"(shards, spec), in that order")
+        if not isinstance(spec, ShardSpec):
+            raise TypeError(f"{at}: the spec is a {type(spec).__name__}, not a ShardSpec; a "
+                            f"piece is (shards, spec) with the sub-spec vfsdp.plan made for "
+                            f"those shards, e.g. (e_shards['layers'][{i}], "
+                            f"e_spec['layers'][{i}])")
+        out.append(Piece(name, tree, spec, _mesh(tree, piece_mesh, at, path), at))
+    return tuple(out)
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, tuple):
+        return f"a tuple of {len(x)}"
+    return f"a {type(x).__name__}"
+
+
+def assemble_layer(layer: tuple[Piece, ...], fulls: list) -> Any:
+    """What the layer function gets: the tree itself (one-plan form), or ``{name: tree}``."""
+    if layer[0].name is None:
+        return fulls[0]
+    return {p.name: f for p, f in zip(layer, fulls)}
+
+
+def _spec_list(specs: Any, what: str) -> list:
+    """``spec["layers"]`` (a ShardSpec whose tree is a list) or a sequence of sub-specs."""
+    if isinstance(specs, ShardSpec):
+        tree = specs.tree
+        if not isinstance(tree, (list, tuple)):
+            raise ValueError(f"{what}: specs is a ShardSpec of a {type(tree).__name__}; pass the "
+                             f"sub-spec of a list of layers (spec['layers']) or a list of "
+                             f"sub-specs")
+        return [specs[i] for i in range(len(tree))]
+    return list(specs)

@@ -152,3 +152,24 @@ def test_units_mixing_blocks_and_the_rest_are_refused():
             apply.run_layers(shards, spec, torch.zeros(1, 2, dtype=torch.long))
 
     simulate(2, body)
+
+
+class Between(TinyLM):
+    """Work between the blocks: run_layers cannot run them back to back."""
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = torch.tanh(layer(h, scale=self.scale))
+        return h
+
+
+def test_work_between_the_blocks_is_refused_not_skipped():
+    def body():
+        params, apply = vfsdp.functionalize(Between())
+        spec = vfsdp.plan(params, 2)
+        shards = vfsdp.shard(params, spec)
+        with pytest.raises(RuntimeError, match="something other than block 0's output"):
+            apply.run_layers(shards, spec, torch.zeros(1, 2, dtype=torch.long))
+
+    simulate(2, body)

@@ -120,10 +120,11 @@ class ModuleApply:
         >>> class Net(torch.nn.Module):
         ...     def __init__(self):
         ...         super().__init__()
-        ...         self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        ...         self.layers = torch.nn.ModuleList(
+        ...             torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(2))
         ...     def forward(self, x):
         ...         for layer in self.layers:
-        ...             x = torch.tanh(layer(x))
+        ...             x = layer(x)
         ...         return x
         >>> def body():
         ...     torch.manual_seed(0)
@@ -308,6 +309,7 @@ class _Runner:
         self.apply, self.blocks, self.shards, self.spec = apply, blocks, shards, spec
         self.policy = policy
         self.out: Any = None
+        self.hidden: Any = None
         self.called = 0
 
     def __call__(self, index: int, args: tuple, kwargs: dict) -> Any:
@@ -316,10 +318,16 @@ class _Runner:
                                f"{self.called} blocks; run_layers needs the blocks called in "
                                f"order, each once")
         self.called += 1
-        if index:
-            return self.out
         hidden_key = None if args else "hidden_states"
-        h = args[0] if args else kwargs[hidden_key]
+        h = args[0] if args else kwargs.get(hidden_key)
+        if index:
+            if h is not self.hidden:
+                raise RuntimeError(
+                    f"apply.run_layers: the forward passed block {index} something other than "
+                    f"block {index - 1}'s output; run_layers runs the blocks back to back, so the "
+                    f"forward may do nothing between them: move that work into the blocks, or "
+                    f"call apply(vfsdp.gather(shards, spec), ...)")
+            return self.out
         rest = args[1:]
         others = {k: v for k, v in kwargs.items() if k != hidden_key}
         apply = self.apply
@@ -347,7 +355,7 @@ class _Runner:
             extra[:] = []
             return out
 
-        h = run_layers(layer_fn, self.shards, self.spec, h, self.policy)
+        h = self.hidden = run_layers(layer_fn, self.shards, self.spec, h, self.policy)
         self.out = (h, *extra[0]) if extra else h
         return self.out
 

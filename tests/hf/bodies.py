@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import optree
 import torch
 import torch.distributed as dist
 
@@ -97,15 +98,24 @@ def train_ranks(kinds: list, out_dir: str) -> dict:
             net.config.save_pretrained(path)
         vfsdp.checkpoint.save_safetensors(os.path.join(path, "model.safetensors"), shards, spec)
         sd = vfsdp.checkpoint.to_state_dict(shards, spec)
+        sharded = os.path.join(out_dir, f"{kind}-sharded")  # several files and an index
+        if rank == 0:
+            os.makedirs(sharded, exist_ok=True)
+            net.config.save_pretrained(sharded)
+        vfsdp.checkpoint.save_safetensors(sharded, shards, spec, max_shard_size=8192)
+        meta, _ = vfsdp.functionalize(model(kind, meta=True))  # no memory until the shards
+        zeros = vfsdp.init.sharded(vfsdp.init.rule(vfsdp.init.constant(0.0)))
+        back = vfsdp.shard(meta, vfsdp.plan(meta, world, granularity=vfsdp.rows(1)),
+                           init_fn=zeros)
+        vfsdp.checkpoint.load_safetensors(sharded, back, spec)  # this rank's byte ranges
+        same = all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(back),
+                                                     optree.tree_leaves(shards)))
+        same = same and vfsdp.plan(meta, world, granularity=vfsdp.rows(1)) == spec
         with torch.no_grad():
             full = vfsdp.gather(shards, spec)
             logits = apply(full, input_ids=probe()).logits
             vfsdp.release(shards, spec)
         blocks = len(spec[apply.blocks[0]][apply.blocks[1]].units) if len(apply.blocks) == 2 \
             else None
-        out[kind] = (sd, logits, apply.ties, blocks)
+        out[kind] = (sd, logits, apply.ties, blocks, same)
     return out if rank == 0 else {}
-
-
-
-

@@ -35,7 +35,7 @@ def test_hf_models_train_as_one_process_and_export_to_from_pretrained(world, ref
 
     got = spawn(bodies.train_ranks, world, KINDS, str(tmp_path))[0]
     for kind in KINDS:
-        sd, logits, ties, blocks = got[kind]
+        sd, logits, ties, blocks, reloaded = got[kind]
         want, want_logits = reference[kind]
         assert blocks == 2                                     # each decoder block a unit
         if kind == "gpt2":
@@ -44,6 +44,11 @@ def test_hf_models_train_as_one_process_and_export_to_from_pretrained(world, ref
         worst = max((sd[k] - want[k]).abs().max().item() for k in sd)
         assert worst < 1e-6, (kind, world, worst)
         assert set(want) - set(sd) <= {"lm_head.weight"}
+        assert reloaded, kind          # the sharded export read back into meta-planned shards
+        files = sorted(p.name for p in (tmp_path / f"{kind}-sharded").iterdir())
+        assert "model.safetensors.index.json" in files and "model-00002-of-" in " ".join(files)
+        sharded = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path / f"{kind}-sharded"))
+        assert all(torch.equal(v, sd[k]) for k, v in sharded.state_dict().items() if k in sd)
         loaded = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path / kind))
         assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items()
                    if k in sd), kind

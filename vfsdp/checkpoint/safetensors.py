@@ -63,7 +63,8 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
     which ``from_pretrained`` and :func:`load_safetensors` read.
 
     Args:
-        path: The ``.safetensors`` file (a directory with ``max_shard_size``).
+        path: The ``.safetensors`` file; a directory (it must exist without
+            ``max_shard_size``) gets Hugging Face's file names.
         tree: Shards (``vfsdp.shard``'s tree), optionally with states and values.
         spec: Their spec.
         dst: The writing rank.
@@ -92,7 +93,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
     entries, names = entries_and_names(tree, spec, rename, "vfsdp.checkpoint.save_safetensors")
     files = agreed(_split, entries, max_shard_size)  # [(file name, [entry names])]
     if max_shard_size is None:
-        targets = [path]
+        targets = [os.path.join(path, "model.safetensors") if os.path.isdir(path) else path]
     else:
         if rank == dst:
             agreed(os.makedirs, path, exist_ok=True)

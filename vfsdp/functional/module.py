@@ -202,9 +202,10 @@ class ModuleApply:
         Args:
             shards: This rank's shards (``vfsdp.shard`` of the tree).
             spec: Their spec, planned with each block a unit (the default units).
-            args, kwargs: The module's inputs.
+            *args: The module's positional inputs.
             policy: A :class:`vfsdp.Policy` for every gather (``grad_sync``, ``param_dtype``,
                 ...).
+            **kwargs: The module's keyword inputs.
 
         Returns:
             What the module's forward returns.

@@ -173,3 +173,15 @@ def test_work_between_the_blocks_is_refused_not_skipped():
             apply.run_layers(shards, spec, torch.zeros(1, 2, dtype=torch.long))
 
     simulate(2, body)
+
+
+def test_ranks_sharing_one_module_are_refused_before_any_collective():
+    params, apply = vfsdp.functionalize(TinyLM())
+    spec = vfsdp.plan(params, 2)
+
+    def body():
+        shards = vfsdp.shard(params, spec)
+        apply.run_layers(shards, spec, torch.zeros(1, 2, dtype=torch.long))
+
+    with pytest.raises(Exception, match="called from a second thread"):
+        simulate(2, body, timeout=60)

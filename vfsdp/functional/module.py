@@ -213,7 +213,10 @@ class ModuleApply:
         Raises:
             ValueError: the tree has no module list of blocks, a unit holds tensors of a block
                 and tensors outside it, or a tie joins a block to another tensor.
+            RuntimeError: a second thread calls this ``apply``, or the forward does not call
+                the blocks back to back, in order.
         """
+        self._claim()  # before any collective: the other ranks then stop instead of waiting
         if self.blocks is None:
             raise ValueError("apply.run_layers: the module has no module list of blocks; "
                              "call apply(vfsdp.gather(shards, spec), ...) instead")

@@ -23,6 +23,7 @@ configuration (world size x model) it prints medians over the timed steps after 
     python benchmarks/vs_fsdp2.py --world-sizes 2 --models dense --steps 12 --json out.json
     python benchmarks/vs_fsdp2.py --world-sizes 1 2 --models dense --fsdp2-optim fused
     python benchmarks/vs_fsdp2.py --world-sizes 4 --models moe --ep 2     # EP x FSDP
+    python benchmarks/vs_fsdp2.py --world-sizes 2 --models gpt2 llama mixtral   # transformers
 
 ``--ep N`` runs the MoE model top-2 routed with its experts split over ``N`` ranks, on a
 ``(dp, ep)`` mesh, both ways torchtitan does it: vfsdp as ``examples/train_gpt.py --ep``
@@ -73,7 +74,82 @@ MODELS = {
     "moe": GPTConfig(dim=128, layers=3, heads=4, kv_heads=2, ffn=0, seq=64, experts=16,
                      expert_ffn=64),
 }
+# Hugging Face models from small configs (transformers >= 5; nothing is downloaded). vfsdp runs
+# them through vfsdp.functionalize with the decoder blocks under run_layers; FSDP2 puts
+# fully_shard on each block and on the root, as for the models above.
+HF_MODELS = {
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", {
+        "n_layer": 4, "n_embd": 128, "n_head": 4, "n_positions": 64, "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+    "llama": ("LlamaForCausalLM", "LlamaConfig", {
+        "num_hidden_layers": 4, "hidden_size": 128, "intermediate_size": 344,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", {
+        "num_hidden_layers": 3, "hidden_size": 128, "intermediate_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "num_local_experts": 8, "num_experts_per_tok": 2}),
+}
+HF_VOCAB, HF_SEQ = 512, 64
 BATCH, LR = 4, 1e-3
+
+
+def _hf_model(name: str):
+    import transformers as tf
+
+    cls, cfg_cls, kw = HF_MODELS[name]
+    config = getattr(tf, cfg_cls)(vocab_size=HF_VOCAB, bos_token_id=0, eos_token_id=1,
+                                  loss_type="ForCausalLM", **kw)
+    torch.manual_seed(0)
+    return getattr(tf, cls)(config)
+
+
+def _hf_batches(step: int, rank: int):
+    g = torch.Generator().manual_seed(step * 131 + rank)
+    tokens = torch.randint(0, HF_VOCAB, (BATCH, HF_SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _hf_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _vfsdp_hf_system(name: str, param_dtype):
+    world = dist.get_world_size()
+    params, apply = vfsdp.functionalize(_hf_model(name))
+    spec = vfsdp.plan(params, world, comm_dtypes=[torch.bfloat16])
+    shards = vfsdp.shard(params, spec)
+    opt = vfsdp.optim.adamw(lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    box = {"state": opt.init(shards, spec)}
+    policy = vfsdp.Policy(param_dtype=param_dtype,
+                          reduce_dtype=torch.float32 if param_dtype else None)
+
+    def step(tokens, targets):
+        vfsdp.zero_grads(shards, spec)
+        loss = _hf_loss(apply.run_layers(shards, spec, input_ids=tokens, policy=policy).logits,
+                        targets)
+        loss.backward()
+        grads = vfsdp.grads(shards, spec)
+        vfsdp.clip_grad_norm(grads, spec, 1.0)
+        box["state"] = opt.update(grads, box["state"], shards, spec)
+        return loss.item()
+
+    return step, lambda: _units_buffers([shards], [box["state"]])
+
+
+def _fsdp2_hf_system(name: str, param_dtype, fsdp2_optim: str = "single"):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _hf_model(name)
+    _, apply = vfsdp.functionalize(model)  # only to find the module list of blocks
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype,
+                              reduce_dtype=torch.float32 if param_dtype else None)
+    for blk in model.get_submodule(".".join(map(str, apply.blocks))):
+        fully_shard(blk, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    return _fsdp2_step(model, lambda tokens, targets: _hf_loss(model(input_ids=tokens).logits,
+                                                               targets), fsdp2_optim)
 
 
 def _batches(step: int, rank: int, cfg: GPTConfig):
@@ -113,6 +189,10 @@ def _fsdp2_system(cfg: GPTConfig, param_dtype, fsdp2_optim: str = "single"):
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    return _fsdp2_step(model, model, fsdp2_optim)
+
+
+def _fsdp2_step(model, loss_of, fsdp2_optim: str):
     kind = {"single": {"foreach": False}, "foreach": {"foreach": True},
             "fused": {"fused": True}}[fsdp2_optim]
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1,
@@ -120,7 +200,7 @@ def _fsdp2_system(cfg: GPTConfig, param_dtype, fsdp2_optim: str = "single"):
 
     def step(tokens, targets):
         opt.zero_grad(set_to_none=True)
-        loss = model(tokens, targets)
+        loss = loss_of(tokens, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -286,19 +366,27 @@ def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str,
                fsdp2_optim: str = "single", ep: int = 1) -> dict:
     torch.manual_seed(0)
     rank = dist.get_rank()
-    cfg = MODELS[model_name]
+    hf = model_name in HF_MODELS
+    cfg = None if hf else MODELS[model_name]
     param_dtype = {"fp32": None, "bf16": torch.bfloat16}[param_dtype_name]
-    if ep > 1:  # top-2 routed, the experts split over ep
-        cfg = dataclasses.replace(cfg, top_k=2)
-        systems = {"vfsdp": _vfsdp_ep_system(cfg, param_dtype, ep),
-                   "fsdp2": _fsdp2_ep_system(cfg, param_dtype, ep, fsdp2_optim)}
+    if hf:
+        torch.set_num_threads(1)
+        systems = {"vfsdp": _vfsdp_hf_system(model_name, param_dtype),
+                   "fsdp2": _fsdp2_hf_system(model_name, param_dtype, fsdp2_optim)}
+        batches = lambda step, rank: _hf_batches(step, rank)
     else:
-        systems = {"vfsdp": _vfsdp_system(cfg, param_dtype),
-                   "fsdp2": _fsdp2_system(cfg, param_dtype, fsdp2_optim)}
+        if ep > 1:  # top-2 routed, the experts split over ep
+            cfg = dataclasses.replace(cfg, top_k=2)
+            systems = {"vfsdp": _vfsdp_ep_system(cfg, param_dtype, ep),
+                       "fsdp2": _fsdp2_ep_system(cfg, param_dtype, ep, fsdp2_optim)}
+        else:
+            systems = {"vfsdp": _vfsdp_system(cfg, param_dtype),
+                       "fsdp2": _fsdp2_system(cfg, param_dtype, fsdp2_optim)}
+        batches = lambda step, rank: _batches(step, rank, cfg)
     times = {k: [] for k in systems}
     losses = {k: [] for k in systems}
     for step in range(1, warmup + steps + 1):
-        tokens, targets = _batches(step, rank, cfg)
+        tokens, targets = batches(step, rank)
         for name, (fn, _) in systems.items():
             dist.barrier()
             t0 = time.perf_counter()
@@ -307,7 +395,7 @@ def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str,
                 times[name].append(time.perf_counter() - t0)
     out = {"config": f"W={dist.get_world_size()} {model_name}{f' ep={ep}' if ep > 1 else ''} "
                      f"{param_dtype_name}"}
-    tokens, targets = _batches(warmup + steps + 1, rank, cfg)
+    tokens, targets = batches(warmup + steps + 1, rank)
     for name, (fn, persistent) in systems.items():
         mem = LiveBytes().track(*persistent())
         with CopyCounter() as copies, mem:
@@ -319,11 +407,16 @@ def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str,
                      "final_loss": losses[name][-1], "first_loss": losses[name][0]}
     # The model's own copies (attention reshapes, rotary stacks): the same model run on one
     # process without any FSDP, same batch; what each system adds is the rest.
-    full = vfsdp.init.full_tree(init_rule(cfg), meta_params(cfg), 0)
-    for t in optree.tree_leaves(full):
-        t.requires_grad_(True)
-    with CopyCounter() as base:
-        loss_fn(full, tokens, targets, cfg).backward()
+    if hf:
+        plain = _hf_model(model_name)
+        with CopyCounter() as base:
+            _hf_loss(plain(input_ids=tokens).logits, targets).backward()
+    else:
+        full = vfsdp.init.full_tree(init_rule(cfg), meta_params(cfg), 0)
+        for t in optree.tree_leaves(full):
+            t.requires_grad_(True)
+        with CopyCounter() as base:
+            loss_fn(full, tokens, targets, cfg).backward()
     out["model_copied_bytes"] = base.copy_bytes
     v, f = out["vfsdp"], out["fsdp2"]
     for r in (v, f):
@@ -341,7 +434,10 @@ def bench_rank(model_name: str, steps: int, warmup: int, param_dtype_name: str,
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-sizes", nargs="*", type=int, default=[2, 4])
-    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="*", default=list(MODELS),
+                    choices=[*MODELS, *HF_MODELS],
+                    help="the GPT of vfsdp.testing.models (dense, moe) or Hugging Face models "
+                         "from small configs (gpt2, llama, mixtral; needs transformers)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per system (median)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--param-dtype", choices=["fp32", "bf16"], default="fp32")

@@ -109,6 +109,7 @@ def test_one_screen_api():
         "ShardSpec", "UnitLayout", "TensorSpec", "RaggedShard", "StridedRaggedShard",
         "shard", "scatter", "gather", "gather_async", "release",
         "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm", "Policy",
+        "functionalize",
         "to_dtensor", "from_dtensor", "dtensor_placement",
         "mesh", "lax", "shard_map", "P", "visualize", "estimate",
         "init", "optim", "checkpoint", "testing",

@@ -240,3 +240,13 @@ def test_gpu_benchmark_compiled_system_runs_on_cpu(tmp_path):
     c = rec["vfsdp_compiled"]
     assert c["graphs"] == 1 and c["step_s"] > 0 and c["final_loss"] == c["final_loss"]
     assert "compiled vfsdp" in proc.stdout
+
+
+def test_train_hf_matches_one_process_and_exports_for_from_pretrained(tmp_path):
+    pytest.importorskip("transformers")
+    out = _run("examples/train_hf.py", "--model", "llama", "--world-size", "2", "--steps", "2",
+               "--dim", "32", "--seq", "16", "--shard-bytes", "20000", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.split("single-process loss| = ")[1].split()[0]) < 1e-5
+    assert "from_pretrained logits differ by 0.0e+00" in out.stdout
+    assert (tmp_path / "model.safetensors.index.json").exists()

@@ -7,6 +7,7 @@ What a user calls, on one screen::
     shard, scatter, gather, gather_async, release             # shards <-> full tensors
     reduce_scatter, run_layers, grads, zero_grads             # gradients
     Policy                                                    # the options, frozen
+    functionalize                                             # nn.Module -> (params, apply)
     clip_grad_norm                                            # one all-reduce
     to_dtensor, from_dtensor, dtensor_placement               # DTensor interop
     mesh, lax, shard_map, P, visualize                        # named axes; who holds what
@@ -31,6 +32,7 @@ from vfsdp.functional import (
     Policy,
     dtensor_placement,
     from_dtensor,
+    functionalize,
     gather,
     gather_async,
     grads,
@@ -67,6 +69,7 @@ __all__ = [
     "ShardSpec", "UnitLayout", "TensorSpec", "RaggedShard", "StridedRaggedShard",
     "shard", "scatter", "gather", "gather_async", "release",
     "reduce_scatter", "run_layers", "grads", "zero_grads", "clip_grad_norm", "Policy",
+    "functionalize",
     "to_dtensor", "from_dtensor", "dtensor_placement",
     "mesh", "lax", "shard_map", "P", "visualize", "estimate",
     "init", "optim", "checkpoint", "testing",

@@ -64,3 +64,24 @@ def test_truncated_safetensors_is_refused(tmp_path):
     os.truncate(path, os.path.getsize(path) - 8)
     msg = simulate(2, export_bodies.read_safetensors_error, path)[0]
     assert "truncated" in msg
+
+
+def test_a_tie_exports_once_under_the_path_registered_first():
+    """``{"wte": w, "io": {"lm_head": w}}``: the plan names the tensor after ``wte`` (dict
+    insertion order, as a module registers it), and the state dict holds it once."""
+    import vfsdp
+
+    w = torch.arange(8.0).reshape(4, 2)
+    params = {"wte": w, "io": {"lm_head": w}, "b": torch.ones(3)}
+    spec = vfsdp.plan(params, 2)
+    assert dict(spec.ties) == {("io", "lm_head"): ("wte",)}
+
+    def body():
+        shards = vfsdp.shard(params, spec)
+        sd = vfsdp.checkpoint.to_state_dict(shards, spec)
+        back = vfsdp.shard({"wte": torch.zeros(4, 2), "b": torch.zeros(3)}, vfsdp.plan(
+            {"wte": w, "b": w.new_ones(3)}, 2))
+        return sorted(sd), back is not None
+
+    names, _ = simulate(2, body)[0]
+    assert names == ["b", "wte"]

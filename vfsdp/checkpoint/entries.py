@@ -169,6 +169,7 @@ def flatten(tree: Any, spec: ShardSpec, what: str = "checkpoint", prefix: tuple 
     """
     out: list[Entry] = []
     _flatten_into(tree, spec, prefix, out, what)
+    out = _tie_once(out)
     seen: dict = {}
     for e in out:
         if e.name in seen:
@@ -176,6 +177,24 @@ def flatten(tree: Any, spec: ShardSpec, what: str = "checkpoint", prefix: tuple 
                              f"key paths must be unique)")
         seen[e.name] = e
     return out
+
+
+def _tie_once(entries: list[Entry]) -> list[Entry]:
+    """A tie (one shard at several paths) once, under the name of the plan's path for it
+    (the path registered first: ``transformer.wte.weight``, not ``lm_head.weight``)."""
+    by_piece: dict = {}
+    for k, e in enumerate(entries):
+        if e.kind == "sharded" and e.piece.db is not None:
+            by_piece.setdefault((id(e.piece.db), e.piece.index), []).append(k)
+    drop = set()
+    for ks in by_piece.values():
+        if len(ks) > 1:
+            e = entries[ks[0]]
+            path = format_path(e.piece.db.tensors[e.piece.index].path)
+            keep = next((k for k in ks if entries[k].name == path
+                         or entries[k].name.endswith("." + path)), ks[0])
+            drop.update(k for k in ks if k != keep)
+    return [e for k, e in enumerate(entries) if k not in drop] if drop else entries
 
 
 def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: str) -> None:

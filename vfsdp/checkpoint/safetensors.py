@@ -50,19 +50,27 @@ def _nbytes(e: Entry) -> int:
 
 
 def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst: int = 0,
-                     rename: Rename = None, metadata: Optional[dict] = None) -> None:
+                     rename: Rename = None, metadata: Optional[dict] = None,
+                     max_shard_size: Optional[int] = None) -> None:
     """Write full tensors to one safetensors file on rank ``dst``, one unit at a time; collective.
 
     The file is written under a temporary name and renamed when complete. Plain values go
-    into the header's metadata (as JSON, under ``"vfsdp.values"``).
+    into the header's metadata (as JSON, under ``"vfsdp.values"``). A tie is written once,
+    under the name the plan gives it (the path registered first: ``transformer.wte.weight``,
+    as Hugging Face saves GPT-2). With ``max_shard_size``, ``path`` is a directory that gets
+    Hugging Face's sharded form: ``model-00001-of-0000N.safetensors`` files of at most that
+    many bytes each (a larger tensor alone in its file) and ``model.safetensors.index.json``,
+    which ``from_pretrained`` and :func:`load_safetensors` read.
 
     Args:
-        path: The ``.safetensors`` file.
+        path: The ``.safetensors`` file; a directory (it must exist without
+            ``max_shard_size``) gets Hugging Face's file names.
         tree: Shards (``vfsdp.shard``'s tree), optionally with states and values.
         spec: Their spec.
         dst: The writing rank.
         rename: ``dotted name -> tensor name`` in the file.
         metadata: Extra ``str -> str`` header metadata.
+        max_shard_size: Bytes per file; ``None``: one file.
 
     Raises:
         TypeError: a dtype safetensors cannot store, or non-string metadata.
@@ -83,38 +91,103 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
     path = os.fspath(path)
     rank = dist.get_rank()
     entries, names = entries_and_names(tree, spec, rename, "vfsdp.checkpoint.save_safetensors")
-    blob = agreed(_header, entries, names, metadata)  # every rank checks dtypes and metadata
-    tmp = f"{os.path.abspath(path)}.partial-{uuid.uuid4().hex[:12]}"
-    f = agreed(_open, tmp, blob) if rank == dst else agreed(lambda: None)
+    files = agreed(_split, entries, max_shard_size)  # [(file name, [entry names])]
+    if max_shard_size is None:
+        targets = [os.path.join(path, "model.safetensors") if os.path.isdir(path) else path]
+    else:
+        if rank == dst:
+            agreed(os.makedirs, path, exist_ok=True)
+        else:
+            agreed(lambda: None)
+        targets = [os.path.join(path, name) for name, _ in files]
+    which = {n: k for k, (_, group) in enumerate(files) for n in group}
+    blobs = agreed(lambda: [_header(entries, names, metadata if k == 0 else None, set(group),
+                                    values=k == 0) for k, (_, group) in enumerate(files)])
     error = None
-    for _, value in stream_full(entries, dst):
-        if f is None or error is not None or not isinstance(value, torch.Tensor):
+    current, f, tmp = -1, None, None
+    for name, value in stream_full(entries, dst):
+        if rank != dst or error is not None or not isinstance(value, torch.Tensor):
             continue  # keep taking part in the collectives; a failure is raised below
         try:
+            while current < which[name]:
+                if f is not None:
+                    _close(f, tmp, targets[current])
+                current += 1
+                tmp = f"{os.path.abspath(targets[current])}.partial-{uuid.uuid4().hex[:12]}"
+                f = _open(tmp, blobs[current])
             f.write(tensor_bytes(value))
         except Exception as exc:  # noqa: BLE001 - e.g. disk full
             error = exc
-    if f is not None:
+    if rank == dst:
         try:
             if error is None:
-                f.flush()
-                os.fsync(f.fileno())
-            f.close()
-            if error is None:
-                os.replace(tmp, path)
+                while current < len(files) - 1:  # files of values only, or none yet
+                    if f is not None:
+                        _close(f, tmp, targets[current])
+                    current += 1
+                    tmp = f"{os.path.abspath(targets[current])}.partial-{uuid.uuid4().hex[:12]}"
+                    f = _open(tmp, blobs[current])
+                _close(f, tmp, targets[current])
+                f = None
+                if max_shard_size is not None:
+                    _write_index(path, entries, names, files)
         except Exception as exc:  # noqa: BLE001
             error = error or exc
         finally:
-            if os.path.exists(tmp):
+            if f is not None:
+                f.close()
+            if tmp is not None and os.path.exists(tmp):
                 os.remove(tmp)
     agree(error)
 
 
-def _header(entries: list[Entry], names: dict, metadata: Optional[dict]) -> bytes:
+INDEX = "model.safetensors.index.json"
+
+
+def _split(entries: list[Entry], max_bytes: Optional[int]) -> list[tuple[str, list]]:
+    """The files of a save: ``[(file name, [entry names])]`` in stream order."""
+    order = [e for e in stream_order(entries) if e.kind != "value"]
+    if max_bytes is None:
+        return [("", [e.name for e in order])]
+    if not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ValueError(f"save_safetensors: max_shard_size must be a positive int (bytes), "
+                         f"got {max_bytes!r}")
+    groups: list = [[]]
+    size = 0
+    for e in order:
+        n = _nbytes(e)
+        if groups[-1] and size + n > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(e.name)
+        size += n
+    total = len(groups)
+    return [(f"model-{k + 1:05d}-of-{total:05d}.safetensors", g) for k, g in enumerate(groups)]
+
+
+def _write_index(path: str, entries: list[Entry], names: dict, files: list) -> None:
+    by_name = {e.name: e for e in entries}
+    index = {"metadata": {"total_size": sum(_nbytes(by_name[n]) for _, g in files for n in g)},
+             "weight_map": {names[n]: file for file, g in files for n in g}}
+    tmp = os.path.join(path, f"{INDEX}.partial-{uuid.uuid4().hex[:12]}")
+    with open(tmp, "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+    os.replace(tmp, os.path.join(path, INDEX))
+
+
+def _close(f, tmp: str, path: str) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+    os.replace(tmp, path)
+
+
+def _header(entries: list[Entry], names: dict, metadata: Optional[dict],
+            only: Optional[set] = None, values: bool = True) -> bytes:
     header: dict = {}
     offset = 0
     for e in stream_order(entries):
-        if e.kind == "value":
+        if e.kind == "value" or (only is not None and e.name not in only):
             continue
         n = _nbytes(e)
         header[names[e.name]] = {"dtype": _code(e), "shape": list(e.shape),
@@ -123,7 +196,7 @@ def _header(entries: list[Entry], names: dict, metadata: Optional[dict]) -> byte
     meta = dict(metadata or {})
     if any(not isinstance(k, str) or not isinstance(v, str) for k, v in meta.items()):
         raise TypeError("safetensors metadata must map str to str")
-    values = {names[e.name]: e.value for e in entries if e.kind == "value"}
+    values = {names[e.name]: e.value for e in entries if e.kind == "value"} if values else {}
     if values:
         meta[_VALUES] = json.dumps(values)
     if meta:
@@ -175,7 +248,9 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
 
     Args:
         path: A safetensors file (written by :func:`save_safetensors`, ``safetensors`` or a
-            Hugging Face export).
+            Hugging Face export), or a directory of a Hugging Face checkpoint: several files
+            and ``model.safetensors.index.json`` (or one ``model.safetensors``). Each rank
+            reads the files' headers, then only its own pieces' bytes.
         tree_like: Shards (and optionally states) to fill in place.
         spec: Their spec.
         strict: Refuse tensors in the file that ``tree_like`` lacks.
@@ -206,10 +281,35 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
     return unflatten(tree_like, spec, values)
 
 
+def _headers(path: str) -> tuple[dict, dict]:
+    """``({tensor name: its header record plus "file" and "base"}, plain values)`` of a file
+    or of a Hugging Face checkpoint directory."""
+    if os.path.isdir(path):
+        index = os.path.join(path, INDEX)
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            files = [os.path.join(path, name) for name in files]
+        elif os.path.exists(os.path.join(path, "model.safetensors")):
+            files = [os.path.join(path, "model.safetensors")]
+        else:
+            raise CheckpointError(f"{path} holds neither {INDEX} nor model.safetensors")
+    else:
+        files = [path]
+    merged: dict = {}
+    values: dict = {}
+    for file in files:
+        header, base = read_header(file)
+        values.update(json.loads(header.get("__metadata__", {}).get(_VALUES, "{}")))
+        for key, rec in header.items():
+            if key != "__metadata__":
+                merged[key] = {**rec, "file": file, "base": base}
+    return merged, values
+
+
 def _read_into(path: str, tree_like: Any, spec: ShardSpec, strict: bool, rename: Rename) -> dict:
-    header, base = read_header(path)
+    header, values = _headers(path)
     entries = flatten(tree_like, spec, "vfsdp.checkpoint.load_safetensors")
-    values = json.loads(header.get("__metadata__", {}).get(_VALUES, "{}"))
     names: dict = {}
     for e in entries:
         key = rename(e.name) if rename else e.name
@@ -234,28 +334,41 @@ def _read_into(path: str, tree_like: Any, spec: ShardSpec, strict: bool, rename:
         if extra:
             raise CheckpointError(f"{path} holds tensors the tree does not: {extra[:5]}; pass "
                                   f"strict=False to load a subset")
-    with open(path, "rb") as f, torch.no_grad():
-        for e in entries:
-            if e.kind == "value":
-                continue
-            begin = base + header[names[e.name]]["data_offsets"][0]
-            target = e.piece.local if e.kind == "sharded" else e.tensor
-            start = e.piece.start if e.kind == "sharded" else 0
-            if not target.numel():
-                continue
-            if e.kind == "sharded" and e.piece.within is not None:  # a TP/EP piece's boxes
-                for offsets, sizes in e.piece.boxes():
-                    e.piece.box_data(offsets, sizes).copy_(
-                        _read_box(f, begin, tuple(e.shape), offsets, sizes, target.dtype,
-                                  path, e.name))
-                continue
-            nbytes = target.numel() * target.element_size()
-            f.seek(begin + start * target.element_size())
-            raw = bytearray(nbytes)  # a host buffer: numpy views would pin the shard's storage
-            if f.readinto(raw) != nbytes:
-                raise CheckpointError(f"{path}: {e.name} ends early (truncated)")
-            target.copy_(torch.frombuffer(raw, dtype=target.dtype).view(target.shape))
+    opened: dict = {}
+    try:
+        with torch.no_grad():
+            _read_pieces(entries, names, header, opened, path)
+    finally:
+        for f in opened.values():
+            f.close()
     return {e.name: values[names[e.name]] for e in entries if e.kind == "value"}
+
+
+def _read_pieces(entries: list, names: dict, header: dict, opened: dict, path: str) -> None:
+    for e in entries:
+        if e.kind == "value":
+            continue
+        target = e.piece.local if e.kind == "sharded" else e.tensor
+        if not target.numel():
+            continue
+        rec = header[names[e.name]]
+        f = opened.get(rec["file"])
+        if f is None:
+            f = opened[rec["file"]] = open(rec["file"], "rb")  # noqa: SIM115 - closed above
+        begin = rec["base"] + rec["data_offsets"][0]
+        start = e.piece.start if e.kind == "sharded" else 0
+        if e.kind == "sharded" and e.piece.within is not None:  # a TP/EP piece's boxes
+            for offsets, sizes in e.piece.boxes():
+                e.piece.box_data(offsets, sizes).copy_(
+                    _read_box(f, begin, tuple(e.shape), offsets, sizes, target.dtype,
+                              path, e.name))
+            continue
+        nbytes = target.numel() * target.element_size()
+        f.seek(begin + start * target.element_size())
+        raw = bytearray(nbytes)  # a host buffer: numpy views would pin the shard's storage
+        if f.readinto(raw) != nbytes:
+            raise CheckpointError(f"{path}: {e.name} ends early (truncated)")
+        target.copy_(torch.frombuffer(raw, dtype=target.dtype).view(target.shape))
 
 
 def _read_box(f, begin: int, shape: tuple, offsets: tuple, sizes: tuple, dtype: torch.dtype,

@@ -8,6 +8,7 @@ from vfsdp.functional.backward import Reductions
 from vfsdp.functional.dtensor import dtensor_placement, from_dtensor, to_dtensor
 from vfsdp.functional.gather import gather, gather_async
 from vfsdp.functional.grads import grads, zero_grads
+from vfsdp.functional.module import ModuleApply, functionalize
 from vfsdp.functional.options import GatherOptions, GradOptions, Policy
 from vfsdp.functional.reduce import reduce_scatter
 from vfsdp.functional.reference import (
@@ -28,11 +29,13 @@ __all__ = [
     "GatherOptions",
     "GradOptions",
     "Policy",
+    "ModuleApply",
     "Reductions",
     "UnitLeaves",
     "dbuffers",
     "dtensor_placement",
     "from_dtensor",
+    "functionalize",
     "gather",
     "gather_async",
     "gather_reference",

@@ -304,7 +304,8 @@ def plan(
     strided = tied = None
     if tp is not None:
         paths, leaves, _ = optree.tree_flatten_with_path(params)
-        tied = find_ties(leaves, paths, [i for i, x in enumerate(leaves) if is_tensor_leaf(x)])
+        tied = find_ties(leaves, paths, [i for i, x in enumerate(leaves) if is_tensor_leaf(x)],
+                         params)
         split = split_params(params, mesh, mesh_shape, mesh_names, tp, tp_axis, tp_index)
         params, strided = split.local, split.strided
         mesh_shape, mesh_names = split.data_shape, split.data_names
@@ -349,7 +350,7 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
     paths, leaves, treespec = flat or optree.tree_flatten_with_path(params)
     all_idx = [i for i, x in enumerate(leaves) if is_tensor_leaf(x)]
     if tied is None:
-        tied = find_ties(leaves, paths, all_idx)  # leaf index -> the leaf index it repeats
+        tied = find_ties(leaves, paths, all_idx, params)  # leaf index -> the one it repeats
     t_idx = [i for i in all_idx if i not in tied]
     keys = _unit_keys(units, [paths[i] for i in t_idx], params)
     grouped: dict[Hashable, list] = {}
@@ -481,16 +482,46 @@ def _check_params(params: Any) -> None:
                         "(vfsdp.plan(params, mesh))")
 
 
-def find_ties(leaves: list, paths: list, idx: list) -> dict:
+def find_ties(leaves: list, paths: list, idx: list, params: Any = None) -> dict:
     """Leaves that are one tensor: ``{leaf index: index of its first occurrence}``.
 
     A tie is the same object twice (a tied embedding and head), or two real tensors that are
     the same view of one storage (same offset, shape, strides and dtype). Two real tensors that
-    share memory but are different views of it cannot be kept as one tensor.
+    share memory but are different views of it cannot be kept as one tensor. The first
+    occurrence is the first in the dicts' insertion order (``params``, where given), as a
+    module registers its tensors (``{"wte": w, "io": {"lm_head": w}}``: ``wte``), not in
+    optree's sorted-key order.
 
     Raises:
         ValueError: overlapping different views of one storage (naming both paths).
     """
+    tied = _find_ties(leaves, paths, idx)
+    if not tied or params is None:
+        return tied
+    groups: dict = {}
+    for i, first in tied.items():
+        groups.setdefault(first, [first]).append(i)
+    out = {}
+    for group in groups.values():
+        head = min(group, key=lambda i: _insertion_key(params, paths[i]))
+        out.update({i: head for i in group if i != head})
+    return out
+
+
+def _insertion_key(tree: Any, path: tuple) -> tuple:
+    """Where ``path`` comes in ``tree`` with dicts in insertion order (a key's position in
+    its dict; other entries as optree numbers them)."""
+    key = []
+    for entry in path:
+        if isinstance(tree, dict):
+            key.append(list(tree).index(entry))
+        else:
+            key.append(entry if isinstance(entry, int) else 0)
+        tree = tree[entry] if isinstance(tree, (dict, list, tuple)) else None
+    return tuple(key)
+
+
+def _find_ties(leaves: list, paths: list, idx: list) -> dict:
     first_by_id: dict = {}
     by_storage: dict = {}
     tied: dict = {}

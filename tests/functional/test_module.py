@@ -1,0 +1,187 @@
+"""vfsdp.functionalize: a module's parameters as a tree (its own naming, a tie once, buffers
+apart) and its forward as a function of any tree of that shape, whole or block by block."""
+
+import threading
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+
+import vfsdp
+from vfsdp.testing import simulate
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, h, scale):
+        return h + torch.tanh(self.fc(self.norm(h))) * scale
+
+
+class TinyLM(torch.nn.Module):
+    """An embedding tied to the head (the embedding registered first), blocks in a module
+    list, a buffer."""
+
+    def __init__(self, vocab=11, d=6, n=3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(Block(d) for _ in range(n))
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h, scale=self.scale)
+        return self.head(h)
+
+
+def test_tree_follows_the_module_tie_once_under_its_first_name_buffers_apart():
+    torch.manual_seed(0)
+    model = TinyLM()
+    params, apply = vfsdp.functionalize(model)
+    assert sorted(params) == ["embed", "layers"]            # no "head": its weight is the tie
+    assert isinstance(params["layers"], list) and len(params["layers"]) == 3
+    assert params["embed"]["weight"] is model.embed.weight   # the module's own tensors
+    assert params["layers"][1]["fc"]["bias"] is model.layers[1].fc.bias
+    assert apply.ties == {"head.weight": "embed.weight"}
+    assert apply.buffers == {"scale": model.scale}
+    assert apply.blocks == ("layers",)
+    spec = vfsdp.plan(params, 2)
+    assert list(spec.units) == [(), ("layers", 0), ("layers", 1),
+                                 ("layers", 2)]
+
+
+def test_apply_is_the_forward_and_its_gradients_with_the_tie():
+    torch.manual_seed(0)
+    model = TinyLM()
+    params, apply = vfsdp.functionalize(model)
+    tokens = torch.randint(0, 11, (2, 5))
+    copy = optree.tree_map(lambda t: t.detach().clone().requires_grad_(), params)
+    out = apply(copy, tokens)
+    assert torch.equal(out, model(tokens))
+    out.square().mean().backward()
+    model(tokens).square().mean().backward()
+    for (a, b) in zip(optree.tree_leaves(copy), optree.tree_leaves(params)):
+        assert torch.equal(a.grad, b.grad)      # the tie's gradient: both uses, as in torch
+
+
+def test_run_layers_over_the_blocks_equals_the_module():
+    """Each rank its own module (threads cannot share one); the blocks run through
+    vfsdp.run_layers; the loss and every gradient equal one process's."""
+    tokens = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(1))
+
+    def body():
+        torch.manual_seed(0)
+        params, apply = vfsdp.functionalize(TinyLM())
+        spec = vfsdp.plan(params, dist.get_world_size(), granularity=vfsdp.rows(1))
+        shards = vfsdp.shard(params, spec)
+        out = apply.run_layers(shards, spec, tokens)
+        out.square().mean().backward()
+        rank = dist.get_rank()
+        mine = [(t.local_range(rank), g.detach().reshape(-1).clone())
+                for t, g in zip(optree.tree_leaves(spec.tree), optree.tree_leaves(
+                    vfsdp.grads(shards, spec)))]
+        return out.detach(), mine
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    want = model(tokens)
+    want.square().mean().backward()
+    params, _ = vfsdp.functionalize(model)
+    for out, grads in simulate(2, body):
+        assert torch.equal(out, want.detach())
+        for ((lo, hi), g), p in zip(grads, optree.tree_leaves(params)):
+            torch.testing.assert_close(g, p.grad.reshape(-1)[lo:hi], rtol=1e-6, atol=1e-7)
+
+
+def test_a_meta_module_plans_with_no_memory_and_init_fn_fills_the_shards():
+    with torch.device("meta"):
+        model = TinyLM(vocab=1000, d=64)
+    params, apply = vfsdp.functionalize(model)
+    assert all(t.device.type == "meta" for t in optree.tree_leaves(params))
+    spec = vfsdp.plan(params, 4, granularity=vfsdp.rows(1))
+    rule = vfsdp.init.rule(vfsdp.init.normal(0.02), ones=lambda path: "norm" in str(path))
+
+    def body():
+        shards = vfsdp.shard(params, spec, init_fn=vfsdp.init.sharded(rule, seed=0))
+        return sum(t.numel() for t in optree.tree_leaves(shards))
+
+    assert sum(simulate(4, body)) == sum(t.numel() for t in optree.tree_leaves(params))
+    with pytest.raises(ValueError, match=r"buffer scale is on the meta device.*apply.buffers"):
+        apply(params, torch.zeros(1, 1, dtype=torch.long))
+
+
+def test_misuse_is_refused_with_the_fix():
+    model = TinyLM()
+    params, apply = vfsdp.functionalize(model)
+    with pytest.raises(TypeError, match=r"takes an nn\.Module"):
+        vfsdp.functionalize(params)
+    with pytest.raises(ValueError, match="not shaped as the module's"):
+        apply({"embed": params["embed"]}, torch.zeros(1, 1, dtype=torch.long))
+    apply(params, torch.zeros(1, 1, dtype=torch.long))
+    errors = []
+
+    def other():
+        try:
+            apply(params, torch.zeros(1, 1, dtype=torch.long))
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert errors and "functionalize it inside the rank's function" in errors[0]
+    _, no_blocks = vfsdp.functionalize(torch.nn.Linear(2, 2))
+    assert no_blocks.blocks is None
+    with pytest.raises(ValueError, match="no module list of blocks"):
+        no_blocks.run_layers({}, vfsdp.plan({}, 1), torch.zeros(2))
+
+
+def test_units_mixing_blocks_and_the_rest_are_refused():
+    def body():
+        params, apply = vfsdp.functionalize(TinyLM())
+        spec = vfsdp.plan(params, 2, units=0)          # one unit for everything
+        shards = vfsdp.shard(params, spec)
+        with pytest.raises(ValueError, match="each block a unit of its own"):
+            apply.run_layers(shards, spec, torch.zeros(1, 2, dtype=torch.long))
+
+    simulate(2, body)
+
+
+class Between(TinyLM):
+    """Work between the blocks: run_layers cannot run them back to back."""
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = torch.tanh(layer(h, scale=self.scale))
+        return h
+
+
+def test_work_between_the_blocks_is_refused_not_skipped():
+    def body():
+        params, apply = vfsdp.functionalize(Between())
+        spec = vfsdp.plan(params, 2)
+        shards = vfsdp.shard(params, spec)
+        with pytest.raises(RuntimeError, match="something other than block 0's output"):
+            apply.run_layers(shards, spec, torch.zeros(1, 2, dtype=torch.long))
+
+    simulate(2, body)
+
+
+def test_ranks_sharing_one_module_are_refused_before_any_collective():
+    params, apply = vfsdp.functionalize(TinyLM())
+    spec = vfsdp.plan(params, 2)
+
+    def body():
+        shards = vfsdp.shard(params, spec)
+        apply.run_layers(shards, spec, torch.zeros(1, 2, dtype=torch.long))
+
+    with pytest.raises(Exception, match="called from a second thread"):
+        simulate(2, body, timeout=60)

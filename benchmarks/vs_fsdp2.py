@@ -62,8 +62,6 @@ from vfsdp.testing.models import (
     _Block,
     _heads,
     _rms,
-    embed,
-    head_loss,
     init_rule,
     loss_fn,
     meta_params,
@@ -293,20 +291,16 @@ class _EPBlock(torch.nn.Module):
         return x + self.experts(p["router"], h.reshape(-1, h.shape[-1])).view_as(h)
 
 
-class _EPModel(torch.nn.Module):
+class _EPModel(GPTModule):
+    """GPTModule (its forward) with each block's experts split over ``ep``."""
+
     def __init__(self, full: dict, cfg: GPTConfig, mesh, ep: int) -> None:
-        super().__init__()
+        torch.nn.Module.__init__(self)
+        self.cfg = cfg
         index = mesh.get_local_rank("ep")
         self.io = _Block(full["io"], cfg)
         self.blocks = torch.nn.ModuleList(_EPBlock(p, cfg, mesh, index, ep)
                                           for p in full["layers"])
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        io = self.io.tree()
-        x = embed(io, tokens)
-        for blk in self.blocks:
-            x = blk(x)
-        return head_loss(io, x, targets)
 
 
 def _fsdp2_ep_system(cfg: GPTConfig, param_dtype, ep: int, fsdp2_optim: str = "single"):

@@ -67,6 +67,19 @@ def _nonempty(ranges: Ranges) -> list:
     return [(q, r) for q, r in enumerate(ranges) if r[1] > r[0]]
 
 
+def _meet(i: int, mine: tuple, others: Ranges, sizes: list) -> list:
+    """``(rank, i, lo, hi)`` where ``mine`` meets each rank's range of ``others`` (relative to
+    ``mine``'s start), adding each slice's size to ``sizes[rank]``."""
+    out: list = []
+    if mine[1] > mine[0]:
+        for q, r in _nonempty(others):
+            lo, hi = _cut(mine, r)
+            if hi > lo:
+                out.append((q, i, lo - mine[0], hi - mine[0]))
+                sizes[q] += hi - lo
+    return out
+
+
 class Redistribution:
     """Where each element goes in one flat redistribution, as seen from one rank (pure data).
 
@@ -123,23 +136,9 @@ class Redistribution:
                                  f"of the {want} destination elements")
         # Only the ranks with a non-empty range meet (a tensor spans few ranks): the slices in
         # (rank, tensor) order, found per tensor.
-        send, recv = [], []
         self.send_sizes, self.recv_sizes = [0] * world, [0] * world
-        for i in range(n):
-            mine, base = src[i][rank], src[i][rank][0]
-            if mine[1] > mine[0]:
-                for q, d in _nonempty(dst[i]):
-                    lo, hi = _cut(mine, d)
-                    if hi > lo:
-                        send.append((q, i, lo - base, hi - base))
-                        self.send_sizes[q] += hi - lo
-            want, base = dst[i][rank], dst[i][rank][0]
-            if want[1] > want[0]:
-                for q, h in _nonempty(src[i]):
-                    lo, hi = _cut(h, want)
-                    if hi > lo:
-                        recv.append((q, i, lo - base, hi - base))
-                        self.recv_sizes[q] += hi - lo
+        send = [x for i in range(n) for x in _meet(i, src[i][rank], dst[i], self.send_sizes)]
+        recv = [x for i in range(n) for x in _meet(i, dst[i][rank], src[i], self.recv_sizes)]
         send.sort(key=lambda x: (x[0], x[1]))
         recv.sort(key=lambda x: (x[0], x[1]))
         self.send = [x[1:] for x in send]

@@ -108,20 +108,13 @@ class Tracker(TorchFunctionMode):
         union = _NONE
         seen = []  # (tensor, its axes)
         for a in (args if not kwargs else (*args, *kwargs.values())):
-            if isinstance(a, torch.Tensor):
-                entry = a.__dict__.get(_ATTR)
-                v = entry[1] if entry is not None and entry[0] is token else _NONE
-                seen.append((a, v))
-                if v and v is not union:
-                    union = v if not union else union | v
-            elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if isinstance(b, torch.Tensor):
-                        entry = b.__dict__.get(_ATTR)
-                        v = entry[1] if entry is not None and entry[0] is token else _NONE
-                        seen.append((b, v))
-                        if v and v is not union:
-                            union = v if not union else union | v
+            for b in (a if isinstance(a, (list, tuple)) else (a,)):  # a list's tensors too
+                if isinstance(b, torch.Tensor):
+                    entry = b.__dict__.get(_ATTR)
+                    v = entry[1] if entry is not None and entry[0] is token else _NONE
+                    seen.append((b, v))
+                    if v and v is not union:
+                        union = v if not union else union | v
         if not union:
             return out
         if isinstance(out, torch.Tensor):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Optional
@@ -18,6 +18,7 @@ from typing import Any, Optional
 import optree
 import torch
 
+from vfsdp.planner.plan import Prepared
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["LayerCost", "layer_cost", "shape_costs", "Shapes"]
@@ -119,30 +120,48 @@ class Shapes:
     def of(cls, spec: ShardSpec) -> Shapes:
         """Read ``spec``'s tensors (in tree order: the first table naming ``embed`` is the
         embedding)."""
+        return cls._read(spec.units, ((t.path, t.unit, tuple(t.shape), t.global_shape)
+                                      for t in spec.tensors()))
+
+    @classmethod
+    def of_prepared(cls, prepared: Prepared) -> Shapes:
+        """The same as :meth:`of` of any plan of ``prepared`` (the tree read once by
+        :func:`vfsdp.planner.plan.prepare`), without laying one out."""
+        rows = sorted(((i, p, key, sh) for key, (idx, paths, shapes, *_) in
+                       prepared.members.items() for i, p, sh in zip(idx, paths, shapes)),
+                      key=lambda row: row[0])
+        st = prepared.strided
+        return cls._read(prepared.members, (
+            (p, key, tuple(sh), tuple(sh) if st is None or st[i] is None else st[i].global_shape)
+            for i, p, key, sh in rows))
+
+    @classmethod
+    def _read(cls, keys: Iterable, tensors: Iterable) -> Shapes:
+        """From the unit keys and ``(path, unit key, shape, global shape)`` per tensor, in
+        tree order."""
         # weights, stacked experts' weights per expert, indexed experts' weights, their ids
-        rows: dict = {key: [0.0, 0.0, 0.0, set(), False] for key in spec.units}
+        rows: dict = {key: [0.0, 0.0, 0.0, set(), False] for key in keys}
         width = vocab = 0
-        for t in spec.tensors():
-            name = ".".join(map(str, t.path))
-            row = rows[t.unit]
+        for path, unit, shape, global_shape in tensors:
+            name = ".".join(map(str, path))
+            row = rows[unit]
             found = _EXPERT.search(name)
             if found and found.group(3):
                 row[3].add(found.group(3))
             if "embed" in name:
                 row[4] = True
-                shape = t.global_shape
-                if not width and len(shape) == 2:
-                    width, vocab = int(shape[1]), int(shape[0])
+                if not width and len(global_shape) == 2:
+                    width, vocab = int(global_shape[1]), int(global_shape[0])
                 continue
-            if len(t.shape) < 2:
+            if len(shape) < 2:
                 continue
-            n = math.prod(t.shape)
+            n = math.prod(shape)
             if not found:
                 row[0] += n
             elif found.group(3):
                 row[2] += n
-            elif t.shape[0]:
-                row[1] += n / t.shape[0]
+            elif shape[0]:
+                row[1] += n / shape[0]
         units = {k: (w, stacked + (indexed / len(ids) if ids else 0.0), bool(stacked or ids),
                      emb) for k, (w, stacked, indexed, ids, emb) in rows.items()}
         return cls(MappingProxyType(units), width, vocab)

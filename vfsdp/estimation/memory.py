@@ -11,7 +11,8 @@ Each unit owns, on each rank (``S`` elements per rank, ``m`` ranks in its shard 
 * the reduced gradient shard, ``S`` in the parameters' dtype, from its backward until
   ``zero_grads``;
 * the optimizer's state, measured by running the optimizer's own ``init`` over ``meta``
-  shards of this rank (no memory, no process group).
+  shards of this rank (no memory, no process group); over only the tensors with a piece on
+  the rank where the optimizer declares its state local (``Optimizer.local_state``).
 
 :func:`timeline` replays the order in which ``run_layers`` (and a unit gathered around it for
 the whole step, such as the embedding and head) allocate and free these, and its peak is what
@@ -21,7 +22,7 @@ the whole step, such as the embedding and head) allocate and free these, and its
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import optree
@@ -35,7 +36,7 @@ from vfsdp.optim.base import state_tensors
 from vfsdp.planner.spec import ShardSpec, TensorSpec, UnitLayout
 
 __all__ = ["UnitBytes", "unit_bytes", "timeline", "peak", "optimizer_bytes", "split_units",
-           "baseline_sizes", "itemsize"]
+           "baseline_sizes"]
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,6 @@ class UnitBytes:
     reduce_in: int    # the reduce-scatter input
     stage_shard: int  # the staging buffer's shard (a reduction dtype other than the params')
     grad_shard: int   # the reduced gradient shard
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 def baseline_sizes(units: Mapping[Any, UnitLayout], system: str) -> dict:
@@ -80,10 +76,10 @@ def unit_bytes(units: Mapping[Any, UnitLayout], param_dtype: Optional[torch.dtyp
     key in place of the plan's, e.g. :func:`baseline_sizes`)."""
     out = []
     for key, u in units.items():
-        p = itemsize(u.dtype)
-        c = itemsize(param_dtype or u.dtype)
+        p = u.dtype.itemsize
+        c = (param_dtype or u.dtype).itemsize
         r_dtype = reduce_dtype or param_dtype or u.dtype
-        r = itemsize(r_dtype)
+        r = r_dtype.itemsize
         S, m = (sizes or {}).get(key, u.shard_numel), u.world_size
         out.append(UnitBytes(key, S * p, m * S * c, m * S * r,
                              S * r if r_dtype != u.dtype else 0, S * p))
@@ -214,7 +210,9 @@ def optimizer_bytes(opt: Any, units: Mapping[Any, UnitLayout], rank: int = 0,
     """Bytes of the optimizer's state on ``rank`` of a plan's ``units`` (``spec.units``): its
     ``init`` run over ``meta`` shards of that rank (no memory, no process group), every tensor
     of the state counted once; once per distinct unit (the same layout and shapes give the
-    same state), times its count."""
+    same state), times its count. An optimizer whose state is local
+    (``opt.local_state``) is run over only the tensors with a piece on the rank (the same
+    count: tested), which a rank of a large shard group holds few of."""
     groups: dict = {}
     for key, u in units.items():
         groups.setdefault((u.signature, u.shapes), []).append(key)
@@ -222,8 +220,28 @@ def optimizer_bytes(opt: Any, units: Mapping[Any, UnitLayout], rank: int = 0,
     for keys in groups.values():
         u = units[keys[0]]
         if u.paths:
-            total += len(keys) * _unit_state_bytes(opt, _sub_spec(u, replicas), rank)
+            r = min(rank, u.world_size - 1)
+            part = _on_rank(u, r) if getattr(opt, "local_state", False) else u
+            total += len(keys) * _unit_state_bytes(opt, _sub_spec(part, replicas), r)
     return total
+
+
+def _on_rank(u: UnitLayout, rank: int) -> UnitLayout:
+    """``u`` with only the tensors that have a piece on ``rank`` (S, offsets and the rest
+    kept), or its first tensor where ``rank`` holds none (its state buffers are made all the
+    same)."""
+    lo, hi = rank * u.shard_numel, (rank + 1) * u.shard_numel
+    keep = [k for k, (o, n) in enumerate(zip(u.offsets, u.numels)) if o < hi and o + n > lo]
+    if len(keep) == len(u.paths):
+        return u
+    keep = keep or [0]
+
+    def pick(xs: tuple) -> tuple:
+        return tuple(xs[k] for k in keep)
+
+    return replace(u, paths=pick(u.paths), offsets=pick(u.offsets), numels=pick(u.numels),
+                   blocks=pick(u.blocks), shapes=pick(u.shapes),
+                   strided=pick(u.strided) if u.strided else (), split=None)
 
 
 def _sub_spec(u: UnitLayout, replicas: int) -> ShardSpec:
@@ -248,8 +266,7 @@ def _unit_state_bytes(opt: Any, spec: ShardSpec, rank: int) -> int:
     with torch.no_grad():
         for key, members in spec.unit_leaves().items():
             u = spec.units[key]
-            unit = Unit(u, _meta_groups(u.world_size, min(rank, u.world_size - 1),
-                                        spec.replicas))
+            unit = Unit(u, _meta_groups(u.world_size, rank, spec.replicas))
             views: dict = {}
             for i, k in members:
                 if k not in views:

@@ -21,7 +21,6 @@ from vfsdp.estimation.hardware import Hardware, hardware
 from vfsdp.estimation.memory import (
     UnitBytes,
     baseline_sizes,
-    itemsize,
     optimizer_bytes,
     peak,
     split_units,
@@ -223,7 +222,7 @@ def predict(model: Part, experts: Optional[Part] = None, ep: Optional[int] = Non
         lanes[key] = (gather, flops / 3 / rate + host / 3, 2 * flops / 3 / rate + 2 * host / 3,
                       reduce)
     act_dtype = param_dtype or next(iter(model.units.values())).dtype
-    act = tokens_per_rank * model.shapes.width * itemsize(act_dtype)
+    act = tokens_per_rank * model.shapes.width * act_dtype.itemsize
     exposed = 0.0  # on the compute lane: the model axis's all-reduces, the experts' all-to-alls
     if model_parallel is not None:
         if model_parallel != "tp" or axis is None:

@@ -32,7 +32,7 @@ from vfsdp.estimation.model import optimizer_for
 from vfsdp.estimation.predict import Estimate, Part, predict
 from vfsdp.planner.abstract import ShapeDtype, is_tensor_leaf, leaf_meta
 from vfsdp.planner.granularity import format_path
-from vfsdp.planner.plan import assemble, prepare, unit_layouts
+from vfsdp.planner.plan import prepare, unit_layouts
 
 __all__ = ["sweep", "shard_sizes", "expert_share"]
 
@@ -179,8 +179,8 @@ class _Sweep:
         optimizer's ``state`` (0 bytes) where ``state=False``."""
         if m not in self.parts[i]:
             self.parts[i][m] = [unit_layouts(self.prepared[i], m), None]
-            if self.shapes[i] is None:  # the shape rules read tensors: once, from one spec
-                self.shapes[i] = Shapes.of(assemble(self.prepared[i], self.parts[i][m][0], (m,)))
+            if self.shapes[i] is None:  # the shape rules read tensors: once
+                self.shapes[i] = Shapes.of_prepared(self.prepared[i])
         entry = self.parts[i][m]
         if state and entry[1] is None:
             entry[1] = max(optimizer_bytes(self.opts[i], entry[0], r) for r in {0, m - 1})
@@ -207,13 +207,16 @@ class _Sweep:
         for count in gpus:
             tokens = max(tokens_per_gpu or (global_tokens // count if global_tokens else 4096),
                          1)
+            best = None  # the estimate at m, where the search made it
             if shard is not None:
                 m = min(shard, count)
-            else:
-                sizes = shard_sizes(count, self.prof.gpus_per_node)
-                m = next((d for d in sizes
-                          if self.one(count, d, tokens, None, options, state=False).fits
-                          and self.one(count, d, tokens, None, options).fits), sizes[-1])
-            out.append(("vfsdp", self.one(count, m, tokens, None, options)))
+            else:  # the smallest that fits, else the largest
+                for m in shard_sizes(count, self.prof.gpus_per_node):
+                    best = None
+                    if self.one(count, m, tokens, None, options, state=False).fits:
+                        best = self.one(count, m, tokens, None, options)
+                        if best.fits:
+                            break
+            out.append(("vfsdp", best or self.one(count, m, tokens, None, options)))
             out.extend((s, self.one(count, m, tokens, s, options)) for s in vs)
         return out

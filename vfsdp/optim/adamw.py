@@ -350,4 +350,4 @@ def adamw(
                            step_tensor=step_tensor)
         return state
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, local_state=True)

@@ -452,7 +452,7 @@ def adamw8bit(
                        weight_decay=0.0, fused=False)
         return state
 
-    return Optimizer(init, update, granularity_8bit(min_8bit_numel))
+    return Optimizer(init, update, granularity_8bit(min_8bit_numel), local_state=True)
 
 
 def compiled_step8() -> Callable:

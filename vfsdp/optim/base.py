@@ -14,6 +14,12 @@ An optimizer is an :class:`Optimizer` of three parts:
   opt.transform(grads, state, shards, spec)``, optax's form: the gradients the next member of
   a :func:`~vfsdp.optim.chain` receives (new tensors, or the same ones scaled in place), and
   the new state. ``update`` then returns the state alone.
+* ``opt.local_state``: ``True`` declares that ``init(shards, spec)`` gives each rank state made
+  from that rank's pieces alone (per unit, buffers of the shard's ``S`` elements; per tensor,
+  what its piece there needs), so a count of one rank's state (``vfsdp.estimate``) may read
+  only the tensors with a piece on it. AdamW and 8-bit AdamW declare it; Muon does not (a
+  unit's momentum is on every rank if it has a matrix anywhere), nor do combinators
+  (``False``: the count reads all).
 
 ``mask`` is how :func:`~vfsdp.optim.partition` hands each optimizer its subset, and
 :func:`~vfsdp.optim.chain` passes it on to every member, so they nest in any order. A state
@@ -66,6 +72,7 @@ class Optimizer(NamedTuple):
     update: Callable[..., Any]
     granularity: Any = None
     transform: Optional[Callable[..., tuple]] = None
+    local_state: bool = False
 
 
 def gradient_transform(init: Callable[..., Any], transform: Callable[..., tuple],

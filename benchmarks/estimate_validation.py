@@ -2,6 +2,7 @@
 
     python benchmarks/estimate_validation.py            # all sections (about 2 minutes)
     python benchmarks/estimate_validation.py --quick    # memory, bytes and planning only
+    python benchmarks/estimate_validation.py --sections 2 --runs 4   # four calibrated steps
 
 Sections:
 
@@ -60,14 +61,16 @@ def memory_and_bytes() -> None:
         _row(4, "dp2xtp2", "adamw", dtype, simulate(4, bodies.tp_step, dtype))
 
 
-def step_time() -> None:
-    print("\n2. a step of the example model after calibrate (gloo processes, medians)")
-    print(f"{'W':>2} {'measured s':>11} {'predicted s':>12} {'error':>7}")
+def step_time(runs: int = 1) -> None:
+    print("\n2. a step of the example model after calibrate (gloo processes, medians of 15 "
+          "steps; calibrate's of 21 repeats), each run a fresh calibration")
+    print(f"{'W':>2} {'run':>3} {'measured s':>11} {'predicted s':>12} {'error':>7}")
     for world in (2, 4):
-        rs = spawn(bodies.calibrated_step, world, 7, timeout=300)
-        for r in rs[:1]:
+        for run in range(runs):
+            r = spawn(bodies.calibrated_step, world, timeout=300)[0]
             err = (r["predicted"] - r["measured"]) / r["measured"]
-            print(f"{world:>2} {r['measured']:>11.4f} {r['predicted']:>12.4f} {100 * err:>+6.1f}%")
+            print(f"{world:>2} {run:>3} {r['measured']:>11.4f} {r['predicted']:>12.4f} "
+                  f"{100 * err:>+6.1f}%", flush=True)
 
 
 def planning() -> None:
@@ -75,7 +78,9 @@ def planning() -> None:
           "shard group fixed at 256 or the default's smallest that fits; beside it, "
           "estimate(plan(...)) per count")
     counts = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
-    for name, extra in [("llama3-70b", {}), ("deepseek-v3-671b", {"experts_per_token": 8}),
+    for name, extra in [("llama2-7b", {}), ("llama3-70b", {}),
+                        ("gpt-oss-120b", {"experts_per_token": 4}),
+                        ("deepseek-v3-671b", {"experts_per_token": 8}),
                         ("deepseek-v3-671b", {"experts_per_token": 8, "ep": 8})]:
         tree = load_shapes(os.path.join(SHAPES, f"{name}.json"), torch.float32)
         label = name + (f" ep{extra['ep']}" if "ep" in extra else "")
@@ -120,14 +125,15 @@ def paper() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="sections 1 and 3 only")
+    ap.add_argument("--sections", default="1,2,3,4", help="which to run, e.g. 2,3")
+    ap.add_argument("--runs", type=int, default=1, help="calibrated steps per world size")
     args = ap.parse_args()
-    memory_and_bytes()
-    if not args.quick:
-        step_time()
-    planning()
-    if not args.quick:
-        paper()
+    chosen = {1, 3} if args.quick else {int(x) for x in args.sections.split(",")}
+    for n, section in ((1, memory_and_bytes), (2, lambda: step_time(args.runs)),
+                       (3, planning), (4, paper)):
+        if n in chosen:
+            section()
 
 
 if __name__ == "__main__":

@@ -56,10 +56,10 @@ def _shard_rank(spec) -> int:
     return dist.get_rank() % spec.world_size
 
 
-def calibrated_step(steps: int = 5, batch: int = 4) -> dict:
-    """Calibrate this machine at this world size, then time ``steps`` training steps of the
-    example model (median, after a warm-up) beside what the estimate predicts from the
-    calibrated profile and the layers' traced costs."""
+def calibrated_step(steps: int = 15, batch: int = 4, repeats: int = 21) -> dict:
+    """Calibrate this machine at this world size (``repeats`` per median), then time
+    ``steps`` training steps of the example model (median, after a warm-up) beside what the
+    estimate predicts from the calibrated profile and the layers' traced costs."""
     import statistics
     import time
 
@@ -68,7 +68,7 @@ def calibrated_step(steps: int = 5, batch: int = 4) -> dict:
 
     cfg = GPTConfig()
     tokens = batch * cfg.seq
-    hw = calibrate(example_layer(tokens))
+    hw = calibrate(example_layer(tokens), repeats=repeats)
     opt = vfsdp.optim.adamw()
     params = meta_params(cfg)
     spec = vfsdp.plan(params, dist.get_world_size(), granularity=opt.granularity)

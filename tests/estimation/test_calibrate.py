@@ -16,7 +16,7 @@ from vfsdp.testing import simulate, spawn
 
 
 def test_a_step_predicted_from_a_calibrated_profile_is_within_2x_of_the_measured():
-    for r in spawn(bodies.calibrated_step, 2, 3, timeout=200):
+    for r in spawn(bodies.calibrated_step, 2, 3, 4, 7, timeout=200):
         assert 0.5 < r["predicted"] / r["measured"] < 2.0, r
 
 

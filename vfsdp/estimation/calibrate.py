@@ -91,14 +91,15 @@ def _host_overhead(repeats: int, tensors: int, device: torch.device) -> float:
 
 
 def calibrate(layer: Optional[tuple] = None, sizes: tuple = (2**12, 2**24),
-              repeats: int = 7, name: str = "calibrated") -> Hardware:
+              repeats: int = 21, name: str = "calibrated") -> Hardware:
     """Collective: measure this machine (see the module docstring).
 
     Args:
         layer: ``(fn, params, inputs)`` whose forward and backward give the compute rate
             (default: :func:`example_layer`).
         sizes: Two per-rank all-gather sizes in bytes (small: latency; large: bandwidth).
-        repeats: Timed repetitions of each (medians).
+        repeats: Timed repetitions of each (medians; 21 keeps a 2-core machine's noise to a
+            few percent, where 7 moved the compute rate by up to 40 % from run to run).
         name: The profile's name.
 
     Returns:

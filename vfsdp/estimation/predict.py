@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 import torch
@@ -204,8 +204,7 @@ def predict(model: Part, experts: Optional[Part] = None, ep: Optional[int] = Non
             t[1] += red
             # the host's own work per unit and step, on the compute lane
             t[2] += prof.unit_overhead + prof.tensor_overhead * len(p.units[u.key].paths)
-            by_key[u.key] = u if u.key not in by_key else UnitBytes(
-                u.key, *(a + b for a, b in zip(astuple(by_key[u.key])[1:], astuple(u)[1:])))
+            by_key[u.key] = u if u.key not in by_key else _sum_bytes(by_key[u.key], u)
     ub = [by_key[k] for k in model.units]
     events = timeline(ub, layers, prefetch, reshard_after_forward,
                       {k: c.activation_bytes for k, c in per_unit.items()},
@@ -320,3 +319,11 @@ def _muon_flops(units: Mapping, m: int) -> float:
                 a, b = sorted(shape)
                 total += 5 * (4 * a * a * b + 2 * a ** 3)
     return total / m  # each replica orthogonalises all of its own
+
+
+def _sum_bytes(a: UnitBytes, b: UnitBytes) -> UnitBytes:
+    """One unit's bytes from two parts of it (the model's and the experts')."""
+    return UnitBytes(a.key, *(getattr(a, f.name) + getattr(b, f.name) for f in _BYTES))
+
+
+_BYTES = fields(UnitBytes)[1:]  # the byte counts, after the key

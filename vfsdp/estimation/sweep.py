@@ -69,22 +69,26 @@ def expert_share(params: Any, ep: int) -> tuple:
         ({'w': None}, [True, True, False, False])
     """
     paths, leaves, treespec = optree.tree_flatten_with_path(params)
-    found = [(i, _EXPERTS.search(".".join(map(str, p)))) for i, p in enumerate(paths)
-             if is_tensor_leaf(leaves[i])]
-    found = [(i, m) for i, m in found if m]
+    found = []  # (leaf index, its dotted path, the match)
+    for i, p in enumerate(paths):
+        if is_tensor_leaf(leaves[i]):
+            name = ".".join(map(str, p))
+            m = _EXPERTS.search(name)
+            if m:
+                found.append((i, name, m))
     if not found:
         raise ValueError("expert parallelism: the tree has no routed experts (paths through "
                          "'experts.<i>' or stacked under 'experts'); pass ep=1")
     counts: dict = {}  # the path up to 'experts' -> the expert indices under it
-    for i, m in found:
+    for _, name, m in found:
         if m.group(3):
-            counts.setdefault(".".join(map(str, paths[i]))[:m.start(3)], set()).add(m.group(3))
+            counts.setdefault(name[:m.start(3)], set()).add(m.group(3))
     rest, share = list(leaves), [None] * len(leaves)
-    for i, m in found:
+    for i, name, m in found:
         rest[i] = None
         shape, dtype, _ = leaf_meta(leaves[i])
         if m.group(3):
-            n = len(counts[".".join(map(str, paths[i]))[:m.start(3)]])
+            n = len(counts[name[:m.start(3)]])
             if n % ep:
                 raise ValueError(f"expert parallelism: {format_path(paths[i])} is one of {n} "
                                  f"experts, which ep={ep} does not divide")

@@ -177,13 +177,15 @@ def test_train_gpt_refuses_parallel_degrees_it_cannot_run(capsys):
 
 def test_gpu_benchmark_runs_on_cpu_and_writes_its_records(tmp_path):
     """benchmarks/gpu_vs_fsdp2.py with --cpu: every system in its own torchrun job (gloo),
-    one JSON record per configuration with the figures the GPU run reports."""
+    one JSON record per configuration with the figures the GPU run reports; the compiled
+    vfsdp step against FSDP2 with one graph for every step. One run for all systems: each
+    system's job starts its own processes, and the compiled one compiles."""
     out = tmp_path / "gpu.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_vs_fsdp2.py"), "--cpu", "--configs",
          "small", "--steps", "1", "--warmup", "1", "--opt-steps", "1", "--json", str(out),
-         "--systems", "vfsdp", "fsdp2", "torch"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
+         "--systems", "vfsdp", "fsdp2", "torch", "vfsdp_compiled"],
+        capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (rec,) = json.loads(out.read_text())
     assert rec["config"] == "small" and rec["world"] == 2
@@ -194,6 +196,9 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_its_records(tmp_path):
     assert set(rec["vfsdp"]["optimizer_s"]) == {"adamw", "adamw8bit", "muon"}
     assert set(rec["torch"]["optimizer_s"]) == {"adamw_fused", "muon_adamw"}
     assert "tokens/s" in proc.stdout and "kernel launches / step" in proc.stdout
+    c = rec["vfsdp_compiled"]
+    assert c["graphs"] == 1 and c["step_s"] > 0 and c["final_loss"] == c["final_loss"]
+    assert "compiled vfsdp" in proc.stdout
 
 
 def test_op_counts_benchmark_prints_equal_counts_at_both_sizes():
@@ -223,23 +228,6 @@ def test_compile_benchmark_runs_and_compiles_one_graph():
     out = proc.stdout
     assert "eager" in out and "compiled" in out
     assert "graphs compiled: 1 (1 = no recompiles)" in out, out
-
-
-@pytest.mark.slow
-def test_gpu_benchmark_compiled_system_runs_on_cpu(tmp_path):
-    """The compiled vfsdp step of benchmarks/gpu_vs_fsdp2.py against FSDP2, on gloo: one graph
-    for every step, a finite loss, the side-by-side rows printed."""
-    out = tmp_path / "gpu.json"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_vs_fsdp2.py"), "--cpu", "--configs",
-         "small", "--steps", "1", "--warmup", "1", "--json", str(out),
-         "--systems", "fsdp2", "vfsdp_compiled"],
-        capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (rec,) = json.loads(out.read_text())
-    c = rec["vfsdp_compiled"]
-    assert c["graphs"] == 1 and c["step_s"] > 0 and c["final_loss"] == c["final_loss"]
-    assert "compiled vfsdp" in proc.stdout
 
 
 def test_train_hf_matches_one_process_and_exports_for_from_pretrained(tmp_path):

@@ -294,7 +294,10 @@ def test_eager_and_compiled_backward_clip_and_update_mix_in_any_order():
     """Under compile vfsdp.grads read the shards' .grad (None after a grads='buffer' eager
     backward: the compiled update did not move the parameters, a compiled clip read 0.0), and
     the compiled step counter restarted at 0. Every order now gives the all-eager result."""
-    orders = ["eeee", "eecc", "cece", "ebeb", "bBee", "WeWe", "eWbc"]
+    # e: eager; c: eager backward, compiled clip and update; b: compiled backward, eager
+    # update; B: both compiled apart; W: one compiled whole step. Every switch between them
+    # happens in one of these (each order compiles anew: new shards)
+    orders = ["eeee", "cece", "bBee", "WeWe", "eWbc"]
     for got in spawn(_mixed_orders, 2, orders, timeout=600):
         norms, params, steps = got["eeee"]
         assert steps == 4

@@ -267,6 +267,25 @@ def test_expert_parallelism_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match="that ep=2 divides"):
         from vfsdp.estimation import sweep
         sweep(_moe(), [6, 3], ep=2)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match=r"ep must be an int >= 1"):
+            expert_share(_moe(), bad)
+        with pytest.raises(ValueError, match=r"ep must be an int >= 1"):
+            sweep(_moe(), [4], ep=bad)
+    scalar = {"layers": [{"experts": {"scale": torch.empty((), device="meta")}}]}
+    with pytest.raises(ValueError, match=r"layers\.0\.experts\.scale is a scalar under"):
+        expert_share(scalar, 2)
+
+
+def test_expert_share_keeps_the_first_experts_by_number_from_0_or_from_1():
+    from vfsdp.estimation.sweep import expert_share
+
+    for base in (0, 1):
+        tree = {"moe": {"experts": {str(base + e): torch.empty(2, 2, device="meta")
+                                    for e in range(4)}}}
+        _, share = expert_share(tree, 2)
+        kept = [k for k, v in share["moe"]["experts"].items() if v is not None]
+        assert sorted(kept, key=int) == [str(base), str(base + 1)]
 
 
 def test_stacked_experts_planned_with_an_ep_rule_take_ep_from_the_plan():

@@ -127,9 +127,12 @@ class Shapes:
     def of_prepared(cls, prepared: Prepared) -> Shapes:
         """The same as :meth:`of` of any plan of ``prepared`` (the tree read once by
         :func:`vfsdp.planner.plan.prepare`), without laying one out."""
+        first: dict = {}  # a tied tensor comes where its first leaf is, whichever name heads it
+        for alias, head in prepared.tied.items():
+            first[head] = min(first.get(head, head), alias)
         rows = sorted(((i, p, key, sh) for key, (idx, paths, shapes, *_) in
                        prepared.members.items() for i, p, sh in zip(idx, paths, shapes)),
-                      key=lambda row: row[0])
+                      key=lambda row: first.get(row[0], row[0]))
         st = prepared.strided
         return cls._read(prepared.members, (
             (p, key, tuple(sh), tuple(sh) if st is None or st[i] is None else st[i].global_shape)

@@ -68,6 +68,8 @@ def expert_share(params: Any, ep: int) -> tuple:
         ...                                   for e in experts["layers"][0]["experts"]]
         ({'w': None}, [True, True, False, False])
     """
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"expert parallelism: ep must be an int >= 1, got {ep!r}")
     paths, leaves, treespec = optree.tree_flatten_with_path(params)
     found = []  # (leaf index, its dotted path, the match)
     for i, p in enumerate(paths):
@@ -83,6 +85,9 @@ def expert_share(params: Any, ep: int) -> tuple:
     for _, name, m in found:
         if m.group(3):
             counts.setdefault(name[:m.start(3)], set()).add(m.group(3))
+    kept = {}  # the same -> the first n / ep of them, by number (from 0 or from 1 alike)
+    for prefix, ids in counts.items():
+        kept[prefix] = set(sorted(ids, key=int)[:len(ids) // ep])
     rest, share = list(leaves), [None] * len(leaves)
     for i, name, m in found:
         rest[i] = None
@@ -92,11 +97,14 @@ def expert_share(params: Any, ep: int) -> tuple:
             if n % ep:
                 raise ValueError(f"expert parallelism: {format_path(paths[i])} is one of {n} "
                                  f"experts, which ep={ep} does not divide")
-            share[i] = ShapeDtype(shape, dtype) if int(m.group(3)) < n // ep else None
-        elif not shape or shape[0] % ep:
+            share[i] = ShapeDtype(shape, dtype) if m.group(3) in kept[name[:m.start(3)]] else None
+        elif not shape:
+            raise ValueError(f"expert parallelism: {format_path(paths[i])} is a scalar under "
+                             f"'experts', so it stacks no experts to split; move it out of "
+                             f"'experts' or give it the experts on dim 0")
+        elif shape[0] % ep:
             raise ValueError(f"expert parallelism: {format_path(paths[i])} stacks "
-                             f"{shape[0] if shape else 0} experts on dim 0, which ep={ep} does "
-                             f"not divide")
+                             f"{shape[0]} experts on dim 0, which ep={ep} does not divide")
         else:
             share[i] = ShapeDtype((shape[0] // ep, *shape[1:]), dtype)
     return optree.tree_unflatten(treespec, rest), optree.tree_unflatten(treespec, share)
@@ -149,6 +157,8 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
     if tokens_per_gpu is not None and global_tokens is not None:
         raise ValueError("sweep: give tokens_per_gpu (weak scaling) or global_tokens (strong "
                          "scaling), not both")
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"sweep: ep must be an int >= 1, got {ep!r}")
     if any(not isinstance(g, int) or g < 1 or g % ep for g in gpus):
         raise ValueError(f"sweep: GPU counts must be ints >= 1 that ep={ep} divides, got "
                          f"{list(gpus)}")

@@ -24,13 +24,14 @@ TILE = 32
 
 def blockwise(shape: tuple, min_numel: int) -> bool:
     """Whether a tensor of ``shape`` gets tile scales: a matrix (or stack) of ``min_numel``
-    elements or more.
+    elements or more, and of at least one (an empty one has no tiles).
 
     Example:
-        >>> blockwise((64, 64), 4096), blockwise((4096,), 16)
-        (True, False)
+        >>> blockwise((64, 64), 4096), blockwise((4096,), 16), blockwise((0, 64), 0)
+        (True, False, False)
     """
-    return len(shape) >= 2 and math.prod(shape) >= min_numel
+    n = math.prod(shape)
+    return len(shape) >= 2 and n >= min_numel and n > 0
 
 
 def tile_granularity(min_numel: int) -> Callable:

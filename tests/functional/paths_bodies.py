@@ -104,7 +104,8 @@ def run_compiled(case: dict):
                              **opts).pow(2).sum().backward()
 
     try:
-        step(case, shards, spec, torch.compile(body, fullgraph=True))
+        # the graph's meaning, as traced (inductor's code: tests/functional/test_compiled.py)
+        step(case, shards, spec, torch.compile(body, fullgraph=True, backend="aot_eager"))
     except Exception as exc:  # noqa: BLE001 - dynamo wraps a refusal
         return str(exc)
     return [g.reshape(-1).tolist() for g in optree.tree_leaves(vfsdp.grads(shards, spec))]

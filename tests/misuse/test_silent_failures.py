@@ -270,7 +270,9 @@ def _mixed_orders(orders):
         fwd_bwd(shards, x)
         return upd(shards, state)
 
-    cupd, cfb, cwhole = (torch.compile(f, fullgraph=True) for f in (upd, fwd_bwd, whole))
+    # the graph's meaning, as traced (inductor's code: tests/functional/test_compiled.py)
+    cupd, cfb, cwhole = (torch.compile(f, fullgraph=True, backend="aot_eager")
+                         for f in (upd, fwd_bwd, whole))
     out = {}
     for order in orders:
         shards = vfsdp.shard(params, spec)

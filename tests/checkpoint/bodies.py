@@ -135,6 +135,12 @@ def resume(path: str, name: str, phase: str):
     return full_dict({"params": shards, "opt": state}, spec)
 
 
+def resume_each(path: str, names: list, phase: str) -> dict:
+    """:func:`resume` for each optimizer name, its checkpoint under ``path/<name>``: one start
+    of the processes per phase for all of them."""
+    return {name: resume(f"{path}/{name}", name, phase) for name in names}
+
+
 def save_params(path: str, overwrite: bool = False, seed: int = 0):
     spec = make_spec(dist.get_world_size())
     shards = vfsdp.shard(params(seed), spec)

@@ -102,6 +102,12 @@ def train(kind: str, offloaded: bool, steps: int = 3, freeze: bool = False,
             "host_bytes": inner.host_bytes() if inner is not None else None}
 
 
+def train_both(kinds: list) -> dict:
+    """Per kind, :func:`train` without and with offload, in this one process (one start
+    of the gloo processes for all of them)."""
+    return {kind: (train(kind, False), train(kind, True)) for kind in kinds}
+
+
 def save(path: str, kind: str, offloaded: bool, steps: int = 2) -> dict:
     """Train ``steps`` updates and save the shards and the state; return the exported
     checkpoint tree."""

@@ -149,3 +149,22 @@ def test_an_empty_matrix_with_no_size_floor_is_counted_not_a_division_by_zero(sh
     for rank in range(m):
         local, full = _both(opt, spec, rank)
         assert local == full > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(tree=_trees(), m=st.sampled_from([1, 2, 3, 8, 13]), gran=st.sampled_from(
+    [None, vfsdp.rows(1), vfsdp.whole]))
+def test_units_alike_in_the_tree_are_laid_out_alike_at_any_size(tree, m, gran):
+    """What a sweep groups once from the tree (alike_members) never puts together units that
+    a plan lays out differently (alike_units), so their state is counted once for all."""
+    from vfsdp.estimation.memory import alike_members, alike_units
+    from vfsdp.planner.plan import prepare
+
+    try:
+        spec = vfsdp.plan(tree, m, granularity=gran)
+    except ValueError as exc:
+        assume("mixes dtypes" not in str(exc))
+        raise
+    by_layout = {k: i for i, keys in enumerate(alike_units(spec.units)) for k in keys}
+    for keys in alike_members(prepare(tree, gran)):
+        assert len({by_layout[k] for k in keys}) == 1, keys

@@ -33,10 +33,11 @@ from vfsdp._warnings import warn_user
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.unit import Unit
 from vfsdp.optim.base import state_tensors
+from vfsdp.planner.plan import Prepared
 from vfsdp.planner.spec import ShardSpec, TensorSpec, UnitLayout
 
-__all__ = ["UnitBytes", "unit_bytes", "timeline", "peak", "optimizer_bytes", "split_units",
-           "baseline_sizes"]
+__all__ = ["UnitBytes", "unit_bytes", "timeline", "peak", "optimizer_bytes", "alike_units",
+           "alike_members", "split_units", "baseline_sizes"]
 
 
 @dataclass(frozen=True)
@@ -206,24 +207,41 @@ def _meta_groups(m: int, rank: int, replicas: int) -> MeshGroups:
 
 
 def optimizer_bytes(opt: Any, units: Mapping[Any, UnitLayout], rank: int = 0,
-                    replicas: int = 1) -> int:
+                    replicas: int = 1, alike: Optional[list] = None) -> int:
     """Bytes of the optimizer's state on ``rank`` of a plan's ``units`` (``spec.units``): its
     ``init`` run over ``meta`` shards of that rank (no memory, no process group), every tensor
     of the state counted once; once per distinct unit (the same layout and shapes give the
     same state), times its count. An optimizer whose state is local
     (``opt.local_state``) is run over only the tensors with a piece on the rank (the same
-    count: tested), which a rank of a large shard group holds few of."""
-    groups: dict = {}
-    for key, u in units.items():
-        groups.setdefault((u.signature, u.shapes), []).append(key)
+    count: tested), which a rank of a large shard group holds few of. ``alike``: the
+    distinct units as lists of keys, where the caller has them (:func:`alike_units`)."""
     total = 0
-    for keys in groups.values():
+    for keys in alike if alike is not None else alike_units(units):
         u = units[keys[0]]
         if u.paths:
             r = min(rank, u.world_size - 1)
             part = _on_rank(u, r) if getattr(opt, "local_state", False) else u
             total += len(keys) * _unit_state_bytes(opt, _sub_spec(part, replicas), r)
     return total
+
+
+def alike_units(units: Mapping[Any, UnitLayout]) -> list:
+    """The keys of ``units`` grouped by layout and shapes (what an optimizer's state of a
+    unit depends on), in unit order."""
+    groups: dict = {}
+    for key, u in units.items():
+        groups.setdefault((u.signature, u.shapes), []).append(key)
+    return list(groups.values())
+
+
+def alike_members(prepared: Prepared) -> list:
+    """:func:`alike_units` of any plan of ``prepared``, from its tree alone: units of the same
+    numels, blocks, dtype and shapes are laid out alike at every shard group size (the
+    solver's input), so a sweep groups them once."""
+    groups: dict = {}
+    for key, (_, _, shapes, numels, blocks, dtype) in prepared.members.items():
+        groups.setdefault((numels, blocks, dtype, shapes), []).append(key)
+    return list(groups.values())
 
 
 def _on_rank(u: UnitLayout, rank: int) -> UnitLayout:

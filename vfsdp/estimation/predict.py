@@ -20,6 +20,7 @@ from vfsdp.estimation.costs import LayerCost, Shapes
 from vfsdp.estimation.hardware import Hardware, hardware
 from vfsdp.estimation.memory import (
     UnitBytes,
+    alike_units,
     baseline_sizes,
     optimizer_bytes,
     peak,
@@ -132,7 +133,8 @@ class Part:
         """A plan's part, the state the larger of its first and last rank's (or ``rank``'s:
         they differ where whole tiles or matrices sit on one rank)."""
         ranks = sorted({0, spec.world_size - 1}) if rank is None else [rank]
-        state = max(optimizer_bytes(opt, spec.units, r, spec.replicas) for r in ranks)
+        alike = alike_units(spec.units)
+        state = max(optimizer_bytes(opt, spec.units, r, spec.replicas, alike) for r in ranks)
         return cls(spec.units, spec.mesh_shape, state, Shapes.of(spec))
 
     @property

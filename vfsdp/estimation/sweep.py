@@ -27,7 +27,7 @@ import optree
 from vfsdp._gc import paused_gc
 from vfsdp.estimation.costs import Shapes
 from vfsdp.estimation.hardware import Hardware, hardware
-from vfsdp.estimation.memory import optimizer_bytes
+from vfsdp.estimation.memory import alike_members, optimizer_bytes
 from vfsdp.estimation.model import optimizer_for
 from vfsdp.estimation.predict import Estimate, Part, predict
 from vfsdp.planner.abstract import ShapeDtype, is_tensor_leaf, leaf_meta
@@ -185,6 +185,7 @@ class _Sweep:
             gran = opt.granularity if granularity is None else granularity
             self.prepared.append(prepare(tree, gran, units, flat=flat))
             self.opts.append(opt)
+        self.alike = [alike_members(p) for p in self.prepared]  # units laid out alike
         self.parts: list = [{} for _ in trees]  # per tree: m -> (layouts, state)
         self.shapes: list = [None] * len(trees)
 
@@ -197,7 +198,8 @@ class _Sweep:
                 self.shapes[i] = Shapes.of_prepared(self.prepared[i])
         entry = self.parts[i][m]
         if state and entry[1] is None:
-            entry[1] = max(optimizer_bytes(self.opts[i], entry[0], r) for r in {0, m - 1})
+            entry[1] = max(optimizer_bytes(self.opts[i], entry[0], r, alike=self.alike[i])
+                           for r in {0, m - 1})
         return Part(entry[0], mesh, entry[1] or 0, self.shapes[i])
 
     def one(self, count: int, m: int, tokens: int, baseline: Optional[str],

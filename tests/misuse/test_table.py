@@ -341,14 +341,13 @@ def test_row16_per_rank_seeding_works_as_under_torchrun():
 
 
 def test_row16_leftover_rank_threads_are_refused_with_a_message():
-    import time
-
-    t0 = time.monotonic()
     with pytest.raises(RankError, match="busy in"):
-        simulate(2, _sleeps, 5.0, timeout=1)
+        simulate(2, _sleeps, 6.0, timeout=1)
     with pytest.raises(RuntimeError, match="of an earlier simulate are still running"):
         simulate(2, _rank)
-    time.sleep(max(5.5 - (time.monotonic() - t0), 0.0))  # the sleepers are done
+    import time
+
+    time.sleep(4.0)
     assert simulate(2, _rank) == [0, 1]
 
 

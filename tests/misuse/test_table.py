@@ -341,14 +341,23 @@ def test_row16_per_rank_seeding_works_as_under_torchrun():
 
 
 def test_row16_leftover_rank_threads_are_refused_with_a_message():
-    with pytest.raises(RankError, match="busy in"):
-        simulate(2, _sleeps, 6.0, timeout=1)
-    with pytest.raises(RuntimeError, match="of an earlier simulate are still running"):
-        simulate(2, _rank)
     import time
 
-    time.sleep(4.0)
-    assert simulate(2, _rank) == [0, 1]
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match="busy in"):  # raised after ~5 s: it waits for stacks
+        simulate(2, _sleeps, 8.0, timeout=1)
+    with pytest.raises(RuntimeError, match="of an earlier simulate are still running"):
+        simulate(2, _rank)
+    time.sleep(max(8.0 - (time.monotonic() - t0), 0.0))
+    for _ in range(40):  # once the sleepers are done (a moment after 8 s), it runs again
+        try:
+            assert simulate(2, _rank) == [0, 1]
+            break
+        except RuntimeError as exc:
+            assert "still running" in str(exc)
+            time.sleep(0.25)
+    else:
+        raise AssertionError("simulate still refused 10 s after the sleepers should have ended")
 
 
 def _sleeps(seconds):

@@ -21,6 +21,7 @@ from vfsdp.checkpoint.storage import CheckpointError
 from vfsdp.collectives import comm
 from vfsdp.collectives.groups import device_for
 from vfsdp.collectives.scatter import scatter_unit
+from vfsdp.collectives.unit import export_full
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["to_state_dict", "from_state_dict", "stream_full", "stream_order", "Rename",
@@ -125,15 +126,10 @@ def stream_full(entries: list[Entry], dst: int = 0) -> Iterator[tuple[str, Any]]
                 yield e.name, (e.value if e.kind == "value" else
                                small[e.name] if e.kind == "sharded" else e.tensor.detach())
             continue
-        was_gathered = db.is_gathered
-        db.all_gather()
-        try:
+        with export_full(db):
             if rank == dst:
                 for e in group:
                     yield e.name, db.full(e.piece.index)
-        finally:
-            if not was_gathered:
-                db.free_global()
 
 
 def to_state_dict(tree: Any, spec: ShardSpec, *, dst: int = 0, device: Any = "cpu",

@@ -408,7 +408,7 @@ class DBuffer:
     def reduce_scatter(self, source: Optional[torch.Tensor] = None, op: str = "avg",
                        reduce_dtype: Optional[torch.dtype] = None, accumulate: bool = False,
                        async_op: bool = False, release: Optional[DBuffer] = None,
-                       mirror: Any = None) -> Handle:
+                       then: Optional[Callable[[], Any]] = None) -> Handle:
         """Reduce-scatter ``source`` (default: this buffer's global buffer) into the shard.
 
         Over HSDP's replicate dim the result is then all-reduced, so ``op="avg"`` averages
@@ -424,8 +424,7 @@ class DBuffer:
                 shard.
             release: A DBuffer whose global buffer is ``source``: released once the result
                 is in the shard (the staging buffer of an asynchronous reduction).
-            mirror: A :class:`~vfsdp.collectives.HostMirror` that copies the shard once the
-                result is in it.
+            then: Called once the result is in the shard (the unit's ``on_reduced`` hooks).
 
         Returns:
             A :class:`Handle`.
@@ -457,8 +456,8 @@ class DBuffer:
                     self.shard.data.copy_(out)
             if release is not None:
                 release.free_global(wait=release is not self)
-            if mirror is not None:
-                mirror.refresh(self.unit)
+            if then is not None:
+                then()
             return self
 
         return self._launch(launch, async_op, done)

@@ -1,4 +1,4 @@
-"""Unit: one communication unit on this rank, its buffers and its lifecycle.
+"""Unit: one communication unit on this rank, its buffers and its whole life.
 
 ``vfsdp.shard`` makes one ``Unit`` per unit of the spec; every shard it returns is a local view
 of ``unit.params`` whose :class:`~vfsdp.collectives.Slot` names the unit. Everything the
@@ -14,18 +14,25 @@ later stages need hangs off that object, created on first use:
 ``unit.stage(dt)``        the reduce-scatter input in the reduction dtype (``STAGE``)
 ========================  ==========================================================
 
-**The lifecycle.** :attr:`Unit.state` is a :class:`UnitState`; the transitions are methods of
-the unit, and they are the only code that issues the unit's collectives (the all-gather on
-the way in, the reduce-scatter on the way out)::
+**The lifecycle.** :attr:`Unit.state` is a stored :class:`UnitState`. The transitions are the
+unit's methods; each checks the state it starts from (an :class:`IllegalTransition` names the
+unit, the state and the fix otherwise), and they are the only code that allocates, gathers,
+reduces or frees the unit's DBuffer memory::
 
     RELEASED --gather(async_op=True): all-gather--> GATHERING --wait()--> GATHERED
     RELEASED --gather(): all-gather-----------------------------------> GATHERED
     GATHERED --reshard() (run_layers, after the unit's forward)------> RESHARDED
-    RESHARDED --prepare_backward(): all-gather (or wait the prefetch)-> GATHERED
+    RESHARDED --pre_backward(): all-gather (or wait the prefetch)-----> GATHERED
     GATHERED --release(): no graph reads the full tensors-------------> RELEASED
     GATHERED --release(): a live graph still reads them---------------> HELD
-    HELD --the last such graph is done or dropped---------------------> RELEASED
-    any --reduce(): reduce-scatter of the gradients (the grads side: reducing until done)
+    HELD --graph_done(): the last such graph is done or dropped-------> RELEASED
+    post_backward(): reduce-scatter (or accumulate) one gather's gradients, link .grad,
+                     release after the backward; once per gather and backward pass
+
+Extensions hook in rather than being wired in: ``unit.on_reduced`` holds callables run with
+the unit after each reduction into its gradient buffer lands (``vfsdp.optim.offload``'s host
+mirror), and :data:`GATHER_HOOKS` callables see every differentiable gather's full tensors
+(``shard_map``'s replication tracking).
 
 **The memory rule.** A release lets go of the memory vfsdp handed out (the full tensors, the
 gradient pieces): vfsdp's views of it read as released and point at no memory, and the memory
@@ -41,12 +48,16 @@ writes them.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import warnings
 import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
 
+from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.groups import MeshGroups
 from vfsdp.collectives.handle import Handle
@@ -54,7 +65,11 @@ from vfsdp.collectives.released import ReleasedTensor
 from vfsdp.collectives.slot import Role
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
-__all__ = ["Unit", "UnitState"]
+__all__ = ["Unit", "UnitState", "IllegalTransition", "GATHER_HOOKS", "export_full"]
+
+#: Callables ``hook(fulls, spec, members)`` run on every differentiable gather's full tensors
+#: (``vfsdp.functional.shard_map`` adds its replication tracker here; empty by default).
+GATHER_HOOKS: list = []
 
 
 class UnitState(enum.Enum):
@@ -72,8 +87,18 @@ class UnitState(enum.Enum):
     HELD = "held"            #: released, the memory kept while a graph or tensors use it
 
 
+class IllegalTransition(RuntimeError):
+    """A unit was asked for a transition its state does not allow (the message names the
+    unit, its state and the fix).
+
+    Example:
+        >>> issubclass(IllegalTransition, RuntimeError)
+        True
+    """
+
+
 class Unit:
-    """One unit's buffers on this rank, and its lifecycle (:class:`UnitState`).
+    """One unit's buffers on this rank, and its lifecycle (:class:`UnitState`, stored).
 
     Args:
         layout: The unit's layout (``spec.units[key]``).
@@ -98,6 +123,8 @@ class Unit:
         self.layout = layout
         self.groups = groups
         self.params = DBuffer(layout, groups, dtype, Role.PARAM, unit=self)
+        self.state = UnitState.RELEASED
+        self.live: DBuffer = self.params  # the parameter buffer the state describes
         self._compute: dict = {}
         self._grads: Optional[DBuffer] = None
         self._grad_views: dict = {}  # grad_view(), made on first use
@@ -108,15 +135,18 @@ class Unit:
         # The shards' .grad were made views of the gradient buffer (a grads="buffer"
         # backward()): the buffer holds the gradients while they still are.
         self.grad_linked = False
-        self._resharded: set = set()  # the buffers (ids) reshard() released: gathered again
-        # What prepare_backward() prefetches (run_layers: the unit that ran before this one),
-        # as (weak unit, dtype); the same on every rank, as the runs are.
+        # What pre_backward() prefetches (run_layers: the unit that ran before this one), as
+        # (weak unit, dtype); the same on every rank, as the runs are.
         self.backward_prefetch: Optional[tuple] = None
         self.awaiting = 0  # differentiable gathers of this unit whose backward is pending
-        # What the compiled path reads of this unit (vfsdp.functional.traced): its groups'
-        # names, its anchor and accumulator leaves; made by vfsdp.shard.
-        self.traced: Optional[tuple] = None
-        self._mirror: Optional[weakref.ref] = None  # grad_mirror, held weakly
+        self._regathering = 0  # of the graphs reading the full views, those that regather
+        self._regather = False  # resharded since the last gather: the backward regathers
+        # What the compiled path reads of this unit (vfsdp.functional.traced): a TracedUnit,
+        # made by vfsdp.shard.
+        self.traced: Any = None
+        # Callables run with the unit after each reduction into its gradient buffer lands,
+        # held weakly (a bound method's owner goes, the hook goes).
+        self.on_reduced: list = []
 
     @property
     def key(self):
@@ -133,23 +163,12 @@ class Unit:
 
     # ------------------------------------------------------------------ the lifecycle
 
-    @property
-    def state(self) -> UnitState:
-        """The parameters' :class:`UnitState` (of the buffer gathered last, when several
-        dtypes were)."""
-        states = [self._state_of(db) for db in (self.params, *self._compute.values())]
-        for s in (UnitState.GATHERING, UnitState.GATHERED, UnitState.HELD,
-                  UnitState.RESHARDED):
-            if s in states:
-                return s
-        return UnitState.RELEASED
+    def _illegal(self, what: str, fix: str) -> IllegalTransition:
+        return IllegalTransition(f"unit {unit_name(self.key)} (rank {self.rank}): {what} is not "
+                                 f"allowed while it is {self.state.value}; {fix}")
 
-    def _state_of(self, db: DBuffer) -> UnitState:
-        if db.is_gathered:
-            if db.release_pending:
-                return UnitState.HELD
-            return UnitState.GATHERING if db.in_flight else UnitState.GATHERED
-        return UnitState.RESHARDED if id(db) in self._resharded else UnitState.RELEASED
+    def _set(self, db: DBuffer, state: UnitState) -> None:
+        self.live, self.state = db, state
 
     def compute(self, dtype: Optional[torch.dtype]) -> DBuffer:
         """The buffer gathered for compute in ``dtype``: ``params`` itself when the dtypes
@@ -177,52 +196,101 @@ class Unit:
         return db, self._all_gather(db, async_op)
 
     def _all_gather(self, db: DBuffer, async_op: bool) -> Handle:
-        self._resharded.discard(id(db))
         if db is not self.params:
             db.wait()
             db.alloc_global()
             db.copy_(self.params)
-        return db.all_gather(async_op=async_op)
+        handle = db.all_gather(async_op=async_op)
+        self._regather = False
+        self._set(db, UnitState.GATHERING if db.in_flight else UnitState.GATHERED)
+        return handle
 
     def wait(self) -> None:
-        """``GATHERING`` -> ``GATHERED``: finish the all-gathers in flight."""
-        for db in (self.params, *self._compute.values()):
-            if db.in_flight:
-                db.wait()
+        """``GATHERING`` -> ``GATHERED``: finish the all-gather in flight.
+
+        Raises:
+            IllegalTransition: nothing is in flight.
+        """
+        if self.state is not UnitState.GATHERING:
+            raise self._illegal("wait()", "start an all-gather first (gather(async_op=True))")
+        self.live.wait()
+        self.state = UnitState.GATHERED
 
     def reshard(self, db: DBuffer) -> None:
         """``GATHERED`` -> ``RESHARDED`` (``run_layers``, after the unit's forward): free the
-        gathered memory now; :meth:`prepare_backward` gathers it again."""
-        db.free_global()
-        if not db.is_allocated:
-            self._resharded.add(id(db))
+        gathered memory now; :meth:`pre_backward` gathers it again. While a graph of a plain
+        gather still reads the full tensors (a gather of your own, saved by autograd) the
+        memory stays until that graph is done (``HELD``). A unit whose all-gather is in
+        flight again (the next layer's prefetch of a shared unit) stays as it is.
 
-    def prepare_backward(self, db: DBuffer) -> None:
+        Raises:
+            IllegalTransition: the unit is not gathered.
+        """
+        if db is self.live and self.state is UnitState.GATHERING:
+            return  # gathered again for a later use: that gather owns it now
+        if db is not self.live or self.state is not UnitState.GATHERED:
+            raise self._illegal("reshard()", "reshard a unit only after gathering it")
+        self._regather = True
+        if db.graphs > self._regathering:  # a plain gather's graph still reads the memory
+            db.release(at_once=False)
+            self.state = UnitState.HELD
+            return
+        db.free_global()
+        self.state = UnitState.RESHARDED
+
+    def pre_backward(self, db: DBuffer) -> None:
         """Before the unit's backward or its zero reduction, on every rank alike:
         ``RESHARDED`` -> ``GATHERED`` (finish the prefetch, or all-gather now), then start the
         prefetch of :attr:`backward_prefetch` if that unit is resharded (``GATHERING``)."""
         if db.in_flight:
             db.wait()
-        elif id(db) in self._resharded:
+            if db is self.live:
+                self.state = UnitState.GATHERED
+        elif db is self.live and self.state is UnitState.RESHARDED:
             self._all_gather(db, async_op=False)
+        elif db is self.live and self.state is UnitState.HELD and self._regather:
+            db.alloc_global()  # a held reshard: the memory is still there, live again
+            self._regather = False
+            self.state = UnitState.GATHERED
         link = self.backward_prefetch
         prev = link[0]() if link is not None else None
         if prev is not None:
             pdb = prev.compute(link[1])
-            if id(pdb) in prev._resharded and not pdb.in_flight:
+            if pdb is prev.live and prev.state is UnitState.RESHARDED:
                 prev._all_gather(pdb, async_op=True)
 
     def release(self, at_once: bool = True) -> None:
         """``GATHERED`` -> ``RELEASED``, or ``HELD`` while a backward through the full
         tensors is pending (the memory goes as soon as it is done or its graph is dropped):
-        every gathered parameter buffer of the unit (:meth:`DBuffer.release`).
+        every gathered parameter buffer of the unit. A released unit stays released.
 
         Args:
             at_once: The full tensors handed out read as released at once (``False``:
                 ``free_after_backward``, when the memory goes).
         """
         for db in (self.params, *self._compute.values()):
-            db.release(at_once)
+            self._release(db, at_once)
+
+    def _release(self, db: DBuffer, at_once: bool) -> None:
+        db.release(at_once)
+        if db is self.live and self.state is not UnitState.RESHARDED:
+            self.state = UnitState.HELD if db.is_allocated else UnitState.RELEASED
+            self._regather = False
+
+    def hold(self, db: DBuffer, regathers: bool = False) -> None:
+        """A differentiable gather's graph reads ``db``'s full views until
+        :meth:`graph_done`; ``regathers``: it gathers them again if they are resharded
+        (``run_layers``), so it does not keep the memory from a reshard."""
+        db.graphs += 1
+        self._regathering += regathers
+
+    def graph_done(self, db: DBuffer, regathers: bool = False) -> None:
+        """``HELD`` -> ``RELEASED`` (``RESHARDED`` when a reshard was held) once the last
+        graph reading ``db``'s full views is done or dropped."""
+        self._regathering -= regathers
+        db.graph_done()
+        if db is self.live and self.state is UnitState.HELD and not db.is_allocated:
+            self.state = UnitState.RESHARDED if self._regather else UnitState.RELEASED
 
     def buffers(self) -> list[DBuffer]:
         """Every buffer the unit holds now: parameters, compute copies, gradients,
@@ -237,26 +305,210 @@ class Unit:
 
     # ------------------------------------------------------------------ gradients
 
-    def reduce(self, source: torch.Tensor, op: str, reduce_dtype: Optional[torch.dtype],
-               accumulate: bool = False, async_op: bool = False,
-               release: Optional[DBuffer] = None) -> Handle:
-        """Reduce-scatter ``source`` (an ``m*S`` buffer laid out like the unit) into the
-        gradient buffer (see :meth:`DBuffer.reduce_scatter`); the grads side is *reducing*
-        until the handle is done, and readers of the gradients wait for it."""
+    def post_backward(self, rec: Any, grads: Sequence[Optional[torch.Tensor]], *,
+                      accumulates: bool, keep: bool = False, inflight: Any = None,
+                      zeros: bool = False) -> Optional[list]:
+        """One gather's backward (``grads``: its full gradients; ``zeros``: this rank's loss
+        did not reach it, so it takes part in the reduction with zeros): the unit is gathered
+        again if it was resharded, released after it (``free_after_backward``, unless the
+        graph is kept), and its gradients reduced (or accumulated unsharded) as ``rec.ropts``
+        says, the shards' ``.grad`` linked to the gradient buffer for ``grads="buffer"``.
+
+        Args:
+            rec: The gather's record (``vfsdp.functional.gather.Gather``).
+            grads: One full gradient per tensor of ``rec.index`` (``None``: none).
+            accumulates: The pass writes leaves' ``.grad`` (``backward()``).
+            keep: The graph runs again (``retain_graph=True``): keep the memory.
+            inflight: Where an asynchronous reduction is queued (at most one in flight).
+            zeros: This rank's loss did not reach the gather.
+
+        Returns:
+            This rank's gradient pieces, as :meth:`reduce_grads` returns them.
+
+        Raises:
+            IllegalTransition: this gather already reduced in this backward pass.
+        """
+        task = tp.graph_task_id()
+        if task != -1 and rec.reduced_in == task:
+            raise self._illegal("a second post_backward() of one gather in one backward pass",
+                                "each gather reduces once per backward")
+        rec.reduced_in = task
+        self.pre_backward(rec.db)
+        if rec.gopts.free_after_backward and not keep:
+            # Its backward is done: the gathered parameters go before the gradient staging
+            # buffer is allocated, now or when the last other graph reading them is done.
+            self._release(rec.db, at_once=False)
+        to_buffer = rec.ropts.grads == "buffer"
+        if to_buffer:
+            self._unlink_stale(rec)
+        pieces = self.reduce_grads(rec.index, grads, rec.ropts, inflight=inflight,
+                                   views=not to_buffer)
+        if to_buffer and rec.ropts.grad_sync and accumulates:
+            self._link_grads(rec)
+        if to_buffer or pieces is None:
+            return None
+        if zeros and accumulates:  # the other ranks' contributions, into .grad (as FSDP2)
+            with torch.no_grad():
+                for x, p, need in zip(rec.locals, pieces, rec.needs):
+                    if need and p is not None:
+                        if x.grad is None:
+                            x.grad = p
+                        else:
+                            x.grad.add_(p)
+        return pieces
+
+    def _unlink_stale(self, rec: Any) -> None:
+        """The shards' ``.grad`` were the gradient buffer's views and something other than
+        vfsdp replaced them (a compiled ``zero_grads`` or backward, ``x.grad = None``): the
+        ``.grad`` is the truth, the buffer's values are stale. Drop them; what ``.grad`` holds
+        now is added back when it is linked again (:meth:`_link_grads`)."""
+        pairs = [(x, k) for x, k, need in zip(rec.locals, rec.index, rec.needs) if need]
+        if self.grad_linked and not all(x.grad is self.grad_view(k) for x, k in pairs):
+            self.grad_linked = False
+            with torch.no_grad():  # a .grad still linked keeps its values (a copy of its own)
+                for x, k in pairs:
+                    if x.grad is self.grad_view(k):
+                        x.grad = x.grad.clone()
+            self.grads().release_shard()
+
+    def _link_grads(self, rec: Any) -> None:
+        """Each shard's ``.grad`` becomes its piece of the gradient buffer, a view (no memory
+        of its own); gradients autograd put in ``.grad`` before (a ``grads="return"``
+        backward) are added into the buffer first."""
+        with torch.no_grad():
+            for x, k, need in zip(rec.locals, rec.index, rec.needs):
+                if not need:
+                    continue
+                view = self.grad_view(k)
+                old = x.grad
+                if old is view:
+                    continue
+                if old is not None:
+                    self.grads()  # the reduction in flight into the buffer lands first
+                    view.add_(old.view(view.shape))
+                x.grad = view
+        self.grad_linked = True
+
+    def reduce_grads(self, index: Sequence[int], grads: Sequence[Optional[torch.Tensor]],
+                     opts: Any, *, views: bool = True, overwrite: bool = False,
+                     inflight: Any = None) -> Optional[list[Optional[torch.Tensor]]]:
+        """Reduce-scatter the gradients of tensors ``index`` of the unit (one contiguous
+        copy per tensor into the staging buffer, padding zero-filled, one reduce-scatter).
+
+        Args:
+            index: Buffer indices of the tensors whose gradients are given (a tied tensor may
+                appear more than once: its gradients are summed).
+            grads: Their full gradients (``None``: zero, e.g. a frozen tensor).
+            opts: The resolved gradient options. ``grads="buffer"``: into the gradient
+                DBuffer, adding to what it holds, as torch's ``.grad`` does (overwriting only
+                a released or new buffer, or with ``overwrite``). ``grads="return"``: into a
+                fresh tensor, nothing of vfsdp's is written.
+            views: For ``"buffer"``, return the gradient DBuffer's views (``False``: none).
+            overwrite: For ``"buffer"``: replace what the gradient buffer holds.
+            inflight: A queue for an asynchronous reduction (``opts.async_reduce``).
+
+        Returns:
+            This rank's gradient pieces in the order of ``index`` (``None`` at repeats), or
+            ``None`` when ``opts.grad_sync`` is off (only accumulated, unsharded).
+        """
+        index, grads, first = _merge(index, grads)
+        fresh = not self.has_grads  # a new gradient buffer holds zeros: nothing to add to
+        db = self.params
+        rdt = opts.reduce_dtype or next((g.dtype for g in grads if g is not None), db.dtype)
+        to_buffer = opts.grads == "buffer"
+        accum = self.accumulator(rdt, create=False)
+        if not opts.grad_sync or (accum is not None and accum.is_allocated):
+            # Accumulating unsharded (no reduce until the last micro-batch).
+            accum = self.accumulator(rdt)
+            if not accum.is_allocated:
+                accum.alloc_global().data.zero_()
+            buf = accum.global_buffer.data
+            dsts = accum.internal_views()
+            pairs = [(i, g) for i, g in zip(index, grads) if g is not None]
+            with torch.no_grad():  # one op for the unit
+                tp.add_many([dsts[i] for i, _ in pairs], [g for _, g in pairs])
+            if not opts.grad_sync:
+                return None
+            stage = accum
+        else:
+            stage = self.stage(rdt, share_grads=to_buffer)
+            buf = stage.alloc_global().data
+            dsts = stage.internal_views()  # made once: no view op per tensor per step
+            covered, copies = set(), []
+            for i, g in zip(index, grads):
+                if g is None:
+                    continue
+                dst = dsts[i]
+                covered.add(i)
+                if not _is_slice_of(g, dst):  # produced in place: nothing to copy
+                    copies.append((dst, g))
+            _zero_gaps(buf, db.tensors, covered)
+            with torch.no_grad():  # one op for all the unit's pieces, not one per tensor
+                tp.copy_many([dst if dst.shape == g.shape else dst.view(g.shape)
+                              for dst, g in copies], [g for _, g in copies])
+        if not to_buffer:  # to autograd: a fresh tensor, nothing of vfsdp's is aliased
+            out = self.reduce_new(buf, opts.grad_reduce, rdt)
+            stage.free_global()
+            self.grads_mode = "return"
+            return _expand([out[slice(*db.tensors[i].shard_range(self.rank))].view(
+                db.local_shape(i)) for i in index], first)
+        gdb = self.grads()
+        task = tp.graph_task_id()
+        same_pass = task != -1 and self.grad_task == task
+        if overwrite:
+            accumulate = False
+        elif opts.accumulate_grads is False:  # deprecated: 0.2's overwrite
+            accumulate = same_pass
+        else:  # as torch's .grad: add to what the buffer holds (a new or released one: nothing)
+            accumulate = gdb.holds_shard and not fresh
+            if accumulate and not same_pass and opts.accumulate_grads is None:
+                warn_changed_default()
+        self.grad_task, self.grads_mode = task, "buffer"
+        if opts.async_reduce and stage is not accum:
+            # Overlaps the next unit's backward; the staging buffer is freed once it is done.
+            handle = self._reduce(buf, opts.grad_reduce, rdt, accumulate, True, stage)
+            if inflight is not None:
+                inflight.add(handle)  # at most one in flight on this rank
+        else:
+            self._reduce(buf, opts.grad_reduce, rdt, accumulate, False, None)
+            stage.free_global()
+        return _expand([gdb.local(i) for i in index], first) if views else None
+
+    def _reduce(self, source: torch.Tensor, op: str, reduce_dtype: Optional[torch.dtype],
+                accumulate: bool, async_op: bool, release: Optional[DBuffer]) -> Handle:
+        """Reduce-scatter ``source`` into the gradient buffer; the :attr:`on_reduced` hooks
+        run once the result is in it."""
         return self.grads().reduce_scatter(source=source, op=op, reduce_dtype=reduce_dtype,
                                            accumulate=accumulate, async_op=async_op,
-                                           release=release, mirror=self.grad_mirror)
+                                           release=release, then=self._reduced)
+
+    def _reduced(self) -> None:
+        live = []
+        for ref in self.on_reduced:
+            hook = ref()
+            if hook is not None:
+                live.append(ref)
+                hook(self)
+        self.on_reduced[:] = live
 
     @property
     def grad_mirror(self) -> Any:
-        """The :class:`~vfsdp.collectives.HostMirror` each reduction ends by copying the
-        gradient shard into (``vfsdp.optim.offload``'s), or ``None``."""
-        return None if self._mirror is None else self._mirror()
+        """The :class:`~vfsdp.collectives.HostMirror` whose ``refresh`` is among the
+        :attr:`on_reduced` hooks (``vfsdp.optim.offload``'s), or ``None``."""
+        for ref in self.on_reduced:
+            hook = ref()
+            if hook is not None and getattr(hook, "__name__", "") == "refresh":
+                return hook.__self__
+        return None
 
     def mirror_grads(self, mirror: Any) -> None:
-        """Copy the gradient shard into ``mirror`` after each reduction (``None``: stop).
-        Held weakly: it stops when its owner (an offloaded optimizer state) goes."""
-        self._mirror = None if mirror is None else weakref.ref(mirror)
+        """Copy the gradient shard into ``mirror`` after each reduction (``None``: stop):
+        its ``refresh`` as an :attr:`on_reduced` hook, held weakly (it stops when its owner,
+        an offloaded optimizer state, goes)."""
+        self.on_reduced[:] = [r for r in self.on_reduced
+                              if getattr(r(), "__name__", "") != "refresh"]
+        if mirror is not None:
+            self.on_reduced.append(weakref.WeakMethod(mirror.refresh))
 
     def grads_shard(self) -> Optional[torch.Tensor]:
         """The gradient buffer's shard as it is (no wait), or ``None`` without a buffer."""
@@ -285,10 +537,9 @@ class Unit:
     def grad_view(self, k: int) -> torch.Tensor:
         """Tensor ``k``'s piece of the gradient buffer, made once per allocation of the shard
         and handed out again (what :func:`vfsdp.grads` returns, with no op to make it). The
-        unit keeps it and its slot refers to the unit weakly, so nothing forms a cycle:
-        dropping the unit frees its memory at once. Released with the gradient shard
-        (``set_to_none``); the next one is made over its fresh memory. Making it waits for no
-        reduction in flight (it reads nothing)."""
+        unit keeps it and its slot refers to the unit weakly, so nothing forms a cycle.
+        Released with the gradient shard (``set_to_none``); the next one is made over its
+        fresh memory. Making it waits for no reduction in flight (it reads nothing)."""
         found = self._grad_views.get(k)
         gdb = self._grads
         if found is None or (type(found) is ReleasedTensor and gdb is not None
@@ -352,3 +603,99 @@ class Unit:
                 f"S={self.layout.shard_numel}, {self.params.dtype}, {self.state.value}; "
                 f"holding [{', '.join(held)}]; pending [{', '.join(pending)}]"
                 f"{'; gradients mirrored to the host' if self.grad_mirror is not None else ''})")
+
+
+@contextlib.contextmanager
+def export_full(db: DBuffer) -> Iterator[DBuffer]:
+    """``db`` gathered for reading its full views (a full-state export), then released
+    again if it was not gathered before: a unit's parameters through its transitions, any
+    other buffer (an optimizer state) directly.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.arange(4.0)}, 2)
+        ...     unit = Unit(spec.units[()], resolve_groups(spec))
+        ...     unit.params.copy_(torch.arange(2.0) + 2 * dist.get_rank())
+        ...     with export_full(unit.params) as db:
+        ...         values = db.full(0).tolist()
+        ...     return values, unit.state.value
+        >>> vfsdp.testing.simulate(2, body)[0]
+        ([0.0, 1.0, 2.0, 3.0], 'released')
+    """
+    unit = db.unit
+    owned = unit is not None and (db is unit.params or db in unit._compute.values())
+    was = db.is_gathered
+    if owned and db is not unit.params:
+        raise ValueError("export_full: a compute copy is gathered by Unit.gather(param_dtype)")
+    if owned:
+        unit._all_gather(db, async_op=False)
+    else:
+        db.all_gather()
+    try:
+        yield db
+    finally:
+        if not was:
+            if owned:
+                unit._release(db, at_once=True)
+            else:
+                db.free_global()
+
+
+def warn_changed_default() -> None:
+    """A ``grads="buffer"`` backward added to an earlier backward's gradients, where 0.2
+    overwrote them (shown once, as Python shows a warning)."""
+    warnings.warn(
+        "vfsdp 0.3: this backward adds its gradients to those an earlier backward left in the "
+        "gradient buffer, as torch's .grad does (0.2 overwrote them with grads='buffer' and "
+        "run_layers). To start afresh, call vfsdp.zero_grads(shards, spec) before the "
+        "backward; to accumulate micro-batches, pass accumulate_grads=True, which also "
+        "silences this warning", FutureWarning, stacklevel=2)
+
+
+def _merge(index, grads) -> tuple[list, list, list]:
+    """Sum the gradients of repeated indices (a tied tensor used at two paths): the unique
+    indices, their summed gradients, and for each original position the position of its
+    index among the unique ones (``None`` for a repeat)."""
+    if len(set(index)) == len(index):
+        return list(index), list(grads), list(range(len(index)))
+    unique: dict = {}
+    first: list = []
+    for i, g in zip(index, grads):
+        if i in unique:
+            first.append(None)
+            if g is not None:
+                prev = unique[i]
+                unique[i] = g if prev is None else prev + g
+        else:
+            first.append(len(unique))
+            unique[i] = g
+    return list(unique), list(unique.values()), first
+
+
+def _expand(pieces: Optional[list], first: list) -> Optional[list]:
+    if pieces is None:
+        return None
+    return [pieces[k] if k is not None else None for k in first]
+
+
+def _is_slice_of(g: torch.Tensor, dst: torch.Tensor) -> bool:
+    try:
+        return (g.is_contiguous() and g.numel() == dst.numel() and g.dtype == dst.dtype
+                and g.data_ptr() == dst.data_ptr())
+    except RuntimeError:
+        return False
+
+
+def _zero_gaps(buf: torch.Tensor, tensors, covered: set) -> None:
+    """Zero everything but the tensors about to be written: padding and missing gradients
+    (one op for all the gaps)."""
+    end, gaps = 0, []
+    for i, t in enumerate(tensors):
+        if i in covered:
+            if t.offset > end:
+                gaps.append(buf[end:t.offset])
+            end = max(end, t.offset + t.numel)
+    if end < buf.numel():
+        gaps.append(buf[end:])
+    with torch.no_grad():
+        tp.zero_many(gaps)

@@ -4,9 +4,10 @@ once in it, in the same order on every rank, even where a rank's loss does not u
 Two objects hold it, both with a ``repr`` that shows it:
 
 * :class:`RankGathers` (:func:`pending`): this rank's differentiable gathers whose backward
-  has not run, in creation order, one :class:`Entry` each, recorded when the gather's
+  has not run, in creation order, one entry each, recorded when the gather's
   autograd node is made. Every rank makes the same entries in the same order (the SPMD
-  contract), so a position names the same unit everywhere. It belongs to the rank's default
+  contract), so a position names the same unit everywhere. An entry is the gather's own
+  record (:class:`vfsdp.functional.gather.Gather`). It belongs to the rank's default
   process group (a rank of ``vfsdp.testing.simulate`` has its own), not to a thread.
 * :class:`BackwardPass`: the record of one backward pass, made at its first vfsdp hook. Its
   :meth:`~BackwardPass.agree` is the one cross-rank call: each rank marks the entries whose
@@ -26,8 +27,8 @@ if another rank marks the unit, and forgets it, with no collective, if no rank d
 forward whose graph was dropped without a backward, e.g. an evaluation with gradients
 enabled).
 
-What an entry does is its gather's (:class:`vfsdp.functional.gather` ``_Call``):
-``reduce_zeros(accumulates)`` and ``orphaned()``; nothing is injected from elsewhere.
+What an entry does is its unit's transitions (``Gather.post_backward`` with zeros,
+``orphaned()``); nothing is injected from elsewhere.
 
 The SPMD contract this needs: on every rank the same differentiable gathers, and the backward
 reaches at least one unit gathered for it. A rank whose loss uses no gathered tensor at all
@@ -49,33 +50,7 @@ from vfsdp.collectives import comm
 from vfsdp.collectives.groups import control_device
 from vfsdp.collectives.handle import Handle
 
-__all__ = ["Entry", "RankGathers", "BackwardPass", "Reductions", "pending"]
-
-
-class Entry:
-    """One differentiable gather awaiting its backward on this rank."""
-
-    __slots__ = ("index", "seq", "node", "call", "ran_in", "closed", "orphan", "holds_graph",
-                 "__weakref__")
-
-    def __init__(self, index: int, node: Any, call: Any) -> None:
-        self.index = index                # its place in the record: the same on every rank
-        self.seq = node._sequence_nr()    # the autograd node's sequence number
-        self.node = weakref.ref(node)     # the node itself, while it lives
-        self.call = call                  # the gather (its unit, buffer, reduce_zeros)
-        self.ran_in = -2                  # the last backward pass (task id) it reduced in
-        self.closed = False
-        self.orphan = False               # its node died before any backward reached it
-        self.holds_graph = True           # counted in the buffer's graphs (its graph reads it)
-
-    def will_run(self) -> bool:
-        """Whether the running backward pass runs this entry's node."""
-        node = None if self.orphan else self.node()
-        return node is not None and tp.will_execute(node)
-
-    def __repr__(self) -> str:
-        what = "orphan" if self.orphan else "closed" if self.closed else "awaiting"
-        return f"Entry(#{self.index}, unit {self.call.key!r}, {what})"
+__all__ = ["RankGathers", "BackwardPass", "Reductions", "pending"]
 
 
 class Reductions:
@@ -128,7 +103,7 @@ class BackwardPass:
         self.accumulates = accumulates  # the pass writes leaves' .grad (not autograd.grad)
         self.marked: set = set()        # ids of the entries it reduces (on some rank)
 
-    def agree(self, running: Optional[Entry], device: torch.device) -> None:
+    def agree(self, running: Any, device: torch.device) -> None:
         """The one cross-rank call: mark, with every rank, the units this pass reduces (two
         small all-reduces); forget orphans no rank marks (no collective).
 
@@ -153,7 +128,7 @@ class BackwardPass:
                             key=lambda e: -e.seq):
             self._zeros(other)
 
-    def ran(self, entry: Entry) -> None:
+    def ran(self, entry: Any) -> None:
         """``entry``'s backward ran in this pass (its node called it)."""
         entry.ran_in = self.task
         if not tp.keep_graph():
@@ -172,9 +147,9 @@ class BackwardPass:
         # returns, so .grad (the gradient buffers' views) is complete for any reader.
         g.inflight.wait()
 
-    def _zeros(self, entry: Entry) -> None:
+    def _zeros(self, entry: Any) -> None:
         entry.ran_in = self.task
-        entry.call.reduce_zeros(self.accumulates)
+        entry.post_backward([None] * len(entry.index), self.accumulates, zeros=True)
         if entry.orphan:
             self.gathers.close(entry)
         elif not tp.keep_graph():
@@ -191,22 +166,22 @@ class RankGathers:
     """This rank's differentiable gathers awaiting their backward (see the module)."""
 
     def __init__(self) -> None:
-        self.entries: list[Entry] = []
-        self.dying: list[Entry] = []  # entries whose nodes died, to settle
+        self.entries: list = []  # the Gather records awaiting their backward
+        self.dying: list = []  # entries whose nodes died, to settle
         self.inflight = Reductions(limit=1)
         self.current: Optional[BackwardPass] = None  # the backward pass running now
         self.created = 0  # entries made so far (the next one's index)
 
-    def add(self, ctx: Any, call: Any) -> Entry:
-        """Record the gather ``call`` whose autograd node ``ctx`` was just made."""
+    def add(self, ctx: Any, entry: Any) -> None:
+        """Record the gather ``entry`` whose autograd node ``ctx`` was just made."""
         self.settle()
-        entry = Entry(self.created, ctx, call)
+        entry.place, entry.seq, entry.node = self.created, ctx._sequence_nr(), weakref.ref(ctx)
         self.created += 1
         self.entries.append(entry)
-        call.db.graphs += 1
-        call.unit.awaiting += 1
+        entry.holds_graph = True
+        entry.unit.hold(entry.db, entry.regathers)
+        entry.unit.awaiting += 1
         weakref.finalize(ctx, self.died, weakref.ref(entry))
-        return entry
 
     def died(self, ref) -> None:
         """The entry's autograd node was freed: settle it at the next operation.
@@ -231,9 +206,9 @@ class RankGathers:
                 self.close(entry)
                 continue
             entry.orphan = True
-            entry.call.orphaned()
+            entry.orphaned()
 
-    def close(self, entry: Entry, graph_done: bool = True) -> None:
+    def close(self, entry: Any, graph_done: bool = True) -> None:
         """Forget the entry: it reduced in a pass that will not run again, or (an orphan) no
         rank needs it. ``graph_done``: its graph no longer reads the memory either (else that
         is settled when its node dies)."""
@@ -242,18 +217,18 @@ class RankGathers:
         if entry.closed:
             return
         entry.closed = True
-        entry.call.unit.awaiting -= 1
+        entry.unit.awaiting -= 1
         if entry in self.entries:
             self.entries.remove(entry)
 
     @staticmethod
-    def _release_graph(entry: Entry) -> None:
+    def _release_graph(entry: Any) -> None:
         if entry.holds_graph:
             entry.holds_graph = False
-            entry.call.db.graph_done()
+            entry.unit.graph_done(entry.db, entry.regathers)
 
     def backward(self, accumulates: Callable[[], bool], device: torch.device,
-                 running: Optional[Entry] = None) -> BackwardPass:
+                 running: Any = None) -> BackwardPass:
         """The record of the backward pass running now: at its first vfsdp hook made, agreed
         with every rank (:meth:`BackwardPass.agree`) and given the end-of-pass callback.
         ``accumulates()`` tells whether the pass writes leaves' ``.grad`` (asked once)."""
@@ -270,8 +245,7 @@ class RankGathers:
                 f"{len(self.inflight)} reduction(s) in flight, running: {self.current})")
 
 
-def _agree(awaiting: list[Entry], mine: list[Entry], created: int,
-           device: torch.device) -> list[Entry]:
+def _agree(awaiting: list, mine: list, created: int, device: torch.device) -> list:
     """The awaiting entries some rank's pass runs: every rank's marks ORed over the world (two
     small all-reduces: the span of places that any rank runs, then one mark per place in it).
     Every rank made the same entries, so a place names the same unit everywhere.
@@ -279,7 +253,7 @@ def _agree(awaiting: list[Entry], mine: list[Entry], created: int,
     Raises:
         RuntimeError: the ranks' records disagree (raised on every rank).
     """
-    lo = min((e.index for e in mine), default=created)
+    lo = min((e.place for e in mine), default=created)
     with comm.collective_scope():  # the exchange's own small tensors: not data movement
         device = control_device(device)
         span = torch.tensor([-lo, created, -created], dtype=torch.int64, device=device)
@@ -293,11 +267,11 @@ def _agree(awaiting: list[Entry], mine: list[Entry], created: int,
                 f"run_layers calls, in the same order, with the same requires_grad flags")
         bits = [0] * (created - lo)
         for e in mine:
-            bits[e.index - lo] = 1
+            bits[e.place - lo] = 1
         marks = torch.tensor(bits, dtype=torch.uint8, device=device)
         comm.all_reduce_max_(marks, count="backward_marks")
         marked = [k for k, bit in enumerate(marks.tolist()) if bit]  # one sync
-    by_index = {e.index: e for e in awaiting}
+    by_index = {e.place: e for e in awaiting}
     out = []
     for k in marked:
         e = by_index.get(lo + k)

@@ -24,27 +24,30 @@ from torch.autograd.graph import get_gradient_edge
 from vfsdp import _torch_private as tp
 from vfsdp._torch_private import functorch_active
 from vfsdp.collectives.handle import Handle
+from vfsdp.collectives.unit import GATHER_HOOKS, UnitState
 from vfsdp.functional.backward import pending
 from vfsdp.functional.options import GatherOptions, GradOptions, Policy, merge, refuse, resolve
-from vfsdp.functional.reduce import reduce_unit
+from vfsdp.functional.reduce import _reduce_functional
 from vfsdp.functional.traced import traced_gather
 from vfsdp.functional.tree import match_tree
 from vfsdp.functional.units import own_mesh, unit_for, units_of
-from vfsdp.functional.vma import mark_gathered
 from vfsdp.planner.spec import ShardSpec, unit_name
 
-__all__ = ["gather", "gather_async", "start_gather", "GatherHandle", "writes_leaf_grads"]
+__all__ = ["gather", "gather_async", "start_gather", "Gather", "GatherHandle", "writes_leaf_grads"]
 
 
-class _Call:
-    """One unit's gather: its arguments, and (once known) its unit and gathered buffer.
+class Gather:
+    """The record of one unit's gather: its arguments, its unit and gathered buffer, and,
+    once autograd made its node, its place in the rank's record of gathers awaiting their
+    backward (:class:`~vfsdp.functional.backward.RankGathers`).
 
     An object that pytree utilities and ``torch.func`` leave alone.
     """
 
-    __slots__ = ("spec", "key", "index", "mesh", "what", "gopts", "ropts",
-                 "unit", "db", "locals", "versions", "flat_version", "needs", "entry",
-                 "recording")
+    __slots__ = ("spec", "key", "index", "mesh", "what", "gopts", "ropts", "unit", "db",
+                 "locals", "versions", "flat_version", "needs", "recording", "regathers",
+                 "place", "seq", "node", "ran_in", "reduced_in", "closed", "orphan",
+                 "holds_graph", "__weakref__")
 
     def __init__(self, spec, key, index, mesh, what, gopts, ropts) -> None:
         self.spec, self.key, self.index, self.mesh, self.what = spec, key, index, mesh, what
@@ -55,8 +58,26 @@ class _Call:
         self.versions: tuple = ()
         self.flat_version = -1    # the unit's flat parameter shard's (optimizers write that)
         self.needs: tuple = ()    # which of them require grad
-        self.entry = None         # this gather's place in the rank's RankGathers
         self.recording = True     # autograd records the gather (grad mode was on at apply)
+        self.regathers = False    # run_layers: gathered again for the backward if resharded
+        self.place = -1           # its place in the rank's record: the same on every rank
+        self.seq = -1             # its autograd node's sequence number
+        self.node: Any = None     # the node itself (weakly), while it lives
+        self.ran_in = -2          # the last backward pass (task id) that reduced it
+        self.reduced_in = -2      # the same, as the unit's post_backward saw it
+        self.closed = False
+        self.orphan = False       # its node died before any backward reached it
+        self.holds_graph = False  # its graph reads the buffer's full views (unit.hold)
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the rank's record of gathers awaiting their backward holds it."""
+        return self.place >= 0
+
+    def will_run(self) -> bool:
+        """Whether the running backward pass runs this gather's node."""
+        node = None if self.orphan or self.node is None else self.node()
+        return node is not None and tp.will_execute(node)
 
     def check_versions(self) -> None:
         """Raise if a shard was changed in place since the forward gathered it.
@@ -80,47 +101,36 @@ class _Call:
                 f"new values. Run the backward first, then update (for several micro-batches, "
                 f"update once after the last backward)")
 
-    def reduce_zeros(self, accumulates: bool) -> None:
-        """This rank's loss did not reach the unit: take part in its reduce-scatter with
-        zeros (the other ranks' backward runs it).
-
-        With ``grads="return"`` the result (the other ranks' contributions) goes into the
-        shards' ``.grad`` when the pass accumulates into leaves (``backward()``), as FSDP2
-        does."""
-        self.unit.prepare_backward(self.db)  # as where the backward runs: same collectives
-        if self.gopts.free_after_backward:
-            self.db.release(at_once=False)  # as after a backward that ran (kept while read)
-        if self.ropts.grads == "buffer":
-            unlink_stale(self.unit, self.locals, self.index, self.needs)
-        pieces = reduce_unit(self.unit, self.index, [None] * len(self.index), self.ropts,
-                             views=self.ropts.grads == "return")
-        if self.ropts.grads == "buffer" and self.ropts.grad_sync:
-            grads_to_buffer(self, accumulates)
-        if self.ropts.grads != "return" or pieces is None or not accumulates:
-            return
-        with torch.no_grad():
-            for x, p, need in zip(self.locals, pieces, self.needs):
-                if need and p is not None:
-                    if x.grad is None:
-                        x.grad = p
-                    else:
-                        x.grad.add_(p)
+    def post_backward(self, grads: list, accumulates: bool, keep: bool = False,
+                      zeros: bool = False) -> Optional[list]:
+        """The unit's post-backward transition for this gather (inside ``torch.func``: its
+        gradients reduced into fresh tensors, nothing of vfsdp's written)."""
+        if functorch_active():
+            self.unit.pre_backward(self.db)
+            return _reduce_functional(self.unit, self.index, grads, self.ropts)
+        return self.unit.post_backward(self, grads, accumulates=accumulates, keep=keep,
+                                       inflight=pending().inflight, zeros=zeros)
 
     def orphaned(self) -> None:
-        """The unit's autograd node died before any backward reached it: with
+        """The gather's autograd node died before any backward reached it: with
         ``free_after_backward``, its gathered memory can go now (the next backward reduces
         its zeros if another rank's runs the unit; a resharded unit is gathered again
         then)."""
         if self.gopts.free_after_backward:
-            self.db.release(at_once=False)
+            self.unit.release(at_once=False)
 
     def resolve(self, local) -> None:
         """Find the unit from the shards (unwrapped here under ``torch.func``), or pack them."""
         self.unit = unit_for(local, self.spec, self.key, self.index, self.mesh, self.what)
 
+    def __repr__(self) -> str:
+        what = ("orphan" if self.orphan else "closed" if self.closed else
+                "awaiting" if self.recorded else "unrecorded")
+        return f"Gather(#{self.place}, unit {unit_name(self.key)}, {what})"
+
 
 class _GatherUnit(torch.autograd.Function):
-    """Forward: full views of one gathered unit. Backward: reduce-scatter into its gradients.
+    """Forward: full views of one gathered unit. Backward: the unit's post-backward.
 
     The unit is resolved inside ``forward``, where ``torch.func`` transforms hand over the
     plain (unwrapped) shard tensors, so the same code serves ``backward()``,
@@ -128,102 +138,49 @@ class _GatherUnit(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(call: _Call, *local):
-        if call.unit is None:
-            call.resolve(local)
-        if call.db is None:  # not prefetched by gather_async
-            call.db, _ = call.unit.gather(call.gopts.param_dtype)
-        return tuple(call.db.full(i) for i in call.index)
+    def forward(rec: Gather, *local):
+        if rec.unit is None:
+            rec.resolve(local)
+        if rec.db is None:  # not prefetched by gather_async
+            rec.db, _ = rec.unit.gather(rec.gopts.param_dtype)
+        return tuple(rec.db.full(i) for i in rec.index)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        call = inputs[0]
-        ctx.call = call
+        rec = inputs[0]
+        ctx.call = rec
         ctx.set_materialize_grads(False)
         needs = tuple(ctx.needs_input_grad[1:])
-        if any(needs) and call.recording and not functorch_active():
-            call.locals, call.needs = tuple(inputs[1:]), needs
-            call.versions = tuple(tp.version(x) for x in call.locals)
-            call.flat_version = tp.version(call.unit.params.shard)
-            call.entry = pending().add(ctx, call)
+        if any(needs) and rec.recording and not functorch_active():
+            rec.locals, rec.needs = tuple(inputs[1:]), needs
+            rec.versions = tuple(tp.version(x) for x in rec.locals)
+            rec.flat_version = tp.version(rec.unit.params.shard)
+            pending().add(ctx, rec)
 
     @staticmethod
     def backward(ctx, *grads):
-        call = ctx.call
+        rec = ctx.call
         needs = ctx.needs_input_grad[1:]
-        keep = False
-        if call.entry is not None:
-            call.check_versions()
+        keep, accumulates = False, False
+        if rec.recorded:
+            rec.check_versions()
             keep = tp.keep_graph()
-            record = pending().backward(lambda: writes_leaf_grads(call), call.db.device,
-                                        running=call.entry)
-            record.reach(call.entry.seq)  # the units after it that do not run here: zeros
-            record.ran(call.entry)
-        call.unit.prepare_backward(call.db)  # run_layers: gathered again, the previous one
-        if call.gopts.free_after_backward and not keep:
-            # The unit's backward is done, its gathered parameters are no longer read by it:
-            # release them before the gradient staging buffer is allocated, so the two never
-            # coexist. The memory goes now, or when the last other graph still reading it (the
-            # same unit gathered again, e.g. for a second micro-batch) is done with it. (With
-            # retain_graph=True the graph runs again and reads them: they stay.)
-            call.db.release(at_once=False)
+            record = pending().backward(lambda: writes_leaf_grads(rec), rec.db.device,
+                                        running=rec)
+            record.reach(rec.seq)  # the units after it that do not run here: zeros
+            record.ran(rec)
+            accumulates = writes_leaf_grads(rec)
         grads = [g if need else None for g, need in zip(grads, needs)]  # frozen: no gradient
-        if call.ropts.grads == "buffer":
-            unlink_stale(call.unit, call.locals, call.index, call.needs)
-        pieces = reduce_unit(call.unit, call.index, grads, call.ropts,
-                             views=call.ropts.grads != "buffer")
-        if call.ropts.grads == "buffer" and call.ropts.grad_sync and call.entry is not None:
-            grads_to_buffer(call)
-        if call.ropts.grads == "buffer" or pieces is None:
-            return (None,) * (1 + len(call.index))
+        pieces = rec.post_backward(grads, accumulates, keep)
+        if pieces is None:
+            return (None,) * (1 + len(rec.index))
         return (None, *[p if need else None for p, need in zip(pieces, needs)])
 
 
-def unlink_stale(unit: Any, locals_: tuple, index: tuple, needs: tuple) -> None:
-    """The shards' ``.grad`` were the unit's gradient buffer's views, and something other than
-    vfsdp replaced them (a compiled ``zero_grads`` or backward, ``x.grad = None``): the
-    ``.grad`` is the truth, so the buffer's values are stale. Drop them; what ``.grad`` holds
-    now is added back when it is linked again (:func:`grads_to_buffer`)."""
-    if unit.grad_linked and not all(x.grad is unit.grad_view(k)
-                                    for x, k, need in zip(locals_, index, needs) if need):
-        unit.grad_linked = False
-        with torch.no_grad():  # a .grad still linked keeps its values (a copy of its own):
-            # grads_to_buffer adds it into the buffer when it links the .grad again
-            for x, k, need in zip(locals_, index, needs):
-                if need and x.grad is unit.grad_view(k):
-                    x.grad = x.grad.clone()
-        unit.grads().release_shard()
-
-
-def grads_to_buffer(call: _Call, accumulates: Optional[bool] = None) -> None:
-    """``grads="buffer"`` in a pass that writes leaves' ``.grad`` (``backward()``): each
-    shard's ``.grad`` is its piece of the unit's gradient buffer, a view (no memory of its
-    own), so whoever reads ``.grad`` (torch, a compiled step, a later ``grads="return"``
-    backward adding into it) reads and writes the buffer. Gradients autograd put in ``.grad``
-    before (a ``grads="return"`` backward) are added into the buffer first. ``accumulates``:
-    whether the pass writes ``.grad``, when known (else asked of the engine)."""
-    if not (writes_leaf_grads(call) if accumulates is None else accumulates):
-        return
-    unit = call.unit
-    with torch.no_grad():
-        for x, k, need in zip(call.locals, call.index, call.needs):
-            if not need:
-                continue
-            view = unit.grad_view(k)
-            old = x.grad
-            if old is view:
-                continue
-            if old is not None:
-                unit.grads()  # the reduction in flight into the buffer lands first
-                view.add_(old.view(view.shape))
-            x.grad = view
-    unit.grad_linked = True
-
-
-def writes_leaf_grads(call: _Call) -> bool:
+def writes_leaf_grads(rec: Gather) -> bool:
     """Whether the running backward writes leaves' ``.grad`` (``backward()``, not
     ``autograd.grad``): the engine will run a gathered shard's AccumulateGrad node."""
-    x = next((x for x, need in zip(call.locals, call.needs) if need), None)
+    x = next((x for x, need in zip(rec.locals, rec.needs) if need), None)
     if x is None:
         return False
     try:
@@ -240,14 +197,19 @@ def _assemble(leaves: list, spec: ShardSpec, calls: dict, make) -> Any:
         call = calls.get(key) or make(key, tuple(k for _, k in members))
         call.recording = torch.is_grad_enabled()
         fulls = _GatherUnit.apply(call, *(leaves[i] for i, _ in members))
-        mark_gathered(fulls, spec, members)  # under shard_map's check_vma (else nothing)
+        for hook in GATHER_HOOKS:  # e.g. shard_map's replication tracking
+            hook(fulls, spec, members)
         for (i, _), f in zip(members, fulls):
             out[i] = f
     return optree.tree_unflatten(spec.treespec, out)
 
 
-def _caller(spec, mesh, what, gopts, ropts):
-    return lambda key, index: _Call(spec, key, index, mesh, what, gopts, ropts)
+def _caller(spec, mesh, what, gopts, ropts, regathers: bool = False):
+    def make(key, index):
+        rec = Gather(spec, key, index, mesh, what, gopts, ropts)
+        rec.regathers = regathers
+        return rec
+    return make
 
 
 def gather(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
@@ -349,14 +311,15 @@ def _functional(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str
 
 
 def start_gather(shards: Any, spec: ShardSpec, mesh: Any, gopts: GatherOptions,
-                 ropts: GradOptions, what: str) -> Handle:
+                 ropts: GradOptions, what: str, regathers: bool = False) -> Handle:
     """Start a tree's all-gathers; ``wait()`` returns what :func:`gather` would.
 
-    The building block of :func:`gather_async` and :func:`vfsdp.run_layers`.
+    The building block of :func:`gather_async` and :func:`vfsdp.run_layers` (``regathers``:
+    its backward gathers a resharded unit again, so its graph does not keep the memory).
     """
     leaves = match_tree(shards, spec, what)
     pending().settle()
-    make = _caller(spec, mesh, what, gopts, ropts)
+    make = _caller(spec, mesh, what, gopts, ropts, regathers)
     calls, handles = {}, []
     if not functorch_active():  # under torch.func the shards are wrapped until forward
         for u in units_of(leaves, spec, what, mesh=mesh, pack=True):
@@ -386,6 +349,9 @@ class GatherHandle(Handle):
 
     def wait(self) -> Any:
         if not self._done:
+            for rec in self.calls.values():  # the units' GATHERING -> GATHERED
+                if rec.unit.state is UnitState.GATHERING and rec.unit.live is rec.db:
+                    rec.unit.wait()
             for h in self._handles:
                 h.wait()
             self._result = _assemble(*self._args)

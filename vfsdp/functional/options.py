@@ -27,6 +27,11 @@ option                   default                 what it does
                                                  backward unit by unit (``run_layers``)
 ``all_gather``           ``None``                low-precision all-gather hooks
                                                  (:mod:`vfsdp.functional.lowp`)
+``prefetch``             ``None`` (yes)          ``run_layers``: gather unit ``i+1`` while
+                                                 ``i`` computes (``i-1`` in backward)
+``reshard_after_forward`` ``None`` (yes)         ``run_layers``: release each unit but the
+                                                 last after its forward, regather it for its
+                                                 backward
 =======================  ======================  ===========================================
 
 :func:`refuse` refuses, in one wording (``<entry point>: <option> is not supported <where>
@@ -61,14 +66,24 @@ def _check_dtype(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a floating-point torch.dtype or None, got {value!r}")
 
 
-def _check_values(grad_reduce: Any, grads: Any, **dtypes: Any) -> None:
-    """The value checks every path makes (a policy, resolved options, the functional path)."""
-    for name, value in dtypes.items():
-        _check_dtype(name, value)
-    if grad_reduce not in GRAD_REDUCE_OPS:
-        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_OPS}, got {grad_reduce!r}")
-    if grads is not None and grads not in GRAD_MODES:
-        raise ValueError(f"grads must be one of {GRAD_MODES}, got {grads!r}")
+_FLAGS = ("free_after_backward", "accumulate_grads", "grad_sync", "async_reduce", "prefetch",
+          "reshard_after_forward")
+
+
+def _check_values(values: dict) -> None:
+    """The one check of a call's option values (made where its policy is made: a
+    :class:`Policy`, or :func:`merge` for keyword overrides)."""
+    for name in ("param_dtype", "reduce_dtype"):
+        _check_dtype(name, values[name])
+    if values["grad_reduce"] not in GRAD_REDUCE_OPS:
+        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_OPS}, got "
+                         f"{values['grad_reduce']!r}")
+    if values["grads"] is not None and values["grads"] not in GRAD_MODES:
+        raise ValueError(f"grads must be one of {GRAD_MODES}, got {values['grads']!r}")
+    for name in _FLAGS:
+        if values[name] is not None and type(values[name]) is not bool:
+            raise ValueError(f"{name} must be True, False or None (the entry point's "
+                             f"default), got {values[name]!r}")
 
 
 @dataclass(frozen=True)
@@ -96,13 +111,14 @@ class Policy:
     reduce_dtype: Optional[torch.dtype] = None
     grads: Optional[str] = None
     accumulate_grads: Optional[bool] = None
-    grad_sync: bool = True
+    grad_sync: Optional[bool] = True
     async_reduce: Optional[bool] = None
     all_gather: Any = None
+    prefetch: Optional[bool] = None
+    reshard_after_forward: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        _check_values(self.grad_reduce, self.grads, param_dtype=self.param_dtype,
-                      reduce_dtype=self.reduce_dtype)
+        _check_values({name: getattr(self, name) for name in NAMES})
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(Policy))
@@ -126,7 +142,11 @@ def merge(policy: Optional[Policy], options: dict, what: str) -> dict:
         values = {name: getattr(policy, name) for name in NAMES}
     else:
         raise TypeError(f"{what}: policy must be a vfsdp.Policy, got {type(policy).__name__}")
-    values.update(options)
+    if options:
+        values.update(options)
+        _check_values(values)
+    if values["grad_sync"] is None:  # None: the default, as for every option
+        values["grad_sync"] = True
     return values
 
 
@@ -142,7 +162,7 @@ _REFUSED = (
       "all_gather": (_AUTOGRAD, "drop grads='buffer'")}),
     ("accumulate_grads=True", lambda v: v["accumulate_grads"] is True,
      {"torch.func": (_FUNC, "add the returned gradients yourself")}),
-    ("grad_sync=False", lambda v: not v["grad_sync"],
+    ("grad_sync=False", lambda v: v["grad_sync"] is False,
      {"torch.func": (_FUNC, "sum the returned gradients, or call outside torch.func")}),
     ("async_reduce=True", lambda v: v["async_reduce"] is True,
      {"torch.func": (_FUNC, "drop it"), "compiled": (_AUTOGRAD, "drop it"),
@@ -164,8 +184,6 @@ def refuse(values: dict, path: str, what: str) -> None:
         ValueError: a bad value (as a :class:`Policy` refuses it), or ``<what>: <option> is
             not supported <where> (<why>); <hint>``.
     """
-    _check_values(values["grad_reduce"], values["grads"], param_dtype=values["param_dtype"],
-                  reduce_dtype=values["reduce_dtype"])
     for name, asked, paths in _REFUSED:
         if path in paths and asked(values):
             why, hint = paths[path]
@@ -206,9 +224,8 @@ class GradOptions:
     async_reduce: bool = False
 
     def __post_init__(self) -> None:
-        if self.grads is None:
-            raise ValueError(f"grads must be one of {GRAD_MODES}, got None")
-        _check_values(self.grad_reduce, self.grads, reduce_dtype=self.reduce_dtype)
+        if self.grads not in GRAD_MODES:
+            raise ValueError(f"grads must be one of {GRAD_MODES}, got {self.grads!r}")
         if self.accumulate_grads is False:
             warn_user(
                 "accumulate_grads=False is deprecated and goes in vfsdp 0.4: gradients add up "

@@ -60,7 +60,7 @@ class _Saved:
 class _Regather:
     """The run's gathered buffers, for its saved-tensor hooks: which saved tensors are its
     gathered parameters, and the gathers whose shards a regather re-reads. The regather and
-    the prefetch themselves are the units' transitions (:meth:`Unit.prepare_backward`)."""
+    the prefetch themselves are the units' transitions (:meth:`Unit.pre_backward`)."""
 
     def __init__(self, prefetch: bool) -> None:
         self.last: Optional[DBuffer] = None  # the buffer gathered before (for the prefetch)
@@ -78,7 +78,7 @@ class _Regather:
     def ensure(self, db: DBuffer) -> None:
         for call in self.calls.get(id(db), ()):
             call.check_versions()  # a shard changed since the forward: refuse to regather it
-        db.unit.prepare_backward(db)
+        db.unit.pre_backward(db)
 
     def pack(self, t: torch.Tensor) -> Any:
         slot = slot_of(t) or slot_of(t._base)
@@ -112,8 +112,6 @@ def run_layers(
     h: Any,
     policy: Optional[Policy] = None,
     *,
-    prefetch: bool = True,
-    reshard_after_forward: bool = True,
     mesh: Any = None,
     **options: Any,
 ) -> Any:
@@ -128,9 +126,6 @@ def run_layers(
         specs: The matching sub-specs: ``spec["layers"]`` itself, or a list of them; ``None``
             with pieces.
         h: The input of the first unit.
-        prefetch: Gather unit ``i+1`` while unit ``i`` computes (and ``i-1`` in backward).
-        reshard_after_forward: Release each unit (but the last) after its forward and gather
-            it again in backward; ``False`` keeps them gathered until their backward.
         mesh: As for :func:`vfsdp.gather` (deprecated with shards of ``vfsdp.shard``); with
             pieces, in each piece's tuple.
         policy: A :class:`vfsdp.Policy`, as for :func:`vfsdp.gather` (the same object
@@ -139,7 +134,11 @@ def run_layers(
             ``async_reduce`` are ``True`` (vfsdp alone holds the full tensors and runs the
             backward unit by unit). With ``all_gather=`` hooks each unit is gathered by the
             functional path, its gathers recomputed in backward, its gradients to ``.grad``.
-        options: Any :class:`vfsdp.Policy` field as a keyword, overriding the policy's.
+        options: Any :class:`vfsdp.Policy` field as a keyword, overriding the policy's;
+            here also ``prefetch`` (default ``True``: gather unit ``i+1`` while unit ``i``
+            computes, and ``i-1`` in backward) and ``reshard_after_forward`` (default
+            ``True``: release each unit but the last after its forward and gather it again
+            in backward; ``False`` keeps them gathered until their backward).
 
     Returns:
         The last unit's output.
@@ -191,6 +190,8 @@ def run_layers(
     if compiling() and isinstance(specs, ShardSpec):  # the sub-specs vfsdp.shard prepared
         specs = [specs[i] for i in range(max(traced_children(specs), 0))]
     values = merge(policy, options, what)
+    prefetch = values["prefetch"] is not False
+    reshard_after_forward = values["reshard_after_forward"] is not False
     if compiling() or values["all_gather"] is not None:  # the functional path: to .grad
         refuse(values, "compiled" if compiling() else "all_gather", what)
         layers = layer_pieces(shards, specs, mesh, what,
@@ -210,7 +211,8 @@ def run_layers(
     n = len(layers)
 
     def start(i: int) -> list[Handle]:  # every piece's gathers: one step
-        return [start_gather(p.shards, p.spec, p.mesh, gopts, ropts, p.what) for p in layers[i]]
+        return [start_gather(p.shards, p.spec, p.mesh, gopts, ropts, p.what, regathers=True)
+                for p in layers[i]]
 
     ahead: Optional[list[Handle]] = start(0) if n else None  # the next layer's gathers
     for i in range(n):

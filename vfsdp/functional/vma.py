@@ -46,6 +46,8 @@ from typing import Any, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from vfsdp.collectives.unit import GATHER_HOOKS
+
 __all__ = ["Tracker", "current", "vma_of", "mark", "check_collective", "mark_gathered"]
 
 _ATTR = "_vfsdp_vma"
@@ -77,6 +79,8 @@ class Tracker(TorchFunctionMode):
         self.ops = 0  # torch calls seen (for the cost measurement)
 
     def __enter__(self):
+        if mark_gathered not in GATHER_HOOKS:  # gathers inside a body mark their tensors
+            GATHER_HOOKS.append(mark_gathered)
         self.outer = getattr(_STATE, "tracker", None)
         _STATE.tracker = self
         return super().__enter__()

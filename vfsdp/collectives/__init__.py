@@ -19,12 +19,13 @@ from vfsdp.collectives.reference import (
 )
 from vfsdp.collectives.scatter import scatter_unit
 from vfsdp.collectives.slot import Role, Slot, View, slot_of
-from vfsdp.collectives.unit import Unit, UnitState
+from vfsdp.collectives.unit import IllegalTransition, Unit, UnitState
 
 __all__ = [
     "DBuffer",
     "Handle",
     "HostMirror",
+    "IllegalTransition",
     "MeshGroups",
     "Piece",
     "Redistribution",

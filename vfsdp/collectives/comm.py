@@ -198,14 +198,16 @@ def all_reduce_(t: torch.Tensor, op: str = "sum", group=None):
     return t
 
 
-def all_reduce_max_(t: torch.Tensor, group=None, count: str = "all_reduce_max"):
-    """In-place element-wise MAX over ranks (counted under ``count``)."""
+def all_reduce_max_(t: torch.Tensor, group=None, count: str = "all_reduce_max",
+                    async_op: bool = False):
+    """In-place element-wise MAX over ranks (counted under ``count``); ``async_op``: return
+    the work (``wait()`` it before reading ``t``)."""
     _count(count, t.numel() * t.element_size())
     if _alone(group):
-        return t
+        return _Done() if async_op else t
     with _Collective(t):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
+    return work if async_op else t
 
 
 def scatter_into(out: torch.Tensor, chunks: Optional[list], group=None, group_src: int = 0):

@@ -52,7 +52,7 @@ import contextlib
 import enum
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -329,7 +329,7 @@ class Unit:
             IllegalTransition: this gather already reduced in this backward pass.
         """
         task = tp.graph_task_id()
-        if task != -1 and rec.reduced_in == task:
+        if rec.reduced_in == task:
             raise self._illegal("a second post_backward() of one gather in one backward pass",
                                 "each gather reduces once per backward")
         rec.reduced_in = task

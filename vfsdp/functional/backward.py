@@ -12,7 +12,8 @@ Two objects hold it, both with a ``repr`` that shows it:
 * :class:`BackwardPass`: the record of one backward pass, made at its first vfsdp hook. Its
   :meth:`~BackwardPass.agree` is the one cross-rank call: each rank marks the entries whose
   nodes this pass will run, and the ranks OR these marks over the world (two small
-  all-reduces, the way DDP finds unused parameters). The pass then reduces exactly the marked
+  all-reduces of host tensors over a side group, the way DDP finds unused parameters,
+  started without waiting: :class:`Agreement`). The pass then reduces exactly the marked
   units, on every rank. A rank whose loss does not reach a marked unit takes part in its
   reduce-scatter with zero gradients, as FSDP2 does for unused parameters. The order is the
   autograd engine's: it runs nodes in decreasing creation order, so when the pass reaches a
@@ -47,10 +48,10 @@ import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
-from vfsdp.collectives.groups import control_device
+from vfsdp.collectives.groups import side_group
 from vfsdp.collectives.handle import Handle
 
-__all__ = ["RankGathers", "BackwardPass", "Reductions", "pending"]
+__all__ = ["RankGathers", "BackwardPass", "Agreement", "Reductions", "pending"]
 
 
 class Reductions:
@@ -95,38 +96,56 @@ class BackwardPass:
     """The record of one backward pass on this rank: which units it reduces (agreed with
     every rank), and which of them have.
 
-    Made by :meth:`RankGathers.backward` at the pass's first vfsdp hook."""
+    Made by :meth:`RankGathers.backward` at the pass's first vfsdp hook, which starts the
+    agreement (:class:`Agreement`) without waiting for it."""
 
     def __init__(self, gathers: RankGathers, task: int, accumulates: bool) -> None:
         self.gathers = gathers
         self.task = task
         self.accumulates = accumulates  # the pass writes leaves' .grad (not autograd.grad)
-        self.marked: set = set()        # ids of the entries it reduces (on some rank)
+        self.agreement: Optional[Agreement] = None
+        self._frozen: dict = {}  # units regathered for the pass with no gather to release them
+        self._marked: Optional[set] = None  # ids of the entries it reduces (on some rank)
 
-    def agree(self, running: Any, device: torch.device) -> None:
-        """The one cross-rank call: mark, with every rank, the units this pass reduces (two
-        small all-reduces); forget orphans no rank marks (no collective).
+    def agree(self, running: Any) -> None:
+        """Start the one cross-rank exchange: which units this pass reduces."""
+        g = self.gathers
+        mine = [e for e in g.entries if e is running or e.will_run()]
+        self.agreement = Agreement(g, mine)
+
+    @property
+    def marked(self) -> set:
+        """The entries some rank's pass runs (waits for the agreement the first time; forgets
+        orphans no rank marks, with no collective).
 
         Raises:
             RuntimeError: the ranks' records disagree (raised on every rank).
         """
-        g = self.gathers
-        awaiting = sorted(g.entries, key=lambda e: e.seq)
-        mine = [e for e in awaiting if e is running or e.will_run()]
-        self.marked = {id(e) for e in _agree(awaiting, mine, g.created, device)}
-        for e in awaiting:
-            if e.orphan and id(e) not in self.marked:
-                g.close(e)  # died unused on every rank: no collective
+        if self._marked is None:
+            g = self.gathers
+            self._marked = {id(e) for e in self.agreement.marked()}
+            for e in list(g.entries):
+                if e.orphan and id(e) not in self._marked:
+                    g.close(e)  # died unused on every rank: no collective
+        return self._marked
 
     def reach(self, seq: int) -> None:
         """The pass is running the node numbered ``seq``: the marked units created after it
         that did not run here will not run here; reduce them, with zeros, now (before any
-        collective the caller issues next)."""
+        collective the caller issues next). Only then does it wait for the agreement: a rank
+        whose pass ran every unit after ``seq`` goes on without it."""
         self.gathers.settle()
-        for other in sorted((e for e in self.gathers.entries if e.seq > seq
-                             and e.ran_in != self.task and id(e) in self.marked),
-                            key=lambda e: -e.seq):
+        later = [e for e in self.gathers.entries if e.seq > seq and e.ran_in != self.task]
+        if not later:
+            return
+        marked = self.marked
+        for other in sorted((e for e in later if id(e) in marked), key=lambda e: -e.seq):
             self._zeros(other)
+
+    def release_at_end(self, unit: Any) -> None:
+        """Release ``unit`` (frozen: regathered for its inputs' gradients only) when the pass
+        ends."""
+        self._frozen[id(unit)] = unit
 
     def ran(self, entry: Any) -> None:
         """``entry``'s backward ran in this pass (its node called it)."""
@@ -135,13 +154,17 @@ class BackwardPass:
             self.gathers.close(entry)
 
     def finish(self) -> None:
-        """End of the pass (the engine's final callback): reduce, with zeros, every marked
-        unit left that did not run, then wait for the reductions in flight."""
+        """End of the pass (the engine's final callback): finish the agreement, reduce, with
+        zeros, every marked unit left that did not run, then wait for the reductions in
+        flight."""
         g = self.gathers
         g.settle()
+        marked = self.marked
         for entry in sorted((e for e in g.entries if e.ran_in != self.task
-                             and id(e) in self.marked), key=lambda e: -e.seq):
+                             and id(e) in marked), key=lambda e: -e.seq):
             self._zeros(entry)
+        for unit in self._frozen.values():
+            unit.release(at_once=False)
         g.current = None
         # As FSDP2 at the end of its backward: the last reductions land before the backward
         # returns, so .grad (the gradient buffers' views) is complete for any reader.
@@ -158,8 +181,68 @@ class BackwardPass:
             self.gathers.close(entry, graph_done=False)
 
     def __repr__(self) -> str:
-        return (f"BackwardPass(task {self.task}, {len(self.marked)} unit(s) marked, "
+        marked = "?" if self._marked is None else len(self._marked)
+        return (f"BackwardPass(task {self.task}, {marked} unit(s) marked, "
                 f"{'backward()' if self.accumulates else 'autograd.grad'})")
+
+
+class Agreement:
+    """Which awaiting entries some rank's pass runs: every rank's marks ORed over the world,
+    in two small all-reduces over the side group, both started at once and not waited for
+    (on host tensors: the exchange costs the device nothing, no host sync on CUDA). No rank
+    stops at them until it needs the result (:meth:`BackwardPass.reach`), so where a pass's
+    first vfsdp node falls (routing that leaves a rank's experts without tokens) never orders
+    the exchange against the data collectives.
+
+    The header carries the number of entries made (equal on every rank, or the ranks raise)
+    and the oldest place still awaiting; the marks cover the places from the oldest one the
+    previous pass found awaiting on any rank (``base``: nothing older awaits anywhere) to the
+    newest. Every rank made the same entries, so a place names the same unit everywhere."""
+
+    def __init__(self, gathers: RankGathers, mine: list) -> None:
+        self.gathers, self.awaiting = gathers, list(gathers.entries)
+        created, base = gathers.created, gathers.base
+        oldest = min((e.place for e in self.awaiting), default=created)
+        self.header = torch.tensor([-oldest, created, -created], dtype=torch.int64)
+        bits = [0] * (created - base)
+        for e in mine:
+            bits[e.place - base] = 1
+        self.marks = torch.tensor(bits, dtype=torch.uint8)
+        group = side_group()
+        self.works = [comm.all_reduce_max_(t, group, "backward_marks", async_op=True)
+                      for t in (self.header, self.marks)]
+
+    def marked(self) -> list:
+        """Wait for the exchange; the awaiting entries it marks.
+
+        Raises:
+            RuntimeError: the ranks' records disagree (raised on every rank).
+        """
+        g = self.gathers
+        with comm.collective_scope():  # the exchange's own small tensors: not data movement
+            self.works[0].wait()
+            neg_oldest, most, neg_least = self.header.tolist()  # host values: no device sync
+            if most != -neg_least:
+                raise RuntimeError(
+                    f"vfsdp: ranks made different numbers of differentiable gathers "
+                    f"({-neg_least} to {most}, {g.created} here): every rank must make the same "
+                    f"vfsdp.gather/run_layers calls, in the same order, with the same "
+                    f"requires_grad flags")
+            self.works[1].wait()
+            places = [g.base + k for k, bit in enumerate(self.marks.tolist()) if bit]
+        g.base = max(g.base, -neg_oldest)
+        by_place = {e.place: e for e in self.awaiting}
+        out = []
+        for k in places:
+            e = by_place.get(k)
+            if e is None:
+                raise RuntimeError(
+                    f"vfsdp: another rank's backward runs gathered unit #{k} (its place in "
+                    f"the record), which this rank had already reduced or dropped: every rank "
+                    f"must keep or drop its graphs alike (retain_graph, a second backward "
+                    f"through one graph)")
+            out.append(e)
+        return out
 
 
 class RankGathers:
@@ -171,6 +254,7 @@ class RankGathers:
         self.inflight = Reductions(limit=1)
         self.current: Optional[BackwardPass] = None  # the backward pass running now
         self.created = 0  # entries made so far (the next one's index)
+        self.base = 0  # no place older than this awaits on any rank (the last agreement's)
 
     def add(self, ctx: Any, entry: Any) -> None:
         """Record the gather ``entry`` whose autograd node ``ctx`` was just made."""
@@ -227,8 +311,7 @@ class RankGathers:
             entry.holds_graph = False
             entry.unit.graph_done(entry.db, entry.regathers)
 
-    def backward(self, accumulates: Callable[[], bool], device: torch.device,
-                 running: Any = None) -> BackwardPass:
+    def backward(self, accumulates: Callable[[], bool], running: Any = None) -> BackwardPass:
         """The record of the backward pass running now: at its first vfsdp hook made, agreed
         with every rank (:meth:`BackwardPass.agree`) and given the end-of-pass callback.
         ``accumulates()`` tells whether the pass writes leaves' ``.grad`` (asked once)."""
@@ -237,52 +320,12 @@ class RankGathers:
         if self.current is None or self.current.task != task:
             record = self.current = BackwardPass(self, task, accumulates())
             tp.queue_final_callback(record.finish)
-            record.agree(running, device)
+            record.agree(running)
         return self.current
 
     def __repr__(self) -> str:
         return (f"RankGathers({len(self.entries)} awaiting of {self.created} made, "
                 f"{len(self.inflight)} reduction(s) in flight, running: {self.current})")
-
-
-def _agree(awaiting: list, mine: list, created: int, device: torch.device) -> list:
-    """The awaiting entries some rank's pass runs: every rank's marks ORed over the world (two
-    small all-reduces: the span of places that any rank runs, then one mark per place in it).
-    Every rank made the same entries, so a place names the same unit everywhere.
-
-    Raises:
-        RuntimeError: the ranks' records disagree (raised on every rank).
-    """
-    lo = min((e.place for e in mine), default=created)
-    with comm.collective_scope():  # the exchange's own small tensors: not data movement
-        device = control_device(device)
-        span = torch.tensor([-lo, created, -created], dtype=torch.int64, device=device)
-        comm.all_reduce_max_(span, count="backward_marks")
-        neg_lo, most, neg_least = span.tolist()  # one sync
-        lo, least = -neg_lo, -neg_least
-        if most != least:
-            raise RuntimeError(
-                f"vfsdp: ranks made different numbers of differentiable gathers ({least} to "
-                f"{most}, {created} here): every rank must make the same vfsdp.gather/"
-                f"run_layers calls, in the same order, with the same requires_grad flags")
-        bits = [0] * (created - lo)
-        for e in mine:
-            bits[e.place - lo] = 1
-        marks = torch.tensor(bits, dtype=torch.uint8, device=device)
-        comm.all_reduce_max_(marks, count="backward_marks")
-        marked = [k for k, bit in enumerate(marks.tolist()) if bit]  # one sync
-    by_index = {e.place: e for e in awaiting}
-    out = []
-    for k in marked:
-        e = by_index.get(lo + k)
-        if e is None:
-            raise RuntimeError(
-                f"vfsdp: another rank's backward runs gathered unit #{lo + k} (its place in "
-                f"the record), which this rank had already reduced or dropped: every rank must "
-                f"keep or drop its graphs alike (retain_graph, a second backward through one "
-                f"graph)")
-        out.append(e)
-    return out
 
 
 class _NoGroup:

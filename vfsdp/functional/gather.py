@@ -165,8 +165,7 @@ class _GatherUnit(torch.autograd.Function):
         if rec.recorded:
             rec.check_versions()
             keep = tp.keep_graph()
-            record = pending().backward(lambda: writes_leaf_grads(rec), rec.db.device,
-                                        running=rec)
+            record = pending().backward(lambda: writes_leaf_grads(rec), running=rec)
             record.reach(rec.seq)  # the units after it that do not run here: zeros
             record.ran(rec)
             accumulates = writes_leaf_grads(rec)

@@ -99,7 +99,12 @@ class _Regather:
         if seq is not None and calls:
             # Units created after the running node that did not run reduce (zeros) first,
             # as they do on a rank whose backward reaches one of their nodes before this.
-            pending().backward(lambda: writes_leaf_grads(calls[0]), saved.db.device).reach(seq)
+            record = pending().backward(lambda: writes_leaf_grads(calls[0]))
+            record.reach(seq)
+            if not any(c.recorded for c in calls):
+                # Frozen: no gather of it has a backward (no post-backward releases it), its
+                # regathered parameters serve the inputs' gradients: released as the pass ends.
+                record.release_at_end(saved.db.unit)
         self.ensure(saved.db)
         buf = saved.db.global_buffer
         return saved.db.saved_view(saved.offset - buf.storage_offset(), saved.shape, saved.stride)

@@ -13,8 +13,9 @@ from typing import Any, Optional
 
 import optree
 import torch
+import torch.distributed as dist
 
-from vfsdp.collectives.groups import resolve_groups
+from vfsdp.collectives.groups import resolve_groups, side_group
 from vfsdp.collectives.slot import slot_of
 from vfsdp.collectives.unit import Unit
 from vfsdp.functional.backward import pending
@@ -82,6 +83,8 @@ def shard(
     """
     if src is not None and init_fn is not None:
         raise ValueError("pass either src or init_fn, not both")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        side_group()  # made here, by every rank alike: the backward's agreement runs on it
     if init_fn is None:
         return scatter(params, spec, src, mesh=mesh, requires_grad=requires_grad)
     leaves = match_tree(params, spec, "vfsdp.shard")

@@ -25,7 +25,7 @@ The layers underneath (each imports only the ones below it)::
 
 from __future__ import annotations
 
-from vfsdp import checkpoint, optim, testing
+from vfsdp import checkpoint, optim
 from vfsdp.collectives.mesh import mesh
 from vfsdp.estimation import estimate
 from vfsdp.functional import (
@@ -74,3 +74,12 @@ __all__ = [
     "mesh", "lax", "shard_map", "P", "visualize", "estimate",
     "init", "optim", "checkpoint", "testing",
 ]
+
+
+def __getattr__(name: str):
+    """``vfsdp.testing`` is imported on first use, so ``import vfsdp`` loads none of it."""
+    if name == "testing":
+        import vfsdp.testing
+
+        return vfsdp.testing
+    raise AttributeError(f"module 'vfsdp' has no attribute {name!r}")

@@ -13,6 +13,7 @@ from vfsdp.cli import main
 from vfsdp.estimation import hardware
 from vfsdp.estimation.calibrate import calibrate
 from vfsdp.testing import simulate, spawn
+from vfsdp.testing.models import example_layer
 
 
 def test_a_step_predicted_from_a_calibrated_profile_is_within_2x_of_the_measured():
@@ -22,8 +23,8 @@ def test_a_step_predicted_from_a_calibrated_profile_is_within_2x_of_the_measured
 
 def test_calibrate_refuses_bad_sizes_and_writes_a_profile_hardware_reads():
     with pytest.raises(ValueError, match="two increasing byte counts"):
-        calibrate(sizes=(10,))
-    hw = simulate(2, calibrate, None, (2**10, 2**14), 1)[0]
+        calibrate(example_layer(), sizes=(10,))
+    hw = simulate(2, calibrate, example_layer(), (2**10, 2**14), 1)[0]
     assert hw.gpus_per_node == 2 and hw.flops > 0 and hw.intra_bw > 0
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "hw.json")

@@ -28,7 +28,7 @@ from vfsdp.estimation.memory import (
     timeline,
     unit_bytes,
 )
-from vfsdp.estimation.timing import links, ring, simulate
+from vfsdp.estimation.timing import links, ring, step_schedule
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["Estimate", "Part", "predict", "GiB"]
@@ -247,8 +247,8 @@ def predict(model: Part, experts: Optional[Part] = None, ep: Optional[int] = Non
             exposed += _add(lanes, key, 2 * one, backward * one)
     opt_s = (2 * state + 2 * shards + grads) / (prof.memory_bw * prof.compute_efficiency)
     opt_s += sum(_muon_flops(p.units, p.mesh_shape[-1]) for p in parts) / rate if muon else 0.0
-    sched = simulate([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s, prefetch,
-                     reshard_after_forward)
+    sched = step_schedule([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s, prefetch,
+                          reshard_after_forward)
     model_flops = sum(c.flops for c in per_unit.values())
     name = prof.name if baseline is None else f"{prof.name}, {baseline} sharding"
     step = sched.step

@@ -1,9 +1,9 @@
-"""Print the package's architecture figures: what the Core v2 issue asks to compare before/after.
+"""Print the package's architecture figures, to compare two checkouts before and after a change.
 
     python scripts/architecture.py [PACKAGE_DIR]
 
 * **registry lookups**: call sites that find a DBuffer (or pending work) through global state
-  instead of the data passed in: the v1 helpers ``owner_of``, ``global_owner``,
+  instead of the data passed in: the helpers ``owner_of``, ``global_owner``,
   ``live_dbuffers``, ``_packing_dbuffer``, ``wait_reductions`` / ``_pending``, and reads of
   ``_OWNERS`` / ``_GLOBAL_OWNERS``; plus every use of ``._cdata``;
 * **module-level mutable state**: every dict, list, set, weak mapping or ``threading.local``

@@ -198,8 +198,8 @@ def test_no_docstring_skips_its_example():
                                           ("vfsdp.collectives", "owner_of"),
                                           ("vfsdp.collectives", "live_dbuffers"),
                                           ("vfsdp.optim.adamw", "CHUNK")])
-def test_names_deprecated_in_0_2_are_gone(module, name):
-    """0.2 warned that these 0.1 names go in 0.3: they are plain missing attributes now."""
+def test_removed_names_stay_gone(module, name):
+    """Names removed after their deprecation are plain missing attributes."""
     with pytest.raises(AttributeError, match=f"has no attribute '{name}'"):
         getattr(importlib.import_module(module), name)
 

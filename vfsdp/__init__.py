@@ -10,12 +10,14 @@ What a user calls, on one screen::
     functionalize                                             # nn.Module -> (params, apply)
     clip_grad_norm                                            # one all-reduce
     to_dtensor, from_dtensor, dtensor_placement               # DTensor interop
-    mesh, lax, shard_map, P, visualize                        # named axes; who holds what
+    mesh, lax, shard_map, P, visualize, estimate              # named axes; who holds what
     init, optim, checkpoint, testing                          # namespaces
 
-The layers underneath (each imports only the ones below it)::
+The layers underneath (each imports only the ones below it; ``import vfsdp`` loads
+``testing`` only when ``vfsdp.testing`` is first used)::
 
     testing                 simulate/spawn, probes, references, hypothesis strategies
+    estimation              estimate, calibrate, hardware profiles
     optim    checkpoint     optimizers | save/load, state dicts  (siblings)
     functional              shard/scatter/gather/reduce over pytrees, run_layers, init
     collectives             Unit, DBuffer, collectives, groups, redistribute

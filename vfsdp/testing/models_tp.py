@@ -8,8 +8,7 @@ parallelism, on the named-axis collectives of :mod:`vfsdp.lax`.
   (every rank of a tp group sees the same batch), each block costs two all-reduces forward
   (the row-parallel outputs) and two backward (the column-parallel inputs).
 * EP: a top-k routed model (``GPTConfig(experts=E, top_k=k)``) whose stacked experts are split
-  over an ``"ep"`` axis (:func:`vfsdp.testing.moe.ep_rule`, ``Shard(0)``, also importable from
-  here) while every rank sees its own batch.
+  over an ``"ep"`` axis (:func:`ep_rule`, ``Shard(0)``) while every rank sees its own batch.
   :func:`split_experts` separates the experts from the rest: the rest is data-parallel over
   every rank (its gradients are summed over ``dp`` *and* ``ep``), the experts over ``dp``
   only. :func:`block_ep` runs a block with this rank's experts
@@ -27,7 +26,6 @@ from torch.distributed.tensor import Replicate, Shard
 from vfsdp.functional import lax
 from vfsdp.testing import moe
 from vfsdp.testing.models import GPTConfig, _heads, _rms, mixture
-from vfsdp.testing.moe import ep_rule
 
 __all__ = ["tp_rule", "block_tp", "ep_rule", "split_experts", "block_ep"]
 
@@ -133,6 +131,28 @@ def block_tp(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = Non
     return x + lax.row_parallel(up, p["w_down"], axis, mesh=mesh)
 
 
+def ep_rule(path: tuple) -> Any:
+    """The expert-parallel placement: stacked experts (any path through ``"experts"``)
+    ``Shard(0)``, whole experts per rank; everything else ``Replicate()``.
+
+    Args:
+        path: A parameter's path.
+
+    Returns:
+        ``Shard(0)`` or ``Replicate()``.
+
+    Raises:
+        TypeError: ``path`` is not a tuple.
+
+    Example:
+        >>> ep_rule(("layers", 0, "experts", "w_up")), ep_rule(("layers", 0, "router"))
+        (Shard(dim=0), Replicate())
+    """
+    if not isinstance(path, tuple):
+        raise TypeError(f"ep_rule: a path is a tuple, got {type(path).__name__}")
+    return Shard(0) if "experts" in path else Replicate()
+
+
 def split_experts(params: dict) -> tuple[dict, dict]:
     """``(rest, experts)``: the model's tree without the experts, and the experts alone
     (``{"layers": [{"experts": ...}, ...]}``), every tensor at the same path as in
@@ -174,7 +194,7 @@ def block_ep(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = Non
 
     Args:
         p: One layer's parameters, ``p["experts"]`` this rank's stacked experts
-            (``E / ep`` of them, :func:`~vfsdp.testing.moe.ep_rule`'s pieces).
+            (``E / ep`` of them, :func:`ep_rule`'s pieces).
         x: ``(batch, seq, dim)``, this rank's.
         cfg: The model's configuration (``experts``, ``top_k > 0``).
         mesh: The mesh holding ``axis`` (default: the innermost ``vfsdp.lax.use_mesh``).

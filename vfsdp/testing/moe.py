@@ -53,33 +53,22 @@ def moe_params(dim: int, hidden: int, experts: int, seed: int = 0) -> dict:
 
 
 def ep_rule(path: tuple) -> Any:
-    """The expert-parallel placement: the stacked experts (any path through ``"experts"``, in
-    :func:`moe_params`' tree or the example model's) ``Shard(0)``, whole experts per rank;
-    everything else (the router) ``Replicate()``.
+    """The expert-parallel placement of :func:`moe_params`' tensors: the stacked experts
+    (``w_gate``, ``w_up``, ``w_down``) ``Shard(0)``, whole experts per rank; everything else
+    (the router) ``Replicate()``.
 
     Gradients: an expert's gradient sums the tokens of every ``ep`` rank, but FSDP reduces it
     over the data axis only, so ``grad_reduce="avg"`` would divide by the data axis' size, not
     by the number of ranks whose tokens it saw. Gather with ``grad_reduce="sum"`` and divide
     the loss by the world size (the global mean), as the tests and ``train_gpt.py --ep`` do.
 
-    Args:
-        path: A parameter's path.
-
-    Returns:
-        ``Shard(0)`` or ``Replicate()``.
-
-    Raises:
-        TypeError: ``path`` is not a tuple.
-
     Example:
-        >>> ep_rule(("experts", "w_up")), ep_rule(("layers", 0, "router"))
+        >>> ep_rule(("experts", "w_up")), ep_rule(("router",))
         (Shard(dim=0), Replicate())
     """
     from torch.distributed.tensor import Replicate, Shard
 
-    if not isinstance(path, tuple):
-        raise TypeError(f"ep_rule: a path is a tuple, got {type(path).__name__}")
-    return Shard(0) if "experts" in path else Replicate()
+    return Shard(0) if path and path[-1] in ("w_gate", "w_up", "w_down") else Replicate()
 
 
 def etp_rule(path: tuple) -> Any:

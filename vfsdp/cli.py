@@ -33,10 +33,8 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
 
-def _baselines(spec: ShardSpec, unit) -> tuple[int, int]:
-    u = spec.units[unit]
-    shapes = {t.path: t for t in spec.tensors() if t.unit == unit}
-    items = [(tuple(shapes[p].shape), shapes[p].block) for p in u.paths]
+def _baselines(u) -> tuple[int, int]:
+    items = [(tuple(shape), block) for shape, block in zip(u.shapes, u.blocks)]
     return fsdp2_padding(items, u.world_size), megatron_padding(items, u.world_size)
 
 
@@ -51,7 +49,7 @@ def describe(spec: ShardSpec, out=None) -> dict:
     tot_f2 = tot_mg = 0
     for keys in groups.values():
         u = spec.units[keys[0]]
-        f2, mg = _baselines(spec, keys[0])
+        f2, mg = _baselines(u)
         tot_f2 += f2 * len(keys)
         tot_mg += mg * len(keys)
         lo, med, hi = u.tensors_per_rank_summary()

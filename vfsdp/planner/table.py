@@ -14,9 +14,8 @@ __all__ = ["format_spec"]
 def format_spec(spec: ShardSpec, max_rows: Optional[int] = None) -> str:
     """A table of the spec's units; consecutive identical units are merged into one row."""
     st = plan_stats(spec)
-    split = next((t.strided for t in spec.tensors() if t.strided is not None), None)
-    where = ("" if split is None else
-             f", the {split.axis}={split.index} piece of a {split.size}-way {split.axis} split")
+    axis = spec.model_axis  # (axis, size, index)
+    where = "" if axis is None else f", the {axis[0]}={axis[2]} piece of a {axis[1]}-way {axis[0]} split"
     head = (
         f"ShardSpec(mesh={spec.mesh_shape}, m={spec.world_size}{where}, {st['units']} "
         f"units, {st['tensors']} tensors, {st['total_numel']:,} elements, padding "

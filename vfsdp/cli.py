@@ -115,12 +115,12 @@ def _parse_unit(text: Optional[str]):
     return _logical((text,))
 
 
-def _calibrate_rank(tokens: int):
+def _calibrate_rank(tokens: int, repeats: int):
     from vfsdp.collectives.groups import device_for
     from vfsdp.estimation.calibrate import calibrate
     from vfsdp.testing.models import example_layer
 
-    return calibrate(example_layer(tokens, device=device_for()))
+    return calibrate(example_layer(tokens, device=device_for()), repeats=repeats)
 
 
 def _calibrate(args, out=None) -> int:
@@ -133,13 +133,13 @@ def _calibrate(args, out=None) -> int:
     if dist.is_initialized() or "RANK" in os.environ:
         if not dist.is_initialized():
             dist.init_process_group()
-        hw = _calibrate_rank(args.tokens)
+        hw = _calibrate_rank(args.tokens, args.repeats)
         if dist.get_rank() != 0:
             return 0
     else:
         from vfsdp.testing import spawn
 
-        hw = spawn(_calibrate_rank, args.world_size, args.tokens)[0]
+        hw = spawn(_calibrate_rank, args.world_size, args.tokens, args.repeats)[0]
     hw.to_json(args.out)
     print(f"wrote {args.out}: {hw.source}", file=out)
     return 0
@@ -164,6 +164,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--world-size", "-n", type=int, default=2,
                    help="gloo processes to start (under torchrun: its world)")
     p.add_argument("--tokens", type=int, default=256, help="tokens of the timed layer")
+    p.add_argument("--repeats", type=int, default=21, help="timed repetitions per median")
     p.add_argument("--out", default="calibrated.json", help="where to write the profile")
     args = ap.parse_args(argv)
     if args.command == "estimate":

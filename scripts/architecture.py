@@ -1,15 +1,16 @@
-"""Print the package's architecture figures: what the Core v2 issue asks to compare before/after.
+"""Print the package's architecture figures, to compare two checkouts before and after a change.
 
     python scripts/architecture.py [PACKAGE_DIR]
 
 * **registry lookups**: call sites that find a DBuffer (or pending work) through global state
-  instead of the data passed in: the v1 helpers ``owner_of``, ``global_owner``,
+  instead of the data passed in: the helpers ``owner_of``, ``global_owner``,
   ``live_dbuffers``, ``_packing_dbuffer``, ``wait_reductions`` / ``_pending``, and reads of
   ``_OWNERS`` / ``_GLOBAL_OWNERS``; plus every use of ``._cdata``;
 * **module-level mutable state**: every dict, list, set, weak mapping or ``threading.local``
   assigned at module level, with the number of functions reading it;
 * **names in vfsdp.__all__**;
-* **largest modules**, in lines;
+* **largest modules**, in code lines (no docstrings, comments or blank lines: the rule of
+  ``../shared/tools/loc.py``; the 600-line cap of ``tests/test_architecture.py`` counts these);
 * **import graph between packages** (module- and function-level imports alike), with the
   edges that go up the layer order marked.
 
@@ -20,18 +21,21 @@ checkout (``git worktree add /tmp/old <commit>`` then point it there).
 from __future__ import annotations
 
 import ast
+import io
 import os
 import sys
+import tokenize
 from collections import Counter, defaultdict
 
 LAYERS = ["_torch_private", "placements", "planner", "collectives", "functional",
-          "optim", "checkpoint", "testing", "estimation", "<top>"]
+          "optim", "checkpoint", "estimation", "testing", "<top>"]
 """Bottom to top. A package may import only packages below it (``optim`` and ``checkpoint``
-are siblings: neither imports the other). ``<top>`` is ``vfsdp/__init__``, ``cli`` and
-``__main__``."""
+are siblings: neither imports the other; ``estimation`` imports no ``testing``). ``<top>`` is
+``vfsdp/__init__``, ``cli`` and ``__main__``; ``vfsdp/__init__`` loads ``testing`` only when
+``vfsdp.testing`` is first used."""
 
 RANK = {"_torch_private": 0, "placements": 1, "planner": 2, "collectives": 3, "functional": 4,
-        "optim": 5, "checkpoint": 5, "testing": 6, "estimation": 7, "<top>": 8}
+        "optim": 5, "checkpoint": 5, "estimation": 6, "testing": 7, "<top>": 8}
 
 REGISTRY_CALLS = {"owner_of", "global_owner", "live_dbuffers", "_packing_dbuffer",
                   "wait_reductions", "_pending", "_finish_oldest"}
@@ -47,6 +51,19 @@ def package_of(rel: str) -> str:
         return parts[1]
     name = parts[1][:-3]
     return name if name in RANK else "<top>"
+
+
+def code_lines(src: str) -> int:
+    """Lines holding code: no docstring, comment or blank line (``../shared/tools/loc.py``)."""
+    doc = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
+                and ast.get_docstring(node, clean=False) is not None:
+            doc.update(range(node.body[0].lineno, node.body[0].end_lineno + 1))
+    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+            tokenize.ENDMARKER)
+    return len({ln for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+                if tok.type not in skip for ln in range(tok.start[0], tok.end[0] + 1)} - doc)
 
 
 def modules(root: str):
@@ -95,7 +112,7 @@ def report(root: str) -> dict:
         with open(path, encoding="utf-8") as f:
             src = f.read()
         tree = ast.parse(src)
-        lines[rel] = src.count("\n") + 1
+        lines[rel] = code_lines(src)
         pkg = package_of(rel)
         for target, lineno in imported_packages(tree, rel):
             if target != pkg:
@@ -155,7 +172,7 @@ def main(argv: list[str]) -> None:
         print(f"  {rel}: {name} ({kind}, read {uses}x)")
     print(f"\nvfsdp.__all__: {len(r['all'])} names: {', '.join(r['all'])}")
     largest = sorted(r["lines"].items(), key=lambda kv: -kv[1])[:10]
-    print(f"\nlargest modules ({len(r['lines'])} modules, {sum(r['lines'].values())} lines):")
+    print(f"\nlargest modules ({len(r['lines'])} modules, {sum(r['lines'].values())} code lines):")
     for rel, n in largest:
         print(f"  {n:5d}  {rel}")
     print("\nimport graph (package -> package: import statements):")

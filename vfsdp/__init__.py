@@ -10,12 +10,14 @@ What a user calls, on one screen::
     functionalize                                             # nn.Module -> (params, apply)
     clip_grad_norm                                            # one all-reduce
     to_dtensor, from_dtensor, dtensor_placement               # DTensor interop
-    mesh, lax, shard_map, P, visualize                        # named axes; who holds what
+    mesh, lax, shard_map, P, visualize, estimate              # named axes; who holds what
     init, optim, checkpoint, testing                          # namespaces
 
-The layers underneath (each imports only the ones below it)::
+The layers underneath (each imports only the ones below it; ``import vfsdp`` loads
+``testing`` only when ``vfsdp.testing`` is first used)::
 
     testing                 simulate/spawn, probes, references, hypothesis strategies
+    estimation              estimate, calibrate, hardware profiles
     optim    checkpoint     optimizers | save/load, state dicts  (siblings)
     functional              shard/scatter/gather/reduce over pytrees, run_layers, init
     collectives             Unit, DBuffer, collectives, groups, redistribute
@@ -25,7 +27,7 @@ The layers underneath (each imports only the ones below it)::
 
 from __future__ import annotations
 
-from vfsdp import checkpoint, optim, testing
+from vfsdp import checkpoint, optim
 from vfsdp.collectives.mesh import mesh
 from vfsdp.estimation import estimate
 from vfsdp.functional import (
@@ -74,3 +76,12 @@ __all__ = [
     "mesh", "lax", "shard_map", "P", "visualize", "estimate",
     "init", "optim", "checkpoint", "testing",
 ]
+
+
+def __getattr__(name: str):
+    """``vfsdp.testing`` is imported on first use, so ``import vfsdp`` loads none of it."""
+    if name == "testing":
+        import vfsdp.testing
+
+        return vfsdp.testing
+    raise AttributeError(f"module 'vfsdp' has no attribute {name!r}")

@@ -1,6 +1,7 @@
 """Command line: ``python -m vfsdp plan SHAPES.json --world-size N --granularity rows:32``, and
 ``python -m vfsdp estimate SHAPES.json --gpus 8,64,1024 --hw h800`` (see
-:mod:`vfsdp.estimation.cli`).
+:mod:`vfsdp.estimation.cli`), and ``python -m vfsdp calibrate --world-size 2`` (this machine's
+rates on the example model's block, :func:`vfsdp.estimation.calibrate.calibrate`).
 
 Prints one line per distinct unit (S, padding, the certified bound, tensors per rank, and the
 padding FSDP2 and Megatron-FSDP would need), a total, split options, and with ``--suggest`` a
@@ -22,23 +23,18 @@ from vfsdp.planner.baselines import fsdp2_padding, megatron_padding
 from vfsdp.planner.check import check_spec, plan_stats
 from vfsdp.planner.granularity import parse_granularity
 from vfsdp.planner.plan import _logical, plan
-from vfsdp.planner.shapes import load_shapes
+from vfsdp.planner.shapes import DTYPES, load_shapes
 from vfsdp.planner.spec import ShardSpec, unit_name
 
 __all__ = ["main", "describe", "suggest"]
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
 
-def _baselines(spec: ShardSpec, unit) -> tuple[int, int]:
-    u = spec.units[unit]
-    shapes = {t.path: t for t in spec.tensors() if t.unit == unit}
-    items = [(tuple(shapes[p].shape), shapes[p].block) for p in u.paths]
+def _baselines(u) -> tuple[int, int]:
+    items = [(tuple(shape), block) for shape, block in zip(u.shapes, u.blocks)]
     return fsdp2_padding(items, u.world_size), megatron_padding(items, u.world_size)
 
 
@@ -53,7 +49,7 @@ def describe(spec: ShardSpec, out=None) -> dict:
     tot_f2 = tot_mg = 0
     for keys in groups.values():
         u = spec.units[keys[0]]
-        f2, mg = _baselines(spec, keys[0])
+        f2, mg = _baselines(u)
         tot_f2 += f2 * len(keys)
         tot_mg += mg * len(keys)
         lo, med, hi = u.tensors_per_rank_summary()
@@ -119,6 +115,36 @@ def _parse_unit(text: Optional[str]):
     return _logical((text,))
 
 
+def _calibrate_rank(tokens: int, repeats: int):
+    from vfsdp.collectives.groups import device_for
+    from vfsdp.estimation.calibrate import calibrate
+    from vfsdp.testing.models import example_layer
+
+    return calibrate(example_layer(tokens, device=device_for()), repeats=repeats)
+
+
+def _calibrate(args, out=None) -> int:
+    """Run ``calibrate`` on the example model's block: measure, write the profile, print it."""
+    import os
+
+    import torch.distributed as dist
+
+    out = out or sys.stdout
+    if dist.is_initialized() or "RANK" in os.environ:
+        if not dist.is_initialized():
+            dist.init_process_group()
+        hw = _calibrate_rank(args.tokens, args.repeats)
+        if dist.get_rank() != 0:
+            return 0
+    else:
+        from vfsdp.testing import spawn
+
+        hw = spawn(_calibrate_rank, args.world_size, args.tokens, args.repeats)[0]
+    hw.to_json(args.out)
+    print(f"wrote {args.out}: {hw.source}", file=out)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vfsdp", description="vfsdp tools")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -126,7 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("shapes", help='JSON file {"params": [["dotted.name", [shape]], ...]}')
     p.add_argument("--world-size", "-m", type=int, required=True)
     p.add_argument("--granularity", "-g", default="element", help="element, rows:K, whole or int")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--alignment-bytes", type=int, default=16)
     p.add_argument("--png", help="draw one unit's buffer to this PNG (needs matplotlib)")
     p.add_argument("--unit", help="unit to draw, e.g. layers.0 or root (default: most padded)")
@@ -134,16 +160,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--suggest", action="store_true",
                    help="compare every replicate x shard factorisation of --world-size")
     estimate_cli.add_parser(sub)
-    estimate_cli.add_calibrate_parser(sub)
+    p = sub.add_parser("calibrate", help="measure this machine's rates into a profile")
+    p.add_argument("--world-size", "-n", type=int, default=2,
+                   help="gloo processes to start (under torchrun: its world)")
+    p.add_argument("--tokens", type=int, default=256, help="tokens of the timed layer")
+    p.add_argument("--repeats", type=int, default=21, help="timed repetitions per median")
+    p.add_argument("--out", default="calibrated.json", help="where to write the profile")
     args = ap.parse_args(argv)
     if args.command == "estimate":
         return estimate_cli.run(args)
     if args.command == "calibrate":
-        return estimate_cli.run_calibrate(args)
+        return _calibrate(args)
 
     try:
         gran = parse_granularity(args.granularity)
-        tree = load_shapes(args.shapes, _DTYPES[args.dtype])
+        tree = load_shapes(args.shapes, DTYPES[args.dtype])
         t0 = time.perf_counter()
         spec = plan(tree, args.world_size, granularity=gran, alignment_bytes=args.alignment_bytes)
         secs = time.perf_counter() - t0
@@ -156,13 +187,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{args.dtype}, planned in {secs:.3f} s")
     describe(spec)
     if args.png:
-        from vfsdp.planner.render import draw_unit
+        from vfsdp.functional.visualize import visualize
 
+        unit = _parse_unit(args.unit)
+        if unit is None:  # the most padded
+            unit = max(spec.units, key=lambda k: spec.units[k].padded_numel - spec.units[k].total_numel)
         try:
-            print(draw_unit(spec, _parse_unit(args.unit), args.png, max_ranks=args.max_ranks))
-        except (KeyError, ImportError) as exc:
+            fig = visualize(spec, unit, figure=True, max_ranks=args.max_ranks)
+        except (ValueError, ImportError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        fig.savefig(args.png, dpi=110)
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        print(f"drew unit {unit_name(unit)} (at most {args.max_ranks} ranks) to {args.png}")
     if args.suggest:
-        suggest(tree, args.world_size, gran, _DTYPES[args.dtype])
+        suggest(tree, args.world_size, gran, DTYPES[args.dtype])
     return 0

@@ -11,7 +11,15 @@ from vfsdp.estimation import LayerCost
 from vfsdp.estimation.memory import state_tensors
 from vfsdp.estimation.model import optimizer_for
 from vfsdp.testing.memory import BufferBytes
-from vfsdp.testing.models import GPTConfig, block, embed, head_loss, init_rule, meta_params
+from vfsdp.testing.models import (
+    GPTConfig,
+    block,
+    embed,
+    example_layer,
+    head_loss,
+    init_rule,
+    meta_params,
+)
 
 
 def step(optimizer: str, dtype, prefetch: bool = True, reshard: bool = True, layers: int = 3,
@@ -64,7 +72,7 @@ def calibrated_step(steps: int = 15, batch: int = 4, repeats: int = 21) -> dict:
     import time
 
     from vfsdp.estimation import layer_cost
-    from vfsdp.estimation.calibrate import calibrate, example_layer
+    from vfsdp.estimation.calibrate import calibrate
 
     cfg = GPTConfig()
     tokens = batch * cfg.seq

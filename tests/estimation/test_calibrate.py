@@ -13,6 +13,7 @@ from vfsdp.cli import main
 from vfsdp.estimation import hardware
 from vfsdp.estimation.calibrate import calibrate
 from vfsdp.testing import simulate, spawn
+from vfsdp.testing.models import example_layer
 
 
 def test_a_step_predicted_from_a_calibrated_profile_is_within_2x_of_the_measured():
@@ -22,8 +23,8 @@ def test_a_step_predicted_from_a_calibrated_profile_is_within_2x_of_the_measured
 
 def test_calibrate_refuses_bad_sizes_and_writes_a_profile_hardware_reads():
     with pytest.raises(ValueError, match="two increasing byte counts"):
-        calibrate(sizes=(10,))
-    hw = simulate(2, calibrate, None, (2**10, 2**14), 1)[0]
+        calibrate(example_layer(), sizes=(10,))
+    hw = simulate(2, calibrate, example_layer(), (2**10, 2**14), 1)[0]
     assert hw.gpus_per_node == 2 and hw.flops > 0 and hw.intra_bw > 0
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "hw.json")
@@ -54,3 +55,13 @@ def test_the_cli_prints_a_row_per_count_and_writes_json_and_png(capsys):
     assert main(["estimate", shapes, "--gpus", "8", "--hw", "nope"]) == 2
     # a count that is not a power-of-two multiple of a node: the shard group divides it
     assert main(["estimate", shapes, "--gpus", "24", "--hw", "h100", "--json", os.devnull]) == 0
+
+
+def test_the_calibrate_command_writes_a_profile_on_the_ranks_it_runs_on(tmp_path, capsys):
+    """Under a process group (here simulate's) ``python -m vfsdp calibrate`` measures on it;
+    rank 0 writes the profile and says so."""
+    out = tmp_path / "hw.json"
+    assert simulate(2, main, ["calibrate", "--tokens", "16", "--repeats", "1",
+                              "--out", str(out)]) == [0, 0]
+    assert hardware(str(out)).gpus_per_node == 2
+    assert f"wrote {out}: measured by vfsdp calibrate on 2 rank(s)" in capsys.readouterr().out

@@ -51,3 +51,15 @@ def test_figure_draws_one_bar_piece_per_tensor_share_and_padding():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["<root> r0", "<root> r1"]
     assert {t.get_text() for t in ax.get_legend().get_texts()} == {
         "<root>: b", "<root>: w", "padding"}
+
+
+def test_max_ranks_draws_the_first_ranks_only():
+    spec = vfsdp.plan(PARAMS, 2, granularity=vfsdp.rows(1))
+    text = vfsdp.visualize(spec, width=24, max_ranks=1).splitlines()
+    assert text[1:3] == ["|AAAAAAAA....BBBBBBBBBBBB|", "          rank 0 (first 1 of 2 ranks)"]
+    assert text[4] == "  B w (6, 4): r0:8 r1:16"  # the shares still list every rank
+    with pytest.raises(ValueError, match="max_ranks must be at least 1, got 0"):
+        vfsdp.visualize(spec, max_ranks=0)
+    pytest.importorskip("matplotlib")
+    fig = vfsdp.visualize(spec, figure=True, max_ranks=1)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["<root> r0"]

@@ -19,7 +19,7 @@ def _items(name):
 @pytest.mark.parametrize("ws, expected", [(8, 0), (24, 9_241_096), (48, 36_571_168),
                                           (512, 69_206_016), (1024, 73_400_320)])
 def test_fsdp2_llama2_7b_matches_real_fully_shard(ws, expected):
-    # anchors-code.md 3.1: measured against torch 2.13 fully_shard
+    # the expected values: measured against torch 2.13 fully_shard
     assert fsdp2_padding(_items("llama2-7b")[1], ws) == expected
 
 

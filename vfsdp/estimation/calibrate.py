@@ -5,8 +5,9 @@ W`` starts W gloo processes; under torchrun, NCCL on GPUs). It times:
 
 * vfsdp's all-gather (``vfsdp.collectives.comm.all_gather_into``) at two sizes, and fits the
   ring's latency per step and bandwidth per rank (``t = (W - 1) * (latency + bytes / bw)``);
-* the compute rate: forward and backward of a layer (default: the example model's block at
-  the given tokens) on every rank at once, over the FLOPs torch's flop counter counts for it;
+* the compute rate: forward and backward of the layer it is given (the command line gives the
+  example model's block, :func:`vfsdp.testing.models.example_layer`) on every rank at once,
+  over the FLOPs torch's flop counter counts for it;
 * the memory bandwidth: an in-place add over a large tensor;
 * the host's own work per unit and per tensor of a step (vfsdp's bookkeeping, launches): steps
   of tiny units of 1 and 8 tensors, which have next to no compute or bytes.
@@ -21,7 +22,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from vfsdp.collectives.groups import device_for
 from vfsdp.estimation.costs import layer_cost
 from vfsdp.estimation.hardware import Hardware
 
-__all__ = ["calibrate", "example_layer"]
+__all__ = ["calibrate"]
 
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> float:
@@ -46,20 +47,6 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> float:
         if i:  # the first is a warm-up
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def example_layer(tokens: int = 64, device: Optional[torch.device] = None) -> tuple:
-    """The example model's block (``vfsdp.testing.models``) at ``tokens`` tokens:
-    ``(fn, params, inputs)`` for :func:`calibrate`."""
-    from vfsdp.testing.models import GPTConfig, block, meta_params
-
-    cfg = GPTConfig()
-    g = torch.Generator().manual_seed(0)
-    params = {k: (torch.randn(v.shape, generator=g) * 0.02).to(device or "cpu")  # cpu: seeded
-              for k, v in meta_params(cfg)["layers"][0].items()}
-    seq = min(tokens, cfg.seq)
-    x = torch.randn(max(tokens // seq, 1), seq, cfg.dim, generator=g)  # cpu: seeded, moved
-    return (lambda p, h: block(p, h, cfg)), params, (x.to(device or "cpu"),)
 
 
 def _host_overhead(repeats: int, tensors: int, device: torch.device) -> float:
@@ -90,13 +77,13 @@ def _host_overhead(repeats: int, tensors: int, device: torch.device) -> float:
     return _median_time(step, repeats) / len(spec.units)
 
 
-def calibrate(layer: Optional[tuple] = None, sizes: tuple = (2**12, 2**24),
+def calibrate(layer: tuple, sizes: tuple = (2**12, 2**24),
               repeats: int = 21, name: str = "calibrated") -> Hardware:
     """Collective: measure this machine (see the module docstring).
 
     Args:
-        layer: ``(fn, params, inputs)`` whose forward and backward give the compute rate
-            (default: :func:`example_layer`).
+        layer: ``(fn, params, inputs)`` whose forward and backward give the compute rate,
+            e.g. :func:`vfsdp.testing.models.example_layer`.
         sizes: Two per-rank all-gather sizes in bytes (small: latency; large: bandwidth).
         repeats: Timed repetitions of each (medians; 21 keeps a 2-core machine's noise to a
             few percent, where 7 moved the compute rate by up to 40 % from run to run).
@@ -109,8 +96,9 @@ def calibrate(layer: Optional[tuple] = None, sizes: tuple = (2**12, 2**24),
         ValueError: ``sizes`` are not two increasing sizes.
 
     Example:
+        >>> from vfsdp.testing.models import example_layer
         >>> def body():
-        ...     return calibrate(repeats=1).gpus_per_node
+        ...     return calibrate(example_layer(), repeats=1).gpus_per_node
         >>> vfsdp.testing.simulate(2, body)
         [2, 2]
     """
@@ -130,7 +118,7 @@ def calibrate(layer: Optional[tuple] = None, sizes: tuple = (2**12, 2**24),
         latency = max(fits[0] - sizes[0] / bw, 1e-7)
     else:  # noise swamped the small one: all of the large one's time is bandwidth
         bw, latency = sizes[1] / fits[1], 1e-7
-    fn, params, inputs = layer or example_layer(device=device)
+    fn, params, inputs = layer
     flops = layer_cost(fn, params, *inputs).flops
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
 

@@ -16,17 +16,13 @@ import json
 import sys
 import time
 
-import torch
-
 from vfsdp.estimation.hardware import PROFILES, hardware
 from vfsdp.estimation.model import GiB
 from vfsdp.estimation.sweep import sweep
 from vfsdp.planner.granularity import parse_granularity
-from vfsdp.planner.shapes import load_shapes
+from vfsdp.planner.shapes import DTYPES, load_shapes
 
-__all__ = ["add_parser", "add_calibrate_parser", "run", "run_calibrate"]
-
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+__all__ = ["add_parser", "run"]
 
 
 def add_parser(sub) -> None:
@@ -43,8 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon"])
     p.add_argument("--granularity", "-g",
                    help="element, rows:K, whole or int (default: what --optimizer needs)")
-    p.add_argument("--master-dtype", default="fp32", choices=sorted(_DTYPES))
-    p.add_argument("--param-dtype", default="bf16", choices=sorted(_DTYPES))
+    p.add_argument("--master-dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--param-dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--top-k", type=int, help="routed experts per token (MoE shape lists)")
     p.add_argument("--ep", type=int, default=1,
                    help="expert parallelism: routed experts split over this many GPUs")
@@ -57,51 +53,13 @@ def add_parser(sub) -> None:
     p.add_argument("--png", help="draw scaling curves and the memory stack (matplotlib)")
 
 
-def add_calibrate_parser(sub) -> None:
-    """The ``calibrate`` subcommand's options."""
-    p = sub.add_parser("calibrate", help="measure this machine's rates into a profile")
-    p.add_argument("--world-size", "-n", type=int, default=2,
-                   help="gloo processes to start (under torchrun: its world)")
-    p.add_argument("--tokens", type=int, default=256, help="tokens of the timed layer")
-    p.add_argument("--out", default="calibrated.json", help="where to write the profile")
-
-
-def _calibrate_rank(tokens: int):
-    from vfsdp.collectives.groups import device_for
-    from vfsdp.estimation.calibrate import calibrate, example_layer
-
-    return calibrate(example_layer(tokens, device=device_for()))
-
-
-def run_calibrate(args, out=None) -> int:
-    """Run ``calibrate``: measure, write the profile, print it; 0 on success."""
-    import os
-
-    import torch.distributed as dist
-
-    out = out or sys.stdout
-    if dist.is_initialized() or "RANK" in os.environ:
-        if not dist.is_initialized():
-            dist.init_process_group()
-        hw = _calibrate_rank(args.tokens)
-        if dist.get_rank() != 0:
-            return 0
-    else:
-        from vfsdp.testing import spawn
-
-        hw = spawn(_calibrate_rank, args.world_size, args.tokens)[0]
-    hw.to_json(args.out)
-    print(f"wrote {args.out}: {hw.source}", file=out)
-    return 0
-
-
 def run(args, out=None) -> int:
     """Run the ``estimate`` subcommand; 0 on success, 2 on bad input."""
     out = out or sys.stdout
     try:
         counts = [int(x) for x in args.gpus.split(",") if x]
         systems = [s for s in args.vs.split(",") if s]
-        tree = load_shapes(args.shapes, _DTYPES[args.master_dtype])
+        tree = load_shapes(args.shapes, DTYPES[args.master_dtype])
         gran = parse_granularity(args.granularity) if args.granularity else None
         hardware(args.hw)
         t0 = time.perf_counter()
@@ -109,7 +67,7 @@ def run(args, out=None) -> int:
                      ep=args.ep,
                      granularity=gran, tokens_per_gpu=args.tokens_per_gpu,
                      global_tokens=args.global_tokens, vs=systems,
-                     param_dtype=_DTYPES[args.param_dtype], experts_per_token=args.top_k,
+                     param_dtype=DTYPES[args.param_dtype], experts_per_token=args.top_k,
                      seq=args.seq, recompute=args.recompute, prefetch=not args.no_prefetch,
                      reshard_after_forward=not args.no_reshard)
         secs = time.perf_counter() - t0

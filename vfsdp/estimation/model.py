@@ -10,7 +10,7 @@ import torch
 
 from vfsdp.estimation.costs import LayerCost
 from vfsdp.estimation.hardware import Hardware
-from vfsdp.estimation.predict import Estimate, GiB, Part, predict
+from vfsdp.estimation.predict import Estimate, GiB, PlanSummary, predict
 from vfsdp.planner.abstract import is_tensor_leaf, leaf_meta
 from vfsdp.planner.spec import ShardSpec
 
@@ -118,11 +118,11 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
     """
     if tokens_per_rank < 1:
         raise ValueError(f"estimate: tokens_per_rank must be at least 1, got {tokens_per_rank}")
-    model = Part.of(spec, optimizer_for(optimizer, spec), rank)
+    model = PlanSummary.of(spec, optimizer_for(optimizer, spec), rank)
     if experts is not None and not isinstance(experts, ShardSpec):
         raise TypeError(f"estimate: experts= takes the experts' ShardSpec, got "
                         f"{type(experts).__name__}")
-    part = None if experts is None else Part.of(experts, optimizer_for(optimizer, experts))
+    part = None if experts is None else PlanSummary.of(experts, optimizer_for(optimizer, experts))
     return predict(model, part, ep, hw=hw, muon=optimizer == "muon", param_dtype=param_dtype,
                    reduce_dtype=reduce_dtype, prefetch=prefetch,
                    reshard_after_forward=reshard_after_forward, tokens_per_rank=tokens_per_rank,

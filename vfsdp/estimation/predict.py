@@ -1,6 +1,6 @@
 """The step :func:`~vfsdp.estimation.estimate` predicts, from what it reads of the plans.
 
-:func:`predict` takes the model's :class:`Part` (and, with expert parallelism, the experts'):
+:func:`predict` takes the model's :class:`PlanSummary` (and, with expert parallelism, the experts'):
 each unit's buffers replayed over ``run_layers``' schedule for the memory
 (:mod:`vfsdp.estimation.memory`), its collectives on the links the mesh implies and the
 two-lane schedule for the time (:mod:`vfsdp.estimation.timing`), the FLOPs from the layers'
@@ -28,10 +28,10 @@ from vfsdp.estimation.memory import (
     timeline,
     unit_bytes,
 )
-from vfsdp.estimation.timing import links, ring, simulate
+from vfsdp.estimation.timing import links, ring, step_schedule
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["Estimate", "Part", "predict", "GiB"]
+__all__ = ["Estimate", "PlanSummary", "predict", "GiB"]
 
 GiB = 2**30
 
@@ -116,7 +116,7 @@ class Estimate:
 
 
 @dataclass(frozen=True)
-class Part:
+class PlanSummary:
     """What :func:`predict` reads of one plan: its ``units`` (``spec.units``) and
     ``mesh_shape`` (the data axes), the optimizer's ``state`` bytes on the rank estimated
     (:func:`~vfsdp.estimation.memory.optimizer_bytes`), and its
@@ -129,7 +129,7 @@ class Part:
     shapes: Shapes
 
     @classmethod
-    def of(cls, spec: ShardSpec, opt: Any, rank: Optional[int] = None) -> Part:
+    def of(cls, spec: ShardSpec, opt: Any, rank: Optional[int] = None) -> PlanSummary:
         """A plan's part, the state the larger of its first and last rank's (or ``rank``'s:
         they differ where whole tiles or matrices sit on one rank)."""
         ranks = sorted({0, spec.world_size - 1}) if rank is None else [rank]
@@ -145,7 +145,7 @@ class Part:
                     None)
 
 
-def predict(model: Part, experts: Optional[Part] = None, ep: Optional[int] = None, *,
+def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optional[int] = None, *,
             hw: Union[str, Hardware] = "h100", muon: bool = False,
             param_dtype: Optional[torch.dtype] = torch.bfloat16,
             reduce_dtype: Optional[torch.dtype] = None, prefetch: bool = True,
@@ -155,7 +155,7 @@ def predict(model: Part, experts: Optional[Part] = None, ep: Optional[int] = Non
             recompute: bool = False, allocator_fraction: float = 0.05,
             comm_library_bytes: int = 2 * GiB, baseline: Optional[str] = None,
             model_parallel: Optional[str] = None, layers: Optional[list] = None) -> Estimate:
-    """:func:`~vfsdp.estimation.estimate` from the :class:`Part` s it reads: the model's (or,
+    """:func:`~vfsdp.estimation.estimate` from the :class:`PlanSummary` s it reads: the model's (or,
     with expert parallelism, the rest's) and the experts'; ``muon``: add Newton-Schulz's
     FLOPs. The other arguments are :func:`~vfsdp.estimation.estimate`'s."""
     if tokens_per_rank < 1:
@@ -247,8 +247,8 @@ def predict(model: Part, experts: Optional[Part] = None, ep: Optional[int] = Non
             exposed += _add(lanes, key, 2 * one, backward * one)
     opt_s = (2 * state + 2 * shards + grads) / (prof.memory_bw * prof.compute_efficiency)
     opt_s += sum(_muon_flops(p.units, p.mesh_shape[-1]) for p in parts) / rate if muon else 0.0
-    sched = simulate([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s, prefetch,
-                     reshard_after_forward)
+    sched = step_schedule([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s, prefetch,
+                          reshard_after_forward)
     model_flops = sum(c.flops for c in per_unit.values())
     name = prof.name if baseline is None else f"{prof.name}, {baseline} sharding"
     step = sched.step
@@ -259,7 +259,7 @@ def predict(model: Part, experts: Optional[Part] = None, ep: Optional[int] = Non
                     model_flops / step / prof.flops if step else 0.0, tokens_per_rank, ep)
 
 
-def _expert_group(model: Part, experts: Optional[Part], ep: Optional[int], gpus: int,
+def _expert_group(model: PlanSummary, experts: Optional[PlanSummary], ep: Optional[int], gpus: int,
                   prof: Hardware) -> tuple:
     """``(ep, the expert group's link)``, checked against the model's GPUs."""
     if experts is None:

@@ -29,7 +29,7 @@ from vfsdp.estimation.costs import Shapes
 from vfsdp.estimation.hardware import Hardware, hardware
 from vfsdp.estimation.memory import alike_members, optimizer_bytes
 from vfsdp.estimation.model import optimizer_for
-from vfsdp.estimation.predict import Estimate, Part, predict
+from vfsdp.estimation.predict import Estimate, PlanSummary, predict
 from vfsdp.planner.abstract import ShapeDtype, is_tensor_leaf, leaf_meta
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.plan import prepare, unit_layouts
@@ -189,8 +189,8 @@ class _Sweep:
         self.parts: list = [{} for _ in trees]  # per tree: m -> (layouts, state)
         self.shapes: list = [None] * len(trees)
 
-    def part(self, i: int, m: int, mesh: tuple, state: bool = True) -> Part:
-        """Tree ``i``'s :class:`Part` over ``mesh`` (whose last dim is ``m``); without its
+    def part(self, i: int, m: int, mesh: tuple, state: bool = True) -> PlanSummary:
+        """Tree ``i``'s :class:`PlanSummary` over ``mesh`` (whose last dim is ``m``); without its
         optimizer's ``state`` (0 bytes) where ``state=False``."""
         if m not in self.parts[i]:
             self.parts[i][m] = [unit_layouts(self.prepared[i], m), None]
@@ -200,7 +200,7 @@ class _Sweep:
         if state and entry[1] is None:
             entry[1] = max(optimizer_bytes(self.opts[i], entry[0], r, alike=self.alike[i])
                            for r in {0, m - 1})
-        return Part(entry[0], mesh, entry[1] or 0, self.shapes[i])
+        return PlanSummary(entry[0], mesh, entry[1] or 0, self.shapes[i])
 
     def one(self, count: int, m: int, tokens: int, baseline: Optional[str],
             options: dict, state: bool = True) -> Estimate:

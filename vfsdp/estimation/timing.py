@@ -8,7 +8,7 @@ as its slowest hop). A model axis (TP) takes consecutive ranks, the shard group 
 it and the replicate group (HSDP) over both. An all-reduce is a reduce-scatter plus an
 all-gather.
 
-The schedule (:func:`simulate`) is a two-lane timeline, compute and communication, one lane
+The schedule (:func:`step_schedule`) is a two-lane timeline, compute and communication, one lane
 each (the collectives of one rank run one at a time on one stream):
 
 * forward: the whole-step units are gathered first; layer ``i+1``'s gather is issued when layer
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from vfsdp.estimation.hardware import Hardware
 
-__all__ = ["Link", "links", "ring", "simulate", "Schedule"]
+__all__ = ["Link", "links", "ring", "step_schedule", "Schedule"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def ring(n: int, per_rank_bytes: float, link: Link) -> float:
 
 @dataclass(frozen=True)
 class Schedule:
-    """What :func:`simulate` found."""
+    """What :func:`step_schedule` found."""
 
     step: float       # seconds from the first gather to the end of the optimizer
     compute: float    # seconds of compute (forward and backward)
@@ -66,8 +66,8 @@ class Schedule:
     optimizer: float  # seconds of the optimizer
 
 
-def simulate(rest: list, layers: list, optimizer: float, prefetch: bool = True,
-             reshard_after_forward: bool = True) -> Schedule:
+def step_schedule(rest: list, layers: list, optimizer: float, prefetch: bool = True,
+                  reshard_after_forward: bool = True) -> Schedule:
     """The two-lane timeline (see the module docstring).
 
     Args:

@@ -16,7 +16,7 @@ such a DTensor supports only ``to_local()`` and DCP (with hooks). ``redistribute
 ``full_tensor``, element-wise ops, ``_foreach_*`` and optimizers, reductions
 (``sum``, ``vector_norm``, ``clip_grad_norm_``), autograd through ``from_local``,
 ``local_map`` and ``deepcopy`` all fail, and ``num_shards``/``is_sharded`` silently report a
-replicated tensor (``anchors-code.md`` section 4.2). Use vfsdp's own functions on ragged
+replicated tensor. Use vfsdp's own functions on ragged
 shards (``vfsdp.gather``, ``vfsdp.clip_grad_norm``, ``vfsdp.checkpoint``).
 """
 

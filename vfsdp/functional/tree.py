@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from typing import Any
 
 import optree
 import torch
 
+from vfsdp.planner.abstract import refuse_non_tree
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
@@ -27,13 +27,7 @@ def check_tree_arg(tree: Any, what: str, spec: Any = None) -> None:
     if spec is not None and not isinstance(spec, ShardSpec):
         raise TypeError(f"{what}: spec must be the ShardSpec vfsdp.plan returned, got "
                         f"{type(spec).__name__}")
-    if isinstance(tree, torch.nn.Module):
-        raise TypeError(f"{what}: got a {type(tree).__name__} module; vfsdp works on pytrees of "
-                        f"tensors: pass dict(model.named_parameters())")
-    if isinstance(tree, Iterator) or inspect.isgenerator(tree):
-        raise TypeError(f"{what}: got an iterator ({type(tree).__name__}), which can be read only "
-                        f"once and has no names; pass dict(model.named_parameters()) or a "
-                        f"dict/list of tensors")
+    refuse_non_tree(tree, what)
 
 
 def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:

@@ -65,15 +65,15 @@ def _segments(u: UnitLayout) -> list[tuple[int, int, Optional[int]]]:
     return out
 
 
-def _text(u: UnitLayout, width: int) -> str:
+def _text(u: UnitLayout, width: int, shown: int) -> str:
     m, s = u.world_size, u.shard_numel
-    per = max(4, width // max(m, 1))
+    per = max(4, width // max(shown, 1))
     segs = _segments(u)
     lines = [f"unit {unit_name(u.key)}: {len(u.paths)} tensors, {m} ranks x S={s} "
              f"{str(u.dtype).replace('torch.', '')}, padding "
              f"{sum(b - a for a, b, i in segs if i is None)} elements{_model(u)}"]
     bar = []
-    for r in range(m):
+    for r in range(shown):
         lo, hi = r * s, (r + 1) * s
         cells = []
         for c in range(per):  # each cell: what most of its elements are
@@ -87,7 +87,8 @@ def _text(u: UnitLayout, width: int) -> str:
             cells.append(mark if hi > lo else " ")
         bar.append("".join(cells))
     lines.append("|" + "|".join(bar) + "|")
-    lines.append((" " + " ".join(f"rank {r}".center(per) for r in range(m))).rstrip())
+    lines.append((" " + " ".join(f"rank {r}".center(per) for r in range(shown))).rstrip()
+                 + (f" (first {shown} of {m} ranks)" if shown < m else ""))
     for i, path in enumerate(u.paths):
         t = u.tensors[i]
         shares = [f"r{r}:{t.shard_range(r)[1] - t.shard_range(r)[0]}" for r in range(m)
@@ -107,7 +108,8 @@ def _model(u: UnitLayout) -> str:
     return "" if st is None else f"; the {st.axis}={st.index} piece of a {st.size}-way split"
 
 
-def visualize(x: Any, unit: Any = None, *, width: int = 72, figure: bool = False) -> Any:
+def visualize(x: Any, unit: Any = None, *, width: int = 72, figure: bool = False,
+              max_ranks: Optional[int] = None) -> Any:
     """Draw which rank holds which elements of which tensor, per communication unit.
 
     Args:
@@ -115,7 +117,9 @@ def visualize(x: Any, unit: Any = None, *, width: int = 72, figure: bool = False
         unit: Only this unit (its key, e.g. ``("layers", 0)``, or its name ``"layers.0"``).
         width: Characters for the ranks' bars (text).
         figure: Return a matplotlib ``Figure`` (one row per unit, one bar per rank, a colour
-            per tensor, padding hatched) instead of text.
+            per tensor, padding hatched) instead of text (``.savefig(path)`` writes a PNG:
+            ``python -m vfsdp plan --png``).
+        max_ranks: Draw only each unit's first ``max_ranks`` ranks (default: all).
 
     Ranks are the data-parallel (shard) ranks. For a plan split over a model axis
     (``vfsdp.plan(..., tp=rule)``) the header names the model-axis index the plan is of, and
@@ -127,7 +131,7 @@ def visualize(x: Any, unit: Any = None, *, width: int = 72, figure: bool = False
 
     Raises:
         TypeError: ``x`` is none of those.
-        ValueError: no such unit.
+        ValueError: no such unit, or ``max_ranks`` below 1.
         ImportError: ``figure=True`` without matplotlib (``pip install vfsdp[viz]``).
 
     Example:
@@ -141,25 +145,28 @@ def visualize(x: Any, unit: Any = None, *, width: int = 72, figure: bool = False
           . padding
     """
     layouts = _pick(_layouts(x), unit)
+    if max_ranks is not None and max_ranks < 1:
+        raise ValueError(f"vfsdp.visualize: max_ranks must be at least 1, got {max_ranks}")
+    shown = {u.key: min(u.world_size, max_ranks or u.world_size) for u in layouts}
     if figure:
-        return _figure(layouts)
-    return "\n\n".join(_text(u, width) for u in layouts)
+        return _figure(layouts, shown)
+    return "\n\n".join(_text(u, width, shown[u.key]) for u in layouts)
 
 
-def _figure(layouts: list) -> Any:
+def _figure(layouts: list, shown: dict) -> Any:
     try:
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError as exc:
         raise ImportError("vfsdp.visualize(figure=True) needs matplotlib: pip install "
                           "vfsdp[viz]") from exc
-    rows = sum(u.world_size for u in layouts)
+    rows = sum(shown.values())
     fig, ax = plt.subplots(figsize=(10, 0.45 * rows + 1.2))
     cmap = plt.get_cmap("tab20")
     y, ticks, labels, handles = 0, [], [], {}
     for u in layouts:
         s = u.shard_numel
-        for r in range(u.world_size):
+        for r in range(shown[u.key]):
             for a, b, i in _segments(u):
                 lo, hi = max(a, r * s), min(b, (r + 1) * s)
                 if hi <= lo:

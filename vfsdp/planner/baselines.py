@@ -4,7 +4,7 @@
   ``ceil(d0 / m)`` dim-0 slices. To keep a block of rows whole, dim-0 slices per rank must be a
   multiple of ``q = lcm(slab, block) / slab`` (``slab = prod(shape[1:])``), so ``d0`` is
   padded to a multiple of ``m * q``. With element granularity ``q = 1``: FSDP2's own rule.
-* **Megatron-FSDP** (LCM rule, ``anchors-code.md`` section 3.1): a unit's buffer is padded to a
+* **Megatron-FSDP** (LCM rule): a unit's buffer is padded to a
   multiple of ``chunk * m``, ``chunk = lcm`` over its tensors of ``lcm(slab, block)``. This
   ignores the gaps its packer may leave inside the buffer, so it is a lower estimate.
 """

@@ -50,21 +50,23 @@ class Rows:
         return f"rows({self.k})"
 
 
-class Whole:
-    """The whole tensor is one block. Use the singleton :data:`whole`."""
-
-    _instance = None
+class Singleton:
+    """A class of one instance, which pickles (and copies) as itself."""
 
     def __new__(cls):
-        if cls._instance is None:
+        if "_instance" not in cls.__dict__:
             cls._instance = super().__new__(cls)
         return cls._instance
 
+    def __reduce__(self):
+        return (type(self), ())
+
+
+class Whole(Singleton):
+    """The whole tensor is one block. Use the singleton :data:`whole`."""
+
     def __repr__(self) -> str:
         return "whole"
-
-    def __reduce__(self):
-        return (Whole, ())
 
 
 whole = Whole()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -15,7 +15,7 @@ import optree
 import torch
 
 from vfsdp._gc import paused_gc
-from vfsdp.planner.abstract import is_tensor_leaf, leaf_meta
+from vfsdp.planner.abstract import is_tensor_leaf, leaf_meta, refuse_non_tree
 from vfsdp.planner.granularity import Granularity, Rows, Whole, block_elements, format_path
 from vfsdp.planner.model_split import split_params
 from vfsdp.planner.solver import lower_bound, pack
@@ -470,13 +470,7 @@ def _check_params(params: Any) -> None:
     Raises:
         TypeError: a module, an iterator, or a spec.
     """
-    if isinstance(params, torch.nn.Module):
-        raise TypeError(f"vfsdp.plan: got a {type(params).__name__} module; vfsdp plans pytrees "
-                        f"of tensors: pass dict(model.named_parameters())")
-    if isinstance(params, Iterator):
-        raise TypeError(f"vfsdp.plan: got an iterator ({type(params).__name__}), which can be "
-                        f"read only once and has no names; pass dict(model.named_parameters()) "
-                        f"or a dict/list of tensors")
+    refuse_non_tree(params, "vfsdp.plan")
     if isinstance(params, ShardSpec):
         raise TypeError("vfsdp.plan: got a ShardSpec; plan takes the parameter tree "
                         "(vfsdp.plan(params, mesh))")

@@ -11,7 +11,11 @@ import torch
 
 from vfsdp.planner.abstract import ShapeDtype
 
-__all__ = ["load_shapes", "nest_dotted"]
+__all__ = ["load_shapes", "nest_dotted", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+"""The dtypes a shape list's command line may name (``--dtype bf16``), by name and short name."""
 
 
 def nest_dotted(items: Iterable[tuple[str, Any]]) -> Any:

@@ -30,7 +30,7 @@ import torch
 from vfsdp._torch_private import compiling as _compiling
 from vfsdp.placements.ragged import RaggedShard
 from vfsdp.placements.strided import StridedRaggedShard
-from vfsdp.planner.granularity import format_path
+from vfsdp.planner.granularity import Singleton, format_path
 
 __all__ = ["UnitLayout", "TensorSpec", "ShardSpec", "SplitSuggestion", "PASSTHROUGH", "unit_name"]
 
@@ -42,21 +42,11 @@ def unit_name(key: Hashable) -> str:
     return str(key)
 
 
-class _Passthrough:
+class _Passthrough(Singleton):
     """Marks a non-tensor leaf of ``params``: it is not sharded and passes through untouched."""
-
-    _instance = None
-
-    def __new__(cls):
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
 
     def __repr__(self) -> str:
         return "PASSTHROUGH"
-
-    def __reduce__(self):
-        return (_Passthrough, ())
 
 
 PASSTHROUGH = _Passthrough()

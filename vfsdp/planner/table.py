@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from vfsdp.planner.check import plan_stats
 from vfsdp.planner.spec import ShardSpec, UnitLayout, unit_name
 
 __all__ = ["format_spec"]
@@ -12,19 +13,13 @@ __all__ = ["format_spec"]
 
 def format_spec(spec: ShardSpec, max_rows: Optional[int] = None) -> str:
     """A table of the spec's units; consecutive identical units are merged into one row."""
-    total = sum(u.total_numel for u in spec.units.values())
-    padded = sum(u.padded_numel for u in spec.units.values())
-    bound = sum(u.world_size * u.lower_bound for u in spec.units.values())
-    ratio = (padded - total) / total if total else 0.0
-    bratio = (bound - total) / total if total else 0.0
-    n_tensors = sum(1 for _ in spec.tensors())
-    split = next((t.strided for t in spec.tensors() if t.strided is not None), None)
-    where = ("" if split is None else
-             f", the {split.axis}={split.index} piece of a {split.size}-way {split.axis} split")
+    st = plan_stats(spec)
+    axis = spec.model_axis  # (axis, size, index)
+    where = "" if axis is None else f", the {axis[0]}={axis[2]} piece of a {axis[1]}-way {axis[0]} split"
     head = (
-        f"ShardSpec(mesh={spec.mesh_shape}, m={spec.world_size}{where}, {len(spec.units)} "
-        f"units, {n_tensors} tensors, {total:,} elements, padding {100 * ratio:.3f}% "
-        f"(bound {100 * bratio:.3f}%)"
+        f"ShardSpec(mesh={spec.mesh_shape}, m={spec.world_size}{where}, {st['units']} "
+        f"units, {st['tensors']} tensors, {st['total_numel']:,} elements, padding "
+        f"{100 * st['padding_ratio']:.3f}% (bound {100 * st['lower_bound_ratio']:.3f}%)"
     )
     rows = []
     groups: list[list[UnitLayout]] = []

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from vfsdp.functional import init as vinit
 from vfsdp.testing import moe
 
-__all__ = ["GPTConfig", "meta_params", "init_rule", "block", "mixture", "embed", "head_loss",
-           "loss_fn", "GPTModule", "TorchGPT"]
+__all__ = ["GPTConfig", "meta_params", "init_rule", "block", "example_layer", "mixture", "embed",
+           "head_loss", "loss_fn", "GPTModule", "TorchGPT"]
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,18 @@ def block(p: dict, x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
     if "experts" in p:
         return x + mixture(p, h, cfg)
     return x + _swiglu(h, p)
+
+
+def example_layer(tokens: int = 64, device: Optional[torch.device] = None) -> tuple:
+    """One :func:`block` of the default config at ``tokens`` tokens, seeded: ``(fn, params,
+    inputs)`` for :func:`vfsdp.estimation.calibrate.calibrate`."""
+    cfg = GPTConfig()
+    g = torch.Generator().manual_seed(0)
+    params = {k: (torch.randn(v.shape, generator=g) * 0.02).to(device or "cpu")  # cpu: seeded
+              for k, v in meta_params(cfg)["layers"][0].items()}
+    seq = min(tokens, cfg.seq)
+    x = torch.randn(max(tokens // seq, 1), seq, cfg.dim, generator=g)  # cpu: seeded, moved
+    return (lambda p, h: block(p, h, cfg)), params, (x.to(device or "cpu"),)
 
 
 def mixture(p: dict, h: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:

@@ -10,10 +10,12 @@ those. vfsdp writes and reads the format itself; the ``safetensors`` package is 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
 import os
+import re
 import struct
 import uuid
 from typing import Any, Optional
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, tensor_bytes, unflatten
 from vfsdp.checkpoint.export import Rename, entries_and_names, stream_full, stream_order
-from vfsdp.checkpoint.storage import CheckpointError
+from vfsdp.checkpoint.storage import MANIFEST, CheckpointError
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["save_safetensors", "load_safetensors", "read_header"]
@@ -93,13 +95,10 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
     entries, names = entries_and_names(tree, spec, rename, "vfsdp.checkpoint.save_safetensors")
     files = agreed(_split, entries, max_shard_size)  # [(file name, [entry names])]
     if max_shard_size is None:
-        targets = [os.path.join(path, "model.safetensors") if os.path.isdir(path) else path]
+        targets = [os.path.join(path, SINGLE) if os.path.isdir(path) else path]
     else:
-        if rank == dst:
-            agreed(os.makedirs, path, exist_ok=True)
-        else:
-            agreed(lambda: None)
         targets = [os.path.join(path, name) for name, _ in files]
+    agreed(_prepare_dir, targets[0], max_shard_size is not None, rank == dst)
     which = {n: k for k, (_, group) in enumerate(files) for n in group}
     blobs = agreed(lambda: [_header(entries, names, metadata if k == 0 else None, set(group),
                                     values=k == 0) for k, (_, group) in enumerate(files)])
@@ -131,6 +130,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
                 f = None
                 if max_shard_size is not None:
                     _write_index(path, entries, names, files)
+                _remove_other_forms(targets)
         except Exception as exc:  # noqa: BLE001
             error = error or exc
         finally:
@@ -142,6 +142,53 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
 
 
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_PARTIAL = re.compile(r"\.partial-[0-9a-f]{12}")
+
+
+def _prepare_dir(target: str, sharded: bool, writer: bool) -> None:
+    """On the writing rank: create a sharded save's directory; refuse a directory that holds
+    a vfsdp checkpoint (one checkpoint per directory)."""
+    if not writer:
+        return
+    folder = os.path.dirname(os.path.abspath(target))
+    if sharded:
+        os.makedirs(folder, exist_ok=True)
+    if os.path.exists(os.path.join(folder, MANIFEST)):
+        raise CheckpointError(f"save_safetensors: {folder} holds a vfsdp checkpoint "
+                              f"({MANIFEST}); one directory holds one checkpoint: export to "
+                              f"another directory")
+
+
+def _remove_other_forms(targets: list[str]) -> None:
+    """After a save into Hugging Face's names: what another form (or an older save) left in
+    that directory, so that every reader reads this save. A single ``model.safetensors``
+    replaces a sharded save's index and files; a sharded save replaces ``model.safetensors``
+    and an older save's other shard files. Unfinished files of the same names (a save that
+    died) go too."""
+    folder = os.path.dirname(os.path.abspath(targets[0]))
+    names = {os.path.basename(t) for t in targets}
+    single = names == {SINGLE}
+    hf = single or all(_SHARD.fullmatch(n) for n in names)
+
+    def stale(name: str) -> bool:
+        if name in names:
+            return False
+        if name == INDEX:
+            return single
+        return hf and (name == SINGLE or bool(_SHARD.fullmatch(name)))
+
+    for name in os.listdir(folder):
+        partial = _PARTIAL.search(name)
+        if partial is None:
+            drop = stale(name)
+        else:
+            base = name[:partial.start()]
+            drop = base in names or stale(base) or (hf and base == INDEX)
+        if drop:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, name))
 
 
 def _split(entries: list[Entry], max_bytes: Optional[int]) -> list[tuple[str, list]]:
@@ -214,10 +261,31 @@ def _open(tmp: str, blob: bytes):
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict, int]:
-    """``(header, data start)`` of a safetensors file.
+    """``(header, data start)`` of a safetensors file, its header checked as the format
+    requires: each tensor's ``data_offsets`` span exactly ``shape x dtype`` bytes, the tensors
+    lie back to back from the data's first byte, without gaps or overlaps, and the last one
+    ends where the file does.
+
+    Args:
+        path: The ``.safetensors`` file.
+
+    Returns:
+        ``(header, data start)``: the parsed JSON header and the byte where the data begins.
 
     Raises:
-        CheckpointError: not a safetensors file, or truncated.
+        CheckpointError: not a safetensors file, truncated, or a header that breaks the
+            format (naming the file, the tensor and what differs).
+
+    Example:
+        >>> import os, struct, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "bad.safetensors")
+        >>> blob = b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}'
+        >>> with open(path, "wb") as f:
+        ...     _ = f.write(struct.pack("<Q", len(blob)) + blob + bytes(12))
+        >>> read_header(path)
+        Traceback (most recent call last):
+        ...
+        vfsdp.checkpoint.storage.CheckpointError: ...'w' starts at byte 4 of the data, but the tensors before it end at byte 0...
     """
     size = os.path.getsize(path)
     with open(path, "rb") as f:
@@ -231,11 +299,54 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
             header = json.loads(f.read(n))
         except ValueError as exc:
             raise CheckpointError(f"{path}: unreadable safetensors header ({exc})") from None
-    end = max([v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"], default=0)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is a {type(header).__name__}, "
+                              f"not a JSON object")
+    end = _check_offsets(path, header)
     if 8 + n + end > size:
         raise CheckpointError(f"{path} has {size} bytes but its header needs {8 + n + end} "
                               f"(truncated)")
+    if 8 + n + end < size:
+        raise CheckpointError(f"{path} has {size - 8 - n - end} bytes after its last tensor; "
+                              f"the safetensors format ends the file with the last tensor "
+                              f"(a corrupt or foreign file: re-export it)")
     return header, 8 + n
+
+
+def _check_offsets(path: str, header: dict) -> int:
+    """The data's length in bytes, after checking every record of ``header``."""
+    spans = []
+    for key, rec in header.items():
+        if key == "__metadata__":
+            continue
+        ok = isinstance(rec, dict) and isinstance(rec.get("shape"), list) and all(
+            isinstance(d, int) and d >= 0 for d in rec["shape"]) and isinstance(
+            rec.get("data_offsets"), list) and len(rec["data_offsets"]) == 2 and all(
+            isinstance(o, int) and o >= 0 for o in rec["data_offsets"])
+        if not ok:
+            raise CheckpointError(f"{path}: tensor {key!r} has a malformed header record "
+                                  f"{rec!r}; it needs dtype, shape (non-negative ints) and "
+                                  f"data_offsets [begin, end]")
+        if rec.get("dtype") not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {key!r} has dtype {rec.get('dtype')!r}, "
+                                  f"which vfsdp cannot read (it reads {sorted(_DTYPES)})")
+        begin, stop = rec["data_offsets"]
+        need = math.prod(rec["shape"]) * _DTYPES[rec["dtype"]].itemsize
+        if stop - begin != need:
+            raise CheckpointError(f"{path}: tensor {key!r} has data_offsets [{begin}, {stop}] "
+                                  f"({stop - begin} bytes), but its shape {rec['shape']} of "
+                                  f"{rec['dtype']} needs {need} bytes; the file is corrupt")
+        spans.append((begin, stop, key))
+    at, last = 0, None
+    for begin, stop, key in sorted(spans):
+        if begin != at:
+            after = f" ({last!r})" if last is not None else ""
+            raise CheckpointError(f"{path}: tensor {key!r} starts at byte {begin} of the data, "
+                                  f"but the tensors before it end at byte {at}{after}; the "
+                                  f"safetensors format requires contiguous, non-overlapping "
+                                  f"data_offsets (the file is corrupt)")
+        at, last = stop, key
+    return at
 
 
 def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *,
@@ -284,14 +395,20 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
 def _headers(path: str) -> tuple[dict, dict]:
     """``({tensor name: its header record plus "file" and "base"}, plain values)`` of a file
     or of a Hugging Face checkpoint directory."""
+    weight_map = None
     if os.path.isdir(path):
         index = os.path.join(path, INDEX)
+        if os.path.exists(index) and os.path.exists(os.path.join(path, SINGLE)):
+            raise CheckpointError(f"{path} holds two checkpoints: {SINGLE} and a sharded one "
+                                  f"({INDEX}), which readers choose between differently; "
+                                  f"delete the stale one, or save again with "
+                                  f"vfsdp.checkpoint.save_safetensors (it removes the other)")
         if os.path.exists(index):
             with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-            files = [os.path.join(path, name) for name in files]
-        elif os.path.exists(os.path.join(path, "model.safetensors")):
-            files = [os.path.join(path, "model.safetensors")]
+                weight_map = json.load(f)["weight_map"]
+            files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        elif os.path.exists(os.path.join(path, SINGLE)):
+            files = [os.path.join(path, SINGLE)]
         else:
             raise CheckpointError(f"{path} holds neither {INDEX} nor model.safetensors")
     else:
@@ -302,8 +419,18 @@ def _headers(path: str) -> tuple[dict, dict]:
         header, base = read_header(file)
         values.update(json.loads(header.get("__metadata__", {}).get(_VALUES, "{}")))
         for key, rec in header.items():
-            if key != "__metadata__":
-                merged[key] = {**rec, "file": file, "base": base}
+            if key == "__metadata__":
+                continue
+            if key in merged:
+                raise CheckpointError(f"{path}: tensor {key!r} is in both "
+                                      f"{os.path.basename(merged[key]['file'])} and "
+                                      f"{os.path.basename(file)}; the checkpoint is corrupt")
+            merged[key] = {**rec, "file": file, "base": base}
+    for key, name in (weight_map or {}).items():
+        if key not in merged or os.path.basename(merged[key]["file"]) != name:
+            found = os.path.basename(merged[key]["file"]) if key in merged else "no file"
+            raise CheckpointError(f"{path}: {INDEX} puts tensor {key!r} in {name}, but it is in "
+                                  f"{found}; the checkpoint is corrupt or mixes two saves")
     return merged, values
 
 

@@ -10,6 +10,7 @@ those. vfsdp writes and reads the format itself; the ``safetensors`` package is 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import json
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, tensor_bytes, unflatten
 from vfsdp.checkpoint.export import Rename, entries_and_names, stream_full, stream_order
+from vfsdp.checkpoint.layouts import candidates, parts
 from vfsdp.checkpoint.storage import MANIFEST, CheckpointError
 from vfsdp.planner.spec import ShardSpec
 
@@ -53,7 +55,8 @@ def _nbytes(e: Entry) -> int:
 
 def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst: int = 0,
                      rename: Rename = None, metadata: Optional[dict] = None,
-                     max_shard_size: Optional[int] = None) -> None:
+                     max_shard_size: Optional[int] = None,
+                     hf_layout: Optional[str] = None) -> None:
     """Write full tensors to one safetensors file on rank ``dst``, one unit at a time; collective.
 
     The file is written under a temporary name and renamed when complete. Plain values go
@@ -73,10 +76,19 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
         rename: ``dotted name -> tensor name`` in the file.
         metadata: Extra ``str -> str`` header metadata.
         max_shard_size: Bytes per file; ``None``: one file.
+        hf_layout: How mixture-of-experts weights are stored. ``None`` or ``"fused"``: as
+            the tree holds them (``experts.gate_up_proj`` ``(E, 2I, H)``, which
+            ``transformers`` 5's ``from_pretrained`` loads as it is). ``"per_expert"``: one
+            tensor per expert, as ``save_pretrained`` writes Qwen2/3-MoE, DeepSeek and the
+            like (``experts.N.gate_proj.weight``, ``up_proj``, ``down_proj``);
+            ``"mixtral"``: as it writes Mixtral (``block_sparse_moe.experts.N.w1.weight``,
+            ``w3``, ``w2``, and ``block_sparse_moe`` for every ``mlp``). Both load with
+            ``from_pretrained`` and with readers that know only per-expert names. The bytes
+            are the same: only the header's names and offsets differ.
 
     Raises:
         TypeError: a dtype safetensors cannot store, or non-string metadata.
-        ValueError: ``rename`` maps two names to one key.
+        ValueError: ``rename`` maps two names to one key, or an unknown ``hf_layout``.
         OSError: the file cannot be written (on ``dst``; the others raise CheckpointError).
 
     Example:
@@ -93,6 +105,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
     path = os.fspath(path)
     rank = dist.get_rank()
     entries, names = entries_and_names(tree, spec, rename, "vfsdp.checkpoint.save_safetensors")
+    agreed(parts, "", (), hf_layout)  # an unknown layout: every rank raises
     files = agreed(_split, entries, max_shard_size)  # [(file name, [entry names])]
     if max_shard_size is None:
         targets = [os.path.join(path, SINGLE) if os.path.isdir(path) else path]
@@ -101,7 +114,8 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
     agreed(_prepare_dir, targets[0], max_shard_size is not None, rank == dst)
     which = {n: k for k, (_, group) in enumerate(files) for n in group}
     blobs = agreed(lambda: [_header(entries, names, metadata if k == 0 else None, set(group),
-                                    values=k == 0) for k, (_, group) in enumerate(files)])
+                                    values=k == 0, layout=hf_layout)
+                            for k, (_, group) in enumerate(files)])
     error = None
     current, f, tmp = -1, None, None
     for name, value in stream_full(entries, dst):
@@ -129,7 +143,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
                 _close(f, tmp, targets[current])
                 f = None
                 if max_shard_size is not None:
-                    _write_index(path, entries, names, files)
+                    _write_index(path, entries, names, files, hf_layout)
                 _remove_other_forms(targets)
         except Exception as exc:  # noqa: BLE001
             error = error or exc
@@ -212,10 +226,12 @@ def _split(entries: list[Entry], max_bytes: Optional[int]) -> list[tuple[str, li
     return [(f"model-{k + 1:05d}-of-{total:05d}.safetensors", g) for k, g in enumerate(groups)]
 
 
-def _write_index(path: str, entries: list[Entry], names: dict, files: list) -> None:
+def _write_index(path: str, entries: list[Entry], names: dict, files: list,
+                 layout: Optional[str]) -> None:
     by_name = {e.name: e for e in entries}
     index = {"metadata": {"total_size": sum(_nbytes(by_name[n]) for _, g in files for n in g)},
-             "weight_map": {names[n]: file for file, g in files for n in g}}
+             "weight_map": {key: file for file, g in files for n in g
+                            for key, _ in _records(by_name[n], names, layout)}}
     tmp = os.path.join(path, f"{INDEX}.partial-{uuid.uuid4().hex[:12]}")
     with open(tmp, "w") as f:
         json.dump(index, f, indent=2, sort_keys=True)
@@ -229,17 +245,28 @@ def _close(f, tmp: str, path: str) -> None:
     os.replace(tmp, path)
 
 
+def _records(e: Entry, names: dict, layout: Optional[str]) -> list[tuple[str, tuple]]:
+    """The file tensors ``(key, shape)`` that store entry ``e``, in byte order."""
+    found = parts(names[e.name], tuple(e.shape), layout)
+    return [(names[e.name], tuple(e.shape))] if found is None else found
+
+
 def _header(entries: list[Entry], names: dict, metadata: Optional[dict],
-            only: Optional[set] = None, values: bool = True) -> bytes:
+            only: Optional[set] = None, values: bool = True,
+            layout: Optional[str] = None) -> bytes:
     header: dict = {}
     offset = 0
     for e in stream_order(entries):
         if e.kind == "value" or (only is not None and e.name not in only):
             continue
-        n = _nbytes(e)
-        header[names[e.name]] = {"dtype": _code(e), "shape": list(e.shape),
-                                 "data_offsets": [offset, offset + n]}
-        offset += n
+        for key, shape in _records(e, names, layout):
+            if key in header:
+                raise ValueError(f"save_safetensors: two tensors are both stored as {key!r} "
+                                 f"(hf_layout={layout!r}); rename one")
+            n = math.prod(shape) * e.dtype.itemsize
+            header[key] = {"dtype": _code(e), "shape": list(shape),
+                           "data_offsets": [offset, offset + n]}
+            offset += n
     meta = dict(metadata or {})
     if any(not isinstance(k, str) or not isinstance(v, str) for k, v in meta.items()):
         raise TypeError("safetensors metadata must map str to str")
@@ -443,75 +470,94 @@ def _read_into(path: str, tree_like: Any, spec: ShardSpec, strict: bool, rename:
         if key in names.values():
             raise ValueError(f"load_safetensors: rename maps two entries to {key!r}")
         names[e.name] = key
+    stored: dict = {}  # entry name -> [(file tensor key, its record)], in the tensor's order
     for e in entries:
         key = names[e.name]
         if e.kind == "value":
             if key not in values:
                 raise CheckpointError(f"{path}: no value {key!r} (for {e.name})")
             continue
-        rec = header.get(key)
-        if rec is None:
-            raise CheckpointError(f"{path}: no tensor {key!r} (for {e.name})")
-        if tuple(rec["shape"]) != tuple(e.shape) or _DTYPES.get(rec["dtype"]) != e.dtype:
-            raise CheckpointError(f"{path}: {key!r} is {tuple(rec['shape'])} {rec['dtype']}, "
-                                  f"{e.name} needs {tuple(e.shape)} {dtype_name(e.dtype)}")
+        options = candidates(key, tuple(e.shape))
+        found = next((c for c in options if all(k in header for k, _ in c)), None)
+        if found is None:
+            other = f" nor its per-expert tensors ({options[1][0][0]}, ...)" \
+                if len(options) > 1 else ""
+            raise CheckpointError(f"{path}: no tensor {key!r}{other} (for {e.name})")
+        for k, shape in found:
+            rec = header[k]
+            if tuple(rec["shape"]) != shape or _DTYPES.get(rec["dtype"]) != e.dtype:
+                raise CheckpointError(f"{path}: {k!r} is {tuple(rec['shape'])} {rec['dtype']}, "
+                                      f"{e.name} needs {shape} {dtype_name(e.dtype)}")
+        stored[e.name] = [(k, header[k]) for k, _ in found]
     if strict:
-        extra = sorted(set(header) - {"__metadata__"} - {names[e.name] for e in entries
-                                                          if e.kind != "value"})
+        extra = sorted(set(header) - {"__metadata__"} - {k for found in stored.values()
+                                                          for k, _ in found})
         if extra:
             raise CheckpointError(f"{path} holds tensors the tree does not: {extra[:5]}; pass "
                                   f"strict=False to load a subset")
     opened: dict = {}
     try:
         with torch.no_grad():
-            _read_pieces(entries, names, header, opened, path)
+            _read_pieces(entries, stored, opened, path)
     finally:
         for f in opened.values():
             f.close()
     return {e.name: values[names[e.name]] for e in entries if e.kind == "value"}
 
 
-def _read_pieces(entries: list, names: dict, header: dict, opened: dict, path: str) -> None:
+class _Source:
+    """A tensor's bytes, stored whole or as consecutive pieces (per-expert tensors): reads a
+    flat range of elements from the pieces it spans."""
+
+    def __init__(self, found: list, opened: dict, item: int, path: str, name: str) -> None:
+        self.recs = [rec for _, rec in found]
+        self.starts = list(itertools.accumulate((math.prod(r["shape"]) for r in self.recs),
+                                                initial=0))
+        self.opened, self.item, self.path, self.name = opened, item, path, name
+
+    def read(self, flat: int, count: int) -> bytearray:
+        raw = bytearray(count * self.item)  # a host buffer: numpy views would pin the storage
+        k = bisect.bisect_right(self.starts, flat) - 1
+        at = flat
+        while at < flat + count:
+            rec, lo = self.recs[k], self.starts[k]
+            stop = min(self.starts[k + 1], flat + count)
+            f = self.opened.get(rec["file"])
+            if f is None:
+                f = self.opened[rec["file"]] = open(rec["file"], "rb")  # noqa: SIM115 - closed by the caller
+            f.seek(rec["base"] + rec["data_offsets"][0] + (at - lo) * self.item)
+            view = memoryview(raw)[(at - flat) * self.item:(stop - flat) * self.item]
+            if f.readinto(view) != len(view):
+                raise CheckpointError(f"{self.path}: {self.name} ends early (truncated)")
+            at, k = stop, k + 1
+        return raw
+
+
+def _read_pieces(entries: list, stored: dict, opened: dict, path: str) -> None:
     for e in entries:
         if e.kind == "value":
             continue
         target = e.piece.local if e.kind == "sharded" else e.tensor
         if not target.numel():
             continue
-        rec = header[names[e.name]]
-        f = opened.get(rec["file"])
-        if f is None:
-            f = opened[rec["file"]] = open(rec["file"], "rb")  # noqa: SIM115 - closed above
-        begin = rec["base"] + rec["data_offsets"][0]
-        start = e.piece.start if e.kind == "sharded" else 0
+        source = _Source(stored[e.name], opened, target.element_size(), path, e.name)
         if e.kind == "sharded" and e.piece.within is not None:  # a TP/EP piece's boxes
             for offsets, sizes in e.piece.boxes():
                 e.piece.box_data(offsets, sizes).copy_(
-                    _read_box(f, begin, tuple(e.shape), offsets, sizes, target.dtype,
-                              path, e.name))
+                    _read_box(source, tuple(e.shape), offsets, sizes, target.dtype))
             continue
-        nbytes = target.numel() * target.element_size()
-        f.seek(begin + start * target.element_size())
-        raw = bytearray(nbytes)  # a host buffer: numpy views would pin the shard's storage
-        if f.readinto(raw) != nbytes:
-            raise CheckpointError(f"{path}: {e.name} ends early (truncated)")
+        raw = source.read(e.piece.start if e.kind == "sharded" else 0, target.numel())
         target.copy_(torch.frombuffer(raw, dtype=target.dtype).view(target.shape))
 
 
-def _read_box(f, begin: int, shape: tuple, offsets: tuple, sizes: tuple, dtype: torch.dtype,
-              path: str, name: str) -> torch.Tensor:
-    """One N-D box of a row-major tensor stored at byte ``begin``, read row by row."""
-    item = torch.empty((), dtype=dtype).element_size()  # cpu: metadata only
+def _read_box(source: _Source, shape: tuple, offsets: tuple, sizes: tuple,
+              dtype: torch.dtype) -> torch.Tensor:
+    """One N-D box of a row-major tensor, read row by row."""
     out = torch.empty(sizes, dtype=dtype)  # cpu: a host buffer, copied into the target
     rows = out.reshape(-1, sizes[-1]) if sizes else out.reshape(1, 1)
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     for j, lead in enumerate(itertools.product(*(range(o, o + n) for o, n in
                                                  zip(offsets[:-1], sizes[:-1])))):
         flat = sum(i * st for i, st in zip(lead, strides)) + (offsets[-1] if offsets else 0)
-        nbytes = rows.shape[1] * item
-        f.seek(begin + flat * item)
-        raw = bytearray(nbytes)
-        if f.readinto(raw) != nbytes:
-            raise CheckpointError(f"{path}: {name} ends early (truncated)")
-        rows[j].copy_(torch.frombuffer(raw, dtype=dtype))
+        rows[j].copy_(torch.frombuffer(source.read(flat, rows.shape[1]), dtype=dtype))
     return out

@@ -188,7 +188,7 @@ class ModuleApply:
             >>> import torch, vfsdp
             >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
             >>> params, apply = vfsdp.functionalize(net)
-            >>> sorted(apply.state_tree(params)["1"])
+            >>> sorted(apply.state_tree(params)[1])   # a Sequential of modules with tensors: a list
             ['bias', 'num_batches_tracked', 'running_mean', 'running_var', 'weight']
         """
         def copy(node):
@@ -344,7 +344,8 @@ def _without(spec: ShardSpec, path: tuple, block_spec: ShardSpec) -> ShardSpec:
                          f"of the blocks at {format_path(path)} and tensors outside them; plan "
                          f"with each block a unit of its own (the default units=)")
     units = {k: v for k, v in spec.units.items() if k in keys}
-    return ShardSpec(treespec, leaves, units, spec.mesh_shape, spec.mesh_dim_names)
+    return ShardSpec(treespec, leaves, units, spec.mesh_shape, spec.mesh_dim_names,
+                     spec.frozen_within(leaves))
 
 
 class _Runner:

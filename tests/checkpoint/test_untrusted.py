@@ -51,7 +51,7 @@ def test_a_well_formed_file_loads_exactly(tmp_path):
 def test_offsets_that_break_the_format_are_refused_naming_the_tensor(tmp_path, a, b, extra, says):
     path = str(tmp_path / "m.safetensors")
     _file(path, a, b, extra)
-    with pytest.raises(CheckpointError, match="m.safetensors") as info:
+    with pytest.raises(CheckpointError, match=r"m\.safetensors") as info:
         read_header(path)
     assert says in str(info.value)
     msg, _ = simulate(2, ub.load, path, timeout=QUICK)[0]   # and load refuses it on every rank

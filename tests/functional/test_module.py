@@ -222,7 +222,7 @@ def test_a_frozen_submodule_stays_frozen_and_gets_no_gradient_as_in_torch(tmp_pa
     path = str(tmp_path / "m.safetensors")
     nets = [_frozen_net() for _ in range(2)]  # built here: ranks (threads) share one RNG
     results = simulate(2, lambda: _frozen_body(nets[dist.get_rank()], path))
-    for rank, (frozen, flags, none, trained, after) in enumerate(results):
+    for frozen, flags, none, _, after in results:
         assert frozen == {("0", "weight"), ("0", "bias")}
         assert flags == {"0.bias": (False, False), "0.weight": (False, False),
                          "2.bias": (True, True), "2.weight": (True, True)}

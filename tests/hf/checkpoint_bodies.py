@@ -14,8 +14,9 @@ def model(kind: str, meta: bool = False):
     """A tiny Mixtral or Qwen3-MoE (4 experts, 2 layers), seeded."""
     import transformers as tf
 
-    small = dict(vocab_size=64, num_hidden_layers=2, hidden_size=16, intermediate_size=32,
-                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8)
+    small = {"vocab_size": 64, "num_hidden_layers": 2, "hidden_size": 16,
+             "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "max_position_embeddings": 8}
     if kind == "mixtral":
         cls, config = tf.MixtralForCausalLM, tf.MixtralConfig(num_local_experts=4,
                                                               num_experts_per_tok=2, **small)

@@ -9,8 +9,9 @@ import os
 import pytest
 
 pytest.importorskip("transformers")
-st = pytest.importorskip("safetensors.torch")
+pytest.importorskip("safetensors")
 
+import safetensors.torch as st
 import torch
 
 from tests.hf import checkpoint_bodies as cb

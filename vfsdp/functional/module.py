@@ -345,7 +345,7 @@ def _without(spec: ShardSpec, path: tuple, block_spec: ShardSpec) -> ShardSpec:
                          f"with each block a unit of its own (the default units=)")
     units = {k: v for k, v in spec.units.items() if k in keys}
     return ShardSpec(treespec, leaves, units, spec.mesh_shape, spec.mesh_dim_names,
-                     spec.frozen_within(leaves))
+                     {x.path for x in leaves if isinstance(x, TensorSpec)} & spec.frozen)
 
 
 class _Runner:

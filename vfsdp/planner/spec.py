@@ -554,15 +554,10 @@ class ShardSpec:
         keys = {x.unit for x in leaves if isinstance(x, TensorSpec)}
         units = {k: v for k, v in self.units.items() if k in keys}
         found = ShardSpec(treespec, leaves, units, self.mesh_shape, self.mesh_dim_names,
-                          self.frozen_within(leaves))
+                          {x.path for x in leaves if isinstance(x, TensorSpec)} & self.frozen)
         with contextlib.suppress(TypeError):  # an unhashable key: not kept
             self._subs[key] = found
         return found
-
-    def frozen_within(self, leaves: Iterable) -> frozenset:
-        """The frozen paths among ``leaves`` (spec leaves of a subtree)."""
-        return frozenset(x.path for x in leaves if isinstance(x, TensorSpec)
-                         and x.path in self.frozen)
 
     @property
     def fingerprint(self) -> str:

@@ -90,6 +90,9 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
         TypeError: a dtype safetensors cannot store, or non-string metadata.
         ValueError: ``rename`` maps two names to one key, or an unknown ``hf_layout``.
         OSError: the file cannot be written (on ``dst``; the others raise CheckpointError).
+        CheckpointError: the directory holds a ``vfsdp.checkpoint.save`` checkpoint (one
+            directory holds one checkpoint; a save there replaces the other Hugging Face
+            form: a single file removes an index and its shards, and the reverse).
 
     Example:
         >>> import os, tempfile
@@ -389,7 +392,10 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
             Hugging Face export), or a directory of a Hugging Face checkpoint: several files
             and ``model.safetensors.index.json`` (or one ``model.safetensors``). Each rank
             reads the files' headers, then only its own pieces' bytes.
-        tree_like: Shards (and optionally states) to fill in place.
+        tree_like: Shards (and optionally states) to fill in place. A mixture-of-experts
+            tensor (``experts.gate_up_proj``, ``experts.down_proj``) the file lacks is read
+            from its per-expert tensors, as ``save_pretrained`` writes them (see
+            ``save_safetensors``'s ``hf_layout``).
         spec: Their spec.
         strict: Refuse tensors in the file that ``tree_like`` lacks.
         rename: ``dotted name -> tensor name`` in the file.
@@ -399,7 +405,8 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
 
     Raises:
         CheckpointError: a missing tensor or value, a shape or dtype mismatch, unused tensors
-            with ``strict``, or a truncated file.
+            with ``strict``, a truncated file, a header whose offsets break the format, or a
+            directory holding two checkpoints (each naming the file, tensor and difference).
 
     Example:
         >>> import os, tempfile

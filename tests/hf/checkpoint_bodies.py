@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import optree
 import torch
 import torch.distributed as dist
 
@@ -54,3 +55,23 @@ def export(kind: str, state: dict, path: str, layout, max_shard_size=None) -> No
     target = path if max_shard_size else os.path.join(path, "model.safetensors")
     vfsdp.checkpoint.save_safetensors(target, shards, spec, hf_layout=layout,
                                       max_shard_size=max_shard_size)
+
+
+def load_ep(kind: str, path: str) -> tuple:
+    """``save_pretrained``'s checkpoint read into an expert-parallel plan (2 data x 2 ep
+    ranks): ``(ep index, {name: this rank's gathered piece})``, each rank reading only the
+    bytes of its experts from the per-expert tensors."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    params, _ = vfsdp.functionalize(model(kind, meta=True))
+    mesh = vfsdp.mesh(("dp", 2), ("ep", 2))
+    rule = lambda p: Shard(0) if p[-1] in ("gate_up_proj", "down_proj") else Replicate()  # noqa: E731
+    spec = vfsdp.plan(params, mesh, tp=rule, tp_axis="ep")
+    shards = vfsdp.shard(params, spec, mesh=mesh, init_fn=lambda p, local, t: local.zero_())
+    vfsdp.checkpoint.load_safetensors(path, shards, spec)
+    with torch.no_grad():
+        full = vfsdp.gather(shards, spec)
+        got = {".".join(map(str, p)): t.clone() for p, t in zip(
+            optree.tree_paths(full), optree.tree_leaves(full))}
+        vfsdp.release(shards, spec)
+    return spec.model_axis[2], got

@@ -41,6 +41,16 @@ def test_load_safetensors_reads_save_pretrained_per_expert_files(saved):
         assert all(torch.equal(got[k], want[k]) for k in want), kind
 
 
+def test_an_expert_parallel_plan_reads_its_experts_from_per_expert_files(saved):
+    kind, want, path = saved
+    for index, got in simulate(4, cb.load_ep, kind, str(path)):
+        for name, piece in got.items():
+            full = want[name]
+            if name.endswith(("gate_up_proj", "down_proj")):   # this ep index's 2 experts
+                full = full[2 * index:2 * index + 2]
+            assert torch.equal(piece, full), (kind, name, index)
+
+
 @pytest.mark.parametrize("sharded", [None, 4096])
 def test_save_safetensors_writes_what_save_pretrained_writes(saved, tmp_path, sharded):
     import transformers as tf

@@ -37,10 +37,25 @@ def _mixtral(name: str) -> str:
 
 def parts(name: str, shape: tuple, layout: Optional[str]) -> Optional[list[Part]]:
     """The file tensors ``(key, shape)`` whose bytes, concatenated, are tensor ``name``'s in
-    ``layout``, or ``None`` when it is stored whole under ``name`` (renamed for Mixtral).
+    ``layout``, or ``None`` when it is stored whole under ``name``.
+
+    Args:
+        name: The tensor's dotted name.
+        shape: Its shape.
+        layout: ``None``/``"fused"``, ``"per_expert"`` or ``"mixtral"``.
+
+    Returns:
+        ``[(key, shape)]`` in byte order, or ``None``.
 
     Raises:
         ValueError: an unknown layout.
+
+    Example:
+        >>> parts("m.0.mlp.experts.gate_up_proj", (2, 8, 3), "mixtral")[:2]
+        [('m.0.block_sparse_moe.experts.0.w1.weight', (4, 3)),
+         ('m.0.block_sparse_moe.experts.0.w3.weight', (4, 3))]
+        >>> parts("m.0.mlp.experts.down_proj", (2, 3, 4), "per_expert")[1]
+        ('m.0.mlp.experts.1.down_proj.weight', (3, 4))
     """
     if layout is None or layout == "fused":
         return None
@@ -62,7 +77,22 @@ def parts(name: str, shape: tuple, layout: Optional[str]) -> Optional[list[Part]
 
 def candidates(key: str, shape: tuple) -> list[list[Part]]:
     """Where a reader may find tensor ``key`` of ``shape``, in the order tried: whole under
-    its own name, then each per-expert layout, then under Mixtral's ``block_sparse_moe``."""
+    its own name, then each per-expert layout, then under Mixtral's ``block_sparse_moe``.
+
+    Args:
+        key: The tensor's name in the file's scheme.
+        shape: Its shape.
+
+    Returns:
+        A list of ``[(key, shape)]`` options; a reader takes the first whose keys all exist.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> [c[0][0] for c in candidates("l.mlp.gate.weight", (4, 3))]
+        ['l.mlp.gate.weight', 'l.block_sparse_moe.gate.weight']
+    """
     out = [[(key, tuple(shape))]]
     for layout in ("per_expert", "mixtral"):
         found = parts(key, shape, layout)

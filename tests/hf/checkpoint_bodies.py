@@ -65,7 +65,7 @@ def load_ep(kind: str, path: str) -> tuple:
 
     params, _ = vfsdp.functionalize(model(kind, meta=True))
     mesh = vfsdp.mesh(("dp", 2), ("ep", 2))
-    rule = lambda p: Shard(0) if p[-1] in ("gate_up_proj", "down_proj") else Replicate()  # noqa: E731
+    rule = lambda p: Shard(0) if p[-1] in ("gate_up_proj", "down_proj") else Replicate()
     spec = vfsdp.plan(params, mesh, tp=rule, tp_axis="ep")
     shards = vfsdp.shard(params, spec, mesh=mesh, init_fn=lambda p, local, t: local.zero_())
     vfsdp.checkpoint.load_safetensors(path, shards, spec)

@@ -211,6 +211,8 @@ def _frozen_body(net, path):
     trained = {"w": shards["2"]["weight"].grad, "b": shards["2"]["bias"].grad}
     vfsdp.checkpoint.save_safetensors(path, shards, spec)
     vfsdp.checkpoint.load_safetensors(path, filled, spec)
+    vfsdp.checkpoint.save(path + ".ckpt", {"p": shards}, spec)
+    vfsdp.checkpoint.load(path + ".ckpt", {"p": filled}, spec)
     after = {n: x.requires_grad for n, x in zip(flags, optree.tree_leaves(filled))}
     return spec.frozen, flags, none, trained, after
 
@@ -227,7 +229,7 @@ def test_a_frozen_submodule_stays_frozen_and_gets_no_gradient_as_in_torch(tmp_pa
         assert flags == {"0.bias": (False, False), "0.weight": (False, False),
                          "2.bias": (True, True), "2.weight": (True, True)}
         assert none == {"0.weight": True, "0.bias": True, "2.weight": False, "2.bias": False}
-        assert after == {n: f[0] for n, f in flags.items()}  # a checkpoint load keeps them
+        assert after == {n: f[0] for n, f in flags.items()}  # checkpoint loads keep them
     w = torch.cat([r[3]["w"].reshape(-1) for r in results])
     b = torch.cat([r[3]["b"].reshape(-1) for r in results])
     torch.testing.assert_close(w, want[2].weight.grad.reshape(-1), rtol=0, atol=1e-6)

@@ -134,3 +134,6 @@ def test_8bit_state_reloads_at_its_tp_degree_and_names_the_entry_at_another(tmp_
     assert simulate(4, _save_8bit, path, 2) == ["ok"] * 4      # the same degree reloads
     msg = simulate(4, _save_8bit, path, 4)[0]                  # its tiles are per TP piece
     assert "scales_m.w" in msg, msg
+    assert "the mesh changed (saved on data mesh (2,), tp=2, loading on data mesh (1,), tp=4)" \
+        in msg   # what differs
+    assert "load the parameters alone" in msg

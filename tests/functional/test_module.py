@@ -1,6 +1,7 @@
 """vfsdp.functionalize: a module's parameters as a tree (its own naming, a tie once, buffers
 apart) and its forward as a function of any tree of that shape, whole or block by block."""
 
+import os
 import threading
 
 import optree
@@ -185,3 +186,92 @@ def test_ranks_sharing_one_module_are_refused_before_any_collective():
 
     with pytest.raises(Exception, match="called from a second thread"):
         simulate(2, body, timeout=60)
+
+
+
+def _frozen_net():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    net[0].requires_grad_(False)  # a frozen submodule
+    return net
+
+
+def _frozen_body(net, path):
+    """Shards of a module with a frozen submodule, by copy and through init_fn; a backward
+    through vfsdp.gather; a safetensors save and a load."""
+    params, apply = vfsdp.functionalize(net)
+    spec = vfsdp.plan(params, dist.get_world_size())
+    shards = vfsdp.shard(params, spec)
+    filled = vfsdp.shard(params, spec, init_fn=lambda p, local, t: local.zero_())
+    flags = {n: (x.requires_grad, y.requires_grad) for n, x, y in zip(
+        ["0.bias", "0.weight", "2.bias", "2.weight"], optree.tree_leaves(shards),
+        optree.tree_leaves(filled))}
+    apply(vfsdp.gather(shards, spec), torch.ones(3, 4)).square().sum().backward()
+    none = {f"{m}.{w}": shards[m][w].grad is None for m in ("0", "2") for w in ("weight", "bias")}
+    trained = {"w": shards["2"]["weight"].grad, "b": shards["2"]["bias"].grad}
+    vfsdp.checkpoint.save_safetensors(path, shards, spec)
+    vfsdp.checkpoint.load_safetensors(path, filled, spec)
+    vfsdp.checkpoint.save(path + ".ckpt", {"p": shards}, spec)
+    vfsdp.checkpoint.load(path + ".ckpt", {"p": filled}, spec)
+    after = {n: x.requires_grad for n, x in zip(flags, optree.tree_leaves(filled))}
+    return spec.frozen, flags, none, trained, after
+
+
+def test_a_frozen_submodule_stays_frozen_and_gets_no_gradient_as_in_torch(tmp_path):
+    want = _frozen_net()
+    want(torch.ones(3, 4)).square().sum().backward()
+    assert want[0].weight.grad is None and want[2].weight.grad is not None
+    path = str(tmp_path / "m.safetensors")
+    nets = [_frozen_net() for _ in range(2)]  # built here: ranks (threads) share one RNG
+    results = simulate(2, lambda: _frozen_body(nets[dist.get_rank()], path))
+    for frozen, flags, none, _, after in results:
+        assert frozen == {("0", "weight"), ("0", "bias")}
+        assert flags == {"0.bias": (False, False), "0.weight": (False, False),
+                         "2.bias": (True, True), "2.weight": (True, True)}
+        assert none == {"0.weight": True, "0.bias": True, "2.weight": False, "2.bias": False}
+        assert after == {n: f[0] for n, f in flags.items()}  # checkpoint loads keep them
+    w = torch.cat([r[3]["w"].reshape(-1) for r in results])
+    b = torch.cat([r[3]["b"].reshape(-1) for r in results])
+    torch.testing.assert_close(w, want[2].weight.grad.reshape(-1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(b, want[2].bias.grad, rtol=0, atol=1e-6)
+
+
+def _batchnorm_body(net, path):
+    """A train-mode step updates BatchNorm's running statistics; the export (to_state_dict,
+    save_safetensors) of apply.state_tree holds them; a load fills another module's."""
+    params, apply = vfsdp.functionalize(net)
+    spec = vfsdp.plan(params, dist.get_world_size())
+    shards = vfsdp.shard(params, spec)
+    apply(vfsdp.gather(shards, spec), torch.arange(12.0).reshape(4, 3)).sum().backward()
+    sd = vfsdp.checkpoint.to_state_dict(apply.state_tree(shards), spec)
+    vfsdp.checkpoint.save_safetensors(path, apply.state_tree(shards), spec)
+    other, other_apply = vfsdp.functionalize(torch.nn.Sequential(
+        torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)))
+    back = vfsdp.shard(other, spec, init_fn=lambda p, local, t: local.zero_())
+    vfsdp.checkpoint.load_safetensors(path, other_apply.state_tree(back), spec)
+    return sd, {k: v.clone() for k, v in other_apply.buffers.items()}
+
+
+def test_batchnorm_running_statistics_go_in_the_export_and_come_back():
+    import tempfile
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+
+    want = make()
+    want(torch.arange(12.0).reshape(4, 3)).sum().backward()     # train mode: stats move
+    nets = [make() for _ in range(2)]
+    path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+    (sd, bufs), (_, bufs1) = simulate(2, lambda: _batchnorm_body(nets[dist.get_rank()], path))
+    assert set(sd) == set(want.state_dict())                   # num_batches_tracked included
+    reloaded = make()
+    reloaded.load_state_dict(sd)                                # strict
+    for k, v in want.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=0, atol=1e-6)
+    for b in (bufs, bufs1):
+        assert all(torch.equal(b[k], sd[k]) for k in b)
+    x = torch.linspace(-1, 1, 6).reshape(2, 3)
+    want.eval()
+    reloaded.eval()                                             # eval reads the statistics
+    torch.testing.assert_close(reloaded(x), want(x), rtol=0, atol=1e-6)

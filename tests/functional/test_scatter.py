@@ -198,3 +198,17 @@ def test_shard_from_a_source_of_a_tp_plan_on_the_data_mesh_asks_for_the_whole_me
     says so (the other indices failed in groups.coords while the source's waited)."""
     for msg in simulate(4, _tp_scatter_on_the_data_mesh, timeout=30):
         assert "split over 'tp', but the mesh given has no such axis; pass the whole mesh" in msg
+
+
+def _frozen_scatter():
+    torch.manual_seed(0)
+    full = {"w": torch.nn.Parameter(torch.randn(5), requires_grad=False),
+            "b": torch.nn.Parameter(torch.randn(3))}
+    spec = vfsdp.plan(full, dist.get_world_size())
+    tree = full if dist.get_rank() == 0 else None       # off the source: the spec says it
+    shards = vfsdp.scatter(tree, spec, src=0)
+    return spec.frozen, shards["w"].requires_grad, shards["b"].requires_grad
+
+
+def test_a_frozen_parameter_stays_frozen_through_scatter_from_a_source():
+    assert simulate(2, _frozen_scatter) == [({("w",)}, False, True)] * 2

@@ -1,11 +1,12 @@
 """Atomic checkpoint directories: write under a temporary name, appear complete or not at all.
 
 A save writes into ``<path>.partial-<id>/`` (rank 0 picks the name, creates it with a lock file
-naming its process and host, and every rank learns it);
-:func:`commit` makes it visible as ``<path>`` with one rename, or two when replacing an
-existing checkpoint (the old one is moved to ``<path>.old-<id>`` first and deleted after). A
-crash between those two renames leaves the old checkpoint at ``<path>.old-<id>``, which the
-next :func:`prepare` puts back. ``overwrite=True`` replaces only vfsdp checkpoints (directories
+naming its process and host, and every rank learns it); :func:`commit` makes it visible as
+``<path>`` with one rename, or two when replacing an existing checkpoint (the old one is moved
+to ``<path>.old-<id>`` first and deleted after). A crash between those two renames leaves the
+old checkpoint at ``<path>.old-<id>``, which the next :func:`prepare` puts back, and the new one
+in ``<path>.partial-<id>``, whose lock (removed only once it is in place) lets that
+:func:`prepare` delete it. ``overwrite=True`` replaces only vfsdp checkpoints (directories
 holding a manifest), never another directory. A save removes another save's unfinished
 directory only when its lock proves that save dead (same host, process gone), so two jobs
 saving to one path never delete each other's work.
@@ -114,20 +115,21 @@ def _dead(partial: str) -> bool:
 
 def _recover_interrupted_overwrite(path: str) -> None:
     """An overwrite that died between its two renames left ``<path>.old-*`` and no ``<path>``:
-    put the previous checkpoint back."""
+    put the previous checkpoint back. One that died after them left ``<path>.old-*`` beside
+    the new ``<path>``: delete it."""
     parent, base = os.path.dirname(path), os.path.basename(path)
-    if os.path.exists(path):
-        return
     old = sorted(n for n in os.listdir(parent) if n.startswith(base + ".old-")
                  and os.path.exists(os.path.join(parent, n, MANIFEST)))
-    if old:
-        os.rename(os.path.join(parent, old[-1]), path)
+    if old and not os.path.exists(path):
+        os.rename(os.path.join(parent, old.pop()), path)
+    for name in old:
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 def commit(tmp: str, path: str) -> None:
-    """Make ``tmp`` visible as ``path``: one rename (two when replacing a checkpoint)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(tmp, LOCK))
+    """Make ``tmp`` visible as ``path``: one rename (two when replacing a checkpoint). The
+    lock goes last, from ``path``: a save that dies between the renames leaves a ``.partial``
+    whose lock names a dead process, which the next save removes."""
     fsync_dir(tmp)
     path = os.path.abspath(path)
     if os.path.exists(path):
@@ -141,4 +143,7 @@ def commit(tmp: str, path: str) -> None:
         shutil.rmtree(aside, ignore_errors=True)
     else:
         os.rename(tmp, path)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(path, LOCK))
+    fsync_dir(path)
     fsync_dir(os.path.dirname(path))

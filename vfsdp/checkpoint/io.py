@@ -27,7 +27,7 @@ from vfsdp._torch_private import groups_are_per_thread
 from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.atomic import commit, prepare
 from vfsdp.checkpoint.entries import Entry, flatten, tensor_bytes, unflatten
-from vfsdp.checkpoint.manifest import METADATA, match_manifest, single_layout, write_manifest
+from vfsdp.checkpoint.manifest import METADATA, describe_mesh, match_manifest, single_layout, write_manifest
 from vfsdp.checkpoint.parts import (
     check_one_tree,
     check_parts,
@@ -398,7 +398,8 @@ def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = No
         else:
             check_one_tree(manifest, path)
             entries = flatten(tree_like, spec, "vfsdp.checkpoint.load")
-        values = match_manifest(manifest, entries, strict, path)
+        values = match_manifest(manifest, entries, strict, path, None if spec is None else
+                                describe_mesh(spec.mesh_shape, spec.model_axis))
         verify_files(path, manifest)
         with open(os.path.join(path, METADATA), "rb") as f:
             if zlib.crc32(f.read()) != manifest["metadata_crc"]:

@@ -11,6 +11,7 @@ import json
 import os
 import time
 import zlib
+from typing import Optional
 
 import torch
 
@@ -18,14 +19,22 @@ from vfsdp.checkpoint.entries import Entry, dtype_name, parse_dtype
 from vfsdp.checkpoint.storage import FORMAT, MANIFEST, VERSION, CheckpointError, manifest_checksum
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["write_manifest", "match_manifest", "single_layout", "METADATA"]
+__all__ = ["write_manifest", "match_manifest", "single_layout", "describe_mesh", "METADATA"]
 
 METADATA = ".metadata"
 
 
 def single_layout(spec: ShardSpec) -> dict:
     """What the manifest records of a one-tree save's plan."""
-    return {"mesh_shape": list(spec.mesh_shape), "spec_fingerprint": spec.fingerprint}
+    axis = spec.model_axis
+    return {"mesh_shape": list(spec.mesh_shape), "spec_fingerprint": spec.fingerprint,
+            "model_axis": None if axis is None else list(axis[:2])}
+
+
+def describe_mesh(mesh_shape, model_axis) -> str:
+    """``data mesh (2,), tp=2``: what a state's shape may follow."""
+    split = f", {model_axis[0]}={model_axis[1]}" if model_axis else ""
+    return f"data mesh {tuple(mesh_shape)}{split}"
 
 
 def write_manifest(tmp: str, entries: list[Entry], layout: dict, world: int,
@@ -62,8 +71,16 @@ def write_manifest(tmp: str, entries: list[Entry], layout: dict, world: int,
     os.rename(tmp_manifest, os.path.join(tmp, MANIFEST))
 
 
-def match_manifest(manifest: dict, entries: list[Entry], strict: bool, path: str) -> dict:
+def match_manifest(manifest: dict, entries: list[Entry], strict: bool, path: str,
+                   mesh: Optional[str] = None) -> dict:
+    """The saved plain values for ``entries``, after checking each against the manifest.
+
+    ``mesh``: the loading spec's :func:`describe_mesh`; when it differs from the saved one, a
+    shape mismatch is reported as what it most likely is, a state that follows the mesh."""
     saved = {e["name"]: e for e in manifest["entries"]}
+    was = describe_mesh(manifest["mesh_shape"], manifest.get("model_axis")) \
+        if "mesh_shape" in manifest else None
+    moved = mesh is not None and was is not None and was != mesh
     for e in entries:
         s = saved.get(e.name)
         if s is None:
@@ -77,6 +94,15 @@ def match_manifest(manifest: dict, entries: list[Entry], strict: bool, path: str
                                   f"{e.describe()}")
         if e.kind != "value":
             shape, dtype = tuple(s["shape"]), parse_dtype(s["dtype"])
+            if shape != tuple(e.shape) and dtype == e.dtype and moved:
+                raise CheckpointError(f"{path}: {e.name} was saved as {shape} {s['dtype']}, the "
+                                      f"tree has {tuple(e.shape)}: the mesh changed (saved on "
+                                      f"{was}, loading on {mesh}), and this "
+                                      f"state's shape follows each rank's TP/EP piece (e.g. "
+                                      f"8-bit AdamW's per-piece scales), so it does not "
+                                      f"reshard. Load on a mesh of the saved shape, or load "
+                                      f"the parameters alone (strict=False, without this "
+                                      f"state) and initialise the optimizer state afresh")
             if shape != tuple(e.shape) or dtype != e.dtype:
                 raise CheckpointError(f"{path}: {e.name} was saved as {shape} {s['dtype']}, the "
                                       f"tree has {tuple(e.shape)} {dtype_name(e.dtype)}; "

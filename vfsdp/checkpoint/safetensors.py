@@ -10,10 +10,13 @@ those. vfsdp writes and reads the format itself; the ``safetensors`` package is 
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import itertools
 import json
 import math
 import os
+import re
 import struct
 import uuid
 from typing import Any, Optional
@@ -24,7 +27,8 @@ import torch.distributed as dist
 from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, tensor_bytes, unflatten
 from vfsdp.checkpoint.export import Rename, entries_and_names, stream_full, stream_order
-from vfsdp.checkpoint.storage import CheckpointError
+from vfsdp.checkpoint.layouts import candidates, parts
+from vfsdp.checkpoint.storage import MANIFEST, CheckpointError
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["save_safetensors", "load_safetensors", "read_header"]
@@ -51,7 +55,8 @@ def _nbytes(e: Entry) -> int:
 
 def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst: int = 0,
                      rename: Rename = None, metadata: Optional[dict] = None,
-                     max_shard_size: Optional[int] = None) -> None:
+                     max_shard_size: Optional[int] = None,
+                     hf_layout: Optional[str] = None) -> None:
     """Write full tensors to one safetensors file on rank ``dst``, one unit at a time; collective.
 
     The file is written under a temporary name and renamed when complete. Plain values go
@@ -71,11 +76,23 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
         rename: ``dotted name -> tensor name`` in the file.
         metadata: Extra ``str -> str`` header metadata.
         max_shard_size: Bytes per file; ``None``: one file.
+        hf_layout: How mixture-of-experts weights are stored. ``None`` or ``"fused"``: as
+            the tree holds them (``experts.gate_up_proj`` ``(E, 2I, H)``, which
+            ``transformers`` 5's ``from_pretrained`` loads as it is). ``"per_expert"``: one
+            tensor per expert, as ``save_pretrained`` writes Qwen2/3-MoE, DeepSeek and the
+            like (``experts.N.gate_proj.weight``, ``up_proj``, ``down_proj``);
+            ``"mixtral"``: as it writes Mixtral (``block_sparse_moe.experts.N.w1.weight``,
+            ``w3``, ``w2``, and ``block_sparse_moe`` for every ``mlp``). Both load with
+            ``from_pretrained`` and with readers that know only per-expert names. The bytes
+            are the same: only the header's names and offsets differ.
 
     Raises:
         TypeError: a dtype safetensors cannot store, or non-string metadata.
-        ValueError: ``rename`` maps two names to one key.
+        ValueError: ``rename`` maps two names to one key, or an unknown ``hf_layout``.
         OSError: the file cannot be written (on ``dst``; the others raise CheckpointError).
+        CheckpointError: the directory holds a ``vfsdp.checkpoint.save`` checkpoint (one
+            directory holds one checkpoint; a save there replaces the other Hugging Face
+            form: a single file removes an index and its shards, and the reverse).
 
     Example:
         >>> import os, tempfile
@@ -91,18 +108,17 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
     path = os.fspath(path)
     rank = dist.get_rank()
     entries, names = entries_and_names(tree, spec, rename, "vfsdp.checkpoint.save_safetensors")
+    agreed(parts, "", (), hf_layout)  # an unknown layout: every rank raises
     files = agreed(_split, entries, max_shard_size)  # [(file name, [entry names])]
     if max_shard_size is None:
-        targets = [os.path.join(path, "model.safetensors") if os.path.isdir(path) else path]
+        targets = [os.path.join(path, SINGLE) if os.path.isdir(path) else path]
     else:
-        if rank == dst:
-            agreed(os.makedirs, path, exist_ok=True)
-        else:
-            agreed(lambda: None)
         targets = [os.path.join(path, name) for name, _ in files]
+    agreed(_prepare_dir, targets[0], max_shard_size is not None, rank == dst)
     which = {n: k for k, (_, group) in enumerate(files) for n in group}
     blobs = agreed(lambda: [_header(entries, names, metadata if k == 0 else None, set(group),
-                                    values=k == 0) for k, (_, group) in enumerate(files)])
+                                    values=k == 0, layout=hf_layout)
+                            for k, (_, group) in enumerate(files)])
     error = None
     current, f, tmp = -1, None, None
     for name, value in stream_full(entries, dst):
@@ -130,7 +146,8 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
                 _close(f, tmp, targets[current])
                 f = None
                 if max_shard_size is not None:
-                    _write_index(path, entries, names, files)
+                    _write_index(path, entries, names, files, hf_layout)
+                _remove_other_forms(targets)
         except Exception as exc:  # noqa: BLE001
             error = error or exc
         finally:
@@ -142,6 +159,53 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
 
 
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_PARTIAL = re.compile(r"\.partial-[0-9a-f]{12}")
+
+
+def _prepare_dir(target: str, sharded: bool, writer: bool) -> None:
+    """On the writing rank: create a sharded save's directory; refuse a directory that holds
+    a vfsdp checkpoint (one checkpoint per directory)."""
+    if not writer:
+        return
+    folder = os.path.dirname(os.path.abspath(target))
+    if sharded:
+        os.makedirs(folder, exist_ok=True)
+    if os.path.exists(os.path.join(folder, MANIFEST)):
+        raise CheckpointError(f"save_safetensors: {folder} holds a vfsdp checkpoint "
+                              f"({MANIFEST}); one directory holds one checkpoint: export to "
+                              f"another directory")
+
+
+def _remove_other_forms(targets: list[str]) -> None:
+    """After a save into Hugging Face's names: what another form (or an older save) left in
+    that directory, so that every reader reads this save. A single ``model.safetensors``
+    replaces a sharded save's index and files; a sharded save replaces ``model.safetensors``
+    and an older save's other shard files. Unfinished files of the same names (a save that
+    died) go too."""
+    folder = os.path.dirname(os.path.abspath(targets[0]))
+    names = {os.path.basename(t) for t in targets}
+    single = names == {SINGLE}
+    hf = single or all(_SHARD.fullmatch(n) for n in names)
+
+    def stale(name: str) -> bool:
+        if name in names:
+            return False
+        if name == INDEX:
+            return single
+        return hf and (name == SINGLE or bool(_SHARD.fullmatch(name)))
+
+    for name in os.listdir(folder):
+        partial = _PARTIAL.search(name)
+        if partial is None:
+            drop = stale(name)
+        else:
+            base = name[:partial.start()]
+            drop = base in names or stale(base) or (hf and base == INDEX)
+        if drop:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, name))
 
 
 def _split(entries: list[Entry], max_bytes: Optional[int]) -> list[tuple[str, list]]:
@@ -165,10 +229,12 @@ def _split(entries: list[Entry], max_bytes: Optional[int]) -> list[tuple[str, li
     return [(f"model-{k + 1:05d}-of-{total:05d}.safetensors", g) for k, g in enumerate(groups)]
 
 
-def _write_index(path: str, entries: list[Entry], names: dict, files: list) -> None:
+def _write_index(path: str, entries: list[Entry], names: dict, files: list,
+                 layout: Optional[str]) -> None:
     by_name = {e.name: e for e in entries}
     index = {"metadata": {"total_size": sum(_nbytes(by_name[n]) for _, g in files for n in g)},
-             "weight_map": {names[n]: file for file, g in files for n in g}}
+             "weight_map": {key: file for file, g in files for n in g
+                            for key, _ in _records(by_name[n], names, layout)}}
     tmp = os.path.join(path, f"{INDEX}.partial-{uuid.uuid4().hex[:12]}")
     with open(tmp, "w") as f:
         json.dump(index, f, indent=2, sort_keys=True)
@@ -182,17 +248,28 @@ def _close(f, tmp: str, path: str) -> None:
     os.replace(tmp, path)
 
 
+def _records(e: Entry, names: dict, layout: Optional[str]) -> list[tuple[str, tuple]]:
+    """The file tensors ``(key, shape)`` that store entry ``e``, in byte order."""
+    found = parts(names[e.name], tuple(e.shape), layout)
+    return [(names[e.name], tuple(e.shape))] if found is None else found
+
+
 def _header(entries: list[Entry], names: dict, metadata: Optional[dict],
-            only: Optional[set] = None, values: bool = True) -> bytes:
+            only: Optional[set] = None, values: bool = True,
+            layout: Optional[str] = None) -> bytes:
     header: dict = {}
     offset = 0
     for e in stream_order(entries):
         if e.kind == "value" or (only is not None and e.name not in only):
             continue
-        n = _nbytes(e)
-        header[names[e.name]] = {"dtype": _code(e), "shape": list(e.shape),
-                                 "data_offsets": [offset, offset + n]}
-        offset += n
+        for key, shape in _records(e, names, layout):
+            if key in header:
+                raise ValueError(f"save_safetensors: two tensors are both stored as {key!r} "
+                                 f"(hf_layout={layout!r}); rename one")
+            n = math.prod(shape) * e.dtype.itemsize
+            header[key] = {"dtype": _code(e), "shape": list(shape),
+                           "data_offsets": [offset, offset + n]}
+            offset += n
     meta = dict(metadata or {})
     if any(not isinstance(k, str) or not isinstance(v, str) for k, v in meta.items()):
         raise TypeError("safetensors metadata must map str to str")
@@ -214,10 +291,31 @@ def _open(tmp: str, blob: bytes):
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict, int]:
-    """``(header, data start)`` of a safetensors file.
+    """``(header, data start)`` of a safetensors file, its header checked as the format
+    requires: each tensor's ``data_offsets`` span exactly ``shape x dtype`` bytes, the tensors
+    lie back to back from the data's first byte, without gaps or overlaps, and the last one
+    ends where the file does.
+
+    Args:
+        path: The ``.safetensors`` file.
+
+    Returns:
+        ``(header, data start)``: the parsed JSON header and the byte where the data begins.
 
     Raises:
-        CheckpointError: not a safetensors file, or truncated.
+        CheckpointError: not a safetensors file, truncated, or a header that breaks the
+            format (naming the file, the tensor and what differs).
+
+    Example:
+        >>> import os, struct, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "bad.safetensors")
+        >>> blob = b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}'
+        >>> with open(path, "wb") as f:
+        ...     _ = f.write(struct.pack("<Q", len(blob)) + blob + bytes(12))
+        >>> read_header(path)
+        Traceback (most recent call last):
+        ...
+        vfsdp.checkpoint.storage.CheckpointError: ...'w' starts at byte 4 of the data...
     """
     size = os.path.getsize(path)
     with open(path, "rb") as f:
@@ -231,11 +329,54 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
             header = json.loads(f.read(n))
         except ValueError as exc:
             raise CheckpointError(f"{path}: unreadable safetensors header ({exc})") from None
-    end = max([v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"], default=0)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is a {type(header).__name__}, "
+                              f"not a JSON object")
+    end = _check_offsets(path, header)
     if 8 + n + end > size:
         raise CheckpointError(f"{path} has {size} bytes but its header needs {8 + n + end} "
                               f"(truncated)")
+    if 8 + n + end < size:
+        raise CheckpointError(f"{path} has {size - 8 - n - end} bytes after its last tensor; "
+                              f"the safetensors format ends the file with the last tensor "
+                              f"(a corrupt or foreign file: re-export it)")
     return header, 8 + n
+
+
+def _check_offsets(path: str, header: dict) -> int:
+    """The data's length in bytes, after checking every record of ``header``."""
+    spans = []
+    for key, rec in header.items():
+        if key == "__metadata__":
+            continue
+        ok = isinstance(rec, dict) and isinstance(rec.get("shape"), list) and all(
+            isinstance(d, int) and d >= 0 for d in rec["shape"]) and isinstance(
+            rec.get("data_offsets"), list) and len(rec["data_offsets"]) == 2 and all(
+            isinstance(o, int) and o >= 0 for o in rec["data_offsets"])
+        if not ok:
+            raise CheckpointError(f"{path}: tensor {key!r} has a malformed header record "
+                                  f"{rec!r}; it needs dtype, shape (non-negative ints) and "
+                                  f"data_offsets [begin, end]")
+        if rec.get("dtype") not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {key!r} has dtype {rec.get('dtype')!r}, "
+                                  f"which vfsdp cannot read (it reads {sorted(_DTYPES)})")
+        begin, stop = rec["data_offsets"]
+        need = math.prod(rec["shape"]) * _DTYPES[rec["dtype"]].itemsize
+        if stop - begin != need:
+            raise CheckpointError(f"{path}: tensor {key!r} has data_offsets [{begin}, {stop}] "
+                                  f"({stop - begin} bytes), but its shape {rec['shape']} of "
+                                  f"{rec['dtype']} needs {need} bytes; the file is corrupt")
+        spans.append((begin, stop, key))
+    at, last = 0, None
+    for begin, stop, key in sorted(spans):
+        if begin != at:
+            after = f" ({last!r})" if last is not None else ""
+            raise CheckpointError(f"{path}: tensor {key!r} starts at byte {begin} of the data, "
+                                  f"but the tensors before it end at byte {at}{after}; the "
+                                  f"safetensors format requires contiguous, non-overlapping "
+                                  f"data_offsets (the file is corrupt)")
+        at, last = stop, key
+    return at
 
 
 def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *,
@@ -251,7 +392,10 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
             Hugging Face export), or a directory of a Hugging Face checkpoint: several files
             and ``model.safetensors.index.json`` (or one ``model.safetensors``). Each rank
             reads the files' headers, then only its own pieces' bytes.
-        tree_like: Shards (and optionally states) to fill in place.
+        tree_like: Shards (and optionally states) to fill in place. A mixture-of-experts
+            tensor (``experts.gate_up_proj``, ``experts.down_proj``) the file lacks is read
+            from its per-expert tensors, as ``save_pretrained`` writes them (see
+            ``save_safetensors``'s ``hf_layout``).
         spec: Their spec.
         strict: Refuse tensors in the file that ``tree_like`` lacks.
         rename: ``dotted name -> tensor name`` in the file.
@@ -261,7 +405,8 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
 
     Raises:
         CheckpointError: a missing tensor or value, a shape or dtype mismatch, unused tensors
-            with ``strict``, or a truncated file.
+            with ``strict``, a truncated file, a header whose offsets break the format, or a
+            directory holding two checkpoints (each naming the file, tensor and difference).
 
     Example:
         >>> import os, tempfile
@@ -284,14 +429,20 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
 def _headers(path: str) -> tuple[dict, dict]:
     """``({tensor name: its header record plus "file" and "base"}, plain values)`` of a file
     or of a Hugging Face checkpoint directory."""
+    weight_map = None
     if os.path.isdir(path):
         index = os.path.join(path, INDEX)
+        if os.path.exists(index) and os.path.exists(os.path.join(path, SINGLE)):
+            raise CheckpointError(f"{path} holds two checkpoints: {SINGLE} and a sharded one "
+                                  f"({INDEX}), which readers choose between differently; "
+                                  f"delete the stale one, or save again with "
+                                  f"vfsdp.checkpoint.save_safetensors (it removes the other)")
         if os.path.exists(index):
             with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-            files = [os.path.join(path, name) for name in files]
-        elif os.path.exists(os.path.join(path, "model.safetensors")):
-            files = [os.path.join(path, "model.safetensors")]
+                weight_map = json.load(f)["weight_map"]
+            files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        elif os.path.exists(os.path.join(path, SINGLE)):
+            files = [os.path.join(path, SINGLE)]
         else:
             raise CheckpointError(f"{path} holds neither {INDEX} nor model.safetensors")
     else:
@@ -302,8 +453,18 @@ def _headers(path: str) -> tuple[dict, dict]:
         header, base = read_header(file)
         values.update(json.loads(header.get("__metadata__", {}).get(_VALUES, "{}")))
         for key, rec in header.items():
-            if key != "__metadata__":
-                merged[key] = {**rec, "file": file, "base": base}
+            if key == "__metadata__":
+                continue
+            if key in merged:
+                raise CheckpointError(f"{path}: tensor {key!r} is in both "
+                                      f"{os.path.basename(merged[key]['file'])} and "
+                                      f"{os.path.basename(file)}; the checkpoint is corrupt")
+            merged[key] = {**rec, "file": file, "base": base}
+    for key, name in (weight_map or {}).items():
+        if key not in merged or os.path.basename(merged[key]["file"]) != name:
+            found = os.path.basename(merged[key]["file"]) if key in merged else "no file"
+            raise CheckpointError(f"{path}: {INDEX} puts tensor {key!r} in {name}, but it is in "
+                                  f"{found}; the checkpoint is corrupt or mixes two saves")
     return merged, values
 
 
@@ -316,75 +477,94 @@ def _read_into(path: str, tree_like: Any, spec: ShardSpec, strict: bool, rename:
         if key in names.values():
             raise ValueError(f"load_safetensors: rename maps two entries to {key!r}")
         names[e.name] = key
+    stored: dict = {}  # entry name -> [(file tensor key, its record)], in the tensor's order
     for e in entries:
         key = names[e.name]
         if e.kind == "value":
             if key not in values:
                 raise CheckpointError(f"{path}: no value {key!r} (for {e.name})")
             continue
-        rec = header.get(key)
-        if rec is None:
-            raise CheckpointError(f"{path}: no tensor {key!r} (for {e.name})")
-        if tuple(rec["shape"]) != tuple(e.shape) or _DTYPES.get(rec["dtype"]) != e.dtype:
-            raise CheckpointError(f"{path}: {key!r} is {tuple(rec['shape'])} {rec['dtype']}, "
-                                  f"{e.name} needs {tuple(e.shape)} {dtype_name(e.dtype)}")
+        options = candidates(key, tuple(e.shape))
+        found = next((c for c in options if all(k in header for k, _ in c)), None)
+        if found is None:
+            other = f" nor its per-expert tensors ({options[1][0][0]}, ...)" \
+                if len(options) > 1 else ""
+            raise CheckpointError(f"{path}: no tensor {key!r}{other} (for {e.name})")
+        for k, shape in found:
+            rec = header[k]
+            if tuple(rec["shape"]) != shape or _DTYPES.get(rec["dtype"]) != e.dtype:
+                raise CheckpointError(f"{path}: {k!r} is {tuple(rec['shape'])} {rec['dtype']}, "
+                                      f"{e.name} needs {shape} {dtype_name(e.dtype)}")
+        stored[e.name] = [(k, header[k]) for k, _ in found]
     if strict:
-        extra = sorted(set(header) - {"__metadata__"} - {names[e.name] for e in entries
-                                                          if e.kind != "value"})
+        extra = sorted(set(header) - {"__metadata__"} - {k for found in stored.values()
+                                                          for k, _ in found})
         if extra:
             raise CheckpointError(f"{path} holds tensors the tree does not: {extra[:5]}; pass "
                                   f"strict=False to load a subset")
     opened: dict = {}
     try:
         with torch.no_grad():
-            _read_pieces(entries, names, header, opened, path)
+            _read_pieces(entries, stored, opened, path)
     finally:
         for f in opened.values():
             f.close()
     return {e.name: values[names[e.name]] for e in entries if e.kind == "value"}
 
 
-def _read_pieces(entries: list, names: dict, header: dict, opened: dict, path: str) -> None:
+class _Source:
+    """A tensor's bytes, stored whole or as consecutive pieces (per-expert tensors): reads a
+    flat range of elements from the pieces it spans."""
+
+    def __init__(self, found: list, opened: dict, item: int, path: str, name: str) -> None:
+        self.recs = [rec for _, rec in found]
+        self.starts = list(itertools.accumulate((math.prod(r["shape"]) for r in self.recs),
+                                                initial=0))
+        self.opened, self.item, self.path, self.name = opened, item, path, name
+
+    def read(self, flat: int, count: int) -> bytearray:
+        raw = bytearray(count * self.item)  # a host buffer: numpy views would pin the storage
+        k = bisect.bisect_right(self.starts, flat) - 1
+        at = flat
+        while at < flat + count:
+            rec, lo = self.recs[k], self.starts[k]
+            stop = min(self.starts[k + 1], flat + count)
+            f = self.opened.get(rec["file"])
+            if f is None:
+                f = self.opened[rec["file"]] = open(rec["file"], "rb")  # noqa: SIM115 - closed by the caller
+            f.seek(rec["base"] + rec["data_offsets"][0] + (at - lo) * self.item)
+            view = memoryview(raw)[(at - flat) * self.item:(stop - flat) * self.item]
+            if f.readinto(view) != len(view):
+                raise CheckpointError(f"{self.path}: {self.name} ends early (truncated)")
+            at, k = stop, k + 1
+        return raw
+
+
+def _read_pieces(entries: list, stored: dict, opened: dict, path: str) -> None:
     for e in entries:
         if e.kind == "value":
             continue
         target = e.piece.local if e.kind == "sharded" else e.tensor
         if not target.numel():
             continue
-        rec = header[names[e.name]]
-        f = opened.get(rec["file"])
-        if f is None:
-            f = opened[rec["file"]] = open(rec["file"], "rb")  # noqa: SIM115 - closed above
-        begin = rec["base"] + rec["data_offsets"][0]
-        start = e.piece.start if e.kind == "sharded" else 0
+        source = _Source(stored[e.name], opened, target.element_size(), path, e.name)
         if e.kind == "sharded" and e.piece.within is not None:  # a TP/EP piece's boxes
             for offsets, sizes in e.piece.boxes():
                 e.piece.box_data(offsets, sizes).copy_(
-                    _read_box(f, begin, tuple(e.shape), offsets, sizes, target.dtype,
-                              path, e.name))
+                    _read_box(source, tuple(e.shape), offsets, sizes, target.dtype))
             continue
-        nbytes = target.numel() * target.element_size()
-        f.seek(begin + start * target.element_size())
-        raw = bytearray(nbytes)  # a host buffer: numpy views would pin the shard's storage
-        if f.readinto(raw) != nbytes:
-            raise CheckpointError(f"{path}: {e.name} ends early (truncated)")
+        raw = source.read(e.piece.start if e.kind == "sharded" else 0, target.numel())
         target.copy_(torch.frombuffer(raw, dtype=target.dtype).view(target.shape))
 
 
-def _read_box(f, begin: int, shape: tuple, offsets: tuple, sizes: tuple, dtype: torch.dtype,
-              path: str, name: str) -> torch.Tensor:
-    """One N-D box of a row-major tensor stored at byte ``begin``, read row by row."""
-    item = torch.empty((), dtype=dtype).element_size()  # cpu: metadata only
+def _read_box(source: _Source, shape: tuple, offsets: tuple, sizes: tuple,
+              dtype: torch.dtype) -> torch.Tensor:
+    """One N-D box of a row-major tensor, read row by row."""
     out = torch.empty(sizes, dtype=dtype)  # cpu: a host buffer, copied into the target
     rows = out.reshape(-1, sizes[-1]) if sizes else out.reshape(1, 1)
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     for j, lead in enumerate(itertools.product(*(range(o, o + n) for o, n in
                                                  zip(offsets[:-1], sizes[:-1])))):
         flat = sum(i * st for i, st in zip(lead, strides)) + (offsets[-1] if offsets else 0)
-        nbytes = rows.shape[1] * item
-        f.seek(begin + flat * item)
-        raw = bytearray(nbytes)
-        if f.readinto(raw) != nbytes:
-            raise CheckpointError(f"{path}: {name} ends early (truncated)")
-        rows[j].copy_(torch.frombuffer(raw, dtype=dtype))
+        rows[j].copy_(torch.frombuffer(source.read(flat, rows.shape[1]), dtype=dtype))
     return out

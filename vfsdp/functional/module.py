@@ -142,6 +142,8 @@ class ModuleApply:
         self.module = module
         self.ties = ties
         self.buffers = dict(module.named_buffers())
+        persistent = module.state_dict(keep_vars=True)  # references only: nothing is copied
+        self._persistent = [n for n in self.buffers if n in persistent]
         paths, _, self._treespec = optree.tree_flatten_with_path(params)
         self._names = _names(paths)
         self.blocks = _blocks(params)
@@ -164,6 +166,46 @@ class ModuleApply:
                              f"{self._treespec.num_leaves}); pass the tree functionalize returned "
                              f"or one made from it (vfsdp.shard, vfsdp.gather)")
         return self._call(dict(zip(self._names, leaves)), args, kwargs)
+
+    def state_tree(self, shards: Any) -> Any:
+        """``shards`` with the module's persistent buffers (BatchNorm's running statistics)
+        added at their dotted names: the tree whose export has the keys ``state_dict()`` has.
+
+        :func:`vfsdp.checkpoint.save_safetensors` and ``to_state_dict`` write each buffer
+        from ``dst``'s copy (a buffer is whole on every rank); ``load_safetensors`` and
+        ``from_state_dict`` fill ``apply.buffers`` in place on every rank.
+
+        Args:
+            shards: This rank's shards (or any tree shaped as :func:`functionalize`'s).
+
+        Returns:
+            A new tree (the same tensors; new containers) with the buffers added.
+
+        Raises:
+            ValueError: a buffer's name is already a leaf of ``shards``.
+
+        Example:
+            >>> import torch, vfsdp
+            >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+            >>> params, apply = vfsdp.functionalize(net)
+            >>> sorted(apply.state_tree(params)[1])   # a Sequential of modules with tensors: a list
+            ['bias', 'num_batches_tracked', 'running_mean', 'running_var', 'weight']
+        """
+        def copy(node):
+            if isinstance(node, dict):
+                return {k: copy(v) for k, v in node.items()}
+            return [copy(v) for v in node] if isinstance(node, list) else node
+
+        tree = copy(shards)
+        for name in self._persistent:
+            node = tree
+            *parents, leaf = name.split(".")
+            for part in parents:
+                node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+            if leaf in node:
+                raise ValueError(f"apply.state_tree: buffer {name} is already a leaf of the tree")
+            node[leaf] = self.buffers[name]
+        return tree
 
     def _call(self, tensors: dict, args: tuple, kwargs: dict, module=None, buffers=None) -> Any:
         self._claim()
@@ -302,7 +344,8 @@ def _without(spec: ShardSpec, path: tuple, block_spec: ShardSpec) -> ShardSpec:
                          f"of the blocks at {format_path(path)} and tensors outside them; plan "
                          f"with each block a unit of its own (the default units=)")
     units = {k: v for k, v in spec.units.items() if k in keys}
-    return ShardSpec(treespec, leaves, units, spec.mesh_shape, spec.mesh_dim_names)
+    return ShardSpec(treespec, leaves, units, spec.mesh_shape, spec.mesh_dim_names,
+                     {x.path for x in leaves if isinstance(x, TensorSpec)} & spec.frozen)
 
 
 class _Runner:

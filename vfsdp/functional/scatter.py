@@ -123,7 +123,8 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
             holds the global tensors and broadcasts each, one at a time, to the ranks at its
             data coordinates (one per model index), which scatter their index's pieces.
         mesh: A ``DeviceMesh`` matching ``spec.mesh_shape``; default: the default group.
-        requires_grad: Make floating-point shards require grad.
+        requires_grad: Make floating-point shards require grad, except the frozen ones
+            (``spec.frozen``: parameters with ``requires_grad=False``, which stay so).
 
     Returns:
         The tree of local shards, as :func:`vfsdp.shard` returns it.
@@ -215,7 +216,8 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
             for i, k in members:
                 if k not in views:
                     views[k] = db.local(k)
-                    if requires_grad and views[k].is_floating_point():
+                    if requires_grad and views[k].is_floating_point() and \
+                            db.tensors[k].path not in spec.frozen:
                         views[k].requires_grad_(True)
                 out[i] = views[k]
     if coords is not None:

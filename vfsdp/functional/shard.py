@@ -62,7 +62,8 @@ def shard(
         mesh: A ``DeviceMesh`` matching ``spec.mesh_shape``; default: the default group.
         src: The rank holding the full tensors (see above).
         init_fn: Per-piece initialiser (exclusive with ``src``).
-        requires_grad: Make floating-point shards require grad.
+        requires_grad: Make floating-point shards require grad, except the frozen ones
+            (``spec.frozen``: parameters with ``requires_grad=False``, which stay so).
 
     Returns:
         The tree of local shards.
@@ -98,7 +99,8 @@ def shard(
             views: dict = {}  # one tensor per buffer index: a tie stays one tensor
             for i, k in members:
                 if k not in views:
-                    views[k] = _init_piece(db, k, init_fn, requires_grad)
+                    views[k] = _init_piece(db, k, init_fn, requires_grad
+                                           and db.tensors[k].path not in spec.frozen)
                 out[i] = views[k]
     prepare(spec, units)  # what a compiled step reads (vfsdp.functional.traced)
     return optree.tree_unflatten(spec.treespec, out)

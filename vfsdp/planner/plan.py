@@ -336,6 +336,7 @@ class Prepared:
     tied: dict                 # leaf index -> the leaf index it repeats
     members: dict              # unit key -> (leaf indices, paths, shapes, numels, blocks, dtype)
     strided: Optional[list]    # leaf index -> StridedRaggedShard, for a tp= plan
+    frozen: frozenset = frozenset()  # paths of frozen tensors (ShardSpec.frozen)
 
 
 def prepare(params: Any, granularity: Granularity = None, units: Units = None,
@@ -384,7 +385,9 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
                 )
         idx, ps, shapes, numels, blocks, _ = (tuple(c) for c in zip(*rows))
         members[key] = (idx, ps, shapes, numels, blocks, dtype)
-    return Prepared(treespec, len(leaves), tied, members, strided)
+    frozen = frozenset(paths[i] for i in t_idx if isinstance(leaves[i], torch.nn.Parameter)
+                       and not leaves[i].requires_grad)
+    return Prepared(treespec, len(leaves), tied, members, strided, frozen)
 
 
 def unit_layouts(prepared: Prepared, m: int, alignment_bytes: int = 16,
@@ -455,7 +458,8 @@ def assemble(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout], mesh_sh
             out_leaves[idx[order[k]]] = t
     for i, first in prepared.tied.items():  # a tie is one tensor: its spec at every place
         out_leaves[i] = out_leaves[first]
-    return ShardSpec(prepared.treespec, out_leaves, layouts, mesh_shape, mesh_names)
+    return ShardSpec(prepared.treespec, out_leaves, layouts, mesh_shape, mesh_names,
+                     frozen=prepared.frozen)
 
 
 def _order(layout: UnitLayout, paths: tuple) -> list:

@@ -19,7 +19,7 @@ import hashlib
 import itertools
 import math
 import statistics
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Optional
@@ -388,6 +388,9 @@ class ShardSpec:
         mesh_dim_names: Names of the mesh dims, or ``None``.
         world_size: ``m``, size of the shard dim.
         treespec: The optree structure of ``params``.
+        frozen: The paths of the frozen tensors: ``nn.Parameter`` leaves with
+            ``requires_grad=False`` (a module's ``requires_grad_(False)``). Their shards do
+            not require grad.
 
     Example:
         >>> layers = [{"w": torch.empty(8, 4)} for _ in range(2)]
@@ -398,11 +401,13 @@ class ShardSpec:
 
     # The plan's own data and caches of it (fingerprint, lookups, sub-specs, local plans):
     # nothing of any process's runtime.
-    __slots__ = ("units", "mesh_shape", "mesh_dim_names", "treespec", "_leaves", "_fingerprint",
-                 "_by_path", "_by_unit", "_subs", "_local", "__weakref__")
+    __slots__ = ("units", "mesh_shape", "mesh_dim_names", "treespec", "frozen", "_leaves",
+                 "_fingerprint", "_by_path", "_by_unit", "_subs", "_local", "__weakref__")
 
-    def __init__(self, treespec, leaves, units: Mapping, mesh_shape, mesh_dim_names=None) -> None:
+    def __init__(self, treespec, leaves, units: Mapping, mesh_shape, mesh_dim_names=None,
+                 frozen: Iterable = ()) -> None:
         set_ = object.__setattr__
+        set_(self, "frozen", frozenset(frozen))
         set_(self, "treespec", treespec)
         set_(self, "_leaves", tuple(leaves))
         set_(self, "units", MappingProxyType(dict(units)))
@@ -421,7 +426,7 @@ class ShardSpec:
 
     def __reduce__(self):
         return (ShardSpec, (self.treespec, self._leaves, dict(self.units), self.mesh_shape,
-                            self.mesh_dim_names))
+                            self.mesh_dim_names, self.frozen))
 
     @property
     def world_size(self) -> int:
@@ -538,7 +543,8 @@ class ShardSpec:
         _paths, leaves, treespec = optree.tree_flatten_with_path(sub)
         keys = {x.unit for x in leaves if isinstance(x, TensorSpec)}
         units = {k: v for k, v in self.units.items() if k in keys}
-        found = ShardSpec(treespec, leaves, units, self.mesh_shape, self.mesh_dim_names)
+        found = ShardSpec(treespec, leaves, units, self.mesh_shape, self.mesh_dim_names,
+                          {x.path for x in leaves if isinstance(x, TensorSpec)} & self.frozen)
         with contextlib.suppress(TypeError):  # an unhashable key: not kept
             self._subs[key] = found
         return found
@@ -555,6 +561,8 @@ class ShardSpec:
                                u.strided)).encode())
             for x in self._leaves:
                 h.update(repr(x._key() if isinstance(x, TensorSpec) else "passthrough").encode())
+            if self.frozen:
+                h.update(repr(sorted(map(repr, self.frozen))).encode())
             object.__setattr__(self, "_fingerprint", h.hexdigest())
         return self._fingerprint
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import vfsdp
-from vfsdp.collectives.groups import device_for
+from vfsdp.collectives.comm import device_for
 from vfsdp.testing import RankError, simulate
 from vfsdp.testing.models import GPTConfig, init_rule, meta_params
 

@@ -116,7 +116,7 @@ def _parse_unit(text: Optional[str]):
 
 
 def _calibrate_rank(tokens: int, repeats: int):
-    from vfsdp.collectives.groups import device_for
+    from vfsdp.collectives.comm import device_for
     from vfsdp.estimation.calibrate import calibrate
     from vfsdp.testing.models import example_layer
 

@@ -35,7 +35,7 @@ def group_ops_keep_padding_zero():
 def release_lets_go_of_memory():
     """The memory rule: a release lets go; views read as released, tensors made from them
     keep the values they were made from, the next gather hands out fresh memory."""
-    from vfsdp.collectives.released import ReleasedTensor
+    from vfsdp.collectives.dbuffer import ReleasedTensor
 
     world = dist.get_world_size()
     spec = _unit_spec(world)

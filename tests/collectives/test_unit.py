@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import vfsdp
 from vfsdp.collectives import DBuffer, Role, Unit, View, counts, reset_counts, resolve_groups, slot_of
-from vfsdp.collectives.events import observe
+from vfsdp.collectives.dbuffer import observe
 from vfsdp.testing import simulate
 
 
@@ -183,7 +183,7 @@ def _lifecycle():
     """Unit.state follows its transitions, and repr(unit) shows it, the buffers holding
     memory and what is pending."""
     from vfsdp.collectives import UnitState
-    from vfsdp.functional.backward import pending
+    from vfsdp.functional.gather import pending
 
     params = {"layers": [{"w": torch.full((4, 2), 0.5)} for _ in range(3)]}
     spec = vfsdp.plan(params, dist.get_world_size(), granularity=vfsdp.rows(1))

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import vfsdp
 import vfsdp.checkpoint as ckpt
-from vfsdp.collectives.groups import default_mesh
+from vfsdp.collectives.comm import default_mesh
 
 EVEN = {"a": torch.arange(32.0).reshape(8, 4)}   # S is whole, aligned rows: Shard(0)
 RAGGED = {"layers": [{"w": torch.arange(15.0).reshape(5, 3), "v": torch.arange(7.0) - 3}

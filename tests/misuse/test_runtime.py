@@ -8,7 +8,7 @@ import torch.distributed as dist
 import vfsdp
 from tests.misuse import runtime_bodies as b
 from vfsdp.collectives import IllegalTransition, UnitState, slot_of
-from vfsdp.functional.backward import pending
+from vfsdp.functional.gather import pending
 from vfsdp.testing import simulate, spawn
 
 

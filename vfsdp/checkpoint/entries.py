@@ -23,9 +23,8 @@ from typing import Any, Optional
 import optree
 import torch
 
-from vfsdp.collectives.dbuffer import DBuffer
+from vfsdp.collectives.dbuffer import DBuffer, View, slot_of
 from vfsdp.collectives.piece import Piece, tensor_piece
-from vfsdp.collectives.slot import View, slot_of
 from vfsdp.functional.state import Checkpointable
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec

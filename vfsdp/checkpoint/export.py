@@ -19,7 +19,7 @@ from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, unflatten
 from vfsdp.checkpoint.storage import CheckpointError
 from vfsdp.collectives import comm
-from vfsdp.collectives.groups import device_for
+from vfsdp.collectives.comm import device_for
 from vfsdp.collectives.scatter import scatter_unit
 from vfsdp.collectives.unit import export_full
 from vfsdp.planner.spec import ShardSpec

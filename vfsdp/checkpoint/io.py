@@ -46,7 +46,7 @@ from vfsdp.checkpoint.storage import (
     save_state,
     verify_files,
 )
-from vfsdp.collectives.groups import control_device, device_for
+from vfsdp.collectives.comm import control_device, device_for
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["save", "load", "AsyncSave", "CheckpointError"]

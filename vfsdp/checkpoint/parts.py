@@ -42,7 +42,7 @@ import torch
 
 from vfsdp.checkpoint.entries import Entry, flatten, is_state_leaf, unflatten
 from vfsdp.checkpoint.storage import CheckpointError
-from vfsdp.collectives.slot import slot_of
+from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, unit_name
 

@@ -4,10 +4,8 @@ Imports only ``vfsdp.planner`` and ``vfsdp.placements`` (and ``torch.distributed
 """
 
 from vfsdp.collectives.agree import agree, agreed
-from vfsdp.collectives.comm import counts, reset_counts
-from vfsdp.collectives.dbuffer import DBuffer
-from vfsdp.collectives.groups import MeshGroups, host_groups, resolve_groups
-from vfsdp.collectives.handle import Handle
+from vfsdp.collectives.comm import Handle, MeshGroups, counts, host_groups, reset_counts, resolve_groups
+from vfsdp.collectives.dbuffer import DBuffer, Role, Slot, View, slot_of
 from vfsdp.collectives.mirror import HostMirror
 from vfsdp.collectives.piece import Piece
 from vfsdp.collectives.redistribute import Redistribution, flat_redistribute
@@ -18,7 +16,6 @@ from vfsdp.collectives.reference import (
     reduce_scatter_reference,
 )
 from vfsdp.collectives.scatter import scatter_unit
-from vfsdp.collectives.slot import Role, Slot, View, slot_of
 from vfsdp.collectives.unit import IllegalTransition, Unit, UnitState
 
 __all__ = [

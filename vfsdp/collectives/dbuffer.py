@@ -25,26 +25,341 @@ anyone made from them, and the next gather gets fresh memory. Memory only vfsdp 
 accumulators) is resized in place. Nothing counts references, nothing can point at freed
 memory. Collectives write through ``tensor.data`` aliases, which do not share the autograd
 version counter: a gather does not invalidate what autograd saved.
+
+Storage aliases: new leaf tensors over a buffer's memory, made with one op.
+
+DBuffer hands out views of its shard and global buffer that are *not* autograd views of them:
+each has its own version counter (a collective writing the buffer does not invalidate what
+autograd saved) and survives the buffer's storage being resized to zero and back.
+
+Views of released memory raise instead of crashing.
+
+Releasing a buffer lets go of its memory: the views handed out earlier (the full tensors
+``vfsdp.gather`` returned, the gradient pieces ``vfsdp.grads`` returned) are pointed at a
+zero-byte storage (:func:`let_go`), and reading them would crash the process. Instead, on
+release every view a DBuffer handed out turns into a :class:`ReleasedTensor`: any torch
+operation on it raises a ``RuntimeError`` that names the tensor, the unit and what to do. The
+next gather (or backward) hands out new views of fresh memory; the released ones stay released.
+Only released views pay anything: live ones are ordinary ``torch.Tensor`` s.
+
+Metadata that does not read memory (shape, dtype, device, ``requires_grad``, ``repr``, where
+the memory is: ``untyped_storage``, ``stride``, ``data_ptr``) stays available, so debuggers,
+memory probes and error messages still work.
+
+Tensors made *from* those views (``x.T``, ``x.view(...)``, slices, ``x.detach()``) are not
+vfsdp's to change; they keep the memory they were made from, as torch views do, for as long as
+they live, and read the values it held. They never point at freed memory.
+
+What a tensor handed out by vfsdp carries: its :class:`Slot` (buffer, index, view, unit).
+
+Every view a :class:`~vfsdp.collectives.DBuffer` hands out (a shard, a gathered full tensor, a
+gradient piece) carries a ``Slot`` attribute naming the buffer, the tensor's index in the unit,
+the kind of view, and the :class:`~vfsdp.collectives.Unit`. Code that receives the tensor finds
+its buffers from it (:func:`slot_of`): no registry, no lookup by address. :class:`Role` says
+what a buffer holds.
+
+Buffer events for observers (the memory probes in ``vfsdp.testing``).
+
+A DBuffer reports ``"create"`` when it is made, ``"alloc"`` when its global buffer gets memory
+and ``"free"`` when it gives it back. Observers are callables ``(event, dbuffer)`` installed
+for a block of code on the current thread (one rank under ``simulate``) with :func:`observe`;
+no DBuffer is recorded anywhere unless an observer keeps it. Outside an ``observe`` block an
+event costs one thread-local attribute read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import functools
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 
+from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
-from vfsdp.collectives.alias import alias, view_of
-from vfsdp.collectives.events import emit
-from vfsdp.collectives.groups import MeshGroups
-from vfsdp.collectives.handle import Handle, comm_context
-from vfsdp.collectives.released import let_go, poison, revive
-from vfsdp.collectives.slot import SLOT, Role, Slot, View
+from vfsdp.collectives.comm import Handle, MeshGroups, comm_context
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
-__all__ = ["DBuffer"]
+__all__ = ["DBuffer", "alias", "contiguous_strides", "view_of", "ReleasedTensor", "let_go",
+           "poison", "revive", "Role", "View", "Slot", "slot_of", "SLOT", "observe", "emit"]
+
+
+@functools.lru_cache(maxsize=4096)
+def contiguous_strides(shape: tuple) -> tuple:
+    """Row-major strides of ``shape`` (computed, no tensor made).
+
+    Example:
+        >>> contiguous_strides((2, 3, 4)), contiguous_strides(())
+        ((12, 4, 1), ())
+    """
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def alias(storage_tensor: torch.Tensor, offset: int, shape: tuple,
+          stride: Optional[tuple] = None) -> torch.Tensor:
+    """A leaf tensor sharing ``storage_tensor``'s storage at ``offset`` (elements, from its
+    own offset): not an autograd view of it, with its own version counter. One op
+    (``as_strided_`` on a ``.data`` alias).
+
+    Example:
+        >>> x = torch.arange(6.0)
+        >>> a = alias(x, 2, (2, 2))
+        >>> a.tolist(), a._base is None, a.untyped_storage().data_ptr() == x.data_ptr()
+        ([[2.0, 3.0], [4.0, 5.0]], True, True)
+    """
+    out = storage_tensor.data
+    out.as_strided_(shape, contiguous_strides(shape) if stride is None else stride,
+                    storage_tensor.storage_offset() + offset)
+    return out
+
+
+def view_of(base: torch.Tensor, offset: int, shape: tuple,
+            stride: Optional[tuple] = None) -> torch.Tensor:
+    """An autograd view of ``base`` at ``offset`` (elements, from its own offset): one op
+    (``as_strided``), sharing ``base``'s version counter and keeping ``base`` alive. For
+    vfsdp's own views of a buffer that no autograd check reads the version of and that it
+    drops at release (the saved parameters ``run_layers`` hands its backward, a compute
+    copy's shard); :func:`alias` for views handed out.
+
+    Example:
+        >>> x = torch.arange(6.0)
+        >>> v = view_of(x, 2, (2, 2))
+        >>> v.tolist(), v._base is x
+        ([[2.0, 3.0], [4.0, 5.0]], True)
+    """
+    return base.as_strided(shape, contiguous_strides(shape) if stride is None else stride,
+                           base.storage_offset() + offset)
+
+
+_WHY = "_vfsdp_released"  # on a released view: the sentence explaining what happened
+
+_METADATA = {
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.requires_grad.__get__, torch.Tensor.is_leaf.__get__,
+    torch.Tensor.grad_fn.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
+    torch.Tensor.ndim.__get__, torch.Tensor._base.__get__, torch.Tensor.grad.__get__,
+    torch.Tensor.layout.__get__, torch.Tensor.is_cuda.__get__,
+    # where the memory is (memory probes ask), without reading it
+    torch.Tensor.untyped_storage, torch.Tensor.storage_offset, torch.Tensor.stride,
+    torch.Tensor.element_size, torch.Tensor.is_contiguous, torch.Tensor.data_ptr,
+    torch.Tensor.nbytes.__get__, torch.Tensor.itemsize.__get__,
+}
+
+
+class ReleasedTensor(torch.Tensor):
+    """A view of memory vfsdp released: torch operations on it raise ``RuntimeError``.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     full = vfsdp.gather(shards, spec)
+        ...     vfsdp.release(shards, spec)
+        ...     try:
+        ...         full["w"].sum()
+        ...     except RuntimeError as exc:
+        ...         return type(full["w"]).__name__, str(exc).split(";")[0]
+        >>> vfsdp.testing.simulate(2, body)[0]
+        ('ReleasedTensor', 'w (unit <root>) was released')
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            return super().__torch_function__(func, types, args, kwargs or {})
+        if func is torch.Tensor.__repr__:
+            t = args[0]
+            return (f"ReleasedTensor(shape={tuple(t.shape)}, dtype={t.dtype}: "
+                    f"{getattr(t, _WHY, 'released')})")
+        why = next((getattr(a, _WHY) for a in _flat(args, kwargs) if isinstance(a, ReleasedTensor)
+                    and hasattr(a, _WHY)), "this tensor's memory was released by vfsdp; it "
+                   "cannot be read")
+        raise RuntimeError(why)
+
+
+def _flat(args, kwargs) -> Iterable[Any]:
+    for a in list(args) + list((kwargs or {}).values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+def poison(views: Iterable[torch.Tensor], why: str) -> None:
+    """Turn live views into :class:`ReleasedTensor` s that raise ``why`` when used."""
+    for v in views:
+        if type(v) is torch.Tensor:
+            v.__class__ = ReleasedTensor
+        if type(v) is ReleasedTensor:
+            setattr(v, _WHY, why)
+
+
+def revive(views: Iterable[torch.Tensor]) -> None:
+    """Turn released views back into plain tensors: their memory was kept (a graph still
+    read it) and the unit is gathered again before it went."""
+    for v in views:
+        if type(v) is ReleasedTensor:
+            v.__class__ = torch.Tensor
+
+
+def let_go(view: torch.Tensor, dead: torch.Tensor) -> None:
+    """Point ``view`` at ``dead`` (a zero-byte storage, the same shape), with no op: ``view``
+    no longer holds its memory, which tensors made from it keep as long as they live."""
+    tp.set_data(view, dead)
+
+
+SLOT = "_vfsdp_slot"  # the attribute name on views
+
+
+class Role(enum.Enum):
+    """What a DBuffer holds.
+
+    Example:
+        >>> Role.PARAM.holds_params, Role.GRAD.holds_params
+        (True, False)
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     return slot_of(shards["w"]).buffer.role, slot_of(vfsdp.grads(shards, spec)["w"]).buffer.role
+        >>> vfsdp.testing.simulate(2, body)[0]
+        (<Role.PARAM: 'param'>, <Role.GRAD: 'grad'>)
+    """
+
+    PARAM = "param"      #: the parameters' master shard; gathered: the full parameters
+    COMPUTE = "compute"  #: a low-precision copy of the parameters, gathered for compute
+    GRAD = "grad"        #: the sharded gradients (persistent between backward and update)
+    ACCUM = "accum"      #: unsharded gradients accumulated without reducing (grad_sync=False)
+    STAGE = "stage"      #: the reduce-scatter input, in the reduction dtype
+    STATE = "state"      #: optimizer state with the parameters' layout
+
+    @property
+    def holds_params(self) -> bool:
+        """``PARAM`` and ``COMPUTE``: gathering one of them gathers parameters."""
+        return self in (Role.PARAM, Role.COMPUTE)
+
+
+class View(enum.Enum):
+    """Which memory a view aliases.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     shard, full = slot_of(shards["w"]), slot_of(vfsdp.gather(shards, spec)["w"])
+        ...     return shard.view, full.view
+        >>> vfsdp.testing.simulate(2, body)[0]
+        (<View.LOCAL: 'local'>, <View.FULL: 'full'>)
+    """
+
+    LOCAL = "local"  #: the rank's shard
+    FULL = "full"    #: the gathered global buffer
+
+
+@dataclass(frozen=True, eq=False)
+class Slot:
+    """Where a tensor handed out by a DBuffer lives. Read it with :func:`slot_of`.
+
+    Attributes:
+        buffer: The DBuffer.
+        index: The tensor's position in the unit's buffer order.
+        view: :attr:`View.LOCAL` or :attr:`View.FULL`.
+        unit: The :class:`~vfsdp.collectives.Unit` the buffer belongs to, if any.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     shard, full = slot_of(shards["w"]), slot_of(vfsdp.gather(shards, spec)["w"])
+        ...     return shard.index, shard.buffer is full.buffer, shard.unit is full.unit
+        >>> vfsdp.testing.simulate(2, body)[0]         # one buffer: its shard and its gathered view
+        (0, True, True)
+    """
+
+    buffer: Any  # the DBuffer
+    index: int
+    view: View
+    owner: Any = None  # the Unit, or a weak reference to it (views the unit itself keeps)
+
+    @property
+    def unit(self) -> Any:
+        """The :class:`~vfsdp.collectives.Unit` (``None`` if none, or if it is gone)."""
+        owner = self.owner
+        return owner() if isinstance(owner, weakref.ref) else owner
+
+    def __reduce__(self):
+        # A pickled tensor (torch.save, spawn results) is plain data: it carries no buffer.
+        return (_no_slot, ())
+
+
+def _no_slot() -> None:
+    return None
+
+
+def slot_of(t: Any) -> Optional[Slot]:
+    """The :class:`Slot` of a tensor a DBuffer handed out, or ``None`` for any other value.
+
+    Args:
+        t: Any value: a shard, a gathered view, a gradient piece, a plain tensor, ...
+
+    Returns:
+        The tensor's :class:`Slot`; ``None`` for a plain tensor or a non-tensor.
+
+    Raises:
+        TypeError: never: any value is accepted (a non-tensor has no slot).
+
+    Example:
+        >>> slot_of(torch.zeros(2)) is None, slot_of("w") is None
+        (True, True)
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     return slot_of(vfsdp.shard({"w": torch.ones(8)}, spec)["w"]).view
+        >>> vfsdp.testing.simulate(2, body)
+        [<View.LOCAL: 'local'>, <View.LOCAL: 'local'>]
+    """
+    return getattr(t, SLOT, None) if isinstance(t, torch.Tensor) else None
+
+
+Observer = Callable[[str, Any], None]
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def observe(observer: Observer) -> Iterator[None]:
+    """Call ``observer(event, dbuffer)`` for every buffer event on this thread inside the block.
+
+    Example:
+        >>> seen = []
+        >>> with observe(lambda event, db: seen.append(event)):
+        ...     emit("alloc", None)
+        >>> seen
+        ['alloc']
+    """
+    stack = getattr(_LOCAL, "observers", None)
+    if stack is None:
+        stack = _LOCAL.observers = []
+    stack.append(observer)
+    try:
+        yield
+    finally:
+        stack.remove(observer)
+
+
+def emit(event: str, db: Any) -> None:
+    """Report ``event`` about ``db`` to this thread's observers (none: nothing happens)."""
+    stack = getattr(_LOCAL, "observers", None)
+    if stack:
+        for observer in list(stack):
+            observer(event, db)
+
 
 # Roles whose global buffer only vfsdp reads (through internal_views): it is resized in place.
 _INTERNAL = frozenset({Role.GRAD, Role.STAGE, Role.ACCUM})
@@ -309,7 +624,7 @@ class DBuffer:
 
         Args:
             at_once: The full views handed out read as released
-                (:class:`~vfsdp.collectives.released.ReleasedTensor`) at once, as a user's
+                (:class:`~vfsdp.collectives.dbuffer.ReleasedTensor`) at once, as a user's
                 ``vfsdp.release`` asks. ``False`` (``free_after_backward``: one graph is done,
                 another may still be forwarding with them) only when the memory goes.
         """

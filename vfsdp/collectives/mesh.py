@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
-from vfsdp.collectives.groups import world_mesh
+from vfsdp.collectives.comm import world_mesh
 
 __all__ = ["mesh", "Axis", "axis_of", "axis_names", "use_mesh", "current_mesh"]
 

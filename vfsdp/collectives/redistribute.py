@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from vfsdp.collectives import comm
-from vfsdp.collectives.handle import Handle, comm_context
+from vfsdp.collectives.comm import Handle, comm_context
 
 __all__ = ["flat_redistribute", "Redistribution", "shard0_range"]
 

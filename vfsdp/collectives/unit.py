@@ -58,18 +58,54 @@ from typing import Any, Optional
 import torch
 
 from vfsdp import _torch_private as tp
-from vfsdp.collectives.dbuffer import DBuffer
-from vfsdp.collectives.groups import MeshGroups
-from vfsdp.collectives.handle import Handle
-from vfsdp.collectives.released import ReleasedTensor
-from vfsdp.collectives.slot import Role
+from vfsdp.collectives.comm import Handle, MeshGroups
+from vfsdp.collectives.dbuffer import DBuffer, ReleasedTensor, Role
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
-__all__ = ["Unit", "UnitState", "IllegalTransition", "GATHER_HOOKS", "export_full"]
+__all__ = ["Unit", "UnitState", "IllegalTransition", "Reductions", "GATHER_HOOKS", "export_full",
+           "drop_traced_grads"]
 
 #: Callables ``hook(fulls, spec, members)`` run on every differentiable gather's full tensors
 #: (``vfsdp.functional.shard_map`` adds its replication tracker here; empty by default).
 GATHER_HOOKS: list = []
+
+
+class Reductions:
+    """Asynchronous gradient reductions in flight on this rank (``async_reduce``).
+
+    Each one holds its unit's staging buffer, so at most ``limit`` run at once, across every
+    ``gather`` and ``run_layers`` call: adding one more first finishes the oldest. The
+    gradient buffer a reduction writes also records it, and every reader of the gradients
+    (``vfsdp.grads``, clipping, optimizers, ``zero_grads``) waits for exactly the reductions
+    of the units it reads.
+
+    Example:
+        >>> inflight = Reductions(limit=1)
+        >>> inflight.add(Handle(finish=lambda: print("a reduced")))
+        >>> inflight.add(Handle(finish=lambda: print("b reduced")))   # finishes a first
+        a reduced
+        >>> len(inflight)
+        1
+        >>> inflight.wait()
+        b reduced
+    """
+
+    def __init__(self, limit: int = 1) -> None:
+        self.limit = limit
+        self._inflight: list[Handle] = []
+
+    def add(self, handle: Handle) -> None:
+        self._inflight.append(handle)
+        while len(self._inflight) > self.limit:
+            self._inflight.pop(0).wait()
+
+    def wait(self) -> None:
+        """Finish every reduction this object started."""
+        while self._inflight:
+            self._inflight.pop(0).wait()
+
+    def __len__(self) -> int:
+        return sum(not h.done for h in self._inflight)
 
 
 class UnitState(enum.Enum):
@@ -605,6 +641,23 @@ class Unit:
                 f"{'; gradients mirrored to the host' if self.grad_mirror is not None else ''})")
 
 
+def drop_traced_grads(runtime: Any, keep: bool = False) -> None:
+    """What ``zero_grads`` does, on every path, to the compiled path's own leaves of a unit
+    (its ``unit.traced``, or ``None``): ``grad_sync=False``'s unreduced gradients are
+    dropped, and the anchor's (always zero) gradient too, or with ``keep`` (eager
+    ``set_to_none=False``) zeroed where it exists, so that a compiled step finds what it
+    found before (one graph). While compiling ``keep`` is off: asking whether a gradient is
+    ``None`` would be a guard."""
+    if runtime is None:
+        return
+    anchor = runtime.anchor
+    if keep and anchor.grad is not None:
+        anchor.grad.zero_()
+    else:
+        anchor.grad = None
+    runtime.accumulator.grad = None
+
+
 @contextlib.contextmanager
 def export_full(db: DBuffer) -> Iterator[DBuffer]:
     """``db`` gathered for reading its full views (a full-state export), then released
@@ -613,14 +666,14 @@ def export_full(db: DBuffer) -> Iterator[DBuffer]:
 
     Example:
         >>> def body():
-        ...     spec = vfsdp.plan({"w": torch.arange(4.0)}, 2)
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
         ...     unit = Unit(spec.units[()], resolve_groups(spec))
-        ...     unit.params.copy_(torch.arange(2.0) + 2 * dist.get_rank())
+        ...     unit.params.local(0).data.fill_(dist.get_rank() + 1.0)
         ...     with export_full(unit.params) as db:
         ...         values = db.full(0).tolist()
         ...     return values, unit.state.value
         >>> vfsdp.testing.simulate(2, body)[0]
-        ([0.0, 1.0, 2.0, 3.0], 'released')
+        ([1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0], 'released')
     """
     unit = db.unit
     owned = unit is not None and (db is unit.params or db in unit._compute.values())

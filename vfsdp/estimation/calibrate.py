@@ -27,8 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vfsdp.collectives.comm import all_gather_into
-from vfsdp.collectives.groups import device_for
+from vfsdp.collectives.comm import all_gather_into, device_for
 from vfsdp.estimation.costs import layer_cost
 from vfsdp.estimation.hardware import Hardware
 

@@ -30,7 +30,7 @@ import torch
 
 from vfsdp._torch_private import storage_id
 from vfsdp._warnings import warn_user
-from vfsdp.collectives.groups import MeshGroups
+from vfsdp.collectives.comm import MeshGroups
 from vfsdp.collectives.unit import Unit
 from vfsdp.optim.base import state_tensors
 from vfsdp.planner.plan import Prepared

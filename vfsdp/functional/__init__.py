@@ -3,8 +3,8 @@
 Imports ``vfsdp.collectives`` and below, never ``optim``, ``checkpoint`` or ``testing``.
 """
 
+from vfsdp.collectives.unit import Reductions
 from vfsdp.functional import init
-from vfsdp.functional.backward import Reductions
 from vfsdp.functional.dtensor import dtensor_placement, from_dtensor, to_dtensor
 from vfsdp.functional.gather import gather, gather_async
 from vfsdp.functional.grads import grads, zero_grads
@@ -21,8 +21,7 @@ from vfsdp.functional.scatter import scatter
 from vfsdp.functional.schedule import run_layers
 from vfsdp.functional.shard import dbuffers, release, shard
 from vfsdp.functional.state import Checkpointable, param_tree
-from vfsdp.functional.tree import match_tree
-from vfsdp.functional.units import UnitLeaves, units_of
+from vfsdp.functional.tree import UnitLeaves, match_tree, units_of
 
 __all__ = [
     "Checkpointable",

@@ -31,13 +31,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from vfsdp.collectives.agree import agree
+from vfsdp.collectives.comm import default_mesh, resolve_groups
 from vfsdp.collectives.dbuffer import DBuffer
-from vfsdp.collectives.groups import default_mesh, resolve_groups
 from vfsdp.collectives.redistribute import flat_redistribute, shard0_range
 from vfsdp.collectives.unit import Unit
 from vfsdp.functional.traced import prepare
-from vfsdp.functional.tree import group_by_unit, match_tree
-from vfsdp.functional.units import units_of
+from vfsdp.functional.tree import group_by_unit, match_tree, units_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 

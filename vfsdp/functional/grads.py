@@ -8,10 +8,10 @@ import optree
 import torch
 
 from vfsdp import _torch_private as tp
-from vfsdp.collectives.slot import slot_of
-from vfsdp.functional.traced import drop_plan_grads, traced_grads, traced_zero_grads
-from vfsdp.functional.tree import match_tree
-from vfsdp.functional.units import units_of
+from vfsdp.collectives.dbuffer import slot_of
+from vfsdp.collectives.unit import drop_traced_grads
+from vfsdp.functional.traced import traced_grads, traced_zero_grads
+from vfsdp.functional.tree import match_tree, units_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
@@ -137,7 +137,8 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
     with torch.no_grad():
         tp.zero_many(zero)
     # the compiled path's anchors and accumulators
-    drop_plan_grads([u.unit.traced for u in units], keep=not set_to_none)
+    for u in units:
+        drop_traced_grads(u.unit.traced, keep=not set_to_none)
 
 
 def gradient_leaves(grads: Any, spec: ShardSpec, what: str) -> list:

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import optree
 import torch
 
-from vfsdp.collectives.slot import slot_of
+from vfsdp.collectives.dbuffer import slot_of
 
 __all__ = ["normal", "constant", "rule", "sharded", "full_tensor", "full_tree", "CHUNK"]
 

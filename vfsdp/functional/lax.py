@@ -61,7 +61,7 @@ import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
-from vfsdp.collectives.groups import control_device
+from vfsdp.collectives.comm import control_device
 from vfsdp.collectives.mesh import Axis, axis_names, axis_of, current_mesh, use_mesh
 from vfsdp.functional import vma
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vfsdp.functional.units import own_mesh
+from vfsdp.functional.tree import own_mesh
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["Piece", "layer_pieces", "assemble_layer"]

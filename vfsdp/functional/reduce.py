@@ -22,11 +22,10 @@ import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp._torch_private import functorch_active
-from vfsdp.collectives.groups import resolve_groups
+from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.unit import Unit, _expand, _merge
 from vfsdp.functional.options import GradOptions
-from vfsdp.functional.tree import match_tree
-from vfsdp.functional.units import UnitLeaves, own_mesh, units_of
+from vfsdp.functional.tree import UnitLeaves, match_tree, own_mesh, units_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 

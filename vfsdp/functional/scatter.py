@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from vfsdp.collectives import comm
 from vfsdp.collectives.agree import agree
-from vfsdp.collectives.groups import resolve_groups
+from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.scatter import scatter_unit
 from vfsdp.collectives.unit import Unit
 from vfsdp.functional.traced import prepare

@@ -35,11 +35,9 @@ import optree
 import torch
 
 from vfsdp._torch_private import compiling, functorch_active, is_own_output, running_node_seq
-from vfsdp.collectives.dbuffer import DBuffer
-from vfsdp.collectives.handle import Handle
-from vfsdp.collectives.slot import View, slot_of
-from vfsdp.functional.backward import pending
-from vfsdp.functional.gather import start_gather, writes_leaf_grads
+from vfsdp.collectives.comm import Handle
+from vfsdp.collectives.dbuffer import DBuffer, View, slot_of
+from vfsdp.functional.gather import pending, start_gather, writes_leaf_grads
 from vfsdp.functional.options import Policy, merge, refuse, resolve
 from vfsdp.functional.pieces import assemble_layer, layer_pieces
 from vfsdp.functional.traced import traced_children, traced_run_layers

@@ -15,14 +15,13 @@ import optree
 import torch
 import torch.distributed as dist
 
-from vfsdp.collectives.groups import resolve_groups, side_group
-from vfsdp.collectives.slot import slot_of
+from vfsdp.collectives.comm import resolve_groups, side_group
+from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.collectives.unit import Unit
-from vfsdp.functional.backward import pending
+from vfsdp.functional.gather import pending
 from vfsdp.functional.scatter import scatter
 from vfsdp.functional.traced import prepare
-from vfsdp.functional.tree import match_tree
-from vfsdp.functional.units import find_unit
+from vfsdp.functional.tree import find_unit, match_tree
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
@@ -132,7 +131,7 @@ def release(tree: Any, spec: ShardSpec) -> None:
     """Free the gathered buffers of the units in ``tree``; views stay valid objects.
 
     ``tree`` may be the shards or the gathered full tree. The full tensors handed out become
-    :class:`~vfsdp.collectives.released.ReleasedTensor` s at once (any torch operation on them
+    :class:`~vfsdp.collectives.dbuffer.ReleasedTensor` s at once (any torch operation on them
     raises, naming the unit) until the unit is gathered again. The memory is freed at once, or,
     while a backward through them is still pending, as soon as that backward is done or its
     graph is dropped: the backward still reads what it saved.

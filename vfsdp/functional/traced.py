@@ -33,23 +33,24 @@ were made on.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import optree
 import torch
 import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
-from vfsdp.collectives.slot import SLOT
+from vfsdp.collectives.dbuffer import SLOT
+from vfsdp.collectives.unit import drop_traced_grads
 from vfsdp.functional.lowp import hooked_all_gather
 from vfsdp.functional.pieces import assemble_layer
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["traced_gather", "prepare", "traced_children", "group_name", "clip_groups",
+__all__ = ["TracedUnit", "traced_gather", "prepare", "traced_children", "group_name", "clip_groups",
            "CLIP_GROUPS",
            "traced_leaves", "traced_run_layers", "traced_grads",
-           "traced_zero_grads", "drop_plan_grads", "unit_context"]
+           "traced_zero_grads", "unit_context"]
 
 
 def group_name(group: Any) -> str:
@@ -57,15 +58,27 @@ def group_name(group: Any) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
 
-def _runtime(unit: Any) -> tuple:
-    """``unit.traced``, made once: ``(anchor, accumulator, shard group name, shard group size,
-    replicate group name or None, replicas, model axis group name or None, shard rank)``.
+class TracedUnit(NamedTuple):
+    """What the compiled path reads of a unit (``unit.traced``), made once, eagerly.
 
     The anchor is a one-element leaf every rank adds (times 0) to its shard: the shard's
     gradient, the reduce-scatter, then always has a user on every rank, even one that holds
     nothing of the unit's tensors (else the compiler drops it there and the ranks deadlock).
     The accumulator is ``grad_sync=False``'s: its ``.grad``, made by the backward and dropped
     at the sync, holds the unreduced gradients (one element, expanded, until then)."""
+
+    anchor: torch.Tensor
+    accumulator: torch.Tensor
+    shard_group: str
+    shard_size: int
+    replicate_group: Optional[str]
+    replicas: int
+    model_group: Optional[str]
+    shard_rank: int
+
+
+def _runtime(unit: Any) -> TracedUnit:
+    """``unit.traced``, made once (a :class:`TracedUnit`)."""
     if unit.traced is None:
         groups, layout = unit.groups, unit.layout
         anchor = torch.zeros(1, dtype=layout.dtype, device=groups.device, requires_grad=True)
@@ -73,8 +86,9 @@ def _runtime(unit: Any) -> tuple:
         acc = torch.zeros(1, dtype=layout.dtype, device=groups.device).expand(full)
         replicate = group_name(groups.replicate) if groups.replicate is not None else None
         model = group_name(groups.model) if groups.model is not None else None
-        unit.traced = (anchor, acc.requires_grad_(), group_name(groups.shard), groups.shard_size,
-                       replicate, groups.replicate_size, model, groups.shard_rank)
+        unit.traced = TracedUnit(anchor, acc.requires_grad_(), group_name(groups.shard),
+                                 groups.shard_size, replicate, groups.replicate_size, model,
+                                 groups.shard_rank)
     return unit.traced
 
 
@@ -98,7 +112,7 @@ def prepare(spec: ShardSpec, units: dict) -> None:
     """
     rank, groups = None, None
     for unit in units.values():
-        rank, groups = _runtime(unit)[7], unit.groups
+        rank, groups = _runtime(unit).shard_rank, unit.groups
     _local(spec, rank, groups)
 
 
@@ -167,7 +181,7 @@ def _rank(leaves: list, spec: ShardSpec, what: str) -> int:
     tensors = local_plan(spec, None)[1]
     if not tensors:
         return 0
-    return _unit_of(leaves, ((tensors[0],),), what)[7]
+    return _unit_of(leaves, ((tensors[0],),), what).shard_rank
 
 
 def unit_context(leaves: list, spec: ShardSpec, what: str) -> list:
@@ -235,26 +249,8 @@ def traced_zero_grads(shards: Any, spec: ShardSpec, set_to_none: bool) -> None:
         elif leaves[i].grad is not None:
             leaves[i].grad.zero_()
     rank = _rank(leaves, spec, "vfsdp.zero_grads")
-    drop_plan_grads([_unit_of(leaves, u[4], "vfsdp.zero_grads")
-                     for u in local_plan(spec, rank)])
-
-
-def drop_plan_grads(runtimes: list, keep: bool = False) -> None:
-    """What ``zero_grads`` does, on every path, to the compiled path's own leaves (of the
-    units whose ``unit.traced`` are ``runtimes``): ``grad_sync=False``'s unreduced gradients
-    are dropped, and the anchors' (always zero) gradients too, or with ``keep`` (eager
-    ``set_to_none=False``) zeroed where they exist, so that a compiled step finds what it
-    found before (one graph). While compiling ``keep`` is off: asking whether a gradient is
-    ``None`` would be a guard."""
-    for runtime in runtimes:
-        if runtime is None:
-            continue
-        anchor = runtime[0]
-        if keep and anchor.grad is not None:
-            anchor.grad.zero_()
-        else:
-            anchor.grad = None
-        runtime[1].grad = None
+    for u in local_plan(spec, rank):
+        drop_traced_grads(_unit_of(leaves, u[4], "vfsdp.zero_grads"))
 
 
 def _grad_times(x: torch.Tensor, scale: float) -> torch.Tensor:

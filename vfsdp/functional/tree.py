@@ -1,18 +1,216 @@
-"""Matching user pytrees against a spec, with errors that name the offending path."""
+"""Matching user pytrees against a spec, with errors that name the offending path.
+
+Unit lookup: from the tensors of a tree to the :class:`~vfsdp.collectives.Unit` behind them.
+
+Every shard ``vfsdp.shard`` returns carries a :class:`~vfsdp.collectives.Slot` naming its
+unit and its index there. So finding a unit's buffers is reading the slots of its leaves and
+checking they agree: no registry, no address lookup. Tensors that carry no slot (plain
+tensors of the right local shapes) are copied into a fresh, temporary unit where an entry
+point accepts them (``gather``, ``reduce_scatter``); elsewhere they are refused.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import optree
 import torch
 
-from vfsdp.planner.abstract import refuse_non_tree
+from vfsdp._warnings import warn_mesh_ignored
+from vfsdp.collectives.comm import resolve_groups
+from vfsdp.collectives.dbuffer import View, slot_of
+from vfsdp.collectives.unit import Unit
 from vfsdp.planner.granularity import format_path
-from vfsdp.planner.spec import ShardSpec, TensorSpec
+from vfsdp.planner.spec import ShardSpec, TensorSpec, UnitLayout, refuse_non_tree, unit_name
 
-__all__ = ["match_tree", "group_by_unit", "check_tree_arg"]
+__all__ = ["match_tree", "group_by_unit", "check_tree_arg", "UnitLeaves", "find_unit", "pack_unit",
+           "units_of", "unit_for", "own_mesh"]
+
+
+@dataclass(frozen=True)
+class UnitLeaves:
+    """One unit of a tree: its :class:`Unit` and where its tensors sit.
+
+    Attributes:
+        key: The unit key.
+        unit: The unit's buffers on this rank.
+        leaves: ``(leaf index in the tree, buffer index in the unit)`` per tensor present.
+        values: The tree's leaves themselves, in the same order.
+
+    Example:
+        >>> def body():
+        ...     params = {"layers": [{"w": torch.ones(4)}], "head": torch.ones(2)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     shards = vfsdp.shard(params, spec)
+        ...     leaves = vfsdp.functional.match_tree(shards, spec, "example")
+        ...     u = units_of(leaves, spec, "example")[1]
+        ...     return u.key, u.leaves, u.index, u.db is u.unit.params
+        >>> vfsdp.testing.simulate(2, body)[0]      # leaf 1 of the tree is tensor 0 of the unit
+        (('layers', 0), ((1, 0),), (0,), True)
+    """
+
+    key: Hashable
+    unit: Unit
+    leaves: tuple[tuple[int, int], ...]
+    values: tuple = ()
+
+    def frozen(self) -> frozenset:
+        """Buffer indices of the tensors present whose shard does not require grad."""
+        return frozenset(k for (_, k), x in zip(self.leaves, self.values)
+                         if isinstance(x, torch.Tensor) and not x.requires_grad)
+
+    @property
+    def db(self):
+        """The unit's parameter DBuffer (``unit.params``)."""
+        return self.unit.params
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """The buffer indices of the tensors present."""
+        return tuple(k for _, k in self.leaves)
+
+
+def find_unit(local: Sequence[Any], layout: UnitLayout, index: Sequence[int],
+              what: str) -> Optional[Unit]:
+    """The unit whose parameter shards ``local`` are (tensor ``k`` of it at ``index[k]``).
+
+    Returns:
+        The :class:`Unit`, or ``None`` when no leaf carries a slot (plain tensors).
+
+    Raises:
+        ValueError: leaves of different units or kinds (gathered views, gradients), shards
+            made for another plan, or a view at the wrong place; naming the tensor path.
+    """
+    at = lambda k: format_path(layout.paths[k])  # for messages only
+    found, plain = None, None
+    for x, k in zip(local, index):
+        slot = slot_of(x)
+        if slot is None:
+            plain = layout.paths[k]
+            continue
+        if (found is not None and slot.buffer is found.params and slot.unit is found
+                and slot.index == k and slot.view is not View.FULL
+                and found.params.is_local_view(k, x)):
+            continue  # the common case: the next shard of the same unit
+        if slot.view is View.FULL:
+            raise ValueError(f"{what}: {at(k)} is a gathered full view (vfsdp.gather's output); "
+                             f"pass the shards vfsdp.shard returned")
+        if not slot.buffer.role.holds_params or slot.unit is None:
+            raise ValueError(f"{what}: {at(k)} is a view of a {slot.buffer.name} buffer, not a "
+                             f"parameter shard; pass the tree vfsdp.shard returned")
+        unit = slot.unit
+        if unit.layout != layout:
+            got = unit.layout
+            raise ValueError(
+                f"{what}: the shards of unit {unit_name(layout.key)} were made for another plan "
+                f"(unit {unit_name(got.key)}, m={got.world_size}, S={got.shard_numel}) than this "
+                f"spec (m={layout.world_size}, S={layout.shard_numel}); use the spec they were "
+                f"sharded with")
+        if found is not None and unit is not found:
+            raise ValueError(f"{what}: {at(k)} belongs to another vfsdp.shard call than the other "
+                             f"tensors of unit {unit_name(layout.key)}; pass one shards tree")
+        if slot.index != k or not unit.params.is_local_view(k, x):
+            raise ValueError(f"{what}: {at(k)} is a view of unit {unit_name(layout.key)}'s shard "
+                             f"at the wrong place; pass the shards tree returned by vfsdp.shard")
+        found = unit
+    if found is not None and plain is not None:
+        raise ValueError(f"{what}: {format_path(plain)} is a plain tensor but the other tensors of unit "
+                         f"{unit_name(layout.key)} are vfsdp shards; pass one shards tree")
+    return found
+
+
+def pack_unit(local: Sequence[Any], layout: UnitLayout, index: Sequence[int], groups,
+              what: str) -> Unit:
+    """A fresh unit holding copies of ``local`` (this rank's pieces, one copy per tensor).
+
+    Raises:
+        ValueError: a leaf of the wrong local shape or dtype (naming its path).
+    """
+    unit = Unit(layout, groups)
+    db = unit.params
+    with torch.no_grad():
+        for x, k in zip(local, index):
+            ref = db.local(k)
+            if (not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(ref.shape)
+                    or x.dtype != ref.dtype):
+                got = (f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor)
+                       else type(x).__name__)
+                raise ValueError(f"{what}: {format_path(layout.paths[k])} should be this rank's "
+                                 f"shard of shape {tuple(ref.shape)} {ref.dtype}, got {got}")
+            ref.copy_(x.detach())
+    return unit
+
+
+def units_of(leaves: Sequence[Any], spec: ShardSpec, what: str, *, mesh: Any = None,
+             pack: bool = False) -> list[UnitLeaves]:
+    """Every unit of ``spec`` with the tree leaves that belong to it.
+
+    Args:
+        leaves: The tree's leaves in spec order (``match_tree``).
+        spec: The (sub-)spec.
+        what: The entry point, for messages.
+        mesh: For packed units: the ``DeviceMesh`` (default: the default group).
+        pack: Copy units whose leaves are plain tensors into temporary units; otherwise
+            such units are refused.
+
+    Returns:
+        One :class:`UnitLeaves` per unit of ``spec``, in the spec's unit order.
+
+    Raises:
+        ValueError: as :func:`find_unit`, or plain tensors where ``pack`` is off.
+
+    Example:
+        >>> def body():
+        ...     params = {"layers": [{"w": torch.ones(4)}, {"w": torch.ones(4)}], "head": torch.ones(2)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     leaves = vfsdp.functional.match_tree(vfsdp.shard(params, spec), spec, "example")
+        ...     return [(u.key, u.leaves) for u in units_of(leaves, spec, "example")]
+        >>> vfsdp.testing.simulate(2, body)[0]
+        [((), ((0, 0),)), (('layers', 0), ((1, 0),)), (('layers', 1), ((2, 0),))]
+    """
+    out = []
+    for key, members in spec.unit_leaves().items():
+        local = [leaves[i] for i, _ in members]
+        index = [k for _, k in members]
+        if pack:
+            unit = unit_for(local, spec, key, index, mesh, what)
+        else:
+            unit = find_unit(local, spec.units[key], index, what)
+            if unit is None:
+                raise ValueError(f"{what}: the tensors of unit {unit_name(key)} (e.g. "
+                                 f"{format_path(spec.units[key].paths[index[0]])}) are not "
+                                 f"vfsdp shards; pass the tree returned by vfsdp.shard")
+        out.append(UnitLeaves(key, unit, tuple(members), tuple(local)))
+    return out
+
+
+def unit_for(local: Sequence[Any], spec: ShardSpec, key: Hashable, index: Sequence[int],
+             mesh: Any, what: str) -> Unit:
+    """The unit of shards made by ``vfsdp.shard``, or a temporary one packed from plain
+    tensors on ``mesh``'s groups (default: the default group).
+
+    Raises:
+        ValueError: as :func:`find_unit` and :func:`pack_unit`.
+    """
+    unit = find_unit(local, spec.units[key], index, what)
+    if unit is None:
+        return pack_unit(local, spec.units[key], index, resolve_groups(spec, mesh), what)
+    return unit
+
+
+def own_mesh(tree: Any, mesh: Any, what: str) -> Any:
+    """``mesh`` for plain-tensor shards; ``None`` for shards (or gradients) of
+    ``vfsdp.shard``, which carry the mesh they were made on, with the deprecation warning
+    when one was passed. Called once by each entry point that takes ``mesh=``."""
+    if mesh is None:
+        return None
+    if any(slot_of(x) is not None for x in optree.tree_leaves(tree)
+           if isinstance(x, torch.Tensor)):
+        warn_mesh_ignored(what)
+        return None
+    return mesh
 
 
 def check_tree_arg(tree: Any, what: str, spec: Any = None) -> None:

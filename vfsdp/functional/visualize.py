@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import optree
 
-from vfsdp.collectives.slot import slot_of
+from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, UnitLayout, unit_name
 

@@ -23,8 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from vfsdp.collectives.dbuffer import DBuffer
-from vfsdp.collectives.slot import Role
+from vfsdp.collectives.dbuffer import DBuffer, Role
 from vfsdp.functional.state import param_tree
 from vfsdp.optim.base import (
     Mask,

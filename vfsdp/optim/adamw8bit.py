@@ -26,8 +26,8 @@ from typing import Any, Optional
 import torch
 
 from vfsdp._warnings import warn_user
+from vfsdp.collectives.dbuffer import Role
 from vfsdp.collectives.piece import Piece, tensor_piece
-from vfsdp.collectives.slot import Role
 from vfsdp.functional.state import param_tree
 from vfsdp.functional.tiles import blockwise, tile_granularity, tiles_of
 from vfsdp.optim.adamw import owned_views, runs

@@ -37,10 +37,9 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from vfsdp.collectives.slot import View, slot_of
+from vfsdp.collectives.dbuffer import View, slot_of
 from vfsdp.functional.grads import gradient_leaves
-from vfsdp.functional.tree import match_tree
-from vfsdp.functional.units import UnitLeaves, units_of
+from vfsdp.functional.tree import UnitLeaves, match_tree, units_of
 from vfsdp.optim.schedules import constant
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec

@@ -10,8 +10,8 @@ import torch
 from vfsdp import _torch_private as tp
 from vfsdp._warnings import warn_mesh_ignored
 from vfsdp.collectives import comm
-from vfsdp.collectives.groups import resolve_groups
-from vfsdp.collectives.slot import Role, View, slot_of
+from vfsdp.collectives.comm import resolve_groups
+from vfsdp.collectives.dbuffer import Role, View, slot_of
 from vfsdp.functional.grads import gradient_leaves
 from vfsdp.optim.base import Mask, selected
 from vfsdp.planner.spec import ShardSpec

@@ -44,7 +44,7 @@ import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
-from vfsdp.collectives.slot import Role
+from vfsdp.collectives.dbuffer import Role
 from vfsdp.functional.state import param_tree
 from vfsdp.optim.adamw import owned_views
 from vfsdp.optim.base import (

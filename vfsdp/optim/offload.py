@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.agree import agree
-from vfsdp.collectives.groups import host_groups, side_group
+from vfsdp.collectives.comm import host_groups, side_group
 from vfsdp.collectives.mirror import HostMirror, fingerprint
 from vfsdp.collectives.unit import Unit
 from vfsdp.optim.adamw import runs
@@ -323,7 +323,7 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
 
 def _agree(error: Optional[BaseException], flags: Any) -> None:
     """Every rank raises if the host update failed on any: one 1-element all-reduce over
-    ``flags`` (:func:`~vfsdp.collectives.groups.side_group`, which no other exchange uses, so
+    ``flags`` (:func:`~vfsdp.collectives.comm.side_group`, which no other exchange uses, so
     it never pairs with a collective of the wrapped update another rank is still in) when all
     went well, the messages exchanged only on a failure."""
     if flags is None:

@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["ShapeDtype", "is_tensor_leaf", "leaf_meta", "refuse_non_tree"]
-
-
-def refuse_non_tree(tree: Any, what: str) -> None:
-    """Refuse, with the fix, a module or an iterator where a pytree of tensors goes.
-
-    Raises:
-        TypeError: naming what was passed and what to pass instead.
-    """
-    if isinstance(tree, torch.nn.Module):
-        raise TypeError(f"{what}: got a {type(tree).__name__} module; vfsdp works on pytrees of "
-                        f"tensors: pass dict(model.named_parameters())")
-    if isinstance(tree, Iterator):
-        raise TypeError(f"{what}: got an iterator ({type(tree).__name__}), which can be read only "
-                        f"once and has no names; pass dict(model.named_parameters()) or a "
-                        f"dict/list of tensors")
+__all__ = ["ShapeDtype", "is_tensor_leaf", "leaf_meta"]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import optree
 import torch
 
 from vfsdp._gc import paused_gc
-from vfsdp.planner.abstract import is_tensor_leaf, leaf_meta, refuse_non_tree
+from vfsdp.planner.abstract import is_tensor_leaf, leaf_meta
 from vfsdp.planner.granularity import Granularity, Rows, Whole, block_elements, format_path
 from vfsdp.planner.model_split import split_params
 from vfsdp.planner.solver import lower_bound, pack
@@ -24,6 +24,7 @@ from vfsdp.planner.spec import (
     ShardSpec,
     SplitSuggestion,
     UnitLayout,
+    refuse_non_tree,
     unit_name,
 )
 

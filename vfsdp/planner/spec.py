@@ -35,6 +35,22 @@ from vfsdp.planner.granularity import Singleton, format_path
 __all__ = ["UnitLayout", "TensorSpec", "ShardSpec", "SplitSuggestion", "PASSTHROUGH", "unit_name"]
 
 
+def refuse_non_tree(tree: Any, what: str) -> None:
+    """Refuse, with the fix, a module or an iterator where a pytree of tensors goes.
+
+    Raises:
+        TypeError: naming what was passed and what to pass instead.
+    """
+    if isinstance(tree, torch.nn.Module):
+        raise TypeError(f"{what}: got a {type(tree).__name__} module; vfsdp works on pytrees of "
+                        f"tensors: pass dict(model.named_parameters())")
+    if isinstance(tree, Iterator):
+        raise TypeError(f"{what}: got an iterator ({type(tree).__name__}), which can be read only "
+                        f"once and has no names; pass dict(model.named_parameters()) or a "
+                        f"dict/list of tensors")
+
+
+
 def unit_name(key: Hashable) -> str:
     """Readable name of a unit key: ``('layers', 3)`` -> ``'layers.3'``, ``()`` -> ``'<root>'``."""
     if isinstance(key, tuple):

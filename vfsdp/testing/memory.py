@@ -1,7 +1,7 @@
 """Memory probes at the dispatcher: how many units are gathered, and how many bytes are live.
 
 ``GatheredProbe`` learns of this rank's parameter buffers (``Role.PARAM`` and
-``Role.COMPUTE``) from their events while it is active (:mod:`vfsdp.collectives.events`) and
+``Role.COMPUTE``) from their events while it is active (:mod:`vfsdp.collectives.dbuffer`) and
 samples, before and after every aten op run under it and at every allocation, which of them
 have their global buffer allocated: the storage's actual size, not an assumption.
 ``peak_units`` is the most units gathered at once. It sees units gathered while it is active.
@@ -23,8 +23,7 @@ import optree
 import torch
 
 from vfsdp._torch_private import TorchDispatchMode, storage_id
-from vfsdp.collectives.events import observe
-from vfsdp.collectives.slot import slot_of
+from vfsdp.collectives.dbuffer import observe, slot_of
 
 __all__ = ["GatheredProbe", "LiveBytes", "BufferBytes"]
 

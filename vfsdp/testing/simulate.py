@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from vfsdp import _torch_private
-from vfsdp.collectives.groups import use_device
+from vfsdp.collectives.comm import use_device
 from vfsdp.testing.rank_rng import on_this_thread, rank_generators
 from vfsdp.testing.runners import RankError, check_world, waiting_in
 

@@ -64,7 +64,7 @@ from vfsdp.planner import (
     whole,
 )
 
-__version__ = "0.3.0.dev0"
+__version__ = "0.4.0.dev0"
 
 __all__ = [
     "plan", "rows", "whole", "ShapeDtype", "check_spec", "plan_stats",

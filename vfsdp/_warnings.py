@@ -6,7 +6,7 @@ import os
 import sys
 import warnings
 
-__all__ = ["warn_user", "warn_mesh_ignored"]
+__all__ = ["warn_user", "refuse_mesh"]
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -19,8 +19,12 @@ def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
     warnings.warn(message, category, stacklevel=level + 1)
 
 
-def warn_mesh_ignored(what: str) -> None:
-    """The one deprecation of ``mesh=`` where the shards carry their mesh (0.3, gone in 0.4)."""
-    warn_user(f"{what}: mesh= is ignored for the shards (and gradients) of vfsdp.shard, which "
-              f"carry the mesh they were made on; drop it (deprecated in vfsdp 0.3, it goes in "
-              f"0.4; it stays for plain-tensor shards)", FutureWarning)
+def refuse_mesh(what: str) -> None:
+    """``mesh=`` with the shards of ``vfsdp.shard``, which carry their mesh: refused.
+
+    Raises:
+        ValueError: always, with the fix.
+    """
+    raise ValueError(f"{what}: mesh= is not taken with the shards (and gradients) of "
+                     f"vfsdp.shard, which carry the mesh they were made on (removed in vfsdp "
+                     f"0.4); drop it. It stays for plain-tensor shards")

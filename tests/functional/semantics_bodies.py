@@ -4,8 +4,7 @@ rank, and the same scenario computed in one process with plain tensors.
 A scenario is a dict:
 
 * ``mode``: ``"return"`` or ``"buffer"`` (the ``grads=`` option);
-* ``accumulate``: ``accumulate_grads`` (``None``, the default, and ``True`` add as torch does;
-  the deprecated ``False`` keeps 0.2's overwrite of the gradient buffer);
+* ``accumulate``: ``accumulate_grads`` (``None``, the default, and ``True`` add as torch does);
 * ``steps``: a list of backwards, each ``{"sync": bool, "zero_before": bool}``;
 * ``retain``: run the backwards on one forward with ``retain_graph=True`` (all but the last);
 * ``path``: ``"backward"`` or ``"autograd"`` (``torch.autograd.grad`` on the shards);
@@ -112,10 +111,7 @@ def reference(case: dict, world: int):
             continue
         this, pending = pending, [z.clone() for z in zeros]
         last_return = this
-        if case["mode"] == "return" or case["accumulate"] is not False:  # as torch: they add
-            value = [t if v is None else v + t for v, t in zip(value, this)]
-        else:
-            value = list(this)
+        value = [t if v is None else v + t for v, t in zip(value, this)]  # as torch: they add
     if case["path"] == "autograd" and case["mode"] == "return":
         value = last_return if last_return is not None else [None] * n
     out = []

@@ -3,7 +3,6 @@ torch.func, compiled) under every option combination gives one plain-torch proce
 gradients, or the same refusal."""
 
 import math
-import warnings
 
 import pytest
 from hypothesis import given, settings
@@ -44,9 +43,7 @@ def _check(case, got):
 @settings(max_examples=40, deadline=None)
 @given(cases())
 def test_every_eager_path_and_option_gives_plain_torchs_gradients(case):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # run_layers' changed default
-        _check(case, simulate(case["world"], pb.run, case))
+    _check(case, simulate(case["world"], pb.run, case))
 
 
 COMPILED = [  # a fixed set: each compiles a graph per grad_sync value

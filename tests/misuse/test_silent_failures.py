@@ -177,10 +177,10 @@ def _assert_pieces(out, want):
 
 @pytest.mark.parametrize("accumulate", [None, True])
 def test_two_run_layers_micro_batches_sum_as_in_torch(accumulate):
-    """run_layers kept only the last micro-batch's gradients unless accumulate_grads=True."""
+    """run_layers kept only the last micro-batch's gradients; now they add as in torch,
+    with no warning."""
     want = _torch_micro_batches(2, [0, 1])
-    with pytest.warns(FutureWarning, match="adds its gradients to those an earlier") if (
-            accumulate is None) else _no_future_warning():
+    with _no_future_warning():
         out = simulate(2, _micro_batches, accumulate, False)
     _assert_pieces(out, want)
 
@@ -192,11 +192,11 @@ def test_zero_grads_between_micro_batches_starts_afresh_without_a_warning():
     _assert_pieces(out, want)
 
 
-def test_accumulate_grads_false_is_deprecated_and_keeps_the_overwrite():
-    want = _torch_micro_batches(2, [1])
-    with pytest.warns(FutureWarning, match="accumulate_grads=False is deprecated"):
-        out = simulate(2, _micro_batches, False, False)
-    _assert_pieces(out, want)
+def test_accumulate_grads_false_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"accumulate_grads=False was removed in vfsdp 0\.4"):
+        vfsdp.Policy(accumulate_grads=False)
+    with pytest.raises(RankError, match=r"Call vfsdp\.zero_grads"):
+        simulate(2, _micro_batches, False, False)
 
 
 def _uneven_micro_batches(swallow):

@@ -32,7 +32,6 @@ def test_row01_reused_shards_read_1_2_3_and_clip_sees_the_true_norm():
     ("return", None, 3.0), ("return", True, 3.0),    # torch: gradients accumulate in .grad
     ("buffer", True, 3.0),                            # accumulate_grads adds into the buffer
     ("buffer", None, 3.0),                            # as torch: the second adds (0.2: 2.0)
-    ("buffer", False, 2.0),                           # deprecated: 0.2 overwrote
 ])
 def test_row02_two_backwards_without_zeroing(mode, accumulate, want):
     for got in simulate(2, b.two_backwards, accumulate, mode):

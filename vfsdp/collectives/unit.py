@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
@@ -166,7 +165,6 @@ class Unit:
         self._grad_views: dict = {}  # grad_view(), made on first use
         self._accum: dict = {}
         self._stage: dict = {}
-        self.grad_task = -2        # the backward pass that last wrote the gradient buffer
         self.grads_mode: Optional[str] = None  # where the last reduction went: buffer/return
         # The shards' .grad were made views of the gradient buffer (a grads="buffer"
         # backward()): the buffer holds the gradients while they still are.
@@ -489,17 +487,9 @@ class Unit:
             return _expand([out[slice(*db.tensors[i].shard_range(self.rank))].view(
                 db.local_shape(i)) for i in index], first)
         gdb = self.grads()
-        task = tp.graph_task_id()
-        same_pass = task != -1 and self.grad_task == task
-        if overwrite:
-            accumulate = False
-        elif opts.accumulate_grads is False:  # deprecated: 0.2's overwrite
-            accumulate = same_pass
-        else:  # as torch's .grad: add to what the buffer holds (a new or released one: nothing)
-            accumulate = gdb.holds_shard and not fresh
-            if accumulate and not same_pass and opts.accumulate_grads is None:
-                warn_changed_default()
-        self.grad_task, self.grads_mode = task, "buffer"
+        # as torch's .grad: add to what the buffer holds (a new or released one: nothing)
+        accumulate = not overwrite and gdb.holds_shard and not fresh
+        self.grads_mode = "buffer"
         if opts.async_reduce and stage is not accum:
             # Overlaps the next unit's backward; the staging buffer is freed once it is done.
             handle = self._reduce(buf, opts.grad_reduce, rdt, accumulate, True, stage)
@@ -692,17 +682,6 @@ def export_full(db: DBuffer) -> Iterator[DBuffer]:
                 unit._release(db, at_once=True)
             else:
                 db.free_global()
-
-
-def warn_changed_default() -> None:
-    """A ``grads="buffer"`` backward added to an earlier backward's gradients, where 0.2
-    overwrote them (shown once, as Python shows a warning)."""
-    warnings.warn(
-        "vfsdp 0.3: this backward adds its gradients to those an earlier backward left in the "
-        "gradient buffer, as torch's .grad does (0.2 overwrote them with grads='buffer' and "
-        "run_layers). To start afresh, call vfsdp.zero_grads(shards, spec) before the "
-        "backward; to accumulate micro-batches, pass accumulate_grads=True, which also "
-        "silences this warning", FutureWarning, stacklevel=2)
 
 
 def _merge(index, grads) -> tuple[list, list, list]:

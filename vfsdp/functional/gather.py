@@ -523,7 +523,7 @@ def gather(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
             ``gather``, ``gather_async`` and ``run_layers``, eager and compiled.
         mesh: For plain-tensor shards: a ``DeviceMesh`` matching the spec (default: the
             default group). Shards from ``vfsdp.shard`` carry the mesh they were made on:
-            passing one with them is deprecated (a ``FutureWarning``; it goes in 0.4).
+            passing one with them is refused.
         options: Any :class:`vfsdp.Policy` field as a keyword, overriding the policy's:
 
             * ``param_dtype``: gather in this dtype (e.g. ``torch.bfloat16`` for fp32 master
@@ -534,9 +534,8 @@ def gather(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
               dtype).
             * ``accumulate_grads``: ``None`` (default) or ``True``: the reduced gradients add
               up across backwards until they are zeroed (:func:`vfsdp.zero_grads`), in the
-              gradient DBuffer as in ``.grad``, as torch does (``True`` also silences the
-              warning that this differs from 0.2). ``False`` is deprecated: it keeps 0.2's
-              overwrite of the gradient buffer.
+              gradient DBuffer as in ``.grad``, as torch does. ``False`` is refused (call
+              :func:`vfsdp.zero_grads` to start afresh).
             * ``grad_sync``: ``False`` accumulates this backward's gradients unsharded (in
               ``reduce_dtype``) without communicating; the next backward with ``True`` adds
               its own and reduce-scatters the sum.

@@ -19,8 +19,8 @@ option                   default                 what it does
                                                  entry point's one way (``gather``:
                                                  ``"return"``, ``run_layers``: ``"buffer"``)
 ``accumulate_grads``     ``None`` (as torch)     ``None``/``True``: backwards add up until the
-                                                 gradients are zeroed, as ``.grad`` does;
-                                                 ``False`` (deprecated): overwrite
+                                                 gradients are zeroed, as ``.grad`` does
+                                                 (``False`` is refused)
 ``grad_sync``            ``True``                ``False``: accumulate unsharded, no reduce
 ``async_reduce``         ``None``                reduce-scatter without waiting (needs
                                                  ``"buffer"``); ``None``: where vfsdp runs the
@@ -51,7 +51,6 @@ from typing import Any, Optional
 
 import torch
 
-from vfsdp._warnings import warn_user
 from vfsdp.collectives.comm import REDUCE_OPS
 
 __all__ = ["Policy", "GatherOptions", "GradOptions", "merge", "refuse", "NAMES", "GRAD_MODES",
@@ -84,6 +83,11 @@ def _check_values(values: dict) -> None:
         if values[name] is not None and type(values[name]) is not bool:
             raise ValueError(f"{name} must be True, False or None (the entry point's "
                              f"default), got {values[name]!r}")
+    if values["accumulate_grads"] is False:
+        raise ValueError("accumulate_grads=False was removed in vfsdp 0.4: gradients add up "
+                         "across backwards until you zero them, as torch's .grad does, on every "
+                         "path. Call vfsdp.zero_grads(shards, spec) before a backward that should "
+                         "start afresh, and drop accumulate_grads")
 
 
 @dataclass(frozen=True)
@@ -226,14 +230,6 @@ class GradOptions:
     def __post_init__(self) -> None:
         if self.grads not in GRAD_MODES:
             raise ValueError(f"grads must be one of {GRAD_MODES}, got {self.grads!r}")
-        if self.accumulate_grads is False:
-            warn_user(
-                "accumulate_grads=False is deprecated and goes in vfsdp 0.4: gradients add up "
-                "across backwards until you zero them, as torch's .grad does, on every path (0.2 "
-                "overwrote the gradient buffer with grads='buffer' and run_layers). Call "
-                "vfsdp.zero_grads(shards, spec) before a backward that should start afresh, and "
-                "drop accumulate_grads; until 0.4 it keeps 0.2's meaning (a grads='buffer' "
-                "backward overwrites the gradient buffer)", FutureWarning)
         if self.async_reduce and self.grads != "buffer":
             raise ValueError("async_reduce=True needs grads='buffer': a gradient returned to "
                              "autograd must be complete when the backward returns it")

@@ -70,7 +70,7 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
             buffers for this call).
         mesh: A ``DeviceMesh`` matching the spec, for fresh buffers; default: the default
             group. Shards from ``vfsdp.shard`` carry the mesh they were made on: passing one
-            with ``shards`` is deprecated (a ``FutureWarning``; it goes in 0.4).
+            with ``shards`` is refused.
         grad_reduce: ``"avg"`` or ``"sum"`` over every rank of the mesh.
         reduce_dtype: Dtype to reduce in.
         accumulate_grads: Add into the gradient buffers instead of overwriting them.

@@ -129,7 +129,7 @@ def run_layers(
         specs: The matching sub-specs: ``spec["layers"]`` itself, or a list of them; ``None``
             with pieces.
         h: The input of the first unit.
-        mesh: As for :func:`vfsdp.gather` (deprecated with shards of ``vfsdp.shard``); with
+        mesh: As for :func:`vfsdp.gather` (refused with shards of ``vfsdp.shard``); with
             pieces, in each piece's tuple.
         policy: A :class:`vfsdp.Policy`, as for :func:`vfsdp.gather` (the same object
             serves both). Its ``None`` fields take ``run_layers``' defaults: ``grads`` is

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import optree
 import torch
 
-from vfsdp._warnings import warn_mesh_ignored
+from vfsdp._warnings import refuse_mesh
 from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.dbuffer import View, slot_of
 from vfsdp.collectives.unit import Unit
@@ -202,14 +202,16 @@ def unit_for(local: Sequence[Any], spec: ShardSpec, key: Hashable, index: Sequen
 
 def own_mesh(tree: Any, mesh: Any, what: str) -> Any:
     """``mesh`` for plain-tensor shards; ``None`` for shards (or gradients) of
-    ``vfsdp.shard``, which carry the mesh they were made on, with the deprecation warning
-    when one was passed. Called once by each entry point that takes ``mesh=``."""
+    ``vfsdp.shard``, which carry the mesh they were made on (``mesh=`` with them is
+    refused). Called once by each entry point that takes ``mesh=``.
+
+    Raises:
+        ValueError: ``mesh=`` with the shards of ``vfsdp.shard``."""
     if mesh is None:
         return None
     if any(slot_of(x) is not None for x in optree.tree_leaves(tree)
            if isinstance(x, torch.Tensor)):
-        warn_mesh_ignored(what)
-        return None
+        refuse_mesh(what)
     return mesh
 
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from vfsdp import _torch_private as tp
-from vfsdp._warnings import warn_mesh_ignored
+from vfsdp._warnings import refuse_mesh
 from vfsdp.collectives import comm
 from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.dbuffer import Role, View, slot_of
@@ -65,7 +65,7 @@ def _groups_and_device(leaves: list, spec: ShardSpec, mesh: Any, what: Optional[
         slot = slot_of(x)
         if slot is not None:  # gradient buffer views: their unit's groups
             if mesh is not None and what is not None:
-                warn_mesh_ignored(what)
+                refuse_mesh(what)
             return slot.buffer.groups, slot.buffer.device
     groups = resolve_groups(spec, mesh)
     device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), groups.device)
@@ -178,7 +178,7 @@ def clip_grad_norm(grads: Any, spec: ShardSpec, max_norm: float, *, mesh: Any = 
         max_norm: The largest allowed norm.
         mesh: A ``DeviceMesh`` matching the spec, for pieces that are not gradient buffer
             views; default: the default group. With gradient buffer views (which carry
-            their mesh) it is deprecated: a ``FutureWarning``, gone in 0.4.
+            their mesh) it is refused.
         eps: Added to the norm before dividing.
         mask: ``path -> bool``: clip only the selected tensors, by their own norm.
 

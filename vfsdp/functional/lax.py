@@ -13,7 +13,7 @@ function                        forward, over the ranks of ``axis``    backward
 ``psum_scatter(x, axis, dim)``  sum, rank ``i`` keeps chunk ``i``      ``all_gather``
 ``all_to_all(x, axis, s, c)``   chunk ``j`` of ``dim s`` to rank ``j``,  ``all_to_all(c, s)``
                                 concatenated along ``dim c``
-``axis_index(axis)``            this rank's index along ``axis``       (an int)
+``axis_index(axis)``            this rank's index along ``axis``       (an int, varying)
 ``axis_size(axis)``             the number of ranks along ``axis``     (an int)
 ==============================  =====================================  ======================
 
@@ -211,6 +211,11 @@ class _PSum(torch.autograd.Function):
         g = _PVary.apply(g, ctx.ax)
         return (g if ctx.scale == 1 else g * ctx.scale), None, None, None
 
+    @staticmethod
+    def jvp(ctx, gx, *_):
+        out = _reduce(gx, ctx.ax, "psum's tangent")
+        return out if ctx.scale == 1 else out.mul_(ctx.scale)
+
 
 class _PVary(torch.autograd.Function):
     @staticmethod
@@ -225,6 +230,29 @@ class _PVary(torch.autograd.Function):
     def backward(ctx, g):
         return _PSum.apply(g, ctx.ax, 1, "pvary's backward (psum)"), None
 
+    @staticmethod
+    def jvp(ctx, gx, _):
+        return gx.view_as(gx)
+
+
+class _PVaryInPlace(torch.autograd.Function):
+    """:class:`_PVary` in place (the implicit pvary of a tensor a varying value is written
+    into)."""
+
+    @staticmethod
+    def forward(ctx, x, ax):
+        ctx.ax = ax
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _PSum.apply(g, ctx.ax, 1, "pvary's backward (psum)"), None
+
+    @staticmethod
+    def jvp(ctx, gx, _):
+        return gx
+
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
@@ -233,12 +261,16 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, ctx.ax, ctx.dim, shapes = inputs
-        ctx.sizes = [s[ctx.dim] for s in shapes]
+        _, ctx.ax, ctx.dim, ctx.shapes = inputs
+        ctx.sizes = [s[ctx.dim] for s in ctx.shapes]
 
     @staticmethod
     def backward(ctx, g):
         return _PSumScatter.apply(g, ctx.ax, ctx.dim, ctx.sizes), None, None, None
+
+    @staticmethod
+    def jvp(ctx, gx, *_):
+        return _gather(gx, ctx.ax, ctx.dim, ctx.shapes)
 
 
 class _PSumScatter(torch.autograd.Function):
@@ -248,12 +280,16 @@ class _PSumScatter(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, ctx.ax, ctx.dim, sizes = inputs
-        ctx.shapes = [(*x.shape[:ctx.dim], s, *x.shape[ctx.dim + 1:]) for s in sizes]
+        x, ctx.ax, ctx.dim, ctx.sizes = inputs
+        ctx.shapes = [(*x.shape[:ctx.dim], s, *x.shape[ctx.dim + 1:]) for s in ctx.sizes]
 
     @staticmethod
     def backward(ctx, g):
         return _AllGather.apply(g, ctx.ax, ctx.dim, ctx.shapes), None, None, None
+
+    @staticmethod
+    def jvp(ctx, gx, *_):
+        return _scatter(gx, ctx.ax, ctx.dim, ctx.sizes)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -263,7 +299,8 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, ctx.ax, ctx.split_dim, ctx.concat_dim, split_sizes, shapes = inputs
+        x, ctx.ax, ctx.split_dim, ctx.concat_dim, ctx.split_sizes, ctx.shapes = inputs
+        split_sizes, shapes = ctx.split_sizes, ctx.shapes
         ctx.back_sizes = [s[ctx.concat_dim] for s in shapes]  # what came from each rank
         ctx.back_shapes = _chunk_shapes(tuple(x.shape), ctx.split_dim, split_sizes)
 
@@ -275,19 +312,31 @@ class _AllToAll(torch.autograd.Function):
                                tuple(ctx.back_shapes))
         return back, None, None, None, None, None
 
+    @staticmethod
+    def jvp(ctx, gx, *_):
+        return _a2a(gx, ctx.ax, ctx.split_dim, ctx.concat_dim, ctx.split_sizes, ctx.shapes)
+
 
 # ---------------------------------------------------------------- public functions
 
-def _tracked(op: str, x: torch.Tensor, axis: Axes, run) -> torch.Tensor:
-    """``run()``, checked and its result marked by the ``shard_map`` body's replication
-    tracking (:mod:`vfsdp.functional.vma`) when one runs on this thread."""
+def _tracked(op: str, x: torch.Tensor, axis: Axes, mesh: Any, run) -> torch.Tensor:
+    """``run(x)``, checked and its result marked by the ``shard_map`` body's replication
+    tracking (:mod:`vfsdp.functional.vma`) when one runs on this thread; a value invariant
+    over some of the axes is ``pvary``-ed over them first (JAX's implicit pvary)."""
     tracker = vma.current()
     if tracker is None:
-        return run()
-    after = vma.check_collective(op, x, axis_names(axis))
+        return run(x)
+    missing, after = vma.check_collective(op, x, axis_names(axis))
     with tracker.pause():
-        out = run()
+        if missing:
+            x = _PVary.apply(x, axis_of(missing if len(missing) > 1 else missing[0], mesh))
+        out = run(x)
     return vma.mark(out, after, tracker)
+
+
+def _pvary_in_place(x: torch.Tensor, axes: tuple, mesh: Any) -> None:
+    """``pvary`` of ``x`` in place (before a write into it of a varying value)."""
+    _PVaryInPlace.apply(x, axis_of(axes if len(axes) > 1 else axes[0], mesh))
 
 
 def _dim(x: torch.Tensor, dim: int, what: str) -> int:
@@ -324,7 +373,7 @@ def psum(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Te
         >>> vfsdp.testing.simulate(4, body)
         [1.0, 1.0, 5.0, 5.0]
     """
-    return _tracked("psum", x, axis, lambda: _PSum.apply(x, axis_of(axis, mesh), 1))
+    return _tracked("psum", x, axis, mesh, lambda x: _PSum.apply(x, axis_of(axis, mesh), 1))
 
 
 def pmean(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
@@ -350,10 +399,10 @@ def pmean(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.T
         >>> vfsdp.testing.simulate(4, body)
         [1.5, 1.5, 1.5, 1.5]
     """
-    def run():
+    def run(x):
         ax = axis_of(axis, mesh)
         return _PSum.apply(x, ax, 1.0 / ax.size, "pmean")
-    return _tracked("pmean", x, axis, run)
+    return _tracked("pmean", x, axis, mesh, run)
 
 
 def pvary(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
@@ -382,7 +431,7 @@ def pvary(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.T
         >>> vfsdp.testing.simulate(2, body)
         [[3.0, 3.0], [3.0, 3.0]]
     """
-    return _tracked("pvary", x, axis, lambda: _PVary.apply(x, axis_of(axis, mesh)))
+    return _tracked("pvary", x, axis, mesh, lambda x: _PVary.apply(x, axis_of(axis, mesh)))
 
 
 def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, *,
@@ -413,7 +462,7 @@ def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, *,
         >>> vfsdp.testing.simulate(2, body)[0]
         [0.0, 1.0, 1.0]
     """
-    def run():
+    def run(x):
         ax = axis_of(axis, mesh)
         d = _dim(x, dim, "all_gather")
         shapes = _shapes(x, ax, "all_gather")
@@ -422,7 +471,7 @@ def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, *,
             raise ValueError(f"all_gather over {axis!r} along dim {dim}: the ranks' shapes "
                              f"{shapes} differ off that dim")
         return _AllGather.apply(x, ax, d, shapes)
-    return _tracked("all_gather", x, axis, run)
+    return _tracked("all_gather", x, axis, mesh, run)
 
 
 def psum_scatter(x: torch.Tensor, axis: Axes, dim: int = 0, *,
@@ -451,11 +500,11 @@ def psum_scatter(x: torch.Tensor, axis: Axes, dim: int = 0, *,
         >>> vfsdp.testing.simulate(2, body)
         [[0.0, 2.0, 4.0], [6.0, 8.0]]
     """
-    def run():
+    def run(x):
         ax = axis_of(axis, mesh)
         d = _dim(x, dim, "psum_scatter")
         return _PSumScatter.apply(x, ax, d, _tensor_split_sizes(x.shape[d], ax.size))
-    return _tracked("psum_scatter", x, axis, run)
+    return _tracked("psum_scatter", x, axis, mesh, run)
 
 
 def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
@@ -492,8 +541,8 @@ def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
         >>> vfsdp.testing.simulate(2, body)
         [[0.0, 10.0, 11.0], [1.0, 2.0, 12.0]]
     """
-    return _tracked("all_to_all", x, axis,
-                    lambda: _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh))
+    return _tracked("all_to_all", x, axis, mesh,
+                    lambda x: _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh))
 
 
 def _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh) -> torch.Tensor:
@@ -526,7 +575,8 @@ def axis_index(axis: Axes, *, mesh: Optional[Any] = None) -> int:
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
     Returns:
-        An int in ``[0, axis_size(axis))``.
+        An int in ``[0, axis_size(axis))``; inside a ``shard_map`` body with ``check_vma`` an
+        int that varies over ``axis`` (:class:`vfsdp.functional.vma.AxisIndex`), as JAX's.
 
     Raises:
         ValueError: no mesh, or no such axis.
@@ -536,7 +586,8 @@ def axis_index(axis: Axes, *, mesh: Optional[Any] = None) -> int:
         ...                                                                  ("tp", 2))))
         [0, 1, 0, 1]
     """
-    return axis_of(axis, mesh).index
+    index = axis_of(axis, mesh).index
+    return index if vma.current() is None else vma.AxisIndex(index, axis_names(axis))
 
 
 def axis_size(axis: Axes, *, mesh: Optional[Any] = None) -> int:

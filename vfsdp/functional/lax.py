@@ -216,6 +216,10 @@ class _PSum(torch.autograd.Function):
         out = _reduce(gx, ctx.ax, "psum's tangent")
         return out if ctx.scale == 1 else out.mul_(ctx.scale)
 
+    @staticmethod
+    def vmap(info, in_dims, x, ax, scale, what="psum"):  # elementwise: every rank batches alike
+        return _PSum.apply(x, ax, scale, what), in_dims[0]
+
 
 class _PVary(torch.autograd.Function):
     @staticmethod
@@ -233,6 +237,10 @@ class _PVary(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, gx, _):
         return gx.view_as(gx)
+
+    @staticmethod
+    def vmap(info, in_dims, x, ax):  # elementwise: on the batched tensor as it is
+        return _PVary.apply(x, ax), in_dims[0]
 
 
 class _PVaryInPlace(torch.autograd.Function):

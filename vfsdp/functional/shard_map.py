@@ -127,6 +127,10 @@ class _Split(torch.autograd.Function):
     def backward(ctx, *gs):
         return (None, *_Join.apply(ctx.layouts, *gs))
 
+    @staticmethod
+    def jvp(ctx, _, *ts):
+        return tuple(_split(t, cuts) for t, cuts in zip(ts, ctx.layouts))
+
 
 class _Join(torch.autograd.Function):
     """Every rank's pieces -> the global tensors; backward: :class:`_Split` of the global
@@ -143,6 +147,10 @@ class _Join(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *gs):
         return (None, *_Split.apply(ctx.layouts, *gs))
+
+    @staticmethod
+    def jvp(ctx, _, *ts):
+        return tuple(_join(t, cuts) for t, cuts in zip(ts, ctx.layouts))
 
 
 def _where(kind: str, path: tuple) -> str:

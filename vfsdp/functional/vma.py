@@ -196,7 +196,7 @@ class Tracker(TorchFunctionMode):
             written = args[0] if args and isinstance(args[0], torch.Tensor) else None
         elif isinstance(kwargs.get("out"), torch.Tensor):
             written = kwargs["out"]
-        if union and len(seen) > 1:
+        if union and seen:
             args, kwargs = self._pvary_mixed(func, seen, union, written, args, kwargs)
         out = func(*args, **kwargs)
         if not union:

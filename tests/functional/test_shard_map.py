@@ -444,3 +444,100 @@ def test_a_gradient_penalty_through_shard_map_equals_one_process():
     (loss + gx.pow(2).sum()).backward()
     for got in simulate(3, _penalised, x0, w0):
         _close(list(got), [x.grad, w.grad], "double backward")
+
+
+# ------------------------------------------------------------------ the adversarial sweep
+# (issue 41: each gives JAX's outcome; the refusals are in tests/misuse/test_shard_map_misuse.py)
+
+def _write_into_invariant():
+    """A varying row written in place into an invariant tensor that requires grad: an
+    implicit pvary in place, so its gradient sums every rank's (JAX: ``.at[].set``)."""
+    mesh = vfsdp.mesh(("tp", 2))
+    x, w = _leaves(_randn(4, 3, seed=50), _randn(4, 3, seed=51))
+
+    def body(x, w):
+        h = w * 2
+        h[0] = x[0]  # __setitem__ returns None: the tracking marks h itself
+        return lax.psum((h * h).sum(), "tp")
+
+    vfsdp.shard_map(body, mesh, (P("tp"), P()), P())(x, w).backward()
+    return x.grad, w.grad
+
+
+def test_a_write_in_place_is_tracked_and_the_gradients_are_one_processs():
+    x, w = _leaves(_randn(4, 3, seed=50), _randn(4, 3, seed=51))
+    total = 0
+    for piece in x.split(2):
+        h = (w * 2).clone()
+        h[0] = piece[0]
+        total = total + (h * h).sum()
+    total.backward()
+    for gx, gw in simulate(2, _write_into_invariant):
+        _close([gx, gw], [x.grad, w.grad], "in-place writes")
+
+
+def _transforms():
+    """torch.func.grad and vmap on split pieces inside the body, and shard_map under
+    torch.compile (aot_eager) with the check on."""
+    mesh = vfsdp.mesh(("tp", 2))
+    x, w = _randn(4, 3, seed=60), _randn(3, 3, seed=61)
+
+    def body(x, w):
+        gx = torch.func.grad(lambda x: torch.tanh(x @ w).sum())(x)  # grad of a piece: varies
+        rows = torch.func.vmap(lambda r: torch.sin(r @ w))(x)
+        return gx, lax.psum(rows.sum(0), "tp")
+
+    inside = vfsdp.shard_map(body, mesh, (P("tp"), P()), (P("tp"), P()))(x, w)
+    try:  # a gradient of a piece varies: returning it as P() is refused, as by JAX
+        vfsdp.shard_map(body, mesh, (P("tp"), P()), (P(), P()))(x, w)
+        refused = False
+    except ValueError as exc:
+        refused = "output[0] varies over 'tp' but its out_spec P()" in str(exc)
+    g = vfsdp.shard_map(lambda x, w: lax.psum(torch.sin(x @ w).sum(0), "tp"), mesh,
+                        (P("tp"), P()), P())
+    wc = w.clone().requires_grad_()
+    step = torch.compile(lambda x, w: g(x, w).pow(2).sum(), backend="aot_eager")
+    loss = step(x, wc)
+    loss.backward()
+    return inside, refused, (loss.detach(), wc.grad)
+
+
+def test_torch_func_transforms_and_compile_compose_with_the_check():
+    x, w = _randn(4, 3, seed=60), _randn(3, 3, seed=61)
+    want_gx = torch.func.grad(lambda x: torch.tanh(x @ w).sum())(x)
+    want_rows = torch.sin(x @ w).sum(0)
+    wc = w.clone().requires_grad_()
+    loss = torch.sin(x @ wc).sum(0).pow(2).sum()
+    loss.backward()
+    for inside, refused, (got_loss, got_gw) in simulate(2, _transforms):
+        _close(list(inside), [want_gx, want_rows], "inside")
+        assert refused
+        _close([got_loss, got_gw], [loss.detach(), wc.grad], "compiled step")
+
+
+def _jvps():
+    """torch.func.jvp through shard_map and each collective, and inside the body (on gloo
+    processes: forward AD's levels are per process, so threads would share them)."""
+    mesh = vfsdp.mesh(("tp", 2))
+    x, t = _randn(4, 6, seed=70), _randn(4, 6, seed=71)
+    bodies = {
+        "psum": (lambda x: lax.psum(x, "tp"), P("tp"), P()),
+        "pmean": (lambda x: lax.pmean(x, "tp"), P("tp"), P()),
+        "pvary": (lambda x: lax.pvary(x, "tp") * (lax.axis_index("tp") + 1), P(), P("tp")),
+        "all_gather": (lambda x: lax.all_gather(x, "tp", 1), P("tp"), P("tp")),
+        "psum_scatter": (lambda x: lax.psum_scatter(x, "tp", 1), P("tp"), P("tp")),
+        "all_to_all": (lambda x: lax.all_to_all(x, "tp", 1, 0), P("tp"), P("tp")),
+        "jvp inside": (lambda x: torch.func.jvp(lambda y: lax.psum(y * 3, "tp"), (x,),
+                                                (torch.ones_like(x),))[1] * x, P("tp"), P("tp"))}
+    out = {}
+    for name, (body, i, o) in bodies.items():
+        f = vfsdp.shard_map(body, mesh, i, o)
+        primal, tangent = torch.func.jvp(f, (x,), (t,))
+        out[name] = (primal, tangent, f(x), f(t))  # each is linear: its tangent is f(t)
+    return out
+
+
+def test_jvp_through_shard_map_and_every_collective():
+    for got in spawn(_jvps, 2):
+        for name, (primal, tangent, want_primal, want_tangent) in got.items():
+            _close([primal, tangent], [want_primal, want_tangent], f"jvp of {name}")

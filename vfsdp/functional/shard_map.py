@@ -39,7 +39,7 @@ import torch
 
 from vfsdp.collectives.mesh import Axis, axis_names, axis_of, use_mesh
 from vfsdp.functional import vma
-from vfsdp.functional.lax import _PVary, _gather, _shapes, _tensor_split_sizes
+from vfsdp.functional.lax import _gather, _PVary, _shapes, _tensor_split_sizes
 
 _MANUAL = threading.local()  # .axes: the mesh axes of the shard_map body running here
 

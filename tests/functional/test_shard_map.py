@@ -207,15 +207,20 @@ GLOO_SPECS = [((("a", 2), ("b", 2)), (5, 3), P("a", "b"), 1),
 
 def _all_on_gloo():
     return (_tp_fsdp(2, 2), _moe(4), _ulysses(4),
-            [_spec_body(*case) for case in GLOO_SPECS])
+            [_spec_body(*case) for case in GLOO_SPECS], _jvps())
 
 
 def test_the_examples_and_specs_on_gloo_processes():
+    """And torch.func.jvp through shard_map and every collective (here: forward AD's levels
+    are per process, so simulated ranks would share them)."""
     results = spawn(_all_on_gloo, 4)
+    for got in (r[4] for r in results):
+        for name, (primal, tangent, want_primal, want_tangent) in got.items():
+            _close([primal, tangent], [want_primal, want_tangent], f"jvp of {name}")
     _check_tp_fsdp([r[0] for r in results], 2)
     want_moe, want_uly = _moe_reference(), _ulysses_reference()
     want_specs = [_spec_reference(*case) for case in GLOO_SPECS]
-    for _, moe, uly, specs in results:
+    for _, moe, uly, specs, _ in results:
         _close(moe, want_moe, "EP MoE on gloo")
         _close(uly, want_uly, "Ulysses on gloo")
         for got, want in zip(specs, want_specs):
@@ -516,10 +521,10 @@ def test_torch_func_transforms_and_compile_compose_with_the_check():
 
 
 def _jvps():
-    """torch.func.jvp through shard_map and each collective, and inside the body (on gloo
-    processes: forward AD's levels are per process, so threads would share them)."""
-    mesh = vfsdp.mesh(("tp", 2))
-    x, t = _randn(4, 6, seed=70), _randn(4, 6, seed=71)
+    """torch.func.jvp through shard_map and each collective, and inside the body: each is
+    linear, so its tangent is its value at the tangent (run on gloo processes, above)."""
+    mesh = vfsdp.mesh(("tp", dist.get_world_size()))
+    x, t = _randn(4, 8, seed=70), _randn(4, 8, seed=71)
     bodies = {
         "psum": (lambda x: lax.psum(x, "tp"), P("tp"), P()),
         "pmean": (lambda x: lax.pmean(x, "tp"), P("tp"), P()),
@@ -536,8 +541,3 @@ def _jvps():
         out[name] = (primal, tangent, f(x), f(t))  # each is linear: its tangent is f(t)
     return out
 
-
-def test_jvp_through_shard_map_and_every_collective():
-    for got in spawn(_jvps, 2):
-        for name, (primal, tangent, want_primal, want_tangent) in got.items():
-            _close([primal, tangent], [want_primal, want_tangent], f"jvp of {name}")

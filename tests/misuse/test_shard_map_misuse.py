@@ -113,3 +113,17 @@ def test_a_buffer_written_with_a_piece_varies_so_returning_it_under_p_is_refused
 
     with pytest.raises(RankError, match=r"output varies over 'sp' but its out_spec P\(\)"):
         simulate(2, body)
+
+
+@pytest.mark.parametrize("out_dims", [0, 1])
+def test_a_vmap_result_keeps_its_pieces_replication(out_dims):
+    """What ``torch.func.vmap`` returns is a new tensor (its batch dim moved for out_dims=1):
+    it still varies, so returning it as P() is refused (it was untracked: "invariant")."""
+    def body():
+        mesh = vfsdp.mesh(("sp", 2))
+        f = vfsdp.shard_map(lambda x: torch.func.vmap(lambda r: r.sin(), out_dims=out_dims)(x),
+                            mesh, P("sp"), P())
+        f(torch.ones(4, 3))
+
+    with pytest.raises(RankError, match=r"output varies over 'sp' but its out_spec P\(\)"):
+        simulate(2, body)

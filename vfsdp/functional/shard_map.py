@@ -37,6 +37,7 @@ from typing import Any
 import optree
 import torch
 
+from vfsdp import _torch_private as tp
 from vfsdp.collectives.mesh import Axis, axis_names, axis_of, use_mesh
 from vfsdp.functional import vma
 from vfsdp.functional.lax import _gather, _PVary, _shapes, _tensor_split_sizes
@@ -253,6 +254,11 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
 
     @functools.wraps(fn)
     def mapped(*args: Any, **kwargs: Any) -> Any:
+        if check_vma and tp.compiling():  # traced by dynamo: run the checked call eagerly
+            return eager(*args, **kwargs)
+        return run(*args, **kwargs)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise TypeError(f"shard_map({name}): keyword arguments {sorted(kwargs)} are not "
                             f"mapped (JAX refuses them too): pass them positionally, with an "
@@ -290,7 +296,8 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
     # Dynamo does not trace the tracking (a torch function mode keeping state on tensors): a
     # checked call runs eagerly inside a compiled step (a graph break), an unchecked one is
     # traced.
-    return torch.compiler.disable(mapped, recursive=True) if check_vma else mapped
+    eager = torch.compiler.disable(run, recursive=True)
+    return mapped
 
 
 def _layout(pairs: list, t: Any, mesh: Any, split: bool) -> tuple:

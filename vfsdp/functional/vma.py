@@ -125,6 +125,7 @@ class Tracker(TorchFunctionMode):
         self.token = object()
         self.paused = 0
         self.ops = 0  # torch calls seen (for the cost measurement)
+        self.storages: dict = {}  # what torch.func transforms wrapped: storage -> axes
 
     def __enter__(self):
         self.outer = getattr(_STATE, "tracker", None)
@@ -143,13 +144,22 @@ class Tracker(TorchFunctionMode):
         if entry is not None and entry[0] is self.token:
             return entry[1]
         inner = tp.functorch_unwrapped(t)  # a torch.func wrapper: what it wraps
-        return _NONE if inner is None else self.vma(inner)
+        if inner is not None:
+            return self.vma(inner)
+        # A view of what a transform wrapped (vmap's result, its batch dim moved), or nothing
+        # of this call (a constant, a tensor from outside the body: invariant).
+        return self.storages.get(tp.storage_id(t), _NONE) if self.storages else _NONE
 
     def mark(self, t: torch.Tensor, axes: frozenset) -> None:
         entry = (self.token, axes)
-        while t is not None:  # a torch.func wrapper: what it wraps too (the transform's result)
+        t.__dict__[_ATTR] = entry
+        inner = tp.functorch_unwrapped(t)
+        while inner is not None:  # a torch.func wrapper: what it wraps too (what it returns)
+            t, inner = inner, tp.functorch_unwrapped(inner)
             t.__dict__[_ATTR] = entry
-            t = tp.functorch_unwrapped(t)
+            if inner is None and axes:
+                key = tp.storage_id(t)
+                self.storages[key] = self.storages.get(key, _NONE) | axes
 
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
@@ -185,8 +195,16 @@ class Tracker(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         seen: list = []  # (tensor, its axes)
         union = _NONE
+        token = self.token
         for a in (args[1:] if name in _SHAPE_ONLY else args):
-            union = self._scan(a, seen, union)
+            if isinstance(a, torch.Tensor):  # the common case, inline
+                entry = a.__dict__.get(_ATTR)
+                v = entry[1] if entry is not None and entry[0] is token else self.vma(a)
+                seen.append((a, v))
+                if v and v is not union:
+                    union = v if not union else union | v
+            elif isinstance(a, (list, tuple, slice, AxisIndex)):
+                union = self._scan(a, seen, union)
         for a in kwargs.values():
             union = self._scan(a, seen, union)
         if func is torch.autograd.grad:

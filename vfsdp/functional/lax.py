@@ -39,10 +39,12 @@ all_gather's of psum_scatter and back, all_to_all's of all_to_all), so double ba
 The mesh is ``mesh=`` or the innermost ``with use_mesh(m):``. Reference semantics (a loop over
 ranks): :mod:`vfsdp.functional.lax_reference`.
 
-Inside a :func:`vfsdp.shard_map` body (``check_vma=True``, its default) each collective first
-checks its input's replication: ``psum``, ``pmean``, ``all_gather``, ``psum_scatter`` and
-``all_to_all`` need a value that varies over their axes, ``pvary`` one that does not
-(:mod:`vfsdp.functional.vma`); outside one nothing is checked.
+Inside a :func:`vfsdp.shard_map` body (``check_vma=True``, its default) each collective
+tracks its input's replication, as JAX's: ``psum``, ``pmean``, ``all_gather``,
+``psum_scatter`` and ``all_to_all`` of a value invariant over their axes ``pvary`` it first
+(``check_vma="strict"``: an error), ``pvary`` of a value that already varies is refused
+(:mod:`vfsdp.functional.vma`); outside one nothing is checked. Forward mode
+(``torch.func.jvp``): each collective's tangent is the same collective of the input's.
 
 Every rank must run the same collectives, the backward's included. Autograd runs a
 collective's backward only where its result reaches the loss: if it does on some ranks only
@@ -337,14 +339,10 @@ def _tracked(op: str, x: torch.Tensor, axis: Axes, mesh: Any, run) -> torch.Tens
     missing, after = vma.check_collective(op, x, axis_names(axis))
     with tracker.pause():
         if missing:
-            x = _PVary.apply(x, axis_of(missing if len(missing) > 1 else missing[0], mesh))
+            x = _PVary.apply(x, tracker.axis(missing) if mesh is None else
+                             axis_of(missing if len(missing) > 1 else missing[0], mesh))
         out = run(x)
     return vma.mark(out, after, tracker)
-
-
-def _pvary_in_place(x: torch.Tensor, axes: tuple, mesh: Any) -> None:
-    """``pvary`` of ``x`` in place (before a write into it of a varying value)."""
-    _PVaryInPlace.apply(x, axis_of(axes if len(axes) > 1 else axes[0], mesh))
 
 
 def _dim(x: torch.Tensor, dim: int, what: str) -> int:

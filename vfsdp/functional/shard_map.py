@@ -5,17 +5,21 @@ each input is split by its spec (a :class:`P`: per dim, the mesh axis, or tuple 
 splits it, or ``None``), ``fn`` runs on this rank's pieces (the mesh is its ``use_mesh``, so
 ``vfsdp.lax`` collectives name axes alone), and the outputs are assembled by ``out_specs``:
 pieces concatenated along the dims their spec splits, in axis order. Uneven splits cut as
-``torch.tensor_split`` (as ``plan(tp=...)``); output pieces may have any lengths.
+``torch.tensor_split`` (as ``plan(tp=...)``); output pieces may have any lengths. A tuple of
+axes in a spec splits one dim over them, row-major in the tuple's order (any order, as JAX).
 
 Gradients are plain torch's: the global inputs' gradients are the ones one process computing
 the global function gets (each rank ends with all of them). Under the conventions of
 :mod:`vfsdp.lax`, the split's backward gathers the pieces' cotangents, the assembly's backward
 hands each rank its piece of the global cotangent; a replicated (``P()``) input's gradient
 counts once, so a body that uses it differently per rank marks it with ``pvary``.
-``check_vma=True`` (the default) tracks which axes each tensor varies over and raises where
-that was forgotten (:mod:`vfsdp.functional.vma`); it also proves each output's replication
-against its out_spec. With ``check_vma=False`` nothing is checked: an output replicated over
-an axis (not in its out_spec) is each rank's own value, taken as it is.
+``check_vma=True`` (the default) tracks which axes each tensor varies over and, as JAX's,
+inserts the ``pvary`` where it was forgotten (:mod:`vfsdp.functional.vma`); it also proves
+each output's replication against its out_spec (an invariant output its spec splits is
+tiled). ``check_vma="strict"`` raises where a ``pvary`` would be inserted. With
+``check_vma=False`` nothing is checked: an output replicated over an axis (not in its
+out_spec) is each rank's own value, taken as it is. The mapped function takes positional
+arguments only, and is refused inside another's body (as JAX's).
 
 Costs: the split is one slice and copy per split input (no communication); the assembly one
 all-gather per split dim of an output (with one small exchange of the pieces' shapes), the
@@ -32,7 +36,7 @@ import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import optree
 import torch
@@ -202,7 +206,7 @@ def _specs(specs: Any, tree: Any, kind: str) -> list:
 
 
 def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
-              check_vma: bool = True) -> Callable:
+              check_vma: Union[bool, str] = True) -> Callable:
     """``fn`` as an SPMD program over ``mesh``: called on every rank with the global inputs,
     it runs ``fn`` on this rank's pieces and returns the global outputs.
 
@@ -217,21 +221,25 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
         out_specs: A :class:`P` per output, as ``in_specs``: each rank's pieces are
             concatenated, in axis order, along the dims it names; ``P()`` returns an output
             replicated over every axis.
-        check_vma: Track which axes each tensor varies over (:mod:`vfsdp.functional.vma`):
-            a missing ``pvary`` (a replicated input that requires grad mixed with split
-            values), a collective of a value of the wrong replication, or an output whose
-            replication is not its out_spec's raise a ``ValueError`` naming the axis and the
-            fix. ``False``: none of it (each rank then returns its own value of a replicated
-            output, unchecked).
+        check_vma: ``True``: track which axes each tensor varies over, as JAX's
+            (:mod:`vfsdp.functional.vma`): a missing ``pvary`` (an invariant value mixed with
+            varying ones, a collective of an invariant value, an invariant output its spec
+            splits) is inserted; an output that varies over an axis its out_spec replicates,
+            or a ``pvary`` of a varying value, raises. ``"strict"``: the same, but a missing
+            ``pvary`` of a value that requires grad raises too. ``False``: none of it (each
+            rank then returns its own value of a replicated output, unchecked). Under
+            ``torch.compile`` a checked call runs eagerly (a graph break).
 
     Returns:
         The mapped function (call it on every rank, with the same global inputs).
 
     Raises:
         ValueError: a spec that does not fit its input (more entries than dims, an axis the
-            mesh does not have or twice, a tuple out of the mesh's order), naming the input
-            and the fix; with ``check_vma``, replication errors (above).
-        TypeError: a spec that is not a :class:`P`.
+            mesh does not have or twice), naming the input and the fix; ``check_vma`` not
+            one of the three; a call inside a ``shard_map`` body; with ``check_vma``,
+            replication errors (above).
+        TypeError: a spec that is not a :class:`P`; keyword arguments to the mapped
+            function (named).
 
     Example:
         >>> def body():

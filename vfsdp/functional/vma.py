@@ -126,6 +126,16 @@ class Tracker(TorchFunctionMode):
         self.paused = 0
         self.ops = 0  # torch calls seen (for the cost measurement)
         self.storages: dict = {}  # what torch.func transforms wrapped: storage -> axes
+        self.groups: dict = {}  # axes -> Axis, for the implicit pvary
+
+    def axis(self, axes: tuple) -> Any:
+        """The :class:`~vfsdp.collectives.mesh.Axis` of ``axes`` (in the mesh's order) on the
+        tracked mesh, made once per call."""
+        ax = self.groups.get(axes)
+        if ax is None:
+            from vfsdp.collectives.mesh import axis_of
+            ax = self.groups[axes] = axis_of(axes if len(axes) > 1 else axes[0], self.mesh)
+        return ax
 
     def __enter__(self):
         self.outer = getattr(_STATE, "tracker", None)
@@ -247,9 +257,10 @@ class Tracker(TorchFunctionMode):
             from vfsdp.functional import lax
             with self.pause():
                 if t is written:
-                    lax._pvary_in_place(t, missing, self.mesh)
+                    lax._PVaryInPlace.apply(t, self.axis(missing))
                 else:
-                    swap[id(t)] = lax.pvary(t, missing, mesh=self.mesh)
+                    swap[id(t)] = lax._PVary.apply(t, self.axis(missing))
+            self.mark(swap.get(id(t), t), union)
         if swap:
             args = _swapped(args, swap)
             kwargs = {k: _swapped(v, swap) for k, v in kwargs.items()}

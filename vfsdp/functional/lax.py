@@ -32,19 +32,14 @@ the same ranks. ``axis_index``/``axis_size`` of a tuple are the combined index a
 Sizes may be uneven: ranks may hold different sizes along the gathered dim; ``psum_scatter``
 cuts like ``torch.tensor_split`` (the first ``len % size`` chunks one longer); ``all_to_all``
 takes ``split_sizes`` per rank. Every function works with ``loss.backward()``,
-``torch.autograd.grad`` and ``torch.func``, on gloo, NCCL and ``vfsdp.testing.simulate``.
-Each backward is made of these differentiable functions (psum's of pvary, pvary's of psum,
-all_gather's of psum_scatter and back, all_to_all's of all_to_all), so double backward
-(``create_graph=True``, e.g. a gradient penalty) differentiates through the collectives.
-The mesh is ``mesh=`` or the innermost ``with use_mesh(m):``. Reference semantics (a loop over
-ranks): :mod:`vfsdp.functional.lax_reference`.
-
-Inside a :func:`vfsdp.shard_map` body (``check_vma=True``, its default) each collective
-tracks its input's replication, as JAX's: ``psum``, ``pmean``, ``all_gather``,
-``psum_scatter`` and ``all_to_all`` of a value invariant over their axes ``pvary`` it first
-(``check_vma="strict"``: an error), ``pvary`` of a value that already varies is refused
-(:mod:`vfsdp.functional.vma`); outside one nothing is checked. Forward mode
-(``torch.func.jvp``): each collective's tangent is the same collective of the input's.
+``torch.autograd.grad`` and ``torch.func`` (``jvp``: the collective of the tangent), on gloo,
+NCCL and ``vfsdp.testing.simulate``. Each backward is made of these differentiable functions
+(psum's of pvary, pvary's of psum, all_gather's of psum_scatter and back, all_to_all's of
+all_to_all), so double backward (``create_graph=True``) differentiates through them. The mesh
+is ``mesh=`` or the innermost ``with use_mesh(m):``. Reference semantics (a loop over ranks):
+:mod:`vfsdp.functional.lax_reference`. In a :func:`vfsdp.shard_map` body (``check_vma``) a
+collective of a value invariant over its axes ``pvary``-s it first, as JAX's (``"strict"``:
+an error); a ``pvary`` of a varying value is refused (:mod:`vfsdp.functional.vma`).
 
 Every rank must run the same collectives, the backward's included. Autograd runs a
 collective's backward only where its result reaches the loss: if it does on some ranks only
@@ -219,7 +214,7 @@ class _PSum(torch.autograd.Function):
         return out if ctx.scale == 1 else out.mul_(ctx.scale)
 
     @staticmethod
-    def vmap(info, in_dims, x, ax, scale, what="psum"):  # elementwise: every rank batches alike
+    def vmap(info, in_dims, x, ax, scale, what="psum"):  # every rank batches alike
         return _PSum.apply(x, ax, scale, what), in_dims[0]
 
 
@@ -241,27 +236,8 @@ class _PVary(torch.autograd.Function):
         return gx.view_as(gx)
 
     @staticmethod
-    def vmap(info, in_dims, x, ax):  # elementwise: on the batched tensor as it is
+    def vmap(info, in_dims, x, ax):  # elementwise: the batched tensor as it is
         return _PVary.apply(x, ax), in_dims[0]
-
-
-class _PVaryInPlace(torch.autograd.Function):
-    """:class:`_PVary` in place (the implicit pvary of a tensor a varying value is written
-    into)."""
-
-    @staticmethod
-    def forward(ctx, x, ax):
-        ctx.ax = ax
-        ctx.mark_dirty(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return _PSum.apply(g, ctx.ax, 1, "pvary's backward (psum)"), None
-
-    @staticmethod
-    def jvp(ctx, gx, _):
-        return gx
 
 
 class _AllGather(torch.autograd.Function):
@@ -310,9 +286,8 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, ctx.ax, ctx.split_dim, ctx.concat_dim, ctx.split_sizes, ctx.shapes = inputs
-        split_sizes, shapes = ctx.split_sizes, ctx.shapes
-        ctx.back_sizes = [s[ctx.concat_dim] for s in shapes]  # what came from each rank
-        ctx.back_shapes = _chunk_shapes(tuple(x.shape), ctx.split_dim, split_sizes)
+        ctx.back_sizes = [s[ctx.concat_dim] for s in ctx.shapes]  # what came from each rank
+        ctx.back_shapes = _chunk_shapes(tuple(x.shape), ctx.split_dim, ctx.split_sizes)
 
     @staticmethod
     def backward(ctx, g):
@@ -330,9 +305,8 @@ class _AllToAll(torch.autograd.Function):
 # ---------------------------------------------------------------- public functions
 
 def _tracked(op: str, x: torch.Tensor, axis: Axes, mesh: Any, run) -> torch.Tensor:
-    """``run(x)``, checked and its result marked by the ``shard_map`` body's replication
-    tracking (:mod:`vfsdp.functional.vma`) when one runs on this thread; a value invariant
-    over some of the axes is ``pvary``-ed over them first (JAX's implicit pvary)."""
+    """``run(x)`` under the ``shard_map`` body's replication tracking, if any (implicit pvary
+    of ``x`` first where it is invariant over some of the axes; the result marked)."""
     tracker = vma.current()
     if tracker is None:
         return run(x)
@@ -581,8 +555,8 @@ def axis_index(axis: Axes, *, mesh: Optional[Any] = None) -> int:
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
     Returns:
-        An int in ``[0, axis_size(axis))``; inside a ``shard_map`` body with ``check_vma`` an
-        int that varies over ``axis`` (:class:`vfsdp.functional.vma.AxisIndex`), as JAX's.
+        An int in ``[0, axis_size(axis))`` (in a checked ``shard_map`` body, one varying over
+        ``axis``, as JAX's: :class:`vfsdp.functional.vma.AxisIndex`).
 
     Raises:
         ValueError: no mesh, or no such axis.
@@ -592,8 +566,8 @@ def axis_index(axis: Axes, *, mesh: Optional[Any] = None) -> int:
         ...                                                                  ("tp", 2))))
         [0, 1, 0, 1]
     """
-    index = axis_of(axis, mesh).index
-    return index if vma.current() is None else vma.AxisIndex(index, axis_names(axis))
+    i = axis_of(axis, mesh).index
+    return i if vma.current() is None else vma.AxisIndex(i, axis_names(axis))
 
 
 def axis_size(axis: Axes, *, mesh: Optional[Any] = None) -> int:

@@ -257,7 +257,7 @@ class Tracker(TorchFunctionMode):
             from vfsdp.functional import lax
             with self.pause():
                 if t is written:
-                    lax._PVaryInPlace.apply(t, self.axis(missing))
+                    _PVaryInPlace.apply(t, self.axis(missing))
                 else:
                     swap[id(t)] = lax._PVary.apply(t, self.axis(missing))
             self.mark(swap.get(id(t), t), union)
@@ -275,6 +275,26 @@ class Tracker(TorchFunctionMode):
             if isinstance(g, torch.Tensor):
                 self.mark(g, self.vma(x))
         return out
+
+
+class _PVaryInPlace(torch.autograd.Function):
+    """``vfsdp.lax.pvary`` in place (the implicit pvary of a tensor a varying value is written
+    into): identity; backward ``psum``."""
+
+    @staticmethod
+    def forward(ctx, x, ax):
+        ctx.ax = ax
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        from vfsdp.functional import lax
+        return lax._PSum.apply(g, ctx.ax, 1, "pvary's backward (psum)"), None
+
+    @staticmethod
+    def jvp(ctx, gx, _):
+        return gx
 
 
 def _swapped(a: Any, swap: dict) -> Any:

@@ -262,8 +262,11 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
 
     @functools.wraps(fn)
     def mapped(*args: Any, **kwargs: Any) -> Any:
-        if check_vma and tp.compiling():  # traced by dynamo: run the checked call eagerly
-            return eager(*args, **kwargs)
+        if check_vma and tp.compiling():
+            # Dynamo does not trace the tracking (a torch function mode keeping state on
+            # tensors): the checked call runs eagerly, a graph break (made here, where dynamo
+            # is loaded already); an unchecked one is traced.
+            return torch.compiler.disable(run, recursive=True)(*args, **kwargs)
         return run(*args, **kwargs)
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -301,10 +304,6 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
             _MANUAL.axes = None
         return _assemble(result, out_specs, names, mesh, tracker)
 
-    # Dynamo does not trace the tracking (a torch function mode keeping state on tensors): a
-    # checked call runs eagerly inside a compiled step (a graph break), an unchecked one is
-    # traced.
-    eager = torch.compiler.disable(run, recursive=True)
     return mapped
 
 

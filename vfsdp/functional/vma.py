@@ -247,13 +247,13 @@ class Tracker(TorchFunctionMode):
             if v is union or union <= v or not t.requires_grad or id(t) in swap:
                 continue  # a value without grad mixes freely (no gradient to sum)
             missing = tuple(a for a in self.axes if a in union and a not in v)
-            if self.strict:
-                _mixed(func, i, t, missing, "or pass check_vma=True (which inserts it)")
             if not torch.is_grad_enabled():
                 if _in_custom_forward():
                     _mixed(func, i, t, missing, "before the custom autograd.Function's "
                            "apply (its backward would give each rank its part only)")
                 continue  # no gradient is recorded here
+            if self.strict:
+                _mixed(func, i, t, missing, "or pass check_vma=True (which inserts it)")
             from vfsdp.functional import lax
             with self.pause():
                 if t is written:

@@ -36,6 +36,9 @@ class _Jax:
 
     def __init__(self):
         from jax.sharding import Mesh
+        if len(jax.devices()) < 4:
+            pytest.fail("jax was set up before this module with fewer than 4 CPU devices: run "
+                        "with XLA_FLAGS=--xla_force_host_platform_device_count=4")
         devices = np.array(jax.devices()[:4])
         self.meshes = {1: Mesh(devices, ("sp",)), 2: Mesh(devices.reshape(2, 2), ("dp", "tp"))}
         self.P = jax.sharding.PartitionSpec
@@ -202,9 +205,6 @@ def _inputs(name):
 @pytest.fixture(scope="module")
 def jax_results():
     """Every program's output, cotangent and input gradients, by JAX (one jit each)."""
-    if len(jax.devices()) < 4:
-        pytest.fail("jax was imported before this module with fewer than 4 CPU devices: run "
-                    "with XLA_FLAGS=--xla_force_host_platform_device_count=4")
     o, out = _Jax(), {}
     for name, (mesh, ins, spec, _, body) in PROGRAMS.items():
         in_specs, out_spec = _specs(o, ins, spec)

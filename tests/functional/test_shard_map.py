@@ -541,3 +541,27 @@ def _jvps():
         out[name] = (primal, tangent, f(x), f(t))  # each is linear: its tangent is f(t)
     return out
 
+
+
+def _strict(case):
+    mesh = vfsdp.mesh(("tp", 2))
+    w = torch.ones(2, 3, requires_grad=True)
+
+    def body(x, w):
+        if case == "no_grad":  # no gradient recorded: nothing to sum, nothing refused
+            with torch.no_grad():
+                return lax.psum(x * w, "tp")
+        h = w * 1
+        h[0] = x[0]  # a write in place: the pvary it needs is refused too
+        return lax.psum(h, "tp")
+    try:
+        return vfsdp.shard_map(body, mesh, (P("tp"), P()), P(), check_vma="strict")(
+            torch.ones(4, 3), w).tolist()
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_strict_mode_refuses_only_where_a_gradient_would_be_summed():
+    assert simulate(2, _strict, "no_grad")[0] == [[2.0] * 3] * 2
+    assert "__setitem__ mixes tensor 0 (2, 3), which requires grad and is invariant over " \
+           "'tp'" in simulate(2, _strict, "setitem")[0]

@@ -97,8 +97,10 @@ def test_notebook_executes(monkeypatch):
     printed = "".join(o.get("text", "") for c in code for o in c.outputs)
     assert "TP x FSDP equals one process on all 4 ranks" in printed, printed
     assert "EP x FSDP equals one process on all 4 ranks" in printed, printed
-    # the replication check turns the forgotten pvary into an error; unchecked, x.grad is off
-    assert "check_vma=True:  vfsdp.shard_map (check_vma): TensorBase.matmul mixes" in printed
+    # the replication check inserts the forgotten pvary (strict: an error); unchecked, x.grad
+    # is off
+    assert "check_vma=True: x.grad off by 0.000" in printed, printed
+    assert "check_vma='strict': vfsdp.shard_map (check_vma): TensorBase.matmul mixes" in printed
     off = re.search(r"check_vma=False: x.grad off by ([0-9.]+)", printed)
     assert off and float(off.group(1)) > 0.1, printed
     assert "the tp=1 piece of a 2-way split" in printed, printed  # visualize's text

@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["functorch_active", "storage_id", "TorchDispatchMode", "threaded_world",
+__all__ = ["functorch_active", "functorch_unwrapped", "storage_id", "TorchDispatchMode", "threaded_world",
            "report_failure", "groups_are_per_thread", "graph_task_id", "keep_graph",
            "running_node_seq", "set_data", "copy_many",
            "add_many", "zero_many", "foreach", "fused_adamw",
@@ -72,6 +72,13 @@ def _torch_version() -> tuple[int, int]:
 def functorch_active() -> bool:
     """Whether a ``torch.func`` transform (grad, vjp, vmap, ...) is active on this thread."""
     return bool(torch._C._are_functorch_transforms_active())
+
+
+def functorch_unwrapped(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The tensor a ``torch.func`` wrapper (vmap's batched, grad's tracking tensor) wraps, one
+    level down; ``None`` for a plain tensor."""
+    f = torch._C._functorch
+    return f.get_unwrapped(t) if f.is_functorch_wrapped_tensor(t) else None
 
 
 def storage_id(t: torch.Tensor) -> int:

@@ -13,7 +13,7 @@ function                        forward, over the ranks of ``axis``    backward
 ``psum_scatter(x, axis, dim)``  sum, rank ``i`` keeps chunk ``i``      ``all_gather``
 ``all_to_all(x, axis, s, c)``   chunk ``j`` of ``dim s`` to rank ``j``,  ``all_to_all(c, s)``
                                 concatenated along ``dim c``
-``axis_index(axis)``            this rank's index along ``axis``       (an int)
+``axis_index(axis)``            this rank's index along ``axis``       (an int, varying)
 ``axis_size(axis)``             the number of ranks along ``axis``     (an int)
 ==============================  =====================================  ======================
 
@@ -32,17 +32,14 @@ the same ranks. ``axis_index``/``axis_size`` of a tuple are the combined index a
 Sizes may be uneven: ranks may hold different sizes along the gathered dim; ``psum_scatter``
 cuts like ``torch.tensor_split`` (the first ``len % size`` chunks one longer); ``all_to_all``
 takes ``split_sizes`` per rank. Every function works with ``loss.backward()``,
-``torch.autograd.grad`` and ``torch.func``, on gloo, NCCL and ``vfsdp.testing.simulate``.
-Each backward is made of these differentiable functions (psum's of pvary, pvary's of psum,
-all_gather's of psum_scatter and back, all_to_all's of all_to_all), so double backward
-(``create_graph=True``, e.g. a gradient penalty) differentiates through the collectives.
-The mesh is ``mesh=`` or the innermost ``with use_mesh(m):``. Reference semantics (a loop over
-ranks): :mod:`vfsdp.functional.lax_reference`.
-
-Inside a :func:`vfsdp.shard_map` body (``check_vma=True``, its default) each collective first
-checks its input's replication: ``psum``, ``pmean``, ``all_gather``, ``psum_scatter`` and
-``all_to_all`` need a value that varies over their axes, ``pvary`` one that does not
-(:mod:`vfsdp.functional.vma`); outside one nothing is checked.
+``torch.autograd.grad`` and ``torch.func`` (``jvp``: the collective of the tangent), on gloo,
+NCCL and ``vfsdp.testing.simulate``. Each backward is made of these differentiable functions
+(psum's of pvary, pvary's of psum, all_gather's of psum_scatter and back, all_to_all's of
+all_to_all), so double backward (``create_graph=True``) differentiates through them. The mesh
+is ``mesh=`` or the innermost ``with use_mesh(m):``. Reference semantics (a loop over ranks):
+:mod:`vfsdp.functional.lax_reference`. In a :func:`vfsdp.shard_map` body (``check_vma``) a
+collective of a value invariant over its axes ``pvary``-s it first, as JAX's (``"strict"``:
+an error); a ``pvary`` of a varying value is refused (:mod:`vfsdp.functional.vma`).
 
 Every rank must run the same collectives, the backward's included. Autograd runs a
 collective's backward only where its result reaches the loss: if it does on some ranks only
@@ -211,6 +208,15 @@ class _PSum(torch.autograd.Function):
         g = _PVary.apply(g, ctx.ax)
         return (g if ctx.scale == 1 else g * ctx.scale), None, None, None
 
+    @staticmethod
+    def jvp(ctx, gx, *_):
+        out = _reduce(gx, ctx.ax, "psum's tangent")
+        return out if ctx.scale == 1 else out.mul_(ctx.scale)
+
+    @staticmethod
+    def vmap(info, in_dims, x, ax, scale, what="psum"):  # every rank batches alike
+        return _PSum.apply(x, ax, scale, what), in_dims[0]
+
 
 class _PVary(torch.autograd.Function):
     @staticmethod
@@ -225,6 +231,14 @@ class _PVary(torch.autograd.Function):
     def backward(ctx, g):
         return _PSum.apply(g, ctx.ax, 1, "pvary's backward (psum)"), None
 
+    @staticmethod
+    def jvp(ctx, gx, _):
+        return gx.view_as(gx)
+
+    @staticmethod
+    def vmap(info, in_dims, x, ax):  # elementwise: the batched tensor as it is
+        return _PVary.apply(x, ax), in_dims[0]
+
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
@@ -233,12 +247,16 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, ctx.ax, ctx.dim, shapes = inputs
-        ctx.sizes = [s[ctx.dim] for s in shapes]
+        _, ctx.ax, ctx.dim, ctx.shapes = inputs
+        ctx.sizes = [s[ctx.dim] for s in ctx.shapes]
 
     @staticmethod
     def backward(ctx, g):
         return _PSumScatter.apply(g, ctx.ax, ctx.dim, ctx.sizes), None, None, None
+
+    @staticmethod
+    def jvp(ctx, gx, *_):
+        return _gather(gx, ctx.ax, ctx.dim, ctx.shapes)
 
 
 class _PSumScatter(torch.autograd.Function):
@@ -248,12 +266,16 @@ class _PSumScatter(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, ctx.ax, ctx.dim, sizes = inputs
-        ctx.shapes = [(*x.shape[:ctx.dim], s, *x.shape[ctx.dim + 1:]) for s in sizes]
+        x, ctx.ax, ctx.dim, ctx.sizes = inputs
+        ctx.shapes = [(*x.shape[:ctx.dim], s, *x.shape[ctx.dim + 1:]) for s in ctx.sizes]
 
     @staticmethod
     def backward(ctx, g):
         return _AllGather.apply(g, ctx.ax, ctx.dim, ctx.shapes), None, None, None
+
+    @staticmethod
+    def jvp(ctx, gx, *_):
+        return _scatter(gx, ctx.ax, ctx.dim, ctx.sizes)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -263,9 +285,9 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, ctx.ax, ctx.split_dim, ctx.concat_dim, split_sizes, shapes = inputs
-        ctx.back_sizes = [s[ctx.concat_dim] for s in shapes]  # what came from each rank
-        ctx.back_shapes = _chunk_shapes(tuple(x.shape), ctx.split_dim, split_sizes)
+        x, ctx.ax, ctx.split_dim, ctx.concat_dim, ctx.split_sizes, ctx.shapes = inputs
+        ctx.back_sizes = [s[ctx.concat_dim] for s in ctx.shapes]  # what came from each rank
+        ctx.back_shapes = _chunk_shapes(tuple(x.shape), ctx.split_dim, ctx.split_sizes)
 
     @staticmethod
     def backward(ctx, g):
@@ -275,18 +297,25 @@ class _AllToAll(torch.autograd.Function):
                                tuple(ctx.back_shapes))
         return back, None, None, None, None, None
 
+    @staticmethod
+    def jvp(ctx, gx, *_):
+        return _a2a(gx, ctx.ax, ctx.split_dim, ctx.concat_dim, ctx.split_sizes, ctx.shapes)
+
 
 # ---------------------------------------------------------------- public functions
 
-def _tracked(op: str, x: torch.Tensor, axis: Axes, run) -> torch.Tensor:
-    """``run()``, checked and its result marked by the ``shard_map`` body's replication
-    tracking (:mod:`vfsdp.functional.vma`) when one runs on this thread."""
+def _tracked(op: str, x: torch.Tensor, axis: Axes, mesh: Any, run) -> torch.Tensor:
+    """``run(x)`` under the ``shard_map`` body's replication tracking, if any (implicit pvary
+    of ``x`` first where it is invariant over some of the axes; the result marked)."""
     tracker = vma.current()
     if tracker is None:
-        return run()
-    after = vma.check_collective(op, x, axis_names(axis))
+        return run(x)
+    missing, after = vma.check_collective(op, x, axis_names(axis))
     with tracker.pause():
-        out = run()
+        if missing:
+            x = _PVary.apply(x, tracker.axis(missing) if mesh is None else
+                             axis_of(missing if len(missing) > 1 else missing[0], mesh))
+        out = run(x)
     return vma.mark(out, after, tracker)
 
 
@@ -324,7 +353,7 @@ def psum(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Te
         >>> vfsdp.testing.simulate(4, body)
         [1.0, 1.0, 5.0, 5.0]
     """
-    return _tracked("psum", x, axis, lambda: _PSum.apply(x, axis_of(axis, mesh), 1))
+    return _tracked("psum", x, axis, mesh, lambda x: _PSum.apply(x, axis_of(axis, mesh), 1))
 
 
 def pmean(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
@@ -350,10 +379,10 @@ def pmean(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.T
         >>> vfsdp.testing.simulate(4, body)
         [1.5, 1.5, 1.5, 1.5]
     """
-    def run():
+    def run(x):
         ax = axis_of(axis, mesh)
         return _PSum.apply(x, ax, 1.0 / ax.size, "pmean")
-    return _tracked("pmean", x, axis, run)
+    return _tracked("pmean", x, axis, mesh, run)
 
 
 def pvary(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
@@ -382,7 +411,7 @@ def pvary(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.T
         >>> vfsdp.testing.simulate(2, body)
         [[3.0, 3.0], [3.0, 3.0]]
     """
-    return _tracked("pvary", x, axis, lambda: _PVary.apply(x, axis_of(axis, mesh)))
+    return _tracked("pvary", x, axis, mesh, lambda x: _PVary.apply(x, axis_of(axis, mesh)))
 
 
 def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, *,
@@ -413,7 +442,7 @@ def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, *,
         >>> vfsdp.testing.simulate(2, body)[0]
         [0.0, 1.0, 1.0]
     """
-    def run():
+    def run(x):
         ax = axis_of(axis, mesh)
         d = _dim(x, dim, "all_gather")
         shapes = _shapes(x, ax, "all_gather")
@@ -422,7 +451,7 @@ def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, *,
             raise ValueError(f"all_gather over {axis!r} along dim {dim}: the ranks' shapes "
                              f"{shapes} differ off that dim")
         return _AllGather.apply(x, ax, d, shapes)
-    return _tracked("all_gather", x, axis, run)
+    return _tracked("all_gather", x, axis, mesh, run)
 
 
 def psum_scatter(x: torch.Tensor, axis: Axes, dim: int = 0, *,
@@ -451,11 +480,11 @@ def psum_scatter(x: torch.Tensor, axis: Axes, dim: int = 0, *,
         >>> vfsdp.testing.simulate(2, body)
         [[0.0, 2.0, 4.0], [6.0, 8.0]]
     """
-    def run():
+    def run(x):
         ax = axis_of(axis, mesh)
         d = _dim(x, dim, "psum_scatter")
         return _PSumScatter.apply(x, ax, d, _tensor_split_sizes(x.shape[d], ax.size))
-    return _tracked("psum_scatter", x, axis, run)
+    return _tracked("psum_scatter", x, axis, mesh, run)
 
 
 def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
@@ -492,8 +521,8 @@ def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
         >>> vfsdp.testing.simulate(2, body)
         [[0.0, 10.0, 11.0], [1.0, 2.0, 12.0]]
     """
-    return _tracked("all_to_all", x, axis,
-                    lambda: _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh))
+    return _tracked("all_to_all", x, axis, mesh,
+                    lambda x: _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh))
 
 
 def _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh) -> torch.Tensor:
@@ -526,7 +555,8 @@ def axis_index(axis: Axes, *, mesh: Optional[Any] = None) -> int:
         mesh: The mesh (default: the innermost :func:`use_mesh`).
 
     Returns:
-        An int in ``[0, axis_size(axis))``.
+        An int in ``[0, axis_size(axis))`` (in a checked ``shard_map`` body, one varying over
+        ``axis``, as JAX's: :class:`vfsdp.functional.vma.AxisIndex`).
 
     Raises:
         ValueError: no mesh, or no such axis.
@@ -536,7 +566,8 @@ def axis_index(axis: Axes, *, mesh: Optional[Any] = None) -> int:
         ...                                                                  ("tp", 2))))
         [0, 1, 0, 1]
     """
-    return axis_of(axis, mesh).index
+    i = axis_of(axis, mesh).index
+    return i if vma.current() is None else vma.AxisIndex(i, axis_names(axis))
 
 
 def axis_size(axis: Axes, *, mesh: Optional[Any] = None) -> int:

@@ -5,17 +5,21 @@ each input is split by its spec (a :class:`P`: per dim, the mesh axis, or tuple 
 splits it, or ``None``), ``fn`` runs on this rank's pieces (the mesh is its ``use_mesh``, so
 ``vfsdp.lax`` collectives name axes alone), and the outputs are assembled by ``out_specs``:
 pieces concatenated along the dims their spec splits, in axis order. Uneven splits cut as
-``torch.tensor_split`` (as ``plan(tp=...)``); output pieces may have any lengths.
+``torch.tensor_split`` (as ``plan(tp=...)``); output pieces may have any lengths. A tuple of
+axes in a spec splits one dim over them, row-major in the tuple's order (any order, as JAX).
 
 Gradients are plain torch's: the global inputs' gradients are the ones one process computing
 the global function gets (each rank ends with all of them). Under the conventions of
 :mod:`vfsdp.lax`, the split's backward gathers the pieces' cotangents, the assembly's backward
 hands each rank its piece of the global cotangent; a replicated (``P()``) input's gradient
 counts once, so a body that uses it differently per rank marks it with ``pvary``.
-``check_vma=True`` (the default) tracks which axes each tensor varies over and raises where
-that was forgotten (:mod:`vfsdp.functional.vma`); it also proves each output's replication
-against its out_spec. With ``check_vma=False`` nothing is checked: an output replicated over
-an axis (not in its out_spec) is each rank's own value, taken as it is.
+``check_vma=True`` (the default) tracks which axes each tensor varies over and, as JAX's,
+inserts the ``pvary`` where it was forgotten (:mod:`vfsdp.functional.vma`); it also proves
+each output's replication against its out_spec (an invariant output its spec splits is
+tiled). ``check_vma="strict"`` raises where a ``pvary`` would be inserted. With
+``check_vma=False`` nothing is checked: an output replicated over an axis (not in its
+out_spec) is each rank's own value, taken as it is. The mapped function takes positional
+arguments only, and is refused inside another's body (as JAX's).
 
 Costs: the split is one slice and copy per split input (no communication); the assembly one
 all-gather per split dim of an output (with one small exchange of the pieces' shapes), the
@@ -26,24 +30,30 @@ belongs in ``vfsdp.gather``/``run_layers`` inside ``fn``, which compose with it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import optree
 import torch
 
+from vfsdp import _torch_private as tp
 from vfsdp.collectives.mesh import Axis, axis_names, axis_of, use_mesh
 from vfsdp.functional import vma
-from vfsdp.functional.lax import _gather, _shapes, _tensor_split_sizes
+from vfsdp.functional.lax import _gather, _PVary, _shapes, _tensor_split_sizes
+
+_MANUAL = threading.local()  # .axes: the mesh axes of the shard_map body running here
 
 __all__ = ["shard_map", "P"]
 
 
 class P(tuple):
     """A partition spec: per dim of a tensor, the mesh axis that splits it, a tuple of axes
-    (split over them as one axis, row-major, in the mesh's order), or ``None`` (whole).
+    (split over them as one axis, row-major in the tuple's order), or ``None`` (whole).
     Missing trailing dims are whole; axes it does not name replicate the tensor.
 
     Example:
@@ -73,18 +83,21 @@ class P(tuple):
 
 @dataclass(frozen=True)
 class _Cut:
-    """One split dim of a tensor: its axis (one or several mesh axes) and every rank's length
-    along it, in the axis's order."""
+    """One split dim of a tensor: its axis (one or several mesh axes, as a group in the
+    mesh's order), this rank's index in the spec's order (row-major over its tuple), every
+    rank's length along it in that order, and ``order``: per position in the spec's order,
+    the position in the mesh's (``None``: the same)."""
 
     dim: int
     axis: Axis
+    index: int
     sizes: tuple
+    order: Any = None
 
 
 def _split(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
     for c in cuts:
-        i = c.axis.index
-        t = t.narrow(c.dim, sum(c.sizes[:i]), c.sizes[i])
+        t = t.narrow(c.dim, sum(c.sizes[:c.index]), c.sizes[c.index])
     return t.clone(memory_format=torch.contiguous_format)
 
 
@@ -92,8 +105,15 @@ def _join(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
     t = t.detach()
     for c in cuts:
         shape = tuple(t.shape)
-        shapes = [(*shape[:c.dim], n, *shape[c.dim + 1:]) for n in c.sizes]
+        in_mesh = c.sizes if c.order is None else [0] * len(c.sizes)
+        if c.order is not None:
+            for j, m in enumerate(c.order):
+                in_mesh[m] = c.sizes[j]
+        shapes = [(*shape[:c.dim], n, *shape[c.dim + 1:]) for n in in_mesh]
         t = _gather(t, c.axis, c.dim, shapes)
+        if c.order is not None:  # the pieces in the spec's order
+            pieces = t.split(list(in_mesh), c.dim)
+            t = torch.cat([pieces[m] for m in c.order], c.dim)
     return t
 
 
@@ -112,6 +132,10 @@ class _Split(torch.autograd.Function):
     def backward(ctx, *gs):
         return (None, *_Join.apply(ctx.layouts, *gs))
 
+    @staticmethod
+    def jvp(ctx, _, *ts):
+        return tuple(_split(t, cuts) for t, cuts in zip(ts, ctx.layouts))
+
 
 class _Join(torch.autograd.Function):
     """Every rank's pieces -> the global tensors; backward: :class:`_Split` of the global
@@ -128,6 +152,10 @@ class _Join(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *gs):
         return (None, *_Split.apply(ctx.layouts, *gs))
+
+    @staticmethod
+    def jvp(ctx, _, *ts):
+        return tuple(_join(t, cuts) for t, cuts in zip(ts, ctx.layouts))
 
 
 def _where(kind: str, path: tuple) -> str:
@@ -163,10 +191,6 @@ def _check_spec(spec: Any, t: Any, where: str, names: tuple) -> list:
                                  f"tensor is split over an axis once (a tuple splits one dim "
                                  f"over several)")
             seen.add(a)
-        if isinstance(entry, tuple) and [names.index(a) for a in entry] != sorted(
-                names.index(a) for a in entry):
-            raise ValueError(f"shard_map: {spec!r} of {where} names {entry} out of the mesh's "
-                             f"order {names}; write {tuple(sorted(entry, key=names.index))}")
         out.append((dim, entry))
     return out
 
@@ -182,7 +206,7 @@ def _specs(specs: Any, tree: Any, kind: str) -> list:
 
 
 def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
-              check_vma: bool = True) -> Callable:
+              check_vma: Union[bool, str] = True) -> Callable:
     """``fn`` as an SPMD program over ``mesh``: called on every rank with the global inputs,
     it runs ``fn`` on this rank's pieces and returns the global outputs.
 
@@ -197,21 +221,25 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
         out_specs: A :class:`P` per output, as ``in_specs``: each rank's pieces are
             concatenated, in axis order, along the dims it names; ``P()`` returns an output
             replicated over every axis.
-        check_vma: Track which axes each tensor varies over (:mod:`vfsdp.functional.vma`):
-            a missing ``pvary`` (a replicated input that requires grad mixed with split
-            values), a collective of a value of the wrong replication, or an output whose
-            replication is not its out_spec's raise a ``ValueError`` naming the axis and the
-            fix. ``False``: none of it (each rank then returns its own value of a replicated
-            output, unchecked).
+        check_vma: ``True``: track which axes each tensor varies over, as JAX's
+            (:mod:`vfsdp.functional.vma`): a missing ``pvary`` (an invariant value mixed with
+            varying ones, a collective of an invariant value, an invariant output its spec
+            splits) is inserted; an output that varies over an axis its out_spec replicates,
+            or a ``pvary`` of a varying value, raises. ``"strict"``: the same, but a missing
+            ``pvary`` of a value that requires grad raises too. ``False``: none of it (each
+            rank then returns its own value of a replicated output, unchecked). Under
+            ``torch.compile`` a checked call runs eagerly (a graph break).
 
     Returns:
         The mapped function (call it on every rank, with the same global inputs).
 
     Raises:
         ValueError: a spec that does not fit its input (more entries than dims, an axis the
-            mesh does not have or twice, a tuple out of the mesh's order), naming the input
-            and the fix; with ``check_vma``, replication errors (above).
-        TypeError: a spec that is not a :class:`P`.
+            mesh does not have or twice), naming the input and the fix; ``check_vma`` not
+            one of the three; a call inside a ``shard_map`` body; with ``check_vma``,
+            replication errors (above).
+        TypeError: a spec that is not a :class:`P`; keyword arguments to the mapped
+            function (named).
 
     Example:
         >>> def body():
@@ -227,8 +255,31 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
         raise ValueError("shard_map: the mesh has no axis names; make it with "
                          "vfsdp.mesh((name, size), ...)")
 
+    if check_vma not in (True, False, "strict"):
+        raise ValueError(f"shard_map: check_vma={check_vma!r}; give True (JAX's: implicit "
+                         f"pvary), 'strict' (an error instead) or False (no checking)")
+    name = getattr(fn, "__qualname__", repr(fn))
+
     @functools.wraps(fn)
-    def mapped(*args: Any) -> Any:
+    def mapped(*args: Any, **kwargs: Any) -> Any:
+        if check_vma and tp.compiling():
+            # Dynamo does not trace the tracking (a torch function mode keeping state on
+            # tensors): the checked call runs eagerly, a graph break (made here, where dynamo
+            # is loaded already); an unchecked one is traced.
+            return torch.compiler.disable(run, recursive=True)(*args, **kwargs)
+        return run(*args, **kwargs)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise TypeError(f"shard_map({name}): keyword arguments {sorted(kwargs)} are not "
+                            f"mapped (JAX refuses them too): pass them positionally, with an "
+                            f"in_spec each, or bind them first with functools.partial")
+        outer = getattr(_MANUAL, "axes", None)
+        if outer is not None:
+            raise ValueError(f"shard_map({name}) inside a shard_map body over {outer}: nesting "
+                             f"is refused (as JAX refuses a shard_map over axes already "
+                             f"mapped); call the inner body directly: its pieces and "
+                             f"collectives are already per rank")
         paths, leaves, treespec = optree.tree_flatten_with_path(args, none_is_leaf=True)
         specs = _specs(in_specs, args, "in")
         # A Python loop over the inputs: each has its own spec (noted in the module docstring).
@@ -240,17 +291,17 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
             for i, piece in zip(cut, _Split.apply(tuple(layouts[i] for i in cut),
                                                   *(leaves[i] for i in cut))):
                 pieces[i] = piece
-        tracker = vma.Tracker(names) if check_vma else None
+        tracker = vma.Tracker(names, mesh, check_vma == "strict") if check_vma else None
         if tracker is not None:
             for i in cut:
                 vma.mark(pieces[i], [a for c in layouts[i] for a in axis_names(c.axis.name)],
                          tracker)
-        with use_mesh(mesh):
-            if tracker is None:
+        _MANUAL.axes = names
+        try:
+            with use_mesh(mesh), (tracker or contextlib.nullcontext()):
                 result = fn(*optree.tree_unflatten(treespec, pieces))
-            else:
-                with tracker:
-                    result = fn(*optree.tree_unflatten(treespec, pieces))
+        finally:
+            _MANUAL.axes = None
         return _assemble(result, out_specs, names, mesh, tracker)
 
     return mapped
@@ -259,14 +310,32 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
 def _layout(pairs: list, t: Any, mesh: Any, split: bool) -> tuple:
     """The :class:`_Cut` of each ``(dim, names)``: lengths by ``tensor_split`` (inputs) or as
     the ranks hold them (outputs: one small exchange of shapes per cut)."""
+    names = tuple(mesh.mesh_dim_names)
     cuts = []
     for dim, entry in pairs:
-        ax = axis_of(entry, mesh)
+        spec_order = axis_names(entry)
+        mesh_order = tuple(sorted(spec_order, key=names.index))
+        ax = axis_of(mesh_order if len(mesh_order) > 1 else mesh_order[0], mesh)
+        index, order = ax.index, None
+        if spec_order != mesh_order:  # row-major in the spec's order, not the mesh's
+            singles = [axis_of(a, mesh) for a in spec_order]
+            index = 0
+            for one in singles:
+                index = index * one.size + one.index
+            order = []
+            for pos in itertools.product(*(range(one.size) for one in singles)):
+                by_name = dict(zip(spec_order, pos))
+                m = 0
+                for a in mesh_order:
+                    m = m * int(mesh.mesh.shape[names.index(a)]) + by_name[a]
+                order.append(m)
+            order = tuple(order)
         if split:
             sizes = tuple(_tensor_split_sizes(t.shape[dim], ax.size))
         else:
-            sizes = tuple(s[dim] for s in _shapes(t, ax, "shard_map's output"))
-        cuts.append(_Cut(dim, ax, sizes))
+            got = [s[dim] for s in _shapes(t, ax, "shard_map's output")]
+            sizes = tuple(got if order is None else (got[m] for m in order))
+        cuts.append(_Cut(dim, ax, index, sizes, order))
     return tuple(cuts)
 
 
@@ -274,29 +343,39 @@ def _assemble(result: Any, out_specs: Any, names: tuple, mesh: Any, tracker) -> 
     paths, leaves, treespec = optree.tree_flatten_with_path(result, none_is_leaf=True)
     specs = _specs(out_specs, result, "out")
     layouts = []
-    for p, s, t in zip(paths, specs, leaves):
+    out = list(leaves)
+    for i, (p, s, t) in enumerate(zip(paths, specs, leaves)):
         where = _where("output", p)
         pairs = _check_spec(s, t, where, names)
         if tracker is not None and isinstance(t, torch.Tensor):
-            _check_output(tracker.vma(t), s, where)
+            tile = _check_output(tracker.vma(t), s, where, tracker.strict, names)
+            if tile:  # invariant over axes its spec splits: each rank's copy is a tile
+                with tracker.pause():
+                    out[i] = t = _PVary.apply(t, axis_of(tile if len(tile) > 1 else tile[0],
+                                                         mesh))
         layouts.append(_layout(pairs, t, mesh, split=False))
     cut = [i for i, lay in enumerate(layouts) if lay]
-    out = list(leaves)
     if cut:
         for i, full in zip(cut, _Join.apply(tuple(layouts[i] for i in cut),
-                                            *(leaves[i] for i in cut))):
+                                            *(out[i] for i in cut))):
             out[i] = full
     return optree.tree_unflatten(treespec, out)
 
 
-def _check_output(have: frozenset, spec: P, where: str) -> None:
+def _check_output(have: frozenset, spec: P, where: str, strict: bool, names: tuple) -> tuple:
+    """Refuse an output varying over an axis its out_spec replicates; return the axes (in the
+    mesh's order) it is invariant over but its spec splits (JAX tiles it: an implicit pvary),
+    which strict mode refuses."""
     named = set(spec.axes())
     for a in sorted(have - named):
         raise ValueError(f"shard_map (check_vma): {where} varies over {a!r} but its out_spec "
                          f"{spec!r} replicates it over {a!r}: psum (or pmean) it over {a!r}, "
                          f"or name {a!r} in its out_spec to concatenate the ranks' pieces")
-    for a in sorted(named - have):
-        raise ValueError(f"shard_map (check_vma): {where} is invariant over {a!r} (the same on "
-                         f"every rank) but its out_spec {spec!r} splits it over {a!r}: each "
-                         f"rank's gradient would be its part only. pvary it over {a!r} first, "
-                         f"or drop {a!r} from its out_spec")
+    tile = [a for a in names if a in named and a not in have]
+    if tile and strict:
+        raise ValueError(f"shard_map (check_vma='strict'): {where} is invariant over "
+                         f"{tile[0]!r} (the same on every rank) but its out_spec {spec!r} "
+                         f"splits it over {tile[0]!r}: the result tiles its copies. pvary it "
+                         f"over {tile[0]!r} first if that is meant, or drop {tile[0]!r} from "
+                         f"its out_spec (check_vma=True tiles it without asking)")
+    return tuple(tile)

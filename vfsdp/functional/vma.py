@@ -7,38 +7,38 @@ counted once). The set comes from:
 
 * ``shard_map``'s inputs: a piece split over an axis varies over it; a replicated input is
   invariant;
-* vfsdp's collectives (:mod:`vfsdp.lax`), whose inputs are checked:
+* ``vfsdp.lax.axis_index(axis)``: varies over ``axis`` (an int that carries its axes, as
+  JAX's is a varying array);
+* vfsdp's collectives (:mod:`vfsdp.lax`): ``psum``/``pmean`` give an invariant result,
+  ``pvary`` (of an invariant value only: JAX refuses it on a varying one), ``all_gather``,
+  ``psum_scatter`` and ``all_to_all`` a varying one;
+* ``vfsdp.gather``/``run_layers``: the full tensors vary over the axes their plan runs on;
+* every other torch op: the union of its tensor inputs' axes (``*_like`` keep their
+  argument's, as JAX's ``full_like``; ``new_zeros`` & co. take a shape only: invariant), a
+  write in place (``buf[i] = piece``, ``add_``, ``out=``) the union into the tensor written,
+  and a gradient (``torch.autograd.grad``, ``.grad``) its primal's.
 
-  ================  ==========================  ==========================
-  collective        input must, over its axes   result, over its axes
-  ================  ==========================  ==========================
-  ``psum/pmean``    vary                        invariant
-  ``pvary``         be invariant                varies
-  ``all_gather``    vary                        varies (its backward sums)
-  ``psum_scatter``  vary                        varies
-  ``all_to_all``    vary                        varies
-  ================  ==========================  ==========================
-
-* ``vfsdp.gather``/``run_layers``: the full tensors vary over the axes their plan runs on
-  (the backward reduces their cotangents over them);
-* every other torch op: its result varies over the union of its tensor inputs' axes.
-
-The mistake it catches is the one that silently corrupts gradients: an op that mixes a value
-invariant over an axis, which requires grad, with values that vary over it (a column-parallel
-matmul without ``pvary``): that value's gradient on each rank would be its own part only.
-It raises there, naming the op, the axis and the fix (``vfsdp.lax.pvary``); a constant or a
-tensor without grad may mix freely.
+**Implicit pvary** (as JAX): where an op mixes a value invariant over an axis with values
+that vary over it, that value is passed through ``vfsdp.lax.pvary`` first (in place for a
+write into it), so its gradient sums every rank's; a collective of a value invariant over its
+axes likewise (``psum`` of an invariant value is its size times it). ``strict=True``
+(``shard_map(check_vma="strict")``) raises there instead, naming the op, the axis and the
+fix, for a value that requires grad. Refused in both: ``pvary`` of a value that already
+varies, and a mix in a custom ``autograd.Function``'s forward (its backward, the user's,
+would hand each rank its part only: pvary the input before ``apply``).
 
 Design: a ``TorchFunctionMode`` on the rank's thread sees every torch call; the axes live in
 an attribute of the tensor (``_vfsdp_vma``: the call's token and a frozenset), so the table is
 keyed by identity, costs no subclass and no cleanup, and a stale entry from another call is
-ignored (its token differs). Ints (``axis_index``) are not tracked: a tensor built from this
-rank's index alone counts as invariant. Cost per op: ``benchmarks/vma_bench.py`` and docs/shard_map.md.
+ignored (its token differs). A ``torch.func`` wrapper is looked through to the tensor it
+wraps, and an op's result under a transform marks the tensor under the wrapper too (what the
+transform returns). Cost per op: ``benchmarks/vma_bench.py`` and docs/shard_map.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional
@@ -46,13 +46,57 @@ from typing import Any, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
+from vfsdp import _torch_private as tp
 from vfsdp.collectives.unit import GATHER_HOOKS
 
-__all__ = ["Tracker", "current", "vma_of", "mark", "check_collective", "mark_gathered"]
+__all__ = ["Tracker", "AxisIndex", "current", "mark", "check_collective", "mark_gathered"]
 
 _ATTR = "_vfsdp_vma"
 _NONE: frozenset = frozenset()
 _STATE = threading.local()  # .tracker: the Tracker of the shard_map body running here
+_INPLACE = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+            "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+            "__irshift__", "__imatmul__"}
+_SHAPE_ONLY = {"new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided"}
+_APPLY = torch.autograd.Function.apply.__func__.__code__
+
+
+class AxisIndex(int):
+    """``vfsdp.lax.axis_index`` inside a ``shard_map`` body: an int that varies over
+    ``axes`` (integer arithmetic keeps them; a torch op given it varies over them).
+
+    Example:
+        >>> i = AxisIndex(1, {"tp"})
+        >>> j = 2 * i + 1
+        >>> j, sorted(j.axes)
+        (3, ['tp'])
+    """
+
+    def __new__(cls, value: int, axes: Iterable[str]) -> AxisIndex:
+        out = super().__new__(cls, value)
+        out.axes = frozenset(axes)
+        return out
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+
+def _arith(name: str):
+    op = getattr(int, name)
+
+    def f(self, *other):
+        out = op(self, *other)
+        if out is NotImplemented or not isinstance(out, int):
+            return out
+        axes = self.axes.union(*(o.axes for o in other if isinstance(o, AxisIndex)))
+        return AxisIndex(out, axes)
+    f.__name__ = name
+    return f
+
+
+for _n in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__floordiv__",
+           "__rfloordiv__", "__mod__", "__rmod__", "__pow__", "__neg__", "__abs__"):
+    setattr(AxisIndex, _n, _arith(_n))
 
 
 class Tracker(TorchFunctionMode):
@@ -61,6 +105,9 @@ class Tracker(TorchFunctionMode):
 
     Args:
         axes: The mesh's axis names.
+        mesh: The mesh (for the implicit ``pvary``; ``None``: the current one).
+        strict: Raise where an implicit ``pvary`` would be inserted (for a value that
+            requires grad), instead of inserting it.
 
     Example:
         >>> t = Tracker(("tp",))
@@ -71,12 +118,25 @@ class Tracker(TorchFunctionMode):
         ['tp']
     """
 
-    def __init__(self, axes: tuple) -> None:
+    def __init__(self, axes: tuple, mesh: Any = None, strict: bool = False) -> None:
         super().__init__()
         self.axes = tuple(axes)
+        self.mesh = mesh
+        self.strict = strict
         self.token = object()
         self.paused = 0
         self.ops = 0  # torch calls seen (for the cost measurement)
+        self.storages: dict = {}  # what torch.func transforms wrapped: storage -> axes
+        self.groups: dict = {}  # axes -> Axis, for the implicit pvary
+
+    def axis(self, axes: tuple) -> Any:
+        """The :class:`~vfsdp.collectives.mesh.Axis` of ``axes`` (in the mesh's order) on the
+        tracked mesh, made once per call."""
+        ax = self.groups.get(axes)
+        if ax is None:
+            from vfsdp.collectives.mesh import axis_of
+            ax = self.groups[axes] = axis_of(axes if len(axes) > 1 else axes[0], self.mesh)
+        return ax
 
     def __enter__(self):
         if mark_gathered not in GATHER_HOOKS:  # gathers inside a body mark their tensors
@@ -91,8 +151,28 @@ class Tracker(TorchFunctionMode):
 
     def vma(self, t: Any) -> frozenset:
         """The axes ``t`` varies over (empty: invariant, or not a tensor of this call)."""
-        entry = t.__dict__.get(_ATTR) if isinstance(t, torch.Tensor) else None
-        return entry[1] if entry is not None and entry[0] is self.token else _NONE
+        if not isinstance(t, torch.Tensor):
+            return t.axes if isinstance(t, AxisIndex) else _NONE
+        entry = t.__dict__.get(_ATTR)
+        if entry is not None and entry[0] is self.token:
+            return entry[1]
+        inner = tp.functorch_unwrapped(t)  # a torch.func wrapper: what it wraps
+        if inner is not None:
+            return self.vma(inner)
+        # A view of what a transform wrapped (vmap's result, its batch dim moved), or nothing
+        # of this call (a constant, a tensor from outside the body: invariant).
+        return self.storages.get(tp.storage_id(t), _NONE) if self.storages else _NONE
+
+    def mark(self, t: torch.Tensor, axes: frozenset) -> None:
+        entry = (self.token, axes)
+        t.__dict__[_ATTR] = entry
+        inner = tp.functorch_unwrapped(t)
+        while inner is not None:  # a torch.func wrapper: what it wraps too (what it returns)
+            t, inner = inner, tp.functorch_unwrapped(inner)
+            t.__dict__[_ATTR] = entry
+            if inner is None and axes:
+                key = tp.storage_id(t)
+                self.storages[key] = self.storages.get(key, _NONE) | axes
 
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
@@ -103,49 +183,149 @@ class Tracker(TorchFunctionMode):
         finally:
             self.paused -= 1
 
+    def _scan(self, a: Any, seen: list, union: frozenset) -> frozenset:
+        if isinstance(a, torch.Tensor):
+            v = self.vma(a)
+            seen.append((a, v))
+        elif isinstance(a, AxisIndex):
+            v = a.axes
+        elif isinstance(a, (list, tuple)):  # a list's tensors, an index's slices
+            for b in a:
+                union = self._scan(b, seen, union)
+            return union
+        elif isinstance(a, slice):
+            v = _NONE.union(*(s.axes for s in (a.start, a.stop, a.step)
+                              if isinstance(s, AxisIndex)))
+        else:
+            return union
+        return v if not union else (union | v if v and v is not union else union)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **kwargs) if kwargs else func(*args)
+        kwargs = kwargs or {}
         if self.paused:
-            return out
+            return func(*args, **kwargs)
         self.ops += 1
-        token = self.token
+        name = getattr(func, "__name__", "")
+        seen: list = []  # (tensor, its axes)
         union = _NONE
-        seen = []  # (tensor, its axes)
-        for a in (args if not kwargs else (*args, *kwargs.values())):
-            for b in (a if isinstance(a, (list, tuple)) else (a,)):  # a list's tensors too
-                if isinstance(b, torch.Tensor):
-                    entry = b.__dict__.get(_ATTR)
-                    v = entry[1] if entry is not None and entry[0] is token else _NONE
-                    seen.append((b, v))
-                    if v and v is not union:
-                        union = v if not union else union | v
+        token = self.token
+        for a in (args[1:] if name in _SHAPE_ONLY else args):
+            if isinstance(a, torch.Tensor):  # the common case, inline
+                entry = a.__dict__.get(_ATTR)
+                v = entry[1] if entry is not None and entry[0] is token else self.vma(a)
+                seen.append((a, v))
+                if v and v is not union:
+                    union = v if not union else union | v
+            elif isinstance(a, (list, tuple, slice, AxisIndex)):
+                union = self._scan(a, seen, union)
+        for a in kwargs.values():
+            union = self._scan(a, seen, union)
+        if func is torch.autograd.grad:
+            return self._grads(func, args, kwargs)
+        written = None
+        if name in _INPLACE or (name.endswith("_") and not name.startswith("_")):
+            written = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        elif isinstance(kwargs.get("out"), torch.Tensor):
+            written = kwargs["out"]
+        if union and seen:
+            args, kwargs = self._pvary_mixed(func, seen, union, written, args, kwargs)
+        out = func(*args, **kwargs)
         if not union:
             return out
+        if written is not None:
+            self.mark(written, union)
         if isinstance(out, torch.Tensor):
-            outs = (out,)
+            self.mark(out, union)
         elif isinstance(out, (tuple, list)):
-            outs = tuple(o for o in out if isinstance(o, torch.Tensor))
-        else:
-            return out
-        if len(seen) > 1 and any(o.requires_grad for o in outs):
-            for i, (t, v) in enumerate(seen):
-                if v is not union and t.requires_grad and not union <= v:
-                    _mixed(func, i, t, sorted(union - v))
-        entry = (token, union)
-        for o in outs:
-            o.__dict__[_ATTR] = entry
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self.mark(o, union)
+        return out
+
+    def _pvary_mixed(self, func, seen, union, written, args, kwargs):
+        """Pass each input invariant over some of ``union``'s axes through ``pvary`` (in place
+        for ``written``), or raise (strict; a custom Function's forward)."""
+        swap = {}
+        for i, (t, v) in enumerate(seen):
+            if v is union or union <= v or not t.requires_grad or id(t) in swap:
+                continue  # a value without grad mixes freely (no gradient to sum)
+            missing = tuple(a for a in self.axes if a in union and a not in v)
+            if not torch.is_grad_enabled():
+                if _in_custom_forward():
+                    _mixed(func, i, t, missing, "before the custom autograd.Function's "
+                           "apply (its backward would give each rank its part only)")
+                continue  # no gradient is recorded here
+            if self.strict:
+                _mixed(func, i, t, missing, "or pass check_vma=True (which inserts it)")
+            from vfsdp.functional import lax
+            with self.pause():
+                if t is written:
+                    _PVaryInPlace.apply(t, self.axis(missing))
+                else:
+                    swap[id(t)] = lax._PVary.apply(t, self.axis(missing))
+            self.mark(swap.get(id(t), t), union)
+        if swap:
+            args = _swapped(args, swap)
+            kwargs = {k: _swapped(v, swap) for k, v in kwargs.items()}
+        return args, kwargs
+
+    def _grads(self, func, args, kwargs):
+        """``torch.autograd.grad``: each gradient varies as its primal (JAX's rule)."""
+        out = func(*args, **kwargs)
+        inputs = kwargs.get("inputs", args[1] if len(args) > 1 else ())
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        for g, x in zip(out, inputs):
+            if isinstance(g, torch.Tensor):
+                self.mark(g, self.vma(x))
         return out
 
 
-def _mixed(func, i: int, t: torch.Tensor, axes: list) -> None:
+class _PVaryInPlace(torch.autograd.Function):
+    """``vfsdp.lax.pvary`` in place (the implicit pvary of a tensor a varying value is written
+    into): identity; backward ``psum``."""
+
+    @staticmethod
+    def forward(ctx, x, ax):
+        ctx.ax = ax
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        from vfsdp.functional import lax
+        return lax._PSum.apply(g, ctx.ax, 1, "pvary's backward (psum)"), None
+
+    @staticmethod
+    def jvp(ctx, gx, _):
+        return gx
+
+
+def _swapped(a: Any, swap: dict) -> Any:
+    if isinstance(a, torch.Tensor):
+        return swap.get(id(a), a)
+    if isinstance(a, (list, tuple)) and not hasattr(a, "_fields"):
+        return type(a)(_swapped(b, swap) for b in a)
+    return a
+
+
+def _in_custom_forward() -> bool:
+    """Whether a custom ``autograd.Function``'s forward is on this thread's stack."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code is _APPLY:
+            return True
+        f = f.f_back
+    return False
+
+
+def _mixed(func, i: int, t: torch.Tensor, axes: tuple, fix: str) -> None:
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-    ax = axes[0] if len(axes) == 1 else tuple(axes)
+    ax = axes[0] if len(axes) == 1 else axes
     raise ValueError(
         f"vfsdp.shard_map (check_vma): {name} mixes tensor {i} {tuple(t.shape)}, which requires "
         f"grad and is invariant over {ax!r} (the same on every rank), with values that vary "
-        f"over {ax!r}: its gradient on each rank would be that rank's part only (silently "
-        f"wrong). Mark it varying first: vfsdp.lax.pvary(x, {ax!r}) (its backward sums the "
-        f"ranks' gradients; lax.column_parallel does it), or pass check_vma=False")
+        f"over {ax!r}: its gradient must sum every rank's. Mark it varying first: "
+        f"vfsdp.lax.pvary(x, {ax!r}) {fix}")
 
 
 def current() -> Optional[Tracker]:
@@ -158,17 +338,6 @@ def current() -> Optional[Tracker]:
     return getattr(_STATE, "tracker", None)
 
 
-def vma_of(t: Any) -> frozenset:
-    """The axes ``t`` varies over in the running ``shard_map`` body (empty outside one).
-
-    Example:
-        >>> vma_of(torch.ones(1))
-        frozenset()
-    """
-    tracker = current()
-    return _NONE if tracker is None else tracker.vma(t)
-
-
 def mark(t: Any, axes: Iterable[str], tracker: Optional[Tracker] = None) -> Any:
     """Record that tensor ``t`` varies over ``axes`` (in ``tracker``, default the current one);
     returns ``t``.
@@ -179,21 +348,19 @@ def mark(t: Any, axes: Iterable[str], tracker: Optional[Tracker] = None) -> Any:
     """
     tracker = tracker or current()
     if tracker is not None and isinstance(t, torch.Tensor):
-        t.__dict__[_ATTR] = (tracker.token, frozenset(axes))
+        tracker.mark(t, frozenset(axes))
     return t
 
 
-_RULES = {"psum": ("vary", "drop"), "pmean": ("vary", "drop"), "pvary": ("invariant", "add"),
-          "all_gather": ("vary", "keep"), "psum_scatter": ("vary", "keep"),
-          "all_to_all": ("vary", "keep")}
-
-
-def check_collective(op: str, x: torch.Tensor, names: tuple) -> Optional[frozenset]:
-    """Check ``op``'s input's replication over ``names`` against the table above; returns the
-    result's axes (``None`` outside a ``shard_map`` body).
+def check_collective(op: str, x: torch.Tensor, names: tuple) -> Optional[tuple]:
+    """Check ``op``'s input's replication over ``names``: returns ``(missing, after)``, the
+    axes of ``names`` it must be ``pvary``-ed over first (JAX's implicit pvary: those it is
+    invariant over) and the result's axes; ``None`` outside a ``shard_map`` body.
 
     Raises:
-        ValueError: the input's replication is wrong, naming the axis and the fix.
+        ValueError: ``pvary`` of a value that already varies over an axis of ``names``; in
+            strict mode, a collective of a value invariant over one of its axes (naming it
+            and the fix).
 
     Example:
         >>> check_collective("psum", torch.ones(1), ("tp",)) is None      # not tracking
@@ -203,31 +370,23 @@ def check_collective(op: str, x: torch.Tensor, names: tuple) -> Optional[frozens
     if tracker is None:
         return None
     have = tracker.vma(x)
-    need, result = _RULES[op]
-    if need == "vary":
-        missing = [a for a in names if a not in have]
-        if missing:
-            ax = missing[0]
-            fix = ("if each rank's value should differ, pvary it over that axis first "
-                   "(vfsdp.lax.pvary); if it is already the sum, drop the psum"
-                   if op in ("psum", "pmean") else
-                   f"every rank would pass the same value; pvary it over {ax!r} first if that "
-                   f"is meant (vfsdp.lax.pvary), or {op} over the axes it varies over")
-            raise ValueError(f"vfsdp.lax.{op} over {names if len(names) > 1 else names[0]!r} "
-                             f"(check_vma): its input {tuple(x.shape)} is invariant over "
-                             f"{ax!r} (the same on every rank): {fix}")
-    else:
+    where = names if len(names) > 1 else names[0]
+    if op == "pvary":
         already = [a for a in names if a in have]
         if already:
-            raise ValueError(f"vfsdp.lax.pvary over {names if len(names) > 1 else names[0]!r} "
-                             f"(check_vma): its input {tuple(x.shape)} already varies over "
-                             f"{already[0]!r}; drop the pvary (its backward would sum "
-                             f"gradients that are each rank's own)")
-    if result == "drop":
-        return have - set(names)
-    if result == "add":
-        return have | set(names)
-    return have
+            raise ValueError(f"vfsdp.lax.pvary over {where!r} (check_vma): its input "
+                             f"{tuple(x.shape)} already varies over {already[0]!r}; drop the "
+                             f"pvary (JAX refuses it too)")
+        return (), have | set(names)
+    missing = tuple(a for a in names if a not in have)
+    if missing and tracker.strict:
+        raise ValueError(
+            f"vfsdp.lax.{op} over {where!r} (check_vma='strict'): its input {tuple(x.shape)} "
+            f"is invariant over {missing[0]!r} (the same on every rank): pvary it over "
+            f"{missing[0]!r} first if each rank's value should count (vfsdp.lax.pvary; "
+            f"check_vma=True inserts it: a psum then multiplies it by the axis size), or "
+            f"drop the {op}")
+    return missing, (have - set(names) if op in ("psum", "pmean") else have | set(names))
 
 
 def mark_gathered(fulls: Iterable, spec: Any, members: tuple = ()) -> None:

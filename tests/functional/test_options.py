@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import vfsdp
 from tests.functional import option_bodies as ob
-from vfsdp.functional.options import GradOptions, merge
+from vfsdp.functional.options import GradOptions, Policy, merge
 from vfsdp.testing import simulate
 
 
@@ -73,12 +73,16 @@ def test_async_reduce_needs_the_buffer():
 
 
 def test_bad_values_and_unknown_names():
+    """Values are checked once, where a call's policy is made: a Policy, or merge() for
+    keyword overrides."""
     with pytest.raises(ValueError, match="grad_reduce must be one of"):
-        GradOptions(grad_reduce="max")
+        Policy(grad_reduce="max")
     with pytest.raises(ValueError, match="grads must be one of"):
-        GradOptions(grads="keep")
+        merge(None, {"grads": "keep"}, "vfsdp.gather")
     with pytest.raises(ValueError, match="reduce_dtype must be a floating-point"):
-        GradOptions(reduce_dtype=torch.int32)
+        merge(Policy(), {"reduce_dtype": torch.int32}, "vfsdp.gather")
+    with pytest.raises(ValueError, match="free_after_backward must be True, False or None"):
+        merge(None, {"free_after_backward": "yes"}, "vfsdp.run_layers")
     with pytest.raises(TypeError, match="unexpected options \\['accumulate'\\]"):
         merge(None, {"accumulate": True}, "vfsdp.gather_async")
 

@@ -9,8 +9,7 @@ is one box. Each box is itself contiguous in the flat order, so its data is a pl
 the local piece: nothing is copied to describe it.
 
 An empty range has no boxes: a rank that holds nothing of a tensor reports no chunk at all
-(otherwise DCP's de-duplication by ``(fqn, offsets)`` would drop its neighbour's data, see
-``anchors-code.md`` section 4).
+(otherwise DCP's de-duplication by ``(fqn, offsets)`` would drop its neighbour's data).
 """
 
 from __future__ import annotations

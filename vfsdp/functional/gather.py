@@ -188,14 +188,15 @@ class Agreement:
         self.gathers, self.awaiting = gathers, list(gathers.entries)
         created, base = gathers.created, gathers.base
         oldest = min((e.place for e in self.awaiting), default=created)
-        self.header = torch.tensor([-oldest, created, -created], dtype=torch.int64)
         bits = [0] * (created - base)
         for e in mine:
             bits[e.place - base] = 1
-        self.marks = torch.tensor(bits, dtype=torch.uint8)
         group = side_group()
-        self.works = [comm.all_reduce_max_(t, group, "backward_marks", async_op=True)
-                      for t in (self.header, self.marks)]
+        with comm.collective_scope():  # the exchange's own small tensors: not data movement
+            self.header = torch.tensor([-oldest, created, -created], dtype=torch.int64)
+            self.marks = torch.tensor(bits, dtype=torch.uint8)
+            self.works = [comm.all_reduce_max_(t, group, "backward_marks", async_op=True)
+                          for t in (self.header, self.marks)]
 
     def marked(self) -> list:
         """Wait for the exchange; the awaiting entries it marks.

@@ -600,8 +600,7 @@ def _functional(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str
     refuse(values, "compiled" if tp.compiling() else "all_gather", what)  # values checked too
     if not tp.compiling():
         own_mesh(shards, mesh, what)  # only vfsdp.shard's shards get here
-    return traced_gather(shards, spec, values["param_dtype"], values["grad_reduce"],
-                         values["reduce_dtype"], values["all_gather"], values["grad_sync"])
+    return traced_gather(shards, spec, values)
 
 
 def start_gather(shards: Any, spec: ShardSpec, mesh: Any, gopts: GatherOptions,

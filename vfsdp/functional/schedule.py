@@ -199,10 +199,7 @@ def run_layers(
         refuse(values, "compiled" if compiling() else "all_gather", what)
         layers = layer_pieces(shards, specs, mesh, what,
                               "compiled" if compiling() else "functional")
-        return traced_run_layers(layer_fn, layers, h, reshard_after_forward,
-                                 values["param_dtype"], values["grad_reduce"],
-                                 values["reduce_dtype"], values["grad_sync"],
-                                 values["all_gather"])
+        return traced_run_layers(layer_fn, layers, h, values)
     if values["grads"] == "return":
         raise ValueError(f"{what}: grads='return' is not supported: each unit's gradients are "
                          f"reduce-scattered into its gradient buffer as its backward ends; read "

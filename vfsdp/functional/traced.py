@@ -305,26 +305,22 @@ def _flush_tree(leaves: list, spec: ShardSpec, grad_reduce: str, what: str) -> N
             _flush(acc, leaves, pieces, (shard_name, m, rep_name, replicas), scale)
 
 
-def traced_gather(shards: Any, spec: ShardSpec, param_dtype: Optional[torch.dtype],
-                  grad_reduce: str, reduce_dtype: Optional[torch.dtype], hooks: Any = None,
-                  grad_sync: bool = True, flush: bool = True,
+def traced_gather(shards: Any, spec: ShardSpec, opts: dict, flush: bool = True,
                   context: Optional[list] = None) -> Any:
     """The full tree, by functional collectives the compiler can trace (see the module).
 
     Args:
         shards: The shards (``vfsdp.shard``'s tree: their units carry their groups).
         spec: Their spec.
-        param_dtype: Gather in this dtype.
-        grad_reduce: ``"avg"`` or ``"sum"``.
-        reduce_dtype: ``None`` or the gather's dtype: compiled, the gradients are
-            reduce-scattered in the dtype they were gathered in (with ``hooks``: any, float32
-            by default).
-        hooks: Low-precision all-gather hooks (:mod:`vfsdp.functional.lowp`); this path runs
-            them eagerly too.
-        grad_sync: ``False``: no reduce-scatter in the backward; the gradients of the full
-            tensors add up, unsharded, in the unit's accumulator (its ``.grad``, in the
-            parameters' dtype), and the next synced gather reduce-scatters them into the
-            shards' ``.grad`` before its own backward adds to them.
+        opts: The call's option values (:func:`vfsdp.functional.options.merge`), of which
+            this path reads ``param_dtype``, ``grad_reduce``, ``reduce_dtype`` (``None`` or
+            the gather's dtype: compiled, the gradients are reduce-scattered in the dtype
+            they were gathered in; with ``all_gather`` hooks, any, float32 by default),
+            ``all_gather`` (low-precision hooks, :mod:`vfsdp.functional.lowp`, run eagerly
+            too) and ``grad_sync`` (``False``: no reduce-scatter in the backward; the
+            gradients of the full tensors add up, unsharded, in the unit's accumulator, its
+            ``.grad`` in the parameters' dtype, and the next synced gather reduce-scatters
+            them into the shards' ``.grad`` before its own backward adds to them).
         flush: Do that here (``False``: the caller did, outside a checkpointed region).
         context: :func:`unit_context` of the shards, when the caller read it (outside a
             checkpointed region, where dynamo guards what it reads).
@@ -337,6 +333,9 @@ def traced_gather(shards: Any, spec: ShardSpec, param_dtype: Optional[torch.dtyp
             ``reduce_dtype`` other than the gather's.
     """
     what = "vfsdp.gather"
+    param_dtype, grad_reduce, reduce_dtype = (opts["param_dtype"], opts["grad_reduce"],
+                                              opts["reduce_dtype"])
+    hooks, grad_sync = opts["all_gather"], opts["grad_sync"]
     leaves, treespec = traced_leaves(shards, spec, what)
     if flush and grad_sync:  # what grad_sync=False backwards left unreduced
         _flush_tree(leaves, spec, grad_reduce, what)
@@ -393,20 +392,17 @@ def _regather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.PREFER_SAVE
 
 
-def traced_run_layers(layer_fn: Any, layers: list, h: Any,
-                      reshard_after_forward: bool, param_dtype: Optional[torch.dtype],
-                      grad_reduce: str, reduce_dtype: Optional[torch.dtype],
-                      grad_sync: bool = True, hooks: Any = None) -> Any:
+def traced_run_layers(layer_fn: Any, layers: list, h: Any, opts: dict) -> Any:
     """:func:`vfsdp.run_layers` while compiling: each unit gathered functionally; with
     ``reshard_after_forward`` the gathered parameters are not saved for backward but gathered
     again there (selective activation checkpointing of the all-gathers), everything else
     (activations) saved as in eager.
 
     Args:
-        layer_fn, h, reshard_after_forward: As for ``run_layers``.
+        layer_fn, h: As for ``run_layers``.
         layers: Per layer, its pieces (:func:`vfsdp.functional.pieces.layer_pieces`).
-        param_dtype, grad_reduce, reduce_dtype, grad_sync, hooks: As for
-            :func:`traced_gather`.
+        opts: The call's option values, as for :func:`traced_gather`
+            (``reshard_after_forward`` too).
 
     Returns:
         The last unit's output.
@@ -421,6 +417,8 @@ def traced_run_layers(layer_fn: Any, layers: list, h: Any,
     if tp.compiling():
         tp.enable_compiled_backward()  # runs while tracing: lets dynamo trace its backward
 
+    grad_sync, grad_reduce = opts["grad_sync"], opts["grad_reduce"]
+    reshard_after_forward = opts["reshard_after_forward"] is not False
     contexts = []  # read here, outside the checkpointed region below: dynamo guards them
     for layer in layers:
         for piece in layer:
@@ -434,8 +432,7 @@ def traced_run_layers(layer_fn: Any, layers: list, h: Any,
         found = iter(contexts)
         for layer, trees in zip(layers, shards):
             h = layer_fn(assemble_layer(layer, [
-                traced_gather(tree, piece.spec, param_dtype, grad_reduce, reduce_dtype, hooks,
-                              grad_sync=grad_sync, flush=False, context=next(found))
+                traced_gather(tree, piece.spec, opts, flush=False, context=next(found))
                 for piece, tree in zip(layer, trees)]), h)
         return h
 

@@ -6,8 +6,7 @@ Imports ``vfsdp.collectives`` and below, never ``optim``, ``checkpoint`` or ``te
 from vfsdp.collectives.unit import Reductions
 from vfsdp.functional import init
 from vfsdp.functional.dtensor import dtensor_placement, from_dtensor, to_dtensor
-from vfsdp.functional.gather import gather, gather_async
-from vfsdp.functional.grads import grads, zero_grads
+from vfsdp.functional.gather import gather, gather_async, grads, zero_grads
 from vfsdp.functional.module import ModuleApply, functionalize
 from vfsdp.functional.options import GatherOptions, GradOptions, Policy
 from vfsdp.functional.reduce import reduce_scatter

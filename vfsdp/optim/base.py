@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from vfsdp.collectives.dbuffer import View, slot_of
-from vfsdp.functional.grads import gradient_leaves
+from vfsdp.functional.gather import gradient_leaves
 from vfsdp.functional.tree import UnitLeaves, match_tree, units_of
 from vfsdp.optim.schedules import constant
 from vfsdp.planner.granularity import format_path

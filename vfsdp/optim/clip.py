@@ -12,7 +12,7 @@ from vfsdp._warnings import refuse_mesh
 from vfsdp.collectives import comm
 from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.dbuffer import Role, View, slot_of
-from vfsdp.functional.grads import gradient_leaves
+from vfsdp.functional.gather import gradient_leaves
 from vfsdp.optim.base import Mask, selected
 from vfsdp.planner.spec import ShardSpec
 

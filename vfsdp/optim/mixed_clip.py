@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from vfsdp.collectives import comm
-from vfsdp.functional.grads import gradient_leaves
+from vfsdp.functional.gather import gradient_leaves
 from vfsdp.optim.clip import check_max_norm, local_squares, scale_by_norm
 from vfsdp.planner.spec import ShardSpec
 

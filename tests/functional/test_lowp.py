@@ -328,3 +328,24 @@ def test_one_non_finite_value_poisons_its_tensor_per_tensor_and_its_block_per_bl
     block[32:64, 0:32] = False
     for finite in simulate(2, _one_bad_value, "block", bad):
         assert torch.equal(finite, block)
+
+
+def _float8_under_torch_func():
+    params = {"w": torch.ones(8, 4)}
+    spec = vfsdp.plan(params, dist.get_world_size())
+    shards = vfsdp.shard(params, spec)
+
+    def loss(s):
+        return vfsdp.gather(s, spec, all_gather=Float8())["w"].sum()
+    try:
+        torch.func.grad(loss)(shards)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_float8_gather_under_torch_func_is_refused_naming_torch_func():
+    for msg in simulate(2, _float8_under_torch_func):
+        assert msg.startswith("vfsdp.gather: all_gather= hooks is not supported under "
+                              "torch.func"), msg
+        assert "call outside torch.func" in msg

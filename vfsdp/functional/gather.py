@@ -766,7 +766,9 @@ def _eager(values: dict, what: str, layers: bool = False) -> tuple:
 def _functional(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str) -> Any:
     """The functional gather: while compiling, or with ``all_gather=`` hooks (of shards
     made by ``vfsdp.shard`` only: ``mesh`` is ignored, as on the eager path)."""
-    refuse(values, "compiled" if tp.compiling() else "all_gather", what)  # values checked too
+    if functorch_active():
+        refuse(values, "torch.func", what)
+    refuse(values, "compiled" if tp.compiling() else "all_gather", what)
     if not tp.compiling():
         own_mesh(shards, mesh, what)  # only vfsdp.shard's shards get here
     return traced_gather(shards, spec, values)

@@ -168,6 +168,10 @@ _REFUSED = (
      {"torch.func": (_FUNC, "add the returned gradients yourself")}),
     ("grad_sync=False", lambda v: v["grad_sync"] is False,
      {"torch.func": (_FUNC, "sum the returned gradients, or call outside torch.func")}),
+    ("all_gather= hooks", lambda v: v["all_gather"] is not None,
+     {"torch.func": ("the hooks' functional gather reads the shards' units, which torch.func "
+                     "hides behind its wrappers", "gather in param_dtype, or call outside "
+                     "torch.func")}),
     ("async_reduce=True", lambda v: v["async_reduce"] is True,
      {"torch.func": (_FUNC, "drop it"), "compiled": (_AUTOGRAD, "drop it"),
       "all_gather": (_AUTOGRAD, "drop it")}),

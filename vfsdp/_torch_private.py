@@ -32,8 +32,8 @@
 * The compiled path: :func:`compiling` (``torch.compiler.is_dynamo_compiling``), the functional
   collectives ``torch.ops._c10d_functional`` (:func:`traced_all_gather`,
   :func:`traced_all_reduce`, :func:`traced_reduce_scatter`), dynamo's
-  ``trace_autograd_ops`` switch (:func:`trace_autograd_ops`) and
-  ``torch._dynamo.assume_constant_result`` (:func:`constant_result`).
+  ``trace_autograd_ops`` switch (:func:`trace_autograd_ops`) and the
+  ``assume_constant_result`` mark on :func:`enable_compiled_backward`.
 
 Other torch versions may move or change these, so they are guarded and versioned here.
 """
@@ -56,7 +56,7 @@ __all__ = ["functorch_active", "functorch_unwrapped", "storage_id", "TorchDispat
            "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH",
            "compiling", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter",
            "traced_sum_autograd",
-           "trace_autograd_ops", "constant_result", "traced_gather_ops",
+           "trace_autograd_ops", "traced_gather_ops",
            "enable_compiled_backward"]
 
 TESTED_TORCH = ((2, 11), (2, 13))
@@ -323,14 +323,6 @@ def enable_compiled_backward() -> bool:
                                                                       "trace_autograd_ops"):
         torch._dynamo.config.trace_autograd_ops = True
     return True
-
-
-
-def constant_result(fn):
-    """``torch._dynamo.assume_constant_result``: ``fn`` runs eagerly while tracing and its
-    (plain Python) result is baked into the graph (the decorator only sets this attribute)."""
-    fn._dynamo_marked_constant = True
-    return fn
 
 
 

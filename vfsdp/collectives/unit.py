@@ -132,6 +132,24 @@ class IllegalTransition(RuntimeError):
     """
 
 
+class _Life:
+    """One parameter buffer's place in its unit's life (the unit's ``state`` is that of the
+    buffer gathered last)."""
+
+    __slots__ = ("state", "regather", "regathering")
+
+    def __init__(self) -> None:
+        self.state = UnitState.RELEASED
+        self.regather = False  # resharded since its last gather: the backward gathers it again
+        self.regathering = 0   # run_layers gathers awaiting their backward, on every rank alike
+
+    def wants_gather(self) -> bool:
+        """Whether a backward gathers it again (``RESHARDED``, or a reshard a graph holds):
+        decided alike on every rank, whatever the local graphs hold."""
+        return self.state is UnitState.RESHARDED or (self.state is UnitState.HELD
+                                                    and self.regather)
+
+
 class Unit:
     """One unit's buffers on this rank, and its lifecycle (:class:`UnitState`, stored).
 
@@ -173,8 +191,7 @@ class Unit:
         # (weak unit, dtype); the same on every rank, as the runs are.
         self.backward_prefetch: Optional[tuple] = None
         self.awaiting = 0  # differentiable gathers of this unit whose backward is pending
-        self._regathering = 0  # of the graphs reading the full views, those that regather
-        self._regather = False  # resharded since the last gather: the backward regathers
+        self._life: dict = {}  # parameter buffer (by dtype) -> its _Life
         # What the compiled path reads of this unit (vfsdp.functional.traced): a TracedUnit,
         # made by vfsdp.shard.
         self.traced: Any = None
@@ -201,8 +218,16 @@ class Unit:
         return IllegalTransition(f"unit {unit_name(self.key)} (rank {self.rank}): {what} is not "
                                  f"allowed while it is {self.state.value}; {fix}")
 
-    def _set(self, db: DBuffer, state: UnitState) -> None:
-        self.live, self.state = db, state
+    def _of(self, db: DBuffer) -> _Life:
+        found = self._life.get(db.dtype)
+        if found is None:
+            found = self._life[db.dtype] = _Life()
+        return found
+
+    def _to(self, db: DBuffer, state: UnitState) -> None:
+        self._of(db).state = state
+        if db is self.live:
+            self.state = state
 
     def compute(self, dtype: Optional[torch.dtype]) -> DBuffer:
         """The buffer gathered for compute in ``dtype``: ``params`` itself when the dtypes
@@ -235,8 +260,9 @@ class Unit:
             db.alloc_global()
             db.copy_(self.params)
         handle = db.all_gather(async_op=async_op)
-        self._regather = False
-        self._set(db, UnitState.GATHERING if db.in_flight else UnitState.GATHERED)
+        self._of(db).regather = False
+        self.live = db
+        self._to(db, UnitState.GATHERING if db.in_flight else UnitState.GATHERED)
         return handle
 
     def wait(self) -> None:
@@ -248,7 +274,7 @@ class Unit:
         if self.state is not UnitState.GATHERING:
             raise self._illegal("wait()", "start an all-gather first (gather(async_op=True))")
         self.live.wait()
-        self.state = UnitState.GATHERED
+        self._to(self.live, UnitState.GATHERED)
 
     def reshard(self, db: DBuffer) -> None:
         """``GATHERED`` -> ``RESHARDED`` (``run_layers``, after the unit's forward): free the
@@ -260,71 +286,98 @@ class Unit:
         Raises:
             IllegalTransition: the unit is not gathered.
         """
-        if db is self.live and self.state is UnitState.GATHERING:
+        life = self._of(db)
+        if life.state is UnitState.GATHERING:
             return  # gathered again for a later use: that gather owns it now
-        if db is not self.live or self.state is not UnitState.GATHERED:
+        if life.state is not UnitState.GATHERED:
+            self.live = db
             raise self._illegal("reshard()", "reshard a unit only after gathering it")
-        self._regather = True
-        if db.graphs > self._regathering:  # a plain gather's graph still reads the memory
-            db.release(at_once=False)
-            self.state = UnitState.HELD
-            return
-        db.free_global()
-        self.state = UnitState.RESHARDED
+        life.regather = True
+        self._let_go(db, at_once=False)
 
     def pre_backward(self, db: DBuffer) -> None:
         """Before the unit's backward or its zero reduction, on every rank alike:
         ``RESHARDED`` -> ``GATHERED`` (finish the prefetch, or all-gather now), then start the
         prefetch of :attr:`backward_prefetch` if that unit is resharded (``GATHERING``)."""
+        life = self._of(db)
         if db.in_flight:
             db.wait()
-            if db is self.live:
-                self.state = UnitState.GATHERED
-        elif db is self.live and self.state is UnitState.RESHARDED:
+            self._to(db, UnitState.GATHERED)
+        elif life.wants_gather():
+            # (a held reshard too: its memory is still there, but another rank's was freed,
+            # and every rank issues the same collectives; the values are the same)
             self._all_gather(db, async_op=False)
-        elif db is self.live and self.state is UnitState.HELD and self._regather:
-            db.alloc_global()  # a held reshard: the memory is still there, live again
-            self._regather = False
-            self.state = UnitState.GATHERED
         link = self.backward_prefetch
         prev = link[0]() if link is not None else None
         if prev is not None:
             pdb = prev.compute(link[1])
-            if pdb is prev.live and prev.state is UnitState.RESHARDED:
+            if prev._of(pdb).wants_gather():
                 prev._all_gather(pdb, async_op=True)
 
-    def release(self, at_once: bool = True) -> None:
+    def release(self, at_once: bool = True, every_rank: bool = True) -> None:
         """``GATHERED`` -> ``RELEASED``, or ``HELD`` while a backward through the full
         tensors is pending (the memory goes as soon as it is done or its graph is dropped):
-        every gathered parameter buffer of the unit. A released unit stays released.
+        every gathered parameter buffer of the unit. A released unit stays released; one
+        whose only readers are ``run_layers`` graphs, which gather it again, is resharded.
 
         Args:
             at_once: The full tensors handed out read as released at once (``False``:
                 ``free_after_backward``, when the memory goes).
+            every_rank: Every rank releases it here alike (``False``: only this rank, as a
+                graph died, so whether a backward gathers it again is left as it was).
         """
         for db in (self.params, *self._compute.values()):
-            self._release(db, at_once)
+            self._let_go(db, at_once, every_rank)
 
-    def _release(self, db: DBuffer, at_once: bool) -> None:
-        db.release(at_once)
-        if db is self.live and self.state is not UnitState.RESHARDED:
-            self.state = UnitState.HELD if db.is_allocated else UnitState.RELEASED
-            self._regather = False
+    def _let_go(self, db: DBuffer, at_once: bool, every_rank: bool = True) -> None:
+        """Free ``db``'s gathered memory now, or, while a plain gather's graph still reads
+        it, when that graph is done (``HELD``). Gathers that regather (``run_layers``') never
+        keep it: released on every rank alike while they await their backward, the unit is
+        ``RESHARDED`` for them. Whether a backward gathers it again is decided only where
+        every rank decides alike: every rank issues the same collectives."""
+        life = self._of(db)
+        if every_rank and life.regathering > 0:
+            life.regather = True
+        if not db.is_allocated:  # (freed already on this rank alone: a graph died)
+            if every_rank and life.state is UnitState.RELEASED:
+                self._settle(db, life)
+            return
+        db.wait()
+        if db.graphs > 0:  # a plain gather's graph still reads it
+            db.release(at_once)  # the memory goes at graph_done()
+            self._to(db, UnitState.HELD)
+            return
+        db.free_global()
+        self._settle(db, life)
+
+    def _settle(self, db: DBuffer, life: _Life) -> None:
+        self._to(db, UnitState.RESHARDED if life.regather else UnitState.RELEASED)
 
     def hold(self, db: DBuffer, regathers: bool = False) -> None:
-        """A differentiable gather's graph reads ``db``'s full views until
-        :meth:`graph_done`; ``regathers``: it gathers them again if they are resharded
-        (``run_layers``), so it does not keep the memory from a reshard."""
-        db.graphs += 1
-        self._regathering += regathers
+        """A differentiable gather of ``db`` awaits its backward: its graph reads the full
+        views until :meth:`graph_done`, or, with ``regathers`` (``run_layers``), it gathers
+        them again if they were resharded (it keeps no memory, until :meth:`record_done`)."""
+        if regathers:
+            self._of(db).regathering += 1
+        else:
+            db.graphs += 1
 
     def graph_done(self, db: DBuffer, regathers: bool = False) -> None:
-        """``HELD`` -> ``RELEASED`` (``RESHARDED`` when a reshard was held) once the last
-        graph reading ``db``'s full views is done or dropped."""
-        self._regathering -= regathers
-        db.graph_done()
-        if db is self.live and self.state is UnitState.HELD and not db.is_allocated:
-            self.state = UnitState.RESHARDED if self._regather else UnitState.RELEASED
+        """``HELD`` -> ``RELEASED`` (``RESHARDED`` while gathers that regather await their
+        backward) once the last plain gather's graph reading ``db``'s full views is done or
+        dropped."""
+        if regathers:
+            return
+        db.graphs -= 1
+        if db.release_pending and db.graphs <= 0:
+            db.free_global()
+            self._settle(db, self._of(db))
+
+    def record_done(self, db: DBuffer, regathers: bool = False) -> None:
+        """A gather of ``db`` no longer awaits its backward (it reduced, or no rank needs
+        it): the same moment on every rank."""
+        if regathers:
+            self._of(db).regathering -= 1
 
     def buffers(self) -> list[DBuffer]:
         """Every buffer the unit holds now: parameters, compute copies, gradients,
@@ -371,7 +424,7 @@ class Unit:
         if rec.gopts.free_after_backward and not keep:
             # Its backward is done: the gathered parameters go before the gradient staging
             # buffer is allocated, now or when the last other graph reading them is done.
-            self._release(rec.db, at_once=False)
+            self._let_go(rec.db, at_once=False)
         to_buffer = rec.ropts.grads == "buffer"
         if to_buffer:
             self._unlink_stale(rec)
@@ -679,7 +732,7 @@ def export_full(db: DBuffer) -> Iterator[DBuffer]:
     finally:
         if not was:
             if owned:
-                unit._release(db, at_once=True)
+                unit._let_go(db, at_once=True)
             else:
                 db.free_global()
 

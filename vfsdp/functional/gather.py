@@ -258,7 +258,7 @@ class BackwardPass:
         self.task = task
         self.accumulates = accumulates  # the pass writes leaves' .grad (not autograd.grad)
         self.agreement: Optional[Agreement] = None
-        self._frozen: dict = {}  # units regathered for the pass with no gather to release them
+        self._alive: set = set()  # places whose node is alive on some rank
         self._marked: Optional[set] = None  # ids of the entries it reduces (on some rank)
 
     def agree(self, running: Any) -> None:
@@ -276,11 +276,8 @@ class BackwardPass:
             RuntimeError: the ranks' records disagree (raised on every rank).
         """
         if self._marked is None:
-            g = self.gathers
-            self._marked = {id(e) for e in self.agreement.marked()}
-            for e in list(g.entries):
-                if e.orphan and id(e) not in self._marked:
-                    g.close(e)  # died unused on every rank: no collective
+            runs, self._alive = self.agreement.marked()
+            self._marked = {id(e) for e in runs}
         return self._marked
 
     def reach(self, seq: int) -> None:
@@ -295,11 +292,6 @@ class BackwardPass:
         marked = self.marked
         for other in sorted((e for e in later if id(e) in marked), key=lambda e: -e.seq):
             self._zeros(other)
-
-    def release_at_end(self, unit: Any) -> None:
-        """Release ``unit`` (frozen: regathered for its inputs' gradients only) when the pass
-        ends."""
-        self._frozen[id(unit)] = unit
 
     def ran(self, entry: Any) -> None:
         """``entry``'s backward ran in this pass (its node called it)."""
@@ -317,8 +309,13 @@ class BackwardPass:
         for entry in sorted((e for e in g.entries if e.ran_in != self.task
                              and id(e) in marked), key=lambda e: -e.seq):
             self._zeros(entry)
-        for unit in self._frozen.values():
-            unit.release(at_once=False)
+        for e in list(g.entries):  # dead on every rank and unused: forgotten, no collective
+            if e.orphan and id(e) not in marked and e.place not in self._alive:
+                g.close(e)
+        if not tp.keep_graph():
+            for unit in list(g.frozen.values()):
+                unit.release(at_once=False)
+            g.frozen.clear()
         g.current = None
         # As FSDP2 at the end of its backward: the last reductions land before the backward
         # returns, so .grad (the gradient buffers' views) is complete for any reader.
@@ -326,10 +323,13 @@ class BackwardPass:
 
     def _zeros(self, entry: Any) -> None:
         entry.ran_in = self.task
-        entry.post_backward([None] * len(entry.index), self.accumulates, zeros=True)
+        keep = tp.keep_graph()  # as on the ranks that run it
+        entry.post_backward([None] * len(entry.index), self.accumulates, keep, zeros=True)
+        if keep:
+            return  # the graph runs again on the ranks that run it: so does this
         if entry.orphan:
             self.gathers.close(entry)
-        elif not tp.keep_graph():
+        else:
             # Done in this pass on every rank; its node, alive here but not run, may still be
             # read by its graph until it dies.
             self.gathers.close(entry, graph_done=False)
@@ -341,25 +341,32 @@ class BackwardPass:
 
 
 class Agreement:
-    """Which awaiting entries some rank's pass runs: every rank's marks ORed over the world,
-    in two small all-reduces over the side group, both started at once and not waited for
-    (on host tensors: the exchange costs the device nothing, no host sync on CUDA). No rank
-    stops at them until it needs the result (:meth:`BackwardPass.reach`), so where a pass's
-    first vfsdp node falls (routing that leaves a rank's experts without tokens) never orders
-    the exchange against the data collectives.
+    """Which awaiting entries some rank's pass runs, and which are still alive on some rank:
+    every rank's marks ORed over the world, in two small all-reduces over the side group,
+    both started at once and not waited for (on host tensors: the exchange costs the device
+    nothing, no host sync on CUDA). No rank stops at them until it needs the result
+    (:meth:`BackwardPass.reach`), so where a pass's first vfsdp node falls (routing that
+    leaves a rank's experts without tokens) never orders the exchange against the data
+    collectives.
 
     The header carries the number of entries made (equal on every rank, or the ranks raise)
     and the oldest place still awaiting; the marks cover the places from the oldest one the
-    previous pass found awaiting on any rank (``base``: nothing older awaits anywhere) to the
-    newest. Every rank made the same entries, so a place names the same unit everywhere."""
+    previous exchange found awaiting on any rank (``base``: nothing older awaits anywhere)
+    to the newest, in a window rounded up to a power of two (so ranks that made different
+    numbers of gathers still exchange alike, and raise). Every rank made the same entries,
+    so a place names the same unit everywhere."""
 
     def __init__(self, gathers: RankGathers, mine: list) -> None:
         self.gathers, self.awaiting = gathers, list(gathers.entries)
         created, base = gathers.created, gathers.base
         oldest = min((e.place for e in self.awaiting), default=created)
-        bits = [0] * (created - base)
+        self.width = max(64, 1 << max(created - base - 1, 0).bit_length())
+        bits = [0] * (2 * self.width)  # runs here, then: its node is alive here
         for e in mine:
             bits[e.place - base] = 1
+        for e in self.awaiting:
+            if not e.orphan:
+                bits[self.width + e.place - base] = 1
         group = side_group()
         with comm.collective_scope():  # the exchange's own small tensors: not data movement
             self.header = torch.tensor([-oldest, created, -created], dtype=torch.int64)
@@ -367,14 +374,16 @@ class Agreement:
             self.works = [comm.all_reduce_max_(t, group, "backward_marks", async_op=True)
                           for t in (self.header, self.marks)]
 
-    def marked(self) -> list:
-        """Wait for the exchange; the awaiting entries it marks.
+    def marked(self) -> tuple[list, set]:
+        """Wait for the exchange: the awaiting entries some rank runs, and the places whose
+        node is alive on some rank.
 
         Raises:
             RuntimeError: the ranks' records disagree (raised on every rank).
         """
         g = self.gathers
-        with comm.collective_scope():  # the exchange's own small tensors: not data movement
+        base, width = g.base, self.width
+        with comm.collective_scope():
             self.works[0].wait()
             neg_oldest, most, neg_least = self.header.tolist()  # host values: no device sync
             if most != -neg_least:
@@ -384,11 +393,12 @@ class Agreement:
                     f"vfsdp.gather/run_layers calls, in the same order, with the same "
                     f"requires_grad flags")
             self.works[1].wait()
-            places = [g.base + k for k, bit in enumerate(self.marks.tolist()) if bit]
+            bits = self.marks.tolist()
         g.base = max(g.base, -neg_oldest)
+        alive = {base + k for k in range(width) if bits[width + k]}
         by_place = {e.place: e for e in self.awaiting}
         out = []
-        for k in places:
+        for k in (base + k for k in range(width) if bits[k]):
             e = by_place.get(k)
             if e is None:
                 raise RuntimeError(
@@ -397,7 +407,7 @@ class Agreement:
                     f"must keep or drop its graphs alike (retain_graph, a second backward "
                     f"through one graph)")
             out.append(e)
-        return out
+        return out, alive
 
 
 class RankGathers:
@@ -410,6 +420,13 @@ class RankGathers:
         self.current: Optional[BackwardPass] = None  # the backward pass running now
         self.created = 0  # entries made so far (the next one's index)
         self.base = 0  # no place older than this awaits on any rank (the last agreement's)
+        # Units run_layers gathered with no record (frozen): the next pass releases them.
+        self.frozen: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def release_after_backward(self, unit: Any) -> None:
+        """Release ``unit`` (frozen: gathered with no record of a backward) as the next
+        backward pass ends."""
+        self.frozen[id(unit)] = unit
 
     def add(self, ctx: Any, entry: Any) -> None:
         """Record the gather ``entry`` whose autograd node ``ctx`` was just made."""
@@ -457,6 +474,7 @@ class RankGathers:
             return
         entry.closed = True
         entry.unit.awaiting -= 1
+        entry.unit.record_done(entry.db, entry.regathers)
         if entry in self.entries:
             self.entries.remove(entry)
 
@@ -582,7 +600,7 @@ class Gather:
         its zeros if another rank's runs the unit; a resharded unit is gathered again
         then)."""
         if self.gopts.free_after_backward:
-            self.unit.release(at_once=False)
+            self.unit.release(at_once=False, every_rank=False)
 
     def resolve(self, local) -> None:
         """Find the unit from the shards (unwrapped here under ``torch.func``), or pack them."""

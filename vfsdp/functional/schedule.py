@@ -99,10 +99,6 @@ class _Regather:
             # as they do on a rank whose backward reaches one of their nodes before this.
             record = pending().backward(lambda: writes_leaf_grads(calls[0]))
             record.reach(seq)
-            if not any(c.recorded for c in calls):
-                # Frozen: no gather of it has a backward (no post-backward releases it), its
-                # regathered parameters serve the inputs' gradients: released as the pass ends.
-                record.release_at_end(saved.db.unit)
         self.ensure(saved.db)
         buf = saved.db.global_buffer
         return saved.db.saved_view(saved.offset - buf.storage_offset(), saved.shape, saved.stride)
@@ -231,6 +227,13 @@ def run_layers(
                 db.unit.reshard(db)
         if nxt and ahead is None:
             ahead = start(i + 1)
+    if torch.is_grad_enabled():
+        # Frozen units (no gather of theirs records a backward, so no post-backward releases
+        # them) may be regathered or prefetched for the inputs' gradients: the next backward
+        # pass releases them as it ends.
+        for calls in regather.calls.values():
+            if not any(c.recorded for c in calls):
+                pending().release_after_backward(calls[0].unit)
     return h
 
 

@@ -114,3 +114,73 @@ def frozen_units_are_released():
     h.sum().backward()
     units = [slot_of(s["w"]).unit for s in shards["layers"]]
     return [bool(u.gathered()) for u in units], x.grad is not None
+
+
+# ------------------------------------------------------------------ uneven use of units
+
+
+def _uneven_params():
+    torch.manual_seed(3)
+    return {"layers": [{"w": torch.randn(4, 4) / 2} for _ in range(3)], "head": torch.randn(4)}
+
+
+def uneven_reference(world: int, uses: list, retain: bool = False) -> list:
+    """One process: ``uses[r]`` is rank r's list of micro-batches, each a list of the layer
+    indices it runs; the gradients of the mean over the ranks of the summed losses (twice
+    with ``retain``)."""
+    params = _uneven_params()
+    ws = [layer["w"].clone().requires_grad_(True) for layer in params["layers"]]
+    head = params["head"].clone().requires_grad_(True)
+    total = 0
+    for r in range(world):
+        for k, order in enumerate(uses[r]):
+            h = torch.full((1, 4), 1.0 + r + k)
+            for i in order:
+                h = torch.tanh(h @ ws[i])
+            total = total + (h * head).sum()
+    (total * (2 if retain else 1) / world).backward()
+    return [w.grad for w in ws] + [head.grad]
+
+
+def uneven_use(uses: list, how: str) -> list:
+    """Each rank runs its micro-batches (``uses[rank]``: per micro-batch, the layers it uses)
+    forward first, then their backwards one by one (``how="gather"`` or ``"run_layers"``),
+    or one backward run twice (``how`` ending in ``"-retain"``). Returns this rank's pieces
+    of the gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    params = _uneven_params()
+    spec = vfsdp.plan(params, world)
+    shards = vfsdp.shard(params, spec)
+    head = vfsdp.gather(shards["head"], spec["head"])
+    losses = []
+    for k, order in enumerate(uses[rank]):
+        x = torch.full((1, 4), 1.0 + rank + k)
+        if how.startswith("run_layers"):
+            step = {"j": 0}
+
+            def layer(p, h, order=order, step=step):
+                j = step["j"]
+                step["j"] += 1
+                return torch.tanh(h @ p["w"]) if j in order else h
+            h = vfsdp.run_layers(layer, shards["layers"], spec["layers"], x)
+        else:
+            full = vfsdp.gather(shards["layers"], spec["layers"])
+            h = x
+            for i in order:
+                h = torch.tanh(h @ full[i]["w"])
+            del full
+        losses.append((h * head).sum())
+    if how.endswith("-retain"):
+        losses[0].backward(retain_graph=True)
+        losses[0].backward()
+    else:
+        for loss in losses:
+            loss.backward()
+    grads = vfsdp.grads(shards, spec) if how.startswith("run_layers") else None
+    out = []
+    for i in range(3):
+        g = grads["layers"][i]["w"] if grads is not None else shards["layers"][i]["w"].grad
+        out.append(None if g is None else g.clone())
+    out.append(shards["head"].grad.clone())
+    ranges = {tuple(t.path): t.local_range(rank) for t in spec.tensors()}
+    return out, [ranges[("layers", i, "w")] for i in range(3)] + [ranges[("head",)]]

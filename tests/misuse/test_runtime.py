@@ -142,3 +142,25 @@ def test_option_values_are_checked_where_the_policy_is_made():
     for refused, _ in got:
         assert "grad_sync must be True, False or None" in refused
     assert [x for _, g in got for x in g] == [1.0] * 4  # synced: every rank's piece arrived
+
+
+def _check_uneven(uses, how, retain=False):
+    want = b.uneven_reference(2, uses, retain)
+    got = simulate(2, b.uneven_use, uses, how, timeout=60)
+    flat = [w.reshape(-1) for w in want]
+    for grads, ranges in got:
+        for g, (lo, hi), w in zip(grads, ranges, flat):
+            piece = torch.zeros(hi - lo) if g is None else g.reshape(-1)
+            torch.testing.assert_close(piece, w[lo:hi], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["gather", "run_layers"])
+def test_two_forwards_then_two_backwards_with_a_unit_one_rank_does_not_use(how):
+    """Rank 0's second micro-batch skips layer 1: the other rank still runs it in the second
+    backward, so this rank must keep its record (its node is dead here, alive there)."""
+    _check_uneven([[[0, 1, 2], [0, 2]], [[0, 1, 2], [0, 1, 2]]], how)
+
+
+@pytest.mark.parametrize("how", ["gather-retain", "run_layers-retain"])
+def test_retain_graph_with_a_unit_one_rank_does_not_use(how):
+    _check_uneven([[[0, 2]], [[0, 1, 2]]], how, retain=True)

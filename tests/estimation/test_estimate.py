@@ -89,7 +89,7 @@ def test_bad_input_is_refused():
         vfsdp.estimate(spec, hw="tpu9")
     with pytest.raises(ValueError, match="unknown optimizer"):
         vfsdp.estimate(spec, optimizer="sgd")
-    with pytest.raises(ValueError, match="tokens_per_rank must be at least 1"):
+    with pytest.raises(ValueError, match="tokens_per_rank must be an int >= 1"):
         vfsdp.estimate(spec, tokens_per_rank=0)
 
 

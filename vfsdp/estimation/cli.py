@@ -50,7 +50,16 @@ def add_parser(sub) -> None:
     p.add_argument("--ep", type=int, default=1,
                    help="expert parallelism: routed experts split over this many GPUs")
     p.add_argument("--seq", type=int, help="sequence length (adds attention FLOPs)")
-    p.add_argument("--recompute", action="store_true", help="activation checkpointing")
+    p.add_argument("--recompute", nargs="?", const="full", default=False,
+                   choices=["full", "selective"],
+                   help="activation checkpointing: full (the default when given) or selective "
+                        "(torchtitan's op-level policy)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="gradient accumulation: micro-batches per step (they split the tokens)")
+    p.add_argument("--no-grad-sync", action="store_true",
+                   help="with --micro-batches: reduce only the last micro-batch's gradients")
+    p.add_argument("--float8", action="store_true",
+                   help="float8 weight matmuls and float8 all-gathers")
     p.add_argument("--no-prefetch", action="store_true")
     p.add_argument("--no-reshard", action="store_true", help="keep units after forward")
     p.add_argument("--vs", default="", help="also fsdp2 and/or megatron, comma-separated")
@@ -67,7 +76,8 @@ def run(args, out=None) -> int:
         if not counts:
             raise ValueError("--gpus: give at least one GPU count, e.g. --gpus 8,64")
         systems = [s.strip() for s in args.vs.split(",") if s.strip()]
-        for name in ("tokens_per_gpu", "global_tokens", "shard", "top_k", "ep", "seq"):
+        for name in ("tokens_per_gpu", "global_tokens", "shard", "top_k", "ep", "seq",
+                     "micro_batches"):
             count("estimate", "--" + name.replace("_", "-"), getattr(args, name),
                   optional=True)
         tree = _shapes(args.shapes, DTYPES[args.master_dtype])
@@ -85,7 +95,9 @@ def run(args, out=None) -> int:
                      param_dtype=DTYPES[args.param_dtype],
                      reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
                      experts_per_token=args.top_k,
-                     seq=args.seq, recompute=args.recompute, prefetch=not args.no_prefetch,
+                     seq=args.seq, recompute=args.recompute, micro_batches=args.micro_batches,
+                     grad_sync=not args.no_grad_sync, float8=args.float8,
+                     prefetch=not args.no_prefetch,
                      reshard_after_forward=not args.no_reshard)
         secs = time.perf_counter() - t0
     except (ValueError, TypeError, OSError, ImportError) as exc:

@@ -79,9 +79,18 @@ def test_the_cli_takes_the_workload_options(tmp_path, capsys):
     argv = ["estimate", str(path), "--gpus", "8,16", "--tokens-per-gpu", "8192"]
     for extra in (["--recompute"], ["--recompute", "selective"],
                   ["--micro-batches", "4", "--no-grad-sync"], ["--float8"],
-                  ["--reduce-dtype", "fp32"]):
+                  ["--reduce-dtype", "fp32"], ["--logits-dtype", "bf16"]):
         assert main(argv + extra) == 0, extra
     capsys.readouterr()
     assert main(argv + ["--micro-batches", "3"]) == 2
     assert "micro_batches=3 does not divide" in capsys.readouterr().err
     assert main(argv + ["--micro-batches", "0"]) == 2
+
+
+def test_the_logits_take_the_loss_dtype():
+    spec = vfsdp.plan(_llama(vocab=32000), 8)
+    fp32 = vfsdp.estimate(spec, tokens_per_rank=4096)
+    bf16 = vfsdp.estimate(spec, tokens_per_rank=4096, logits_dtype=torch.bfloat16)
+    assert fp32.memory["activations"] - bf16.memory["activations"] == 4096 * 32000 * 4
+    with pytest.raises(ValueError, match="logits_dtype"):
+        vfsdp.estimate(spec, logits_dtype="bf16")

@@ -58,6 +58,8 @@ def add_parser(sub) -> None:
                    help="gradient accumulation: micro-batches per step (they split the tokens)")
     p.add_argument("--no-grad-sync", action="store_true",
                    help="with --micro-batches: reduce only the last micro-batch's gradients")
+    p.add_argument("--logits-dtype", default="fp32", choices=sorted(DTYPES),
+                   help="the loss's softmax and gradient dtype (default fp32)")
     p.add_argument("--float8", action="store_true",
                    help="float8 weight matmuls and float8 all-gathers")
     p.add_argument("--no-prefetch", action="store_true")
@@ -97,6 +99,7 @@ def run(args, out=None) -> int:
                      experts_per_token=args.top_k,
                      seq=args.seq, recompute=args.recompute, micro_batches=args.micro_batches,
                      grad_sync=not args.no_grad_sync, float8=args.float8,
+                     logits_dtype=DTYPES[args.logits_dtype],
                      prefetch=not args.no_prefetch,
                      reshard_after_forward=not args.no_reshard)
         secs = time.perf_counter() - t0

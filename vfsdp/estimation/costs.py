@@ -181,9 +181,14 @@ class Shapes:
         return cls(MappingProxyType(units), width, vocab)
 
     def costs(self, tokens: int, experts_per_token: Optional[int] = None,
-              seq: Optional[int] = None, recompute: Any = False) -> dict:
+              seq: Optional[int] = None, recompute: Any = False,
+              logits_dtype: torch.dtype = torch.float32) -> dict:
         """``{unit key: LayerCost}`` for ``tokens`` tokens per rank (see
         :func:`shape_costs`)."""
+        if not isinstance(logits_dtype, torch.dtype):
+            raise ValueError(f"estimate: logits_dtype must be a torch.dtype, got "
+                             f"{logits_dtype!r}")
+        per_logit = 2 + 2 * logits_dtype.itemsize  # bf16 logits, the loss's softmax and grad
         if not (recompute is True or recompute is False or recompute in ("full", "selective")):
             raise ValueError(f"estimate: recompute must be False, True, 'full' or "
                              f"'selective', got {recompute!r}")
@@ -207,13 +212,14 @@ class Shapes:
             if layer and width:
                 acts, again = tokens * width * kept, tokens * width * again_per
             if has_embed and vocab:
-                acts += tokens * vocab * 10
+                acts += tokens * vocab * per_logit
             out[key] = LayerCost(float(flops), int(acts), int(again), extra, float(attn))
         return out
 
 
 def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] = None,
-                seq: Optional[int] = None, recompute: Any = False) -> dict:
+                seq: Optional[int] = None, recompute: Any = False,
+                logits_dtype: torch.dtype = torch.float32) -> dict:
     """Costs from the shapes alone, per unit key, for ``tokens`` tokens per rank:
 
     * FLOPs: ``6 * tokens`` per weight of a matrix (forward 2, backward 4), routed experts'
@@ -225,8 +231,8 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
       attention that saves no score matrix), or with ``recompute`` the layer input only (2
       bytes per token and width), the 34 held again while its backward runs, and a third of
       the layer's FLOPs again (its forward, recomputed: time, not MFU); for the unit with
-      the embedding, the logits (10 bytes per token and vocabulary entry: bf16 logits, fp32
-      softmax and its gradient).
+      the embedding, the logits (bf16 logits, the loss's softmax and its gradient in
+      ``logits_dtype``: 10 bytes per token and vocabulary entry in fp32, 6 in bf16).
 
     Args:
         spec: The plan.
@@ -236,6 +242,7 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
         recompute: Activation checkpointing: ``True`` or ``"full"`` (only each layer's input
             is kept), ``"selective"`` (torchtitan's op-level policy: half the bytes kept,
             half the forward's weight matmuls run again), ``False``.
+        logits_dtype: The dtype the loss computes its softmax in.
 
     Returns:
         ``{unit key: LayerCost}``.
@@ -251,4 +258,4 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
         >>> c[("layers", 0)].flops, c[()].flops
         (245760.0, 0.0)
     """
-    return Shapes.of(spec).costs(tokens, experts_per_token, seq, recompute)
+    return Shapes.of(spec).costs(tokens, experts_per_token, seq, recompute, logits_dtype)

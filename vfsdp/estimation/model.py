@@ -56,7 +56,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
              baseline: Optional[str] = None, model_parallel: Optional[str] = None,
              layers: Optional[list] = None, experts: Optional[ShardSpec] = None,
              ep: Optional[int] = None, micro_batches: int = 1, grad_sync: bool = True,
-             float8: bool = False) -> Estimate:
+             float8: bool = False, logits_dtype: torch.dtype = torch.float32) -> Estimate:
     """Predict one training step of ``spec`` on ``hw`` (see ``docs/estimate.md``).
 
     Args:
@@ -108,6 +108,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             in the reduce dtype across them (as ``grad_sync=False`` does in vfsdp).
         float8: Float8 weight matmuls (twice the bf16 rate; attention stays in bf16) and
             float8 all-gathers (one byte per weight crosses the links).
+        logits_dtype: The dtype the loss's softmax and its gradient are in (the default
+            costs' logits: 10 bytes per token and vocabulary entry in fp32, 6 in bf16).
 
     Returns:
         An :class:`Estimate`.
@@ -146,4 +148,4 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
                    recompute=recompute, allocator_fraction=allocator_fraction,
                    comm_library_bytes=comm_library_bytes, baseline=baseline,
                    model_parallel=model_parallel, layers=layers, micro_batches=micro_batches,
-                   grad_sync=grad_sync, float8=float8)
+                   grad_sync=grad_sync, float8=float8, logits_dtype=logits_dtype)

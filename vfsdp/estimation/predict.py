@@ -156,7 +156,8 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optio
             recompute: bool = False, allocator_fraction: float = 0.05,
             comm_library_bytes: int = 2 * GiB, baseline: Optional[str] = None,
             model_parallel: Optional[str] = None, layers: Optional[list] = None,
-            micro_batches: int = 1, grad_sync: bool = True, float8: bool = False) -> Estimate:
+            micro_batches: int = 1, grad_sync: bool = True, float8: bool = False,
+            logits_dtype: torch.dtype = torch.float32) -> Estimate:
     """:func:`~vfsdp.estimation.estimate` from the :class:`PlanSummary` s it reads: the model's (or,
     with expert parallelism, the rest's) and the experts'; ``muon``: add Newton-Schulz's
     FLOPs. The other arguments are :func:`~vfsdp.estimation.estimate`'s."""
@@ -185,7 +186,8 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optio
             # oldest the previous pass found awaiting: in a steady step, its own and the last's
             "backward_marks": 24 + 2 * sum(map(len, (p.units for p in parts)))
             if m * r > 1 else 0}
-    per_unit = _costs(parts, costs, tokens_per_rank, experts_per_token, seq, recompute)
+    per_unit = _costs(parts, costs, tokens_per_rank, experts_per_token, seq, recompute,
+                      logits_dtype)
     by_key: dict = {}  # unit key -> its UnitBytes, the experts' added to their layer's
     times: dict = {}  # unit key -> [gather s, reduce s, host s]
     shards = state = grads = 0
@@ -342,13 +344,14 @@ def _add(lanes: dict, key: Any, forward: float, backward: float) -> float:
     return forward + backward
 
 
-def _costs(parts, costs, tokens, experts_per_token, seq, recompute) -> dict:
+def _costs(parts, costs, tokens, experts_per_token, seq, recompute, logits_dtype) -> dict:
     """Per unit key of the model its cost: ``costs`` (a key, or a prefix of one such as
     ``("layers",)``; ``()`` only names the root unit itself), else the shape rules' over
     every part (the experts' added to their layer's)."""
     out: dict = {}
     for p in parts:
-        for key, c in p.shapes.costs(tokens, experts_per_token, seq, recompute).items():
+        for key, c in p.shapes.costs(tokens, experts_per_token, seq, recompute,
+                                     logits_dtype).items():
             if key in out:
                 c = LayerCost(out[key].flops + c.flops, out[key].activation_bytes +
                               c.activation_bytes, out[key].recompute_bytes +

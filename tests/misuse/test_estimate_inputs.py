@@ -118,3 +118,11 @@ def test_the_api_names_the_argument():
         sweep(tree, [])
     with pytest.raises(ValueError, match="repeats"):
         calibrate(None, repeats=0)
+
+
+def test_the_api_refuses_what_is_not_a_plan_or_a_list_of_counts():
+    tree = {"layers": [{"w": torch.empty(8, 8, device="meta")} for _ in range(2)]}
+    with pytest.raises(TypeError, match="spec must be a ShardSpec"):
+        vfsdp.estimate(tree)
+    with pytest.raises(ValueError, match="gpus takes a list"):
+        sweep(tree, 8)

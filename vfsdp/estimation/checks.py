@@ -12,7 +12,20 @@ __all__ = ["count", "rate", "fraction", "shape_dims"]
 
 def count(where: str, name: str, value: Any, least: int = 1, optional: bool = False) -> Any:
     """``value`` if it is an int (not a bool) of at least ``least`` (or ``None`` where
-    ``optional``), else a ``ValueError`` naming ``where`` and ``name``.
+    ``optional``).
+
+    Args:
+        where: The caller, for the message (``"sweep"``).
+        name: The argument's name (``"shard"``, or an option: ``"--shard"``).
+        value: Its value.
+        least: The smallest allowed.
+        optional: Whether ``None`` is allowed.
+
+    Returns:
+        ``value`` as an int, or ``None``.
+
+    Raises:
+        ValueError: naming ``where``, ``name`` and the value.
 
     Example:
         >>> count("sweep", "shard", 8)
@@ -30,8 +43,19 @@ def count(where: str, name: str, value: Any, least: int = 1, optional: bool = Fa
 
 
 def rate(where: str, name: str, value: Any, zero: bool = False) -> float:
-    """``value`` as a float if it is a finite number above 0 (or at least 0 where ``zero``),
-    else a ``ValueError`` naming ``where`` and ``name``.
+    """``value`` as a float if it is a finite number above 0 (or at least 0 where ``zero``).
+
+    Args:
+        where: The caller, for the message.
+        name: The argument's or field's name.
+        value: Its value.
+        zero: Whether 0 is allowed.
+
+    Returns:
+        ``value`` as a float.
+
+    Raises:
+        ValueError: naming ``where``, ``name`` and the value.
 
     Example:
         >>> rate("hardware h100", "flops", -1)
@@ -48,7 +72,18 @@ def rate(where: str, name: str, value: Any, zero: bool = False) -> float:
 
 
 def fraction(where: str, name: str, value: Any) -> float:
-    """``value`` if it is a number in ``(0, 1]``, else a ``ValueError``.
+    """``value`` if it is a number in ``(0, 1]``.
+
+    Args:
+        where: The caller, for the message.
+        name: The argument's or field's name.
+        value: Its value.
+
+    Returns:
+        ``value`` as a float.
+
+    Raises:
+        ValueError: naming ``where``, ``name`` and the value.
 
     Example:
         >>> fraction("hardware a", "comm_efficiency", 1.5)
@@ -64,6 +99,13 @@ def fraction(where: str, name: str, value: Any) -> float:
 def shape_dims(source: str, data: Any) -> None:
     """Check a shape list's JSON (``{"params": [[name, [dims]], ...]}``): its structure, and
     dimensions that are ints >= 0 (a float such as ``4096.5`` would otherwise be truncated).
+
+    Args:
+        source: The file's name, for the message.
+        data: Its parsed JSON.
+
+    Returns:
+        ``None``.
 
     Raises:
         ValueError: naming ``source`` and the entry or tensor.

@@ -123,7 +123,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             ``model_parallel="tp"`` for a plan without a model axis, ``layers`` naming
             a unit the plan does not have, or experts that do not fit the model's GPUs or
             layers.
-        TypeError: ``experts`` is not a :class:`ShardSpec`.
+        TypeError: ``spec`` or ``experts`` is not a :class:`ShardSpec`.
 
     Example:
         >>> params = {"layers": [{"w": torch.empty(4096, 4096, device="meta")}
@@ -132,6 +132,9 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         >>> est.fits, est.gpus, est.comm_bytes["all_gather"] > 0
         (True, 64, True)
     """
+    if not isinstance(spec, ShardSpec):
+        raise TypeError(f"estimate: spec must be a ShardSpec (vfsdp.plan's), got "
+                        f"{type(spec).__name__}")
     count("estimate", "tokens_per_rank", tokens_per_rank)
     count("estimate", "rank", rank, least=0, optional=True)
     if rank is not None and rank >= spec.world_size:

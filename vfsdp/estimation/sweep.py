@@ -164,6 +164,9 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
     count("sweep", "shard", shard, optional=True)
     count("sweep", "tokens_per_gpu", tokens_per_gpu, optional=True)
     count("sweep", "global_tokens", global_tokens, optional=True)
+    if not isinstance(gpus, (list, tuple, range)):
+        raise ValueError(f"sweep: gpus takes a list of GPU counts, got {gpus!r}; pass e.g. "
+                         f"[8, 64]")
     gpus = list(gpus)
     if not gpus:
         raise ValueError("sweep: gpus is empty; pass at least one GPU count, e.g. [8, 64]")

@@ -5,8 +5,8 @@ divisor of the count, at least one node and a power of two or the count itself, 
 the model fits; the rest replicas; ``--ep N``: the routed experts split over N GPUs) and
 prints
 one row per count: memory per rank by kind, the step time split, tokens/s, MFU and whether
-it fits. ``--vs fsdp2,megatron`` adds the same rows under those systems' sharding rules
-(padding only); ``--json`` writes the records, ``--png`` draws the scaling curves and the
+it fits. ``--vs fsdp2,megatron`` adds the same rows under those systems' sharding rules,
+padding and copies (``estimate(baseline=...)``); ``--json`` writes the records, ``--png`` draws the scaling curves and the
 memory stack.
 """
 

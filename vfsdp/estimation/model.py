@@ -84,8 +84,12 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             first and the last rank's; they differ where whole tiles or matrices sit on
             one rank).
         baseline: ``"fsdp2"`` or ``"megatron"``: the same step with that system's sharding
-            rule and padding (:func:`~vfsdp.estimation.memory.baseline_sizes`), and none of
-            its copy-in/copy-out or per-parameter allocations (a bound in its favour).
+            rule and padding (:func:`~vfsdp.estimation.memory.baseline_sizes`); FSDP2's
+            copies too (copy-in and copy-out around each all-gather, and around each
+            reduce-scatter: ``Estimate.copy_bytes``, their time on the compute lane, and
+            the copy-out and reduce-scatter input beside the gathered unit and its gradients
+            at the peak), its regather of the last layer; Megatron-FSDP's flat buffers copy
+            what vfsdp's do. Their allocators' behaviour is not modelled.
         model_parallel: ``"tp"`` for a ``tp=`` plan of Megatron-style layers: each layer
             all-reduces its activations (``tokens_per_rank`` x the embedding's width, in the
             compute dtype) twice forward and twice backward over the model axis, on the

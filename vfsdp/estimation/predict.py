@@ -69,6 +69,14 @@ class Estimate:
             counted).
         tokens_per_rank: The tokens each rank processes per step.
         ep: The expert-parallel group's size (1 without experts).
+        copy_bytes: Bytes the system copies outside its collectives per step: vfsdp (and
+            Megatron-FSDP, whose buffers are flat too) each gradient into its reduce-scatter
+            buffer, and each shard cast to the compute dtype; FSDP2 also each all-gather's
+            input out of the parameters (copy-in) and its output into them (copy-out), and
+            the reduce-scatter's output into the gradients.
+        copy_s: Seconds of those copies (read and write at the memory bandwidth, on the
+            compute lane): ``step_s`` is ``compute_s + copy_s + exposed_comm_s +
+            optimizer_s``.
 
     Example:
         >>> spec = vfsdp.plan({"w": torch.empty(1024, 1024, device="meta")}, 8)
@@ -94,13 +102,15 @@ class Estimate:
     mfu: float
     tokens_per_rank: int = 0
     ep: int = 1
+    copy_bytes: int = 0
+    copy_s: float = 0.0
 
     def record(self) -> dict:
         """One flat JSON record (``--json``)."""
         out = {k: getattr(self, k) for k in (
             "gpus", "shard", "replicas", "hw", "memory_per_rank", "fits", "step_s",
             "compute_s", "exposed_comm_s", "optimizer_s", "tokens_per_s", "mfu",
-            "tokens_per_rank", "ep", "peak_at")}
+            "tokens_per_rank", "ep", "peak_at", "copy_bytes", "copy_s")}
         out.update({f"memory_{k}": v for k, v in self.memory.items()})
         out.update({f"bytes_{k}": v for k, v in self.comm_bytes.items()})
         return out
@@ -190,7 +200,7 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optio
                       logits_dtype)
     by_key: dict = {}  # unit key -> its UnitBytes, the experts' added to their layer's
     times: dict = {}  # unit key -> [gather s, reduce s, host s]
-    shards = state = grads = 0
+    shards = state = grads = copies = 0
     for p in parts:
         pm, pr = p.mesh_shape[-1], math.prod(p.mesh_shape[:-1])
         sizes = baseline_sizes(p.units, baseline) if baseline else None
@@ -208,15 +218,26 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optio
                 raise ValueError(f"estimate: the experts' unit {u.key!r} is no unit of the "
                                  f"model's plan; key the experts by the layers they belong to "
                                  f"(plan them as a tree of the same paths)")
-            again = u.key in layers and reshard_after_forward and u.key != layers[-1]
-            comm["all_gather"] += u.gathered * (2 if again else 1)
+            again = u.key in layers and reshard_after_forward and (
+                u.key != layers[-1] or baseline == "fsdp2")  # FSDP2 regathers the last too
+            gathers = 2 if again else 1
+            comm["all_gather"] += u.gathered * gathers
+            cast = u.gathered // pm if param_dtype not in (None, p.units[u.key].dtype) else 0
+            fwd_copy, bwd_copy = cast, (gathers - 1) * cast + u.reduce_in
+            if baseline == "fsdp2":  # copy-in and copy-out per gather, reduce-scatter copy-out
+                fwd_copy += u.gathered // pm * (not cast) + u.gathered
+                bwd_copy += (gathers - 1) * (u.gathered // pm * (not cast) + u.gathered) + \
+                    u.grad_shard
+            copies += fwd_copy + bwd_copy
             comm["reduce_scatter"] += u.reduce_in
             red = ring(pm, u.reduce_in / pm, shard_link)
             if pr > 1:
                 shard_grad = u.reduce_in // pm
                 comm["all_reduce"] += shard_grad
                 red += 2 * ring(pr, shard_grad / pr, rep_link)
-            t = times.setdefault(u.key, [0.0, 0.0, 0.0])
+            t = times.setdefault(u.key, [0.0, 0.0, 0.0, 0.0, 0.0])
+            t[3] += 2 * fwd_copy / prof.memory_bw  # read and write, on the compute lane
+            t[4] += 2 * bwd_copy / prof.memory_bw
             # float8 all-gathers: the weights cross in one byte, not the compute dtype's
             t[0] += ring(pm, u.gathered / pm / (_itemsize(param_dtype, p) if float8 else 1),
                          shard_link)
@@ -231,19 +252,22 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optio
     held = 0 if grad_sync or steps == 1 else sum(u.reduce_in for u in ub)
     top, at, kinds = peak(shards + state + held, events)  # no sync: whole gradients held
     kinds["gradients"] += held
+    if baseline == "fsdp2" and ub:  # copy-out beside the all-gather's output, and the
+        extra = max(u.gathered for u in ub) + max(u.reduce_in for u in ub)  # RS copy-in
+        top, kinds["buffers"] = top + extra, kinds["buffers"] + extra
     allowance = int(allocator_fraction * top) + int(comm_library_bytes)
     memory = {"params": shards, "gradients": kinds["gradients"], "optimizer": state,
               "buffers": kinds["buffers"], "activations": kinds["activations"],
               "allowance": allowance}
     total = sum(memory.values())
     lanes = {}
-    for key, (gather, reduce, host) in times.items():
+    for key, (gather, reduce, host, fwd_copy, bwd_copy) in times.items():
         c = per_unit[key]
         flops = c.flops + c.recompute_flops
         if float8:  # the weight matmuls on float8 tensor cores, twice the rate; attention not
             flops = c.attention_flops + (flops - c.attention_flops) / 2
-        lanes[key] = (gather, flops / 3 / rate + host / 3, 2 * flops / 3 / rate + 2 * host / 3,
-                      reduce)
+        lanes[key] = (gather, flops / 3 / rate + host / 3 + fwd_copy,
+                      2 * flops / 3 / rate + 2 * host / 3 + bwd_copy, reduce)
     act_dtype = param_dtype or next(iter(model.units.values())).dtype
     act = tokens_per_rank * model.shapes.width * act_dtype.itemsize
     exposed = 0.0  # on the compute lane: the model axis's all-reduces, the experts' all-to-alls
@@ -283,11 +307,14 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optio
     model_flops = steps * sum(c.flops for c in per_unit.values())
     name = prof.name if baseline is None else f"{prof.name}, {baseline} sharding"
     compute = steps * sched.compute
+    copy_s = steps * sum(t[3] + t[4] for t in times.values())
     return Estimate(gpus, m, r, name, memory, total, total <= prof.memory, at, comm,
-                    step, compute - exposed, max(step - compute - sched.optimizer + exposed, 0.0),
+                    step, compute - exposed - copy_s,
+                    max(step - compute - sched.optimizer + exposed, 0.0),
                     sched.optimizer,
                     gpus * total_tokens / step if step else 0.0,
-                    model_flops / step / prof.flops if step else 0.0, total_tokens, ep)
+                    model_flops / step / prof.flops if step else 0.0, total_tokens, ep,
+                    copies * steps, copy_s)
 
 
 def _itemsize(dtype: Optional[torch.dtype], part: PlanSummary) -> int:

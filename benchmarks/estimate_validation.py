@@ -127,7 +127,7 @@ def paper() -> None:
               f"(paper: near-linear); 16M-token batch 1K -> 8K {speed:.2f}x (paper: 3.4x)")
 
 
-def baselines(measured: str = None) -> None:
+def baselines(measured: str | None = None) -> None:
     from vs_fsdp2 import MODELS
 
     from vfsdp.testing.models import meta_params

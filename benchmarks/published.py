@@ -25,10 +25,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from vfsdp.estimation import sweep  # noqa: E402
-from vfsdp.planner.abstract import ShapeDtype  # noqa: E402
+from vfsdp.estimation import sweep
+from vfsdp.planner.abstract import ShapeDtype
 
 ROWS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published", "rows.json")
 GiB = 2**30
@@ -112,12 +112,12 @@ def main(argv=None) -> int:
             mem = est.memory_per_rank / GiB
             mem_ratio = mem / row["memory_gib"]
             bands["memory"].append(mem_ratio)
-        out.append(dict(id=row["id"], measured_tps=row["tokens_per_s_per_gpu"], predicted_tps=tps,
-                        measured_gib=row["memory_gib"], predicted_gib=mem,
-                        memory_kind=row["memory_kind"]))
+        out.append({"id": row["id"], "measured_tps": row["tokens_per_s_per_gpu"],
+                    "predicted_tps": tps, "measured_gib": row["memory_gib"],
+                    "predicted_gib": mem, "memory_kind": row["memory_kind"]})
         mem_text = f"{row['memory_gib']:>8.1f} {mem:>7.1f} {mem_ratio:>6.2f}" if mem else ""
         print(f"{row['id']:<24} {row['hw']:<9} {row['gpus']:>5} {row['precision']:<6} "
-              f"{str(row['recompute']):<9} {'yes' if row['compile'] else 'no':<4} "
+              f"{row['recompute']!s:<9} {'yes' if row['compile'] else 'no':<4} "
               f"{row['tokens_per_s_per_gpu']:>10,} {tps:>8,.0f} {ratio:>6.2f}  {mem_text}")
     print(f"\n{len(rows)} rows from {len({r['project'] for r in rows})} projects, estimated in "
           f"{time.perf_counter() - t0:.1f} s")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["count", "rate", "fraction", "shape_dims"]
 

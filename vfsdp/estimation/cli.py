@@ -6,8 +6,8 @@ the model fits; the rest replicas; ``--ep N``: the routed experts split over N G
 prints
 one row per count: memory per rank by kind, the step time split, tokens/s, MFU and whether
 it fits. ``--vs fsdp2,megatron`` adds the same rows under those systems' sharding rules,
-padding and copies (``estimate(baseline=...)``); ``--json`` writes the records, ``--png`` draws the scaling curves and the
-memory stack.
+padding and copies (``estimate(baseline=...)``); ``--json`` writes the records, ``--png``
+draws the scaling curves and the memory stack.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 import optree
 
 from vfsdp._gc import paused_gc
-from vfsdp.estimation.checks import count
+from vfsdp.estimation import checks
 from vfsdp.estimation.costs import Shapes
 from vfsdp.estimation.hardware import Hardware, hardware
 from vfsdp.estimation.memory import alike_members, optimizer_bytes
@@ -160,10 +160,10 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
     if tokens_per_gpu is not None and global_tokens is not None:
         raise ValueError("sweep: give tokens_per_gpu (weak scaling) or global_tokens (strong "
                          "scaling), not both")
-    count("sweep", "ep", ep)
-    count("sweep", "shard", shard, optional=True)
-    count("sweep", "tokens_per_gpu", tokens_per_gpu, optional=True)
-    count("sweep", "global_tokens", global_tokens, optional=True)
+    checks.count("sweep", "ep", ep)
+    checks.count("sweep", "shard", shard, optional=True)
+    checks.count("sweep", "tokens_per_gpu", tokens_per_gpu, optional=True)
+    checks.count("sweep", "global_tokens", global_tokens, optional=True)
     if not isinstance(gpus, (list, tuple, range)):
         raise ValueError(f"sweep: gpus takes a list of GPU counts, got {gpus!r}; pass e.g. "
                          f"[8, 64]")

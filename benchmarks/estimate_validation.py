@@ -15,12 +15,16 @@ Sections:
 3. planning and estimating one model at ten GPU counts (``vfsdp.estimation.sweep``);
 4. projections with the H800 profile for a DeepSeek-V3-sized MoE (the paper's scaling
    claims): weak scaling 1K -> 8K GPUs, and a 16M-token global batch from 1K to 8K, with
-   the experts FSDP-sharded with the rest or split over 8, 32 or 64 GPUs.
+   the experts FSDP-sharded with the rest or split over 8, 32 or 64 GPUs;
+5. ``--vs fsdp2`` against ``benchmarks/vs_fsdp2.py`` (its models, W = 2 and 4, fp32): the
+   predicted vfsdp / FSDP2 ratios of bytes copied outside the collectives and of the peak,
+   beside the measured ones where ``--measured`` names that script's ``--json`` output.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -123,15 +127,44 @@ def paper() -> None:
               f"(paper: near-linear); 16M-token batch 1K -> 8K {speed:.2f}x (paper: 3.4x)")
 
 
+def baselines(measured: str | None = None) -> None:
+    from vs_fsdp2 import MODELS
+
+    from vfsdp.testing.models import meta_params
+
+    found = {}
+    if measured:
+        with open(measured) as f:
+            found = {r["config"]: r for r in json.load(f)}
+    print("\n5. --vs fsdp2 against benchmarks/vs_fsdp2.py (fp32, reshard after forward): "
+          "vfsdp / FSDP2, predicted (measured)")
+    print(f"{'config':<14} {'copied MiB vfsdp/FSDP2':>24} {'copy ratio':>18} {'peak ratio':>18}")
+    for world in (2, 4):
+        for name, cfg in MODELS.items():
+            params = meta_params(cfg)
+            spec = vfsdp.plan(params, world)
+            kw = {"hw": "h100", "param_dtype": None, "tokens_per_rank": 2 * cfg.seq,
+                  "experts_per_token": cfg.experts or None}
+            v, f = vfsdp.estimate(spec, **kw), vfsdp.estimate(spec, baseline="fsdp2", **kw)
+            peak = [e.memory_per_rank - e.memory["allowance"] for e in (v, f)]
+            config = f"W={world} {name} fp32"
+            m = found.get(config)
+            copy = f" ({m['added_copied_bytes_ratio']:.3f})" if m else ""
+            top = f" ({m['peak_memory_ratio']:.3f})" if m else ""
+            print(f"{config:<14} {v.copy_bytes / 2**20:>11.2f}/{f.copy_bytes / 2**20:<12.2f} "
+                  f"{v.copy_bytes / f.copy_bytes:>9.3f}{copy:<9} {peak[0] / peak[1]:>9.3f}{top}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="sections 1 and 3 only")
-    ap.add_argument("--sections", default="1,2,3,4", help="which to run, e.g. 2,3")
+    ap.add_argument("--sections", default="1,2,3,4,5", help="which to run, e.g. 2,3")
     ap.add_argument("--runs", type=int, default=1, help="calibrated steps per world size")
+    ap.add_argument("--measured", help="section 5: benchmarks/vs_fsdp2.py --json's output")
     args = ap.parse_args()
     chosen = {1, 3} if args.quick else {int(x) for x in args.sections.split(",")}
     for n, section in ((1, memory_and_bytes), (2, lambda: step_time(args.runs)),
-                       (3, planning), (4, paper)):
+                       (3, planning), (4, paper), (5, lambda: baselines(args.measured))):
         if n in chosen:
             section()
 

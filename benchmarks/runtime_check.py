@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import vfsdp  # noqa: E402
-from vfsdp.collectives import comm  # noqa: E402
-from vfsdp.collectives.comm import side_group  # noqa: E402
+import vfsdp
+from vfsdp.collectives import comm
+from vfsdp.collectives.comm import side_group
 
 
 def sync_check(device: str) -> str:

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from vfsdp.estimation import cli as estimate_cli
+from vfsdp.estimation.checks import count
 from vfsdp.planner.baselines import fsdp2_padding, megatron_padding
 from vfsdp.planner.check import check_spec, plan_stats
 from vfsdp.planner.granularity import parse_granularity
@@ -130,6 +131,13 @@ def _calibrate(args, out=None) -> int:
     import torch.distributed as dist
 
     out = out or sys.stdout
+    try:
+        for name in ("world_size", "tokens", "repeats"):
+            count("calibrate", "--" + name.replace("_", "-"), getattr(args, name))
+        estimate_cli.writable(args.out)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if dist.is_initialized() or "RANK" in os.environ:
         if not dist.is_initialized():
             dist.init_process_group()

@@ -108,7 +108,7 @@ def calibrated_step(steps: int = 15, batch: int = 4, repeats: int = 21) -> dict:
 
 
 def tp_step(dtype=None) -> dict:
-    """One TP x FSDP step (dp=2 x tp=2, Megatron's placements): vfsdp's buffers and every
+    """A steady TP x FSDP step (the second; dp=2 x tp=2, Megatron's placements): vfsdp's buffers and every
     collective measured beside the estimate of this tp index's plan, the layers' own
     all-reduces over ``tp`` included (``model_parallel="tp"``)."""
     from vfsdp.testing.models_tp import block_tp, tp_rule
@@ -126,14 +126,17 @@ def tp_step(dtype=None) -> dict:
     with BufferBytes().track(shards) as live:
         state = opt.init(shards, spec)
         live.track(state_tensors(state))
-        reset_counts()
-        io = vfsdp.gather(shards["io"], spec["io"], param_dtype=dtype, grads="buffer")
-        h = vfsdp.run_layers(lambda p, x: block_tp(p, x, cfg, mesh), shards["layers"],
-                             layer_specs, embed(io, toks), param_dtype=dtype)
-        head_loss(io, h, toks).backward()
-        del io, h
-        measured = dict(counts())
-        state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+        for _ in range(2):  # the second step is a steady one
+            reset_counts()
+            io = vfsdp.gather(shards["io"], spec["io"], param_dtype=dtype, grads="buffer")
+            h = vfsdp.run_layers(lambda p, x: block_tp(p, x, cfg, mesh), shards["layers"],
+                                 layer_specs, embed(io, toks), param_dtype=dtype)
+            head_loss(io, h, toks).backward()
+            del io, h
+            measured = dict(counts())
+            state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
+            live.track(state_tensors(state))
+            vfsdp.zero_grads(shards, spec)
     est = vfsdp.estimate(spec, hw="h100", optimizer="adamw", param_dtype=dtype,
                          rank=_shard_rank(spec), tokens_per_rank=toks.numel(),
                          model_parallel="tp",

@@ -89,7 +89,7 @@ def test_bad_input_is_refused():
         vfsdp.estimate(spec, hw="tpu9")
     with pytest.raises(ValueError, match="unknown optimizer"):
         vfsdp.estimate(spec, optimizer="sgd")
-    with pytest.raises(ValueError, match="tokens_per_rank must be at least 1"):
+    with pytest.raises(ValueError, match="tokens_per_rank must be an int >= 1"):
         vfsdp.estimate(spec, tokens_per_rank=0)
 
 
@@ -189,8 +189,8 @@ def test_a_sweep_equals_an_estimate_of_each_plan(optimizer):
         if shard is None:  # the smallest group at which the model fits, else the largest
             shards = [e.shard for s, e in rows if s == "vfsdp"]
             assert shards[:2] == [1, 2] and min(shards[2:]) > 2, shards
-            for _s, e in rows:
-                assert e.fits or e.shard == e.gpus
+            for s, e in rows:  # (FSDP2's copy-out and copy-in need more: its rows may not)
+                assert e.fits or e.shard == e.gpus or s == "fsdp2"
                 smaller = [d for d in (2, 4) if d < e.shard and e.gpus % d == 0]
                 assert all(not vfsdp.estimate(
                     vfsdp.plan(params, (e.gpus // d, d), granularity=gran), hw=hw,

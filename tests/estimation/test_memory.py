@@ -168,3 +168,17 @@ def test_units_alike_in_the_tree_are_laid_out_alike_at_any_size(tree, m, gran):
     by_layout = {k: i for i, keys in enumerate(alike_units(spec.units)) for k in keys}
     for keys in alike_members(prepare(tree, gran)):
         assert len({by_layout[k] for k in keys}) == 1, keys
+
+
+def test_tables_the_optimizer_shares_between_units_are_counted_once():
+    """8-bit AdamW's code maps are made once per optimizer: counted per unit, small units'
+    state was counted up to twice over."""
+    opt = vfsdp.optim.adamw8bit(min_8bit_numel=64)
+
+    def state(n):
+        params = {"layers": [{"w": torch.empty(32, 32, device="meta")} for _ in range(n)]}
+        return optimizer_bytes(opt, vfsdp.plan(params, 2, granularity=opt.granularity).units)
+
+    per_unit = state(2) - state(1)
+    shared = state(1) - per_unit
+    assert shared > 0 and state(4) == 4 * per_unit + shared

@@ -152,7 +152,7 @@ def test_communication_per_step_is_the_analytic_count(dp, tp):
                        "reduce_scatter": 1, "reduce_scatter_bytes": dp * s * 4,
                        "all_reduce": 1, "all_reduce_bytes": T * D * 4,
                        "shape_exchange": 1, "shape_exchange_bytes": tp * 9 * 8,
-                       "backward_marks": 2, "backward_marks_bytes": 24 + 1}
+                       "backward_marks": 2, "backward_marks_bytes": 24 + 2 * 64}
 
 
 

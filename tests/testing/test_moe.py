@@ -245,7 +245,7 @@ def test_ep_communication_per_step_is_the_analytic_count(dp, ep):
             "all_to_all": 5,
             "all_to_all_bytes": ep * 8 + s * D * 4 + s * 8 + r * D * 4 + s * D * 4,
             "shape_exchange": 4, "shape_exchange_bytes": 4 * ep * 8 * 8,
-            "backward_marks": 2, "backward_marks_bytes": 24 + 1 + len(es)}, got
+            "backward_marks": 2, "backward_marks_bytes": 24 + 2 * 64}, got
 
 
 # ---------------------------------------------------------------- skewed routing

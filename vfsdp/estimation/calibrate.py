@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from vfsdp.collectives.comm import all_gather_into, device_for
+from vfsdp.estimation.checks import count
 from vfsdp.estimation.costs import layer_cost
 from vfsdp.estimation.hardware import Hardware
 
@@ -92,7 +93,8 @@ def calibrate(layer: tuple, sizes: tuple = (2**12, 2**24),
         The :class:`Hardware` profile (write it with ``to_json``).
 
     Raises:
-        ValueError: ``sizes`` are not two increasing sizes.
+        ValueError: ``sizes`` are not two increasing sizes, or ``repeats`` is not an int
+            >= 1.
 
     Example:
         >>> from vfsdp.testing.models import example_layer
@@ -101,6 +103,7 @@ def calibrate(layer: tuple, sizes: tuple = (2**12, 2**24),
         >>> vfsdp.testing.simulate(2, body)
         [2, 2]
     """
+    count("calibrate", "repeats", repeats)
     if len(sizes) != 2 or not 0 < sizes[0] < sizes[1]:
         raise ValueError(f"calibrate: sizes must be two increasing byte counts, got {sizes!r}")
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -34,6 +34,8 @@ class LayerCost:
         recompute_bytes: Bytes its backward holds while it runs beyond those (activation
             checkpointing: the activations it recomputes).
         recompute_flops: FLOPs of the forward run again in its backward (time, not MFU).
+        attention_flops: The part of ``flops`` in attention's score and value products
+            (not matrix multiplies by a weight: what float8 matmuls leave in bf16).
 
     Example:
         >>> LayerCost(flops=6e9, activation_bytes=2**20).activation_bytes
@@ -44,6 +46,7 @@ class LayerCost:
     activation_bytes: int
     recompute_bytes: int = 0
     recompute_flops: float = 0.0
+    attention_flops: float = 0.0
 
 
 def _meta(x: Any) -> Any:
@@ -95,6 +98,14 @@ def layer_cost(fn: Callable[..., torch.Tensor], params: Any, *inputs: Any) -> La
         out.float().sum().backward()
     return LayerCost(float(counter.get_total_flops()), int(sum(saved.values())))
 
+
+# recompute -> (bytes kept per token and width, bytes held again in the backward, the share
+# of the forward's weight matmuls run again): none keeps Korthikanti et al.'s 34; full keeps
+# the layer input (2) and runs the whole forward again; torchtitan's op-level selective policy
+# saves every other weight matmul's output and attention's (about half the bytes) and runs
+# the other matmuls (half of them) again
+_RECOMPUTE = {False: (34, 0, 0.0), True: (2, 34, 1.0), "full": (2, 34, 1.0),
+              "selective": (17, 17, 0.5)}
 
 _EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
 
@@ -170,9 +181,17 @@ class Shapes:
         return cls(MappingProxyType(units), width, vocab)
 
     def costs(self, tokens: int, experts_per_token: Optional[int] = None,
-              seq: Optional[int] = None, recompute: bool = False) -> dict:
+              seq: Optional[int] = None, recompute: Any = False,
+              logits_dtype: torch.dtype = torch.float32) -> dict:
         """``{unit key: LayerCost}`` for ``tokens`` tokens per rank (see
         :func:`shape_costs`)."""
+        if not isinstance(logits_dtype, torch.dtype):
+            raise ValueError(f"estimate: logits_dtype must be a torch.dtype, got "
+                             f"{logits_dtype!r}")
+        per_logit = 2 + 2 * logits_dtype.itemsize  # bf16 logits, the loss's softmax and grad
+        if not (recompute is True or recompute is False or recompute in ("full", "selective")):
+            raise ValueError(f"estimate: recompute must be False, True, 'full' or "
+                             f"'selective', got {recompute!r}")
         if experts_per_token is None and any(row[2] for row in self.units.values()):
             raise ValueError("estimate: the model has routed experts (paths "
                              "'...experts.<i>...' or stacked '...experts...'); pass "
@@ -183,21 +202,24 @@ class Shapes:
             n = weights + (per_expert * experts_per_token if experts else 0.0)
             flops = 6 * tokens * n
             layer = isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int)
-            if layer and seq and width:
-                flops += 12 * tokens * seq * width
-            extra = flops / 3 if layer and recompute else 0.0  # the forward once more
+            attn = 12 * tokens * seq * width if layer and seq and width else 0
+            flops += attn
+            kept, again_per, share = _RECOMPUTE[recompute]
+            # the forward's weight matmuls run again (a share of them), attention if full
+            extra = share * 2 * tokens * n + (attn / 3 if share == 1.0 else 0.0) if layer \
+                else 0.0
             acts = again = 0
             if layer and width:
-                acts = tokens * width * (2 if recompute else 34)
-                again = tokens * width * 34 if recompute else 0
+                acts, again = tokens * width * kept, tokens * width * again_per
             if has_embed and vocab:
-                acts += tokens * vocab * 10
-            out[key] = LayerCost(float(flops), int(acts), int(again), extra)
+                acts += tokens * vocab * per_logit
+            out[key] = LayerCost(float(flops), int(acts), int(again), extra, float(attn))
         return out
 
 
 def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] = None,
-                seq: Optional[int] = None, recompute: bool = False) -> dict:
+                seq: Optional[int] = None, recompute: Any = False,
+                logits_dtype: torch.dtype = torch.float32) -> dict:
     """Costs from the shapes alone, per unit key, for ``tokens`` tokens per rank:
 
     * FLOPs: ``6 * tokens`` per weight of a matrix (forward 2, backward 4), routed experts'
@@ -209,21 +231,25 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
       attention that saves no score matrix), or with ``recompute`` the layer input only (2
       bytes per token and width), the 34 held again while its backward runs, and a third of
       the layer's FLOPs again (its forward, recomputed: time, not MFU); for the unit with
-      the embedding, the logits (10 bytes per token and vocabulary entry: bf16 logits, fp32
-      softmax and its gradient).
+      the embedding, the logits (bf16 logits, the loss's softmax and its gradient in
+      ``logits_dtype``: 10 bytes per token and vocabulary entry in fp32, 6 in bf16).
 
     Args:
         spec: The plan.
         tokens: Tokens per rank per step.
         experts_per_token: Routed experts per token (top-k), for a model with experts.
         seq: The sequence length (adds attention's FLOPs).
-        recompute: Activation checkpointing (only each layer's input is kept).
+        recompute: Activation checkpointing: ``True`` or ``"full"`` (only each layer's input
+            is kept), ``"selective"`` (torchtitan's op-level policy: half the bytes kept,
+            half the forward's weight matmuls run again), ``False``.
+        logits_dtype: The dtype the loss computes its softmax in.
 
     Returns:
         ``{unit key: LayerCost}``.
 
     Raises:
-        ValueError: the shapes hold routed experts and ``experts_per_token`` is not given.
+        ValueError: the shapes hold routed experts and ``experts_per_token`` is not given, or
+            ``recompute`` is none of its values.
 
     Example:
         >>> p = {"embed": torch.empty(1000, 64, device="meta"),
@@ -232,4 +258,4 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
         >>> c[("layers", 0)].flops, c[()].flops
         (245760.0, 0.0)
     """
-    return Shapes.of(spec).costs(tokens, experts_per_token, seq, recompute)
+    return Shapes.of(spec).costs(tokens, experts_per_token, seq, recompute, logits_dtype)

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Union
 
+from vfsdp.estimation.checks import count, fraction, rate
+
 __all__ = ["Hardware", "PROFILES", "hardware"]
 
 
@@ -39,6 +41,11 @@ class Hardware:
         tensor_overhead: Host seconds per tensor of a unit per step, likewise.
         source: Where the figures come from.
 
+    Raises:
+        ValueError: a rate, size or latency that is not a finite positive number (latencies
+            and overheads may be 0), an efficiency outside ``(0, 1]``, or ``gpus_per_node``
+            below 1; the message names the field.
+
     Example:
         >>> hw = hardware("h800")
         >>> hw.flops / 1e12, hw.intra_bw / 1e9, hw.inter_bw / 1e9
@@ -60,6 +67,16 @@ class Hardware:
     tensor_overhead: float = 0.0
     source: str = ""
 
+    def __post_init__(self) -> None:
+        where = f"hardware {self.name}"
+        for name in ("flops", "memory", "memory_bw", "intra_bw", "inter_bw"):
+            rate(where, name, getattr(self, name))
+        for name in ("intra_latency", "inter_latency", "unit_overhead", "tensor_overhead"):
+            rate(where, name, getattr(self, name), zero=True)
+        for name in ("compute_efficiency", "comm_efficiency"):
+            fraction(where, name, getattr(self, name))
+        count(where, "gpus_per_node", self.gpus_per_node)
+
     def to_json(self, path: str) -> None:
         """Write the profile as JSON (what :func:`hardware` reads back)."""
         with open(path, "w", encoding="utf-8") as f:
@@ -79,6 +96,12 @@ PROFILES = {p.name: p for p in [
              source="NVIDIA H100 datasheet (SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, "
                     "NVLink 900 GB/s both directions); DGX H100: one 400 Gb/s NDR NIC per "
                     "GPU. " + _ASSUMED),
+    Hardware("h100-500w", 912e12, 96 * 10**9, 2.4e12, 8, 450e9, 4e-6, 50e9, 12e-6,
+             source="torchtitan's benchmark host (pytorch/torchtitan, benchmarks/"
+                    "llama3_h100_202412_torchtitan.md: Grand Teton, 8 H100 with 96GB HBM2e at "
+                    "2.4 TB/s, 500 W power limit, NVLink, 400 Gb/s RDMA per GPU); its peak "
+                    "'between SXM and NVL' (989 and 835 TFLOP/s bf16 dense by NVIDIA's "
+                    "datasheets) taken at the midpoint. " + _ASSUMED),
     Hardware("h800", 989e12, 81559 * 2**20, 3.35e12, 8, 200e9, 4e-6, 50e9, 12e-6,
              source="NVIDIA H800 SXM5 (H100 compute, NVLink 400 GB/s both directions); "
                     "DeepSeek-V3 technical report, arXiv 2412.19437, sec. 3.2.2: 400 Gb/s IB "
@@ -99,14 +122,15 @@ def hardware(profile: Union[str, os.PathLike, Hardware]) -> Hardware:
     :class:`Hardware` itself.
 
     Args:
-        profile: ``"a100"``, ``"h100"``, ``"h800"``, ``"h200"``, ``"b200"``, a path, or a
-            profile.
+        profile: ``"a100"``, ``"h100"``, ``"h100-500w"``, ``"h800"``, ``"h200"``,
+            ``"b200"``, a path, or a profile.
 
     Returns:
         The :class:`Hardware`.
 
     Raises:
-        ValueError: an unknown name, or a file that is not a profile.
+        ValueError: an unknown name, a file that is not a profile, or a profile with a rate
+            that is not a positive number (naming the field).
 
     Example:
         >>> hardware("b200").memory // 2**30
@@ -128,4 +152,8 @@ def hardware(profile: Union[str, os.PathLike, Hardware]) -> Hardware:
             or set(data) - fields:
         raise ValueError(f"hardware: {name} is not a profile (fields {sorted(fields)}); write "
                          f"one with 'python -m vfsdp calibrate --out {name}'")
-    return Hardware(**data)
+    try:
+        return Hardware(**data)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: {exc}; fix the profile or write it again with 'python -m "
+                         f"vfsdp calibrate --out {name}'") from None

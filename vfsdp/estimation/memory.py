@@ -214,14 +214,23 @@ def optimizer_bytes(opt: Any, units: Mapping[Any, UnitLayout], rank: int = 0,
     same state), times its count. An optimizer whose state is local
     (``opt.local_state``) is run over only the tensors with a piece on the rank (the same
     count: tested), which a rank of a large shard group holds few of. ``alike``: the
-    distinct units as lists of keys, where the caller has them (:func:`alike_units`)."""
-    total = 0
+    distinct units as lists of keys, where the caller has them (:func:`alike_units`). What
+    the optimizer makes once and shares between units (8-bit AdamW's code maps: the same
+    storages from a second ``init`` of the first unit) is counted once."""
+    total, shared = 0, None
     for keys in alike if alike is not None else alike_units(units):
         u = units[keys[0]]
         if u.paths:
             r = min(rank, u.world_size - 1)
-            part = _on_rank(u, r) if getattr(opt, "local_state", False) else u
-            total += len(keys) * _unit_state_bytes(opt, _sub_spec(part, replicas), r)
+            part = _sub_spec(_on_rank(u, r) if getattr(opt, "local_state", False) else u,
+                             replicas)
+            state, sizes = _unit_state_bytes(opt, part, r)
+            if shared is None:  # both inits alive: a storage in both is the optimizer's own
+                again = _unit_state_bytes(opt, part, r)[1]
+                shared = {sid: n for sid, n in sizes.items() if sid in again}
+                total += sum(shared.values())
+            total += len(keys) * sum(n for sid, n in sizes.items() if sid not in shared)
+            del state
     return total
 
 
@@ -279,7 +288,9 @@ def _sub_spec(u: UnitLayout, replicas: int) -> ShardSpec:
     return ShardSpec(treespec, ordered, {u.key: u}, mesh)
 
 
-def _unit_state_bytes(opt: Any, spec: ShardSpec, rank: int) -> int:
+def _unit_state_bytes(opt: Any, spec: ShardSpec, rank: int) -> tuple:
+    """``(state, {storage id: bytes})``: the optimizer's state of ``spec`` on ``rank`` (meta
+    shards), and its storages but the parameters'."""
     leaves: list = [None] * spec.treespec.num_leaves
     with torch.no_grad():
         for key, members in spec.unit_leaves().items():
@@ -294,14 +305,15 @@ def _unit_state_bytes(opt: Any, spec: ShardSpec, rank: int) -> int:
                 leaves[i] = views[k]
     shards = optree.tree_unflatten(spec.treespec, leaves)
     state = opt.init(shards, spec)
-    return _state_bytes(state, {storage_id(x) for x in leaves if isinstance(x, torch.Tensor)})
+    return state, _state_bytes(state, {storage_id(x) for x in leaves
+                                       if isinstance(x, torch.Tensor)})
 
 
-def _state_bytes(state: Any, skip: set) -> int:
-    total, seen = 0, set(skip)
+def _state_bytes(state: Any, skip: set) -> dict:
+    """``{storage id: bytes}`` of the state's tensors, but ``skip``'s."""
+    out: dict = {}
     for x in state_tensors(state):
         sid = storage_id(x)
-        if sid not in seen:
-            seen.add(sid)
-            total += x.untyped_storage().nbytes()
-    return total
+        if sid not in skip and sid not in out:
+            out[sid] = x.untyped_storage().nbytes()
+    return out

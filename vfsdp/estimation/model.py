@@ -8,6 +8,7 @@ from typing import Any, Optional, Union
 import optree
 import torch
 
+from vfsdp.estimation.checks import count
 from vfsdp.estimation.costs import LayerCost
 from vfsdp.estimation.hardware import Hardware
 from vfsdp.estimation.predict import Estimate, GiB, PlanSummary, predict
@@ -54,7 +55,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
              comm_library_bytes: int = 2 * GiB, rank: Optional[int] = None,
              baseline: Optional[str] = None, model_parallel: Optional[str] = None,
              layers: Optional[list] = None, experts: Optional[ShardSpec] = None,
-             ep: Optional[int] = None) -> Estimate:
+             ep: Optional[int] = None, micro_batches: int = 1, grad_sync: bool = True,
+             float8: bool = False, logits_dtype: torch.dtype = torch.float32) -> Estimate:
     """Predict one training step of ``spec`` on ``hw`` (see ``docs/estimate.md``).
 
     Args:
@@ -65,23 +67,29 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         reduce_dtype: The reduce-scatter dtype (default: ``param_dtype``).
         prefetch: As ``run_layers``'.
         reshard_after_forward: As ``run_layers``'.
-        tokens_per_rank: Tokens each rank processes per step.
+        tokens_per_rank: Tokens each rank processes per step (over all its micro-batches).
         costs: Per unit key (or key prefix, such as ``("layers",)``) its
             :class:`LayerCost` for ``tokens_per_rank`` tokens (from :func:`layer_cost`);
             default: from the shapes (:func:`shape_costs`).
         experts_per_token: Routed experts per token, for the shapes' default costs of a
             model with ``experts``.
         seq: Sequence length, for the attention FLOPs of the default costs.
-        recompute: The default costs keep only each layer's input (activation
-            checkpointing).
+        recompute: Activation checkpointing for the default costs: ``True`` or ``"full"``
+            (only each layer's input is kept, the forward runs again), ``"selective"``
+            (torchtitan's op-level policy: half the bytes kept, half the forward's weight
+            matmuls run again) or ``False``.
         allocator_fraction: The caching allocator's allowance, a fraction of the rest.
         comm_library_bytes: The communication library's own buffers.
         rank: The shard rank whose optimizer state is counted (default: the larger of the
             first and the last rank's; they differ where whole tiles or matrices sit on
             one rank).
         baseline: ``"fsdp2"`` or ``"megatron"``: the same step with that system's sharding
-            rule and padding (:func:`~vfsdp.estimation.memory.baseline_sizes`), and none of
-            its copy-in/copy-out or per-parameter allocations (a bound in its favour).
+            rule and padding (:func:`~vfsdp.estimation.memory.baseline_sizes`); FSDP2's
+            copies too (copy-in and copy-out around each all-gather, and around each
+            reduce-scatter: ``Estimate.copy_bytes``, their time on the compute lane, and
+            the copy-out and reduce-scatter input beside the gathered unit and its gradients
+            at the peak), its regather of the last layer; Megatron-FSDP's flat buffers copy
+            what vfsdp's do. Their allocators' behaviour is not modelled.
         model_parallel: ``"tp"`` for a ``tp=`` plan of Megatron-style layers: each layer
             all-reduces its activations (``tokens_per_rank`` x the embedding's width, in the
             compute dtype) twice forward and twice backward over the model axis, on the
@@ -97,17 +105,29 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             in all-to-alls (two forward, two backward, two more with ``recompute``), on the
             compute lane.
         ep: The expert group's size, where ``experts`` has no ``"ep"`` axis of its own.
+        micro_batches: Micro-batches per step (gradient accumulation), which split
+            ``tokens_per_rank``: each gathers the units again; activations are one's.
+        grad_sync: With ``micro_batches``, whether each reduces its gradients (FSDP's
+            default); ``False``: only the last does, and every unit's whole gradient is held
+            in the reduce dtype across them (as ``grad_sync=False`` does in vfsdp).
+        float8: Float8 weight matmuls (twice the bf16 rate; attention stays in bf16) and
+            float8 all-gathers (one byte per weight crosses the links).
+        logits_dtype: The dtype the loss's softmax and its gradient are in (the default
+            costs' logits: 10 bytes per token and vocabulary entry in fp32, 6 in bf16).
 
     Returns:
         An :class:`Estimate`.
 
     Raises:
         ValueError: an unknown profile or optimizer, a model with experts and no
-            ``experts_per_token``, ``tokens_per_rank`` below 1, an unknown baseline, or
+            ``experts_per_token``, ``tokens_per_rank``, ``experts_per_token``, ``seq`` or
+            ``ep`` not an int >= 1, a negative ``allocator_fraction`` or
+            ``comm_library_bytes``, a ``rank`` outside the plan, ``micro_batches`` that do
+            not divide ``tokens_per_rank``, an unknown baseline, or
             ``model_parallel="tp"`` for a plan without a model axis, ``layers`` naming
             a unit the plan does not have, or experts that do not fit the model's GPUs or
             layers.
-        TypeError: ``experts`` is not a :class:`ShardSpec`.
+        TypeError: ``spec`` or ``experts`` is not a :class:`ShardSpec`.
 
     Example:
         >>> params = {"layers": [{"w": torch.empty(4096, 4096, device="meta")}
@@ -116,8 +136,13 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         >>> est.fits, est.gpus, est.comm_bytes["all_gather"] > 0
         (True, 64, True)
     """
-    if tokens_per_rank < 1:
-        raise ValueError(f"estimate: tokens_per_rank must be at least 1, got {tokens_per_rank}")
+    if not isinstance(spec, ShardSpec):
+        raise TypeError(f"estimate: spec must be a ShardSpec (vfsdp.plan's), got "
+                        f"{type(spec).__name__}")
+    count("estimate", "tokens_per_rank", tokens_per_rank)
+    count("estimate", "rank", rank, least=0, optional=True)
+    if rank is not None and rank >= spec.world_size:
+        raise ValueError(f"estimate: rank={rank} is not a rank of the plan's {spec.world_size}")
     model = PlanSummary.of(spec, optimizer_for(optimizer, spec), rank)
     if experts is not None and not isinstance(experts, ShardSpec):
         raise TypeError(f"estimate: experts= takes the experts' ShardSpec, got "
@@ -129,4 +154,5 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
                    costs=costs, experts_per_token=experts_per_token, seq=seq,
                    recompute=recompute, allocator_fraction=allocator_fraction,
                    comm_library_bytes=comm_library_bytes, baseline=baseline,
-                   model_parallel=model_parallel, layers=layers)
+                   model_parallel=model_parallel, layers=layers, micro_batches=micro_batches,
+                   grad_sync=grad_sync, float8=float8, logits_dtype=logits_dtype)

@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from vfsdp.estimation.checks import count, rate
 from vfsdp.estimation.costs import LayerCost, Shapes
 from vfsdp.estimation.hardware import Hardware, hardware
 from vfsdp.estimation.memory import (
@@ -68,6 +69,14 @@ class Estimate:
             counted).
         tokens_per_rank: The tokens each rank processes per step.
         ep: The expert-parallel group's size (1 without experts).
+        copy_bytes: Bytes the system copies outside its collectives per step: vfsdp (and
+            Megatron-FSDP, whose buffers are flat too) each gradient into its reduce-scatter
+            buffer, and each shard cast to the compute dtype; FSDP2 also each all-gather's
+            input out of the parameters (copy-in) and its output into them (copy-out), and
+            the reduce-scatter's output into the gradients.
+        copy_s: Seconds of those copies (read and write at the memory bandwidth, on the
+            compute lane): ``step_s`` is ``compute_s + copy_s + exposed_comm_s +
+            optimizer_s``.
 
     Example:
         >>> spec = vfsdp.plan({"w": torch.empty(1024, 1024, device="meta")}, 8)
@@ -93,13 +102,15 @@ class Estimate:
     mfu: float
     tokens_per_rank: int = 0
     ep: int = 1
+    copy_bytes: int = 0
+    copy_s: float = 0.0
 
     def record(self) -> dict:
         """One flat JSON record (``--json``)."""
         out = {k: getattr(self, k) for k in (
             "gpus", "shard", "replicas", "hw", "memory_per_rank", "fits", "step_s",
             "compute_s", "exposed_comm_s", "optimizer_s", "tokens_per_s", "mfu",
-            "tokens_per_rank", "ep", "peak_at")}
+            "tokens_per_rank", "ep", "peak_at", "copy_bytes", "copy_s")}
         out.update({f"memory_{k}": v for k, v in self.memory.items()})
         out.update({f"bytes_{k}": v for k, v in self.comm_bytes.items()})
         return out
@@ -154,12 +165,23 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optio
             experts_per_token: Optional[int] = None, seq: Optional[int] = None,
             recompute: bool = False, allocator_fraction: float = 0.05,
             comm_library_bytes: int = 2 * GiB, baseline: Optional[str] = None,
-            model_parallel: Optional[str] = None, layers: Optional[list] = None) -> Estimate:
+            model_parallel: Optional[str] = None, layers: Optional[list] = None,
+            micro_batches: int = 1, grad_sync: bool = True, float8: bool = False,
+            logits_dtype: torch.dtype = torch.float32) -> Estimate:
     """:func:`~vfsdp.estimation.estimate` from the :class:`PlanSummary` s it reads: the model's (or,
     with expert parallelism, the rest's) and the experts'; ``muon``: add Newton-Schulz's
     FLOPs. The other arguments are :func:`~vfsdp.estimation.estimate`'s."""
-    if tokens_per_rank < 1:
-        raise ValueError(f"estimate: tokens_per_rank must be at least 1, got {tokens_per_rank}")
+    _check(tokens_per_rank, experts_per_token, seq, ep, allocator_fraction, comm_library_bytes,
+           param_dtype, reduce_dtype, recompute)
+    count("estimate", "micro_batches", micro_batches)
+    if tokens_per_rank % micro_batches:
+        raise ValueError(f"estimate: micro_batches={micro_batches} does not divide "
+                         f"tokens_per_rank={tokens_per_rank}; pass the step's tokens, a multiple")
+    for name, flag in (("grad_sync", grad_sync), ("float8", float8)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"estimate: {name} must be True or False, got {flag!r}")
+    steps, total_tokens = micro_batches, tokens_per_rank
+    tokens_per_rank //= micro_batches  # what one micro-batch runs
     prof = hardware(hw)
     parts = [model] if experts is None else [model, experts]
     layers, rest = split_units(model.units, layers)
@@ -170,12 +192,16 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optio
     ep, ep_link = _expert_group(model, experts, ep, gpus, prof)
     rate = prof.flops * prof.compute_efficiency
     comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0,
-            # the backward's agreement: 3 int64 and a byte per differentiable gather
-            "backward_marks": 24 + sum(map(len, (p.units for p in parts))) if m * r > 1 else 0}
-    per_unit = _costs(parts, costs, tokens_per_rank, experts_per_token, seq, recompute)
+            # the backward's agreement: 3 int64, and two bytes (runs, alive) per place of a
+            # window from the oldest gather the previous pass found awaiting (in a steady
+            # step, its own and the last's), rounded up to a power of two, at least 64
+            "backward_marks": 24 + 2 * _marks_window(2 * sum(map(len, (p.units for p in parts))))
+            if m * r > 1 else 0}
+    per_unit = _costs(parts, costs, tokens_per_rank, experts_per_token, seq, recompute,
+                      logits_dtype)
     by_key: dict = {}  # unit key -> its UnitBytes, the experts' added to their layer's
     times: dict = {}  # unit key -> [gather s, reduce s, host s]
-    shards = state = grads = 0
+    shards = state = grads = copies = 0
     for p in parts:
         pm, pr = p.mesh_shape[-1], math.prod(p.mesh_shape[:-1])
         sizes = baseline_sizes(p.units, baseline) if baseline else None
@@ -193,16 +219,29 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optio
                 raise ValueError(f"estimate: the experts' unit {u.key!r} is no unit of the "
                                  f"model's plan; key the experts by the layers they belong to "
                                  f"(plan them as a tree of the same paths)")
-            again = u.key in layers and reshard_after_forward and u.key != layers[-1]
-            comm["all_gather"] += u.gathered * (2 if again else 1)
+            again = u.key in layers and reshard_after_forward and (
+                u.key != layers[-1] or baseline == "fsdp2")  # FSDP2 regathers the last too
+            gathers = 2 if again else 1
+            comm["all_gather"] += u.gathered * gathers
+            cast = u.gathered // pm if param_dtype not in (None, p.units[u.key].dtype) else 0
+            fwd_copy, bwd_copy = cast, (gathers - 1) * cast + u.reduce_in
+            if baseline == "fsdp2":  # copy-in and copy-out per gather, reduce-scatter copy-out
+                fwd_copy += u.gathered // pm * (not cast) + u.gathered
+                bwd_copy += (gathers - 1) * (u.gathered // pm * (not cast) + u.gathered) + \
+                    u.grad_shard
+            copies += fwd_copy + bwd_copy
             comm["reduce_scatter"] += u.reduce_in
             red = ring(pm, u.reduce_in / pm, shard_link)
             if pr > 1:
                 shard_grad = u.reduce_in // pm
                 comm["all_reduce"] += shard_grad
                 red += 2 * ring(pr, shard_grad / pr, rep_link)
-            t = times.setdefault(u.key, [0.0, 0.0, 0.0])
-            t[0] += ring(pm, u.gathered / pm, shard_link)
+            t = times.setdefault(u.key, [0.0, 0.0, 0.0, 0.0, 0.0])
+            t[3] += 2 * fwd_copy / prof.memory_bw  # read and write, on the compute lane
+            t[4] += 2 * bwd_copy / prof.memory_bw
+            # float8 all-gathers: the weights cross in one byte, not the compute dtype's
+            t[0] += ring(pm, u.gathered / pm / (_itemsize(param_dtype, p) if float8 else 1),
+                         shard_link)
             t[1] += red
             # the host's own work per unit and step, on the compute lane
             t[2] += prof.unit_overhead + prof.tensor_overhead * len(p.units[u.key].paths)
@@ -211,17 +250,25 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optio
     events = timeline(ub, layers, prefetch, reshard_after_forward,
                       {k: c.activation_bytes for k, c in per_unit.items()},
                       {k: c.recompute_bytes for k, c in per_unit.items()})
-    top, at, kinds = peak(shards + state, events)
+    held = 0 if grad_sync or steps == 1 else sum(u.reduce_in for u in ub)
+    top, at, kinds = peak(shards + state + held, events)  # no sync: whole gradients held
+    kinds["gradients"] += held
+    if baseline == "fsdp2" and ub:  # copy-out beside the all-gather's output, and the
+        extra = max(u.gathered for u in ub) + max(u.reduce_in for u in ub)  # RS copy-in
+        top, kinds["buffers"] = top + extra, kinds["buffers"] + extra
     allowance = int(allocator_fraction * top) + int(comm_library_bytes)
     memory = {"params": shards, "gradients": kinds["gradients"], "optimizer": state,
               "buffers": kinds["buffers"], "activations": kinds["activations"],
               "allowance": allowance}
     total = sum(memory.values())
     lanes = {}
-    for key, (gather, reduce, host) in times.items():
-        flops = per_unit[key].flops + per_unit[key].recompute_flops
-        lanes[key] = (gather, flops / 3 / rate + host / 3, 2 * flops / 3 / rate + 2 * host / 3,
-                      reduce)
+    for key, (gather, reduce, host, fwd_copy, bwd_copy) in times.items():
+        c = per_unit[key]
+        flops = c.flops + c.recompute_flops
+        if float8:  # the weight matmuls on float8 tensor cores, twice the rate; attention not
+            flops = c.attention_flops + (flops - c.attention_flops) / 2
+        lanes[key] = (gather, flops / 3 / rate + host / 3 + fwd_copy,
+                      2 * flops / 3 / rate + 2 * host / 3 + bwd_copy, reduce)
     act_dtype = param_dtype or next(iter(model.units.values())).dtype
     act = tokens_per_rank * model.shapes.width * act_dtype.itemsize
     exposed = 0.0  # on the compute lane: the model axis's all-reduces, the experts' all-to-alls
@@ -249,14 +296,48 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optio
     opt_s += sum(_muon_flops(p.units, p.mesh_shape[-1]) for p in parts) / rate if muon else 0.0
     sched = step_schedule([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s, prefetch,
                           reshard_after_forward)
-    model_flops = sum(c.flops for c in per_unit.values())
+    step, exposed = sched.step, exposed * steps
+    if steps > 1:  # the micro-batches before the last: reduced each (grad_sync) or not at all
+        mid = lanes if grad_sync else {k: (g, f, b, 0.0) for k, (g, f, b, _) in lanes.items()}
+        one = step_schedule([mid[k] for k in rest], [mid[k] for k in layers], 0.0, prefetch,
+                            reshard_after_forward)
+        step += (steps - 1) * one.step
+        for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+            again = steps if grad_sync or kind in ("all_gather", "all_to_all") else 1
+            comm[kind] *= again
+    model_flops = steps * sum(c.flops for c in per_unit.values())
     name = prof.name if baseline is None else f"{prof.name}, {baseline} sharding"
-    step = sched.step
+    compute = steps * sched.compute
+    copy_s = steps * sum(t[3] + t[4] for t in times.values())
     return Estimate(gpus, m, r, name, memory, total, total <= prof.memory, at, comm,
-                    step, sched.compute - exposed, max(sched.exposed + exposed, 0.0),
+                    step, compute - exposed - copy_s,
+                    max(step - compute - sched.optimizer + exposed, 0.0),
                     sched.optimizer,
-                    gpus * tokens_per_rank / step if step else 0.0,
-                    model_flops / step / prof.flops if step else 0.0, tokens_per_rank, ep)
+                    gpus * total_tokens / step if step else 0.0,
+                    model_flops / step / prof.flops if step else 0.0, total_tokens, ep,
+                    copies * steps, copy_s)
+
+
+def _itemsize(dtype: Optional[torch.dtype], part: PlanSummary) -> int:
+    """Bytes per element of the gathered weights: ``dtype``'s, else the shards'."""
+    return (dtype or next(iter(part.units.values())).dtype).itemsize
+
+
+def _check(tokens, top_k, seq, ep, allocator_fraction, library, param_dtype, reduce_dtype,
+           recompute) -> None:
+    """Refuse what no step can be: each argument named (see :mod:`vfsdp.estimation.checks`)."""
+    count("estimate", "tokens_per_rank", tokens)
+    count("estimate", "experts_per_token", top_k, optional=True)
+    count("estimate", "seq", seq, optional=True)
+    count("estimate", "ep", ep, optional=True)
+    rate("estimate", "allocator_fraction", allocator_fraction, zero=True)
+    rate("estimate", "comm_library_bytes", library, zero=True)
+    for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"estimate: {name} must be a torch.dtype or None, got {dtype!r}")
+    if not (recompute is True or recompute is False or recompute in ("full", "selective")):
+        raise ValueError(f"estimate: recompute must be False, True, 'full' or 'selective', "
+                         f"got {recompute!r}")
 
 
 def _expert_group(model: PlanSummary, experts: Optional[PlanSummary], ep: Optional[int], gpus: int,
@@ -291,13 +372,14 @@ def _add(lanes: dict, key: Any, forward: float, backward: float) -> float:
     return forward + backward
 
 
-def _costs(parts, costs, tokens, experts_per_token, seq, recompute) -> dict:
+def _costs(parts, costs, tokens, experts_per_token, seq, recompute, logits_dtype) -> dict:
     """Per unit key of the model its cost: ``costs`` (a key, or a prefix of one such as
     ``("layers",)``; ``()`` only names the root unit itself), else the shape rules' over
     every part (the experts' added to their layer's)."""
     out: dict = {}
     for p in parts:
-        for key, c in p.shapes.costs(tokens, experts_per_token, seq, recompute).items():
+        for key, c in p.shapes.costs(tokens, experts_per_token, seq, recompute,
+                                     logits_dtype).items():
             if key in out:
                 c = LayerCost(out[key].flops + c.flops, out[key].activation_bytes +
                               c.activation_bytes, out[key].recompute_bytes +
@@ -329,3 +411,8 @@ def _sum_bytes(a: UnitBytes, b: UnitBytes) -> UnitBytes:
 
 
 _BYTES = fields(UnitBytes)[1:]  # the byte counts, after the key
+
+
+def _marks_window(places: int) -> int:
+    """The backward agreement's window for ``places`` gathers (as the runtime rounds it)."""
+    return max(64, 1 << max(places - 1, 0).bit_length())

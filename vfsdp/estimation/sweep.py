@@ -25,6 +25,7 @@ from typing import Any, Optional, Union
 import optree
 
 from vfsdp._gc import paused_gc
+from vfsdp.estimation import checks
 from vfsdp.estimation.costs import Shapes
 from vfsdp.estimation.hardware import Hardware, hardware
 from vfsdp.estimation.memory import alike_members, optimizer_bytes
@@ -142,8 +143,10 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
         ``[(system, Estimate), ...]``: per count, ``"vfsdp"`` then each of ``vs``.
 
     Raises:
-        ValueError: a count below 1 or that ``ep`` does not divide, a ``shard`` that does
-            not divide a count, both ``tokens_per_gpu`` and ``global_tokens``, and
+        ValueError: no count, a count below 1 or that ``ep`` does not divide, a ``shard``,
+            ``ep``, ``tokens_per_gpu`` or ``global_tokens`` not an int >= 1, a ``shard``
+            that does not divide a count, both ``tokens_per_gpu`` and ``global_tokens``,
+            fewer ``global_tokens`` than GPUs, a ``vs`` other than fsdp2/megatron, and
             :func:`~vfsdp.estimation.estimate`'s errors.
         TypeError: ``rank=`` or ``baseline=`` (estimate's own).
 
@@ -157,11 +160,25 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
     if tokens_per_gpu is not None and global_tokens is not None:
         raise ValueError("sweep: give tokens_per_gpu (weak scaling) or global_tokens (strong "
                          "scaling), not both")
-    if not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"sweep: ep must be an int >= 1, got {ep!r}")
-    if any(not isinstance(g, int) or g < 1 or g % ep for g in gpus):
+    checks.count("sweep", "ep", ep)
+    checks.count("sweep", "shard", shard, optional=True)
+    checks.count("sweep", "tokens_per_gpu", tokens_per_gpu, optional=True)
+    checks.count("sweep", "global_tokens", global_tokens, optional=True)
+    if not isinstance(gpus, (list, tuple, range)):
+        raise ValueError(f"sweep: gpus takes a list of GPU counts, got {gpus!r}; pass e.g. "
+                         f"[8, 64]")
+    gpus = list(gpus)
+    if not gpus:
+        raise ValueError("sweep: gpus is empty; pass at least one GPU count, e.g. [8, 64]")
+    if any(isinstance(g, bool) or not isinstance(g, int) or g < 1 or g % ep for g in gpus):
         raise ValueError(f"sweep: GPU counts must be ints >= 1 that ep={ep} divides, got "
                          f"{list(gpus)}")
+    if global_tokens is not None and global_tokens < max(gpus):
+        raise ValueError(f"sweep: global_tokens={global_tokens} gives no token to some of "
+                         f"{max(gpus)} GPUs; pass at least one token per GPU")
+    unknown = [s for s in vs if s not in ("fsdp2", "megatron")]
+    if unknown:
+        raise ValueError(f"sweep: vs names {unknown}; pass 'fsdp2' and/or 'megatron'")
     for key in ("rank", "baseline"):
         if key in options:
             raise TypeError(f"sweep: {key}= is estimate()'s; a sweep takes the larger of the "
@@ -221,8 +238,7 @@ class _Sweep:
     def rows(self, gpus, shard, tokens_per_gpu, global_tokens, vs, options) -> list:
         out = []
         for count in gpus:
-            tokens = max(tokens_per_gpu or (global_tokens // count if global_tokens else 4096),
-                         1)
+            tokens = tokens_per_gpu or (global_tokens // count if global_tokens else 4096)
             best = None  # the estimate at m, where the search made it
             if shard is not None:
                 m = min(shard, count)

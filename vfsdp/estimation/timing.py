@@ -3,8 +3,11 @@ compute by the schedule ``run_layers`` runs, and the optimizer from the bytes it
 
 A ring collective over ``n`` ranks moving ``b`` bytes per rank per step takes
 ``(n - 1) * (latency + b / bandwidth)``. The bandwidth and latency are the intra-node link's
-when the group's ranks share a node, else the inter-node link's (a ring across nodes is as fast
-as its slowest hop). A model axis (TP) takes consecutive ranks, the shard group strides over
+when the group's ranks share a node. A shard group of consecutive ranks over whole nodes runs
+on the node's rails: NCCL gives each NIC its own channel, so the ring's node hops move through
+every NIC of the node together (``gpus_per_node`` NICs' bandwidth, at most NVLink's). A strided
+group (the replicas, or the shard group outside a model axis) has one NIC per ring, and so do
+the experts' all-to-alls across nodes. A model axis (TP) takes consecutive ranks, the shard group strides over
 it and the replicate group (HSDP) over both. An all-reduce is a reduce-scatter plus an
 all-gather.
 
@@ -44,7 +47,10 @@ def links(hw: Hardware, shard: int, replicas: int, model: int = 1) -> tuple:
     intra = Link(hw.intra_bw * hw.comm_efficiency, hw.intra_latency)
     inter = Link(hw.inter_bw * hw.comm_efficiency, hw.inter_latency)
     node = hw.gpus_per_node
-    return (intra if shard * model <= node else inter,
+    # a ring over whole nodes of consecutive ranks: NCCL runs a channel per NIC (rail), so
+    # each node's hop moves through all its NICs at once, up to the NVLink rate
+    rails = Link(min(hw.intra_bw, hw.inter_bw * node) * hw.comm_efficiency, hw.inter_latency)
+    return (intra if shard * model <= node else rails if model == 1 else inter,
             intra if shard * replicas * model <= node else inter,
             intra if model <= node else inter)
 

@@ -1,0 +1,138 @@
+"""Published FSDP training measurements against ``vfsdp.estimation.sweep``'s projection.
+
+``python benchmarks/published.py [--json OUT]`` reads ``benchmarks/published/rows.json`` (each
+row: its source, repository, commit, path, table and the row's text, the hardware, model,
+GPUs, micro-batch, accumulation, sequence, precision, checkpointing and the measured
+tokens/s per GPU and memory), runs each through the estimator with the settings the source
+states and nothing else (one profile per node type, no per-row constant), and prints
+predicted against measured, then the share of rows within +-15 % on tokens/s per GPU (bf16
+and float8 apart) and within +-10 % on memory (what the source measured: torchtitan's pages
+log the caching allocator's peak reserved bytes).
+
+The models' shapes come from their configurations (``MODELS``: torchtitan's Llama 3.1 8B,
+llm-foundry's MPT yamls); a shape list names the embedding ``embed`` so the shape rules find
+the width and vocabulary (MPT's tied output head is not counted in FLOPs: about 3 % of
+MPT-7B's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from vfsdp.estimation import sweep
+from vfsdp.planner.abstract import ShapeDtype
+
+ROWS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published", "rows.json")
+GiB = 2**30
+
+
+def llama(layers: int, d: int, ffn: int, heads: int, kv: int, vocab: int) -> dict:
+    """A LLaMA-3 tree (torchtitan's names), fp32 master weights."""
+    f32 = torch.float32
+    kvd = d // heads * kv
+
+    def block() -> dict:
+        return {"attention_norm": ShapeDtype((d,), f32), "ffn_norm": ShapeDtype((d,), f32),
+                "attention": {"wq": ShapeDtype((d, d), f32), "wk": ShapeDtype((kvd, d), f32),
+                              "wv": ShapeDtype((kvd, d), f32), "wo": ShapeDtype((d, d), f32)},
+                "feed_forward": {"w1": ShapeDtype((ffn, d), f32),
+                                 "w2": ShapeDtype((d, ffn), f32),
+                                 "w3": ShapeDtype((ffn, d), f32)}}
+
+    return {"tok_embed": ShapeDtype((vocab, d), f32), "layers": [block() for _ in range(layers)],
+            "norm": ShapeDtype((d,), f32), "output": ShapeDtype((vocab, d), f32)}
+
+
+def mpt(layers: int, d: int, seq: int, vocab: int = 50368) -> dict:
+    """An MPT tree (llm-foundry's: biases, learned positions, tied head), fp32 master."""
+    f32 = torch.float32
+
+    def w(*shape):
+        return ShapeDtype(shape, f32)
+
+    def block() -> dict:
+        return {"norm_1": {"weight": w(d), "bias": w(d)}, "norm_2": {"weight": w(d), "bias": w(d)},
+                "attn": {"Wqkv": {"weight": w(3 * d, d), "bias": w(3 * d)},
+                         "out_proj": {"weight": w(d, d), "bias": w(d)}},
+                "ffn": {"up_proj": {"weight": w(4 * d, d), "bias": w(4 * d)},
+                        "down_proj": {"weight": w(d, 4 * d), "bias": w(d)}}}
+
+    return {"embed": w(vocab, d), "pos_embed": w(seq, d), "layers": [block() for _ in range(layers)],
+            "norm_f": {"weight": w(d), "bias": w(d)}}
+
+
+MODELS = {
+    "llama3-8b": lambda seq: llama(32, 4096, 14336, 32, 8, 128256),
+    "mpt-7b": lambda seq: mpt(32, 4096, seq),
+    "mpt-13b": lambda seq: mpt(40, 5120, seq),
+    "mpt-30b": lambda seq: mpt(48, 7168, seq),
+    "mpt-70b": lambda seq: mpt(80, 8192, seq),
+}
+PROFILES = {"h100-500w": "h100-500w", "h100": "h100", "h200": "h200", "a100": "a100",
+            "a100-roce": "a100"}
+
+
+def predict(row: dict):
+    """The estimate of one row, from the settings its source states."""
+    tree = MODELS[row["model"]](row["seq"])
+    tokens = row["micro_batch"] * row["seq"] * row["grad_accum"]
+    (_, est), = sweep(tree, [row["gpus"]], hw=PROFILES[row["hw"]], shard=row["shard"],
+                      tokens_per_gpu=tokens, micro_batches=row["grad_accum"], seq=row["seq"],
+                      recompute=row["recompute"], float8=row["precision"] == "float8",
+                      param_dtype=torch.bfloat16,
+                      reduce_dtype=torch.float32 if row["reduce"] == "fp32" else torch.bfloat16)
+    return est
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write predicted and measured per row here")
+    args = ap.parse_args(argv)
+    with open(ROWS, encoding="utf-8") as f:
+        rows = json.load(f)["rows"]
+    t0 = time.perf_counter()
+    out, bands = [], {"bf16": [], "float8": [], "memory": []}
+    print(f"{'row':<24} {'hw':<9} {'gpus':>5} {'prec':<6} {'ckpt':<9} {'comp':<4} "
+          f"{'tok/s meas':>10} {'pred':>8} {'ratio':>6}  {'GiB meas':>8} {'pred':>7} {'ratio':>6}")
+    for row in rows:
+        est = predict(row)
+        tps = est.tokens_per_s / est.gpus
+        ratio = tps / row["tokens_per_s_per_gpu"]
+        bands[row["precision"]].append(ratio)
+        mem = mem_ratio = None
+        if row["memory_gib"] is not None:
+            mem = est.memory_per_rank / GiB
+            mem_ratio = mem / row["memory_gib"]
+            bands["memory"].append(mem_ratio)
+        out.append({"id": row["id"], "measured_tps": row["tokens_per_s_per_gpu"],
+                    "predicted_tps": tps, "measured_gib": row["memory_gib"],
+                    "predicted_gib": mem, "memory_kind": row["memory_kind"]})
+        mem_text = f"{row['memory_gib']:>8.1f} {mem:>7.1f} {mem_ratio:>6.2f}" if mem else ""
+        print(f"{row['id']:<24} {row['hw']:<9} {row['gpus']:>5} {row['precision']:<6} "
+              f"{row['recompute']!s:<9} {'yes' if row['compile'] else 'no':<4} "
+              f"{row['tokens_per_s_per_gpu']:>10,} {tps:>8,.0f} {ratio:>6.2f}  {mem_text}")
+    print(f"\n{len(rows)} rows from {len({r['project'] for r in rows})} projects, estimated in "
+          f"{time.perf_counter() - t0:.1f} s")
+    for kind, band in (("bf16", 0.15), ("float8", 0.15), ("memory", 0.10)):
+        got = bands[kind]
+        if got:
+            inside = sum(abs(r - 1) <= band for r in got)
+            print(f"{kind + (' tokens/s' if kind != 'memory' else ''):<16} within +-{band:.0%}: "
+                  f"{inside} of {len(got)} ({inside / len(got):.0%}); predicted/measured "
+                  f"{min(got):.2f}-{max(got):.2f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

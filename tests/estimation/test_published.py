@@ -1,0 +1,43 @@
+"""benchmarks/published: every row carries its citation and the figure it quotes, and the
+comparison runs."""
+
+import importlib.util
+import json
+import os
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+FIELDS = {"id", "project", "repo", "commit", "path", "table", "quote", "hw", "model", "gpus",
+          "shard", "micro_batch", "grad_accum", "seq", "precision", "compile", "recompute",
+          "reduce", "tokens_per_s_per_gpu", "memory_gib", "memory_kind", "notes"}
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("published", os.path.join(ROOT, "published.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_row_quotes_its_source_and_the_figures_it_records():
+    with open(os.path.join(ROOT, "published", "rows.json")) as f:
+        rows = json.load(f)["rows"]
+    assert len(rows) >= 20 and len({r["project"] for r in rows}) >= 4
+    assert len({r["id"] for r in rows}) == len(rows)
+    for r in rows:
+        assert set(r) == FIELDS, r["id"]
+        assert len(r["commit"]) == 40 and r["repo"].count("/") == 1 and r["path"], r["id"]
+        tps = r["tokens_per_s_per_gpu"]
+        assert f"{tps:,}" in r["quote"] or f"| {tps} |" in r["quote"], r["id"]
+        if r["memory_gib"] is not None:
+            assert str(r["memory_gib"]) in r["quote"] and r["memory_kind"] == "reserved"
+        assert r["precision"] in ("bf16", "float8") and r["recompute"] in (False, "full",
+                                                                           "selective")
+
+
+def test_the_comparison_prints_every_row_and_the_bands(capsys, tmp_path):
+    out = tmp_path / "p.json"
+    assert _load().main(["--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "bf16 tokens/s" in text and "float8 tokens/s" in text and "memory" in text
+    records = json.loads(out.read_text())
+    assert all(r["predicted_tps"] > 0 for r in records) and len(records) >= 20

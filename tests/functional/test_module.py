@@ -156,24 +156,137 @@ def test_units_mixing_blocks_and_the_rest_are_refused():
 
 
 class Between(TinyLM):
-    """Work between the blocks: run_layers cannot run them back to back."""
+    """Work between the blocks, each block its own argument."""
 
     def forward(self, tokens):
         h = self.embed(tokens)
-        for layer in self.layers:
-            h = torch.tanh(layer(h, scale=self.scale))
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(layer(h, scale=self.scale * (i + 1)))
         return h
 
 
-def test_work_between_the_blocks_is_refused_not_skipped():
-    def body():
-        params, apply = vfsdp.functionalize(Between())
-        spec = vfsdp.plan(params, 2)
-        shards = vfsdp.shard(params, spec)
-        with pytest.raises(RuntimeError, match="something other than block 0's output"):
-            apply.run_layers(shards, spec, torch.zeros(1, 2, dtype=torch.long))
+class Shared(TinyLM):
+    """ALBERT-style sharing: one block at two positions of the list."""
 
-    simulate(2, body)
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([self.layers[0], self.layers[1], self.layers[0]])
+
+
+class AuxBlock(Block):
+    def forward(self, h, scale):
+        out = super().forward(h, scale)
+        return out, out.square().mean()
+
+
+class Aux(TinyLM):
+    """Blocks that return ``(h, aux)``; the forward adds the auxiliary losses up."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(AuxBlock(6) for _ in range(3))
+
+    def forward(self, tokens):
+        h, total = self.embed(tokens), 0.0
+        for layer in self.layers:
+            h, aux = layer(h, scale=self.scale)
+            total = total + aux
+        return self.head(h) + total
+
+
+class Plain(torch.nn.Module):
+    def __init__(self, d=6):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, h):
+        return h + torch.tanh(self.fc(h))
+
+
+class Timm(torch.nn.Module):
+    """Blocks in an nn.Sequential, called as one (timm's ``self.blocks(x)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Linear(4, 6)
+        self.blocks = torch.nn.Sequential(*(Plain() for _ in range(3)))
+
+    def forward(self, x):
+        return self.blocks(self.stem(x))
+
+
+def _encoder():
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0,
+                                             batch_first=True)
+    return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+MODELS = {  # name: (model, input, how the loss is made of the output)
+    "between": (Between, lambda: torch.randint(0, 11, (2, 5), generator=_gen()), torch.sum),
+    "shared": (Shared, lambda: torch.randint(0, 11, (2, 5), generator=_gen()), torch.sum),
+    "aux": (Aux, lambda: torch.randint(0, 11, (2, 5), generator=_gen()), torch.sum),
+    "sequential": (lambda: torch.nn.Sequential(*(Plain() for _ in range(3))),
+                   lambda: torch.randn(3, 6, generator=_gen()), torch.sum),
+    "timm": (Timm, lambda: torch.randn(3, 4, generator=_gen()), torch.sum),
+    "encoder": (_encoder, lambda: torch.randn(2, 3, 8, generator=_gen()), torch.sum),
+}
+
+
+def _gen():
+    return torch.Generator().manual_seed(1)
+
+
+def _make(kind):
+    torch.manual_seed(0)
+    return MODELS[kind][0]()
+
+
+def _rank_grads(net, x, loss, policy=None):
+    """On each rank: apply.run_layers' output and this rank's pieces of every gradient."""
+    params, apply = vfsdp.functionalize(net)
+    spec = vfsdp.plan(params, dist.get_world_size(), granularity=vfsdp.rows(1))
+    shards = vfsdp.shard(params, spec)
+    out = apply.run_layers(shards, spec, x, policy=policy)
+    loss(out.square()).backward()
+    rank = dist.get_rank()
+    return out.detach(), [(t.local_range(rank), g.detach().reshape(-1).clone())
+                          for t, g in zip(optree.tree_leaves(spec.tree),
+                                          optree.tree_leaves(vfsdp.grads(shards, spec)))]
+
+
+def _check_against_torch(kind, policy=None):
+    _, data, loss = MODELS[kind]
+    x = data()
+    want_net = _make(kind)
+    want = want_net(x)
+    loss(want.square()).backward()
+    params, _ = vfsdp.functionalize(want_net)
+    nets = [_make(kind) for _ in range(2)]  # built here: ranks (threads) share one RNG
+    for out, grads in simulate(2, lambda: _rank_grads(nets[dist.get_rank()], x, loss, policy)):
+        torch.testing.assert_close(out, want.detach(), rtol=0, atol=1e-6)
+        for ((lo, hi), g), p in zip(grads, optree.tree_leaves(params)):
+            torch.testing.assert_close(g, p.grad.reshape(-1)[lo:hi], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_run_layers_runs_the_modules_own_forward_block_by_block(kind):
+    """Work and per-block arguments between the blocks, a block at two positions, blocks
+    returning (h, aux), blocks in a Sequential, a Sequential model, nn.TransformerEncoder:
+    the output and every gradient as one plain-torch process's."""
+    _check_against_torch(kind)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective", "policy"])
+def test_recompute_of_every_block_is_exact(recompute):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def keep_mm(ctx, op, *args, **kwargs):  # a SAC policy: keep the matmuls, recompute the rest
+        return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default,
+                                                    torch.ops.aten.addmm.default) \
+            else CheckpointPolicy.PREFER_RECOMPUTE
+
+    policy = vfsdp.Policy(recompute=keep_mm if recompute == "policy" else recompute)
+    _check_against_torch("shared", policy)
 
 
 def test_ranks_sharing_one_module_are_refused_before_any_collective():

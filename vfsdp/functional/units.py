@@ -18,7 +18,7 @@ import torch
 
 from vfsdp._warnings import warn_mesh_ignored
 from vfsdp.collectives.groups import resolve_groups
-from vfsdp.collectives.slot import View, slot_of
+from vfsdp.collectives.slot import Role, View, slot_of
 from vfsdp.collectives.unit import Unit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, UnitLayout, unit_name
@@ -83,7 +83,8 @@ def find_unit(local: Sequence[Any], layout: UnitLayout, index: Sequence[int],
     found, plain = None, None
     for x, k in zip(local, index):
         slot = slot_of(x)
-        if slot is None:
+        if slot is None or (slot.buffer.role is Role.GRAD and slot.view is View.LOCAL):
+            # vfsdp.grads' views of a gradient buffer are values, as a plain tensor is
             plain = format_path(layout.paths[k])
             continue
         if (found is not None and slot.buffer is found.params and slot.unit is found

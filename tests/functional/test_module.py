@@ -388,3 +388,47 @@ def test_batchnorm_running_statistics_go_in_the_export_and_come_back():
     want.eval()
     reloaded.eval()                                             # eval reads the statistics
     torch.testing.assert_close(reloaded(x), want(x), rtol=0, atol=1e-6)
+
+
+def _layer(p, h):
+    return h + torch.tanh(h @ p["w"]) * p["b"]
+
+
+def _layers_grads(how):
+    """vfsdp.run_layers over 3 layers with torch.utils.checkpoint inside the layer function
+    (non-reentrant, the full tensors passed as an argument), or recompute= a SAC policy;
+    this rank's gradient pieces."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+
+    def keep_mm(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default \
+            else CheckpointPolicy.PREFER_RECOMPUTE
+
+    params = {"layers": [{"w": torch.linspace(-1, 1, 16).reshape(4, 4) * (i + 1),
+                          "b": torch.linspace(0, 1, 4) + i} for i in range(3)]}
+    spec = vfsdp.plan(params, 2, granularity=vfsdp.rows(1))
+    shards = vfsdp.shard(params, spec)
+    x = torch.linspace(-1, 1, 8).reshape(2, 4)
+    if how == "checkpoint":
+        fn = lambda p, h: checkpoint(_layer, p, h, use_reentrant=False)
+        h = vfsdp.run_layers(fn, shards["layers"], spec["layers"], x)
+    else:
+        h = vfsdp.run_layers(_layer, shards["layers"], spec["layers"], x, recompute=keep_mm)
+    h.square().sum().backward()
+    return [{k: v.clone() for k, v in g.items()} for g in vfsdp.grads(shards, spec)["layers"]]
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "sac"])
+def test_activation_checkpointing_inside_vfsdp_run_layers_is_exact(how):
+    """The recompute reads the regathered tensors, not the released ones of the forward."""
+    params = [{"w": (torch.linspace(-1, 1, 16).reshape(4, 4) * (i + 1)).requires_grad_(),
+               "b": (torch.linspace(0, 1, 4) + i).requires_grad_()} for i in range(3)]
+    h = torch.linspace(-1, 1, 8).reshape(2, 4)
+    for p in params:
+        h = _layer(p, h)
+    h.square().sum().backward()
+    ranks = simulate(2, _layers_grads, how)
+    for i, p in enumerate(params):
+        for k in ("w", "b"):
+            got = torch.cat([ranks[0][i][k], ranks[1][i][k]])
+            torch.testing.assert_close(got, p[k].grad, rtol=1e-6, atol=1e-6)

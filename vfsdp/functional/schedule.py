@@ -70,6 +70,7 @@ class _Regather:
         self.last: Optional[DBuffer] = None  # the buffer gathered before (for the prefetch)
         self.calls: dict[int, list] = {}  # buffer id -> its gathers in this run
         self.prefetch = prefetch
+        self.packed: set = set()  # buffer ids saved by the layer running now
 
     def add(self, db: DBuffer, call) -> None:
         if id(db) not in self.calls:  # its backward prefetches the one gathered before it
@@ -87,6 +88,7 @@ class _Regather:
     def pack(self, t: torch.Tensor) -> Any:
         slot = slot_of(t) or slot_of(t._base)
         if slot is not None and slot.view is View.FULL and id(slot.buffer) in self.calls:
+            self.packed.add(id(slot.buffer))
             return _Saved(slot.buffer, t)
         # An op that saves its own output (tanh, relu) must not get that output back as it
         # is: its grad_fn would hold this record, a cycle through C++ that Python's collector
@@ -265,6 +267,7 @@ class LayerRun:
         with torch.autograd.graph.saved_tensors_hooks(self.regather.pack, self.regather.unpack):
             if self.context_fn is not None:
                 return checkpointed(fn, full, args, kwargs, self.context_fn)
+            self.regather.packed = set()
             out = fn(full, *args, **kwargs)
         if torch.is_grad_enabled():
             _Refresh(full, self.regather).watch(out)
@@ -310,7 +313,10 @@ class _Refresh:
                 self._walk(v)
 
     def watch(self, out: Any) -> None:
-        if not self.spots:
+        """Refresh when the backward reaches ``out``, if the layer's forward saved none of
+        its full tensors (a checkpoint of its own saved them in its place)."""
+        if not self.spots or any(id(saved.db) in self.regather.packed
+                                 for _, _, saved, _ in self.spots):
             return
         for t in optree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.requires_grad:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 
-import optree
 import torch
 import torch.distributed as dist
 
@@ -16,17 +15,17 @@ STEPS, BATCH, SEQ, VOCAB = 3, 4, 8, 64
 LR, WD, EPS = 1e-2, 0.1, 1e-5  # EPS: see tests/hf/bodies.py
 MODES = [(how, ckpt) for how in ("gather", "run_layers") for ckpt in (False, True)]
 
-_DECODER = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
-                head_dim=8, bos_token_id=0, eos_token_id=1, pad_token_id=None)
+_DECODER = {"vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+                "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": SEQ,
+                "head_dim": 8, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None}
 
 
 def _configs() -> dict:
     import transformers as tf
 
     d = _DECODER
-    moe = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
-    window = dict(sliding_window=4)
+    moe = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1}
+    window = {"sliding_window": 4}
     return {  # kind: (model class, config)
         "llama": (tf.LlamaForCausalLM, tf.LlamaConfig(**d)),
         "mistral": (tf.MistralForCausalLM, tf.MistralConfig(**d, **window)),

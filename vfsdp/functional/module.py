@@ -27,8 +27,7 @@ import torch
 from torch.func import functional_call
 
 from vfsdp.functional.gather import gather
-from vfsdp.functional.options import Policy
-from vfsdp.functional.options import merge
+from vfsdp.functional.options import Policy, merge
 from vfsdp.functional.pieces import layer_pieces
 from vfsdp.functional.schedule import LayerRun, checkpointed
 from vfsdp.planner.granularity import format_path
@@ -399,7 +398,7 @@ class _Blocks:
             self.first.append(self.units.setdefault(block, pos))
         self.calls = 0  # the position the next call is expected at
         self.saved: dict = {}
-        for block, j in self.units.items():
+        for block in self.units:
             self.saved[block] = block.__dict__.get("forward")
             block.forward = functools.partial(self.call, block, block.forward)
 

@@ -45,8 +45,9 @@ the transform returns, so ``grads="buffer"``, ``accumulate_grads=True``, ``grad_
 and ``async_reduce=True`` are refused there; compiled and with ``all_gather=`` hooks the
 sharded gradients go to autograd, so ``grads="buffer"`` and ``async_reduce=True`` are refused
 there. ``recompute`` is honoured by the eager ``run_layers`` only (and ``apply.run_layers``),
-and refused in the same wording elsewhere. Compiled, the reduce-scatter runs in the gather dtype, so a ``reduce_dtype`` other
-than that is refused in the same wording (by the traced gather, which knows the dtype).
+and refused in the same wording elsewhere. Compiled, the reduce-scatter runs in the gather
+dtype, so a ``reduce_dtype`` other than that is refused in the same wording (by the traced
+gather, which knows the dtype).
 """
 
 from __future__ import annotations

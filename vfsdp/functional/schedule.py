@@ -34,8 +34,7 @@ from typing import Any, Optional
 
 import optree
 import torch
-from torch.utils.checkpoint import (checkpoint, create_selective_checkpoint_contexts,
-                                    noop_context_fn)
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from vfsdp._torch_private import compiling, functorch_active, is_own_output, running_node_seq
 from vfsdp.collectives.dbuffer import DBuffer
@@ -364,7 +363,7 @@ def recompute_context(recompute: Any) -> Optional[Callable]:
 
 
 def checkpointed(fn: Callable, full: Any, args: tuple, kwargs: dict,
-                 context_fn: Callable = None) -> Any:
+                 context_fn: Optional[Callable] = None) -> Any:
     """``fn(full, *args, **kwargs)`` under non-reentrant ``torch.utils.checkpoint``, the
     full tensors passed as its inputs: saved by the hooks around the call (a run's records of
     gathered parameters), so the recompute reads what the backward regathered, not the

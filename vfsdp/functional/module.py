@@ -262,7 +262,8 @@ class ModuleApply:
         SAC policy)`` checkpoints every block's call; Hugging Face's
         ``gradient_checkpointing_enable()`` checkpoints the blocks it marks (non-reentrant
         here and under ``apply(...)``: the same gradients). Either recompute reads the
-        regathered parameters.
+        regathered parameters. With ``recompute``, a Hugging Face model's KV cache is off
+        (``use_cache=False`` unless passed), as Hugging Face's own switch does.
 
         Args:
             shards: This rank's shards (``vfsdp.shard`` of the tree).
@@ -296,6 +297,9 @@ class ModuleApply:
         for k in path:
             block_spec = block_spec[k]
         values = merge(policy, {}, "apply.run_layers")
+        if values["recompute"] is not None and "use_cache" not in kwargs and \
+                getattr(getattr(self.module, "config", None), "use_cache", False):
+            kwargs["use_cache"] = False  # a cache written again by each recompute: off, as HF
         run = LayerRun(layer_pieces(_at(shards, path), block_spec, None, "apply.run_layers"),
                        values, "apply.run_layers")
         if path:

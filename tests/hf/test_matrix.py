@@ -54,3 +54,39 @@ def test_load_safetensors_reads_save_pretrained_at_3_ranks(kind, tmp_path):
     got = simulate(3, mb.read_back, [kind], str(tmp_path), "")[0][kind]
     assert set(got) <= set(want) and set(want) - set(got) <= mb.TIED[kind]
     assert all(torch.equal(got[k], want[k]) for k in got), kind
+
+
+def _captured(kind):
+    """apply.run_layers as the module's first call, with output_hidden_states and
+    output_attentions (transformers installs its capture hooks on that call)."""
+    import torch.distributed as dist
+
+    import vfsdp
+
+    net = mb.model(kind)
+    net.set_attn_implementation("eager")  # sdpa returns no attention weights
+    net.eval()
+    params, apply = vfsdp.functionalize(net)
+    spec = vfsdp.plan(params, dist.get_world_size())
+    shards = vfsdp.shard(params, spec)
+    ids = mb.batch(kind)["input_ids"]
+    with torch.no_grad():
+        out = apply.run_layers(shards, spec, input_ids=ids, output_hidden_states=True,
+                               output_attentions=True, output_router_logits=True)
+    return out.hidden_states, out.attentions, out.router_logits
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe"])
+def test_output_capture_works_when_run_layers_is_the_first_call(kind):
+    net = mb.model(kind)
+    net.set_attn_implementation("eager")
+    net.eval()
+    with torch.no_grad():
+        want = net(input_ids=mb.batch(kind)["input_ids"], output_hidden_states=True,
+                   output_attentions=True, output_router_logits=True)
+    for hidden, attentions, routers in simulate(2, _captured, kind):
+        for got, ref in ((hidden, want.hidden_states), (attentions, want.attentions),
+                         (routers, want.router_logits)):
+            assert got is not None and len(got) == len(ref) > 0
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -432,3 +432,36 @@ def test_activation_checkpointing_inside_vfsdp_run_layers_is_exact(how):
         for k in ("w", "b"):
             got = torch.cat([ranks[0][i][k], ranks[1][i][k]])
             torch.testing.assert_close(got, p[k].grad, rtol=1e-6, atol=1e-6)
+
+
+class Early(TinyLM):
+    """A forward that stops before the last block (the prefetch of it goes unused)."""
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers[:2]:
+            h = layer(h, scale=self.scale)
+        return h
+
+
+def _early():
+    net = Early()
+    params, apply = vfsdp.functionalize(net)
+    spec = vfsdp.plan(params, 2)
+    shards = vfsdp.shard(params, spec)
+    for _ in range(2):  # twice: the unused unit is gathered again as the second forward starts
+        vfsdp.zero_grads(shards, spec)
+        apply.run_layers(shards, spec, torch.ones(1, 3, dtype=torch.long)).sum().backward()
+    grads = vfsdp.grads(shards, spec)["layers"]
+    return [u.state.value for u in _units(shards)], float(grads[2]["fc"]["weight"].abs().sum())
+
+
+def _units(shards):
+    from vfsdp.collectives.slot import slot_of
+    return [slot_of(b["fc"]["weight"]).unit for b in shards["layers"]]
+
+
+def test_a_block_the_forward_never_calls_is_not_left_gathered():
+    for states, unused in simulate(2, _early):
+        assert states[2] != "gathered" and states[2] != "gathering", states
+        assert unused == 0.0

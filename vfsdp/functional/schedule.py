@@ -268,7 +268,8 @@ class LayerRun:
                 return checkpointed(fn, full, args, kwargs, self.context_fn)
             self.regather.packed = set()
             out = fn(full, *args, **kwargs)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self.regather.packed:
+            # the forward saved none of the gathered tensors: a checkpoint of its own did
             _Refresh(full, self.regather).watch(out)
         return out
 
@@ -279,12 +280,13 @@ class LayerRun:
                 db.unit.reshard(db)
 
     def finish(self) -> None:
-        """Prefetches no layer used (a forward that stopped early): finished and released."""
+        """Prefetches no layer used (a forward that stopped early): finished and resharded
+        (a unit an earlier call used is gathered again for its backward)."""
         for handles in self.ahead.values():
             for handle in handles:
                 handle.wait()
                 for call in handle.calls.values():
-                    call.db.unit.release()
+                    call.db.unit.reshard(call.db)
         self.ahead.clear()
 
 
@@ -312,10 +314,8 @@ class _Refresh:
                 self._walk(v)
 
     def watch(self, out: Any) -> None:
-        """Refresh when the backward reaches ``out``, if the layer's forward saved none of
-        its full tensors (a checkpoint of its own saved them in its place)."""
-        if not self.spots or any(id(saved.db) in self.regather.packed
-                                 for _, _, saved, _ in self.spots):
+        """Refresh when the backward reaches ``out``."""
+        if not self.spots:
             return
         for t in optree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.requires_grad:

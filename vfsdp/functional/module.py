@@ -26,6 +26,7 @@ import optree
 import torch
 from torch.func import functional_call
 
+from vfsdp._torch_private import compiling
 from vfsdp.functional.gather import gather
 from vfsdp.functional.options import Policy, merge
 from vfsdp.functional.pieces import layer_pieces
@@ -279,9 +280,14 @@ class ModuleApply:
         Raises:
             ValueError: the tree has no module list of blocks, a unit holds tensors of a block
                 and tensors outside it, or a tie joins a block to another tensor.
+            ValueError: called while compiling (``torch.compile``).
             RuntimeError: a second thread calls this ``apply``.
         """
         self._claim()  # before any collective: the other ranks then stop instead of waiting
+        if compiling():
+            raise ValueError("apply.run_layers is not supported under torch.compile (it gathers "
+                             "each block around the module's own call of it, eagerly); compile "
+                             "apply(vfsdp.gather(shards, spec), ...) or vfsdp.run_layers")
         if self.blocks is None:
             raise ValueError("apply.run_layers: the module has no module list of blocks (an "
                              "nn.ModuleList or nn.Sequential whose every block holds "
@@ -315,7 +321,7 @@ class ModuleApply:
         else:  # the module is the list of blocks
             leaves, names = [], []
         blocks = self.module.get_submodule(where) if path else self.module
-        state = _Blocks(self, run, list(blocks), where)
+        state = _Blocks(self, run, list(blocks))
         self._run = state
         try:
             return self._call(dict(zip(names, leaves)), args, kwargs)
@@ -335,6 +341,8 @@ class ModuleApply:
         return checkpointed(lambda full, *a: _swapped(module, full, fn, a, {}), tensors, args,
                             {}, getattr(self._hf_funcs.get(id(module)), "keywords",
                                         {}).get("context_fn"))
+
+
 def _defaults(policy: Optional[Policy]) -> dict:
     wanted = {"grads": "buffer", "free_after_backward": True}
     return {k: v for k, v in wanted.items() if policy is None or getattr(policy, k) is None}
@@ -394,7 +402,7 @@ class _Blocks:
     """The blocks of one :meth:`ModuleApply.run_layers` call: each distinct block's
     ``forward`` is replaced while it runs by one that gathers its unit around the call."""
 
-    def __init__(self, apply: ModuleApply, run: LayerRun, blocks: list, where: str) -> None:
+    def __init__(self, apply: ModuleApply, run: LayerRun, blocks: list) -> None:
         self.apply, self.run, self.blocks = apply, run, blocks
         self.units: dict = {}  # block module -> its unit's index (its first position)
         self.first: list[int] = []  # position -> unit index

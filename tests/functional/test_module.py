@@ -465,3 +465,22 @@ def test_a_block_the_forward_never_calls_is_not_left_gathered():
     for states, unused in simulate(2, _early):
         assert states[2] != "gathered" and states[2] != "gathering", states
         assert unused == 0.0
+
+
+def _bf16_grads(recompute):
+    params = {"layers": [{"w": torch.linspace(-1, 1, 16).reshape(4, 4) * (i + 1),
+                          "b": torch.linspace(0, 1, 4) + i} for i in range(3)]}
+    spec = vfsdp.plan(params, 2, granularity=vfsdp.rows(1))
+    shards = vfsdp.shard(params, spec)
+    h = vfsdp.run_layers(_layer, shards["layers"], spec["layers"],
+                         torch.ones(2, 4, dtype=torch.bfloat16), recompute=recompute,
+                         param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    h.float().square().sum().backward()
+    return [g.clone() for g in optree.tree_leaves(vfsdp.grads(shards, spec))]
+
+
+def test_recompute_of_a_low_precision_gather_regathers_the_compute_copy():
+    want = simulate(2, _bf16_grads, None)
+    for recompute in ("full", "selective"):
+        got = simulate(2, _bf16_grads, recompute)
+        assert all(torch.equal(a, b) for r, s in zip(got, want) for a, b in zip(r, s))

@@ -5,6 +5,7 @@ without gradient checkpointing, exported and read back."""
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,10 @@ KINDS = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma", 
 
 
 _INITIAL: dict = {}
+# transformers swaps torch.nn.init's functions for guarded ones while it builds a model and
+# puts back what it found: two rank threads building at once can leave the guarded ones in
+# place for the process (simulate's per-rank seeding of later tests then breaks)
+_BUILD = threading.Lock()
 
 
 #: State-dict names a tie leaves out of vfsdp's export (written once, under the other name)
@@ -81,13 +86,14 @@ def model(kind: str, meta: bool = False):
     """The kind's model with its seeded initial values. Ranks that are threads share one
     RNG, so those values are made once and loaded (persistent buffers included)."""
     cls, config = _configs()[kind]
-    if meta:
-        with torch.device("meta"):
-            return cls(config)
-    if kind not in _INITIAL:
-        torch.manual_seed(0)
-        _INITIAL[kind] = cls(config).state_dict()
-    net = cls(config)
+    with _BUILD:
+        if meta:
+            with torch.device("meta"):
+                return cls(config)
+        if kind not in _INITIAL:
+            torch.manual_seed(0)
+            _INITIAL[kind] = cls(config).state_dict()
+        net = cls(config)
     net.load_state_dict(_INITIAL[kind])
     return net
 

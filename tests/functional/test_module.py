@@ -156,24 +156,137 @@ def test_units_mixing_blocks_and_the_rest_are_refused():
 
 
 class Between(TinyLM):
-    """Work between the blocks: run_layers cannot run them back to back."""
+    """Work between the blocks, each block its own argument."""
 
     def forward(self, tokens):
         h = self.embed(tokens)
-        for layer in self.layers:
-            h = torch.tanh(layer(h, scale=self.scale))
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(layer(h, scale=self.scale * (i + 1)))
         return h
 
 
-def test_work_between_the_blocks_is_refused_not_skipped():
-    def body():
-        params, apply = vfsdp.functionalize(Between())
-        spec = vfsdp.plan(params, 2)
-        shards = vfsdp.shard(params, spec)
-        with pytest.raises(RuntimeError, match="something other than block 0's output"):
-            apply.run_layers(shards, spec, torch.zeros(1, 2, dtype=torch.long))
+class Shared(TinyLM):
+    """ALBERT-style sharing: one block at two positions of the list."""
 
-    simulate(2, body)
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([self.layers[0], self.layers[1], self.layers[0]])
+
+
+class AuxBlock(Block):
+    def forward(self, h, scale):
+        out = super().forward(h, scale)
+        return out, out.square().mean()
+
+
+class Aux(TinyLM):
+    """Blocks that return ``(h, aux)``; the forward adds the auxiliary losses up."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(AuxBlock(6) for _ in range(3))
+
+    def forward(self, tokens):
+        h, total = self.embed(tokens), 0.0
+        for layer in self.layers:
+            h, aux = layer(h, scale=self.scale)
+            total = total + aux
+        return self.head(h) + total
+
+
+class Plain(torch.nn.Module):
+    def __init__(self, d=6):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, h):
+        return h + torch.tanh(self.fc(h))
+
+
+class Timm(torch.nn.Module):
+    """Blocks in an nn.Sequential, called as one (timm's ``self.blocks(x)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Linear(4, 6)
+        self.blocks = torch.nn.Sequential(*(Plain() for _ in range(3)))
+
+    def forward(self, x):
+        return self.blocks(self.stem(x))
+
+
+def _encoder():
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0,
+                                             batch_first=True)
+    return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+MODELS = {  # name: (model, input, how the loss is made of the output)
+    "between": (Between, lambda: torch.randint(0, 11, (2, 5), generator=_gen()), torch.sum),
+    "shared": (Shared, lambda: torch.randint(0, 11, (2, 5), generator=_gen()), torch.sum),
+    "aux": (Aux, lambda: torch.randint(0, 11, (2, 5), generator=_gen()), torch.sum),
+    "sequential": (lambda: torch.nn.Sequential(*(Plain() for _ in range(3))),
+                   lambda: torch.randn(3, 6, generator=_gen()), torch.sum),
+    "timm": (Timm, lambda: torch.randn(3, 4, generator=_gen()), torch.sum),
+    "encoder": (_encoder, lambda: torch.randn(2, 3, 8, generator=_gen()), torch.sum),
+}
+
+
+def _gen():
+    return torch.Generator().manual_seed(1)
+
+
+def _make(kind):
+    torch.manual_seed(0)
+    return MODELS[kind][0]()
+
+
+def _rank_grads(net, x, loss, policy=None):
+    """On each rank: apply.run_layers' output and this rank's pieces of every gradient."""
+    params, apply = vfsdp.functionalize(net)
+    spec = vfsdp.plan(params, dist.get_world_size(), granularity=vfsdp.rows(1))
+    shards = vfsdp.shard(params, spec)
+    out = apply.run_layers(shards, spec, x, policy=policy)
+    loss(out.square()).backward()
+    rank = dist.get_rank()
+    return out.detach(), [(t.local_range(rank), g.detach().reshape(-1).clone())
+                          for t, g in zip(optree.tree_leaves(spec.tree),
+                                          optree.tree_leaves(vfsdp.grads(shards, spec)))]
+
+
+def _check_against_torch(kind, policy=None):
+    _, data, loss = MODELS[kind]
+    x = data()
+    want_net = _make(kind)
+    want = want_net(x)
+    loss(want.square()).backward()
+    params, _ = vfsdp.functionalize(want_net)
+    nets = [_make(kind) for _ in range(2)]  # built here: ranks (threads) share one RNG
+    for out, grads in simulate(2, lambda: _rank_grads(nets[dist.get_rank()], x, loss, policy)):
+        torch.testing.assert_close(out, want.detach(), rtol=0, atol=1e-6)
+        for ((lo, hi), g), p in zip(grads, optree.tree_leaves(params)):
+            torch.testing.assert_close(g, p.grad.reshape(-1)[lo:hi], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_run_layers_runs_the_modules_own_forward_block_by_block(kind):
+    """Work and per-block arguments between the blocks, a block at two positions, blocks
+    returning (h, aux), blocks in a Sequential, a Sequential model, nn.TransformerEncoder:
+    the output and every gradient as one plain-torch process's."""
+    _check_against_torch(kind)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective", "policy"])
+def test_recompute_of_every_block_is_exact(recompute):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def keep_mm(ctx, op, *args, **kwargs):  # a SAC policy: keep the matmuls, recompute the rest
+        return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default,
+                                                    torch.ops.aten.addmm.default) \
+            else CheckpointPolicy.PREFER_RECOMPUTE
+
+    policy = vfsdp.Policy(recompute=keep_mm if recompute == "policy" else recompute)
+    _check_against_torch("shared", policy)
 
 
 def test_ranks_sharing_one_module_are_refused_before_any_collective():
@@ -275,3 +388,99 @@ def test_batchnorm_running_statistics_go_in_the_export_and_come_back():
     want.eval()
     reloaded.eval()                                             # eval reads the statistics
     torch.testing.assert_close(reloaded(x), want(x), rtol=0, atol=1e-6)
+
+
+def _layer(p, h):
+    return h + torch.tanh(h @ p["w"]) * p["b"]
+
+
+def _layers_grads(how):
+    """vfsdp.run_layers over 3 layers with torch.utils.checkpoint inside the layer function
+    (non-reentrant, the full tensors passed as an argument), or recompute= a SAC policy;
+    this rank's gradient pieces."""
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+
+    def keep_mm(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default \
+            else CheckpointPolicy.PREFER_RECOMPUTE
+
+    params = {"layers": [{"w": torch.linspace(-1, 1, 16).reshape(4, 4) * (i + 1),
+                          "b": torch.linspace(0, 1, 4) + i} for i in range(3)]}
+    spec = vfsdp.plan(params, 2, granularity=vfsdp.rows(1))
+    shards = vfsdp.shard(params, spec)
+    x = torch.linspace(-1, 1, 8).reshape(2, 4)
+    if how == "checkpoint":
+        fn = lambda p, h: checkpoint(_layer, p, h, use_reentrant=False)
+        h = vfsdp.run_layers(fn, shards["layers"], spec["layers"], x)
+    else:
+        h = vfsdp.run_layers(_layer, shards["layers"], spec["layers"], x, recompute=keep_mm)
+    h.square().sum().backward()
+    return [{k: v.clone() for k, v in g.items()} for g in vfsdp.grads(shards, spec)["layers"]]
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "sac"])
+def test_activation_checkpointing_inside_vfsdp_run_layers_is_exact(how):
+    """The recompute reads the regathered tensors, not the released ones of the forward."""
+    params = [{"w": (torch.linspace(-1, 1, 16).reshape(4, 4) * (i + 1)).requires_grad_(),
+               "b": (torch.linspace(0, 1, 4) + i).requires_grad_()} for i in range(3)]
+    h = torch.linspace(-1, 1, 8).reshape(2, 4)
+    for p in params:
+        h = _layer(p, h)
+    h.square().sum().backward()
+    ranks = simulate(2, _layers_grads, how)
+    for i, p in enumerate(params):
+        for k in ("w", "b"):
+            got = torch.cat([ranks[0][i][k], ranks[1][i][k]])
+            torch.testing.assert_close(got, p[k].grad, rtol=1e-6, atol=1e-6)
+
+
+class Early(TinyLM):
+    """A forward that stops before the last block (the prefetch of it goes unused)."""
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers[:2]:
+            h = layer(h, scale=self.scale)
+        return h
+
+
+def _early():
+    net = Early()
+    params, apply = vfsdp.functionalize(net)
+    spec = vfsdp.plan(params, 2)
+    shards = vfsdp.shard(params, spec)
+    for _ in range(2):  # twice: the unused unit is gathered again as the second forward starts
+        vfsdp.zero_grads(shards, spec)
+        apply.run_layers(shards, spec, torch.ones(1, 3, dtype=torch.long)).sum().backward()
+    grads = vfsdp.grads(shards, spec)["layers"]
+    return [u.state.value for u in _units(shards)], float(grads[2]["fc"]["weight"].abs().sum())
+
+
+def _units(shards):
+    from vfsdp.collectives.dbuffer import slot_of
+    return [slot_of(b["fc"]["weight"]).unit for b in shards["layers"]]
+
+
+def test_a_block_the_forward_never_calls_is_not_left_gathered():
+    for states, unused in simulate(2, _early):
+        assert states[2] != "gathered" and states[2] != "gathering", states
+        assert unused == 0.0
+
+
+def _bf16_grads(recompute):
+    params = {"layers": [{"w": torch.linspace(-1, 1, 16).reshape(4, 4) * (i + 1),
+                          "b": torch.linspace(0, 1, 4) + i} for i in range(3)]}
+    spec = vfsdp.plan(params, 2, granularity=vfsdp.rows(1))
+    shards = vfsdp.shard(params, spec)
+    h = vfsdp.run_layers(_layer, shards["layers"], spec["layers"],
+                         torch.ones(2, 4, dtype=torch.bfloat16), recompute=recompute,
+                         param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    h.float().square().sum().backward()
+    return [g.clone() for g in optree.tree_leaves(vfsdp.grads(shards, spec))]
+
+
+def test_recompute_of_a_low_precision_gather_regathers_the_compute_copy():
+    want = simulate(2, _bf16_grads, None)
+    for recompute in ("full", "selective"):
+        got = simulate(2, _bf16_grads, recompute)
+        assert all(torch.equal(a, b) for r, s in zip(got, want) for a, b in zip(r, s))

@@ -59,3 +59,42 @@ COMPILED = [  # a fixed set: each compiles a graph per grad_sync value
 def test_the_compiled_path_gives_plain_torchs_gradients(case):
     case = dict(case, path="compiled", world=2)
     _check(case, spawn(pb.run_compiled, 2, case))  # processes: see test_compiled's docstring
+
+
+def _gathered_grads(path):
+    import torch
+
+    import vfsdp
+
+    params = {"a": torch.linspace(-1, 1, 8).reshape(4, 2),
+              "layers": [{"w": torch.linspace(0, 1, 8).reshape(4, 2) + i} for i in range(2)]}
+    spec = vfsdp.plan(params, 2)
+    shards = vfsdp.shard(params, spec)
+    x = torch.ones(1, 4)
+    layer = lambda p, h: torch.tanh(h @ p["w"] @ p["w"].T)
+    if path == "run_layers":
+        h = vfsdp.run_layers(layer, shards["layers"], spec["layers"], x)
+        (h @ vfsdp.gather(shards["a"], spec["a"])).sum().backward()
+    else:
+        full = vfsdp.gather(shards, spec)
+        h = x
+        for p in full["layers"]:
+            h = layer(p, h)
+        (h @ full["a"]).sum().backward()
+    with torch.no_grad():
+        full_grads = vfsdp.gather(vfsdp.grads(shards, spec), spec)
+        return {k: v.clone() for k, v in zip(("a", "0", "1"), (
+            full_grads["a"], full_grads["layers"][0]["w"], full_grads["layers"][1]["w"]))}
+
+
+def test_gather_of_grads_is_the_same_after_run_layers_as_after_a_gather():
+    """vfsdp.gather(vfsdp.grads(...)): the documented way to read full gradients, on both
+    paths (after run_layers the gradients are views of the gradient buffers)."""
+    import torch
+
+    want = simulate(2, _gathered_grads, "gather")
+    got = simulate(2, _gathered_grads, "run_layers")
+    for w, g in zip(want, got):
+        for k in w:
+            torch.testing.assert_close(g[k], w[k], rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(got[0][k], got[1][k]) for k in got[0])

@@ -325,3 +325,24 @@ def test_an_estimate_that_finds_no_layers_says_so_and_layers_names_them():
         warnings.simplefilter("error")
         named = vfsdp.estimate(spec, layers=keys)
     assert named.memory["buffers"] < held.memory["buffers"]
+
+
+def _attention(seed):
+    torch.manual_seed(seed)
+    q, k, v = (torch.ones(1, 2, 4, 8) for _ in range(3))
+    causal = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True)
+    plain = F.scaled_dot_product_attention(q, k, v)          # no dropout: torch's own kernel
+    return causal, plain, torch.randn(2)
+
+
+def test_attention_dropout_draws_from_the_rank_generator():
+    """SDPA's dropout (Hugging Face's default attention) took the shared generator: a
+    different mask per rank and per run with one seed."""
+    (c0, p0, r0), (c1, _, r1) = simulate(2, _attention, 0)
+    again = simulate(2, _attention, 0)[0][0]
+    assert torch.equal(c0, c1) and torch.equal(c0, again) and torch.equal(r0, r1)
+    assert torch.equal(p0, torch.ones(1, 2, 4, 8))
+    rows = c0[0, 0]                 # causal, ones: row i averages i + 1 ones, half kept, x2
+    assert set(rows[0].tolist()) <= {0.0, 2.0} and not torch.equal(c0, torch.ones_like(c0))
+    other = simulate(2, _attention, 1)[0][0]
+    assert not torch.equal(c0, other)                      # the seed decides the mask

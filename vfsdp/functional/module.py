@@ -17,7 +17,8 @@ any tree of that shape: no wrapping, no copies.
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
+import functools
 import threading
 from typing import Any, Optional
 
@@ -25,9 +26,11 @@ import optree
 import torch
 from torch.func import functional_call
 
+from vfsdp._torch_private import compiling
 from vfsdp.functional.gather import gather
-from vfsdp.functional.options import Policy
-from vfsdp.functional.schedule import run_layers
+from vfsdp.functional.options import Policy, merge
+from vfsdp.functional.pieces import layer_pieces
+from vfsdp.functional.schedule import LayerRun, checkpointed
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
@@ -148,6 +151,8 @@ class ModuleApply:
         self._names = _names(paths)
         self.blocks = _blocks(params)
         self._thread: Optional[int] = None
+        self._run: Optional[_Blocks] = None  # the run_layers call in progress
+        self._hf_funcs: dict = {}  # module id -> Hugging Face's checkpoint function
         self._rest: dict = {}  # treespec -> dotted names, for trees without the blocks
 
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
@@ -214,9 +219,18 @@ class ModuleApply:
         if meta is not None:
             raise ValueError(f"apply: buffer {meta} is on the meta device (the module was built "
                              f"there); give it values: apply.buffers[{meta!r}] = tensor")
-        return functional_call(self.module if module is None else module,
-                               {**tensors, **buffers}, args, kwargs, tie_weights=True,
-                               strict=False)
+        marked = [m for m in self.module.modules() if getattr(m, "gradient_checkpointing", False)
+                  is True and "_gradient_checkpointing_func" in m.__dict__]
+        for m in marked:
+            self._hf_funcs[id(m)] = m.__dict__["_gradient_checkpointing_func"]
+            m._gradient_checkpointing_func = functools.partial(self._hf_checkpoint, m)
+        try:
+            return functional_call(self.module if module is None else module,
+                                   {**tensors, **buffers}, args, kwargs, tie_weights=True,
+                                   strict=False)
+        finally:
+            for m in marked:
+                m._gradient_checkpointing_func = self._hf_funcs.pop(id(m))
 
     def _claim(self) -> None:
         me = threading.get_ident()
@@ -231,22 +245,33 @@ class ModuleApply:
 
     def run_layers(self, shards: Any, spec: ShardSpec, *args: Any,
                    policy: Optional[Policy] = None, **kwargs: Any) -> Any:
-        """The module's forward from this rank's shards, its blocks run by
-        :func:`vfsdp.run_layers`: each block's unit is gathered (the next one prefetched),
-        released after its forward and gathered again in backward.
+        """The module's forward from this rank's shards, each block's unit gathered around
+        that block's own call, as :func:`vfsdp.run_layers` gathers its layers: the next
+        block prefetched, each released after its call (the last block's position excepted)
+        and gathered again for its backward.
 
-        The units outside the blocks are gathered first, with ``grads="buffer"`` and
-        ``free_after_backward=True`` (where ``policy`` leaves them unset), as the blocks are.
-        The module's forward runs with the module list of blocks replaced by stand-ins: the
-        first runs every block, the others pass the result on (so the forward must call the
-        blocks one after the other, each on the previous one's output, as decoders do).
+        The module's own forward runs: every block gets the arguments its call gets and
+        what it returns flows on as the code says (per-layer masks, position biases,
+        auxiliary outputs, work between the blocks). A block held at several positions
+        (``[a, b, a]``) runs at each, its unit gathered for each call. Blocks in an
+        ``nn.Sequential``, a model that is a Sequential of blocks and
+        ``nn.TransformerEncoder`` run the same way. The units outside the blocks are
+        gathered first, with ``grads="buffer"`` and ``free_after_backward=True`` (where
+        ``policy`` leaves them unset).
+
+        Activation checkpointing: ``policy=vfsdp.Policy(recompute="full" | "selective" |
+        SAC policy)`` checkpoints every block's call; Hugging Face's
+        ``gradient_checkpointing_enable()`` checkpoints the blocks it marks (non-reentrant
+        here and under ``apply(...)``: the same gradients). Either recompute reads the
+        regathered parameters. With ``recompute``, a Hugging Face model's KV cache is off
+        (``use_cache=False`` unless passed), as Hugging Face's own switch does.
 
         Args:
             shards: This rank's shards (``vfsdp.shard`` of the tree).
             spec: Their spec, planned with each block a unit (the default units).
             *args: The module's positional inputs.
             policy: A :class:`vfsdp.Policy` for every gather (``grad_sync``, ``param_dtype``,
-                ...).
+                ``recompute``, ...).
             **kwargs: The module's keyword inputs.
 
         Returns:
@@ -255,42 +280,67 @@ class ModuleApply:
         Raises:
             ValueError: the tree has no module list of blocks, a unit holds tensors of a block
                 and tensors outside it, or a tie joins a block to another tensor.
-            RuntimeError: a second thread calls this ``apply``, or the forward does not call
-                the blocks back to back, in order.
+            ValueError: called while compiling (``torch.compile``).
+            RuntimeError: a second thread calls this ``apply``.
         """
         self._claim()  # before any collective: the other ranks then stop instead of waiting
+        if compiling():
+            raise ValueError("apply.run_layers is not supported under torch.compile (it gathers "
+                             "each block around the module's own call of it, eagerly); compile "
+                             "apply(vfsdp.gather(shards, spec), ...) or vfsdp.run_layers")
         if self.blocks is None:
-            raise ValueError("apply.run_layers: the module has no module list of blocks; "
-                             "call apply(vfsdp.gather(shards, spec), ...) instead")
+            raise ValueError("apply.run_layers: the module has no module list of blocks (an "
+                             "nn.ModuleList or nn.Sequential whose every block holds "
+                             "parameters); call apply(vfsdp.gather(shards, spec), ...) instead")
         path = self.blocks
+        where = format_path(path)
         for name, target in self.ties.items():
-            prefix = format_path(path) + "."
-            if name.startswith(prefix) != target.startswith(prefix):
+            inside = [n.startswith(where + ".") or not path for n in (name, target)]
+            if inside[0] != inside[1]:
                 raise ValueError(f"apply.run_layers: {name} is tied to {target}, across the "
                                  f"blocks' boundary; call apply(vfsdp.gather(shards, spec), ...)")
-        block_shards = _at(shards, path)
         block_spec = spec
         for k in path:
             block_spec = block_spec[k]
-        rest_spec = _without(spec, path, block_spec)
-        rest = gather(_pruned(shards, path), rest_spec, policy, **_defaults(policy))
-        leaves, treespec = optree.tree_flatten(rest)
-        names = self._rest.get(treespec)
-        if names is None:
-            paths = optree.tree_paths(_pruned(optree.tree_unflatten(
-                self._treespec, [0] * self._treespec.num_leaves), path))
-            names = self._rest[treespec] = _names(paths)
-        parent = self.module.get_submodule(format_path(path[:-1]) if len(path) > 1 else "")
-        original = parent._modules[path[-1]]
-        runner = _Runner(self, original, block_shards, block_spec, policy)
-        stand_ins = torch.nn.ModuleList(_StandIn(runner, i) for i in range(len(original)))
-        parent._modules[path[-1]] = stand_ins
+        values = merge(policy, {}, "apply.run_layers")
+        if values["recompute"] is not None and "use_cache" not in kwargs and \
+                getattr(getattr(self.module, "config", None), "use_cache", False):
+            kwargs["use_cache"] = False  # a cache written again by each recompute: off, as HF
+        run = LayerRun(layer_pieces(_at(shards, path), block_spec, None, "apply.run_layers"),
+                       values, "apply.run_layers")
+        if path:
+            plain = None if policy is None else dataclasses.replace(policy, recompute=None)
+            rest = gather(_pruned(shards, path), _without(spec, path, block_spec), plain,
+                          **_defaults(policy))
+            leaves, treespec = optree.tree_flatten(rest)
+            names = self._rest.get(treespec)
+            if names is None:
+                paths = optree.tree_paths(_pruned(optree.tree_unflatten(
+                    self._treespec, [0] * self._treespec.num_leaves), path))
+                names = self._rest[treespec] = _names(paths)
+        else:  # the module is the list of blocks
+            leaves, names = [], []
+        blocks = self.module.get_submodule(where) if path else self.module
+        state = _Blocks(self, run, list(blocks))
+        self._run = state
         try:
-            return self._call(dict(zip(names, leaves)), args, kwargs,
-                              buffers={n: b for n, b in self.buffers.items()
-                                       if not n.startswith(format_path(path) + ".")})
+            return self._call(dict(zip(names, leaves)), args, kwargs)
         finally:
-            parent._modules[path[-1]] = original
+            self._run = None
+            state.close()
+            run.finish()
+
+    def _hf_checkpoint(self, module: torch.nn.Module, fn: Any, *args: Any) -> Any:
+        """Hugging Face's ``_gradient_checkpointing_func`` while a call runs: ``fn`` (the
+        layer's forward) under non-reentrant checkpointing, its parameters (what the call
+        swapped in) passed as inputs, so the recompute swaps them in again."""
+        run = self._run
+        if run is not None and run.run.context_fn is not None and module in run.units:
+            return fn(*args)  # the run checkpoints the whole block already
+        tensors = dict(module.named_parameters(remove_duplicate=False))
+        return checkpointed(lambda full, *a: _swapped(module, full, fn, a, {}), tensors, args,
+                            {}, getattr(self._hf_funcs.get(id(module)), "keywords",
+                                        {}).get("context_fn"))
 
 
 def _defaults(policy: Optional[Policy]) -> dict:
@@ -348,71 +398,59 @@ def _without(spec: ShardSpec, path: tuple, block_spec: ShardSpec) -> ShardSpec:
                      {x.path for x in leaves if isinstance(x, TensorSpec)} & spec.frozen)
 
 
-class _Runner:
-    """Runs every block through :func:`vfsdp.run_layers` when the first stand-in is called."""
+class _Blocks:
+    """The blocks of one :meth:`ModuleApply.run_layers` call: each distinct block's
+    ``forward`` is replaced while it runs by one that gathers its unit around the call."""
 
-    def __init__(self, apply: ModuleApply, blocks: torch.nn.Module, shards: Any, spec: ShardSpec,
-                 policy: Optional[Policy]) -> None:
-        self.apply, self.blocks, self.shards, self.spec = apply, blocks, shards, spec
-        self.policy = policy
-        self.out: Any = None
-        self.hidden: Any = None
-        self.called = 0
+    def __init__(self, apply: ModuleApply, run: LayerRun, blocks: list) -> None:
+        self.apply, self.run, self.blocks = apply, run, blocks
+        self.units: dict = {}  # block module -> its unit's index (its first position)
+        self.first: list[int] = []  # position -> unit index
+        for pos, block in enumerate(blocks):
+            self.first.append(self.units.setdefault(block, pos))
+        self.calls = 0  # the position the next call is expected at
+        self.saved: dict = {}
+        for block in self.units:
+            self.saved[block] = block.__dict__.get("forward")
+            block.forward = functools.partial(self.call, block, block.forward)
 
-    def __call__(self, index: int, args: tuple, kwargs: dict) -> Any:
-        if index != self.called:
-            raise RuntimeError(f"apply.run_layers: the forward called block {index} after "
-                               f"{self.called} blocks; run_layers needs the blocks called in "
-                               f"order, each once")
-        self.called += 1
-        hidden_key = None if args else "hidden_states"
-        h = args[0] if args else kwargs.get(hidden_key)
-        if index:
-            if h is not self.hidden:
-                raise RuntimeError(
-                    f"apply.run_layers: the forward passed block {index} something other than "
-                    f"block {index - 1}'s output; run_layers runs the blocks back to back, so the "
-                    f"forward may do nothing between them: move that work into the blocks, or "
-                    f"call apply(vfsdp.gather(shards, spec), ...)")
-            return self.out
-        rest = args[1:]
-        others = {k: v for k, v in kwargs.items() if k != hidden_key}
-        apply = self.apply
-        path = format_path(apply.blocks)
-        blocks = self.blocks
-        order = itertools.count()
-        extra: list = []
+    def close(self) -> None:
+        for block, forward in self.saved.items():
+            del block.forward
+            if forward is not None:
+                block.forward = forward
 
-        def layer_fn(full, x):
-            i = next(order)
-            prefix = f"{path}.{i}."
-            leaves, paths = optree.tree_leaves(full), optree.tree_paths(full)
-            names = _names(paths)
-            buffers = {n[len(prefix):]: b for n, b in apply.buffers.items()
-                       if n.startswith(prefix)}
-            if hidden_key is None:
-                out = apply._call(dict(zip(names, leaves)), (x, *rest), others,
-                                  module=blocks[i], buffers=buffers)
-            else:
-                out = apply._call(dict(zip(names, leaves)), (), {**others, hidden_key: x},
-                                  module=blocks[i], buffers=buffers)
-            if isinstance(out, tuple):
-                extra[:] = [out[1:]]
-                return out[0]
-            extra[:] = []
-            return out
-
-        h = self.hidden = run_layers(layer_fn, self.shards, self.spec, h, self.policy)
-        self.out = (h, *extra[0]) if extra else h
-        return self.out
+    def call(self, block: torch.nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.apply._run is not self:  # called outside the run's forward
+            return forward(*args, **kwargs)
+        n = len(self.blocks)
+        pos = self.calls if self.calls < n and self.blocks[self.calls] is block else \
+            self.units[block]
+        self.calls = pos + 1
+        full, dbs = self.run.enter(self.units[block], self.first[pos + 1] if pos + 1 < n
+                                   else None)
+        out = self.run.call(lambda tree, *a, **k: _swapped(block, _flat_names(tree), forward,
+                                                              a, k), full, args, kwargs)
+        self.run.exit(dbs, last=pos + 1 == n)
+        return out
 
 
-class _StandIn(torch.nn.Module):
-    """Block ``index`` while :meth:`ModuleApply.run_layers` runs."""
+def _flat_names(tree: Any) -> dict:
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    return dict(zip(_names(paths), leaves))
 
-    def __init__(self, runner: _Runner, index: int) -> None:
-        super().__init__()
-        self.runner, self.index = runner, index
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.runner(self.index, args, kwargs)
+def _swapped(module: torch.nn.Module, tensors: dict, fn: Any, args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` with ``tensors`` (dotted names under ``module``) in place of
+    the module's parameters; what was there is put back after."""
+    owners = []
+    for name, t in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(prefix)
+        owners.append((owner, leaf, owner._parameters[leaf]))
+        owner._parameters[leaf] = t
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for owner, leaf, old in owners:
+            owner._parameters[leaf] = old

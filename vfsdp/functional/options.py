@@ -32,6 +32,11 @@ option                   default                 what it does
 ``reshard_after_forward`` ``None`` (yes)         ``run_layers``: release each unit but the
                                                  last after its forward, regather it for its
                                                  backward
+``recompute``            ``None`` (no)           ``run_layers``: activation checkpointing of
+                                                 each layer: ``"full"``, ``"selective"``
+                                                 (matmul and attention outputs kept) or a
+                                                 SAC policy (``torch.utils.checkpoint.
+                                                 create_selective_checkpoint_contexts``'s)
 =======================  ======================  ===========================================
 
 :func:`refuse` refuses, in one wording (``<entry point>: <option> is not supported <where>
@@ -39,8 +44,10 @@ option                   default                 what it does
 the transform returns, so ``grads="buffer"``, ``accumulate_grads=True``, ``grad_sync=False``
 and ``async_reduce=True`` are refused there; compiled and with ``all_gather=`` hooks the
 sharded gradients go to autograd, so ``grads="buffer"`` and ``async_reduce=True`` are refused
-there. Compiled, the reduce-scatter runs in the gather dtype, so a ``reduce_dtype`` other
-than that is refused in the same wording (by the traced gather, which knows the dtype).
+there. ``recompute`` is honoured by the eager ``run_layers`` only (and ``apply.run_layers``),
+and refused in the same wording elsewhere. Compiled, the reduce-scatter runs in the gather
+dtype, so a ``reduce_dtype`` other than that is refused in the same wording (by the traced
+gather, which knows the dtype).
 """
 
 from __future__ import annotations
@@ -79,6 +86,13 @@ def _check_values(values: dict) -> None:
                          f"{values['grad_reduce']!r}")
     if values["grads"] is not None and values["grads"] not in GRAD_MODES:
         raise ValueError(f"grads must be one of {GRAD_MODES}, got {values['grads']!r}")
+    recompute = values["recompute"]
+    if not (recompute in (None, "full", "selective") or callable(recompute)
+            or isinstance(recompute, (list, tuple))):
+        raise ValueError(f"recompute must be None, 'full', 'selective' or a selective "
+                         f"checkpointing policy (a callable (ctx, op, *args, **kwargs) -> "
+                         f"torch.utils.checkpoint.CheckpointPolicy, or a list of ops to "
+                         f"keep), got {recompute!r}")
     for name in _FLAGS:
         if values[name] is not None and type(values[name]) is not bool:
             raise ValueError(f"{name} must be True, False or None (the entry point's "
@@ -120,6 +134,7 @@ class Policy:
     all_gather: Any = None
     prefetch: Optional[bool] = None
     reshard_after_forward: Optional[bool] = None
+    recompute: Any = None
 
     def __post_init__(self) -> None:
         _check_values({name: getattr(self, name) for name in NAMES})
@@ -177,7 +192,17 @@ _REFUSED = (
       "all_gather": (_AUTOGRAD, "drop it")}),
 )
 _WHERE = {"torch.func": "under torch.func", "compiled": "under torch.compile",
-          "all_gather": "with all_gather= hooks"}
+          "all_gather": "with all_gather= hooks", "eager": "by a plain gather"}
+_RECOMPUTE = {
+    "torch.func": ("the transform runs the backward itself", "drop it"),
+    "compiled": ("the compiled path does not checkpoint layers itself",
+                 "call torch.utils.checkpoint (use_reentrant=False) inside layer_fn"),
+    "all_gather": ("the functional path does not checkpoint layers itself",
+                   "call torch.utils.checkpoint (use_reentrant=False) inside layer_fn"),
+    "eager": ("only run_layers runs its layers, so only it can checkpoint them",
+              "use vfsdp.run_layers, or torch.utils.checkpoint (use_reentrant=False) around "
+              "your own function"),
+}
 
 
 def refuse(values: dict, path: str, what: str) -> None:
@@ -196,6 +221,10 @@ def refuse(values: dict, path: str, what: str) -> None:
         if path in paths and asked(values):
             why, hint = paths[path]
             raise ValueError(f"{what}: {name} is not supported {_WHERE[path]} ({why}); {hint}")
+    if values["recompute"] is not None and (path != "eager" or "run_layers" not in what):
+        why, hint = _RECOMPUTE[path]
+        raise ValueError(f"{what}: recompute={values['recompute']!r} is not supported "
+                         f"{_WHERE[path]} ({why}); {hint}")
 
 
 @dataclass(frozen=True)

@@ -28,22 +28,24 @@ A saved tensor is recognised as a gathered parameter by its :class:`~vfsdp.colle
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import optree
 import torch
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from vfsdp._torch_private import compiling, functorch_active, is_own_output, running_node_seq
 from vfsdp.collectives.comm import Handle
-from vfsdp.collectives.dbuffer import DBuffer, View, slot_of
+from vfsdp.collectives.dbuffer import DBuffer, ReleasedTensor, View, slot_of
 from vfsdp.functional.gather import pending, start_gather, writes_leaf_grads
 from vfsdp.functional.options import Policy, merge, refuse, resolve
 from vfsdp.functional.pieces import assemble_layer, layer_pieces
 from vfsdp.functional.traced import traced_children, traced_run_layers
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["run_layers"]
+__all__ = ["run_layers", "LayerRun", "checkpointed", "recompute_context", "SAVED_OPS"]
 
 
 class _Saved:
@@ -64,6 +66,7 @@ class _Regather:
         self.last: Optional[DBuffer] = None  # the buffer gathered before (for the prefetch)
         self.calls: dict[int, list] = {}  # buffer id -> its gathers in this run
         self.prefetch = prefetch
+        self.packed: set = set()  # buffer ids saved by the layer running now
 
     def add(self, db: DBuffer, call) -> None:
         if id(db) not in self.calls:  # its backward prefetches the one gathered before it
@@ -81,6 +84,7 @@ class _Regather:
     def pack(self, t: torch.Tensor) -> Any:
         slot = slot_of(t) or slot_of(t._base)
         if slot is not None and slot.view is View.FULL and id(slot.buffer) in self.calls:
+            self.packed.add(id(slot.buffer))
             return _Saved(slot.buffer, t)
         # An op that saves its own output (tanh, relu) must not get that output back as it
         # is: its grad_fn would hold this record, a cycle through C++ that Python's collector
@@ -189,52 +193,192 @@ def run_layers(
     if compiling() and isinstance(specs, ShardSpec):  # the sub-specs vfsdp.shard prepared
         specs = [specs[i] for i in range(max(traced_children(specs), 0))]
     values = merge(policy, options, what)
-    prefetch = values["prefetch"] is not False
-    reshard_after_forward = values["reshard_after_forward"] is not False
     if compiling() or values["all_gather"] is not None:  # the functional path: to .grad
         refuse(values, "compiled" if compiling() else "all_gather", what)
         layers = layer_pieces(shards, specs, mesh, what,
                               "compiled" if compiling() else "functional")
         return traced_run_layers(layer_fn, layers, h, values)
-    if values["grads"] == "return":
-        raise ValueError(f"{what}: grads='return' is not supported: each unit's gradients are "
-                         f"reduce-scattered into its gradient buffer as its backward ends; read "
-                         f"them with vfsdp.grads (use vfsdp.gather for grads='return')")
-    refuse(values, "eager", what)
-    gopts, ropts = resolve(values, layers=True)
-    layers = layer_pieces(shards, specs, mesh, what)
-    regather = _Regather(prefetch)
-    n = len(layers)
-
-    def start(i: int) -> list[Handle]:  # every piece's gathers: one step
-        return [start_gather(p.shards, p.spec, p.mesh, gopts, ropts, p.what, regathers=True)
-                for p in layers[i]]
-
-    ahead: Optional[list[Handle]] = start(0) if n else None  # the next layer's gathers
+    run = LayerRun(layer_pieces(shards, specs, mesh, what), values, what)
+    n = len(run.layers)
     for i in range(n):
-        handles = ahead
-        full = assemble_layer(layers[i], [handle.wait() for handle in handles])
-        dbs = _gathered_buffers(full)
+        full, dbs = run.enter(i, i + 1 if i + 1 < n else None)
+        h = run.call(layer_fn, full, (h,), {})
+        run.exit(dbs, last=i + 1 == n)
+    run.finish()
+    return h
+
+
+class LayerRun:
+    """One ``run_layers`` call, step by step: :meth:`enter` gathers a layer (prefetching the
+    next), :meth:`call` runs it under the saved-tensor hooks (checkpointed with
+    ``recompute``), :meth:`exit` reshards it. :func:`run_layers` steps through the layers in
+    order; ``apply.run_layers`` (:mod:`vfsdp.functional.module`) steps as the module's forward
+    calls its blocks.
+
+    Raises:
+        ValueError: ``grads="return"``, or an option the eager path refuses.
+    """
+
+    def __init__(self, layers: list, values: dict, what: str) -> None:
+        if values["grads"] == "return":
+            raise ValueError(f"{what}: grads='return' is not supported: each unit's gradients "
+                             f"are reduce-scattered into its gradient buffer as its backward "
+                             f"ends; read them with vfsdp.grads (use vfsdp.gather for "
+                             f"grads='return')")
+        refuse(values, "eager", what)
+        self.gopts, self.ropts = resolve(values, layers=True)
+        self.layers, self.what = layers, what
+        self.prefetch = values["prefetch"] is not False
+        self.reshard_after_forward = values["reshard_after_forward"] is not False
+        self.context_fn = recompute_context(values["recompute"])
+        self.regather = _Regather(self.prefetch)
+        self.ahead: dict[int, list[Handle]] = {}  # layer -> its gathers in flight
+
+    def _start(self, i: int) -> list[Handle]:  # every piece's gathers: one step
+        return [start_gather(p.shards, p.spec, p.mesh, self.gopts, self.ropts, p.what,
+                             regathers=True) for p in self.layers[i]]
+
+    def enter(self, i: int, nxt: Optional[int]) -> tuple[Any, list[DBuffer]]:
+        """Layer ``i``'s full tensors (gathered now, or the prefetch waited), and their
+        buffers; the gather of layer ``nxt`` starts (``prefetch``)."""
+        handles = self.ahead.pop(i, None) or self._start(i)
+        full = assemble_layer(self.layers[i], [handle.wait() for handle in handles])
         for handle in handles:
             for call in handle.calls.values():
-                regather.add(call.db, call)
-        nxt = i + 1 < n
-        ahead = start(i + 1) if nxt and prefetch else None
-        with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
-            h = layer_fn(full, h)
-        if reshard_after_forward and nxt:
+                self.regather.add(call.db, call)
+        if nxt is not None and self.prefetch and nxt != i and nxt not in self.ahead:
+            self.ahead[nxt] = self._start(nxt)
+        return full, _gathered_buffers(full)
+
+    def call(self, fn: Callable, full: Any, args: tuple, kwargs: dict) -> Any:
+        """``fn(full, *args, **kwargs)`` under the run's saved-tensor hooks; with
+        ``recompute``, checkpointed (:func:`checkpointed`)."""
+        with torch.autograd.graph.saved_tensors_hooks(self.regather.pack, self.regather.unpack):
+            if self.context_fn is not None:
+                return checkpointed(fn, full, args, kwargs, self.context_fn)
+            self.regather.packed = set()
+            out = fn(full, *args, **kwargs)
+        if torch.is_grad_enabled() and not self.regather.packed:
+            # the forward saved none of the gathered tensors: a checkpoint of its own did
+            _Refresh(full, self.regather).watch(out)
+        return out
+
+    def exit(self, dbs: list[DBuffer], last: bool) -> None:
+        """After a layer's forward: reshard it (``reshard_after_forward``; not the last)."""
+        if self.reshard_after_forward and not last:
             for db in dbs:
                 db.unit.reshard(db)
-        if nxt and ahead is None:
-            ahead = start(i + 1)
-    if torch.is_grad_enabled():
-        # Frozen units (no gather of theirs records a backward, so no post-backward releases
-        # them) may be regathered or prefetched for the inputs' gradients: the next backward
-        # pass releases them as it ends.
-        for calls in regather.calls.values():
-            if not any(c.recorded for c in calls):
-                pending().release_after_backward(calls[0].unit)
-    return h
+
+    def finish(self) -> None:
+        """Prefetches no layer used (a forward that stopped early): finished and resharded
+        (a unit an earlier call used is gathered again for its backward)."""
+        for handles in self.ahead.values():
+            for handle in handles:
+                handle.wait()
+                for call in handle.calls.values():
+                    call.db.unit.reshard(call.db)
+        self.ahead.clear()
+        if torch.is_grad_enabled():
+            # Frozen units (no gather of theirs records a backward, so no post-backward
+            # releases them) may be regathered or prefetched for the inputs' gradients: the
+            # next backward pass releases them as it ends.
+            for calls in self.regather.calls.values():
+                if not any(c.recorded for c in calls):
+                    pending().release_after_backward(calls[0].unit)
+
+
+class _Refresh:
+    """A ``torch.utils.checkpoint`` of the user's inside a layer reads the full tensors when
+    the backward recomputes the layer, from the tree it was given (``checkpoint(f, full, h)``:
+    the dict is kept as it is, its tensors released since). When the backward reaches the
+    layer's outputs, the tree's released tensors are replaced, in place, by views of the
+    regathered unit (the same ones the saved-tensor hooks hand out)."""
+
+    def __init__(self, full: Any, regather: _Regather) -> None:
+        self.spots: list = []  # (container, key, record, requires_grad)
+        self.regather = regather
+        self._walk(full)
+
+    def _walk(self, node: Any) -> None:
+        items = node.items() if isinstance(node, dict) else \
+            enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            if isinstance(v, torch.Tensor):
+                slot = slot_of(v)
+                if slot is not None and slot.view is View.FULL:
+                    self.spots.append((node, k, _Saved(slot.buffer, v), v.requires_grad))
+            else:
+                self._walk(v)
+
+    def watch(self, out: Any) -> None:
+        """Refresh when the backward reaches ``out``."""
+        if not self.spots:
+            return
+        for t in optree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        spots, self.spots = self.spots, []
+        for node, k, saved, wants in spots:
+            if type(node[k]) is ReleasedTensor:
+                fresh = self.regather.unpack(saved).detach().requires_grad_(wants)
+                if wants:  # a recompute differentiated through: a reentrant checkpoint
+                    fresh.register_hook(_reentrant)
+                node[k] = fresh
+
+
+def _reentrant(grad: torch.Tensor) -> None:
+    raise RuntimeError(
+        "vfsdp.run_layers: torch.utils.checkpoint(use_reentrant=True) inside layer_fn is not "
+        "supported: its recompute differentiates the regathered tensors, which are not the "
+        "gather's outputs, so the unit's gradients would be lost; pass use_reentrant=False, "
+        "or run_layers(..., recompute='full')")
+
+
+#: ``recompute="selective"``'s policy: the matmuls' and attention's outputs are kept, the rest
+#: (norms, activations, elementwise work) recomputed.
+SAVED_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten.baddbmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_cudnn_attention.default)
+
+
+def recompute_context(recompute: Any) -> Optional[Callable]:
+    """The ``context_fn`` of a ``recompute`` option for ``torch.utils.checkpoint``: ``None``
+    (no checkpointing), ``"full"`` (torch's default: nothing kept), ``"selective"`` (the
+    outputs of :data:`SAVED_OPS` kept) or a SAC policy, as
+    ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` takes it (a callable
+    ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``, or a list of ops to keep)."""
+    if recompute is None:
+        return None
+    if recompute == "full":
+        return noop_context_fn
+    policy = list(SAVED_OPS) if recompute == "selective" else recompute
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def checkpointed(fn: Callable, full: Any, args: tuple, kwargs: dict,
+                 context_fn: Optional[Callable] = None) -> Any:
+    """``fn(full, *args, **kwargs)`` under non-reentrant ``torch.utils.checkpoint``, the
+    full tensors passed as its inputs: saved by the hooks around the call (a run's records of
+    gathered parameters), so the recompute reads what the backward regathered, not the
+    released tensors of the forward."""
+    leaves, treespec = optree.tree_flatten(full)
+    wants = [t.requires_grad for t in leaves]
+    n = len(leaves)
+
+    def inner(*flat: Any, **kw: Any) -> Any:
+        # A regathered parameter comes back as a plain view: it requires grad as the forward's
+        # did, so the recompute saves the same tensors (its gradient flows by the forward's
+        # graph, to the gather)
+        ts = [t.detach().requires_grad_() if want and not t.requires_grad else t
+              for t, want in zip(flat[:n], wants)]
+        return fn(optree.tree_unflatten(treespec, ts), *flat[n:], **kw)
+
+    return checkpoint(inner, *leaves, *args, use_reentrant=False,
+                      context_fn=context_fn or noop_context_fn, **kwargs)
 
 
 def _gathered_buffers(full: Any) -> list[DBuffer]:

@@ -20,7 +20,7 @@ import torch
 
 from vfsdp._warnings import refuse_mesh
 from vfsdp.collectives.comm import resolve_groups
-from vfsdp.collectives.dbuffer import View, slot_of
+from vfsdp.collectives.dbuffer import Role, View, slot_of
 from vfsdp.collectives.unit import Unit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec, UnitLayout, refuse_non_tree, unit_name
@@ -87,7 +87,8 @@ def find_unit(local: Sequence[Any], layout: UnitLayout, index: Sequence[int],
     found, plain = None, None
     for x, k in zip(local, index):
         slot = slot_of(x)
-        if slot is None:
+        if slot is None or (slot.buffer.role is Role.GRAD and slot.view is View.LOCAL):
+            # vfsdp.grads' views of a gradient buffer are values, as a plain tensor is
             plain = layout.paths[k]
             continue
         if (found is not None and slot.buffer is found.params and slot.unit is found

@@ -15,6 +15,9 @@ generator state (as every torchrun process starts from the same script):
   ``feature_alpha_dropout``, their ``torch.*`` ops and the modules calling them), which takes
   no generator, draws its mask from the rank's generator with the same formula as torch's
   kernel (the values differ from the process generator's draw, the distribution does not);
+* attention dropout (``torch.nn.functional.scaled_dot_product_attention`` with
+  ``dropout_p > 0``, Hugging Face's default attention in training) runs as torch's documented
+  reference computation, its dropout mask drawn from the rank's generator;
 * ``torch.manual_seed``, ``torch.seed``, ``torch.initial_seed``, ``torch.get_rng_state`` and
   ``torch.set_rng_state`` act on the calling rank's generator.
 
@@ -100,6 +103,28 @@ def _dropout(func, g: torch.Generator, args, kwargs):
     return x.mul_(keep) if inplace else x * keep
 
 
+def _sdpa(g: torch.Generator, query, key, value, attn_mask=None, dropout_p=0.0,
+          is_causal=False, scale=None, enable_gqa=False):
+    """``scaled_dot_product_attention`` with dropout, its mask drawn from ``g`` (torch's
+    reference computation: the kernels draw from the process generator)."""
+    n, m = query.size(-2), key.size(-2)
+    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    if enable_gqa:
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+        value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+    w = query @ key.transpose(-2, -1) * scale
+    if is_causal:
+        w = w.masked_fill(~torch.ones(n, m, dtype=torch.bool, device=w.device).tril(),
+                          float("-inf"))
+    if attn_mask is not None:
+        w = w.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+            else w + attn_mask
+    w = torch.softmax(w, dim=-1)
+    keep = torch.empty_like(w).bernoulli_(1.0 - dropout_p, generator=g)
+    w = w * keep / (1.0 - dropout_p) if dropout_p < 1.0 else w * keep
+    return w @ value
+
+
 class RankRNG(TorchFunctionMode):
     """Routes torch's random draws on this thread to ``generator``: samplers and
     ``torch.nn.init`` functions called without ``generator=``, and dropout."""
@@ -114,6 +139,9 @@ class RankRNG(TorchFunctionMode):
                 func in _SAMPLERS or (getattr(func, "__module__", None) == "torch.nn.init"
                                       and _takes_generator(func))):
             kwargs = dict(kwargs, generator=self.generator)
+        elif func is F.scaled_dot_product_attention and (
+                kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) > 0.0):
+            return _sdpa(self.generator, *args, **kwargs)
         elif func in _DROPOUTS:
             out = _dropout(func, self.generator, args, kwargs)
             if out is not None:

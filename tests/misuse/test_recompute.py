@@ -1,0 +1,52 @@
+"""Activation checkpointing misused: a bad ``recompute`` value, ``recompute`` where nothing
+can honour it, a reentrant checkpoint inside a ``run_layers`` layer (its gradients would be
+lost): each refused, naming the fix."""
+
+import pytest
+import torch
+
+import vfsdp
+from vfsdp.testing import simulate
+
+
+def test_a_bad_recompute_value_is_refused_where_the_policy_is_made():
+    with pytest.raises(ValueError, match="recompute must be None, 'full', 'selective' or a"):
+        vfsdp.Policy(recompute="sometimes")
+    assert vfsdp.Policy(recompute="selective").recompute == "selective"
+
+
+def _plain_gather():
+    spec = vfsdp.plan({"w": torch.ones(4)}, 2)
+    shards = vfsdp.shard({"w": torch.ones(4)}, spec)
+    try:
+        vfsdp.gather(shards, spec, recompute="full")
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_recompute_is_refused_by_a_plain_gather_in_the_one_wording():
+    for msg in simulate(2, _plain_gather):
+        assert msg.startswith("vfsdp.gather: recompute='full' is not supported by a plain "
+                              "gather (only run_layers runs its layers"), msg
+        assert "torch.utils.checkpoint (use_reentrant=False)" in msg
+
+
+def _reentrant():
+    from torch.utils.checkpoint import checkpoint
+
+    params = {"layers": [{"w": torch.full((4, 4), 0.1)} for _ in range(3)]}
+    spec = vfsdp.plan(params, 2)
+    shards = vfsdp.shard(params, spec)
+    fn = lambda p, h: checkpoint(lambda x: torch.tanh(x @ p["w"]), h, use_reentrant=True)
+    h = vfsdp.run_layers(fn, shards["layers"], spec["layers"], torch.ones(1, 4,
+                                                                        requires_grad=True))
+    try:
+        h.sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def test_a_reentrant_checkpoint_inside_run_layers_is_refused_not_silently_wrong():
+    for msg in simulate(2, _reentrant):
+        assert "use_reentrant=True) inside layer_fn is not supported" in msg, msg
+        assert "pass use_reentrant=False, or run_layers(..., recompute='full')" in msg

@@ -260,7 +260,9 @@ class LayerRun:
             out = fn(full, *args, **kwargs)
         if torch.is_grad_enabled() and not self.regather.packed:
             # the forward saved none of the gathered tensors: a checkpoint of its own did
-            _Refresh(full, self.regather).watch(out)
+            # (or the layer did not use them: what it returns as it was given is not watched,
+            # so a rank that skips a layer issues no regather the others do not)
+            _Refresh(full, self.regather).watch(out, (args, kwargs))
         return out
 
     def exit(self, dbs: list[DBuffer], last: bool) -> None:
@@ -310,12 +312,13 @@ class _Refresh:
             else:
                 self._walk(v)
 
-    def watch(self, out: Any) -> None:
-        """Refresh when the backward reaches ``out``."""
+    def watch(self, out: Any, inputs: Any = ()) -> None:
+        """Refresh when the backward reaches ``out`` (its tensors that are not ``inputs``)."""
         if not self.spots:
             return
+        given = {id(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
         for t in optree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+            if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in given:
                 t.register_hook(self)
 
     def __call__(self, grad: torch.Tensor) -> None:

@@ -9,7 +9,8 @@ cut into 4 row blocks (4x the tensors). Rows:
 * ``vfsdp adamw8bit``: the whole update, one flat 8-bit pass per unit
   (``vfsdp.optim.quant.step8_flat``) and one multi-tensor AdamW for the norms;
 * ``8-bit pass, per unit`` and ``8-bit pass, per tensor``: that pass alone, and the reference
-  beside it (``step8`` once per quantized tensor, what 0.2 ran), over the same state;
+  beside it (``step8`` of ``tests/optim/reference.py`` once per quantized tensor, what 0.2
+  ran), over the same state;
 * ``vfsdp muon``: Muon on the matrices, AdamW on the norms;
 * ``offload(...)``: the same optimizers through ``vfsdp.optim.offload`` (state and fp32
   masters in host memory; on the CPU the "host" is the same memory, so the row shows what
@@ -34,7 +35,7 @@ import optree
 import torch
 
 import vfsdp
-from vfsdp.optim.quant import step8
+from tests.optim.reference import step8
 from vfsdp.testing import simulate
 
 
@@ -78,14 +79,15 @@ def _passes_8bit(state, shards, spec, flat: bool):
             if flat:
                 lo, hi, tiles = state.plan.span(key, frozenset(), p.device)
                 step8_flat(p[lo:hi], g[lo:hi], cm[lo:hi], cv[lo:hi], state.unit_scales_m[key],
-                           state.unit_scales_v[key], tiles, *maps, 0.9, 0.999, 1e-8, 0.5, -1e-3)
+                           state.unit_scales_v[key], tiles, *maps, 0.9, 0.999, 1e-8, 1e-4, 0.1,
+                           0.5)
                 continue
             for t in state.plan.quantized[key]:
                 if t.hi > t.lo:
                     s = slice(t.lo, t.hi)
                     step8(p[s].view(t.view), g[s].view(t.view), cm[s].view(t.view),
                           cv[s].view(t.view), state.scales_m[(key, t.k)],
-                          state.scales_v[(key, t.k)], *maps, 0.9, 0.999, 1e-8, 0.5, -1e-3)
+                          state.scales_v[(key, t.k)], *maps, 0.9, 0.999, 1e-8, 1e-4, 0.1, 0.5)
 
 
 def rows(dim: int, layers: int, cut: int, repeat: int, device: str) -> dict:

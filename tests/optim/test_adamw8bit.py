@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 import vfsdp
-from vfsdp.optim.quant import dequantize, dynamic_map, quantize, span_tiles, tile_ids
+from tests.optim.reference import dequantize, quantize, tile_ids
+from vfsdp.optim.quant import dynamic_map, span_tiles
 from vfsdp.testing import CopyCounter, simulate, spawn
 
 
@@ -112,15 +113,9 @@ def test_init_refuses_a_plan_that_cuts_tiles():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from vfsdp.optim.quant import (  # noqa: E402
-    TILE,
-    dequantize_tiles,
-    midpoints,
-    quantize_tiles,
-    step8,
-    step8_flat,
-    tile_view,
-)
+from tests.optim.reference import dequantize_tiles, quantize_tiles, step8  # noqa: E402
+from vfsdp.functional.tiles import TILE, tile_view  # noqa: E402
+from vfsdp.optim.quant import midpoints, step8_flat  # noqa: E402
 
 
 @st.composite
@@ -193,9 +188,9 @@ def test_the_flat_pass_over_a_unit_is_bitwise_the_per_tensor_step(case):
     cv = torch.randint(0, 256, (numel,), generator=gen, dtype=torch.uint8)
     sm = torch.cat([torch.rand(t0, generator=gen), torch.zeros(1)])
     sv = torch.cat([torch.rand(t0, generator=gen), torch.zeros(1)])
-    scalars = (0.999 ** 0.5, -1e-2 / 0.1)
-    if tensor_scalars:
-        scalars = tuple(torch.tensor(x, dtype=torch.float32) for x in scalars)
+    scalars = (1e-2, 0.1, 0.999 ** 0.5)  # lr, bias correction 1, sqrt of bias correction 2
+    if tensor_scalars:  # as the optimizer's step counter gives them (0-d float64 tensors)
+        scalars = (1e-2, *(torch.tensor(x, dtype=torch.float64) for x in scalars[1:]))
     want = [x.clone() for x in (p, cm, cv, sm, sv)]
     for lo, n, view, first, n_tiles, skip in layout:
         if skip or n == 0:
@@ -316,8 +311,8 @@ def test_the_compiled_8bit_step_compiles_once_for_every_step_and_shape(monkeypat
         sm, sv = torch.zeros(n // 1024 + 1), torch.zeros(n // 1024 + 1)
         for t in range(1, 5):
             step(p, torch.randn(n + 5), cm, cv, sm, sv, tiles, qm, qv, midpoints(qm),
-                 midpoints(qv), 0.9, 0.999, 1e-8, (1 - 0.999 ** t) ** 0.5,
-                 -1e-3 * t / (1 - 0.9 ** t))
+                 midpoints(qv), 0.9, 0.999, 1e-8, 1e-3 * t, 1 - 0.9 ** t,
+                 (1 - 0.999 ** t) ** 0.5)
             per_shape.append(len(graphs))
     # One graph at the first step, none added by the three later steps (a new shape may add
     # one: dynamic shapes still guard on some properties, e.g. tile divisibility).
@@ -370,7 +365,7 @@ def test_a_failing_compile_warns_and_runs_the_eager_step(monkeypatch):
             torch.zeros(1024, dtype=torch.uint8), torch.zeros(2), torch.zeros(2),
             span_tiles([(1024, (1, 32, 32), 0)], 1, "cpu"),
             dynamic_map(True), dynamic_map(False), midpoints(dynamic_map(True)),
-            midpoints(dynamic_map(False)), 0.9, 0.999, 1e-8, 0.999 ** 0.5, -1.0)
+            midpoints(dynamic_map(False)), 0.9, 0.999, 1e-8, 0.1, 0.1, 0.999 ** 0.5)
     with pytest.warns(UserWarning, match=r"compile of the 8-bit step failed \(RuntimeError: no "
                                          r"backend for this device\).*compile=False"):
         step(*args)

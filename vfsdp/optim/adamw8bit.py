@@ -18,19 +18,19 @@ their real elements.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
+from vfsdp import _torch_private as tp
 from vfsdp._warnings import warn_user
 from vfsdp.collectives.piece import Piece, tensor_piece
 from vfsdp.collectives.slot import Role
 from vfsdp.functional.state import param_tree
-from vfsdp.functional.tiles import blockwise, tile_granularity, tiles_of
-from vfsdp.optim.adamw import owned_views, runs
+from vfsdp.functional.tiles import blockwise, tile_granularity, tile_range, tile_view, tiles_of
+from vfsdp.optim.adamw import owned_views
 from vfsdp.optim.base import (
     Mask,
     Optimizer,
@@ -39,22 +39,18 @@ from vfsdp.optim.base import (
     both,
     check_hyper,
     flat_grads,
+    frozen_of,
     grad_leaves,
+    read_step,
+    runs,
     same_at_ties,
     selected,
+    sync_step,
     unit_buffers,
 )
-from vfsdp.optim.fused import adamw_step, scale_
-from vfsdp.optim.quant import (
-    TILE,
-    SpanTiles,
-    dynamic_map,
-    midpoints,
-    span_tiles,
-    step8_flat,
-    tile_view,
-)
-from vfsdp.optim.traced import TracedAdam8, compiled_update, traced_adamw8bit
+from vfsdp.optim.fused import adamw_step, decay_, learning_rate, new_count, step_scalars
+from vfsdp.optim.quant import SpanTiles, dynamic_map, midpoints, span_tiles, step8_flat
+from vfsdp.optim.traced import TracedAdam8, traced_adamw8bit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
@@ -128,7 +124,7 @@ class AdamW8bitPlan:
 
 @dataclass
 class AdamW8bitState:
-    """The step; uint8 codes per unit (DBuffers with the parameters' layout); per quantized
+    """The step counter (``count``); uint8 codes per unit (DBuffers with the parameters' layout); per quantized
     tensor ``(unit, k)`` its tile scales (views of its unit's scales, ``unit_scales_m``/``_v``:
     every tile of the unit in shard order, then a spare one), per small tensor its fp32
     moments.
@@ -144,7 +140,7 @@ class AdamW8bitState:
         [(0, torch.uint8, (2056, 1024)), (0, torch.uint8, (2056, 1024))]
     """
 
-    step: int
+    count: torch.Tensor
     codes_m: dict
     codes_v: dict
     scales_m: dict = field(default_factory=dict)
@@ -156,12 +152,8 @@ class AdamW8bitState:
     plan: AdamW8bitPlan = field(default_factory=AdamW8bitPlan, repr=False, compare=False)
     traced: Optional[TracedAdam8] = field(default=None, repr=False, compare=False)
 
-    def sync_step(self) -> int:
-        """``step``, caught up with the compiled path's counter (as ``AdamWState``'s)."""
-        if self.traced is not None and self.traced.ran:
-            self.step = int(self.traced.step.item())
-            self.traced.ran = False
-        return self.step
+    step = property(read_step, doc=read_step.__doc__)
+    sync_step = sync_step
 
     def state_bytes(self) -> tuple[int, int]:
         """``(bytes of 8-bit state incl. scales, elements it covers)`` on this rank."""
@@ -177,7 +169,7 @@ class AdamW8bitState:
         """The step; the codes per element and the tile scales indexed by global tile (so
         another block placement reloads them bit for bit); the small tensors' fp32 moments."""
         keep = owned_views(self.plan)
-        tree = {"step": self.sync_step(), "codes_m": param_tree(self.codes_m, spec, keep),
+        tree = {"step": self.step, "codes_m": param_tree(self.codes_m, spec, keep),
                 "codes_v": param_tree(self.codes_v, spec, keep)}
         for attr in ("m", "v"):
             scales, small = getattr(self, f"scales_{attr}"), getattr(self, f"fp32_{attr}")
@@ -187,7 +179,7 @@ class AdamW8bitState:
                 if found is None:
                     return None
                 ts = db.tensors[k]
-                first, total = _tile_range(tuple(ts.shape), ts.local_range(db.rank)[0])
+                first, total = tile_range(tuple(ts.shape), ts.local_range(db.rank)[0])
                 first = first if found.numel() else 0
                 writer = db.groups.replicate_rank == 0
                 st = ts.strided
@@ -196,7 +188,7 @@ class AdamW8bitState:
                                  (st is None or st.writes))
                 # Tiles of this index's piece: row ``index`` of (model axis, most tiles); it
                 # reloads at the same model-axis degree only (tiles of other pieces differ).
-                most = max(_tile_range(_piece_shape(st, i), 0)[1] for i in range(st.size))
+                most = max(tile_range(_piece_shape(st, i), 0)[1] for i in range(st.size))
                 return Piece(found, (st.size, most), first, writer=writer,
                              within=((st.index, 0), (1, most)))
 
@@ -211,10 +203,7 @@ class AdamW8bitState:
         return tree
 
     def restore_checkpoint(self, tree: dict) -> AdamW8bitState:
-        self.step = tree["step"]
-        if self.traced is not None:
-            self.traced.step.fill_(self.step)
-            self.traced.ran = self.traced.stale = False
+        self.count.fill_(tree["step"])
         return self
 
 
@@ -223,16 +212,6 @@ def _piece_shape(st: Any, index: int) -> tuple:
     shape = list(st.global_shape)
     shape[st.dim] = st.lengths[index]
     return tuple(shape)
-
-
-def _tile_range(shape: tuple, start: int) -> tuple[int, int]:
-    """``(first global tile, total tiles)`` of a rank range starting at flat ``start``."""
-    rows_, cols = shape[-2], shape[-1]
-    row_tiles, col_tiles = math.ceil(rows_ / TILE), math.ceil(cols / TILE)
-    total = math.prod(shape[:-2]) * row_tiles * col_tiles
-    g0 = start // cols
-    stripe = (g0 // rows_) * row_tiles + (g0 % rows_) // TILE
-    return stripe * col_tiles, total
 
 
 def _span(quantized: tuple, skip: frozenset, device: Any) -> Optional[tuple]:
@@ -322,9 +301,10 @@ def adamw8bit(
         same_at_ties(mask and (lambda p: selected(mask, p)), spec, "adamw8bit.init", "mask")
         same_at_ties(weight_decay_mask and (lambda p: selected(weight_decay_mask, p)), spec,
                      "adamw8bit.init", "weight_decay_mask")
-        state = AdamW8bitState(0, {}, {})
+        units = unit_buffers(shards, spec, "adamw8bit.init")
+        state = AdamW8bitState(new_count(units[0].db.device if units else "cpu"), {}, {})
         paths, quantized, fp32, decay, decay_runs = {}, {}, {}, {}, {}
-        for u in unit_buffers(shards, spec, "adamw8bit.init"):
+        for u in units:
             db = u.db
             chosen = frozenset(t.path for t in db.tensors if selected(mask, t.path))
             if not chosen:
@@ -396,17 +376,15 @@ def adamw8bit(
                 if hi > lo:
                     small.append((first[k], k in decays, state.fp32_m[(u.key, k)],
                                   state.fp32_v[(u.key, k)]))
-        device = units[0].db.device
-        return TracedAdam8(q, small, qmaps(device),
-                           torch.zeros(1, dtype=torch.float64, device=device))
+        return TracedAdam8(q, small, qmaps(units[0].db.device))
 
     def update(grads: Any, state: AdamW8bitState, shards: Any, spec: ShardSpec) -> AdamW8bitState:
-        if compiled_update(state, "adamw8bit.update", lambda: traced_adamw8bit(
-                grads, state.traced, shards, spec, schedule, betas, eps, weight_decay)):
+        state.count.add_(1)
+        rate = learning_rate(schedule, state.count)
+        if tp.compiling():
+            traced_adamw8bit(grads, state, shards, spec, rate, betas, eps, weight_decay)
             return state
-        step = state.step
-        rate = schedule(step)
-        scalars = (math.sqrt(1 - b2 ** step), -rate / (1 - b1 ** step))
+        scalars = step_scalars(state.count, betas)
         leaves = grad_leaves(grads, spec, "adamw8bit.update")
         plan = state.plan
         small: tuple = ([], [], [], [])  # p, g, m, v slices of the fp32-moment tensors
@@ -416,8 +394,8 @@ def adamw8bit(
             for u in unit_buffers(shards, spec, "adamw8bit.update"):
                 if u.key not in state.codes_m:
                     continue
-                frozen = u.frozen()  # no gradient, no update, no decay
                 owned = plan.paths[u.key]
+                frozen = frozen_of(u, owned)  # no update, no decay
                 if frozen and owned <= {u.db.tensors[k].path for k in frozen}:
                     continue
                 g = flat_grads(leaves, u, "adamw8bit.update", torch.float32)  # its arithmetic
@@ -439,17 +417,16 @@ def adamw8bit(
                         for acc, x in zip(small, (p[lo:hi], g[lo:hi], state.fp32_m[(u.key, k)],
                                                   state.fp32_v[(u.key, k)])):
                             acc.append(x)
-            if weight_decay and decay:
-                scale_(decay, 1 - rate * weight_decay)
+            decay_(decay, rate, weight_decay)
             if spans:
                 device = spans[0][0].device
                 qm, qv, mm, mv = qmaps(device)
                 fn = kernel(device)
                 for args in spans:
-                    fn(*args, qm, qv, mm, mv, b1, b2, eps, *scalars)
+                    fn(*args, qm, qv, mm, mv, b1, b2, eps, rate, *scalars)
             ps, gs, ms, vs = small
-            adamw_step(ps, gs, ms, vs, [], step=step, lr=rate, betas=betas, eps=eps,
-                       weight_decay=0.0, fused=False)
+            adamw_step(ps, gs, ms, vs, [], count=state.count, lr=rate, betas=betas, eps=eps,
+                       weight_decay=0.0, fused=False, scalars=scalars)
         return state
 
     return Optimizer(init, update, granularity_8bit(min_8bit_numel), local_state=True)
@@ -458,22 +435,23 @@ def adamw8bit(
 def compiled_step8() -> Callable:
     """:func:`~vfsdp.optim.quant.step8_flat` through ``torch.compile``: one graph for every
     unit and every step (the span's table and sizes go in as arguments, the step's two scalars
-    as one tensor, made once per update); where compiling fails, a warning says why and the
+    as one float32 tensor, made once per update); where compiling fails, a warning says why and the
     eager pass runs instead."""
     fn = torch.compile(_unpacked, dynamic=True)
-    state: dict = {"failed": False, "key": None, "scalars": None}
+    state: dict = {"failed": False, "key": (), "scalars": None}
 
     def run(*args) -> None:
         if not state["failed"]:
-            key = (*args[-2:], args[0].device)
-            if state["key"] != key:  # a new step: one small tensor for all of its units
-                state["key"] = key
-                state["scalars"] = torch.tensor(args[-2:], dtype=torch.float32,
-                                                device=args[0].device)
+            key = args[-3:]  # this step's lr and bias corrections, kept while cached
+            if len(state["key"]) != 3 or any(a is not b for a, b in zip(key, state["key"])):
+                state["key"] = key  # a new step: one small tensor for all of its units
+                state["scalars"] = torch.stack([torch.as_tensor(x, dtype=torch.float64,
+                                                                device=args[0].device)
+                                                for x in key]).float()
             t = args[6]
             try:
                 return fn(*args[:6], t.table, t.chunks, t.numel, t.n_tiles, t.keep,
-                          *args[7:-2], state["scalars"])
+                          *args[7:-3], state["scalars"])
             except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back
                 state["failed"] = True
                 warn_user(f"adamw8bit: torch.compile of the 8-bit step failed "
@@ -487,8 +465,8 @@ def compiled_step8() -> Callable:
 
 def _unpacked(p, g, cm, cv, sm, sv, table, chunks, numel, n_tiles, keep, *args) -> None:
     """:func:`~vfsdp.optim.quant.step8_flat` with its span's tiles unpacked (sizes as
-    arguments, not attributes a graph would specialise on) and its two per-step scalars in
-    one tensor."""
-    bc2_sqrt, step = args[-1].unbind()
+    arguments, not attributes a graph would specialise on) and its three per-step scalars
+    (learning rate, bias corrections) in one tensor."""
+    lr, bc1, bc2_sqrt = args[-1].unbind()
     step8_flat(p, g, cm, cv, sm, sv, SpanTiles(table, chunks, numel, n_tiles, keep),
-               *args[:-1], bc2_sqrt, step)
+               *args[:-1], lr, bc1, bc2_sqrt)

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
+from vfsdp._warnings import warn_user
 from vfsdp.collectives.slot import View, slot_of
 from vfsdp.functional.grads import gradient_leaves
 from vfsdp.functional.tree import match_tree
@@ -47,7 +48,8 @@ from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["Optimizer", "gradient_transform", "apply_update", "Schedule", "Mask", "as_schedule",
            "unit_buffers", "grad_leaves", "state_dtype", "check_hyper", "flat_grads",
-           "UnitTensors", "init_masked", "both", "selected", "state_tensors"]
+           "UnitTensors", "init_masked", "both", "selected", "state_tensors", "runs",
+           "frozen_of", "read_step", "sync_step"]
 
 Schedule = Union[float, Callable[[int], float]]
 Mask = Optional[Callable[[tuple], bool]]
@@ -243,6 +245,82 @@ def init_masked(opt: Optimizer, shards: Any, spec: ShardSpec, mask: Mask, what: 
     return opt.init(shards, spec, mask=mask)
 
 
+def runs(db: Any, mask: Mask) -> tuple[tuple[int, int], ...]:
+    """Flat ranges of this rank's shard holding the tensors ``mask`` selects, merged.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"a": torch.ones(4), "b": torch.ones(4)}, 1)
+        ...     shards = vfsdp.shard({"a": torch.ones(4), "b": torch.ones(4)}, spec)
+        ...     db = slot_of(shards["a"]).buffer
+        ...     return runs(db, None), runs(db, lambda p: p == ("b",))
+        >>> vfsdp.testing.simulate(1, body)
+        [(((0, 8),), ((4, 8),))]
+    """
+    out: list = []
+    for t in db.tensors:
+        if not selected(mask, t.path):
+            continue
+        lo, hi = t.shard_range(db.rank)
+        if hi <= lo:
+            continue
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+def frozen_of(u: UnitTensors, owned: frozenset) -> frozenset:
+    """Buffer indices of unit ``u``'s tensors among ``owned`` (paths) whose shard does not
+    require grad now. The one rule every optimizer follows, as ``torch.optim`` skips a
+    parameter without a gradient: a frozen tensor gets no update and no weight decay, and
+    its state stays as it is until it is unfrozen.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"a": torch.ones(4), "b": torch.ones(4)}, 1)
+        ...     shards = vfsdp.shard({"a": torch.ones(4), "b": torch.ones(4)}, spec)
+        ...     shards["a"].requires_grad_(False)
+        ...     u = unit_buffers(shards, spec, "example")[0]
+        ...     return frozen_of(u, frozenset({("a",), ("b",)})), frozen_of(u, frozenset())
+        >>> vfsdp.testing.simulate(1, body)
+        [(frozenset({0}), frozenset())]
+    """
+    return frozenset(k for k in u.frozen() if u.db.tensors[k].path in owned)
+
+
+def read_step(state: Any) -> int:
+    """The number of updates ``state`` has counted (``state.count``, read back to the host:
+    for logs and checkpoints, not for the step's path).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> read_step(SimpleNamespace(count=torch.full((1,), 3.0)))
+        3
+    """
+    return int(state.count.item())
+
+
+def sync_step(state: Any) -> int:
+    """Deprecated (a ``FutureWarning``; gone in the next release): the state has one step
+    counter, ``state.count``, which eager and compiled updates both advance, so there is
+    nothing to catch up. Returns ``state.step``.
+
+    Example:
+        >>> import warnings
+        >>> from types import SimpleNamespace
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     sync_step(SimpleNamespace(step=2))
+        2
+    """
+    warn_user("state.sync_step() is deprecated and does nothing: the state has one step "
+              "counter (state.count, a tensor) for eager and compiled updates; read "
+              "state.step", FutureWarning)
+    return state.step
+
+
 def unit_buffers(shards: Any, spec: ShardSpec, what: str) -> list[UnitTensors]:
     """Every unit of ``shards``: its :class:`~vfsdp.collectives.Unit`, parameter DBuffer
     (``.db``) and leaves (``.leaves``: ``(leaf index, buffer index)`` pairs).
@@ -340,7 +418,7 @@ def state_tensors(state: Any) -> list:
         ...                 for t in state_tensors(state)}
         ...     return sum(storages.values())
         >>> vfsdp.testing.simulate(2, body)[0]      # two moments of 4 floats, the step count
-        40
+        36
     """
     from vfsdp.collectives.dbuffer import DBuffer
 

@@ -63,7 +63,6 @@ from vfsdp.collectives.unit import Unit
 from vfsdp.optim.base import (
     Mask,
     Optimizer,
-    apply_update,
     flat_grads,
     grad_leaves,
     init_masked,
@@ -169,7 +168,8 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
     Args:
         opt: Any optimizer: ``adamw``, ``adamw8bit``, ``muon``, a ``chain`` or
             ``partition``, and it may be a member of one. It must be the member that
-            updates parameters: the gradients it hands on stay on the host.
+            updates parameters: a gradient transform inside it changes the host copies of
+            the gradients, not the device's.
         master_dtype: The masters' dtype (default: float32, or the parameters' own dtype
             where it is wider).
 
@@ -296,7 +296,7 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
             state.stream.synchronize()
         error = None
         try:
-            _, state.inner = apply_update(opt, state.grads, state.inner, state.shards, spec)
+            state.inner = opt.update(state.grads, state.inner, state.shards, spec)
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             error = exc
         for hu in state.units:  # the host update may have changed them (a clip, in place)

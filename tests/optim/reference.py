@@ -13,6 +13,7 @@ import torch
 from vfsdp.functional.tiles import TILE, tiled
 from vfsdp.optim.quant import dynamic_map, midpoints  # noqa: F401 - for the examples
 
+
 def quantize_tiles(x: torch.Tensor, mids: torch.Tensor, codes: torch.Tensor,
                    scales: torch.Tensor) -> None:
     """Quantize ``x`` (``[B, R, C]``, fp32) into ``codes`` (uint8, same shape) and ``scales``

@@ -26,7 +26,7 @@ def _grads(step):
     return optree.tree_map(lambda t: torch.randn(t.shape, generator=g) * (0.5 + step), _params())
 
 
-def _train(mesh_shape=None, steps=3, count=False):
+def _train(mesh_shape=None, steps=3, count=False, frozen=None):
     world = dist.get_world_size()
     opt = vfsdp.optim.adamw8bit(lr=1e-2, weight_decay=0.1,
                                 weight_decay_mask=lambda p: p[-1] != "norm")
@@ -36,6 +36,8 @@ def _train(mesh_shape=None, steps=3, count=False):
     state = opt.init(shards, spec)
     collectives = 0
     for step in range(1, steps + 1):
+        for i, x in enumerate(optree.tree_leaves(shards)):
+            x.requires_grad_(i not in (frozen or {}).get(step, ()))
         rank = dist.get_rank() % spec.world_size
         full_g = _grads(step)
         local = optree.tree_map(
@@ -216,7 +218,7 @@ def test_the_flat_pass_over_a_unit_is_bitwise_the_per_tensor_step(case):
         assert torch.equal(got, ref)
 
 
-def _reference_8bit(steps=3):
+def _reference_8bit(steps=3, frozen=None):
     """One process, one tensor at a time, with the reference (per-element tile index) code."""
     params = _params()
     leaves, paths = optree.tree_leaves(params), optree.tree_paths(params)
@@ -235,6 +237,8 @@ def _reference_8bit(steps=3):
         grads = optree.tree_leaves(_grads(step))
         bc1, bc2 = 1 - b1 ** step, (1 - b2 ** step) ** 0.5
         for i, (p, g, path) in enumerate(zip(leaves, grads, paths)):
+            if i in (frozen or {}).get(step, ()):
+                continue  # frozen: no update, no decay, its moments kept
             p, g = p.view(-1), g.reshape(-1)
             if path[-1] != "norm":
                 p.mul_(1 - lr * wd)
@@ -256,6 +260,19 @@ def _reference_8bit(steps=3):
 
 def test_the_8bit_step_is_bitwise_the_reference_loop():
     assert simulate(1, _train)[0][0] == _reference_8bit()
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_frozen_tensors_and_units_keep_their_moments_in_the_rank_wide_pass(world):
+    """Tensors frozen at some steps (layers.0.up at steps 1-2, the whole of layers.1 at step 2,
+    its experts at step 3) get no update and no decay, and keep their codes and tile scales
+    (the one pass over the rank leaves other units' and frozen tensors' scales as they are):
+    bitwise the one-process reference loop that skips them."""
+    frozen = {1: {3}, 2: {3, 5, 6, 7, 8}, 3: {5}}  # leaves: head, layers.0.(experts, norm,
+    want = _reference_8bit(frozen=frozen)             # up, w), layers.1.(...), small
+    assert want != _reference_8bit()
+    for got in simulate(world, _train, None, 3, False, frozen):
+        assert got[0] == want
 
 
 def _update_ops_8bit(scale: int):

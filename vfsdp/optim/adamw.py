@@ -10,9 +10,10 @@ multi-tensor ops over the list of shards (:mod:`vfsdp.optim.fused`)::
     p.addcdiv_(m, (v.sqrt() / sqrt(1 - b2**t)).add_(eps), value=-lr / (1 - b1**t))
 
 with ``t`` the state's step counter, a tensor (``state.count``) the update adds one to and
-takes the scalars from on the device. Bitwise equal to ``torch.optim.AdamW()`` (foreach path, the default off CUDA) or to
-``torch.optim.AdamW(fused=True)`` (fused path, the default on CUDA). Padding stays zero: its
-gradient, moments and parameters are all zero.
+takes the scalars from on the device. Bitwise equal to ``torch.optim.AdamW()`` (foreach
+path, the default off CUDA; on a GPU the step size divides the denominator first, as
+``capturable=True`` does) or to ``torch.optim.AdamW(fused=True)`` (fused path, the default on
+CUDA). Padding stays zero: its gradient, moments and parameters are all zero.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from vfsdp.optim.base import (
     runs,
     same_at_ties,
     selected,
-    sync_step,
     state_dtype,
+    sync_step,
     unit_buffers,
 )
 from vfsdp.optim.fused import adamw_step, learning_rate, new_count, use_fused

@@ -5,7 +5,8 @@ on one rank (``rows(32)``; a ``[E, R, C]`` expert stack whose ``R`` is not a mul
 keeps whole matrices), so every 32x32 tile lives on one rank and each rank quantizes its shard
 alone, exactly as one process would. ``init`` refuses a spec that does not honour the tiles.
 
-Per step, in one flat pass per unit over its quantized tensors (in fp32): dequantize ``m``
+Per step, in one flat pass over every unit's quantized tensors on the rank (their shards laid
+end to end; in fp32): dequantize ``m``
 (signed dynamic map) and ``v`` (unsigned dynamic map, ``v`` itself), apply AdamW exactly as
 :func:`vfsdp.optim.adamw`, take each tile's new absmax and re-quantize with round-to-nearest.
 State: 1 byte per element per moment in uint8 DBuffers with the parameters' layout, plus one
@@ -59,10 +60,6 @@ __all__ = ["adamw8bit", "AdamW8bitState", "AdamW8bitPlan", "Quantized", "MIN_8BI
 MIN_8BIT_NUMEL = 4096
 
 
-def _quantized(shape, min_numel: int) -> bool:
-    return blockwise(shape, min_numel)
-
-
 def granularity_8bit(min_numel: int = MIN_8BIT_NUMEL) -> Callable:
     """The blocks 8-bit AdamW needs: 32-row stripes of matrices, whole matrices of ragged stacks."""
     return tile_granularity(min_numel)
@@ -72,8 +69,8 @@ def granularity_8bit(min_numel: int = MIN_8BIT_NUMEL) -> Callable:
 class Quantized:
     """One quantized tensor's place on this rank: buffer index ``k``, range ``[lo, hi)`` in
     the shard, that range seen as ``B`` matrices ``[R, C]`` (``view``, see
-    :func:`~vfsdp.optim.quant.tile_view`), its number of tiles and the first of them in its
-    unit's scales (``t0``)."""
+    :func:`~vfsdp.optim.quant.tile_view`), its number of tiles and the first of them in the
+    rank's scales (``t0``: every unit's tiles in order, then a spare one)."""
 
     k: int
     lo: int
@@ -88,8 +85,8 @@ class AdamW8bitPlan:
     """What ``init`` derives from the spec and the mask, per unit: the tensors it updates
     (``paths``), the quantized ones (``quantized``, by shard offset), those with fp32 moments
     (``fp32``: ``(k, lo, hi)``), the buffer indices that decay (``decays``) and their shard
-    ranges, merged (``decay_runs``). Never saved; rebuilt by ``init``. ``tables`` caches each
-    unit's span tiles per set of tensors not updated (:meth:`span`).
+    ranges, merged (``decay_runs``), and the rank's number of tiles (``n_tiles``). Never
+    saved; rebuilt by ``init``.
 
     Example:
         >>> opt = vfsdp.optim.adamw8bit(min_8bit_numel=1024)
@@ -107,27 +104,38 @@ class AdamW8bitPlan:
     fp32: Mapping[Any, tuple] = field(default_factory=dict)
     decays: Mapping[Any, frozenset] = field(default_factory=dict)
     decay_runs: Mapping[Any, tuple] = field(default_factory=dict)
-    tables: dict = field(default_factory=dict, compare=False, repr=False)
+    n_tiles: int = 0
 
     def owns(self, db, k: int) -> bool:
         """Whether the plan updates tensor ``k`` of ``db``'s unit."""
         return db.tensors[k].path in self.paths.get(db.key, ())
 
-    def span(self, key: Any, skip: frozenset, device: Any) -> Optional[tuple]:
-        """``(lo, hi, SpanTiles)`` of unit ``key``'s quantized tensors as one span of its shard,
-        the tensors ``skip`` (buffer indices) left out as gaps; ``None`` if none is left."""
-        found = self.tables.get((key, skip))
-        if found is None:
-            found = self.tables[(key, skip)] = _span(self.quantized[key], skip, device)
-        return found
+
+@dataclass(frozen=True)
+class RankPass:
+    """The operands of one update over every unit it trains on this rank, made once per set
+    of units and frozen tensors and kept (the parameter, code and moment buffers are fixed
+    tensors, so their views are too): the units' whole shards laid end to end for the one
+    8-bit pass, the span's tiles over them, the slices that decay, and the fp32-moment
+    tensors with where their gradients are in the concatenated gradient."""
+
+    ps: tuple        # parameter shards (another tree's: made again), code shards (m, v)
+    cms: tuple
+    cvs: tuple
+    sizes: tuple     # their elements
+    tiles: Optional[SpanTiles]  # None: no quantized tensor is trained
+    decay: tuple     # parameter slices that decay
+    small: tuple     # (parameter slices, m, v) of the fp32-moment tensors trained
+    cuts: tuple      # sizes cutting the concatenated gradient at every such slice
+    keep: tuple      # the indices of those slices among the cuts
 
 
 @dataclass
 class AdamW8bitState:
-    """The step counter (``count``); uint8 codes per unit (DBuffers with the parameters' layout); per quantized
-    tensor ``(unit, k)`` its tile scales (views of its unit's scales, ``unit_scales_m``/``_v``:
-    every tile of the unit in shard order, then a spare one), per small tensor its fp32
-    moments.
+    """The step counter (``count``); uint8 codes per unit (DBuffers with the parameters'
+    layout); per quantized tensor ``(unit, k)`` its tile scales (views of the rank's scales,
+    ``rank_scales_m``/``_v``: every unit's tiles in shard order, then a spare one); per small
+    tensor its fp32 moments.
 
     Example:
         >>> opt = vfsdp.optim.adamw8bit(min_8bit_numel=1024)
@@ -147,8 +155,9 @@ class AdamW8bitState:
     scales_v: dict = field(default_factory=dict)
     fp32_m: dict = field(default_factory=dict)
     fp32_v: dict = field(default_factory=dict)
-    unit_scales_m: dict = field(default_factory=dict, repr=False, compare=False)
-    unit_scales_v: dict = field(default_factory=dict, repr=False, compare=False)
+    rank_scales_m: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    rank_scales_v: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    passes: dict = field(default_factory=dict, repr=False, compare=False)
     plan: AdamW8bitPlan = field(default_factory=AdamW8bitPlan, repr=False, compare=False)
     traced: Optional[TracedAdam8] = field(default=None, repr=False, compare=False)
 
@@ -214,17 +223,44 @@ def _piece_shape(st: Any, index: int) -> tuple:
     return tuple(shape)
 
 
-def _span(quantized: tuple, skip: frozenset, device: Any) -> Optional[tuple]:
-    live = [t for t in quantized if t.hi > t.lo]
-    if not live or all(t.k in skip for t in live):
-        return None
-    n = sum(t.n_tiles for t in quantized)
-    pieces, at = [], live[0].lo
-    for t in live:
-        pieces += [(t.lo - at, None, None), (t.hi - t.lo, None if t.k in skip else t.view, t.t0)]
-        at = t.hi
-    keep = tuple((t.t0, t.n_tiles) for t in live if t.k in skip)
-    return live[0].lo, at, span_tiles(pieces, n, device, keep)
+def _rank_pass(state: AdamW8bitState, units: list) -> RankPass:
+    """The :class:`RankPass` of ``units`` (``(unit, frozen buffer indices)`` in order)."""
+    plan, ps, cms, cvs, pieces, live = state.plan, [], [], [], [], set()
+    decay, small, cuts, keep, base, end = [], ([], [], []), [], [], 0, 0
+    for u, frozen in units:
+        p = u.db.shard
+        ps.append(p)
+        cms.append(state.codes_m[u.key].shard)
+        cvs.append(state.codes_v[u.key].shard)
+        at = 0
+        for t in plan.quantized[u.key]:
+            if t.hi > t.lo and t.k not in frozen:
+                pieces += [(t.lo - at, None, None), (t.hi - t.lo, t.view, t.t0)]
+                live.add((u.key, t.k))
+                at = t.hi
+        pieces.append((p.numel() - at, None, None))
+        decaying = {u.db.tensors[k].path for k in plan.decays[u.key] - frozen}
+        decay += [p[lo:hi] for lo, hi in runs(u.db, lambda path, d=decaying: path in d)]
+        for k, lo, hi in plan.fp32[u.key]:
+            if k not in frozen and hi > lo:
+                if base + lo > end:
+                    cuts.append(base + lo - end)
+                keep.append(len(cuts))
+                cuts.append(hi - lo)
+                end = base + hi
+                for acc, x in zip(small, (p[lo:hi], state.fp32_m[(u.key, k)],
+                                          state.fp32_v[(u.key, k)])):
+                    acc.append(x)
+        base += p.numel()
+    if base > end:
+        cuts.append(base - end)
+    tiles = None
+    if live:  # the scales of the tiles not trained now stay (other units', frozen tensors')
+        still = tuple((t.t0, t.n_tiles) for key, ts in plan.quantized.items() for t in ts
+                      if (key, t.k) not in live and t.n_tiles)
+        tiles = span_tiles(pieces, plan.n_tiles, ps[0].device, still)
+    return RankPass(tuple(ps), tuple(cms), tuple(cvs), tuple(x.numel() for x in ps),
+                    tiles, tuple(decay), tuple(map(tuple, small)), tuple(cuts), tuple(keep))
 
 
 def adamw8bit(
@@ -238,11 +274,11 @@ def adamw8bit(
 ) -> Optimizer:
     """AdamW with 8-bit moments in 32x32 tiles. Plan with ``granularity=opt.granularity``.
 
-    A step is one flat pass per unit over all its quantized tensors
-    (:func:`~vfsdp.optim.quant.step8_flat`: tile indices from a small table per tensor,
-    dequantize, update, new absmax by one scatter-max, re-quantize; a fixed number of ops
-    whatever the unit's tensors, no per-element index kept) and one multi-tensor AdamW over
-    every fp32-moment tensor of every unit.
+    A step is one flat pass over every quantized tensor of the rank, the units' shards laid
+    end to end (:func:`~vfsdp.optim.quant.step8_flat`: tile indices from a small table per
+    tensor, dequantize, update, new absmax by one scatter-max, re-quantize; a fixed number of
+    ops whatever the units and tensors, no per-element index kept) and one multi-tensor AdamW
+    over every fp32-moment tensor of every unit.
 
     Args:
         lr: As :func:`vfsdp.optim.adamw`.
@@ -303,7 +339,7 @@ def adamw8bit(
                      "adamw8bit.init", "weight_decay_mask")
         units = unit_buffers(shards, spec, "adamw8bit.init")
         state = AdamW8bitState(new_count(units[0].db.device if units else "cpu"), {}, {})
-        paths, quantized, fp32, decay, decay_runs = {}, {}, {}, {}, {}
+        paths, quantized, fp32, decay, decay_runs, t0 = {}, {}, {}, {}, {}, 0
         for u in units:
             db = u.db
             chosen = frozenset(t.path for t in db.tensors if selected(mask, t.path))
@@ -321,7 +357,7 @@ def adamw8bit(
                     continue
                 lo, hi = t.shard_range(db.rank)
                 start, stop = t.local_range(db.rank)
-                if not _quantized(tuple(t.shape), min_8bit_numel):
+                if not blockwise(tuple(t.shape), min_8bit_numel):
                     f32.append((k, lo, hi))
                     state.fp32_m[(u.key, k)] = torch.zeros(hi - lo, dtype=torch.float32,
                                                           device=db.device)
@@ -339,17 +375,18 @@ def adamw8bit(
                     ) from None
                 q8.append(Quantized(k, lo, hi, view, tiles_of(view)))
             q8.sort(key=lambda t: t.lo)
-            t0 = 0
-            for i, t in enumerate(q8):  # the unit's tiles, in shard order, then the spare
+            for i, t in enumerate(q8):  # every unit's tiles, in shard order, then the spare
                 q8[i] = Quantized(t.k, t.lo, t.hi, t.view, t.n_tiles, t0)
                 t0 += t.n_tiles
-            for attr in ("m", "v"):
-                whole = torch.zeros(t0 + 1, dtype=torch.float32, device=db.device)
-                getattr(state, f"unit_scales_{attr}")[u.key] = whole
-                for t in q8:
-                    getattr(state, f"scales_{attr}")[(u.key, t.k)] = whole[t.t0:t.t0 + t.n_tiles]
             paths[u.key], quantized[u.key], fp32[u.key] = chosen, tuple(q8), tuple(f32)
-        state.plan = AdamW8bitPlan(paths, quantized, fp32, decay, decay_runs)
+        for attr in ("m", "v"):
+            whole = torch.zeros(t0 + 1, dtype=torch.float32,
+                                device=units[0].db.device if units else "cpu")
+            setattr(state, f"rank_scales_{attr}", whole)
+            for key, q8 in quantized.items():
+                for t in q8:
+                    getattr(state, f"scales_{attr}")[(key, t.k)] = whole[t.t0:t.t0 + t.n_tiles]
+        state.plan = AdamW8bitPlan(paths, quantized, fp32, decay, decay_runs, t0)
         state.traced = _traced_views(shards, spec, state)
         return state
 
@@ -367,16 +404,14 @@ def adamw8bit(
                 first.setdefault(k, i)
             decays = state.plan.decays[u.key]
             cm, cv = state.codes_m[u.key], state.codes_v[u.key]
-            live = [t for t in state.plan.quantized[u.key] if t.hi > t.lo]
-            if live:
-                q.append(([(first[t.k], t, t.k in decays, cm.local(t.k).view(-1),
-                            cv.local(t.k).view(-1)) for t in live],
-                          state.unit_scales_m[u.key], state.unit_scales_v[u.key]))
+            q += [(first[t.k], t, t.k in decays, cm.local(t.k).view(-1), cv.local(t.k).view(-1))
+                  for t in state.plan.quantized[u.key] if t.hi > t.lo]
             for k, lo, hi in state.plan.fp32[u.key]:
                 if hi > lo:
                     small.append((first[k], k in decays, state.fp32_m[(u.key, k)],
                                   state.fp32_v[(u.key, k)]))
-        return TracedAdam8(q, small, qmaps(units[0].db.device))
+        return TracedAdam8(q, state.rank_scales_m, state.rank_scales_v, small,
+                           qmaps(units[0].db.device))
 
     def update(grads: Any, state: AdamW8bitState, shards: Any, spec: ShardSpec) -> AdamW8bitState:
         state.count.add_(1)
@@ -386,47 +421,39 @@ def adamw8bit(
             return state
         scalars = step_scalars(state.count, betas)
         leaves = grad_leaves(grads, spec, "adamw8bit.update")
-        plan = state.plan
-        small: tuple = ([], [], [], [])  # p, g, m, v slices of the fp32-moment tensors
-        decay: list = []                  # parameter slices that decay (one op for all)
-        spans: list = []                  # one flat pass per unit
+        units, gs = [], []
         with torch.no_grad():
             for u in unit_buffers(shards, spec, "adamw8bit.update"):
                 if u.key not in state.codes_m:
                     continue
-                owned = plan.paths[u.key]
+                owned = state.plan.paths[u.key]
                 frozen = frozen_of(u, owned)  # no update, no decay
                 if frozen and owned <= {u.db.tensors[k].path for k in frozen}:
                     continue
-                g = flat_grads(leaves, u, "adamw8bit.update", torch.float32)  # its arithmetic
-                p = u.db.shard
-                if frozen:  # the decaying runs of the tensors still trained
-                    live = {t.path for k, t in enumerate(u.db.tensors)
-                            if k in plan.decays[u.key] and k not in frozen}
-                    decay += [p[lo:hi] for lo, hi in runs(u.db, lambda path: path in live)]
-                else:
-                    decay += [p[lo:hi] for lo, hi in plan.decay_runs[u.key]]
-                found = plan.span(u.key, frozen, p.device)
-                if found is not None:
-                    lo, hi, tiles = found
-                    spans.append((p[lo:hi], g[lo:hi], state.codes_m[u.key].shard[lo:hi],
-                                  state.codes_v[u.key].shard[lo:hi], state.unit_scales_m[u.key],
-                                  state.unit_scales_v[u.key], tiles))
-                for k, lo, hi in plan.fp32[u.key]:
-                    if k not in frozen:
-                        for acc, x in zip(small, (p[lo:hi], g[lo:hi], state.fp32_m[(u.key, k)],
-                                                  state.fp32_v[(u.key, k)])):
-                            acc.append(x)
-            decay_(decay, rate, weight_decay)
-            if spans:
-                device = spans[0][0].device
-                qm, qv, mm, mv = qmaps(device)
-                fn = kernel(device)
-                for args in spans:
-                    fn(*args, qm, qv, mm, mv, b1, b2, eps, rate, *scalars)
-            ps, gs, ms, vs = small
-            adamw_step(ps, gs, ms, vs, [], count=state.count, lr=rate, betas=betas, eps=eps,
-                       weight_decay=0.0, fused=False, scalars=scalars)
+                units.append((u, frozen))
+                gs.append(flat_grads(leaves, u, "adamw8bit.update"))
+            if not units:
+                return state
+            key = tuple((u.key, frozen) for u, frozen in units)
+            run = state.passes.get(key)
+            if run is None or any(a is not u.db.shard for a, (u, _) in zip(run.ps, units)):
+                run = state.passes[key] = _rank_pass(state, units)
+            decay_(list(run.decay), rate, weight_decay)
+            g = _cat(gs).float()  # its arithmetic: fp32
+            if run.tiles is not None:  # one 8-bit pass over every unit of the rank
+                p, cm, cv = _cat(run.ps), _cat(run.cms), _cat(run.cvs)
+                qm, qv, mm, mv = qmaps(p.device)
+                kernel(p.device)(p, g, cm, cv, state.rank_scales_m, state.rank_scales_v,
+                                 run.tiles, qm, qv, mm, mv, b1, b2, eps, rate, *scalars)
+                if len(run.ps) > 1:  # back into the units' buffers
+                    for dst, src in ((run.ps, p), (run.cms, cm), (run.cvs, cv)):
+                        tp.foreach("copy_", list(dst), list(src.split(run.sizes)))
+            if run.small[0]:  # one multi-tensor AdamW over the fp32-moment tensors
+                pieces = g.split_with_sizes(run.cuts)
+                ps, ms, vs = run.small
+                adamw_step(list(ps), [pieces[i] for i in run.keep], list(ms), list(vs), [],
+                           count=state.count, lr=rate, betas=betas, eps=eps, weight_decay=0.0,
+                           fused=False, scalars=scalars)
         return state
 
     return Optimizer(init, update, granularity_8bit(min_8bit_numel), local_state=True)
@@ -470,3 +497,8 @@ def _unpacked(p, g, cm, cv, sm, sv, table, chunks, numel, n_tiles, keep, *args) 
     lr, bc1, bc2_sqrt = args[-1].unbind()
     step8_flat(p, g, cm, cv, sm, sv, SpanTiles(table, chunks, numel, n_tiles, keep),
                *args[:-1], lr, bc1, bc2_sqrt)
+
+
+def _cat(xs: Any) -> torch.Tensor:
+    """``torch.cat(xs)``, or the one tensor itself (no copy)."""
+    return xs[0] if len(xs) == 1 else torch.cat(list(xs))

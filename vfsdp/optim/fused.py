@@ -7,11 +7,14 @@ every unit they update) and it runs the update as multi-tensor ops, so the numbe
 Two kernels, chosen by :func:`use_fused`:
 
 * **foreach** (default off CUDA): ``torch._foreach_*`` ops, the same element-wise ops in the
-  same order as ``torch.optim.AdamW``'s single-tensor and foreach paths, so the result is
-  **bitwise equal** to ``torch.optim.AdamW()``. Its one temporary (the denominator) is bounded:
-  the slices are taken in batches of at most :data:`TEMP_ELEMS` elements, so a step runs
-  3 ops on the moments, 4 per batch and 1 for the weight decay (8 for up to 32M elements per
-  rank).
+  same order as ``torch.optim.AdamW``'s single-tensor and foreach paths, so the result is, on
+  the CPU, **bitwise equal** to ``torch.optim.AdamW()`` (on a GPU and in a compiled graph the
+  step size divides the denominator first, as ``capturable=True`` does: :func:`adam_`). Its
+  one temporary (the denominator) is bounded: the slices are taken in batches of at most
+  :data:`TEMP_ELEMS` elements, so a step runs 3 ops on the moments, 4 per batch and 1 for the
+  weight decay (8 for up to 32M elements per rank), and 7 tiny ones on the step counter (the
+  count, the bias corrections, the step size): the state's counter is a tensor on the device
+  (:func:`new_count`), which no step reads back to the host.
 * **fused** (default on CUDA, where the parameters, gradients and moments share a dtype):
   torch's fused AdamW kernel (``torch._fused_adamw_``), one pass over the memory and no
   temporary; **bitwise equal to** ``torch.optim.AdamW(fused=True)``, whose rounding differs

@@ -16,8 +16,9 @@ tiles at ragged edges are partial and their absmax covers their real elements on
 holding whole 32-row stripes of a matrix (``rows(32)`` granularity) holds whole tiles, so it
 quantizes its shard alone, bit for bit as one process would.
 
-One implementation: :func:`step8_flat` over a unit's **flat span**, every quantized tensor
-of the unit at once, whatever their shapes, a fixed number of ops per unit. Each element's
+One implementation: :func:`step8_flat` over a **flat span**, every quantized tensor of the
+rank at once (the optimizer lays its units' shards end to end), whatever their shapes and
+units, a fixed number of ops. Each element's
 tile comes from a small table per tensor (:func:`span_tiles`, made at ``init``):
 :func:`flat_tile_ids` expands it per step, in a few ops over the span's 32-column row pieces
 and one over its elements (nothing per element is stored beside the codes and one scale per

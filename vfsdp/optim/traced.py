@@ -171,24 +171,26 @@ class TracedAdam8:
     """What the compiled 8-bit AdamW update reads, made by ``init`` (eager).
 
     Attributes:
-        quantized: Per unit with quantized tensors: ``(pieces, scales m, scales v)``, each
-            piece ``(leaf index, Quantized, decays, codes m, codes v)`` with the codes flat,
-            the scales the unit's (its tiles, then the spare one).
+        quantized: Every quantized tensor with a piece on this rank, in unit and shard
+            order: ``(leaf index, Quantized, decays, codes m, codes v)``, the codes flat.
+        sm, sv: The rank's scales (every unit's tiles, then the spare one).
         small: Per tensor with fp32 moments: ``(leaf index, decays, m, v)``.
         maps: The code maps and their midpoints (``qm, qv, mids_m, mids_v``).
     """
 
     quantized: list
+    sm: torch.Tensor
+    sv: torch.Tensor
     small: list
     maps: tuple
 
 
 def traced_adamw8bit(grads: Any, state: Any, shards: Any, spec: ShardSpec, lr: Any,
                      betas: tuple, eps: float, weight_decay: float) -> None:
-    """One 8-bit AdamW step while compiling: per unit the eager update's flat pass
-    (:func:`~vfsdp.optim.quant.step8_flat`) over its trained quantized tensors laid end to
-    end (the compiler fuses the concatenation and the copies back), and AdamW on the fp32
-    moments of the small tensors; the state's counter already counts the step.
+    """One 8-bit AdamW step while compiling: the eager update's one flat pass
+    (:func:`~vfsdp.optim.quant.step8_flat`) over every trained quantized tensor of the rank
+    laid end to end (the compiler fuses the concatenation and the copies back), and AdamW on
+    the fp32 moments of the small tensors; the state's counter already counts the step.
 
     Args:
         grads, shards, spec: As for ``update``.
@@ -206,22 +208,19 @@ def traced_adamw8bit(grads: Any, state: Any, shards: Any, spec: ShardSpec, lr: A
     gleaves, _ = traced_leaves(grads, spec, "adamw8bit.update")
     b1, b2 = betas
     scalars = step_scalars(state.count, betas)
+    live = [x for x in views.quantized if params[x[0]].requires_grad]  # frozen: left alone
     with torch.no_grad():
-        decay_([params[i] for pieces, _, _ in views.quantized for i, _t, d, _m, _v in pieces
-                if d and params[i].requires_grad], lr, weight_decay)
-        for pieces, sm, sv in views.quantized:
-            live = [x for x in pieces if params[x[0]].requires_grad]
-            if not live:
-                continue
-            n = sm.numel() - 1
-            skip = tuple((x[1].t0, x[1].n_tiles) for x in pieces
-                         if not params[x[0]].requires_grad)  # their scales stay
+        decay_([params[i] for i, _t, d, _m, _v in live if d], lr, weight_decay)
+        if live:
+            still = tuple((x[1].t0, x[1].n_tiles) for x in views.quantized
+                          if not params[x[0]].requires_grad)  # their scales stay
+            n = views.sm.numel() - 1
             tiles = span_tiles([(x[1].hi - x[1].lo, x[1].view, x[1].t0) for x in live], n,
-                               sm.device, skip)
+                               views.sm.device, still)
             flat = [torch.cat(xs) for xs in zip(*[
                 (params[i].view(-1), gleaves[i].reshape(-1).float(), cm, cv)
                 for i, _t, _d, cm, cv in live])]
-            step8_flat(*flat, sm, sv, tiles, *views.maps, b1, b2, eps, lr, *scalars)
+            step8_flat(*flat, views.sm, views.sv, tiles, *views.maps, b1, b2, eps, lr, *scalars)
             at = 0
             for (i, t, _d, cm, cv) in live:
                 n_i = t.hi - t.lo

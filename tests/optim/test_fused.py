@@ -280,3 +280,33 @@ def test_the_device_form_of_the_step_agrees_with_the_host_form(dtype, monkeypatc
     for x, y in zip(a[0], b[0]):
         assert x.dtype == y.dtype == dtype
         assert torch.allclose(x, y, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw_fused", "adamw8bit", "muon"])
+def test_an_update_reads_nothing_back_to_the_host(name):
+    """The step counter is a tensor of the state, and the bias corrections, the learning
+    rate of a schedule and the step size are taken from it on the device: no op of an update
+    reads a value back (``.item()``, a tensor's truth), which on a GPU would wait for the
+    device; and the counter counts."""
+
+    def body():
+        schedule = vfsdp.optim.warmup_cosine(1e-2, 2, 10)
+        opt = {"adamw": lambda: vfsdp.optim.adamw(lr=schedule, fused=False),
+               "adamw_fused": lambda: vfsdp.optim.adamw(lr=schedule, fused=True),
+               "adamw8bit": lambda: vfsdp.optim.adamw8bit(lr=schedule, min_8bit_numel=64,
+                                                          compile=False),
+               "muon": lambda: vfsdp.optim.muon(lr=schedule, weight_decay=0.1)}[name]()
+        params = {"layers": [{"w": torch.randn(32, 16)} for _ in range(3)]}
+        spec = vfsdp.plan(params, 2, granularity=opt.granularity)
+        shards = vfsdp.shard(params, spec)
+        state = opt.init(shards, spec)
+        grads = vfsdp.grads(shards, spec)
+        for g in optree.tree_leaves(grads):
+            g.fill_(0.1)
+        state = opt.update(grads, state, shards, spec)
+        with CopyCounter() as c:
+            state = opt.update(grads, state, shards, spec)
+        return sorted(op for op in c.ops if op in ("_local_scalar_dense", "item", "is_nonzero")), \
+            state.step
+
+    assert simulate(2, body) == [([], 2), ([], 2)]

@@ -46,6 +46,7 @@ from vfsdp.optim.base import (
     state_dtype,
     sync_step,
     unit_buffers,
+    write_step,
 )
 from vfsdp.optim.fused import adamw_step, learning_rate, new_count, use_fused
 from vfsdp.optim.traced import TracedAdam, adam_views, traced_adamw
@@ -183,7 +184,7 @@ class AdamWState:
     slices: StepSlices = field(default_factory=StepSlices, repr=False, compare=False)
     traced: Optional[TracedAdam] = field(default=None, repr=False, compare=False)
 
-    step = property(read_step, doc=read_step.__doc__)
+    step = property(read_step, write_step, doc=read_step.__doc__)
     sync_step = sync_step
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
@@ -193,7 +194,7 @@ class AdamWState:
                 "exp_avg_sq": param_tree(self.exp_avg_sq, spec, keep)}
 
     def restore_checkpoint(self, tree: dict) -> AdamWState:
-        self.count.fill_(tree["step"])
+        self.step = tree["step"]
         return self
 
 

@@ -48,6 +48,7 @@ from vfsdp.optim.base import (
     selected,
     sync_step,
     unit_buffers,
+    write_step,
 )
 from vfsdp.optim.fused import adamw_step, decay_, learning_rate, new_count, step_scalars
 from vfsdp.optim.quant import SpanTiles, dynamic_map, midpoints, span_tiles, step8_flat
@@ -161,7 +162,7 @@ class AdamW8bitState:
     plan: AdamW8bitPlan = field(default_factory=AdamW8bitPlan, repr=False, compare=False)
     traced: Optional[TracedAdam8] = field(default=None, repr=False, compare=False)
 
-    step = property(read_step, doc=read_step.__doc__)
+    step = property(read_step, write_step, doc=read_step.__doc__)
     sync_step = sync_step
 
     def state_bytes(self) -> tuple[int, int]:
@@ -212,7 +213,7 @@ class AdamW8bitState:
         return tree
 
     def restore_checkpoint(self, tree: dict) -> AdamW8bitState:
-        self.count.fill_(tree["step"])
+        self.step = tree["step"]
         return self
 
 

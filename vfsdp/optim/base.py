@@ -53,7 +53,7 @@ from vfsdp.planner.spec import ShardSpec
 __all__ = ["Optimizer", "gradient_transform", "TransformState", "Schedule", "Mask", "as_schedule",
            "unit_buffers", "grad_leaves", "state_dtype", "check_hyper", "flat_grads",
            "UnitTensors", "init_masked", "both", "selected", "state_tensors", "runs",
-           "frozen_of", "read_step", "sync_step"]
+           "frozen_of", "read_step", "write_step", "sync_step"]
 
 Schedule = Union[float, Callable[[int], float]]
 Mask = Optional[Callable[[tuple], bool]]
@@ -337,6 +337,19 @@ def read_step(state: Any) -> int:
         3
     """
     return int(state.count.item())
+
+
+def write_step(state: Any, step: int) -> None:
+    """Set the number of updates ``state`` has counted (``state.step = n``: the counter is
+    filled in place, on its device).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> state = SimpleNamespace(count=torch.zeros(1))
+        >>> write_step(state, 4); state.count
+        tensor([4.])
+    """
+    state.count.fill_(step)
 
 
 def sync_step(state: Any) -> int:

@@ -60,6 +60,7 @@ from vfsdp.optim.base import (
     selected,
     state_dtype,
     unit_buffers,
+    write_step,
 )
 from vfsdp.optim.fused import decay_, learning_rate, new_count
 from vfsdp.optim.muon_waves import cuts_of, group_matrices, plan_waves
@@ -202,7 +203,7 @@ class MuonState:
     plan: MuonPlan = field(default_factory=MuonPlan, repr=False, compare=False)
     kept: dict = field(default_factory=dict, repr=False, compare=False)
 
-    step = property(read_step, doc=read_step.__doc__)
+    step = property(read_step, write_step, doc=read_step.__doc__)
 
     def views(self, units: dict, targets: list) -> list:
         """The parameter shard slices an update adds into (``targets``: ``(matrix, lo, hi)``
@@ -221,7 +222,7 @@ class MuonState:
                 "momentum": param_tree(self.momentum, spec, owned_views(self.plan))}
 
     def restore_checkpoint(self, tree: dict) -> MuonState:
-        self.count.fill_(tree["step"])
+        self.step = tree["step"]
         return self
 
 

@@ -147,6 +147,10 @@ def step_scalars(count: torch.Tensor, betas: tuple) -> tuple:
         >>> round(float(bc1), 4), round(float(bc2_sqrt), 4)
         (0.1, 0.1)
     """
+    if tp.compiling():  # no module-level cache in a graph (a new entry would recompile)
+        b1, b2 = betas
+        step = count.double().reshape(())  # in double precision, as the cached betas give
+        return 1 - b1 ** step, (1 - b2 ** step).sqrt()
     key = (tuple(betas), str(count.device))
     found = _BETAS.get(key)
     if found is None:

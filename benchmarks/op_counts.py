@@ -13,6 +13,11 @@ A second table counts one update over the same parameters cut into more tensors:
 with every matrix split into 4 (4x the tensors, the same numbers), Muon with 4x the layers of
 the same shapes. A structure-aware update whose ops grow per tensor shows it here.
 ``offload(...)`` rows: the same optimizer on host copies (its copies are per unit).
+
+A third table counts one update over the same parameters in 4x the units: 6 layers of three
+``dim x dim`` matrices and a norm (one unit each), then 24 layers of ``dim/2``-wide ones
+(1.18M parameters at ``--unit-dim 256``). AdamW, 8-bit AdamW and clipping run one pass over
+the whole rank, so their ops do not grow with the units.
 """
 
 from __future__ import annotations
@@ -100,12 +105,42 @@ def split_counts(name: str, times: int, world: int) -> int:
     return sum(update.ops.values())
 
 
+def unit_params(layers: int, dim: int) -> dict:
+    """:func:`unit_counts`' tensors: ``layers`` layers of three ``dim x dim`` matrices and a
+    norm each."""
+    g = torch.Generator().manual_seed(0)
+    return {"layers": [{**{w: torch.randn(dim, dim, generator=g) for w in ("wq", "wk", "wo")},
+                        "norm": torch.ones(dim)} for _ in range(layers)]}
+
+
+def unit_counts(name: str, layers: int, dim: int, world: int) -> int:
+    """Aten ops of one update (the second) of ``name`` (``adamw``, ``adamw8bit`` or ``clip``:
+    ``vfsdp.clip_grad_norm``) over :func:`unit_params`, one unit per layer, on ``world``
+    ranks."""
+    opt = None if name == "clip" else _optimizer(name)
+    params = unit_params(layers, dim)
+    spec = vfsdp.plan(params, world, granularity=opt.granularity if opt else None)
+    shards = vfsdp.shard(params, spec)
+    state = opt.init(shards, spec) if opt else None
+    grads = vfsdp.grads(shards, spec)
+    for g in optree.tree_leaves(grads):
+        g.fill_(0.01)
+    step = ((lambda: opt.update(grads, state, shards, spec)) if opt else
+            (lambda: vfsdp.clip_grad_norm(grads, spec, 1e-3)))
+    step()
+    with CopyCounter() as update:
+        step()
+    return sum(update.ops.values())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", nargs=2, type=int, default=[256, 512],
                     help="two model widths (x4 the parameters by default)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--unit-dim", type=int, default=256,
+                    help="the third table's widths: this with 6 units, half with 24")
     args = ap.parse_args(argv)
     print(f"{'optimizer':<14} {'parameters':>22} {'update ops':>14} {'step ops':>14} "
           f"{'of them kernels (update, step)':>32}")
@@ -124,6 +159,13 @@ def main(argv=None) -> int:
           f"adamw8bit, 4x the same shapes for muon)")
     for name in ("adamw8bit", "muon", "offload(adamw8bit)"):
         one, four = (simulate(args.world, split_counts, name, t, args.world)[0] for t in (1, 4))
+        print(f"{name:<18} {one:>14} -> {four:<8} ({four / one:.2f}x)")
+    d = args.unit_dim
+    print(f"\n{'update':<18} {'ops: 6 units -> 24 units':>30}  (the same parameters: 6 layers "
+          f"of {d}-wide matrices, 24 of {d // 2}-wide)")
+    for name in ("adamw", "adamw8bit", "clip"):
+        one, four = (simulate(args.world, unit_counts, name, n, w, args.world)[0]
+                     for n, w in ((6, d), (24, d // 2)))
         print(f"{name:<18} {one:>14} -> {four:<8} ({four / one:.2f}x)")
     return 0
 

@@ -6,10 +6,11 @@ cut into 4 row blocks (4x the tensors). Rows:
 
 * ``torch AdamW``: ``torch.optim.AdamW(foreach=True)`` (``fused=True`` on CUDA), the yardstick;
 * ``vfsdp adamw``;
-* ``vfsdp adamw8bit``: the whole update, one flat 8-bit pass per unit
+* ``vfsdp adamw8bit``: the whole update, one flat 8-bit pass over the rank
   (``vfsdp.optim.quant.step8_flat``) and one multi-tensor AdamW for the norms;
-* ``8-bit pass, per unit`` and ``8-bit pass, per tensor``: that pass alone, and the reference
-  beside it (``step8`` once per quantized tensor, what 0.2 ran), over the same state;
+* ``8-bit pass, per rank`` and ``8-bit pass, per tensor``: that pass alone, and the reference
+  beside it (``step8`` of ``tests/optim/reference.py`` once per quantized tensor, what 0.2
+  ran), over the same state;
 * ``vfsdp muon``: Muon on the matrices, AdamW on the norms;
 * ``offload(...)``: the same optimizers through ``vfsdp.optim.offload`` (state and fp32
   masters in host memory; on the CPU the "host" is the same memory, so the row shows what
@@ -34,7 +35,7 @@ import optree
 import torch
 
 import vfsdp
-from vfsdp.optim.quant import step8
+from tests.optim.reference import step8
 from vfsdp.testing import simulate
 
 
@@ -64,28 +65,33 @@ def _median(fn, repeat: int, sync) -> float:
 
 
 def _passes_8bit(state, shards, spec, flat: bool):
-    """The 8-bit pass alone over ``state``: per unit (``step8_flat``) or per tensor
-    (``step8``, the reference)."""
+    """The 8-bit pass alone over ``state``: one over the rank (``step8_flat`` over every
+    unit's shard laid end to end, what the update runs) or per tensor (``step8``, the
+    reference)."""
+    from vfsdp.optim.adamw8bit import _cat, _rank_pass
     from vfsdp.optim.base import unit_buffers
     from vfsdp.optim.quant import step8_flat
 
     maps = state.traced.maps
+    units = unit_buffers(shards, spec, "bench")
     with torch.no_grad():
-        for u in unit_buffers(shards, spec, "bench"):
+        if flat:
+            run = _rank_pass(state, [(u, frozenset()) for u in units])
+            g = _cat([u.unit.grads().shard for u in units])
+            p, cm, cv = _cat(run.ps), _cat(run.cms), _cat(run.cvs)
+            step8_flat(p, g, cm, cv, state.rank_scales_m, state.rank_scales_v, run.tiles,
+                       *maps, 0.9, 0.999, 1e-8, 1e-4, 0.1, 0.5)
+            return
+        for u in units:
             key = u.key
             p, g = u.db.shard, u.unit.grads().shard
             cm, cv = state.codes_m[key].shard, state.codes_v[key].shard
-            if flat:
-                lo, hi, tiles = state.plan.span(key, frozenset(), p.device)
-                step8_flat(p[lo:hi], g[lo:hi], cm[lo:hi], cv[lo:hi], state.unit_scales_m[key],
-                           state.unit_scales_v[key], tiles, *maps, 0.9, 0.999, 1e-8, 0.5, -1e-3)
-                continue
             for t in state.plan.quantized[key]:
                 if t.hi > t.lo:
                     s = slice(t.lo, t.hi)
                     step8(p[s].view(t.view), g[s].view(t.view), cm[s].view(t.view),
                           cv[s].view(t.view), state.scales_m[(key, t.k)],
-                          state.scales_v[(key, t.k)], *maps, 0.9, 0.999, 1e-8, 0.5, -1e-3)
+                          state.scales_v[(key, t.k)], *maps, 0.9, 0.999, 1e-8, 1e-4, 0.1, 0.5)
 
 
 def rows(dim: int, layers: int, cut: int, repeat: int, device: str) -> dict:
@@ -123,10 +129,7 @@ def rows(dim: int, layers: int, cut: int, repeat: int, device: str) -> dict:
             g.fill_(0.01)
         out[name] = _median(lambda: opt.update(grads, state, shards, spec), repeat, sync)
         if name == "vfsdp adamw8bit":
-            for flat, row in ((True, "8-bit pass, per unit"), (False, "8-bit pass, per tensor")):
-                if flat and not hasattr(state.plan, "span"):  # vfsdp before the flat pass
-                    out[row] = float("nan")
-                    continue
+            for flat, row in ((True, "8-bit pass, per rank"), (False, "8-bit pass, per tensor")):
                 out[row] = _median(lambda flat=flat: _passes_8bit(state, shards, spec, flat),
                                    repeat, sync)
     out["tensors"] = len(leaves)
@@ -148,7 +151,7 @@ def main(argv=None) -> int:
     print(f"{device}, {one['parameters']:,} parameters in {one['tensors']} tensors, then "
           f"{four['tensors']}; seconds per update (median of {args.repeat}), and against torch "
           f"AdamW in the same run")
-    for name in ("torch AdamW", "vfsdp adamw", "vfsdp adamw8bit", "8-bit pass, per unit",
+    for name in ("torch AdamW", "vfsdp adamw", "vfsdp adamw8bit", "8-bit pass, per rank",
                  "8-bit pass, per tensor", "vfsdp muon", "offload(adamw)",
                  "offload(adamw fused)", "offload(adamw8bit)", "offload(muon)"):
         if name not in one:

@@ -203,10 +203,10 @@ def test_gpu_benchmark_runs_on_cpu_and_writes_its_records(tmp_path):
 
 def test_op_counts_benchmark_prints_equal_counts_at_both_sizes():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "op_counts.py"),
-                           "--dims", "128", "256", "--layers", "2"],
+                           "--dims", "128", "256", "--layers", "2", "--unit-dim", "128"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    sizes, tensors = proc.stdout.split("\n\n")
+    sizes, tensors, units = proc.stdout.split("\n\n")
     rows = [line.split() for line in sizes.splitlines()[1:]]
     assert [r[0] for r in rows] == ["adamw", "adamw8bit", "muon", "offload(adamw)"]
     for r in rows:  # name, params -> params, update -> update, step -> step
@@ -215,6 +215,10 @@ def test_op_counts_benchmark_prints_equal_counts_at_both_sizes():
     assert [r[0] for r in rows] == ["adamw8bit", "muon", "offload(adamw8bit)"]
     for r in rows:
         assert abs(int(r[3]) - int(r[1])) <= 0.1 * int(r[1]), r
+    rows = [line.split() for line in units.splitlines()[1:]]  # the same, over 4x the units
+    assert [r[0] for r in rows] == ["adamw", "adamw8bit", "clip"]
+    for r in rows:
+        assert int(r[3]) <= 1.1 * int(r[1]), r
 
 
 @pytest.mark.slow

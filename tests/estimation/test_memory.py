@@ -55,9 +55,9 @@ def test_muon_counts_over_every_tensor():
     held = [{t.path[-1] for t in u.tensors if r in t.ranks()} for r in range(2)]
     assert "w" not in held[0] or "w" not in held[1]  # one rank holds no matrix
     full = [optimizer_bytes(opt, spec.units, r) for r in range(2)]
-    assert full == [4 * u.shard_numel] * 2
+    assert full == [4 * u.shard_numel + 4] * 2  # the momentum buffer, and the step counter
     wrong = [optimizer_bytes(opt._replace(local_state=True), spec.units, r) for r in range(2)]
-    assert 0 in wrong
+    assert 4 in wrong  # the step counter alone: the momentum buffer missed
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

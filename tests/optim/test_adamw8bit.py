@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 import vfsdp
-from vfsdp.optim.quant import dequantize, dynamic_map, quantize, span_tiles, tile_ids
+from tests.optim.reference import dequantize, quantize, tile_ids
+from vfsdp.optim.quant import dynamic_map, span_tiles
 from vfsdp.testing import CopyCounter, simulate, spawn
 
 
@@ -25,7 +26,7 @@ def _grads(step):
     return optree.tree_map(lambda t: torch.randn(t.shape, generator=g) * (0.5 + step), _params())
 
 
-def _train(mesh_shape=None, steps=3, count=False):
+def _train(mesh_shape=None, steps=3, count=False, frozen=None):
     world = dist.get_world_size()
     opt = vfsdp.optim.adamw8bit(lr=1e-2, weight_decay=0.1,
                                 weight_decay_mask=lambda p: p[-1] != "norm")
@@ -35,6 +36,8 @@ def _train(mesh_shape=None, steps=3, count=False):
     state = opt.init(shards, spec)
     collectives = 0
     for step in range(1, steps + 1):
+        for i, x in enumerate(optree.tree_leaves(shards)):
+            x.requires_grad_(i not in (frozen or {}).get(step, ()))
         rank = dist.get_rank() % spec.world_size
         full_g = _grads(step)
         local = optree.tree_map(
@@ -112,15 +115,9 @@ def test_init_refuses_a_plan_that_cuts_tiles():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from vfsdp.optim.quant import (  # noqa: E402
-    TILE,
-    dequantize_tiles,
-    midpoints,
-    quantize_tiles,
-    step8,
-    step8_flat,
-    tile_view,
-)
+from tests.optim.reference import dequantize_tiles, quantize_tiles, step8  # noqa: E402
+from vfsdp.functional.tiles import TILE, tile_view  # noqa: E402
+from vfsdp.optim.quant import midpoints, step8_flat  # noqa: E402
 
 
 @st.composite
@@ -193,9 +190,9 @@ def test_the_flat_pass_over_a_unit_is_bitwise_the_per_tensor_step(case):
     cv = torch.randint(0, 256, (numel,), generator=gen, dtype=torch.uint8)
     sm = torch.cat([torch.rand(t0, generator=gen), torch.zeros(1)])
     sv = torch.cat([torch.rand(t0, generator=gen), torch.zeros(1)])
-    scalars = (0.999 ** 0.5, -1e-2 / 0.1)
-    if tensor_scalars:
-        scalars = tuple(torch.tensor(x, dtype=torch.float32) for x in scalars)
+    scalars = (1e-2, 0.1, 0.999 ** 0.5)  # lr, bias correction 1, sqrt of bias correction 2
+    if tensor_scalars:  # as the optimizer's step counter gives them (0-d float64 tensors)
+        scalars = (1e-2, *(torch.tensor(x, dtype=torch.float64) for x in scalars[1:]))
     want = [x.clone() for x in (p, cm, cv, sm, sv)]
     for lo, n, view, first, n_tiles, skip in layout:
         if skip or n == 0:
@@ -221,7 +218,7 @@ def test_the_flat_pass_over_a_unit_is_bitwise_the_per_tensor_step(case):
         assert torch.equal(got, ref)
 
 
-def _reference_8bit(steps=3):
+def _reference_8bit(steps=3, frozen=None):
     """One process, one tensor at a time, with the reference (per-element tile index) code."""
     params = _params()
     leaves, paths = optree.tree_leaves(params), optree.tree_paths(params)
@@ -240,6 +237,8 @@ def _reference_8bit(steps=3):
         grads = optree.tree_leaves(_grads(step))
         bc1, bc2 = 1 - b1 ** step, (1 - b2 ** step) ** 0.5
         for i, (p, g, path) in enumerate(zip(leaves, grads, paths)):
+            if i in (frozen or {}).get(step, ()):
+                continue  # frozen: no update, no decay, its moments kept
             p, g = p.view(-1), g.reshape(-1)
             if path[-1] != "norm":
                 p.mul_(1 - lr * wd)
@@ -261,6 +260,19 @@ def _reference_8bit(steps=3):
 
 def test_the_8bit_step_is_bitwise_the_reference_loop():
     assert simulate(1, _train)[0][0] == _reference_8bit()
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_frozen_tensors_and_units_keep_their_moments_in_the_rank_wide_pass(world):
+    """Tensors frozen at some steps (layers.0.up at steps 1-2, the whole of layers.1 at step 2,
+    its experts at step 3) get no update and no decay, and keep their codes and tile scales
+    (the one pass over the rank leaves other units' and frozen tensors' scales as they are):
+    bitwise the one-process reference loop that skips them."""
+    frozen = {1: {3}, 2: {3, 5, 6, 7, 8}, 3: {5}}  # leaves: head, layers.0.(experts, norm,
+    want = _reference_8bit(frozen=frozen)             # up, w), layers.1.(...), small
+    assert want != _reference_8bit()
+    for got in simulate(world, _train, None, 3, False, frozen):
+        assert got[0] == want
 
 
 def _update_ops_8bit(scale: int):
@@ -316,8 +328,8 @@ def test_the_compiled_8bit_step_compiles_once_for_every_step_and_shape(monkeypat
         sm, sv = torch.zeros(n // 1024 + 1), torch.zeros(n // 1024 + 1)
         for t in range(1, 5):
             step(p, torch.randn(n + 5), cm, cv, sm, sv, tiles, qm, qv, midpoints(qm),
-                 midpoints(qv), 0.9, 0.999, 1e-8, (1 - 0.999 ** t) ** 0.5,
-                 -1e-3 * t / (1 - 0.9 ** t))
+                 midpoints(qv), 0.9, 0.999, 1e-8, 1e-3 * t, 1 - 0.9 ** t,
+                 (1 - 0.999 ** t) ** 0.5)
             per_shape.append(len(graphs))
     # One graph at the first step, none added by the three later steps (a new shape may add
     # one: dynamic shapes still guard on some properties, e.g. tile divisibility).
@@ -370,7 +382,7 @@ def test_a_failing_compile_warns_and_runs_the_eager_step(monkeypatch):
             torch.zeros(1024, dtype=torch.uint8), torch.zeros(2), torch.zeros(2),
             span_tiles([(1024, (1, 32, 32), 0)], 1, "cpu"),
             dynamic_map(True), dynamic_map(False), midpoints(dynamic_map(True)),
-            midpoints(dynamic_map(False)), 0.9, 0.999, 1e-8, 0.999 ** 0.5, -1.0)
+            midpoints(dynamic_map(False)), 0.9, 0.999, 1e-8, 0.1, 0.1, 0.999 ** 0.5)
     with pytest.warns(UserWarning, match=r"compile of the 8-bit step failed \(RuntimeError: no "
                                          r"backend for this device\).*compile=False"):
         step(*args)

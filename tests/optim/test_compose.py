@@ -135,50 +135,66 @@ def test_chain_rejects_non_optimizers():
         clip_by_global_norm(float("nan"))
 
 
-def _shift():
-    """A gradient transform that returns new tensors (nothing changed in place); a shift,
-    since AdamW's update does not see a scale."""
-    return vfsdp.optim.gradient_transform(
-        lambda shards, spec, mask=None: None,
-        lambda g, state, shards, spec: ({k: v + 1.0 for k, v in g.items()}, state))
+def _shift(deprecated=False):
+    """A gradient transform that adds 1 to the gradients its mask selects (a shift, since
+    AdamW's update does not see a scale): in place, the one update form; or, deprecated,
+    returning new tensors through ``gradient_transform``."""
+    if deprecated:
+        with pytest.warns(FutureWarning, match="gradient_transform is deprecated"):
+            return vfsdp.optim.gradient_transform(
+                lambda shards, spec, mask=None: None,
+                lambda g, state, shards, spec: ({k: v + 1.0 for k, v in g.items()}, state))
+
+    def update(grads, mask, shards, spec):
+        for k, g in grads.items():
+            if mask is None or mask((k,)):
+                g.add_(1.0)
+        return mask
+
+    return vfsdp.optim.Optimizer(lambda shards, spec, mask=None: mask, update)
 
 
-def _threaded(how):
+def _threaded(how, shift_opt=None):
     import torch.distributed as dist
 
     torch.manual_seed(0)
     params = {"a": torch.randn(6), "b": torch.randn(5)}
     spec = vfsdp.plan(params, dist.get_world_size())
     shards = vfsdp.shard(params, spec)
-    grads = vfsdp.grads(shards, spec)
-    with torch.no_grad():
-        grads["a"].copy_(torch.arange(grads["a"].numel()) + 1.0)
-        grads["b"].copy_(torch.arange(grads["b"].numel()) - 2.0)
-    before = {k: v.clone() for k, v in grads.items()}
     label = lambda path: path[0]
+    shift = {"a": 1.0, "b": 1.0}
+    shift_opt = shift_opt or _shift()
     if how == "chain":
-        opt = chain(_shift(), adamw(0.1))
-    elif how == "by_hand":
-        opt = adamw(0.1)
-        grads = {k: v + 1.0 for k, v in grads.items()}
+        opt = chain(shift_opt, adamw(0.1))
     elif how == "partition":    # a's gradients shifted, b's handed on as they are
-        opt = chain(partition({"a": _shift(), "b": clip_by_global_norm(1e9)}, label), adamw(0.1))
-    else:                        # by hand: only a's shifted
+        opt = chain(partition({"a": shift_opt, "b": clip_by_global_norm(1e9)}, label),
+                    adamw(0.1))
+    else:                        # by hand: the shifted gradients (only a's for a partition)
         opt = adamw(0.1)
-        grads = {"a": grads["a"] + 1.0, "b": grads["b"]}
+        shift = {"a": 1.0, "b": 0.0 if how == "by_hand_partition" else 1.0}
     state = opt.init(shards, spec)
-    for _ in range(2):
+    for step in range(2):
+        grads = vfsdp.grads(shards, spec)
+        with torch.no_grad():
+            grads["a"].copy_(torch.arange(grads["a"].numel()) + 1.0 + step)
+            grads["b"].copy_(torch.arange(grads["b"].numel()) - 2.0 - step)
+            if how.startswith("by_hand"):
+                for k, g in grads.items():
+                    g.add_(shift[k])
         state = opt.update(grads, state, shards, spec)
-    untouched = all(torch.equal(before[k], vfsdp.grads(shards, spec)[k]) for k in before)
-    return {k: v.tolist() for k, v in shards.items()}, untouched
+    return {k: v.tolist() for k, v in shards.items()}
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_chain_threads_a_transforms_new_gradients_into_the_next_member(world):
-    """chain handed every member the same gradients: a transform returning new tensors was
-    lost (it only worked for clip, which scales in place)."""
+def test_chain_hands_a_transforms_gradients_to_the_next_member(world):
+    """One update form: a transform writes the gradients in place and the next member of a
+    chain reads them; inside a partition only its own label's. The deprecated
+    gradient_transform (new tensors returned) gives the same, copied in place."""
+    deprecated = _shift(deprecated=True)
     chained = simulate(world, _threaded, "chain")
     assert chained == simulate(world, _threaded, "by_hand")      # bitwise
-    assert all(untouched for _, untouched in chained)            # returned, not in place
-    assert simulate(world, _threaded, "partition") == simulate(world, _threaded, "by_hand_partition")
-    assert chained != simulate(world, _threaded, "by_hand_partition")
+    assert simulate(world, _threaded, "chain", deprecated) == chained
+    partitioned = simulate(world, _threaded, "partition")
+    assert partitioned == simulate(world, _threaded, "by_hand_partition")
+    assert simulate(world, _threaded, "partition", deprecated) == partitioned
+    assert chained != partitioned

@@ -111,12 +111,14 @@ def _update_ops(width: int, layers: int, fused: bool) -> tuple[int, int]:
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_update_op_count_does_not_grow_with_parameters_tensors_or_units(fused):
-    """foreach: 8 ops per step (decay, lerp, mul, addcmul, sqrt, div, add, addcdiv), nothing
-    per unit. fused: the step counter and one kernel per decay group; where a weight-decay
-    mask cuts a unit, one view op per unit cuts its gradient (no kernel)."""
+    """foreach: 8 ops per step over the tensors (decay, lerp, mul, addcmul, sqrt, div, add,
+    addcdiv) and 7 on the step counter (count; the bias corrections: pow, rsub, unbind, sqrt;
+    the step size list: expand, div), nothing per unit. fused: the step counter and one kernel
+    per decay group; where a weight-decay mask cuts a unit, one view op per unit cuts its
+    gradient (no kernel)."""
     base, views = _update_ops(16, 3, fused)
     assert views == (0 if not fused else 3)
-    assert base == (8 if not fused else 3)
+    assert base == (8 + 7 if not fused else 3)
     for width, layers in ((32, 3), (64, 3), (16, 12)):  # x4, x16 parameters; x4 tensors
         ops, more_views = _update_ops(width, layers, fused)
         assert ops == base
@@ -189,8 +191,8 @@ def test_empty_lists_are_no_ops():
 
     assert tp.foreach("lerp", [], [], scalar=0.5) == []
     assert tp.foreach("mul_", [], scalar=2.0) is None
-    fused_mod.adamw_step([], [], [], [], [], step=1, lr=0.1, betas=(0.9, 0.99), eps=1e-8,
-                         weight_decay=0.1, fused=False)
+    fused_mod.adamw_step([], [], [], [], [], count=fused_mod.new_count("cpu"), lr=0.1,
+                         betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, fused=False)
 
 
 def test_muon_with_every_matrix_frozen_leaves_them_alone():
@@ -250,22 +252,61 @@ def test_weight_decay_of_bf16_parameters_rounds_as_the_single_tensor_op(name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_compiled_updates_tensor_scalars_give_the_eager_step(dtype):
-    """adamw_step with its step and lr as tensors (what the compiled update passes) against
-    the same step with Python scalars; float64 moments keep float64 scalars."""
+def test_the_device_form_of_the_step_agrees_with_the_host_form(dtype, monkeypatch):
+    """adamw_step as a GPU or a compiled graph runs it (the step size divides the
+    denominator; no scalar list read on the host) against the CPU form (torch.optim's
+    ``addcdiv`` with the step size as a scalar), from one tensor counter each, a schedule's
+    tensor learning rate included; float64 moments keep float64 scalars."""
     gen = torch.Generator().manual_seed(0)
     make = lambda: [torch.randn(n, generator=gen, dtype=dtype) for n in (5, 0, 7)]
     ps, gs = make(), make()
     ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
     a = [[t.clone() for t in xs] for xs in (ps, gs, ms, vs)]
     b = [[t.clone() for t in xs] for xs in (ps, gs, ms, vs)]
-    step = torch.zeros(1, dtype=torch.float64)
-    for s in range(1, 4):
-        step.add_(1)
-        kw = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "fused": False}
-        fused_mod.adamw_step(*a, a[0][:1], step=s, lr=1e-2, **kw)
-        fused_mod.adamw_step(*b, b[0][:1], step=step, lr=torch.tensor(1e-2, dtype=torch.float64), **kw)
+    count_a, count_b = fused_mod.new_count("cpu"), fused_mod.new_count("cpu")
+    schedule = lambda step: 1e-2 / step
+    kw = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "fused": False}
+    for _ in range(3):
+        count_a.add_(1)
+        fused_mod.adamw_step(*a, a[0][:1], count=count_a,
+                             lr=fused_mod.learning_rate(schedule, count_a), **kw)
+        count_b.add_(1)
+        with monkeypatch.context() as m:
+            m.setattr(fused_mod.tp, "compiling", lambda: True)
+            fused_mod.adamw_step(*b, b[0][:1], count=count_b,
+                                 lr=fused_mod.learning_rate(schedule, count_b), **kw)
+    assert float(count_a) == 3.0
     tol = 1e-14 if dtype == torch.float64 else 1e-6
     for x, y in zip(a[0], b[0]):
         assert x.dtype == y.dtype == dtype
         assert torch.allclose(x, y, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw_fused", "adamw8bit", "muon"])
+def test_an_update_reads_nothing_back_to_the_host(name):
+    """The step counter is a tensor of the state, and the bias corrections, the learning
+    rate of a schedule and the step size are taken from it on the device: no op of an update
+    reads a value back (``.item()``, a tensor's truth), which on a GPU would wait for the
+    device; and the counter counts."""
+
+    def body():
+        schedule = vfsdp.optim.warmup_cosine(1e-2, 2, 10)
+        opt = {"adamw": lambda: vfsdp.optim.adamw(lr=schedule, fused=False),
+               "adamw_fused": lambda: vfsdp.optim.adamw(lr=schedule, fused=True),
+               "adamw8bit": lambda: vfsdp.optim.adamw8bit(lr=schedule, min_8bit_numel=64,
+                                                          compile=False),
+               "muon": lambda: vfsdp.optim.muon(lr=schedule, weight_decay=0.1)}[name]()
+        params = {"layers": [{"w": torch.randn(32, 16)} for _ in range(3)]}
+        spec = vfsdp.plan(params, 2, granularity=opt.granularity)
+        shards = vfsdp.shard(params, spec)
+        state = opt.init(shards, spec)
+        grads = vfsdp.grads(shards, spec)
+        for g in optree.tree_leaves(grads):
+            g.fill_(0.1)
+        state = opt.update(grads, state, shards, spec)
+        with CopyCounter() as c:
+            state = opt.update(grads, state, shards, spec)
+        return sorted(op for op in c.ops if op in ("_local_scalar_dense", "item", "is_nonzero")), \
+            state.step
+
+    assert simulate(2, body) == [([], 2), ([], 2)]

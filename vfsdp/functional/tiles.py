@@ -17,7 +17,7 @@ import torch
 
 from vfsdp.planner.granularity import rows
 
-__all__ = ["TILE", "tile_view", "tiled", "tiles_of", "tile_granularity", "blockwise"]
+__all__ = ["TILE", "tile_view", "tiled", "tiles_of", "tile_granularity", "blockwise", "tile_range"]
 
 TILE = 32
 
@@ -106,3 +106,21 @@ def tiled(x: torch.Tensor) -> torch.Tensor:
     if (r, c) != (rt * TILE, ct * TILE):
         x = torch.nn.functional.pad(x, (0, ct * TILE - c, 0, rt * TILE - r))
     return x.view(b, rt, TILE, ct, TILE)
+
+
+def tile_range(shape: tuple, start: int) -> tuple[int, int]:
+    """``(first tile, total tiles)``: the global number of the tile holding flat element
+    ``start`` of a tensor of ``shape`` (``start`` at the head of a 32-row stripe, or of a
+    ragged stack's matrix), tiles numbered row of tiles by row of tiles, matrix by matrix, and
+    the tensor's tile count.
+
+    Example:
+        >>> tile_range((70, 40), 32 * 40), tile_range((3, 40, 32), 40 * 32)
+        ((2, 6), (2, 6))
+    """
+    rows_, cols = shape[-2], shape[-1]
+    row_tiles, col_tiles = math.ceil(rows_ / TILE), math.ceil(cols / TILE)
+    total = math.prod(shape[:-2]) * row_tiles * col_tiles
+    g0 = start // cols
+    stripe = (g0 // rows_) * row_tiles + (g0 % rows_) // TILE
+    return stripe * col_tiles, total

@@ -9,9 +9,11 @@ multi-tensor ops over the list of shards (:mod:`vfsdp.optim.fused`)::
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
     p.addcdiv_(m, (v.sqrt() / sqrt(1 - b2**t)).add_(eps), value=-lr / (1 - b1**t))
 
-Bitwise equal to ``torch.optim.AdamW()`` (foreach path, the default off CUDA) or to
-``torch.optim.AdamW(fused=True)`` (fused path, the default on CUDA). Padding stays zero: its
-gradient, moments and parameters are all zero.
+with ``t`` the state's step counter, a tensor (``state.count``) the update adds one to and
+takes the scalars from on the device. Bitwise equal to ``torch.optim.AdamW()`` (foreach
+path, the default off CUDA; on a GPU the step size divides the denominator first, as
+``capturable=True`` does) or to ``torch.optim.AdamW(fused=True)`` (fused path, the default on
+CUDA). Padding stays zero: its gradient, moments and parameters are all zero.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 
+from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import DBuffer, Role
 from vfsdp.functional.state import param_tree
 from vfsdp.optim.base import (
@@ -33,45 +36,24 @@ from vfsdp.optim.base import (
     both,
     check_hyper,
     flat_grads,
+    frozen_of,
     grad_leaves,
+    read_step,
+    runs,
     same_at_ties,
     selected,
     state_dtype,
+    sync_step,
     unit_buffers,
+    write_step,
 )
-from vfsdp.optim.fused import adamw_step, use_fused
-from vfsdp.optim.traced import TracedAdam, adam_views, compiled_update, traced_adamw
+from vfsdp.optim.fused import adamw_step, learning_rate, new_count, use_fused
+from vfsdp.optim.traced import TracedAdam, adam_views, traced_adamw
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["adamw", "AdamWState", "AdamWPlan", "StepSlices", "runs", "segments", "owned_views",
+__all__ = ["adamw", "AdamWState", "AdamWPlan", "StepSlices", "segments", "owned_views",
            "trainable_runs"]
-
-
-def runs(db: DBuffer, mask: Mask) -> tuple[tuple[int, int], ...]:
-    """Flat ranges of this rank's shard holding the tensors ``mask`` selects, merged.
-
-    Example:
-        >>> def body():
-        ...     spec = vfsdp.plan({"a": torch.ones(4), "b": torch.ones(4)}, 1)
-        ...     shards = vfsdp.shard({"a": torch.ones(4), "b": torch.ones(4)}, spec)
-        ...     db = slot_of(shards["a"]).buffer
-        ...     return runs(db, None), runs(db, lambda p: p == ("b",))
-        >>> vfsdp.testing.simulate(1, body)
-        [(((0, 8),), ((4, 8),))]
-    """
-    out: list = []
-    for t in db.tensors:
-        if not selected(mask, t.path):
-            continue
-        lo, hi = t.shard_range(db.rank)
-        if hi <= lo:
-            continue
-        if out and out[-1][1] == lo:
-            out[-1] = (out[-1][0], hi)
-        else:
-            out.append((lo, hi))
-    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -179,18 +161,11 @@ class StepSlices:
                 [m[lo:hi] for lo, hi, _ in cut], [v[lo:hi] for lo, hi, _ in cut],
                 [x for x, (_, _, d) in zip(ps, cut) if d], [d for _, _, d in cut])
 
-    def step_tensor(self, device: torch.device, step: int) -> torch.Tensor:
-        """A 0-d float32 tensor on ``device`` holding ``step`` (the fused kernel reads it)."""
-        t = self._steps.get(device)
-        if t is None:
-            t = self._steps[device] = torch.zeros((), dtype=torch.float32, device=device)
-        t.fill_(step)
-        return t
-
 
 @dataclass
 class AdamWState:
-    """The step and, per unit it updates, the moment DBuffers (the parameters' layout).
+    """The step counter (:func:`~vfsdp.optim.fused.new_count`) and, per unit it updates, the
+    moment DBuffers (the parameters' layout).
 
     Example:
         >>> def body():
@@ -201,33 +176,24 @@ class AdamWState:
         [(0, [0.0, 0.0, 0.0, 0.0]), (0, [0.0, 0.0, 0.0, 0.0])]
     """
 
-    step: int
+    count: torch.Tensor
     exp_avg: dict
     exp_avg_sq: dict
     plan: AdamWPlan = field(default_factory=AdamWPlan, repr=False, compare=False)
     slices: StepSlices = field(default_factory=StepSlices, repr=False, compare=False)
     traced: Optional[TracedAdam] = field(default=None, repr=False, compare=False)
 
-    def sync_step(self) -> int:
-        """``step``, caught up with the compiled path's counter (compiled steps count there,
-        as a tensor, so that a new step is not a new graph). No op unless compiled steps ran
-        since (the compiled update marks ``traced.ran``)."""
-        if self.traced is not None and self.traced.ran:
-            self.step = int(self.traced.step.item())
-            self.traced.ran = False
-        return self.step
+    step = property(read_step, write_step, doc=read_step.__doc__)
+    sync_step = sync_step
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
         """The step, and the moments of the tensors it updates, shaped like the parameters."""
         keep = owned_views(self.plan)
-        return {"step": self.sync_step(), "exp_avg": param_tree(self.exp_avg, spec, keep),
+        return {"step": self.step, "exp_avg": param_tree(self.exp_avg, spec, keep),
                 "exp_avg_sq": param_tree(self.exp_avg_sq, spec, keep)}
 
     def restore_checkpoint(self, tree: dict) -> AdamWState:
         self.step = tree["step"]
-        if self.traced is not None:
-            self.traced.step.fill_(self.step)
-            self.traced.ran = self.traced.stale = False
         return self
 
 
@@ -235,9 +201,9 @@ def trainable_runs(u, plan, weight_decay_mask: Mask) -> tuple[tuple, tuple]:
     """``(update runs, decay runs)`` of unit ``u`` for the tensors the plan owns whose shards
     require grad now: a frozen tensor (``requires_grad=False``) gets no update and no decay,
     as ``torch.optim`` skips a parameter without a gradient."""
-    frozen = u.frozen()
     owned = plan.paths[u.key]
-    if not frozen or not any(u.db.tensors[k].path in owned for k in frozen):
+    frozen = frozen_of(u, owned)
+    if not frozen:
         return plan.update_runs[u.key], plan.decay_runs[u.key]
     gone = {u.db.tensors[k].path for k in frozen}
     live = lambda path: path in owned and path not in gone
@@ -300,9 +266,10 @@ def adamw(
         same_at_ties(mask and (lambda p: selected(mask, p)), spec, "adamw.init", "mask")
         same_at_ties(weight_decay_mask and (lambda p: selected(weight_decay_mask, p)), spec,
                      "adamw.init", "weight_decay_mask")
-        state = AdamWState(0, {}, {})
+        units = unit_buffers(shards, spec, "adamw.init")
+        state = AdamWState(new_count(units[0].db.device if units else "cpu"), {}, {})
         update_runs, decay_runs, paths = {}, {}, {}
-        for u in unit_buffers(shards, spec, "adamw.init"):
+        for u in units:
             chosen = tuple(t.path for t in u.db.tensors if selected(mask, t.path))
             if not chosen:
                 continue  # nothing of this unit is ours: no state for it
@@ -315,19 +282,17 @@ def adamw(
             decay_runs[u.key] = runs(u.db, both(weight_decay_mask, mask))
             paths[u.key] = frozenset(chosen)
         state.plan = AdamWPlan(paths, update_runs, decay_runs)
-        units = unit_buffers(shards, spec, "adamw.init")
-        if units:  # what a compiled update reads (vfsdp.optim.traced)
-            state.traced = adam_views(units, state, spec, lambda p: selected(mask, p),
-                                      lambda p: selected(weight_decay_mask, p),
-                                      units[0].db.device)
+        # What a compiled update reads (vfsdp.optim.traced).
+        state.traced = adam_views(units, state, lambda p: selected(mask, p),
+                                  lambda p: selected(weight_decay_mask, p))
         return state
 
     def update(grads: Any, state: AdamWState, shards: Any, spec: ShardSpec) -> AdamWState:
-        if compiled_update(state, "adamw.update", lambda: traced_adamw(
-                grads, state.traced, shards, spec, schedule, betas, eps, weight_decay)):
+        state.count.add_(1)
+        rate = learning_rate(schedule, state.count)
+        if tp.compiling():
+            traced_adamw(grads, state, shards, spec, rate, betas, eps, weight_decay)
             return state
-        step = state.step
-        rate = schedule(step)
         leaves = grad_leaves(grads, spec, "adamw.update")
         groups: dict = {}  # (device, param dtype, fused) -> the operand lists of the step
         with torch.no_grad():
@@ -342,11 +307,9 @@ def adamw(
                 on = use_fused(fused, m.device, {u.db.dtype, g.dtype, m.dtype})
                 ops = groups.setdefault((m.device, u.db.dtype, on), ([], [], [], [], [], []))
                 state.slices.add(ops, u, g, state, update_runs, decay_runs, on)
-            for (device, _, on), (ps, gs, ms, vs, decay, flags) in groups.items():
-                step_tensor = state.slices.step_tensor(device, step) if on else None
-                adamw_step(ps, gs, ms, vs, flags if on else decay, step=step, lr=rate,
-                           betas=betas, eps=eps, weight_decay=weight_decay, fused=on,
-                           step_tensor=step_tensor)
+            for (_, _, on), (ps, gs, ms, vs, decay, flags) in groups.items():
+                adamw_step(ps, gs, ms, vs, flags if on else decay, count=state.count, lr=rate,
+                           betas=betas, eps=eps, weight_decay=weight_decay, fused=on)
         return state
 
     return Optimizer(init, update, local_state=True)

@@ -5,7 +5,8 @@ on one rank (``rows(32)``; a ``[E, R, C]`` expert stack whose ``R`` is not a mul
 keeps whole matrices), so every 32x32 tile lives on one rank and each rank quantizes its shard
 alone, exactly as one process would. ``init`` refuses a spec that does not honour the tiles.
 
-Per step, in one flat pass per unit over its quantized tensors (in fp32): dequantize ``m``
+Per step, in one flat pass over every unit's quantized tensors on the rank (their shards laid
+end to end; in fp32): dequantize ``m``
 (signed dynamic map) and ``v`` (unsigned dynamic map, ``v`` itself), apply AdamW exactly as
 :func:`vfsdp.optim.adamw`, take each tile's new absmax and re-quantize with round-to-nearest.
 State: 1 byte per element per moment in uint8 DBuffers with the parameters' layout, plus one
@@ -18,19 +19,19 @@ their real elements.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
+from vfsdp import _torch_private as tp
 from vfsdp._warnings import warn_user
 from vfsdp.collectives.dbuffer import Role
 from vfsdp.collectives.piece import Piece, tensor_piece
 from vfsdp.functional.state import param_tree
-from vfsdp.functional.tiles import blockwise, tile_granularity, tiles_of
-from vfsdp.optim.adamw import owned_views, runs
+from vfsdp.functional.tiles import blockwise, tile_granularity, tile_range, tile_view, tiles_of
+from vfsdp.optim.adamw import owned_views
 from vfsdp.optim.base import (
     Mask,
     Optimizer,
@@ -39,32 +40,25 @@ from vfsdp.optim.base import (
     both,
     check_hyper,
     flat_grads,
+    frozen_of,
     grad_leaves,
+    read_step,
+    runs,
     same_at_ties,
     selected,
+    sync_step,
     unit_buffers,
+    write_step,
 )
-from vfsdp.optim.fused import adamw_step, scale_
-from vfsdp.optim.quant import (
-    TILE,
-    SpanTiles,
-    dynamic_map,
-    midpoints,
-    span_tiles,
-    step8_flat,
-    tile_view,
-)
-from vfsdp.optim.traced import TracedAdam8, compiled_update, traced_adamw8bit
+from vfsdp.optim.fused import adamw_step, decay_, learning_rate, new_count, step_scalars
+from vfsdp.optim.quant import SpanTiles, dynamic_map, midpoints, span_tiles, step8_flat
+from vfsdp.optim.traced import TracedAdam8, traced_adamw8bit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["adamw8bit", "AdamW8bitState", "AdamW8bitPlan", "Quantized", "MIN_8BIT_NUMEL"]
 
 MIN_8BIT_NUMEL = 4096
-
-
-def _quantized(shape, min_numel: int) -> bool:
-    return blockwise(shape, min_numel)
 
 
 def granularity_8bit(min_numel: int = MIN_8BIT_NUMEL) -> Callable:
@@ -76,8 +70,8 @@ def granularity_8bit(min_numel: int = MIN_8BIT_NUMEL) -> Callable:
 class Quantized:
     """One quantized tensor's place on this rank: buffer index ``k``, range ``[lo, hi)`` in
     the shard, that range seen as ``B`` matrices ``[R, C]`` (``view``, see
-    :func:`~vfsdp.optim.quant.tile_view`), its number of tiles and the first of them in its
-    unit's scales (``t0``)."""
+    :func:`~vfsdp.optim.quant.tile_view`), its number of tiles and the first of them in the
+    rank's scales (``t0``: every unit's tiles in order, then a spare one)."""
 
     k: int
     lo: int
@@ -92,8 +86,8 @@ class AdamW8bitPlan:
     """What ``init`` derives from the spec and the mask, per unit: the tensors it updates
     (``paths``), the quantized ones (``quantized``, by shard offset), those with fp32 moments
     (``fp32``: ``(k, lo, hi)``), the buffer indices that decay (``decays``) and their shard
-    ranges, merged (``decay_runs``). Never saved; rebuilt by ``init``. ``tables`` caches each
-    unit's span tiles per set of tensors not updated (:meth:`span`).
+    ranges, merged (``decay_runs``), and the rank's number of tiles (``n_tiles``). Never
+    saved; rebuilt by ``init``.
 
     Example:
         >>> opt = vfsdp.optim.adamw8bit(min_8bit_numel=1024)
@@ -111,27 +105,38 @@ class AdamW8bitPlan:
     fp32: Mapping[Any, tuple] = field(default_factory=dict)
     decays: Mapping[Any, frozenset] = field(default_factory=dict)
     decay_runs: Mapping[Any, tuple] = field(default_factory=dict)
-    tables: dict = field(default_factory=dict, compare=False, repr=False)
+    n_tiles: int = 0
 
     def owns(self, db, k: int) -> bool:
         """Whether the plan updates tensor ``k`` of ``db``'s unit."""
         return db.tensors[k].path in self.paths.get(db.key, ())
 
-    def span(self, key: Any, skip: frozenset, device: Any) -> Optional[tuple]:
-        """``(lo, hi, SpanTiles)`` of unit ``key``'s quantized tensors as one span of its shard,
-        the tensors ``skip`` (buffer indices) left out as gaps; ``None`` if none is left."""
-        found = self.tables.get((key, skip))
-        if found is None:
-            found = self.tables[(key, skip)] = _span(self.quantized[key], skip, device)
-        return found
+
+@dataclass(frozen=True)
+class RankPass:
+    """The operands of one update over every unit it trains on this rank, made once per set
+    of units and frozen tensors and kept (the parameter, code and moment buffers are fixed
+    tensors, so their views are too): the units' whole shards laid end to end for the one
+    8-bit pass, the span's tiles over them, the slices that decay, and the fp32-moment
+    tensors with where their gradients are in the concatenated gradient."""
+
+    ps: tuple        # parameter shards (another tree's: made again), code shards (m, v)
+    cms: tuple
+    cvs: tuple
+    sizes: tuple     # their elements
+    tiles: Optional[SpanTiles]  # None: no quantized tensor is trained
+    decay: tuple     # parameter slices that decay
+    small: tuple     # (parameter slices, m, v) of the fp32-moment tensors trained
+    cuts: tuple      # sizes cutting the concatenated gradient at every such slice
+    keep: tuple      # the indices of those slices among the cuts
 
 
 @dataclass
 class AdamW8bitState:
-    """The step; uint8 codes per unit (DBuffers with the parameters' layout); per quantized
-    tensor ``(unit, k)`` its tile scales (views of its unit's scales, ``unit_scales_m``/``_v``:
-    every tile of the unit in shard order, then a spare one), per small tensor its fp32
-    moments.
+    """The step counter (``count``); uint8 codes per unit (DBuffers with the parameters'
+    layout); per quantized tensor ``(unit, k)`` its tile scales (views of the rank's scales,
+    ``rank_scales_m``/``_v``: every unit's tiles in shard order, then a spare one); per small
+    tensor its fp32 moments.
 
     Example:
         >>> opt = vfsdp.optim.adamw8bit(min_8bit_numel=1024)
@@ -144,24 +149,21 @@ class AdamW8bitState:
         [(0, torch.uint8, (2056, 1024)), (0, torch.uint8, (2056, 1024))]
     """
 
-    step: int
+    count: torch.Tensor
     codes_m: dict
     codes_v: dict
     scales_m: dict = field(default_factory=dict)
     scales_v: dict = field(default_factory=dict)
     fp32_m: dict = field(default_factory=dict)
     fp32_v: dict = field(default_factory=dict)
-    unit_scales_m: dict = field(default_factory=dict, repr=False, compare=False)
-    unit_scales_v: dict = field(default_factory=dict, repr=False, compare=False)
+    rank_scales_m: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    rank_scales_v: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    passes: dict = field(default_factory=dict, repr=False, compare=False)
     plan: AdamW8bitPlan = field(default_factory=AdamW8bitPlan, repr=False, compare=False)
     traced: Optional[TracedAdam8] = field(default=None, repr=False, compare=False)
 
-    def sync_step(self) -> int:
-        """``step``, caught up with the compiled path's counter (as ``AdamWState``'s)."""
-        if self.traced is not None and self.traced.ran:
-            self.step = int(self.traced.step.item())
-            self.traced.ran = False
-        return self.step
+    step = property(read_step, write_step, doc=read_step.__doc__)
+    sync_step = sync_step
 
     def state_bytes(self) -> tuple[int, int]:
         """``(bytes of 8-bit state incl. scales, elements it covers)`` on this rank."""
@@ -177,7 +179,7 @@ class AdamW8bitState:
         """The step; the codes per element and the tile scales indexed by global tile (so
         another block placement reloads them bit for bit); the small tensors' fp32 moments."""
         keep = owned_views(self.plan)
-        tree = {"step": self.sync_step(), "codes_m": param_tree(self.codes_m, spec, keep),
+        tree = {"step": self.step, "codes_m": param_tree(self.codes_m, spec, keep),
                 "codes_v": param_tree(self.codes_v, spec, keep)}
         for attr in ("m", "v"):
             scales, small = getattr(self, f"scales_{attr}"), getattr(self, f"fp32_{attr}")
@@ -187,7 +189,7 @@ class AdamW8bitState:
                 if found is None:
                     return None
                 ts = db.tensors[k]
-                first, total = _tile_range(tuple(ts.shape), ts.local_range(db.rank)[0])
+                first, total = tile_range(tuple(ts.shape), ts.local_range(db.rank)[0])
                 first = first if found.numel() else 0
                 writer = db.groups.replicate_rank == 0
                 st = ts.strided
@@ -196,7 +198,7 @@ class AdamW8bitState:
                                  (st is None or st.writes))
                 # Tiles of this index's piece: row ``index`` of (model axis, most tiles); it
                 # reloads at the same model-axis degree only (tiles of other pieces differ).
-                most = max(_tile_range(_piece_shape(st, i), 0)[1] for i in range(st.size))
+                most = max(tile_range(_piece_shape(st, i), 0)[1] for i in range(st.size))
                 return Piece(found, (st.size, most), first, writer=writer,
                              within=((st.index, 0), (1, most)))
 
@@ -212,9 +214,6 @@ class AdamW8bitState:
 
     def restore_checkpoint(self, tree: dict) -> AdamW8bitState:
         self.step = tree["step"]
-        if self.traced is not None:
-            self.traced.step.fill_(self.step)
-            self.traced.ran = self.traced.stale = False
         return self
 
 
@@ -225,27 +224,44 @@ def _piece_shape(st: Any, index: int) -> tuple:
     return tuple(shape)
 
 
-def _tile_range(shape: tuple, start: int) -> tuple[int, int]:
-    """``(first global tile, total tiles)`` of a rank range starting at flat ``start``."""
-    rows_, cols = shape[-2], shape[-1]
-    row_tiles, col_tiles = math.ceil(rows_ / TILE), math.ceil(cols / TILE)
-    total = math.prod(shape[:-2]) * row_tiles * col_tiles
-    g0 = start // cols
-    stripe = (g0 // rows_) * row_tiles + (g0 % rows_) // TILE
-    return stripe * col_tiles, total
-
-
-def _span(quantized: tuple, skip: frozenset, device: Any) -> Optional[tuple]:
-    live = [t for t in quantized if t.hi > t.lo]
-    if not live or all(t.k in skip for t in live):
-        return None
-    n = sum(t.n_tiles for t in quantized)
-    pieces, at = [], live[0].lo
-    for t in live:
-        pieces += [(t.lo - at, None, None), (t.hi - t.lo, None if t.k in skip else t.view, t.t0)]
-        at = t.hi
-    keep = tuple((t.t0, t.n_tiles) for t in live if t.k in skip)
-    return live[0].lo, at, span_tiles(pieces, n, device, keep)
+def _rank_pass(state: AdamW8bitState, units: list) -> RankPass:
+    """The :class:`RankPass` of ``units`` (``(unit, frozen buffer indices)`` in order)."""
+    plan, ps, cms, cvs, pieces, live = state.plan, [], [], [], [], set()
+    decay, small, cuts, keep, base, end = [], ([], [], []), [], [], 0, 0
+    for u, frozen in units:
+        p = u.db.shard
+        ps.append(p)
+        cms.append(state.codes_m[u.key].shard)
+        cvs.append(state.codes_v[u.key].shard)
+        at = 0
+        for t in plan.quantized[u.key]:
+            if t.hi > t.lo and t.k not in frozen:
+                pieces += [(t.lo - at, None, None), (t.hi - t.lo, t.view, t.t0)]
+                live.add((u.key, t.k))
+                at = t.hi
+        pieces.append((p.numel() - at, None, None))
+        decaying = {u.db.tensors[k].path for k in plan.decays[u.key] - frozen}
+        decay += [p[lo:hi] for lo, hi in runs(u.db, lambda path, d=decaying: path in d)]
+        for k, lo, hi in plan.fp32[u.key]:
+            if k not in frozen and hi > lo:
+                if base + lo > end:
+                    cuts.append(base + lo - end)
+                keep.append(len(cuts))
+                cuts.append(hi - lo)
+                end = base + hi
+                for acc, x in zip(small, (p[lo:hi], state.fp32_m[(u.key, k)],
+                                          state.fp32_v[(u.key, k)])):
+                    acc.append(x)
+        base += p.numel()
+    if base > end:
+        cuts.append(base - end)
+    tiles = None
+    if live:  # the scales of the tiles not trained now stay (other units', frozen tensors')
+        still = tuple((t.t0, t.n_tiles) for key, ts in plan.quantized.items() for t in ts
+                      if (key, t.k) not in live and t.n_tiles)
+        tiles = span_tiles(pieces, plan.n_tiles, ps[0].device, still)
+    return RankPass(tuple(ps), tuple(cms), tuple(cvs), tuple(x.numel() for x in ps),
+                    tiles, tuple(decay), tuple(map(tuple, small)), tuple(cuts), tuple(keep))
 
 
 def adamw8bit(
@@ -259,11 +275,11 @@ def adamw8bit(
 ) -> Optimizer:
     """AdamW with 8-bit moments in 32x32 tiles. Plan with ``granularity=opt.granularity``.
 
-    A step is one flat pass per unit over all its quantized tensors
-    (:func:`~vfsdp.optim.quant.step8_flat`: tile indices from a small table per tensor,
-    dequantize, update, new absmax by one scatter-max, re-quantize; a fixed number of ops
-    whatever the unit's tensors, no per-element index kept) and one multi-tensor AdamW over
-    every fp32-moment tensor of every unit.
+    A step is one flat pass over every quantized tensor of the rank, the units' shards laid
+    end to end (:func:`~vfsdp.optim.quant.step8_flat`: tile indices from a small table per
+    tensor, dequantize, update, new absmax by one scatter-max, re-quantize; a fixed number of
+    ops whatever the units and tensors, no per-element index kept) and one multi-tensor AdamW
+    over every fp32-moment tensor of every unit.
 
     Args:
         lr: As :func:`vfsdp.optim.adamw`.
@@ -322,9 +338,10 @@ def adamw8bit(
         same_at_ties(mask and (lambda p: selected(mask, p)), spec, "adamw8bit.init", "mask")
         same_at_ties(weight_decay_mask and (lambda p: selected(weight_decay_mask, p)), spec,
                      "adamw8bit.init", "weight_decay_mask")
-        state = AdamW8bitState(0, {}, {})
-        paths, quantized, fp32, decay, decay_runs = {}, {}, {}, {}, {}
-        for u in unit_buffers(shards, spec, "adamw8bit.init"):
+        units = unit_buffers(shards, spec, "adamw8bit.init")
+        state = AdamW8bitState(new_count(units[0].db.device if units else "cpu"), {}, {})
+        paths, quantized, fp32, decay, decay_runs, t0 = {}, {}, {}, {}, {}, 0
+        for u in units:
             db = u.db
             chosen = frozenset(t.path for t in db.tensors if selected(mask, t.path))
             if not chosen:
@@ -341,7 +358,7 @@ def adamw8bit(
                     continue
                 lo, hi = t.shard_range(db.rank)
                 start, stop = t.local_range(db.rank)
-                if not _quantized(tuple(t.shape), min_8bit_numel):
+                if not blockwise(tuple(t.shape), min_8bit_numel):
                     f32.append((k, lo, hi))
                     state.fp32_m[(u.key, k)] = torch.zeros(hi - lo, dtype=torch.float32,
                                                           device=db.device)
@@ -359,17 +376,18 @@ def adamw8bit(
                     ) from None
                 q8.append(Quantized(k, lo, hi, view, tiles_of(view)))
             q8.sort(key=lambda t: t.lo)
-            t0 = 0
-            for i, t in enumerate(q8):  # the unit's tiles, in shard order, then the spare
+            for i, t in enumerate(q8):  # every unit's tiles, in shard order, then the spare
                 q8[i] = Quantized(t.k, t.lo, t.hi, t.view, t.n_tiles, t0)
                 t0 += t.n_tiles
-            for attr in ("m", "v"):
-                whole = torch.zeros(t0 + 1, dtype=torch.float32, device=db.device)
-                getattr(state, f"unit_scales_{attr}")[u.key] = whole
-                for t in q8:
-                    getattr(state, f"scales_{attr}")[(u.key, t.k)] = whole[t.t0:t.t0 + t.n_tiles]
             paths[u.key], quantized[u.key], fp32[u.key] = chosen, tuple(q8), tuple(f32)
-        state.plan = AdamW8bitPlan(paths, quantized, fp32, decay, decay_runs)
+        for attr in ("m", "v"):
+            whole = torch.zeros(t0 + 1, dtype=torch.float32,
+                                device=units[0].db.device if units else "cpu")
+            setattr(state, f"rank_scales_{attr}", whole)
+            for key, q8 in quantized.items():
+                for t in q8:
+                    getattr(state, f"scales_{attr}")[(key, t.k)] = whole[t.t0:t.t0 + t.n_tiles]
+        state.plan = AdamW8bitPlan(paths, quantized, fp32, decay, decay_runs, t0)
         state.traced = _traced_views(shards, spec, state)
         return state
 
@@ -387,69 +405,56 @@ def adamw8bit(
                 first.setdefault(k, i)
             decays = state.plan.decays[u.key]
             cm, cv = state.codes_m[u.key], state.codes_v[u.key]
-            live = [t for t in state.plan.quantized[u.key] if t.hi > t.lo]
-            if live:
-                q.append(([(first[t.k], t, t.k in decays, cm.local(t.k).view(-1),
-                            cv.local(t.k).view(-1)) for t in live],
-                          state.unit_scales_m[u.key], state.unit_scales_v[u.key]))
+            q += [(first[t.k], t, t.k in decays, cm.local(t.k).view(-1), cv.local(t.k).view(-1))
+                  for t in state.plan.quantized[u.key] if t.hi > t.lo]
             for k, lo, hi in state.plan.fp32[u.key]:
                 if hi > lo:
                     small.append((first[k], k in decays, state.fp32_m[(u.key, k)],
                                   state.fp32_v[(u.key, k)]))
-        device = units[0].db.device
-        return TracedAdam8(q, small, qmaps(device),
-                           torch.zeros(1, dtype=torch.float64, device=device))
+        return TracedAdam8(q, state.rank_scales_m, state.rank_scales_v, small,
+                           qmaps(units[0].db.device))
 
     def update(grads: Any, state: AdamW8bitState, shards: Any, spec: ShardSpec) -> AdamW8bitState:
-        if compiled_update(state, "adamw8bit.update", lambda: traced_adamw8bit(
-                grads, state.traced, shards, spec, schedule, betas, eps, weight_decay)):
+        state.count.add_(1)
+        rate = learning_rate(schedule, state.count)
+        if tp.compiling():
+            traced_adamw8bit(grads, state, shards, spec, rate, betas, eps, weight_decay)
             return state
-        step = state.step
-        rate = schedule(step)
-        scalars = (math.sqrt(1 - b2 ** step), -rate / (1 - b1 ** step))
+        scalars = step_scalars(state.count, betas)
         leaves = grad_leaves(grads, spec, "adamw8bit.update")
-        plan = state.plan
-        small: tuple = ([], [], [], [])  # p, g, m, v slices of the fp32-moment tensors
-        decay: list = []                  # parameter slices that decay (one op for all)
-        spans: list = []                  # one flat pass per unit
+        units, gs = [], []
         with torch.no_grad():
             for u in unit_buffers(shards, spec, "adamw8bit.update"):
                 if u.key not in state.codes_m:
                     continue
-                frozen = u.frozen()  # no gradient, no update, no decay
-                owned = plan.paths[u.key]
+                owned = state.plan.paths[u.key]
+                frozen = frozen_of(u, owned)  # no update, no decay
                 if frozen and owned <= {u.db.tensors[k].path for k in frozen}:
                     continue
-                g = flat_grads(leaves, u, "adamw8bit.update", torch.float32)  # its arithmetic
-                p = u.db.shard
-                if frozen:  # the decaying runs of the tensors still trained
-                    live = {t.path for k, t in enumerate(u.db.tensors)
-                            if k in plan.decays[u.key] and k not in frozen}
-                    decay += [p[lo:hi] for lo, hi in runs(u.db, lambda path: path in live)]
-                else:
-                    decay += [p[lo:hi] for lo, hi in plan.decay_runs[u.key]]
-                found = plan.span(u.key, frozen, p.device)
-                if found is not None:
-                    lo, hi, tiles = found
-                    spans.append((p[lo:hi], g[lo:hi], state.codes_m[u.key].shard[lo:hi],
-                                  state.codes_v[u.key].shard[lo:hi], state.unit_scales_m[u.key],
-                                  state.unit_scales_v[u.key], tiles))
-                for k, lo, hi in plan.fp32[u.key]:
-                    if k not in frozen:
-                        for acc, x in zip(small, (p[lo:hi], g[lo:hi], state.fp32_m[(u.key, k)],
-                                                  state.fp32_v[(u.key, k)])):
-                            acc.append(x)
-            if weight_decay and decay:
-                scale_(decay, 1 - rate * weight_decay)
-            if spans:
-                device = spans[0][0].device
-                qm, qv, mm, mv = qmaps(device)
-                fn = kernel(device)
-                for args in spans:
-                    fn(*args, qm, qv, mm, mv, b1, b2, eps, *scalars)
-            ps, gs, ms, vs = small
-            adamw_step(ps, gs, ms, vs, [], step=step, lr=rate, betas=betas, eps=eps,
-                       weight_decay=0.0, fused=False)
+                units.append((u, frozen))
+                gs.append(flat_grads(leaves, u, "adamw8bit.update"))
+            if not units:
+                return state
+            key = tuple((u.key, frozen) for u, frozen in units)
+            run = state.passes.get(key)
+            if run is None or any(a is not u.db.shard for a, (u, _) in zip(run.ps, units)):
+                run = state.passes[key] = _rank_pass(state, units)
+            decay_(list(run.decay), rate, weight_decay)
+            g = _cat(gs).float()  # its arithmetic: fp32
+            if run.tiles is not None:  # one 8-bit pass over every unit of the rank
+                p, cm, cv = _cat(run.ps), _cat(run.cms), _cat(run.cvs)
+                qm, qv, mm, mv = qmaps(p.device)
+                kernel(p.device)(p, g, cm, cv, state.rank_scales_m, state.rank_scales_v,
+                                 run.tiles, qm, qv, mm, mv, b1, b2, eps, rate, *scalars)
+                if len(run.ps) > 1:  # back into the units' buffers
+                    for dst, src in ((run.ps, p), (run.cms, cm), (run.cvs, cv)):
+                        tp.foreach("copy_", list(dst), list(src.split(run.sizes)))
+            if run.small[0]:  # one multi-tensor AdamW over the fp32-moment tensors
+                pieces = g.split_with_sizes(run.cuts)
+                ps, ms, vs = run.small
+                adamw_step(list(ps), [pieces[i] for i in run.keep], list(ms), list(vs), [],
+                           count=state.count, lr=rate, betas=betas, eps=eps, weight_decay=0.0,
+                           fused=False, scalars=scalars)
         return state
 
     return Optimizer(init, update, granularity_8bit(min_8bit_numel), local_state=True)
@@ -458,22 +463,23 @@ def adamw8bit(
 def compiled_step8() -> Callable:
     """:func:`~vfsdp.optim.quant.step8_flat` through ``torch.compile``: one graph for every
     unit and every step (the span's table and sizes go in as arguments, the step's two scalars
-    as one tensor, made once per update); where compiling fails, a warning says why and the
+    as one float32 tensor, made once per update); where compiling fails, a warning says why and the
     eager pass runs instead."""
     fn = torch.compile(_unpacked, dynamic=True)
-    state: dict = {"failed": False, "key": None, "scalars": None}
+    state: dict = {"failed": False, "key": (), "scalars": None}
 
     def run(*args) -> None:
         if not state["failed"]:
-            key = (*args[-2:], args[0].device)
-            if state["key"] != key:  # a new step: one small tensor for all of its units
-                state["key"] = key
-                state["scalars"] = torch.tensor(args[-2:], dtype=torch.float32,
-                                                device=args[0].device)
+            key = args[-3:]  # this step's lr and bias corrections, kept while cached
+            if len(state["key"]) != 3 or any(a is not b for a, b in zip(key, state["key"])):
+                state["key"] = key  # a new step: one small tensor for all of its units
+                state["scalars"] = torch.stack([torch.as_tensor(x, dtype=torch.float64,
+                                                                device=args[0].device)
+                                                for x in key]).float()
             t = args[6]
             try:
                 return fn(*args[:6], t.table, t.chunks, t.numel, t.n_tiles, t.keep,
-                          *args[7:-2], state["scalars"])
+                          *args[7:-3], state["scalars"])
             except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back
                 state["failed"] = True
                 warn_user(f"adamw8bit: torch.compile of the 8-bit step failed "
@@ -487,8 +493,13 @@ def compiled_step8() -> Callable:
 
 def _unpacked(p, g, cm, cv, sm, sv, table, chunks, numel, n_tiles, keep, *args) -> None:
     """:func:`~vfsdp.optim.quant.step8_flat` with its span's tiles unpacked (sizes as
-    arguments, not attributes a graph would specialise on) and its two per-step scalars in
-    one tensor."""
-    bc2_sqrt, step = args[-1].unbind()
+    arguments, not attributes a graph would specialise on) and its three per-step scalars
+    (learning rate, bias corrections) in one tensor."""
+    lr, bc1, bc2_sqrt = args[-1].unbind()
     step8_flat(p, g, cm, cv, sm, sv, SpanTiles(table, chunks, numel, n_tiles, keep),
-               *args[:-1], bc2_sqrt, step)
+               *args[:-1], lr, bc1, bc2_sqrt)
+
+
+def _cat(xs: Any) -> torch.Tensor:
+    """``torch.cat(xs)``, or the one tensor itself (no copy)."""
+    return xs[0] if len(xs) == 1 else torch.cat(list(xs))

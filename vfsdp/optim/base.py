@@ -1,19 +1,21 @@
 """The optimizer protocol (optax-style, in place on DBuffers) and the flat views it works on.
 
-An optimizer is an :class:`Optimizer` of three parts:
+An optimizer is an :class:`Optimizer`:
 
 * ``state = opt.init(shards, spec, mask=None)``: builds the state for the tensors
   ``mask(path)`` selects (all when ``mask`` is ``None``). What ``init`` derives from the spec
   and the mask (ranges, tiles, roots) is a separate frozen *plan* object the state refers
-  to; it is never saved and ``init`` rebuilds it under any other plan.
-* ``state = opt.update(grads, state, shards, spec)``: updates the selected parameter shards in
-  place, as a few fused ops over each unit's flat buffer; other tensors are left alone.
+  to; it is never saved and ``init`` rebuilds it under any other plan. The state holds its
+  step counter, a tensor on the parameters' device (``state.count``,
+  :func:`~vfsdp.optim.fused.new_count`; ``state.step`` reads it back, for logs).
+* ``state = opt.update(grads, state, shards, spec)``, the one update form: in place, as a few
+  fused ops over each unit's flat buffer, it updates the selected parameter shards (an
+  optimizer), or the selected gradients (a gradient transform, e.g.
+  :func:`~vfsdp.optim.clip_by_global_norm`: the next member of a :func:`~vfsdp.optim.chain`
+  reads the same gradient tree); other tensors are left alone, and so are frozen ones (a
+  shard with ``requires_grad=False``: no update, no weight decay, :func:`frozen_of`).
 * ``opt.granularity``: which blocks it needs whole on one rank (``None``: any), for
   ``vfsdp.plan(..., granularity=opt.granularity)``.
-* ``opt.transform`` (gradient transforms, :func:`gradient_transform`): ``(grads, state) =
-  opt.transform(grads, state, shards, spec)``, optax's form: the gradients the next member of
-  a :func:`~vfsdp.optim.chain` receives (new tensors, or the same ones scaled in place), and
-  the new state. ``update`` then returns the state alone.
 * ``opt.local_state``: ``True`` declares that ``init(shards, spec)`` gives each rank state made
   from that rank's pieces alone (per unit, buffers of the shard's ``S`` elements; per tensor,
   what its piece there needs), so a count of one rank's state (``vfsdp.estimate``) may read
@@ -33,10 +35,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Union
 
+import optree
 import torch
 
+from vfsdp._warnings import warn_user
 from vfsdp.collectives.dbuffer import View, slot_of
 from vfsdp.functional.gather import gradient_leaves
 from vfsdp.functional.tree import UnitLeaves, match_tree, units_of
@@ -44,9 +49,10 @@ from vfsdp.optim.schedules import constant
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["Optimizer", "gradient_transform", "apply_update", "Schedule", "Mask", "as_schedule",
+__all__ = ["Optimizer", "gradient_transform", "TransformState", "Schedule", "Mask", "as_schedule",
            "unit_buffers", "grad_leaves", "state_dtype", "check_hyper", "flat_grads",
-           "UnitTensors", "init_masked", "both", "selected", "state_tensors"]
+           "UnitTensors", "init_masked", "both", "selected", "state_tensors", "runs",
+           "frozen_of", "read_step", "write_step", "sync_step"]
 
 Schedule = Union[float, Callable[[int], float]]
 Mask = Optional[Callable[[tuple], bool]]
@@ -70,15 +76,35 @@ class Optimizer(NamedTuple):
     init: Callable[..., Any]
     update: Callable[..., Any]
     granularity: Any = None
-    transform: Optional[Callable[..., tuple]] = None
     local_state: bool = False
+
+
+@dataclass
+class TransformState:
+    """A deprecated :func:`gradient_transform`'s state: its transform's own (``inner``, what a
+    checkpoint saves) and the mask ``init`` was given (the gradients it may write)."""
+
+    inner: Any
+    mask: Mask = None
+
+    def checkpoint_tree(self, spec: ShardSpec) -> Any:
+        return self.inner
+
+    def restore_checkpoint(self, tree: Any) -> TransformState:
+        self.inner = tree
+        return self
 
 
 def gradient_transform(init: Callable[..., Any], transform: Callable[..., tuple],
                        granularity: Any = None) -> Optimizer:
-    """An :class:`Optimizer` that transforms gradients: ``transform(grads, state, shards,
-    spec) -> (grads, state)`` hands its gradients (new tensors or the same ones) to the next
-    member of a :func:`~vfsdp.optim.chain`; its ``update`` returns the state alone.
+    """Deprecated (a ``FutureWarning``; gone in the next release): an :class:`Optimizer` from
+    an optax-style ``transform(grads, state, shards, spec) -> (grads, state)``. Every
+    optimizer now has one update form, ``update(grads, state, shards, spec) -> state``, and a
+    gradient transform writes the gradients in place, where the next member of a
+    :func:`~vfsdp.optim.chain` reads them: write ``Optimizer(init, update)`` with an
+    in-place ``update``. Meanwhile this one copies the gradients ``transform`` returns into
+    ``grads`` in place (the tensors ``init``'s mask selects), so the caller's gradient tree
+    holds them after the update, where it kept its old values before.
 
     Args:
         init: ``init(shards, spec, mask=None) -> state``.
@@ -86,43 +112,56 @@ def gradient_transform(init: Callable[..., Any], transform: Callable[..., tuple]
         granularity: The blocks it needs whole (``None``: any).
 
     Returns:
-        An :class:`Optimizer` with ``transform`` set.
+        An :class:`Optimizer` whose state is a :class:`TransformState`.
 
     Raises:
-        Exception: only what ``init`` and ``transform`` raise, when they are called.
+        ValueError: from ``update``, returned gradients that do not match ``grads``' tree,
+            or a gradient where ``grads`` holds ``None``.
 
     Example:
-        >>> double = gradient_transform(lambda shards, spec, mask=None: None,
-        ...                             lambda g, state, shards, spec: ({"w": 2 * g["w"]}, state))
-        >>> double.transform({"w": torch.ones(2)}, None, None, None)
-        ({'w': tensor([2., 2.])}, None)
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     double = gradient_transform(lambda shards, spec, mask=None: None,
+        ...                                 lambda g, state, shards, spec: ({"w": 2 * g["w"]}, state))
+        >>> grads = {"w": torch.ones(2)}
+        >>> state = double.update(grads, double.init(None, None), None, None)
+        >>> grads
+        {'w': tensor([2., 2.])}
     """
-    return Optimizer(init, lambda *a: transform(*a)[1], granularity, transform)
+    warn_user("vfsdp.optim.gradient_transform is deprecated and goes in the next release: "
+              "every optimizer has one update form, update(grads, state, shards, spec) -> "
+              "state, and a gradient transform changes grads in place (the next member of a "
+              "chain reads them there); write Optimizer(init, update) with an in-place update. "
+              "Until then, the gradients its transform returns are copied into grads in place",
+              FutureWarning)
 
+    def init_(shards: Any, spec: ShardSpec, mask: Mask = None) -> TransformState:
+        return TransformState(init_masked(Optimizer(init, None), shards, spec, mask,
+                                          "gradient_transform"), mask)
 
-def apply_update(opt: Optimizer, grads: Any, state: Any, shards: Any,
-                 spec: ShardSpec) -> tuple:
-    """``(gradients for the next transform, new state)`` of one member of a chain: a
-    gradient transform's own, or the same gradients and ``opt.update``'s state.
+    def update(grads: Any, state: TransformState, shards: Any, spec: ShardSpec
+               ) -> TransformState:
+        new, state.inner = transform(grads, state.inner, shards, spec)
+        if new is grads:
+            return state
+        old, treespec = optree.tree_flatten(grads, none_is_leaf=True)
+        got, other = optree.tree_flatten(new, none_is_leaf=True)
+        if other != treespec:
+            raise ValueError(f"gradient_transform: the transform returned gradients shaped "
+                             f"{other}, not like grads ({treespec}); return the same tree")
+        paths = [getattr(t, "path", None) for t in spec.leaves()] if spec is not None else None
+        with torch.no_grad():
+            for i, (g, n) in enumerate(zip(old, got)):
+                if n is g or n is None or (paths and not selected(state.mask, paths[i])):
+                    continue
+                if g is None:
+                    raise ValueError(f"gradient_transform: the transform returned a gradient "
+                                     f"at leaf {i}, where grads holds None; it writes in place")
+                g.copy_(n)
+        return state
 
-    Args:
-        opt: The member.
-        grads, state, shards, spec: As for ``opt.update``.
-
-    Returns:
-        ``(grads, state)``.
-
-    Raises:
-        Exception: only what the member raises.
-
-    Example:
-        >>> counter = Optimizer(lambda shards, spec, mask=None: 0, lambda g, s, p, sp: s + 1)
-        >>> apply_update(counter, "g", 0, None, None)
-        ('g', 1)
-    """
-    if opt.transform is not None:
-        return opt.transform(grads, state, shards, spec)
-    return grads, opt.update(grads, state, shards, spec)
+    return Optimizer(init_, update, granularity)
 
 
 def as_schedule(value: Schedule) -> Callable[[int], float]:
@@ -242,6 +281,95 @@ def init_masked(opt: Optimizer, shards: Any, spec: ShardSpec, mask: Mask, what: 
     return opt.init(shards, spec, mask=mask)
 
 
+def runs(db: Any, mask: Mask) -> tuple[tuple[int, int], ...]:
+    """Flat ranges of this rank's shard holding the tensors ``mask`` selects, merged.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"a": torch.ones(4), "b": torch.ones(4)}, 1)
+        ...     shards = vfsdp.shard({"a": torch.ones(4), "b": torch.ones(4)}, spec)
+        ...     db = slot_of(shards["a"]).buffer
+        ...     return runs(db, None), runs(db, lambda p: p == ("b",))
+        >>> vfsdp.testing.simulate(1, body)
+        [(((0, 8),), ((4, 8),))]
+    """
+    out: list = []
+    for t in db.tensors:
+        if not selected(mask, t.path):
+            continue
+        lo, hi = t.shard_range(db.rank)
+        if hi <= lo:
+            continue
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+def frozen_of(u: UnitTensors, owned: frozenset) -> frozenset:
+    """Buffer indices of unit ``u``'s tensors among ``owned`` (paths) whose shard does not
+    require grad now. The one rule every optimizer follows, as ``torch.optim`` skips a
+    parameter without a gradient: a frozen tensor gets no update and no weight decay, and
+    its state stays as it is until it is unfrozen.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"a": torch.ones(4), "b": torch.ones(4)}, 1)
+        ...     shards = vfsdp.shard({"a": torch.ones(4), "b": torch.ones(4)}, spec)
+        ...     shards["a"].requires_grad_(False)
+        ...     u = unit_buffers(shards, spec, "example")[0]
+        ...     return frozen_of(u, frozenset({("a",), ("b",)})), frozen_of(u, frozenset())
+        >>> vfsdp.testing.simulate(1, body)
+        [(frozenset({0}), frozenset())]
+    """
+    return frozenset(k for k in u.frozen() if u.db.tensors[k].path in owned)
+
+
+def read_step(state: Any) -> int:
+    """The number of updates ``state`` has counted (``state.count``, read back to the host:
+    for logs and checkpoints, not for the step's path).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> read_step(SimpleNamespace(count=torch.full((1,), 3.0)))
+        3
+    """
+    return int(state.count.item())
+
+
+def write_step(state: Any, step: int) -> None:
+    """Set the number of updates ``state`` has counted (``state.step = n``: the counter is
+    filled in place, on its device).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> state = SimpleNamespace(count=torch.zeros(1))
+        >>> write_step(state, 4); state.count
+        tensor([4.])
+    """
+    state.count.fill_(step)
+
+
+def sync_step(state: Any) -> int:
+    """Deprecated (a ``FutureWarning``; gone in the next release): the state has one step
+    counter, ``state.count``, which eager and compiled updates both advance, so there is
+    nothing to catch up. Returns ``state.step``.
+
+    Example:
+        >>> import warnings
+        >>> from types import SimpleNamespace
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     sync_step(SimpleNamespace(step=2))
+        2
+    """
+    warn_user("state.sync_step() is deprecated and does nothing: the state has one step "
+              "counter (state.count, a tensor) for eager and compiled updates; read "
+              "state.step", FutureWarning)
+    return state.step
+
+
 def unit_buffers(shards: Any, spec: ShardSpec, what: str) -> list[UnitTensors]:
     """Every unit of ``shards``: its :class:`~vfsdp.collectives.Unit`, parameter DBuffer
     (``.db``) and leaves (``.leaves``: ``(leaf index, buffer index)`` pairs).
@@ -339,7 +467,7 @@ def state_tensors(state: Any) -> list:
         ...                 for t in state_tensors(state)}
         ...     return sum(storages.values())
         >>> vfsdp.testing.simulate(2, body)[0]      # two moments of 4 floats, the step count
-        40
+        36
     """
     from vfsdp.collectives.dbuffer import DBuffer
 

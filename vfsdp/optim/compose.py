@@ -15,20 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import optree
-
-from vfsdp.optim.base import (
-    Mask,
-    Optimizer,
-    apply_update,
-    both,
-    gradient_transform,
-    init_masked,
-    same_at_ties,
-    selected,
-)
+from vfsdp.optim.base import Mask, Optimizer, both, init_masked, same_at_ties, selected
 from vfsdp.planner.granularity import combine, format_path
-from vfsdp.planner.spec import ShardSpec, TensorSpec
+from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["partition", "chain", "clip_by_global_norm", "ClipState"]
 
@@ -69,33 +58,24 @@ def partition(transforms: dict, labels: Callable[[tuple], str]) -> Optimizer:
                                   both(mask, lambda p, n=name: labels(p) == n), "partition")
                 for name, opt in transforms.items()}
 
-    def transform(grads: Any, state: dict, shards: Any, spec: ShardSpec) -> tuple:
-        out, new = {}, {}
-        for name, opt in transforms.items():
-            out[name], new[name] = apply_update(opt, grads, state[name], shards, spec)
-        if all(g is grads for g in out.values()):
-            return grads, new
-        # Each tensor's gradient is what its own label's member handed on.
-        leaves, treespec = optree.tree_flatten(grads, none_is_leaf=True)
-        theirs = {name: optree.tree_leaves(g, none_is_leaf=True) for name, g in out.items()}
-        for i, t in enumerate(spec.leaves()):
-            if isinstance(t, TensorSpec) and labels(t.path) in theirs:
-                leaves[i] = theirs[labels(t.path)][i]
-        return optree.tree_unflatten(treespec, leaves), new
+    def update(grads: Any, state: dict, shards: Any, spec: ShardSpec) -> dict:
+        # Each member writes its own label's tensors (parameters, or gradients in place).
+        return {name: opt.update(grads, state[name], shards, spec)
+                for name, opt in transforms.items()}
 
     def granularity(path, tensor):
         opt = transforms.get(labels(path))
         g = getattr(opt, "granularity", None)
         return g(path, tensor) if callable(g) else g
 
-    return gradient_transform(init, transform, granularity)
+    return Optimizer(init, update, granularity)
 
 
 def chain(*transforms: Optimizer) -> Optimizer:
-    """Apply transforms in order, each to the gradients the one before it handed on (e.g.
-    clipping, then an optimizer), as ``optax.chain`` does: a gradient transform
-    (:func:`~vfsdp.optim.base.gradient_transform`) may return new gradient tensors or scale
-    the same ones in place, and the next member gets what it returned.
+    """Apply transforms in order, each to the gradients the one before it left (e.g.
+    clipping, then an optimizer), as ``optax.chain`` does: a gradient transform changes the
+    gradients in place (one update form, see :mod:`vfsdp.optim.base`), and the next member
+    reads the same tree.
 
     The chain's granularity keeps whole every block any member needs
     (:func:`vfsdp.planner.granularity.combine`); its ``mask`` goes to every member.
@@ -122,14 +102,10 @@ def chain(*transforms: Optimizer) -> Optimizer:
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> list:
         return [init_masked(t, shards, spec, mask, "chain") for t in transforms]
 
-    def transform(grads: Any, state: list, shards: Any, spec: ShardSpec) -> tuple:
-        new = []
-        for t, s in zip(transforms, state):
-            grads, s = apply_update(t, grads, s, shards, spec)
-            new.append(s)
-        return grads, new
+    def update(grads: Any, state: list, shards: Any, spec: ShardSpec) -> list:
+        return [t.update(grads, s, shards, spec) for t, s in zip(transforms, state)]
 
-    return gradient_transform(init, transform, combine(*(t.granularity for t in transforms)))
+    return Optimizer(init, update, combine(*(t.granularity for t in transforms)))
 
 
 @dataclass
@@ -189,8 +165,8 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> ClipState:
         return ClipState(mask)
 
-    def transform(grads: Any, state: ClipState, shards: Any, spec: ShardSpec) -> tuple:
+    def update(grads: Any, state: ClipState, shards: Any, spec: ShardSpec) -> ClipState:
         clip_grad_norm(grads, spec, max_norm, mask=state.mask)
-        return grads, state
+        return state
 
-    return gradient_transform(init, transform)
+    return Optimizer(init, update)

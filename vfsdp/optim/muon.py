@@ -54,12 +54,15 @@ from vfsdp.optim.base import (
     as_schedule,
     check_hyper,
     flat_grads,
+    frozen_of,
     grad_leaves,
+    read_step,
     selected,
     state_dtype,
     unit_buffers,
+    write_step,
 )
-from vfsdp.optim.fused import scale_
+from vfsdp.optim.fused import decay_, learning_rate, new_count
 from vfsdp.optim.muon_waves import cuts_of, group_matrices, plan_waves
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
@@ -182,8 +185,8 @@ class MuonPlan:
 
 @dataclass
 class MuonState:
-    """The step and, per unit holding matrices it updates, the momentum DBuffer (float32, or
-    float64 for float64 parameters).
+    """The step counter (``count``) and, per unit holding matrices it updates, the momentum
+    DBuffer (float32, or float64 for float64 parameters).
 
     Example:
         >>> def body():
@@ -195,10 +198,12 @@ class MuonState:
         [(0, torch.Size([8])), (0, torch.Size([8]))]
     """
 
-    step: int
+    count: torch.Tensor
     momentum: dict
     plan: MuonPlan = field(default_factory=MuonPlan, repr=False, compare=False)
     kept: dict = field(default_factory=dict, repr=False, compare=False)
+
+    step = property(read_step, write_step, doc=read_step.__doc__)
 
     def views(self, units: dict, targets: list) -> list:
         """The parameter shard slices an update adds into (``targets``: ``(matrix, lo, hi)``
@@ -295,8 +300,8 @@ def muon(
                                      f"or partition label) but is {why}, so nothing would "
                                      f"update it; label it for another optimizer (e.g. "
                                      f"adamw)")
-        state = MuonState(0, {})
         units = unit_buffers(shards, spec, "muon.init")
+        state = MuonState(new_count(units[0].db.device if units else "cpu"), {})
         found: list[tuple] = []
         paths: dict = {}
         # One dtype for every matrix (the exchanges carry many units at once): float32, or
@@ -344,8 +349,8 @@ def muon(
                              "per-tensor kernels and exchanges run eagerly); compile the "
                              "forward and backward and call the update outside, or use "
                              "vfsdp.optim.adamw, which compiles")
-        state.step += 1
-        rate = schedule(state.step)
+        state.count.add_(1)
+        rate = learning_rate(schedule, state.count)
         plan = state.plan
         units = {u.key: u for u in unit_buffers(shards, spec, "muon.update")
                  if u.key in state.momentum}
@@ -354,7 +359,8 @@ def muon(
         first = next(iter(units.values())).db
         group, device = first.groups.shard, first.device
         leaves = grad_leaves(grads, spec, "muon.update")
-        frozen = {(key, k) for key, u in units.items() for k in u.frozen()}
+        frozen = {(key, k) for key, u in units.items()
+                  for k in frozen_of(u, plan.paths[key])}  # no update, no decay
         with torch.no_grad():
             gflat = {key: flat_grads(leaves, units[key], "muon.update", plan.dtype)
                      for key, _ in plan.units}
@@ -416,9 +422,12 @@ def muon(
                         updates.append(piece)
             views = state.views(units, targets)
             # The parameter update: two multi-tensor ops over every matrix.
-            if weight_decay:
-                scale_(views, 1 - rate * weight_decay)
-            tp.foreach("add_", views, updates, alpha=-rate)
+            decay_(views, rate, weight_decay)
+            if isinstance(rate, torch.Tensor):  # a schedule's: no tensor alpha in add_
+                updates = tp.foreach("mul", updates, scalar=-rate.to(plan.dtype))
+                tp.foreach("add_", views, updates)
+            else:
+                tp.foreach("add_", views, updates, alpha=-rate)
         return state
 
     return Optimizer(init, update)

@@ -60,14 +60,13 @@ from vfsdp.collectives.agree import agree
 from vfsdp.collectives.comm import host_groups, side_group
 from vfsdp.collectives.mirror import HostMirror, fingerprint
 from vfsdp.collectives.unit import Unit
-from vfsdp.optim.adamw import runs
 from vfsdp.optim.base import (
     Mask,
     Optimizer,
-    apply_update,
     flat_grads,
     grad_leaves,
     init_masked,
+    runs,
     state_dtype,
     state_tensors,
     unit_buffers,
@@ -115,8 +114,8 @@ class OffloadState:
         ...     shards = vfsdp.shard(params, spec)
         ...     state = vfsdp.optim.offload(vfsdp.optim.adamw()).init(shards, spec)
         ...     return type(state.inner).__name__, state.host_bytes(), state.resyncs
-        >>> vfsdp.testing.simulate(2, body)[0]   # master, gradient, two moments: 4 x 16 B, + 8
-        ('AdamWState', 72, 0)
+        >>> vfsdp.testing.simulate(2, body)[0]   # master, gradient, two moments: 4 x 16 B, + 4
+        ('AdamWState', 68, 0)
     """
 
     inner: Any
@@ -169,7 +168,8 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
     Args:
         opt: Any optimizer: ``adamw``, ``adamw8bit``, ``muon``, a ``chain`` or
             ``partition``, and it may be a member of one. It must be the member that
-            updates parameters: the gradients it hands on stay on the host.
+            updates parameters: a gradient transform inside it changes the host copies of
+            the gradients, not the device's.
         master_dtype: The masters' dtype (default: float32, or the parameters' own dtype
             where it is wider).
 
@@ -296,7 +296,7 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
             state.stream.synchronize()
         error = None
         try:
-            _, state.inner = apply_update(opt, state.grads, state.inner, state.shards, spec)
+            state.inner = opt.update(state.grads, state.inner, state.shards, spec)
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             error = exc
         for hu in state.units:  # the host update may have changed them (a clip, in place)

@@ -1,14 +1,18 @@
 """Learning-rate schedules: plain callables of the (1-based) step.
 
-Under ``torch.compile`` the optimizers count steps in a 0-d tensor (a Python int would be a
-new graph every step), so a schedule is also called with a tensor: these return a tensor then,
-computed without Python branches on it. Your own schedule must do the same to be compiled.
+The optimizers count steps in a tensor on the parameters' device (part of their state: no
+host sync per step, and no new graph per step under ``torch.compile``), so a schedule is
+called with the step as a 0-d float64 tensor, and these return a tensor then, computed without
+Python branches on it. Your own schedule should do the same: one that turns the step into a
+Python number (``int(step)``, ``if step < n``) still works, but reads the step back from the
+device every update (a host sync on a GPU), and cannot be compiled.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -32,7 +36,11 @@ def constant(lr: float) -> Callable[[int], float]:
         >>> constant(0.1)(7)
         0.1
     """
-    return lambda step: lr
+    def schedule(step: Any) -> float:
+        return lr
+
+    schedule.constant = lr  # read by the optimizers: no op per step
+    return schedule
 
 
 def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.0) -> Callable[[int], float]:
@@ -59,7 +67,7 @@ def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.0) -> C
         raise ValueError(f"need 0 <= warmup <= total, got warmup={warmup}, total={total}")
 
     def schedule(step: int) -> float:
-        if isinstance(step, torch.Tensor):  # a compiled step counts in a tensor
+        if isinstance(step, torch.Tensor):  # the optimizers' step counter
             progress = ((step - warmup) / max(1, total - warmup)).clamp(0, 1)
             out = floor + 0.5 * (peak - floor) * (1 + torch.cos(math.pi * progress))
             if warmup:

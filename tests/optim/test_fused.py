@@ -7,7 +7,7 @@ import torch
 
 import vfsdp
 from vfsdp._torch_private import TorchDispatchMode
-from vfsdp.optim import fused as fused_mod
+from vfsdp.optim import base as fused_mod
 from vfsdp.testing import CopyCounter, simulate
 
 

@@ -2,7 +2,7 @@
 
 The state (``exp_avg``, ``exp_avg_sq``) lives in DBuffers with the parameters' layout, so a
 step is PyTorch's AdamW applied to every unit's whole ``S``-element shard at once, as
-multi-tensor ops over the list of shards (:mod:`vfsdp.optim.fused`)::
+multi-tensor ops over the list of shards (:mod:`vfsdp.optim.base`)::
 
     p.mul_(1 - lr * wd)                       # only over tensors that decay
     m.lerp_(g, 1 - b1)
@@ -32,12 +32,15 @@ from vfsdp.optim.base import (
     Mask,
     Optimizer,
     Schedule,
+    adamw_step,
     as_schedule,
     both,
     check_hyper,
     flat_grads,
     frozen_of,
     grad_leaves,
+    learning_rate,
+    new_count,
     read_step,
     runs,
     same_at_ties,
@@ -45,9 +48,9 @@ from vfsdp.optim.base import (
     state_dtype,
     sync_step,
     unit_buffers,
+    use_fused,
     write_step,
 )
-from vfsdp.optim.fused import adamw_step, learning_rate, new_count, use_fused
 from vfsdp.optim.traced import TracedAdam, adam_views, traced_adamw
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
@@ -164,7 +167,7 @@ class StepSlices:
 
 @dataclass
 class AdamWState:
-    """The step counter (:func:`~vfsdp.optim.fused.new_count`) and, per unit it updates, the
+    """The step counter (:func:`~vfsdp.optim.base.new_count`) and, per unit it updates, the
     moment DBuffers (the parameters' layout).
 
     Example:
@@ -224,7 +227,7 @@ def adamw(
     fused: Optional[bool] = None,
 ) -> Optimizer:
     """AdamW (decoupled weight decay): a constant number of multi-tensor ops per step over
-    every unit's flat shard (:mod:`vfsdp.optim.fused`).
+    every unit's flat shard (:mod:`vfsdp.optim.base`).
 
     Args:
         lr: A float or a schedule ``step -> lr`` (steps count from 1).

@@ -36,21 +36,25 @@ from vfsdp.optim.base import (
     Mask,
     Optimizer,
     Schedule,
+    adamw_step,
     as_schedule,
     both,
     check_hyper,
+    decay_,
     flat_grads,
     frozen_of,
     grad_leaves,
+    learning_rate,
+    new_count,
     read_step,
     runs,
     same_at_ties,
     selected,
+    step_scalars,
     sync_step,
     unit_buffers,
     write_step,
 )
-from vfsdp.optim.fused import adamw_step, decay_, learning_rate, new_count, step_scalars
 from vfsdp.optim.quant import SpanTiles, dynamic_map, midpoints, span_tiles, step8_flat
 from vfsdp.optim.traced import TracedAdam8, traced_adamw8bit
 from vfsdp.planner.granularity import format_path

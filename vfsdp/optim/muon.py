@@ -53,16 +53,18 @@ from vfsdp.optim.base import (
     Schedule,
     as_schedule,
     check_hyper,
+    decay_,
     flat_grads,
     frozen_of,
     grad_leaves,
+    learning_rate,
+    new_count,
     read_step,
     selected,
     state_dtype,
     unit_buffers,
     write_step,
 )
-from vfsdp.optim.fused import decay_, learning_rate, new_count
 from vfsdp.optim.muon_waves import cuts_of, group_matrices, plan_waves
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec

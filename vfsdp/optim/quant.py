@@ -23,7 +23,7 @@ tile comes from a small table per tensor (:func:`span_tiles`, made at ``init``):
 :func:`flat_tile_ids` expands it per step, in a few ops over the span's 32-column row pieces
 and one over its elements (nothing per element is stored beside the codes and one scale per
 tile); a scatter-max takes each tile's absmax. The Adam arithmetic between dequantizing and
-re-quantizing is AdamW's own (:func:`vfsdp.optim.fused.adam_`). The per-tensor and
+re-quantizing is AdamW's own (:func:`vfsdp.optim.base.adam_`). The per-tensor and
 per-element references it is tested against are in the tests (``tests/optim/reference.py``).
 """
 
@@ -37,7 +37,7 @@ from typing import Any, Optional
 import torch
 
 from vfsdp.functional.tiles import TILE
-from vfsdp.optim.fused import adam_
+from vfsdp.optim.base import adam_
 
 __all__ = ["dynamic_map", "midpoints", "TILE", "SpanTiles", "span_tiles", "flat_tile_ids",
            "step8_flat"]
@@ -166,7 +166,7 @@ def step8_flat(p: torch.Tensor, g: torch.Tensor, cm: torch.Tensor, cv: torch.Ten
     before, by the caller): ``p``, ``g`` (fp32) and the codes ``cm``/``cv`` are the span's flat
     elements, ``sm``/``sv`` its ``n_tiles + 1`` scales (the last the spare tile's, 0) and
     ``tiles`` where each element's tile is. Dequantize ``m`` and ``v``, run Adam
-    (:func:`~vfsdp.optim.fused.adam_`, its scalars as it takes them), re-quantize each
+    (:func:`~vfsdp.optim.base.adam_`, its scalars as it takes them), re-quantize each
     tile by its new absmax. Gap elements keep their values and codes (their gradient is taken
     as 0 and their moments dequantize to 0, so ``p`` adds ``-0.0``); the scales of
     ``tiles.keep`` stay. The one implementation the optimizer runs, eagerly, fused by

@@ -4,8 +4,8 @@ The eager update walks DBuffers and caches slices: none of it is traceable. So `
 (eager) also keeps, per tensor it updates, the views the compiled update reads (the
 parameter's leaf index, whether it decays, its moment views), and the compiled update runs
 the eager update's own arithmetic over them: the same step counter (the state's ``count``,
-which both add one to), the same scalars (:func:`~vfsdp.optim.fused.step_scalars`), the same
-AdamW (:func:`~vfsdp.optim.fused.adamw_step`) and 8-bit pass
+which both add one to), the same scalars (:func:`~vfsdp.optim.base.step_scalars`), the same
+AdamW (:func:`~vfsdp.optim.base.adamw_step`) and 8-bit pass
 (:func:`~vfsdp.optim.quant.step8_flat`), the same frozen-tensor rule (a shard that does not
 require grad gets no update and no decay). The compiler fuses the element-wise ops; the
 result equals the eager step within fp32 rounding (the compiler may fuse the arithmetic
@@ -24,7 +24,7 @@ import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.functional.traced import clip_groups, traced_leaves
-from vfsdp.optim.fused import adamw_step, decay_, step_scalars
+from vfsdp.optim.base import adamw_step, decay_, step_scalars
 from vfsdp.optim.quant import span_tiles, step8_flat
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
@@ -105,7 +105,7 @@ def traced_adamw(grads: Any, state: Any, shards: Any, spec: ShardSpec, lr: Any,
 
 def _adam(members: Any, params: list, gleaves: list, count: torch.Tensor, lr: Any,
           betas: tuple, eps: float, weight_decay: float) -> None:
-    """The eager update's own AdamW step (:func:`~vfsdp.optim.fused.adamw_step`) over the
+    """The eager update's own AdamW step (:func:`~vfsdp.optim.base.adamw_step`) over the
     trained tensors of ``members`` (``(leaf, decays, exp_avg, exp_avg_sq)``)."""
     ps, gs, ms, vs, decay = [], [], [], [], []
     for i, decays, m, v in members:

@@ -157,9 +157,12 @@ def fused_adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, st
                 lr: float, beta1: float, beta2: float, weight_decay: float, eps: float) -> None:
     """torch's fused AdamW kernel, as ``torch.optim.AdamW(fused=True)`` calls it (no amsgrad,
     no maximize, no grad scaler); ``steps`` are float32 tensors on the parameters' device
-    holding the 1-based step."""
+    holding the 1-based step; a tensor ``lr`` (a schedule's) is read as float32, as the
+    kernel takes it on CUDA."""
     if not params:
         return
+    if isinstance(lr, torch.Tensor) and lr.dtype != torch.float32:
+        lr = lr.to(torch.float32)
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr,
                         beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                         maximize=False, grad_scale=None, found_inf=None)

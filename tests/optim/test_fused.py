@@ -310,3 +310,22 @@ def test_an_update_reads_nothing_back_to_the_host(name):
             state.step
 
     assert simulate(2, body) == [([], 2), ([], 2)]
+
+
+def test_a_schedules_learning_rate_reaches_the_fused_kernel_as_float32(monkeypatch):
+    """torch's fused AdamW kernel takes a tensor lr as float32 on CUDA (a float64 one raises
+    there: "expected scalar type Float but found Double"); a schedule's lr is float64."""
+    import vfsdp._torch_private as tpriv
+
+    seen = []
+    real = torch._fused_adamw_
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["lr"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    p, g, m, v = torch.ones(4), torch.full((4,), 0.5), torch.zeros(4), torch.zeros(4)
+    lr = torch.tensor(0.1, dtype=torch.float64)
+    tpriv.fused_adamw([p], [g], [m], [v], [torch.ones(())], lr=lr, beta1=0.9, beta2=0.999,
+                      weight_decay=0.0, eps=1e-8)
+    assert [x.dtype for x in seen] == [torch.float32]

@@ -82,7 +82,7 @@ NOT_STRINGS = {
     ("vfsdp/checkpoint/io.py", "_write", "CheckpointError(errors[0])"): "BUILDERS: _write",
     ("vfsdp/checkpoint/io.py", "load", "_unwrap(exc, 'vfsdp.checkpoint.load')"): "_unwrap",
     ("vfsdp/collectives/agree.py", "agree", "error"): "the rank's own error, raised as it was",
-    ("vfsdp/collectives/released.py", "ReleasedTensor.__torch_function__",
+    ("vfsdp/collectives/dbuffer.py", "ReleasedTensor.__torch_function__",
      "RuntimeError(why)"): "the poison()/_poison() sentences (SINKS)",
     ("vfsdp/functional/dtensor.py", "to_dtensor", "ValueError(_ragged_message(t))"):
         "BUILDERS: _ragged_message",

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import vfsdp
 from tests.misuse import runtime_bodies as b
-from vfsdp.collectives import IllegalTransition, UnitState, slot_of
+from vfsdp.collectives import IllegalTransitionError, UnitState, slot_of
 from vfsdp.functional.gather import pending
 from vfsdp.testing import simulate, spawn
 
@@ -20,11 +20,11 @@ def _illegal():
     seen = []
     try:
         unit.reshard(unit.params)                 # released: nothing to reshard
-    except IllegalTransition as e:
+    except IllegalTransitionError as e:
         seen.append(("reshard", str(e)))
     try:
         unit.wait()                               # nothing in flight
-    except IllegalTransition as e:
+    except IllegalTransitionError as e:
         seen.append(("wait", str(e)))
     full = vfsdp.gather(shards["layers"][0], spec["layers"][0])
     rec = pending().entries[-1]
@@ -32,7 +32,7 @@ def _illegal():
     unit.post_backward(rec, grads, accumulates=False)
     try:
         unit.post_backward(rec, grads, accumulates=False)   # the same gather, once more
-    except IllegalTransition as e:
+    except IllegalTransitionError as e:
         seen.append(("post_backward", str(e)))
     del full
     return seen, unit.state

@@ -59,7 +59,7 @@ def train(steps: int, micro: int, accumulate: str, mesh_shape=None, param_dtype=
         for j in range(micro):
             sync = accumulate != "last" or j == micro - 1
             opts = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "grad_sync": sync,
-                        "accumulate_grads": accumulate == "every"}
+                    "accumulate_grads": True if accumulate == "every" else None}
             x, y = data(step, rank, j)
             with probe:
                 root = vfsdp.gather(shards["root"], spec["root"], grads="buffer",

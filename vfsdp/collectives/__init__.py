@@ -16,13 +16,13 @@ from vfsdp.collectives.reference import (
     reduce_scatter_reference,
 )
 from vfsdp.collectives.scatter import scatter_unit
-from vfsdp.collectives.unit import IllegalTransition, Unit, UnitState
+from vfsdp.collectives.unit import IllegalTransitionError, Unit, UnitState
 
 __all__ = [
     "DBuffer",
     "Handle",
     "HostMirror",
-    "IllegalTransition",
+    "IllegalTransitionError",
     "MeshGroups",
     "Piece",
     "Redistribution",

@@ -15,8 +15,8 @@ later stages need hangs off that object, created on first use:
 ========================  ==========================================================
 
 **The lifecycle.** :attr:`Unit.state` is a stored :class:`UnitState`. The transitions are the
-unit's methods; each checks the state it starts from (an :class:`IllegalTransition` names the
-unit, the state and the fix otherwise), and they are the only code that allocates, gathers,
+unit's methods; each checks the state it starts from (an :class:`IllegalTransitionError`
+names the unit, the state and the fix otherwise), and they are the only code that allocates, gathers,
 reduces or frees the unit's DBuffer memory::
 
     RELEASED --gather(async_op=True): all-gather--> GATHERING --wait()--> GATHERED
@@ -61,7 +61,7 @@ from vfsdp.collectives.comm import Handle, MeshGroups
 from vfsdp.collectives.dbuffer import DBuffer, ReleasedTensor, Role
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
-__all__ = ["Unit", "UnitState", "IllegalTransition", "Reductions", "GATHER_HOOKS", "export_full",
+__all__ = ["Unit", "UnitState", "IllegalTransitionError", "Reductions", "GATHER_HOOKS", "export_full",
            "drop_traced_grads"]
 
 #: Callables ``hook(fulls, spec, members)`` run on every differentiable gather's full tensors
@@ -122,12 +122,12 @@ class UnitState(enum.Enum):
     HELD = "held"            #: released, the memory kept while a graph or tensors use it
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTransitionError(RuntimeError):
     """A unit was asked for a transition its state does not allow (the message names the
     unit, its state and the fix).
 
     Example:
-        >>> issubclass(IllegalTransition, RuntimeError)
+        >>> issubclass(IllegalTransitionError, RuntimeError)
         True
     """
 
@@ -214,10 +214,6 @@ class Unit:
 
     # ------------------------------------------------------------------ the lifecycle
 
-    def _illegal(self, what: str, fix: str) -> IllegalTransition:
-        return IllegalTransition(f"unit {unit_name(self.key)} (rank {self.rank}): {what} is not "
-                                 f"allowed while it is {self.state.value}; {fix}")
-
     def _of(self, db: DBuffer) -> _Life:
         found = self._life.get(db.dtype)
         if found is None:
@@ -269,10 +265,13 @@ class Unit:
         """``GATHERING`` -> ``GATHERED``: finish the all-gather in flight.
 
         Raises:
-            IllegalTransition: nothing is in flight.
+            IllegalTransitionError: nothing is in flight.
         """
         if self.state is not UnitState.GATHERING:
-            raise self._illegal("wait()", "start an all-gather first (gather(async_op=True))")
+            raise IllegalTransitionError(
+                f"unit {unit_name(self.key)} (rank {self.rank}): wait() is not allowed while it "
+                f"is {self.state.value}: nothing is in flight; start an all-gather first "
+                f"(gather(async_op=True))")
         self.live.wait()
         self._to(self.live, UnitState.GATHERED)
 
@@ -284,14 +283,15 @@ class Unit:
         flight again (the next layer's prefetch of a shared unit) stays as it is.
 
         Raises:
-            IllegalTransition: the unit is not gathered.
+            IllegalTransitionError: the unit is not gathered.
         """
         life = self._of(db)
         if life.state is UnitState.GATHERING:
             return  # gathered again for a later use: that gather owns it now
         if life.state is not UnitState.GATHERED:
-            self.live = db
-            raise self._illegal("reshard()", "reshard a unit only after gathering it")
+            raise IllegalTransitionError(
+                f"unit {unit_name(self.key)} (rank {self.rank}): reshard() is not allowed while "
+                f"it is {life.state.value}; reshard a unit only after gathering it")
         life.regather = True
         self._let_go(db, at_once=False)
 
@@ -413,12 +413,14 @@ class Unit:
             This rank's gradient pieces, as :meth:`reduce_grads` returns them.
 
         Raises:
-            IllegalTransition: this gather already reduced in this backward pass.
+            IllegalTransitionError: this gather already reduced in this backward pass.
         """
         task = tp.graph_task_id()
         if rec.reduced_in == task:
-            raise self._illegal("a second post_backward() of one gather in one backward pass",
-                                "each gather reduces once per backward")
+            raise IllegalTransitionError(
+                f"unit {unit_name(self.key)} (rank {self.rank}): a second post_backward() of one "
+                f"gather in one backward pass is not allowed; each gather reduces once per "
+                f"backward")
         rec.reduced_in = task
         self.pre_backward(rec.db)
         if rec.gopts.free_after_backward and not keep:
@@ -721,8 +723,6 @@ def export_full(db: DBuffer) -> Iterator[DBuffer]:
     unit = db.unit
     owned = unit is not None and (db is unit.params or db in unit._compute.values())
     was = db.is_gathered
-    if owned and db is not unit.params:
-        raise ValueError("export_full: a compute copy is gathered by Unit.gather(param_dtype)")
     if owned:
         unit._all_gather(db, async_op=False)
     else:

@@ -369,8 +369,9 @@ class Agreement:
                 bits[self.width + e.place - base] = 1
         group = side_group()
         with comm.collective_scope():  # the exchange's own small tensors: not data movement
-            self.header = torch.tensor([-oldest, created, -created], dtype=torch.int64)
-            self.marks = torch.tensor(bits, dtype=torch.uint8)
+            header = [-oldest, created, -created]
+            self.header = torch.tensor(header, dtype=torch.int64)  # cpu: the gloo side group
+            self.marks = torch.tensor(bits, dtype=torch.uint8)  # cpu: the gloo side group
             self.works = [comm.all_reduce_max_(t, group, "backward_marks", async_op=True)
                           for t in (self.header, self.marks)]
 

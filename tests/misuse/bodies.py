@@ -315,7 +315,7 @@ def rows_on_gloo():
 
     return {
         "01": reused_shards_gradients(),
-        "02": [two_backwards(acc, mode) for acc in (False, True) for mode in ("return", "buffer")],
+        "02": [two_backwards(acc, mode) for acc in (None, True) for mode in ("return", "buffer")],
         "03": released_read(),
         "04": frozen_layer(),
         "05": tied(dist.get_world_size()),

@@ -38,6 +38,19 @@ from vfsdp.testing.runners import RankError, check_world, waiting_in
 
 __all__ = ["simulate"]
 
+# torch.nn.init as torch made it. A library that swaps these functions for a block of code
+# (transformers' no_init_weights) and runs in several rank threads at once can restore them
+# out of order and leave its no-op in place for the whole process: every later module would
+# then start from uninitialised memory, different on each rank. simulate puts torch's back.
+_NN_INIT = {name: fn for name, fn in vars(torch.nn.init).items()
+            if callable(fn) and not name.startswith("_")}
+
+
+def _restore_nn_init() -> None:
+    for name, fn in _NN_INIT.items():
+        if getattr(torch.nn.init, name, fn) is not fn:
+            setattr(torch.nn.init, name, fn)
+
 _THREADS: list[threading.Thread] = []  # rank threads of earlier runs (to refuse leftovers)
 
 
@@ -57,6 +70,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
             f"running ({', '.join(t.name for t in left[:4])}): it timed out or was interrupted "
             f"while they were busy outside a collective. Wait for them to finish, or restart the "
             f"Python process (notebook kernel)")
+    _restore_nn_init()
     out: list = [None] * world_size
     failures: dict[int, str] = {}
     errors: queue.Queue = queue.Queue()
@@ -102,6 +116,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
     finally:
         sys.excepthook = hook
         torch.set_num_threads(threads_before)
+        _restore_nn_init()
     # Ranks that only died because another rank failed exit with SystemExit; keep real causes.
     real = {r: tb for r, tb in failures.items() if "Test termination event" not in tb}
     if failures:

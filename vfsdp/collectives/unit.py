@@ -314,7 +314,8 @@ class Unit:
             if prev._of(pdb).wants_gather():
                 prev._all_gather(pdb, async_op=True)
 
-    def release(self, at_once: bool = True, every_rank: bool = True) -> None:
+    def release(self, at_once: bool = True, every_rank: bool = True,
+                db: Optional[DBuffer] = None) -> None:
         """``GATHERED`` -> ``RELEASED``, or ``HELD`` while a backward through the full
         tensors is pending (the memory goes as soon as it is done or its graph is dropped):
         every gathered parameter buffer of the unit. A released unit stays released; one
@@ -325,9 +326,10 @@ class Unit:
                 ``free_after_backward``, when the memory goes).
             every_rank: Every rank releases it here alike (``False``: only this rank, as a
                 graph died, so whether a backward gathers it again is left as it was).
+            db: Only this parameter buffer (default: every one).
         """
-        for db in (self.params, *self._compute.values()):
-            self._let_go(db, at_once, every_rank)
+        for each in (self.params, *self._compute.values()) if db is None else (db,):
+            self._let_go(each, at_once, every_rank)
 
     def _let_go(self, db: DBuffer, at_once: bool, every_rank: bool = True) -> None:
         """Free ``db``'s gathered memory now, or, while a plain gather's graph still reads

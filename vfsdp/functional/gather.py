@@ -601,7 +601,7 @@ class Gather:
         its zeros if another rank's runs the unit; a resharded unit is gathered again
         then)."""
         if self.gopts.free_after_backward:
-            self.unit.release(at_once=False, every_rank=False)
+            self.unit.release(at_once=False, every_rank=False, db=self.db)
 
     def resolve(self, local) -> None:
         """Find the unit from the shards (unwrapped here under ``torch.func``), or pack them."""

@@ -620,7 +620,7 @@ class DBuffer:
     def release(self, at_once: bool = True) -> None:
         """Release the gathered memory, safely: the memory is freed now, or, while an autograd
         graph that saved the full views is alive (``graphs > 0``), when the last such graph
-        finishes its backward or is dropped (:meth:`graph_done`).
+        finishes its backward or is dropped (its unit's ``graph_done``).
 
         Args:
             at_once: The full views handed out read as released
@@ -636,12 +636,6 @@ class DBuffer:
                 self._release_views()
             return
         self.free_global()
-
-    def graph_done(self) -> None:
-        """An autograd graph reading the full views finished (or was dropped)."""
-        self.graphs -= 1
-        if self.graphs <= 0 and self.release_pending:
-            self.free_global()
 
     def free_global(self, wait: bool = True) -> None:
         """Release the global buffer's memory; views stay valid objects until re-allocated.

@@ -198,6 +198,7 @@ class Unit:
         # Callables run with the unit after each reduction into its gradient buffer lands,
         # held weakly (a bound method's owner goes, the hook goes).
         self.on_reduced: list = []
+        self._mirror: Optional[weakref.WeakMethod] = None  # the offload mirror's hook, if any
 
     @property
     def key(self):
@@ -578,20 +579,18 @@ class Unit:
     def grad_mirror(self) -> Any:
         """The :class:`~vfsdp.collectives.HostMirror` whose ``refresh`` is among the
         :attr:`on_reduced` hooks (``vfsdp.optim.offload``'s), or ``None``."""
-        for ref in self.on_reduced:
-            hook = ref()
-            if hook is not None and getattr(hook, "__name__", "") == "refresh":
-                return hook.__self__
-        return None
+        hook = self._mirror() if self._mirror is not None else None
+        return None if hook is None else hook.__self__
 
     def mirror_grads(self, mirror: Any) -> None:
         """Copy the gradient shard into ``mirror`` after each reduction (``None``: stop):
         its ``refresh`` as an :attr:`on_reduced` hook, held weakly (it stops when its owner,
         an offloaded optimizer state, goes)."""
-        self.on_reduced[:] = [r for r in self.on_reduced
-                              if getattr(r(), "__name__", "") != "refresh"]
-        if mirror is not None:
-            self.on_reduced.append(weakref.WeakMethod(mirror.refresh))
+        if self._mirror is not None:
+            self.on_reduced[:] = [r for r in self.on_reduced if r is not self._mirror]
+        self._mirror = None if mirror is None else weakref.WeakMethod(mirror.refresh)
+        if self._mirror is not None:
+            self.on_reduced.append(self._mirror)
 
     def grads_shard(self) -> Optional[torch.Tensor]:
         """The gradient buffer's shard as it is (no wait), or ``None`` without a buffer."""

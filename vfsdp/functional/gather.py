@@ -591,6 +591,8 @@ class Gather:
         gradients reduced into fresh tensors, nothing of vfsdp's written)."""
         if functorch_active():
             self.unit.pre_backward(self.db)
+            if self.gopts.free_after_backward and not keep:
+                self.unit.release(at_once=False, db=self.db)
             return _reduce_functional(self.unit, self.index, grads, self.ropts)
         return self.unit.post_backward(self, grads, accumulates=accumulates, keep=keep,
                                        inflight=pending().inflight, zeros=zeros)

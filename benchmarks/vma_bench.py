@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 import vfsdp
 from vfsdp import P, lax
-from vfsdp.functional import vma
+from vfsdp.spmd import vma
 from vfsdp.testing import simulate
 
 

@@ -19,7 +19,7 @@ import griffe
 # name is rendered on several pages, links go to the first listed here (the top level first).
 RENDERED = (
     "vfsdp", "vfsdp.optim", "vfsdp.checkpoint", "vfsdp.testing", "vfsdp.testing.strategies",
-    "vfsdp.functional", "vfsdp.functional.lax", "vfsdp.functional.init",
+    "vfsdp.functional", "vfsdp.spmd.lax", "vfsdp.interop.init",
     "vfsdp.functional.lowp", "vfsdp.collectives", "vfsdp.planner", "vfsdp.placements",
 )
 ROLE = re.compile(r":(?:func|class|meth|attr|mod|data|exc|obj):`~?([^`]+)`")

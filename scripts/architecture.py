@@ -27,15 +27,17 @@ import sys
 import tokenize
 from collections import Counter, defaultdict
 
-LAYERS = ["_torch_private", "placements", "planner", "collectives", "functional",
-          "optim", "checkpoint", "estimation", "testing", "<top>"]
-"""Bottom to top. A package may import only packages below it (``optim`` and ``checkpoint``
-are siblings: neither imports the other; ``estimation`` imports no ``testing``). ``<top>`` is
+LAYERS = ["_torch_private", "placements", "planner", "collectives", "functional", "spmd",
+          "interop", "optim", "checkpoint", "estimation", "testing", "<top>"]
+"""Bottom to top. A package may import only packages below it (``functional`` and ``spmd`` are
+siblings, and so are ``optim`` and ``checkpoint``: neither of a pair imports the other;
+``estimation`` imports no ``testing``). ``<top>`` is
 ``vfsdp/__init__``, ``cli`` and ``__main__``; ``vfsdp/__init__`` loads ``testing`` only when
 ``vfsdp.testing`` is first used."""
 
 RANK = {"_torch_private": 0, "placements": 1, "planner": 2, "collectives": 3, "functional": 4,
-        "optim": 5, "checkpoint": 5, "estimation": 6, "testing": 7, "<top>": 8}
+        "spmd": 4, "interop": 5, "optim": 6, "checkpoint": 6, "estimation": 7, "testing": 8,
+        "<top>": 9}
 
 REGISTRY_CALLS = {"owner_of", "global_owner", "live_dbuffers", "_packing_dbuffer",
                   "wait_reductions", "_pending", "_finish_oldest"}

@@ -76,7 +76,8 @@ def test_relative_imports_count_as_imports():
 def test_the_docs_draw_the_layers():
     with open(os.path.join(ROOT, "docs", "architecture.md"), encoding="utf-8") as f:
         readme = f.read()
-    for line in ("optim      checkpoint", "functional", "collectives", "planner", "placements"):
+    for line in ("optim      checkpoint", "interop", "functional spmd", "collectives", "planner",
+                 "placements"):
         assert line in readme, line
     assert "tests/test_architecture.py" in readme
 
@@ -139,7 +140,7 @@ def test_one_screen_api():
 NAMESPACES = {name: importlib.import_module(home) for name, home in (
     ("vfsdp", "vfsdp"), ("vfsdp.optim", "vfsdp.optim"), ("vfsdp.checkpoint", "vfsdp.checkpoint"),
     ("vfsdp.testing", "vfsdp.testing"), ("vfsdp.testing.strategies", "vfsdp.testing.strategies"),
-    ("vfsdp.init", "vfsdp.functional.init"), ("vfsdp.lax", "vfsdp.functional.lax"),
+    ("vfsdp.init", "vfsdp.interop.init"), ("vfsdp.lax", "vfsdp.spmd.lax"),
     ("vfsdp.functional", "vfsdp.functional"), ("vfsdp.functional.lowp", "vfsdp.functional.lowp"),
     ("vfsdp.collectives", "vfsdp.collectives"), ("vfsdp.planner", "vfsdp.planner"),
     ("vfsdp.placements", "vfsdp.placements"), ("vfsdp.estimation", "vfsdp.estimation"))}

@@ -22,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 # The modules whose public names the API reference renders (docs/api/*.md).
 API_MODULES = {
-    "vfsdp": "api/vfsdp", "vfsdp.functional.lax": "api/functional_lax",
-    "vfsdp.functional.init": "api/functional_init", "vfsdp.optim": "api/optim",
+    "vfsdp": "api/vfsdp", "vfsdp.spmd.lax": "api/spmd_lax",
+    "vfsdp.interop.init": "api/interop_init", "vfsdp.optim": "api/optim",
     "vfsdp.checkpoint": "api/checkpoint", "vfsdp.testing": "api/testing",
     "vfsdp.testing.strategies": "api/testing_strategies", "vfsdp.functional": "api/functional",
     "vfsdp.functional.lowp": "api/functional_lowp", "vfsdp.collectives": "api/collectives",

@@ -54,7 +54,7 @@ BUILDERS = {
     ("vfsdp/checkpoint/export.py", "from_state_dict"): "from_state_dict's source failure",
     ("vfsdp/checkpoint/io.py", "_write"): "a save's checksum failure",
     ("vfsdp/checkpoint/storage.py", "read_manifest"): "hints of a missing checkpoint",
-    ("vfsdp/functional/dtensor.py", "_ragged_message"): "a ragged tensor in to_dtensor",
+    ("vfsdp/interop/dtensor.py", "_ragged_message"): "a ragged tensor in to_dtensor",
 }
 
 # Messages whose last field is another message, which users read as one sentence:
@@ -84,7 +84,7 @@ NOT_STRINGS = {
     ("vfsdp/collectives/agree.py", "agree", "error"): "the rank's own error, raised as it was",
     ("vfsdp/collectives/dbuffer.py", "ReleasedTensor.__torch_function__",
      "RuntimeError(why)"): "the poison()/_poison() sentences (SINKS)",
-    ("vfsdp/functional/dtensor.py", "to_dtensor", "ValueError(_ragged_message(t))"):
+    ("vfsdp/interop/dtensor.py", "to_dtensor", "ValueError(_ragged_message(t))"):
         "BUILDERS: _ragged_message",
     ("vfsdp/testing/memory.py", "_Observing.on_event", "NotImplementedError"):
         "an abstract method of the probes' base class",

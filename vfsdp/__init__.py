@@ -32,24 +32,17 @@ from vfsdp.collectives.mesh import mesh
 from vfsdp.estimation import estimate
 from vfsdp.functional import (
     Policy,
-    dtensor_placement,
-    from_dtensor,
-    functionalize,
     gather,
     gather_async,
     grads,
-    init,
-    lax,
     reduce_scatter,
     release,
     run_layers,
     scatter,
     shard,
-    to_dtensor,
     zero_grads,
 )
-from vfsdp.functional.shard_map import P, shard_map
-from vfsdp.functional.visualize import visualize
+from vfsdp.interop import dtensor_placement, from_dtensor, functionalize, init, to_dtensor, visualize
 from vfsdp.optim import clip_grad_norm
 from vfsdp.placements import RaggedShard, StridedRaggedShard
 from vfsdp.planner import (
@@ -63,6 +56,8 @@ from vfsdp.planner import (
     rows,
     whole,
 )
+from vfsdp.spmd import lax
+from vfsdp.spmd.shard_map import P, shard_map
 
 __version__ = "0.4.0.dev0"
 

@@ -195,7 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{args.dtype}, planned in {secs:.3f} s")
     describe(spec)
     if args.png:
-        from vfsdp.functional.visualize import visualize
+        from vfsdp.interop.visualize import visualize
 
         unit = _parse_unit(args.unit)
         if unit is None:  # the most padded

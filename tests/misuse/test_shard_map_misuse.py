@@ -1,6 +1,6 @@
 """``vfsdp.shard_map`` misuse (issue 41's adversarial sweep): what JAX refuses, or what has no
 JAX counterpart and would be silently wrong, is refused by name; JAX's own verdicts on the
-replication cases are compared in tests/functional/test_jax_parity.py."""
+replication cases are compared in tests/spmd/test_jax_parity.py."""
 
 import pytest
 import torch

@@ -65,7 +65,7 @@ __all__ = ["Unit", "UnitState", "IllegalTransitionError", "Reductions", "GATHER_
            "drop_traced_grads"]
 
 #: Callables ``hook(fulls, spec, members)`` run on every differentiable gather's full tensors
-#: (``vfsdp.functional.shard_map`` adds its replication tracker here; empty by default).
+#: (``vfsdp.spmd.shard_map`` adds its replication tracker here; empty by default).
 GATHER_HOOKS: list = []
 
 

@@ -1,13 +1,12 @@
-"""Functional API over pytrees: shard, scatter, gather (differentiable), reduce_scatter, release.
+"""The FSDP runtime over pytrees: shard, scatter, gather (differentiable), reduce_scatter, release,
+run_layers.
 
-Imports ``vfsdp.collectives`` and below, never ``optim``, ``checkpoint`` or ``testing``.
+Imports ``vfsdp.collectives`` and below, never ``spmd``, ``interop``, ``optim``, ``checkpoint`` or
+``testing``.
 """
 
 from vfsdp.collectives.unit import Reductions
-from vfsdp.functional import init
-from vfsdp.functional.dtensor import dtensor_placement, from_dtensor, to_dtensor
 from vfsdp.functional.gather import gather, gather_async, grads, zero_grads
-from vfsdp.functional.module import ModuleApply, functionalize
 from vfsdp.functional.options import GatherOptions, GradOptions, Policy
 from vfsdp.functional.reduce import reduce_scatter
 from vfsdp.functional.reference import (
@@ -27,18 +26,13 @@ __all__ = [
     "GatherOptions",
     "GradOptions",
     "Policy",
-    "ModuleApply",
     "Reductions",
     "UnitLeaves",
     "dbuffers",
-    "dtensor_placement",
-    "from_dtensor",
-    "functionalize",
     "gather",
     "gather_async",
     "gather_reference",
     "grads",
-    "init",
     "match_tree",
     "param_tree",
     "reduce_scatter",
@@ -48,7 +42,6 @@ __all__ = [
     "scatter_reference",
     "shard",
     "shard_reference",
-    "to_dtensor",
     "unit_buffer_reference",
     "units_of",
     "zero_grads",

@@ -212,7 +212,7 @@ class LayerRun:
     """One ``run_layers`` call, step by step: :meth:`enter` gathers a layer (prefetching the
     next), :meth:`call` runs it under the saved-tensor hooks (checkpointed with
     ``recompute``), :meth:`exit` reshards it. :func:`run_layers` steps through the layers in
-    order; ``apply.run_layers`` (:mod:`vfsdp.functional.module`) steps as the module's forward
+    order; ``apply.run_layers`` (:mod:`vfsdp.interop.module`) steps as the module's forward
     calls its blocks.
 
     Raises:

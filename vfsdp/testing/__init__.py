@@ -19,7 +19,6 @@ from vfsdp.collectives.reference import (
     flat_redistribute_reference,
     reduce_scatter_reference,
 )
-from vfsdp.functional import lax_reference
 from vfsdp.functional.reference import (
     gather_reference,
     scatter_reference,
@@ -27,6 +26,7 @@ from vfsdp.functional.reference import (
     unit_buffer_reference,
 )
 from vfsdp.placements.reference import assemble_reference, split_reference
+from vfsdp.spmd import lax_reference
 from vfsdp.testing.counters import CopyCounter
 from vfsdp.testing.memory import GatheredProbe, LiveBytes
 from vfsdp.testing.runners import RankError

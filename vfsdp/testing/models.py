@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from vfsdp.functional import init as vinit
+from vfsdp.interop import init as vinit
 from vfsdp.testing import moe
 
 __all__ = ["GPTConfig", "meta_params", "init_rule", "block", "example_layer", "mixture", "embed",

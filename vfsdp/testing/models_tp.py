@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from vfsdp.functional import lax
+from vfsdp.spmd import lax
 from vfsdp.testing import moe
 from vfsdp.testing.models import GPTConfig, _heads, _rms, mixture
 

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from vfsdp.functional import lax
+from vfsdp.spmd import lax
 
 __all__ = ["moe_params", "route", "expert", "moe_reference", "moe_ep", "ep_rule", "etp_rule",
            "moe_etp"]

@@ -5,7 +5,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import vfsdp
-from tests.functional import dtensor_bodies as b
+from tests.interop import dtensor_bodies as b
 from vfsdp.testing import simulate, spawn
 
 

@@ -1,4 +1,4 @@
-"""Reference semantics of the named-axis collectives (:mod:`vfsdp.functional.lax`): plain
+"""Reference semantics of the named-axis collectives (:mod:`vfsdp.spmd.lax`): plain
 loops over the ranks of one axis, in one process; :func:`over_axes` runs one over several
 axes of a mesh (each group of ranks, :func:`axis_groups`).
 

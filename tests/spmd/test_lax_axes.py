@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import vfsdp
 from vfsdp import lax
-from vfsdp.functional import lax_reference as ref
+from vfsdp.spmd import lax_reference as ref
 from vfsdp.testing import RankError, simulate
 
 MESHES = [((("a", 2), ("b", 2))), (("a", 1), ("b", 4)), (("a", 4), ("b", 1)),

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import vfsdp
 from vfsdp import lax
-from vfsdp.functional import lax_reference as ref
+from vfsdp.spmd import lax_reference as ref
 from vfsdp.testing import RankError, simulate
 
 REPLICATED = {"psum", "pmean"}  # outputs replicated: one shared cotangent, counted once

@@ -14,7 +14,7 @@ the global function gets (each rank ends with all of them). Under the convention
 hands each rank its piece of the global cotangent; a replicated (``P()``) input's gradient
 counts once, so a body that uses it differently per rank marks it with ``pvary``.
 ``check_vma=True`` (the default) tracks which axes each tensor varies over and, as JAX's,
-inserts the ``pvary`` where it was forgotten (:mod:`vfsdp.functional.vma`); it also proves
+inserts the ``pvary`` where it was forgotten (:mod:`vfsdp.spmd.vma`); it also proves
 each output's replication against its out_spec (an invariant output its spec splits is
 tiled). ``check_vma="strict"`` raises where a ``pvary`` would be inserted. With
 ``check_vma=False`` nothing is checked: an output replicated over an axis (not in its
@@ -43,8 +43,8 @@ import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.mesh import Axis, axis_names, axis_of, use_mesh
-from vfsdp.functional import vma
-from vfsdp.functional.lax import _gather, _PVary, _shapes, _tensor_split_sizes
+from vfsdp.spmd import vma
+from vfsdp.spmd.lax import _gather, _PVary, _shapes, _tensor_split_sizes
 
 _MANUAL = threading.local()  # .axes: the mesh axes of the shard_map body running here
 
@@ -222,7 +222,7 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
             concatenated, in axis order, along the dims it names; ``P()`` returns an output
             replicated over every axis.
         check_vma: ``True``: track which axes each tensor varies over, as JAX's
-            (:mod:`vfsdp.functional.vma`): a missing ``pvary`` (an invariant value mixed with
+            (:mod:`vfsdp.spmd.vma`): a missing ``pvary`` (an invariant value mixed with
             varying ones, a collective of an invariant value, an invariant output its spec
             splits) is inserted; an output that varies over an axis its out_spec replicates,
             or a ``pvary`` of a varying value, raises. ``"strict"``: the same, but a missing

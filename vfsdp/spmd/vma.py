@@ -257,7 +257,7 @@ class Tracker(TorchFunctionMode):
                 continue  # no gradient is recorded here
             if self.strict:
                 _mixed(func, i, t, missing, "or pass check_vma=True (which inserts it)")
-            from vfsdp.functional import lax
+            from vfsdp.spmd import lax
             with self.pause():
                 if t is written:
                     _PVaryInPlace.apply(t, self.axis(missing))
@@ -292,7 +292,7 @@ class _PVaryInPlace(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        from vfsdp.functional import lax
+        from vfsdp.spmd import lax
         return lax._PSum.apply(g, ctx.ax, 1, "pvary's backward (psum)"), None
 
     @staticmethod

@@ -376,7 +376,7 @@ def _replication_error(case):
                         "invariant over 'tp'")])
 def test_strict_mode_names_the_axis_and_fix_where_jax_would_insert_a_pvary(case, match):
     """Strict mode (``check_vma="strict"``); the default inserts the pvary in all but two of
-    these (their verdicts against JAX's: tests/functional/test_jax_parity.py)."""
+    these (their verdicts against JAX's: tests/spmd/test_jax_parity.py)."""
     assert match in simulate(4, _replication_error, case)[0]
 
 

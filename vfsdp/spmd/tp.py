@@ -19,8 +19,8 @@ import optree
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from vfsdp.functional import lax
 from vfsdp.planner.granularity import format_path
+from vfsdp.spmd import lax
 
 __all__ = ["tp_local", "column_parallel", "row_parallel"]
 

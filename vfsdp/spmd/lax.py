@@ -37,9 +37,9 @@ NCCL and ``vfsdp.testing.simulate``. Each backward is made of these differentiab
 (psum's of pvary, pvary's of psum, all_gather's of psum_scatter and back, all_to_all's of
 all_to_all), so double backward (``create_graph=True``) differentiates through them. The mesh
 is ``mesh=`` or the innermost ``with use_mesh(m):``. Reference semantics (a loop over ranks):
-:mod:`vfsdp.functional.lax_reference`. In a :func:`vfsdp.shard_map` body (``check_vma``) a
+:mod:`vfsdp.spmd.lax_reference`. In a :func:`vfsdp.shard_map` body (``check_vma``) a
 collective of a value invariant over its axes ``pvary``-s it first, as JAX's (``"strict"``:
-an error); a ``pvary`` of a varying value is refused (:mod:`vfsdp.functional.vma`).
+an error); a ``pvary`` of a varying value is refused (:mod:`vfsdp.spmd.vma`).
 
 Every rank must run the same collectives, the backward's included. Autograd runs a
 collective's backward only where its result reaches the loss: if it does on some ranks only
@@ -60,7 +60,7 @@ from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
 from vfsdp.collectives.comm import control_device
 from vfsdp.collectives.mesh import Axis, axis_names, axis_of, current_mesh, use_mesh
-from vfsdp.functional import vma
+from vfsdp.spmd import vma
 
 __all__ = ["psum", "pmean", "pvary", "all_gather", "psum_scatter", "all_to_all", "axis_index",
            "axis_size", "use_mesh", "current_mesh"]
@@ -556,7 +556,7 @@ def axis_index(axis: Axes, *, mesh: Optional[Any] = None) -> int:
 
     Returns:
         An int in ``[0, axis_size(axis))`` (in a checked ``shard_map`` body, one varying over
-        ``axis``, as JAX's: :class:`vfsdp.functional.vma.AxisIndex`).
+        ``axis``, as JAX's: :class:`vfsdp.spmd.vma.AxisIndex`).
 
     Raises:
         ValueError: no mesh, or no such axis.
@@ -594,6 +594,6 @@ def axis_size(axis: Axes, *, mesh: Optional[Any] = None) -> int:
 
 # Tensor-parallel helpers written on the functions above, in the same namespace
 # (vfsdp.lax.tp_local, vfsdp.lax.column_parallel, vfsdp.lax.row_parallel).
-from vfsdp.functional.tp import column_parallel, row_parallel, tp_local  # noqa: E402
+from vfsdp.spmd.tp import column_parallel, row_parallel, tp_local  # noqa: E402
 
 __all__ += ["tp_local", "column_parallel", "row_parallel"]

@@ -82,7 +82,7 @@ def test_unit_makes_its_buffers_on_first_use():
         same = unit.compute(None) is unit.params and unit.compute(torch.float32) is unit.params
         bf16 = unit.compute(torch.bfloat16)
         unit.grads()
-        unit.accumulator(torch.float32)
+        unit.unreduced(create=True)
         unit.stage(torch.bfloat16)
         after = [db.role for db in unit.buffers()]
         return before, same, bf16 is unit.compute(torch.bfloat16), after, unit.stage(

@@ -96,23 +96,29 @@ def run_layers_refusals():
 
 
 def explicit_reduce_scatter():
-    """reduce_scatter: grad_reduce and accumulate_grads honoured; the 0.1 spelling op= is gone."""
+    """reduce_scatter: grad_reduce and accumulate_grads honoured, by keyword or a Policy (its
+    gather-side fields do not apply); options it cannot honour refused; the 0.1 spelling op=
+    is gone."""
     spec = vfsdp.plan(params(), dist.get_world_size())
     shards = vfsdp.shard(params(), spec)
     g = optree.tree_map(lambda t: torch.ones_like(t) * (1 + dist.get_rank()), params())
     once = [t.clone() for t in optree.tree_leaves(
         vfsdp.reduce_scatter(g, spec, shards=shards, grad_reduce="sum"))]
-    twice = optree.tree_leaves(vfsdp.reduce_scatter(g, spec, shards=shards, grad_reduce="sum",
-                                                    accumulate_grads=True))
-    try:
-        vfsdp.reduce_scatter(g, spec, op="sum")
-        legacy = False
-    except TypeError as exc:
-        legacy = "unexpected keyword argument 'op'" in str(exc)
+    twice = [t.clone() for t in optree.tree_leaves(vfsdp.reduce_scatter(
+        g, spec, shards=shards, grad_reduce="sum", accumulate_grads=True))]
+    by_policy = optree.tree_leaves(vfsdp.reduce_scatter(
+        g, spec, vfsdp.Policy(grad_reduce="sum", param_dtype=torch.bfloat16), shards=shards))
+    refused = []
+    for bad in ({"op": "sum"}, {"grad_sync": False}, {"grads": "return"}, {"grad_reduce": "max"}):
+        try:
+            vfsdp.reduce_scatter(g, spec, shards=shards, **bad)
+            refused.append(None)
+        except (TypeError, ValueError) as exc:
+            refused.append(f"{type(exc).__name__}: {exc}")
     total = sum(1 + r for r in range(dist.get_world_size()))
     return (all(torch.all(t == total) for t in once),
             all(torch.equal(a * 2, b) for a, b in zip(once, twice)),
-            legacy)
+            all(torch.equal(a, b) for a, b in zip(once, by_policy)), refused)
 
 
 def temporary_units_are_not_kept():

@@ -117,7 +117,7 @@ def reference(case: dict) -> list:
     world = case["world"]
     base = optree.tree_map(lambda t: t.clone().requires_grad_(), params())
     total = 0
-    for i in range(len(case["micro"])):
+    for i in range(case.get("zero_before") or 0, len(case["micro"])):
         per_rank = sum(loss_of(base, batch(r, i)) for r in range(world))
         total = total + (per_rank / world if case["op"] == "avg" else per_rank)
     total.backward()
@@ -135,3 +135,23 @@ def refusal(case: dict):
         if not all(case["micro"]):
             return "vfsdp.gather: grad_sync=False is not supported under torch.func"
     return None
+
+
+def run_mixed(case: dict):
+    """Micro-batches run eagerly or compiled, one path each (``case["paths"]``), with a
+    compiled ``zero_grads`` before micro-batch ``case["zero_before"]`` (or none): one
+    accumulator serves both paths, so nothing is dropped or reduced twice."""
+    spec = vfsdp.plan(params(), dist.get_world_size())
+    shards = vfsdp.shard(params(), spec)
+    opts = {k: v for k, v in _options(case, True).items() if k != "grad_sync"}
+
+    def body(shards, x, sync):
+        loss_of(vfsdp.gather(shards, spec, grad_sync=sync, **opts), x).backward()
+
+    compiled = torch.compile(body, fullgraph=True, backend="aot_eager")
+    zero = torch.compile(lambda s: vfsdp.zero_grads(s, spec), fullgraph=True, backend="aot_eager")
+    for i, (sync, path) in enumerate(zip(case["micro"], case["paths"])):
+        if i == case.get("zero_before"):
+            zero(shards)
+        (compiled if path == "compiled" else body)(shards, batch(dist.get_rank(), i), sync)
+    return [g.reshape(-1).tolist() for g in optree.tree_leaves(vfsdp.grads(shards, spec))]

@@ -94,8 +94,14 @@ def test_run_layers_refuses_returned_grads_and_unknown_options():
 
 
 def test_reduce_scatter_options():
-    results = simulate(2, ob.explicit_reduce_scatter)
-    assert results == [(True, True, True)] * 2
+    for once, twice, by_policy, refused in simulate(2, ob.explicit_reduce_scatter):
+        assert once and twice and by_policy
+        assert refused[0].startswith("TypeError") and "unexpected options ['op']" in refused[0]
+        for msg, name in zip(refused[1:3], ("grad_sync=False", "grads='return'")):
+            assert msg == (f"ValueError: vfsdp.reduce_scatter: {name} is not supported by an "
+                           f"explicit reduction (it reduces now, into the gradient buffers); "
+                           f"drop it")
+        assert refused[3].startswith("ValueError: grad_reduce must be one of")
 
 
 def test_plain_tensors_use_a_temporary_unit_that_is_freed():

@@ -98,3 +98,20 @@ def test_gather_of_grads_is_the_same_after_run_layers_as_after_a_gather():
         for k in w:
             torch.testing.assert_close(g[k], w[k], rtol=1e-6, atol=1e-7)
     assert all(torch.equal(got[0][k], got[1][k]) for k in got[0])
+
+
+MIXED = [  # eager and compiled micro-batches share one grad_sync=False accumulator
+    {"micro": [False, True], "paths": ["eager", "compiled"]},
+    {"micro": [False, False, True], "paths": ["compiled", "eager", "compiled"]},
+    {"micro": [False, True], "paths": ["eager", "eager"], "zero_before": 1},
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MIXED, ids=lambda c: "-".join(c["paths"]) + (
+    "-zeroed" if "zero_before" in c else ""))
+def test_eager_and_compiled_micro_batches_accumulate_in_one_place(case):
+    """0.3 dropped an eager no-sync micro-batch before a compiled sync (and the reverse), and a
+    compiled zero_grads left the eager accumulator to be reduced into the next step."""
+    case = dict(case, path="mixed", world=2, accumulate=None, op="sum", reduce_dtype=None)
+    _check(case, spawn(pb.run_mixed, 2, case))

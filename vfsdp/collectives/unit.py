@@ -10,7 +10,7 @@ later stages need hangs off that object, created on first use:
                           memory of its own between gathers, the cast writes straight
                           into this rank's slice of its global buffer
 ``unit.grads()``          the sharded gradients (``GRAD``)
-``unit.accumulator(dt)``  unsharded gradients accumulated without reducing (``ACCUM``)
+``unit.unreduced()``      unsharded gradients accumulated without reducing (``ACCUM``)
 ``unit.stage(dt)``        the reduce-scatter input in the reduction dtype (``STAGE``)
 ========================  ==========================================================
 
@@ -52,7 +52,7 @@ import contextlib
 import enum
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -62,7 +62,32 @@ from vfsdp.collectives.dbuffer import DBuffer, ReleasedTensor, Role
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
 __all__ = ["Unit", "UnitState", "IllegalTransitionError", "Reductions", "GATHER_HOOKS", "export_full",
-           "drop_traced_grads"]
+           "TracedUnit", "group_name"]
+
+
+def group_name(group: Any) -> str:
+    """The name functional collectives know a process group by (``None``: the default)."""
+    return (group if group is not None else torch.distributed.group.WORLD).group_name
+
+
+class TracedUnit(NamedTuple):
+    """What the compiled path reads of a unit (:meth:`Unit.traced_record`), made once, eagerly.
+
+    The anchor is a one-element leaf every rank adds (times 0) to its shard: the shard's
+    gradient, the reduce-scatter, then always has a user on every rank, even one that holds
+    nothing of the unit's tensors (else the compiler drops it there and the ranks deadlock).
+    The accumulator leaf's ``.grad`` is the one record, on every path, of ``grad_sync=False``
+    gradients not reduced yet (see :meth:`Unit.unreduced`): a compiled backward adds to it,
+    and the eager one makes it the unit's accumulator memory."""
+
+    anchor: torch.Tensor
+    accumulator: torch.Tensor
+    shard_group: str
+    shard_size: int
+    replicate_group: Optional[str]
+    replicas: int
+    model_group: Optional[str]
+    shard_rank: int
 
 #: Callables ``hook(fulls, spec, members)`` run on every differentiable gather's full tensors
 #: (``vfsdp.spmd.shard_map`` adds its replication tracker here; empty by default).
@@ -181,7 +206,8 @@ class Unit:
         self._compute: dict = {}
         self._grads: Optional[DBuffer] = None
         self._grad_views: dict = {}  # grad_view(), made on first use
-        self._accum: dict = {}
+        self._accum: Optional[DBuffer] = None  # grad_sync=False's (see unreduced())
+        self._accum_link: Optional[torch.Tensor] = None  # what it set as the leaf's .grad
         self._stage: dict = {}
         self.grads_mode: Optional[str] = None  # where the last reduction went: buffer/return
         # The shards' .grad were made views of the gradient buffer (a grads="buffer"
@@ -192,9 +218,7 @@ class Unit:
         self.backward_prefetch: Optional[tuple] = None
         self.awaiting = 0  # differentiable gathers of this unit whose backward is pending
         self._life: dict = {}  # parameter buffer (by dtype) -> its _Life
-        # What the compiled path reads of this unit (vfsdp.functional.traced): a TracedUnit,
-        # made by vfsdp.shard.
-        self.traced: Any = None
+        self.traced: Optional[TracedUnit] = None  # see traced_record()
         # Callables run with the unit after each reduction into its gradient buffer lands,
         # held weakly (a bound method's owner goes, the hook goes).
         self.on_reduced: list = []
@@ -386,8 +410,8 @@ class Unit:
         """Every buffer the unit holds now: parameters, compute copies, gradients,
         accumulators and staging buffers (for memory accounting)."""
         grads = [self._grads] if self._grads is not None else []
-        return [self.params, *self._compute.values(), *grads, *self._accum.values(),
-                *self._stage.values()]
+        accum = [self._accum] if self._accum is not None else []
+        return [self.params, *self._compute.values(), *grads, *accum, *self._stage.values()]
 
     def gathered(self) -> list[DBuffer]:
         """The parameter buffers whose global buffer holds memory now."""
@@ -508,20 +532,22 @@ class Unit:
         db = self.params
         rdt = opts.reduce_dtype or next((g.dtype for g in grads if g is not None), db.dtype)
         to_buffer = opts.grads == "buffer"
-        accum = self.accumulator(rdt, create=False)
-        if not opts.grad_sync or (accum is not None and accum.is_allocated):
-            # Accumulating unsharded (no reduce until the last micro-batch).
-            accum = self.accumulator(rdt)
-            if not accum.is_allocated:
-                accum.alloc_global().data.zero_()
-            buf = accum.global_buffer.data
+        accum = self.unreduced(create=not opts.grad_sync)
+        if accum is not None:  # accumulating unsharded (no reduce until the last micro-batch)
             dsts = accum.internal_views()
             pairs = [(i, g) for i, g in zip(index, grads) if g is not None]
             with torch.no_grad():  # one op for the unit
                 tp.add_many([dsts[i] for i, _ in pairs], [g for _, g in pairs])
             if not opts.grad_sync:
                 return None
-            stage = accum
+            stage, buf = accum, accum.global_buffer.data
+            self.traced.accumulator.grad = self._accum_link = None  # reduced below
+            if accum.dtype != rdt:  # accumulated in the parameters' dtype: one cast
+                stage = self.stage(rdt, share_grads=to_buffer)
+                buf = stage.alloc_global().data
+                with torch.no_grad():
+                    buf.copy_(accum.global_buffer.data)
+                accum.free_global()
         else:
             stage = self.stage(rdt, share_grads=to_buffer)
             buf = stage.alloc_global().data
@@ -630,18 +656,49 @@ class Unit:
             found = self._grad_views[k] = gdb.local(k, weak_unit=True)
         return found
 
-    def accumulator(self, dtype: torch.dtype, create: bool = True) -> Optional[DBuffer]:
-        """The unsharded gradient accumulator in ``dtype`` (``None`` if absent and not
-        ``create``)."""
-        found = self._accum.get(dtype)
-        if found is None and create:
-            found = self._accum[dtype] = DBuffer(self.layout, self.groups, dtype, Role.ACCUM,
-                                                 unit=self)
-        return found
+    def traced_record(self) -> TracedUnit:
+        """What the compiled path reads of this unit (:class:`TracedUnit`), made once, eagerly
+        (``vfsdp.shard`` makes it), kept as :attr:`traced`."""
+        if self.traced is None:
+            groups, layout = self.groups, self.layout
+            anchor = torch.zeros(1, dtype=layout.dtype, device=groups.device, requires_grad=True)
+            full = layout.shard_numel * groups.shard_size
+            acc = torch.zeros(1, dtype=layout.dtype, device=groups.device).expand(full)
+            replicate = group_name(groups.replicate) if groups.replicate is not None else None
+            model = group_name(groups.model) if groups.model is not None else None
+            self.traced = TracedUnit(anchor, acc.requires_grad_(), group_name(groups.shard),
+                                     groups.shard_size, replicate, groups.replicate_size, model,
+                                     groups.shard_rank)
+        return self.traced
 
-    def accumulating(self) -> list[DBuffer]:
-        """Accumulators holding gradients that were not reduced yet."""
-        return [db for db in self._accum.values() if db.is_allocated]
+    def unreduced(self, create: bool = False) -> Optional[DBuffer]:
+        """The one accumulator of ``grad_sync=False`` gradients, eager and compiled alike, in
+        the parameters' dtype (as plain torch's ``.grad``), holding every gradient not reduced
+        yet (``None``: there are none, and not ``create``).
+
+        The compiled path's accumulator leaf's ``.grad`` says whether there are any: the eager
+        accumulation makes it this accumulator's memory, a compiled backward adds to it (in
+        place, or making a new one, which is taken in here), and a compiled sync or
+        ``zero_grads`` sets it to ``None``, so that what the compiled path reduced or dropped
+        is not reduced again."""
+        leaf = self.traced_record().accumulator
+        held = leaf.grad
+        if held is None:  # nothing unreduced: an eager accumulator left is stale
+            self.drop_accumulators()
+            if not create:
+                return None
+        if self._accum is None:
+            self._accum = DBuffer(self.layout, self.groups, leaf.dtype, Role.ACCUM, unit=self)
+        if held is not None and held is self._accum_link:
+            return self._accum
+        mem = self._accum.alloc_global().data
+        with torch.no_grad():
+            if held is None:
+                mem.zero_()
+            else:
+                mem.copy_(held.reshape(-1))
+        leaf.grad = self._accum_link = mem.view(leaf.shape)
+        return self._accum
 
     def stage(self, dtype: torch.dtype, share_grads: bool = True) -> DBuffer:
         """The reduce-scatter input in ``dtype``: the gradient buffer's own global buffer
@@ -655,9 +712,12 @@ class Unit:
         return found
 
     def drop_accumulators(self) -> None:
-        """Forget unreduced gradients (free the accumulators' memory)."""
-        for db in self._accum.values():
-            db.free_global()
+        """Forget unreduced gradients, on every path (free the accumulator's memory)."""
+        if self._accum is not None:
+            self._accum.free_global()
+        if self.traced is not None and self.traced.accumulator.grad is self._accum_link:
+            self.traced.accumulator.grad = None
+        self._accum_link = None
 
     def link_prefetch(self, prev: Optional[Unit], dtype: Optional[torch.dtype]) -> None:
         """Set :attr:`backward_prefetch`: ``prev`` (held weakly) is gathered, in ``dtype``,
@@ -679,7 +739,7 @@ class Unit:
             pending.append("reduce-scatter")
         if self.awaiting:
             pending.append(f"{self.awaiting} backward(s)")
-        if self.accumulating():
+        if self.traced is not None and self.traced.accumulator.grad is not None:
             pending.append("unreduced gradients")
         return (f"Unit({unit_name(self.layout.key)}, rank {self.rank}/{self.layout.world_size}, "
                 f"S={self.layout.shard_numel}, {self.params.dtype}, {self.state.value}; "

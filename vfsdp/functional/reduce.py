@@ -24,7 +24,7 @@ from vfsdp import _torch_private as tp
 from vfsdp._torch_private import functorch_active
 from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.unit import Unit, _expand, _merge
-from vfsdp.functional.options import GradOptions
+from vfsdp.functional.options import GradOptions, Policy, merge
 from vfsdp.functional.tree import UnitLeaves, match_tree, own_mesh, units_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
@@ -58,9 +58,8 @@ def _reduce_functional(unit: Unit, index, grads, opts: GradOptions) -> list:
                     for i in index], first)
 
 
-def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh: Any = None,
-                   grad_reduce: str = "avg", reduce_dtype: Optional[torch.dtype] = None,
-                   accumulate_grads: bool = False) -> Any:
+def reduce_scatter(full_grads: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
+                   shards: Any = None, mesh: Any = None, **options: Any) -> Any:
     """Reduce-scatter full gradients into the sharded gradient DBuffers (explicit form).
 
     Args:
@@ -71,15 +70,21 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
         mesh: A ``DeviceMesh`` matching the spec, for fresh buffers; default: the default
             group. Shards from ``vfsdp.shard`` carry the mesh they were made on: passing one
             with ``shards`` is refused.
-        grad_reduce: ``"avg"`` or ``"sum"`` over every rank of the mesh.
-        reduce_dtype: Dtype to reduce in.
-        accumulate_grads: Add into the gradient buffers instead of overwriting them.
+        policy: A :class:`vfsdp.Policy`, as for :func:`vfsdp.gather`; an explicit reduction
+            reads its ``grad_reduce`` (``"avg"`` or ``"sum"`` over every rank of the mesh),
+            ``reduce_dtype`` and ``accumulate_grads`` (``True``: add into the gradient
+            buffers; default: overwrite them). Its gather-side fields do not apply.
+        **options: Those fields by keyword, overriding ``policy``'s (``accumulate_grads=False``
+            is the default here: overwrite).
 
     Returns:
         A tree of this rank's gradient shards (views into the gradient DBuffers).
 
     Raises:
-        ValueError: structure, shape or dtype mismatch, naming the path; a bad option.
+        ValueError: structure, shape or dtype mismatch, naming the path; a bad option, or
+            ``grad_sync=False``, ``grads="return"`` or ``async_reduce=True`` (an explicit
+            reduction reduces now, into the gradient buffers).
+        TypeError: an unknown option.
 
     Example:
         >>> def body():
@@ -94,12 +99,22 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, *, shards: Any = None, mesh
         raise ValueError("vfsdp.reduce_scatter cannot run inside torch.func transforms (it "
                          "writes gradient buffers); differentiate through vfsdp.gather instead, "
                          "whose backward reduce-scatters")
+    what = "vfsdp.reduce_scatter"
+    if options.get("accumulate_grads") is False:  # here the default: overwrite
+        del options["accumulate_grads"]
+    values = merge(policy, options, what)
+    for name, asked in (("grad_sync=False", values["grad_sync"] is False),
+                        ("grads='return'", values["grads"] == "return"),
+                        ("async_reduce=True", values["async_reduce"] is True)):
+        if asked:
+            raise ValueError(f"{what}: {name} is not supported by an explicit reduction (it "
+                             f"reduces now, into the gradient buffers); drop it")
+    accumulate_grads = values["accumulate_grads"] is True
     if accumulate_grads and shards is None:
         raise ValueError("vfsdp.reduce_scatter(accumulate_grads=True) needs shards=: without "
                          "them the result goes to fresh buffers, so there is nothing to add to")
-    opts = GradOptions(grad_reduce=grad_reduce, reduce_dtype=reduce_dtype, grads="buffer",
-                       accumulate_grads=True if accumulate_grads else None)
-    what = "vfsdp.reduce_scatter"
+    opts = GradOptions(grad_reduce=values["grad_reduce"], reduce_dtype=values["reduce_dtype"],
+                       grads="buffer", accumulate_grads=values["accumulate_grads"])
     grads = optree.tree_leaves(full_grads, none_is_leaf=True)
     treespec = optree.tree_structure(full_grads, none_is_leaf=True)
     if treespec.num_leaves != spec.treespec.num_leaves:

@@ -33,7 +33,7 @@ were made on.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import optree
 import torch
@@ -41,55 +41,16 @@ import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import SLOT
-from vfsdp.collectives.unit import drop_traced_grads
+from vfsdp.collectives.unit import drop_traced_grads, group_name
 from vfsdp.functional.lowp import hooked_all_gather
 from vfsdp.functional.pieces import assemble_layer
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["TracedUnit", "traced_gather", "prepare", "traced_children", "group_name", "clip_groups",
+__all__ = ["traced_gather", "prepare", "traced_children", "clip_groups",
            "CLIP_GROUPS",
            "traced_leaves", "traced_run_layers", "traced_grads",
            "traced_zero_grads", "unit_context"]
-
-
-def group_name(group: Any) -> str:
-    """The name functional collectives know a process group by (``None``: the default)."""
-    return (group if group is not None else dist.group.WORLD).group_name
-
-
-class TracedUnit(NamedTuple):
-    """What the compiled path reads of a unit (``unit.traced``), made once, eagerly.
-
-    The anchor is a one-element leaf every rank adds (times 0) to its shard: the shard's
-    gradient, the reduce-scatter, then always has a user on every rank, even one that holds
-    nothing of the unit's tensors (else the compiler drops it there and the ranks deadlock).
-    The accumulator is ``grad_sync=False``'s: its ``.grad``, made by the backward and dropped
-    at the sync, holds the unreduced gradients (one element, expanded, until then)."""
-
-    anchor: torch.Tensor
-    accumulator: torch.Tensor
-    shard_group: str
-    shard_size: int
-    replicate_group: Optional[str]
-    replicas: int
-    model_group: Optional[str]
-    shard_rank: int
-
-
-def _runtime(unit: Any) -> TracedUnit:
-    """``unit.traced``, made once (a :class:`TracedUnit`)."""
-    if unit.traced is None:
-        groups, layout = unit.groups, unit.layout
-        anchor = torch.zeros(1, dtype=layout.dtype, device=groups.device, requires_grad=True)
-        full = layout.shard_numel * groups.shard_size
-        acc = torch.zeros(1, dtype=layout.dtype, device=groups.device).expand(full)
-        replicate = group_name(groups.replicate) if groups.replicate is not None else None
-        model = group_name(groups.model) if groups.model is not None else None
-        unit.traced = TracedUnit(anchor, acc.requires_grad_(), group_name(groups.shard),
-                                 groups.shard_size, replicate, groups.replicate_size, model,
-                                 groups.shard_rank)
-    return unit.traced
 
 
 def prepare(spec: ShardSpec, units: dict) -> None:
@@ -112,7 +73,7 @@ def prepare(spec: ShardSpec, units: dict) -> None:
     """
     rank, groups = None, None
     for unit in units.values():
-        rank, groups = _runtime(unit).shard_rank, unit.groups
+        rank, groups = unit.traced_record().shard_rank, unit.groups
     _local(spec, rank, groups)
 
 

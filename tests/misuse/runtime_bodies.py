@@ -6,6 +6,7 @@ from torch.distributed.tensor import Shard
 
 import vfsdp
 from vfsdp.collectives import slot_of
+from vfsdp.functional.gather import pending
 
 
 class _WorldSum(torch.autograd.Function):
@@ -184,3 +185,31 @@ def uneven_use(uses: list, how: str) -> list:
     out.append(shards["head"].grad.clone())
     ranges = {tuple(t.path): t.local_range(rank) for t in spec.tensors()}
     return out, [ranges[("layers", i, "w")] for i in range(3)] + [ranges[("head",)]]
+
+
+def evaluations_with_grad_on(evals: int) -> tuple:
+    """``evals`` forwards with gradients enabled whose graphs are dropped (an evaluation
+    without ``torch.no_grad``), then one training step. Returns the records still awaiting a
+    backward after the evaluations, and the step's largest difference from one process."""
+    world = dist.get_world_size()
+    params = {"layers": [{"w": torch.eye(4) + i} for i in range(3)]}
+    spec = vfsdp.plan(params, world)
+    shards = vfsdp.shard(params, spec)
+    x = torch.ones(2, 4)
+
+    def loss_of(full, h):
+        for p in full["layers"]:
+            h = torch.tanh(h @ p["w"])
+        return h.sum()
+
+    for _ in range(evals):
+        loss_of(vfsdp.gather(shards, spec), x)  # the graph is dropped at once
+    kept = len(pending().entries)
+    loss_of(vfsdp.gather(shards, spec), x * (dist.get_rank() + 1)).backward()
+    ref = {"layers": [{"w": (torch.eye(4) + i).requires_grad_()} for i in range(3)]}
+    (sum(loss_of(ref, x * (r + 1)) for r in range(world)) / world).backward()
+    want = vfsdp.shard({"layers": [{"w": p["w"].grad} for p in ref["layers"]]}, spec,
+                       requires_grad=False)
+    diff = max(float((s["w"].grad - w["w"]).abs().max()) if s["w"].numel() else 0.0
+               for s, w in zip(shards["layers"], want["layers"]))
+    return kept, diff, len(pending().entries)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import vfsdp
 from tests.misuse import runtime_bodies as b
 from vfsdp.collectives import IllegalTransitionError, UnitState, slot_of
-from vfsdp.functional.gather import pending
+from vfsdp.functional.gather import SWEEP, pending
 from vfsdp.testing import simulate, spawn
 
 
@@ -164,3 +164,15 @@ def test_two_forwards_then_two_backwards_with_a_unit_one_rank_does_not_use(how):
 @pytest.mark.parametrize("how", ["gather-retain", "run_layers-retain"])
 def test_retain_graph_with_a_unit_one_rank_does_not_use(how):
     _check_uneven([[[0, 2]], [[0, 1, 2]]], how, retain=True)
+
+
+@pytest.mark.parametrize("runner", ["threads", "gloo"])
+def test_evaluations_with_grad_on_do_not_pile_up_records(runner):
+    """0.3 kept one record per unit per evaluation until the next backward (6,000 after 2,000
+    evaluations); now the ranks forget the orphans dead everywhere every SWEEP gathers."""
+    evals = 100  # 300 gathers: one sweep
+    got = (simulate(2, b.evaluations_with_grad_on, evals) if runner == "threads"
+           else spawn(b.evaluations_with_grad_on, 2, evals))
+    for kept, diff, after in got:
+        assert kept < SWEEP, kept
+        assert diff < 1e-6 and after == 0

@@ -40,7 +40,9 @@ without this rank's loss using them: ``run_layers`` and helper functions drop th
 tree as soon as the forward is done) is kept as an *orphan*: the next pass reduces its zeros
 if another rank marks the unit, and forgets it, with no collective, if no rank does (a
 forward whose graph was dropped without a backward, e.g. an evaluation with gradients
-enabled).
+enabled). Such forwards with no backward after them do not pile up orphans: every
+:data:`SWEEP` gathers made outside a backward, the ranks exchange which orphans are still alive
+anywhere (:meth:`RankGathers.sweep`) and forget the others.
 
 What an entry does is its unit's transitions (``Gather.post_backward`` with zeros,
 ``orphaned()``); nothing is injected from elsewhere.
@@ -411,6 +413,11 @@ class Agreement:
         return out, alive
 
 
+SWEEP = 256
+"""Every this many differentiable gathers made outside a backward, :meth:`RankGathers.sweep`
+forgets the orphans dead on every rank."""
+
+
 class RankGathers:
     """This rank's differentiable gathers awaiting their backward (see the module)."""
 
@@ -439,6 +446,20 @@ class RankGathers:
         entry.unit.hold(entry.db, entry.regathers)
         entry.unit.awaiting += 1
         weakref.finalize(ctx, self.died, weakref.ref(entry))
+        if self.created % SWEEP == 0 and tp.graph_task_id() == -1:
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Forget the orphans dead on every rank, between backward passes: an agreement with
+        no pass (nothing runs), so that forwards whose graphs are dropped without a backward
+        (evaluations with gradients enabled) do not pile up records until the next backward.
+        Called every :data:`SWEEP` gathers outside a backward: the same gathers on every rank
+        (the SPMD contract), so the same call everywhere; one small exchange on the side
+        group, waited for here (host values only)."""
+        self.settle()
+        _, alive = Agreement(self, []).marked()
+        for e in [e for e in self.entries if e.orphan and e.place not in alive]:
+            self.close(e)
 
     def died(self, ref) -> None:
         """The entry's autograd node was freed: settle it at the next operation.

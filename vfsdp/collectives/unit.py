@@ -681,12 +681,12 @@ class Unit:
         place, or making a new one, which is taken in here), and a compiled sync or
         ``zero_grads`` sets it to ``None``, so that what the compiled path reduced or dropped
         is not reduced again."""
-        leaf = self.traced_record().accumulator
-        held = leaf.grad
+        held = self.traced.accumulator.grad if self.traced is not None else None
         if held is None:  # nothing unreduced: an eager accumulator left is stale
             self.drop_accumulators()
             if not create:
                 return None
+        leaf = self.traced_record().accumulator
         if self._accum is None:
             self._accum = DBuffer(self.layout, self.groups, leaf.dtype, Role.ACCUM, unit=self)
         if held is not None and held is self._accum_link:

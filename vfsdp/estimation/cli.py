@@ -20,7 +20,7 @@ from typing import Optional
 
 from vfsdp.estimation.checks import count, shape_dims
 from vfsdp.estimation.hardware import PROFILES, hardware
-from vfsdp.estimation.model import GiB
+from vfsdp.estimation.options import GiB
 from vfsdp.estimation.sweep import sweep
 from vfsdp.planner.granularity import parse_granularity
 from vfsdp.planner.shapes import DTYPES, load_shapes

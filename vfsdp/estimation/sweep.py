@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 import optree
@@ -27,9 +28,10 @@ import optree
 from vfsdp._gc import paused_gc
 from vfsdp.estimation import checks
 from vfsdp.estimation.costs import Shapes
-from vfsdp.estimation.hardware import Hardware, hardware
+from vfsdp.estimation.hardware import Hardware
 from vfsdp.estimation.memory import alike_members, optimizer_bytes
 from vfsdp.estimation.model import optimizer_for
+from vfsdp.estimation.options import Options
 from vfsdp.estimation.predict import Estimate, PlanSummary, predict
 from vfsdp.planner.abstract import ShapeDtype, is_tensor_leaf, leaf_meta
 from vfsdp.planner.granularity import format_path
@@ -148,7 +150,7 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
             that does not divide a count, both ``tokens_per_gpu`` and ``global_tokens``,
             fewer ``global_tokens`` than GPUs, a ``vs`` other than fsdp2/megatron, and
             :func:`~vfsdp.estimation.estimate`'s errors.
-        TypeError: ``rank=`` or ``baseline=`` (estimate's own).
+        TypeError: ``rank=``, ``baseline=`` or ``tokens_per_rank=`` (estimate's own).
 
     Example:
         >>> params = {"layers": [{"w": torch.empty(1024, 1024, device="meta")}
@@ -179,21 +181,25 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
     unknown = [s for s in vs if s not in ("fsdp2", "megatron")]
     if unknown:
         raise ValueError(f"sweep: vs names {unknown}; pass 'fsdp2' and/or 'megatron'")
-    for key in ("rank", "baseline"):
+    for key in ("rank", "baseline", "tokens_per_rank"):
         if key in options:
             raise TypeError(f"sweep: {key}= is estimate()'s; a sweep takes the larger of the "
-                            f"first and last rank's state, and vs= for baselines")
-    prof = hardware(hw)
+                            f"first and last rank's state, vs= for baselines and "
+                            f"tokens_per_gpu= or global_tokens= for the tokens")
+
+    def tokens(count: int) -> int:
+        return tokens_per_gpu or (global_tokens // count if global_tokens else 4096)
+
+    o = Options(hw=hw, muon=optimizer == "muon", tokens_per_rank=tokens(gpus[0]), **options)
     with paused_gc():  # see vfsdp._gc: a sweep builds many small objects
-        return _Sweep(params, prof, optimizer, ep, granularity, units).rows(
-            gpus, shard, tokens_per_gpu, global_tokens, vs, options)
+        return _Sweep(params, o, optimizer, ep, granularity, units).rows(gpus, shard, tokens, vs)
 
 
 class _Sweep:
     """The prepared trees, and per shard group size the parts :func:`predict` reads."""
 
-    def __init__(self, params, prof, optimizer, ep, granularity, units) -> None:
-        self.prof, self.optimizer, self.ep = prof, optimizer, ep
+    def __init__(self, params, o: Options, optimizer, ep, granularity, units) -> None:
+        self.o, self.ep = o, ep
         trees = [params] if ep == 1 else list(expert_share(params, ep))
         self.prepared, self.opts = [], []
         for tree in trees:
@@ -220,7 +226,7 @@ class _Sweep:
         return PlanSummary(entry[0], mesh, entry[1] or 0, self.shapes[i])
 
     def one(self, count: int, m: int, tokens: int, baseline: Optional[str],
-            options: dict, state: bool = True) -> Estimate:
+            state: bool = True) -> Estimate:
         """The estimate at ``count`` GPUs in shard groups of ``m``; ``state=False``: without
         the optimizer's state, a lower bound of the memory (what fits so does not, first)."""
         if count % m:
@@ -231,24 +237,23 @@ class _Sweep:
             data = count // self.ep
             em = math.gcd(m, data)
             experts = self.part(1, em, (em,) if em == data else (data // em, em), state)
-        return predict(model, experts, self.ep if experts else None, hw=self.prof,
-                       muon=self.optimizer == "muon", tokens_per_rank=tokens,
-                       baseline=baseline, **options)
+        return predict(model, experts, replace(self.o, tokens_per_rank=tokens, baseline=baseline,
+                                               ep=self.ep if experts else None))
 
-    def rows(self, gpus, shard, tokens_per_gpu, global_tokens, vs, options) -> list:
+    def rows(self, gpus, shard, tokens_of, vs) -> list:
         out = []
         for count in gpus:
-            tokens = tokens_per_gpu or (global_tokens // count if global_tokens else 4096)
+            tokens = tokens_of(count)
             best = None  # the estimate at m, where the search made it
             if shard is not None:
                 m = min(shard, count)
             else:  # the smallest that fits, else the largest
-                for m in shard_sizes(count, self.prof.gpus_per_node):
+                for m in shard_sizes(count, self.o.hw.gpus_per_node):
                     best = None
-                    if self.one(count, m, tokens, None, options, state=False).fits:
-                        best = self.one(count, m, tokens, None, options)
+                    if self.one(count, m, tokens, None, state=False).fits:
+                        best = self.one(count, m, tokens, None)
                         if best.fits:
                             break
-            out.append(("vfsdp", best or self.one(count, m, tokens, None, options)))
-            out.extend((s, self.one(count, m, tokens, s, options)) for s in vs)
+            out.append(("vfsdp", best or self.one(count, m, tokens, None)))
+            out.extend((s, self.one(count, m, tokens, s)) for s in vs)
         return out

@@ -20,7 +20,7 @@ import torch
 
 from vfsdp.estimation import cli as estimate_cli
 from vfsdp.estimation.checks import count
-from vfsdp.planner.baselines import fsdp2_padding, megatron_padding
+from vfsdp.estimation.memory import baseline_padding
 from vfsdp.planner.check import check_spec, plan_stats
 from vfsdp.planner.granularity import parse_granularity
 from vfsdp.planner.plan import _logical, plan
@@ -34,11 +34,6 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
 
-def _baselines(u) -> tuple[int, int]:
-    items = [(tuple(shape), block) for shape, block in zip(u.shapes, u.blocks)]
-    return fsdp2_padding(items, u.world_size), megatron_padding(items, u.world_size)
-
-
 def describe(spec: ShardSpec, out=None) -> dict:
     """Print the per-distinct-unit table of a spec; return totals including baselines."""
     out = out or sys.stdout
@@ -50,7 +45,7 @@ def describe(spec: ShardSpec, out=None) -> dict:
     tot_f2 = tot_mg = 0
     for keys in groups.values():
         u = spec.units[keys[0]]
-        f2, mg = _baselines(u)
+        f2, mg = (baseline_padding(u, s) for s in ("fsdp2", "megatron"))
         tot_f2 += f2 * len(keys)
         tot_mg += mg * len(keys)
         lo, med, hi = u.tensors_per_rank_summary()

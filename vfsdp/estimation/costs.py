@@ -108,7 +108,7 @@ def layer_cost(fn: Callable[..., torch.Tensor], params: Any, *inputs: Any) -> La
 _RECOMPUTE = {False: (34, 0, 0.0), True: (2, 34, 1.0), "full": (2, 34, 1.0),
               "selective": (17, 17, 0.5)}
 
-_EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
+EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,7 @@ class Shapes:
         for path, unit, shape, global_shape in tensors:
             name = ".".join(map(str, path))
             row = rows[unit]
-            found = _EXPERT.search(name)
+            found = EXPERT.search(name)
             if found and found.group(3):
                 row[3].add(found.group(3))
             if "embed" in name:

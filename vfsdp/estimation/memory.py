@@ -37,7 +37,7 @@ from vfsdp.planner.plan import Prepared
 from vfsdp.planner.spec import ShardSpec, TensorSpec, UnitLayout
 
 __all__ = ["UnitBytes", "unit_bytes", "timeline", "peak", "optimizer_bytes", "alike_units",
-           "alike_members", "split_units", "baseline_sizes"]
+           "alike_members", "split_units", "baseline_sizes", "baseline_padding"]
 
 
 @dataclass(frozen=True)
@@ -52,22 +52,22 @@ class UnitBytes:
     grad_shard: int   # the reduced gradient shard
 
 
-def baseline_sizes(units: Mapping[Any, UnitLayout], system: str) -> dict:
-    """Each unit's ``S`` under another system's sharding rule and padding (``"fsdp2"``:
-    every tensor split on dim 0; ``"megatron"``: Megatron-FSDP's LCM chunks), from
-    :mod:`vfsdp.planner.baselines`: padding only, none of their copies (``units``: a
-    spec's ``units``)."""
-    from vfsdp.planner.baselines import fsdp2_padding, megatron_padding
+def baseline_padding(u: UnitLayout, system: str) -> int:
+    """The padding unit ``u`` needs under another system's sharding rule (``"fsdp2"``: every
+    tensor split on dim 0; ``"megatron"``: Megatron-FSDP's LCM chunks), from
+    :mod:`vfsdp.planner.baselines`."""
+    from vfsdp.planner import baselines
 
-    rule = {"fsdp2": fsdp2_padding, "megatron": megatron_padding}.get(system)
-    if rule is None:
-        raise ValueError(f"estimate: unknown baseline {system!r}; pass 'fsdp2' or 'megatron'")
-    out = {}
-    for key, u in units.items():
-        items = [(tuple(sh), b) for sh, b in zip(u.shapes, u.blocks)]
-        pad = rule(items, u.world_size)
-        out[key] = -(-(u.total_numel + pad) // u.world_size)
-    return out
+    rule = baselines.fsdp2_padding if system == "fsdp2" else baselines.megatron_padding
+    return rule([(tuple(sh), b) for sh, b in zip(u.shapes, u.blocks)], u.world_size)
+
+
+def baseline_sizes(units: Mapping[Any, UnitLayout], system: str) -> dict:
+    """Each unit's ``S`` under another system's sharding rule and padding
+    (:func:`baseline_padding`): padding only, none of their copies (``units``: a spec's
+    ``units``)."""
+    return {key: -(-(u.total_numel + baseline_padding(u, system)) // u.world_size)
+            for key, u in units.items()}
 
 
 def unit_bytes(units: Mapping[Any, UnitLayout], param_dtype: Optional[torch.dtype] = None,
@@ -202,10 +202,6 @@ def peak(base: int, events: list) -> tuple:
     return best, at, best_kinds
 
 
-def _meta_groups(m: int, rank: int, replicas: int) -> MeshGroups:
-    return MeshGroups(None, None, rank, m, 0, replicas, torch.device("meta"), (tuple(range(m)),))
-
-
 def optimizer_bytes(opt: Any, units: Mapping[Any, UnitLayout], rank: int = 0,
                     replicas: int = 1, alike: Optional[list] = None) -> int:
     """Bytes of the optimizer's state on ``rank`` of a plan's ``units`` (``spec.units``): its
@@ -295,7 +291,8 @@ def _unit_state_bytes(opt: Any, spec: ShardSpec, rank: int) -> tuple:
     with torch.no_grad():
         for key, members in spec.unit_leaves().items():
             u = spec.units[key]
-            unit = Unit(u, _meta_groups(u.world_size, rank, spec.replicas))
+            unit = Unit(u, MeshGroups(None, None, rank, u.world_size, 0, spec.replicas,
+                                      torch.device("meta"), (tuple(range(u.world_size)),)))
             views: dict = {}
             for i, k in members:
                 if k not in views:
@@ -305,15 +302,10 @@ def _unit_state_bytes(opt: Any, spec: ShardSpec, rank: int) -> tuple:
                 leaves[i] = views[k]
     shards = optree.tree_unflatten(spec.treespec, leaves)
     state = opt.init(shards, spec)
-    return state, _state_bytes(state, {storage_id(x) for x in leaves
-                                       if isinstance(x, torch.Tensor)})
-
-
-def _state_bytes(state: Any, skip: set) -> dict:
-    """``{storage id: bytes}`` of the state's tensors, but ``skip``'s."""
+    skip = {storage_id(x) for x in leaves if isinstance(x, torch.Tensor)}
     out: dict = {}
     for x in state_tensors(state):
         sid = storage_id(x)
         if sid not in skip and sid not in out:
             out[sid] = x.untyped_storage().nbytes()
-    return out
+    return state, out

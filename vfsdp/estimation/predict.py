@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 import torch
 
-from vfsdp.estimation.costs import LayerCost, Shapes
+from vfsdp.estimation.costs import Shapes
 from vfsdp.estimation.hardware import Hardware
 from vfsdp.estimation.memory import (
-    UnitBytes,
     alike_units,
     baseline_sizes,
     optimizer_bytes,
@@ -105,10 +104,8 @@ class Estimate:
 
     def record(self) -> dict:
         """One flat JSON record (``--json``)."""
-        out = {k: getattr(self, k) for k in (
-            "gpus", "shard", "replicas", "hw", "memory_per_rank", "fits", "step_s",
-            "compute_s", "exposed_comm_s", "optimizer_s", "tokens_per_s", "mfu",
-            "tokens_per_rank", "ep", "peak_at", "copy_bytes", "copy_s")}
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("memory", "comm_bytes")}
         out.update({f"memory_{k}": v for k, v in self.memory.items()})
         out.update({f"bytes_{k}": v for k, v in self.comm_bytes.items()})
         return out
@@ -170,8 +167,8 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
             # the backward's agreement: 3 int64, and two bytes (runs, alive) per place of a
             # window from the oldest gather the previous pass found awaiting (in a steady
             # step, its own and the last's), rounded up to a power of two, at least 64
-            "backward_marks": 24 + 2 * _marks_window(2 * sum(map(len, (p.units for p in parts))))
-            if m * r > 1 else 0}
+            "backward_marks": 24 + 2 * max(64, 1 << max(
+                2 * sum(len(p.units) for p in parts) - 1, 0).bit_length()) if m * r > 1 else 0}
     per_unit = _costs(parts, tokens, o)
     by_key: dict = {}  # unit key -> its UnitBytes, the experts' added to their layer's
     times: dict = {}  # unit key -> [gather s, reduce s, host s, forward copy s, backward copy s]
@@ -218,7 +215,7 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
             new = (gather, red, prof.unit_overhead + prof.tensor_overhead * len(p.units[u.key].paths),
                    2 * fwd_copy / prof.memory_bw, 2 * bwd_copy / prof.memory_bw)
             times[u.key] = [a + b for a, b in zip(times.get(u.key, (0.0,) * 5), new)]
-            by_key[u.key] = u if u.key not in by_key else _sum_bytes(by_key[u.key], u)
+            by_key[u.key] = _plus(by_key[u.key], u) if u.key in by_key else u
     ub = [by_key[k] for k in model.units]
     events = timeline(ub, layers, o.prefetch, o.reshard_after_forward,
                       {k: c.activation_bytes for k, c in per_unit.items()},
@@ -331,11 +328,7 @@ def _costs(parts: list, tokens: int, o: Options) -> dict:
     out: dict = {}
     for p in parts:
         for key, c in p.shapes.costs(tokens, o).items():
-            if key in out:
-                c = LayerCost(out[key].flops + c.flops, out[key].activation_bytes +
-                              c.activation_bytes, out[key].recompute_bytes +
-                              c.recompute_bytes, out[key].recompute_flops + c.recompute_flops)
-            out[key] = c
+            out[key] = _plus(out[key], c) if key in out else c
     costs = o.costs
     for key in parts[0].units if costs else ():
         found = next((costs[key[:n]] for n in range(len(key), 0, -1) if key[:n] in costs),
@@ -347,24 +340,13 @@ def _costs(parts: list, tokens: int, o: Options) -> dict:
 
 def _muon_flops(units: Mapping, m: int) -> float:
     """Newton-Schulz FLOPs per rank for Muon (5 iterations of three matmuls per matrix,
-    spread over the ranks)."""
-    total = 0.0
-    for u in units.values():
-        for shape in u.shapes:
-            if len(shape) == 2:
-                a, b = sorted(shape)
-                total += 5 * (4 * a * a * b + 2 * a ** 3)
-    return total / m  # each replica orthogonalises all of its own
+    spread over the ranks: each replica orthogonalises all of its own)."""
+    return sum((5 * (4 * a * a * b + 2 * a ** 3) for u in units.values()
+                for a, b in (sorted(s) for s in u.shapes if len(s) == 2)), 0.0) / m
 
 
-def _sum_bytes(a: UnitBytes, b: UnitBytes) -> UnitBytes:
-    """One unit's bytes from two parts of it (the model's and the experts')."""
-    return UnitBytes(a.key, *(getattr(a, f.name) + getattr(b, f.name) for f in _BYTES))
-
-
-_BYTES = fields(UnitBytes)[1:]  # the byte counts, after the key
-
-
-def _marks_window(places: int) -> int:
-    """The backward agreement's window for ``places`` gathers (as the runtime rounds it)."""
-    return max(64, 1 << max(places - 1, 0).bit_length())
+def _plus(a: Any, b: Any) -> Any:
+    """One unit's ``UnitBytes`` or ``LayerCost`` from two parts of it (the model's
+    and the experts'): each number summed."""
+    return replace(a, **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)
+                         if f.name != "key"})

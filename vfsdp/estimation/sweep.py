@@ -18,7 +18,6 @@ Each row equals ``estimate(plan(params, (gpus // shard, shard)), ...)`` (tested)
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Optional, Union
@@ -27,7 +26,7 @@ import optree
 
 from vfsdp._gc import paused_gc
 from vfsdp.estimation import checks
-from vfsdp.estimation.costs import Shapes
+from vfsdp.estimation.costs import EXPERT, Shapes
 from vfsdp.estimation.hardware import Hardware
 from vfsdp.estimation.memory import alike_members, optimizer_bytes
 from vfsdp.estimation.model import optimizer_for
@@ -38,9 +37,6 @@ from vfsdp.planner.granularity import format_path
 from vfsdp.planner.plan import prepare, unit_layouts
 
 __all__ = ["sweep", "shard_sizes", "expert_share"]
-
-_EXPERTS = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
-
 
 def shard_sizes(gpus: int, gpus_per_node: int) -> list:
     """The shard group sizes a sweep tries for ``gpus`` GPUs, smallest first: the divisors of
@@ -71,16 +67,10 @@ def expert_share(params: Any, ep: int) -> tuple:
         ...                                   for e in experts["layers"][0]["experts"]]
         ({'w': None}, [True, True, False, False])
     """
-    if not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"expert parallelism: ep must be an int >= 1, got {ep!r}")
+    checks.count("expert parallelism", "ep", ep)
     paths, leaves, treespec = optree.tree_flatten_with_path(params)
-    found = []  # (leaf index, its dotted path, the match)
-    for i, p in enumerate(paths):
-        if is_tensor_leaf(leaves[i]):
-            name = ".".join(map(str, p))
-            m = _EXPERTS.search(name)
-            if m:
-                found.append((i, name, m))
+    found = [(i, name, m) for i, name in enumerate(".".join(map(str, p)) for p in paths)
+             if is_tensor_leaf(leaves[i]) and (m := EXPERT.search(name))]  # (leaf, path, match)
     if not found:
         raise ValueError("expert parallelism: the tree has no routed experts (paths through "
                          "'experts.<i>' or stacked under 'experts'); pass ep=1")
@@ -88,9 +78,8 @@ def expert_share(params: Any, ep: int) -> tuple:
     for _, name, m in found:
         if m.group(3):
             counts.setdefault(name[:m.start(3)], set()).add(m.group(3))
-    kept = {}  # the same -> the first n / ep of them, by number (from 0 or from 1 alike)
-    for prefix, ids in counts.items():
-        kept[prefix] = set(sorted(ids, key=int)[:len(ids) // ep])
+    # the same -> the first n / ep of them, by number (from 0 or from 1 alike)
+    kept = {prefix: set(sorted(ids, key=int)[:len(ids) // ep]) for prefix, ids in counts.items()}
     rest, share = list(leaves), [None] * len(leaves)
     for i, name, m in found:
         rest[i] = None
@@ -209,20 +198,19 @@ class _Sweep:
             self.prepared.append(prepare(tree, gran, units, flat=flat))
             self.opts.append(opt)
         self.alike = [alike_members(p) for p in self.prepared]  # units laid out alike
-        self.parts: list = [{} for _ in trees]  # per tree: m -> (layouts, state)
-        self.shapes: list = [None] * len(trees)
+        self.shapes = [Shapes.of_prepared(p) for p in self.prepared]  # read tensors: once
+        self.parts: list = [{} for _ in trees]  # per tree: m -> [layouts, state]
 
-    def part(self, i: int, m: int, mesh: tuple, state: bool = True) -> PlanSummary:
-        """Tree ``i``'s :class:`PlanSummary` over ``mesh`` (whose last dim is ``m``); without its
+    def part(self, i: int, m: int, gpus: int, state: bool = True) -> PlanSummary:
+        """Tree ``i``'s :class:`PlanSummary` over ``gpus`` in shard groups of ``m``; without its
         optimizer's ``state`` (0 bytes) where ``state=False``."""
-        if m not in self.parts[i]:
-            self.parts[i][m] = [unit_layouts(self.prepared[i], m), None]
-            if self.shapes[i] is None:  # the shape rules read tensors: once
-                self.shapes[i] = Shapes.of_prepared(self.prepared[i])
-        entry = self.parts[i][m]
+        entry = self.parts[i].setdefault(m, [None, None])
+        if entry[0] is None:
+            entry[0] = unit_layouts(self.prepared[i], m)
         if state and entry[1] is None:
             entry[1] = max(optimizer_bytes(self.opts[i], entry[0], r, alike=self.alike[i])
                            for r in {0, m - 1})
+        mesh = (m,) if m == gpus else (gpus // m, m)
         return PlanSummary(entry[0], mesh, entry[1] or 0, self.shapes[i])
 
     def one(self, count: int, m: int, tokens: int, baseline: Optional[str],
@@ -231,12 +219,9 @@ class _Sweep:
         the optimizer's state, a lower bound of the memory (what fits so does not, first)."""
         if count % m:
             raise ValueError(f"sweep: shard={m} does not divide {count} GPUs")
-        model = self.part(0, m, (m,) if m == count else (count // m, m), state)
-        experts = None
-        if self.ep > 1:
-            data = count // self.ep
-            em = math.gcd(m, data)
-            experts = self.part(1, em, (em,) if em == data else (data // em, em), state)
+        model = self.part(0, m, count, state)
+        data = count // self.ep
+        experts = self.part(1, math.gcd(m, data), data, state) if self.ep > 1 else None
         return predict(model, experts, replace(self.o, tokens_per_rank=tokens, baseline=baseline,
                                                ep=self.ep if experts else None))
 

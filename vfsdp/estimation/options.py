@@ -64,8 +64,8 @@ class Options:
         for name in ("param_dtype", "reduce_dtype", "logits_dtype"):
             dtype = getattr(self, name)
             if not isinstance(dtype, torch.dtype) and (dtype is not None or name == "logits_dtype"):
-                raise ValueError(f"estimate: {name} must be a torch.dtype"
-                                 f"{'' if name == 'logits_dtype' else ' or None'}, got {dtype!r}")
+                raise ValueError(f"estimate: {name} must be a torch.dtype (None too, but for "
+                                 f"logits_dtype), got {dtype!r}")
         if not (self.recompute is True or self.recompute is False
                 or self.recompute in ("full", "selective")):
             raise ValueError(f"estimate: recompute must be False, True, 'full' or 'selective', "

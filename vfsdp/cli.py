@@ -65,10 +65,6 @@ def describe(spec: ShardSpec, out=None) -> dict:
     return st
 
 
-def _factorisations(n: int) -> list[tuple[int, int]]:
-    return [(n // s, s) for s in range(1, n + 1) if n % s == 0]
-
-
 def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=None,
             max_padding: float = 0.01) -> Optional[tuple[int, int]]:
     """Print every ``replicate x shard`` factorisation of ``world_size``; return the pick.
@@ -78,11 +74,12 @@ def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=None,
     all-gathers of every unit per step (forward, and again in backward).
     """
     out = out or sys.stdout
-    itemsize = torch.empty((), dtype=dtype).element_size()  # cpu: dtype probe
+    itemsize = dtype.itemsize
     print(f"\n{'replicate x shard':>18} {'padding%':>10} {'bound%':>10} {'params/rank':>14} "
           f"{'Adam state/rank':>16} {'all-gather/rank/step':>21}", file=out)
     best = None
-    for rep, shard in _factorisations(world_size):
+    for shard in (s for s in range(1, world_size + 1) if world_size % s == 0):
+        rep = world_size // shard
         spec = plan(tree, (rep, shard), granularity=granularity)
         st = plan_stats(spec)
         s_total = sum(u.shard_numel for u in spec.units.values())
@@ -103,14 +100,6 @@ def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=None,
     return best
 
 
-def _parse_unit(text: Optional[str]):
-    if text is None:
-        return None
-    if text in ("root", "<root>", ""):
-        return ()
-    return _logical((text,))
-
-
 def _calibrate_rank(tokens: int, repeats: int):
     from vfsdp.collectives.comm import device_for
     from vfsdp.estimation.calibrate import calibrate
@@ -119,13 +108,12 @@ def _calibrate_rank(tokens: int, repeats: int):
     return calibrate(example_layer(tokens, device=device_for()), repeats=repeats)
 
 
-def _calibrate(args, out=None) -> int:
+def _calibrate(args) -> int:
     """Run ``calibrate`` on the example model's block: measure, write the profile, print it."""
     import os
 
     import torch.distributed as dist
 
-    out = out or sys.stdout
     try:
         for name in ("world_size", "tokens", "repeats"):
             count("calibrate", "--" + name.replace("_", "-"), getattr(args, name))
@@ -144,7 +132,7 @@ def _calibrate(args, out=None) -> int:
 
         hw = spawn(_calibrate_rank, args.world_size, args.tokens, args.repeats)[0]
     hw.to_json(args.out)
-    print(f"wrote {args.out}: {hw.source}", file=out)
+    print(f"wrote {args.out}: {hw.source}")
     return 0
 
 
@@ -192,9 +180,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.png:
         from vfsdp.interop.visualize import visualize
 
-        unit = _parse_unit(args.unit)
-        if unit is None:  # the most padded
+        if args.unit is None:  # the most padded
             unit = max(spec.units, key=lambda k: spec.units[k].padded_numel - spec.units[k].total_numel)
+        else:
+            unit = () if args.unit in ("root", "<root>", "") else _logical((args.unit,))
         try:
             fig = visualize(spec, unit, figure=True, max_ranks=args.max_ranks)
         except (ValueError, ImportError) as exc:

@@ -69,10 +69,9 @@ def add_parser(sub) -> None:
     p.add_argument("--png", help="draw scaling curves and the memory stack (matplotlib)")
 
 
-def run(args, out=None) -> int:
+def run(args) -> int:
     """Run the ``estimate`` subcommand; 0 on success, 2 on bad input (one ``error:`` line on
     stderr, before anything else is printed or written)."""
-    out = out or sys.stdout
     try:
         counts = [_int("--gpus", x) for x in args.gpus.split(",") if x.strip()]
         if not counts:
@@ -91,27 +90,23 @@ def run(args, out=None) -> int:
             writable(path)
         t0 = time.perf_counter()
         rows = sweep(tree, counts, hw=args.hw, optimizer=args.optimizer, shard=args.shard,
-                     ep=args.ep,
-                     granularity=gran, tokens_per_gpu=args.tokens_per_gpu,
+                     ep=args.ep, granularity=gran, tokens_per_gpu=args.tokens_per_gpu,
                      global_tokens=args.global_tokens, vs=systems,
                      param_dtype=DTYPES[args.param_dtype],
                      reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
-                     experts_per_token=args.top_k,
-                     seq=args.seq, recompute=args.recompute, micro_batches=args.micro_batches,
-                     grad_sync=not args.no_grad_sync, float8=args.float8,
-                     logits_dtype=DTYPES[args.logits_dtype],
-                     prefetch=not args.no_prefetch,
-                     reshard_after_forward=not args.no_reshard)
+                     experts_per_token=args.top_k, seq=args.seq, recompute=args.recompute,
+                     micro_batches=args.micro_batches, grad_sync=not args.no_grad_sync,
+                     float8=args.float8, logits_dtype=DTYPES[args.logits_dtype],
+                     prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard)
         secs = time.perf_counter() - t0
     except (ValueError, TypeError, OSError, ImportError) as exc:
-        print(f"error: {exc}", file=out if out is not sys.stdout else sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"{args.shapes} on {args.hw}, {args.optimizer}, {args.param_dtype} compute; "
-          f"planned and estimated in {secs:.2f} s", file=out)
-    head = (f"{'system':<9} {'gpus':>6} {'mesh':>11} {'GiB/rank':>9} {'params':>7} {'grads':>7} "
-            f"{'optim':>7} {'buffers':>8} {'acts':>7} {'step s':>8} {'compute':>8} "
-            f"{'exposed':>8} {'optim s':>8} {'tokens/s':>13} {'MFU%':>6}  fits")
-    print(head, file=out)
+          f"planned and estimated in {secs:.2f} s")
+    print(f"{'system':<9} {'gpus':>6} {'mesh':>11} {'GiB/rank':>9} {'params':>7} {'grads':>7} "
+          f"{'optim':>7} {'buffers':>8} {'acts':>7} {'step s':>8} {'compute':>8} "
+          f"{'exposed':>8} {'optim s':>8} {'tokens/s':>13} {'MFU%':>6}  fits")
     for system, e in rows:
         g = {k: v / GiB for k, v in e.memory.items()}
         mesh = f"{e.replicas}x{e.shard}" + (f" ep{e.ep}" if e.ep > 1 else "")
@@ -120,12 +115,12 @@ def run(args, out=None) -> int:
               f"{g['optimizer']:>7.2f} {g['buffers']:>8.2f} {g['activations']:>7.2f} "
               f"{e.step_s:>8.3f} {e.compute_s:>8.3f} {e.exposed_comm_s:>8.3f} "
               f"{e.optimizer_s:>8.3f} {e.tokens_per_s:>13,.0f} {100 * e.mfu:>6.1f}  "
-              f"{'yes' if e.fits else 'NO'}", file=out)
+              f"{'yes' if e.fits else 'NO'}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump([dict(e.record(), system=s) for s, e in rows], f, indent=1)
     if args.png:
-        print(_draw([e for s, e in rows if s == "vfsdp"], args.png), file=out)
+        print(_draw([e for s, e in rows if s == "vfsdp"], args.png))
     return 0
 
 
@@ -189,9 +184,8 @@ def _draw(rows: list, path: str) -> str:
     a.plot(gpus, [base * g for g in gpus], "--", label="linear")
     a.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="tokens/s", title="scaling")
     a.legend()
-    kinds = list(rows[0].memory)
     bottom = [0.0] * len(rows)
-    for k in kinds:
+    for k in rows[0].memory:
         vals = [e.memory[k] / GiB for e in rows]
         b.bar([str(g) for g in gpus], vals, bottom=bottom, label=k)
         bottom = [x + y for x, y in zip(bottom, vals)]

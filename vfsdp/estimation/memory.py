@@ -113,20 +113,17 @@ def split_units(units: Mapping[Any, UnitLayout], layers: Optional[list] = None) 
     return list(layers), [k for k in units if k not in chosen]
 
 
-def timeline(units: list, layers: list, prefetch: bool = True,
-             reshard_after_forward: bool = True, activations: Optional[dict] = None,
-             transient: Optional[dict] = None) -> list:
+def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: bool,
+             acts: dict, transient: dict) -> list:
     """The step's buffer events, as ``(label, kind, delta_bytes)`` in the order vfsdp runs
     them: the whole-step units gathered, ``run_layers``' forward and backward over ``layers``
     (gather ahead by one with ``prefetch``, release after forward unless the last), each
     unit's reduce-scatter input allocated as its backward ends and freed when the next
-    reduction waits for it, the whole-step units reduced last. ``activations``: bytes each
-    unit's forward saves for its backward (kind ``"activations"``), if given, the whole-step
+    reduction waits for it, the whole-step units reduced last. ``acts``: bytes each
+    unit's forward saves for its backward (kind ``"activations"``), the whole-step
     units' (the head's logits) from the end of the layers' forward to the start of their
     backward; ``transient``: bytes a layer's backward holds while it runs (what activation
     checkpointing recomputes)."""
-    acts = activations or {}
-    transient = transient or {}
     by = {u.key: u for u in units}
     rest = [by[k] for k in by if k not in set(layers)]
     run = [by[k] for k in layers]

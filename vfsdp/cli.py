@@ -30,7 +30,7 @@ import torch
 
 from vfsdp.estimation.checks import count, shape_dims
 from vfsdp.estimation.hardware import PROFILES, hardware
-from vfsdp.estimation.memory import baseline_padding
+from vfsdp.estimation.memory import baseline_padding, group_keys
 from vfsdp.estimation.options import GiB
 from vfsdp.estimation.sweep import sweep
 from vfsdp.planner.check import check_spec, plan_stats
@@ -49,13 +49,10 @@ def _gib(n: float) -> str:
 def describe(spec: ShardSpec, out=None) -> dict:
     """Print the per-distinct-unit table of a spec; return totals including baselines."""
     out = out or sys.stdout
-    groups: dict = {}
-    for key, u in spec.units.items():
-        groups.setdefault(u.signature, []).append(key)
     print(f"{'unit':<32} {'count':>5} {'tensors':>7} {'S':>14} {'padding%':>10} {'bound%':>10} "
           f"{'tensors/rank':>14} {'FSDP2%':>9} {'Megatron%':>10}", file=out)
     tot_f2 = tot_mg = 0
-    for keys in groups.values():
+    for keys in group_keys((u.signature, key) for key, u in spec.units.items()):
         u = spec.units[keys[0]]
         f2, mg = (baseline_padding(u, s) for s in ("fsdp2", "megatron"))
         tot_f2 += f2 * len(keys)
@@ -86,7 +83,6 @@ def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=None,
     all-gathers of every unit per step (forward, and again in backward).
     """
     out = out or sys.stdout
-    itemsize = dtype.itemsize
     print(f"\n{'replicate x shard':>18} {'padding%':>10} {'bound%':>10} {'params/rank':>14} "
           f"{'Adam state/rank':>16} {'all-gather/rank/step':>21}", file=out)
     best = None
@@ -95,9 +91,9 @@ def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=None,
         spec = plan(tree, (rep, shard), granularity=granularity)
         st = plan_stats(spec)
         s_total = sum(u.shard_numel for u in spec.units.values())
-        params = s_total * itemsize
+        params = s_total * dtype.itemsize
         state = s_total * 4 * 2
-        gathered = 2 * sum((u.world_size - 1) * u.shard_numel for u in spec.units.values()) * itemsize
+        gathered = 2 * sum((u.world_size - 1) * u.shard_numel for u in spec.units.values()) * dtype.itemsize
         print(f"{f'{rep} x {shard}':>18} {100 * st['padding_ratio']:>10.4f} "
               f"{100 * st['lower_bound_ratio']:>10.4f} {_gib(params):>14} {_gib(state):>16} "
               f"{_gib(gathered):>21}", file=out)

@@ -37,7 +37,7 @@ from vfsdp.planner.plan import Prepared
 from vfsdp.planner.spec import ShardSpec, TensorSpec, UnitLayout
 
 __all__ = ["UnitBytes", "unit_bytes", "timeline", "peak", "optimizer_bytes", "alike_units",
-           "alike_members", "split_units", "baseline_sizes", "baseline_padding"]
+           "alike_members", "split_units", "baseline_sizes", "baseline_padding", "group_keys"]
 
 
 @dataclass(frozen=True)
@@ -96,11 +96,9 @@ def split_units(units: Mapping[Any, UnitLayout], layers: Optional[list] = None) 
         ValueError: ``layers`` names a unit the plan does not have.
     """
     if layers is None:
-        runs: dict = {}
-        for key in units:
-            if isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int):
-                runs.setdefault(key[:-1], []).append(key)
-        layers = max(runs.values(), key=len) if runs else []
+        runs = group_keys((key[:-1], key) for key in units
+                        if isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int))
+        layers = max(runs, key=len) if runs else []
         if not layers and len(units) > 1:
             warn_user("estimate: no run of units keyed (name, i) found, so every unit is "
                       "taken as gathered for the whole step (no prefetch, no release); pass "
@@ -230,19 +228,27 @@ def optimizer_bytes(opt: Any, units: Mapping[Any, UnitLayout], rank: int = 0,
 def alike_units(units: Mapping[Any, UnitLayout]) -> list:
     """The keys of ``units`` grouped by layout and shapes (what an optimizer's state of a
     unit depends on), in unit order."""
-    groups: dict = {}
-    for key, u in units.items():
-        groups.setdefault((u.signature, u.shapes), []).append(key)
-    return list(groups.values())
+    return group_keys(((u.signature, u.shapes), key) for key, u in units.items())
 
 
 def alike_members(prepared: Prepared) -> list:
     """:func:`alike_units` of any plan of ``prepared``, from its tree alone: units of the same
     numels, blocks, dtype and shapes are laid out alike at every shard group size (the
     solver's input), so a sweep groups them once."""
+    return group_keys(((numels, blocks, dtype, shapes), key)
+                    for key, (_, _, shapes, numels, blocks, dtype) in prepared.members.items())
+
+
+def group_keys(pairs: Any) -> list:
+    """The keys of ``(group, key)`` pairs, as a list per group in first-seen order.
+
+    Example:
+        >>> group_keys([("a", 1), ("b", 2), ("a", 3)])
+        [[1, 3], [2]]
+    """
     groups: dict = {}
-    for key, (_, _, shapes, numels, blocks, dtype) in prepared.members.items():
-        groups.setdefault((numels, blocks, dtype, shapes), []).append(key)
+    for group, key in pairs:
+        groups.setdefault(group, []).append(key)
     return list(groups.values())
 
 
@@ -255,13 +261,8 @@ def _on_rank(u: UnitLayout, rank: int) -> UnitLayout:
     if len(keep) == len(u.paths):
         return u
     keep = keep or [0]
-
-    def pick(xs: tuple) -> tuple:
-        return tuple(xs[k] for k in keep)
-
-    return replace(u, paths=pick(u.paths), offsets=pick(u.offsets), numels=pick(u.numels),
-                   blocks=pick(u.blocks), shapes=pick(u.shapes),
-                   strided=pick(u.strided) if u.strided else (), split=None)
+    names = ("paths", "offsets", "numels", "blocks", "shapes") + (("strided",) if u.strided else ())
+    return replace(u, split=None, **{f: tuple(getattr(u, f)[k] for k in keep) for f in names})
 
 
 def _sub_spec(u: UnitLayout, replicas: int) -> ShardSpec:

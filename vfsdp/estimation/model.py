@@ -27,10 +27,8 @@ def optimizer_for(name: Union[str, Any], like: Any = None) -> Any:
 
     if not isinstance(name, str):
         return name
-    if name == "adamw":
-        return optim.adamw()
-    if name == "adamw8bit":
-        return optim.adamw8bit()
+    if name in ("adamw", "adamw8bit"):
+        return getattr(optim, name)()
     if name == "muon":
         if isinstance(like, ShardSpec):
             ndim = {p: len(sh) for u in like.units.values() for p, sh in zip(u.paths, u.shapes)}

@@ -55,12 +55,11 @@ class Options:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hw", hardware(self.hw))
-        count("estimate", "tokens_per_rank", self.tokens_per_rank)
-        for name in ("experts_per_token", "seq", "ep"):
-            count("estimate", name, getattr(self, name), optional=True)
-        count("estimate", "micro_batches", self.micro_batches)
-        rate("estimate", "allocator_fraction", self.allocator_fraction, zero=True)
-        rate("estimate", "comm_library_bytes", self.comm_library_bytes, zero=True)
+        for name in ("tokens_per_rank", "experts_per_token", "seq", "ep", "micro_batches"):
+            count("estimate", name, getattr(self, name), optional=name in ("experts_per_token",
+                                                                          "seq", "ep"))
+        for name in ("allocator_fraction", "comm_library_bytes"):
+            rate("estimate", name, getattr(self, name), zero=True)
         for name in ("param_dtype", "reduce_dtype", "logits_dtype"):
             dtype = getattr(self, name)
             if not isinstance(dtype, torch.dtype) and (dtype is not None or name == "logits_dtype"):

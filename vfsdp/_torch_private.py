@@ -51,8 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["functorch_active", "functorch_unwrapped", "storage_id", "TorchDispatchMode", "threaded_world",
            "report_failure", "groups_are_per_thread", "graph_task_id", "keep_graph",
-           "running_node_seq", "set_data", "copy_many",
-           "add_many", "zero_many", "foreach", "fused_adamw",
+           "running_node_seq", "set_data", "foreach", "fused_adamw",
            "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH",
            "compiling", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter",
            "traced_sum_autograd",
@@ -166,22 +165,6 @@ def fused_adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, st
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr,
                         beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                         maximize=False, grad_scale=None, found_inf=None)
-
-
-def copy_many(dsts: list, srcs: list) -> None:
-    """``dst.copy_(src)`` for each pair, as one multi-tensor op (one launch on a GPU for
-    matching dtypes)."""
-    foreach("copy_", dsts, srcs)
-
-
-def add_many(dsts: list, srcs: list) -> None:
-    """``dst.add_(src)`` for each pair, as one multi-tensor op."""
-    foreach("add_", dsts, srcs)
-
-
-def zero_many(dsts: list) -> None:
-    """``dst.zero_()`` for each tensor, as one multi-tensor op."""
-    foreach("zero_", dsts)
 
 
 def functorch_paused():

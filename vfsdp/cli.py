@@ -1,16 +1,26 @@
 """Command line: ``python -m vfsdp plan SHAPES.json --world-size N --granularity rows:32``, and
-``python -m vfsdp estimate SHAPES.json --gpus 8,64,1024 --hw h800`` (see
-:mod:`vfsdp.estimation.cli`), and ``python -m vfsdp calibrate --world-size 2`` (this machine's
-rates on the example model's block, :func:`vfsdp.estimation.calibrate.calibrate`).
+``python -m vfsdp estimate SHAPES.json --gpus 8,64,1024 --hw h800``, and ``python -m vfsdp
+calibrate --world-size 2`` (this machine's rates on the example model's block,
+:func:`vfsdp.estimation.calibrate.calibrate`).
 
-Prints one line per distinct unit (S, padding, the certified bound, tensors per rank, and the
-padding FSDP2 and Megatron-FSDP would need), a total, split options, and with ``--suggest`` a
-table of every ``replicate x shard`` factorisation of N with a recommendation.
+``plan`` prints one line per distinct unit (S, padding, the certified bound, tensors per rank,
+and the padding FSDP2 and Megatron-FSDP would need), a total, split options, and with
+``--suggest`` a table of every ``replicate x shard`` factorisation of N with a recommendation.
+
+``estimate`` plans the shape list at each GPU count (the shard group ``--shard``, default: the
+smallest divisor of the count, at least one node and a power of two or the count itself, at
+which the model fits; the rest replicas; ``--ep N``: the routed experts split over N GPUs) and
+prints one row per count: memory per rank by kind, the step time split, tokens/s, MFU and
+whether it fits. ``--vs fsdp2,megatron`` adds the same rows under those systems' sharding
+rules, padding and copies (``estimate(baseline=...)``); ``--json`` writes the records,
+``--png`` draws the scaling curves and the memory stack.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -18,39 +28,33 @@ from typing import Optional
 
 import torch
 
-from vfsdp.estimation import cli as estimate_cli
-from vfsdp.estimation.checks import count
-from vfsdp.planner.baselines import fsdp2_padding, megatron_padding
+from vfsdp.estimation.checks import count, shape_dims
+from vfsdp.estimation.hardware import PROFILES, hardware
+from vfsdp.estimation.memory import baseline_padding, group_keys
+from vfsdp.estimation.options import GiB
+from vfsdp.estimation.sweep import sweep
 from vfsdp.planner.check import check_spec, plan_stats
 from vfsdp.planner.granularity import parse_granularity
 from vfsdp.planner.plan import _logical, plan
 from vfsdp.planner.shapes import DTYPES, load_shapes
 from vfsdp.planner.spec import ShardSpec, unit_name
 
-__all__ = ["main", "describe", "suggest"]
+__all__ = ["main", "describe", "suggest", "writable"]
 
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
 
-def _baselines(u) -> tuple[int, int]:
-    items = [(tuple(shape), block) for shape, block in zip(u.shapes, u.blocks)]
-    return fsdp2_padding(items, u.world_size), megatron_padding(items, u.world_size)
-
-
 def describe(spec: ShardSpec, out=None) -> dict:
     """Print the per-distinct-unit table of a spec; return totals including baselines."""
     out = out or sys.stdout
-    groups: dict = {}
-    for key, u in spec.units.items():
-        groups.setdefault(u.signature, []).append(key)
     print(f"{'unit':<32} {'count':>5} {'tensors':>7} {'S':>14} {'padding%':>10} {'bound%':>10} "
           f"{'tensors/rank':>14} {'FSDP2%':>9} {'Megatron%':>10}", file=out)
     tot_f2 = tot_mg = 0
-    for keys in groups.values():
+    for keys in group_keys((u.signature, key) for key, u in spec.units.items()):
         u = spec.units[keys[0]]
-        f2, mg = _baselines(u)
+        f2, mg = (baseline_padding(u, s) for s in ("fsdp2", "megatron"))
         tot_f2 += f2 * len(keys)
         tot_mg += mg * len(keys)
         lo, med, hi = u.tensors_per_rank_summary()
@@ -70,10 +74,6 @@ def describe(spec: ShardSpec, out=None) -> dict:
     return st
 
 
-def _factorisations(n: int) -> list[tuple[int, int]]:
-    return [(n // s, s) for s in range(1, n + 1) if n % s == 0]
-
-
 def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=None,
             max_padding: float = 0.01) -> Optional[tuple[int, int]]:
     """Print every ``replicate x shard`` factorisation of ``world_size``; return the pick.
@@ -83,17 +83,17 @@ def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=None,
     all-gathers of every unit per step (forward, and again in backward).
     """
     out = out or sys.stdout
-    itemsize = torch.empty((), dtype=dtype).element_size()  # cpu: dtype probe
     print(f"\n{'replicate x shard':>18} {'padding%':>10} {'bound%':>10} {'params/rank':>14} "
           f"{'Adam state/rank':>16} {'all-gather/rank/step':>21}", file=out)
     best = None
-    for rep, shard in _factorisations(world_size):
+    for shard in (s for s in range(1, world_size + 1) if world_size % s == 0):
+        rep = world_size // shard
         spec = plan(tree, (rep, shard), granularity=granularity)
         st = plan_stats(spec)
         s_total = sum(u.shard_numel for u in spec.units.values())
-        params = s_total * itemsize
+        params = s_total * dtype.itemsize
         state = s_total * 4 * 2
-        gathered = 2 * sum((u.world_size - 1) * u.shard_numel for u in spec.units.values()) * itemsize
+        gathered = 2 * sum((u.world_size - 1) * u.shard_numel for u in spec.units.values()) * dtype.itemsize
         print(f"{f'{rep} x {shard}':>18} {100 * st['padding_ratio']:>10.4f} "
               f"{100 * st['lower_bound_ratio']:>10.4f} {_gib(params):>14} {_gib(state):>16} "
               f"{_gib(gathered):>21}", file=out)
@@ -108,14 +108,6 @@ def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=None,
     return best
 
 
-def _parse_unit(text: Optional[str]):
-    if text is None:
-        return None
-    if text in ("root", "<root>", ""):
-        return ()
-    return _logical((text,))
-
-
 def _calibrate_rank(tokens: int, repeats: int):
     from vfsdp.collectives.comm import device_for
     from vfsdp.estimation.calibrate import calibrate
@@ -124,17 +116,14 @@ def _calibrate_rank(tokens: int, repeats: int):
     return calibrate(example_layer(tokens, device=device_for()), repeats=repeats)
 
 
-def _calibrate(args, out=None) -> int:
+def _calibrate(args) -> int:
     """Run ``calibrate`` on the example model's block: measure, write the profile, print it."""
-    import os
-
     import torch.distributed as dist
 
-    out = out or sys.stdout
     try:
         for name in ("world_size", "tokens", "repeats"):
             count("calibrate", "--" + name.replace("_", "-"), getattr(args, name))
-        estimate_cli.writable(args.out)
+        writable(args.out)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -149,8 +138,177 @@ def _calibrate(args, out=None) -> int:
 
         hw = spawn(_calibrate_rank, args.world_size, args.tokens, args.repeats)[0]
     hw.to_json(args.out)
-    print(f"wrote {args.out}: {hw.source}", file=out)
+    print(f"wrote {args.out}: {hw.source}")
     return 0
+
+
+def _estimate_parser(sub) -> None:
+    """The ``estimate`` subcommand's options."""
+    p = sub.add_parser("estimate", help="memory and step time per GPU count, from a shape list")
+    p.add_argument("shapes", help='JSON file {"params": [["dotted.name", [shape]], ...]}')
+    p.add_argument("--gpus", required=True, help="comma-separated GPU counts, e.g. 8,64,1024")
+    p.add_argument("--hw", default="h100",
+                   help=f"profile ({', '.join(PROFILES)}) or a JSON file from calibrate")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--tokens-per-gpu", type=int, help="weak scaling (default 4096)")
+    batch.add_argument("--global-tokens", type=int, help="strong scaling: tokens per step")
+    p.add_argument("--shard", type=int, help="shard group size (default: see above)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon"])
+    p.add_argument("--granularity", "-g",
+                   help="element, rows:K, whole or int (default: what --optimizer needs)")
+    p.add_argument("--master-dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--param-dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--reduce-dtype", choices=sorted(DTYPES),
+                   help="reduce-scatter dtype (default: --param-dtype)")
+    p.add_argument("--top-k", type=int, help="routed experts per token (MoE shape lists)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism: routed experts split over this many GPUs")
+    p.add_argument("--seq", type=int, help="sequence length (adds attention FLOPs)")
+    p.add_argument("--recompute", nargs="?", const="full", default=False,
+                   choices=["full", "selective"],
+                   help="activation checkpointing: full (the default when given) or selective "
+                        "(torchtitan's op-level policy)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="gradient accumulation: micro-batches per step (they split the tokens)")
+    p.add_argument("--no-grad-sync", action="store_true",
+                   help="with --micro-batches: reduce only the last micro-batch's gradients")
+    p.add_argument("--logits-dtype", default="fp32", choices=sorted(DTYPES),
+                   help="the loss's softmax and gradient dtype (default fp32)")
+    p.add_argument("--float8", action="store_true",
+                   help="float8 weight matmuls and float8 all-gathers")
+    p.add_argument("--no-prefetch", action="store_true")
+    p.add_argument("--no-reshard", action="store_true", help="keep units after forward")
+    p.add_argument("--vs", default="", help="also fsdp2 and/or megatron, comma-separated")
+    p.add_argument("--json", help="write one record per GPU count and system here")
+    p.add_argument("--png", help="draw scaling curves and the memory stack (matplotlib)")
+
+
+def _estimate(args) -> int:
+    """Run the ``estimate`` subcommand; 0 on success, 2 on bad input (one ``error:`` line on
+    stderr, before anything else is printed or written)."""
+    try:
+        counts = [_int("--gpus", x) for x in args.gpus.split(",") if x.strip()]
+        if not counts:
+            raise ValueError("--gpus: give at least one GPU count, e.g. --gpus 8,64")
+        systems = [s.strip() for s in args.vs.split(",") if s.strip()]
+        for name in ("tokens_per_gpu", "global_tokens", "shard", "top_k", "ep", "seq",
+                     "micro_batches"):
+            count("estimate", "--" + name.replace("_", "-"), getattr(args, name),
+                  optional=True)
+        tree = _shapes(args.shapes, DTYPES[args.master_dtype])
+        gran = parse_granularity(args.granularity) if args.granularity else None
+        hardware(args.hw)
+        if args.png:
+            import matplotlib  # noqa: F401  (refused now, not after the table)
+        for path in (args.json, args.png):
+            writable(path)
+        t0 = time.perf_counter()
+        rows = sweep(tree, counts, hw=args.hw, optimizer=args.optimizer, shard=args.shard,
+                     ep=args.ep, granularity=gran, tokens_per_gpu=args.tokens_per_gpu,
+                     global_tokens=args.global_tokens, vs=systems,
+                     param_dtype=DTYPES[args.param_dtype],
+                     reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
+                     experts_per_token=args.top_k, seq=args.seq, recompute=args.recompute,
+                     micro_batches=args.micro_batches, grad_sync=not args.no_grad_sync,
+                     float8=args.float8, logits_dtype=DTYPES[args.logits_dtype],
+                     prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard)
+        secs = time.perf_counter() - t0
+    except (ValueError, TypeError, OSError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.shapes} on {args.hw}, {args.optimizer}, {args.param_dtype} compute; "
+          f"planned and estimated in {secs:.2f} s")
+    print(f"{'system':<9} {'gpus':>6} {'mesh':>11} {'GiB/rank':>9} {'params':>7} {'grads':>7} "
+          f"{'optim':>7} {'buffers':>8} {'acts':>7} {'step s':>8} {'compute':>8} "
+          f"{'exposed':>8} {'optim s':>8} {'tokens/s':>13} {'MFU%':>6}  fits")
+    for system, e in rows:
+        g = {k: v / GiB for k, v in e.memory.items()}
+        mesh = f"{e.replicas}x{e.shard}" + (f" ep{e.ep}" if e.ep > 1 else "")
+        print(f"{system:<9} {e.gpus:>6} {mesh:>11} "
+              f"{e.memory_per_rank / GiB:>9.2f} {g['params']:>7.2f} {g['gradients']:>7.2f} "
+              f"{g['optimizer']:>7.2f} {g['buffers']:>8.2f} {g['activations']:>7.2f} "
+              f"{e.step_s:>8.3f} {e.compute_s:>8.3f} {e.exposed_comm_s:>8.3f} "
+              f"{e.optimizer_s:>8.3f} {e.tokens_per_s:>13,.0f} {100 * e.mfu:>6.1f}  "
+              f"{'yes' if e.fits else 'NO'}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([dict(e.record(), system=s) for s, e in rows], f, indent=1)
+    if args.png:
+        print(_draw([e for s, e in rows if s == "vfsdp"], args.png))
+    return 0
+
+
+def _int(option: str, text: str) -> int:
+    try:
+        return count("estimate", option, int(text.strip()))
+    except ValueError:
+        raise ValueError(f"estimate: {option} takes ints >= 1, got {text.strip()!r}") from None
+
+
+def _shapes(path: str, dtype) -> object:
+    """The shape list at ``path``, its structure and dimensions checked first."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from None
+    shape_dims(path, data)
+    return load_shapes(data, dtype)
+
+
+def writable(path: Optional[str]) -> None:
+    """Make an output file's folder, or refuse a path that cannot be written: called before
+    anything is computed or printed.
+
+    Args:
+        path: The file (``None``: nothing to check).
+
+    Raises:
+        ValueError: ``path`` is a folder, its folder is a file, or not writable.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     writable(os.path.join(tmp, "new", "rows.json"))
+        ...     os.path.isdir(os.path.join(tmp, "new"))
+        True
+    """
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder; name a file in it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"{path}: {folder} is a file, not a folder")
+    os.makedirs(folder, exist_ok=True)
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{path}: {folder} is not writable")
+
+
+def _draw(rows: list, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    gpus = [e.gpus for e in rows]
+    base = rows[0].tokens_per_s / rows[0].gpus
+    a.plot(gpus, [e.tokens_per_s for e in rows], "o-", label="projected")
+    a.plot(gpus, [base * g for g in gpus], "--", label="linear")
+    a.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="tokens/s", title="scaling")
+    a.legend()
+    bottom = [0.0] * len(rows)
+    for k in rows[0].memory:
+        vals = [e.memory[k] / GiB for e in rows]
+        b.bar([str(g) for g in gpus], vals, bottom=bottom, label=k)
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    b.set(xlabel="GPUs", ylabel="GiB per rank", title="memory per rank")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"wrote {path}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -167,7 +325,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-ranks", type=int, default=64, help="ranks to draw in --png")
     p.add_argument("--suggest", action="store_true",
                    help="compare every replicate x shard factorisation of --world-size")
-    estimate_cli.add_parser(sub)
+    _estimate_parser(sub)
     p = sub.add_parser("calibrate", help="measure this machine's rates into a profile")
     p.add_argument("--world-size", "-n", type=int, default=2,
                    help="gloo processes to start (under torchrun: its world)")
@@ -176,7 +334,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", default="calibrated.json", help="where to write the profile")
     args = ap.parse_args(argv)
     if args.command == "estimate":
-        return estimate_cli.run(args)
+        return _estimate(args)
     if args.command == "calibrate":
         return _calibrate(args)
 
@@ -197,9 +355,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.png:
         from vfsdp.interop.visualize import visualize
 
-        unit = _parse_unit(args.unit)
-        if unit is None:  # the most padded
+        if args.unit is None:  # the most padded
             unit = max(spec.units, key=lambda k: spec.units[k].padded_numel - spec.units[k].total_numel)
+        else:
+            unit = () if args.unit in ("root", "<root>", "") else _logical((args.unit,))
         try:
             fig = visualize(spec, unit, figure=True, max_ranks=args.max_ranks)
         except (ValueError, ImportError) as exc:

@@ -537,7 +537,7 @@ class Unit:
             dsts = accum.internal_views()
             pairs = [(i, g) for i, g in zip(index, grads) if g is not None]
             with torch.no_grad():  # one op for the unit
-                tp.add_many([dsts[i] for i, _ in pairs], [g for _, g in pairs])
+                tp.foreach("add_", [dsts[i] for i, _ in pairs], [g for _, g in pairs])
             if not opts.grad_sync:
                 return None
             stage, buf = accum, accum.global_buffer.data
@@ -562,8 +562,8 @@ class Unit:
                     copies.append((dst, g))
             _zero_gaps(buf, db.tensors, covered)
             with torch.no_grad():  # one op for all the unit's pieces, not one per tensor
-                tp.copy_many([dst if dst.shape == g.shape else dst.view(g.shape)
-                              for dst, g in copies], [g for _, g in copies])
+                tp.foreach("copy_", [dst if dst.shape == g.shape else dst.view(g.shape)
+                                       for dst, g in copies], [g for _, g in copies])
         if not to_buffer:  # to autograd: a fresh tensor, nothing of vfsdp's is aliased
             out = self.reduce_new(buf, opts.grad_reduce, rdt)
             stage.free_global()
@@ -844,4 +844,4 @@ def _zero_gaps(buf: torch.Tensor, tensors, covered: set) -> None:
     if end < buf.numel():
         gaps.append(buf[end:])
     with torch.no_grad():
-        tp.zero_many(gaps)
+        tp.foreach("zero_", gaps)

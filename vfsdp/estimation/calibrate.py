@@ -49,14 +49,13 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _host_overhead(repeats: int, tensors: int, device: torch.device) -> float:
+def _host_overhead(repeats: int, tensors: int, device: torch.device, world: int) -> float:
     """Host seconds per step of 4 tiny units of ``tensors`` tensors each (gather, backward,
     reduce, AdamW update), per unit: almost no compute or bytes, so it is bookkeeping."""
     import vfsdp
 
     params = {"layers": [{f"w{i}": torch.ones(4, 4, device=device) for i in range(tensors)}
                          for _ in range(4)]}
-    world = dist.get_world_size() if dist.is_initialized() else 1
     spec = vfsdp.plan(params, world)
     shards = vfsdp.shard(params, spec)
     opt = vfsdp.optim.adamw()
@@ -123,14 +122,10 @@ def calibrate(layer: tuple, sizes: tuple = (2**12, 2**24),
     fn, params, inputs = layer
     flops = layer_cost(fn, params, *inputs).flops
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-
-    def run() -> None:
-        fn(live, *inputs).float().sum().backward()
-
-    rate = flops / _median_time(run, repeats)
+    rate = flops / _median_time(lambda: fn(live, *inputs).float().sum().backward(), repeats)
     big = torch.zeros(2**23, device=device)
     mem_bw = 2 * big.numel() * 4 / _median_time(lambda: big.add_(1.0), repeats)  # r + w
-    one, eight = _host_overhead(repeats, 1, device), _host_overhead(repeats, 8, device)
+    one, eight = (_host_overhead(repeats, n, device, world) for n in (1, 8))
     per_tensor = max((eight - one) / 7, 0.0)
     overhead = max(one - per_tensor, 0.0)
     if device.type == "cuda":

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import optree
 import torch
 
+from vfsdp.estimation.options import Options
 from vfsdp.planner.plan import Prepared
 from vfsdp.planner.spec import ShardSpec
 
@@ -107,7 +108,7 @@ def layer_cost(fn: Callable[..., torch.Tensor], params: Any, *inputs: Any) -> La
 _RECOMPUTE = {False: (34, 0, 0.0), True: (2, 34, 1.0), "full": (2, 34, 1.0),
               "selective": (17, 17, 0.5)}
 
-_EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
+EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ class Shapes:
         for path, unit, shape, global_shape in tensors:
             name = ".".join(map(str, path))
             row = rows[unit]
-            found = _EXPERT.search(name)
+            found = EXPERT.search(name)
             if found and found.group(3):
                 row[3].add(found.group(3))
             if "embed" in name:
@@ -180,18 +181,12 @@ class Shapes:
                      emb) for k, (w, stacked, indexed, ids, emb) in rows.items()}
         return cls(MappingProxyType(units), width, vocab)
 
-    def costs(self, tokens: int, experts_per_token: Optional[int] = None,
-              seq: Optional[int] = None, recompute: Any = False,
-              logits_dtype: torch.dtype = torch.float32) -> dict:
-        """``{unit key: LayerCost}`` for ``tokens`` tokens per rank (see
+    def costs(self, tokens: int, o: Options) -> dict:
+        """``{unit key: LayerCost}`` for ``tokens`` tokens per rank under ``o``'s
+        ``experts_per_token``, ``seq``, ``recompute`` and ``logits_dtype`` (see
         :func:`shape_costs`)."""
-        if not isinstance(logits_dtype, torch.dtype):
-            raise ValueError(f"estimate: logits_dtype must be a torch.dtype, got "
-                             f"{logits_dtype!r}")
-        per_logit = 2 + 2 * logits_dtype.itemsize  # bf16 logits, the loss's softmax and grad
-        if not (recompute is True or recompute is False or recompute in ("full", "selective")):
-            raise ValueError(f"estimate: recompute must be False, True, 'full' or "
-                             f"'selective', got {recompute!r}")
+        experts_per_token, seq = o.experts_per_token, o.seq
+        per_logit = 2 + 2 * o.logits_dtype.itemsize  # bf16 logits, the loss's softmax and grad
         if experts_per_token is None and any(row[2] for row in self.units.values()):
             raise ValueError("estimate: the model has routed experts (paths "
                              "'...experts.<i>...' or stacked '...experts...'); pass "
@@ -204,7 +199,7 @@ class Shapes:
             layer = isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int)
             attn = 12 * tokens * seq * width if layer and seq and width else 0
             flops += attn
-            kept, again_per, share = _RECOMPUTE[recompute]
+            kept, again_per, share = _RECOMPUTE[o.recompute]
             # the forward's weight matmuls run again (a share of them), attention if full
             extra = share * 2 * tokens * n + (attn / 3 if share == 1.0 else 0.0) if layer \
                 else 0.0
@@ -258,4 +253,6 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
         >>> c[("layers", 0)].flops, c[()].flops
         (245760.0, 0.0)
     """
-    return Shapes.of(spec).costs(tokens, experts_per_token, seq, recompute, logits_dtype)
+    return Shapes.of(spec).costs(tokens, Options(
+        tokens_per_rank=tokens, experts_per_token=experts_per_token, seq=seq,
+        recompute=recompute, logits_dtype=logits_dtype))

@@ -147,13 +147,12 @@ def hardware(profile: Union[str, os.PathLike, Hardware]) -> Hardware:
                          f"calibrate' wrote")
     with open(name, encoding="utf-8") as f:
         data = json.load(f)
-    fields = {f.name for f in dataclasses.fields(Hardware)}
-    if not isinstance(data, dict) or not {"name", "flops", "memory"} <= set(data) \
-            or set(data) - fields:
-        raise ValueError(f"hardware: {name} is not a profile (fields {sorted(fields)}); write "
-                         f"one with 'python -m vfsdp calibrate --out {name}'")
     try:
-        return Hardware(**data)
-    except (TypeError, ValueError) as exc:
+        return Hardware(**data)  # a TypeError: a field missing, unknown, or no object at all
+    except TypeError:
+        fields = sorted(f.name for f in dataclasses.fields(Hardware))
+        raise ValueError(f"hardware: {name} is not a profile (fields {fields}); write "
+                         f"one with 'python -m vfsdp calibrate --out {name}'") from None
+    except ValueError as exc:
         raise ValueError(f"{name}: {exc}; fix the profile or write it again with 'python -m "
                          f"vfsdp calibrate --out {name}'") from None

@@ -37,7 +37,7 @@ from vfsdp.planner.plan import Prepared
 from vfsdp.planner.spec import ShardSpec, TensorSpec, UnitLayout
 
 __all__ = ["UnitBytes", "unit_bytes", "timeline", "peak", "optimizer_bytes", "alike_units",
-           "alike_members", "split_units", "baseline_sizes"]
+           "alike_members", "split_units", "baseline_sizes", "baseline_padding", "group_keys"]
 
 
 @dataclass(frozen=True)
@@ -52,22 +52,22 @@ class UnitBytes:
     grad_shard: int   # the reduced gradient shard
 
 
-def baseline_sizes(units: Mapping[Any, UnitLayout], system: str) -> dict:
-    """Each unit's ``S`` under another system's sharding rule and padding (``"fsdp2"``:
-    every tensor split on dim 0; ``"megatron"``: Megatron-FSDP's LCM chunks), from
-    :mod:`vfsdp.planner.baselines`: padding only, none of their copies (``units``: a
-    spec's ``units``)."""
-    from vfsdp.planner.baselines import fsdp2_padding, megatron_padding
+def baseline_padding(u: UnitLayout, system: str) -> int:
+    """The padding unit ``u`` needs under another system's sharding rule (``"fsdp2"``: every
+    tensor split on dim 0; ``"megatron"``: Megatron-FSDP's LCM chunks), from
+    :mod:`vfsdp.planner.baselines`."""
+    from vfsdp.planner import baselines
 
-    rule = {"fsdp2": fsdp2_padding, "megatron": megatron_padding}.get(system)
-    if rule is None:
-        raise ValueError(f"estimate: unknown baseline {system!r}; pass 'fsdp2' or 'megatron'")
-    out = {}
-    for key, u in units.items():
-        items = [(tuple(sh), b) for sh, b in zip(u.shapes, u.blocks)]
-        pad = rule(items, u.world_size)
-        out[key] = -(-(u.total_numel + pad) // u.world_size)
-    return out
+    rule = baselines.fsdp2_padding if system == "fsdp2" else baselines.megatron_padding
+    return rule([(tuple(sh), b) for sh, b in zip(u.shapes, u.blocks)], u.world_size)
+
+
+def baseline_sizes(units: Mapping[Any, UnitLayout], system: str) -> dict:
+    """Each unit's ``S`` under another system's sharding rule and padding
+    (:func:`baseline_padding`): padding only, none of their copies (``units``: a spec's
+    ``units``)."""
+    return {key: -(-(u.total_numel + baseline_padding(u, system)) // u.world_size)
+            for key, u in units.items()}
 
 
 def unit_bytes(units: Mapping[Any, UnitLayout], param_dtype: Optional[torch.dtype] = None,
@@ -96,11 +96,9 @@ def split_units(units: Mapping[Any, UnitLayout], layers: Optional[list] = None) 
         ValueError: ``layers`` names a unit the plan does not have.
     """
     if layers is None:
-        runs: dict = {}
-        for key in units:
-            if isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int):
-                runs.setdefault(key[:-1], []).append(key)
-        layers = max(runs.values(), key=len) if runs else []
+        runs = group_keys((key[:-1], key) for key in units
+                        if isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int))
+        layers = max(runs, key=len) if runs else []
         if not layers and len(units) > 1:
             warn_user("estimate: no run of units keyed (name, i) found, so every unit is "
                       "taken as gathered for the whole step (no prefetch, no release); pass "
@@ -113,20 +111,17 @@ def split_units(units: Mapping[Any, UnitLayout], layers: Optional[list] = None) 
     return list(layers), [k for k in units if k not in chosen]
 
 
-def timeline(units: list, layers: list, prefetch: bool = True,
-             reshard_after_forward: bool = True, activations: Optional[dict] = None,
-             transient: Optional[dict] = None) -> list:
+def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: bool,
+             acts: dict, transient: dict) -> list:
     """The step's buffer events, as ``(label, kind, delta_bytes)`` in the order vfsdp runs
     them: the whole-step units gathered, ``run_layers``' forward and backward over ``layers``
     (gather ahead by one with ``prefetch``, release after forward unless the last), each
     unit's reduce-scatter input allocated as its backward ends and freed when the next
-    reduction waits for it, the whole-step units reduced last. ``activations``: bytes each
-    unit's forward saves for its backward (kind ``"activations"``), if given, the whole-step
+    reduction waits for it, the whole-step units reduced last. ``acts``: bytes each
+    unit's forward saves for its backward (kind ``"activations"``), the whole-step
     units' (the head's logits) from the end of the layers' forward to the start of their
     backward; ``transient``: bytes a layer's backward holds while it runs (what activation
     checkpointing recomputes)."""
-    acts = activations or {}
-    transient = transient or {}
     by = {u.key: u for u in units}
     rest = [by[k] for k in by if k not in set(layers)]
     run = [by[k] for k in layers]
@@ -202,10 +197,6 @@ def peak(base: int, events: list) -> tuple:
     return best, at, best_kinds
 
 
-def _meta_groups(m: int, rank: int, replicas: int) -> MeshGroups:
-    return MeshGroups(None, None, rank, m, 0, replicas, torch.device("meta"), (tuple(range(m)),))
-
-
 def optimizer_bytes(opt: Any, units: Mapping[Any, UnitLayout], rank: int = 0,
                     replicas: int = 1, alike: Optional[list] = None) -> int:
     """Bytes of the optimizer's state on ``rank`` of a plan's ``units`` (``spec.units``): its
@@ -237,19 +228,27 @@ def optimizer_bytes(opt: Any, units: Mapping[Any, UnitLayout], rank: int = 0,
 def alike_units(units: Mapping[Any, UnitLayout]) -> list:
     """The keys of ``units`` grouped by layout and shapes (what an optimizer's state of a
     unit depends on), in unit order."""
-    groups: dict = {}
-    for key, u in units.items():
-        groups.setdefault((u.signature, u.shapes), []).append(key)
-    return list(groups.values())
+    return group_keys(((u.signature, u.shapes), key) for key, u in units.items())
 
 
 def alike_members(prepared: Prepared) -> list:
     """:func:`alike_units` of any plan of ``prepared``, from its tree alone: units of the same
     numels, blocks, dtype and shapes are laid out alike at every shard group size (the
     solver's input), so a sweep groups them once."""
+    return group_keys(((numels, blocks, dtype, shapes), key)
+                    for key, (_, _, shapes, numels, blocks, dtype) in prepared.members.items())
+
+
+def group_keys(pairs: Any) -> list:
+    """The keys of ``(group, key)`` pairs, as a list per group in first-seen order.
+
+    Example:
+        >>> group_keys([("a", 1), ("b", 2), ("a", 3)])
+        [[1, 3], [2]]
+    """
     groups: dict = {}
-    for key, (_, _, shapes, numels, blocks, dtype) in prepared.members.items():
-        groups.setdefault((numels, blocks, dtype, shapes), []).append(key)
+    for group, key in pairs:
+        groups.setdefault(group, []).append(key)
     return list(groups.values())
 
 
@@ -262,13 +261,8 @@ def _on_rank(u: UnitLayout, rank: int) -> UnitLayout:
     if len(keep) == len(u.paths):
         return u
     keep = keep or [0]
-
-    def pick(xs: tuple) -> tuple:
-        return tuple(xs[k] for k in keep)
-
-    return replace(u, paths=pick(u.paths), offsets=pick(u.offsets), numels=pick(u.numels),
-                   blocks=pick(u.blocks), shapes=pick(u.shapes),
-                   strided=pick(u.strided) if u.strided else (), split=None)
+    names = ("paths", "offsets", "numels", "blocks", "shapes") + (("strided",) if u.strided else ())
+    return replace(u, split=None, **{f: tuple(getattr(u, f)[k] for k in keep) for f in names})
 
 
 def _sub_spec(u: UnitLayout, replicas: int) -> ShardSpec:
@@ -295,7 +289,8 @@ def _unit_state_bytes(opt: Any, spec: ShardSpec, rank: int) -> tuple:
     with torch.no_grad():
         for key, members in spec.unit_leaves().items():
             u = spec.units[key]
-            unit = Unit(u, _meta_groups(u.world_size, rank, spec.replicas))
+            unit = Unit(u, MeshGroups(None, None, rank, u.world_size, 0, spec.replicas,
+                                      torch.device("meta"), (tuple(range(u.world_size)),)))
             views: dict = {}
             for i, k in members:
                 if k not in views:
@@ -305,15 +300,10 @@ def _unit_state_bytes(opt: Any, spec: ShardSpec, rank: int) -> tuple:
                 leaves[i] = views[k]
     shards = optree.tree_unflatten(spec.treespec, leaves)
     state = opt.init(shards, spec)
-    return state, _state_bytes(state, {storage_id(x) for x in leaves
-                                       if isinstance(x, torch.Tensor)})
-
-
-def _state_bytes(state: Any, skip: set) -> dict:
-    """``{storage id: bytes}`` of the state's tensors, but ``skip``'s."""
+    skip = {storage_id(x) for x in leaves if isinstance(x, torch.Tensor)}
     out: dict = {}
     for x in state_tensors(state):
         sid = storage_id(x)
         if sid not in skip and sid not in out:
             out[sid] = x.untyped_storage().nbytes()
-    return out
+    return state, out

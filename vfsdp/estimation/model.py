@@ -11,12 +11,12 @@ import torch
 from vfsdp.estimation.checks import count
 from vfsdp.estimation.costs import LayerCost
 from vfsdp.estimation.hardware import Hardware
-from vfsdp.estimation.predict import Estimate, GiB, PlanSummary, predict
+from vfsdp.estimation.options import GiB, Options
+from vfsdp.estimation.predict import Estimate, PlanSummary, predict
 from vfsdp.planner.abstract import is_tensor_leaf, leaf_meta
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["estimate", "Estimate", "optimizer_for", "GiB"]
-
+__all__ = ["estimate", "Estimate", "optimizer_for"]
 
 
 def optimizer_for(name: Union[str, Any], like: Any = None) -> Any:
@@ -27,10 +27,8 @@ def optimizer_for(name: Union[str, Any], like: Any = None) -> Any:
 
     if not isinstance(name, str):
         return name
-    if name == "adamw":
-        return optim.adamw()
-    if name == "adamw8bit":
-        return optim.adamw8bit()
+    if name in ("adamw", "adamw8bit"):
+        return getattr(optim, name)()
     if name == "muon":
         if isinstance(like, ShardSpec):
             ndim = {p: len(sh) for u in like.units.values() for p, sh in zip(u.paths, u.shapes)}
@@ -139,20 +137,20 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
     if not isinstance(spec, ShardSpec):
         raise TypeError(f"estimate: spec must be a ShardSpec (vfsdp.plan's), got "
                         f"{type(spec).__name__}")
-    count("estimate", "tokens_per_rank", tokens_per_rank)
+    if experts is not None and not isinstance(experts, ShardSpec):
+        raise TypeError(f"estimate: experts= takes the experts' ShardSpec, got "
+                        f"{type(experts).__name__}")
+    o = Options(hw=hw, muon=optimizer == "muon", param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype, prefetch=prefetch,
+                reshard_after_forward=reshard_after_forward, tokens_per_rank=tokens_per_rank,
+                costs=costs, experts_per_token=experts_per_token, seq=seq, recompute=recompute,
+                allocator_fraction=allocator_fraction, comm_library_bytes=comm_library_bytes,
+                baseline=baseline, model_parallel=model_parallel, layers=layers, ep=ep,
+                micro_batches=micro_batches, grad_sync=grad_sync, float8=float8,
+                logits_dtype=logits_dtype)
     count("estimate", "rank", rank, least=0, optional=True)
     if rank is not None and rank >= spec.world_size:
         raise ValueError(f"estimate: rank={rank} is not a rank of the plan's {spec.world_size}")
     model = PlanSummary.of(spec, optimizer_for(optimizer, spec), rank)
-    if experts is not None and not isinstance(experts, ShardSpec):
-        raise TypeError(f"estimate: experts= takes the experts' ShardSpec, got "
-                        f"{type(experts).__name__}")
     part = None if experts is None else PlanSummary.of(experts, optimizer_for(optimizer, experts))
-    return predict(model, part, ep, hw=hw, muon=optimizer == "muon", param_dtype=param_dtype,
-                   reduce_dtype=reduce_dtype, prefetch=prefetch,
-                   reshard_after_forward=reshard_after_forward, tokens_per_rank=tokens_per_rank,
-                   costs=costs, experts_per_token=experts_per_token, seq=seq,
-                   recompute=recompute, allocator_fraction=allocator_fraction,
-                   comm_library_bytes=comm_library_bytes, baseline=baseline,
-                   model_parallel=model_parallel, layers=layers, micro_batches=micro_batches,
-                   grad_sync=grad_sync, float8=float8, logits_dtype=logits_dtype)
+    return predict(model, part, o)

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Optional, Union
+from dataclasses import dataclass, fields, replace
+from typing import Any, Optional
 
 import torch
 
-from vfsdp.estimation.checks import count, rate
-from vfsdp.estimation.costs import LayerCost, Shapes
-from vfsdp.estimation.hardware import Hardware, hardware
+from vfsdp.estimation.costs import Shapes
+from vfsdp.estimation.hardware import Hardware
 from vfsdp.estimation.memory import (
-    UnitBytes,
     alike_units,
     baseline_sizes,
     optimizer_bytes,
@@ -29,12 +27,11 @@ from vfsdp.estimation.memory import (
     timeline,
     unit_bytes,
 )
+from vfsdp.estimation.options import GiB, Options
 from vfsdp.estimation.timing import links, ring, step_schedule
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["Estimate", "PlanSummary", "predict", "GiB"]
-
-GiB = 2**30
+__all__ = ["Estimate", "PlanSummary", "predict"]
 
 
 @dataclass(frozen=True)
@@ -107,10 +104,8 @@ class Estimate:
 
     def record(self) -> dict:
         """One flat JSON record (``--json``)."""
-        out = {k: getattr(self, k) for k in (
-            "gpus", "shard", "replicas", "hw", "memory_per_rank", "fits", "step_s",
-            "compute_s", "exposed_comm_s", "optimizer_s", "tokens_per_s", "mfu",
-            "tokens_per_rank", "ep", "peak_at", "copy_bytes", "copy_s")}
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("memory", "comm_bytes")}
         out.update({f"memory_{k}": v for k, v in self.memory.items()})
         out.update({f"bytes_{k}": v for k, v in self.comm_bytes.items()})
         return out
@@ -156,56 +151,32 @@ class PlanSummary:
                     None)
 
 
-def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optional[int] = None, *,
-            hw: Union[str, Hardware] = "h100", muon: bool = False,
-            param_dtype: Optional[torch.dtype] = torch.bfloat16,
-            reduce_dtype: Optional[torch.dtype] = None, prefetch: bool = True,
-            reshard_after_forward: bool = True, tokens_per_rank: int = 4096,
-            costs: Optional[Mapping[Any, LayerCost]] = None,
-            experts_per_token: Optional[int] = None, seq: Optional[int] = None,
-            recompute: bool = False, allocator_fraction: float = 0.05,
-            comm_library_bytes: int = 2 * GiB, baseline: Optional[str] = None,
-            model_parallel: Optional[str] = None, layers: Optional[list] = None,
-            micro_batches: int = 1, grad_sync: bool = True, float8: bool = False,
-            logits_dtype: torch.dtype = torch.float32) -> Estimate:
+def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> Estimate:
     """:func:`~vfsdp.estimation.estimate` from the :class:`PlanSummary` s it reads: the model's (or,
-    with expert parallelism, the rest's) and the experts'; ``muon``: add Newton-Schulz's
-    FLOPs. The other arguments are :func:`~vfsdp.estimation.estimate`'s."""
-    _check(tokens_per_rank, experts_per_token, seq, ep, allocator_fraction, comm_library_bytes,
-           param_dtype, reduce_dtype, recompute)
-    count("estimate", "micro_batches", micro_batches)
-    if tokens_per_rank % micro_batches:
-        raise ValueError(f"estimate: micro_batches={micro_batches} does not divide "
-                         f"tokens_per_rank={tokens_per_rank}; pass the step's tokens, a multiple")
-    for name, flag in (("grad_sync", grad_sync), ("float8", float8)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"estimate: {name} must be True or False, got {flag!r}")
-    steps, total_tokens = micro_batches, tokens_per_rank
-    tokens_per_rank //= micro_batches  # what one micro-batch runs
-    prof = hardware(hw)
+    with expert parallelism, the rest's) and the experts', and its :class:`Options`."""
+    steps, tokens = o.micro_batches, o.tokens_per_rank // o.micro_batches  # one micro-batch's
+    prof, baseline, param_dtype = o.hw, o.baseline, o.param_dtype
     parts = [model] if experts is None else [model, experts]
-    layers, rest = split_units(model.units, layers)
+    layers, rest = split_units(model.units, o.layers)
     m, r = model.mesh_shape[-1], math.prod(model.mesh_shape[:-1])
     axis = model.model_axis
-    model_size = axis.size if axis is not None else 1
-    gpus = m * r * model_size
-    ep, ep_link = _expert_group(model, experts, ep, gpus, prof)
+    gpus = m * r * (axis.size if axis is not None else 1)
+    ep, ep_link = _expert_group(model, experts, o.ep, gpus, prof)
     rate = prof.flops * prof.compute_efficiency
     comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0,
             # the backward's agreement: 3 int64, and two bytes (runs, alive) per place of a
             # window from the oldest gather the previous pass found awaiting (in a steady
             # step, its own and the last's), rounded up to a power of two, at least 64
-            "backward_marks": 24 + 2 * _marks_window(2 * sum(map(len, (p.units for p in parts))))
-            if m * r > 1 else 0}
-    per_unit = _costs(parts, costs, tokens_per_rank, experts_per_token, seq, recompute,
-                      logits_dtype)
+            "backward_marks": 24 + 2 * max(64, 1 << max(
+                2 * sum(len(p.units) for p in parts) - 1, 0).bit_length()) if m * r > 1 else 0}
+    per_unit = _costs(parts, tokens, o)
     by_key: dict = {}  # unit key -> its UnitBytes, the experts' added to their layer's
-    times: dict = {}  # unit key -> [gather s, reduce s, host s]
+    times: dict = {}  # unit key -> [gather s, reduce s, host s, forward copy s, backward copy s]
     shards = state = grads = copies = 0
     for p in parts:
         pm, pr = p.mesh_shape[-1], math.prod(p.mesh_shape[:-1])
         sizes = baseline_sizes(p.units, baseline) if baseline else None
-        ub = unit_bytes(p.units, param_dtype, reduce_dtype, sizes)
+        ub = unit_bytes(p.units, param_dtype, o.reduce_dtype, sizes)
         share = p.state
         if sizes:  # the same state per element, over the baseline's shards
             share = int(share * sum(sizes.values()) /
@@ -219,7 +190,7 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optio
                 raise ValueError(f"estimate: the experts' unit {u.key!r} is no unit of the "
                                  f"model's plan; key the experts by the layers they belong to "
                                  f"(plan them as a tree of the same paths)")
-            again = u.key in layers and reshard_after_forward and (
+            again = u.key in layers and o.reshard_after_forward and (
                 u.key != layers[-1] or baseline == "fsdp2")  # FSDP2 regathers the last too
             gathers = 2 if again else 1
             comm["all_gather"] += u.gathered * gathers
@@ -236,75 +207,70 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optio
                 shard_grad = u.reduce_in // pm
                 comm["all_reduce"] += shard_grad
                 red += 2 * ring(pr, shard_grad / pr, rep_link)
-            t = times.setdefault(u.key, [0.0, 0.0, 0.0, 0.0, 0.0])
-            t[3] += 2 * fwd_copy / prof.memory_bw  # read and write, on the compute lane
-            t[4] += 2 * bwd_copy / prof.memory_bw
             # float8 all-gathers: the weights cross in one byte, not the compute dtype's
-            t[0] += ring(pm, u.gathered / pm / (_itemsize(param_dtype, p) if float8 else 1),
-                         shard_link)
-            t[1] += red
-            # the host's own work per unit and step, on the compute lane
-            t[2] += prof.unit_overhead + prof.tensor_overhead * len(p.units[u.key].paths)
-            by_key[u.key] = u if u.key not in by_key else _sum_bytes(by_key[u.key], u)
+            gather = ring(pm, u.gathered / pm / (_itemsize(param_dtype, p) if o.float8 else 1),
+                          shard_link)
+            # the host's own work per unit and step, and the copies (read and write), on the
+            # compute lane
+            new = (gather, red, prof.unit_overhead + prof.tensor_overhead * len(p.units[u.key].paths),
+                   2 * fwd_copy / prof.memory_bw, 2 * bwd_copy / prof.memory_bw)
+            times[u.key] = [a + b for a, b in zip(times.get(u.key, (0.0,) * 5), new)]
+            by_key[u.key] = _plus(by_key[u.key], u) if u.key in by_key else u
     ub = [by_key[k] for k in model.units]
-    events = timeline(ub, layers, prefetch, reshard_after_forward,
+    events = timeline(ub, layers, o.prefetch, o.reshard_after_forward,
                       {k: c.activation_bytes for k, c in per_unit.items()},
                       {k: c.recompute_bytes for k, c in per_unit.items()})
-    held = 0 if grad_sync or steps == 1 else sum(u.reduce_in for u in ub)
+    held = 0 if o.grad_sync or steps == 1 else sum(u.reduce_in for u in ub)
     top, at, kinds = peak(shards + state + held, events)  # no sync: whole gradients held
     kinds["gradients"] += held
     if baseline == "fsdp2" and ub:  # copy-out beside the all-gather's output, and the
         extra = max(u.gathered for u in ub) + max(u.reduce_in for u in ub)  # RS copy-in
         top, kinds["buffers"] = top + extra, kinds["buffers"] + extra
-    allowance = int(allocator_fraction * top) + int(comm_library_bytes)
     memory = {"params": shards, "gradients": kinds["gradients"], "optimizer": state,
               "buffers": kinds["buffers"], "activations": kinds["activations"],
-              "allowance": allowance}
+              "allowance": int(o.allocator_fraction * top) + int(o.comm_library_bytes)}
     total = sum(memory.values())
     lanes = {}
     for key, (gather, reduce, host, fwd_copy, bwd_copy) in times.items():
         c = per_unit[key]
         flops = c.flops + c.recompute_flops
-        if float8:  # the weight matmuls on float8 tensor cores, twice the rate; attention not
+        if o.float8:  # the weight matmuls on float8 tensor cores, twice the rate; attention not
             flops = c.attention_flops + (flops - c.attention_flops) / 2
         lanes[key] = (gather, flops / 3 / rate + host / 3 + fwd_copy,
                       2 * flops / 3 / rate + 2 * host / 3 + bwd_copy, reduce)
-    act_dtype = param_dtype or next(iter(model.units.values())).dtype
-    act = tokens_per_rank * model.shapes.width * act_dtype.itemsize
+    act = tokens * model.shapes.width * _itemsize(param_dtype, model)
     exposed = 0.0  # on the compute lane: the model axis's all-reduces, the experts' all-to-alls
-    if model_parallel is not None:
-        if model_parallel != "tp" or axis is None:
-            raise ValueError(f"estimate: model_parallel={model_parallel!r} needs 'tp' and a "
+    if o.model_parallel is not None:
+        if o.model_parallel != "tp" or axis is None:
+            raise ValueError(f"estimate: model_parallel={o.model_parallel!r} needs 'tp' and a "
                              f"plan with a model axis (vfsdp.plan(..., tp=rule)); got "
                              f"{'no model axis' if axis is None else axis.axis!r}")
         n = axis.size
-        model_link = links(prof, m, r, n)[2]
-        one = 2 * ring(n, act / n, model_link)  # a ring all-reduce of the activations
+        one = 2 * ring(n, act / n, links(prof, m, r, n)[2])  # a ring all-reduce of the activations
         for key in layers:
             comm["all_reduce"] += 4 * act
             exposed += _add(lanes, key, 2 * one, 2 * one)
     if experts is not None and ep > 1:
         # each routed token's activation goes to its experts' ranks and back: an all-to-all
         # forward (dispatch, combine), two backward, and the forward's again if recomputed
-        sent = act * (experts_per_token or 0) * (ep - 1) / ep
+        sent = act * (o.experts_per_token or 0) * (ep - 1) / ep
         one = (ep - 1) * ep_link.latency + sent / ep_link.bandwidth
-        backward = 4 if recompute else 2
+        backward = 4 if o.recompute else 2
         for key in experts.units:
             comm["all_to_all"] += int((2 + backward) * sent)
             exposed += _add(lanes, key, 2 * one, backward * one)
     opt_s = (2 * state + 2 * shards + grads) / (prof.memory_bw * prof.compute_efficiency)
-    opt_s += sum(_muon_flops(p.units, p.mesh_shape[-1]) for p in parts) / rate if muon else 0.0
-    sched = step_schedule([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s, prefetch,
-                          reshard_after_forward)
+    opt_s += sum(_muon_flops(p.units, p.mesh_shape[-1]) for p in parts) / rate if o.muon else 0.0
+    sched = step_schedule([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s,
+                          o.prefetch, o.reshard_after_forward)
     step, exposed = sched.step, exposed * steps
     if steps > 1:  # the micro-batches before the last: reduced each (grad_sync) or not at all
-        mid = lanes if grad_sync else {k: (g, f, b, 0.0) for k, (g, f, b, _) in lanes.items()}
-        one = step_schedule([mid[k] for k in rest], [mid[k] for k in layers], 0.0, prefetch,
-                            reshard_after_forward)
+        mid = lanes if o.grad_sync else {k: (g, f, b, 0.0) for k, (g, f, b, _) in lanes.items()}
+        one = step_schedule([mid[k] for k in rest], [mid[k] for k in layers], 0.0, o.prefetch,
+                            o.reshard_after_forward)
         step += (steps - 1) * one.step
         for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
-            again = steps if grad_sync or kind in ("all_gather", "all_to_all") else 1
-            comm[kind] *= again
+            comm[kind] *= steps if o.grad_sync or kind in ("all_gather", "all_to_all") else 1
     model_flops = steps * sum(c.flops for c in per_unit.values())
     name = prof.name if baseline is None else f"{prof.name}, {baseline} sharding"
     compute = steps * sched.compute
@@ -313,31 +279,14 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary] = None, ep: Optio
                     step, compute - exposed - copy_s,
                     max(step - compute - sched.optimizer + exposed, 0.0),
                     sched.optimizer,
-                    gpus * total_tokens / step if step else 0.0,
-                    model_flops / step / prof.flops if step else 0.0, total_tokens, ep,
+                    gpus * o.tokens_per_rank / step if step else 0.0,
+                    model_flops / step / prof.flops if step else 0.0, o.tokens_per_rank, ep,
                     copies * steps, copy_s)
 
 
 def _itemsize(dtype: Optional[torch.dtype], part: PlanSummary) -> int:
     """Bytes per element of the gathered weights: ``dtype``'s, else the shards'."""
     return (dtype or next(iter(part.units.values())).dtype).itemsize
-
-
-def _check(tokens, top_k, seq, ep, allocator_fraction, library, param_dtype, reduce_dtype,
-           recompute) -> None:
-    """Refuse what no step can be: each argument named (see :mod:`vfsdp.estimation.checks`)."""
-    count("estimate", "tokens_per_rank", tokens)
-    count("estimate", "experts_per_token", top_k, optional=True)
-    count("estimate", "seq", seq, optional=True)
-    count("estimate", "ep", ep, optional=True)
-    rate("estimate", "allocator_fraction", allocator_fraction, zero=True)
-    rate("estimate", "comm_library_bytes", library, zero=True)
-    for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise ValueError(f"estimate: {name} must be a torch.dtype or None, got {dtype!r}")
-    if not (recompute is True or recompute is False or recompute in ("full", "selective")):
-        raise ValueError(f"estimate: recompute must be False, True, 'full' or 'selective', "
-                         f"got {recompute!r}")
 
 
 def _expert_group(model: PlanSummary, experts: Optional[PlanSummary], ep: Optional[int], gpus: int,
@@ -372,19 +321,15 @@ def _add(lanes: dict, key: Any, forward: float, backward: float) -> float:
     return forward + backward
 
 
-def _costs(parts, costs, tokens, experts_per_token, seq, recompute, logits_dtype) -> dict:
-    """Per unit key of the model its cost: ``costs`` (a key, or a prefix of one such as
-    ``("layers",)``; ``()`` only names the root unit itself), else the shape rules' over
-    every part (the experts' added to their layer's)."""
+def _costs(parts: list, tokens: int, o: Options) -> dict:
+    """Per unit key of the model its cost for ``tokens`` tokens: ``o.costs`` (a key, or a
+    prefix of one such as ``("layers",)``; ``()`` only names the root unit itself), else the
+    shape rules' over every part (the experts' added to their layer's)."""
     out: dict = {}
     for p in parts:
-        for key, c in p.shapes.costs(tokens, experts_per_token, seq, recompute,
-                                     logits_dtype).items():
-            if key in out:
-                c = LayerCost(out[key].flops + c.flops, out[key].activation_bytes +
-                              c.activation_bytes, out[key].recompute_bytes +
-                              c.recompute_bytes, out[key].recompute_flops + c.recompute_flops)
-            out[key] = c
+        for key, c in p.shapes.costs(tokens, o).items():
+            out[key] = _plus(out[key], c) if key in out else c
+    costs = o.costs
     for key in parts[0].units if costs else ():
         found = next((costs[key[:n]] for n in range(len(key), 0, -1) if key[:n] in costs),
                      costs.get(()) if key == () else None)
@@ -395,24 +340,13 @@ def _costs(parts, costs, tokens, experts_per_token, seq, recompute, logits_dtype
 
 def _muon_flops(units: Mapping, m: int) -> float:
     """Newton-Schulz FLOPs per rank for Muon (5 iterations of three matmuls per matrix,
-    spread over the ranks)."""
-    total = 0.0
-    for u in units.values():
-        for shape in u.shapes:
-            if len(shape) == 2:
-                a, b = sorted(shape)
-                total += 5 * (4 * a * a * b + 2 * a ** 3)
-    return total / m  # each replica orthogonalises all of its own
+    spread over the ranks: each replica orthogonalises all of its own)."""
+    return sum((5 * (4 * a * a * b + 2 * a ** 3) for u in units.values()
+                for a, b in (sorted(s) for s in u.shapes if len(s) == 2)), 0.0) / m
 
 
-def _sum_bytes(a: UnitBytes, b: UnitBytes) -> UnitBytes:
-    """One unit's bytes from two parts of it (the model's and the experts')."""
-    return UnitBytes(a.key, *(getattr(a, f.name) + getattr(b, f.name) for f in _BYTES))
-
-
-_BYTES = fields(UnitBytes)[1:]  # the byte counts, after the key
-
-
-def _marks_window(places: int) -> int:
-    """The backward agreement's window for ``places`` gathers (as the runtime rounds it)."""
-    return max(64, 1 << max(places - 1, 0).bit_length())
+def _plus(a: Any, b: Any) -> Any:
+    """One unit's ``UnitBytes`` or ``LayerCost`` from two parts of it (the model's
+    and the experts'): each number summed."""
+    return replace(a, **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)
+                         if f.name != "key"})

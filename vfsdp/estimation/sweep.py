@@ -18,27 +18,25 @@ Each row equals ``estimate(plan(params, (gpus // shard, shard)), ...)`` (tested)
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 import optree
 
 from vfsdp._gc import paused_gc
 from vfsdp.estimation import checks
-from vfsdp.estimation.costs import Shapes
-from vfsdp.estimation.hardware import Hardware, hardware
+from vfsdp.estimation.costs import EXPERT, Shapes
+from vfsdp.estimation.hardware import Hardware
 from vfsdp.estimation.memory import alike_members, optimizer_bytes
 from vfsdp.estimation.model import optimizer_for
+from vfsdp.estimation.options import Options
 from vfsdp.estimation.predict import Estimate, PlanSummary, predict
 from vfsdp.planner.abstract import ShapeDtype, is_tensor_leaf, leaf_meta
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.plan import prepare, unit_layouts
 
 __all__ = ["sweep", "shard_sizes", "expert_share"]
-
-_EXPERTS = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
-
 
 def shard_sizes(gpus: int, gpus_per_node: int) -> list:
     """The shard group sizes a sweep tries for ``gpus`` GPUs, smallest first: the divisors of
@@ -69,16 +67,10 @@ def expert_share(params: Any, ep: int) -> tuple:
         ...                                   for e in experts["layers"][0]["experts"]]
         ({'w': None}, [True, True, False, False])
     """
-    if not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"expert parallelism: ep must be an int >= 1, got {ep!r}")
+    checks.count("expert parallelism", "ep", ep)
     paths, leaves, treespec = optree.tree_flatten_with_path(params)
-    found = []  # (leaf index, its dotted path, the match)
-    for i, p in enumerate(paths):
-        if is_tensor_leaf(leaves[i]):
-            name = ".".join(map(str, p))
-            m = _EXPERTS.search(name)
-            if m:
-                found.append((i, name, m))
+    found = [(i, name, m) for i, name in enumerate(".".join(map(str, p)) for p in paths)
+             if is_tensor_leaf(leaves[i]) and (m := EXPERT.search(name))]  # (leaf, path, match)
     if not found:
         raise ValueError("expert parallelism: the tree has no routed experts (paths through "
                          "'experts.<i>' or stacked under 'experts'); pass ep=1")
@@ -86,9 +78,8 @@ def expert_share(params: Any, ep: int) -> tuple:
     for _, name, m in found:
         if m.group(3):
             counts.setdefault(name[:m.start(3)], set()).add(m.group(3))
-    kept = {}  # the same -> the first n / ep of them, by number (from 0 or from 1 alike)
-    for prefix, ids in counts.items():
-        kept[prefix] = set(sorted(ids, key=int)[:len(ids) // ep])
+    # the same -> the first n / ep of them, by number (from 0 or from 1 alike)
+    kept = {prefix: set(sorted(ids, key=int)[:len(ids) // ep]) for prefix, ids in counts.items()}
     rest, share = list(leaves), [None] * len(leaves)
     for i, name, m in found:
         rest[i] = None
@@ -148,7 +139,7 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
             that does not divide a count, both ``tokens_per_gpu`` and ``global_tokens``,
             fewer ``global_tokens`` than GPUs, a ``vs`` other than fsdp2/megatron, and
             :func:`~vfsdp.estimation.estimate`'s errors.
-        TypeError: ``rank=`` or ``baseline=`` (estimate's own).
+        TypeError: ``rank=``, ``baseline=`` or ``tokens_per_rank=`` (estimate's own).
 
     Example:
         >>> params = {"layers": [{"w": torch.empty(1024, 1024, device="meta")}
@@ -179,21 +170,25 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
     unknown = [s for s in vs if s not in ("fsdp2", "megatron")]
     if unknown:
         raise ValueError(f"sweep: vs names {unknown}; pass 'fsdp2' and/or 'megatron'")
-    for key in ("rank", "baseline"):
+    for key in ("rank", "baseline", "tokens_per_rank"):
         if key in options:
             raise TypeError(f"sweep: {key}= is estimate()'s; a sweep takes the larger of the "
-                            f"first and last rank's state, and vs= for baselines")
-    prof = hardware(hw)
+                            f"first and last rank's state, vs= for baselines and "
+                            f"tokens_per_gpu= or global_tokens= for the tokens")
+
+    def tokens(count: int) -> int:
+        return tokens_per_gpu or (global_tokens // count if global_tokens else 4096)
+
+    o = Options(hw=hw, muon=optimizer == "muon", tokens_per_rank=tokens(gpus[0]), **options)
     with paused_gc():  # see vfsdp._gc: a sweep builds many small objects
-        return _Sweep(params, prof, optimizer, ep, granularity, units).rows(
-            gpus, shard, tokens_per_gpu, global_tokens, vs, options)
+        return _Sweep(params, o, optimizer, ep, granularity, units).rows(gpus, shard, tokens, vs)
 
 
 class _Sweep:
     """The prepared trees, and per shard group size the parts :func:`predict` reads."""
 
-    def __init__(self, params, prof, optimizer, ep, granularity, units) -> None:
-        self.prof, self.optimizer, self.ep = prof, optimizer, ep
+    def __init__(self, params, o: Options, optimizer, ep, granularity, units) -> None:
+        self.o, self.ep = o, ep
         trees = [params] if ep == 1 else list(expert_share(params, ep))
         self.prepared, self.opts = [], []
         for tree in trees:
@@ -203,52 +198,47 @@ class _Sweep:
             self.prepared.append(prepare(tree, gran, units, flat=flat))
             self.opts.append(opt)
         self.alike = [alike_members(p) for p in self.prepared]  # units laid out alike
-        self.parts: list = [{} for _ in trees]  # per tree: m -> (layouts, state)
-        self.shapes: list = [None] * len(trees)
+        self.shapes = [Shapes.of_prepared(p) for p in self.prepared]  # read tensors: once
+        self.parts: list = [{} for _ in trees]  # per tree: m -> [layouts, state]
 
-    def part(self, i: int, m: int, mesh: tuple, state: bool = True) -> PlanSummary:
-        """Tree ``i``'s :class:`PlanSummary` over ``mesh`` (whose last dim is ``m``); without its
+    def part(self, i: int, m: int, gpus: int, state: bool = True) -> PlanSummary:
+        """Tree ``i``'s :class:`PlanSummary` over ``gpus`` in shard groups of ``m``; without its
         optimizer's ``state`` (0 bytes) where ``state=False``."""
-        if m not in self.parts[i]:
-            self.parts[i][m] = [unit_layouts(self.prepared[i], m), None]
-            if self.shapes[i] is None:  # the shape rules read tensors: once
-                self.shapes[i] = Shapes.of_prepared(self.prepared[i])
-        entry = self.parts[i][m]
+        entry = self.parts[i].setdefault(m, [None, None])
+        if entry[0] is None:
+            entry[0] = unit_layouts(self.prepared[i], m)
         if state and entry[1] is None:
             entry[1] = max(optimizer_bytes(self.opts[i], entry[0], r, alike=self.alike[i])
                            for r in {0, m - 1})
+        mesh = (m,) if m == gpus else (gpus // m, m)
         return PlanSummary(entry[0], mesh, entry[1] or 0, self.shapes[i])
 
     def one(self, count: int, m: int, tokens: int, baseline: Optional[str],
-            options: dict, state: bool = True) -> Estimate:
+            state: bool = True) -> Estimate:
         """The estimate at ``count`` GPUs in shard groups of ``m``; ``state=False``: without
         the optimizer's state, a lower bound of the memory (what fits so does not, first)."""
         if count % m:
             raise ValueError(f"sweep: shard={m} does not divide {count} GPUs")
-        model = self.part(0, m, (m,) if m == count else (count // m, m), state)
-        experts = None
-        if self.ep > 1:
-            data = count // self.ep
-            em = math.gcd(m, data)
-            experts = self.part(1, em, (em,) if em == data else (data // em, em), state)
-        return predict(model, experts, self.ep if experts else None, hw=self.prof,
-                       muon=self.optimizer == "muon", tokens_per_rank=tokens,
-                       baseline=baseline, **options)
+        model = self.part(0, m, count, state)
+        data = count // self.ep
+        experts = self.part(1, math.gcd(m, data), data, state) if self.ep > 1 else None
+        return predict(model, experts, replace(self.o, tokens_per_rank=tokens, baseline=baseline,
+                                               ep=self.ep if experts else None))
 
-    def rows(self, gpus, shard, tokens_per_gpu, global_tokens, vs, options) -> list:
+    def rows(self, gpus, shard, tokens_of, vs) -> list:
         out = []
         for count in gpus:
-            tokens = tokens_per_gpu or (global_tokens // count if global_tokens else 4096)
+            tokens = tokens_of(count)
             best = None  # the estimate at m, where the search made it
             if shard is not None:
                 m = min(shard, count)
             else:  # the smallest that fits, else the largest
-                for m in shard_sizes(count, self.prof.gpus_per_node):
+                for m in shard_sizes(count, self.o.hw.gpus_per_node):
                     best = None
-                    if self.one(count, m, tokens, None, options, state=False).fits:
-                        best = self.one(count, m, tokens, None, options)
+                    if self.one(count, m, tokens, None, state=False).fits:
+                        best = self.one(count, m, tokens, None)
                         if best.fits:
                             break
-            out.append(("vfsdp", best or self.one(count, m, tokens, None, options)))
-            out.extend((s, self.one(count, m, tokens, s, options)) for s in vs)
+            out.append(("vfsdp", best or self.one(count, m, tokens, None)))
+            out.extend((s, self.one(count, m, tokens, s)) for s in vs)
         return out

@@ -67,8 +67,6 @@ class Schedule:
 
     step: float       # seconds from the first gather to the end of the optimizer
     compute: float    # seconds of compute (forward and backward)
-    comm: float       # seconds of collectives
-    exposed: float    # seconds the compute lane waited on the collectives
     optimizer: float  # seconds of the optimizer
 
 
@@ -85,31 +83,24 @@ def step_schedule(rest: list, layers: list, optimizer: float, prefetch: bool = T
         reshard_after_forward: As ``run_layers``'.
     """
     comm_free = 0.0  # when the communication lane is next free
-    now = 0.0        # the compute lane
-    comm_total = sum(g + r for g, _, _, r in rest + layers)
-    comm_total += sum(g for g, _, _, _ in layers[:-1]) if reshard_after_forward else 0.0
+    fwd, bwd = (sum(unit[k] for unit in rest) / 2 for k in (1, 2))  # the whole-step units' halves
 
     def issue(at: float, seconds: float) -> float:
         nonlocal comm_free
         comm_free = max(comm_free, at) + seconds
         return comm_free
 
-    ready = [issue(0.0, g) for g, _, _, _ in rest]
-    now = max([now] + ready)
-    now += sum(f for _, f, _, _ in rest) / 2
+    now = max([0.0] + [issue(0.0, g) for g, _, _, _ in rest]) + fwd  # the compute lane
     done = {}
     n = len(layers)
     if n:
         done[0] = issue(now, layers[0][0])
     for i in range(n):  # forward
         start = max(now, done[i])
-        if i + 1 < n and prefetch:
-            done[i + 1] = issue(start, layers[i + 1][0])
         now = start + layers[i][1]
-        if i + 1 < n and not prefetch:
-            done[i + 1] = issue(now, layers[i + 1][0])
-    now += sum(f for _, f, _, _ in rest) / 2
-    now += sum(b for _, _, b, _ in rest) / 2  # the head's backward
+        if i + 1 < n:
+            done[i + 1] = issue(start if prefetch else now, layers[i + 1][0])
+    now = now + fwd + bwd  # the head's forward, then backward (in this order)
     ready = dict.fromkeys(range(n), 0.0) if not reshard_after_forward else {n - 1: 0.0}
     last_reduce = 0.0
     for i in range(n - 1, -1, -1):  # backward
@@ -120,10 +111,8 @@ def step_schedule(rest: list, layers: list, optimizer: float, prefetch: bool = T
             ready[i - 1] = issue(start, layers[i - 1][0])
         now = start + layers[i][2]
         last_reduce = issue(now, layers[i][3])
-    now += sum(b for _, _, b, _ in rest) / 2  # the embedding's backward
+    now += bwd  # the embedding's backward
     for _, _, _, r in rest:
         last_reduce = issue(now, r)
-    compute = sum(f + b for _, f, b, _ in rest + layers)
-    start_opt = max(now, last_reduce)
-    step = start_opt + optimizer
-    return Schedule(step, compute, comm_total, step - compute - optimizer, optimizer)
+    return Schedule(max(now, last_reduce) + optimizer, sum(f + b for _, f, b, _ in rest + layers),
+                    optimizer)

@@ -200,7 +200,7 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
             with torch.no_grad():
                 gdb.ensure_shard().zero_()
     with torch.no_grad():
-        tp.zero_many(zero)
+        tp.foreach("zero_", zero)
     # the compiled path's anchors and accumulators
     for u in units:
         drop_traced_grads(u.unit.traced, keep=not set_to_none)

@@ -137,8 +137,8 @@ def _scatter(x: torch.Tensor, ax: Axis, dim: int, sizes: Sequence[int]) -> torch
     width = max(sizes) * inner
     chunks = moved.split(list(sizes), 0)
     send = moved.new_zeros(ax.size * width)
-    tp.copy_many([send[r * width:r * width + c.numel()] for r, c in enumerate(chunks)],
-                 [c.reshape(-1) for c in chunks])
+    tp.foreach("copy_", [send[r * width:r * width + c.numel()] for r, c in enumerate(chunks)],
+               [c.reshape(-1) for c in chunks])
     out = moved.new_empty(width)
     with tp.functorch_paused():
         comm.reduce_scatter_into(out, send, "sum", ax.group)

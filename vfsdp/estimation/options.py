@@ -1,0 +1,82 @@
+"""The options of one estimated step: one frozen :class:`Options`, checked once where
+:func:`~vfsdp.estimation.estimate` or :func:`~vfsdp.estimation.sweep` takes its keywords."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from vfsdp.estimation.checks import count, rate
+from vfsdp.estimation.hardware import Hardware, hardware
+
+__all__ = ["Options", "GiB"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Options:
+    """:func:`~vfsdp.estimation.estimate`'s keywords (see there), with ``hw`` resolved to its
+    :class:`~vfsdp.estimation.hardware.Hardware` and ``muon``: whether the optimizer is Muon
+    (its Newton-Schulz FLOPs).
+
+    Raises:
+        ValueError: a value no step can have, naming the argument.
+
+    Example:
+        >>> Options(hw="h800", tokens_per_rank=8192).hw.name
+        'h800'
+    """
+
+    hw: Union[str, Hardware] = "h100"
+    muon: bool = False
+    param_dtype: Optional[torch.dtype] = torch.bfloat16
+    reduce_dtype: Optional[torch.dtype] = None
+    prefetch: bool = True
+    reshard_after_forward: bool = True
+    tokens_per_rank: int = 4096
+    costs: Optional[Mapping] = None
+    experts_per_token: Optional[int] = None
+    seq: Optional[int] = None
+    recompute: Union[bool, str] = False
+    allocator_fraction: float = 0.05
+    comm_library_bytes: int = 2 * GiB
+    baseline: Optional[str] = None
+    model_parallel: Optional[str] = None
+    layers: Optional[list] = None
+    ep: Optional[int] = None
+    micro_batches: int = 1
+    grad_sync: bool = True
+    float8: bool = False
+    logits_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hw", hardware(self.hw))
+        for name in ("tokens_per_rank", "experts_per_token", "seq", "ep", "micro_batches"):
+            count("estimate", name, getattr(self, name), optional=name in ("experts_per_token",
+                                                                          "seq", "ep"))
+        for name in ("allocator_fraction", "comm_library_bytes"):
+            rate("estimate", name, getattr(self, name), zero=True)
+        for name in ("param_dtype", "reduce_dtype", "logits_dtype"):
+            dtype = getattr(self, name)
+            if not isinstance(dtype, torch.dtype) and (dtype is not None or name == "logits_dtype"):
+                raise ValueError(f"estimate: {name} must be a torch.dtype (None too, but for "
+                                 f"logits_dtype), got {dtype!r}")
+        if not (self.recompute is True or self.recompute is False
+                or self.recompute in ("full", "selective")):
+            raise ValueError(f"estimate: recompute must be False, True, 'full' or 'selective', "
+                             f"got {self.recompute!r}")
+        if self.baseline not in (None, "fsdp2", "megatron"):
+            raise ValueError(f"estimate: unknown baseline {self.baseline!r}; pass 'fsdp2' or "
+                             f"'megatron'")
+        if self.tokens_per_rank % self.micro_batches:
+            raise ValueError(f"estimate: micro_batches={self.micro_batches} does not divide "
+                             f"tokens_per_rank={self.tokens_per_rank}; pass the step's tokens, "
+                             f"a multiple")
+        for name in ("grad_sync", "float8"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"estimate: {name} must be True or False, got "
+                                 f"{getattr(self, name)!r}")

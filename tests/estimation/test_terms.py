@@ -7,6 +7,7 @@ import torch
 import vfsdp
 from vfsdp.cli import main
 from vfsdp.estimation import hardware
+from vfsdp.estimation.memory import baseline_sizes
 from vfsdp.estimation.timing import links
 
 GiB = 2**30
@@ -42,9 +43,15 @@ def test_micro_batches_regather_and_reduce_each_unless_grad_sync_is_off():
     assert sync.comm_bytes["all_gather"] == 4 * one.comm_bytes["all_gather"]
     assert sync.comm_bytes["reduce_scatter"] == 4 * one.comm_bytes["reduce_scatter"]
     assert nosync.comm_bytes["reduce_scatter"] == one.comm_bytes["reduce_scatter"]
-    # without sync every unit's whole gradient is held in the reduce dtype (fp32 here)
-    numel = sum(u.padded_numel for u in spec.units.values())
-    assert nosync.memory["gradients"] - sync.memory["gradients"] == 4 * numel
+    # without sync every unit's whole gradient is held: in vfsdp in the parameters' dtype
+    # (as torch's .grad), in FSDP2 in the reduce dtype (fp32 here)
+    units = spec.units.values()
+    held = sum(u.padded_numel * u.dtype.itemsize for u in units)
+    assert nosync.memory["gradients"] - sync.memory["gradients"] == held
+    fsdp2 = [vfsdp.estimate(spec, tokens_per_rank=8192, micro_batches=4, grad_sync=s,
+                            reduce_dtype=torch.float32, baseline="fsdp2") for s in (True, False)]
+    padded = sum(u.world_size * baseline_sizes(spec.units, "fsdp2")[k] for k, u in spec.units.items())
+    assert fsdp2[1].memory["gradients"] - fsdp2[0].memory["gradients"] == 4 * padded
     assert sync.tokens_per_rank == nosync.tokens_per_rank == 8192
     assert small.step_s * 4 == pytest.approx(sync.step_s, rel=0.3)
     assert nosync.step_s <= sync.step_s

@@ -50,6 +50,7 @@ class UnitBytes:
     reduce_in: int    # the reduce-scatter input
     stage_shard: int  # the staging buffer's shard (a reduction dtype other than the params')
     grad_shard: int   # the reduced gradient shard
+    accum: int        # grad_sync=False's accumulator: the full unit in the parameters' dtype
 
 
 def baseline_padding(u: UnitLayout, system: str) -> int:
@@ -83,7 +84,7 @@ def unit_bytes(units: Mapping[Any, UnitLayout], param_dtype: Optional[torch.dtyp
         r = r_dtype.itemsize
         S, m = (sizes or {}).get(key, u.shard_numel), u.world_size
         out.append(UnitBytes(key, S * p, m * S * c, m * S * r,
-                             S * r if r_dtype != u.dtype else 0, S * p))
+                             S * r if r_dtype != u.dtype else 0, S * p, m * S * p))
     return out
 
 

@@ -107,7 +107,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             ``tokens_per_rank``: each gathers the units again; activations are one's.
         grad_sync: With ``micro_batches``, whether each reduces its gradients (FSDP's
             default); ``False``: only the last does, and every unit's whole gradient is held
-            in the reduce dtype across them (as ``grad_sync=False`` does in vfsdp).
+            across them: in the parameters' dtype (vfsdp's ``grad_sync=False``), or in the
+            reduce dtype for the FSDP2 and Megatron-FSDP baselines.
         float8: Float8 weight matmuls (twice the bf16 rate; attention stays in bf16) and
             float8 all-gathers (one byte per weight crosses the links).
         logits_dtype: The dtype the loss's softmax and its gradient are in (the default

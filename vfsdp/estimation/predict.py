@@ -220,7 +220,9 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     events = timeline(ub, layers, o.prefetch, o.reshard_after_forward,
                       {k: c.activation_bytes for k, c in per_unit.items()},
                       {k: c.recompute_bytes for k, c in per_unit.items()})
-    held = 0 if o.grad_sync or steps == 1 else sum(u.reduce_in for u in ub)
+    # no sync: whole gradients held, in the parameters' dtype (vfsdp) or the reduce dtype
+    held = 0 if o.grad_sync or steps == 1 else sum(
+        u.reduce_in if baseline in ("fsdp2", "megatron") else u.accum for u in ub)
     top, at, kinds = peak(shards + state + held, events)  # no sync: whole gradients held
     kinds["gradients"] += held
     if baseline == "fsdp2" and ub:  # copy-out beside the all-gather's output, and the

@@ -5,7 +5,7 @@ reference semantics every primitive is tested against.
 * probes: :class:`CopyCounter` (copies and ops at the dispatcher), :class:`GatheredProbe`
   (units gathered at once), :class:`LiveBytes` (peak live storage);
 * references (loops over ranks, no process group): placements (``split_reference``,
-  ``assemble_reference``), pytrees (``shard_reference``, ``scatter_reference``,
+  ``assemble_reference``), pytrees (``shard_reference``,
   ``gather_reference``, ``unit_buffer_reference``) and the reduce-scatter
   (``reduce_scatter_reference``);
 * ``vfsdp.testing.strategies``: hypothesis strategies (needs ``hypothesis``; import it
@@ -15,7 +15,6 @@ reference semantics every primitive is tested against.
 from vfsdp.collectives.reference import reduce_scatter_reference
 from vfsdp.functional.reference import (
     gather_reference,
-    scatter_reference,
     shard_reference,
     unit_buffer_reference,
 )
@@ -34,7 +33,6 @@ __all__ = [
     "assemble_reference",
     "gather_reference",
     "reduce_scatter_reference",
-    "scatter_reference",
     "shard_reference",
     "simulate",
     "spawn",

@@ -74,13 +74,6 @@ def tp_rule(cfg: GPTConfig) -> Callable[[tuple], Any]:
     return rule
 
 
-def _local_heads(cfg: GPTConfig, n: int, what: str) -> tuple[int, int]:
-    if cfg.heads % n or cfg.kv_heads % n:
-        raise ValueError(f"{what}: {cfg.heads} heads and {cfg.kv_heads} kv heads do not split "
-                         f"over {n} tensor-parallel ranks; both must be multiples of {n}")
-    return cfg.heads // n, cfg.kv_heads // n
-
-
 def block_tp(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = None,
              axis: str = "tp") -> torch.Tensor:
     """One decoder block on this rank's tensor-parallel pieces (:func:`tp_rule`'s).
@@ -120,9 +113,13 @@ def block_tp(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = Non
         >>> vfsdp.testing.simulate(2, body)
         [True, True]
     """
-    heads, kv_heads = _local_heads(cfg, lax.axis_size(axis, mesh=mesh), "block_tp")
+    n = lax.axis_size(axis, mesh=mesh)
+    if cfg.heads % n or cfg.kv_heads % n:
+        raise ValueError(f"block_tp: {cfg.heads} heads and {cfg.kv_heads} kv heads do not split "
+                         f"over {n} tensor-parallel ranks; both must be multiples of {n}")
     h = lax.pvary(_rms(x, p["attn_norm"]), axis, mesh=mesh)
-    x = x + lax.row_parallel(_heads(h, p, cfg, heads, kv_heads), p["wo"], axis, mesh=mesh)
+    x = x + lax.row_parallel(_heads(h, p, cfg, cfg.heads // n, cfg.kv_heads // n), p["wo"], axis,
+                             mesh=mesh)
     h = _rms(x, p["mlp_norm"])
     if "experts" in p:  # replicated over the axis: every rank computes the whole mixture
         return x + mixture(p, h, cfg)

@@ -34,11 +34,8 @@ def split_reference(full: torch.Tensor, placement: Placement) -> list[torch.Tens
         [[0.0, 1.0], [], [2.0, 3.0, 4.0, 5.0]]
     """
     flat = full.reshape(-1)
-    pieces = []
-    for rank in range(placement.world_size):
-        start, stop = flat_range(placement, full.shape, rank)
-        pieces.append(flat[start:stop].clone().reshape(local_shape(placement, full.shape, rank)))
-    return pieces
+    return [flat[slice(*flat_range(placement, full.shape, r))].clone()
+            .reshape(local_shape(placement, full.shape, r)) for r in range(placement.world_size)]
 
 
 def assemble_reference(
@@ -70,7 +67,4 @@ def assemble_reference(
             raise ValueError(
                 f"piece {rank} has {piece.numel()} elements, placement expects {stop - start}"
             )
-    dtype = pieces[0].dtype if pieces else torch.float32
-    flat = (torch.cat([p.reshape(-1) for p in pieces]) if pieces
-            else torch.empty(0, dtype=dtype))  # cpu: reference, nothing to take a device from
-    return flat.reshape(tuple(shape))
+    return torch.cat([p.reshape(-1) for p in pieces]).reshape(tuple(shape))  # world size >= 1

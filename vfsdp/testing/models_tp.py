@@ -64,12 +64,7 @@ def tp_rule(cfg: GPTConfig) -> Callable[[tuple], Any]:
     def rule(path: tuple) -> Any:
         if "experts" in path or not path:
             return Replicate()
-        name = path[-1]
-        if name in _COLUMNS:
-            return Shard(1)
-        if name in _ROWS:
-            return Shard(0)
-        return Replicate()
+        return Shard(1) if path[-1] in _COLUMNS else Shard(0) if path[-1] in _ROWS else Replicate()
 
     return rule
 
@@ -170,15 +165,12 @@ def split_experts(params: dict) -> tuple[dict, dict]:
         >>> "experts" in rest["layers"][0], sorted(experts["layers"][0]["experts"])
         (False, ['w_down', 'w_gate', 'w_up'])
     """
-    rest_layers, expert_layers = [], []
-    for i, layer in enumerate(params["layers"]):
+    layers = params["layers"]
+    for i, layer in enumerate(layers):
         if "experts" not in layer:
             raise ValueError(f"split_experts: layer {i} has no experts (GPTConfig(experts=E))")
-        rest_layers.append({k: v for k, v in layer.items() if k != "experts"})
-        expert_layers.append({"experts": layer["experts"]})
-    rest = {k: v for k, v in params.items() if k != "layers"}
-    rest["layers"] = rest_layers
-    return rest, {"layers": expert_layers}
+    rest = dict(params, layers=[{k: v for k, v in layer.items() if k != "experts"} for layer in layers])
+    return rest, {"layers": [{"experts": layer["experts"]} for layer in layers]}
 
 
 def block_ep(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = None,

@@ -3,7 +3,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vfsdp.collectives import all_gather_reference, all_reduce_reference, reduce_scatter_reference
+from tests.collectives.reference import all_gather_reference, all_reduce_reference
+from vfsdp.collectives import reduce_scatter_reference
 
 
 @given(st.integers(1, 9), st.integers(0, 5), st.sampled_from(["sum", "avg"]))

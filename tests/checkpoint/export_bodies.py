@@ -9,8 +9,9 @@ import torch.distributed as dist
 import vfsdp
 import vfsdp.checkpoint as ckpt
 from tests.checkpoint import bodies
+from tests.testing.models import TorchGPT
 from vfsdp.testing import GatheredProbe
-from vfsdp.testing.models import GPTConfig, TorchGPT, init_rule, loss_fn, meta_params
+from vfsdp.testing.models import GPTConfig, init_rule, loss_fn, meta_params
 
 CFG = GPTConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, ffn=48, seq=16)
 

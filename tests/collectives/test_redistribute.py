@@ -5,8 +5,8 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.collectives.reference import flat_redistribute_reference
 from vfsdp.collectives.redistribute import flat_redistribute, shard0_range
-from vfsdp.collectives.reference import flat_redistribute_reference
 from vfsdp.testing import simulate, spawn
 from vfsdp.testing.strategies import compositions
 

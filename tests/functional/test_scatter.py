@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vfsdp
+from tests.functional.reference import scatter_reference
 from vfsdp.collectives import counts, reset_counts
 from vfsdp.functional import match_tree
-from vfsdp.testing import scatter_reference, shard_reference, simulate, spawn
+from vfsdp.testing import shard_reference, simulate, spawn
 from vfsdp.testing import strategies as vst
 
 

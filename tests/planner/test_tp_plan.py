@@ -10,13 +10,9 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
 import vfsdp
+from tests.placements.reference import strided_assemble_reference, strided_split_reference
 from vfsdp.collectives.piece import tensor_piece
-from vfsdp.placements import (
-    StridedRaggedShard,
-    split_lengths,
-    strided_assemble_reference,
-    strided_split_reference,
-)
+from vfsdp.placements import StridedRaggedShard, split_lengths
 from vfsdp.testing.strategies import shapes
 
 

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vfsdp
+from tests.spmd import lax_reference as ref
 from vfsdp import lax
-from vfsdp.spmd import lax_reference as ref
 from vfsdp.testing import RankError, simulate
 
 REPLICATED = {"psum", "pmean"}  # outputs replicated: one shared cotangent, counted once

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vfsdp
+from tests.spmd import lax_reference as ref
 from vfsdp import lax
-from vfsdp.spmd import lax_reference as ref
 from vfsdp.testing import RankError, simulate
 
 MESHES = [((("a", 2), ("b", 2))), (("a", 1), ("b", 4)), (("a", 4), ("b", 1)),

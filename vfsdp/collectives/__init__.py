@@ -9,12 +9,7 @@ from vfsdp.collectives.dbuffer import DBuffer, Role, Slot, View, slot_of
 from vfsdp.collectives.mirror import HostMirror
 from vfsdp.collectives.piece import Piece
 from vfsdp.collectives.redistribute import Redistribution, flat_redistribute
-from vfsdp.collectives.reference import (
-    all_gather_reference,
-    all_reduce_reference,
-    flat_redistribute_reference,
-    reduce_scatter_reference,
-)
+from vfsdp.collectives.reference import reduce_scatter_reference
 from vfsdp.collectives.scatter import scatter_unit
 from vfsdp.collectives.unit import IllegalTransitionError, Unit, UnitState
 
@@ -33,11 +28,8 @@ __all__ = [
     "View",
     "agree",
     "agreed",
-    "all_gather_reference",
-    "all_reduce_reference",
     "counts",
     "flat_redistribute",
-    "flat_redistribute_reference",
     "host_groups",
     "reduce_scatter_reference",
     "reset_counts",

@@ -11,7 +11,6 @@ from vfsdp.functional.options import GatherOptions, GradOptions, Policy
 from vfsdp.functional.reduce import reduce_scatter
 from vfsdp.functional.reference import (
     gather_reference,
-    scatter_reference,
     shard_reference,
     unit_buffer_reference,
 )
@@ -39,7 +38,6 @@ __all__ = [
     "release",
     "run_layers",
     "scatter",
-    "scatter_reference",
     "shard",
     "shard_reference",
     "unit_buffer_reference",

@@ -5,9 +5,6 @@
 * ``shard_reference(params, spec)``: what every rank holds: ``result[r]`` mirrors ``params``,
   with rank ``r``'s local piece (a tensor of its placement's local shape) at every tensor leaf.
 * ``gather_reference(per_rank, spec)``: the full tree back from the per-rank pieces.
-* ``scatter_reference(params, spec)``: what :func:`vfsdp.scatter` gives each rank, computed
-  through the units' global buffers (pack, cut into ``m`` equal shards, read each tensor's
-  piece at its ``shard_range``): an independent route to ``shard_reference``'s answer.
 
 The distributed implementations are tested against these.
 """
@@ -26,7 +23,7 @@ from vfsdp.placements.reference import assemble_reference
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import PASSTHROUGH, ShardSpec, TensorSpec
 
-__all__ = ["unit_buffer_reference", "shard_reference", "gather_reference", "scatter_reference"]
+__all__ = ["unit_buffer_reference", "shard_reference", "gather_reference"]
 
 
 def unit_buffer_reference(params: Any, spec: ShardSpec, key: Hashable) -> torch.Tensor:
@@ -129,38 +126,3 @@ def gather_reference(per_rank: Sequence[Any], spec: ShardSpec) -> Any:
         pieces = [leaves[i] for leaves in rank_leaves]
         out.append(assemble_reference(pieces, s.placement, s.shape))
     return optree.tree_unflatten(spec.treespec, out)
-
-
-def scatter_reference(params: Any, spec: ShardSpec) -> list[Any]:
-    """Every rank's shards after :func:`vfsdp.scatter`, one tree per rank, by way of the
-    units' global buffers.
-
-    Args:
-        params: Full tensors, shaped like the spec's tree.
-        spec: The plan (every unit whole).
-
-    Returns:
-        ``[tree of rank 0, ..., tree of rank m-1]``.
-
-    Raises:
-        ValueError: a tree, shape or dtype mismatch (naming the path).
-
-    Example:
-        >>> spec = vfsdp.plan({"a": torch.empty(3), "b": torch.empty(2, 2)}, 2)
-        >>> [{k: v.tolist() for k, v in t.items()}
-        ...  for t in scatter_reference({"a": torch.arange(3.0), "b": torch.ones(2, 2)}, spec)]
-        [{'a': [0.0, 1.0, 2.0], 'b': [1.0]}, {'a': [], 'b': [1.0, 1.0, 1.0]}]
-    """
-    leaves = match_tree(params, spec, "scatter_reference")
-    per_rank = [list(leaves) for _ in range(spec.world_size)]
-    for key, members in spec.unit_leaves().items():
-        layout = spec.units[key]
-        buf = unit_buffer_reference(params, spec, key)
-        s = layout.shard_numel
-        for r in range(spec.world_size):
-            shard = buf[r * s:(r + 1) * s]
-            for i, k in members:
-                t = layout.tensors[k]
-                lo, hi = t.shard_range(r)
-                per_rank[r][i] = shard[lo:hi].clone().reshape(local_shape(t.placement, t.shape, r))
-    return [optree.tree_unflatten(spec.treespec, leaves_r) for leaves_r in per_rank]

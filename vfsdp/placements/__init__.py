@@ -8,12 +8,7 @@ from vfsdp.placements.ragged import (
     local_shape,
     validate_placement,
 )
-from vfsdp.placements.reference import (
-    assemble_reference,
-    split_reference,
-    strided_assemble_reference,
-    strided_split_reference,
-)
+from vfsdp.placements.reference import assemble_reference, split_reference
 from vfsdp.placements.strided import StridedRaggedShard, split_lengths
 
 __all__ = [
@@ -27,6 +22,4 @@ __all__ = [
     "assemble_reference",
     "StridedRaggedShard",
     "split_lengths",
-    "strided_split_reference",
-    "strided_assemble_reference",
 ]

@@ -37,7 +37,7 @@ NCCL and ``vfsdp.testing.simulate``. Each backward is made of these differentiab
 (psum's of pvary, pvary's of psum, all_gather's of psum_scatter and back, all_to_all's of
 all_to_all), so double backward (``create_graph=True``) differentiates through them. The mesh
 is ``mesh=`` or the innermost ``with use_mesh(m):``. Reference semantics (a loop over ranks):
-:mod:`vfsdp.spmd.lax_reference`. In a :func:`vfsdp.shard_map` body (``check_vma``) a
+``tests/spmd/lax_reference.py``. In a :func:`vfsdp.shard_map` body (``check_vma``) a
 collective of a value invariant over its axes ``pvary``-s it first, as JAX's (``"strict"``:
 an error); a ``pvary`` of a varying value is refused (:mod:`vfsdp.spmd.vma`).
 

@@ -5,28 +5,20 @@ reference semantics every primitive is tested against.
 * probes: :class:`CopyCounter` (copies and ops at the dispatcher), :class:`GatheredProbe`
   (units gathered at once), :class:`LiveBytes` (peak live storage);
 * references (loops over ranks, no process group): placements (``split_reference``,
-  ``assemble_reference``), pytrees (``shard_reference``, ``scatter_reference``,
-  ``gather_reference``, ``unit_buffer_reference``) and collectives
-  (``all_gather_reference``, ``reduce_scatter_reference``, ``all_reduce_reference``,
-  ``flat_redistribute_reference``);
+  ``assemble_reference``), pytrees (``shard_reference``,
+  ``gather_reference``, ``unit_buffer_reference``) and the reduce-scatter
+  (``reduce_scatter_reference``);
 * ``vfsdp.testing.strategies``: hypothesis strategies (needs ``hypothesis``; import it
   explicitly).
 """
 
-from vfsdp.collectives.reference import (
-    all_gather_reference,
-    all_reduce_reference,
-    flat_redistribute_reference,
-    reduce_scatter_reference,
-)
+from vfsdp.collectives.reference import reduce_scatter_reference
 from vfsdp.functional.reference import (
     gather_reference,
-    scatter_reference,
     shard_reference,
     unit_buffer_reference,
 )
 from vfsdp.placements.reference import assemble_reference, split_reference
-from vfsdp.spmd import lax_reference
 from vfsdp.testing.counters import CopyCounter
 from vfsdp.testing.memory import GatheredProbe, LiveBytes
 from vfsdp.testing.runners import RankError
@@ -38,14 +30,9 @@ __all__ = [
     "GatheredProbe",
     "LiveBytes",
     "RankError",
-    "all_gather_reference",
-    "all_reduce_reference",
     "assemble_reference",
-    "flat_redistribute_reference",
     "gather_reference",
-    "lax_reference",
     "reduce_scatter_reference",
-    "scatter_reference",
     "shard_reference",
     "simulate",
     "spawn",

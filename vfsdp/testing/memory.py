@@ -39,7 +39,10 @@ def _unit_buffers(trees) -> list:
 
 
 class _Observing(TorchDispatchMode):
-    """A dispatch mode that also observes DBuffer events while it is active."""
+    """A dispatch mode that also observes DBuffer events while it is active, and samples before
+    and after every op (``_adds_outputs``: and counts the op's outputs with ``_add``)."""
+
+    _adds_outputs = False
 
     def __enter__(self):
         self._events = contextlib.ExitStack()
@@ -54,6 +57,15 @@ class _Observing(TorchDispatchMode):
 
     def on_event(self, event: str, db) -> None:
         raise NotImplementedError
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.sample()
+        out = func(*args, **(kwargs or {}))
+        if self._adds_outputs:
+            for t in (out if isinstance(out, (list, tuple)) else (out,)):
+                self._add(t)
+        self.sample()
+        return out
 
 
 class GatheredProbe(_Observing):
@@ -112,11 +124,6 @@ class GatheredProbe(_Observing):
         self.peak_units = max(self.peak_units, len(units))
         self.peak_bytes = max(self.peak_bytes, nbytes)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.sample()
-        out = func(*args, **(kwargs or {}))
-        self.sample()
-        return out
 
 
 class LiveBytes(_Observing):
@@ -131,6 +138,8 @@ class LiveBytes(_Observing):
         >>> live.peak, live.current
         (4096, 4096)
     """
+
+    _adds_outputs = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -182,14 +191,6 @@ class LiveBytes(_Observing):
         self.current = total
         self.peak = max(self.peak, total)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.sample()
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (list, tuple)) else (out,)):
-            self._add(t)
-        self.sample()
-        return out
-
 
 class BufferBytes(LiveBytes):
     """Peak bytes of vfsdp's own buffers: the DBuffers' shards and global buffers (parameters,
@@ -210,8 +211,4 @@ class BufferBytes(LiveBytes):
         48
     """
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.sample()
-        out = func(*args, **(kwargs or {}))
-        self.sample()
-        return out
+    _adds_outputs = False

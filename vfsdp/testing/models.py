@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
+import optree
 import torch
 import torch.nn.functional as F
 
@@ -33,7 +34,7 @@ from vfsdp.interop import init as vinit
 from vfsdp.testing import moe
 
 __all__ = ["GPTConfig", "meta_params", "init_rule", "block", "example_layer", "mixture", "embed",
-           "head_loss", "loss_fn", "GPTModule", "TorchGPT"]
+           "head_loss", "loss_fn", "GPTModule"]
 
 
 @dataclass(frozen=True)
@@ -203,13 +204,13 @@ class _Block(torch.nn.Module):
     def __init__(self, tree: dict, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.names = []
-        for name, value in _flat(tree):
+        paths, leaves, self.treespec = optree.tree_flatten_with_path(tree)
+        self.names = ["__".join(map(str, path)) for path in paths]  # experts__0__w_up
+        for name, value in zip(self.names, leaves):
             self.register_parameter(name, torch.nn.Parameter(value.clone()))
-            self.names.append(name)
 
     def tree(self) -> dict:
-        return _unflat({n: getattr(self, n) for n in self.names})
+        return optree.tree_unflatten(self.treespec, [getattr(self, n) for n in self.names])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return block(self.tree(), x, self.cfg)
@@ -230,74 +231,3 @@ class GPTModule(torch.nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return head_loss(io, x, targets)
-
-
-def _flat(tree: dict, prefix: str = "") -> list:
-    out = []
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out += _flat(v, f"{prefix}{k}__")
-        elif isinstance(v, list):
-            for i, item in enumerate(v):
-                out += _flat(item, f"{prefix}{k}__{i}__")
-        else:
-            out.append((f"{prefix}{k}", v))
-    return out
-
-
-def _unflat(named: dict) -> Any:
-    root: dict = {}
-    for name, v in named.items():
-        node, parts = root, name.split("__")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = v
-
-    def lists(node):
-        if not isinstance(node, dict):
-            return node
-        out = {k: lists(v) for k, v in node.items()}
-        if out and all(k.isdigit() for k in out):
-            return [out[str(i)] for i in range(len(out))]
-        return out
-
-    return lists(root)
-
-
-class TorchGPT(torch.nn.Module):
-    """The model as a plain ``nn.Module`` whose ``state_dict`` keys are the parameter tree's
-    dotted paths (``io.embed``, ``layers.0.wq``, ...): what ``vfsdp.checkpoint.to_state_dict``
-    exports loads into it with ``load_state_dict``."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        tree = meta_params(cfg)
-        self.io = _holder(tree["io"])
-        self.layers = torch.nn.ModuleList(_holder(p) for p in tree["layers"])
-
-    def tree(self) -> dict:
-        return {"io": _read(self.io), "layers": [_read(m) for m in self.layers]}
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return loss_fn(self.tree(), tokens, targets, self.cfg)
-
-
-def _holder(node: dict) -> torch.nn.Module:
-    mod = torch.nn.Module()
-    for k, v in node.items():
-        if isinstance(v, list):
-            mod.add_module(k, torch.nn.ModuleList(_holder(x) for x in v))
-        elif isinstance(v, dict):  # stacked experts
-            mod.add_module(k, _holder(v))
-        else:
-            mod.register_parameter(k, torch.nn.Parameter(torch.zeros(v.shape)))  # cpu: holder
-    return mod
-
-
-def _read(mod: torch.nn.Module) -> dict:
-    out: dict = dict(mod.named_parameters(recurse=False))
-    for k, child in mod.named_children():
-        out[k] = ([_read(x) for x in child] if isinstance(child, torch.nn.ModuleList)
-                  else _read(child))
-    return out

@@ -64,21 +64,9 @@ def tp_rule(cfg: GPTConfig) -> Callable[[tuple], Any]:
     def rule(path: tuple) -> Any:
         if "experts" in path or not path:
             return Replicate()
-        name = path[-1]
-        if name in _COLUMNS:
-            return Shard(1)
-        if name in _ROWS:
-            return Shard(0)
-        return Replicate()
+        return Shard(1) if path[-1] in _COLUMNS else Shard(0) if path[-1] in _ROWS else Replicate()
 
     return rule
-
-
-def _local_heads(cfg: GPTConfig, n: int, what: str) -> tuple[int, int]:
-    if cfg.heads % n or cfg.kv_heads % n:
-        raise ValueError(f"{what}: {cfg.heads} heads and {cfg.kv_heads} kv heads do not split "
-                         f"over {n} tensor-parallel ranks; both must be multiples of {n}")
-    return cfg.heads // n, cfg.kv_heads // n
 
 
 def block_tp(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = None,
@@ -120,9 +108,13 @@ def block_tp(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = Non
         >>> vfsdp.testing.simulate(2, body)
         [True, True]
     """
-    heads, kv_heads = _local_heads(cfg, lax.axis_size(axis, mesh=mesh), "block_tp")
+    n = lax.axis_size(axis, mesh=mesh)
+    if cfg.heads % n or cfg.kv_heads % n:
+        raise ValueError(f"block_tp: {cfg.heads} heads and {cfg.kv_heads} kv heads do not split "
+                         f"over {n} tensor-parallel ranks; both must be multiples of {n}")
     h = lax.pvary(_rms(x, p["attn_norm"]), axis, mesh=mesh)
-    x = x + lax.row_parallel(_heads(h, p, cfg, heads, kv_heads), p["wo"], axis, mesh=mesh)
+    x = x + lax.row_parallel(_heads(h, p, cfg, cfg.heads // n, cfg.kv_heads // n), p["wo"], axis,
+                             mesh=mesh)
     h = _rms(x, p["mlp_norm"])
     if "experts" in p:  # replicated over the axis: every rank computes the whole mixture
         return x + mixture(p, h, cfg)
@@ -173,15 +165,12 @@ def split_experts(params: dict) -> tuple[dict, dict]:
         >>> "experts" in rest["layers"][0], sorted(experts["layers"][0]["experts"])
         (False, ['w_down', 'w_gate', 'w_up'])
     """
-    rest_layers, expert_layers = [], []
-    for i, layer in enumerate(params["layers"]):
+    layers = params["layers"]
+    for i, layer in enumerate(layers):
         if "experts" not in layer:
             raise ValueError(f"split_experts: layer {i} has no experts (GPTConfig(experts=E))")
-        rest_layers.append({k: v for k, v in layer.items() if k != "experts"})
-        expert_layers.append({"experts": layer["experts"]})
-    rest = {k: v for k, v in params.items() if k != "layers"}
-    rest["layers"] = rest_layers
-    return rest, {"layers": expert_layers}
+    rest = dict(params, layers=[{k: v for k, v in layer.items() if k != "experts"} for layer in layers])
+    return rest, {"layers": [{"experts": layer["experts"]} for layer in layers]}
 
 
 def block_ep(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = None,

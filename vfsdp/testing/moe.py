@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
 
 from vfsdp.spmd import lax
 
@@ -66,8 +67,6 @@ def ep_rule(path: tuple) -> Any:
         >>> ep_rule(("experts", "w_up")), ep_rule(("router",))
         (Shard(dim=0), Replicate())
     """
-    from torch.distributed.tensor import Replicate, Shard
-
     return Shard(0) if path and path[-1] in ("w_gate", "w_up", "w_down") else Replicate()
 
 
@@ -82,11 +81,8 @@ def etp_rule(path: tuple) -> Any:
         >>> etp_rule(("experts", "w_up")), etp_rule(("experts", "w_down")), etp_rule(("router",))
         (Shard(dim=2), Shard(dim=1), Replicate())
     """
-    from torch.distributed.tensor import Replicate, Shard
-
-    name = path[-1] if path else None
-    return Shard(2) if name in ("w_gate", "w_up") else Shard(1) if name == "w_down" else (
-        Replicate())
+    return {"w_gate": Shard(2), "w_up": Shard(2), "w_down": Shard(1)}.get(path[-1] if path else None,
+                                                                        Replicate())
 
 
 def route(x: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ What still shares the process generator: CUDA generators (``simulate(device="cud
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import threading
@@ -59,19 +60,16 @@ _DROPOUTS = {
     torch.feature_dropout: ("feature", False),
     F.feature_alpha_dropout: ("feature", True), torch.feature_alpha_dropout: ("feature", True),
 }
-_TAKES_GENERATOR: dict = {}  # torch.nn.init function -> whether it has a generator parameter
 _ALPHA = 1.7580993408473766  # SELU's -alpha' (torch's alpha dropout constant)
 
 
+@functools.cache
 def _takes_generator(func) -> bool:
-    found = _TAKES_GENERATOR.get(func)
-    if found is None:
-        try:
-            found = "generator" in inspect.signature(func).parameters
-        except (TypeError, ValueError):
-            found = False
-        _TAKES_GENERATOR[func] = found
-    return found
+    """Whether a ``torch.nn.init`` function has a ``generator`` parameter."""
+    try:
+        return "generator" in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _dropout(func, g: torch.Generator, args, kwargs):
@@ -153,40 +151,19 @@ class RankRNG(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _mine():
-    return _GENERATORS.get(threading.get_ident())
+def _per_rank(name: str, method):
+    """torch's ``name`` acting on the calling rank thread's generator (torch's own elsewhere)."""
+    def per_rank(*args, **kwargs):
+        g = _GENERATORS.get(threading.get_ident())
+        return _PATCHED[name](*args, **kwargs) if g is None else method(g, *args, **kwargs)
+
+    return per_rank
 
 
-def _manual_seed(seed):
-    g = _mine()
-    if g is None:
-        return _PATCHED["manual_seed"](seed)
-    g.manual_seed(int(seed))
-    return g
-
-
-def _seed():
-    g = _mine()
-    return _PATCHED["seed"]() if g is None else g.seed()
-
-
-def _initial_seed():
-    g = _mine()
-    return _PATCHED["initial_seed"]() if g is None else g.initial_seed()
-
-
-def _get_rng_state():
-    g = _mine()
-    return _PATCHED["get_rng_state"]() if g is None else g.get_state()
-
-
-def _set_rng_state(state):
-    g = _mine()
-    return _PATCHED["set_rng_state"](state) if g is None else g.set_state(state)
-
-
-_REPLACEMENTS = {"manual_seed": _manual_seed, "seed": _seed, "initial_seed": _initial_seed,
-                 "get_rng_state": _get_rng_state, "set_rng_state": _set_rng_state}
+_REPLACEMENTS = {name: _per_rank(name, method) for name, method in {
+    "manual_seed": lambda g, seed: g.manual_seed(int(seed)), "seed": torch.Generator.seed,
+    "initial_seed": torch.Generator.initial_seed, "get_rng_state": torch.Generator.get_state,
+    "set_rng_state": torch.Generator.set_state}.items()}
 
 
 @contextlib.contextmanager

@@ -177,7 +177,9 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
             at += u.db.shard.numel()
     groups = group_matrices(matrices, wave_size, lambda m: tuple(m.spec.global_shape))
     waves, sends = plan_waves(groups, rank, spec.world_size, base)
-    cuts, index = cuts_of([r for wave in sends for r in wave], at)
+    vecs = tuple(v for v in vecs if v[3] > v[2])
+    cuts, index = cuts_of([r for wave in sends for r in wave]
+                          + [(base[key] + lo, base[key] + hi) for key, _, lo, hi in vecs], at)
     picked = iter(index)
     waves = tuple(replace(wave, send=tuple(next(picked) for _ in s))
                   for wave, s in zip(waves, sends))
@@ -186,7 +188,7 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
     state.stacks = [stack_state(len(w.stacked), tuple(w.matrices[0].spec.global_shape), dtype,
                                 device) for w in waves]
     state.kept["params"] = {u.key: u.db for u in units if u.key in paths}
-    state.kept["vectors"] = tuple(v for v in vecs if v[3] > v[2])
+    state.kept["vectors"] = vecs, tuple(picked)  # and their cuts of the workspace
     return state
 
 
@@ -216,18 +218,23 @@ def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
     leaves = grad_leaves(grads, spec, f"{what}.update")
     gflat = {key: flat_grads(leaves, units[key], f"{what}.update", plan.dtype)
              for key, _ in plan.units}
-    vecs = state.kept["vectors"]
-    vectors = ([units[key].db.shard[lo:hi] for key, _, lo, hi in vecs],
-               [gflat[key][lo:hi] for key, _, lo, hi in vecs],
-               [state.momentum[key].shard[lo:hi] for key, _, lo, hi in vecs],
-               [state.second[key].shard[lo:hi] for key, _, lo, hi in vecs])
-    targets, updates = [], []
-    if not plan.waves:
-        return [], [], vectors
-    first = next(iter(units.values())).db
-    group = first.groups.shard
+    if not plan.units:
+        return [], [], ([], [], [], [])
     work = torch.cat([gflat[key] for key, _ in plan.units])
     pieces = work.split_with_sizes(plan.cuts)
+    vecs, cuts = state.kept["vectors"]
+    shards = {key: u.db.shard for key, u in units.items()}
+    found = state.kept.get("vector views")
+    if found is None or any(found[0].get(k) is not x for k, x in shards.items()):
+        # made once: the shards are fixed tensors
+        found = state.kept["vector views"] = (shards, *(
+            [bufs[key][lo:hi] for key, _, lo, hi in vecs]
+            for bufs in (shards, *({k: b.shard for k, b in d.items()}
+                                   for d in (state.momentum, state.second)))))
+    ps, ms, vs = found[1:]
+    vectors = (ps, [pieces[i] for i in cuts], ms, vs)
+    targets, updates = [], []
+    group = next(iter(units.values())).db.groups.shard
     for w, wave in enumerate(plan.waves):
         recv = wave.to_roots.exchange(_cat([pieces[i] for i in wave.send], work), group)
         out = work.new_empty(0)

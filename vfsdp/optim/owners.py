@@ -40,7 +40,7 @@ from vfsdp.optim.base import (
     state_dtype,
     unit_buffers,
 )
-from vfsdp.optim.muon import Matrix, MuonPlan, MuonState, plan_roots
+from vfsdp.optim.muon import Matrix, MuonPlan, MuonState, _shape, _split, _whole, plan_roots
 from vfsdp.optim.muon_waves import cuts_of, group_matrices, plan_waves
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
@@ -97,7 +97,10 @@ class OwnedState(MuonState):
                 local = mine.get((db.key, k), {}).get(name)
                 if local is None:
                     local = torch.empty(0, dtype=plan.dtype, device=db.device)
-                return Piece(local, tuple(found[name]), 0, writer=writer and local.numel() > 0)
+                st = db.tensors[k].strided  # under TP, every index holds the same: one writes
+                first = st is None or st.index == 0
+                return Piece(local, tuple(found[name]), 0,
+                             writer=writer and first and local.numel() > 0)
             return pick
 
         return {"step": self.step, **{n: param_tree(units, spec, leaf(n)) for n in names}}
@@ -124,7 +127,7 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
 
     Raises:
         ValueError: a selected tensor that is neither a matrix nor (with ``vectors``) 1-D, a
-            matrix split over a model axis, or a frozen one (naming its path and the fix).
+            matrix split over a model axis the shards' mesh lacks (naming its path and the fix).
     """
     def kind(t: TensorSpec) -> str:
         if not math.prod(t.global_shape) or not selected(mask, t.path):
@@ -142,11 +145,6 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
                              f"partition label or no label) but is {why}, which it does not "
                              f"update; label it for another optimizer (e.g. adamw) with "
                              f"vfsdp.optim.partition")
-        if why == "matrix" and t.strided is not None and t.strided.size > 1 \
-                and t.strided.dim is not None:
-            raise ValueError(f"{what}: {format_path(t.path)} is split over the model axis "
-                             f"{t.strided.axis!r}; {what} does not support tensor parallelism "
-                             f"yet: label it for vfsdp.optim.muon or adamw")
     units = unit_buffers(shards, spec, f"{what}.init")
     state = OwnedState(new_count(units[0].db.device if units else "cpu"), {})
     dtype = torch.float32
@@ -168,6 +166,13 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
     roots = plan_roots([f[2] for f in found], spec.world_size)
     matrices = tuple(Matrix(key, k, t, root, *t.shard_range(rank))
                      for (key, k, t, rank), root in zip(found, roots))
+    split = next((m for m in matrices if _split(m)), None)
+    if split is not None and units[0].db.groups.model is None:  # on every rank, at init
+        axis = split.spec.strided.axis
+        raise ValueError(f"{what}: {format_path(split.spec.path)} is split over {axis!r}; "
+                         f"{what} needs the whole matrix, so vfsdp needs that axis' group: "
+                         f"shard with vfsdp.shard(params, spec, mesh=mesh) on the mesh with "
+                         f"{axis!r}, not its data sub-mesh")
     rank = units[0].db.rank if units else 0
     layout, base, at = [], {}, 0
     for u in units:
@@ -175,7 +180,7 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
             layout.append((u.key, u.db.shard.numel()))
             base[u.key] = at
             at += u.db.shard.numel()
-    groups = group_matrices(matrices, wave_size, lambda m: tuple(m.spec.global_shape))
+    groups = group_matrices(matrices, wave_size, _shape)
     waves, sends = plan_waves(groups, rank, spec.world_size, base)
     vecs = tuple(v for v in vecs if v[3] > v[2])
     cuts, index = cuts_of([r for wave in sends for r in wave]
@@ -234,19 +239,23 @@ def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
     ps, ms, vs = found[1:]
     vectors = (ps, [pieces[i] for i in cuts], ms, vs)
     targets, updates = [], []
-    group = next(iter(units.values())).db.groups.shard
+    groups = next(iter(units.values())).db.groups
     for w, wave in enumerate(plan.waves):
-        recv = wave.to_roots.exchange(_cat([pieces[i] for i in wave.send], work), group)
+        recv = wave.to_roots.exchange(_cat([pieces[i] for i in wave.send], work), groups.shard)
         out = work.new_empty(0)
         if wave.stacked:
             got = recv.split_with_sizes(wave.pieces)
-            shape = wave.matrices[wave.stacked[0]].spec.global_shape
-            o = rule(w, _cat([got[c] for c in wave.order], work).view(len(wave.stacked), *shape))
+            m = wave.matrices[wave.stacked[0]]
+            g = _cat([got[c] for c in wave.order], work).view(len(wave.stacked), *m.spec.shape)
+            o = rule(w, _whole(g, m, groups.model) if _split(m) else g)
+            if back and _split(m):  # this index's piece of the global updates
+                st = m.spec.strided
+                o = o.narrow(st.dim + 1, st.start, st.lengths[st.index])
             if back:
                 cut = o.reshape(-1).split_with_sizes(wave.out_cuts)
                 out = _cat([cut[c] for c in wave.out_send], work)
         if back:
-            got = wave.from_roots.exchange(out, group).split_with_sizes(wave.back)
+            got = wave.from_roots.exchange(out, groups.shard).split_with_sizes(wave.back)
             for (j, lo, hi), piece in zip(wave.targets, got):
                 targets.append((wave.matrices[j], lo, hi))
                 updates.append(piece)

@@ -14,6 +14,10 @@ with statistics ``L``, ``R`` and eigenbases ``QL``, ``QR`` (``x -> QL^T x QR`` p
   QR decomposition (in float32), ``v`` permuted to the new order of the eigenvalues;
 * a side longer than ``max_precondition_dim`` is not rotated (identity);
 * 1-D tensors take Adam with the same step size, on their shards.
+
+Under TP the owner of a matrix split over the model axis gathers its pieces (as Muon's root
+does), runs the rule on the global matrix and keeps its piece of the update: each index of
+the model axis holds the same state (index 0 writes it to checkpoints).
 """
 
 from __future__ import annotations
@@ -114,8 +118,8 @@ def soap(
         ValueError: a negative ``lr``, ``eps`` or ``weight_decay``, betas outside [0, 1), a
             ``precondition_frequency``, ``max_precondition_dim`` or ``wave_size`` below 1,
             an option vfsdp does not implement; from ``init``, a selected tensor of 3 or
-            more dimensions, or a matrix split over a model axis; from ``update``, under
-            ``torch.compile`` (Muon's words) or with a frozen tensor.
+            more dimensions, or a matrix split over a model axis the shards' mesh lacks; from
+            ``update``, under ``torch.compile`` (Muon's words) or with a frozen tensor.
 
     Example:
         >>> params = {"w": torch.randn(6, 4), "b": torch.zeros(6)}

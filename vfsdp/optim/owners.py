@@ -83,8 +83,9 @@ class OwnedState(MuonState):
                 if j in wave.stacked:
                     at = wave.stacked.index(j)
                     mine[(m.key, m.k)] = {n: s[at] for n, s in stacks.items()}
-        names = dict.fromkeys(["exp_avg", "exp_avg_sq", *(n for s in shapes.values() for n in s)])
         firsts = {"exp_avg": self.momentum, "exp_avg_sq": self.second}
+        names = dict.fromkeys([*(firsts if self.momentum else ()),
+                               *(n for s in shapes.values() for n in s)])
 
         def leaf(name: str) -> Callable:
             def pick(db, k):

@@ -6,7 +6,6 @@ import tempfile
 import optree
 import pytest
 import torch
-import torch.distributed as dist
 
 import vfsdp
 from tests.optim import test_soap as ts
@@ -109,16 +108,3 @@ def test_shampoo_resumes_bitwise_at_another_world_size():
     simulate(2, ts._train, None, 6, _opt(), path)
     for got, _ in simulate(3, ts._train, None, 12, _opt(), None, path, 7):
         assert all(torch.equal(a, b) for a, b in zip(got, whole))
-
-
-def test_shampoo_refuses_a_vector_by_name():
-    def body():
-        params = {"w": torch.ones(4, 4), "b": torch.ones(4)}
-        spec = vfsdp.plan(params, dist.get_world_size())
-        try:
-            vfsdp.optim.shampoo().init(vfsdp.shard(params, spec), spec)
-        except ValueError as exc:
-            return str(exc)
-
-    msg = simulate(1, body)[0]
-    assert "b is given to shampoo" in msg and "1-D" in msg and "adamw" in msg, msg

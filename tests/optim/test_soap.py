@@ -146,23 +146,6 @@ def test_soap_in_a_partition_with_adamw():
     assert not torch.allclose(got[names.index("bias")], want[names.index("bias")], rtol=1e-5)
 
 
-def test_soap_refuses_what_it_does_not_implement():
-    with pytest.raises(ValueError, match="merge_dims=True is not implemented"):
-        vfsdp.optim.soap(merge_dims=True)
-    with pytest.raises(ValueError, match="precondition_frequency must be >= 1"):
-        vfsdp.optim.soap(precondition_frequency=0)
-
-    def body():
-        params = {"conv": torch.ones(2, 3, 4)}
-        spec = vfsdp.plan(params, 1)
-        try:
-            vfsdp.optim.soap().init(vfsdp.shard(params, spec), spec)
-        except ValueError as exc:
-            return str(exc)
-
-    assert "conv is given to soap" in simulate(1, body)[0]
-
-
 def test_offloaded_soap_equals_soap():
     from tests.optim import offload_bodies as ob
 

@@ -71,30 +71,9 @@ def test_shampoo_equals_the_reference(world, mesh):
         _check(got)
 
 
-def _train_tp(dp, tp):
-    mesh = vfsdp.mesh(("dp", dp), ("tp", tp))
-    params = ts._params()
-    spec = vfsdp.plan(params, mesh, tp=ts._tp_rule)
-    shards = vfsdp.shard(params, spec, mesh=mesh)
-    opt = _opt()
-    state = opt.init(shards, spec)
-    rank = mesh.get_local_rank("dp")
-
-    def local(t, s):
-        st = s.strided
-        if st.dim is not None:
-            t = t.narrow(st.dim, st.start, st.lengths[st.index])
-        return t.reshape(-1)[slice(*s.local_range(rank))]
-
-    for step in range(1, 13):
-        state = opt.update(optree.tree_map(local, ts._grads(step, params), spec.tree), state,
-                           shards, spec)
-    return [t.detach().clone() for t in optree.tree_leaves(vfsdp.gather(shards, spec))]
-
-
 def test_shampoo_under_tp_equals_one_process():
     one = simulate(1, ts._train, None, 12, _opt())[0][0]
-    for rank, got in enumerate(simulate(4, _train_tp, 2, 2)):
+    for rank, got in enumerate(simulate(4, ts._train_tp, 2, 2, 12, _opt())):
         for path, a, b in zip(optree.tree_paths(ts._params()), got, one):
             place = ts._tp_rule(path)
             if hasattr(place, "dim"):

@@ -88,13 +88,14 @@ def _tp_rule(path):
     return {"w_up": Shard(1), "w_down": Shard(0), "head": Shard(1)}.get(path[-1], Replicate())
 
 
-def _train_tp(dp, tp, steps=12):
-    """SOAP on a TP x FSDP plan (Muon's test): each index's piece of the full parameters."""
+def _train_tp(dp, tp, steps=12, opt=None):
+    """SOAP (or ``opt``) on a TP x FSDP plan (Muon's test): each index's piece of the full
+    parameters."""
     mesh = vfsdp.mesh(("dp", dp), ("tp", tp))
     params = _params()
     spec = vfsdp.plan(params, mesh, tp=_tp_rule)
     shards = vfsdp.shard(params, spec, mesh=mesh)
-    opt = vfsdp.optim.soap(**HYPER)
+    opt = opt or vfsdp.optim.soap(**HYPER)
     state = opt.init(shards, spec)
     rank = mesh.get_local_rank("dp")
 

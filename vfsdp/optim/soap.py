@@ -104,7 +104,9 @@ def soap(
         weight_decay: Decoupled weight decay (after the step, as the reference).
         precondition_frequency: Steps between refreshes of the eigenbases.
         max_precondition_dim: Sides longer than this are not rotated.
-        merge_dims, precondition_1d, normalize_grads: Only ``False`` (refused otherwise).
+        merge_dims: Only ``False`` (refused otherwise), as the next two.
+        precondition_1d: Only ``False``: 1-D tensors take Adam.
+        normalize_grads: Only ``False``.
         correct_bias: Adam's bias corrections in the step size.
         only: ``path -> bool``: the tensors it updates (default: every 1-D and 2-D tensor its
             ``mask`` selects).

@@ -123,11 +123,13 @@ def test_soap_under_tp_equals_one_process(dp, tp):
             assert torch.equal(a, b), (rank, path)
 
 
-def test_soap_resumes_bitwise_at_another_world_size():
-    """6 steps at W=2, saved; loaded at W=3 and 6 more: bit for bit the 12 steps at W=2."""
+@pytest.mark.parametrize("world, mesh", [(2, None), (4, (2, 2))])
+def test_soap_resumes_bitwise_at_another_world_size(world, mesh):
+    """6 steps at W=2 (or HSDP 2x2: one replica writes), saved; loaded at W=3 and 6 more: bit
+    for bit the 12 steps at W=2."""
     path = os.path.join(tempfile.mkdtemp(), "ckpt")
     whole = simulate(2, _train)[0][0]
-    simulate(2, _train, None, 6, None, path)
+    simulate(world, _train, mesh, 6, None, path)
     resumed = simulate(3, _train, None, 12, None, None, path, 7)
     for got, _ in resumed:
         assert all(torch.equal(a, b) for a, b in zip(got, whole))

@@ -30,12 +30,12 @@ def _grads(step, params):
     return optree.tree_map(lambda t: torch.randn(t.shape, generator=g, dtype=t.dtype), params)
 
 
-def _reference(steps=12):
+def _reference(steps=12, **extra):
     """pytorch-optimizer's SOAP over the same parameters and gradients, in one process."""
     from pytorch_optimizer import SOAP
 
     params = optree.tree_map(lambda t: torch.nn.Parameter(t.clone()), _params())
-    opt = SOAP(optree.tree_leaves(params), **HYPER)
+    opt = SOAP(optree.tree_leaves(params), **HYPER, **extra)
     for step in range(1, steps + 1):
         for p, g in zip(optree.tree_leaves(params), optree.tree_leaves(_grads(step, params))):
             p.grad = g
@@ -121,6 +121,15 @@ def test_soap_under_tp_equals_one_process(dp, tp):
             if hasattr(place, "dim"):
                 b = b.tensor_split(tp, place.dim)[rank % tp]
             assert torch.equal(a, b), (rank, path)
+
+
+def test_soap_leaves_sides_over_max_precondition_dim_unrotated():
+    """Sides longer than 10 (20, 24, 30) take no eigenbasis, as in the reference."""
+    pytest.importorskip("pytorch_optimizer")
+    opt = vfsdp.optim.soap(**HYPER, max_precondition_dim=10)
+    want, start = _reference(max_precondition_dim=10), optree.tree_leaves(_params())
+    for got, _ in simulate(2, _train, None, 12, opt):
+        _close(got, want, start)
 
 
 @pytest.mark.parametrize("world, mesh", [(2, None), (4, (2, 2))])

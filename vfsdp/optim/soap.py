@@ -180,9 +180,10 @@ def soap(
             out = None
             if t:
                 s["exp_avg"].lerp_(g, 1 - b1)
-                s["exp_avg_sq"].lerp_(_rotate(g, ql, qr).square_(), 1 - b2)
+                # Out of place: with no side rotated, _rotate returns its argument.
+                s["exp_avg_sq"].lerp_(_rotate(g, ql, qr).square(), 1 - b2)
                 den = s["exp_avg_sq"].sqrt().add_(eps)
-                out = _rotate(_rotate(s["exp_avg"], ql, qr).div_(den), ql, qr, back=True)
+                out = _rotate(_rotate(s["exp_avg"], ql, qr) / den, ql, qr, back=True)
             for name, x in (("L", g @ g.mT if "L" in s else None),
                             ("R", g.mT @ g if "R" in s else None)):
                 if x is not None:

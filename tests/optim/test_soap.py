@@ -158,20 +158,21 @@ def test_soap_in_a_partition_with_adamw():
     assert not torch.allclose(got[names.index("bias")], want[names.index("bias")], rtol=1e-5)
 
 
-def test_offloaded_soap_equals_soap():
+@pytest.mark.parametrize("kind", ["soap", "shampoo"])
+def test_offloaded_soap_and_shampoo_equal_them_on_the_device(kind):
     from tests.optim import offload_bodies as ob
 
-    plain, off = (simulate(2, ob.train, "soap", o, 5) for o in (False, True))
+    plain, off = (simulate(2, ob.train, kind, o, 5) for o in (False, True))
     assert all(torch.equal(a, b) for x, y in zip(plain, off)
                for a, b in zip(x["shards"], y["shards"]))
     assert all(r["host_bytes"] > 0 for r in off)
 
 
-def _compiled_update():
-    params = _params()
+def _compiled_update(name):
+    params = {"w": torch.ones(4, 4)}
     spec = vfsdp.plan(params, 1)
     shards = vfsdp.shard(params, spec)
-    opt = vfsdp.optim.soap()
+    opt = getattr(vfsdp.optim, name)()
     state = opt.init(shards, spec)
     try:
         torch.compile(lambda: opt.update(vfsdp.grads(shards, spec), state, shards, spec),
@@ -183,5 +184,7 @@ def _compiled_update():
 
 @pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
                     < (2, 13), reason="dynamo in threads crashes torch < 2.13")
-def test_compiled_soap_update_is_refused_in_muons_words():
-    assert "soap.update under torch.compile is not supported yet" in simulate(1, _compiled_update)[0]
+@pytest.mark.parametrize("name", ["soap", "shampoo"])
+def test_compiled_update_is_refused_in_muons_words(name):
+    got = simulate(1, _compiled_update, name)[0]
+    assert f"{name}.update under torch.compile is not supported yet" in got, got

@@ -10,8 +10,8 @@ second step of each (the first builds what later steps reuse)::
     python benchmarks/op_counts.py --dims 256 512 --layers 4
 
 A second table counts one update over the same parameters cut into more tensors: 8-bit AdamW
-with every matrix split into 4 (4x the tensors, the same numbers), Muon with 4x the layers of
-the same shapes. A structure-aware update whose ops grow per tensor shows it here.
+with every matrix split into 4 (4x the tensors, the same numbers), Muon, SOAP and Shampoo with 4x
+the layers of the same shapes. A structure-aware update whose ops grow per tensor shows it here.
 ``offload(...)`` rows: the same optimizer on host copies (its copies are per unit).
 
 A third table counts one update over the same parameters in 4x the units: 6 layers of three
@@ -46,9 +46,12 @@ def _optimizer(name: str):
     if name == "adamw8bit":
         return vfsdp.optim.adamw8bit(lr=1e-3, weight_decay=0.1, weight_decay_mask=no_norm,
                                      compile=False)
+    if name == "soap":  # the norms too: Adam on their shards
+        return vfsdp.optim.soap(lr=1e-3)
+    matrices = {"muon": vfsdp.optim.muon, "shampoo": vfsdp.optim.shampoo}[name]
     return vfsdp.optim.partition(
-        {"muon": vfsdp.optim.muon(lr=1e-3), "adamw": vfsdp.optim.adamw(lr=1e-3)},
-        lambda p: "muon" if p[0] == "layers" and str(p[-1]).startswith("w") else "adamw")
+        {name: matrices(lr=1e-3), "adamw": vfsdp.optim.adamw(lr=1e-3)},
+        lambda p: name if p[0] == "layers" and str(p[-1]).startswith("w") else "adamw")
 
 
 def _counts(name: str, cfg: GPTConfig, world: int) -> dict:
@@ -74,8 +77,8 @@ def _counts(name: str, cfg: GPTConfig, world: int) -> dict:
 
 def split_params(name: str, times: int, dim: int = 256, layers: int = 4) -> dict:
     """The tensors of :func:`split_counts`: for ``adamw8bit`` each layer's two matrices cut
-    into ``times`` row blocks each (the same parameters); for ``muon`` ``times`` as many layers
-    of the same shapes."""
+    into ``times`` row blocks each (the same parameters); for ``muon``, ``soap`` and
+    ``shampoo`` ``times`` as many layers of the same shapes."""
     g = torch.Generator().manual_seed(0)
     if name.endswith("adamw8bit)") or name == "adamw8bit":
         rows = [dim // times] * times
@@ -90,7 +93,8 @@ def split_params(name: str, times: int, dim: int = 256, layers: int = 4) -> dict
 
 
 def split_counts(name: str, times: int, world: int) -> int:
-    """Aten ops of one update (the second) over :func:`split_params` on ``world`` ranks."""
+    """Aten ops of one update (the second; for SOAP, whose first only sets its eigenbases,
+    the third) over :func:`split_params` on ``world`` ranks."""
     opt = _optimizer(name)
     params = split_params(name, times)
     spec = vfsdp.plan(params, world, granularity=opt.granularity)
@@ -99,7 +103,8 @@ def split_counts(name: str, times: int, world: int) -> int:
     grads = vfsdp.grads(shards, spec)
     for g in optree.tree_leaves(grads):
         g.fill_(0.01)
-    state = opt.update(grads, state, shards, spec)
+    for _ in range(2 if name == "soap" else 1):
+        state = opt.update(grads, state, shards, spec)
     with CopyCounter() as update:
         opt.update(grads, state, shards, spec)
     return sum(update.ops.values())
@@ -156,8 +161,8 @@ def main(argv=None) -> int:
               f"{a['update_kernels']:>6} -> {b['update_kernels']:<6} {a['step_kernels']:>6} -> "
               f"{b['step_kernels']:<6}")
     print(f"\n{'optimizer':<18} {'update ops: tensors x1 -> x4':>30}  (same parameters for "
-          f"adamw8bit, 4x the same shapes for muon)")
-    for name in ("adamw8bit", "muon", "offload(adamw8bit)"):
+          f"adamw8bit, 4x the same shapes for muon, soap and shampoo)")
+    for name in ("adamw8bit", "muon", "soap", "shampoo", "offload(adamw8bit)"):
         one, four = (simulate(args.world, split_counts, name, t, args.world)[0] for t in (1, 4))
         print(f"{name:<18} {one:>14} -> {four:<8} ({four / one:.2f}x)")
     d = args.unit_dim

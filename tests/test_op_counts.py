@@ -68,14 +68,15 @@ def _split_counts(name: str, times: int) -> int:
 
 
 def test_structure_aware_updates_do_not_grow_with_the_number_of_tensors():
-    """8-bit AdamW over the same parameters cut into 4x the tensors, and Muon over 4x the
-    matrices of the same shapes, dispatch (about) the same ops per update: one flat 8-bit pass
+    """8-bit AdamW over the same parameters cut into 4x the tensors, and Muon, SOAP and Shampoo
+    over 4x the matrices of the same shapes, dispatch (about) the same ops per update: one flat 8-bit pass
     per unit, one batched Newton-Schulz per shape (they grew per tensor: 332 -> ~1300 and
     152 -> 570 before)."""
     one, four = _split_counts("adamw8bit", 1), _split_counts("adamw8bit", 4)
     assert abs(four - one) <= 0.1 * one, (one, four)
-    one, four = _split_counts("muon", 1), _split_counts("muon", 4)
-    assert abs(four - one) <= 0.1 * one, (one, four)
+    for name in ("muon", "soap", "shampoo"):
+        one, four = _split_counts(name, 1), _split_counts(name, 4)
+        assert abs(four - one) <= 0.1 * one, (name, one, four)
 
 
 def test_offloaded_update_copies_per_unit_not_per_tensor():

@@ -153,7 +153,8 @@ def _estimate_parser(sub) -> None:
     batch.add_argument("--tokens-per-gpu", type=int, help="weak scaling (default 4096)")
     batch.add_argument("--global-tokens", type=int, help="strong scaling: tokens per step")
     p.add_argument("--shard", type=int, help="shard group size (default: see above)")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon", "soap",
+                                                               "shampoo"])
     p.add_argument("--granularity", "-g",
                    help="element, rows:K, whole or int (default: what --optimizer needs)")
     p.add_argument("--master-dtype", default="fp32", choices=sorted(DTYPES))

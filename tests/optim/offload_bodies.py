@@ -18,6 +18,8 @@ from vfsdp.optim import (
     muon,
     offload,
     partition,
+    shampoo,
+    soap,
 )
 
 
@@ -41,6 +43,11 @@ def optimizer(kind: str, offloaded: bool) -> Optimizer:
         return wrap(adamw8bit(lr=0.05))
     if kind == "muon":
         return wrap(partition({"m": muon(lr=0.05), "a": adamw(lr=0.05)}, _label))
+    if kind == "soap":  # the norms on Adam inside SOAP
+        return wrap(soap(lr=0.05, precondition_frequency=2))
+    if kind == "shampoo":
+        return wrap(partition({"m": shampoo(lr=0.05, precondition_frequency=2),
+                               "a": adamw(lr=0.05)}, _label))
     if kind == "chain":
         return wrap(chain(clip_by_global_norm(0.5), adamw(lr=0.05)))
     if kind == "member":  # only the Muon member offloaded, the AdamW one on the device

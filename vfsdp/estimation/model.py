@@ -22,14 +22,15 @@ __all__ = ["estimate", "Estimate", "optimizer_for"]
 def optimizer_for(name: Union[str, Any], like: Any = None) -> Any:
     """A vfsdp optimizer from its name (``"adamw"``, ``"adamw8bit"``, ``"muon"``: Muon for
     the matrices of ``like``, a spec, a parameter tree or the tree's
-    ``optree.tree_flatten_with_path``, AdamW for the rest), or the optimizer itself."""
+    ``optree.tree_flatten_with_path``, AdamW for the rest; ``"soap"``: SOAP for its 1-D and
+    2-D tensors, AdamW for the rest; ``"shampoo"``: as ``"muon"``), or the optimizer itself."""
     from vfsdp import optim
 
     if not isinstance(name, str):
         return name
     if name in ("adamw", "adamw8bit"):
         return getattr(optim, name)()
-    if name == "muon":
+    if name in ("muon", "soap", "shampoo"):
         if isinstance(like, ShardSpec):
             ndim = {p: len(sh) for u in like.units.values() for p, sh in zip(u.paths, u.shapes)}
         else:  # a tree, or its optree.tree_flatten_with_path
@@ -37,10 +38,11 @@ def optimizer_for(name: Union[str, Any], like: Any = None) -> Any:
                 optree.tree_flatten_with_path(like)
             ndim = {tuple(p): len(leaf_meta(x)[0]) for p, x in zip(paths, leaves)
                     if is_tensor_leaf(x)}
-        return optim.partition({"muon": optim.muon(), "adamw": optim.adamw()},
-                               lambda path: "muon" if ndim.get(tuple(path)) == 2 else "adamw")
+        dims = (1, 2) if name == "soap" else (2,)
+        return optim.partition({name: getattr(optim, name)(), "adamw": optim.adamw()},
+                               lambda path: name if ndim.get(tuple(path)) in dims else "adamw")
     raise ValueError(f"estimate: unknown optimizer {name!r}; pass 'adamw', 'adamw8bit', "
-                     f"'muon' or a vfsdp.optim optimizer")
+                     f"'muon', 'soap', 'shampoo' or a vfsdp.optim optimizer")
 
 
 def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any = "adamw",
@@ -60,7 +62,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
     Args:
         spec: The plan (any mesh; no process group is needed).
         hw: A hardware profile or its name (``"h800"``), or a JSON file from ``calibrate``.
-        optimizer: A vfsdp optimizer or its name (``"adamw"``, ``"adamw8bit"``, ``"muon"``).
+        optimizer: A vfsdp optimizer or its name (``"adamw"``, ``"adamw8bit"``, ``"muon"``,
+            ``"soap"``, ``"shampoo"``).
         param_dtype: The compute dtype the units are gathered in (``None``: the shards').
         reduce_dtype: The reduce-scatter dtype (default: ``param_dtype``).
         prefetch: As ``run_layers``'.

@@ -13,6 +13,8 @@ from vfsdp.optim.mixed_clip import GradTree, clip_grad_norm_of, global_norm_of
 from vfsdp.optim.muon import MuonPlan, MuonState, muon
 from vfsdp.optim.offload import OffloadState, offload
 from vfsdp.optim.schedules import constant, warmup_cosine
+from vfsdp.optim.shampoo import shampoo
+from vfsdp.optim.soap import soap
 
 __all__ = [
     "AdamW8bitPlan",
@@ -39,5 +41,7 @@ __all__ = [
     "muon",
     "offload",
     "partition",
+    "shampoo",
+    "soap",
     "warmup_cosine",
 ]

@@ -60,6 +60,7 @@ from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
 from vfsdp.collectives.comm import control_device
 from vfsdp.collectives.mesh import Axis, axis_names, axis_of, current_mesh, use_mesh
+from vfsdp.placements.strided import split_lengths
 from vfsdp.spmd import vma
 
 __all__ = ["psum", "pmean", "pvary", "all_gather", "psum_scatter", "all_to_all", "axis_index",
@@ -184,52 +185,51 @@ def _a2a(x: torch.Tensor, ax: Axis, split_dim: int, concat_dim: int,
     return torch.cat([p.view(s) for p, s in zip(recv.split(out_sizes), shapes)], concat_dim)
 
 
-def _tensor_split_sizes(n: int, parts: int) -> list[int]:
-    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
-
-
 # ---------------------------------------------------------------- autograd
 
 
-class _PSum(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ax, scale, what="psum"):
-        out = _reduce(x, ax, what)
-        return out if scale == 1 else out.mul_(scale)
+class _Op(torch.autograd.Function):
+    """A raw collective (``forward``, also the tangent's, under ``jvp``) whose backward is
+    its transpose, itself one of these: double backward differentiates through it."""
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.ax, ctx.scale = inputs[1], inputs[2]
+        ctx.shape, ctx.args = tuple(inputs[0].shape), inputs[1:]
+
+
+def _psum(x: torch.Tensor, ax: Axis, scale: float, what: str = "psum") -> torch.Tensor:
+    out = _reduce(x, ax, what)
+    return out if scale == 1 else out.mul_(scale)
+
+
+class _PSum(_Op):
+    forward = staticmethod(_psum)
 
     @staticmethod
     def backward(ctx, g):
         # The cotangent (replicated) feeds each rank's own input: pvary, whose backward is
         # psum; so double backward (create_graph=True) sees the collective.
-        g = _PVary.apply(g, ctx.ax)
-        return (g if ctx.scale == 1 else g * ctx.scale), None, None, None
+        ax, scale, _ = ctx.args
+        g = _PVary.apply(g, ax)
+        return (g if scale == 1 else g * scale), None, None, None
 
     @staticmethod
     def jvp(ctx, gx, *_):
-        out = _reduce(gx, ctx.ax, "psum's tangent")
-        return out if ctx.scale == 1 else out.mul_(ctx.scale)
+        return _psum(gx, *ctx.args[:2], "psum's tangent")
 
     @staticmethod
     def vmap(info, in_dims, x, ax, scale, what="psum"):  # every rank batches alike
         return _PSum.apply(x, ax, scale, what), in_dims[0]
 
 
-class _PVary(torch.autograd.Function):
+class _PVary(_Op):
     @staticmethod
     def forward(x, ax):
         return x.view_as(x)
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.ax = inputs[1]
-
-    @staticmethod
     def backward(ctx, g):
-        return _PSum.apply(g, ctx.ax, 1, "pvary's backward (psum)"), None
+        return _PSum.apply(g, ctx.args[0], 1, "pvary's backward (psum)"), None
 
     @staticmethod
     def jvp(ctx, gx, _):
@@ -240,66 +240,47 @@ class _PVary(torch.autograd.Function):
         return _PVary.apply(x, ax), in_dims[0]
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ax, dim, shapes):
-        return _gather(x, ax, dim, shapes)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.ax, ctx.dim, ctx.shapes = inputs
-        ctx.sizes = [s[ctx.dim] for s in ctx.shapes]
+class _AllGather(_Op):
+    forward = staticmethod(_gather)
 
     @staticmethod
     def backward(ctx, g):
-        return _PSumScatter.apply(g, ctx.ax, ctx.dim, ctx.sizes), None, None, None
+        ax, dim, shapes = ctx.args
+        return _PSumScatter.apply(g, ax, dim, [s[dim] for s in shapes]), None, None, None
 
     @staticmethod
     def jvp(ctx, gx, *_):
-        return _gather(gx, ctx.ax, ctx.dim, ctx.shapes)
+        return _gather(gx, *ctx.args)
 
 
-class _PSumScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ax, dim, sizes):
-        return _scatter(x, ax, dim, sizes)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, ctx.ax, ctx.dim, ctx.sizes = inputs
-        ctx.shapes = [(*x.shape[:ctx.dim], s, *x.shape[ctx.dim + 1:]) for s in ctx.sizes]
+class _PSumScatter(_Op):
+    forward = staticmethod(_scatter)
 
     @staticmethod
     def backward(ctx, g):
-        return _AllGather.apply(g, ctx.ax, ctx.dim, ctx.shapes), None, None, None
+        ax, dim, sizes = ctx.args
+        return _AllGather.apply(g, ax, dim, _chunk_shapes(ctx.shape, dim, sizes)), None, None, None
 
     @staticmethod
     def jvp(ctx, gx, *_):
-        return _scatter(gx, ctx.ax, ctx.dim, ctx.sizes)
+        return _scatter(gx, *ctx.args)
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ax, split_dim, concat_dim, split_sizes, shapes):
-        return _a2a(x, ax, split_dim, concat_dim, split_sizes, shapes)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, ctx.ax, ctx.split_dim, ctx.concat_dim, ctx.split_sizes, ctx.shapes = inputs
-        ctx.back_sizes = [s[ctx.concat_dim] for s in ctx.shapes]  # what came from each rank
-        ctx.back_shapes = _chunk_shapes(tuple(x.shape), ctx.split_dim, ctx.split_sizes)
+class _AllToAll(_Op):
+    forward = staticmethod(_a2a)
 
     @staticmethod
     def backward(ctx, g):
         # The reverse exchange: each rank's piece of the cotangent goes back to its sender,
         # which gets the shapes of the chunks it sent (no shape exchange needed).
-        back = _AllToAll.apply(g, ctx.ax, ctx.concat_dim, ctx.split_dim, ctx.back_sizes,
-                               tuple(ctx.back_shapes))
+        ax, split_dim, concat_dim, split_sizes, shapes = ctx.args
+        back = _AllToAll.apply(g, ax, concat_dim, split_dim, [s[concat_dim] for s in shapes],
+                               tuple(_chunk_shapes(ctx.shape, split_dim, split_sizes)))
         return back, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, gx, *_):
-        return _a2a(gx, ctx.ax, ctx.split_dim, ctx.concat_dim, ctx.split_sizes, ctx.shapes)
+        return _a2a(gx, *ctx.args)
 
 
 # ---------------------------------------------------------------- public functions
@@ -483,7 +464,7 @@ def psum_scatter(x: torch.Tensor, axis: Axes, dim: int = 0, *,
     def run(x):
         ax = axis_of(axis, mesh)
         d = _dim(x, dim, "psum_scatter")
-        return _PSumScatter.apply(x, ax, d, _tensor_split_sizes(x.shape[d], ax.size))
+        return _PSumScatter.apply(x, ax, d, split_lengths(x.shape[d], ax.size))
     return _tracked("psum_scatter", x, axis, mesh, run)
 
 
@@ -531,7 +512,7 @@ def _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh) -> torch.Tens
     c = _dim(x, concat_dim, "all_to_all concat_dim")
     length = x.shape[s]
     if split_sizes is None:
-        sizes = _tensor_split_sizes(length, ax.size)
+        sizes = split_lengths(length, ax.size)
     else:
         sizes = [int(v) for v in split_sizes]
         if len(sizes) != ax.size or sum(sizes) != length or min(sizes, default=0) < 0:

@@ -286,17 +286,18 @@ class _AllToAll(_Op):
 # ---------------------------------------------------------------- public functions
 
 def _tracked(op: str, x: torch.Tensor, axis: Axes, mesh: Any, run) -> torch.Tensor:
-    """``run(x)`` under the ``shard_map`` body's replication tracking, if any (implicit pvary
+    """``run(x, the Axis)`` under the ``shard_map`` body's replication tracking, if any (implicit pvary
     of ``x`` first where it is invariant over some of the axes; the result marked)."""
+    ax = axis_of(axis, mesh)
     tracker = vma.current()
     if tracker is None:
-        return run(x)
+        return run(x, ax)
     missing, after = vma.check_collective(op, x, axis_names(axis))
     with tracker.pause():
         if missing:
             x = _PVary.apply(x, tracker.axis(missing) if mesh is None else
                              axis_of(missing if len(missing) > 1 else missing[0], mesh))
-        out = run(x)
+        out = run(x, ax)
     return vma.mark(out, after, tracker)
 
 
@@ -334,7 +335,7 @@ def psum(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Te
         >>> vfsdp.testing.simulate(4, body)
         [1.0, 1.0, 5.0, 5.0]
     """
-    return _tracked("psum", x, axis, mesh, lambda x: _PSum.apply(x, axis_of(axis, mesh), 1))
+    return _tracked("psum", x, axis, mesh, lambda x, ax: _PSum.apply(x, ax, 1))
 
 
 def pmean(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
@@ -360,10 +361,8 @@ def pmean(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.T
         >>> vfsdp.testing.simulate(4, body)
         [1.5, 1.5, 1.5, 1.5]
     """
-    def run(x):
-        ax = axis_of(axis, mesh)
-        return _PSum.apply(x, ax, 1.0 / ax.size, "pmean")
-    return _tracked("pmean", x, axis, mesh, run)
+    return _tracked("pmean", x, axis, mesh,
+                    lambda x, ax: _PSum.apply(x, ax, 1.0 / ax.size, "pmean"))
 
 
 def pvary(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
@@ -392,7 +391,7 @@ def pvary(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.T
         >>> vfsdp.testing.simulate(2, body)
         [[3.0, 3.0], [3.0, 3.0]]
     """
-    return _tracked("pvary", x, axis, mesh, lambda x: _PVary.apply(x, axis_of(axis, mesh)))
+    return _tracked("pvary", x, axis, mesh, _PVary.apply)
 
 
 def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, *,
@@ -423,8 +422,7 @@ def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, *,
         >>> vfsdp.testing.simulate(2, body)[0]
         [0.0, 1.0, 1.0]
     """
-    def run(x):
-        ax = axis_of(axis, mesh)
+    def run(x, ax):
         d = _dim(x, dim, "all_gather")
         shapes = _shapes(x, ax, "all_gather")
         off = [s[:d] + s[d + 1:] for s in shapes]
@@ -461,11 +459,9 @@ def psum_scatter(x: torch.Tensor, axis: Axes, dim: int = 0, *,
         >>> vfsdp.testing.simulate(2, body)
         [[0.0, 2.0, 4.0], [6.0, 8.0]]
     """
-    def run(x):
-        ax = axis_of(axis, mesh)
-        d = _dim(x, dim, "psum_scatter")
-        return _PSumScatter.apply(x, ax, d, split_lengths(x.shape[d], ax.size))
-    return _tracked("psum_scatter", x, axis, mesh, run)
+    d = _dim(x, dim, "psum_scatter")
+    return _tracked("psum_scatter", x, axis, mesh,
+                    lambda x, ax: _PSumScatter.apply(x, ax, d, split_lengths(x.shape[d], ax.size)))
 
 
 def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
@@ -503,25 +499,21 @@ def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
         [[0.0, 10.0, 11.0], [1.0, 2.0, 12.0]]
     """
     return _tracked("all_to_all", x, axis, mesh,
-                    lambda x: _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh))
+                    lambda x, ax: _all_to_all(x, ax, split_dim, concat_dim, split_sizes))
 
 
-def _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh) -> torch.Tensor:
-    ax = axis_of(axis, mesh)
+def _all_to_all(x, ax, split_dim, concat_dim, split_sizes) -> torch.Tensor:
     s = _dim(x, split_dim, "all_to_all split_dim")
     c = _dim(x, concat_dim, "all_to_all concat_dim")
     length = x.shape[s]
-    if split_sizes is None:
-        sizes = split_lengths(length, ax.size)
-    else:
-        sizes = [int(v) for v in split_sizes]
-        if len(sizes) != ax.size or sum(sizes) != length or min(sizes, default=0) < 0:
-            raise ValueError(f"all_to_all over {axis!r}: split_sizes {list(split_sizes)} must "
-                             f"be {ax.size} sizes >= 0 adding up to {length}")
+    sizes = split_lengths(length, ax.size) if split_sizes is None else [int(v) for v in split_sizes]
+    if len(sizes) != ax.size or sum(sizes) != length or min(sizes, default=0) < 0:
+        raise ValueError(f"all_to_all over {ax.name!r}: split_sizes {list(split_sizes)} must "
+                         f"be {ax.size} sizes >= 0 adding up to {length}")
     shapes = _a2a_shapes(x, ax, s, sizes)
     off = [sh[:c] + sh[c + 1:] for sh in shapes]
     if any(o != off[0] for o in off):
-        raise ValueError(f"all_to_all over {axis!r}: the chunks this rank would receive have "
+        raise ValueError(f"all_to_all over {ax.name!r}: the chunks this rank would receive have "
                          f"shapes {shapes}, which do not concatenate along dim {concat_dim}: "
                          f"every dim but {concat_dim} must agree")
     return _AllToAll.apply(x, ax, s, c, sizes, tuple(shapes))

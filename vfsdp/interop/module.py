@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import threading
 from typing import Any, Optional
 
@@ -35,9 +36,6 @@ from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["functionalize", "ModuleApply"]
-
-_SEQUENCES = (torch.nn.ModuleList, torch.nn.Sequential)
-
 
 def functionalize(module: torch.nn.Module) -> tuple[dict, ModuleApply]:
     """``(params, apply)``: the module's parameters as a tree, and ``apply(params, *args,
@@ -93,13 +91,10 @@ def _lists(module: torch.nn.Module, tree: dict, prefix: str) -> Any:
         if isinstance(sub, dict):
             tree[key] = _lists(module, sub, f"{prefix}{key}.")
     owner = module.get_submodule(prefix[:-1]) if prefix else module
-    if isinstance(owner, _SEQUENCES) and set(tree) == {str(i) for i in range(len(tree))}:
+    if isinstance(owner, (torch.nn.ModuleList, torch.nn.Sequential)) and \
+        set(tree) == {str(i) for i in range(len(tree))}:
         return [tree[str(i)] for i in range(len(tree))]
     return tree
-
-
-def _names(paths: list) -> list[str]:
-    return [format_path(tuple(p)) for p in paths]
 
 
 class ModuleApply:
@@ -148,12 +143,11 @@ class ModuleApply:
         persistent = module.state_dict(keep_vars=True)  # references only: nothing is copied
         self._persistent = [n for n in self.buffers if n in persistent]
         paths, _, self._treespec = optree.tree_flatten_with_path(params)
-        self._names = _names(paths)
+        self._names = [format_path(p) for p in paths]
         self.blocks = _blocks(params)
         self._thread: Optional[int] = None
         self._run: Optional[_Blocks] = None  # the run_layers call in progress
         self._hf_funcs: dict = {}  # module id -> Hugging Face's checkpoint function
-        self._rest: dict = {}  # treespec -> dotted names, for trees without the blocks
 
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
         """The module's forward with ``params`` (a tree shaped as :func:`functionalize`'s,
@@ -196,12 +190,7 @@ class ModuleApply:
             >>> sorted(apply.state_tree(params)[1])   # a Sequential of modules with tensors: a list
             ['bias', 'num_batches_tracked', 'running_mean', 'running_var', 'weight']
         """
-        def copy(node):
-            if isinstance(node, dict):
-                return {k: copy(v) for k, v in node.items()}
-            return [copy(v) for v in node] if isinstance(node, list) else node
-
-        tree = copy(shards)
+        tree = optree.tree_map(lambda t: t, shards)  # new containers, the same tensors
         for name in self._persistent:
             node = tree
             *parents, leaf = name.split(".")
@@ -212,10 +201,9 @@ class ModuleApply:
             node[leaf] = self.buffers[name]
         return tree
 
-    def _call(self, tensors: dict, args: tuple, kwargs: dict, module=None, buffers=None) -> Any:
+    def _call(self, tensors: dict, args: tuple, kwargs: dict) -> Any:
         self._claim()
-        buffers = self.buffers if buffers is None else buffers
-        meta = next((n for n, b in buffers.items() if b.device.type == "meta"), None)
+        meta = next((n for n, b in self.buffers.items() if b.device.type == "meta"), None)
         if meta is not None:
             raise ValueError(f"apply: buffer {meta} is on the meta device (the module was built "
                              f"there); give it values: apply.buffers[{meta!r}] = tensor")
@@ -225,9 +213,8 @@ class ModuleApply:
             self._hf_funcs[id(m)] = m.__dict__["_gradient_checkpointing_func"]
             m._gradient_checkpointing_func = functools.partial(self._hf_checkpoint, m)
         try:
-            return functional_call(self.module if module is None else module,
-                                   {**tensors, **buffers}, args, kwargs, tie_weights=True,
-                                   strict=False)
+            return functional_call(self.module, {**tensors, **self.buffers}, args, kwargs,
+                                   tie_weights=True, strict=False)
         finally:
             for m in marked:
                 m._gradient_checkpointing_func = self._hf_funcs.pop(id(m))
@@ -299,9 +286,7 @@ class ModuleApply:
             if inside[0] != inside[1]:
                 raise ValueError(f"apply.run_layers: {name} is tied to {target}, across the "
                                  f"blocks' boundary; call apply(vfsdp.gather(shards, spec), ...)")
-        block_spec = spec
-        for k in path:
-            block_spec = block_spec[k]
+        block_spec = _at(spec, path)
         values = merge(policy, {}, "apply.run_layers")
         if values["recompute"] is not None and "use_cache" not in kwargs and \
                 getattr(getattr(self.module, "config", None), "use_cache", False):
@@ -310,21 +295,17 @@ class ModuleApply:
                        values, "apply.run_layers")
         if path:
             plain = None if policy is None else dataclasses.replace(policy, recompute=None)
-            rest = gather(_pruned(shards, path), _without(spec, path, block_spec), plain,
-                          **_defaults(policy))
-            leaves, treespec = optree.tree_flatten(rest)
-            names = self._rest.get(treespec)
-            if names is None:
-                paths = optree.tree_paths(_pruned(optree.tree_unflatten(
-                    self._treespec, [0] * self._treespec.num_leaves), path))
-                names = self._rest[treespec] = _names(paths)
+            unset = {k: v for k, v in (("grads", "buffer"), ("free_after_backward", True))
+                     if policy is None or getattr(policy, k) is None}
+            rest = _flat_names(gather(_pruned(shards, path), _without(spec, path, block_spec),
+                                      plain, **unset))
         else:  # the module is the list of blocks
-            leaves, names = [], []
+            rest = {}
         blocks = self.module.get_submodule(where) if path else self.module
         state = _Blocks(self, run, list(blocks))
         self._run = state
         try:
-            return self._call(dict(zip(names, leaves)), args, kwargs)
+            return self._call(rest, args, kwargs)
         finally:
             self._run = None
             state.close()
@@ -341,11 +322,6 @@ class ModuleApply:
         return checkpointed(lambda full, *a: _swapped(module, full, fn, a, {}), tensors, args,
                             {}, getattr(self._hf_funcs.get(id(module)), "keywords",
                                         {}).get("context_fn"))
-
-
-def _defaults(policy: Optional[Policy]) -> dict:
-    wanted = {"grads": "buffer", "free_after_backward": True}
-    return {k: v for k, v in wanted.items() if policy is None or getattr(policy, k) is None}
 
 
 def _blocks(params: dict) -> Optional[tuple]:
@@ -365,9 +341,7 @@ def _blocks(params: dict) -> Optional[tuple]:
 
 
 def _at(tree: Any, path: tuple) -> Any:
-    for k in path:
-        tree = tree[k]
-    return tree
+    return functools.reduce(operator.getitem, path, tree)
 
 
 def _pruned(tree: Any, path: tuple) -> Any:
@@ -437,7 +411,7 @@ class _Blocks:
 
 def _flat_names(tree: Any) -> dict:
     paths, leaves, _ = optree.tree_flatten_with_path(tree)
-    return dict(zip(_names(paths), leaves))
+    return {format_path(p): t for p, t in zip(paths, leaves)}
 
 
 def _swapped(module: torch.nn.Module, tensors: dict, fn: Any, args: tuple, kwargs: dict) -> Any:

@@ -292,11 +292,10 @@ def _tracked(op: str, x: torch.Tensor, axis: Axes, mesh: Any, run) -> torch.Tens
     tracker = vma.current()
     if tracker is None:
         return run(x, ax)
-    missing, after = vma.check_collective(op, x, axis_names(axis))
+    missing, after = tracker.check_collective(op, x, axis_names(axis))
     with tracker.pause():
         if missing:
-            x = _PVary.apply(x, tracker.axis(missing) if mesh is None else
-                             axis_of(missing if len(missing) > 1 else missing[0], mesh))
+            x = _PVary.apply(x, tracker.axis(missing, mesh))
         out = run(x, ax)
     return vma.mark(out, after, tracker)
 

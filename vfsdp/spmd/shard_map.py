@@ -327,8 +327,7 @@ def _assemble(result: Any, out_specs: Any, names: tuple, mesh: Any, tracker) -> 
             tile = _check_output(tracker.vma(t), s, where, tracker.strict, names)
             if tile:  # invariant over axes its spec splits: each rank's copy is a tile
                 with tracker.pause():
-                    out[i] = t = _PVary.apply(t, axis_of(tile if len(tile) > 1 else tile[0],
-                                                         mesh))
+                    out[i] = t = _PVary.apply(t, tracker.axis(tile))
         layouts.append(_layout(pairs, t, mesh, split=False))
     return optree.tree_unflatten(treespec, _moved(True, layouts, out))
 

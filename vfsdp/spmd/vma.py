@@ -47,9 +47,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from vfsdp import _torch_private as tp
+from vfsdp.collectives.mesh import axis_of
 from vfsdp.collectives.unit import GATHER_HOOKS
 
-__all__ = ["Tracker", "AxisIndex", "current", "mark", "check_collective", "mark_gathered"]
+__all__ = ["Tracker", "AxisIndex", "current", "mark", "mark_gathered"]
 
 _ATTR = "_vfsdp_vma"
 _NONE: frozenset = frozenset()
@@ -127,16 +128,11 @@ class Tracker(TorchFunctionMode):
         self.paused = 0
         self.ops = 0  # torch calls seen (for the cost measurement)
         self.storages: dict = {}  # what torch.func transforms wrapped: storage -> axes
-        self.groups: dict = {}  # axes -> Axis, for the implicit pvary
 
-    def axis(self, axes: tuple) -> Any:
-        """The :class:`~vfsdp.collectives.mesh.Axis` of ``axes`` (in the mesh's order) on the
-        tracked mesh, made once per call."""
-        ax = self.groups.get(axes)
-        if ax is None:
-            from vfsdp.collectives.mesh import axis_of
-            ax = self.groups[axes] = axis_of(axes if len(axes) > 1 else axes[0], self.mesh)
-        return ax
+    def axis(self, axes: tuple, mesh: Any = None) -> Any:
+        """The :class:`~vfsdp.collectives.mesh.Axis` of ``axes`` (in the mesh's order) on
+        ``mesh`` (default: the tracked one), for an implicit pvary."""
+        return axis_of(axes if len(axes) > 1 else axes[0], self.mesh if mesh is None else mesh)
 
     def __enter__(self):
         if mark_gathered not in GATHER_HOOKS:  # gathers inside a body mark their tensors
@@ -269,6 +265,35 @@ class Tracker(TorchFunctionMode):
             kwargs = {k: _swapped(v, swap) for k, v in kwargs.items()}
         return args, kwargs
 
+    def check_collective(self, op: str, x: torch.Tensor, names: tuple) -> tuple:
+        """Check ``op``'s input's replication over ``names``: returns ``(missing, after)``, the
+        axes of ``names`` it must be ``pvary``-ed over first (JAX's implicit pvary: those it is
+        invariant over) and the result's axes.
+
+        Raises:
+            ValueError: ``pvary`` of a value that already varies over an axis of ``names``; in
+                strict mode, a collective of a value invariant over one of its axes (naming it
+                and the fix).
+        """
+        have = self.vma(x)
+        where = names if len(names) > 1 else names[0]
+        if op == "pvary":
+            already = [a for a in names if a in have]
+            if already:
+                raise ValueError(f"vfsdp.lax.pvary over {where!r} (check_vma): its input "
+                                 f"{tuple(x.shape)} already varies over {already[0]!r}; drop the "
+                                 f"pvary (JAX refuses it too)")
+            return (), have | set(names)
+        missing = tuple(a for a in names if a not in have)
+        if missing and self.strict:
+            raise ValueError(
+                f"vfsdp.lax.{op} over {where!r} (check_vma='strict'): its input {tuple(x.shape)} "
+                f"is invariant over {missing[0]!r} (the same on every rank): pvary it over "
+                f"{missing[0]!r} first if each rank's value should count (vfsdp.lax.pvary; "
+                f"check_vma=True inserts it: a psum then multiplies it by the axis size), or "
+                f"drop the {op}")
+        return missing, (have - set(names) if op in ("psum", "pmean") else have | set(names))
+
     def _grads(self, func, args, kwargs):
         """``torch.autograd.grad``: each gradient varies as its primal (JAX's rule)."""
         out = func(*args, **kwargs)
@@ -350,43 +375,6 @@ def mark(t: Any, axes: Iterable[str], tracker: Optional[Tracker] = None) -> Any:
     if tracker is not None and isinstance(t, torch.Tensor):
         tracker.mark(t, frozenset(axes))
     return t
-
-
-def check_collective(op: str, x: torch.Tensor, names: tuple) -> Optional[tuple]:
-    """Check ``op``'s input's replication over ``names``: returns ``(missing, after)``, the
-    axes of ``names`` it must be ``pvary``-ed over first (JAX's implicit pvary: those it is
-    invariant over) and the result's axes; ``None`` outside a ``shard_map`` body.
-
-    Raises:
-        ValueError: ``pvary`` of a value that already varies over an axis of ``names``; in
-            strict mode, a collective of a value invariant over one of its axes (naming it
-            and the fix).
-
-    Example:
-        >>> check_collective("psum", torch.ones(1), ("tp",)) is None      # not tracking
-        True
-    """
-    tracker = current()
-    if tracker is None:
-        return None
-    have = tracker.vma(x)
-    where = names if len(names) > 1 else names[0]
-    if op == "pvary":
-        already = [a for a in names if a in have]
-        if already:
-            raise ValueError(f"vfsdp.lax.pvary over {where!r} (check_vma): its input "
-                             f"{tuple(x.shape)} already varies over {already[0]!r}; drop the "
-                             f"pvary (JAX refuses it too)")
-        return (), have | set(names)
-    missing = tuple(a for a in names if a not in have)
-    if missing and tracker.strict:
-        raise ValueError(
-            f"vfsdp.lax.{op} over {where!r} (check_vma='strict'): its input {tuple(x.shape)} "
-            f"is invariant over {missing[0]!r} (the same on every rank): pvary it over "
-            f"{missing[0]!r} first if each rank's value should count (vfsdp.lax.pvary; "
-            f"check_vma=True inserts it: a psum then multiplies it by the axis size), or "
-            f"drop the {op}")
-    return missing, (have - set(names) if op in ("psum", "pmean") else have | set(names))
 
 
 def mark_gathered(fulls: Iterable, spec: Any, members: tuple = ()) -> None:

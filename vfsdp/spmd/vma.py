@@ -203,19 +203,8 @@ class Tracker(TorchFunctionMode):
         self.ops += 1
         name = getattr(func, "__name__", "")
         seen: list = []  # (tensor, its axes)
-        union = _NONE
-        token = self.token
-        for a in (args[1:] if name in _SHAPE_ONLY else args):
-            if isinstance(a, torch.Tensor):  # the common case, inline
-                entry = a.__dict__.get(_ATTR)
-                v = entry[1] if entry is not None and entry[0] is token else self.vma(a)
-                seen.append((a, v))
-                if v and v is not union:
-                    union = v if not union else union | v
-            elif isinstance(a, (list, tuple, slice, AxisIndex)):
-                union = self._scan(a, seen, union)
-        for a in kwargs.values():
-            union = self._scan(a, seen, union)
+        union = self._scan(args[1:] if name in _SHAPE_ONLY else args, seen, _NONE)
+        union = self._scan(tuple(kwargs.values()), seen, union)
         if func is torch.autograd.grad:
             return self._grads(func, args, kwargs)
         written = None
@@ -230,12 +219,9 @@ class Tracker(TorchFunctionMode):
             return out
         if written is not None:
             self.mark(written, union)
-        if isinstance(out, torch.Tensor):
-            self.mark(out, union)
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    self.mark(o, union)
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor):
+                self.mark(o, union)
         return out
 
     def _pvary_mixed(self, func, seen, union, written, args, kwargs):

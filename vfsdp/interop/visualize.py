@@ -28,11 +28,8 @@ def _layouts(x: Any) -> list[UnitLayout]:
         return list(x.units.values())
     if isinstance(x, UnitLayout):
         return [x]
-    found: dict = {}
-    for leaf in optree.tree_leaves(x):
-        slot = slot_of(leaf)
-        if slot is not None:
-            found.setdefault(slot.buffer.layout.key, slot.buffer.layout)
+    slots = [slot for slot in map(slot_of, optree.tree_leaves(x)) if slot is not None]
+    found = {slot.buffer.layout.key: slot.buffer.layout for slot in slots}
     if not found:
         raise TypeError(f"vfsdp.visualize: give a ShardSpec, a UnitLayout or a tree of shards "
                         f"(vfsdp.shard's output), got {type(x).__name__}")
@@ -72,20 +69,13 @@ def _text(u: UnitLayout, width: int, shown: int) -> str:
     lines = [f"unit {unit_name(u.key)}: {len(u.paths)} tensors, {m} ranks x S={s} "
              f"{str(u.dtype).replace('torch.', '')}, padding "
              f"{sum(b - a for a, b, i in segs if i is None)} elements{_model(u)}"]
-    bar = []
-    for r in range(shown):
-        lo, hi = r * s, (r + 1) * s
-        cells = []
-        for c in range(per):  # each cell: what most of its elements are
-            a = lo + (hi - lo) * c // per
-            b = max(a + 1, lo + (hi - lo) * (c + 1) // per)
-            best, mark = 0, " "
-            for x, y, i in segs:
-                n = min(b, y) - max(a, x)
-                if n > best:
-                    best, mark = n, "." if i is None else _LETTERS[i % len(_LETTERS)]
-            cells.append(mark if hi > lo else " ")
-        bar.append("".join(cells))
+
+    def cell(a: int, b: int) -> str:  # what most of the elements [a, b) are
+        i = max(segs, key=lambda g: min(max(a + 1, b), g[1]) - max(a, g[0]))[2]
+        return "." if i is None else _LETTERS[i % len(_LETTERS)]
+
+    bar = ["".join(cell(r * s + s * c // per, r * s + s * (c + 1) // per) if s else " "
+                   for c in range(per)) for r in range(shown)]
     lines.append("|" + "|".join(bar) + "|")
     lines.append((" " + " ".join(f"rank {r}".center(per) for r in range(shown))).rstrip()
                  + (f" (first {shown} of {m} ranks)" if shown < m else ""))

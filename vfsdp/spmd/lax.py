@@ -97,9 +97,8 @@ def _shapes(x: torch.Tensor, ax: Axis, what: str) -> list[tuple]:
     if ax.size == 1:
         return [tuple(x.shape)]
     device = control_device(x.device)
-    mine = torch.full((_MAX_DIMS + 1,), -1, dtype=torch.int64, device=device)
-    mine[0] = x.dim()
-    mine[1:1 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64, device=device)
+    mine = torch.tensor([x.dim(), *x.shape] + [-1] * (_MAX_DIMS - x.dim()), dtype=torch.int64,
+                        device=device)
     every = torch.empty(ax.size * (_MAX_DIMS + 1), dtype=torch.int64, device=device)
     with tp.functorch_paused():
         comm.all_gather_into(every, mine, ax.group, count="shape_exchange")
@@ -120,10 +119,8 @@ def _gather(x: torch.Tensor, ax: Axis, dim: int, shapes: Sequence[tuple]) -> tor
     recv = flat.new_empty(ax.size * width)
     with tp.functorch_paused():
         comm.all_gather_into(recv, send.contiguous(), ax.group)
-    pieces = []
-    for r, s in enumerate(shapes):
-        moved = (s[dim], *s[:dim], *s[dim + 1:])
-        pieces.append(recv[r * width:r * width + numels[r]].view(moved))
+    pieces = [recv[r * width:r * width + numels[r]].view(s[dim], *s[:dim], *s[dim + 1:])
+              for r, s in enumerate(shapes)]
     return torch.cat(pieces, 0).movedim(0, dim)
 
 

@@ -63,16 +63,10 @@ class P(tuple):
     """
 
     def __new__(cls, *dims: Any) -> P:
-        out = []
-        for d in dims:
-            if d is not None:
-                names = axis_names(d)
-                if not names:
-                    raise ValueError(f"P{dims!r}: an empty tuple of axes; use None for a "
-                                     f"whole dim")
-                d = names if isinstance(d, (tuple, list)) else d
-            out.append(d)
-        return super().__new__(cls, out)
+        if any(d is not None and not axis_names(d) for d in dims):
+            raise ValueError(f"P{dims!r}: an empty tuple of axes; use None for a whole dim")
+        return super().__new__(cls, [axis_names(d) if isinstance(d, (tuple, list)) else d
+                                     for d in dims])
 
     def __repr__(self) -> str:
         return f"P({', '.join(repr(d) for d in self)})"
@@ -154,22 +148,16 @@ def _check_spec(spec: Any, t: Any, where: str, names: tuple) -> list:
         raise ValueError(f"shard_map: {spec!r} has {len(spec)} entries but {where} "
                          f"{tuple(t.shape)} has {t.dim()} dims; give at most one entry per "
                          f"dim (None: whole, P(): replicated)")
-    seen: set = set()
-    out = []
-    for dim, entry in enumerate(spec):
-        if entry is None:
-            continue
-        for a in axis_names(entry):
-            if a not in names:
-                raise ValueError(f"shard_map: {spec!r} of {where} names axis {a!r}, which the "
-                                 f"mesh does not have; its axes are {names}")
-            if a in seen:
-                raise ValueError(f"shard_map: {spec!r} of {where} uses axis {a!r} twice; a "
-                                 f"tensor is split over an axis once (a tuple splits one dim "
-                                 f"over several)")
-            seen.add(a)
-        out.append((dim, entry))
-    return out
+    axes = spec.axes()
+    for i, a in enumerate(axes):
+        if a not in names:
+            raise ValueError(f"shard_map: {spec!r} of {where} names axis {a!r}, which the "
+                             f"mesh does not have; its axes are {names}")
+        if a in axes[:i]:
+            raise ValueError(f"shard_map: {spec!r} of {where} uses axis {a!r} twice; a "
+                             f"tensor is split over an axis once (a tuple splits one dim "
+                             f"over several)")
+    return [(dim, entry) for dim, entry in enumerate(spec) if entry is not None]
 
 
 def _specs(specs: Any, tree: Any, kind: str) -> list:

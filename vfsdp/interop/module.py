@@ -326,18 +326,15 @@ class ModuleApply:
 
 def _blocks(params: dict) -> Optional[tuple]:
     """The key path of the outermost list of blocks holding the most elements."""
-    found: list = []
 
     def walk(node, path):
         if isinstance(node, list):
-            size = sum(t.numel() for t in optree.tree_leaves(node))
-            found.append((size, path))
+            yield sum(t.numel() for t in optree.tree_leaves(node)), path
         elif isinstance(node, dict):
             for k, v in node.items():
-                walk(v, (*path, k))
+                yield from walk(v, (*path, k))
 
-    walk(params, ())
-    return max(found, key=lambda f: f[0])[1] if found else None
+    return max(walk(params, ()), key=lambda f: f[0], default=(0, None))[1]
 
 
 def _at(tree: Any, path: tuple) -> Any:
@@ -379,13 +376,10 @@ class _Blocks:
     def __init__(self, apply: ModuleApply, run: LayerRun, blocks: list) -> None:
         self.apply, self.run, self.blocks = apply, run, blocks
         self.units: dict = {}  # block module -> its unit's index (its first position)
-        self.first: list[int] = []  # position -> unit index
-        for pos, block in enumerate(blocks):
-            self.first.append(self.units.setdefault(block, pos))
+        self.first = [self.units.setdefault(block, pos) for pos, block in enumerate(blocks)]
         self.calls = 0  # the position the next call is expected at
-        self.saved: dict = {}
+        self.saved = {block: block.__dict__.get("forward") for block in self.units}
         for block in self.units:
-            self.saved[block] = block.__dict__.get("forward")
             block.forward = functools.partial(self.call, block, block.forward)
 
     def close(self) -> None:

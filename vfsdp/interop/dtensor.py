@@ -66,11 +66,9 @@ def dtensor_placement(t: TensorSpec) -> Optional[Placement]:
     m = t.world_size
     if m == 1:
         return Replicate()
-    if not t.shape:
-        return None
-    if all(t.local_range(r) == shard0_range(tuple(t.shape), m, r) for r in range(m)):
-        return Shard(0)
-    return None
+    even = bool(t.shape) and all(t.local_range(r) == shard0_range(tuple(t.shape), m, r)
+                                 for r in range(m))
+    return Shard(0) if even else None
 
 
 def _from_local(local: torch.Tensor, mesh: Any, places: list, shape: tuple) -> DTensor:
@@ -171,8 +169,7 @@ def _to_dtensor_split(leaves: list, spec: ShardSpec, mesh: Any, ragged: str) -> 
             t = u.db.tensors[k]
             data = dtensor_placement(t)
             model, why = model_placement(t)
-            if data is not None and model is not None and isinstance(data, Shard) \
-                    and isinstance(model, Shard) and model.dim == 0:
+            if isinstance(data, Shard) and isinstance(model, Shard) and model.dim == 0:
                 data, why = None, (f"the data axes split its {axis}-piece by rows too "
                                    f"({axis}-major); DTensor orders mesh dims data-major")
             elif data is None:

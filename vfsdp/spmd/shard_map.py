@@ -231,10 +231,7 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
             # Dynamo does not trace the tracking (a torch function mode keeping state on
             # tensors): the checked call runs eagerly, a graph break (made here, where dynamo
             # is loaded already); an unchecked one is traced.
-            return torch.compiler.disable(run, recursive=True)(*args, **kwargs)
-        return run(*args, **kwargs)
-
-    def run(*args: Any, **kwargs: Any) -> Any:
+            return torch.compiler.disable(mapped, recursive=True)(*args, **kwargs)
         if kwargs:
             raise TypeError(f"shard_map({name}): keyword arguments {sorted(kwargs)} are not "
                             f"mapped (JAX refuses them too): pass them positionally, with an "

@@ -241,8 +241,8 @@ class Tracker(TorchFunctionMode):
                 _mixed(func, i, t, missing, "or pass check_vma=True (which inserts it)")
             from vfsdp.spmd import lax
             with self.pause():
-                if t is written:
-                    _PVaryInPlace.apply(t, self.axis(missing))
+                if t is written:  # its old value, pvary-ed, written back (the gradient sums)
+                    t.copy_(lax._PVary.apply(t.clone(), self.axis(missing)))
                 else:
                     swap[id(t)] = lax._PVary.apply(t, self.axis(missing))
             self.mark(swap.get(id(t), t), union)
@@ -289,26 +289,6 @@ class Tracker(TorchFunctionMode):
             if isinstance(g, torch.Tensor):
                 self.mark(g, self.vma(x))
         return out
-
-
-class _PVaryInPlace(torch.autograd.Function):
-    """``vfsdp.lax.pvary`` in place (the implicit pvary of a tensor a varying value is written
-    into): identity; backward ``psum``."""
-
-    @staticmethod
-    def forward(ctx, x, ax):
-        ctx.ax = ax
-        ctx.mark_dirty(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        from vfsdp.spmd import lax
-        return lax._PSum.apply(g, ctx.ax, 1, "pvary's backward (psum)"), None
-
-    @staticmethod
-    def jvp(ctx, gx, _):
-        return gx
 
 
 def _swapped(a: Any, swap: dict) -> Any:

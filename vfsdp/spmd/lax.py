@@ -72,12 +72,13 @@ Axes = Union[str, tuple]  # one mesh axis name, or a tuple of them in the mesh's
 
 # ---------------------------------------------------------------- raw collectives (no autograd)
 
-def _reduce(x: torch.Tensor, ax: Axis, what: str = "psum") -> torch.Tensor:
-    """Sum ``x`` over the axis. An all-reduce of tensors whose sizes differ gives some ranks a
-    result and others a transport error or a hang, so off CUDA the ranks first agree on its
-    shape (one small all-gather, :func:`_shapes`) and all raise the same error. On CUDA that
-    would be a host sync in every sum (four per tensor-parallel layer and step): there
-    torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks every collective's shapes instead."""
+def _psum(x: torch.Tensor, ax: Axis, scale: float, what: str = "psum") -> torch.Tensor:
+    """Sum ``x`` over the axis, times ``scale``. An all-reduce of tensors whose sizes differ
+    gives some ranks a result and others a transport error or a hang, so off CUDA the ranks
+    first agree on its shape (one small all-gather, :func:`_shapes`) and all raise the same
+    error. On CUDA that would be a host sync in every sum (four per tensor-parallel layer and
+    step): there torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks every collective's shapes
+    instead."""
     out = x.detach().clone(memory_format=torch.contiguous_format)
     if ax.size > 1:
         shapes = _shapes(x, ax, what) if x.device.type != "cuda" else [tuple(x.shape)]
@@ -87,7 +88,7 @@ def _reduce(x: torch.Tensor, ax: Axis, what: str = "psum") -> torch.Tensor:
                              f"(pad it, or all_gather pieces of different sizes)")
         with tp.functorch_paused():
             comm.all_reduce_(out, "sum", ax.group)
-    return out
+    return out if scale == 1 else out.mul_(scale)
 
 
 def _shapes(x: torch.Tensor, ax: Axis, what: str) -> list[tuple]:
@@ -192,11 +193,6 @@ class _Op(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.shape, ctx.args = tuple(inputs[0].shape), inputs[1:]
-
-
-def _psum(x: torch.Tensor, ax: Axis, scale: float, what: str = "psum") -> torch.Tensor:
-    out = _reduce(x, ax, what)
-    return out if scale == 1 else out.mul_(scale)
 
 
 class _PSum(_Op):

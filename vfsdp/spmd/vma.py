@@ -78,9 +78,6 @@ class AxisIndex(int):
         out.axes = frozenset(axes)
         return out
 
-    def __repr__(self) -> str:
-        return int.__repr__(self)
-
 
 def _arith(name: str):
     op = getattr(int, name)
@@ -145,10 +142,8 @@ class Tracker(TorchFunctionMode):
         _STATE.tracker = self.outer
         return super().__exit__(*exc)
 
-    def vma(self, t: Any) -> frozenset:
-        """The axes ``t`` varies over (empty: invariant, or not a tensor of this call)."""
-        if not isinstance(t, torch.Tensor):
-            return t.axes if isinstance(t, AxisIndex) else _NONE
+    def vma(self, t: torch.Tensor) -> frozenset:
+        """The axes tensor ``t`` varies over (empty: invariant, or not a tensor of this call)."""
         entry = t.__dict__.get(_ATTR)
         if entry is not None and entry[0] is self.token:
             return entry[1]

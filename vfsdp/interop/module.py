@@ -68,21 +68,25 @@ def functionalize(module: torch.nn.Module) -> tuple[dict, ModuleApply]:
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"vfsdp.functionalize takes an nn.Module, got {type(module).__name__}")
-    first: dict[int, str] = {}
-    ties: dict[str, str] = {}
+    first: dict[int, str] = {}  # a tensor's first registered name
+    every = list(module.named_parameters(remove_duplicate=False))
+    for name, p in every:
+        first.setdefault(id(p), name)
+    ties = {name: first[id(p)] for name, p in every if first[id(p)] != name}
     tree: dict = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            ties[name] = first[id(p)]
-            continue
-        first[id(p)] = name
-        node = tree
-        *parents, leaf = name.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
+    for name, p in module.named_parameters():  # each tensor once, under its first name
+        node, leaf = _parent(tree, name)
         node[leaf] = p
     params = _lists(module, tree, "")
     return params, ModuleApply(module, params, ties)
+
+
+def _parent(tree: Any, name: str) -> tuple[Any, str]:
+    """The node of ``tree`` that holds dotted ``name`` (dicts made on the way) and its key."""
+    *parents, leaf = name.split(".")
+    for part in parents:
+        tree = tree[int(part)] if isinstance(tree, list) else tree.setdefault(part, {})
+    return tree, leaf
 
 
 def _lists(module: torch.nn.Module, tree: dict, prefix: str) -> Any:
@@ -192,10 +196,7 @@ class ModuleApply:
         """
         tree = optree.tree_map(lambda t: t, shards)  # new containers, the same tensors
         for name in self._persistent:
-            node = tree
-            *parents, leaf = name.split(".")
-            for part in parents:
-                node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+            node, leaf = _parent(tree, name)
             if leaf in node:
                 raise ValueError(f"apply.state_tree: buffer {name} is already a leaf of the tree")
             node[leaf] = self.buffers[name]

@@ -490,25 +490,23 @@ def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
         >>> vfsdp.testing.simulate(2, body)
         [[0.0, 10.0, 11.0], [1.0, 2.0, 12.0]]
     """
-    return _tracked("all_to_all", x, axis, mesh,
-                    lambda x, ax: _all_to_all(x, ax, split_dim, concat_dim, split_sizes))
-
-
-def _all_to_all(x, ax, split_dim, concat_dim, split_sizes) -> torch.Tensor:
     s = _dim(x, split_dim, "all_to_all split_dim")
     c = _dim(x, concat_dim, "all_to_all concat_dim")
-    length = x.shape[s]
-    sizes = split_lengths(length, ax.size) if split_sizes is None else [int(v) for v in split_sizes]
-    if len(sizes) != ax.size or sum(sizes) != length or min(sizes, default=0) < 0:
-        raise ValueError(f"all_to_all over {ax.name!r}: split_sizes {list(split_sizes)} must "
-                         f"be {ax.size} sizes >= 0 adding up to {length}")
-    shapes = _a2a_shapes(x, ax, s, sizes)
-    off = [sh[:c] + sh[c + 1:] for sh in shapes]
-    if any(o != off[0] for o in off):
-        raise ValueError(f"all_to_all over {ax.name!r}: the chunks this rank would receive have "
-                         f"shapes {shapes}, which do not concatenate along dim {concat_dim}: "
-                         f"every dim but {concat_dim} must agree")
-    return _AllToAll.apply(x, ax, s, c, sizes, tuple(shapes))
+
+    def run(x, ax):
+        length = x.shape[s]
+        sizes = split_lengths(length, ax.size) if split_sizes is None else [int(v) for v in split_sizes]
+        if len(sizes) != ax.size or sum(sizes) != length or min(sizes, default=0) < 0:
+            raise ValueError(f"all_to_all over {axis!r}: split_sizes {list(split_sizes)} must "
+                             f"be {ax.size} sizes >= 0 adding up to {length}")
+        shapes = _a2a_shapes(x, ax, s, sizes)
+        off = [sh[:c] + sh[c + 1:] for sh in shapes]
+        if any(o != off[0] for o in off):
+            raise ValueError(f"all_to_all over {axis!r}: the chunks this rank would receive "
+                             f"have shapes {shapes}, which do not concatenate along dim "
+                             f"{concat_dim}: every dim but {concat_dim} must agree")
+        return _AllToAll.apply(x, ax, s, c, sizes, tuple(shapes))
+    return _tracked("all_to_all", x, axis, mesh, run)
 
 
 def axis_index(axis: Axes, *, mesh: Optional[Any] = None) -> int:

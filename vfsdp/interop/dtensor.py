@@ -30,7 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from vfsdp.collectives.agree import agree
+from vfsdp.collectives.agree import agreed
 from vfsdp.collectives.comm import default_mesh, resolve_groups
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.redistribute import flat_redistribute, shard0_range
@@ -297,13 +297,9 @@ def from_dtensor(tree: Any, spec: ShardSpec, *, mesh: Any = None,
     units = group_by_unit(spec)
     m, rank = spec.world_size, groups.shard_rank
 
-    found, error = {}, None
-    try:  # local checks first: a bad leaf on one rank must not hang the others
-        found = {key: [_source_ranges(leaves[i], t, rank, m, format_path(t.path), spec.mesh_shape)
-                       for i, t in members] for key, members in units.items()}
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
-        error = exc
-    agree(error)
+    found = agreed(lambda: {  # local checks first: a bad leaf on one rank must not hang the others
+        key: [_source_ranges(leaves[i], t, rank, m, format_path(t.path), spec.mesh_shape)
+              for i, t in members] for key, members in units.items()})
     out, made = list(leaves), {}
     with torch.no_grad():
         for key, members in units.items():

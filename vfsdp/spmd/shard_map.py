@@ -245,7 +245,7 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
         paths, leaves, treespec = optree.tree_flatten_with_path(args, none_is_leaf=True)
         specs = _specs(in_specs, args, "in")
         # A Python loop over the inputs: each has its own spec (noted in the module docstring).
-        layouts = [_layout(_check_spec(s, t, _where("args", p), names), t, mesh, split=True)
+        layouts = [_layout(_check_spec(s, t, _where("args", p), names), t, mesh, names, True)
                    for p, s, t in zip(paths, specs, leaves)]
         pieces = _moved(False, layouts, leaves)
         tracker = vma.Tracker(names, mesh, check_vma == "strict") if check_vma else None
@@ -263,10 +263,9 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
     return mapped
 
 
-def _layout(pairs: list, t: Any, mesh: Any, split: bool) -> tuple:
+def _layout(pairs: list, t: Any, mesh: Any, names: tuple, split: bool) -> tuple:
     """The :class:`_Cut` of each ``(dim, names)``: lengths by ``tensor_split`` (inputs) or as
     the ranks hold them (outputs: one small exchange of shapes per cut)."""
-    names = tuple(mesh.mesh_dim_names)
     cuts = []
     for dim, entry in pairs:
         spec_order = axis_names(entry)
@@ -313,7 +312,7 @@ def _assemble(result: Any, out_specs: Any, names: tuple, mesh: Any, tracker) -> 
             if tile:  # invariant over axes its spec splits: each rank's copy is a tile
                 with tracker.pause():
                     out[i] = t = _PVary.apply(t, tracker.axis(tile))
-        layouts.append(_layout(pairs, t, mesh, split=False))
+        layouts.append(_layout(pairs, t, mesh, names, False))
     return optree.tree_unflatten(treespec, _moved(True, layouts, out))
 
 

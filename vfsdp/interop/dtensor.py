@@ -202,12 +202,10 @@ def _even_copies(db: DBuffer, moved: list, out: list, device_mesh, lead: list) -
            for _, _, t in moved]  # a 0-d tensor: replicated
     pieces = flat_redistribute([db.local(k).detach() for _, k, _ in moved], src, dst,
                                db.groups.shard, db.device)
-    for j, ((i, _, t), piece) in enumerate(zip(moved, pieces)):
-        if t.shape:
-            lo, hi = dst[j][db.rank]
-            rows = (hi - lo) // max(1, math.prod(t.shape[1:]))
-            local = piece.view((rows,) + tuple(t.shape[1:]))
-            place = Shard(0)
+    for (i, _, t), piece in zip(moved, pieces):
+        if t.shape:  # this rank's rows of the even split
+            rows = piece.numel() // max(1, math.prod(t.shape[1:]))
+            local, place = piece.view(rows, *t.shape[1:]), Shard(0)
         else:
             local, place = piece.view(()), Replicate()
         out[i] = _from_local(local, device_mesh, lead + [place], t.shape)

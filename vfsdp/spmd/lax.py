@@ -134,13 +134,10 @@ def _scatter(x: torch.Tensor, ax: Axis, dim: int, sizes: Sequence[int]) -> torch
     rest = moved.shape[1:]
     inner = int(rest.numel())
     width = max(sizes) * inner
-    chunks = moved.split(list(sizes), 0)
-    send = moved.new_zeros(ax.size * width)
-    tp.copy_many([send[r * width:r * width + c.numel()] for r, c in enumerate(chunks)],
-                 [c.reshape(-1) for c in chunks])
+    send = torch.nn.utils.rnn.pad_sequence(list(moved.split(list(sizes), 0)), batch_first=True)
     out = moved.new_empty(width)
     with tp.functorch_paused():
-        comm.reduce_scatter_into(out, send, "sum", ax.group)
+        comm.reduce_scatter_into(out, send.view(-1), "sum", ax.group)
     mine = sizes[ax.index]
     return out[:mine * inner].view(mine, *rest).movedim(0, dim)
 

@@ -146,7 +146,6 @@ def visualize(x: Any, unit: Any = None, *, width: int = 72, figure: bool = False
 def _figure(layouts: list, shown: dict) -> Any:
     try:
         import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
     except ImportError as exc:
         raise ImportError("vfsdp.visualize(figure=True) needs matplotlib: pip install "
                           "vfsdp[viz]") from exc
@@ -162,19 +161,15 @@ def _figure(layouts: list, shown: dict) -> Any:
                 if hi <= lo:
                     continue
                 if i is None:
-                    ax.barh(y, hi - lo, left=lo - r * s, color="white", edgecolor="grey",
-                            hatch="//", height=0.8)
-                    handles.setdefault("padding", Patch(facecolor="white", hatch="//",
-                                                        edgecolor="grey", label="padding"))
+                    name, style = "padding", {"color": "white", "edgecolor": "grey", "hatch": "//"}
                 else:
                     st = u.tensors[i].strided
                     part = ("" if st is None or st.dim is None else
                             f" [{st.axis} {st.start}:{st.start + st.lengths[st.index]} of dim "
                             f"{st.dim}]")
                     name = f"{unit_name(u.key)}: {format_path(u.paths[i])}{part}"
-                    color = cmap(i % 20)
-                    ax.barh(y, hi - lo, left=lo - r * s, color=color, height=0.8)
-                    handles.setdefault(name, Patch(color=color, label=name))
+                    style = {"color": cmap(i % 20)}
+                handles.setdefault(name, ax.barh(y, hi - lo, left=lo - r * s, height=0.8, **style))
             ticks.append(y)
             st = next((x for x in u.strided if x is not None), None)
             where = "" if st is None else f" {st.axis}{st.index}"
@@ -183,7 +178,7 @@ def _figure(layouts: list, shown: dict) -> Any:
         y -= 0.5
     ax.set_yticks(ticks, labels)
     ax.set_xlabel("element of the rank's shard (S)")
-    ax.legend(handles=list(handles.values()), bbox_to_anchor=(1.01, 1), loc="upper left",
+    ax.legend(list(handles.values()), list(handles), bbox_to_anchor=(1.01, 1), loc="upper left",
               fontsize="small")
     fig.tight_layout()
     return fig

@@ -30,7 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from vfsdp.collectives.agree import agree
+from vfsdp.collectives.agree import agreed
 from vfsdp.collectives.comm import default_mesh, resolve_groups
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.redistribute import flat_redistribute, shard0_range
@@ -66,15 +66,14 @@ def dtensor_placement(t: TensorSpec) -> Optional[Placement]:
     m = t.world_size
     if m == 1:
         return Replicate()
-    if not t.shape:
-        return None
-    if all(t.local_range(r) == shard0_range(tuple(t.shape), m, r) for r in range(m)):
-        return Shard(0)
-    return None
+    even = bool(t.shape) and all(t.local_range(r) == shard0_range(tuple(t.shape), m, r)
+                                 for r in range(m))
+    return Shard(0) if even else None
 
 
-def _mesh(spec: ShardSpec, mesh):
-    return mesh if mesh is not None else default_mesh(spec)
+def _from_local(local: torch.Tensor, mesh: Any, places: list, shape: tuple) -> DTensor:
+    return DTensor.from_local(local, mesh, places, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def to_dtensor(shards: Any, spec: ShardSpec, *, mesh: Any = None, ragged: str = "error") -> Any:
@@ -116,7 +115,7 @@ def to_dtensor(shards: Any, spec: ShardSpec, *, mesh: Any = None, ragged: str = 
     leaves = match_tree(shards, spec, "vfsdp.to_dtensor")
     if spec.model_axis is not None:
         return _to_dtensor_split(leaves, spec, mesh, ragged)
-    device_mesh = _mesh(spec, mesh)
+    device_mesh = mesh if mesh is not None else default_mesh(spec)
     lead = [Replicate()] * (len(spec.mesh_shape) - 1)
     out = list(leaves)
     for u in units_of(leaves, spec, "vfsdp.to_dtensor"):
@@ -125,10 +124,7 @@ def to_dtensor(shards: Any, spec: ShardSpec, *, mesh: Any = None, ragged: str = 
             t = u.db.tensors[k]
             place = dtensor_placement(t)
             if place is not None:
-                local = u.db.local(k)
-                out[i] = DTensor.from_local(local, device_mesh, lead + [place], run_check=False,
-                                            shape=torch.Size(t.shape),
-                                            stride=torch.empty(t.shape, device="meta").stride())
+                out[i] = _from_local(u.db.local(k), device_mesh, lead + [place], t.shape)
             elif ragged == "error":
                 raise ValueError(_ragged_message(t))
             elif ragged == "redistribute":
@@ -173,8 +169,7 @@ def _to_dtensor_split(leaves: list, spec: ShardSpec, mesh: Any, ragged: str) -> 
             t = u.db.tensors[k]
             data = dtensor_placement(t)
             model, why = model_placement(t)
-            if data is not None and model is not None and isinstance(data, Shard) \
-                    and isinstance(model, Shard) and model.dim == 0:
+            if isinstance(data, Shard) and isinstance(model, Shard) and model.dim == 0:
                 data, why = None, (f"the data axes split its {axis}-piece by rows too "
                                    f"({axis}-major); DTensor orders mesh dims data-major")
             elif data is None:
@@ -185,14 +180,9 @@ def _to_dtensor_split(leaves: list, spec: ShardSpec, mesh: Any, ragged: str) -> 
                 raise ValueError(f"vfsdp.to_dtensor: {format_path(t.path)} has no DTensor "
                                  f"layout: {why}. Pass ragged='keep' for the local shard, or "
                                  f"save with vfsdp.checkpoint.save, which stores it exactly")
-            places = []
-            for name in names:
-                places.append(model if name == axis else data if name == spec.mesh_dim_names[-1]
-                              else Replicate())
-            shape = t.global_shape
-            out[i] = DTensor.from_local(u.db.local(k), mesh, places, run_check=False,
-                                        shape=torch.Size(shape),
-                                        stride=torch.empty(shape, device="meta").stride())
+            places = [model if name == axis else data if name == spec.mesh_dim_names[-1]
+                      else Replicate() for name in names]
+            out[i] = _from_local(u.db.local(k), mesh, places, t.global_shape)
     return optree.tree_unflatten(spec.treespec, out)
 
 
@@ -208,36 +198,31 @@ def _ragged_message(t: TensorSpec) -> str:
 def _even_copies(db: DBuffer, moved: list, out: list, device_mesh, lead: list) -> None:
     m = db.layout.world_size
     src = [[t.local_range(r) for r in range(m)] for _, _, t in moved]
-    dst = [[_target_range(t, r) for r in range(m)] for _, _, t in moved]
+    dst = [[shard0_range(tuple(t.shape), m, r) if t.shape else (0, t.numel) for r in range(m)]
+           for _, _, t in moved]  # a 0-d tensor: replicated
     pieces = flat_redistribute([db.local(k).detach() for _, k, _ in moved], src, dst,
                                db.groups.shard, db.device)
-    for j, ((i, _, t), piece) in enumerate(zip(moved, pieces)):
-        if t.shape:
-            lo, hi = dst[j][db.rank]
-            rows = (hi - lo) // max(1, math.prod(t.shape[1:]))
-            local = piece.view((rows,) + tuple(t.shape[1:]))
-            place = Shard(0)
+    for (i, _, t), piece in zip(moved, pieces):
+        if t.shape:  # this rank's rows of the even split
+            rows = piece.numel() // max(1, math.prod(t.shape[1:]))
+            local, place = piece.view(rows, *t.shape[1:]), Shard(0)
         else:
             local, place = piece.view(()), Replicate()
-        out[i] = DTensor.from_local(local, device_mesh, lead + [place], run_check=False,
-                                    shape=torch.Size(t.shape),
-                                    stride=torch.empty(t.shape, device="meta").stride())
-
-
-def _target_range(t: TensorSpec, rank: int) -> tuple[int, int]:
-    if t.shape:
-        return shard0_range(tuple(t.shape), t.world_size, rank)
-    return (0, t.numel)  # a 0-d tensor: replicated
+        out[i] = _from_local(local, device_mesh, lead + [place], t.shape)
 
 
 def _source_ranges(x: Any, t: TensorSpec, rank: int, m: int, path: str,
                    t_mesh: tuple) -> tuple[list, torch.Tensor]:
     """Per-rank source ranges of a DTensor (or full tensor) leaf, and this rank's piece."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"vfsdp.from_dtensor: {path} should be a DTensor or tensor, got "
+                         f"{type(x).__name__}")
+    if tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
+        raise ValueError(f"vfsdp.from_dtensor: {path} is {tuple(x.shape)} {x.dtype}, the "
+                         f"spec says {tuple(t.shape)} {t.dtype}")
+    full = x.detach()
     if isinstance(x, DTensor):
         places = list(x.placements)
-        if tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
-            raise ValueError(f"vfsdp.from_dtensor: {path} is {tuple(x.shape)} {x.dtype}, the "
-                             f"spec says {tuple(t.shape)} {t.dtype}")
         mesh_shape = tuple(x.device_mesh.shape)
         if len(mesh_shape) != len(t_mesh) or mesh_shape[-1] != m:
             raise ValueError(f"vfsdp.from_dtensor: {path} lives on a mesh of shape {mesh_shape}, "
@@ -246,36 +231,26 @@ def _source_ranges(x: Any, t: TensorSpec, rank: int, m: int, path: str,
             raise ValueError(f"vfsdp.from_dtensor: {path} has placements {places}; every dim "
                              f"but the last (shard) mesh dim must be Replicate()")
         last = places[-1]
-        local = x.to_local().detach()
-        if isinstance(last, Replicate):
-            x_full = local
-        elif isinstance(last, Shard) and last.dim == 0 and type(last) is Shard:
+        full = x.to_local().detach()
+        if type(last) is Shard and last.dim == 0:
             if x.device_mesh.get_local_rank(len(mesh_shape) - 1) != rank:
                 raise ValueError(f"vfsdp.from_dtensor: {path}'s mesh orders the shard dim "
                                  f"differently from the spec's groups; pass mesh= (the same "
                                  f"DeviceMesh) to from_dtensor")
             ranges = [shard0_range(tuple(t.shape), m, r) for r in range(m)]
-            if local.numel() != ranges[rank][1] - ranges[rank][0]:
-                raise ValueError(f"vfsdp.from_dtensor: {path}'s local shard has {local.numel()} "
+            if full.numel() != ranges[rank][1] - ranges[rank][0]:
+                raise ValueError(f"vfsdp.from_dtensor: {path}'s local shard has {full.numel()} "
                                  f"elements, Shard(0) on this rank needs "
                                  f"{ranges[rank][1] - ranges[rank][0]}")
-            return ranges, local
-        else:
+            return ranges, full
+        if not isinstance(last, Replicate):
             raise ValueError(f"vfsdp.from_dtensor: {path} has placement {last!r}; vfsdp reads "
                              f"Replicate() and Shard(0): call .redistribute(placements=[...,"
                              f" Shard(0)]) first")
-    elif isinstance(x, torch.Tensor):
-        if tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
-            raise ValueError(f"vfsdp.from_dtensor: {path} is {tuple(x.shape)} {x.dtype}, the "
-                             f"spec says {tuple(t.shape)} {t.dtype}")
-        x_full = x.detach()
-    else:
-        raise ValueError(f"vfsdp.from_dtensor: {path} should be a DTensor or tensor, got "
-                         f"{type(x).__name__}")
     # replicated: every rank "holds" exactly what it needs (disjoint source ranges)
     ranges = [t.local_range(r) for r in range(m)]
     lo, hi = ranges[rank]
-    return ranges, x_full.reshape(-1)[lo:hi]
+    return ranges, full.reshape(-1)[lo:hi]
 
 
 def from_dtensor(tree: Any, spec: ShardSpec, *, mesh: Any = None,
@@ -320,13 +295,9 @@ def from_dtensor(tree: Any, spec: ShardSpec, *, mesh: Any = None,
     units = group_by_unit(spec)
     m, rank = spec.world_size, groups.shard_rank
 
-    found, error = {}, None
-    try:  # local checks first: a bad leaf on one rank must not hang the others
-        found = {key: [_source_ranges(leaves[i], t, rank, m, format_path(t.path), spec.mesh_shape)
-                       for i, t in members] for key, members in units.items()}
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
-        error = exc
-    agree(error)
+    found = agreed(lambda: {  # local checks first: a bad leaf on one rank must not hang the others
+        key: [_source_ranges(leaves[i], t, rank, m, format_path(t.path), spec.mesh_shape)
+              for i, t in members] for key, members in units.items()})
     out, made = list(leaves), {}
     with torch.no_grad():
         for key, members in units.items():

@@ -108,18 +108,12 @@ def _values(kind: Any, path: tuple, lo: int, hi: int, numel: int, seed: int,
         return torch.full((hi - lo,), kind.value, dtype=dtype)  # cpu: copied into the shard
     if not isinstance(kind, normal):
         raise TypeError(f"init rule returned {kind!r} for {path}; use vfsdp.init.normal or constant")
-    out = torch.empty(hi - lo, dtype=dtype)  # cpu: drawn on the host, copied into the shard
-    pos = lo
-    while pos < hi:
-        c = pos // CHUNK
-        start, stop = c * CHUNK, (c + 1) * CHUNK
-        g = torch.Generator().manual_seed(_chunk_seed(seed, path, c))
-        block = torch.randn(min(stop, numel) - start, generator=g, dtype=torch.float32)  # cpu: seeded
-        block = block[:min(stop, hi) - start]
-        take = block[pos - start:]
-        out[pos - lo:pos - lo + take.numel()] = (take * kind.std).to(dtype)
-        pos += take.numel()
-    return out
+    first = lo // CHUNK
+    blocks = [torch.randn(min((c + 1) * CHUNK, numel) - c * CHUNK, dtype=torch.float32,  # cpu: seeded
+                          generator=torch.Generator().manual_seed(_chunk_seed(seed, path, c)))
+              for c in range(first, -(-hi // CHUNK))]
+    drawn = torch.cat(blocks) if blocks else torch.empty(0)  # cpu: drawn on the host, copied into the shard
+    return (drawn[lo - first * CHUNK:hi - first * CHUNK] * kind.std).to(dtype)
 
 
 def sharded(init_rule: Rule, seed: int = 0) -> Callable:
@@ -149,7 +143,11 @@ def sharded(init_rule: Rule, seed: int = 0) -> Callable:
     """
 
     def init_fn(path, local, tspec) -> None:
-        lo, hi = tspec.local_range(local_rank(local))
+        slot = slot_of(local)
+        if slot is None:
+            raise ValueError("vfsdp.init.sharded: the piece is not a DBuffer view; use it as "
+                             "vfsdp.shard(..., init_fn=vfsdp.init.sharded(rule, seed))")
+        lo, hi = tspec.local_range(slot.buffer.rank)
         st = tspec.strided
         kind = init_rule(tuple(path), tspec.global_shape)
         if st is None or st.dim is None or lo == hi:
@@ -164,19 +162,6 @@ def sharded(init_rule: Rule, seed: int = 0) -> Callable:
         local.view(-1).copy_(values.to(local.device))
 
     return init_fn
-
-
-def local_rank(local: torch.Tensor) -> int:
-    """This rank's index in the shard group, from the buffer the piece is a view of.
-
-    Raises:
-        ValueError: ``local`` is not a piece ``vfsdp.shard`` handed to ``init_fn``.
-    """
-    slot = slot_of(local)
-    if slot is None:
-        raise ValueError("vfsdp.init.sharded: the piece is not a DBuffer view; use it as "
-                         "vfsdp.shard(..., init_fn=vfsdp.init.sharded(rule, seed))")
-    return slot.buffer.rank
 
 
 def full_tensor(init_rule: Rule, path: tuple, shape: tuple, dtype: torch.dtype = torch.float32,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import threading
 from typing import Any, Optional
 
@@ -35,9 +36,6 @@ from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["functionalize", "ModuleApply"]
-
-_SEQUENCES = (torch.nn.ModuleList, torch.nn.Sequential)
-
 
 def functionalize(module: torch.nn.Module) -> tuple[dict, ModuleApply]:
     """``(params, apply)``: the module's parameters as a tree, and ``apply(params, *args,
@@ -70,21 +68,25 @@ def functionalize(module: torch.nn.Module) -> tuple[dict, ModuleApply]:
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"vfsdp.functionalize takes an nn.Module, got {type(module).__name__}")
-    first: dict[int, str] = {}
-    ties: dict[str, str] = {}
+    first: dict[int, str] = {}  # a tensor's first registered name
+    every = list(module.named_parameters(remove_duplicate=False))
+    for name, p in every:
+        first.setdefault(id(p), name)
+    ties = {name: first[id(p)] for name, p in every if first[id(p)] != name}
     tree: dict = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            ties[name] = first[id(p)]
-            continue
-        first[id(p)] = name
-        node = tree
-        *parents, leaf = name.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
+    for name, p in module.named_parameters():  # each tensor once, under its first name
+        node, leaf = _parent(tree, name)
         node[leaf] = p
     params = _lists(module, tree, "")
     return params, ModuleApply(module, params, ties)
+
+
+def _parent(tree: Any, name: str) -> tuple[Any, str]:
+    """The node of ``tree`` that holds dotted ``name`` (dicts made on the way) and its key."""
+    *parents, leaf = name.split(".")
+    for part in parents:
+        tree = tree[int(part)] if isinstance(tree, list) else tree.setdefault(part, {})
+    return tree, leaf
 
 
 def _lists(module: torch.nn.Module, tree: dict, prefix: str) -> Any:
@@ -93,13 +95,10 @@ def _lists(module: torch.nn.Module, tree: dict, prefix: str) -> Any:
         if isinstance(sub, dict):
             tree[key] = _lists(module, sub, f"{prefix}{key}.")
     owner = module.get_submodule(prefix[:-1]) if prefix else module
-    if isinstance(owner, _SEQUENCES) and set(tree) == {str(i) for i in range(len(tree))}:
+    if isinstance(owner, (torch.nn.ModuleList, torch.nn.Sequential)) and \
+        set(tree) == {str(i) for i in range(len(tree))}:
         return [tree[str(i)] for i in range(len(tree))]
     return tree
-
-
-def _names(paths: list) -> list[str]:
-    return [format_path(tuple(p)) for p in paths]
 
 
 class ModuleApply:
@@ -148,12 +147,11 @@ class ModuleApply:
         persistent = module.state_dict(keep_vars=True)  # references only: nothing is copied
         self._persistent = [n for n in self.buffers if n in persistent]
         paths, _, self._treespec = optree.tree_flatten_with_path(params)
-        self._names = _names(paths)
+        self._names = [format_path(p) for p in paths]
         self.blocks = _blocks(params)
         self._thread: Optional[int] = None
         self._run: Optional[_Blocks] = None  # the run_layers call in progress
         self._hf_funcs: dict = {}  # module id -> Hugging Face's checkpoint function
-        self._rest: dict = {}  # treespec -> dotted names, for trees without the blocks
 
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
         """The module's forward with ``params`` (a tree shaped as :func:`functionalize`'s,
@@ -196,26 +194,17 @@ class ModuleApply:
             >>> sorted(apply.state_tree(params)[1])   # a Sequential of modules with tensors: a list
             ['bias', 'num_batches_tracked', 'running_mean', 'running_var', 'weight']
         """
-        def copy(node):
-            if isinstance(node, dict):
-                return {k: copy(v) for k, v in node.items()}
-            return [copy(v) for v in node] if isinstance(node, list) else node
-
-        tree = copy(shards)
+        tree = optree.tree_map(lambda t: t, shards)  # new containers, the same tensors
         for name in self._persistent:
-            node = tree
-            *parents, leaf = name.split(".")
-            for part in parents:
-                node = node[int(part)] if isinstance(node, list) else node.setdefault(part, {})
+            node, leaf = _parent(tree, name)
             if leaf in node:
                 raise ValueError(f"apply.state_tree: buffer {name} is already a leaf of the tree")
             node[leaf] = self.buffers[name]
         return tree
 
-    def _call(self, tensors: dict, args: tuple, kwargs: dict, module=None, buffers=None) -> Any:
+    def _call(self, tensors: dict, args: tuple, kwargs: dict) -> Any:
         self._claim()
-        buffers = self.buffers if buffers is None else buffers
-        meta = next((n for n, b in buffers.items() if b.device.type == "meta"), None)
+        meta = next((n for n, b in self.buffers.items() if b.device.type == "meta"), None)
         if meta is not None:
             raise ValueError(f"apply: buffer {meta} is on the meta device (the module was built "
                              f"there); give it values: apply.buffers[{meta!r}] = tensor")
@@ -225,9 +214,8 @@ class ModuleApply:
             self._hf_funcs[id(m)] = m.__dict__["_gradient_checkpointing_func"]
             m._gradient_checkpointing_func = functools.partial(self._hf_checkpoint, m)
         try:
-            return functional_call(self.module if module is None else module,
-                                   {**tensors, **buffers}, args, kwargs, tie_weights=True,
-                                   strict=False)
+            return functional_call(self.module, {**tensors, **self.buffers}, args, kwargs,
+                                   tie_weights=True, strict=False)
         finally:
             for m in marked:
                 m._gradient_checkpointing_func = self._hf_funcs.pop(id(m))
@@ -299,9 +287,7 @@ class ModuleApply:
             if inside[0] != inside[1]:
                 raise ValueError(f"apply.run_layers: {name} is tied to {target}, across the "
                                  f"blocks' boundary; call apply(vfsdp.gather(shards, spec), ...)")
-        block_spec = spec
-        for k in path:
-            block_spec = block_spec[k]
+        block_spec = _at(spec, path)
         values = merge(policy, {}, "apply.run_layers")
         if values["recompute"] is not None and "use_cache" not in kwargs and \
                 getattr(getattr(self.module, "config", None), "use_cache", False):
@@ -310,21 +296,17 @@ class ModuleApply:
                        values, "apply.run_layers")
         if path:
             plain = None if policy is None else dataclasses.replace(policy, recompute=None)
-            rest = gather(_pruned(shards, path), _without(spec, path, block_spec), plain,
-                          **_defaults(policy))
-            leaves, treespec = optree.tree_flatten(rest)
-            names = self._rest.get(treespec)
-            if names is None:
-                paths = optree.tree_paths(_pruned(optree.tree_unflatten(
-                    self._treespec, [0] * self._treespec.num_leaves), path))
-                names = self._rest[treespec] = _names(paths)
+            unset = {k: v for k, v in (("grads", "buffer"), ("free_after_backward", True))
+                     if policy is None or getattr(policy, k) is None}
+            rest = _flat_names(gather(_pruned(shards, path), _without(spec, path, block_spec),
+                                      plain, **unset))
         else:  # the module is the list of blocks
-            leaves, names = [], []
+            rest = {}
         blocks = self.module.get_submodule(where) if path else self.module
         state = _Blocks(self, run, list(blocks))
         self._run = state
         try:
-            return self._call(dict(zip(names, leaves)), args, kwargs)
+            return self._call(rest, args, kwargs)
         finally:
             self._run = None
             state.close()
@@ -343,31 +325,21 @@ class ModuleApply:
                                         {}).get("context_fn"))
 
 
-def _defaults(policy: Optional[Policy]) -> dict:
-    wanted = {"grads": "buffer", "free_after_backward": True}
-    return {k: v for k, v in wanted.items() if policy is None or getattr(policy, k) is None}
-
-
 def _blocks(params: dict) -> Optional[tuple]:
     """The key path of the outermost list of blocks holding the most elements."""
-    found: list = []
 
     def walk(node, path):
         if isinstance(node, list):
-            size = sum(t.numel() for t in optree.tree_leaves(node))
-            found.append((size, path))
+            yield sum(t.numel() for t in optree.tree_leaves(node)), path
         elif isinstance(node, dict):
             for k, v in node.items():
-                walk(v, (*path, k))
+                yield from walk(v, (*path, k))
 
-    walk(params, ())
-    return max(found, key=lambda f: f[0])[1] if found else None
+    return max(walk(params, ()), key=lambda f: f[0], default=(0, None))[1]
 
 
 def _at(tree: Any, path: tuple) -> Any:
-    for k in path:
-        tree = tree[k]
-    return tree
+    return functools.reduce(operator.getitem, path, tree)
 
 
 def _pruned(tree: Any, path: tuple) -> Any:
@@ -405,13 +377,10 @@ class _Blocks:
     def __init__(self, apply: ModuleApply, run: LayerRun, blocks: list) -> None:
         self.apply, self.run, self.blocks = apply, run, blocks
         self.units: dict = {}  # block module -> its unit's index (its first position)
-        self.first: list[int] = []  # position -> unit index
-        for pos, block in enumerate(blocks):
-            self.first.append(self.units.setdefault(block, pos))
+        self.first = [self.units.setdefault(block, pos) for pos, block in enumerate(blocks)]
         self.calls = 0  # the position the next call is expected at
-        self.saved: dict = {}
+        self.saved = {block: block.__dict__.get("forward") for block in self.units}
         for block in self.units:
-            self.saved[block] = block.__dict__.get("forward")
             block.forward = functools.partial(self.call, block, block.forward)
 
     def close(self) -> None:
@@ -437,7 +406,7 @@ class _Blocks:
 
 def _flat_names(tree: Any) -> dict:
     paths, leaves, _ = optree.tree_flatten_with_path(tree)
-    return dict(zip(_names(paths), leaves))
+    return {format_path(p): t for p, t in zip(paths, leaves)}
 
 
 def _swapped(module: torch.nn.Module, tensors: dict, fn: Any, args: tuple, kwargs: dict) -> Any:

@@ -28,11 +28,8 @@ def _layouts(x: Any) -> list[UnitLayout]:
         return list(x.units.values())
     if isinstance(x, UnitLayout):
         return [x]
-    found: dict = {}
-    for leaf in optree.tree_leaves(x):
-        slot = slot_of(leaf)
-        if slot is not None:
-            found.setdefault(slot.buffer.layout.key, slot.buffer.layout)
+    slots = [slot for slot in map(slot_of, optree.tree_leaves(x)) if slot is not None]
+    found = {slot.buffer.layout.key: slot.buffer.layout for slot in slots}
     if not found:
         raise TypeError(f"vfsdp.visualize: give a ShardSpec, a UnitLayout or a tree of shards "
                         f"(vfsdp.shard's output), got {type(x).__name__}")
@@ -72,20 +69,13 @@ def _text(u: UnitLayout, width: int, shown: int) -> str:
     lines = [f"unit {unit_name(u.key)}: {len(u.paths)} tensors, {m} ranks x S={s} "
              f"{str(u.dtype).replace('torch.', '')}, padding "
              f"{sum(b - a for a, b, i in segs if i is None)} elements{_model(u)}"]
-    bar = []
-    for r in range(shown):
-        lo, hi = r * s, (r + 1) * s
-        cells = []
-        for c in range(per):  # each cell: what most of its elements are
-            a = lo + (hi - lo) * c // per
-            b = max(a + 1, lo + (hi - lo) * (c + 1) // per)
-            best, mark = 0, " "
-            for x, y, i in segs:
-                n = min(b, y) - max(a, x)
-                if n > best:
-                    best, mark = n, "." if i is None else _LETTERS[i % len(_LETTERS)]
-            cells.append(mark if hi > lo else " ")
-        bar.append("".join(cells))
+
+    def cell(a: int, b: int) -> str:  # what most of the elements [a, b) are
+        i = max(segs, key=lambda g: min(max(a + 1, b), g[1]) - max(a, g[0]))[2]
+        return "." if i is None else _LETTERS[i % len(_LETTERS)]
+
+    bar = ["".join(cell(r * s + s * c // per, r * s + s * (c + 1) // per) if s else " "
+                   for c in range(per)) for r in range(shown)]
     lines.append("|" + "|".join(bar) + "|")
     lines.append((" " + " ".join(f"rank {r}".center(per) for r in range(shown))).rstrip()
                  + (f" (first {shown} of {m} ranks)" if shown < m else ""))
@@ -156,7 +146,6 @@ def visualize(x: Any, unit: Any = None, *, width: int = 72, figure: bool = False
 def _figure(layouts: list, shown: dict) -> Any:
     try:
         import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
     except ImportError as exc:
         raise ImportError("vfsdp.visualize(figure=True) needs matplotlib: pip install "
                           "vfsdp[viz]") from exc
@@ -172,19 +161,15 @@ def _figure(layouts: list, shown: dict) -> Any:
                 if hi <= lo:
                     continue
                 if i is None:
-                    ax.barh(y, hi - lo, left=lo - r * s, color="white", edgecolor="grey",
-                            hatch="//", height=0.8)
-                    handles.setdefault("padding", Patch(facecolor="white", hatch="//",
-                                                        edgecolor="grey", label="padding"))
+                    name, style = "padding", {"color": "white", "edgecolor": "grey", "hatch": "//"}
                 else:
                     st = u.tensors[i].strided
                     part = ("" if st is None or st.dim is None else
                             f" [{st.axis} {st.start}:{st.start + st.lengths[st.index]} of dim "
                             f"{st.dim}]")
                     name = f"{unit_name(u.key)}: {format_path(u.paths[i])}{part}"
-                    color = cmap(i % 20)
-                    ax.barh(y, hi - lo, left=lo - r * s, color=color, height=0.8)
-                    handles.setdefault(name, Patch(color=color, label=name))
+                    style = {"color": cmap(i % 20)}
+                handles.setdefault(name, ax.barh(y, hi - lo, left=lo - r * s, height=0.8, **style))
             ticks.append(y)
             st = next((x for x in u.strided if x is not None), None)
             where = "" if st is None else f" {st.axis}{st.index}"
@@ -193,7 +178,7 @@ def _figure(layouts: list, shown: dict) -> Any:
         y -= 0.5
     ax.set_yticks(ticks, labels)
     ax.set_xlabel("element of the rank's shard (S)")
-    ax.legend(handles=list(handles.values()), bbox_to_anchor=(1.01, 1), loc="upper left",
+    ax.legend(list(handles.values()), list(handles), bbox_to_anchor=(1.01, 1), loc="upper left",
               fontsize="small")
     fig.tight_layout()
     return fig

@@ -60,6 +60,7 @@ from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
 from vfsdp.collectives.comm import control_device
 from vfsdp.collectives.mesh import Axis, axis_names, axis_of, current_mesh, use_mesh
+from vfsdp.placements.strided import split_lengths
 from vfsdp.spmd import vma
 
 __all__ = ["psum", "pmean", "pvary", "all_gather", "psum_scatter", "all_to_all", "axis_index",
@@ -71,12 +72,13 @@ Axes = Union[str, tuple]  # one mesh axis name, or a tuple of them in the mesh's
 
 # ---------------------------------------------------------------- raw collectives (no autograd)
 
-def _reduce(x: torch.Tensor, ax: Axis, what: str = "psum") -> torch.Tensor:
-    """Sum ``x`` over the axis. An all-reduce of tensors whose sizes differ gives some ranks a
-    result and others a transport error or a hang, so off CUDA the ranks first agree on its
-    shape (one small all-gather, :func:`_shapes`) and all raise the same error. On CUDA that
-    would be a host sync in every sum (four per tensor-parallel layer and step): there
-    torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks every collective's shapes instead."""
+def _psum(x: torch.Tensor, ax: Axis, scale: float, what: str = "psum") -> torch.Tensor:
+    """Sum ``x`` over the axis, times ``scale``. An all-reduce of tensors whose sizes differ
+    gives some ranks a result and others a transport error or a hang, so off CUDA the ranks
+    first agree on its shape (one small all-gather, :func:`_shapes`) and all raise the same
+    error. On CUDA that would be a host sync in every sum (four per tensor-parallel layer and
+    step): there torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks every collective's shapes
+    instead."""
     out = x.detach().clone(memory_format=torch.contiguous_format)
     if ax.size > 1:
         shapes = _shapes(x, ax, what) if x.device.type != "cuda" else [tuple(x.shape)]
@@ -86,7 +88,7 @@ def _reduce(x: torch.Tensor, ax: Axis, what: str = "psum") -> torch.Tensor:
                              f"(pad it, or all_gather pieces of different sizes)")
         with tp.functorch_paused():
             comm.all_reduce_(out, "sum", ax.group)
-    return out
+    return out if scale == 1 else out.mul_(scale)
 
 
 def _shapes(x: torch.Tensor, ax: Axis, what: str) -> list[tuple]:
@@ -96,9 +98,8 @@ def _shapes(x: torch.Tensor, ax: Axis, what: str) -> list[tuple]:
     if ax.size == 1:
         return [tuple(x.shape)]
     device = control_device(x.device)
-    mine = torch.full((_MAX_DIMS + 1,), -1, dtype=torch.int64, device=device)
-    mine[0] = x.dim()
-    mine[1:1 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64, device=device)
+    mine = torch.tensor([x.dim(), *x.shape] + [-1] * (_MAX_DIMS - x.dim()), dtype=torch.int64,
+                        device=device)
     every = torch.empty(ax.size * (_MAX_DIMS + 1), dtype=torch.int64, device=device)
     with tp.functorch_paused():
         comm.all_gather_into(every, mine, ax.group, count="shape_exchange")
@@ -119,10 +120,8 @@ def _gather(x: torch.Tensor, ax: Axis, dim: int, shapes: Sequence[tuple]) -> tor
     recv = flat.new_empty(ax.size * width)
     with tp.functorch_paused():
         comm.all_gather_into(recv, send.contiguous(), ax.group)
-    pieces = []
-    for r, s in enumerate(shapes):
-        moved = (s[dim], *s[:dim], *s[dim + 1:])
-        pieces.append(recv[r * width:r * width + numels[r]].view(moved))
+    pieces = [recv[r * width:r * width + numels[r]].view(s[dim], *s[:dim], *s[dim + 1:])
+              for r, s in enumerate(shapes)]
     return torch.cat(pieces, 0).movedim(0, dim)
 
 
@@ -135,13 +134,10 @@ def _scatter(x: torch.Tensor, ax: Axis, dim: int, sizes: Sequence[int]) -> torch
     rest = moved.shape[1:]
     inner = int(rest.numel())
     width = max(sizes) * inner
-    chunks = moved.split(list(sizes), 0)
-    send = moved.new_zeros(ax.size * width)
-    tp.foreach("copy_", [send[r * width:r * width + c.numel()] for r, c in enumerate(chunks)],
-               [c.reshape(-1) for c in chunks])
+    send = torch.nn.utils.rnn.pad_sequence(list(moved.split(list(sizes), 0)), batch_first=True)
     out = moved.new_empty(width)
     with tp.functorch_paused():
-        comm.reduce_scatter_into(out, send, "sum", ax.group)
+        comm.reduce_scatter_into(out, send.view(-1), "sum", ax.group)
     mine = sizes[ax.index]
     return out[:mine * inner].view(mine, *rest).movedim(0, dim)
 
@@ -184,52 +180,46 @@ def _a2a(x: torch.Tensor, ax: Axis, split_dim: int, concat_dim: int,
     return torch.cat([p.view(s) for p, s in zip(recv.split(out_sizes), shapes)], concat_dim)
 
 
-def _tensor_split_sizes(n: int, parts: int) -> list[int]:
-    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
-
-
 # ---------------------------------------------------------------- autograd
 
 
-class _PSum(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ax, scale, what="psum"):
-        out = _reduce(x, ax, what)
-        return out if scale == 1 else out.mul_(scale)
+class _Op(torch.autograd.Function):
+    """A raw collective (``forward``, also the tangent's, under ``jvp``) whose backward is
+    its transpose, itself one of these: double backward differentiates through it."""
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.ax, ctx.scale = inputs[1], inputs[2]
+        ctx.shape, ctx.args = tuple(inputs[0].shape), inputs[1:]
+
+
+class _PSum(_Op):
+    forward = staticmethod(_psum)
 
     @staticmethod
     def backward(ctx, g):
         # The cotangent (replicated) feeds each rank's own input: pvary, whose backward is
         # psum; so double backward (create_graph=True) sees the collective.
-        g = _PVary.apply(g, ctx.ax)
-        return (g if ctx.scale == 1 else g * ctx.scale), None, None, None
+        ax, scale, _ = ctx.args
+        g = _PVary.apply(g, ax)
+        return (g if scale == 1 else g * scale), None, None, None
 
     @staticmethod
     def jvp(ctx, gx, *_):
-        out = _reduce(gx, ctx.ax, "psum's tangent")
-        return out if ctx.scale == 1 else out.mul_(ctx.scale)
+        return _psum(gx, *ctx.args[:2], "psum's tangent")
 
     @staticmethod
     def vmap(info, in_dims, x, ax, scale, what="psum"):  # every rank batches alike
         return _PSum.apply(x, ax, scale, what), in_dims[0]
 
 
-class _PVary(torch.autograd.Function):
+class _PVary(_Op):
     @staticmethod
     def forward(x, ax):
         return x.view_as(x)
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.ax = inputs[1]
-
-    @staticmethod
     def backward(ctx, g):
-        return _PSum.apply(g, ctx.ax, 1, "pvary's backward (psum)"), None
+        return _PSum.apply(g, ctx.args[0], 1, "pvary's backward (psum)"), None
 
     @staticmethod
     def jvp(ctx, gx, _):
@@ -240,82 +230,63 @@ class _PVary(torch.autograd.Function):
         return _PVary.apply(x, ax), in_dims[0]
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ax, dim, shapes):
-        return _gather(x, ax, dim, shapes)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.ax, ctx.dim, ctx.shapes = inputs
-        ctx.sizes = [s[ctx.dim] for s in ctx.shapes]
+class _AllGather(_Op):
+    forward = staticmethod(_gather)
 
     @staticmethod
     def backward(ctx, g):
-        return _PSumScatter.apply(g, ctx.ax, ctx.dim, ctx.sizes), None, None, None
+        ax, dim, shapes = ctx.args
+        return _PSumScatter.apply(g, ax, dim, [s[dim] for s in shapes]), None, None, None
 
     @staticmethod
     def jvp(ctx, gx, *_):
-        return _gather(gx, ctx.ax, ctx.dim, ctx.shapes)
+        return _gather(gx, *ctx.args)
 
 
-class _PSumScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ax, dim, sizes):
-        return _scatter(x, ax, dim, sizes)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, ctx.ax, ctx.dim, ctx.sizes = inputs
-        ctx.shapes = [(*x.shape[:ctx.dim], s, *x.shape[ctx.dim + 1:]) for s in ctx.sizes]
+class _PSumScatter(_Op):
+    forward = staticmethod(_scatter)
 
     @staticmethod
     def backward(ctx, g):
-        return _AllGather.apply(g, ctx.ax, ctx.dim, ctx.shapes), None, None, None
+        ax, dim, sizes = ctx.args
+        return _AllGather.apply(g, ax, dim, _chunk_shapes(ctx.shape, dim, sizes)), None, None, None
 
     @staticmethod
     def jvp(ctx, gx, *_):
-        return _scatter(gx, ctx.ax, ctx.dim, ctx.sizes)
+        return _scatter(gx, *ctx.args)
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(x, ax, split_dim, concat_dim, split_sizes, shapes):
-        return _a2a(x, ax, split_dim, concat_dim, split_sizes, shapes)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, ctx.ax, ctx.split_dim, ctx.concat_dim, ctx.split_sizes, ctx.shapes = inputs
-        ctx.back_sizes = [s[ctx.concat_dim] for s in ctx.shapes]  # what came from each rank
-        ctx.back_shapes = _chunk_shapes(tuple(x.shape), ctx.split_dim, ctx.split_sizes)
+class _AllToAll(_Op):
+    forward = staticmethod(_a2a)
 
     @staticmethod
     def backward(ctx, g):
         # The reverse exchange: each rank's piece of the cotangent goes back to its sender,
         # which gets the shapes of the chunks it sent (no shape exchange needed).
-        back = _AllToAll.apply(g, ctx.ax, ctx.concat_dim, ctx.split_dim, ctx.back_sizes,
-                               tuple(ctx.back_shapes))
+        ax, split_dim, concat_dim, split_sizes, shapes = ctx.args
+        back = _AllToAll.apply(g, ax, concat_dim, split_dim, [s[concat_dim] for s in shapes],
+                               tuple(_chunk_shapes(ctx.shape, split_dim, split_sizes)))
         return back, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, gx, *_):
-        return _a2a(gx, ctx.ax, ctx.split_dim, ctx.concat_dim, ctx.split_sizes, ctx.shapes)
+        return _a2a(gx, *ctx.args)
 
 
 # ---------------------------------------------------------------- public functions
 
 def _tracked(op: str, x: torch.Tensor, axis: Axes, mesh: Any, run) -> torch.Tensor:
-    """``run(x)`` under the ``shard_map`` body's replication tracking, if any (implicit pvary
+    """``run(x, the Axis)`` under the ``shard_map`` body's replication tracking, if any (implicit pvary
     of ``x`` first where it is invariant over some of the axes; the result marked)."""
+    ax = axis_of(axis, mesh)
     tracker = vma.current()
     if tracker is None:
-        return run(x)
-    missing, after = vma.check_collective(op, x, axis_names(axis))
+        return run(x, ax)
+    missing, after = tracker.check_collective(op, x, axis_names(axis))
     with tracker.pause():
         if missing:
-            x = _PVary.apply(x, tracker.axis(missing) if mesh is None else
-                             axis_of(missing if len(missing) > 1 else missing[0], mesh))
-        out = run(x)
+            x = _PVary.apply(x, tracker.axis(missing, mesh))
+        out = run(x, ax)
     return vma.mark(out, after, tracker)
 
 
@@ -353,7 +324,7 @@ def psum(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Te
         >>> vfsdp.testing.simulate(4, body)
         [1.0, 1.0, 5.0, 5.0]
     """
-    return _tracked("psum", x, axis, mesh, lambda x: _PSum.apply(x, axis_of(axis, mesh), 1))
+    return _tracked("psum", x, axis, mesh, lambda x, ax: _PSum.apply(x, ax, 1))
 
 
 def pmean(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
@@ -379,10 +350,8 @@ def pmean(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.T
         >>> vfsdp.testing.simulate(4, body)
         [1.5, 1.5, 1.5, 1.5]
     """
-    def run(x):
-        ax = axis_of(axis, mesh)
-        return _PSum.apply(x, ax, 1.0 / ax.size, "pmean")
-    return _tracked("pmean", x, axis, mesh, run)
+    return _tracked("pmean", x, axis, mesh,
+                    lambda x, ax: _PSum.apply(x, ax, 1.0 / ax.size, "pmean"))
 
 
 def pvary(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.Tensor:
@@ -411,7 +380,7 @@ def pvary(x: torch.Tensor, axis: Axes, *, mesh: Optional[Any] = None) -> torch.T
         >>> vfsdp.testing.simulate(2, body)
         [[3.0, 3.0], [3.0, 3.0]]
     """
-    return _tracked("pvary", x, axis, mesh, lambda x: _PVary.apply(x, axis_of(axis, mesh)))
+    return _tracked("pvary", x, axis, mesh, _PVary.apply)
 
 
 def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, *,
@@ -442,8 +411,7 @@ def all_gather(x: torch.Tensor, axis: Axes, dim: int = 0, *,
         >>> vfsdp.testing.simulate(2, body)[0]
         [0.0, 1.0, 1.0]
     """
-    def run(x):
-        ax = axis_of(axis, mesh)
+    def run(x, ax):
         d = _dim(x, dim, "all_gather")
         shapes = _shapes(x, ax, "all_gather")
         off = [s[:d] + s[d + 1:] for s in shapes]
@@ -480,11 +448,9 @@ def psum_scatter(x: torch.Tensor, axis: Axes, dim: int = 0, *,
         >>> vfsdp.testing.simulate(2, body)
         [[0.0, 2.0, 4.0], [6.0, 8.0]]
     """
-    def run(x):
-        ax = axis_of(axis, mesh)
-        d = _dim(x, dim, "psum_scatter")
-        return _PSumScatter.apply(x, ax, d, _tensor_split_sizes(x.shape[d], ax.size))
-    return _tracked("psum_scatter", x, axis, mesh, run)
+    d = _dim(x, dim, "psum_scatter")
+    return _tracked("psum_scatter", x, axis, mesh,
+                    lambda x, ax: _PSumScatter.apply(x, ax, d, split_lengths(x.shape[d], ax.size)))
 
 
 def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
@@ -521,29 +487,23 @@ def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
         >>> vfsdp.testing.simulate(2, body)
         [[0.0, 10.0, 11.0], [1.0, 2.0, 12.0]]
     """
-    return _tracked("all_to_all", x, axis, mesh,
-                    lambda x: _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh))
-
-
-def _all_to_all(x, axis, split_dim, concat_dim, split_sizes, mesh) -> torch.Tensor:
-    ax = axis_of(axis, mesh)
     s = _dim(x, split_dim, "all_to_all split_dim")
     c = _dim(x, concat_dim, "all_to_all concat_dim")
-    length = x.shape[s]
-    if split_sizes is None:
-        sizes = _tensor_split_sizes(length, ax.size)
-    else:
-        sizes = [int(v) for v in split_sizes]
+
+    def run(x, ax):
+        length = x.shape[s]
+        sizes = split_lengths(length, ax.size) if split_sizes is None else [int(v) for v in split_sizes]
         if len(sizes) != ax.size or sum(sizes) != length or min(sizes, default=0) < 0:
             raise ValueError(f"all_to_all over {axis!r}: split_sizes {list(split_sizes)} must "
                              f"be {ax.size} sizes >= 0 adding up to {length}")
-    shapes = _a2a_shapes(x, ax, s, sizes)
-    off = [sh[:c] + sh[c + 1:] for sh in shapes]
-    if any(o != off[0] for o in off):
-        raise ValueError(f"all_to_all over {axis!r}: the chunks this rank would receive have "
-                         f"shapes {shapes}, which do not concatenate along dim {concat_dim}: "
-                         f"every dim but {concat_dim} must agree")
-    return _AllToAll.apply(x, ax, s, c, sizes, tuple(shapes))
+        shapes = _a2a_shapes(x, ax, s, sizes)
+        off = [sh[:c] + sh[c + 1:] for sh in shapes]
+        if any(o != off[0] for o in off):
+            raise ValueError(f"all_to_all over {axis!r}: the chunks this rank would receive "
+                             f"have shapes {shapes}, which do not concatenate along dim "
+                             f"{concat_dim}: every dim but {concat_dim} must agree")
+        return _AllToAll.apply(x, ax, s, c, sizes, tuple(shapes))
+    return _tracked("all_to_all", x, axis, mesh, run)
 
 
 def axis_index(axis: Axes, *, mesh: Optional[Any] = None) -> int:

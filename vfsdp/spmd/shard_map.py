@@ -43,8 +43,9 @@ import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.mesh import Axis, axis_names, axis_of, use_mesh
+from vfsdp.placements.strided import split_lengths
 from vfsdp.spmd import vma
-from vfsdp.spmd.lax import _gather, _PVary, _shapes, _tensor_split_sizes
+from vfsdp.spmd.lax import _gather, _PVary, _shapes
 
 _MANUAL = threading.local()  # .axes: the mesh axes of the shard_map body running here
 
@@ -62,16 +63,10 @@ class P(tuple):
     """
 
     def __new__(cls, *dims: Any) -> P:
-        out = []
-        for d in dims:
-            if d is not None:
-                names = axis_names(d)
-                if not names:
-                    raise ValueError(f"P{dims!r}: an empty tuple of axes; use None for a "
-                                     f"whole dim")
-                d = names if isinstance(d, (tuple, list)) else d
-            out.append(d)
-        return super().__new__(cls, out)
+        if any(d is not None and not axis_names(d) for d in dims):
+            raise ValueError(f"P{dims!r}: an empty tuple of axes; use None for a whole dim")
+        return super().__new__(cls, [axis_names(d) if isinstance(d, (tuple, list)) else d
+                                     for d in dims])
 
     def __repr__(self) -> str:
         return f"P({', '.join(repr(d) for d in self)})"
@@ -85,8 +80,8 @@ class P(tuple):
 class _Cut:
     """One split dim of a tensor: its axis (one or several mesh axes, as a group in the
     mesh's order), this rank's index in the spec's order (row-major over its tuple), every
-    rank's length along it in that order, and ``order``: per position in the spec's order,
-    the position in the mesh's (``None``: the same)."""
+    rank's length along it in the mesh's order, and ``order``: per position in the spec's
+    order, the position in the mesh's (``None``: the same)."""
 
     dim: int
     axis: Axis
@@ -97,65 +92,41 @@ class _Cut:
 
 def _split(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
     for c in cuts:
-        t = t.narrow(c.dim, sum(c.sizes[:c.index]), c.sizes[c.index])
+        before = (c.order or range(len(c.sizes)))[:c.index]
+        t = t.narrow(c.dim, sum(c.sizes[m] for m in before), c.sizes[c.axis.index])
     return t.clone(memory_format=torch.contiguous_format)
 
 
 def _join(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
     t = t.detach()
     for c in cuts:
-        shape = tuple(t.shape)
-        in_mesh = c.sizes if c.order is None else [0] * len(c.sizes)
-        if c.order is not None:
-            for j, m in enumerate(c.order):
-                in_mesh[m] = c.sizes[j]
-        shapes = [(*shape[:c.dim], n, *shape[c.dim + 1:]) for n in in_mesh]
-        t = _gather(t, c.axis, c.dim, shapes)
+        t = _gather(t, c.axis, c.dim, [(*t.shape[:c.dim], n, *t.shape[c.dim + 1:]) for n in c.sizes])
         if c.order is not None:  # the pieces in the spec's order
-            pieces = t.split(list(in_mesh), c.dim)
+            pieces = t.split(list(c.sizes), c.dim)
             t = torch.cat([pieces[m] for m in c.order], c.dim)
     return t
 
 
-class _Split(torch.autograd.Function):
-    """Global tensors -> this rank's pieces; backward: :class:`_Join` of the cotangents."""
+class _Move(torch.autograd.Function):
+    """Global tensors -> this rank's pieces (``join=False``) or every rank's pieces -> the global
+    tensors (``join=True``); backward: the other move of the cotangents (a joined, global
+    cotangent is the same on every rank: it counts once)."""
 
     @staticmethod
-    def forward(layouts, *ts):
-        return tuple(_split(t, cuts) for t, cuts in zip(ts, layouts))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.layouts = inputs[0]
-
-    @staticmethod
-    def backward(ctx, *gs):
-        return (None, *_Join.apply(ctx.layouts, *gs))
-
-    @staticmethod
-    def jvp(ctx, _, *ts):
-        return tuple(_split(t, cuts) for t, cuts in zip(ts, ctx.layouts))
-
-
-class _Join(torch.autograd.Function):
-    """Every rank's pieces -> the global tensors; backward: :class:`_Split` of the global
-    cotangent (the same on every rank: it counts once)."""
-
-    @staticmethod
-    def forward(layouts, *ts):
-        return tuple(_join(t, cuts) for t, cuts in zip(ts, layouts))
+    def forward(join, layouts, *ts):
+        return tuple((_join if join else _split)(t, cuts) for t, cuts in zip(ts, layouts))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.layouts = inputs[0]
+        ctx.join, ctx.layouts = inputs[:2]
 
     @staticmethod
     def backward(ctx, *gs):
-        return (None, *_Split.apply(ctx.layouts, *gs))
+        return (None, None, *_Move.apply(not ctx.join, ctx.layouts, *gs))
 
     @staticmethod
-    def jvp(ctx, _, *ts):
-        return tuple(_join(t, cuts) for t, cuts in zip(ts, ctx.layouts))
+    def jvp(ctx, _, __, *ts):
+        return _Move.forward(ctx.join, ctx.layouts, *ts)
 
 
 def _where(kind: str, path: tuple) -> str:
@@ -177,22 +148,16 @@ def _check_spec(spec: Any, t: Any, where: str, names: tuple) -> list:
         raise ValueError(f"shard_map: {spec!r} has {len(spec)} entries but {where} "
                          f"{tuple(t.shape)} has {t.dim()} dims; give at most one entry per "
                          f"dim (None: whole, P(): replicated)")
-    seen: set = set()
-    out = []
-    for dim, entry in enumerate(spec):
-        if entry is None:
-            continue
-        for a in axis_names(entry):
-            if a not in names:
-                raise ValueError(f"shard_map: {spec!r} of {where} names axis {a!r}, which the "
-                                 f"mesh does not have; its axes are {names}")
-            if a in seen:
-                raise ValueError(f"shard_map: {spec!r} of {where} uses axis {a!r} twice; a "
-                                 f"tensor is split over an axis once (a tuple splits one dim "
-                                 f"over several)")
-            seen.add(a)
-        out.append((dim, entry))
-    return out
+    axes = spec.axes()
+    for i, a in enumerate(axes):
+        if a not in names:
+            raise ValueError(f"shard_map: {spec!r} of {where} names axis {a!r}, which the "
+                             f"mesh does not have; its axes are {names}")
+        if a in axes[:i]:
+            raise ValueError(f"shard_map: {spec!r} of {where} uses axis {a!r} twice; a "
+                             f"tensor is split over an axis once (a tuple splits one dim "
+                             f"over several)")
+    return [(dim, entry) for dim, entry in enumerate(spec) if entry is not None]
 
 
 def _specs(specs: Any, tree: Any, kind: str) -> list:
@@ -266,10 +231,7 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
             # Dynamo does not trace the tracking (a torch function mode keeping state on
             # tensors): the checked call runs eagerly, a graph break (made here, where dynamo
             # is loaded already); an unchecked one is traced.
-            return torch.compiler.disable(run, recursive=True)(*args, **kwargs)
-        return run(*args, **kwargs)
-
-    def run(*args: Any, **kwargs: Any) -> Any:
+            return torch.compiler.disable(mapped, recursive=True)(*args, **kwargs)
         if kwargs:
             raise TypeError(f"shard_map({name}): keyword arguments {sorted(kwargs)} are not "
                             f"mapped (JAX refuses them too): pass them positionally, with an "
@@ -283,19 +245,13 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
         paths, leaves, treespec = optree.tree_flatten_with_path(args, none_is_leaf=True)
         specs = _specs(in_specs, args, "in")
         # A Python loop over the inputs: each has its own spec (noted in the module docstring).
-        layouts = [_layout(_check_spec(s, t, _where("args", p), names), t, mesh, split=True)
+        layouts = [_layout(_check_spec(s, t, _where("args", p), names), t, mesh, names, True)
                    for p, s, t in zip(paths, specs, leaves)]
-        cut = [i for i, lay in enumerate(layouts) if lay]
-        pieces = list(leaves)
-        if cut:
-            for i, piece in zip(cut, _Split.apply(tuple(layouts[i] for i in cut),
-                                                  *(leaves[i] for i in cut))):
-                pieces[i] = piece
+        pieces = _moved(False, layouts, leaves)
         tracker = vma.Tracker(names, mesh, check_vma == "strict") if check_vma else None
         if tracker is not None:
-            for i in cut:
-                vma.mark(pieces[i], [a for c in layouts[i] for a in axis_names(c.axis.name)],
-                         tracker)
+            for piece, lay in zip(pieces, layouts):
+                vma.mark(piece, [a for c in lay for a in axis_names(c.axis.name)], tracker)
         _MANUAL.axes = names
         try:
             with use_mesh(mesh), (tracker or contextlib.nullcontext()):
@@ -307,10 +263,9 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
     return mapped
 
 
-def _layout(pairs: list, t: Any, mesh: Any, split: bool) -> tuple:
+def _layout(pairs: list, t: Any, mesh: Any, names: tuple, split: bool) -> tuple:
     """The :class:`_Cut` of each ``(dim, names)``: lengths by ``tensor_split`` (inputs) or as
     the ranks hold them (outputs: one small exchange of shapes per cut)."""
-    names = tuple(mesh.mesh_dim_names)
     cuts = []
     for dim, entry in pairs:
         spec_order = axis_names(entry)
@@ -318,25 +273,30 @@ def _layout(pairs: list, t: Any, mesh: Any, split: bool) -> tuple:
         ax = axis_of(mesh_order if len(mesh_order) > 1 else mesh_order[0], mesh)
         index, order = ax.index, None
         if spec_order != mesh_order:  # row-major in the spec's order, not the mesh's
-            singles = [axis_of(a, mesh) for a in spec_order]
-            index = 0
-            for one in singles:
-                index = index * one.size + one.index
-            order = []
-            for pos in itertools.product(*(range(one.size) for one in singles)):
-                by_name = dict(zip(spec_order, pos))
-                m = 0
-                for a in mesh_order:
-                    m = m * int(mesh.mesh.shape[names.index(a)]) + by_name[a]
-                order.append(m)
-            order = tuple(order)
+            sizes = [axis_of(a, mesh).size for a in spec_order]
+            perm = [spec_order.index(a) for a in mesh_order]
+            order = tuple(functools.reduce(lambda m, k: m * sizes[k] + pos[k], perm, 0)
+                          for pos in itertools.product(*map(range, sizes)))
+            index = order.index(ax.index)
         if split:
-            sizes = tuple(_tensor_split_sizes(t.shape[dim], ax.size))
+            by_spec = split_lengths(t.shape[dim], ax.size)
+            sizes = by_spec if order is None else tuple(by_spec[order.index(m)]
+                                                        for m in range(ax.size))
         else:
-            got = [s[dim] for s in _shapes(t, ax, "shard_map's output")]
-            sizes = tuple(got if order is None else (got[m] for m in order))
+            sizes = tuple(s[dim] for s in _shapes(t, ax, "shard_map's output"))
         cuts.append(_Cut(dim, ax, index, sizes, order))
     return tuple(cuts)
+
+
+def _moved(join: bool, layouts: list, leaves: list) -> list:
+    """``leaves`` with each one that has cuts split into this rank's piece or joined."""
+    out = list(leaves)
+    cut = [i for i, lay in enumerate(layouts) if lay]
+    if cut:
+        for i, t in zip(cut, _Move.apply(join, tuple(layouts[i] for i in cut),
+                                         *(leaves[i] for i in cut))):
+            out[i] = t
+    return out
 
 
 def _assemble(result: Any, out_specs: Any, names: tuple, mesh: Any, tracker) -> Any:
@@ -351,15 +311,9 @@ def _assemble(result: Any, out_specs: Any, names: tuple, mesh: Any, tracker) -> 
             tile = _check_output(tracker.vma(t), s, where, tracker.strict, names)
             if tile:  # invariant over axes its spec splits: each rank's copy is a tile
                 with tracker.pause():
-                    out[i] = t = _PVary.apply(t, axis_of(tile if len(tile) > 1 else tile[0],
-                                                         mesh))
-        layouts.append(_layout(pairs, t, mesh, split=False))
-    cut = [i for i, lay in enumerate(layouts) if lay]
-    if cut:
-        for i, full in zip(cut, _Join.apply(tuple(layouts[i] for i in cut),
-                                            *(out[i] for i in cut))):
-            out[i] = full
-    return optree.tree_unflatten(treespec, out)
+                    out[i] = t = _PVary.apply(t, tracker.axis(tile))
+        layouts.append(_layout(pairs, t, mesh, names, False))
+    return optree.tree_unflatten(treespec, _moved(True, layouts, out))
 
 
 def _check_output(have: frozenset, spec: P, where: str, strict: bool, names: tuple) -> tuple:

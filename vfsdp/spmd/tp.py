@@ -53,21 +53,20 @@ def tp_local(tree: Any, rule: Callable[[tuple], Any], axis: str, *,
         [([[0.0, 1.0], [3.0, 4.0]], [1.0, 1.0]), ([[2.0], [5.0]], [1.0, 1.0])]
     """
     n, i = lax.axis_size(axis, mesh=mesh), lax.axis_index(axis, mesh=mesh)
-    paths, leaves, treespec = optree.tree_flatten_with_path(tree)
-    out = []
-    for path, t in zip(paths, leaves):
+
+    def local(path: tuple, t: torch.Tensor) -> torch.Tensor:
         place = rule(path)
         if isinstance(place, Replicate):
-            out.append(t.detach().clone())
-        elif isinstance(place, Shard):
-            if not -t.dim() <= place.dim < t.dim():
-                raise ValueError(f"tp_local: {format_path(path)} {tuple(t.shape)} has no dim "
-                                 f"{place.dim}")
-            out.append(t.detach().tensor_split(n, place.dim)[i].clone())
-        else:
+            return t.detach().clone()
+        if not isinstance(place, Shard):
             raise ValueError(f"tp_local: the rule returned {place!r} for {format_path(path)}; "
                              f"return torch.distributed.tensor.Shard(dim) or Replicate()")
-    return optree.tree_unflatten(treespec, out)
+        if not -t.dim() <= place.dim < t.dim():
+            raise ValueError(f"tp_local: {format_path(path)} {tuple(t.shape)} has no dim "
+                             f"{place.dim}")
+        return t.detach().tensor_split(n, place.dim)[i].clone()
+
+    return optree.tree_map_with_path(local, tree)
 
 
 def column_parallel(x: torch.Tensor, w: torch.Tensor, axis: str, *,

@@ -47,9 +47,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from vfsdp import _torch_private as tp
+from vfsdp.collectives.mesh import axis_of
 from vfsdp.collectives.unit import GATHER_HOOKS
 
-__all__ = ["Tracker", "AxisIndex", "current", "mark", "check_collective", "mark_gathered"]
+__all__ = ["Tracker", "AxisIndex", "current", "mark", "mark_gathered"]
 
 _ATTR = "_vfsdp_vma"
 _NONE: frozenset = frozenset()
@@ -76,9 +77,6 @@ class AxisIndex(int):
         out = super().__new__(cls, value)
         out.axes = frozenset(axes)
         return out
-
-    def __repr__(self) -> str:
-        return int.__repr__(self)
 
 
 def _arith(name: str):
@@ -127,16 +125,11 @@ class Tracker(TorchFunctionMode):
         self.paused = 0
         self.ops = 0  # torch calls seen (for the cost measurement)
         self.storages: dict = {}  # what torch.func transforms wrapped: storage -> axes
-        self.groups: dict = {}  # axes -> Axis, for the implicit pvary
 
-    def axis(self, axes: tuple) -> Any:
-        """The :class:`~vfsdp.collectives.mesh.Axis` of ``axes`` (in the mesh's order) on the
-        tracked mesh, made once per call."""
-        ax = self.groups.get(axes)
-        if ax is None:
-            from vfsdp.collectives.mesh import axis_of
-            ax = self.groups[axes] = axis_of(axes if len(axes) > 1 else axes[0], self.mesh)
-        return ax
+    def axis(self, axes: tuple, mesh: Any = None) -> Any:
+        """The :class:`~vfsdp.collectives.mesh.Axis` of ``axes`` (in the mesh's order) on
+        ``mesh`` (default: the tracked one), for an implicit pvary."""
+        return axis_of(axes if len(axes) > 1 else axes[0], self.mesh if mesh is None else mesh)
 
     def __enter__(self):
         if mark_gathered not in GATHER_HOOKS:  # gathers inside a body mark their tensors
@@ -149,10 +142,8 @@ class Tracker(TorchFunctionMode):
         _STATE.tracker = self.outer
         return super().__exit__(*exc)
 
-    def vma(self, t: Any) -> frozenset:
-        """The axes ``t`` varies over (empty: invariant, or not a tensor of this call)."""
-        if not isinstance(t, torch.Tensor):
-            return t.axes if isinstance(t, AxisIndex) else _NONE
+    def vma(self, t: torch.Tensor) -> frozenset:
+        """The axes tensor ``t`` varies over (empty: invariant, or not a tensor of this call)."""
         entry = t.__dict__.get(_ATTR)
         if entry is not None and entry[0] is self.token:
             return entry[1]
@@ -207,19 +198,8 @@ class Tracker(TorchFunctionMode):
         self.ops += 1
         name = getattr(func, "__name__", "")
         seen: list = []  # (tensor, its axes)
-        union = _NONE
-        token = self.token
-        for a in (args[1:] if name in _SHAPE_ONLY else args):
-            if isinstance(a, torch.Tensor):  # the common case, inline
-                entry = a.__dict__.get(_ATTR)
-                v = entry[1] if entry is not None and entry[0] is token else self.vma(a)
-                seen.append((a, v))
-                if v and v is not union:
-                    union = v if not union else union | v
-            elif isinstance(a, (list, tuple, slice, AxisIndex)):
-                union = self._scan(a, seen, union)
-        for a in kwargs.values():
-            union = self._scan(a, seen, union)
+        union = self._scan(args[1:] if name in _SHAPE_ONLY else args, seen, _NONE)
+        union = self._scan(tuple(kwargs.values()), seen, union)
         if func is torch.autograd.grad:
             return self._grads(func, args, kwargs)
         written = None
@@ -234,12 +214,9 @@ class Tracker(TorchFunctionMode):
             return out
         if written is not None:
             self.mark(written, union)
-        if isinstance(out, torch.Tensor):
-            self.mark(out, union)
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    self.mark(o, union)
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor):
+                self.mark(o, union)
         return out
 
     def _pvary_mixed(self, func, seen, union, written, args, kwargs):
@@ -259,8 +236,8 @@ class Tracker(TorchFunctionMode):
                 _mixed(func, i, t, missing, "or pass check_vma=True (which inserts it)")
             from vfsdp.spmd import lax
             with self.pause():
-                if t is written:
-                    _PVaryInPlace.apply(t, self.axis(missing))
+                if t is written:  # its old value, pvary-ed, written back (the gradient sums)
+                    t.copy_(lax._PVary.apply(t.clone(), self.axis(missing)))
                 else:
                     swap[id(t)] = lax._PVary.apply(t, self.axis(missing))
             self.mark(swap.get(id(t), t), union)
@@ -268,6 +245,35 @@ class Tracker(TorchFunctionMode):
             args = _swapped(args, swap)
             kwargs = {k: _swapped(v, swap) for k, v in kwargs.items()}
         return args, kwargs
+
+    def check_collective(self, op: str, x: torch.Tensor, names: tuple) -> tuple:
+        """Check ``op``'s input's replication over ``names``: returns ``(missing, after)``, the
+        axes of ``names`` it must be ``pvary``-ed over first (JAX's implicit pvary: those it is
+        invariant over) and the result's axes.
+
+        Raises:
+            ValueError: ``pvary`` of a value that already varies over an axis of ``names``; in
+                strict mode, a collective of a value invariant over one of its axes (naming it
+                and the fix).
+        """
+        have = self.vma(x)
+        where = names if len(names) > 1 else names[0]
+        if op == "pvary":
+            already = [a for a in names if a in have]
+            if already:
+                raise ValueError(f"vfsdp.lax.pvary over {where!r} (check_vma): its input "
+                                 f"{tuple(x.shape)} already varies over {already[0]!r}; drop the "
+                                 f"pvary (JAX refuses it too)")
+            return (), have | set(names)
+        missing = tuple(a for a in names if a not in have)
+        if missing and self.strict:
+            raise ValueError(
+                f"vfsdp.lax.{op} over {where!r} (check_vma='strict'): its input {tuple(x.shape)} "
+                f"is invariant over {missing[0]!r} (the same on every rank): pvary it over "
+                f"{missing[0]!r} first if each rank's value should count (vfsdp.lax.pvary; "
+                f"check_vma=True inserts it: a psum then multiplies it by the axis size), or "
+                f"drop the {op}")
+        return missing, (have - set(names) if op in ("psum", "pmean") else have | set(names))
 
     def _grads(self, func, args, kwargs):
         """``torch.autograd.grad``: each gradient varies as its primal (JAX's rule)."""
@@ -278,26 +284,6 @@ class Tracker(TorchFunctionMode):
             if isinstance(g, torch.Tensor):
                 self.mark(g, self.vma(x))
         return out
-
-
-class _PVaryInPlace(torch.autograd.Function):
-    """``vfsdp.lax.pvary`` in place (the implicit pvary of a tensor a varying value is written
-    into): identity; backward ``psum``."""
-
-    @staticmethod
-    def forward(ctx, x, ax):
-        ctx.ax = ax
-        ctx.mark_dirty(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        from vfsdp.spmd import lax
-        return lax._PSum.apply(g, ctx.ax, 1, "pvary's backward (psum)"), None
-
-    @staticmethod
-    def jvp(ctx, gx, _):
-        return gx
 
 
 def _swapped(a: Any, swap: dict) -> Any:
@@ -350,43 +336,6 @@ def mark(t: Any, axes: Iterable[str], tracker: Optional[Tracker] = None) -> Any:
     if tracker is not None and isinstance(t, torch.Tensor):
         tracker.mark(t, frozenset(axes))
     return t
-
-
-def check_collective(op: str, x: torch.Tensor, names: tuple) -> Optional[tuple]:
-    """Check ``op``'s input's replication over ``names``: returns ``(missing, after)``, the
-    axes of ``names`` it must be ``pvary``-ed over first (JAX's implicit pvary: those it is
-    invariant over) and the result's axes; ``None`` outside a ``shard_map`` body.
-
-    Raises:
-        ValueError: ``pvary`` of a value that already varies over an axis of ``names``; in
-            strict mode, a collective of a value invariant over one of its axes (naming it
-            and the fix).
-
-    Example:
-        >>> check_collective("psum", torch.ones(1), ("tp",)) is None      # not tracking
-        True
-    """
-    tracker = current()
-    if tracker is None:
-        return None
-    have = tracker.vma(x)
-    where = names if len(names) > 1 else names[0]
-    if op == "pvary":
-        already = [a for a in names if a in have]
-        if already:
-            raise ValueError(f"vfsdp.lax.pvary over {where!r} (check_vma): its input "
-                             f"{tuple(x.shape)} already varies over {already[0]!r}; drop the "
-                             f"pvary (JAX refuses it too)")
-        return (), have | set(names)
-    missing = tuple(a for a in names if a not in have)
-    if missing and tracker.strict:
-        raise ValueError(
-            f"vfsdp.lax.{op} over {where!r} (check_vma='strict'): its input {tuple(x.shape)} "
-            f"is invariant over {missing[0]!r} (the same on every rank): pvary it over "
-            f"{missing[0]!r} first if each rank's value should count (vfsdp.lax.pvary; "
-            f"check_vma=True inserts it: a psum then multiplies it by the axis size), or "
-            f"drop the {op}")
-    return missing, (have - set(names) if op in ("psum", "pmean") else have | set(names))
 
 
 def mark_gathered(fulls: Iterable, spec: Any, members: tuple = ()) -> None:

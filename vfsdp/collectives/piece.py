@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Piece", "boxes", "boxes_reference", "per_rank", "tensor_piece"]
+__all__ = ["Piece", "boxes", "per_rank", "tensor_piece"]
 
 
 @dataclass(frozen=True)
@@ -150,16 +150,6 @@ def boxes(shape: tuple, start: int, stop: int) -> list:
     if end_col:  # a partial trailing row
         out += [((end_row,) + o, (1,) + s) for o, s in boxes(shape[1:], 0, end_col)]
     return out
-
-
-def boxes_reference(shape: tuple, start: int, stop: int) -> set:
-    """The flat indices the boxes of ``[start, stop)`` cover, enumerated element by element."""
-    covered = set()
-    for offsets, sizes in boxes(shape, start, stop):
-        idx = torch.arange(math.prod(shape)).reshape(shape) if shape else torch.tensor(0)  # cpu: reference
-        sl = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-        covered |= set(idx[sl].reshape(-1).tolist())
-    return covered
 
 
 def per_rank(t: torch.Tensor, rank: int, world: int) -> Piece:

@@ -62,17 +62,12 @@ def _covered(src: Ranges, dst: Ranges) -> int:
     return total
 
 
-def _nonempty(ranges: Ranges) -> list:
-    """``(rank, (lo, hi))`` of the ranks with a non-empty range, in rank order."""
-    return [(q, r) for q, r in enumerate(ranges) if r[1] > r[0]]
-
-
 def _meet(i: int, mine: tuple, others: Ranges, sizes: list) -> list:
     """``(rank, i, lo, hi)`` where ``mine`` meets each rank's range of ``others`` (relative to
     ``mine``'s start), adding each slice's size to ``sizes[rank]``."""
     out: list = []
     if mine[1] > mine[0]:
-        for q, r in _nonempty(others):
+        for q, r in enumerate(others):
             lo, hi = _cut(mine, r)
             if hi > lo:
                 out.append((q, i, lo - mine[0], hi - mine[0]))

@@ -132,9 +132,7 @@ def comm_context(device: torch.device) -> Iterator[list]:
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         yield box
-        event = torch.cuda.Event()
-        event.record(stream)
-    box.append(event)
+        box.append(stream.record_event())
 
 
 class _PerThread(threading.local):

@@ -826,29 +826,27 @@ class DBuffer:
             self.shard = self.shard.pin_memory()
         return self
 
+    def _inplace(self, op: str, *args: Any, **kwargs: Any) -> DBuffer:
+        """One in-place kernel ``op`` over the whole shard (a leaf that may require grad)."""
+        with torch.no_grad():
+            getattr(self.shard, op)(*args, **kwargs)
+        return self
+
     def zero_(self) -> DBuffer:
         """One kernel over the whole shard."""
-        with torch.no_grad():
-            self.shard.zero_()
-        return self
+        return self._inplace("zero_")
 
     def scale_(self, factor: float) -> DBuffer:
         """Multiply the shard by ``factor`` (one kernel)."""
-        with torch.no_grad():
-            self.shard.mul_(factor)
-        return self
+        return self._inplace("mul_", factor)
 
     def add_(self, other: Union[DBuffer, torch.Tensor], alpha: float = 1.0) -> DBuffer:
         """Add another buffer of the same layout (or a flat ``S``-element tensor)."""
-        with torch.no_grad():
-            self.shard.add_(self._flat(other), alpha=alpha)
-        return self
+        return self._inplace("add_", self._flat(other), alpha=alpha)
 
     def copy_(self, other: Union[DBuffer, torch.Tensor]) -> DBuffer:
         """Copy (and cast) another buffer of the same layout into this shard."""
-        with torch.no_grad():
-            self.shard.copy_(self._flat(other))
-        return self
+        return self._inplace("copy_", self._flat(other))
 
     def like(self, dtype: Optional[torch.dtype] = None, role: Role = Role.STATE,
              name: Optional[str] = None) -> DBuffer:

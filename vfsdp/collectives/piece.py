@@ -97,15 +97,9 @@ class Piece:
         flat = (self.local if data is None else data).reshape(-1)
         if self.within is not None:
             offsets = tuple(o - a for o, a in zip(offsets, self.within[0]))
-        lo = _flat_index(self.box_shape, offsets) - self.start
+        shape = self.box_shape  # the box's first element, flat (row-major) in ``shape``
+        lo = sum(o * math.prod(shape[d + 1:]) for d, o in enumerate(offsets)) - self.start
         return flat[lo:lo + math.prod(sizes)].view(sizes)
-
-
-def _flat_index(shape: tuple, index: tuple) -> int:
-    out = 0
-    for d, i in zip(shape, index):
-        out = out * d + i
-    return out
 
 
 def boxes(shape: tuple, start: int, stop: int) -> list:

@@ -132,12 +132,10 @@ class Redistribution:
         # Only the ranks with a non-empty range meet (a tensor spans few ranks): the slices in
         # (rank, tensor) order, found per tensor.
         self.send_sizes, self.recv_sizes = [0] * world, [0] * world
-        send = [x for i in range(n) for x in _meet(i, src[i][rank], dst[i], self.send_sizes)]
-        recv = [x for i in range(n) for x in _meet(i, dst[i][rank], src[i], self.recv_sizes)]
-        send.sort(key=lambda x: (x[0], x[1]))
-        recv.sort(key=lambda x: (x[0], x[1]))
-        self.send = [x[1:] for x in send]
-        self.recv = [x[1:] for x in recv]
+        self.send = [x[1:] for x in sorted(
+            x for i in range(n) for x in _meet(i, src[i][rank], dst[i], self.send_sizes))]
+        self.recv = [x[1:] for x in sorted(
+            x for i in range(n) for x in _meet(i, dst[i][rank], src[i], self.recv_sizes))]
 
     def run(self, sources: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup] = None,
             device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,

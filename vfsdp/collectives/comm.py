@@ -58,7 +58,7 @@ from vfsdp.planner.spec import ShardSpec, unit_name
 
 __all__ = ["all_gather_into", "reduce_scatter_into", "all_reduce_", "all_reduce_max_",
            "scatter_into", "broadcast_", "all_to_all_into", "check_op", "counts", "reset_counts",
-           "in_collective", "collective_scope", "REDUCE_OPS", "Handle", "comm_context",
+           "in_collective", "collective_scope", "REDUCE_OPS", "Handle", "launch",
            "MeshGroups", "resolve_groups", "device_for", "default_mesh", "world_mesh", "use_device",
            "control_device", "host_groups", "side_group", "agree_on_spec", "SpecMismatch"]
 
@@ -118,21 +118,26 @@ def _comm_stream(device: torch.device):
     return torch.cuda.Stream(device=device, priority=-1)
 
 
-@contextlib.contextmanager
-def comm_context(device: torch.device) -> Iterator[list]:
-    """Run the enclosed collectives on the communication stream (CUDA) or as they are (CPU).
+def launch(device: torch.device, fn: Callable[[bool], Any], async_op: bool = False,
+           finish: Optional[Callable[[], Any]] = None) -> Handle:
+    """Run ``fn(works)``, which issues collectives, on the communication stream (CUDA; it
+    first waits for the current stream) or as it is (CPU): ``works`` tells ``fn`` to issue
+    them asynchronously and return their work (off CUDA, when ``async_op``).
 
-    Yields a list; on CUDA it holds, after the block, the event recorded at its end.
+    Returns:
+        A :class:`Handle` of them and ``finish``: already waited for unless ``async_op``.
     """
-    box: list = []
-    if device.type != "cuda":
-        yield box
-        return
-    stream = _comm_stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        yield box
-        box.append(stream.record_event())
+    works = async_op and device.type != "cuda"  # CUDA: the streams order them
+    stream = _comm_stream(device) if device.type == "cuda" else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.no_grad(), torch.cuda.stream(stream):  # None: a no-op
+        work = fn(works)
+        event = stream.record_event() if stream is not None else None
+    handle = Handle([work] if works else [], finish, event)
+    if not async_op:
+        handle.wait()
+    return handle
 
 
 class _PerThread(threading.local):

@@ -83,7 +83,7 @@ import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
-from vfsdp.collectives.comm import Handle, MeshGroups, comm_context
+from vfsdp.collectives.comm import Handle, MeshGroups
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
 __all__ = ["DBuffer", "alias", "contiguous_strides", "view_of", "ReleasedTensor", "poison", "revive",
@@ -654,14 +654,9 @@ class DBuffer:
     def _launch(self, fn: Callable[[bool], Any], async_op: bool,
                 finish: Optional[Callable[[], Any]] = None) -> Handle:
         self.wait()  # one collective at a time writes this buffer
-        works = async_op and self.device.type != "cuda"  # CUDA: the stream orders them
-        with torch.no_grad(), comm_context(self.device) as box:
-            work = fn(works)
-        handle = Handle([work] if works else [], finish, box[0] if box else None)
+        handle = comm.launch(self.device, fn, async_op, finish)
         if async_op:
             self._pending = handle
-        else:
-            handle.wait()
         return handle
 
     def all_gather(self, async_op: bool = False, source: Optional[torch.Tensor] = None) -> Handle:

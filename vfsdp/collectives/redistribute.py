@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from vfsdp.collectives import comm
-from vfsdp.collectives.comm import Handle, comm_context
+from vfsdp.collectives.comm import Handle
 
 __all__ = ["flat_redistribute", "Redistribution", "shard0_range"]
 
@@ -201,14 +201,11 @@ class Redistribution:
 
         if self.world == 1:
             recv.copy_(send_buf)
-            return Handle((), done) if async_op else done()
-        if not async_op:
-            comm.all_to_all_into(recv, send_buf, self.recv_sizes, self.send_sizes, group)
-            return done()
-        with comm_context(device) as box:
-            work = comm.all_to_all_into(recv, send_buf, self.recv_sizes, self.send_sizes, group,
-                                        async_op=device.type != "cuda")
-        return Handle([work] if device.type != "cuda" else [], done, box[0] if box else None)
+            handle = Handle((), done)
+        else:
+            handle = comm.launch(device, lambda a: comm.all_to_all_into(
+                recv, send_buf, self.recv_sizes, self.send_sizes, group, async_op=a), async_op, done)
+        return handle if async_op else handle.wait()
 
 
 def flat_redistribute(sources: Sequence[torch.Tensor], src: Sequence[Ranges],

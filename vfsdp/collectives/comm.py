@@ -476,16 +476,12 @@ def _digest(obj: Any) -> str:
 def _describe(spec: ShardSpec) -> list:
     """What the fingerprint covers, part by part: each unit (its size, and a digest of its
     layout: tensors, offsets, blocks, alignment, placements), then the tree and mesh."""
-    parts = []
-    for u in spec.units.values():
-        keys = [t._key() for t in u.tensors]
-        parts.append((f"unit {unit_name(u.key)}",
-                      f"m={u.world_size}, S={u.shard_numel}, {u.dtype}, {len(u.paths)} tensors",
-                      _digest((u.paths, u.offsets, u.numels, u.shapes, u.blocks, u.alignment,
-                               keys))))
-    parts.append(("the tree and mesh", f"mesh {spec.mesh_shape}, {spec.treespec.num_leaves} "
-                  f"leaves", _digest((str(spec.treespec), spec.mesh_shape, spec.mesh_dim_names))))
-    return parts
+    return [(f"unit {unit_name(u.key)}",
+             f"m={u.world_size}, S={u.shard_numel}, {u.dtype}, {len(u.paths)} tensors",
+             _digest((u.paths, u.offsets, u.numels, u.shapes, u.blocks, u.alignment,
+                      [t._key() for t in u.tensors]))) for u in spec.units.values()] + [
+        ("the tree and mesh", f"mesh {spec.mesh_shape}, {spec.treespec.num_leaves} leaves",
+         _digest((str(spec.treespec), spec.mesh_shape, spec.mesh_dim_names)))]
 
 
 def _check(spec: ShardSpec, group, device: torch.device) -> None:

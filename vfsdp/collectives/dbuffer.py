@@ -721,7 +721,6 @@ class DBuffer:
         direct = rdt == self.dtype and not accumulate
         out = self.shard.data if direct else torch.empty(self.shard.numel(), dtype=rdt,
                                                           device=self.device)
-        replicate = self.groups.replicate
         keep = [src]  # a cast copy is read by the collective until it is done: keep it alive
 
         def launch(a):
@@ -729,8 +728,8 @@ class DBuffer:
 
         def done():
             keep.clear()
-            if replicate is not None:
-                comm.all_reduce_(out, op, replicate)
+            if self.groups.replicate is not None:
+                comm.all_reduce_(out, op, self.groups.replicate)
             if not direct:
                 if accumulate:
                     self.shard.data.add_(out.to(self.dtype))

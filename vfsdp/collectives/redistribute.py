@@ -51,9 +51,7 @@ def _covered(src: Ranges, dst: Ranges) -> int:
     held = sorted((lo, hi) for lo, hi in src if hi > lo)
     starts = [lo for lo, _ in held]
     total = 0
-    for lo, hi in dst:
-        if hi <= lo:
-            continue
+    for lo, hi in dst:  # an empty range meets none
         k = max(bisect.bisect_right(starts, lo) - 1, 0)
         while k < len(held) and held[k][0] < hi:
             a, b = _cut(held[k], (lo, hi))

@@ -6,8 +6,18 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vfsdp.collectives.piece import Piece, boxes, boxes_reference
+from vfsdp.collectives.piece import Piece, boxes
 from vfsdp.testing.strategies import shapes as shape_st
+
+
+def boxes_reference(shape: tuple, start: int, stop: int) -> set:
+    """The flat indices the boxes of ``[start, stop)`` cover, enumerated element by element."""
+    covered = set()
+    for offsets, sizes in boxes(shape, start, stop):
+        idx = torch.arange(math.prod(shape)).reshape(shape) if shape else torch.tensor(0)  # cpu: reference
+        sl = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        covered |= set(idx[sl].reshape(-1).tolist())
+    return covered
 
 
 @st.composite

@@ -42,13 +42,11 @@ def agree(error: Optional[BaseException], group: Optional[Any] = None,
         >>> vfsdp.testing.simulate(2, body)
         ['RuntimeError: rank 1 failed: ValueError: bad file', 'ValueError: bad file']
     """
-    if not dist.is_initialized():
-        if error is not None:
-            raise error
-        return
-    errors: list = [None] * dist.get_world_size(group)
     msg = None if error is None else f"{type(error).__name__}: {error}"
-    dist.all_gather_object(errors, msg, group=group)
+    errors: list = [msg]  # without a process group: this rank's alone
+    if dist.is_initialized():
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, msg, group=group)
     if error is not None:
         raise error
     for r, e in enumerate(errors):

@@ -41,6 +41,7 @@ unit that differs. The result is remembered on the spec, per group.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import threading
 import weakref
@@ -57,13 +58,9 @@ from vfsdp.planner.spec import ShardSpec, unit_name
 
 __all__ = ["all_gather_into", "reduce_scatter_into", "all_reduce_", "all_reduce_max_",
            "scatter_into", "broadcast_", "all_to_all_into", "check_op", "counts", "reset_counts",
-           "in_collective", "collective_scope", "REDUCE_OPS", "Handle", "comm_context",
+           "in_collective", "collective_scope", "REDUCE_OPS", "Handle", "launch",
            "MeshGroups", "resolve_groups", "device_for", "default_mesh", "world_mesh", "use_device",
            "control_device", "host_groups", "side_group", "agree_on_spec", "SpecMismatch"]
-
-
-_STREAMS: dict = {}
-_LOCK = threading.Lock()
 
 
 class Handle:
@@ -116,34 +113,47 @@ class Handle:
         return f"Handle({'done' if self._done else 'pending'})"
 
 
+@functools.cache
 def _comm_stream(device: torch.device):
-    with _LOCK:
-        stream = _STREAMS.get(device)
-        if stream is None:
-            stream = _STREAMS[device] = torch.cuda.Stream(device=device, priority=-1)
-        return stream
+    return torch.cuda.Stream(device=device, priority=-1)
 
 
-@contextlib.contextmanager
-def comm_context(device: torch.device) -> Iterator[list]:
-    """Run the enclosed collectives on the communication stream (CUDA) or as they are (CPU).
+def launch(device: torch.device, fn: Callable[[bool], Any], async_op: bool = False,
+           finish: Optional[Callable[[], Any]] = None) -> Handle:
+    """Run ``fn(works)``, which issues collectives, on the communication stream (CUDA; it
+    first waits for the current stream) or as it is (CPU): ``works`` tells ``fn`` to issue
+    them asynchronously and return their work (off CUDA, when ``async_op``).
 
-    Yields a list; on CUDA it holds, after the block, the event recorded at its end.
+    Returns:
+        A :class:`Handle` of them and ``finish``: already waited for unless ``async_op``.
     """
-    box: list = []
-    if device.type != "cuda":
-        yield box
-        return
-    stream = _comm_stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        yield box
-        event = torch.cuda.Event()
-        event.record(stream)
-    box.append(event)
+    works = async_op and device.type != "cuda"  # CUDA: the streams order them
+    stream = _comm_stream(device) if device.type == "cuda" else None
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.no_grad(), torch.cuda.stream(stream):  # None: a no-op
+        work = fn(works)
+        event = stream.record_event() if stream is not None else None
+    handle = Handle([work] if works else [], finish, event)
+    if not async_op:
+        handle.wait()
+    return handle
 
 
-_CACHE = threading.local()
+class _PerThread(threading.local):
+    """What this thread (rank) keeps: its caches of groups and meshes, its forced device,
+    its collective depth and its counts."""
+
+    def __init__(self) -> None:
+        self.hosts: dict = {}
+        self.meshes: dict = {}
+        self.side: Optional[tuple] = None
+        self.device: Optional[torch.device] = None
+        self.depth = 0
+        self.counts: Counter = Counter()
+
+
+_TLS = _PerThread()
 
 
 @dataclass(frozen=True)
@@ -192,9 +202,6 @@ class MeshGroups:
         raise ValueError(f"rank {global_rank} is not in this mesh (ranks {self.grid})")
 
 
-_DEVICE = threading.local()  # .device: set by use_device() on this thread (rank)
-
-
 @contextlib.contextmanager
 def use_device(device: Union[str, torch.device, None]) -> Iterator[None]:
     """Make :func:`device_for` answer ``device`` on this thread (rank) while the block runs.
@@ -215,12 +222,12 @@ def use_device(device: Union[str, torch.device, None]) -> Iterator[None]:
         ...     device_for()
         device(type='meta')
     """
-    before = getattr(_DEVICE, "device", None)
-    _DEVICE.device = None if device is None else torch.device(device)
+    before = _TLS.device
+    _TLS.device = None if device is None else torch.device(device)
     try:
         yield
     finally:
-        _DEVICE.device = before
+        _TLS.device = before
 
 
 def control_device(device: torch.device) -> torch.device:
@@ -232,9 +239,8 @@ def control_device(device: torch.device) -> torch.device:
 def device_for(group=None) -> torch.device:
     """The device of vfsdp's buffers: the one :func:`use_device` set on this thread, else
     ``cuda:<current>`` when the group's backend is NCCL, else ``cpu``."""
-    forced = getattr(_DEVICE, "device", None)
-    if forced is not None:
-        return forced
+    if _TLS.device is not None:
+        return _TLS.device
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -377,17 +383,14 @@ def world_mesh(shape: tuple, names: tuple):
     """The ``DeviceMesh`` of ``shape`` with dim ``names`` over the default group, built once
     per group and kept (building one creates process groups), on :func:`device_for`'s device
     type (the CPU for ``meta``, whose small exchanges need values)."""
-    cache = getattr(_CACHE, "meshes", None)
-    if cache is None:
-        cache = _CACHE.meshes = {}
     key = (id(dist.group.WORLD), tuple(shape), tuple(names))
-    entry = cache.get(key)
+    entry = _TLS.meshes.get(key)
     if entry is None or entry[0] is not dist.group.WORLD:
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = control_device(device_for()).type
         mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
-        entry = cache[key] = (dist.group.WORLD, mesh)
+        entry = _TLS.meshes[key] = (dist.group.WORLD, mesh)
     return entry[1]
 
 
@@ -422,15 +425,12 @@ def host_groups(groups: MeshGroups) -> MeshGroups:
         raise ValueError("offload: a spec with a model axis (TP/EP) on a GPU needs host groups "
                          "for that axis, which vfsdp does not build; offload FSDP/HSDP specs, "
                          "or run the optimizer on the device")
-    cache = getattr(_CACHE, "hosts", None)
-    if cache is None:
-        cache = _CACHE.hosts = {}
-    found = cache.get(groups.grid)
+    found = _TLS.hosts.get(groups.grid)
     if found is None:
         rows = [dist.new_group(list(row), backend="gloo") for row in groups.grid]
         cols = ([dist.new_group(list(col), backend="gloo") for col in zip(*groups.grid)]
                 if groups.replicate is not None else None)
-        found = cache[groups.grid] = MeshGroups(
+        found = _TLS.hosts[groups.grid] = MeshGroups(
             rows[groups.replicate_rank], None if cols is None else cols[groups.shard_rank],
             groups.shard_rank, groups.shard_size, groups.replicate_rank, groups.replicate_size,
             torch.device("cpu"), groups.grid)
@@ -460,10 +460,9 @@ def side_group():
     if not dist.is_initialized():
         raise RuntimeError("side_group: no process group is initialised; call it inside "
                            "vfsdp.testing.simulate/spawn or after init_process_group")
-    entry = getattr(_CACHE, "side", None)
-    if entry is None or entry[0] is not dist.group.WORLD:
-        entry = _CACHE.side = (dist.group.WORLD, dist.new_group(backend="gloo"))
-    return entry[1]
+    if _TLS.side is None or _TLS.side[0] is not dist.group.WORLD:
+        _TLS.side = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return _TLS.side[1]
 
 
 class SpecMismatch(ValueError):
@@ -477,16 +476,12 @@ def _digest(obj: Any) -> str:
 def _describe(spec: ShardSpec) -> list:
     """What the fingerprint covers, part by part: each unit (its size, and a digest of its
     layout: tensors, offsets, blocks, alignment, placements), then the tree and mesh."""
-    parts = []
-    for u in spec.units.values():
-        keys = [t._key() for t in u.tensors]
-        parts.append((f"unit {unit_name(u.key)}",
-                      f"m={u.world_size}, S={u.shard_numel}, {u.dtype}, {len(u.paths)} tensors",
-                      _digest((u.paths, u.offsets, u.numels, u.shapes, u.blocks, u.alignment,
-                               keys))))
-    parts.append(("the tree and mesh", f"mesh {spec.mesh_shape}, {spec.treespec.num_leaves} "
-                  f"leaves", _digest((str(spec.treespec), spec.mesh_shape, spec.mesh_dim_names))))
-    return parts
+    return [(f"unit {unit_name(u.key)}",
+             f"m={u.world_size}, S={u.shard_numel}, {u.dtype}, {len(u.paths)} tensors",
+             _digest((u.paths, u.offsets, u.numels, u.shapes, u.blocks, u.alignment,
+                      [t._key() for t in u.tensors]))) for u in spec.units.values()] + [
+        ("the tree and mesh", f"mesh {spec.mesh_shape}, {spec.treespec.num_leaves} leaves",
+         _digest((str(spec.treespec), spec.mesh_shape, spec.mesh_dim_names)))]
 
 
 def _check(spec: ShardSpec, group, device: torch.device) -> None:
@@ -507,29 +502,24 @@ def _check(spec: ShardSpec, group, device: torch.device) -> None:
     fix = "every rank must plan the same tree the same way (same shapes, granularity and units)"
     first = described[0]
     for r, other in enumerate(described[1:], 1):
-        # units first (the tree and mesh, last, only if every unit agrees)
-        pairs = list(zip(first[:-1], other[:-1]))
-        if len(first) == len(other):
-            pairs.append((first[-1], other[-1]))
-        for a, b in pairs:
-            if a == b:
-                continue
-            if a[0] == b[0] == "the tree and mesh":
-                raise SpecMismatch(f"ranks hold different specs: the units agree but the tree "
-                                   f"structure or the mesh differs ({a[1]} on rank {ranks[0]}, "
-                                   f"{b[1]} on rank {ranks[r]}); {fix}")
-            if a[0] == b[0] and a[1] == b[1]:
+        for a, b in zip(first[:-1], other[:-1]):  # units first, then the tree and mesh
+            if a[:2] == b[:2] and a != b:
                 raise SpecMismatch(
                     f"ranks hold different specs: {a[0]} ({a[1]}) has the same size on rank "
                     f"{ranks[0]} and rank {ranks[r]} but a different layout (its tensors, their "
                     f"offsets, block sizes, alignment or placements: e.g. another granularity); "
                     f"{fix}")
-            raise SpecMismatch(f"ranks hold different specs: {a[0]} is ({a[1]}) on rank "
-                               f"{ranks[0]} but {b[0]} is ({b[1]}) on rank {ranks[r]}; {fix}")
+            if a != b:
+                raise SpecMismatch(f"ranks hold different specs: {a[0]} is ({a[1]}) on rank "
+                                   f"{ranks[0]} but {b[0]} is ({b[1]}) on rank {ranks[r]}; {fix}")
         if len(first) != len(other):
             raise SpecMismatch(f"ranks hold different specs: rank {ranks[0]} has "
                                f"{len(first) - 1} units, rank {ranks[r]} has {len(other) - 1}; "
                                f"{fix}")
+        if first[-1] != other[-1]:
+            raise SpecMismatch(f"ranks hold different specs: the units agree but the tree "
+                               f"structure or the mesh differs ({first[-1][1]} on rank {ranks[0]}, "
+                               f"{other[-1][1]} on rank {ranks[r]}); {fix}")
     raise SpecMismatch(f"ranks hold different specs (the same units and layouts; their leaves "
                        f"differ); {fix}")
 
@@ -564,52 +554,33 @@ def agree_on_spec(spec: ShardSpec, groups: MeshGroups) -> None:
 
 
 REDUCE_OPS = ("sum", "avg")
-_TLS = threading.local()
-
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class _InCollective:
-    """Marks this thread as inside a collective (so op counters can leave it out)."""
-
-    def __enter__(self):
-        _TLS.depth = getattr(_TLS, "depth", 0) + 1
-
-    def __exit__(self, *exc):
-        _TLS.depth -= 1
-
-
-class _Collective(_InCollective):
-    """One collective call: marked (see :class:`_InCollective`); on CUDA tensors under
+@contextlib.contextmanager
+def collective_scope(t: Optional[torch.Tensor] = None) -> Iterator[None]:
+    """Marks the enclosed work as part of a collective (e.g. waiting on an async one), so op
+    counters can leave it out. With ``t`` (the collective's tensor) on CUDA under
     ``vfsdp.testing.simulate`` (rank threads sharing one GPU through the threaded group, whose
     collectives copy between the threads' tensors on the host's schedule, not the streams'),
     the device is synchronized before and after, so every rank's writes are complete when
     another rank's thread reads them."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.sync = t.is_cuda and tp.groups_are_per_thread()
-        self.device = t.device
-
-    def __enter__(self):
-        super().__enter__()
-        if self.sync:
-            torch.cuda.synchronize(self.device)
-
-    def __exit__(self, *exc):
-        if self.sync:
-            torch.cuda.synchronize(self.device)
-        super().__exit__(*exc)
-
-
-def collective_scope() -> _InCollective:
-    """Marks the enclosed work as part of a collective (e.g. waiting on an async one)."""
-    return _InCollective()
+    sync = t is not None and t.is_cuda and tp.groups_are_per_thread()
+    _TLS.depth += 1
+    try:
+        if sync:
+            torch.cuda.synchronize(t.device)
+        yield
+        if sync:
+            torch.cuda.synchronize(t.device)
+    finally:
+        _TLS.depth -= 1
 
 
 def in_collective() -> bool:
     """Whether this thread is inside a vfsdp collective call right now."""
-    return getattr(_TLS, "depth", 0) > 0
+    return _TLS.depth > 0
 
 
 def counts() -> Counter:
@@ -633,8 +604,6 @@ def counts() -> Counter:
         >>> vfsdp.testing.simulate(2, body)[0]
         ({'all_gather': 1, 'all_gather_bytes': 32}, 0)
     """
-    if not hasattr(_TLS, "counts"):
-        _TLS.counts = Counter()
     return _TLS.counts
 
 
@@ -679,59 +648,51 @@ def _op(op: str):
     return dist.ReduceOp.SUM if check_op(op) == "sum" else dist.ReduceOp.AVG
 
 
-class _Done:
-    """The work of a collective a single rank performs locally: already complete."""
-
-    @staticmethod
-    def wait() -> bool:
-        return True
-
-
 def _alone(group) -> bool:
     """Whether the group is this rank alone: its collectives are local copies (or nothing),
     without a call into the backend (FSDP2 skips them the same way)."""
     return dist.get_world_size(group) == 1
 
 
-def _local_copy(out: torch.Tensor, inp: torch.Tensor) -> None:
-    """The one-rank collective's own work (so op counters leave it out, as the backend's)."""
-    if out.data_ptr() != inp.data_ptr() or out.dtype != inp.dtype:
-        with torch.no_grad(), _InCollective():
-            out.copy_(inp.reshape(out.shape))
+def _issue(count: str, nbytes: int, group, out: torch.Tensor, call: Callable[[], Any],
+           async_op: bool = False, inp: Optional[torch.Tensor] = None) -> Any:
+    """Count one collective (``nbytes`` under ``count``) and run ``call()`` (the backend's
+    collective writing ``out``). A group of this rank alone runs none: ``out`` gets ``inp``
+    by a local copy (if given and not the same memory; op counters leave it out, as the
+    backend's). Returns the work when ``async_op`` (a done :class:`Handle` alone), else ``out``."""
+    _count(count, nbytes)
+    if _alone(group):
+        if inp is not None and (out.data_ptr() != inp.data_ptr() or out.dtype != inp.dtype):
+            with torch.no_grad(), collective_scope():
+                out.copy_(inp.reshape(out.shape))
+        return Handle() if async_op else out
+    with collective_scope(out):
+        work = call()
+    return work if async_op else out
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False,
                     count: str = "all_gather"):
     """``out`` (m*S) <- every rank's ``inp`` (S), in rank order (counted under ``count``)."""
-    _count(count, out.numel() * out.element_size())
-    if _alone(group):
-        _local_copy(out, inp)
-        return _Done() if async_op else None
-    with _Collective(out):
-        return _all_gather(out, inp, group=group, async_op=async_op)
+    return _issue(count, out.numel() * out.element_size(), group, out,
+                  lambda: _all_gather(out, inp, group=group, async_op=async_op), async_op, inp)
 
 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: str = "sum", group=None,
                         async_op: bool = False):
     """``out`` (S) <- ``op`` over ranks of their ``inp[r*S:(r+1)*S]``."""
-    _count("reduce_scatter", inp.numel() * inp.element_size())
-    if _alone(group):
-        _op(op)
-        _local_copy(out, inp)
-        return _Done() if async_op else None
-    with _Collective(out):
-        return _reduce_scatter(out, inp, op=_op(op), group=group, async_op=async_op)
+    rop = _op(op)
+    return _issue("reduce_scatter", inp.numel() * inp.element_size(), group, out,
+                  lambda: _reduce_scatter(out, inp, op=rop, group=group, async_op=async_op),
+                  async_op, inp)
 
 
 def all_reduce_(t: torch.Tensor, op: str = "sum", group=None):
     """In-place all-reduce; ``avg`` is SUM then a division (gloo has no AVG all-reduce)."""
     _op(op)
-    _count("all_reduce", t.numel() * t.element_size())
-    if _alone(group):
-        return t
-    with _Collective(t):
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    if op == "avg":
+    _issue("all_reduce", t.numel() * t.element_size(), group, t,
+           lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
+    if op == "avg" and not _alone(group):
         t.div_(dist.get_world_size(group))
     return t
 
@@ -740,18 +701,15 @@ def all_reduce_max_(t: torch.Tensor, group=None, count: str = "all_reduce_max",
                     async_op: bool = False):
     """In-place element-wise MAX over ranks (counted under ``count``); ``async_op``: return
     the work (``wait()`` it before reading ``t``)."""
-    _count(count, t.numel() * t.element_size())
-    if _alone(group):
-        return _Done() if async_op else t
-    with _Collective(t):
-        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
-    return work if async_op else t
+    return _issue(count, t.numel() * t.element_size(), group, t,
+                  lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=async_op),
+                  async_op)
 
 
 def scatter_into(out: torch.Tensor, chunks: Optional[list], group=None, group_src: int = 0):
     """Equal-size scatter from ``group_src`` (``chunks`` there, ``None`` elsewhere)."""
     _count("scatter", out.numel() * out.element_size())
-    with _Collective(out):
+    with collective_scope(out):
         dist.scatter(out, chunks, group=group, group_src=group_src)
     return out
 
@@ -764,20 +722,11 @@ def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_s
     Returns:
         ``out``, or the work object when ``async_op``.
     """
-    _count(count, inp.numel() * inp.element_size())
-    if _alone(group):
-        _local_copy(out, inp)
-        return _Done() if async_op else out
-    with _Collective(out):
-        work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
-                                      async_op=async_op)
-    return work if async_op else out
+    return _issue(count, inp.numel() * inp.element_size(), group, out,
+                  lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
+                                                 async_op=async_op), async_op, inp)
 
 
 def broadcast_(t: torch.Tensor, group=None, group_src: int = 0):
-    _count("broadcast", t.numel() * t.element_size())
-    if _alone(group):
-        return t
-    with _Collective(t):
-        dist.broadcast(t, group=group, group_src=group_src)
-    return t
+    return _issue("broadcast", t.numel() * t.element_size(), group, t,
+                  lambda: dist.broadcast(t, group=group, group_src=group_src))

@@ -36,7 +36,7 @@ Views of released memory raise instead of crashing.
 
 Releasing a buffer lets go of its memory: the views handed out earlier (the full tensors
 ``vfsdp.gather`` returned, the gradient pieces ``vfsdp.grads`` returned) are pointed at a
-zero-byte storage (:func:`let_go`), and reading them would crash the process. Instead, on
+zero-byte storage, and reading them would crash the process. Instead, on
 release every view a DBuffer handed out turns into a :class:`ReleasedTensor`: any torch
 operation on it raises a ``RuntimeError`` that names the tensor, the unit and what to do. The
 next gather (or backward) hands out new views of fresh memory; the released ones stay released.
@@ -78,15 +78,16 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+import optree
 import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
-from vfsdp.collectives.comm import Handle, MeshGroups, comm_context
+from vfsdp.collectives.comm import Handle, MeshGroups
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
-__all__ = ["DBuffer", "alias", "contiguous_strides", "view_of", "ReleasedTensor", "let_go",
-           "poison", "revive", "Role", "View", "Slot", "slot_of", "SLOT", "observe", "emit"]
+__all__ = ["DBuffer", "alias", "contiguous_strides", "view_of", "ReleasedTensor", "poison", "revive",
+           "Role", "View", "Slot", "slot_of", "SLOT", "observe", "emit"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -180,18 +181,10 @@ class ReleasedTensor(torch.Tensor):
             t = args[0]
             return (f"ReleasedTensor(shape={tuple(t.shape)}, dtype={t.dtype}: "
                     f"{getattr(t, _WHY, 'released')})")
-        why = next((getattr(a, _WHY) for a in _flat(args, kwargs) if isinstance(a, ReleasedTensor)
-                    and hasattr(a, _WHY)), "this tensor's memory was released by vfsdp; it "
-                   "cannot be read")
+        why = next((getattr(a, _WHY) for a in optree.tree_leaves((args, kwargs))
+                    if isinstance(a, ReleasedTensor) and hasattr(a, _WHY)),
+                   "this tensor's memory was released by vfsdp; it cannot be read")
         raise RuntimeError(why)
-
-
-def _flat(args, kwargs) -> Iterable[Any]:
-    for a in list(args) + list((kwargs or {}).values()):
-        if isinstance(a, (list, tuple)):
-            yield from a
-        else:
-            yield a
 
 
 def poison(views: Iterable[torch.Tensor], why: str) -> None:
@@ -209,12 +202,6 @@ def revive(views: Iterable[torch.Tensor]) -> None:
     for v in views:
         if type(v) is ReleasedTensor:
             v.__class__ = torch.Tensor
-
-
-def let_go(view: torch.Tensor, dead: torch.Tensor) -> None:
-    """Point ``view`` at ``dead`` (a zero-byte storage, the same shape), with no op: ``view``
-    no longer holds its memory, which tensors made from it keep as long as they live."""
-    tp.set_data(view, dead)
 
 
 SLOT = "_vfsdp_slot"  # the attribute name on views
@@ -297,11 +284,7 @@ class Slot:
 
     def __reduce__(self):
         # A pickled tensor (torch.save, spawn results) is plain data: it carries no buffer.
-        return (_no_slot, ())
-
-
-def _no_slot() -> None:
-    return None
+        return (type(None), ())
 
 
 def slot_of(t: Any) -> Optional[Slot]:
@@ -491,12 +474,7 @@ class DBuffer:
         return t
 
     def _handed_out(self, view: View) -> list:
-        out = []
-        for r in self._views:
-            t = r()
-            if t is not None and getattr(t, SLOT).view is view:
-                out.append(t)
-        return out
+        return [t for r in self._views if (t := r()) is not None and getattr(t, SLOT).view is view]
 
     def _poison(self, view: View, why: str, dead: Optional[list] = None) -> None:
         """The views handed out read as released; ``dead`` (one zero-byte view per tensor):
@@ -504,8 +482,8 @@ class DBuffer:
         for t in self._handed_out(view):
             k = getattr(t, SLOT).index
             path = ".".join(map(str, self.tensors[k].path))
-            if dead is not None:
-                let_go(t, dead[k])
+            if dead is not None:  # no longer holds its memory (tensors made from it keep it)
+                tp.set_data(t, dead[k])
             poison([t], f"{path} (unit {unit_name(self.key)}) was released; {why}")
         if dead is not None:
             self._views = [r for r in self._views
@@ -676,14 +654,9 @@ class DBuffer:
     def _launch(self, fn: Callable[[bool], Any], async_op: bool,
                 finish: Optional[Callable[[], Any]] = None) -> Handle:
         self.wait()  # one collective at a time writes this buffer
-        with torch.no_grad(), comm_context(self.device) as box:
-            works = fn(async_op and self.device.type != "cuda")
-        handle = Handle(works if isinstance(works, list) else [works], finish,
-                        box[0] if box else None)
+        handle = comm.launch(self.device, fn, async_op, finish)
         if async_op:
             self._pending = handle
-            return handle
-        handle.wait()
         return handle
 
     def all_gather(self, async_op: bool = False, source: Optional[torch.Tensor] = None) -> Handle:
@@ -748,7 +721,6 @@ class DBuffer:
         direct = rdt == self.dtype and not accumulate
         out = self.shard.data if direct else torch.empty(self.shard.numel(), dtype=rdt,
                                                           device=self.device)
-        replicate = self.groups.replicate
         keep = [src]  # a cast copy is read by the collective until it is done: keep it alive
 
         def launch(a):
@@ -756,8 +728,8 @@ class DBuffer:
 
         def done():
             keep.clear()
-            if replicate is not None:
-                comm.all_reduce_(out, op, replicate)
+            if self.groups.replicate is not None:
+                comm.all_reduce_(out, op, self.groups.replicate)
             if not direct:
                 if accumulate:
                     self.shard.data.add_(out.to(self.dtype))
@@ -848,29 +820,27 @@ class DBuffer:
             self.shard = self.shard.pin_memory()
         return self
 
+    def _inplace(self, op: str, *args: Any, **kwargs: Any) -> DBuffer:
+        """One in-place kernel ``op`` over the whole shard (a leaf that may require grad)."""
+        with torch.no_grad():
+            getattr(self.shard, op)(*args, **kwargs)
+        return self
+
     def zero_(self) -> DBuffer:
         """One kernel over the whole shard."""
-        with torch.no_grad():
-            self.shard.zero_()
-        return self
+        return self._inplace("zero_")
 
     def scale_(self, factor: float) -> DBuffer:
         """Multiply the shard by ``factor`` (one kernel)."""
-        with torch.no_grad():
-            self.shard.mul_(factor)
-        return self
+        return self._inplace("mul_", factor)
 
     def add_(self, other: Union[DBuffer, torch.Tensor], alpha: float = 1.0) -> DBuffer:
         """Add another buffer of the same layout (or a flat ``S``-element tensor)."""
-        with torch.no_grad():
-            self.shard.add_(self._flat(other), alpha=alpha)
-        return self
+        return self._inplace("add_", self._flat(other), alpha=alpha)
 
     def copy_(self, other: Union[DBuffer, torch.Tensor]) -> DBuffer:
         """Copy (and cast) another buffer of the same layout into this shard."""
-        with torch.no_grad():
-            self.shard.copy_(self._flat(other))
-        return self
+        return self._inplace("copy_", self._flat(other))
 
     def like(self, dtype: Optional[torch.dtype] = None, role: Role = Role.STATE,
              name: Optional[str] = None) -> DBuffer:

@@ -21,8 +21,13 @@ from vfsdp.collectives.comm import world_mesh
 
 __all__ = ["mesh", "Axis", "axis_of", "axis_names", "use_mesh", "current_mesh"]
 
-_CURRENT = threading.local()  # .stack: meshes entered with use_mesh on this thread (rank)
-_GROUPS = threading.local()   # .cache: {(mesh id, axes): (mesh, Axis)} of several axes
+class _PerThread(threading.local):
+    def __init__(self) -> None:
+        self.stack: list = []  # meshes entered with use_mesh on this thread (rank)
+        self.axes: dict = {}  # {(mesh id, axes): (mesh, Axis)} of several axes
+
+
+_TLS = _PerThread()
 
 
 def mesh(*axes: tuple[str, int]) -> Any:
@@ -142,11 +147,8 @@ def axis_of(axis: Union[str, tuple], device_mesh: Optional[Any] = None) -> Axis:
 
 def _several(m: Any, wanted: tuple, dims: list) -> Axis:
     """The :class:`Axis` of several axes of ``m`` (their groups built once, on every rank)."""
-    cache = getattr(_GROUPS, "cache", None)
-    if cache is None:
-        cache = _GROUPS.cache = {}
     key = (id(m), wanted)
-    entry = cache.get(key)
+    entry = _TLS.axes.get(key)
     if entry is not None and entry[0] is m:
         return entry[1]
     rest = [d for d in range(m.mesh.dim()) if d not in dims]
@@ -160,7 +162,7 @@ def _several(m: Any, wanted: tuple, dims: list) -> Axis:
             found = Axis(wanted, len(row), row.index(me), group)
     if found is None:
         raise ValueError(f"rank {me} is not in the mesh {m.mesh.tolist()}")
-    cache[key] = (m, found)
+    _TLS.axes[key] = (m, found)
     return found
 
 
@@ -187,12 +189,11 @@ def use_mesh(device_mesh: Any) -> Iterator[Any]:
         >>> vfsdp.testing.simulate(2, body)
         [True, True]
     """
-    stack = _stack()
-    stack.append(device_mesh)
+    _TLS.stack.append(device_mesh)
     try:
         yield device_mesh
     finally:
-        stack.pop()
+        _TLS.stack.pop()
 
 
 def current_mesh() -> Optional[Any]:
@@ -216,12 +217,4 @@ def current_mesh() -> Optional[Any]:
         >>> current_mesh() is None                   # outside every block
         True
     """
-    stack = _stack()
-    return stack[-1] if stack else None
-
-
-def _stack() -> list:
-    stack = getattr(_CURRENT, "stack", None)
-    if stack is None:
-        stack = _CURRENT.stack = []
-    return stack
+    return _TLS.stack[-1] if _TLS.stack else None

@@ -117,14 +117,12 @@ class HostMirror:
         ordered before on the device), its :func:`fingerprint` taken just before (so a
         write that lands after it, or during the copy, shows as a different fingerprint)."""
         shard = unit.grads_shard()
-        if self.stream is None:
-            self.seen = fingerprint(shard)
-            self.host.copy_(shard)
-        else:  # after the reduction, which the compute stream is ordered after
+        if self.stream is not None:  # after the reduction, which the compute stream is ordered after
             self.stream.wait_stream(torch.cuda.current_stream(shard.device))
-            with torch.cuda.stream(self.stream):
-                self.seen = fingerprint(shard)
-                self.host.copy_(shard, non_blocking=True)
+        with torch.cuda.stream(self.stream):  # None (the CPU): plain copies, here
+            self.seen = fingerprint(shard)
+            self.host.copy_(shard, non_blocking=self.stream is not None)
+            if self.stream is not None:
                 self._event = self.stream.record_event()
         self.copies += 1
         self.holds = True

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Piece", "boxes", "boxes_reference", "per_rank", "tensor_piece"]
+__all__ = ["Piece", "boxes", "per_rank", "tensor_piece"]
 
 
 @dataclass(frozen=True)
@@ -97,15 +97,9 @@ class Piece:
         flat = (self.local if data is None else data).reshape(-1)
         if self.within is not None:
             offsets = tuple(o - a for o, a in zip(offsets, self.within[0]))
-        lo = _flat_index(self.box_shape, offsets) - self.start
+        shape = self.box_shape  # the box's first element, flat (row-major) in ``shape``
+        lo = sum(o * math.prod(shape[d + 1:]) for d, o in enumerate(offsets)) - self.start
         return flat[lo:lo + math.prod(sizes)].view(sizes)
-
-
-def _flat_index(shape: tuple, index: tuple) -> int:
-    out = 0
-    for d, i in zip(shape, index):
-        out = out * d + i
-    return out
 
 
 def boxes(shape: tuple, start: int, stop: int) -> list:
@@ -150,16 +144,6 @@ def boxes(shape: tuple, start: int, stop: int) -> list:
     if end_col:  # a partial trailing row
         out += [((end_row,) + o, (1,) + s) for o, s in boxes(shape[1:], 0, end_col)]
     return out
-
-
-def boxes_reference(shape: tuple, start: int, stop: int) -> set:
-    """The flat indices the boxes of ``[start, stop)`` cover, enumerated element by element."""
-    covered = set()
-    for offsets, sizes in boxes(shape, start, stop):
-        idx = torch.arange(math.prod(shape)).reshape(shape) if shape else torch.tensor(0)  # cpu: reference
-        sl = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-        covered |= set(idx[sl].reshape(-1).tolist())
-    return covered
 
 
 def per_rank(t: torch.Tensor, rank: int, world: int) -> Piece:

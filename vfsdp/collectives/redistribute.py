@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from vfsdp.collectives import comm
-from vfsdp.collectives.comm import Handle, comm_context
+from vfsdp.collectives.comm import Handle
 
 __all__ = ["flat_redistribute", "Redistribution", "shard0_range"]
 
@@ -51,9 +51,7 @@ def _covered(src: Ranges, dst: Ranges) -> int:
     held = sorted((lo, hi) for lo, hi in src if hi > lo)
     starts = [lo for lo, _ in held]
     total = 0
-    for lo, hi in dst:
-        if hi <= lo:
-            continue
+    for lo, hi in dst:  # an empty range meets none
         k = max(bisect.bisect_right(starts, lo) - 1, 0)
         while k < len(held) and held[k][0] < hi:
             a, b = _cut(held[k], (lo, hi))
@@ -62,17 +60,12 @@ def _covered(src: Ranges, dst: Ranges) -> int:
     return total
 
 
-def _nonempty(ranges: Ranges) -> list:
-    """``(rank, (lo, hi))`` of the ranks with a non-empty range, in rank order."""
-    return [(q, r) for q, r in enumerate(ranges) if r[1] > r[0]]
-
-
 def _meet(i: int, mine: tuple, others: Ranges, sizes: list) -> list:
     """``(rank, i, lo, hi)`` where ``mine`` meets each rank's range of ``others`` (relative to
     ``mine``'s start), adding each slice's size to ``sizes[rank]``."""
     out: list = []
     if mine[1] > mine[0]:
-        for q, r in _nonempty(others):
+        for q, r in enumerate(others):
             lo, hi = _cut(mine, r)
             if hi > lo:
                 out.append((q, i, lo - mine[0], hi - mine[0]))
@@ -137,12 +130,10 @@ class Redistribution:
         # Only the ranks with a non-empty range meet (a tensor spans few ranks): the slices in
         # (rank, tensor) order, found per tensor.
         self.send_sizes, self.recv_sizes = [0] * world, [0] * world
-        send = [x for i in range(n) for x in _meet(i, src[i][rank], dst[i], self.send_sizes)]
-        recv = [x for i in range(n) for x in _meet(i, dst[i][rank], src[i], self.recv_sizes)]
-        send.sort(key=lambda x: (x[0], x[1]))
-        recv.sort(key=lambda x: (x[0], x[1]))
-        self.send = [x[1:] for x in send]
-        self.recv = [x[1:] for x in recv]
+        self.send = [x[1:] for x in sorted(
+            x for i in range(n) for x in _meet(i, src[i][rank], dst[i], self.send_sizes))]
+        self.recv = [x[1:] for x in sorted(
+            x for i in range(n) for x in _meet(i, dst[i][rank], src[i], self.recv_sizes))]
 
     def run(self, sources: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup] = None,
             device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
@@ -208,14 +199,11 @@ class Redistribution:
 
         if self.world == 1:
             recv.copy_(send_buf)
-            return Handle((), done) if async_op else done()
-        if not async_op:
-            comm.all_to_all_into(recv, send_buf, self.recv_sizes, self.send_sizes, group)
-            return done()
-        with comm_context(device) as box:
-            work = comm.all_to_all_into(recv, send_buf, self.recv_sizes, self.send_sizes, group,
-                                        async_op=device.type != "cuda")
-        return Handle([work] if device.type != "cuda" else [], done, box[0] if box else None)
+            handle = Handle((), done)
+        else:
+            handle = comm.launch(device, lambda a: comm.all_to_all_into(
+                recv, send_buf, self.recv_sizes, self.send_sizes, group, async_op=a), async_op, done)
+        return handle if async_op else handle.wait()
 
 
 def flat_redistribute(sources: Sequence[torch.Tensor], src: Sequence[Ranges],

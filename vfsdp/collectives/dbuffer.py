@@ -515,7 +515,7 @@ class DBuffer:
             raise TypeError(f"unit {unit_name(self.key)} ({self.name}): the full buffer of a "
                             f"{self.role.value} buffer is vfsdp's own (it is freed in place); "
                             f"take full views of parameters or optimizer states")
-        if not self.is_gathered:
+        if not self.is_allocated:
             raise RuntimeError(f"unit {unit_name(self.key)} ({self.name}) is not gathered; "
                                f"call all_gather() (or vfsdp.gather) before taking full views")
         t = self.tensors[k]
@@ -557,11 +557,6 @@ class DBuffer:
     def is_allocated(self) -> bool:
         """Whether the global buffer holds memory (gathered, or being gathered)."""
         return self._global.untyped_storage().nbytes() > 0
-
-    @property
-    def is_gathered(self) -> bool:
-        """Whether the global buffer is gathered (or being gathered)."""
-        return self.is_allocated
 
     def is_local_view(self, i: int, t: torch.Tensor) -> bool:
         """Whether ``t`` is exactly tensor ``i``'s local piece (same memory, shape, strides)."""
@@ -606,7 +601,7 @@ class DBuffer:
                 ``vfsdp.release`` asks. ``False`` (``free_after_backward``: one graph is done,
                 another may still be forwarding with them) only when the memory goes.
         """
-        if not self.is_gathered:
+        if not self.is_allocated:
             return
         if self.graphs > 0:
             self.release_pending = True
@@ -863,4 +858,4 @@ class DBuffer:
     def __repr__(self) -> str:
         return (f"DBuffer({self.name}, unit {unit_name(self.key)}, rank {self.rank}/"
                 f"{self.layout.world_size}, S={self.layout.shard_numel}, {self.dtype}, "
-                f"{'gathered' if self.is_gathered else 'released'})")
+                f"{'gathered' if self.is_allocated else 'released'})")

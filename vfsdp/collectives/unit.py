@@ -783,7 +783,7 @@ def export_full(db: DBuffer) -> Iterator[DBuffer]:
     """
     unit = db.unit
     owned = unit is not None and (db is unit.params or db in unit._compute.values())
-    was = db.is_gathered
+    was = db.is_allocated
     if owned:
         unit._all_gather(db, async_op=False)
     else:

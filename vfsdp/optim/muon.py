@@ -36,20 +36,20 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
 from vfsdp.collectives.dbuffer import Role
-from vfsdp.functional.state import param_tree
-from vfsdp.optim.adamw import owned_views
 from vfsdp.optim.base import (
+    CountedState,
     Mask,
     Optimizer,
+    OwnedPlan,
     Schedule,
     as_schedule,
     check_hyper,
@@ -57,13 +57,11 @@ from vfsdp.optim.base import (
     flat_grads,
     frozen_of,
     grad_leaves,
+    init_units,
     learning_rate,
-    new_count,
-    read_step,
     selected,
     state_dtype,
     unit_buffers,
-    write_step,
 )
 from vfsdp.optim.muon_waves import cuts_of, group_matrices, plan_waves
 from vfsdp.planner.granularity import format_path
@@ -129,11 +127,7 @@ def _whole(stack: torch.Tensor, m: Matrix, model: Any) -> torch.Tensor:
     axis: one all-gather over it, padded to the largest index's share."""
     st = m.spec.strided
     b = stack.shape[0]
-    shapes = []
-    for i in range(st.size):
-        shape = list(st.global_shape)
-        shape[st.dim] = st.lengths[i]
-        shapes.append(shape)
+    shapes = [replace(st, index=i).local_shape for i in range(st.size)]
     widths = [b * math.prod(sh) for sh in shapes]
     width = max(widths)
     send = torch.zeros(width, dtype=stack.dtype, device=stack.device)
@@ -158,7 +152,7 @@ class Matrix:
 
 
 @dataclass(frozen=True)
-class MuonPlan:
+class MuonPlan(OwnedPlan):
     """What ``init`` derives from the spec and the mask: the matrices, their roots, the waves
     with their exchange plans (:mod:`vfsdp.optim.muon_waves`), the units they live in (the
     workspace's layout) and its cuts. Never saved; rebuilt by ``init``.
@@ -175,18 +169,13 @@ class MuonPlan:
 
     matrices: tuple = ()
     waves: tuple = ()
-    paths: Mapping[Any, frozenset] = field(default_factory=dict)
     dtype: torch.dtype = torch.float32  # momentum and exchange dtype (float64 for float64)
     units: tuple = ()  # (key, shard elements) of the units in the workspace, in its order
     cuts: tuple = ()   # sizes cutting the workspace at every piece a wave sends
 
-    def owns(self, db, k: int) -> bool:
-        """Whether the plan updates tensor ``k`` of ``db``'s unit."""
-        return db.tensors[k].path in self.paths.get(db.key, ())
-
 
 @dataclass
-class MuonState:
+class MuonState(CountedState):
     """The step counter (``count``) and, per unit holding matrices it updates, the momentum
     DBuffer (float32, or float64 for float64 parameters).
 
@@ -200,12 +189,10 @@ class MuonState:
         [(0, torch.Size([8])), (0, torch.Size([8]))]
     """
 
-    count: torch.Tensor
     momentum: dict
     plan: MuonPlan = field(default_factory=MuonPlan, repr=False, compare=False)
     kept: dict = field(default_factory=dict, repr=False, compare=False)
-
-    step = property(read_step, write_step, doc=read_step.__doc__)
+    saved: ClassVar[tuple] = ("momentum",)
 
     def views(self, units: dict, targets: list) -> list:
         """The parameter shard slices an update adds into (``targets``: ``(matrix, lo, hi)``
@@ -217,15 +204,6 @@ class MuonState:
             found = self.kept[key] = (shards, [shards[m.key][m.lo + lo:m.lo + hi]
                                                for m, lo, hi in targets])
         return found[1]
-
-    def checkpoint_tree(self, spec: ShardSpec) -> dict:
-        """The step, and the momentum of the matrices it updates, shaped like the parameters."""
-        return {"step": self.step,
-                "momentum": param_tree(self.momentum, spec, owned_views(self.plan))}
-
-    def restore_checkpoint(self, tree: dict) -> MuonState:
-        self.step = tree["step"]
-        return self
 
 
 def muon(
@@ -302,8 +280,8 @@ def muon(
                                      f"or partition label) but is {why}, so nothing would "
                                      f"update it; label it for another optimizer (e.g. "
                                      f"adamw)")
-        units = unit_buffers(shards, spec, "muon.init")
-        state = MuonState(new_count(units[0].db.device if units else "cpu"), {})
+        units, count = init_units(shards, spec, "muon.init", mask=mask)
+        state = MuonState(count, {})
         found: list[tuple] = []
         paths: dict = {}
         # One dtype for every matrix (the exchanges carry many units at once): float32, or
@@ -342,7 +320,7 @@ def muon(
         picked = iter(index)
         waves = tuple(replace(w, send=tuple(next(picked) for _ in wave))
                       for w, wave in zip(waves, sends))
-        state.plan = MuonPlan(matrices, waves, paths, dtype, tuple(layout), cuts)
+        state.plan = MuonPlan(paths, matrices, waves, dtype, tuple(layout), cuts)
         return state
 
     def update(grads: Any, state: MuonState, shards: Any, spec: ShardSpec) -> MuonState:

@@ -20,12 +20,11 @@ lists), turned into these cuts and orders.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
 from vfsdp.collectives.redistribute import Redistribution
+from vfsdp.optim.base import cuts_of
 
 __all__ = ["Wave", "plan_waves", "cuts_of", "group_matrices"]
 
@@ -61,19 +60,6 @@ class Wave:
     out_send: tuple
     back: tuple
     targets: tuple
-
-
-def cuts_of(ranges: list, total: int) -> tuple[tuple, list]:
-    """``(sizes, index)``: the cuts of ``[0, total)`` at every boundary of ``ranges`` (disjoint
-    ``(lo, hi)``), and the cut each range is.
-
-    Example:
-        >>> cuts_of([(4, 6), (0, 2)], 8)
-        ((2, 2, 2, 2), [2, 0])
-    """
-    edges = sorted({0, total, *(x for r in ranges for x in r)})
-    sizes = tuple(b - a for a, b in itertools.pairwise(edges))
-    return sizes, [bisect.bisect_left(edges, lo) for lo, _ in ranges]
 
 
 def _held(t: Any, world: int) -> list:

@@ -29,28 +29,19 @@ from vfsdp.optim.quant import span_tiles, step8_flat
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["TracedAdam", "traced_adamw", "traced_clip", "adam_views", "TracedAdam8",
+__all__ = ["traced_adamw", "traced_clip", "adam_views", "first_leaves", "TracedAdam8",
            "traced_adamw8bit"]
 
 
-@dataclass
-class TracedAdam:
-    """What the compiled AdamW update reads, made by ``init`` (eager).
-
-    Attributes:
-        leaves: Leaf index (spec order) of each tensor it updates.
-        decay: Whether each decays.
-        m, v: Each one's moment views (views of the state DBuffers).
-    """
-
-    leaves: tuple
-    decay: tuple
-    m: list
-    v: list
+def first_leaves(u: Any) -> dict:
+    """Unit ``u``'s buffer index -> the first leaf (spec order) holding that tensor (a tied
+    tensor sits at several)."""
+    return {k: i for i, k in reversed(u.leaves)}
 
 
-def adam_views(units: list, state: Any, owns: Any, decays: Any) -> TracedAdam:
-    """The :class:`TracedAdam` of an AdamW state (eager, at ``init``).
+def adam_views(units: list, state: Any, owns: Any, decays: Any) -> list:
+    """What the compiled AdamW update reads, made by ``init`` (eager): per tensor it updates,
+    ``(leaf index, decays, exp_avg view, exp_avg_sq view)``.
 
     Args:
         units: ``unit_buffers(shards, spec)``.
@@ -61,21 +52,15 @@ def adam_views(units: list, state: Any, owns: Any, decays: Any) -> TracedAdam:
     Returns:
         The views.
     """
-    leaves, decay, ms, vs = [], [], [], []
+    out = []
     for u in units:
-        if u.key not in state.exp_avg:
-            continue
-        seen = set()
-        for i, k in u.leaves:
-            t = u.db.tensors[k]
-            if k in seen or not owns(t.path):
-                continue
-            seen.add(k)
-            leaves.append(i)
-            decay.append(bool(decays(t.path)))
-            ms.append(state.exp_avg[u.key].local(k).view(-1))
-            vs.append(state.exp_avg_sq[u.key].local(k).view(-1))
-    return TracedAdam(tuple(leaves), tuple(decay), ms, vs)
+        if u.key in state.exp_avg:
+            for k, i in sorted(first_leaves(u).items()):
+                path = u.db.tensors[k].path
+                if owns(path):
+                    out.append((i, bool(decays(path)), state.exp_avg[u.key].local(k).view(-1),
+                                state.exp_avg_sq[u.key].local(k).view(-1)))
+    return out
 
 
 def traced_adamw(grads: Any, state: Any, shards: Any, spec: ShardSpec, lr: Any,
@@ -84,7 +69,8 @@ def traced_adamw(grads: Any, state: Any, shards: Any, spec: ShardSpec, lr: Any,
 
     Args:
         grads: The gradient tree (``vfsdp.grads``).
-        state: The :class:`~vfsdp.optim.AdamWState` (its ``traced`` views and ``count``).
+        state: The :class:`~vfsdp.optim.AdamWState` (its ``traced`` views, :func:`adam_views`,
+            and ``count``).
         shards: The shards.
         spec: The plan.
         lr: This step's learning rate.
@@ -96,11 +82,9 @@ def traced_adamw(grads: Any, state: Any, shards: Any, spec: ShardSpec, lr: Any,
     Raises:
         ValueError: a tree that does not match the spec.
     """
-    views = state.traced
     params, _ = traced_leaves(shards, spec, "adamw.update")
     gleaves, _ = traced_leaves(grads, spec, "adamw.update")
-    _adam(zip(views.leaves, views.decay, views.m, views.v), params, gleaves, state.count, lr,
-          betas, eps, weight_decay)
+    _adam(state.traced, params, gleaves, state.count, lr, betas, eps, weight_decay)
 
 
 def _adam(members: Any, params: list, gleaves: list, count: torch.Tensor, lr: Any,

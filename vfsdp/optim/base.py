@@ -553,15 +553,12 @@ def runs(db: Any, mask: Mask) -> tuple[tuple[int, int], ...]:
     """
     out: list = []
     for t in db.tensors:
-        if not selected(mask, t.path):
-            continue
         lo, hi = t.shard_range(db.rank)
-        if hi <= lo:
-            continue
-        if out and out[-1][1] == lo:
-            out[-1] = (out[-1][0], hi)
-        else:
-            out.append((lo, hi))
+        if hi > lo and selected(mask, t.path):
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], hi)
+            else:
+                out.append((lo, hi))
     return tuple(out)
 
 

@@ -34,6 +34,8 @@ comes from the mesh the shards were made on (``vfsdp.shard(params, spec, mesh=me
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import threading
 from collections.abc import Callable
@@ -286,10 +288,9 @@ def muon(
         paths: dict = {}
         # One dtype for every matrix (the exchanges carry many units at once): float32, or
         # float64 where a unit's parameters are (the same on every rank: units are).
-        dtype = torch.float32
-        for u in units:
-            if any(owns(t) for t in u.db.tensors):
-                dtype = torch.promote_types(dtype, state_dtype(u.db.dtype))
+        dtype = functools.reduce(torch.promote_types, [state_dtype(u.db.dtype) for u in units
+                                                       if any(map(owns, u.db.tensors))],
+                                 torch.float32)
         for u in units:
             mine = [(k, t) for k, t in enumerate(u.db.tensors) if owns(t)]
             if not mine:
@@ -308,19 +309,16 @@ def muon(
                              f"axis' group: shard with vfsdp.shard(params, spec, mesh=mesh) on "
                              f"the mesh with {axis!r}, not its data sub-mesh")
         rank = units[0].db.rank if units else 0
-        layout, base, at = [], {}, 0  # the workspace: the units' shards end to end
-        for u in units:
-            if u.key in state.momentum:
-                layout.append((u.key, u.db.shard.numel()))
-                base[u.key] = at
-                at += u.db.shard.numel()
+        # The workspace: the units' shards end to end.
+        layout = tuple((u.key, u.db.shard.numel()) for u in units if u.key in state.momentum)
+        base = itertools.accumulate((n for _, n in layout), initial=0)
         waves, sends = plan_waves(group_matrices(matrices, wave_size, _shape), rank,
-                                  spec.world_size, base)
-        cuts, index = cuts_of([r for wave in sends for r in wave], at)
+                                  spec.world_size, dict(zip((k for k, _ in layout), base)))
+        cuts, index = cuts_of([r for wave in sends for r in wave], sum(n for _, n in layout))
         picked = iter(index)
         waves = tuple(replace(w, send=tuple(next(picked) for _ in wave))
                       for w, wave in zip(waves, sends))
-        state.plan = MuonPlan(paths, matrices, waves, dtype, tuple(layout), cuts)
+        state.plan = MuonPlan(paths, matrices, waves, dtype, layout, cuts)
         return state
 
     def update(grads: Any, state: MuonState, shards: Any, spec: ShardSpec) -> MuonState:

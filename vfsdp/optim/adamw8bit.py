@@ -19,6 +19,7 @@ their real elements.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Optional
@@ -60,11 +61,6 @@ from vfsdp.planner.spec import ShardSpec
 __all__ = ["adamw8bit", "AdamW8bitState", "AdamW8bitPlan", "Quantized", "MIN_8BIT_NUMEL"]
 
 MIN_8BIT_NUMEL = 4096
-
-
-def granularity_8bit(min_numel: int = MIN_8BIT_NUMEL) -> Callable:
-    """The blocks 8-bit AdamW needs: 32-row stripes of matrices, whole matrices of ragged stacks."""
-    return tile_granularity(min_numel)
 
 
 @dataclass(frozen=True)
@@ -158,13 +154,9 @@ class AdamW8bitState(CountedState):
 
     def state_bytes(self) -> tuple[int, int]:
         """``(bytes of 8-bit state incl. scales, elements it covers)`` on this rank."""
-        nbytes = elems = 0
-        for key, tensors in self.plan.quantized.items():
-            for t in tensors:
-                elems += t.hi - t.lo
-                nbytes += 2 * (t.hi - t.lo) + 4 * (self.scales_m[(key, t.k)].numel()
-                                                   + self.scales_v[(key, t.k)].numel())
-        return nbytes, elems
+        tensors = [t for q8 in self.plan.quantized.values() for t in q8]
+        elems = sum(t.hi - t.lo for t in tensors)
+        return 2 * elems + 8 * sum(t.n_tiles for t in tensors), elems  # codes; m and v scales
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
         """The step; the codes per element and the tile scales indexed by global tile (so
@@ -290,23 +282,17 @@ def adamw8bit(
     check_hyper("adamw8bit", lr, weight_decay, betas=betas, eps=eps)
     b1, b2 = betas
     schedule = as_schedule(lr)
-    maps: dict = {}
-    kernels: dict = {}
 
+    @functools.cache
     def qmaps(device) -> tuple:
         """Code maps and their midpoints, made once per device (on the parameters')."""
-        found = maps.get(device)
-        if found is None:
-            qm, qv = dynamic_map(True, device), dynamic_map(False, device)
-            found = maps[device] = (qm, qv, midpoints(qm), midpoints(qv))
-        return found
+        qm, qv = dynamic_map(True, device), dynamic_map(False, device)
+        return qm, qv, midpoints(qm), midpoints(qv)
 
-    def kernel(device) -> Callable:
-        found = kernels.get(device.type)
-        if found is None:
-            on = compile if compile is not None else device.type == "cuda"
-            found = kernels[device.type] = compiled_step8() if on else step8_flat
-        return found
+    @functools.cache
+    def kernel(device_type: str) -> Callable:
+        on = compile if compile is not None else device_type == "cuda"
+        return compiled_step8() if on else step8_flat
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> AdamW8bitState:
         units, count = init_units(shards, spec, "adamw8bit.init", mask=mask,
@@ -346,7 +332,7 @@ def adamw8bit(
                 q8.append(Quantized(k, lo, hi, view, tiles_of(view)))
             q8.sort(key=lambda t: t.lo)
             for i, t in enumerate(q8):  # every unit's tiles, in shard order, then the spare
-                q8[i] = Quantized(t.k, t.lo, t.hi, t.view, t.n_tiles, t0)
+                q8[i] = replace(t, t0=t0)
                 t0 += t.n_tiles
             paths[u.key], quantized[u.key], fp32[u.key] = chosen, tuple(q8), tuple(f32)
         for attr in ("m", "v"):
@@ -410,7 +396,7 @@ def adamw8bit(
             if run.tiles is not None:  # one 8-bit pass over every unit of the rank
                 p, cm, cv = _cat(run.ps), _cat(run.cms), _cat(run.cvs)
                 qm, qv, mm, mv = qmaps(p.device)
-                kernel(p.device)(p, g, cm, cv, state.rank_scales_m, state.rank_scales_v,
+                kernel(p.device.type)(p, g, cm, cv, state.rank_scales_m, state.rank_scales_v,
                                  run.tiles, qm, qv, mm, mv, b1, b2, eps, rate, *scalars)
                 if len(run.ps) > 1:  # back into the units' buffers
                     for dst, src in ((run.ps, p), (run.cms, cm), (run.cvs, cv)):
@@ -423,7 +409,7 @@ def adamw8bit(
                            fused=False, scalars=scalars)
         return state
 
-    return Optimizer(init, update, granularity_8bit(min_8bit_numel), local_state=True)
+    return Optimizer(init, update, tile_granularity(min_8bit_numel), local_state=True)
 
 
 def compiled_step8() -> Callable:

@@ -68,7 +68,7 @@ import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp._warnings import warn_user
-from vfsdp.collectives.dbuffer import View, slot_of
+from vfsdp.collectives.dbuffer import DBuffer, View, slot_of
 from vfsdp.functional.gather import gradient_leaves
 from vfsdp.functional.state import param_tree
 from vfsdp.functional.tree import UnitLeaves, match_tree, units_of
@@ -148,12 +148,10 @@ def scale_(tensors: list, factor: float) -> None:
     by_dtype: dict = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype, ts in by_dtype.items():
-        if dtype in (torch.float32, torch.float64) or isinstance(factor, torch.Tensor):
-            tp.foreach("mul_", ts, scalar=factor)  # a tensor factor: the moments' dtype
-        else:
-            tp.foreach("mul_", ts, scalar=torch.tensor(factor, dtype=torch.float32,
-                                                       device=ts[0].device))
+    for dtype, ts in by_dtype.items():  # a tensor factor: the moments' dtype
+        wide = dtype in (torch.float32, torch.float64) or isinstance(factor, torch.Tensor)
+        tp.foreach("mul_", ts, scalar=factor if wide else torch.tensor(
+            factor, dtype=torch.float32, device=ts[0].device))
 
 
 def new_count(device: Any) -> torch.Tensor:
@@ -783,8 +781,6 @@ def state_tensors(state: Any) -> list:
         >>> vfsdp.testing.simulate(2, body)[0]      # two moments of 4 floats, the step count
         36
     """
-    from vfsdp.collectives.dbuffer import DBuffer
-
     out, todo, visited = [], [state], set()
     while todo:
         x = todo.pop()

@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Optional
@@ -65,13 +64,11 @@ from vfsdp.optim.base import (
     state_dtype,
     unit_buffers,
 )
-from vfsdp.optim.muon_waves import cuts_of, group_matrices, plan_waves
+from vfsdp.optim.muon_waves import cuts_of, group_matrices, held_ranges, plan_waves
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["muon", "plan_roots", "newton_schulz", "MuonState", "MuonPlan", "Matrix", "NS_CALLS"]
-
-NS_CALLS = threading.local()  # .count: Newton-Schulz calls on this thread (rank), for tests
+__all__ = ["muon", "plan_roots", "newton_schulz", "MuonState", "MuonPlan", "Matrix"]
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -79,7 +76,6 @@ def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     shape, each on its own) with the quintic Newton-Schulz iteration (in bf16), as Muon does;
     the result is float32 (float64 for a float64 ``g``). Each matrix of a stack comes out
     bitwise as it would alone (tested on the CPU)."""
-    NS_CALLS.count = getattr(NS_CALLS, "count", 0) + (g.shape[0] if g.dim() == 3 else 1)
     a, b, c = 3.4445, -4.7750, 2.0315
     x = g.bfloat16()
     tall = x.shape[-2] > x.shape[-1]
@@ -103,10 +99,7 @@ def plan_roots(tensors: list[TensorSpec], world_size: int) -> list[int]:
     split = any(t.strided is not None for t in tensors)  # the same roots on every model index
     for i in order:
         t = tensors[i]
-        held = [0] * world_size
-        for r in t.ranks() if not split else ():
-            lo, hi = t.local_range(r)
-            held[r] = hi - lo
+        held = [0 if split else hi - lo for lo, hi in held_ranges(t, world_size)]
         r = min(range(world_size), key=lambda q: (load[q], -held[q], q))
         roots[i] = r
         load[r] += _cost(t)

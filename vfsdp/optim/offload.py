@@ -197,8 +197,7 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
                         f"{master_dtype!r}")
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> OffloadState:
-        what = "offload.init"
-        units = unit_buffers(shards, spec, what)
+        units = unit_buffers(shards, spec, "offload.init")
         host_leaves: list = [None] * spec.treespec.num_leaves
         grad_leaves_: list = [None] * spec.treespec.num_leaves
         made = []
@@ -206,16 +205,16 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         stream = torch.cuda.Stream(units[0].db.device) if on_gpu else None
         with torch.no_grad():
             for u in units:
-                groups = host_groups(u.unit.groups)
-                host = Unit(u.unit.layout, groups, master_dtype or state_dtype(u.db.dtype))
+                host = Unit(u.unit.layout, host_groups(u.unit.groups),
+                            master_dtype or state_dtype(u.db.dtype))
                 gdb = host.grads()
                 if on_gpu:
                     host.params.pin_shard()
                     gdb.pin_shard()
                 chosen = runs(u.db, mask)
-                mirror = None
-                if chosen:  # the newest state's mirror: an older state copies for itself
-                    mirror = HostMirror(gdb.shard, stream)
+                # The newest state's mirror: an older state copies for itself.
+                mirror = HostMirror(gdb.shard, stream) if chosen else None
+                if mirror is not None:
                     u.unit.mirror_grads(mirror)
                 for lo, hi in chosen:
                     host.params.shard[lo:hi].copy_(u.db.shard[lo:hi])

@@ -91,19 +91,13 @@ def _adam(members: Any, params: list, gleaves: list, count: torch.Tensor, lr: An
           betas: tuple, eps: float, weight_decay: float) -> None:
     """The eager update's own AdamW step (:func:`~vfsdp.optim.base.adamw_step`) over the
     trained tensors of ``members`` (``(leaf, decays, exp_avg, exp_avg_sq)``)."""
-    ps, gs, ms, vs, decay = [], [], [], [], []
-    for i, decays, m, v in members:
-        if not params[i].requires_grad:  # frozen: no update, no decay
-            continue
-        ps.append(params[i].view(-1))
-        gs.append(gleaves[i].reshape(-1).to(m.dtype))
-        ms.append(m)
-        vs.append(v)
-        if decays:
-            decay.append(ps[-1])
+    live = [x for x in members if params[x[0]].requires_grad]  # frozen: no update, no decay
+    ps = [params[i].view(-1) for i, _, _, _ in live]
+    gs = [gleaves[i].reshape(-1).to(m.dtype) for i, _, m, _ in live]
     with torch.no_grad():
-        adamw_step(ps, gs, ms, vs, decay, count=count, lr=lr, betas=betas, eps=eps,
-                   weight_decay=weight_decay, fused=False)
+        adamw_step(ps, gs, [x[2] for x in live], [x[3] for x in live],
+                   [p for p, x in zip(ps, live) if x[1]], count=count, lr=lr, betas=betas,
+                   eps=eps, weight_decay=weight_decay, fused=False)
 
 
 def traced_clip(grads: Any, spec: ShardSpec, max_norm: float, eps: float,
@@ -201,15 +195,12 @@ def traced_adamw8bit(grads: Any, state: Any, shards: Any, spec: ShardSpec, lr: A
             n = views.sm.numel() - 1
             tiles = span_tiles([(x[1].hi - x[1].lo, x[1].view, x[1].t0) for x in live], n,
                                views.sm.device, still)
-            flat = [torch.cat(xs) for xs in zip(*[
+            cols = [list(xs) for xs in zip(*[
                 (params[i].view(-1), gleaves[i].reshape(-1).float(), cm, cv)
                 for i, _t, _d, cm, cv in live])]
+            flat = [torch.cat(xs) for xs in cols]
             step8_flat(*flat, views.sm, views.sv, tiles, *views.maps, b1, b2, eps, lr, *scalars)
-            at = 0
-            for (i, t, _d, cm, cv) in live:
-                n_i = t.hi - t.lo
-                params[i].view(-1).copy_(flat[0][at:at + n_i])
-                cm.copy_(flat[2][at:at + n_i])
-                cv.copy_(flat[3][at:at + n_i])
-                at += n_i
+            sizes = [x[1].hi - x[1].lo for x in live]
+            for j in (0, 2, 3):  # back into the parameters and codes
+                tp.foreach("copy_", cols[j], list(flat[j].split(sizes)))
     _adam(views.small, params, gleaves, state.count, lr, betas, eps, weight_decay)

@@ -25,6 +25,7 @@ import torch
 from vfsdp import _torch_private as tp
 from vfsdp.functional.traced import clip_groups, traced_leaves
 from vfsdp.optim.base import adamw_step, decay_, step_scalars
+from vfsdp.optim.clip import scale_by_norm
 from vfsdp.optim.quant import span_tiles, step8_flat
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
@@ -137,10 +138,7 @@ def traced_clip(grads: Any, spec: ShardSpec, max_norm: float, eps: float,
     if model is not None:
         total = tp.traced_all_reduce(total, "sum", model)
     norm = total.sqrt()
-    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-    with torch.no_grad():
-        for i, _c in chosen:
-            leaves[i].mul_(coef.to(leaves[i].dtype))
+    scale_by_norm([], [leaves[i] for i, _c in chosen], norm, max_norm, eps)
     return norm
 
 

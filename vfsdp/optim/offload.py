@@ -218,11 +218,8 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
                     u.unit.mirror_grads(mirror)
                 for lo, hi in chosen:
                     host.params.shard[lo:hi].copy_(u.db.shard[lo:hi])
-                views = {}
-                for (i, k), x in zip(u.leaves, u.values):
-                    if k not in views:
-                        views[k] = host.params.local(k)
-                        views[k].requires_grad_(x.requires_grad)
+                views = {k: host.params.local(k) for _, k in u.leaves}  # update syncs their
+                for i, k in u.leaves:                                  # requires_grad
                     host_leaves[i], grad_leaves_[i] = views[k], host.grad_view(k)
                 made.append(HostUnit(u.unit, host, chosen, views, mirror))
         host_shards = optree.tree_unflatten(spec.treespec, host_leaves)

@@ -40,6 +40,7 @@ from vfsdp.optim.base import (
     Schedule,
     adamw_step,
     as_schedule,
+    both,
     check_hyper,
     cuts_of,
     decay_,
@@ -82,8 +83,9 @@ class Quantized:
 class AdamW8bitPlan(OwnedPlan):
     """What ``init`` derives from the spec and the mask, per unit: the tensors it updates
     (``paths``), the quantized ones (``quantized``, by shard offset), those with fp32 moments
-    (``fp32``: ``(k, lo, hi)``), the buffer indices that decay (``decays``), and the rank's
-    number of tiles (``n_tiles``). Never saved; rebuilt by ``init``.
+    (``fp32``: ``(k, lo, hi)``), the buffer indices that decay (``decays``) and their shard
+    ranges, merged (``decay_runs``), and the rank's number of tiles (``n_tiles``). Never
+    saved; rebuilt by ``init``.
 
     Example:
         >>> opt = vfsdp.optim.adamw8bit(min_8bit_numel=1024)
@@ -99,6 +101,7 @@ class AdamW8bitPlan(OwnedPlan):
     quantized: Mapping[Any, tuple] = field(default_factory=dict)
     fp32: Mapping[Any, tuple] = field(default_factory=dict)
     decays: Mapping[Any, frozenset] = field(default_factory=dict)
+    decay_runs: Mapping[Any, tuple] = field(default_factory=dict)
     n_tiles: int = 0
 
 
@@ -298,7 +301,7 @@ def adamw8bit(
         units, count = init_units(shards, spec, "adamw8bit.init", mask=mask,
                                   weight_decay_mask=weight_decay_mask)
         state = AdamW8bitState(count, {}, {})
-        paths, quantized, fp32, decay, t0 = {}, {}, {}, {}, 0
+        paths, quantized, fp32, decay, decay_runs, t0 = {}, {}, {}, {}, {}, 0
         for u in units:
             db = u.db
             chosen = frozenset(t.path for t in db.tensors if selected(mask, t.path))
@@ -309,6 +312,7 @@ def adamw8bit(
             decay[u.key] = frozenset(
                 k for k, t in enumerate(db.tensors)
                 if t.path in chosen and selected(weight_decay_mask, t.path))
+            decay_runs[u.key] = runs(db, both(weight_decay_mask, lambda path: path in chosen))
             q8, f32 = [], []
             for k, t in enumerate(db.tensors):
                 if t.path not in chosen:
@@ -342,7 +346,7 @@ def adamw8bit(
             for key, q8 in quantized.items():
                 for t in q8:
                     getattr(state, f"scales_{attr}")[(key, t.k)] = whole[t.t0:t.t0 + t.n_tiles]
-        state.plan = AdamW8bitPlan(paths, quantized, fp32, decay, t0)
+        state.plan = AdamW8bitPlan(paths, quantized, fp32, decay, decay_runs, t0)
         state.traced = _traced_views(units, state)
         return state
 

@@ -1,12 +1,15 @@
 """Distributed Muon: bitwise equal to one process, Newton-Schulz once per matrix, one root plan."""
 
+import importlib
+import threading
+
 import optree
 import pytest
 import torch
 import torch.distributed as dist
 
 import vfsdp
-from vfsdp.optim.muon import NS_CALLS, plan_roots
+from vfsdp.optim.muon import plan_roots
 from vfsdp.testing import simulate, spawn
 
 
@@ -27,6 +30,16 @@ def _opt():
         {"muon": vfsdp.optim.muon(lr=0.02, weight_decay=0.01, wave_size=3),
          "adamw": vfsdp.optim.adamw(lr=1e-3)},
         lambda path: "muon" if _is_matrix(path) else "adamw")
+
+
+muon_mod = importlib.import_module("vfsdp.optim.muon")  # the module, not vfsdp.optim.muon()
+NS_CALLS = threading.local()  # .count: Newton-Schulz calls on this thread (rank)
+
+
+def _counting_ns(g, steps=5, _ns=muon_mod.newton_schulz):
+    """``newton_schulz``, counting its matrices on this thread (a stack counts each)."""
+    NS_CALLS.count += g.shape[0] if g.dim() == 3 else 1
+    return _ns(g, steps)
 
 
 def _train(mesh_shape=None, steps=3):
@@ -50,7 +63,8 @@ def _train(mesh_shape=None, steps=3):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
-def test_muon_bitwise_equals_one_process_and_ns_once(world):
+def test_muon_bitwise_equals_one_process_and_ns_once(world, monkeypatch):
+    monkeypatch.setattr(muon_mod, "newton_schulz", _counting_ns)
     one, ns_one, _ = simulate(1, _train)[0]
     results = simulate(world, _train)
     n_matrices = 9

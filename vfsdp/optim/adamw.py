@@ -21,46 +21,43 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
 from vfsdp import _torch_private as tp
-from vfsdp.collectives.dbuffer import DBuffer, Role
-from vfsdp.functional.state import param_tree
+from vfsdp.collectives.dbuffer import Role
 from vfsdp.optim.base import (
+    CountedState,
     Mask,
     Optimizer,
+    OwnedPlan,
     Schedule,
     adamw_step,
     as_schedule,
     both,
     check_hyper,
+    cuts_of,
     flat_grads,
     frozen_of,
     grad_leaves,
+    init_units,
     learning_rate,
-    new_count,
-    read_step,
     runs,
-    same_at_ties,
     selected,
     state_dtype,
-    sync_step,
     unit_buffers,
     use_fused,
-    write_step,
 )
-from vfsdp.optim.traced import TracedAdam, adam_views, traced_adamw
+from vfsdp.optim.traced import adam_views, traced_adamw
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["adamw", "AdamWState", "AdamWPlan", "StepSlices", "segments", "owned_views",
-           "trainable_runs"]
+__all__ = ["adamw", "AdamWState", "AdamWPlan", "segments", "trainable_runs"]
 
 
 @dataclass(frozen=True)
-class AdamWPlan:
+class AdamWPlan(OwnedPlan):
     """What ``init`` derives from the spec and the mask, per unit it updates: the tensors
     (``paths``), their flat ranges in this rank's shard (``update_runs``) and the ranges that
     decay (``decay_runs``). Never saved; ``init`` rebuilds it under any plan.
@@ -76,13 +73,8 @@ class AdamWPlan:
         [(((0, 4),), ((2, 4),)), (((0, 4),), ((0, 4),))]
     """
 
-    paths: Mapping[Any, frozenset] = field(default_factory=dict)
     update_runs: Mapping[Any, tuple] = field(default_factory=dict)
     decay_runs: Mapping[Any, tuple] = field(default_factory=dict)
-
-    def owns(self, db: DBuffer, k: int) -> bool:
-        """Whether the plan updates tensor ``k`` of ``db``'s unit."""
-        return db.tensors[k].path in self.paths.get(db.key, ())
 
 
 def segments(update_runs: tuple, decay_runs: tuple) -> tuple[tuple[int, int, bool], ...]:
@@ -101,72 +93,35 @@ def segments(update_runs: tuple, decay_runs: tuple) -> tuple[tuple[int, int, boo
     return tuple(out)
 
 
-class StepSlices:
-    """The flat operands of each step, made once per unit and kept (the parameter and moment
-    shards are fixed tensors, so their views are too).
+def _slices(u, state, update_runs: tuple, decay_runs: tuple, fused: bool) -> tuple:
+    """Unit ``u``'s flat operands of a step: ``(gradient cuts, ps, ms, vs, decay, flags)``,
+    made once and kept (the parameter and moment shards are fixed tensors, so their views are
+    too); ``fused``: for the fused kernel, which takes weight decay per slice, not per range.
 
     A unit whose every tensor is updated is one slice per operand, padding included: padding
-    is zero in the parameters, gradients and moments alike, and AdamW keeps it zero. A mask
-    or frozen tensors cut it into the updated ranges. Gradient slices are taken each step
-    and never kept: a kept view would hold the gradient buffer's memory after
+    is zero in the parameters, gradients and moments alike, and AdamW keeps it zero (gradient
+    cuts ``None``). A mask or frozen tensors cut it into the updated ranges: the gradient is
+    then cut by one op (``(sizes, indices of the updated pieces)``), each step; gradient
+    slices are never kept: a kept view would hold the gradient buffer's memory after
     ``zero_grads(set_to_none=True)``.
     """
-
-    def __init__(self) -> None:
-        self._units: dict = {}
-        self._steps: dict = {}
-
-    def add(self, ops: tuple, u, g: torch.Tensor, state, update_runs: tuple, decay_runs: tuple,
-            fused: bool) -> None:
-        """Append unit ``u``'s slices to ``ops = (ps, gs, ms, vs, decay, flags)``; ``fused``:
-        for the fused kernel, which takes weight decay per slice, not per range."""
-        key = (update_runs, decay_runs, fused)
-        found = self._units.get(u.key)
-        # Another shards tree for the same spec has other buffers: never reuse its slices.
-        if found is None or found[0] != key or found[1] is not u.db.shard:
-            found = self._units[u.key] = (key, u.db.shard, self._make(
-                u, state, update_runs, decay_runs, fused))
-        (whole, cuts, ps, ms, vs, decay, flags) = found[2]
-        ops[0].extend(ps)
-        if whole:
-            ops[1].append(g)
-        else:  # one op cuts the whole shard (gaps included); keep the updated pieces
-            sizes, keep = cuts
-            pieces = g.split_with_sizes(sizes)
-            ops[1].extend(pieces[i] for i in keep)
-        ops[2].extend(ms)
-        ops[3].extend(vs)
-        ops[4].extend(decay)
-        ops[5].extend(flags)
-
-    @staticmethod
-    def _make(u, state, update_runs, decay_runs, fused) -> tuple:
-        p = u.db.shard
-        m, v = state.exp_avg[u.key].shard, state.exp_avg_sq[u.key].shard
-        every = runs(u.db, None)
-        partial_decay = decay_runs not in ((), every)
-        if update_runs == every and not (fused and partial_decay):
-            decay = [p[lo:hi] for lo, hi in decay_runs] if partial_decay else (
-                [p] if decay_runs else [])
-            return True, (), [p], [m], [v], decay, [bool(decay_runs)]
-        cut = segments(update_runs, decay_runs)
-        ps = [p[lo:hi] for lo, hi, _ in cut]
-        sizes, keep, end = [], [], 0
-        for lo, hi, _ in cut:
-            if lo > end:
-                sizes.append(lo - end)
-            keep.append(len(sizes))
-            sizes.append(hi - lo)
-            end = hi
-        if end < p.numel():
-            sizes.append(p.numel() - end)
-        return (False, (tuple(sizes), tuple(keep)), ps,
-                [m[lo:hi] for lo, hi, _ in cut], [v[lo:hi] for lo, hi, _ in cut],
-                [x for x, (_, _, d) in zip(ps, cut) if d], [d for _, _, d in cut])
+    p = u.db.shard
+    m, v = state.exp_avg[u.key].shard, state.exp_avg_sq[u.key].shard
+    every = runs(u.db, None)
+    partial_decay = decay_runs not in ((), every)
+    if update_runs == every and not (fused and partial_decay):
+        decay = [p[lo:hi] for lo, hi in decay_runs] if partial_decay else (
+            [p] if decay_runs else [])
+        return None, [p], [m], [v], decay, [bool(decay_runs)]
+    cut = segments(update_runs, decay_runs)
+    ps = [p[lo:hi] for lo, hi, _ in cut]
+    return (cuts_of([(lo, hi) for lo, hi, _ in cut], p.numel()), ps,
+            [m[lo:hi] for lo, hi, _ in cut], [v[lo:hi] for lo, hi, _ in cut],
+            [x for x, (_, _, d) in zip(ps, cut) if d], [d for _, _, d in cut])
 
 
 @dataclass
-class AdamWState:
+class AdamWState(CountedState):
     """The step counter (:func:`~vfsdp.optim.base.new_count`) and, per unit it updates, the
     moment DBuffers (the parameters' layout).
 
@@ -179,25 +134,12 @@ class AdamWState:
         [(0, [0.0, 0.0, 0.0, 0.0]), (0, [0.0, 0.0, 0.0, 0.0])]
     """
 
-    count: torch.Tensor
     exp_avg: dict
     exp_avg_sq: dict
     plan: AdamWPlan = field(default_factory=AdamWPlan, repr=False, compare=False)
-    slices: StepSlices = field(default_factory=StepSlices, repr=False, compare=False)
-    traced: Optional[TracedAdam] = field(default=None, repr=False, compare=False)
-
-    step = property(read_step, write_step, doc=read_step.__doc__)
-    sync_step = sync_step
-
-    def checkpoint_tree(self, spec: ShardSpec) -> dict:
-        """The step, and the moments of the tensors it updates, shaped like the parameters."""
-        keep = owned_views(self.plan)
-        return {"step": self.step, "exp_avg": param_tree(self.exp_avg, spec, keep),
-                "exp_avg_sq": param_tree(self.exp_avg_sq, spec, keep)}
-
-    def restore_checkpoint(self, tree: dict) -> AdamWState:
-        self.step = tree["step"]
-        return self
+    slices: dict = field(default_factory=dict, repr=False, compare=False)  # per unit: _slices
+    traced: Optional[list] = field(default=None, repr=False, compare=False)  # adam_views
+    saved: ClassVar[tuple] = ("exp_avg", "exp_avg_sq")
 
 
 def trainable_runs(u, plan, weight_decay_mask: Mask) -> tuple[tuple, tuple]:
@@ -211,11 +153,6 @@ def trainable_runs(u, plan, weight_decay_mask: Mask) -> tuple[tuple, tuple]:
     gone = {u.db.tensors[k].path for k in frozen}
     live = lambda path: path in owned and path not in gone
     return runs(u.db, live), runs(u.db, both(weight_decay_mask, live))
-
-
-def owned_views(plan) -> Callable:
-    """A ``param_tree`` leaf rule: tensor ``k``'s local view when ``plan.owns`` it."""
-    return lambda db, k: db.local(k) if plan.owns(db, k) else None
 
 
 def adamw(
@@ -266,11 +203,9 @@ def adamw(
     schedule = as_schedule(lr)
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> AdamWState:
-        same_at_ties(mask and (lambda p: selected(mask, p)), spec, "adamw.init", "mask")
-        same_at_ties(weight_decay_mask and (lambda p: selected(weight_decay_mask, p)), spec,
-                     "adamw.init", "weight_decay_mask")
-        units = unit_buffers(shards, spec, "adamw.init")
-        state = AdamWState(new_count(units[0].db.device if units else "cpu"), {}, {})
+        units, count = init_units(shards, spec, "adamw.init", mask=mask,
+                                  weight_decay_mask=weight_decay_mask)
+        state = AdamWState(count, {}, {})
         update_runs, decay_runs, paths = {}, {}, {}
         for u in units:
             chosen = tuple(t.path for t in u.db.tensors if selected(mask, t.path))
@@ -308,8 +243,19 @@ def adamw(
                 m = state.exp_avg[u.key].shard
                 g = flat_grads(leaves, u, "adamw.update", m.dtype)
                 on = use_fused(fused, m.device, {u.db.dtype, g.dtype, m.dtype})
+                key = (update_runs, decay_runs, on)
+                found = state.slices.get(u.key)
+                # Another shards tree for the same spec has other buffers: never reuse its slices.
+                if found is None or found[0] != key or found[1] is not u.db.shard:
+                    found = state.slices[u.key] = (key, u.db.shard, _slices(
+                        u, state, update_runs, decay_runs, on))
+                cuts, ps, ms, vs, decay, flags = found[2]
+                if cuts is not None:  # one op cuts the whole shard (gaps included)
+                    pieces = g.split_with_sizes(cuts[0])
+                    g = [pieces[i] for i in cuts[1]]
                 ops = groups.setdefault((m.device, u.db.dtype, on), ([], [], [], [], [], []))
-                state.slices.add(ops, u, g, state, update_runs, decay_runs, on)
+                for acc, xs in zip(ops, (ps, [g] if cuts is None else g, ms, vs, decay, flags)):
+                    acc.extend(xs)
             for (_, _, on), (ps, gs, ms, vs, decay, flags) in groups.items():
                 adamw_step(ps, gs, ms, vs, flags if on else decay, count=state.count, lr=rate,
                            betas=betas, eps=eps, weight_decay=weight_decay, fused=on)

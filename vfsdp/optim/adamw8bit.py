@@ -19,9 +19,10 @@ their real elements.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -31,43 +32,36 @@ from vfsdp.collectives.dbuffer import Role
 from vfsdp.collectives.piece import Piece, tensor_piece
 from vfsdp.functional.state import param_tree
 from vfsdp.functional.tiles import blockwise, tile_granularity, tile_range, tile_view, tiles_of
-from vfsdp.optim.adamw import owned_views
 from vfsdp.optim.base import (
+    CountedState,
     Mask,
     Optimizer,
+    OwnedPlan,
     Schedule,
     adamw_step,
     as_schedule,
     both,
     check_hyper,
+    cuts_of,
     decay_,
     flat_grads,
     frozen_of,
     grad_leaves,
+    init_units,
     learning_rate,
-    new_count,
-    read_step,
     runs,
-    same_at_ties,
     selected,
     step_scalars,
-    sync_step,
     unit_buffers,
-    write_step,
 )
 from vfsdp.optim.quant import SpanTiles, dynamic_map, midpoints, span_tiles, step8_flat
-from vfsdp.optim.traced import TracedAdam8, traced_adamw8bit
+from vfsdp.optim.traced import TracedAdam8, first_leaves, traced_adamw8bit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["adamw8bit", "AdamW8bitState", "AdamW8bitPlan", "Quantized", "MIN_8BIT_NUMEL"]
 
 MIN_8BIT_NUMEL = 4096
-
-
-def granularity_8bit(min_numel: int = MIN_8BIT_NUMEL) -> Callable:
-    """The blocks 8-bit AdamW needs: 32-row stripes of matrices, whole matrices of ragged stacks."""
-    return tile_granularity(min_numel)
 
 
 @dataclass(frozen=True)
@@ -86,7 +80,7 @@ class Quantized:
 
 
 @dataclass(frozen=True)
-class AdamW8bitPlan:
+class AdamW8bitPlan(OwnedPlan):
     """What ``init`` derives from the spec and the mask, per unit: the tensors it updates
     (``paths``), the quantized ones (``quantized``, by shard offset), those with fp32 moments
     (``fp32``: ``(k, lo, hi)``), the buffer indices that decay (``decays``) and their shard
@@ -104,16 +98,11 @@ class AdamW8bitPlan:
         [([(1, 32, 1056)], ((0, 0, 32),)), ([(1, 0, 1024)], ((0, 0, 0),))]
     """
 
-    paths: Mapping[Any, frozenset] = field(default_factory=dict)
     quantized: Mapping[Any, tuple] = field(default_factory=dict)
     fp32: Mapping[Any, tuple] = field(default_factory=dict)
     decays: Mapping[Any, frozenset] = field(default_factory=dict)
     decay_runs: Mapping[Any, tuple] = field(default_factory=dict)
     n_tiles: int = 0
-
-    def owns(self, db, k: int) -> bool:
-        """Whether the plan updates tensor ``k`` of ``db``'s unit."""
-        return db.tensors[k].path in self.paths.get(db.key, ())
 
 
 @dataclass(frozen=True)
@@ -136,7 +125,7 @@ class RankPass:
 
 
 @dataclass
-class AdamW8bitState:
+class AdamW8bitState(CountedState):
     """The step counter (``count``); uint8 codes per unit (DBuffers with the parameters'
     layout); per quantized tensor ``(unit, k)`` its tile scales (views of the rank's scales,
     ``rank_scales_m``/``_v``: every unit's tiles in shard order, then a spare one); per small
@@ -153,7 +142,6 @@ class AdamW8bitState:
         [(0, torch.uint8, (2056, 1024)), (0, torch.uint8, (2056, 1024))]
     """
 
-    count: torch.Tensor
     codes_m: dict
     codes_v: dict
     scales_m: dict = field(default_factory=dict)
@@ -165,26 +153,18 @@ class AdamW8bitState:
     passes: dict = field(default_factory=dict, repr=False, compare=False)
     plan: AdamW8bitPlan = field(default_factory=AdamW8bitPlan, repr=False, compare=False)
     traced: Optional[TracedAdam8] = field(default=None, repr=False, compare=False)
-
-    step = property(read_step, write_step, doc=read_step.__doc__)
-    sync_step = sync_step
+    saved: ClassVar[tuple] = ("codes_m", "codes_v")
 
     def state_bytes(self) -> tuple[int, int]:
         """``(bytes of 8-bit state incl. scales, elements it covers)`` on this rank."""
-        nbytes = elems = 0
-        for key, tensors in self.plan.quantized.items():
-            for t in tensors:
-                elems += t.hi - t.lo
-                nbytes += 2 * (t.hi - t.lo) + 4 * (self.scales_m[(key, t.k)].numel()
-                                                   + self.scales_v[(key, t.k)].numel())
-        return nbytes, elems
+        tensors = [t for q8 in self.plan.quantized.values() for t in q8]
+        elems = sum(t.hi - t.lo for t in tensors)
+        return 2 * elems + 8 * sum(t.n_tiles for t in tensors), elems  # codes; m and v scales
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
         """The step; the codes per element and the tile scales indexed by global tile (so
         another block placement reloads them bit for bit); the small tensors' fp32 moments."""
-        keep = owned_views(self.plan)
-        tree = {"step": self.step, "codes_m": param_tree(self.codes_m, spec, keep),
-                "codes_v": param_tree(self.codes_v, spec, keep)}
+        tree = super().checkpoint_tree(spec)
         for attr in ("m", "v"):
             scales, small = getattr(self, f"scales_{attr}"), getattr(self, f"fp32_{attr}")
 
@@ -202,7 +182,8 @@ class AdamW8bitState:
                                  (st is None or st.writes))
                 # Tiles of this index's piece: row ``index`` of (model axis, most tiles); it
                 # reloads at the same model-axis degree only (tiles of other pieces differ).
-                most = max(tile_range(_piece_shape(st, i), 0)[1] for i in range(st.size))
+                most = max(tile_range(replace(st, index=i).local_shape, 0)[1]
+                           for i in range(st.size))
                 return Piece(found, (st.size, most), first, writer=writer,
                              within=((st.index, 0), (1, most)))
 
@@ -216,22 +197,11 @@ class AdamW8bitState:
             tree[f"fp32_{attr}"] = param_tree(self.codes_m, spec, small_piece)
         return tree
 
-    def restore_checkpoint(self, tree: dict) -> AdamW8bitState:
-        self.step = tree["step"]
-        return self
-
-
-def _piece_shape(st: Any, index: int) -> tuple:
-    """Shape of index ``index``'s piece of a model-axis split."""
-    shape = list(st.global_shape)
-    shape[st.dim] = st.lengths[index]
-    return tuple(shape)
-
 
 def _rank_pass(state: AdamW8bitState, units: list) -> RankPass:
     """The :class:`RankPass` of ``units`` (``(unit, frozen buffer indices)`` in order)."""
     plan, ps, cms, cvs, pieces, live = state.plan, [], [], [], [], set()
-    decay, small, cuts, keep, base, end = [], ([], [], []), [], [], 0, 0
+    decay, small, ranges, base = [], ([], [], []), [], 0
     for u, frozen in units:
         p = u.db.shard
         ps.append(p)
@@ -248,24 +218,19 @@ def _rank_pass(state: AdamW8bitState, units: list) -> RankPass:
         decay += [p[lo:hi] for lo, hi in runs(u.db, lambda path, d=decaying: path in d)]
         for k, lo, hi in plan.fp32[u.key]:
             if k not in frozen and hi > lo:
-                if base + lo > end:
-                    cuts.append(base + lo - end)
-                keep.append(len(cuts))
-                cuts.append(hi - lo)
-                end = base + hi
+                ranges.append((base + lo, base + hi))
                 for acc, x in zip(small, (p[lo:hi], state.fp32_m[(u.key, k)],
                                           state.fp32_v[(u.key, k)])):
                     acc.append(x)
         base += p.numel()
-    if base > end:
-        cuts.append(base - end)
+    cuts, keep = cuts_of(ranges, base)
     tiles = None
     if live:  # the scales of the tiles not trained now stay (other units', frozen tensors')
         still = tuple((t.t0, t.n_tiles) for key, ts in plan.quantized.items() for t in ts
                       if (key, t.k) not in live and t.n_tiles)
         tiles = span_tiles(pieces, plan.n_tiles, ps[0].device, still)
     return RankPass(tuple(ps), tuple(cms), tuple(cvs), tuple(x.numel() for x in ps),
-                    tiles, tuple(decay), tuple(map(tuple, small)), tuple(cuts), tuple(keep))
+                    tiles, tuple(decay), tuple(map(tuple, small)), cuts, tuple(keep))
 
 
 def adamw8bit(
@@ -320,30 +285,22 @@ def adamw8bit(
     check_hyper("adamw8bit", lr, weight_decay, betas=betas, eps=eps)
     b1, b2 = betas
     schedule = as_schedule(lr)
-    maps: dict = {}
-    kernels: dict = {}
 
+    @functools.cache
     def qmaps(device) -> tuple:
         """Code maps and their midpoints, made once per device (on the parameters')."""
-        found = maps.get(device)
-        if found is None:
-            qm, qv = dynamic_map(True, device), dynamic_map(False, device)
-            found = maps[device] = (qm, qv, midpoints(qm), midpoints(qv))
-        return found
+        qm, qv = dynamic_map(True, device), dynamic_map(False, device)
+        return qm, qv, midpoints(qm), midpoints(qv)
 
-    def kernel(device) -> Callable:
-        found = kernels.get(device.type)
-        if found is None:
-            on = compile if compile is not None else device.type == "cuda"
-            found = kernels[device.type] = compiled_step8() if on else step8_flat
-        return found
+    @functools.cache
+    def kernel(device_type: str) -> Callable:
+        on = compile if compile is not None else device_type == "cuda"
+        return compiled_step8() if on else step8_flat
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> AdamW8bitState:
-        same_at_ties(mask and (lambda p: selected(mask, p)), spec, "adamw8bit.init", "mask")
-        same_at_ties(weight_decay_mask and (lambda p: selected(weight_decay_mask, p)), spec,
-                     "adamw8bit.init", "weight_decay_mask")
-        units = unit_buffers(shards, spec, "adamw8bit.init")
-        state = AdamW8bitState(new_count(units[0].db.device if units else "cpu"), {}, {})
+        units, count = init_units(shards, spec, "adamw8bit.init", mask=mask,
+                                  weight_decay_mask=weight_decay_mask)
+        state = AdamW8bitState(count, {}, {})
         paths, quantized, fp32, decay, decay_runs, t0 = {}, {}, {}, {}, {}, 0
         for u in units:
             db = u.db
@@ -364,10 +321,8 @@ def adamw8bit(
                 start, stop = t.local_range(db.rank)
                 if not blockwise(tuple(t.shape), min_8bit_numel):
                     f32.append((k, lo, hi))
-                    state.fp32_m[(u.key, k)] = torch.zeros(hi - lo, dtype=torch.float32,
-                                                          device=db.device)
-                    state.fp32_v[(u.key, k)] = torch.zeros(hi - lo, dtype=torch.float32,
-                                                          device=db.device)
+                    state.fp32_m[(u.key, k)], state.fp32_v[(u.key, k)] = (
+                        torch.zeros(hi - lo, dtype=torch.float32, device=db.device) for _ in "mv")
                     continue
                 shape = tuple(t.shape)
                 try:
@@ -381,7 +336,7 @@ def adamw8bit(
                 q8.append(Quantized(k, lo, hi, view, tiles_of(view)))
             q8.sort(key=lambda t: t.lo)
             for i, t in enumerate(q8):  # every unit's tiles, in shard order, then the spare
-                q8[i] = Quantized(t.k, t.lo, t.hi, t.view, t.n_tiles, t0)
+                q8[i] = replace(t, t0=t0)
                 t0 += t.n_tiles
             paths[u.key], quantized[u.key], fp32[u.key] = chosen, tuple(q8), tuple(f32)
         for attr in ("m", "v"):
@@ -392,21 +347,18 @@ def adamw8bit(
                 for t in q8:
                     getattr(state, f"scales_{attr}")[(key, t.k)] = whole[t.t0:t.t0 + t.n_tiles]
         state.plan = AdamW8bitPlan(paths, quantized, fp32, decay, decay_runs, t0)
-        state.traced = _traced_views(shards, spec, state)
+        state.traced = _traced_views(units, state)
         return state
 
-    def _traced_views(shards: Any, spec: ShardSpec, state: AdamW8bitState) -> Any:
+    def _traced_views(units: list, state: AdamW8bitState) -> Any:
         """What a compiled update reads (vfsdp.optim.traced): views made now, eagerly."""
-        units = unit_buffers(shards, spec, "adamw8bit.init")
         if not units:
             return None
         q, small = [], []
         for u in units:
             if u.key not in state.codes_m:
                 continue
-            first = {}
-            for i, k in u.leaves:
-                first.setdefault(k, i)
+            first = first_leaves(u)
             decays = state.plan.decays[u.key]
             cm, cv = state.codes_m[u.key], state.codes_v[u.key]
             q += [(first[t.k], t, t.k in decays, cm.local(t.k).view(-1), cv.local(t.k).view(-1))
@@ -448,7 +400,7 @@ def adamw8bit(
             if run.tiles is not None:  # one 8-bit pass over every unit of the rank
                 p, cm, cv = _cat(run.ps), _cat(run.cms), _cat(run.cvs)
                 qm, qv, mm, mv = qmaps(p.device)
-                kernel(p.device)(p, g, cm, cv, state.rank_scales_m, state.rank_scales_v,
+                kernel(p.device.type)(p, g, cm, cv, state.rank_scales_m, state.rank_scales_v,
                                  run.tiles, qm, qv, mm, mv, b1, b2, eps, rate, *scalars)
                 if len(run.ps) > 1:  # back into the units' buffers
                     for dst, src in ((run.ps, p), (run.cms, cm), (run.cvs, cv)):
@@ -461,31 +413,27 @@ def adamw8bit(
                            fused=False, scalars=scalars)
         return state
 
-    return Optimizer(init, update, granularity_8bit(min_8bit_numel), local_state=True)
+    return Optimizer(init, update, tile_granularity(min_8bit_numel), local_state=True)
 
 
 def compiled_step8() -> Callable:
     """:func:`~vfsdp.optim.quant.step8_flat` through ``torch.compile``: one graph for every
-    unit and every step (the span's table and sizes go in as arguments, the step's two scalars
-    as one float32 tensor, made once per update); where compiling fails, a warning says why and the
-    eager pass runs instead."""
+    step (the span's table and sizes go in as arguments, the step's three scalars as one
+    float32 tensor); where compiling fails, a warning says why and the eager pass runs
+    instead."""
     fn = torch.compile(_unpacked, dynamic=True)
-    state: dict = {"failed": False, "key": (), "scalars": None}
+    failed: list = []
 
     def run(*args) -> None:
-        if not state["failed"]:
-            key = args[-3:]  # this step's lr and bias corrections, kept while cached
-            if len(state["key"]) != 3 or any(a is not b for a, b in zip(key, state["key"])):
-                state["key"] = key  # a new step: one small tensor for all of its units
-                state["scalars"] = torch.stack([torch.as_tensor(x, dtype=torch.float64,
-                                                                device=args[0].device)
-                                                for x in key]).float()
+        if not failed:
             t = args[6]
+            scalars = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=args[0].device)
+                                   for x in args[-3:]]).float()
             try:
                 return fn(*args[:6], t.table, t.chunks, t.numel, t.n_tiles, t.keep,
-                          *args[7:-3], state["scalars"])
+                          *args[7:-3], scalars)
             except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back
-                state["failed"] = True
+                failed.append(exc)
                 warn_user(f"adamw8bit: torch.compile of the 8-bit step failed "
                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); running "
                           f"the eager ops (same result, more kernels). Pass compile=False to "

@@ -56,18 +56,21 @@ Two kernels, chosen by :func:`use_fused`:
 
 from __future__ import annotations
 
+import bisect
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Union
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple, Optional, Union
 
 import optree
 import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp._warnings import warn_user
-from vfsdp.collectives.dbuffer import View, slot_of
+from vfsdp.collectives.dbuffer import DBuffer, View, slot_of
 from vfsdp.functional.gather import gradient_leaves
+from vfsdp.functional.state import param_tree
 from vfsdp.functional.tree import UnitLeaves, match_tree, units_of
 from vfsdp.optim.schedules import constant
 from vfsdp.planner.granularity import format_path
@@ -77,7 +80,8 @@ __all__ = ["Optimizer", "gradient_transform", "TransformState", "Schedule", "Mas
            "unit_buffers", "grad_leaves", "state_dtype", "check_hyper", "flat_grads", "UnitTensors",
            "init_masked", "both", "selected", "state_tensors", "runs", "frozen_of", "read_step",
            "write_step", "sync_step", "TEMP_ELEMS", "adamw_step", "use_fused", "batches", "scale_",
-           "new_count", "learning_rate", "step_scalars", "decay_", "adam_"]
+           "new_count", "learning_rate", "step_scalars", "decay_", "adam_", "OwnedPlan",
+           "CountedState", "init_units", "cuts_of"]
 
 
 TEMP_ELEMS = 1 << 25
@@ -144,12 +148,10 @@ def scale_(tensors: list, factor: float) -> None:
     by_dtype: dict = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype, ts in by_dtype.items():
-        if dtype in (torch.float32, torch.float64) or isinstance(factor, torch.Tensor):
-            tp.foreach("mul_", ts, scalar=factor)  # a tensor factor: the moments' dtype
-        else:
-            tp.foreach("mul_", ts, scalar=torch.tensor(factor, dtype=torch.float32,
-                                                       device=ts[0].device))
+    for dtype, ts in by_dtype.items():  # a tensor factor: the moments' dtype
+        wide = dtype in (torch.float32, torch.float64) or isinstance(factor, torch.Tensor)
+        tp.foreach("mul_", ts, scalar=factor if wide else torch.tensor(
+            factor, dtype=torch.float32, device=ts[0].device))
 
 
 def new_count(device: Any) -> torch.Tensor:
@@ -549,15 +551,12 @@ def runs(db: Any, mask: Mask) -> tuple[tuple[int, int], ...]:
     """
     out: list = []
     for t in db.tensors:
-        if not selected(mask, t.path):
-            continue
         lo, hi = t.shard_range(db.rank)
-        if hi <= lo:
-            continue
-        if out and out[-1][1] == lo:
-            out[-1] = (out[-1][0], hi)
-        else:
-            out.append((lo, hi))
+        if hi > lo and selected(mask, t.path):
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], hi)
+            else:
+                out.append((lo, hi))
     return tuple(out)
 
 
@@ -624,6 +623,69 @@ def sync_step(state: Any) -> int:
     return state.step
 
 
+@dataclass(frozen=True)
+class OwnedPlan:
+    """The base of what an optimizer's ``init`` derives from the spec and the mask (never
+    saved; ``init`` rebuilds it under any plan): per unit key, the paths of the tensors it
+    updates."""
+
+    paths: Mapping[Any, frozenset] = field(default_factory=dict)
+
+    def owns(self, db: Any, k: int) -> bool:
+        """Whether the plan updates tensor ``k`` of ``db``'s unit."""
+        return db.tensors[k].path in self.paths.get(db.key, ())
+
+    def local(self, db: Any, k: int) -> Any:
+        """A ``param_tree`` leaf rule: tensor ``k``'s local view when the plan owns it."""
+        return db.local(k) if self.owns(db, k) else None
+
+
+@dataclass
+class CountedState:
+    """The base of an optimizer state: the step counter (``count``, :func:`new_count`;
+    ``step`` reads and sets it), the plan (an :class:`OwnedPlan`), and a checkpoint of the
+    step and of the per-unit DBuffers named in ``saved``, shaped like the parameters (the
+    tensors the plan updates)."""
+
+    count: torch.Tensor
+    saved: ClassVar[tuple] = ()
+
+    step = property(read_step, write_step, doc=read_step.__doc__)
+    sync_step = sync_step
+
+    def checkpoint_tree(self, spec: ShardSpec) -> dict:
+        """The step, and the state of the tensors it updates, shaped like the parameters."""
+        return {"step": self.step, **{name: param_tree(getattr(self, name), spec, self.plan.local)
+                                      for name in self.saved}}
+
+    def restore_checkpoint(self, tree: dict) -> Any:
+        self.step = tree["step"]
+        return self
+
+
+def init_units(shards: Any, spec: ShardSpec, what: str, **masks: Mask) -> tuple[list, torch.Tensor]:
+    """``(units, count)``: :func:`unit_buffers` and a new step counter on their device, for an
+    optimizer's ``init``, after refusing ``masks`` (by name) that differ between a tied
+    tensor's places (:func:`same_at_ties`)."""
+    for name, mask in masks.items():
+        same_at_ties(mask and (lambda p, mask=mask: selected(mask, p)), spec, what, name)
+    units = unit_buffers(shards, spec, what)
+    return units, new_count(units[0].db.device if units else "cpu")
+
+
+def cuts_of(ranges: list, total: int) -> tuple[tuple, list]:
+    """``(sizes, index)``: the cuts of ``[0, total)`` at every boundary of ``ranges`` (disjoint
+    ``(lo, hi)``), and the cut each range is (one ``split_with_sizes`` takes them all).
+
+    Example:
+        >>> cuts_of([(4, 6), (0, 2)], 8)
+        ((2, 2, 2, 2), [2, 0])
+    """
+    edges = sorted({0, total, *(x for r in ranges for x in r)})
+    sizes = tuple(b - a for a, b in itertools.pairwise(edges))
+    return sizes, [bisect.bisect_left(edges, lo) for lo, _ in ranges]
+
+
 def unit_buffers(shards: Any, spec: ShardSpec, what: str) -> list[UnitTensors]:
     """Every unit of ``shards``: its :class:`~vfsdp.collectives.Unit`, parameter DBuffer
     (``.db``) and leaves (``.leaves``: ``(leaf index, buffer index)`` pairs).
@@ -666,30 +728,26 @@ def flat_grads(leaves: list, unit: UnitTensors, what: str,
     Raises:
         ValueError: a gradient piece of the wrong size (naming the path).
     """
-    flat = _flat_grads(leaves, unit, what)
-    return flat if dtype is None or flat.dtype == dtype else flat.to(dtype)
-
-
-def _flat_grads(leaves: list, unit: UnitTensors, what: str) -> torch.Tensor:
     gdb = unit.unit.grads() if unit.unit.has_grads else None
     if gdb is not None and all(_is_view(leaves[i], gdb, k) for i, k in unit.leaves):
-        return gdb.shard
-    db = unit.db
-    flat = torch.zeros_like(db.shard)
-    for i, k in unit.leaves:
-        g = leaves[i]
-        if g is None:
-            continue
-        slot = slot_of(g)
-        if slot is not None:
-            slot.buffer.wait()
-        t = db.tensors[k]
-        lo, hi = t.shard_range(db.rank)
-        if g.numel() != hi - lo:
-            raise ValueError(f"{what}: gradient of {format_path(t.path)} has {g.numel()} "
-                             f"elements, this rank's shard has {hi - lo}")
-        flat[lo:hi].copy_(g.reshape(-1))
-    return flat
+        flat = gdb.shard
+    else:
+        db = unit.db
+        flat = torch.zeros_like(db.shard)
+        for i, k in unit.leaves:
+            g = leaves[i]
+            if g is None:
+                continue
+            slot = slot_of(g)
+            if slot is not None:
+                slot.buffer.wait()
+            t = db.tensors[k]
+            lo, hi = t.shard_range(db.rank)
+            if g.numel() != hi - lo:
+                raise ValueError(f"{what}: gradient of {format_path(t.path)} has {g.numel()} "
+                                 f"elements, this rank's shard has {hi - lo}")
+            flat[lo:hi].copy_(g.reshape(-1))
+    return flat if dtype is None or flat.dtype == dtype else flat.to(dtype)
 
 
 def _is_view(g: Any, gdb, k: int) -> bool:
@@ -723,8 +781,6 @@ def state_tensors(state: Any) -> list:
         >>> vfsdp.testing.simulate(2, body)[0]      # two moments of 4 floats, the step count
         36
     """
-    from vfsdp.collectives.dbuffer import DBuffer
-
     out, todo, visited = [], [state], set()
     while todo:
         x = todo.pop()

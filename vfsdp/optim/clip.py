@@ -14,6 +14,7 @@ from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.dbuffer import Role, View, slot_of
 from vfsdp.functional.gather import gradient_leaves
 from vfsdp.optim.base import Mask, selected
+from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["clip_grad_norm", "global_norm", "check_max_norm", "local_squares", "scale_by_norm"]
@@ -128,17 +129,9 @@ def _norm(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask, what: str) -> tu
 def _counted(leaves: list, spec: ShardSpec, mask: Mask) -> list:
     """The pieces this rank counts in a norm of a ``tp=`` plan off model index 0: those of
     tensors split over the model axis (a replicated tensor is counted by index 0 only)."""
-    out, seen = [], set()
-    tensors = spec.leaves()
-    for members in spec.unit_leaves().values():
-        for i, k in members:
-            t = tensors[i]
-            if (t.unit, k) in seen or not selected(mask, t.path) or t.strided.dim is None:
-                continue
-            seen.add((t.unit, k))
-            if isinstance(leaves[i], torch.Tensor) and leaves[i].numel():
-                out.append(leaves[i])
-    return out
+    tensors, counted = local_plan(spec)[3:]
+    return [leaves[i] for (i, path), c in zip(tensors, counted) if c and selected(mask, path)
+            and isinstance(leaves[i], torch.Tensor) and leaves[i].numel()]
 
 
 def local_squares(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask,

@@ -54,7 +54,8 @@ class GradTree(NamedTuple):
     replicated: Any = None
 
 
-def _squares(trees: Sequence[GradTree], what: str) -> tuple[torch.Tensor, list]:
+def _norm(trees: Sequence[GradTree], group: Any, what: str) -> tuple[torch.Tensor, list]:
+    """``(the joint norm over group, (whole, loose) of each tree)``."""
     if not trees:
         raise ValueError(f"{what}: give at least one GradTree")
     total, parts = None, []
@@ -72,7 +73,8 @@ def _squares(trees: Sequence[GradTree], what: str) -> tuple[torch.Tensor, list]:
         sq = sq if counted else torch.zeros_like(sq)
         total = sq if total is None else total + sq.to(total.device)
         parts.append((whole, loose))
-    return total, parts
+    comm.all_reduce_(total, "sum", group)
+    return total.sqrt(), parts
 
 
 def global_norm_of(trees: Sequence[GradTree], *, group: Optional[Any] = None) -> torch.Tensor:
@@ -105,9 +107,7 @@ def global_norm_of(trees: Sequence[GradTree], *, group: Optional[Any] = None) ->
         >>> round(vfsdp.testing.simulate(4, body)[0] ** 2, 4)      # 4 dense + 2 x 2 expert
         8.0
     """
-    total, _ = _squares(trees, "vfsdp.optim.global_norm_of")
-    comm.all_reduce_(total, "sum", group)
-    return total.sqrt()
+    return _norm(trees, group, "vfsdp.optim.global_norm_of")[0]
 
 
 def clip_grad_norm_of(trees: Sequence[GradTree], max_norm: float, *,
@@ -143,9 +143,7 @@ def clip_grad_norm_of(trees: Sequence[GradTree], max_norm: float, *,
         (2.6458, 1.0)
     """
     check_max_norm(max_norm)
-    total, parts = _squares(trees, "vfsdp.optim.clip_grad_norm_of")
-    comm.all_reduce_(total, "sum", group)
-    norm = total.sqrt()
+    norm, parts = _norm(trees, group, "vfsdp.optim.clip_grad_norm_of")
     for whole, loose in parts:
         scale_by_norm(whole, loose, norm, max_norm, eps)
     return norm

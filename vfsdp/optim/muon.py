@@ -34,22 +34,23 @@ comes from the mesh the shards were made on (``vfsdp.shard(params, spec, mesh=me
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives import comm
 from vfsdp.collectives.dbuffer import Role
-from vfsdp.functional.state import param_tree
-from vfsdp.optim.adamw import owned_views
 from vfsdp.optim.base import (
+    CountedState,
     Mask,
     Optimizer,
+    OwnedPlan,
     Schedule,
     as_schedule,
     check_hyper,
@@ -57,21 +58,17 @@ from vfsdp.optim.base import (
     flat_grads,
     frozen_of,
     grad_leaves,
+    init_units,
     learning_rate,
-    new_count,
-    read_step,
     selected,
     state_dtype,
     unit_buffers,
-    write_step,
 )
-from vfsdp.optim.muon_waves import cuts_of, group_matrices, plan_waves
+from vfsdp.optim.muon_waves import cuts_of, group_matrices, held_ranges, plan_waves
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["muon", "plan_roots", "newton_schulz", "MuonState", "MuonPlan", "Matrix", "NS_CALLS"]
-
-NS_CALLS = threading.local()  # .count: Newton-Schulz calls on this thread (rank), for tests
+__all__ = ["muon", "plan_roots", "newton_schulz", "MuonState", "MuonPlan", "Matrix"]
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -79,7 +76,6 @@ def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     shape, each on its own) with the quintic Newton-Schulz iteration (in bf16), as Muon does;
     the result is float32 (float64 for a float64 ``g``). Each matrix of a stack comes out
     bitwise as it would alone (tested on the CPU)."""
-    NS_CALLS.count = getattr(NS_CALLS, "count", 0) + (g.shape[0] if g.dim() == 3 else 1)
     a, b, c = 3.4445, -4.7750, 2.0315
     x = g.bfloat16()
     tall = x.shape[-2] > x.shape[-1]
@@ -103,10 +99,7 @@ def plan_roots(tensors: list[TensorSpec], world_size: int) -> list[int]:
     split = any(t.strided is not None for t in tensors)  # the same roots on every model index
     for i in order:
         t = tensors[i]
-        held = [0] * world_size
-        for r in t.ranks() if not split else ():
-            lo, hi = t.local_range(r)
-            held[r] = hi - lo
+        held = [0 if split else hi - lo for lo, hi in held_ranges(t, world_size)]
         r = min(range(world_size), key=lambda q: (load[q], -held[q], q))
         roots[i] = r
         load[r] += _cost(t)
@@ -129,11 +122,7 @@ def _whole(stack: torch.Tensor, m: Matrix, model: Any) -> torch.Tensor:
     axis: one all-gather over it, padded to the largest index's share."""
     st = m.spec.strided
     b = stack.shape[0]
-    shapes = []
-    for i in range(st.size):
-        shape = list(st.global_shape)
-        shape[st.dim] = st.lengths[i]
-        shapes.append(shape)
+    shapes = [replace(st, index=i).local_shape for i in range(st.size)]
     widths = [b * math.prod(sh) for sh in shapes]
     width = max(widths)
     send = torch.zeros(width, dtype=stack.dtype, device=stack.device)
@@ -158,7 +147,7 @@ class Matrix:
 
 
 @dataclass(frozen=True)
-class MuonPlan:
+class MuonPlan(OwnedPlan):
     """What ``init`` derives from the spec and the mask: the matrices, their roots, the waves
     with their exchange plans (:mod:`vfsdp.optim.muon_waves`), the units they live in (the
     workspace's layout) and its cuts. Never saved; rebuilt by ``init``.
@@ -175,18 +164,13 @@ class MuonPlan:
 
     matrices: tuple = ()
     waves: tuple = ()
-    paths: Mapping[Any, frozenset] = field(default_factory=dict)
     dtype: torch.dtype = torch.float32  # momentum and exchange dtype (float64 for float64)
     units: tuple = ()  # (key, shard elements) of the units in the workspace, in its order
     cuts: tuple = ()   # sizes cutting the workspace at every piece a wave sends
 
-    def owns(self, db, k: int) -> bool:
-        """Whether the plan updates tensor ``k`` of ``db``'s unit."""
-        return db.tensors[k].path in self.paths.get(db.key, ())
-
 
 @dataclass
-class MuonState:
+class MuonState(CountedState):
     """The step counter (``count``) and, per unit holding matrices it updates, the momentum
     DBuffer (float32, or float64 for float64 parameters).
 
@@ -200,12 +184,10 @@ class MuonState:
         [(0, torch.Size([8])), (0, torch.Size([8]))]
     """
 
-    count: torch.Tensor
     momentum: dict
     plan: MuonPlan = field(default_factory=MuonPlan, repr=False, compare=False)
     kept: dict = field(default_factory=dict, repr=False, compare=False)
-
-    step = property(read_step, write_step, doc=read_step.__doc__)
+    saved: ClassVar[tuple] = ("momentum",)
 
     def views(self, units: dict, targets: list) -> list:
         """The parameter shard slices an update adds into (``targets``: ``(matrix, lo, hi)``
@@ -217,15 +199,6 @@ class MuonState:
             found = self.kept[key] = (shards, [shards[m.key][m.lo + lo:m.lo + hi]
                                                for m, lo, hi in targets])
         return found[1]
-
-    def checkpoint_tree(self, spec: ShardSpec) -> dict:
-        """The step, and the momentum of the matrices it updates, shaped like the parameters."""
-        return {"step": self.step,
-                "momentum": param_tree(self.momentum, spec, owned_views(self.plan))}
-
-    def restore_checkpoint(self, tree: dict) -> MuonState:
-        self.step = tree["step"]
-        return self
 
 
 def muon(
@@ -302,16 +275,15 @@ def muon(
                                      f"or partition label) but is {why}, so nothing would "
                                      f"update it; label it for another optimizer (e.g. "
                                      f"adamw)")
-        units = unit_buffers(shards, spec, "muon.init")
-        state = MuonState(new_count(units[0].db.device if units else "cpu"), {})
+        units, count = init_units(shards, spec, "muon.init", mask=mask)
+        state = MuonState(count, {})
         found: list[tuple] = []
         paths: dict = {}
         # One dtype for every matrix (the exchanges carry many units at once): float32, or
         # float64 where a unit's parameters are (the same on every rank: units are).
-        dtype = torch.float32
-        for u in units:
-            if any(owns(t) for t in u.db.tensors):
-                dtype = torch.promote_types(dtype, state_dtype(u.db.dtype))
+        dtype = functools.reduce(torch.promote_types, [state_dtype(u.db.dtype) for u in units
+                                                       if any(map(owns, u.db.tensors))],
+                                 torch.float32)
         for u in units:
             mine = [(k, t) for k, t in enumerate(u.db.tensors) if owns(t)]
             if not mine:
@@ -330,19 +302,16 @@ def muon(
                              f"axis' group: shard with vfsdp.shard(params, spec, mesh=mesh) on "
                              f"the mesh with {axis!r}, not its data sub-mesh")
         rank = units[0].db.rank if units else 0
-        layout, base, at = [], {}, 0  # the workspace: the units' shards end to end
-        for u in units:
-            if u.key in state.momentum:
-                layout.append((u.key, u.db.shard.numel()))
-                base[u.key] = at
-                at += u.db.shard.numel()
+        # The workspace: the units' shards end to end.
+        layout = tuple((u.key, u.db.shard.numel()) for u in units if u.key in state.momentum)
+        base = itertools.accumulate((n for _, n in layout), initial=0)
         waves, sends = plan_waves(group_matrices(matrices, wave_size, _shape), rank,
-                                  spec.world_size, base)
-        cuts, index = cuts_of([r for wave in sends for r in wave], at)
+                                  spec.world_size, dict(zip((k for k, _ in layout), base)))
+        cuts, index = cuts_of([r for wave in sends for r in wave], sum(n for _, n in layout))
         picked = iter(index)
         waves = tuple(replace(w, send=tuple(next(picked) for _ in wave))
                       for w, wave in zip(waves, sends))
-        state.plan = MuonPlan(matrices, waves, paths, dtype, tuple(layout), cuts)
+        state.plan = MuonPlan(paths, matrices, waves, dtype, layout, cuts)
         return state
 
     def update(grads: Any, state: MuonState, shards: Any, spec: ShardSpec) -> MuonState:

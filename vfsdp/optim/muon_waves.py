@@ -20,14 +20,15 @@ lists), turned into these cuts and orders.
 
 from __future__ import annotations
 
-import bisect
 import itertools
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 from vfsdp.collectives.redistribute import Redistribution
+from vfsdp.optim.base import cuts_of
 
-__all__ = ["Wave", "plan_waves", "cuts_of", "group_matrices"]
+__all__ = ["Wave", "plan_waves", "cuts_of", "group_matrices", "held_ranges"]
 
 
 @dataclass(frozen=True)
@@ -63,21 +64,13 @@ class Wave:
     targets: tuple
 
 
-def cuts_of(ranges: list, total: int) -> tuple[tuple, list]:
-    """``(sizes, index)``: the cuts of ``[0, total)`` at every boundary of ``ranges`` (disjoint
-    ``(lo, hi)``), and the cut each range is.
+def held_ranges(t: Any, world: int) -> list:
+    """Each rank's flat range of ``t`` (``local_range``), read only on the ranks it spans.
 
     Example:
-        >>> cuts_of([(4, 6), (0, 2)], 8)
-        ((2, 2, 2, 2), [2, 0])
+        >>> held_ranges(vfsdp.plan({"w": torch.ones(3, 2)}, 2).tree["w"], 3)
+        [(0, 4), (4, 6), (0, 0)]
     """
-    edges = sorted({0, total, *(x for r in ranges for x in r)})
-    sizes = tuple(b - a for a, b in itertools.pairwise(edges))
-    return sizes, [bisect.bisect_left(edges, lo) for lo, _ in ranges]
-
-
-def _held(t: Any, world: int) -> list:
-    """Each rank's flat range of ``t`` (``local_range``), read only on the ranks it spans."""
     out = [(0, 0)] * world
     for r in t.ranks():
         out[r] = t.local_range(r)
@@ -90,17 +83,14 @@ def plan_waves(groups: list, rank: int, world: int, base: dict) -> tuple[tuple, 
     workspace), for :func:`cuts_of`."""
     waves, sends = [], []
     for mats in groups:
-        held = [_held(m.spec, world) for m in mats]
+        held = [held_ranges(m.spec, world) for m in mats]
         at_root = [[(0, m.spec.numel) if r == m.root else (0, 0) for r in range(world)]
                    for m in mats]
         to_roots = Redistribution(held, at_root, rank, world)
         from_roots = Redistribution(at_root, held, rank, world)
         stacked = tuple(j for j, m in enumerate(mats) if m.root == rank)
-        first = {}
-        at = 0
-        for j in stacked:
-            first[j] = at
-            at += mats[j].spec.numel
+        sizes = [mats[j].spec.numel for j in stacked]
+        first, at = dict(zip(stacked, itertools.accumulate(sizes, initial=0))), sum(sizes)
         sends.append([(base[mats[i].key] + mats[i].lo + lo, base[mats[i].key] + mats[i].lo + hi)
                       for i, lo, hi in to_roots.send])
         pieces = tuple(hi - lo for _, lo, hi in to_roots.recv)
@@ -127,13 +117,9 @@ def group_matrices(matrices: tuple, wave_size: int, key: Any) -> list:
         [[0, 1, 4], [3], [2]]
     """
     out: dict = {}
-    counts: dict = {}
+    counts: Counter = Counter()
     for m in matrices:
         k = key(m)
-        waves = out.setdefault(k, [])
-        index = counts.get((k, m.root), 0) // wave_size
-        counts[(k, m.root)] = counts.get((k, m.root), 0) + 1
-        while len(waves) <= index:
-            waves.append([])
-        waves[index].append(m)
-    return [w for waves in out.values() for w in waves]
+        out.setdefault(k, defaultdict(list))[counts[k, m.root] // wave_size].append(m)
+        counts[k, m.root] += 1
+    return [w for waves in out.values() for _, w in sorted(waves.items())]

@@ -47,7 +47,6 @@ values between steps, which the device shards alone cannot.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -132,17 +131,10 @@ class OffloadState:
     def host_bytes(self) -> int:
         """Bytes of host memory the masters, gradient copies and the wrapped optimizer's
         state (every tensor of it: moments, scales, its step count) hold on this rank."""
-        seen, total = set(), 0
-        for hu in self.units:
-            for db in hu.host.buffers():
-                total += db.shard.untyped_storage().nbytes()
-                seen.add(db.shard.untyped_storage().data_ptr())
-        for x in state_tensors(self.inner):
-            s = x.untyped_storage()
-            if s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                total += s.nbytes()
-        return total
+        tensors = [db.shard for hu in self.units for db in hu.host.buffers()]
+        storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()
+                    for x in tensors + state_tensors(self.inner)}
+        return sum(storages.values())
 
     def wait(self) -> None:
         """Wait until the last copy to the device has read the masters (before the host
@@ -205,8 +197,7 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
                         f"{master_dtype!r}")
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> OffloadState:
-        what = "offload.init"
-        units = unit_buffers(shards, spec, what)
+        units = unit_buffers(shards, spec, "offload.init")
         host_leaves: list = [None] * spec.treespec.num_leaves
         grad_leaves_: list = [None] * spec.treespec.num_leaves
         made = []
@@ -214,24 +205,21 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         stream = torch.cuda.Stream(units[0].db.device) if on_gpu else None
         with torch.no_grad():
             for u in units:
-                groups = host_groups(u.unit.groups)
-                host = Unit(u.unit.layout, groups, master_dtype or state_dtype(u.db.dtype))
+                host = Unit(u.unit.layout, host_groups(u.unit.groups),
+                            master_dtype or state_dtype(u.db.dtype))
                 gdb = host.grads()
                 if on_gpu:
                     host.params.pin_shard()
                     gdb.pin_shard()
                 chosen = runs(u.db, mask)
-                mirror = None
-                if chosen:  # the newest state's mirror: an older state copies for itself
-                    mirror = HostMirror(gdb.shard, stream)
+                # The newest state's mirror: an older state copies for itself.
+                mirror = HostMirror(gdb.shard, stream) if chosen else None
+                if mirror is not None:
                     u.unit.mirror_grads(mirror)
                 for lo, hi in chosen:
                     host.params.shard[lo:hi].copy_(u.db.shard[lo:hi])
-                views = {}
-                for (i, k), x in zip(u.leaves, u.values):
-                    if k not in views:
-                        views[k] = host.params.local(k)
-                        views[k].requires_grad_(x.requires_grad)
+                views = {k: host.params.local(k) for _, k in u.leaves}  # update syncs their
+                for i, k in u.leaves:                                  # requires_grad
                     host_leaves[i], grad_leaves_[i] = views[k], host.grad_view(k)
                 made.append(HostUnit(u.unit, host, chosen, views, mirror))
         host_shards = optree.tree_unflatten(spec.treespec, host_leaves)
@@ -262,7 +250,8 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
             torch.cuda.current_stream(state.stream.device).wait_stream(state.stream)
         with torch.no_grad():  # on the compute stream: waits for reductions still in flight
             for u, hu in zip(units, state.units):
-                _sync_frozen(u, hu)
+                for (_, k), x in zip(u.leaves, u.values):  # frozen: no update, as without
+                    hu.views[k].requires_grad_(x.requires_grad)  # offload
                 if not hu.runs:
                     continue
                 g = flat_grads(leaves, u, what)
@@ -284,7 +273,7 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
             todo.append((hu, unseen or now != saved, None if fresh else g))
         if not blocking:  # the copies read what the compute stream wrote
             state.stream.wait_stream(torch.cuda.current_stream(state.stream.device))
-        with torch.no_grad(), _on(state.stream):
+        with torch.no_grad(), torch.cuda.stream(state.stream):  # None: no-op on the CPU
             for hu, stale, g in todo:
                 if stale:
                     _read_back(hu, blocking)
@@ -307,7 +296,7 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         except BaseException:
             state.seen.clear()  # a failed update may have left the masters half written:
             raise               # the next one reads them all back from the device
-        with torch.no_grad(), _on(state.stream):
+        with torch.no_grad(), torch.cuda.stream(state.stream):  # None: no-op on the CPU
             for u, hu in zip(units, state.units):
                 dev, master = hu.device.params.shard, hu.host.params.shard
                 for lo, hi in hu.runs:
@@ -333,20 +322,6 @@ def _agree(error: Optional[BaseException], flags: Any) -> None:
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=flags)
     if flag.item() != 0:
         agree(error, flags)
-
-
-def _on(stream: Any):
-    """The copies' stream as the current one (nothing on the CPU)."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def _sync_frozen(u, hu: HostUnit) -> None:
-    """Give the masters the parameters' ``requires_grad`` (a frozen tensor gets no update,
-    as without offload)."""
-    for (_, k), x in zip(u.leaves, u.values):
-        master = hu.views[k]
-        if master.requires_grad != x.requires_grad:
-            master.requires_grad_(x.requires_grad)
 
 
 def _read_back(hu: HostUnit, blocking: bool) -> None:

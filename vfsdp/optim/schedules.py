@@ -66,18 +66,15 @@ def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.0) -> C
     if warmup < 0 or total < 0 or warmup > total:
         raise ValueError(f"need 0 <= warmup <= total, got warmup={warmup}, total={total}")
 
-    def schedule(step: int) -> float:
-        if isinstance(step, torch.Tensor):  # the optimizers' step counter
-            progress = ((step - warmup) / max(1, total - warmup)).clamp(0, 1)
-            out = floor + 0.5 * (peak - floor) * (1 + torch.cos(math.pi * progress))
-            if warmup:
-                out = torch.where(step <= warmup, peak * step / warmup, out)
-            return torch.where(step >= total, torch.full_like(out, floor), out)
-        if warmup and step <= warmup:
-            return peak * step / warmup
-        if step >= total:
-            return floor
-        progress = (step - warmup) / max(1, total - warmup)
-        return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
+    def schedule(step: Any) -> Any:
+        # One formula, on tensors (no Python branch on the step: it compiles and syncs
+        # nothing); a Python step gets a Python float back.
+        t = step if isinstance(step, torch.Tensor) else torch.tensor(float(step), dtype=torch.float64)
+        progress = ((t - warmup) / max(1, total - warmup)).clamp(0, 1)
+        out = floor + 0.5 * (peak - floor) * (1 + torch.cos(math.pi * progress))
+        out = torch.where(t >= total, torch.full_like(out, floor), out)
+        if warmup:
+            out = torch.where(t <= warmup, peak * t / warmup, out)
+        return out if t is step else float(out)
 
     return schedule

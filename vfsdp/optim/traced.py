@@ -25,32 +25,24 @@ import torch
 from vfsdp import _torch_private as tp
 from vfsdp.functional.traced import clip_groups, traced_leaves
 from vfsdp.optim.base import adamw_step, decay_, step_scalars
+from vfsdp.optim.clip import scale_by_norm
 from vfsdp.optim.quant import span_tiles, step8_flat
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["TracedAdam", "traced_adamw", "traced_clip", "adam_views", "TracedAdam8",
+__all__ = ["traced_adamw", "traced_clip", "adam_views", "first_leaves", "TracedAdam8",
            "traced_adamw8bit"]
 
 
-@dataclass
-class TracedAdam:
-    """What the compiled AdamW update reads, made by ``init`` (eager).
-
-    Attributes:
-        leaves: Leaf index (spec order) of each tensor it updates.
-        decay: Whether each decays.
-        m, v: Each one's moment views (views of the state DBuffers).
-    """
-
-    leaves: tuple
-    decay: tuple
-    m: list
-    v: list
+def first_leaves(u: Any) -> dict:
+    """Unit ``u``'s buffer index -> the first leaf (spec order) holding that tensor (a tied
+    tensor sits at several)."""
+    return {k: i for i, k in reversed(u.leaves)}
 
 
-def adam_views(units: list, state: Any, owns: Any, decays: Any) -> TracedAdam:
-    """The :class:`TracedAdam` of an AdamW state (eager, at ``init``).
+def adam_views(units: list, state: Any, owns: Any, decays: Any) -> list:
+    """What the compiled AdamW update reads, made by ``init`` (eager): per tensor it updates,
+    ``(leaf index, decays, exp_avg view, exp_avg_sq view)``.
 
     Args:
         units: ``unit_buffers(shards, spec)``.
@@ -61,21 +53,15 @@ def adam_views(units: list, state: Any, owns: Any, decays: Any) -> TracedAdam:
     Returns:
         The views.
     """
-    leaves, decay, ms, vs = [], [], [], []
+    out = []
     for u in units:
-        if u.key not in state.exp_avg:
-            continue
-        seen = set()
-        for i, k in u.leaves:
-            t = u.db.tensors[k]
-            if k in seen or not owns(t.path):
-                continue
-            seen.add(k)
-            leaves.append(i)
-            decay.append(bool(decays(t.path)))
-            ms.append(state.exp_avg[u.key].local(k).view(-1))
-            vs.append(state.exp_avg_sq[u.key].local(k).view(-1))
-    return TracedAdam(tuple(leaves), tuple(decay), ms, vs)
+        if u.key in state.exp_avg:
+            for k, i in sorted(first_leaves(u).items()):
+                path = u.db.tensors[k].path
+                if owns(path):
+                    out.append((i, bool(decays(path)), state.exp_avg[u.key].local(k).view(-1),
+                                state.exp_avg_sq[u.key].local(k).view(-1)))
+    return out
 
 
 def traced_adamw(grads: Any, state: Any, shards: Any, spec: ShardSpec, lr: Any,
@@ -84,7 +70,8 @@ def traced_adamw(grads: Any, state: Any, shards: Any, spec: ShardSpec, lr: Any,
 
     Args:
         grads: The gradient tree (``vfsdp.grads``).
-        state: The :class:`~vfsdp.optim.AdamWState` (its ``traced`` views and ``count``).
+        state: The :class:`~vfsdp.optim.AdamWState` (its ``traced`` views, :func:`adam_views`,
+            and ``count``).
         shards: The shards.
         spec: The plan.
         lr: This step's learning rate.
@@ -96,30 +83,22 @@ def traced_adamw(grads: Any, state: Any, shards: Any, spec: ShardSpec, lr: Any,
     Raises:
         ValueError: a tree that does not match the spec.
     """
-    views = state.traced
     params, _ = traced_leaves(shards, spec, "adamw.update")
     gleaves, _ = traced_leaves(grads, spec, "adamw.update")
-    _adam(zip(views.leaves, views.decay, views.m, views.v), params, gleaves, state.count, lr,
-          betas, eps, weight_decay)
+    _adam(state.traced, params, gleaves, state.count, lr, betas, eps, weight_decay)
 
 
 def _adam(members: Any, params: list, gleaves: list, count: torch.Tensor, lr: Any,
           betas: tuple, eps: float, weight_decay: float) -> None:
     """The eager update's own AdamW step (:func:`~vfsdp.optim.base.adamw_step`) over the
     trained tensors of ``members`` (``(leaf, decays, exp_avg, exp_avg_sq)``)."""
-    ps, gs, ms, vs, decay = [], [], [], [], []
-    for i, decays, m, v in members:
-        if not params[i].requires_grad:  # frozen: no update, no decay
-            continue
-        ps.append(params[i].view(-1))
-        gs.append(gleaves[i].reshape(-1).to(m.dtype))
-        ms.append(m)
-        vs.append(v)
-        if decays:
-            decay.append(ps[-1])
+    live = [x for x in members if params[x[0]].requires_grad]  # frozen: no update, no decay
+    ps = [params[i].view(-1) for i, _, _, _ in live]
+    gs = [gleaves[i].reshape(-1).to(m.dtype) for i, _, m, _ in live]
     with torch.no_grad():
-        adamw_step(ps, gs, ms, vs, decay, count=count, lr=lr, betas=betas, eps=eps,
-                   weight_decay=weight_decay, fused=False)
+        adamw_step(ps, gs, [x[2] for x in live], [x[3] for x in live],
+                   [p for p, x in zip(ps, live) if x[1]], count=count, lr=lr, betas=betas,
+                   eps=eps, weight_decay=weight_decay, fused=False)
 
 
 def traced_clip(grads: Any, spec: ShardSpec, max_norm: float, eps: float,
@@ -159,10 +138,7 @@ def traced_clip(grads: Any, spec: ShardSpec, max_norm: float, eps: float,
     if model is not None:
         total = tp.traced_all_reduce(total, "sum", model)
     norm = total.sqrt()
-    coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-    with torch.no_grad():
-        for i, _c in chosen:
-            leaves[i].mul_(coef.to(leaves[i].dtype))
+    scale_by_norm([], [leaves[i] for i, _c in chosen], norm, max_norm, eps)
     return norm
 
 
@@ -217,15 +193,12 @@ def traced_adamw8bit(grads: Any, state: Any, shards: Any, spec: ShardSpec, lr: A
             n = views.sm.numel() - 1
             tiles = span_tiles([(x[1].hi - x[1].lo, x[1].view, x[1].t0) for x in live], n,
                                views.sm.device, still)
-            flat = [torch.cat(xs) for xs in zip(*[
+            cols = [list(xs) for xs in zip(*[
                 (params[i].view(-1), gleaves[i].reshape(-1).float(), cm, cv)
                 for i, _t, _d, cm, cv in live])]
+            flat = [torch.cat(xs) for xs in cols]
             step8_flat(*flat, views.sm, views.sv, tiles, *views.maps, b1, b2, eps, lr, *scalars)
-            at = 0
-            for (i, t, _d, cm, cv) in live:
-                n_i = t.hi - t.lo
-                params[i].view(-1).copy_(flat[0][at:at + n_i])
-                cm.copy_(flat[2][at:at + n_i])
-                cv.copy_(flat[3][at:at + n_i])
-                at += n_i
+            sizes = [x[1].hi - x[1].lo for x in live]
+            for j in (0, 2, 3):  # back into the parameters and codes
+                tp.foreach("copy_", cols[j], list(flat[j].split(sizes)))
     _adam(views.small, params, gleaves, state.count, lr, betas, eps, weight_decay)

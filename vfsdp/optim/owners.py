@@ -189,7 +189,7 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
     picked = iter(index)
     waves = tuple(replace(wave, send=tuple(next(picked) for _ in s))
                   for wave, s in zip(waves, sends))
-    state.plan = MuonPlan(matrices, waves, paths, dtype, tuple(layout), cuts)
+    state.plan = MuonPlan(paths, matrices, waves, dtype, tuple(layout), cuts)
     device = state.count.device
     state.stacks = [stack_state(len(w.stacked), tuple(w.matrices[0].spec.global_shape), dtype,
                                 device) for w in waves]

@@ -44,9 +44,11 @@ Two kernels, chosen by :func:`use_fused`:
   step size divides the denominator first, as ``capturable=True`` does: :func:`adam_`). Its
   one temporary (the denominator) is bounded: the slices are taken in batches of at most
   :data:`TEMP_ELEMS` elements, so a step runs 3 ops on the moments, 4 per batch and 1 for the
-  weight decay (8 for up to 32M elements per rank), and 7 tiny ones on the step counter (the
-  count, the bias corrections, the step size): the state's counter is a tensor on the device
-  (:func:`new_count`), which no step reads back to the host.
+  weight decay (8 for up to 32M elements per rank), and one that adds to the step counter, a
+  tensor in the state (:func:`new_count`). On the CPU the bias corrections and the step size
+  are Python floats read from it (host memory, as ``torch.optim.AdamW``'s foreach path reads
+  its step); on a device they take 6 tiny ops more, so that no step reads the counter back
+  to the host.
 * **fused** (default on CUDA, where the parameters, gradients and moments share a dtype):
   torch's fused AdamW kernel (``torch._fused_adamw_``), one pass over the memory and no
   temporary; **bitwise equal to** ``torch.optim.AdamW(fused=True)``, whose rounding differs
@@ -305,6 +307,12 @@ def adamw_step(ps: list, gs: list, ms: list, vs: list, decay: list, *, count: to
             tp.fused_adamw(ps_, gs_, ms_, vs_, [count] * len(idx), lr=lr, beta1=b1,
                            beta2=b2, weight_decay=wd, eps=eps)
         return
+    if scalars is None and count.device.type == "cpu" and not tp.compiling():
+        # Host memory: the scalars as torch.optim.AdamW's foreach path takes them (Python
+        # floats, no device sync), none of the tiny ops a device counter needs.
+        step = float(count)
+        lr = float(lr) if isinstance(lr, torch.Tensor) else lr
+        scalars = 1 - b1 ** step, (1 - b2 ** step) ** 0.5
     bc1, bc2_sqrt = scalars if scalars is not None else step_scalars(count, betas)
     decay_(decay, lr, weight_decay)
     adam_(ps, gs, ms, vs, b1, b2, eps, lr, bc1, bc2_sqrt, limit)

@@ -90,14 +90,8 @@ def alignment_elements(
 
 def _logical(path: tuple) -> tuple:
     """Split dotted string entries and turn digit strings into ints: 'layers.3.w' -> layers, 3, w."""
-    out: list = []
-    for entry in path:
-        if isinstance(entry, str):
-            for part in entry.split("."):
-                out.append(int(part) if part.isdigit() else part)
-        else:
-            out.append(entry)
-    return tuple(out)
+    parts = (part for entry in path for part in (entry.split(".") if isinstance(entry, str) else (entry,)))
+    return tuple(int(part) if isinstance(part, str) and part.isdigit() else part for part in parts)
 
 
 def _outer_sequences(params: Any) -> list[tuple]:
@@ -117,8 +111,7 @@ def _outer_sequences(params: Any) -> list[tuple]:
         if is_tensor_leaf(node) or optree.tree_is_leaf(node):
             continue
         level = optree.tree_flatten_one_level(node)
-        children, entries = level.children, level.entries
-        for entry, child in zip(entries, children):
+        for entry, child in zip(level.entries, level.children):
             if not is_tensor_leaf(child):
                 stack.append((path + (entry,), child))
     return sorted(found, key=repr)
@@ -131,21 +124,9 @@ def _unit_keys(units: Units, paths: list[tuple], params: Any) -> list[Hashable]:
         if seqs:
             depths = sorted({len(s) for s in seqs})
             seq_set = set(seqs)
-            keys = []
-            for p in paths:
-                key = ROOT
-                for d in depths:
-                    if len(p) > d and p[:d] in seq_set:
-                        key = p[: d + 1]
-                        break
-                keys.append(key)
-            return keys
-        keys = []
-        for p in paths:
-            lp = _logical(p)
-            idx = next((i for i, x in enumerate(lp) if isinstance(x, int)), None)
-            keys.append(ROOT if idx is None else lp[: idx + 1])
-        return keys
+            return [next((p[: d + 1] for d in depths if len(p) > d and p[:d] in seq_set), ROOT)
+                    for p in paths]
+        return [_layer_key(_logical(p)) for p in paths]
     if isinstance(units, bool):
         raise TypeError("units must be None, an int depth, a callable or a list of prefixes")
     if isinstance(units, int):
@@ -187,6 +168,12 @@ def _unit_keys(units: Units, paths: list[tuple], params: Any) -> list[Hashable]:
     return keys
 
 
+def _layer_key(lp: tuple) -> tuple:
+    """A dotted name's layer: up to its first integer component (``ROOT`` without one)."""
+    idx = next((i for i, x in enumerate(lp) if isinstance(x, int)), None)
+    return ROOT if idx is None else lp[: idx + 1]
+
+
 def _suggest_split(numels, blocks, m, align, shard_numel) -> Optional[tuple[int, int, tuple]]:
     """Best two-way split among simple candidates (by block size, by largest tensors).
 
@@ -198,16 +185,9 @@ def _suggest_split(numels, blocks, m, align, shard_numel) -> Optional[tuple[int,
         return None
     total = sum(numels)
     now = m * shard_numel - total
-    candidates = []
-    for b in sorted(set(blocks)):
-        group = tuple(i for i in range(n) if blocks[i] == b)
-        candidates.append(group)
+    candidates = [tuple(i for i in range(n) if blocks[i] == b) for b in sorted(set(blocks))]
     by_numel = sorted(range(n), key=lambda i: (-numels[i], i))
-    for k in (1, 2, 3):
-        candidates.append(tuple(sorted(by_numel[:k])))
-    def parts(group):
-        in_group = set(group)
-        return group, tuple(i for i in range(n) if i not in in_group)
+    candidates += [tuple(sorted(by_numel[:k])) for k in (1, 2, 3)]
 
     def padding(split, solve):
         pad = 0
@@ -218,13 +198,10 @@ def _suggest_split(numels, blocks, m, align, shard_numel) -> Optional[tuple[int,
         return pad
 
     # Rank candidates by their (cheap) lower bounds; solve only the two most promising.
-    splits = [parts(g) for g in dict.fromkeys(candidates) if 0 < len(g) < n]
+    splits = [(g, tuple(sorted(set(range(n)).difference(g))))
+              for g in dict.fromkeys(candidates) if 0 < len(g) < n]
     splits.sort(key=lambda sp: (padding(sp, False), sp))
-    best = None
-    for sp in splits[:2]:
-        pad = padding(sp, True)
-        if best is None or pad < best[0]:
-            best = (pad, sp[0])
+    best = min(((padding(sp, True), sp[0]) for sp in splits[:2]), key=lambda b: b[0], default=None)
     if best is None or best[0] * 2 > now:
         return None  # offer a split only when it at least halves the padding
     return now, best[0], best[1]
@@ -298,7 +275,10 @@ def plan(
         >>> spec.units[("layers", 0)].shard_numel
         16
     """
-    _check_params(params)
+    refuse_non_tree(params, "vfsdp.plan")
+    if isinstance(params, ShardSpec):
+        raise TypeError("vfsdp.plan: got a ShardSpec; plan takes the parameter tree "
+                        "(vfsdp.plan(params, mesh))")
     mesh_shape, mesh_names = resolve_mesh(mesh)
     if not isinstance(alignment_bytes, int) or alignment_bytes < 1:
         raise ValueError(f"alignment_bytes must be an int >= 1, got {alignment_bytes!r}")
@@ -313,16 +293,10 @@ def plan(
     elif tp_index is not None:
         raise ValueError("vfsdp.plan: tp_index= without tp=; give the tp rule too")
     with paused_gc():
-        return _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes,
-                     tuple(comm_dtypes), split_threshold, strided, tied)
-
-
-def _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes, comm_dtypes,
-          split_threshold, strided=None, tied=None):
-    prepared = prepare(params, granularity, units, strided, tied)
-    layouts, orders = _layouts(prepared, mesh_shape[-1], alignment_bytes, comm_dtypes,
-                               split_threshold)
-    return assemble(prepared, layouts, mesh_shape, mesh_names, orders)
+        prepared = prepare(params, granularity, units, strided, tied)
+        layouts, orders = _layouts(prepared, mesh_shape[-1], alignment_bytes, tuple(comm_dtypes),
+                                   split_threshold)
+        return assemble(prepared, layouts, mesh_shape, mesh_names, orders)
 
 
 @dataclass(frozen=True)
@@ -365,13 +339,10 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
             raise ValueError(f"vfsdp.plan: {format_path(paths[i])} is {dtype}; complex tensors "
                              f"are not supported (reductions and optimizers assume real values): "
                              f"store torch.view_as_real(t) instead")
-        if dynamic:
-            block = block_elements(granularity, paths[i], shape, numel, leaf)
-        else:
-            ck = (shape, numel)
-            block = block_cache.get(ck)
-            if block is None:
-                block = block_cache[ck] = block_elements(granularity, paths[i], shape, numel, leaf)
+        ck = i if dynamic else shape  # a granularity that is not a callable reads the shape only
+        if ck not in block_cache:
+            block_cache[ck] = block_elements(granularity, paths[i], shape, numel, leaf)
+        block = block_cache[ck]
         grouped.setdefault(key, []).append((i, paths[i], shape, numel, block, dtype))
     members = {}
     for key, rows in grouped.items():
@@ -469,18 +440,6 @@ def _order(layout: UnitLayout, paths: tuple) -> list:
     return [where[p] for p in layout.paths]
 
 
-def _check_params(params: Any) -> None:
-    """Refuse, with the fix, what is not a pytree of tensors.
-
-    Raises:
-        TypeError: a module, an iterator, or a spec.
-    """
-    refuse_non_tree(params, "vfsdp.plan")
-    if isinstance(params, ShardSpec):
-        raise TypeError("vfsdp.plan: got a ShardSpec; plan takes the parameter tree "
-                        "(vfsdp.plan(params, mesh))")
-
-
 def find_ties(leaves: list, paths: list, idx: list, params: Any = None) -> dict:
     """Leaves that are one tensor: ``{leaf index: index of its first occurrence}``.
 
@@ -494,33 +453,6 @@ def find_ties(leaves: list, paths: list, idx: list, params: Any = None) -> dict:
     Raises:
         ValueError: overlapping different views of one storage (naming both paths).
     """
-    tied = _find_ties(leaves, paths, idx)
-    if not tied or params is None:
-        return tied
-    groups: dict = {}
-    for i, first in tied.items():
-        groups.setdefault(first, [first]).append(i)
-    out = {}
-    for group in groups.values():
-        head = min(group, key=lambda i: _insertion_key(params, paths[i]))
-        out.update({i: head for i in group if i != head})
-    return out
-
-
-def _insertion_key(tree: Any, path: tuple) -> tuple:
-    """Where ``path`` comes in ``tree`` with dicts in insertion order (a key's position in
-    its dict; other entries as optree numbers them)."""
-    key = []
-    for entry in path:
-        if isinstance(tree, dict):
-            key.append(list(tree).index(entry))
-        else:
-            key.append(entry if isinstance(entry, int) else 0)
-        tree = tree[entry] if isinstance(tree, (dict, list, tuple)) else None
-    return tuple(key)
-
-
-def _find_ties(leaves: list, paths: list, idx: list) -> dict:
     first_by_id: dict = {}
     by_storage: dict = {}
     tied: dict = {}
@@ -550,7 +482,29 @@ def _find_ties(leaves: list, paths: list, idx: list) -> dict:
                     f"one of them, or .clone() the other")
         else:
             by_storage.setdefault(key, []).append((i, view, span))
-    return tied
+    if not tied or params is None:
+        return tied
+    groups: dict = {}
+    for i, first in tied.items():
+        groups.setdefault(first, [first]).append(i)
+    out = {}
+    for group in groups.values():
+        head = min(group, key=lambda i: _insertion_key(params, paths[i]))
+        out.update({i: head for i in group if i != head})
+    return out
+
+
+def _insertion_key(tree: Any, path: tuple) -> tuple:
+    """Where ``path`` comes in ``tree`` with dicts in insertion order (a key's position in
+    its dict; other entries as optree numbers them)."""
+    key = []
+    for entry in path:
+        if isinstance(tree, dict):
+            key.append(list(tree).index(entry))
+        else:
+            key.append(entry if isinstance(entry, int) else 0)
+        tree = tree[entry] if isinstance(tree, (dict, list, tuple)) else None
+    return tuple(key)
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:

@@ -28,7 +28,7 @@ How :func:`pack` works:
   start that puts the next boundary on a block edge, or at the next shard's start (every later
   shard repeats that pattern).
 * Candidate ``S`` values are only the *admissible* ones (those meeting the lower-bound
-  conditions, enumerated in increasing order by :func:`next_admissible`), scanned upward from
+  conditions, enumerated in increasing order by ``_Bound.next_admissible``), scanned upward from
   the bound. At each candidate four strategies are tried: the given order, numel-descending,
   and block-descending. The first feasible candidate wins, so within the scan window the
   result is optimal for the given order and at least as good as every fixed order tried.
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-__all__ = ["Packing", "lower_bound", "next_admissible", "place_in_order", "pack"]
+__all__ = ["Packing", "lower_bound", "place_in_order", "pack"]
 
 SCAN_WINDOW = 8
 """How many admissible ``S`` values above the bound :func:`pack` scans before bisecting."""
@@ -123,20 +123,13 @@ class _Bound:
             s = drop
 
 
-def next_admissible(
-    s: int, numels: Sequence[int], blocks: Sequence[int], align: int
-) -> int:
-    """Smallest ``S' >= s`` meeting the lower-bound conditions other than ``m*S >= E``.
-
-    Example:
-        >>> next_admissible(5, [100], [8], 4)   # 100 >= 2*8, so S must be a multiple of 8
-        8
-    """
-    return _Bound(numels, blocks, align).next_admissible(s)
-
-
-def _effective_blocks(numels: Sequence[int], blocks: Sequence[int]) -> list[int]:
-    return [max(1, min(g, e)) if e > 0 else 1 for e, g in zip(numels, blocks)]
+def _bound(numels: Sequence[int], blocks: Sequence[int], m: int, align: int
+           ) -> tuple[list[int], _Bound, int]:
+    """The effective blocks (a block longer than its tensor is the tensor), their
+    :class:`_Bound` and the lower bound on ``S``."""
+    eff = [max(1, min(g, e)) if e > 0 else 1 for e, g in zip(numels, blocks)]
+    bound = _Bound(numels, eff, align)
+    return eff, bound, bound.next_admissible(max(-(-sum(numels) // m), max(eff, default=1), 1))
 
 
 def lower_bound(numels: Sequence[int], blocks: Sequence[int], world_size: int, align: int) -> int:
@@ -158,10 +151,7 @@ def lower_bound(numels: Sequence[int], blocks: Sequence[int], world_size: int, a
         >>> lower_bound([10, 6], [1, 1], 4, 2)
         4
     """
-    eff = _effective_blocks(numels, blocks)
-    total = sum(numels)
-    start = max(-(-total // world_size), max(eff, default=1), 1)
-    return _Bound(numels, eff, align).next_admissible(start)
+    return _bound(numels, blocks, world_size, align)[2]
 
 
 def _earliest_start(lo: int, e: int, g: int, s: int, cap: int) -> Optional[int]:
@@ -284,10 +274,10 @@ def _search(
         nodes += 1
         if not left:
             break
+        if nodes > budget:
+            return None
         nxt = (start - neg_e, tuple(counts))
-        if nxt in failed or nodes > budget:
-            if nodes > budget:
-                return None
+        if nxt in failed:
             path.pop()
             counts[c] += 1
             left += 1
@@ -306,20 +296,15 @@ def _search(
     return offsets, order
 
 
-def _strategies(numels: Sequence[int], blocks: Sequence[int]) -> list[tuple[str, Optional[list]]]:
-    n = len(numels)
-    given = list(range(n))
-    by_numel = sorted(given, key=lambda i: (-numels[i], i))
-    by_block = sorted(given, key=lambda i: (-blocks[i], -numels[i], i))
-    out: list[tuple[str, Optional[list]]] = [("given", given)]
-    seen = {tuple(given)}
-    for name, order in (("numel-desc", by_numel), ("block-desc", by_block)):
-        if tuple(order) not in seen:
-            seen.add(tuple(order))
-            out.append((name, order))
-    if len(set(zip(numels, blocks))) > 1:
-        out.append(("search", None))
-    return out
+def _fixed_orders(numels: Sequence[int], blocks: Sequence[int]) -> list[tuple[str, list]]:
+    """The distinct fixed orders tried: given, numel-descending, block-descending."""
+    given = list(range(len(numels)))
+    orders: dict = {}
+    for name, order in (("given", given),
+                        ("numel-desc", sorted(given, key=lambda i: (-numels[i], i))),
+                        ("block-desc", sorted(given, key=lambda i: (-blocks[i], -numels[i], i)))):
+        orders.setdefault(tuple(order), (name, order))
+    return list(orders.values())
 
 
 def _try(order, numels, blocks, s, m):
@@ -371,30 +356,15 @@ def pack(
 def _pack_cached(
     numels: tuple[int, ...], blocks: tuple[int, ...], m: int, align: int, search: bool
 ) -> Packing:
-    eff = _effective_blocks(numels, blocks)
-    bound = _Bound(numels, eff, align)
-    total = sum(numels)
-    lb = bound.next_admissible(max(-(-total // m), max(eff, default=1), 1))
-    strategies = _strategies(numels, eff)
-
-    def result(name, found, s):
-        offsets, order = found
-        return Packing(s, m, tuple(offsets), tuple(order), lb, name)
-
-    fixed = [(name, order) for name, order in strategies if order is not None]
+    eff, bound, lb = _bound(numels, blocks, m, align)
+    fixed = _fixed_orders(numels, eff)
     candidates = [lb]
     while len(candidates) < SCAN_WINDOW:
         candidates.append(bound.next_admissible(candidates[-1] + 1))
 
-    best = None
-    for s in candidates:
-        for name, order in fixed:
-            found = _try(order, numels, eff, s, m)
-            if found is not None:
-                best = (name, found, s)
-                break
-        if best is not None:
-            break
+    # the first fixed order to fit at the smallest candidate S
+    best = next(((name, found, s) for s in candidates for name, order in fixed
+                 if (found := _try(order, numels, eff, s, m)) is not None), None)
     if best is None:
         best = min(
             (_bisect(name, order, numels, eff, m, align, bound, candidates[-1], None)
@@ -404,9 +374,9 @@ def _pack_cached(
 
     # The search is O(budget * classes) per probe: run it only where it could help, aiming
     # first at the bound, then at "close enough", then bisecting up to the fixed orders' S.
-    slack = max(align, int(TOLERANCE * total) // m)
+    slack = max(align, int(TOLERANCE * sum(numels)) // m)
     worth_it = best[2] > lb + slack or (best[2] > lb and len(numels) <= SMALL_UNIT)
-    if search and len(strategies) > len(fixed) and worth_it:
+    if search and len(set(zip(numels, eff))) > 1 and worth_it:  # the search orders classes
         for target in (lb, bound.next_admissible(lb + 5 * slack)):
             if target >= best[2]:
                 break
@@ -419,7 +389,8 @@ def _pack_cached(
                                max_probes=SEARCH_PROBES)
             if improved is not None and improved[2] < best[2]:
                 best = improved
-    return result(*best)
+    name, (offsets, order), s = best
+    return Packing(s, m, tuple(offsets), tuple(order), lb, name)
 
 
 def _bisect(name, order, numels, eff, m, align, bound, lo, hi, max_probes=64):

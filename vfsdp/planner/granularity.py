@@ -50,23 +50,14 @@ class Rows:
         return f"rows({self.k})"
 
 
-class Singleton:
-    """A class of one instance, which pickles (and copies) as itself."""
-
-    def __new__(cls):
-        if "_instance" not in cls.__dict__:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __reduce__(self):
-        return (type(self), ())
-
-
-class Whole(Singleton):
+class Whole:
     """The whole tensor is one block. Use the singleton :data:`whole`."""
 
     def __repr__(self) -> str:
         return "whole"
+
+    def __reduce__(self) -> str:
+        return "whole"  # pickles (and copies) as this module's ``whole``
 
 
 whole = Whole()
@@ -156,13 +147,6 @@ def block_elements(gran: Any, path: tuple, shape: tuple[int, ...], numel: int, t
     )
 
 
-def _resolve(gran: Any, path: tuple, tensor: Any) -> Any:
-    """A callable granularity's value for one tensor (other forms as they are)."""
-    if callable(gran) and not isinstance(gran, (Rows, Whole)):
-        return gran(path, tensor)
-    return gran
-
-
 def _pair(a: Any, b: Any, shape: tuple, numel: int) -> Any:
     """The coarsest-needed granularity keeping every block of ``a`` and of ``b`` whole."""
     if a is None or a == 1:
@@ -208,7 +192,7 @@ def combine(*grans: Granularity) -> Granularity:
         numel = math.prod(shape)
         out = None
         for g in grans:
-            value = _resolve(g, path, tensor)
+            value = g(path, tensor) if callable(g) and not isinstance(g, (Rows, Whole)) else g
             block_elements(value, path, shape, numel, tensor)  # validate each member's value
             out = _pair(out, value, shape, numel)
         return out

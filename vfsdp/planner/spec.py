@@ -31,7 +31,7 @@ import torch
 from vfsdp._torch_private import compiling as _compiling
 from vfsdp.placements.ragged import RaggedShard
 from vfsdp.placements.strided import StridedRaggedShard
-from vfsdp.planner.granularity import Singleton, format_path
+from vfsdp.planner.granularity import format_path
 
 __all__ = ["UnitLayout", "TensorSpec", "ShardSpec", "SplitSuggestion", "PASSTHROUGH", "unit_name"]
 
@@ -59,11 +59,14 @@ def unit_name(key: Hashable) -> str:
     return str(key)
 
 
-class _Passthrough(Singleton):
+class _Passthrough:
     """Marks a non-tensor leaf of ``params``: it is not sharded and passes through untouched."""
 
     def __repr__(self) -> str:
         return "PASSTHROUGH"
+
+    def __reduce__(self) -> str:
+        return "PASSTHROUGH"  # pickles (and copies) as this module's ``PASSTHROUGH``
 
 
 PASSTHROUGH = _Passthrough()

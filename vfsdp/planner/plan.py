@@ -45,17 +45,14 @@ def resolve_mesh(mesh: Any) -> tuple[tuple[int, ...], Optional[tuple[str, ...]]]
         TypeError: anything else.
     """
     names = None
-    if isinstance(mesh, bool):
-        raise TypeError("mesh must be an int world size, a tuple of ints, or a DeviceMesh")
-    if isinstance(mesh, int):
+    if isinstance(mesh, int) and not isinstance(mesh, bool):
         shape = (mesh,)
     elif isinstance(mesh, tuple) and mesh and all(isinstance(d, int) for d in mesh):
         shape = mesh
     elif (isinstance(mesh, tuple) and mesh
           and all(isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str)
                   and isinstance(a[1], int) for a in mesh)):  # (("dp", 2), ("tp", 2))
-        shape = tuple(a[1] for a in mesh)
-        names = tuple(a[0] for a in mesh)
+        names, shape = map(tuple, zip(*mesh))
         if len(set(names)) != len(names):
             raise ValueError(f"mesh axis names must differ, got {names}")
     elif hasattr(mesh, "mesh") and hasattr(mesh, "mesh_dim_names"):  # torch DeviceMesh
@@ -127,9 +124,7 @@ def _unit_keys(units: Units, paths: list[tuple], params: Any) -> list[Hashable]:
             return [next((p[: d + 1] for d in depths if len(p) > d and p[:d] in seq_set), ROOT)
                     for p in paths]
         return [_layer_key(_logical(p)) for p in paths]
-    if isinstance(units, bool):
-        raise TypeError("units must be None, an int depth, a callable or a list of prefixes")
-    if isinstance(units, int):
+    if isinstance(units, int) and not isinstance(units, bool):
         if units < 0:
             raise ValueError(f"units depth must be >= 0, got {units}")
         return [_logical(p)[:units] for p in paths]
@@ -149,7 +144,8 @@ def _unit_keys(units: Units, paths: list[tuple], params: Any) -> list[Hashable]:
     if isinstance(units, (str, tuple)):
         units = [units]
     if not isinstance(units, Iterable):
-        raise TypeError(f"unsupported units value {units!r}")
+        raise TypeError(f"unsupported units value {units!r}; pass None, an int depth, a callable "
+                        f"or a list of prefixes")
     prefixes = [_logical((u,) if isinstance(u, str) else tuple(u)) for u in units]
     by_len = sorted(set(prefixes), key=len, reverse=True)
     matched: set = set()
@@ -294,9 +290,9 @@ def plan(
         raise ValueError("vfsdp.plan: tp_index= without tp=; give the tp rule too")
     with paused_gc():
         prepared = prepare(params, granularity, units, strided, tied)
-        layouts, orders = _layouts(prepared, mesh_shape[-1], alignment_bytes, tuple(comm_dtypes),
-                                   split_threshold)
-        return assemble(prepared, layouts, mesh_shape, mesh_names, orders)
+        layouts = unit_layouts(prepared, mesh_shape[-1], alignment_bytes, comm_dtypes,
+                               split_threshold)
+        return assemble(prepared, layouts, mesh_shape, mesh_names)
 
 
 @dataclass(frozen=True)
@@ -367,14 +363,7 @@ def unit_layouts(prepared: Prepared, m: int, alignment_bytes: int = 16,
                  split_threshold: float = 0.01) -> dict[Hashable, UnitLayout]:
     """Every unit's :class:`UnitLayout` over a shard group of ``m`` ranks, in unit order;
     units with the same numels, blocks and dtype are solved once."""
-    return _layouts(prepared, m, alignment_bytes, tuple(comm_dtypes), split_threshold)[0]
-
-
-def _layouts(prepared, m, alignment_bytes, comm_dtypes, split_threshold) -> tuple[dict, dict]:
-    """``(layouts, orders)``: ``orders[key][k]`` is the tree-order position of the unit's
-    ``k``-th tensor in buffer order."""
     layouts: dict[Hashable, UnitLayout] = {}
-    orders: dict[Hashable, tuple] = {}
     solved: dict[tuple, tuple] = {}
     strided = prepared.strided
     for key, (idx, paths, shapes, numels, blocks, dtype) in prepared.members.items():
@@ -388,7 +377,7 @@ def _layouts(prepared, m, alignment_bytes, comm_dtypes, split_threshold) -> tupl
                 split = _suggest_split(numels, blocks, m, align, packing.shard_numel)
             solved[signature] = (packing, align, split)
         packing, align, split = solved[signature]
-        order = orders[key] = packing.order
+        order = packing.order
         take = _taker(order)
         layouts[key] = UnitLayout(
             key=key,
@@ -408,7 +397,7 @@ def _layouts(prepared, m, alignment_bytes, comm_dtypes, split_threshold) -> tupl
             ),
             strided=() if strided is None else tuple(strided[idx[k]] for k in order),
         )
-    return layouts, orders
+    return layouts
 
 
 def _taker(order: Sequence[int]) -> Callable[[Sequence], tuple]:
@@ -419,25 +408,19 @@ def _taker(order: Sequence[int]) -> Callable[[Sequence], tuple]:
 
 
 def assemble(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout], mesh_shape: tuple,
-             mesh_names: Optional[tuple] = None, orders: Optional[dict] = None) -> ShardSpec:
+             mesh_names: Optional[tuple] = None) -> ShardSpec:
     """The :class:`ShardSpec` of ``prepared`` laid out as ``layouts`` (from
     :func:`unit_layouts`) over ``mesh_shape``, whose last dim is the layouts' ``m``."""
     out_leaves: list[Any] = [PASSTHROUGH] * prepared.num_leaves
     for key, layout in layouts.items():
         idx, paths = prepared.members[key][:2]
-        order = orders[key] if orders else _order(layout, paths)
-        for k, t in enumerate(layout.tensors):
-            out_leaves[idx[order[k]]] = t
+        leaf_of = dict(zip(paths, idx))
+        for t in layout.tensors:
+            out_leaves[leaf_of[t.path]] = t
     for i, first in prepared.tied.items():  # a tie is one tensor: its spec at every place
         out_leaves[i] = out_leaves[first]
     return ShardSpec(prepared.treespec, out_leaves, layouts, mesh_shape, mesh_names,
                      frozen=prepared.frozen)
-
-
-def _order(layout: UnitLayout, paths: tuple) -> list:
-    """Position in tree order of each of ``layout``'s tensors (buffer order)."""
-    where = {p: k for k, p in enumerate(paths)}
-    return [where[p] for p in layout.paths]
 
 
 def find_ties(leaves: list, paths: list, idx: list, params: Any = None) -> dict:

@@ -133,8 +133,8 @@ def block_elements(gran: Any, path: tuple, shape: tuple[int, ...], numel: int, t
                 f"use 1 for element granularity"
             )
         if numel and numel % gran:
-            divisors = [d for d in (math.gcd(numel, gran),) if d > 1]
-            hint = f" (e.g. {divisors[0]})" if divisors else ""
+            common = math.gcd(numel, gran)
+            hint = f" (e.g. {common})" if common > 1 else ""
             raise ValueError(
                 f"granularity {gran} does not divide {format_path(path)} (shape {tuple(shape)}, "
                 f"{numel} elements); use a divisor of {numel}{hint}, rows(k) (which allows a "

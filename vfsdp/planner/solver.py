@@ -105,7 +105,6 @@ class _Bound:
         self.prefix_lcm = [align]
         for _, g in items:
             self.prefix_lcm.append(math.lcm(self.prefix_lcm[-1], g))
-        self.align = align
 
     def next_admissible(self, s: int) -> int:
         s = max(s, 1)

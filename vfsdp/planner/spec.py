@@ -364,12 +364,9 @@ class TensorSpec:
         The unit is ``gcd(block, numel)`` elements (the block, or a divisor of it when a short
         last block exists); a 0-size tensor has all-zero ``local_units``.
         """
-        m = self.layout.world_size
-        if not self.numel:
-            return RaggedShard(self.dims, (0,) * m)
         unit = math.gcd(self.block, self.numel)
-        units = [0] * m
-        for r in self.ranks():
+        units = [0] * self.layout.world_size
+        for r in self.ranks():  # none for a 0-size tensor
             start, stop = self.local_range(r)
             units[r] = (stop - start) // unit
         return RaggedShard(self.dims, tuple(units))
@@ -444,10 +441,8 @@ class ShardSpec:
     def model_axis(self) -> Optional[tuple[str, int, int]]:
         """``(axis, size, index)`` when ``vfsdp.plan(..., tp=rule)`` split the tensors over a
         model axis (this spec is of index ``index``'s pieces), else ``None``."""
-        for t in self.tensors():
-            if t.strided is not None:
-                return (t.strided.axis, t.strided.size, t.strided.index)
-        return None
+        st = next((t.strided for t in self.tensors() if t.strided is not None), None)
+        return None if st is None else (st.axis, st.size, st.index)
 
     @property
     def tree(self) -> Any:

@@ -111,9 +111,9 @@ def block_elements(gran: Any, path: tuple, shape: tuple[int, ...], numel: int, t
         >>> block_elements(rows(32), ("w",), (4096, 1024), 4096 * 1024, None)
         32768
     """
-    if callable(gran) and not isinstance(gran, (Rows, Whole)):
+    if callable(gran):  # rows(k) and whole are not callables
         resolved = gran(path, tensor)
-        if callable(resolved) and not isinstance(resolved, (Rows, Whole)):
+        if callable(resolved):
             raise TypeError(
                 f"granularity callable returned another callable for {format_path(path)}; "
                 f"return an int, rows(k) or whole"
@@ -192,7 +192,7 @@ def combine(*grans: Granularity) -> Granularity:
         numel = math.prod(shape)
         out = None
         for g in grans:
-            value = g(path, tensor) if callable(g) and not isinstance(g, (Rows, Whole)) else g
+            value = g(path, tensor) if callable(g) else g
             block_elements(value, path, shape, numel, tensor)  # validate each member's value
             out = _pair(out, value, shape, numel)
         return out

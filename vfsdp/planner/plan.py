@@ -16,7 +16,7 @@ import torch
 
 from vfsdp._gc import paused_gc
 from vfsdp.planner.abstract import is_tensor_leaf, leaf_meta
-from vfsdp.planner.granularity import Granularity, Rows, Whole, block_elements, format_path
+from vfsdp.planner.granularity import Granularity, block_elements, format_path
 from vfsdp.planner.model_split import split_params
 from vfsdp.planner.solver import lower_bound, pack
 from vfsdp.planner.spec import (
@@ -78,11 +78,7 @@ def alignment_elements(
         >>> alignment_elements(torch.float32, 16, [torch.bfloat16])
         8
     """
-    align = 1
-    for dt in (dtype, *comm_dtypes):
-        itemsize = torch.empty((), dtype=dt, device="meta").element_size()
-        align = math.lcm(align, max(1, alignment_bytes // itemsize))
-    return align
+    return math.lcm(*(max(1, alignment_bytes // dt.itemsize) for dt in (dtype, *comm_dtypes)))
 
 
 def _logical(path: tuple) -> tuple:
@@ -129,9 +125,8 @@ def _unit_keys(units: Units, paths: list[tuple], params: Any) -> list[Hashable]:
             raise ValueError(f"units depth must be >= 0, got {units}")
         return [_logical(p)[:units] for p in paths]
     if callable(units):
-        keys = []
-        for p in paths:
-            key = units(p)
+        keys = [units(p) for p in paths]
+        for p, key in zip(paths, keys):
             try:
                 hash(key)
             except TypeError:
@@ -139,7 +134,6 @@ def _unit_keys(units: Units, paths: list[tuple], params: Any) -> list[Hashable]:
                     f"units callable returned an unhashable key {key!r} for {format_path(p)}; "
                     f"return a tuple, str or int"
                 ) from None
-            keys.append(key)
         return keys
     if isinstance(units, (str, tuple)):
         units = [units]
@@ -148,13 +142,8 @@ def _unit_keys(units: Units, paths: list[tuple], params: Any) -> list[Hashable]:
                         f"or a list of prefixes")
     prefixes = [_logical((u,) if isinstance(u, str) else tuple(u)) for u in units]
     by_len = sorted(set(prefixes), key=len, reverse=True)
-    matched: set = set()
-    keys = []
-    for p in paths:
-        lp = _logical(p)
-        key = next((q for q in by_len if lp[: len(q)] == q), ROOT)
-        matched.add(key)
-        keys.append(key)
+    keys = [next((q for q in by_len if lp[: len(q)] == q), ROOT) for lp in map(_logical, paths)]
+    matched = set(keys)
     missing = [q for q in prefixes if q not in matched]
     if missing:
         raise ValueError(
@@ -290,7 +279,7 @@ def plan(
         raise ValueError("vfsdp.plan: tp_index= without tp=; give the tp rule too")
     with paused_gc():
         prepared = prepare(params, granularity, units, strided, tied)
-        layouts = unit_layouts(prepared, mesh_shape[-1], alignment_bytes, comm_dtypes,
+        layouts = unit_layouts(prepared, mesh_shape[-1], alignment_bytes, tuple(comm_dtypes),
                                split_threshold)
         return assemble(prepared, layouts, mesh_shape, mesh_names)
 
@@ -327,7 +316,6 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
     keys = _unit_keys(units, [paths[i] for i in t_idx], params)
     grouped: dict[Hashable, list] = {}
     block_cache: dict = {}
-    dynamic = callable(granularity) and not isinstance(granularity, (Rows, Whole))
     for i, key in zip(t_idx, keys):
         leaf = leaves[i]
         shape, dtype, numel = leaf_meta(leaf)
@@ -335,7 +323,7 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
             raise ValueError(f"vfsdp.plan: {format_path(paths[i])} is {dtype}; complex tensors "
                              f"are not supported (reductions and optimizers assume real values): "
                              f"store torch.view_as_real(t) instead")
-        ck = i if dynamic else shape  # a granularity that is not a callable reads the shape only
+        ck = i if callable(granularity) else shape  # other granularities read the shape only
         if ck not in block_cache:
             block_cache[ck] = block_elements(granularity, paths[i], shape, numel, leaf)
         block = block_cache[ck]

@@ -228,7 +228,6 @@ def _search(
         members.setdefault((e, g), []).append(i)
     keys = list(members)
     counts = [len(members[k]) for k in keys]
-    left = len(numels)
     # A class longer than S whose block does not divide S may cross only one boundary, so it
     # can start only in the first (2S - e) elements of a shard: the smaller that window, the
     # more constrained the class. Among options that waste no more than an alignment shift
@@ -261,17 +260,14 @@ def _search(
             failed.add((cur, tuple(counts)))
             stack.pop()
             if path:
-                c, _ = path.pop()
-                counts[c] += 1
-                left += 1
+                counts[path.pop()[0]] += 1
             continue
         frame[3] = k + 1
         waste, neg_e, c, start = opts[k]
         counts[c] -= 1
-        left -= 1
         path.append((c, start))
         nodes += 1
-        if not left:
+        if len(path) == len(numels):
             break
         if nodes > budget:
             return None
@@ -279,19 +275,16 @@ def _search(
         if nxt in failed:
             path.pop()
             counts[c] += 1
-            left += 1
             continue
         stack.append([nxt[0], pad + waste, options(nxt[0], pad + waste), 0])
-    if left:
+    if len(path) < len(numels):
         return None
     offsets = [0] * len(numels)
     order = []
-    used = [0] * len(keys)
+    pending = [iter(members[k]) for k in keys]  # each class's tensors, in input order
     for c, start in path:
-        i = members[keys[c]][used[c]]
-        used[c] += 1
+        order.append(i := next(pending[c]))
         offsets[i] = start
-        order.append(i)
     return offsets, order
 
 

@@ -68,9 +68,8 @@ class RaggedShard:
 
     def __post_init__(self) -> None:
         for name in ("dims", "local_units"):
-            value = getattr(self, name)
-            if not isinstance(value, tuple):
-                object.__setattr__(self, name, value := tuple(value))
+            value = tuple(getattr(self, name))
+            object.__setattr__(self, name, value)
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
                 raise TypeError(f"RaggedShard.{name} must hold ints, got {value!r}")
         if self.dims != tuple(range(len(self.dims))):
@@ -155,13 +154,10 @@ def flat_range(placement: Placement, shape: Sequence[int], rank: int) -> tuple[i
         (2, 8)
     """
     validate_placement(placement, shape)
-    numel = math.prod(shape)
     if not 0 <= rank < placement.world_size:
         raise ValueError(f"rank {rank} out of range for world size {placement.world_size}")
     total = sum(placement.local_units)
-    if total == 0:
-        return (0, 0)
-    unit = numel // total
+    unit = math.prod(shape) // total if total else 0  # all-zero units: a 0-size tensor
     start = unit * sum(placement.local_units[:rank])
     return (start, start + unit * placement.local_units[rank])
 

@@ -397,11 +397,9 @@ def _bisect(name, order, numels, eff, m, align, bound, lo, hi, max_probes=64):
     found = None
     if hi is None:  # exponential search on the increment above lo, then bisect
         hi, step = lo, align
-        found = _try(order, numels, eff, hi, m)
-        while found is None:
+        while (found := _try(order, numels, eff, hi, m)) is None:
             lo, hi = hi, bound.next_admissible(hi + step)
             step *= 2
-            found = _try(order, numels, eff, hi, m)
     best_s = hi
     for _ in range(max_probes):
         if best_s - lo <= align:

@@ -147,7 +147,7 @@ def block_elements(gran: Any, path: tuple, shape: tuple[int, ...], numel: int, t
     )
 
 
-def _pair(a: Any, b: Any, shape: tuple, numel: int) -> Any:
+def _pair(a: Any, b: Any, shape: tuple) -> Any:
     """The coarsest-needed granularity keeping every block of ``a`` and of ``b`` whole."""
     if a is None or a == 1:
         return b
@@ -182,10 +182,8 @@ def combine(*grans: Granularity) -> Granularity:
         (True, True)
     """
     grans = tuple(g for g in grans if g is not None)
-    if not grans:
-        return None
-    if len(grans) == 1:
-        return grans[0]
+    if len(grans) < 2:
+        return grans[0] if grans else None
 
     def combined(path: tuple, tensor: Any) -> Any:
         shape = tuple(getattr(tensor, "shape", ()))
@@ -194,7 +192,7 @@ def combine(*grans: Granularity) -> Granularity:
         for g in grans:
             value = g(path, tensor) if callable(g) else g
             block_elements(value, path, shape, numel, tensor)  # validate each member's value
-            out = _pair(out, value, shape, numel)
+            out = _pair(out, value, shape)
         return out
 
     return combined

@@ -6,7 +6,6 @@ No process group is needed or touched: a ``DeviceMesh`` is only read for its sha
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -390,9 +389,7 @@ def unit_layouts(prepared: Prepared, m: int, alignment_bytes: int = 16,
 
 def _taker(order: Sequence[int]) -> Callable[[Sequence], tuple]:
     """``seq -> tuple(seq[k] for k in order)``, in C (a unit can hold thousands of tensors)."""
-    if len(order) == 1:
-        return lambda seq: (seq[order[0]],)
-    return operator.itemgetter(*order) if order else lambda seq: ()
+    return lambda seq: tuple(map(seq.__getitem__, order))
 
 
 def assemble(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout], mesh_shape: tuple,
@@ -429,10 +426,9 @@ def find_ties(leaves: list, paths: list, idx: list, params: Any = None) -> dict:
     tied: dict = {}
     for i in idx:
         leaf = leaves[i]
-        if id(leaf) in first_by_id:
-            tied[i] = first_by_id[id(leaf)]
+        if (first := first_by_id.setdefault(id(leaf), i)) != i:
+            tied[i] = first
             continue
-        first_by_id[id(leaf)] = i
         if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta" or not leaf.numel():
             continue
         try:

@@ -59,19 +59,14 @@ def recipe(spec: Any) -> str:
     """
     from vfsdp.planner.spec import TensorSpec
 
-    leaves = []
+    leaves = [_Code(f"ShapeDtype({tuple(x.shape)!r}, {x.dtype})") if isinstance(x, TensorSpec)
+              else "passthrough" for x in spec.leaves()]
     blocks, units = {}, {}
-    for x in spec.leaves():
-        if isinstance(x, TensorSpec):
-            leaves.append(_Code(f"ShapeDtype({tuple(x.shape)!r}, {x.dtype})"))
-            if x.numel and x.numel % x.block:  # a short last block: only rows(k) gives it
-                row = x.shape[-1] if len(x.shape) >= 2 else 1
-                blocks[tuple(x.path)] = _Code(f"vfsdp.rows({x.block // row})")
-            else:
-                blocks[tuple(x.path)] = x.block
-            units[tuple(x.path)] = x.unit
-        else:
-            leaves.append("passthrough")
+    for x in spec.tensors():
+        row = x.shape[-1] if len(x.shape) >= 2 else 1
+        short = x.numel and x.numel % x.block  # a short last block: only rows(k) gives it
+        blocks[x.path] = _Code(f"vfsdp.rows({x.block // row})") if short else x.block
+        units[x.path] = x.unit
     tree = optree.tree_unflatten(spec.treespec, leaves)
     if spec.mesh_dim_names is not None:
         mesh = tuple(zip(spec.mesh_dim_names, spec.mesh_shape))

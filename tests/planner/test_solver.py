@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tests.planner import oracle
 from vfsdp.planner import solver
 from vfsdp.planner.certify import certify_unit
-from vfsdp.planner.solver import lower_bound, next_admissible, pack, place_in_order
+from vfsdp.planner.solver import lower_bound, pack, place_in_order
 
 
 def _tiny(rng: random.Random):
@@ -68,7 +68,7 @@ def test_lower_bound_matches_linear_scan(items, m, align):
 def test_next_admissible_is_smallest(items, start, align):
     numels = [e for e, _ in items]
     blocks = [g for _, g in items]
-    got = next_admissible(start, numels, blocks, align)
+    got = solver._Bound(numels, blocks, align).next_admissible(start)
 
     def admissible(s):
         return s % align == 0 and all(s % g == 0 for e, g in items if e >= 2 * s and e)
@@ -96,7 +96,7 @@ def test_earliest_start_placement_is_exact_for_an_order():
         numels, blocks, m, align = _tiny(rng)
         order = list(range(len(numels)))
         for s in range(align, max(sum(numels), 1) + align, align):
-            greedy = place_in_order(order, numels, solver._effective_blocks(numels, blocks), s, m)
+            greedy = place_in_order(order, numels, solver._bound(numels, blocks, m, align)[0], s, m)
             assert (greedy is not None) == oracle.fits_in_order(order, numels, blocks, s, m)
 
 

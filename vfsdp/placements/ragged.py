@@ -21,6 +21,7 @@ of ``prod(shape[len(dims):])``-element slabs, so it can be re-viewed as
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,12 +38,7 @@ __all__ = [
 
 def _compact(values: Sequence[int], limit: int = 12) -> str:
     """Readable rendering of a long tuple: run-length encodes repeats, elides the middle."""
-    runs: list[tuple[int, int]] = []
-    for v in values:
-        if runs and runs[-1][0] == v:
-            runs[-1] = (v, runs[-1][1] + 1)
-        else:
-            runs.append((v, 1))
+    runs = [(v, sum(1 for _ in group)) for v, group in itertools.groupby(values)]
     parts = [f"{v}" if n == 1 else f"{v}x{n}" for v, n in runs]
     if len(parts) > limit:
         parts = parts[: limit // 2] + ["..."] + parts[-limit // 2 :]
@@ -72,9 +68,8 @@ class RaggedShard:
 
     def __post_init__(self) -> None:
         for name in ("dims", "local_units"):
-            value = getattr(self, name)
-            if not isinstance(value, tuple):
-                object.__setattr__(self, name, value := tuple(value))
+            value = tuple(getattr(self, name))
+            object.__setattr__(self, name, value)
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
                 raise TypeError(f"RaggedShard.{name} must hold ints, got {value!r}")
         if self.dims != tuple(range(len(self.dims))):
@@ -101,10 +96,6 @@ Placement = RaggedShard
 described by the spec's mesh, and DTensor's own ``Replicate()`` by :func:`vfsdp.to_dtensor`."""
 
 
-def _numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
 def validate_placement(placement: Placement, shape: Sequence[int]) -> None:
     """Check that ``placement`` can describe a tensor of ``shape``.
 
@@ -124,7 +115,7 @@ def validate_placement(placement: Placement, shape: Sequence[int]) -> None:
     shape = tuple(shape)
     if len(placement.dims) > len(shape):
         raise ValueError(f"{placement!r}: dims is longer than the tensor's rank {len(shape)}")
-    numel = _numel(shape)
+    numel = math.prod(shape)
     total = sum(placement.local_units)
     if total == 0:
         if numel != 0:
@@ -136,7 +127,7 @@ def validate_placement(placement: Placement, shape: Sequence[int]) -> None:
             f"sum(local_units) = {total}"
         )
     unit = numel // total
-    slab = _numel(shape[len(placement.dims):])
+    slab = math.prod(shape[len(placement.dims):])
     if slab and unit % slab:
         raise ValueError(
             f"{placement!r}: a unit of {unit} elements is not a whole number of "
@@ -163,13 +154,10 @@ def flat_range(placement: Placement, shape: Sequence[int], rank: int) -> tuple[i
         (2, 8)
     """
     validate_placement(placement, shape)
-    numel = _numel(shape)
     if not 0 <= rank < placement.world_size:
         raise ValueError(f"rank {rank} out of range for world size {placement.world_size}")
     total = sum(placement.local_units)
-    if total == 0:
-        return (0, 0)
-    unit = numel // total
+    unit = math.prod(shape) // total if total else 0  # all-zero units: a 0-size tensor
     start = unit * sum(placement.local_units[:rank])
     return (start, start + unit * placement.local_units[rank])
 
@@ -217,9 +205,8 @@ def local_shape(placement: Placement, shape: Sequence[int], rank: int) -> tuple[
     """
     shape = tuple(shape)
     n = local_numel(placement, shape, rank)
-    trailing = shape[len(placement.dims):]
     if not placement.dims:
         return shape if n else (0,)
-    slab = _numel(trailing)
-    lead = n // slab if slab else 0
-    return (lead, *trailing)
+    trailing = shape[len(placement.dims):]
+    slab = math.prod(trailing)
+    return (n // slab if slab else 0, *trailing)

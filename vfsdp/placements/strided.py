@@ -102,19 +102,13 @@ class StridedRaggedShard:
     @property
     def local_shape(self) -> tuple[int, ...]:
         """Shape of this index's piece."""
-        if self.dim is None:
-            return self.global_shape
-        shape = list(self.global_shape)
-        shape[self.dim] = self.lengths[self.index]
-        return tuple(shape)
+        return tuple(self.lengths[self.index] if d == self.dim else n
+                     for d, n in enumerate(self.global_shape))
 
     @property
     def origin(self) -> tuple[int, ...]:
         """Offsets of the piece's first element in the global tensor, per dim."""
-        out = [0] * len(self.global_shape)
-        if self.dim is not None:
-            out[self.dim] = self.start
-        return tuple(out)
+        return tuple(self.start if d == self.dim else 0 for d in range(len(self.global_shape)))
 
     @property
     def writes(self) -> bool:

@@ -45,9 +45,7 @@ def certify_unit(
         >>> certify_unit([6, 2], [3, 1], 2, 1)
         5
     """
-    eff = solver._effective_blocks(numels, blocks)
-    bound = solver._Bound(numels, eff, align)
-    s = solver.lower_bound(numels, blocks, world_size, align)
+    eff, bound, s = solver._bound(numels, blocks, world_size, align)
     deadline = time.perf_counter() + max_seconds
     while upper is None or s < upper:
         if solver._search(numels, eff, s, world_size, budget=10**12) is not None:

@@ -70,50 +70,34 @@ def check_spec(spec: ShardSpec, *, placements: bool | None = None) -> None:
                 _fail(f"{where}: rank boundary {first} cuts a {g}-element block")
             if first + s < off + e and s % g:
                 _fail(f"{where}: spans a whole shard but S={s} is not a multiple of block {g}")
-    n_tensors = 0
-    for leaf in spec.leaves():
-        if leaf is PASSTHROUGH:
-            continue
-        if not isinstance(leaf, TensorSpec):
-            _fail(f"unexpected leaf {leaf!r}")
-        n_tensors += 1
-        _check_tensor(spec, leaf)
+    tensors = [x for x in spec.leaves() if x is not PASSTHROUGH]
+    for t in tensors:
+        if not isinstance(t, TensorSpec):
+            _fail(f"unexpected leaf {t!r}")
+        where, u = format_path(t.path), spec.units.get(t.unit)
+        if u is None or t.layout is not u:
+            _fail(f"{where}: unit {unit_name(t.unit)} is not in spec.units")
+        k = u._index.get(t.path)  # its position in the unit's buffer order
+        if k is None:
+            _fail(f"{where}: missing from unit {unit_name(t.unit)}'s paths")
+        if (u.offsets[k], u.numels[k], u.blocks[k]) != (t.offset, t.numel, t.block):
+            _fail(f"{where}: offset/numel/block disagree with unit {unit_name(t.unit)}")
+        if math.prod(t.shape) != t.numel:
+            _fail(f"{where}: numel {t.numel} != prod(shape {tuple(t.shape)})")
+        if t.dtype != u.dtype:
+            _fail(f"{where}: dtype {t.dtype} differs from unit dtype {u.dtype}")
     if placements is None:
-        placements = spec.world_size * n_tensors <= _PLACEMENT_CHECK_LIMIT
-    if placements:
-        for leaf in spec.tensors():
-            _check_placement(leaf)
-
-
-def _check_tensor(spec: ShardSpec, t: TensorSpec) -> None:
-    where = format_path(t.path)
-    u = spec.units.get(t.unit)
-    if u is None or t.layout is not u:
-        _fail(f"{where}: unit {unit_name(t.unit)} is not in spec.units")
-    try:
-        k = u.paths.index(t.path)
-    except ValueError:
-        _fail(f"{where}: missing from unit {unit_name(t.unit)}'s paths")
-    if (u.offsets[k], u.numels[k], u.blocks[k]) != (t.offset, t.numel, t.block):
-        _fail(f"{where}: offset/numel/block disagree with unit {unit_name(t.unit)}")
-    if math.prod(t.shape) != t.numel:
-        _fail(f"{where}: numel {t.numel} != prod(shape {tuple(t.shape)})")
-    if t.dtype != u.dtype:
-        _fail(f"{where}: dtype {t.dtype} differs from unit dtype {u.dtype}")
-
-
-def _check_placement(t: TensorSpec) -> None:
-    where = format_path(t.path)
-    p = t.placement
-    covered = 0
-    for r in range(t.world_size):
-        got = flat_range(p, t.shape, r)  # also validates the placement against the shape
-        want = t.local_range(r)
-        if got[1] - got[0] != want[1] - want[0] or (want[1] > want[0] and got != want):
-            _fail(f"{where}: placement gives rank {r} {got}, layout gives {want}")
-        covered += got[1] - got[0]
-    if covered != t.numel:
-        _fail(f"{where}: placement covers {covered} of {t.numel} elements")
+        placements = spec.world_size * len(tensors) <= _PLACEMENT_CHECK_LIMIT
+    for t in spec.tensors() if placements else ():
+        p, covered = t.placement, 0
+        for r in range(t.world_size):
+            got = flat_range(p, t.shape, r)  # also validates the placement against the shape
+            want = t.local_range(r)
+            if got[1] - got[0] != want[1] - want[0] or (want[1] > want[0] and got != want):
+                _fail(f"{format_path(t.path)}: placement gives rank {r} {got}, layout gives {want}")
+            covered += got[1] - got[0]
+        if covered != t.numel:
+            _fail(f"{format_path(t.path)}: placement covers {covered} of {t.numel} elements")
 
 
 def plan_stats(spec: ShardSpec) -> dict[str, Any]:

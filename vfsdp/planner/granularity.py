@@ -50,23 +50,14 @@ class Rows:
         return f"rows({self.k})"
 
 
-class Singleton:
-    """A class of one instance, which pickles (and copies) as itself."""
-
-    def __new__(cls):
-        if "_instance" not in cls.__dict__:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __reduce__(self):
-        return (type(self), ())
-
-
-class Whole(Singleton):
+class Whole:
     """The whole tensor is one block. Use the singleton :data:`whole`."""
 
     def __repr__(self) -> str:
         return "whole"
+
+    def __reduce__(self) -> str:
+        return "whole"  # pickles (and copies) as this module's ``whole``
 
 
 whole = Whole()
@@ -120,9 +111,9 @@ def block_elements(gran: Any, path: tuple, shape: tuple[int, ...], numel: int, t
         >>> block_elements(rows(32), ("w",), (4096, 1024), 4096 * 1024, None)
         32768
     """
-    if callable(gran) and not isinstance(gran, (Rows, Whole)):
+    if callable(gran):  # rows(k) and whole are not callables
         resolved = gran(path, tensor)
-        if callable(resolved) and not isinstance(resolved, (Rows, Whole)):
+        if callable(resolved):
             raise TypeError(
                 f"granularity callable returned another callable for {format_path(path)}; "
                 f"return an int, rows(k) or whole"
@@ -142,8 +133,8 @@ def block_elements(gran: Any, path: tuple, shape: tuple[int, ...], numel: int, t
                 f"use 1 for element granularity"
             )
         if numel and numel % gran:
-            divisors = [d for d in (math.gcd(numel, gran),) if d > 1]
-            hint = f" (e.g. {divisors[0]})" if divisors else ""
+            common = math.gcd(numel, gran)
+            hint = f" (e.g. {common})" if common > 1 else ""
             raise ValueError(
                 f"granularity {gran} does not divide {format_path(path)} (shape {tuple(shape)}, "
                 f"{numel} elements); use a divisor of {numel}{hint}, rows(k) (which allows a "
@@ -156,14 +147,7 @@ def block_elements(gran: Any, path: tuple, shape: tuple[int, ...], numel: int, t
     )
 
 
-def _resolve(gran: Any, path: tuple, tensor: Any) -> Any:
-    """A callable granularity's value for one tensor (other forms as they are)."""
-    if callable(gran) and not isinstance(gran, (Rows, Whole)):
-        return gran(path, tensor)
-    return gran
-
-
-def _pair(a: Any, b: Any, shape: tuple, numel: int) -> Any:
+def _pair(a: Any, b: Any, shape: tuple) -> Any:
     """The coarsest-needed granularity keeping every block of ``a`` and of ``b`` whole."""
     if a is None or a == 1:
         return b
@@ -198,19 +182,17 @@ def combine(*grans: Granularity) -> Granularity:
         (True, True)
     """
     grans = tuple(g for g in grans if g is not None)
-    if not grans:
-        return None
-    if len(grans) == 1:
-        return grans[0]
+    if len(grans) < 2:
+        return grans[0] if grans else None
 
     def combined(path: tuple, tensor: Any) -> Any:
         shape = tuple(getattr(tensor, "shape", ()))
         numel = math.prod(shape)
         out = None
         for g in grans:
-            value = _resolve(g, path, tensor)
+            value = g(path, tensor) if callable(g) else g
             block_elements(value, path, shape, numel, tensor)  # validate each member's value
-            out = _pair(out, value, shape, numel)
+            out = _pair(out, value, shape)
         return out
 
     return combined

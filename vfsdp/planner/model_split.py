@@ -8,7 +8,7 @@ of ``(name, size)`` axes with ``tp_index`` needs no process group at all.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import optree
 
@@ -19,7 +19,7 @@ from vfsdp.planner.granularity import format_path
 __all__ = ["split_params", "ModelSplit"]
 
 
-class ModelSplit:
+class ModelSplit(NamedTuple):
     """What :func:`split_params` gives: the local tree, each leaf's placement, the data mesh.
 
     Attributes:
@@ -31,11 +31,10 @@ class ModelSplit:
         data_names: Its dim names.
     """
 
-    __slots__ = ("local", "strided", "data_shape", "data_names")
-
-    def __init__(self, local, strided, data_shape, data_names) -> None:
-        self.local, self.strided = local, strided
-        self.data_shape, self.data_names = data_shape, data_names
+    local: Any
+    strided: list
+    data_shape: tuple
+    data_names: tuple
 
 
 def _index_of(mesh: Any, axis: str, tp_index: Optional[int], size: int) -> int:
@@ -108,13 +107,13 @@ def split_params(params: Any, mesh: Any, mesh_shape: tuple, mesh_names: Optional
     strided: list = []
     by_id: dict = {}
     for path, leaf in zip(paths, leaves):
-        if not is_tensor_leaf(leaf):
-            local.append(leaf)
-            strided.append(None)
-            continue
-        shape, dtype, _ = leaf_meta(leaf)
-        dim = _placement(rule(tuple(path)), tuple(path), tuple(shape))
-        if id(leaf) in by_id:  # a tie: the same tensor, the same piece
+        piece, st = leaf, None  # a non-tensor leaf passes through
+        if is_tensor_leaf(leaf):
+            shape, dtype, _ = leaf_meta(leaf)
+            dim = _placement(rule(tuple(path)), tuple(path), tuple(shape))
+            if id(leaf) not in by_id:  # a tie (the same tensor again) gets the same piece
+                st = StridedRaggedShard(axis, size, index, dim, tuple(shape))
+                by_id[id(leaf)] = (ShapeDtype(st.local_shape, dtype), st, tuple(path))
             piece, st, first = by_id[id(leaf)]
             if dim != st.dim:
                 raise ValueError(
@@ -122,12 +121,6 @@ def split_params(params: Any, mesh: Any, mesh_shape: tuple, mesh_names: Optional
                     f"{format_path(first)} (a tie), but tp= places it {_name(st.dim)} there "
                     f"and {_name(dim)} here; a tied tensor is one tensor with one placement: "
                     f"give both paths the same rule")
-            local.append(piece)
-            strided.append(st)
-            continue
-        st = StridedRaggedShard(axis, size, index, dim, tuple(shape))
-        piece = ShapeDtype(st.local_shape, dtype)
-        by_id[id(leaf)] = (piece, st, tuple(path))
         local.append(piece)
         strided.append(st)
     data_shape = mesh_shape[:d] + mesh_shape[d + 1:]

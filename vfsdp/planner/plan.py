@@ -6,7 +6,6 @@ No process group is needed or touched: a ``DeviceMesh`` is only read for its sha
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -16,7 +15,7 @@ import torch
 
 from vfsdp._gc import paused_gc
 from vfsdp.planner.abstract import is_tensor_leaf, leaf_meta
-from vfsdp.planner.granularity import Granularity, Rows, Whole, block_elements, format_path
+from vfsdp.planner.granularity import Granularity, block_elements, format_path
 from vfsdp.planner.model_split import split_params
 from vfsdp.planner.solver import lower_bound, pack
 from vfsdp.planner.spec import (
@@ -45,17 +44,14 @@ def resolve_mesh(mesh: Any) -> tuple[tuple[int, ...], Optional[tuple[str, ...]]]
         TypeError: anything else.
     """
     names = None
-    if isinstance(mesh, bool):
-        raise TypeError("mesh must be an int world size, a tuple of ints, or a DeviceMesh")
-    if isinstance(mesh, int):
+    if isinstance(mesh, int) and not isinstance(mesh, bool):
         shape = (mesh,)
     elif isinstance(mesh, tuple) and mesh and all(isinstance(d, int) for d in mesh):
         shape = mesh
     elif (isinstance(mesh, tuple) and mesh
           and all(isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str)
                   and isinstance(a[1], int) for a in mesh)):  # (("dp", 2), ("tp", 2))
-        shape = tuple(a[1] for a in mesh)
-        names = tuple(a[0] for a in mesh)
+        names, shape = map(tuple, zip(*mesh))
         if len(set(names)) != len(names):
             raise ValueError(f"mesh axis names must differ, got {names}")
     elif hasattr(mesh, "mesh") and hasattr(mesh, "mesh_dim_names"):  # torch DeviceMesh
@@ -81,23 +77,13 @@ def alignment_elements(
         >>> alignment_elements(torch.float32, 16, [torch.bfloat16])
         8
     """
-    align = 1
-    for dt in (dtype, *comm_dtypes):
-        itemsize = torch.empty((), dtype=dt, device="meta").element_size()
-        align = math.lcm(align, max(1, alignment_bytes // itemsize))
-    return align
+    return math.lcm(*(max(1, alignment_bytes // dt.itemsize) for dt in (dtype, *comm_dtypes)))
 
 
 def _logical(path: tuple) -> tuple:
     """Split dotted string entries and turn digit strings into ints: 'layers.3.w' -> layers, 3, w."""
-    out: list = []
-    for entry in path:
-        if isinstance(entry, str):
-            for part in entry.split("."):
-                out.append(int(part) if part.isdigit() else part)
-        else:
-            out.append(entry)
-    return tuple(out)
+    parts = (part for entry in path for part in (entry.split(".") if isinstance(entry, str) else (entry,)))
+    return tuple(int(part) if isinstance(part, str) and part.isdigit() else part for part in parts)
 
 
 def _outer_sequences(params: Any) -> list[tuple]:
@@ -117,8 +103,7 @@ def _outer_sequences(params: Any) -> list[tuple]:
         if is_tensor_leaf(node) or optree.tree_is_leaf(node):
             continue
         level = optree.tree_flatten_one_level(node)
-        children, entries = level.children, level.entries
-        for entry, child in zip(entries, children):
+        for entry, child in zip(level.entries, level.children):
             if not is_tensor_leaf(child):
                 stack.append((path + (entry,), child))
     return sorted(found, key=repr)
@@ -131,31 +116,16 @@ def _unit_keys(units: Units, paths: list[tuple], params: Any) -> list[Hashable]:
         if seqs:
             depths = sorted({len(s) for s in seqs})
             seq_set = set(seqs)
-            keys = []
-            for p in paths:
-                key = ROOT
-                for d in depths:
-                    if len(p) > d and p[:d] in seq_set:
-                        key = p[: d + 1]
-                        break
-                keys.append(key)
-            return keys
-        keys = []
-        for p in paths:
-            lp = _logical(p)
-            idx = next((i for i, x in enumerate(lp) if isinstance(x, int)), None)
-            keys.append(ROOT if idx is None else lp[: idx + 1])
-        return keys
-    if isinstance(units, bool):
-        raise TypeError("units must be None, an int depth, a callable or a list of prefixes")
-    if isinstance(units, int):
+            return [next((p[: d + 1] for d in depths if len(p) > d and p[:d] in seq_set), ROOT)
+                    for p in paths]
+        return [_layer_key(_logical(p)) for p in paths]
+    if isinstance(units, int) and not isinstance(units, bool):
         if units < 0:
             raise ValueError(f"units depth must be >= 0, got {units}")
         return [_logical(p)[:units] for p in paths]
     if callable(units):
-        keys = []
-        for p in paths:
-            key = units(p)
+        keys = [units(p) for p in paths]
+        for p, key in zip(paths, keys):
             try:
                 hash(key)
             except TypeError:
@@ -163,21 +133,16 @@ def _unit_keys(units: Units, paths: list[tuple], params: Any) -> list[Hashable]:
                     f"units callable returned an unhashable key {key!r} for {format_path(p)}; "
                     f"return a tuple, str or int"
                 ) from None
-            keys.append(key)
         return keys
     if isinstance(units, (str, tuple)):
         units = [units]
     if not isinstance(units, Iterable):
-        raise TypeError(f"unsupported units value {units!r}")
+        raise TypeError(f"unsupported units value {units!r}; pass None, an int depth, a callable "
+                        f"or a list of prefixes")
     prefixes = [_logical((u,) if isinstance(u, str) else tuple(u)) for u in units]
     by_len = sorted(set(prefixes), key=len, reverse=True)
-    matched: set = set()
-    keys = []
-    for p in paths:
-        lp = _logical(p)
-        key = next((q for q in by_len if lp[: len(q)] == q), ROOT)
-        matched.add(key)
-        keys.append(key)
+    keys = [next((q for q in by_len if lp[: len(q)] == q), ROOT) for lp in map(_logical, paths)]
+    matched = set(keys)
     missing = [q for q in prefixes if q not in matched]
     if missing:
         raise ValueError(
@@ -185,6 +150,12 @@ def _unit_keys(units: Units, paths: list[tuple], params: Any) -> list[Hashable]:
             f"against the tree's paths (e.g. {format_path(paths[0]) if paths else 'none'!r})"
         )
     return keys
+
+
+def _layer_key(lp: tuple) -> tuple:
+    """A dotted name's layer: up to its first integer component (``ROOT`` without one)."""
+    idx = next((i for i, x in enumerate(lp) if isinstance(x, int)), None)
+    return ROOT if idx is None else lp[: idx + 1]
 
 
 def _suggest_split(numels, blocks, m, align, shard_numel) -> Optional[tuple[int, int, tuple]]:
@@ -198,16 +169,9 @@ def _suggest_split(numels, blocks, m, align, shard_numel) -> Optional[tuple[int,
         return None
     total = sum(numels)
     now = m * shard_numel - total
-    candidates = []
-    for b in sorted(set(blocks)):
-        group = tuple(i for i in range(n) if blocks[i] == b)
-        candidates.append(group)
+    candidates = [tuple(i for i in range(n) if blocks[i] == b) for b in sorted(set(blocks))]
     by_numel = sorted(range(n), key=lambda i: (-numels[i], i))
-    for k in (1, 2, 3):
-        candidates.append(tuple(sorted(by_numel[:k])))
-    def parts(group):
-        in_group = set(group)
-        return group, tuple(i for i in range(n) if i not in in_group)
+    candidates += [tuple(sorted(by_numel[:k])) for k in (1, 2, 3)]
 
     def padding(split, solve):
         pad = 0
@@ -218,13 +182,10 @@ def _suggest_split(numels, blocks, m, align, shard_numel) -> Optional[tuple[int,
         return pad
 
     # Rank candidates by their (cheap) lower bounds; solve only the two most promising.
-    splits = [parts(g) for g in dict.fromkeys(candidates) if 0 < len(g) < n]
+    splits = [(g, tuple(sorted(set(range(n)).difference(g))))
+              for g in dict.fromkeys(candidates) if 0 < len(g) < n]
     splits.sort(key=lambda sp: (padding(sp, False), sp))
-    best = None
-    for sp in splits[:2]:
-        pad = padding(sp, True)
-        if best is None or pad < best[0]:
-            best = (pad, sp[0])
+    best = min(((padding(sp, True), sp[0]) for sp in splits[:2]), key=lambda b: b[0], default=None)
     if best is None or best[0] * 2 > now:
         return None  # offer a split only when it at least halves the padding
     return now, best[0], best[1]
@@ -298,7 +259,10 @@ def plan(
         >>> spec.units[("layers", 0)].shard_numel
         16
     """
-    _check_params(params)
+    refuse_non_tree(params, "vfsdp.plan")
+    if isinstance(params, ShardSpec):
+        raise TypeError("vfsdp.plan: got a ShardSpec; plan takes the parameter tree "
+                        "(vfsdp.plan(params, mesh))")
     mesh_shape, mesh_names = resolve_mesh(mesh)
     if not isinstance(alignment_bytes, int) or alignment_bytes < 1:
         raise ValueError(f"alignment_bytes must be an int >= 1, got {alignment_bytes!r}")
@@ -313,16 +277,10 @@ def plan(
     elif tp_index is not None:
         raise ValueError("vfsdp.plan: tp_index= without tp=; give the tp rule too")
     with paused_gc():
-        return _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes,
-                     tuple(comm_dtypes), split_threshold, strided, tied)
-
-
-def _plan(params, mesh_shape, mesh_names, granularity, units, alignment_bytes, comm_dtypes,
-          split_threshold, strided=None, tied=None):
-    prepared = prepare(params, granularity, units, strided, tied)
-    layouts, orders = _layouts(prepared, mesh_shape[-1], alignment_bytes, comm_dtypes,
+        prepared = prepare(params, granularity, units, strided, tied)
+        layouts = unit_layouts(prepared, mesh_shape[-1], alignment_bytes, tuple(comm_dtypes),
                                split_threshold)
-    return assemble(prepared, layouts, mesh_shape, mesh_names, orders)
+        return assemble(prepared, layouts, mesh_shape, mesh_names)
 
 
 @dataclass(frozen=True)
@@ -357,7 +315,6 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
     keys = _unit_keys(units, [paths[i] for i in t_idx], params)
     grouped: dict[Hashable, list] = {}
     block_cache: dict = {}
-    dynamic = callable(granularity) and not isinstance(granularity, (Rows, Whole))
     for i, key in zip(t_idx, keys):
         leaf = leaves[i]
         shape, dtype, numel = leaf_meta(leaf)
@@ -365,13 +322,10 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
             raise ValueError(f"vfsdp.plan: {format_path(paths[i])} is {dtype}; complex tensors "
                              f"are not supported (reductions and optimizers assume real values): "
                              f"store torch.view_as_real(t) instead")
-        if dynamic:
-            block = block_elements(granularity, paths[i], shape, numel, leaf)
-        else:
-            ck = (shape, numel)
-            block = block_cache.get(ck)
-            if block is None:
-                block = block_cache[ck] = block_elements(granularity, paths[i], shape, numel, leaf)
+        ck = i if callable(granularity) else shape  # other granularities read the shape only
+        if ck not in block_cache:
+            block_cache[ck] = block_elements(granularity, paths[i], shape, numel, leaf)
+        block = block_cache[ck]
         grouped.setdefault(key, []).append((i, paths[i], shape, numel, block, dtype))
     members = {}
     for key, rows in grouped.items():
@@ -396,14 +350,7 @@ def unit_layouts(prepared: Prepared, m: int, alignment_bytes: int = 16,
                  split_threshold: float = 0.01) -> dict[Hashable, UnitLayout]:
     """Every unit's :class:`UnitLayout` over a shard group of ``m`` ranks, in unit order;
     units with the same numels, blocks and dtype are solved once."""
-    return _layouts(prepared, m, alignment_bytes, tuple(comm_dtypes), split_threshold)[0]
-
-
-def _layouts(prepared, m, alignment_bytes, comm_dtypes, split_threshold) -> tuple[dict, dict]:
-    """``(layouts, orders)``: ``orders[key][k]`` is the tree-order position of the unit's
-    ``k``-th tensor in buffer order."""
     layouts: dict[Hashable, UnitLayout] = {}
-    orders: dict[Hashable, tuple] = {}
     solved: dict[tuple, tuple] = {}
     strided = prepared.strided
     for key, (idx, paths, shapes, numels, blocks, dtype) in prepared.members.items():
@@ -417,7 +364,7 @@ def _layouts(prepared, m, alignment_bytes, comm_dtypes, split_threshold) -> tupl
                 split = _suggest_split(numels, blocks, m, align, packing.shard_numel)
             solved[signature] = (packing, align, split)
         packing, align, split = solved[signature]
-        order = orders[key] = packing.order
+        order = packing.order
         take = _taker(order)
         layouts[key] = UnitLayout(
             key=key,
@@ -437,48 +384,28 @@ def _layouts(prepared, m, alignment_bytes, comm_dtypes, split_threshold) -> tupl
             ),
             strided=() if strided is None else tuple(strided[idx[k]] for k in order),
         )
-    return layouts, orders
+    return layouts
 
 
 def _taker(order: Sequence[int]) -> Callable[[Sequence], tuple]:
     """``seq -> tuple(seq[k] for k in order)``, in C (a unit can hold thousands of tensors)."""
-    if len(order) == 1:
-        return lambda seq: (seq[order[0]],)
-    return operator.itemgetter(*order) if order else lambda seq: ()
+    return lambda seq: tuple(map(seq.__getitem__, order))
 
 
 def assemble(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout], mesh_shape: tuple,
-             mesh_names: Optional[tuple] = None, orders: Optional[dict] = None) -> ShardSpec:
+             mesh_names: Optional[tuple] = None) -> ShardSpec:
     """The :class:`ShardSpec` of ``prepared`` laid out as ``layouts`` (from
     :func:`unit_layouts`) over ``mesh_shape``, whose last dim is the layouts' ``m``."""
     out_leaves: list[Any] = [PASSTHROUGH] * prepared.num_leaves
     for key, layout in layouts.items():
         idx, paths = prepared.members[key][:2]
-        order = orders[key] if orders else _order(layout, paths)
-        for k, t in enumerate(layout.tensors):
-            out_leaves[idx[order[k]]] = t
+        leaf_of = dict(zip(paths, idx))
+        for t in layout.tensors:
+            out_leaves[leaf_of[t.path]] = t
     for i, first in prepared.tied.items():  # a tie is one tensor: its spec at every place
         out_leaves[i] = out_leaves[first]
     return ShardSpec(prepared.treespec, out_leaves, layouts, mesh_shape, mesh_names,
                      frozen=prepared.frozen)
-
-
-def _order(layout: UnitLayout, paths: tuple) -> list:
-    """Position in tree order of each of ``layout``'s tensors (buffer order)."""
-    where = {p: k for k, p in enumerate(paths)}
-    return [where[p] for p in layout.paths]
-
-
-def _check_params(params: Any) -> None:
-    """Refuse, with the fix, what is not a pytree of tensors.
-
-    Raises:
-        TypeError: a module, an iterator, or a spec.
-    """
-    refuse_non_tree(params, "vfsdp.plan")
-    if isinstance(params, ShardSpec):
-        raise TypeError("vfsdp.plan: got a ShardSpec; plan takes the parameter tree "
-                        "(vfsdp.plan(params, mesh))")
 
 
 def find_ties(leaves: list, paths: list, idx: list, params: Any = None) -> dict:
@@ -494,7 +421,34 @@ def find_ties(leaves: list, paths: list, idx: list, params: Any = None) -> dict:
     Raises:
         ValueError: overlapping different views of one storage (naming both paths).
     """
-    tied = _find_ties(leaves, paths, idx)
+    first_by_id: dict = {}
+    by_storage: dict = {}
+    tied: dict = {}
+    for i in idx:
+        leaf = leaves[i]
+        if (first := first_by_id.setdefault(id(leaf), i)) != i:
+            tied[i] = first
+            continue
+        if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta" or not leaf.numel():
+            continue
+        try:
+            key = (leaf.device, leaf.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # no plain storage (DTensor, wrapper)
+            continue
+        view = (leaf.storage_offset(), tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype)
+        span = _byte_span(leaf)
+        for j, other_view, other_span in by_storage.get(key, ()):
+            if other_view == view:
+                tied[i] = j
+                break
+            if span[0] < other_span[1] and other_span[0] < span[1]:
+                raise ValueError(
+                    f"{format_path(paths[i])} and {format_path(paths[j])} share memory but are "
+                    f"different views of it (offset/shape/strides {view[:3]} vs "
+                    f"{other_view[:3]}); vfsdp keeps a tie only between identical tensors: pass "
+                    f"one of them, or .clone() the other")
+        else:
+            by_storage.setdefault(key, []).append((i, view, span))
     if not tied or params is None:
         return tied
     groups: dict = {}
@@ -518,39 +472,6 @@ def _insertion_key(tree: Any, path: tuple) -> tuple:
             key.append(entry if isinstance(entry, int) else 0)
         tree = tree[entry] if isinstance(tree, (dict, list, tuple)) else None
     return tuple(key)
-
-
-def _find_ties(leaves: list, paths: list, idx: list) -> dict:
-    first_by_id: dict = {}
-    by_storage: dict = {}
-    tied: dict = {}
-    for i in idx:
-        leaf = leaves[i]
-        if id(leaf) in first_by_id:
-            tied[i] = first_by_id[id(leaf)]
-            continue
-        first_by_id[id(leaf)] = i
-        if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta" or not leaf.numel():
-            continue
-        try:
-            key = (leaf.device, leaf.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):  # no plain storage (DTensor, wrapper)
-            continue
-        view = (leaf.storage_offset(), tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype)
-        span = _byte_span(leaf)
-        for j, other_view, other_span in by_storage.get(key, ()):
-            if other_view == view:
-                tied[i] = j
-                break
-            if span[0] < other_span[1] and other_span[0] < span[1]:
-                raise ValueError(
-                    f"{format_path(paths[i])} and {format_path(paths[j])} share memory but are "
-                    f"different views of it (offset/shape/strides {view[:3]} vs "
-                    f"{other_view[:3]}); vfsdp keeps a tie only between identical tensors: pass "
-                    f"one of them, or .clone() the other")
-        else:
-            by_storage.setdefault(key, []).append((i, view, span))
-    return tied
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:

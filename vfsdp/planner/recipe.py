@@ -17,14 +17,10 @@ import optree
 __all__ = ["recipe"]
 
 
-class _Code:
+class _Code(str):
     """A leaf whose repr is the code that makes it."""
 
-    def __init__(self, code: str) -> None:
-        self.code = code
-
-    def __repr__(self) -> str:
-        return self.code
+    __repr__ = str.__str__
 
 
 def recipe(spec: Any) -> str:
@@ -63,24 +59,17 @@ def recipe(spec: Any) -> str:
     """
     from vfsdp.planner.spec import TensorSpec
 
-    leaves = []
+    leaves = [_Code(f"ShapeDtype({tuple(x.shape)!r}, {x.dtype})") if isinstance(x, TensorSpec)
+              else "passthrough" for x in spec.leaves()]
     blocks, units = {}, {}
-    for x in spec.leaves():
-        if isinstance(x, TensorSpec):
-            leaves.append(_Code(f"ShapeDtype({tuple(x.shape)!r}, {x.dtype})"))
-            numel = x.numel
-            if numel and numel % x.block:  # a short last block: only rows(k) gives it
-                row = x.shape[-1] if len(x.shape) >= 2 else 1
-                blocks[tuple(x.path)] = _Code(f"vfsdp.rows({x.block // row})")
-            else:
-                blocks[tuple(x.path)] = x.block
-            units[tuple(x.path)] = x.unit
-        else:
-            leaves.append("passthrough")
+    for x in spec.tensors():
+        row = x.shape[-1] if len(x.shape) >= 2 else 1
+        short = x.numel and x.numel % x.block  # a short last block: only rows(k) gives it
+        blocks[x.path] = _Code(f"vfsdp.rows({x.block // row})") if short else x.block
+        units[x.path] = x.unit
     tree = optree.tree_unflatten(spec.treespec, leaves)
-    names = spec.mesh_dim_names
-    if names is not None:
-        mesh = tuple(zip(names, spec.mesh_shape))
+    if spec.mesh_dim_names is not None:
+        mesh = tuple(zip(spec.mesh_dim_names, spec.mesh_shape))
     else:
         mesh = spec.mesh_shape[0] if len(spec.mesh_shape) == 1 else spec.mesh_shape
     aligned = sorted({u.alignment * u.dtype.itemsize for u in spec.units.values()})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 from collections.abc import Iterable, Sequence
 from typing import Any, Union
 
@@ -48,9 +49,8 @@ def nest_dotted(items: Iterable[tuple[str, Any]]) -> Any:
         if not isinstance(node, dict):
             return node
         out = {k: convert(v) for k, v in node.items()}
-        keys = list(out)
-        if keys and all(k.isdigit() for k in keys) and sorted(map(int, keys)) == list(range(len(keys))):
-            return [out[str(i)] for i in range(len(keys))]
+        if out and all(k.isdigit() for k in out) and sorted(map(int, out)) == list(range(len(out))):
+            return [out[str(i)] for i in range(len(out))]
         return out
 
     return convert(root)
@@ -76,11 +76,7 @@ def load_shapes(
         >>> tree["layers"][0]["w"].shape
         (4, 4)
     """
-    if isinstance(source, dict):
-        data = source
-    else:
-        with open(source) as f:
-            data = json.load(f)
+    data = source if isinstance(source, dict) else json.loads(pathlib.Path(source).read_text())
     entries: Sequence = data.get("params") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"{source!r}: expected a JSON object with a 'params' list")

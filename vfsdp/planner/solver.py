@@ -28,7 +28,7 @@ How :func:`pack` works:
   start that puts the next boundary on a block edge, or at the next shard's start (every later
   shard repeats that pattern).
 * Candidate ``S`` values are only the *admissible* ones (those meeting the lower-bound
-  conditions, enumerated in increasing order by :func:`next_admissible`), scanned upward from
+  conditions, enumerated in increasing order by ``_Bound.next_admissible``), scanned upward from
   the bound. At each candidate four strategies are tried: the given order, numel-descending,
   and block-descending. The first feasible candidate wins, so within the scan window the
   result is optimal for the given order and at least as good as every fixed order tried.
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-__all__ = ["Packing", "lower_bound", "next_admissible", "place_in_order", "pack"]
+__all__ = ["Packing", "lower_bound", "place_in_order", "pack"]
 
 SCAN_WINDOW = 8
 """How many admissible ``S`` values above the bound :func:`pack` scans before bisecting."""
@@ -105,7 +105,6 @@ class _Bound:
         self.prefix_lcm = [align]
         for _, g in items:
             self.prefix_lcm.append(math.lcm(self.prefix_lcm[-1], g))
-        self.align = align
 
     def next_admissible(self, s: int) -> int:
         s = max(s, 1)
@@ -123,20 +122,13 @@ class _Bound:
             s = drop
 
 
-def next_admissible(
-    s: int, numels: Sequence[int], blocks: Sequence[int], align: int
-) -> int:
-    """Smallest ``S' >= s`` meeting the lower-bound conditions other than ``m*S >= E``.
-
-    Example:
-        >>> next_admissible(5, [100], [8], 4)   # 100 >= 2*8, so S must be a multiple of 8
-        8
-    """
-    return _Bound(numels, blocks, align).next_admissible(s)
-
-
-def _effective_blocks(numels: Sequence[int], blocks: Sequence[int]) -> list[int]:
-    return [max(1, min(g, e)) if e > 0 else 1 for e, g in zip(numels, blocks)]
+def _bound(numels: Sequence[int], blocks: Sequence[int], m: int, align: int
+           ) -> tuple[list[int], _Bound, int]:
+    """The effective blocks (a block longer than its tensor is the tensor), their
+    :class:`_Bound` and the lower bound on ``S``."""
+    eff = [max(1, min(g, e)) if e > 0 else 1 for e, g in zip(numels, blocks)]
+    bound = _Bound(numels, eff, align)
+    return eff, bound, bound.next_admissible(max(-(-sum(numels) // m), max(eff, default=1), 1))
 
 
 def lower_bound(numels: Sequence[int], blocks: Sequence[int], world_size: int, align: int) -> int:
@@ -158,10 +150,7 @@ def lower_bound(numels: Sequence[int], blocks: Sequence[int], world_size: int, a
         >>> lower_bound([10, 6], [1, 1], 4, 2)
         4
     """
-    eff = _effective_blocks(numels, blocks)
-    total = sum(numels)
-    start = max(-(-total // world_size), max(eff, default=1), 1)
-    return _Bound(numels, eff, align).next_admissible(start)
+    return _bound(numels, blocks, world_size, align)[2]
 
 
 def _earliest_start(lo: int, e: int, g: int, s: int, cap: int) -> Optional[int]:
@@ -239,7 +228,6 @@ def _search(
         members.setdefault((e, g), []).append(i)
     keys = list(members)
     counts = [len(members[k]) for k in keys]
-    left = len(numels)
     # A class longer than S whose block does not divide S may cross only one boundary, so it
     # can start only in the first (2S - e) elements of a shard: the smaller that window, the
     # more constrained the class. Among options that waste no more than an alignment shift
@@ -272,54 +260,43 @@ def _search(
             failed.add((cur, tuple(counts)))
             stack.pop()
             if path:
-                c, _ = path.pop()
-                counts[c] += 1
-                left += 1
+                counts[path.pop()[0]] += 1
             continue
         frame[3] = k + 1
         waste, neg_e, c, start = opts[k]
         counts[c] -= 1
-        left -= 1
         path.append((c, start))
         nodes += 1
-        if not left:
+        if len(path) == len(numels):
             break
+        if nodes > budget:
+            return None
         nxt = (start - neg_e, tuple(counts))
-        if nxt in failed or nodes > budget:
-            if nodes > budget:
-                return None
+        if nxt in failed:
             path.pop()
             counts[c] += 1
-            left += 1
             continue
         stack.append([nxt[0], pad + waste, options(nxt[0], pad + waste), 0])
-    if left:
+    if len(path) < len(numels):
         return None
     offsets = [0] * len(numels)
     order = []
-    used = [0] * len(keys)
+    pending = [iter(members[k]) for k in keys]  # each class's tensors, in input order
     for c, start in path:
-        i = members[keys[c]][used[c]]
-        used[c] += 1
+        order.append(i := next(pending[c]))
         offsets[i] = start
-        order.append(i)
     return offsets, order
 
 
-def _strategies(numels: Sequence[int], blocks: Sequence[int]) -> list[tuple[str, Optional[list]]]:
-    n = len(numels)
-    given = list(range(n))
-    by_numel = sorted(given, key=lambda i: (-numels[i], i))
-    by_block = sorted(given, key=lambda i: (-blocks[i], -numels[i], i))
-    out: list[tuple[str, Optional[list]]] = [("given", given)]
-    seen = {tuple(given)}
-    for name, order in (("numel-desc", by_numel), ("block-desc", by_block)):
-        if tuple(order) not in seen:
-            seen.add(tuple(order))
-            out.append((name, order))
-    if len(set(zip(numels, blocks))) > 1:
-        out.append(("search", None))
-    return out
+def _fixed_orders(numels: Sequence[int], blocks: Sequence[int]) -> list[tuple[str, list]]:
+    """The distinct fixed orders tried: given, numel-descending, block-descending."""
+    given = list(range(len(numels)))
+    orders: dict = {}
+    for name, order in (("given", given),
+                        ("numel-desc", sorted(given, key=lambda i: (-numels[i], i))),
+                        ("block-desc", sorted(given, key=lambda i: (-blocks[i], -numels[i], i)))):
+        orders.setdefault(tuple(order), (name, order))
+    return list(orders.values())
 
 
 def _try(order, numels, blocks, s, m):
@@ -371,30 +348,15 @@ def pack(
 def _pack_cached(
     numels: tuple[int, ...], blocks: tuple[int, ...], m: int, align: int, search: bool
 ) -> Packing:
-    eff = _effective_blocks(numels, blocks)
-    bound = _Bound(numels, eff, align)
-    total = sum(numels)
-    lb = bound.next_admissible(max(-(-total // m), max(eff, default=1), 1))
-    strategies = _strategies(numels, eff)
-
-    def result(name, found, s):
-        offsets, order = found
-        return Packing(s, m, tuple(offsets), tuple(order), lb, name)
-
-    fixed = [(name, order) for name, order in strategies if order is not None]
+    eff, bound, lb = _bound(numels, blocks, m, align)
+    fixed = _fixed_orders(numels, eff)
     candidates = [lb]
     while len(candidates) < SCAN_WINDOW:
         candidates.append(bound.next_admissible(candidates[-1] + 1))
 
-    best = None
-    for s in candidates:
-        for name, order in fixed:
-            found = _try(order, numels, eff, s, m)
-            if found is not None:
-                best = (name, found, s)
-                break
-        if best is not None:
-            break
+    # the first fixed order to fit at the smallest candidate S
+    best = next(((name, found, s) for s in candidates for name, order in fixed
+                 if (found := _try(order, numels, eff, s, m)) is not None), None)
     if best is None:
         best = min(
             (_bisect(name, order, numels, eff, m, align, bound, candidates[-1], None)
@@ -404,9 +366,9 @@ def _pack_cached(
 
     # The search is O(budget * classes) per probe: run it only where it could help, aiming
     # first at the bound, then at "close enough", then bisecting up to the fixed orders' S.
-    slack = max(align, int(TOLERANCE * total) // m)
+    slack = max(align, int(TOLERANCE * sum(numels)) // m)
     worth_it = best[2] > lb + slack or (best[2] > lb and len(numels) <= SMALL_UNIT)
-    if search and len(strategies) > len(fixed) and worth_it:
+    if search and len(set(zip(numels, eff))) > 1 and worth_it:  # the search orders classes
         for target in (lb, bound.next_admissible(lb + 5 * slack)):
             if target >= best[2]:
                 break
@@ -419,7 +381,8 @@ def _pack_cached(
                                max_probes=SEARCH_PROBES)
             if improved is not None and improved[2] < best[2]:
                 best = improved
-    return result(*best)
+    name, (offsets, order), s = best
+    return Packing(s, m, tuple(offsets), tuple(order), lb, name)
 
 
 def _bisect(name, order, numels, eff, m, align, bound, lo, hi, max_probes=64):
@@ -434,11 +397,9 @@ def _bisect(name, order, numels, eff, m, align, bound, lo, hi, max_probes=64):
     found = None
     if hi is None:  # exponential search on the increment above lo, then bisect
         hi, step = lo, align
-        found = _try(order, numels, eff, hi, m)
-        while found is None:
+        while (found := _try(order, numels, eff, hi, m)) is None:
             lo, hi = hi, bound.next_admissible(hi + step)
             step *= 2
-            found = _try(order, numels, eff, hi, m)
     best_s = hi
     for _ in range(max_probes):
         if best_s - lo <= align:

@@ -20,7 +20,8 @@ import itertools
 import math
 import statistics
 from collections.abc import Hashable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any, Optional
 
@@ -30,7 +31,7 @@ import torch
 from vfsdp._torch_private import compiling as _compiling
 from vfsdp.placements.ragged import RaggedShard
 from vfsdp.placements.strided import StridedRaggedShard
-from vfsdp.planner.granularity import Singleton, format_path
+from vfsdp.planner.granularity import format_path
 
 __all__ = ["UnitLayout", "TensorSpec", "ShardSpec", "SplitSuggestion", "PASSTHROUGH", "unit_name"]
 
@@ -58,11 +59,14 @@ def unit_name(key: Hashable) -> str:
     return str(key)
 
 
-class _Passthrough(Singleton):
+class _Passthrough:
     """Marks a non-tensor leaf of ``params``: it is not sharded and passes through untouched."""
 
     def __repr__(self) -> str:
         return "PASSTHROUGH"
+
+    def __reduce__(self) -> str:
+        return "PASSTHROUGH"  # pickles (and copies) as this module's ``PASSTHROUGH``
 
 
 PASSTHROUGH = _Passthrough()
@@ -140,9 +144,6 @@ class UnitLayout:
     strategy: str = "given"
     split: Optional[SplitSuggestion] = field(default=None, compare=False)
     strided: tuple = ()
-    _tensors: Optional[tuple] = field(default=None, compare=False, repr=False, init=False)
-    _index: Optional[dict] = field(default=None, compare=False, repr=False, init=False)
-    _pieces: dict = field(default_factory=dict, compare=False, repr=False, init=False)
 
     def __post_init__(self) -> None:
         n = len(self.paths)
@@ -167,23 +168,23 @@ class UnitLayout:
                                  f"{st.local_shape}")
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items()
-                if k not in ("_tensors", "_index", "_pieces")}
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # not the caches below
 
-    def __setstate__(self, state: dict) -> None:
-        for k, v in dict(state, _tensors=None, _index=None, _pieces={}).items():
-            object.__setattr__(self, k, v)
-
-    @property
+    @cached_property
     def tensors(self) -> tuple[TensorSpec, ...]:
         """The unit's :class:`TensorSpec` s in buffer order, built from this layout alone."""
-        if self._tensors is None:
-            strided = self.strided or (None,) * len(self.paths)
-            specs = tuple(TensorSpec(p, self.key, o, n, tuple(sh), self.dtype, b, self, st)
-                          for p, o, n, b, sh, st in zip(self.paths, self.offsets, self.numels,
-                                                        self.blocks, self.shapes, strided))
-            object.__setattr__(self, "_tensors", specs)
-        return self._tensors
+        strided = self.strided or (None,) * len(self.paths)
+        return tuple(TensorSpec(p, self.key, o, n, tuple(sh), self.dtype, b, self, st)
+                     for p, o, n, b, sh, st in zip(self.paths, self.offsets, self.numels,
+                                                   self.blocks, self.shapes, strided))
+
+    @cached_property
+    def _pieces(self) -> dict:
+        return {}
+
+    @cached_property
+    def _index(self) -> dict:
+        return {p: k for k, p in enumerate(self.paths)}
 
     def pieces(self, rank: int) -> tuple:
         """``(start in the shard, local shape)`` of each tensor's piece on ``rank``, in buffer
@@ -200,12 +201,8 @@ class UnitLayout:
         Raises:
             KeyError: the path is not in this unit.
         """
-        idx = self._index
-        if idx is None:
-            idx = {p: k for k, p in enumerate(self.paths)}
-            object.__setattr__(self, "_index", idx)
         try:
-            return idx[tuple(path)]
+            return self._index[tuple(path)]
         except KeyError:
             raise KeyError(f"{format_path(tuple(path))} is not in unit {unit_name(self.key)}") from None
 
@@ -261,6 +258,7 @@ class UnitLayout:
         )
 
 
+@dataclass(frozen=True, eq=False, slots=True)
 class TensorSpec:
     """Where one tensor lives. Immutable; built by ``vfsdp.plan``.
 
@@ -281,26 +279,15 @@ class TensorSpec:
         (0, 4, RaggedShard(dims=(0,), local_units=(3x3, 1)), (12, 24))
     """
 
-    __slots__ = ("path", "unit", "offset", "numel", "shape", "dtype", "block", "layout", "strided")
-
-    def __init__(self, path, unit, offset, numel, shape, dtype, block, layout,
-                 strided: Optional[StridedRaggedShard] = None) -> None:
-        set_ = object.__setattr__
-        set_(self, "path", path)
-        set_(self, "unit", unit)
-        set_(self, "offset", offset)
-        set_(self, "numel", numel)
-        set_(self, "shape", shape)
-        set_(self, "dtype", dtype)
-        set_(self, "block", block)
-        set_(self, "layout", layout)
-        set_(self, "strided", strided)
-
-    def __setattr__(self, name, value):
-        raise AttributeError("TensorSpec is immutable")
-
-    def __reduce__(self):
-        return (TensorSpec, tuple(getattr(self, n) for n in self.__slots__))
+    path: tuple
+    unit: Hashable
+    offset: int
+    numel: int
+    shape: tuple
+    dtype: torch.dtype
+    block: int
+    layout: UnitLayout
+    strided: Optional[StridedRaggedShard] = None
 
     def _key(self) -> tuple:
         return (self.path, self.unit, self.offset, self.numel, self.shape, self.dtype, self.block,
@@ -377,12 +364,9 @@ class TensorSpec:
         The unit is ``gcd(block, numel)`` elements (the block, or a divisor of it when a short
         last block exists); a 0-size tensor has all-zero ``local_units``.
         """
-        m = self.layout.world_size
-        if not self.numel:
-            return RaggedShard(self.dims, (0,) * m)
         unit = math.gcd(self.block, self.numel)
-        units = [0] * m
-        for r in self.ranks():
+        units = [0] * self.layout.world_size
+        for r in self.ranks():  # none for a 0-size tensor
             start, stop = self.local_range(r)
             units[r] = (stop - start) // unit
         return RaggedShard(self.dims, tuple(units))
@@ -457,10 +441,8 @@ class ShardSpec:
     def model_axis(self) -> Optional[tuple[str, int, int]]:
         """``(axis, size, index)`` when ``vfsdp.plan(..., tp=rule)`` split the tensors over a
         model axis (this spec is of index ``index``'s pieces), else ``None``."""
-        for t in self.tensors():
-            if t.strided is not None:
-                return (t.strided.axis, t.strided.size, t.strided.index)
-        return None
+        st = next((t.strided for t in self.tensors() if t.strided is not None), None)
+        return None if st is None else (st.axis, st.size, st.index)
 
     @property
     def tree(self) -> Any:

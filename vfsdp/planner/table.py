@@ -3,6 +3,7 @@ identical units, with each one's padding beside its certified bound."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 from vfsdp.planner.check import plan_stats
@@ -22,13 +23,8 @@ def format_spec(spec: ShardSpec, max_rows: Optional[int] = None) -> str:
         f"{100 * st['padding_ratio']:.3f}% (bound {100 * st['lower_bound_ratio']:.3f}%)"
     )
     rows = []
-    groups: list[list[UnitLayout]] = []
-    for u in spec.units.values():
-        if groups and groups[-1][0].signature == u.signature:
-            groups[-1].append(u)
-        else:
-            groups.append([u])
-    for g in groups:
+    for _, run in itertools.groupby(spec.units.values(), key=lambda u: u.signature):
+        g: list[UnitLayout] = list(run)
         u = g[0]
         name = (unit_name(u.key) if len(g) == 1
                 else f"{unit_name(u.key)} .. {unit_name(g[-1].key)} (x{len(g)})")

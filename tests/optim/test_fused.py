@@ -112,13 +112,14 @@ def _update_ops(width: int, layers: int, fused: bool) -> tuple[int, int]:
 @pytest.mark.parametrize("fused", [False, True])
 def test_update_op_count_does_not_grow_with_parameters_tensors_or_units(fused):
     """foreach: 8 ops per step over the tensors (decay, lerp, mul, addcmul, sqrt, div, add,
-    addcdiv) and 7 on the step counter (count; the bias corrections: pow, rsub, unbind, sqrt;
-    the step size list: expand, div), nothing per unit. fused: the step counter and one kernel
+    addcdiv) and 2 on the step counter (count, and its read: a CPU counter is host memory, so
+    the bias corrections and step size are Python floats, as torch's foreach AdamW takes
+    them; 0.4.0.dev0 took 7 device ops there), nothing per unit. fused: the step counter and one kernel
     per decay group; where a weight-decay mask cuts a unit, one view op per unit cuts its
     gradient (no kernel)."""
     base, views = _update_ops(16, 3, fused)
     assert views == (0 if not fused else 3)
-    assert base == (8 + 7 if not fused else 3)
+    assert base == (8 + 2 if not fused else 3)
     for width, layers in ((32, 3), (64, 3), (16, 12)):  # x4, x16 parameters; x4 tensors
         ops, more_views = _update_ops(width, layers, fused)
         assert ops == base
@@ -283,11 +284,13 @@ def test_the_device_form_of_the_step_agrees_with_the_host_form(dtype, monkeypatc
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw_fused", "adamw8bit", "muon"])
-def test_an_update_reads_nothing_back_to_the_host(name):
+def test_an_update_reads_nothing_back_to_the_host(name, monkeypatch):
     """The step counter is a tensor of the state, and the bias corrections, the learning
     rate of a schedule and the step size are taken from it on the device: no op of an update
     reads a value back (``.item()``, a tensor's truth), which on a GPU would wait for the
-    device; and the counter counts."""
+    device; and the counter counts. (A CPU counter is host memory, which AdamW's foreach path
+    reads as torch's does: the device path is checked here by saying the counter is not.)"""
+    monkeypatch.setattr(fused_mod, "host_counter", lambda count: False)
 
     def body():
         schedule = vfsdp.optim.warmup_cosine(1e-2, 2, 10)

@@ -78,7 +78,8 @@ from vfsdp.optim.schedules import constant
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["Optimizer", "gradient_transform", "TransformState", "Schedule", "Mask", "as_schedule",
+__all__ = ["Optimizer", "host_counter", "gradient_transform", "TransformState", "Schedule", "Mask",
+           "as_schedule",
            "unit_buffers", "grad_leaves", "state_dtype", "check_hyper", "flat_grads", "UnitTensors",
            "init_masked", "both", "selected", "state_tensors", "runs", "frozen_of", "read_step",
            "write_step", "sync_step", "TEMP_ELEMS", "adamw_step", "use_fused", "batches", "scale_",
@@ -271,6 +272,12 @@ def adam_(ps: list, gs: list, ms: list, vs: list, b1: float, b2: float, eps: flo
             tp.foreach("addcdiv_", bp, bm, denom, scalar=size)
 
 
+def host_counter(count: torch.Tensor) -> bool:
+    """Whether an update may read the step counter as a Python number: it is in host memory
+    (a CPU counter, outside ``torch.compile``), so reading it waits for no device."""
+    return count.device.type == "cpu" and not tp.compiling()
+
+
 def adamw_step(ps: list, gs: list, ms: list, vs: list, decay: list, *, count: torch.Tensor,
                lr: Any, betas: tuple, eps: float, weight_decay: float, fused: bool,
                scalars: Optional[tuple] = None, limit: Optional[int] = None) -> None:
@@ -307,7 +314,7 @@ def adamw_step(ps: list, gs: list, ms: list, vs: list, decay: list, *, count: to
             tp.fused_adamw(ps_, gs_, ms_, vs_, [count] * len(idx), lr=lr, beta1=b1,
                            beta2=b2, weight_decay=wd, eps=eps)
         return
-    if scalars is None and count.device.type == "cpu" and not tp.compiling():
+    if scalars is None and host_counter(count):
         # Host memory: the scalars as torch.optim.AdamW's foreach path takes them (Python
         # floats, no device sync), none of the tiny ops a device counter needs.
         step = float(count)

@@ -16,6 +16,7 @@ checkpoint reloads under any other plan.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -169,12 +170,10 @@ def flatten(tree: Any, spec: ShardSpec, what: str = "checkpoint", prefix: tuple 
     out: list[Entry] = []
     _flatten_into(tree, spec, prefix, out, what)
     out = _tie_once(out)
-    seen: dict = {}
-    for e in out:
-        if e.name in seen:
-            raise ValueError(f"{what}: two leaves are both named {e.name!r}; rename one (dotted "
-                             f"key paths must be unique)")
-        seen[e.name] = e
+    twice = next((n for n, k in collections.Counter(e.name for e in out).items() if k > 1), None)
+    if twice is not None:
+        raise ValueError(f"{what}: two leaves are both named {twice!r}; rename one (dotted "
+                         f"key paths must be unique)")
     return out
 
 
@@ -233,20 +232,14 @@ def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: st
 def unflatten(tree: Any, spec: ShardSpec, values: dict, prefix: tuple = ()) -> Any:
     """``tree`` with its plain values replaced by ``values[name]`` and registered states
     restored (tensors were filled in place and stay the same objects)."""
-    return _unflatten(tree, spec, prefix, values)
-
-
-def _unflatten(tree: Any, spec: ShardSpec, prefix: tuple, values: dict) -> Any:
     paths, leaves, treespec = optree.tree_flatten_with_path(tree, is_leaf=is_state_leaf)
     new = []
     for path, leaf in zip(paths, leaves):
         path = prefix + tuple(path)
         adapter = _adapter(leaf)
         if adapter is not None:
-            sub = _unflatten(adapter[0](leaf, spec), spec, path, values)
-            new.append(adapter[1](leaf, sub))
-        elif isinstance(leaf, VALUE_TYPES) and _path_name(path) in values:
-            new.append(values[_path_name(path)])
+            new.append(adapter[1](leaf, unflatten(adapter[0](leaf, spec), spec, values, path)))
         else:
-            new.append(leaf)
+            new.append(values.get(_path_name(path), leaf) if isinstance(leaf, VALUE_TYPES)
+                       else leaf)
     return optree.tree_unflatten(treespec, new)

@@ -15,9 +15,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, unflatten
-from vfsdp.checkpoint.storage import CheckpointError
+from vfsdp.checkpoint.storage import CheckpointError, agree, agreed
 from vfsdp.collectives import comm
 from vfsdp.collectives.comm import device_for
 from vfsdp.collectives.scatter import scatter_unit

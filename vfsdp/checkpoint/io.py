@@ -9,6 +9,7 @@ collective over the data.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
 import math
@@ -24,22 +25,17 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from vfsdp._torch_private import groups_are_per_thread
-from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.atomic import commit, prepare
 from vfsdp.checkpoint.entries import Entry, flatten, tensor_bytes, unflatten
-from vfsdp.checkpoint.manifest import METADATA, describe_mesh, match_manifest, single_layout, write_manifest
-from vfsdp.checkpoint.parts import (
-    check_one_tree,
-    check_parts,
-    flatten_parts,
-    normalize,
-    parts_layout,
-    unflatten_parts,
-)
+from vfsdp.checkpoint.manifest import describe_mesh, match_manifest, single_layout, write_manifest
+from vfsdp.checkpoint.parts import check_parts, flatten_parts, normalize, parts_layout, unflatten_parts
 from vfsdp.checkpoint.safe_pickle import SafeReader
 from vfsdp.checkpoint.storage import (
+    METADATA,
     CheckpointError,
     VerifyingLoadPlanner,
+    agree,
+    agreed,
     checksum_items,
     load_state,
     read_manifest,
@@ -91,16 +87,10 @@ class AsyncSave:
         return f"AsyncSave({self.path!r}, {'done' if self.done() else 'running'})"
 
 
-def _digest(e: Entry) -> Any:
-    if e.kind == "replicated":
-        return zlib.crc32(tensor_bytes(e.tensor))
-    if e.kind == "value":
-        return repr(e.value)
-    return None
-
-
-def _summary(entries: list[Entry]) -> list:
-    return [(e.name, e.kind, e.shape, str(e.dtype), _digest(e)) for e in entries]
+def _all_gather(obj: Any, group) -> list:
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, obj, group=group)
+    return every
 
 
 def _check_consistent(entries: list[Entry], group) -> None:
@@ -109,16 +99,13 @@ def _check_consistent(entries: list[Entry], group) -> None:
     Ranks exchange a 32-byte digest of their entry list; only when digests differ do they
     exchange the lists themselves, to name the first difference.
     """
-    mine = _summary(entries)
-    digest = hashlib.sha256(repr(mine).encode()).hexdigest()
-    digests: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) == 1:
+    mine = [(e.name, e.kind, e.shape, str(e.dtype), zlib.crc32(tensor_bytes(e.tensor))
+             if e.kind == "replicated" else repr(e.value) if e.kind == "value" else None)
+            for e in entries]
+    if len(set(_all_gather(hashlib.sha256(repr(mine).encode()).hexdigest(), group))) == 1:
         return
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    base = every[0]
-    for r, other in enumerate(every[1:], 1):
+    base, *others = _all_gather(mine, group)
+    for r, other in enumerate(others, 1):
         if [x[0] for x in other] != [x[0] for x in base]:
             diff = sorted({x[0] for x in other} ^ {x[0] for x in base})
             raise ValueError(f"vfsdp.checkpoint.save: rank {r} saves other entries than rank 0 "
@@ -147,29 +134,23 @@ def _check_written_once(entries: list[Entry], group) -> None:
     counts = torch.tensor([e.piece.numel if e.piece.writer else 0 for e in sharded],
                           dtype=torch.int64, device=control_device(device_for(group)))
     dist.all_reduce(counts, group=group)
-    twice = [e for e, got in zip(sharded, counts.tolist()) if got > math.prod(e.shape)]
+    twice = {e.name: e for e, got in zip(sharded, counts.tolist()) if got > math.prod(e.shape)}
     if not twice:
         return
-    mine = [(e.name, e.piece.start, e.piece.numel, e.piece.within,
-             zlib.crc32(tensor_bytes(e.piece.local))) for e in twice
-            if e.piece.writer and e.piece.numel]
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    crcs: dict = {}
-    conflict = None
-    for name, start, numel, within, crc in (x for rank in every for x in rank):
-        if crcs.setdefault((name, start, numel, within), crc) != crc:
-            conflict = name
-            break
-    if conflict is None:  # same ranges, same data: the distinct ranges cover each once
-        held: dict = {}
-        for name, _start, numel, _within in crcs:
-            held[name] = held.get(name, 0) + numel
-        conflict = next((e.name for e in twice if held.get(e.name, 0) > math.prod(e.shape)),
-                        None)
+    crcs: dict = {}  # (name, start, numel, within) -> the CRC-32s written there
+    for rank in _all_gather([(e.name, e.piece.start, e.piece.numel, e.piece.within,
+                              zlib.crc32(tensor_bytes(e.piece.local))) for e in twice.values()
+                             if e.piece.writer and e.piece.numel], group):
+        for *where, crc in rank:
+            crcs.setdefault(tuple(where), set()).add(crc)
+    held = collections.Counter()  # equal copies: the distinct ranges must cover each element once
+    for name, _start, numel, _within in crcs:
+        held[name] += numel
+    conflict = next((w[0] for w, c in crcs.items() if len(c) > 1), None) or next(
+        (n for n, e in twice.items() if held[n] > math.prod(e.shape)), None)
     if conflict is None:
         return
-    e = next(e for e in twice if e.name == conflict)
+    e = twice[conflict]
     raise ValueError(
         f"vfsdp.checkpoint.save: ranks write different data for the same elements of {e.name} "
         f"{tuple(e.shape)}: shards of one plan made on several sub-meshes (e.g. one per expert "
@@ -204,8 +185,7 @@ def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], layo
         result = checksum_items(tmp, md.storage_data, rank, world)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         err = f"checksumming {tmp} failed: {exc}"
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, (err, result), group=group)
+    gathered = _all_gather((err, result), group)
     errors = [e for e, _ in gathered if e]
     if errors:
         raise CheckpointError(errors[0])
@@ -253,11 +233,12 @@ def wait_pending() -> None:
         pending.wait()
 
 
-def _entries(tree: Any, spec: Optional[ShardSpec], what: str) -> tuple[list[Entry], dict]:
+def _to_save(tree: Any, spec: Optional[ShardSpec]) -> tuple[list[Entry], dict]:
     """The entries to save and what the manifest records of their plan(s)."""
-    if spec is None:
-        return flatten_parts(tree, what), parts_layout(tree, what)
-    return flatten(tree, spec, what), single_layout(spec)
+    if spec is not None:
+        return flatten(tree, spec, "vfsdp.checkpoint.save"), single_layout(spec)
+    parts = normalize(tree, "vfsdp.checkpoint.save")
+    return flatten_parts(parts, "vfsdp.checkpoint.save"), parts_layout(parts)
 
 
 def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *,
@@ -310,30 +291,28 @@ def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *
     """
     path = os.fspath(path)
     wait_pending()
-    entries, layout = agreed(_entries, tree, spec, "vfsdp.checkpoint.save")
+    entries, layout = agreed(_to_save, tree, spec)
     _check_consistent(entries, None)
     _check_written_once(entries, None)
     if not async_save:
-        tmp = prepare(path, overwrite, None)
-        _write(path, tmp, entries, None, layout, None, thread_count)
+        _write(path, prepare(path, overwrite, None), entries, None, layout, None, thread_count)
         return None
-    if groups_are_per_thread():
-        # Process groups belong to their rank's thread (vfsdp.testing.simulate), so a
-        # background thread cannot use them: the write runs now, after the same snapshot.
-        tmp = prepare(path, overwrite, None)
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        data = agreed(_stage, entries, dist.get_rank())
-        future.set_result(_write(path, tmp, entries, data, layout, None, thread_count))
-        return AsyncSave(future, path)
-    group = _async_group()
+    # Process groups belong to their rank's thread under vfsdp.testing.simulate, so a
+    # background thread cannot use them: the write runs now, after the same snapshot.
+    here = groups_are_per_thread()
+    group = None if here else _async_group()
     tmp = prepare(path, overwrite, group)
     data = agreed(_stage, entries, dist.get_rank())
+    if here:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(_write(path, tmp, entries, data, layout, None, thread_count))
+        return AsyncSave(future, path)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     key = threading.get_ident()
     executor = _EXECUTORS.setdefault(key, concurrent.futures.ThreadPoolExecutor(1, "vfsdp-ckpt"))
-    future = executor.submit(_write, path, tmp, entries, data, layout, group, thread_count)
-    handle = AsyncSave(future, path)
+    handle = AsyncSave(executor.submit(_write, path, tmp, entries, data, layout, group,
+                                       thread_count), path)
     with _LOCK:
         _PENDING[key] = handle
     return handle
@@ -389,15 +368,14 @@ def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = No
     """
     path = os.fspath(path)
     wait_pending()
-    err, manifest, values, entries = None, None, {}, []
+    err, manifest, values, entries, parts = None, None, {}, [], None
     try:
         manifest = read_manifest(path)
         if spec is None:
-            check_parts(manifest, normalize(tree_like, "vfsdp.checkpoint.load"), strict, path)
-            entries = flatten_parts(tree_like, "vfsdp.checkpoint.load")
-        else:
-            check_one_tree(manifest, path)
-            entries = flatten(tree_like, spec, "vfsdp.checkpoint.load")
+            parts = normalize(tree_like, "vfsdp.checkpoint.load")
+        check_parts(manifest, parts, strict, path)
+        entries = (flatten(tree_like, spec, "vfsdp.checkpoint.load") if parts is None else
+                   flatten_parts(parts, "vfsdp.checkpoint.load"))
         values = match_manifest(manifest, entries, strict, path, None if spec is None else
                                 describe_mesh(spec.mesh_shape, spec.model_axis))
         verify_files(path, manifest)
@@ -415,4 +393,5 @@ def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = No
                  planner=VerifyingLoadPlanner(path, manifest, verify))
     except CheckpointException as exc:
         raise _unwrap(exc, "vfsdp.checkpoint.load") from None
-    return unflatten_parts(tree_like, values) if spec is None else unflatten(tree_like, spec, values)
+    return (unflatten(tree_like, spec, values) if parts is None else
+            unflatten_parts(tree_like, parts, values))

@@ -16,12 +16,10 @@ from typing import Optional
 import torch
 
 from vfsdp.checkpoint.entries import Entry, dtype_name, parse_dtype
-from vfsdp.checkpoint.storage import FORMAT, MANIFEST, VERSION, CheckpointError, manifest_checksum
+from vfsdp.checkpoint.storage import FORMAT, MANIFEST, METADATA, VERSION, CheckpointError, manifest_checksum
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["write_manifest", "match_manifest", "single_layout", "describe_mesh", "METADATA"]
-
-METADATA = ".metadata"
+__all__ = ["write_manifest", "match_manifest", "single_layout", "describe_mesh"]
 
 
 def single_layout(spec: ShardSpec) -> dict:

@@ -41,13 +41,14 @@ import optree
 import torch
 
 from vfsdp.checkpoint.entries import Entry, flatten, is_state_leaf, unflatten
+from vfsdp.checkpoint.manifest import single_layout
 from vfsdp.checkpoint.storage import CheckpointError
 from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, unit_name
 
-__all__ = ["Part", "is_parts", "normalize", "flatten_parts", "parts_layout", "check_parts",
-           "check_one_tree", "unflatten_parts"]
+__all__ = ["Part", "normalize", "flatten_parts", "parts_layout", "check_parts",
+           "unflatten_parts"]
 
 _FORM = ("pass parts as {name: (tree, spec)} or {name: (tree, spec, mesh)}, or a list of such "
          "tuples; for one tree pass save(path, tree, spec)")
@@ -60,11 +61,6 @@ class Part(NamedTuple):
     tree: Any
     spec: ShardSpec
     mesh: Any = None
-
-
-def is_parts(manifest: dict) -> bool:
-    """Whether a checkpoint's manifest holds named parts (saved without a single spec)."""
-    return "parts" in manifest
 
 
 def normalize(parts: Any, what: str) -> list[Part]:
@@ -153,16 +149,16 @@ def _flatten_part(part: Part, what: str) -> list[Entry]:
     return entries
 
 
-def flatten_parts(parts: Any, what: str) -> list[Entry]:
-    """The entries of every part, each named ``<part>.<path>``, in the parts' order.
+def flatten_parts(parts: list[Part], what: str) -> list[Entry]:
+    """The entries of every part (:func:`normalize`'s), each named ``<part>.<path>``, in the
+    parts' order.
 
     Raises:
-        TypeError, ValueError: a malformed set of parts (see :func:`normalize`), a leaf that
-            cannot be checkpointed, or a shard paired with another plan's spec (naming the
-            part, the tensor path and the fix).
+        TypeError, ValueError: a leaf that cannot be checkpointed, or a shard paired with
+            another plan's spec (naming the part, the tensor path and the fix).
     """
     out: list[Entry] = []
-    for part in normalize(parts, what):  # names hold no ".": entries of two parts never clash
+    for part in parts:  # names hold no ".": entries of two parts never clash
         out += _flatten_part(part, what)
     return out
 
@@ -174,24 +170,27 @@ def _mesh_record(mesh: Any) -> Optional[list]:
     return [[str(n), int(s)] for n, s in zip(names, mesh.shape)]
 
 
-def parts_layout(parts: Any, what: str) -> dict:
+def parts_layout(parts: list[Part]) -> dict:
     """What the manifest records of the parts: ``{"parts": {name: {mesh, plan}}}``."""
-    return {"parts": {p.name: {"mesh": _mesh_record(p.mesh),
-                               "mesh_shape": list(p.spec.mesh_shape),
-                               "model_axis": (list(p.spec.model_axis[:2])
-                                              if p.spec.model_axis else None),
-                               "spec_fingerprint": p.spec.fingerprint}
-                      for p in normalize(parts, what)}}
+    return {"parts": {p.name: {"mesh": _mesh_record(p.mesh), **single_layout(p.spec)}
+                      for p in parts}}
 
 
-def check_parts(manifest: dict, parts: list[Part], strict: bool, path: str) -> None:
-    """The parts a load names are the checkpoint's (all of them, when ``strict``).
+def check_parts(manifest: dict, parts: Optional[list[Part]], strict: bool, path: str) -> None:
+    """A load of one tree (``parts`` is ``None``) reads a checkpoint of one tree, and a load of
+    parts names the checkpoint's parts (all of them, when ``strict``).
 
     Raises:
-        CheckpointError: a one-tree checkpoint loaded as parts, a part the checkpoint lacks,
-            or (``strict``) a part it holds that the load does not name.
+        CheckpointError: a checkpoint of parts loaded as one tree or the reverse, a part the
+            checkpoint lacks, or (``strict``) a part it holds that the load does not name.
     """
-    if not is_parts(manifest):
+    if parts is None:
+        if "parts" in manifest:
+            raise CheckpointError(f"{path} holds parts {list(manifest['parts'])}, not one tree; "
+                                  f"load it with vfsdp.checkpoint.load(path, {{name: (tree, "
+                                  f"spec), ...}}) naming those parts")
+        return
+    if "parts" not in manifest:
         raise CheckpointError(f"{path} holds one tree (saved with a spec), not parts; load it "
                               f"with vfsdp.checkpoint.load(path, tree, spec)")
     saved = list(manifest["parts"])
@@ -206,23 +205,8 @@ def check_parts(manifest: dict, parts: list[Part], strict: bool, path: str) -> N
                               f"names {names}); add them, or pass strict=False to load a subset")
 
 
-def check_one_tree(manifest: dict, path: str) -> None:
-    """A load of one tree (with a spec) reads a checkpoint of one tree.
-
-    Raises:
-        CheckpointError: the checkpoint holds parts (naming them and the fix).
-    """
-    if is_parts(manifest):
-        raise CheckpointError(f"{path} holds parts {list(manifest['parts'])}, not one tree; "
-                              f"load it with vfsdp.checkpoint.load(path, {{name: (tree, spec), "
-                              f"...}}) naming those parts")
-
-
-def unflatten_parts(parts: Any, values: dict) -> Any:
-    """``parts``' form (dict or list) with each part's loaded tree in place of its tuple."""
-    loaded = {p.name: unflatten(p.tree, p.spec, values, (p.name,))
-              for p in normalize(parts, "vfsdp.checkpoint.load")}
-    if isinstance(parts, Mapping):
-        return {name: loaded[name] for name in parts}
-    return [loaded[str(i)] for i in range(len(parts))]
-
+def unflatten_parts(form: Any, parts: list[Part], values: dict) -> Any:
+    """``form`` (the parts as given: dict or list) with each part's loaded tree in place of
+    its tuple."""
+    loaded = [unflatten(p.tree, p.spec, values, (p.name,)) for p in parts]
+    return dict(zip(form, loaded)) if isinstance(form, Mapping) else loaded

@@ -17,9 +17,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from vfsdp.checkpoint.storage import CheckpointError
+from vfsdp.checkpoint.storage import METADATA, CheckpointError
 
-__all__ = ["SafeReader", "load_metadata", "ALLOWED"]
+__all__ = ["SafeReader", "ALLOWED"]
 
 ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
@@ -48,30 +48,23 @@ class _Unpickler(pickle.Unpickler):
                               f"written by another tool)")
 
 
-def load_metadata(path: str) -> Any:
-    """DCP metadata from ``path``, unpickled with only the metadata classes allowed.
+class SafeReader(FileSystemReader):
+    """A DCP ``FileSystemReader`` that unpickles the checkpoint's one ``.metadata`` with only
+    the metadata classes allowed.
 
     Raises:
         CheckpointError: the file names anything else, or is not a pickle.
     """
-    try:
-        with open(path, "rb") as f:
-            return _Unpickler(f, path).load()
-    except CheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a corrupt file
-        raise CheckpointError(f"{path} is not a readable DCP metadata file ({exc})") from None
-
-
-class SafeReader(FileSystemReader):
-    """A DCP ``FileSystemReader`` whose metadata is read with :func:`load_metadata`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
+        path = os.path.join(str(self.path), METADATA)
         try:
-            path = self._get_metadata_path(kwargs.get("rank"))
-        except AttributeError:  # older torch: the one metadata file
-            path = os.path.join(str(self.path), ".metadata")
-        metadata = load_metadata(str(path))
+            with open(path, "rb") as f:
+                metadata = _Unpickler(f, path).load()
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure is a corrupt file
+            raise CheckpointError(f"{path} is not a readable DCP metadata file ({exc})") from None
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -24,11 +24,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, tensor_bytes, unflatten
 from vfsdp.checkpoint.export import Rename, entries_and_names, stream_full, stream_order
 from vfsdp.checkpoint.layouts import candidates, parts
-from vfsdp.checkpoint.storage import MANIFEST, CheckpointError
+from vfsdp.checkpoint.storage import MANIFEST, CheckpointError, agree, agreed
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["save_safetensors", "load_safetensors", "read_header"]

@@ -16,6 +16,7 @@ file, and CRCs of exactly the items this rank reads, before it copies anything.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -34,13 +35,16 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from vfsdp.checkpoint.entries import Entry
+from vfsdp.collectives.agree import agree as _agree
+from vfsdp.collectives.agree import agreed as _agreed
 from vfsdp.collectives.piece import Piece
 
-__all__ = ["CheckpointError", "MANIFEST", "FORMAT", "save_state", "load_state", "item_key",
-           "checksum_items", "verify_files", "VerifyingLoadPlanner", "read_manifest",
-           "manifest_checksum"]
+__all__ = ["CheckpointError", "agree", "agreed", "MANIFEST", "METADATA", "FORMAT", "save_state",
+           "load_state", "checksum_items", "verify_files", "VerifyingLoadPlanner",
+           "read_manifest", "manifest_checksum"]
 
 MANIFEST = "vfsdp.json"
+METADATA = ".metadata"  # DCP's
 FORMAT = "vfsdp-checkpoint"
 VERSION = 2  # 2: the manifest carries its own checksum
 _BLOCK = 1 << 22
@@ -63,6 +67,12 @@ class CheckpointError(RuntimeError):
         >>> vfsdp.testing.simulate(2, body)[0]
         'w was saved as (8,) float32, the tree has (6,) float32; ...'
     """
+
+
+# Collective (see vfsdp.collectives.agree): every rank raises, those that did not fail a
+# CheckpointError.
+agree = functools.partial(_agree, error_type=CheckpointError)
+agreed = functools.partial(_agreed, error_type=CheckpointError)
 
 
 def item_key(fqn: str, offsets) -> str:

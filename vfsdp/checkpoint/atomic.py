@@ -30,16 +30,12 @@ __all__ = ["prepare", "commit", "fsync_dir"]
 
 
 def fsync_dir(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def prepare(path: str, overwrite: bool, group) -> str:

@@ -37,9 +37,8 @@ from vfsdp.checkpoint.storage import (
     agree,
     agreed,
     checksum_items,
-    load_state,
+    dcp_state,
     read_manifest,
-    save_state,
     verify_files,
 )
 from vfsdp.collectives.comm import control_device, device_for
@@ -47,8 +46,7 @@ from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["save", "load", "AsyncSave", "CheckpointError"]
 
-_LOCK = threading.Lock()
-_PENDING: dict = {}   # rank -> AsyncSave still running
+_PENDING: dict = {}   # rank thread -> AsyncSave still running (one dict operation at a time)
 _EXECUTORS: dict = {}
 _ASYNC_GROUPS: dict = {}
 
@@ -173,10 +171,9 @@ def _unwrap(exc: CheckpointException, what: str) -> BaseException:
 def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], layout: dict,
            group, thread_count: int) -> str:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    state = save_state(entries, data, rank)
     try:
-        dcp.save(state, storage_writer=FileSystemWriter(tmp, thread_count=thread_count),
-                 process_group=group)
+        dcp.save(dcp_state(entries, data, rank), process_group=group,
+                 storage_writer=FileSystemWriter(tmp, thread_count=thread_count))
     except CheckpointException as exc:
         raise _unwrap(exc, "vfsdp.checkpoint.save") from None
     err, result = None, None
@@ -227,8 +224,7 @@ def _async_group():
 
 def wait_pending() -> None:
     """Wait for this rank's background save, if one is running (re-raising its error)."""
-    with _LOCK:
-        pending = _PENDING.pop(threading.get_ident(), None)
+    pending = _PENDING.pop(threading.get_ident(), None)
     if pending is not None:
         pending.wait()
 
@@ -313,8 +309,7 @@ def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *
     executor = _EXECUTORS.setdefault(key, concurrent.futures.ThreadPoolExecutor(1, "vfsdp-ckpt"))
     handle = AsyncSave(executor.submit(_write, path, tmp, entries, data, layout, group,
                                        thread_count), path)
-    with _LOCK:
-        _PENDING[key] = handle
+    _PENDING[key] = handle
     return handle
 
 
@@ -389,7 +384,7 @@ def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = No
         err = exc
     agree(err)
     try:
-        dcp.load(load_state(entries), storage_reader=SafeReader(path),
+        dcp.load(dcp_state(entries), storage_reader=SafeReader(path),
                  planner=VerifyingLoadPlanner(path, manifest, verify))
     except CheckpointException as exc:
         raise _unwrap(exc, "vfsdp.checkpoint.load") from None

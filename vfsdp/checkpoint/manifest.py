@@ -7,6 +7,7 @@ tree it fills against it before reading any data (:func:`match_manifest`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -15,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from vfsdp.checkpoint.entries import Entry, dtype_name, parse_dtype
+from vfsdp.checkpoint.entries import VALUE_TYPES, Entry, dtype_name, parse_dtype
 from vfsdp.checkpoint.storage import FORMAT, MANIFEST, METADATA, VERSION, CheckpointError, manifest_checksum
 from vfsdp.planner.spec import ShardSpec
 
@@ -47,13 +48,9 @@ def write_manifest(tmp: str, entries: list[Entry], layout: dict, world: int,
     with open(meta_path, "rb") as f:
         meta = f.read()
     files[METADATA] = len(meta)
-    described = []
-    for e in entries:
-        if e.kind == "value":
-            described.append({"name": e.name, "kind": "value", "value": e.value})
-        else:
-            described.append({"name": e.name, "kind": e.kind, "shape": list(e.shape),
-                              "dtype": dtype_name(e.dtype)})
+    described = [{"name": e.name, "kind": "value", "value": e.value} if e.kind == "value" else
+                 {"name": e.name, "kind": e.kind, "shape": list(e.shape),
+                  "dtype": dtype_name(e.dtype)} for e in entries]
     manifest = {
         "format": FORMAT, "version": VERSION, "created": time.time(),
         "torch": torch.__version__, "world_size": world, **layout,
@@ -115,20 +112,16 @@ def match_manifest(manifest: dict, entries: list[Entry], strict: bool, path: str
             raise CheckpointError(f"{path} holds entries the tree does not: {extra[:5]}"
                                   f"{' ...' if len(extra) > 5 else ''}; pass strict=False to "
                                   f"load a subset")
-    like = {e.name: e.value for e in entries if e.kind == "value"}
-    return {n: _coerce(s["value"], like[n]) for n, s in saved.items() if n in like}
+    return {e.name: _coerce(saved[e.name]["value"], e.value) for e in entries if e.kind == "value"}
 
 
 def _kind(value) -> type:
     """bool, int, float or str: what JSON keeps of a value (an IntEnum is an int)."""
-    return next(t for t in (bool, int, float, str) if isinstance(value, t))
+    return next(t for t in VALUE_TYPES if isinstance(value, t))
 
 
 def _coerce(saved, like):
     """The saved value as the like value's own type where it is a subclass (e.g. an IntEnum)."""
-    if type(like) in (bool, int, float, str):
-        return saved
-    try:
-        return type(like)(saved)
-    except (TypeError, ValueError):
-        return saved
+    with contextlib.suppress(TypeError, ValueError):
+        return saved if type(like) in VALUE_TYPES else type(like)(saved)
+    return saved

@@ -91,14 +91,13 @@ def normalize(parts: Any, what: str) -> list[Part]:
         if not isinstance(value, tuple) or len(value) not in (2, 3):
             raise TypeError(f"{what}: part {name!r} is a {type(value).__name__}, not a (tree, "
                             f"spec) or (tree, spec, mesh) tuple; {_FORM}")
-        tree, spec, *mesh = value
+        tree, spec, mesh = (*value, None)[:3]
         if isinstance(tree, ShardSpec):
             raise TypeError(f"{what}: part {name!r} has its spec where its tree goes; the tuple "
                             f"is (tree, spec)")
         if not isinstance(spec, ShardSpec):
             raise TypeError(f"{what}: part {name!r}'s spec must be the ShardSpec vfsdp.plan "
                             f"returned, got {type(spec).__name__}")
-        mesh = mesh[0] if mesh else None
         if mesh is not None and not hasattr(mesh, "mesh_dim_names"):
             raise TypeError(f"{what}: part {name!r}'s mesh must be the DeviceMesh its shards "
                             f"were made on (vfsdp.mesh(...)) or None, got "

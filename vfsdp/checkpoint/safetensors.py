@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, tensor_bytes, unflatten
-from vfsdp.checkpoint.export import Rename, entries_and_names, stream_full, stream_order
+from vfsdp.checkpoint.export import Rename, entries_and_names, name_keys, stream_full, stream_order
 from vfsdp.checkpoint.layouts import candidates, parts
 from vfsdp.checkpoint.storage import MANIFEST, CheckpointError, agree, agreed
 from vfsdp.planner.spec import ShardSpec
@@ -39,17 +39,6 @@ _CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
           torch.float8_e5m2: "F8_E5M2"}
 _DTYPES = {v: k for k, v in _CODES.items()}
 _VALUES = "vfsdp.values"
-
-
-def _code(e: Entry) -> str:
-    if e.dtype not in _CODES:
-        raise TypeError(f"safetensors: {e.name} is {dtype_name(e.dtype)}, which safetensors "
-                        f"cannot store")
-    return _CODES[e.dtype]
-
-
-def _nbytes(e: Entry) -> int:
-    return math.prod(e.shape) * e.dtype.itemsize
 
 
 def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst: int = 0,
@@ -108,52 +97,27 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
     rank = dist.get_rank()
     entries, names = entries_and_names(tree, spec, rename, "vfsdp.checkpoint.save_safetensors")
     agreed(parts, "", (), hf_layout)  # an unknown layout: every rank raises
-    files = agreed(_split, entries, max_shard_size)  # [(file name, [entry names])]
+    files = agreed(_split, entries, max_shard_size)  # [(file name, [entries])]
     if max_shard_size is None:
         targets = [os.path.join(path, SINGLE) if os.path.isdir(path) else path]
     else:
         targets = [os.path.join(path, name) for name, _ in files]
     agreed(_prepare_dir, targets[0], max_shard_size is not None, rank == dst)
-    which = {n: k for k, (_, group) in enumerate(files) for n in group}
-    blobs = agreed(lambda: [_header(entries, names, metadata if k == 0 else None, set(group),
-                                    values=k == 0, layout=hf_layout)
-                            for k, (_, group) in enumerate(files)])
+    blobs = agreed(_headers_of, entries, names, files, metadata, hf_layout)
+    stream = stream_full(entries, dst)
     error = None
-    current, f, tmp = -1, None, None
-    for name, value in stream_full(entries, dst):
-        if rank != dst or error is not None or not isinstance(value, torch.Tensor):
-            continue  # keep taking part in the collectives; a failure is raised below
-        try:
-            while current < which[name]:
-                if f is not None:
-                    _close(f, tmp, targets[current])
-                current += 1
-                tmp = f"{os.path.abspath(targets[current])}.partial-{uuid.uuid4().hex[:12]}"
-                f = _open(tmp, blobs[current])
-            f.write(tensor_bytes(value))
-        except Exception as exc:  # noqa: BLE001 - e.g. disk full
-            error = exc
     if rank == dst:
+        tensors = (v for _, v in stream if isinstance(v, torch.Tensor))
         try:
-            if error is None:
-                while current < len(files) - 1:  # files of values only, or none yet
-                    if f is not None:
-                        _close(f, tmp, targets[current])
-                    current += 1
-                    tmp = f"{os.path.abspath(targets[current])}.partial-{uuid.uuid4().hex[:12]}"
-                    f = _open(tmp, blobs[current])
-                _close(f, tmp, targets[current])
-                f = None
-                if max_shard_size is not None:
-                    _write_index(path, entries, names, files, hf_layout)
-                _remove_other_forms(targets)
-        except Exception as exc:  # noqa: BLE001
-            error = error or exc
-        finally:
-            if f is not None:
-                f.close()
-            if tmp is not None and os.path.exists(tmp):
-                os.remove(tmp)
+            for target, blob, (_, group) in zip(targets, blobs, files):
+                _write_file(target, blob, itertools.islice(tensors, len(group)))
+            if max_shard_size is not None:
+                _write_index(path, names, files, hf_layout)
+            _remove_other_forms(targets)
+        except Exception as exc:  # noqa: BLE001 - e.g. disk full; raised below, on every rank
+            error = exc
+    for _ in stream:  # the other ranks, and dst after a failure: take part in the collectives
+        pass
     agree(error)
 
 
@@ -187,64 +151,63 @@ def _remove_other_forms(targets: list[str]) -> None:
     names = {os.path.basename(t) for t in targets}
     single = names == {SINGLE}
     hf = single or all(_SHARD.fullmatch(n) for n in names)
-
-    def stale(name: str) -> bool:
-        if name in names:
-            return False
-        if name == INDEX:
-            return single
-        return hf and (name == SINGLE or bool(_SHARD.fullmatch(name)))
-
     for name in os.listdir(folder):
         partial = _PARTIAL.search(name)
-        if partial is None:
-            drop = stale(name)
-        else:
-            base = name[:partial.start()]
-            drop = base in names or stale(base) or (hf and base == INDEX)
-        if drop:
+        base = name if partial is None else name[:partial.start()]
+        mine = partial is not None and (base in names or (hf and base == INDEX))
+        stale = base not in names and ((base == INDEX and single) or (
+            hf and (base == SINGLE or bool(_SHARD.fullmatch(base)))))
+        if mine or stale:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(folder, name))
 
 
-def _split(entries: list[Entry], max_bytes: Optional[int]) -> list[tuple[str, list]]:
-    """The files of a save: ``[(file name, [entry names])]`` in stream order."""
+def _split(entries: list[Entry], max_bytes: Optional[int]) -> list[tuple[str, list[Entry]]]:
+    """The files of a save: ``[(file name, [entries])]`` in stream order."""
     order = [e for e in stream_order(entries) if e.kind != "value"]
     if max_bytes is None:
-        return [("", [e.name for e in order])]
+        return [("", order)]
     if not isinstance(max_bytes, int) or max_bytes < 1:
         raise ValueError(f"save_safetensors: max_shard_size must be a positive int (bytes), "
                          f"got {max_bytes!r}")
     groups: list = [[]]
     size = 0
     for e in order:
-        n = _nbytes(e)
+        n = math.prod(e.shape) * e.dtype.itemsize
         if groups[-1] and size + n > max_bytes:
             groups.append([])
             size = 0
-        groups[-1].append(e.name)
+        groups[-1].append(e)
         size += n
-    total = len(groups)
-    return [(f"model-{k + 1:05d}-of-{total:05d}.safetensors", g) for k, g in enumerate(groups)]
+    return [(f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors", g) for k, g in enumerate(groups)]
 
 
-def _write_index(path: str, entries: list[Entry], names: dict, files: list,
-                 layout: Optional[str]) -> None:
-    by_name = {e.name: e for e in entries}
-    index = {"metadata": {"total_size": sum(_nbytes(by_name[n]) for _, g in files for n in g)},
-             "weight_map": {key: file for file, g in files for n in g
-                            for key, _ in _records(by_name[n], names, layout)}}
+def _write_index(path: str, names: dict, files: list, layout: Optional[str]) -> None:
+    index = {"metadata": {"total_size": sum(math.prod(e.shape) * e.dtype.itemsize
+                                            for _, g in files for e in g)},
+             "weight_map": {key: file for file, g in files for e in g
+                            for key, _ in _records(e, names, layout)}}
     tmp = os.path.join(path, f"{INDEX}.partial-{uuid.uuid4().hex[:12]}")
     with open(tmp, "w") as f:
         json.dump(index, f, indent=2, sort_keys=True)
     os.replace(tmp, os.path.join(path, INDEX))
 
 
-def _close(f, tmp: str, path: str) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
-    os.replace(tmp, path)
+def _write_file(target: str, blob: bytes, tensors) -> None:
+    """Write a safetensors file under a temporary name, renamed to ``target`` once complete."""
+    tmp = f"{os.path.abspath(target)}.partial-{uuid.uuid4().hex[:12]}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for t in tensors:
+                f.write(tensor_bytes(t))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
 
 
 def _records(e: Entry, names: dict, layout: Optional[str]) -> list[tuple[str, tuple]]:
@@ -253,40 +216,37 @@ def _records(e: Entry, names: dict, layout: Optional[str]) -> list[tuple[str, tu
     return [(names[e.name], tuple(e.shape))] if found is None else found
 
 
-def _header(entries: list[Entry], names: dict, metadata: Optional[dict],
-            only: Optional[set] = None, values: bool = True,
-            layout: Optional[str] = None) -> bytes:
-    header: dict = {}
-    offset = 0
-    for e in stream_order(entries):
-        if e.kind == "value" or (only is not None and e.name not in only):
-            continue
-        for key, shape in _records(e, names, layout):
-            if key in header:
-                raise ValueError(f"save_safetensors: two tensors are both stored as {key!r} "
-                                 f"(hf_layout={layout!r}); rename one")
-            n = math.prod(shape) * e.dtype.itemsize
-            header[key] = {"dtype": _code(e), "shape": list(shape),
-                           "data_offsets": [offset, offset + n]}
-            offset += n
+def _headers_of(entries: list[Entry], names: dict, files: list, metadata: Optional[dict],
+                layout: Optional[str]) -> list[bytes]:
+    """Each file's header: its tensors back to back; the first file's metadata holds
+    ``metadata`` and the plain values."""
     meta = dict(metadata or {})
     if any(not isinstance(k, str) or not isinstance(v, str) for k, v in meta.items()):
         raise TypeError("safetensors metadata must map str to str")
-    values = {names[e.name]: e.value for e in entries if e.kind == "value"} if values else {}
+    values = {names[e.name]: e.value for e in entries if e.kind == "value"}
     if values:
         meta[_VALUES] = json.dumps(values)
-    if meta:
-        header["__metadata__"] = meta
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    return blob + b" " * (-len(blob) % 8)
-
-
-def _open(tmp: str, blob: bytes):
-    """The temporary file, header written; the caller writes the data and closes it."""
-    f = open(tmp, "wb")  # noqa: SIM115 - stays open while the units stream in
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    return f
+    blobs = []
+    for k, (_, group) in enumerate(files):
+        header: dict = {}
+        offset = 0
+        for e in group:
+            if e.dtype not in _CODES:
+                raise TypeError(f"safetensors: {e.name} is {dtype_name(e.dtype)}, which "
+                                f"safetensors cannot store")
+            for key, shape in _records(e, names, layout):
+                if key in header:
+                    raise ValueError(f"save_safetensors: two tensors are both stored as {key!r} "
+                                     f"(hf_layout={layout!r}); rename one")
+                n = math.prod(shape) * e.dtype.itemsize
+                header[key] = {"dtype": _CODES[e.dtype], "shape": list(shape),
+                               "data_offsets": [offset, offset + n]}
+                offset += n
+        if meta and k == 0:
+            header["__metadata__"] = meta
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blobs.append(blob + b" " * (-len(blob) % 8))
+    return blobs
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict, int]:
@@ -470,12 +430,7 @@ def _headers(path: str) -> tuple[dict, dict]:
 def _read_into(path: str, tree_like: Any, spec: ShardSpec, strict: bool, rename: Rename) -> dict:
     header, values = _headers(path)
     entries = flatten(tree_like, spec, "vfsdp.checkpoint.load_safetensors")
-    names: dict = {}
-    for e in entries:
-        key = rename(e.name) if rename else e.name
-        if key in names.values():
-            raise ValueError(f"load_safetensors: rename maps two entries to {key!r}")
-        names[e.name] = key
+    names = name_keys(entries, rename, "vfsdp.checkpoint.load_safetensors")
     stored: dict = {}  # entry name -> [(file tensor key, its record)], in the tensor's order
     for e in entries:
         key = names[e.name]

@@ -39,8 +39,8 @@ from vfsdp.collectives.agree import agree as _agree
 from vfsdp.collectives.agree import agreed as _agreed
 from vfsdp.collectives.piece import Piece
 
-__all__ = ["CheckpointError", "agree", "agreed", "MANIFEST", "METADATA", "FORMAT", "save_state",
-           "load_state", "checksum_items", "verify_files", "VerifyingLoadPlanner",
+__all__ = ["CheckpointError", "agree", "agreed", "MANIFEST", "METADATA", "FORMAT", "dcp_state",
+           "checksum_items", "verify_files", "VerifyingLoadPlanner",
            "read_manifest", "manifest_checksum"]
 
 MANIFEST = "vfsdp.json"
@@ -80,18 +80,12 @@ def item_key(fqn: str, offsets) -> str:
     return f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
 
 
-def _placeholder(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of the global shape and dtype that owns one element (zero strides)."""
-    one = torch.zeros((), dtype=dtype)  # cpu: metadata only, never moved
-    return one.expand(shape) if shape else one
-
-
 def _carrier(piece: Piece, data: torch.Tensor, write: bool) -> torch.Tensor:
     shape = tuple(piece.shape)
-    dtype = data.dtype
-    carrier = _placeholder(shape, dtype)
+    one = torch.zeros((), dtype=data.dtype)  # cpu: metadata only, never moved
+    carrier = one.expand(shape) if shape else one  # the global shape, owning one element
     bxs = piece.boxes() if piece.numel else []
-    props = TensorProperties(dtype=dtype)
+    props = TensorProperties(dtype=data.dtype)
 
     def write_items(fqn: str, _obj: Any) -> list:
         if not write:
@@ -117,29 +111,20 @@ def _carrier(piece: Piece, data: torch.Tensor, write: bool) -> torch.Tensor:
     return carrier
 
 
-def save_state(entries: list[Entry], data: Optional[dict], global_rank: int) -> dict:
-    """The DCP state dict to save. ``data[name]`` overrides a tensor's data (a staged copy)."""
+def dcp_state(entries: list[Entry], data: Optional[dict] = None,
+              rank: Optional[int] = None) -> dict:
+    """The DCP state dict to save from global rank ``rank`` (replicated tensors are written by
+    rank 0; ``data[name]`` overrides a tensor's data: a staged copy), or, with ``rank``
+    ``None``, to load into (reads land in the entries' own memory). 0-size sharded tensors
+    live in the manifest only."""
+    data = data or {}
     out = {}
     for e in entries:
-        src = data.get(e.name) if data is not None else None
-        if e.kind == "sharded" and e.piece.shape and 0 in e.piece.shape:
-            continue  # 0-size tensors live in the manifest only
-        if e.kind == "sharded":
-            local = e.piece.local.detach() if src is None else src
-            out[e.name] = _carrier(e.piece, local, e.piece.writer)
-        elif e.kind == "replicated" and global_rank == 0 and e.tensor.numel():
-            out[e.name] = (e.tensor.detach() if src is None else src)
-    return out
-
-
-def load_state(entries: list[Entry]) -> dict:
-    """The DCP state dict to load into: reads land in the entries' own memory."""
-    out = {}
-    for e in entries:
-        if e.kind == "sharded" and not (e.piece.shape and 0 in e.piece.shape):
-            out[e.name] = _carrier(e.piece, e.piece.local.detach(), False)
-        elif e.kind == "replicated" and e.tensor.numel():
-            out[e.name] = e.tensor.detach()
+        if e.kind == "sharded" and 0 not in e.piece.shape:
+            out[e.name] = _carrier(e.piece, data.get(e.name, e.piece.local.detach()),
+                                   rank is not None and e.piece.writer)
+        elif e.kind == "replicated" and e.tensor.numel() and rank in (None, 0):
+            out[e.name] = data.get(e.name, e.tensor.detach())
     return out
 
 
@@ -220,19 +205,17 @@ class VerifyingLoadPlanner(DefaultLoadPlanner):
         plan = super().create_local_plan()
         if not self._verify:
             return plan
-        wanted: dict = {}
+        by_file: dict = {}
         for item in plan.items:
             key = item_key(item.storage_index.fqn, item.storage_index.offset or ())
             rec = self._manifest["items"].get(key)
             if rec is None:
                 raise CheckpointError(f"checkpoint {self._root}: {item.storage_index.fqn} has a "
                                       f"stored chunk the manifest does not list ({key})")
-            wanted[key] = rec
-        by_file: dict = {}
-        for key, (rel, off, length, crc) in wanted.items():
-            by_file.setdefault(rel, []).append((off, length, crc, key))
+            rel, off, length, crc = rec
+            by_file.setdefault(rel, set()).add((off, length, crc, key))
         for rel, recs in sorted(by_file.items()):
-            recs.sort()
+            recs = sorted(recs)
             got = _crc_ranges(os.path.join(self._root, rel), [(o, n) for o, n, _, _ in recs])
             for (off, length, crc, key), actual in zip(recs, got):
                 if actual != crc:

@@ -146,13 +146,10 @@ def _db_piece(t: torch.Tensor, db: DBuffer, k: int, name: str) -> Piece:
 
 def _adapter(leaf: Any):
     """``(flatten(obj, spec), restore(obj, tree))`` for a state object, or ``None``."""
-    found = _ADAPTERS.get(type(leaf))
-    if found is not None:
-        return found
-    if isinstance(leaf, Checkpointable) and not isinstance(leaf, type):
+    if type(leaf) not in _ADAPTERS and isinstance(leaf, Checkpointable) and not isinstance(leaf, type):
         return (lambda obj, spec: obj.checkpoint_tree(spec),
                 lambda obj, tree: obj.restore_checkpoint(tree))
-    return None
+    return _ADAPTERS.get(type(leaf))
 
 
 def is_state_leaf(x: Any) -> bool:
@@ -181,18 +178,15 @@ def _tie_once(entries: list[Entry]) -> list[Entry]:
     """A tie (one shard at several paths) once, under the name of the plan's path for it
     (the path registered first: ``transformer.wte.weight``, not ``lm_head.weight``)."""
     by_piece: dict = {}
-    for k, e in enumerate(entries):
+    for e in entries:
         if e.kind == "sharded" and e.piece.db is not None:
-            by_piece.setdefault((id(e.piece.db), e.piece.index), []).append(k)
+            by_piece.setdefault((id(e.piece.db), e.piece.index), []).append(e)
     drop = set()
-    for ks in by_piece.values():
-        if len(ks) > 1:
-            e = entries[ks[0]]
-            path = format_path(e.piece.db.tensors[e.piece.index].path)
-            keep = next((k for k in ks if entries[k].name == path
-                         or entries[k].name.endswith("." + path)), ks[0])
-            drop.update(k for k in ks if k != keep)
-    return [e for k, e in enumerate(entries) if k not in drop] if drop else entries
+    for tied in by_piece.values():
+        path = format_path(tied[0].piece.db.tensors[tied[0].piece.index].path)
+        keep = next((e for e in tied if e.name == path or e.name.endswith("." + path)), tied[0])
+        drop.update(id(e) for e in tied if e is not keep)
+    return [e for e in entries if id(e) not in drop]
 
 
 def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: str) -> None:

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, unflatten
 from vfsdp.checkpoint.storage import CheckpointError, agree, agreed
 from vfsdp.collectives import comm
-from vfsdp.collectives.comm import device_for
 from vfsdp.collectives.scatter import scatter_unit
 from vfsdp.collectives.unit import export_full
 from vfsdp.planner.spec import ShardSpec
@@ -45,14 +44,13 @@ def name_keys(entries: list[Entry], rename: Rename, what: str) -> dict:
     Raises:
         ValueError: ``rename`` maps two entries to one key.
     """
-    out: dict = {}
+    named: dict = {}  # key -> entry name
     for e in entries:
         key = rename(e.name) if rename else e.name
-        if key in out.values():
-            other = next(n for n, k in out.items() if k == key)
-            raise ValueError(f"{what}: rename maps both {other} and {e.name} to {key!r}")
-        out[e.name] = key
-    return out
+        if key in named:
+            raise ValueError(f"{what}: rename maps both {named[key]} and {e.name} to {key!r}")
+        named[key] = e.name
+    return {name: key for key, name in named.items()}
 
 
 def entries_and_names(tree: Any, spec: ShardSpec, rename: Rename, what: str) -> tuple:
@@ -86,7 +84,7 @@ def _gather_pieces(entries: list[Entry], dst: int) -> dict:
     """
     sizes = [math.prod(e.shape) * e.dtype.itemsize for e in entries]
     starts = list(itertools.accumulate(sizes, initial=0))
-    buf = torch.zeros(starts[-1], dtype=torch.uint8, device=device_for())  # cuda under NCCL
+    buf = torch.zeros(starts[-1], dtype=torch.uint8, device=comm.device_for())  # cuda under NCCL
     for e, at in zip(entries, starts):
         if e.piece.writer and e.piece.numel:
             at += e.piece.start * e.dtype.itemsize
@@ -110,16 +108,13 @@ def stream_full(entries: list[Entry], dst: int = 0) -> Iterator[tuple[str, Any]]
     pieces = [e for e in entries if e.kind == "sharded" and e.piece.db is None]
     small = _gather_pieces(pieces, dst) if pieces else {}
     for db, group in _groups(entries):
-        if db is None:
-            e = group[0]
-            if rank == dst:
-                yield e.name, (e.value if e.kind == "value" else
-                               small[e.name] if e.kind == "sharded" else e.tensor.detach())
-            continue
-        with export_full(db):
-            if rank == dst:
-                for e in group:
-                    yield e.name, db.full(e.piece.index)
+        e = group[0]
+        if db is not None:
+            with export_full(db):
+                yield from ((e.name, db.full(e.piece.index)) for e in group if rank == dst)
+        elif rank == dst:
+            yield e.name, (e.value if e.kind == "value" else
+                           small[e.name] if e.kind == "sharded" else e.tensor.detach())
 
 
 def to_state_dict(tree: Any, spec: ShardSpec, *, dst: int = 0, device: Any = "cpu",

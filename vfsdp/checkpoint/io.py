@@ -5,6 +5,39 @@ A save writes a DCP checkpoint into ``<path>.partial-<id>``, checksums it, adds 
 stops at any point leaves only a ``.partial-`` directory, which a load never takes for a
 checkpoint. Each rank writes only its own pieces (HSDP: the first replica's), with no
 collective over the data.
+
+**Parts**: several plans in one checkpoint, named ``(tree, spec)`` parts saved and loaded
+together.
+
+A model can live on several plans at once: an expert-parallel MoE plans its router and dense
+layers over every rank and its experts over the expert-data mesh (``dp`` x ``ep``). Such parts
+are saved as **one** checkpoint (one atomic rename, one manifest, every chunk checksummed):
+each part's entries are stored under its name (``experts.params.layers.0.w_up``), and the
+manifest lists the parts with the mesh and plan each was saved from. Each part reshards on
+load on its own, like a single tree: another data-parallel degree, another ``ep`` or ``tp``.
+
+Parts are given as a dict ``{name: (tree, spec)}`` or ``{name: (tree, spec, mesh)}``, or a
+list of such tuples (named ``"0"``, ``"1"``, ...). A load takes the same form and returns it,
+with the loaded trees in place of the tuples.
+
+Example:
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "moe")
+    >>> def body(dp, ep):
+    ...     mesh = vfsdp.mesh(("dp", dp), ("ep", ep))
+    ...     dense, experts = {"router": torch.ones(4, 2)}, {"w": torch.arange(8.0).reshape(2, 4)}
+    ...     spec = vfsdp.plan(dense, dp * ep)                       # over every rank
+    ...     e_spec = vfsdp.plan(experts, mesh, tp=lambda p: Shard(0), tp_axis="ep")
+    ...     d = vfsdp.shard(dense, spec)
+    ...     e = vfsdp.shard(experts, e_spec, mesh=mesh)
+    ...     parts = {"rest": ({"params": d, "step": 3}, spec), "experts": (e, e_spec, mesh)}
+    ...     if not os.path.exists(path):
+    ...         return vfsdp.checkpoint.save(path, parts)
+    ...     out = vfsdp.checkpoint.load(path, parts)              # each part reshards
+    ...     return out["rest"]["step"], e["w"].tolist()         # this rank's expert, flat
+    >>> _ = vfsdp.testing.simulate(4, body, 2, 2)                  # save: dp=2 x ep=2
+    >>> vfsdp.testing.simulate(2, body, 1, 2)                      # load: dp=1 x ep=2
+    [(3, [0.0, 1.0, 2.0, 3.0]), (3, [4.0, 5.0, 6.0, 7.0])]
 """
 
 from __future__ import annotations
@@ -16,8 +49,10 @@ import math
 import os
 import threading
 import zlib
-from typing import Any, Optional
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Optional
 
+import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -26,23 +61,27 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from vfsdp._torch_private import groups_are_per_thread
 from vfsdp.checkpoint.atomic import commit, prepare
-from vfsdp.checkpoint.entries import Entry, flatten, tensor_bytes, unflatten
-from vfsdp.checkpoint.manifest import describe_mesh, match_manifest, single_layout, write_manifest
-from vfsdp.checkpoint.parts import check_parts, flatten_parts, normalize, parts_layout, unflatten_parts
-from vfsdp.checkpoint.safe_pickle import SafeReader
+from vfsdp.checkpoint.entries import Entry, flatten, is_state_leaf, tensor_bytes, unflatten
 from vfsdp.checkpoint.storage import (
     METADATA,
     CheckpointError,
+    SafeReader,
     VerifyingLoadPlanner,
     agree,
     agreed,
     checksum_items,
     dcp_state,
+    describe_mesh,
+    match_manifest,
     read_manifest,
+    single_layout,
     verify_files,
+    write_manifest,
 )
 from vfsdp.collectives.comm import control_device, device_for
-from vfsdp.planner.spec import ShardSpec
+from vfsdp.collectives.dbuffer import slot_of
+from vfsdp.planner.granularity import format_path
+from vfsdp.planner.spec import ShardSpec, unit_name
 
 __all__ = ["save", "load", "AsyncSave", "CheckpointError"]
 
@@ -111,9 +150,9 @@ def _check_consistent(entries: list[Entry], group) -> None:
         for a, b in zip(base, other):
             if a != b:
                 what = "values" if a[1] == "value" else "tensors"
-                same = a[1:4] == b[1:4]
                 raise ValueError(f"vfsdp.checkpoint.save: {a[0]} differs between rank 0 and rank "
-                                 f"{r} ({a[1:4]} vs {b[1:4]}{', different ' + what if same else ''})"
+                                 f"{r} ({a[1:4]} vs {b[1:4]}"
+                                 f"{', different ' + what if a[1:4] == b[1:4] else ''})"
                                  f"; replicated tensors and values must be equal on every rank")
 
 
@@ -178,8 +217,7 @@ def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], layo
         raise _unwrap(exc, "vfsdp.checkpoint.save") from None
     err, result = None, None
     try:
-        md = SafeReader(tmp).read_metadata()
-        result = checksum_items(tmp, md.storage_data, rank, world)
+        result = checksum_items(tmp, SafeReader(tmp).read_metadata().storage_data, rank, world)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         err = f"checksumming {tmp} failed: {exc}"
     gathered = _all_gather((err, result), group)
@@ -199,13 +237,9 @@ def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], layo
 
 def _stage(entries: list[Entry], rank: int) -> dict:
     """Host copies of what this rank writes, so training can go on changing the originals."""
-    data = {}
-    for e in entries:
-        if e.kind == "sharded" and e.piece.writer and e.piece.numel:
-            data[e.name] = e.piece.local.detach().to("cpu", copy=True)
-        elif e.kind == "replicated" and rank == 0:
-            data[e.name] = e.tensor.detach().to("cpu", copy=True)
-    return data
+    return {e.name: (e.piece.local if e.kind == "sharded" else e.tensor).detach().to("cpu", copy=True)
+            for e in entries if (e.kind == "sharded" and e.piece.writer and e.piece.numel)
+            or (e.kind == "replicated" and rank == 0)}
 
 
 def _async_group():
@@ -229,12 +263,162 @@ def wait_pending() -> None:
         pending.wait()
 
 
-def _to_save(tree: Any, spec: Optional[ShardSpec]) -> tuple[list[Entry], dict]:
-    """The entries to save and what the manifest records of their plan(s)."""
+# ---------------------------------------------------------------------- parts
+
+
+_FORM = ("pass parts as {name: (tree, spec)} or {name: (tree, spec, mesh)}, or a list of such "
+         "tuples; for one tree pass save(path, tree, spec)")
+
+
+class Part(NamedTuple):
+    """One named part: its tree, the spec it was sharded with, and its mesh (or ``None``)."""
+
+    name: str
+    tree: Any
+    spec: ShardSpec
+    mesh: Any = None
+
+
+def normalize(parts: Any, what: str) -> list[Part]:
+    """The parts of a dict or list form, checked.
+
+    Raises:
+        TypeError: not a dict/list of ``(tree, spec[, mesh])`` tuples, a name that is not a
+            string, or a spec that is not a ``ShardSpec`` (naming the part and the fix).
+        ValueError: no parts, or a name that is empty or holds a ``"."`` (entry names are
+            dotted paths that start with the part's name).
+    """
+    if isinstance(parts, Mapping):
+        items = list(parts.items())
+    elif isinstance(parts, Sequence) and not isinstance(parts, (str, bytes)):
+        items = [(str(i), p) for i, p in enumerate(parts)]
+    else:
+        raise TypeError(f"{what}: without a spec the second argument is a set of parts, got a "
+                        f"{type(parts).__name__}; {_FORM}")
+    if not items:
+        raise ValueError(f"{what}: no parts given; {_FORM}")
+    out = []
+    for name, value in items:
+        if not isinstance(name, str):
+            raise TypeError(f"{what}: part names must be strings, got {name!r}")
+        if not name or "." in name:
+            raise ValueError(f"{what}: part name {name!r} is empty or holds a '.'; entries are "
+                             f"stored as <part>.<path>, so name parts like 'experts' or 'rest'")
+        if not isinstance(value, tuple) or len(value) not in (2, 3):
+            raise TypeError(f"{what}: part {name!r} is a {type(value).__name__}, not a (tree, "
+                            f"spec) or (tree, spec, mesh) tuple; {_FORM}")
+        tree, spec, mesh = (*value, None)[:3]
+        if isinstance(tree, ShardSpec):
+            raise TypeError(f"{what}: part {name!r} has its spec where its tree goes; the tuple "
+                            f"is (tree, spec)")
+        if not isinstance(spec, ShardSpec):
+            raise TypeError(f"{what}: part {name!r}'s spec must be the ShardSpec vfsdp.plan "
+                            f"returned, got {type(spec).__name__}")
+        if mesh is not None and not hasattr(mesh, "mesh_dim_names"):
+            raise TypeError(f"{what}: part {name!r}'s mesh must be the DeviceMesh its shards "
+                            f"were made on (vfsdp.mesh(...)) or None, got "
+                            f"{type(mesh).__name__}")
+        if mesh is not None:
+            _check_mesh(name, spec, mesh, what)
+        out.append(Part(name, tree, spec, mesh))
+    return out
+
+
+def _check_mesh(name: str, spec: ShardSpec, mesh: Any, what: str) -> None:
+    """The mesh spans the ranks the spec was planned for (and names its model axis)."""
+    axis = spec.model_axis
+    want = spec.world_size * spec.replicas * (axis[1] if axis else 1)
+    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+    if math.prod(mesh.shape) != want or (axis and sizes.get(axis[0]) != axis[1]):
+        split = f" x {axis[0]}={axis[1]}" if axis else ""
+        raise ValueError(f"{what}: part {name!r}'s mesh {dict(sizes) or tuple(mesh.shape)} is "
+                         f"not the one its spec was planned on ({spec.replicas * spec.world_size}"
+                         f" data ranks{split}); pass the mesh its shards were made on, or none")
+
+
+def _check_owner(name: str, layout: Any, part: Part, what: str) -> None:
+    """A shard of a vfsdp buffer (of unit ``layout``) belongs to a unit of its part's spec."""
+    own = part.spec.units.get(layout.key)
+    if own is not layout and own != layout:
+        raise ValueError(f"{what}: part {part.name!r}: {name} is a shard of unit "
+                         f"{unit_name(layout.key)} of another plan than the part's spec; pair "
+                         f"each tree with the spec it was sharded with ({{name: (shards, spec)}})")
+
+
+def _flatten_part(part: Part, what: str) -> list[Entry]:
+    """A part's entries, each named ``<part>.<path>`` (names hold no ".": entries of two parts
+    never clash).
+
+    Raises:
+        TypeError, ValueError: a leaf that cannot be checkpointed, or a shard paired with
+            another plan's spec (naming the part, the tensor path and the fix).
+    """
+    # Shards first, before optimizer states read their buffers through the spec.
+    paths, leaves, _ = optree.tree_flatten_with_path(part.tree, is_leaf=is_state_leaf)
+    for path, leaf in zip(paths, leaves):
+        slot = slot_of(leaf) if isinstance(leaf, torch.Tensor) else None
+        if slot is not None:
+            _check_owner(format_path((part.name, *path)), slot.buffer.layout, part, what)
+    try:
+        entries = flatten(part.tree, part.spec, what, (part.name,))
+    except KeyError as exc:  # an optimizer state's buffers are not the spec's units
+        raise ValueError(f"{what}: part {part.name!r}: {exc.args[0] if exc.args else exc}; "
+                         f"pair each tree with the spec it was sharded with") from None
+    for e in entries:
+        if e.kind == "sharded" and e.piece.db is not None:
+            _check_owner(e.name, e.piece.db.layout, part, what)
+    return entries
+
+
+def _mesh_record(mesh: Any) -> Optional[list]:
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return [[str(n), int(s)] for n, s in zip(names, mesh.shape)]
+
+
+def parts_layout(parts: list[Part]) -> dict:
+    """What the manifest records of the parts: ``{"parts": {name: {mesh, plan}}}``."""
+    return {"parts": {p.name: {"mesh": _mesh_record(p.mesh), **single_layout(p.spec)}
+                      for p in parts}}
+
+
+def check_parts(manifest: dict, parts: Optional[list[Part]], strict: bool, path: str) -> None:
+    """A load of one tree (``parts`` is ``None``) reads a checkpoint of one tree, and a load of
+    parts names the checkpoint's parts (all of them, when ``strict``).
+
+    Raises:
+        CheckpointError: a checkpoint of parts loaded as one tree or the reverse, a part the
+            checkpoint lacks, or (``strict``) a part it holds that the load does not name.
+    """
+    if parts is None:
+        if "parts" in manifest:
+            raise CheckpointError(f"{path} holds parts {list(manifest['parts'])}, not one tree; "
+                                  f"load it with vfsdp.checkpoint.load(path, {{name: (tree, "
+                                  f"spec), ...}}) naming those parts")
+        return
+    if "parts" not in manifest:
+        raise CheckpointError(f"{path} holds one tree (saved with a spec), not parts; load it "
+                              f"with vfsdp.checkpoint.load(path, tree, spec)")
+    saved = list(manifest["parts"])
+    names = [p.name for p in parts]
+    for n in names:
+        if n not in manifest["parts"]:
+            raise CheckpointError(f"{path} has no part {n!r} (it holds parts {saved}); name the "
+                                  f"parts as they were saved")
+    extra = [n for n in saved if n not in names]
+    if strict and extra:
+        raise CheckpointError(f"{path} holds part(s) {extra} that the load does not name (it "
+                              f"names {names}); add them, or pass strict=False to load a subset")
+
+
+def _entries(tree: Any, spec: Optional[ShardSpec], what: str) -> tuple[list[Entry], Optional[list]]:
+    """The entries of one tree and its spec, or of a set of parts (``spec`` ``None``), and the
+    parts (``None`` for one tree)."""
     if spec is not None:
-        return flatten(tree, spec, "vfsdp.checkpoint.save"), single_layout(spec)
-    parts = normalize(tree, "vfsdp.checkpoint.save")
-    return flatten_parts(parts, "vfsdp.checkpoint.save"), parts_layout(parts)
+        return flatten(tree, spec, what), None
+    parts = normalize(tree, what)
+    return [e for part in parts for e in _flatten_part(part, what)], parts
 
 
 def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *,
@@ -245,7 +429,7 @@ def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *
     ``save(path, parts)`` saves several trees planned apart (e.g. an expert-parallel model's
     dense part and its experts) as one checkpoint: ``parts`` is ``{name: (tree, spec)}`` or
     ``{name: (tree, spec, mesh)}``, or a list of such tuples. Each part's entries are stored
-    under its name, and each reshards on load on its own (see :mod:`vfsdp.checkpoint.parts`).
+    under its name, and each reshards on load on its own (see :mod:`vfsdp.checkpoint.io`).
 
     Args:
         path: Directory to create, on a filesystem every rank can read (as DCP needs to
@@ -287,7 +471,8 @@ def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *
     """
     path = os.fspath(path)
     wait_pending()
-    entries, layout = agreed(_to_save, tree, spec)
+    entries, parts = agreed(_entries, tree, spec, "vfsdp.checkpoint.save")
+    layout = single_layout(spec) if parts is None else parts_layout(parts)
     _check_consistent(entries, None)
     _check_written_once(entries, None)
     if not async_save:
@@ -366,11 +551,8 @@ def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = No
     err, manifest, values, entries, parts = None, None, {}, [], None
     try:
         manifest = read_manifest(path)
-        if spec is None:
-            parts = normalize(tree_like, "vfsdp.checkpoint.load")
+        entries, parts = _entries(tree_like, spec, "vfsdp.checkpoint.load")
         check_parts(manifest, parts, strict, path)
-        entries = (flatten(tree_like, spec, "vfsdp.checkpoint.load") if parts is None else
-                   flatten_parts(parts, "vfsdp.checkpoint.load"))
         values = match_manifest(manifest, entries, strict, path, None if spec is None else
                                 describe_mesh(spec.mesh_shape, spec.model_axis))
         verify_files(path, manifest)
@@ -388,5 +570,7 @@ def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = No
                  planner=VerifyingLoadPlanner(path, manifest, verify))
     except CheckpointException as exc:
         raise _unwrap(exc, "vfsdp.checkpoint.load") from None
-    return (unflatten(tree_like, spec, values) if parts is None else
-            unflatten_parts(tree_like, parts, values))
+    if parts is None:
+        return unflatten(tree_like, spec, values)
+    loaded = [unflatten(p.tree, p.spec, values, (p.name,)) for p in parts]  # in the form given
+    return dict(zip(tree_like, loaded)) if isinstance(tree_like, Mapping) else loaded

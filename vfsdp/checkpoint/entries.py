@@ -69,10 +69,7 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     Never ``.numpy()`` the original: numpy pins its storage as non-resizable, and DBuffers
     release and re-allocate memory by resizing storages.
     """
-    if not t.numel():
-        return b""
-    host = t.detach().to("cpu", copy=True).contiguous().reshape(-1)
-    return host.view(torch.uint8).numpy().tobytes()
+    return t.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def dtype_name(dtype: torch.dtype) -> str:

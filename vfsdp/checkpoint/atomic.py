@@ -30,16 +30,12 @@ __all__ = ["prepare", "commit", "fsync_dir"]
 
 
 def fsync_dir(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def prepare(path: str, overwrite: bool, group) -> str:
@@ -48,10 +44,8 @@ def prepare(path: str, overwrite: bool, group) -> str:
     if dist.get_rank(group) == 0:
         try:
             box[0] = ("ok", _prepare_rank0(path, overwrite))
-        except _Exists as exc:
-            box[0] = ("exists", str(exc))
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            box[0] = (type(exc).__name__, str(exc))
+            box[0] = ("exists" if isinstance(exc, _Exists) else type(exc).__name__, str(exc))
     dist.broadcast_object_list(box, group=group, group_src=0)
     status, value = box[0]
     if status == "exists":

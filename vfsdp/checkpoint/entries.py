@@ -16,6 +16,7 @@ checkpoint reloads under any other plan.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -68,10 +69,7 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     Never ``.numpy()`` the original: numpy pins its storage as non-resizable, and DBuffers
     release and re-allocate memory by resizing storages.
     """
-    if not t.numel():
-        return b""
-    host = t.detach().to("cpu", copy=True).contiguous().reshape(-1)
-    return host.view(torch.uint8).numpy().tobytes()
+    return t.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -145,13 +143,10 @@ def _db_piece(t: torch.Tensor, db: DBuffer, k: int, name: str) -> Piece:
 
 def _adapter(leaf: Any):
     """``(flatten(obj, spec), restore(obj, tree))`` for a state object, or ``None``."""
-    found = _ADAPTERS.get(type(leaf))
-    if found is not None:
-        return found
-    if isinstance(leaf, Checkpointable) and not isinstance(leaf, type):
+    if type(leaf) not in _ADAPTERS and isinstance(leaf, Checkpointable) and not isinstance(leaf, type):
         return (lambda obj, spec: obj.checkpoint_tree(spec),
                 lambda obj, tree: obj.restore_checkpoint(tree))
-    return None
+    return _ADAPTERS.get(type(leaf))
 
 
 def is_state_leaf(x: Any) -> bool:
@@ -169,12 +164,10 @@ def flatten(tree: Any, spec: ShardSpec, what: str = "checkpoint", prefix: tuple 
     out: list[Entry] = []
     _flatten_into(tree, spec, prefix, out, what)
     out = _tie_once(out)
-    seen: dict = {}
-    for e in out:
-        if e.name in seen:
-            raise ValueError(f"{what}: two leaves are both named {e.name!r}; rename one (dotted "
-                             f"key paths must be unique)")
-        seen[e.name] = e
+    twice = next((n for n, k in collections.Counter(e.name for e in out).items() if k > 1), None)
+    if twice is not None:
+        raise ValueError(f"{what}: two leaves are both named {twice!r}; rename one (dotted "
+                         f"key paths must be unique)")
     return out
 
 
@@ -182,18 +175,15 @@ def _tie_once(entries: list[Entry]) -> list[Entry]:
     """A tie (one shard at several paths) once, under the name of the plan's path for it
     (the path registered first: ``transformer.wte.weight``, not ``lm_head.weight``)."""
     by_piece: dict = {}
-    for k, e in enumerate(entries):
+    for e in entries:
         if e.kind == "sharded" and e.piece.db is not None:
-            by_piece.setdefault((id(e.piece.db), e.piece.index), []).append(k)
+            by_piece.setdefault((id(e.piece.db), e.piece.index), []).append(e)
     drop = set()
-    for ks in by_piece.values():
-        if len(ks) > 1:
-            e = entries[ks[0]]
-            path = format_path(e.piece.db.tensors[e.piece.index].path)
-            keep = next((k for k in ks if entries[k].name == path
-                         or entries[k].name.endswith("." + path)), ks[0])
-            drop.update(k for k in ks if k != keep)
-    return [e for k, e in enumerate(entries) if k not in drop] if drop else entries
+    for tied in by_piece.values():
+        path = format_path(tied[0].piece.db.tensors[tied[0].piece.index].path)
+        keep = next((e for e in tied if e.name == path or e.name.endswith("." + path)), tied[0])
+        drop.update(id(e) for e in tied if e is not keep)
+    return [e for e in entries if id(e) not in drop]
 
 
 def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: str) -> None:
@@ -233,20 +223,14 @@ def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: st
 def unflatten(tree: Any, spec: ShardSpec, values: dict, prefix: tuple = ()) -> Any:
     """``tree`` with its plain values replaced by ``values[name]`` and registered states
     restored (tensors were filled in place and stay the same objects)."""
-    return _unflatten(tree, spec, prefix, values)
-
-
-def _unflatten(tree: Any, spec: ShardSpec, prefix: tuple, values: dict) -> Any:
     paths, leaves, treespec = optree.tree_flatten_with_path(tree, is_leaf=is_state_leaf)
     new = []
     for path, leaf in zip(paths, leaves):
         path = prefix + tuple(path)
         adapter = _adapter(leaf)
         if adapter is not None:
-            sub = _unflatten(adapter[0](leaf, spec), spec, path, values)
-            new.append(adapter[1](leaf, sub))
-        elif isinstance(leaf, VALUE_TYPES) and _path_name(path) in values:
-            new.append(values[_path_name(path)])
+            new.append(adapter[1](leaf, unflatten(adapter[0](leaf, spec), spec, values, path)))
         else:
-            new.append(leaf)
+            new.append(values.get(_path_name(path), leaf) if isinstance(leaf, VALUE_TYPES)
+                       else leaf)
     return optree.tree_unflatten(treespec, new)

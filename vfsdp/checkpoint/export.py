@@ -8,6 +8,7 @@ unit. :func:`from_state_dict` is the reverse: the source packs one unit and scat
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -15,35 +16,41 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, unflatten
-from vfsdp.checkpoint.storage import CheckpointError
+from vfsdp.checkpoint.storage import CheckpointError, agree, agreed
 from vfsdp.collectives import comm
-from vfsdp.collectives.comm import device_for
 from vfsdp.collectives.scatter import scatter_unit
 from vfsdp.collectives.unit import export_full
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["to_state_dict", "from_state_dict", "stream_full", "stream_order", "Rename",
+__all__ = ["to_state_dict", "from_state_dict", "stream_full", "stream_order", "Rename", "name_keys",
            "entries_and_names"]
 
 Rename = Optional[Callable[[str], str]]
 
 
-def _groups(entries: list[Entry]) -> Iterator[tuple]:
+def _groups(entries: list[Entry]) -> list[tuple]:
     """``(db or None, [entries])`` in order: DBuffer-backed pieces grouped by their buffer."""
-    by_db: dict = {}
-    order: list = []
-    for e in entries:
+    groups: dict = {}
+    for k, e in enumerate(entries):
         db = e.piece.db if e.kind == "sharded" else None
-        if db is None:
-            order.append((None, [e]))
-        elif id(db) in by_db:
-            by_db[id(db)][1].append(e)
-        else:
-            by_db[id(db)] = (db, [e])
-            order.append(by_db[id(db)])
-    return iter(order)
+        groups.setdefault(k if db is None else ("db", id(db)), (db, []))[1].append(e)
+    return list(groups.values())
+
+
+def name_keys(entries: list[Entry], rename: Rename, what: str) -> dict:
+    """``{entry name: key}`` under ``rename``.
+
+    Raises:
+        ValueError: ``rename`` maps two entries to one key.
+    """
+    named: dict = {}  # key -> entry name
+    for e in entries:
+        key = rename(e.name) if rename else e.name
+        if key in named:
+            raise ValueError(f"{what}: rename maps both {named[key]} and {e.name} to {key!r}")
+        named[key] = e.name
+    return {name: key for key, name in named.items()}
 
 
 def entries_and_names(tree: Any, spec: ShardSpec, rename: Rename, what: str) -> tuple:
@@ -58,14 +65,7 @@ def entries_and_names(tree: Any, spec: ShardSpec, rename: Rename, what: str) -> 
                              f"full-tensor exports gather over the data axes only. Save with "
                              f"vfsdp.checkpoint.save (it reshards across TP/EP degrees), or "
                              f"export from a plan without tp= (tp=1)")
-        keys: dict = {}
-        for e in entries:
-            key = rename(e.name) if rename else e.name
-            if key in keys.values():
-                other = next(n for n, k in keys.items() if k == key)
-                raise ValueError(f"{what}: rename maps both {other} and {e.name} to {key!r}")
-            keys[e.name] = key
-        return entries, keys
+        return entries, name_keys(entries, rename, what)
 
     return agreed(local)
 
@@ -76,38 +76,26 @@ def stream_order(entries: list[Entry]) -> list[Entry]:
 
 
 def _gather_pieces(entries: list[Entry], dst: int) -> dict:
-    """Full tensors of pieces that are not DBuffer views (small: tile scales and the like)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    device = device_for()  # the default group's device (cuda under NCCL)
-    ranges = torch.tensor([[e.piece.start, e.piece.numel if e.piece.writer else 0]
-                           for e in entries], dtype=torch.int64, device=device).reshape(-1)
-    every = torch.empty(world * ranges.numel(), dtype=torch.int64, device=device)
-    comm.all_gather_into(every, ranges)
-    every = every.view(world, len(entries), 2).cpu()
-    out = {}
-    for dtype in sorted({e.dtype for e in entries}, key=str):
-        idx = [i for i, e in enumerate(entries) if e.dtype == dtype]
-        mine = [entries[i].piece.local.detach().reshape(-1).to(device) for i in idx
-                if entries[i].piece.writer]
-        sizes = every[:, idx, 1].sum(dim=1)
-        width = int(sizes.max())
-        send = torch.zeros(width, dtype=dtype, device=device)
-        flat = torch.cat(mine) if mine else torch.zeros(0, dtype=dtype, device=device)
-        send[:flat.numel()] = flat
-        recv = torch.empty(world * width, dtype=dtype, device=device)
-        comm.all_gather_into(recv, send)
-        if rank != dst:
-            continue
-        recv = recv.cpu()
-        fulls = {i: torch.zeros(math.prod(entries[i].shape), dtype=dtype) for i in idx}  # cpu: host copy
-        for r in range(world):
-            off = r * width
-            for i in idx:
-                start, n = (int(v) for v in every[r, i])
-                fulls[i][start:start + n] = recv[off:off + n]
-                off += n
-        out.update({entries[i].name: fulls[i].view(entries[i].shape) for i in idx})
-    return out
+    """Full tensors of pieces that are not DBuffer views (small: tile scales and the like).
+
+    Each rank puts the bytes it writes into a zeroed buffer of them all, and one MAX
+    all-reduce merges them: every byte is written by one rank (or by several, equal), and
+    bytes no rank writes stay zero.
+    """
+    sizes = [math.prod(e.shape) * e.dtype.itemsize for e in entries]
+    starts = list(itertools.accumulate(sizes, initial=0))
+    buf = torch.zeros(starts[-1], dtype=torch.uint8, device=comm.device_for())  # cuda under NCCL
+    for e, at in zip(entries, starts):
+        if e.piece.writer and e.piece.numel:
+            at += e.piece.start * e.dtype.itemsize
+            mine = e.piece.local.detach().reshape(-1).view(torch.uint8)
+            buf[at:at + mine.numel()].copy_(mine)
+    comm.all_reduce_max_(buf)
+    if dist.get_rank() != dst:
+        return {}
+    buf = buf.cpu()
+    return {e.name: buf[at:at + n].clone().view(e.dtype).view(e.shape)  # clone: aligned
+            for e, at, n in zip(entries, starts, sizes)}
 
 
 def stream_full(entries: list[Entry], dst: int = 0) -> Iterator[tuple[str, Any]]:
@@ -120,16 +108,13 @@ def stream_full(entries: list[Entry], dst: int = 0) -> Iterator[tuple[str, Any]]
     pieces = [e for e in entries if e.kind == "sharded" and e.piece.db is None]
     small = _gather_pieces(pieces, dst) if pieces else {}
     for db, group in _groups(entries):
-        if db is None:
-            e = group[0]
-            if rank == dst:
-                yield e.name, (e.value if e.kind == "value" else
-                               small[e.name] if e.kind == "sharded" else e.tensor.detach())
-            continue
-        with export_full(db):
-            if rank == dst:
-                for e in group:
-                    yield e.name, db.full(e.piece.index)
+        e = group[0]
+        if db is not None:
+            with export_full(db):
+                yield from ((e.name, db.full(e.piece.index)) for e in group if rank == dst)
+        elif rank == dst:
+            yield e.name, (e.value if e.kind == "value" else
+                           small[e.name] if e.kind == "sharded" else e.tensor.detach())
 
 
 def to_state_dict(tree: Any, spec: ShardSpec, *, dst: int = 0, device: Any = "cpu",
@@ -215,8 +200,9 @@ def from_state_dict(state_dict: Optional[dict], tree_like: Any, spec: ShardSpec,
     entries, key = entries_and_names(tree_like, spec, rename, "vfsdp.checkpoint.from_state_dict")
     box: list = [None]
     if rank == src:
-        dbs = [e.piece.db for e in entries if e.kind == "sharded" and e.piece.db is not None]
-        coords = (dbs[0].groups.replicate_rank, dbs[0].groups.shard_rank) if dbs else (0, 0)
+        db = next((e.piece.db for e in entries if e.kind == "sharded" and e.piece.db is not None),
+                  None)
+        coords = (0, 0) if db is None else (db.groups.replicate_rank, db.groups.shard_rank)
         try:
             box[0] = _check_source(state_dict, entries, key, strict) + (coords,)
         except Exception as exc:  # noqa: BLE001 - sent to every rank
@@ -228,17 +214,20 @@ def from_state_dict(state_dict: Optional[dict], tree_like: Any, spec: ShardSpec,
     failed: list = []  # a source-side failure: keep the collectives going, raise at the end
     with torch.no_grad():
         for db, group in _groups(entries):
-            if db is None:
-                e = group[0]
-                if e.kind == "value":
-                    continue
-                full = _broadcast_full(e, state_dict[key[e.name]] if rank == src else None, src,
-                                       failed)
+            e = group[0]
+            if db is not None:
+                _scatter_unit(db, group, state_dict, key, rank == src, coords, failed)
+            elif e.kind != "value":  # a piece or replicated tensor: broadcast whole
                 target = e.piece.local if e.kind == "sharded" else e.tensor
+                full = torch.zeros(e.shape, dtype=e.dtype, device=target.device)
+                if rank == src:
+                    try:
+                        full.copy_(state_dict[key[e.name]].detach())
+                    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                        failed.append(exc)
+                comm.broadcast_(full, group_src=src)
                 part = full.reshape(-1)[e.piece.start:e.piece.stop] if e.kind == "sharded" else full
                 target.copy_(part.reshape(target.shape))
-                continue
-            _scatter_unit(db, group, state_dict, key, rank == src, coords, failed)
     agree(failed[0] if failed else None)
     return unflatten(tree_like, spec, values)
 
@@ -264,18 +253,6 @@ def _check_source(state_dict, entries, key, strict) -> tuple:
             return (f"from_state_dict: unused names {extra[:5]}; pass strict=False to ignore "
                     f"them", {})
     return (None, {e.name: state_dict[key[e.name]] for e in entries if e.kind == "value"})
-
-
-def _broadcast_full(e: Entry, full: Optional[torch.Tensor], src: int, failed: list) -> torch.Tensor:
-    device = (e.piece.local if e.kind == "sharded" else e.tensor).device
-    buf = torch.zeros(e.shape, dtype=e.dtype, device=device)
-    if full is not None:
-        try:
-            buf.copy_(full.detach())
-        except Exception as exc:  # noqa: BLE001 - reported on every rank after the loop
-            failed.append(exc)
-    comm.broadcast_(buf, group_src=src)
-    return buf
 
 
 def _scatter_unit(db, group: list, state_dict, key, is_src: bool, coords: tuple,

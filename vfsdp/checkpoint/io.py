@@ -5,18 +5,54 @@ A save writes a DCP checkpoint into ``<path>.partial-<id>``, checksums it, adds 
 stops at any point leaves only a ``.partial-`` directory, which a load never takes for a
 checkpoint. Each rank writes only its own pieces (HSDP: the first replica's), with no
 collective over the data.
+
+**Parts**: several plans in one checkpoint, named ``(tree, spec)`` parts saved and loaded
+together.
+
+A model can live on several plans at once: an expert-parallel MoE plans its router and dense
+layers over every rank and its experts over the expert-data mesh (``dp`` x ``ep``). Such parts
+are saved as **one** checkpoint (one atomic rename, one manifest, every chunk checksummed):
+each part's entries are stored under its name (``experts.params.layers.0.w_up``), and the
+manifest lists the parts with the mesh and plan each was saved from. Each part reshards on
+load on its own, like a single tree: another data-parallel degree, another ``ep`` or ``tp``.
+
+Parts are given as a dict ``{name: (tree, spec)}`` or ``{name: (tree, spec, mesh)}``, or a
+list of such tuples (named ``"0"``, ``"1"``, ...). A load takes the same form and returns it,
+with the loaded trees in place of the tuples.
+
+Example:
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "moe")
+    >>> def body(dp, ep):
+    ...     mesh = vfsdp.mesh(("dp", dp), ("ep", ep))
+    ...     dense, experts = {"router": torch.ones(4, 2)}, {"w": torch.arange(8.0).reshape(2, 4)}
+    ...     spec = vfsdp.plan(dense, dp * ep)                       # over every rank
+    ...     e_spec = vfsdp.plan(experts, mesh, tp=lambda p: Shard(0), tp_axis="ep")
+    ...     d = vfsdp.shard(dense, spec)
+    ...     e = vfsdp.shard(experts, e_spec, mesh=mesh)
+    ...     parts = {"rest": ({"params": d, "step": 3}, spec), "experts": (e, e_spec, mesh)}
+    ...     if not os.path.exists(path):
+    ...         return vfsdp.checkpoint.save(path, parts)
+    ...     out = vfsdp.checkpoint.load(path, parts)              # each part reshards
+    ...     return out["rest"]["step"], e["w"].tolist()         # this rank's expert, flat
+    >>> _ = vfsdp.testing.simulate(4, body, 2, 2)                  # save: dp=2 x ep=2
+    >>> vfsdp.testing.simulate(2, body, 1, 2)                      # load: dp=1 x ep=2
+    [(3, [0.0, 1.0, 2.0, 3.0]), (3, [4.0, 5.0, 6.0, 7.0])]
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
 import math
 import os
 import threading
 import zlib
-from typing import Any, Optional
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Optional
 
+import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -24,35 +60,32 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from vfsdp._torch_private import groups_are_per_thread
-from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.atomic import commit, prepare
-from vfsdp.checkpoint.entries import Entry, flatten, tensor_bytes, unflatten
-from vfsdp.checkpoint.manifest import METADATA, describe_mesh, match_manifest, single_layout, write_manifest
-from vfsdp.checkpoint.parts import (
-    check_one_tree,
-    check_parts,
-    flatten_parts,
-    normalize,
-    parts_layout,
-    unflatten_parts,
-)
-from vfsdp.checkpoint.safe_pickle import SafeReader
+from vfsdp.checkpoint.entries import Entry, flatten, is_state_leaf, tensor_bytes, unflatten
 from vfsdp.checkpoint.storage import (
+    METADATA,
     CheckpointError,
+    SafeReader,
     VerifyingLoadPlanner,
+    agree,
+    agreed,
     checksum_items,
-    load_state,
+    dcp_state,
+    describe_mesh,
+    match_manifest,
     read_manifest,
-    save_state,
+    single_layout,
     verify_files,
+    write_manifest,
 )
 from vfsdp.collectives.comm import control_device, device_for
-from vfsdp.planner.spec import ShardSpec
+from vfsdp.collectives.dbuffer import slot_of
+from vfsdp.planner.granularity import format_path
+from vfsdp.planner.spec import ShardSpec, unit_name
 
 __all__ = ["save", "load", "AsyncSave", "CheckpointError"]
 
-_LOCK = threading.Lock()
-_PENDING: dict = {}   # rank -> AsyncSave still running
+_PENDING: dict = {}   # rank thread -> AsyncSave still running (one dict operation at a time)
 _EXECUTORS: dict = {}
 _ASYNC_GROUPS: dict = {}
 
@@ -91,16 +124,10 @@ class AsyncSave:
         return f"AsyncSave({self.path!r}, {'done' if self.done() else 'running'})"
 
 
-def _digest(e: Entry) -> Any:
-    if e.kind == "replicated":
-        return zlib.crc32(tensor_bytes(e.tensor))
-    if e.kind == "value":
-        return repr(e.value)
-    return None
-
-
-def _summary(entries: list[Entry]) -> list:
-    return [(e.name, e.kind, e.shape, str(e.dtype), _digest(e)) for e in entries]
+def _all_gather(obj: Any, group) -> list:
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, obj, group=group)
+    return every
 
 
 def _check_consistent(entries: list[Entry], group) -> None:
@@ -109,16 +136,13 @@ def _check_consistent(entries: list[Entry], group) -> None:
     Ranks exchange a 32-byte digest of their entry list; only when digests differ do they
     exchange the lists themselves, to name the first difference.
     """
-    mine = _summary(entries)
-    digest = hashlib.sha256(repr(mine).encode()).hexdigest()
-    digests: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) == 1:
+    mine = [(e.name, e.kind, e.shape, str(e.dtype), zlib.crc32(tensor_bytes(e.tensor))
+             if e.kind == "replicated" else repr(e.value) if e.kind == "value" else None)
+            for e in entries]
+    if len(set(_all_gather(hashlib.sha256(repr(mine).encode()).hexdigest(), group))) == 1:
         return
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    base = every[0]
-    for r, other in enumerate(every[1:], 1):
+    base, *others = _all_gather(mine, group)
+    for r, other in enumerate(others, 1):
         if [x[0] for x in other] != [x[0] for x in base]:
             diff = sorted({x[0] for x in other} ^ {x[0] for x in base})
             raise ValueError(f"vfsdp.checkpoint.save: rank {r} saves other entries than rank 0 "
@@ -126,9 +150,9 @@ def _check_consistent(entries: list[Entry], group) -> None:
         for a, b in zip(base, other):
             if a != b:
                 what = "values" if a[1] == "value" else "tensors"
-                same = a[1:4] == b[1:4]
                 raise ValueError(f"vfsdp.checkpoint.save: {a[0]} differs between rank 0 and rank "
-                                 f"{r} ({a[1:4]} vs {b[1:4]}{', different ' + what if same else ''})"
+                                 f"{r} ({a[1:4]} vs {b[1:4]}"
+                                 f"{', different ' + what if a[1:4] == b[1:4] else ''})"
                                  f"; replicated tensors and values must be equal on every rank")
 
 
@@ -147,29 +171,23 @@ def _check_written_once(entries: list[Entry], group) -> None:
     counts = torch.tensor([e.piece.numel if e.piece.writer else 0 for e in sharded],
                           dtype=torch.int64, device=control_device(device_for(group)))
     dist.all_reduce(counts, group=group)
-    twice = [e for e, got in zip(sharded, counts.tolist()) if got > math.prod(e.shape)]
+    twice = {e.name: e for e, got in zip(sharded, counts.tolist()) if got > math.prod(e.shape)}
     if not twice:
         return
-    mine = [(e.name, e.piece.start, e.piece.numel, e.piece.within,
-             zlib.crc32(tensor_bytes(e.piece.local))) for e in twice
-            if e.piece.writer and e.piece.numel]
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    crcs: dict = {}
-    conflict = None
-    for name, start, numel, within, crc in (x for rank in every for x in rank):
-        if crcs.setdefault((name, start, numel, within), crc) != crc:
-            conflict = name
-            break
-    if conflict is None:  # same ranges, same data: the distinct ranges cover each once
-        held: dict = {}
-        for name, _start, numel, _within in crcs:
-            held[name] = held.get(name, 0) + numel
-        conflict = next((e.name for e in twice if held.get(e.name, 0) > math.prod(e.shape)),
-                        None)
+    crcs: dict = {}  # (name, start, numel, within) -> the CRC-32s written there
+    for rank in _all_gather([(e.name, e.piece.start, e.piece.numel, e.piece.within,
+                              zlib.crc32(tensor_bytes(e.piece.local))) for e in twice.values()
+                             if e.piece.writer and e.piece.numel], group):
+        for *where, crc in rank:
+            crcs.setdefault(tuple(where), set()).add(crc)
+    held = collections.Counter()  # equal copies: the distinct ranges must cover each element once
+    for name, _start, numel, _within in crcs:
+        held[name] += numel
+    conflict = next((w[0] for w, c in crcs.items() if len(c) > 1), None) or next(
+        (n for n, e in twice.items() if held[n] > math.prod(e.shape)), None)
     if conflict is None:
         return
-    e = next(e for e in twice if e.name == conflict)
+    e = twice[conflict]
     raise ValueError(
         f"vfsdp.checkpoint.save: ranks write different data for the same elements of {e.name} "
         f"{tuple(e.shape)}: shards of one plan made on several sub-meshes (e.g. one per expert "
@@ -192,20 +210,17 @@ def _unwrap(exc: CheckpointException, what: str) -> BaseException:
 def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], layout: dict,
            group, thread_count: int) -> str:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    state = save_state(entries, data, rank)
     try:
-        dcp.save(state, storage_writer=FileSystemWriter(tmp, thread_count=thread_count),
-                 process_group=group)
+        dcp.save(dcp_state(entries, data, rank), process_group=group,
+                 storage_writer=FileSystemWriter(tmp, thread_count=thread_count))
     except CheckpointException as exc:
         raise _unwrap(exc, "vfsdp.checkpoint.save") from None
     err, result = None, None
     try:
-        md = SafeReader(tmp).read_metadata()
-        result = checksum_items(tmp, md.storage_data, rank, world)
+        result = checksum_items(tmp, SafeReader(tmp).read_metadata().storage_data, rank, world)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         err = f"checksumming {tmp} failed: {exc}"
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, (err, result), group=group)
+    gathered = _all_gather((err, result), group)
     errors = [e for e, _ in gathered if e]
     if errors:
         raise CheckpointError(errors[0])
@@ -222,13 +237,9 @@ def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], layo
 
 def _stage(entries: list[Entry], rank: int) -> dict:
     """Host copies of what this rank writes, so training can go on changing the originals."""
-    data = {}
-    for e in entries:
-        if e.kind == "sharded" and e.piece.writer and e.piece.numel:
-            data[e.name] = e.piece.local.detach().to("cpu", copy=True)
-        elif e.kind == "replicated" and rank == 0:
-            data[e.name] = e.tensor.detach().to("cpu", copy=True)
-    return data
+    return {e.name: (e.piece.local if e.kind == "sharded" else e.tensor).detach().to("cpu", copy=True)
+            for e in entries if (e.kind == "sharded" and e.piece.writer and e.piece.numel)
+            or (e.kind == "replicated" and rank == 0)}
 
 
 def _async_group():
@@ -247,17 +258,167 @@ def _async_group():
 
 def wait_pending() -> None:
     """Wait for this rank's background save, if one is running (re-raising its error)."""
-    with _LOCK:
-        pending = _PENDING.pop(threading.get_ident(), None)
+    pending = _PENDING.pop(threading.get_ident(), None)
     if pending is not None:
         pending.wait()
 
 
-def _entries(tree: Any, spec: Optional[ShardSpec], what: str) -> tuple[list[Entry], dict]:
-    """The entries to save and what the manifest records of their plan(s)."""
-    if spec is None:
-        return flatten_parts(tree, what), parts_layout(tree, what)
-    return flatten(tree, spec, what), single_layout(spec)
+# ---------------------------------------------------------------------- parts
+
+
+_FORM = ("pass parts as {name: (tree, spec)} or {name: (tree, spec, mesh)}, or a list of such "
+         "tuples; for one tree pass save(path, tree, spec)")
+
+
+class Part(NamedTuple):
+    """One named part: its tree, the spec it was sharded with, and its mesh (or ``None``)."""
+
+    name: str
+    tree: Any
+    spec: ShardSpec
+    mesh: Any = None
+
+
+def normalize(parts: Any, what: str) -> list[Part]:
+    """The parts of a dict or list form, checked.
+
+    Raises:
+        TypeError: not a dict/list of ``(tree, spec[, mesh])`` tuples, a name that is not a
+            string, or a spec that is not a ``ShardSpec`` (naming the part and the fix).
+        ValueError: no parts, or a name that is empty or holds a ``"."`` (entry names are
+            dotted paths that start with the part's name).
+    """
+    if isinstance(parts, Mapping):
+        items = list(parts.items())
+    elif isinstance(parts, Sequence) and not isinstance(parts, (str, bytes)):
+        items = [(str(i), p) for i, p in enumerate(parts)]
+    else:
+        raise TypeError(f"{what}: without a spec the second argument is a set of parts, got a "
+                        f"{type(parts).__name__}; {_FORM}")
+    if not items:
+        raise ValueError(f"{what}: no parts given; {_FORM}")
+    out = []
+    for name, value in items:
+        if not isinstance(name, str):
+            raise TypeError(f"{what}: part names must be strings, got {name!r}")
+        if not name or "." in name:
+            raise ValueError(f"{what}: part name {name!r} is empty or holds a '.'; entries are "
+                             f"stored as <part>.<path>, so name parts like 'experts' or 'rest'")
+        if not isinstance(value, tuple) or len(value) not in (2, 3):
+            raise TypeError(f"{what}: part {name!r} is a {type(value).__name__}, not a (tree, "
+                            f"spec) or (tree, spec, mesh) tuple; {_FORM}")
+        tree, spec, mesh = (*value, None)[:3]
+        if isinstance(tree, ShardSpec):
+            raise TypeError(f"{what}: part {name!r} has its spec where its tree goes; the tuple "
+                            f"is (tree, spec)")
+        if not isinstance(spec, ShardSpec):
+            raise TypeError(f"{what}: part {name!r}'s spec must be the ShardSpec vfsdp.plan "
+                            f"returned, got {type(spec).__name__}")
+        if mesh is not None and not hasattr(mesh, "mesh_dim_names"):
+            raise TypeError(f"{what}: part {name!r}'s mesh must be the DeviceMesh its shards "
+                            f"were made on (vfsdp.mesh(...)) or None, got "
+                            f"{type(mesh).__name__}")
+        if mesh is not None:
+            _check_mesh(name, spec, mesh, what)
+        out.append(Part(name, tree, spec, mesh))
+    return out
+
+
+def _check_mesh(name: str, spec: ShardSpec, mesh: Any, what: str) -> None:
+    """The mesh spans the ranks the spec was planned for (and names its model axis)."""
+    axis = spec.model_axis
+    want = spec.world_size * spec.replicas * (axis[1] if axis else 1)
+    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+    if math.prod(mesh.shape) != want or (axis and sizes.get(axis[0]) != axis[1]):
+        split = f" x {axis[0]}={axis[1]}" if axis else ""
+        raise ValueError(f"{what}: part {name!r}'s mesh {dict(sizes) or tuple(mesh.shape)} is "
+                         f"not the one its spec was planned on ({spec.replicas * spec.world_size}"
+                         f" data ranks{split}); pass the mesh its shards were made on, or none")
+
+
+def _check_owner(name: str, layout: Any, part: Part, what: str) -> None:
+    """A shard of a vfsdp buffer (of unit ``layout``) belongs to a unit of its part's spec."""
+    own = part.spec.units.get(layout.key)
+    if own is not layout and own != layout:
+        raise ValueError(f"{what}: part {part.name!r}: {name} is a shard of unit "
+                         f"{unit_name(layout.key)} of another plan than the part's spec; pair "
+                         f"each tree with the spec it was sharded with ({{name: (shards, spec)}})")
+
+
+def _flatten_part(part: Part, what: str) -> list[Entry]:
+    """A part's entries, each named ``<part>.<path>`` (names hold no ".": entries of two parts
+    never clash).
+
+    Raises:
+        TypeError, ValueError: a leaf that cannot be checkpointed, or a shard paired with
+            another plan's spec (naming the part, the tensor path and the fix).
+    """
+    # Shards first, before optimizer states read their buffers through the spec.
+    paths, leaves, _ = optree.tree_flatten_with_path(part.tree, is_leaf=is_state_leaf)
+    for path, leaf in zip(paths, leaves):
+        slot = slot_of(leaf) if isinstance(leaf, torch.Tensor) else None
+        if slot is not None:
+            _check_owner(format_path((part.name, *path)), slot.buffer.layout, part, what)
+    try:
+        entries = flatten(part.tree, part.spec, what, (part.name,))
+    except KeyError as exc:  # an optimizer state's buffers are not the spec's units
+        raise ValueError(f"{what}: part {part.name!r}: {exc.args[0] if exc.args else exc}; "
+                         f"pair each tree with the spec it was sharded with") from None
+    for e in entries:
+        if e.kind == "sharded" and e.piece.db is not None:
+            _check_owner(e.name, e.piece.db.layout, part, what)
+    return entries
+
+
+def _mesh_record(mesh: Any) -> Optional[list]:
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return [[str(n), int(s)] for n, s in zip(names, mesh.shape)]
+
+
+def parts_layout(parts: list[Part]) -> dict:
+    """What the manifest records of the parts: ``{"parts": {name: {mesh, plan}}}``."""
+    return {"parts": {p.name: {"mesh": _mesh_record(p.mesh), **single_layout(p.spec)}
+                      for p in parts}}
+
+
+def check_parts(manifest: dict, parts: Optional[list[Part]], strict: bool, path: str) -> None:
+    """A load of one tree (``parts`` is ``None``) reads a checkpoint of one tree, and a load of
+    parts names the checkpoint's parts (all of them, when ``strict``).
+
+    Raises:
+        CheckpointError: a checkpoint of parts loaded as one tree or the reverse, a part the
+            checkpoint lacks, or (``strict``) a part it holds that the load does not name.
+    """
+    if parts is None:
+        if "parts" in manifest:
+            raise CheckpointError(f"{path} holds parts {list(manifest['parts'])}, not one tree; "
+                                  f"load it with vfsdp.checkpoint.load(path, {{name: (tree, "
+                                  f"spec), ...}}) naming those parts")
+        return
+    if "parts" not in manifest:
+        raise CheckpointError(f"{path} holds one tree (saved with a spec), not parts; load it "
+                              f"with vfsdp.checkpoint.load(path, tree, spec)")
+    saved = list(manifest["parts"])
+    names = [p.name for p in parts]
+    for n in names:
+        if n not in manifest["parts"]:
+            raise CheckpointError(f"{path} has no part {n!r} (it holds parts {saved}); name the "
+                                  f"parts as they were saved")
+    extra = [n for n in saved if n not in names]
+    if strict and extra:
+        raise CheckpointError(f"{path} holds part(s) {extra} that the load does not name (it "
+                              f"names {names}); add them, or pass strict=False to load a subset")
+
+
+def _entries(tree: Any, spec: Optional[ShardSpec], what: str) -> tuple[list[Entry], Optional[list]]:
+    """The entries of one tree and its spec, or of a set of parts (``spec`` ``None``), and the
+    parts (``None`` for one tree)."""
+    if spec is not None:
+        return flatten(tree, spec, what), None
+    parts = normalize(tree, what)
+    return [e for part in parts for e in _flatten_part(part, what)], parts
 
 
 def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *,
@@ -268,7 +429,7 @@ def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *
     ``save(path, parts)`` saves several trees planned apart (e.g. an expert-parallel model's
     dense part and its experts) as one checkpoint: ``parts`` is ``{name: (tree, spec)}`` or
     ``{name: (tree, spec, mesh)}``, or a list of such tuples. Each part's entries are stored
-    under its name, and each reshards on load on its own (see :mod:`vfsdp.checkpoint.parts`).
+    under its name, and each reshards on load on its own (see :mod:`vfsdp.checkpoint.io`).
 
     Args:
         path: Directory to create, on a filesystem every rank can read (as DCP needs to
@@ -310,32 +471,30 @@ def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *
     """
     path = os.fspath(path)
     wait_pending()
-    entries, layout = agreed(_entries, tree, spec, "vfsdp.checkpoint.save")
+    entries, parts = agreed(_entries, tree, spec, "vfsdp.checkpoint.save")
+    layout = single_layout(spec) if parts is None else parts_layout(parts)
     _check_consistent(entries, None)
     _check_written_once(entries, None)
     if not async_save:
-        tmp = prepare(path, overwrite, None)
-        _write(path, tmp, entries, None, layout, None, thread_count)
+        _write(path, prepare(path, overwrite, None), entries, None, layout, None, thread_count)
         return None
-    if groups_are_per_thread():
-        # Process groups belong to their rank's thread (vfsdp.testing.simulate), so a
-        # background thread cannot use them: the write runs now, after the same snapshot.
-        tmp = prepare(path, overwrite, None)
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        data = agreed(_stage, entries, dist.get_rank())
-        future.set_result(_write(path, tmp, entries, data, layout, None, thread_count))
-        return AsyncSave(future, path)
-    group = _async_group()
+    # Process groups belong to their rank's thread under vfsdp.testing.simulate, so a
+    # background thread cannot use them: the write runs now, after the same snapshot.
+    here = groups_are_per_thread()
+    group = None if here else _async_group()
     tmp = prepare(path, overwrite, group)
     data = agreed(_stage, entries, dist.get_rank())
+    if here:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(_write(path, tmp, entries, data, layout, None, thread_count))
+        return AsyncSave(future, path)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     key = threading.get_ident()
     executor = _EXECUTORS.setdefault(key, concurrent.futures.ThreadPoolExecutor(1, "vfsdp-ckpt"))
-    future = executor.submit(_write, path, tmp, entries, data, layout, group, thread_count)
-    handle = AsyncSave(future, path)
-    with _LOCK:
-        _PENDING[key] = handle
+    handle = AsyncSave(executor.submit(_write, path, tmp, entries, data, layout, group,
+                                       thread_count), path)
+    _PENDING[key] = handle
     return handle
 
 
@@ -389,15 +548,11 @@ def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = No
     """
     path = os.fspath(path)
     wait_pending()
-    err, manifest, values, entries = None, None, {}, []
+    err, manifest, values, entries, parts = None, None, {}, [], None
     try:
         manifest = read_manifest(path)
-        if spec is None:
-            check_parts(manifest, normalize(tree_like, "vfsdp.checkpoint.load"), strict, path)
-            entries = flatten_parts(tree_like, "vfsdp.checkpoint.load")
-        else:
-            check_one_tree(manifest, path)
-            entries = flatten(tree_like, spec, "vfsdp.checkpoint.load")
+        entries, parts = _entries(tree_like, spec, "vfsdp.checkpoint.load")
+        check_parts(manifest, parts, strict, path)
         values = match_manifest(manifest, entries, strict, path, None if spec is None else
                                 describe_mesh(spec.mesh_shape, spec.model_axis))
         verify_files(path, manifest)
@@ -411,8 +566,11 @@ def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = No
         err = exc
     agree(err)
     try:
-        dcp.load(load_state(entries), storage_reader=SafeReader(path),
+        dcp.load(dcp_state(entries), storage_reader=SafeReader(path),
                  planner=VerifyingLoadPlanner(path, manifest, verify))
     except CheckpointException as exc:
         raise _unwrap(exc, "vfsdp.checkpoint.load") from None
-    return unflatten_parts(tree_like, values) if spec is None else unflatten(tree_like, spec, values)
+    if parts is None:
+        return unflatten(tree_like, spec, values)
+    loaded = [unflatten(p.tree, p.spec, values, (p.name,)) for p in parts]  # in the form given
+    return dict(zip(tree_like, loaded)) if isinstance(tree_like, Mapping) else loaded

@@ -19,16 +19,15 @@ import os
 import re
 import struct
 import uuid
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from vfsdp.checkpoint.agree import agree, agreed
 from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, tensor_bytes, unflatten
-from vfsdp.checkpoint.export import Rename, entries_and_names, stream_full, stream_order
-from vfsdp.checkpoint.layouts import candidates, parts
-from vfsdp.checkpoint.storage import MANIFEST, CheckpointError
+from vfsdp.checkpoint.export import Rename, entries_and_names, name_keys, stream_full, stream_order
+from vfsdp.checkpoint.storage import MANIFEST, CheckpointError, agree, agreed
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["save_safetensors", "load_safetensors", "read_header"]
@@ -42,15 +41,101 @@ _DTYPES = {v: k for k, v in _CODES.items()}
 _VALUES = "vfsdp.values"
 
 
-def _code(e: Entry) -> str:
-    if e.dtype not in _CODES:
-        raise TypeError(f"safetensors: {e.name} is {dtype_name(e.dtype)}, which safetensors "
-                        f"cannot store")
-    return _CODES[e.dtype]
+# ---------------------------------------------------------------------- MoE layouts
+#
+# Hugging Face's layouts of mixture-of-experts weights in safetensors files.
+#
+# A ``transformers`` 5 MoE model holds each layer's experts fused: ``experts.gate_up_proj``
+# ``(E, 2I, H)`` (each expert's gate rows, then its up rows) and ``experts.down_proj``
+# ``(E, H, I)``. Its ``save_pretrained`` writes one tensor per expert instead, and fuses them
+# again at load:
+#
+# * ``"per_expert"`` (Qwen2/3-MoE, DeepSeek, GLM-MoE and the others transformers converts as
+#   Qwen2-MoE): ``experts.N.gate_proj.weight`` and ``experts.N.up_proj.weight`` ``(I, H)``,
+#   ``experts.N.down_proj.weight`` ``(H, I)``;
+# * ``"mixtral"``: the same under ``block_sparse_moe`` (every ``.mlp.`` of the model), named
+#   ``w1`` (gate), ``w3`` (up) and ``w2`` (down).
+#
+# In both, the per-expert tensors, in the order listed (expert by expert, gate before up), are
+# the fused tensor's bytes cut into consecutive pieces: a save writes the fused bytes unchanged
+# under several header records, and a read maps a rank's flat range of the fused tensor onto
+# the pieces it spans.
+
+LAYOUTS = ("fused", "per_expert", "mixtral")
+_FUSED = re.compile(r"(?P<pre>(?:.*\.)?)experts\.(?P<which>gate_up_proj|down_proj)")
+_NAMES = {"per_expert": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+
+Part = tuple[str, tuple]
 
 
-def _nbytes(e: Entry) -> int:
-    return math.prod(e.shape) * e.dtype.itemsize
+def _mixtral(name: str) -> str:
+    return name.replace(".mlp.", ".block_sparse_moe.")
+
+
+def parts(name: str, shape: tuple, layout: Optional[str]) -> Optional[list[Part]]:
+    """The file tensors ``(key, shape)`` whose bytes, concatenated, are tensor ``name``'s in
+    ``layout``, or ``None`` when it is stored whole under ``name``.
+
+    Args:
+        name: The tensor's dotted name.
+        shape: Its shape.
+        layout: ``None``/``"fused"``, ``"per_expert"`` or ``"mixtral"``.
+
+    Returns:
+        ``[(key, shape)]`` in byte order, or ``None``.
+
+    Raises:
+        ValueError: an unknown layout.
+
+    Example:
+        >>> parts("m.0.mlp.experts.gate_up_proj", (2, 8, 3), "mixtral")[:2]
+        [('m.0.block_sparse_moe.experts.0.w1.weight', (4, 3)),
+         ('m.0.block_sparse_moe.experts.0.w3.weight', (4, 3))]
+        >>> parts("m.0.mlp.experts.down_proj", (2, 3, 4), "per_expert")[1]
+        ('m.0.mlp.experts.1.down_proj.weight', (3, 4))
+    """
+    if layout is None or layout == "fused":
+        return None
+    if layout not in _NAMES:
+        raise ValueError(f"save_safetensors: hf_layout must be one of {LAYOUTS} or None, got "
+                         f"{layout!r}")
+    found = _FUSED.fullmatch(name)
+    rename = _mixtral if layout == "mixtral" else (lambda n: n)
+    if found is None or len(shape) != 3 or (found["which"] == "gate_up_proj" and shape[1] % 2):
+        return [(rename(name), tuple(shape))] if rename(name) != name else None
+    gate, up, down = _NAMES[layout]
+    pre = rename(found["pre"] + "experts.")
+    experts, rows, cols = shape
+    if found["which"] == "down_proj":
+        return [(f"{pre}{e}.{down}.weight", (rows, cols)) for e in range(experts)]
+    half = (rows // 2, cols)
+    return [(f"{pre}{e}.{w}.weight", half) for e in range(experts) for w in (gate, up)]
+
+
+def candidates(key: str, shape: tuple) -> list[list[Part]]:
+    """Where a reader may find tensor ``key`` of ``shape``, in the order tried: whole under
+    its own name, then each per-expert layout, then under Mixtral's ``block_sparse_moe``.
+
+    Args:
+        key: The tensor's name in the file's scheme.
+        shape: Its shape.
+
+    Returns:
+        A list of ``[(key, shape)]`` options; a reader takes the first whose keys all exist.
+
+    Raises:
+        Nothing.
+
+    Example:
+        >>> [c[0][0] for c in candidates("l.mlp.gate.weight", (4, 3))]
+        ['l.mlp.gate.weight', 'l.block_sparse_moe.gate.weight']
+    """
+    out = [[(key, tuple(shape))]]
+    for layout in ("per_expert", "mixtral"):
+        found = parts(key, shape, layout)
+        if found is not None and found not in out:
+            out.append(found)
+    return out
 
 
 def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst: int = 0,
@@ -108,53 +193,36 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
     path = os.fspath(path)
     rank = dist.get_rank()
     entries, names = entries_and_names(tree, spec, rename, "vfsdp.checkpoint.save_safetensors")
-    agreed(parts, "", (), hf_layout)  # an unknown layout: every rank raises
-    files = agreed(_split, entries, max_shard_size)  # [(file name, [entry names])]
-    if max_shard_size is None:
-        targets = [os.path.join(path, SINGLE) if os.path.isdir(path) else path]
-    else:
-        targets = [os.path.join(path, name) for name, _ in files]
-    agreed(_prepare_dir, targets[0], max_shard_size is not None, rank == dst)
-    which = {n: k for k, (_, group) in enumerate(files) for n in group}
-    blobs = agreed(lambda: [_header(entries, names, metadata if k == 0 else None, set(group),
-                                    values=k == 0, layout=hf_layout)
-                            for k, (_, group) in enumerate(files)])
+
+    def prepare() -> tuple:
+        parts("", (), hf_layout)  # an unknown layout
+        files = _split(entries, max_shard_size)  # [(file name, [entries])]
+        targets = ([os.path.join(path, SINGLE) if os.path.isdir(path) else path]
+                   if max_shard_size is None else [os.path.join(path, name) for name, _ in files])
+        folder = os.path.dirname(os.path.abspath(targets[0]))
+        if rank == dst and max_shard_size is not None:
+            os.makedirs(folder, exist_ok=True)
+        if rank == dst and os.path.exists(os.path.join(folder, MANIFEST)):
+            raise CheckpointError(f"save_safetensors: {folder} holds a vfsdp checkpoint "
+                                  f"({MANIFEST}); one directory holds one checkpoint: export to "
+                                  f"another directory")
+        return files, targets, _headers_of(entries, names, files, metadata, hf_layout)
+
+    files, targets, blobs = agreed(prepare)  # a failure on any rank: every rank raises
+    stream = stream_full(entries, dst)
     error = None
-    current, f, tmp = -1, None, None
-    for name, value in stream_full(entries, dst):
-        if rank != dst or error is not None or not isinstance(value, torch.Tensor):
-            continue  # keep taking part in the collectives; a failure is raised below
-        try:
-            while current < which[name]:
-                if f is not None:
-                    _close(f, tmp, targets[current])
-                current += 1
-                tmp = f"{os.path.abspath(targets[current])}.partial-{uuid.uuid4().hex[:12]}"
-                f = _open(tmp, blobs[current])
-            f.write(tensor_bytes(value))
-        except Exception as exc:  # noqa: BLE001 - e.g. disk full
-            error = exc
     if rank == dst:
+        tensors = (v for _, v in stream if isinstance(v, torch.Tensor))
         try:
-            if error is None:
-                while current < len(files) - 1:  # files of values only, or none yet
-                    if f is not None:
-                        _close(f, tmp, targets[current])
-                    current += 1
-                    tmp = f"{os.path.abspath(targets[current])}.partial-{uuid.uuid4().hex[:12]}"
-                    f = _open(tmp, blobs[current])
-                _close(f, tmp, targets[current])
-                f = None
-                if max_shard_size is not None:
-                    _write_index(path, entries, names, files, hf_layout)
-                _remove_other_forms(targets)
-        except Exception as exc:  # noqa: BLE001
-            error = error or exc
-        finally:
-            if f is not None:
-                f.close()
-            if tmp is not None and os.path.exists(tmp):
-                os.remove(tmp)
+            for target, blob, (_, group) in zip(targets, blobs, files):
+                _write_file(target, blob, itertools.islice(tensors, len(group)))
+            if max_shard_size is not None:
+                _write_index(path, names, files, hf_layout)
+            _remove_other_forms(targets)
+        except Exception as exc:  # noqa: BLE001 - e.g. disk full; raised below, on every rank
+            error = exc
+    for _ in stream:  # the other ranks, and dst after a failure: take part in the collectives
+        pass
     agree(error)
 
 
@@ -162,20 +230,6 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _PARTIAL = re.compile(r"\.partial-[0-9a-f]{12}")
-
-
-def _prepare_dir(target: str, sharded: bool, writer: bool) -> None:
-    """On the writing rank: create a sharded save's directory; refuse a directory that holds
-    a vfsdp checkpoint (one checkpoint per directory)."""
-    if not writer:
-        return
-    folder = os.path.dirname(os.path.abspath(target))
-    if sharded:
-        os.makedirs(folder, exist_ok=True)
-    if os.path.exists(os.path.join(folder, MANIFEST)):
-        raise CheckpointError(f"save_safetensors: {folder} holds a vfsdp checkpoint "
-                              f"({MANIFEST}); one directory holds one checkpoint: export to "
-                              f"another directory")
 
 
 def _remove_other_forms(targets: list[str]) -> None:
@@ -188,64 +242,63 @@ def _remove_other_forms(targets: list[str]) -> None:
     names = {os.path.basename(t) for t in targets}
     single = names == {SINGLE}
     hf = single or all(_SHARD.fullmatch(n) for n in names)
-
-    def stale(name: str) -> bool:
-        if name in names:
-            return False
-        if name == INDEX:
-            return single
-        return hf and (name == SINGLE or bool(_SHARD.fullmatch(name)))
-
     for name in os.listdir(folder):
         partial = _PARTIAL.search(name)
-        if partial is None:
-            drop = stale(name)
-        else:
-            base = name[:partial.start()]
-            drop = base in names or stale(base) or (hf and base == INDEX)
-        if drop:
+        base = name if partial is None else name[:partial.start()]
+        mine = partial is not None and (base in names or (hf and base == INDEX))
+        stale = base not in names and ((base == INDEX and single) or (
+            hf and (base == SINGLE or bool(_SHARD.fullmatch(base)))))
+        if mine or stale:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(folder, name))
 
 
-def _split(entries: list[Entry], max_bytes: Optional[int]) -> list[tuple[str, list]]:
-    """The files of a save: ``[(file name, [entry names])]`` in stream order."""
+def _split(entries: list[Entry], max_bytes: Optional[int]) -> list[tuple[str, list[Entry]]]:
+    """The files of a save: ``[(file name, [entries])]`` in stream order."""
     order = [e for e in stream_order(entries) if e.kind != "value"]
     if max_bytes is None:
-        return [("", [e.name for e in order])]
+        return [("", order)]
     if not isinstance(max_bytes, int) or max_bytes < 1:
         raise ValueError(f"save_safetensors: max_shard_size must be a positive int (bytes), "
                          f"got {max_bytes!r}")
     groups: list = [[]]
     size = 0
     for e in order:
-        n = _nbytes(e)
+        n = math.prod(e.shape) * e.dtype.itemsize
         if groups[-1] and size + n > max_bytes:
             groups.append([])
             size = 0
-        groups[-1].append(e.name)
+        groups[-1].append(e)
         size += n
-    total = len(groups)
-    return [(f"model-{k + 1:05d}-of-{total:05d}.safetensors", g) for k, g in enumerate(groups)]
+    return [(f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors", g) for k, g in enumerate(groups)]
 
 
-def _write_index(path: str, entries: list[Entry], names: dict, files: list,
-                 layout: Optional[str]) -> None:
-    by_name = {e.name: e for e in entries}
-    index = {"metadata": {"total_size": sum(_nbytes(by_name[n]) for _, g in files for n in g)},
-             "weight_map": {key: file for file, g in files for n in g
-                            for key, _ in _records(by_name[n], names, layout)}}
+def _write_index(path: str, names: dict, files: list, layout: Optional[str]) -> None:
+    index = {"metadata": {"total_size": sum(math.prod(e.shape) * e.dtype.itemsize
+                                            for _, g in files for e in g)},
+             "weight_map": {key: file for file, g in files for e in g
+                            for key, _ in _records(e, names, layout)}}
     tmp = os.path.join(path, f"{INDEX}.partial-{uuid.uuid4().hex[:12]}")
     with open(tmp, "w") as f:
         json.dump(index, f, indent=2, sort_keys=True)
     os.replace(tmp, os.path.join(path, INDEX))
 
 
-def _close(f, tmp: str, path: str) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
-    os.replace(tmp, path)
+def _write_file(target: str, blob: bytes, tensors) -> None:
+    """Write a safetensors file under a temporary name, renamed to ``target`` once complete."""
+    tmp = f"{os.path.abspath(target)}.partial-{uuid.uuid4().hex[:12]}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for t in tensors:
+                f.write(tensor_bytes(t))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
 
 
 def _records(e: Entry, names: dict, layout: Optional[str]) -> list[tuple[str, tuple]]:
@@ -254,40 +307,37 @@ def _records(e: Entry, names: dict, layout: Optional[str]) -> list[tuple[str, tu
     return [(names[e.name], tuple(e.shape))] if found is None else found
 
 
-def _header(entries: list[Entry], names: dict, metadata: Optional[dict],
-            only: Optional[set] = None, values: bool = True,
-            layout: Optional[str] = None) -> bytes:
-    header: dict = {}
-    offset = 0
-    for e in stream_order(entries):
-        if e.kind == "value" or (only is not None and e.name not in only):
-            continue
-        for key, shape in _records(e, names, layout):
-            if key in header:
-                raise ValueError(f"save_safetensors: two tensors are both stored as {key!r} "
-                                 f"(hf_layout={layout!r}); rename one")
-            n = math.prod(shape) * e.dtype.itemsize
-            header[key] = {"dtype": _code(e), "shape": list(shape),
-                           "data_offsets": [offset, offset + n]}
-            offset += n
+def _headers_of(entries: list[Entry], names: dict, files: list, metadata: Optional[dict],
+                layout: Optional[str]) -> list[bytes]:
+    """Each file's header: its tensors back to back; the first file's metadata holds
+    ``metadata`` and the plain values."""
     meta = dict(metadata or {})
     if any(not isinstance(k, str) or not isinstance(v, str) for k, v in meta.items()):
         raise TypeError("safetensors metadata must map str to str")
-    values = {names[e.name]: e.value for e in entries if e.kind == "value"} if values else {}
+    values = {names[e.name]: e.value for e in entries if e.kind == "value"}
     if values:
         meta[_VALUES] = json.dumps(values)
-    if meta:
-        header["__metadata__"] = meta
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    return blob + b" " * (-len(blob) % 8)
-
-
-def _open(tmp: str, blob: bytes):
-    """The temporary file, header written; the caller writes the data and closes it."""
-    f = open(tmp, "wb")  # noqa: SIM115 - stays open while the units stream in
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    return f
+    blobs = []
+    for k, (_, group) in enumerate(files):
+        header: dict = {}
+        offset = 0
+        for e in group:
+            if e.dtype not in _CODES:
+                raise TypeError(f"safetensors: {e.name} is {dtype_name(e.dtype)}, which "
+                                f"safetensors cannot store")
+            for key, shape in _records(e, names, layout):
+                if key in header:
+                    raise ValueError(f"save_safetensors: two tensors are both stored as {key!r} "
+                                     f"(hf_layout={layout!r}); rename one")
+                n = math.prod(shape) * e.dtype.itemsize
+                header[key] = {"dtype": _CODES[e.dtype], "shape": list(shape),
+                               "data_offsets": [offset, offset + n]}
+                offset += n
+        if meta and k == 0:
+            header["__metadata__"] = meta
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blobs.append(blob + b" " * (-len(blob) % 8))
+    return blobs
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict, int]:
@@ -429,10 +479,10 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
 def _headers(path: str) -> tuple[dict, dict]:
     """``({tensor name: its header record plus "file" and "base"}, plain values)`` of a file
     or of a Hugging Face checkpoint directory."""
-    weight_map = None
+    weight_map, files = {}, [path]
     if os.path.isdir(path):
-        index = os.path.join(path, INDEX)
-        if os.path.exists(index) and os.path.exists(os.path.join(path, SINGLE)):
+        index, single = os.path.join(path, INDEX), os.path.join(path, SINGLE)
+        if os.path.exists(index) and os.path.exists(single):
             raise CheckpointError(f"{path} holds two checkpoints: {SINGLE} and a sharded one "
                                   f"({INDEX}), which readers choose between differently; "
                                   f"delete the stale one, or save again with "
@@ -441,28 +491,24 @@ def _headers(path: str) -> tuple[dict, dict]:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
             files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
-        elif os.path.exists(os.path.join(path, SINGLE)):
-            files = [os.path.join(path, SINGLE)]
+        elif os.path.exists(single):
+            files = [single]
         else:
             raise CheckpointError(f"{path} holds neither {INDEX} nor model.safetensors")
-    else:
-        files = [path]
     merged: dict = {}
     values: dict = {}
     for file in files:
         header, base = read_header(file)
-        values.update(json.loads(header.get("__metadata__", {}).get(_VALUES, "{}")))
+        values.update(json.loads(header.pop("__metadata__", {}).get(_VALUES, "{}")))
         for key, rec in header.items():
-            if key == "__metadata__":
-                continue
             if key in merged:
                 raise CheckpointError(f"{path}: tensor {key!r} is in both "
                                       f"{os.path.basename(merged[key]['file'])} and "
                                       f"{os.path.basename(file)}; the checkpoint is corrupt")
             merged[key] = {**rec, "file": file, "base": base}
-    for key, name in (weight_map or {}).items():
-        if key not in merged or os.path.basename(merged[key]["file"]) != name:
-            found = os.path.basename(merged[key]["file"]) if key in merged else "no file"
+    for key, name in weight_map.items():
+        found = os.path.basename(merged[key]["file"]) if key in merged else "no file"
+        if found != name:
             raise CheckpointError(f"{path}: {INDEX} puts tensor {key!r} in {name}, but it is in "
                                   f"{found}; the checkpoint is corrupt or mixes two saves")
     return merged, values
@@ -471,12 +517,7 @@ def _headers(path: str) -> tuple[dict, dict]:
 def _read_into(path: str, tree_like: Any, spec: ShardSpec, strict: bool, rename: Rename) -> dict:
     header, values = _headers(path)
     entries = flatten(tree_like, spec, "vfsdp.checkpoint.load_safetensors")
-    names: dict = {}
-    for e in entries:
-        key = rename(e.name) if rename else e.name
-        if key in names.values():
-            raise ValueError(f"load_safetensors: rename maps two entries to {key!r}")
-        names[e.name] = key
+    names = name_keys(entries, rename, "vfsdp.checkpoint.load_safetensors")
     stored: dict = {}  # entry name -> [(file tensor key, its record)], in the tensor's order
     for e in entries:
         key = names[e.name]
@@ -497,47 +538,38 @@ def _read_into(path: str, tree_like: Any, spec: ShardSpec, strict: bool, rename:
                                       f"{e.name} needs {shape} {dtype_name(e.dtype)}")
         stored[e.name] = [(k, header[k]) for k, _ in found]
     if strict:
-        extra = sorted(set(header) - {"__metadata__"} - {k for found in stored.values()
-                                                          for k, _ in found})
+        extra = sorted(set(header) - {k for found in stored.values() for k, _ in found})
         if extra:
             raise CheckpointError(f"{path} holds tensors the tree does not: {extra[:5]}; pass "
                                   f"strict=False to load a subset")
-    opened: dict = {}
-    try:
-        with torch.no_grad():
-            _read_pieces(entries, stored, opened, path)
-    finally:
-        for f in opened.values():
-            f.close()
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        opened = {file: stack.enter_context(open(file, "rb"))
+                  for file in {rec["file"] for found in stored.values() for _, rec in found}}
+        _read_pieces(entries, stored, opened, path)
     return {e.name: values[names[e.name]] for e in entries if e.kind == "value"}
 
 
-class _Source:
-    """A tensor's bytes, stored whole or as consecutive pieces (per-expert tensors): reads a
-    flat range of elements from the pieces it spans."""
+def _source(found: list, opened: dict, item: int, path: str, name: str):
+    """``read(flat, count)``: a flat range of a tensor's elements as bytes, from the tensor
+    stored whole or as consecutive pieces (per-expert tensors), from the pieces it spans."""
+    recs = [rec for _, rec in found]
+    starts = list(itertools.accumulate((math.prod(r["shape"]) for r in recs), initial=0))
 
-    def __init__(self, found: list, opened: dict, item: int, path: str, name: str) -> None:
-        self.recs = [rec for _, rec in found]
-        self.starts = list(itertools.accumulate((math.prod(r["shape"]) for r in self.recs),
-                                                initial=0))
-        self.opened, self.item, self.path, self.name = opened, item, path, name
-
-    def read(self, flat: int, count: int) -> bytearray:
-        raw = bytearray(count * self.item)  # a host buffer: numpy views would pin the storage
-        k = bisect.bisect_right(self.starts, flat) - 1
+    def read(flat: int, count: int) -> bytearray:
+        raw = bytearray(count * item)  # a host buffer: numpy views would pin the storage
+        k = bisect.bisect_right(starts, flat) - 1
         at = flat
         while at < flat + count:
-            rec, lo = self.recs[k], self.starts[k]
-            stop = min(self.starts[k + 1], flat + count)
-            f = self.opened.get(rec["file"])
-            if f is None:
-                f = self.opened[rec["file"]] = open(rec["file"], "rb")  # noqa: SIM115 - closed by the caller
-            f.seek(rec["base"] + rec["data_offsets"][0] + (at - lo) * self.item)
-            view = memoryview(raw)[(at - flat) * self.item:(stop - flat) * self.item]
+            rec, stop = recs[k], min(starts[k + 1], flat + count)
+            f = opened[rec["file"]]
+            f.seek(rec["base"] + rec["data_offsets"][0] + (at - starts[k]) * item)
+            view = memoryview(raw)[(at - flat) * item:(stop - flat) * item]
             if f.readinto(view) != len(view):
-                raise CheckpointError(f"{self.path}: {self.name} ends early (truncated)")
+                raise CheckpointError(f"{path}: {name} ends early (truncated)")
             at, k = stop, k + 1
         return raw
+
+    return read
 
 
 def _read_pieces(entries: list, stored: dict, opened: dict, path: str) -> None:
@@ -547,17 +579,17 @@ def _read_pieces(entries: list, stored: dict, opened: dict, path: str) -> None:
         target = e.piece.local if e.kind == "sharded" else e.tensor
         if not target.numel():
             continue
-        source = _Source(stored[e.name], opened, target.element_size(), path, e.name)
+        read = _source(stored[e.name], opened, target.element_size(), path, e.name)
         if e.kind == "sharded" and e.piece.within is not None:  # a TP/EP piece's boxes
             for offsets, sizes in e.piece.boxes():
                 e.piece.box_data(offsets, sizes).copy_(
-                    _read_box(source, tuple(e.shape), offsets, sizes, target.dtype))
+                    _read_box(read, tuple(e.shape), offsets, sizes, target.dtype))
             continue
-        raw = source.read(e.piece.start if e.kind == "sharded" else 0, target.numel())
+        raw = read(e.piece.start if e.kind == "sharded" else 0, target.numel())
         target.copy_(torch.frombuffer(raw, dtype=target.dtype).view(target.shape))
 
 
-def _read_box(source: _Source, shape: tuple, offsets: tuple, sizes: tuple,
+def _read_box(read: Callable[[int, int], bytearray], shape: tuple, offsets: tuple, sizes: tuple,
               dtype: torch.dtype) -> torch.Tensor:
     """One N-D box of a row-major tensor, read row by row."""
     out = torch.empty(sizes, dtype=dtype)  # cpu: a host buffer, copied into the target
@@ -566,5 +598,5 @@ def _read_box(source: _Source, shape: tuple, offsets: tuple, sizes: tuple,
     for j, lead in enumerate(itertools.product(*(range(o, o + n) for o, n in
                                                  zip(offsets[:-1], sizes[:-1])))):
         flat = sum(i * st for i, st in zip(lead, strides)) + (offsets[-1] if offsets else 0)
-        rows[j].copy_(torch.frombuffer(source.read(flat, rows.shape[1]), dtype=dtype))
+        rows[j].copy_(torch.frombuffer(read(flat, rows.shape[1]), dtype=dtype))
     return out

@@ -111,6 +111,41 @@ def _cost(t: TensorSpec) -> int:
     return r * c * min(r, c)
 
 
+def owned_matrices(found: list, world: int, units: list, what: str, why: str) -> tuple:
+    """The :class:`Matrix` of each ``(key, k, spec, rank)`` of ``found``, its owner chosen by
+    :func:`plan_roots`. Refuses, on every rank at init, a matrix split over a model axis whose
+    group the shards lack (``why`` names what needs the whole matrix)."""
+    roots = plan_roots([f[2] for f in found], world)
+    matrices = tuple(Matrix(key, k, t, root, *t.shard_range(rank))
+                     for (key, k, t, rank), root in zip(found, roots))
+    split = next((m for m in matrices if _split(m)), None)
+    if split is not None and units[0].db.groups.model is None:
+        axis = split.spec.strided.axis
+        raise ValueError(f"{what}: {format_path(split.spec.path)} is split over {axis!r}; "
+                         f"{why} needs the whole matrix, so vfsdp needs that axis' group: "
+                         f"shard with vfsdp.shard(params, spec, mesh=mesh) on the mesh with "
+                         f"{axis!r}, not its data sub-mesh")
+    return matrices
+
+
+def planned_waves(matrices: tuple, wave_size: int, rank: int, world: int, layout: tuple,
+                  extra: tuple = ()) -> tuple:
+    """The waves of ``matrices`` (:func:`~vfsdp.optim.muon_waves.plan_waves`) over a workspace
+    of the units' shards end to end (``layout``: ``(key, elements)`` each), each wave's sends
+    as indices of the workspace's cuts (:func:`~vfsdp.optim.base.cuts_of`), which also cut the
+    ``extra`` ``(key, lo, hi)`` ranges. Returns ``(waves, cuts, the extra ranges' indices)``."""
+    base = dict(zip((k for k, _ in layout),
+                    itertools.accumulate((n for _, n in layout), initial=0)))
+    waves, sends = plan_waves(group_matrices(matrices, wave_size, _shape), rank, world, base)
+    cuts, index = cuts_of([r for wave in sends for r in wave]
+                          + [(base[key] + lo, base[key] + hi) for key, lo, hi in extra],
+                          sum(n for _, n in layout))
+    picked = iter(index)
+    waves = tuple(replace(w, send=tuple(next(picked) for _ in wave))
+                  for w, wave in zip(waves, sends))
+    return waves, cuts, tuple(picked)
+
+
 def _split(m: Matrix) -> bool:
     return m.spec.strided is not None and m.spec.strided.dim is not None \
         and m.spec.strided.size > 1
@@ -291,26 +326,11 @@ def muon(
             state.momentum[u.key] = u.db.like(dtype, Role.STATE, "momentum")
             paths[u.key] = frozenset(t.path for _, t in mine)
             found += [(u.key, k, t, u.db.rank) for k, t in mine]
-        roots = plan_roots([f[2] for f in found], spec.world_size)
-        matrices = tuple(Matrix(key, k, t, root, *t.shard_range(rank))
-                         for (key, k, t, rank), root in zip(found, roots))
-        split = next((m for m in matrices if _split(m)), None)
-        if split is not None and units[0].db.groups.model is None:  # on every rank, at init
-            axis = split.spec.strided.axis
-            raise ValueError(f"muon: {format_path(split.spec.path)} is split over {axis!r}; "
-                             f"Newton-Schulz needs the whole matrix, so vfsdp needs that "
-                             f"axis' group: shard with vfsdp.shard(params, spec, mesh=mesh) on "
-                             f"the mesh with {axis!r}, not its data sub-mesh")
-        rank = units[0].db.rank if units else 0
+        matrices = owned_matrices(found, spec.world_size, units, "muon", "Newton-Schulz")
         # The workspace: the units' shards end to end.
         layout = tuple((u.key, u.db.shard.numel()) for u in units if u.key in state.momentum)
-        base = itertools.accumulate((n for _, n in layout), initial=0)
-        waves, sends = plan_waves(group_matrices(matrices, wave_size, _shape), rank,
-                                  spec.world_size, dict(zip((k for k, _ in layout), base)))
-        cuts, index = cuts_of([r for wave in sends for r in wave], sum(n for _, n in layout))
-        picked = iter(index)
-        waves = tuple(replace(w, send=tuple(next(picked) for _ in wave))
-                      for w, wave in zip(waves, sends))
+        waves, cuts, _ = planned_waves(matrices, wave_size, units[0].db.rank if units else 0,
+                                       spec.world_size, layout)
         state.plan = MuonPlan(paths, matrices, waves, dtype, layout, cuts)
         return state
 

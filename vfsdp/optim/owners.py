@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,8 +40,14 @@ from vfsdp.optim.base import (
     state_dtype,
     unit_buffers,
 )
-from vfsdp.optim.muon import Matrix, MuonPlan, MuonState, _shape, _split, _whole, plan_roots
-from vfsdp.optim.muon_waves import cuts_of, group_matrices, plan_waves
+from vfsdp.optim.muon import (
+    MuonPlan,
+    MuonState,
+    _split,
+    _whole,
+    owned_matrices,
+    planned_waves,
+)
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
@@ -164,37 +170,18 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
             state.second[u.key] = u.db.like(dtype, Role.STATE, "exp_avg_sq")
             vecs += [(u.key, k, *t.shard_range(u.db.rank)) for k, t in mine
                      if kind(t) == "vector"]
-    roots = plan_roots([f[2] for f in found], spec.world_size)
-    matrices = tuple(Matrix(key, k, t, root, *t.shard_range(rank))
-                     for (key, k, t, rank), root in zip(found, roots))
-    split = next((m for m in matrices if _split(m)), None)
-    if split is not None and units[0].db.groups.model is None:  # on every rank, at init
-        axis = split.spec.strided.axis
-        raise ValueError(f"{what}: {format_path(split.spec.path)} is split over {axis!r}; "
-                         f"{what} needs the whole matrix, so vfsdp needs that axis' group: "
-                         f"shard with vfsdp.shard(params, spec, mesh=mesh) on the mesh with "
-                         f"{axis!r}, not its data sub-mesh")
-    rank = units[0].db.rank if units else 0
-    layout, base, at = [], {}, 0
-    for u in units:
-        if u.key in paths:
-            layout.append((u.key, u.db.shard.numel()))
-            base[u.key] = at
-            at += u.db.shard.numel()
-    groups = group_matrices(matrices, wave_size, _shape)
-    waves, sends = plan_waves(groups, rank, spec.world_size, base)
+    matrices = owned_matrices(found, spec.world_size, units, what, what)
+    layout = tuple((u.key, u.db.shard.numel()) for u in units if u.key in paths)
     vecs = tuple(v for v in vecs if v[3] > v[2])
-    cuts, index = cuts_of([r for wave in sends for r in wave]
-                          + [(base[key] + lo, base[key] + hi) for key, _, lo, hi in vecs], at)
-    picked = iter(index)
-    waves = tuple(replace(wave, send=tuple(next(picked) for _ in s))
-                  for wave, s in zip(waves, sends))
-    state.plan = MuonPlan(paths, matrices, waves, dtype, tuple(layout), cuts)
+    waves, cuts, picked = planned_waves(matrices, wave_size, units[0].db.rank if units else 0,
+                                        spec.world_size, layout,
+                                        tuple((key, lo, hi) for key, _, lo, hi in vecs))
+    state.plan = MuonPlan(paths, matrices, waves, dtype, layout, cuts)
     device = state.count.device
     state.stacks = [stack_state(len(w.stacked), tuple(w.matrices[0].spec.global_shape), dtype,
                                 device) for w in waves]
     state.kept["params"] = {u.key: u.db for u in units if u.key in paths}
-    state.kept["vectors"] = vecs, tuple(picked)  # and their cuts of the workspace
+    state.kept["vectors"] = vecs, picked  # and their cuts of the workspace
     return state
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from vfsdp.optim.base import Mask, Optimizer, both, init_masked, same_at_ties, selected
+from vfsdp.optim.transforms import fuse
 from vfsdp.planner.granularity import combine, format_path
 from vfsdp.planner.spec import ShardSpec
 
@@ -98,6 +99,7 @@ def chain(*transforms: Optimizer) -> Optimizer:
     for t in transforms:
         if not isinstance(t, Optimizer):
             raise TypeError(f"chain takes Optimizers, got {type(t).__name__}")
+    transforms = fuse(transforms)  # a run of transforms: one member (vfsdp.optim.transforms)
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> list:
         return [init_masked(t, shards, spec, mask, "chain") for t in transforms]

@@ -65,7 +65,12 @@ class Transform:
     buffers: tuple = ()
     hyper: tuple = ()
 
-    def init(self, shards: Any, spec: ShardSpec, mask: Mask = None) -> Any:
+    def init(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: a transform alone changes updates that nothing applies.
+
+        Raises:
+            TypeError: always, naming the fix.
+        """
         raise TypeError(f"{self.name} is a transform of the updates, not an optimizer: use it "
                         f"inside vfsdp.optim.chain(..., scale_by_learning_rate(lr)), which "
                         f"applies the updates to the parameters")

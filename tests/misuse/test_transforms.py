@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from vfsdp.optim import (
-    add_decayed_weights,
     adamw,
+    add_decayed_weights,
     chain,
     clip_by_global_norm,
     scale_by_adam,

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import vfsdp
 import vfsdp.checkpoint as ckpt
 from vfsdp.optim import (
-    add_decayed_weights,
     adamw,
+    add_decayed_weights,
     chain,
     clip_by_global_norm,
     partition,
@@ -28,8 +28,8 @@ from vfsdp.optim.transforms import run
 from vfsdp.testing import CopyCounter, simulate
 
 ROOT = Path(__file__).resolve().parents[2]
-NO_NORM = lambda path: path[-1] != "norm"  # noqa: E731
-SCHEDULE = lambda step: 0.01 / step  # noqa: E731
+NO_NORM = lambda path: path[-1] != "norm"
+SCHEDULE = lambda step: 0.01 / step
 
 
 def params() -> dict:
@@ -143,7 +143,7 @@ def test_user_built_lion_equals_a_single_process_reference(world):
 def test_lion_under_partition_clip_and_a_frozen_tensor():
     """A transform run nests: clip first (then the run reads clipped gradients), a partition
     gives it a subset, and a frozen tensor keeps its value."""
-    labels = lambda path: "adamw" if path[0] == "embed" else "lion"  # noqa: E731
+    labels = lambda path: "adamw" if path[0] == "embed" else "lion"
     opt = chain(clip_by_global_norm(1e9), partition({"lion": lion_chain(), "adamw": adamw()},
                                                     labels))
     full, state, _ = simulate(2, train, opt, 3, True)[0]

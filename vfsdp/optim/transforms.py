@@ -128,7 +128,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Opti
     (:func:`~vfsdp.optim.base.adam_`'s arithmetic, optax's ``scale_by_adam``).
 
     Args:
-        b1, b2: The moments' decay rates, in [0, 1).
+        b1: The first moment's decay rate, in [0, 1).
+        b2: The second moment's decay rate, in [0, 1).
         eps: Added to the denominator, >= 0.
 
     Returns:

@@ -141,8 +141,9 @@ def test_user_built_lion_equals_a_single_process_reference(world):
 
 
 def test_lion_under_partition_clip_and_a_frozen_tensor():
-    """A transform run nests: clip first (then the run reads clipped gradients), a partition
-    gives it a subset, and a frozen tensor keeps its value."""
+    """A transform run nests in a chain after a gradient transform and in a partition (which
+    gives it a subset: the other label's tensors move by AdamW), and a frozen tensor keeps its
+    value. (The clip is too loose to act: Lion's result is compared bit for bit.)"""
     labels = lambda path: "adamw" if path[0] == "embed" else "lion"
     opt = chain(clip_by_global_norm(1e9), partition({"lion": lion_chain(), "adamw": adamw()},
                                                     labels))

@@ -15,6 +15,13 @@ from vfsdp.optim.offload import OffloadState, offload
 from vfsdp.optim.schedules import constant, warmup_cosine
 from vfsdp.optim.shampoo import shampoo
 from vfsdp.optim.soap import soap
+from vfsdp.optim.transforms import (
+    TransformsState,
+    add_decayed_weights,
+    scale_by_adam,
+    scale_by_learning_rate,
+    transform,
+)
 
 __all__ = [
     "AdamW8bitPlan",
@@ -26,8 +33,10 @@ __all__ = [
     "MuonPlan",
     "MuonState",
     "OffloadState",
+    "TransformsState",
     "Optimizer",
     "adamw",
+    "add_decayed_weights",
     "adamw8bit",
     "as_schedule",
     "chain",
@@ -41,7 +50,10 @@ __all__ = [
     "muon",
     "offload",
     "partition",
+    "scale_by_adam",
+    "scale_by_learning_rate",
     "shampoo",
     "soap",
+    "transform",
     "warmup_cosine",
 ]

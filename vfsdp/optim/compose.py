@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from vfsdp.optim.base import Mask, Optimizer, both, init_masked, same_at_ties, selected
+from vfsdp.optim.transforms import fuse
 from vfsdp.planner.granularity import combine, format_path
 from vfsdp.planner.spec import ShardSpec
 
@@ -77,6 +78,10 @@ def chain(*transforms: Optimizer) -> Optimizer:
     gradients in place (one update form, see :mod:`vfsdp.optim.base`), and the next member
     reads the same tree.
 
+    A run of transforms (:mod:`vfsdp.optim.transforms`: ``scale_by_adam``, ...,
+    ``scale_by_learning_rate``) is one member: AdamW's own implementation for AdamW's
+    sequence, else the transforms one after another over the whole rank.
+
     The chain's granularity keeps whole every block any member needs
     (:func:`vfsdp.planner.granularity.combine`); its ``mask`` goes to every member.
 
@@ -88,6 +93,7 @@ def chain(*transforms: Optimizer) -> Optimizer:
 
     Raises:
         TypeError: a member that is not an :class:`Optimizer`.
+        ValueError: transforms out of order (see :func:`vfsdp.optim.transforms.fuse`).
 
     Example:
         >>> opt = vfsdp.optim.chain(vfsdp.optim.clip_by_global_norm(1.0),
@@ -98,6 +104,7 @@ def chain(*transforms: Optimizer) -> Optimizer:
     for t in transforms:
         if not isinstance(t, Optimizer):
             raise TypeError(f"chain takes Optimizers, got {type(t).__name__}")
+    transforms = fuse(transforms)  # a run of transforms: one member (vfsdp.optim.transforms)
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> list:
         return [init_masked(t, shards, spec, mask, "chain") for t in transforms]

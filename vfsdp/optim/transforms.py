@@ -1,0 +1,490 @@
+"""Optimizer pieces in optax's vocabulary, composed by :func:`~vfsdp.optim.chain`.
+
+A *transform* turns the updates (at first, the gradients) into new updates; the last one,
+:func:`scale_by_learning_rate`, applies them to the parameters (``p -= lr * u``, optax's
+``scale_by_learning_rate`` then ``apply_updates``)::
+
+    chain(scale_by_adam(b1, b2, eps), add_decayed_weights(wd), scale_by_learning_rate(lr))
+
+is ``adamw(lr, (b1, b2), eps, wd)``, bit for bit: ``chain`` recognises that sequence (with or
+without the decay) and runs AdamW's own fused implementation. Any other run of transforms
+runs them one after another over every unit's flat shard as lists (:func:`run`): each
+transform is a few multi-tensor ops over the whole rank, so a user's own chain (Lion, say,
+from a small :func:`transform`) costs a few ops per step whatever the number of tensors or
+units. Gradient transforms that are whole optimizers (``clip_by_global_norm``) go before the
+transforms: they change the gradients, which the first transform reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from vfsdp import _torch_private as tp
+from vfsdp.collectives.dbuffer import Role
+from vfsdp.functional.state import param_tree
+from vfsdp.optim.adamw import AdamWPlan, adamw, owned_views, segments, trainable_runs
+from vfsdp.optim.base import (
+    Mask,
+    Optimizer,
+    Schedule,
+    adam_,
+    as_schedule,
+    check_hyper,
+    flat_grads,
+    grad_leaves,
+    learning_rate,
+    new_count,
+    read_step,
+    runs,
+    same_at_ties,
+    selected,
+    state_dtype,
+    step_scalars,
+    unit_buffers,
+    write_step,
+)
+from vfsdp.planner.spec import ShardSpec
+
+__all__ = ["Transform", "Updates", "TransformsState", "transform", "scale_by_adam",
+           "add_decayed_weights", "scale_by_learning_rate", "run", "fuse"]
+
+
+@dataclass(frozen=True, eq=False)
+class Transform:
+    """A transform of the updates: ``apply(updates, buffers)`` changes ``updates.updates``
+    in place (:class:`Updates`); ``buffers`` names the state it keeps per parameter (zeros,
+    in the state dtype, saved by checkpoints), handed to ``apply`` as ``{name: slices}``
+    matching ``updates.updates``. ``hyper`` lets :func:`fuse` recognise the common chains."""
+
+    name: str
+    apply: Callable[[Any, dict], None]
+    buffers: tuple = ()
+    hyper: tuple = ()
+
+    def init(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: a transform alone changes updates that nothing applies.
+
+        Raises:
+            TypeError: always, naming the fix.
+        """
+        raise TypeError(f"{self.name} is a transform of the updates, not an optimizer: use it "
+                        f"inside vfsdp.optim.chain(..., scale_by_learning_rate(lr)), which "
+                        f"applies the updates to the parameters")
+
+    update = init
+
+
+def _of(opt: Any) -> Optional[Transform]:
+    found = getattr(opt.init, "__self__", None)
+    return found if isinstance(found, Transform) else None
+
+
+def transform(apply: Callable[[Any, dict], None], buffers: tuple = (),
+              name: str = "transform") -> Optimizer:
+    """Your own transform of the updates, for :func:`~vfsdp.optim.chain`.
+
+    Args:
+        apply: ``apply(u, state)``: change ``u.updates`` (a list of flat tensors in the state
+            dtype, every unit's updated slices of this rank) in place with multi-tensor ops
+            (``torch._foreach_*``), reading ``u.params``, ``u.count`` (the step, a tensor) and
+            ``state[name]`` (this transform's buffers, slices matching ``u.updates``), which
+            it may change in place. Zeros (padding) must stay zeros.
+        buffers: Names of the per-parameter buffers it keeps (zeros at ``init``).
+        name: For messages.
+
+    Returns:
+        An :class:`~vfsdp.optim.Optimizer` to place in a ``chain`` before
+        :func:`scale_by_learning_rate` (alone, its ``init`` and ``update`` raise).
+
+    Raises:
+        TypeError: ``apply`` is not callable, or a buffer name is not a string.
+
+    Example:
+        >>> sign = transform(lambda u, state: torch._foreach_sign_(u.updates), name="sign")
+        >>> opt = vfsdp.optim.chain(sign, scale_by_learning_rate(0.1))
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.zeros(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.zeros(8)}, spec)
+        ...     grads = vfsdp.grads(shards, spec)
+        ...     grads["w"].fill_(-3.0)
+        ...     opt.update(grads, opt.init(shards, spec), shards, spec)
+        ...     return [round(x, 4) for x in shards["w"].tolist()]
+        >>> vfsdp.testing.simulate(2, body)
+        [[0.1, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.1]]
+    """
+    if not callable(apply) or not all(isinstance(b, str) for b in buffers):
+        raise TypeError(f"transform({name!r}): takes apply(u, state), a callable, and buffer "
+                        f"names as strings, got {type(apply).__name__} and {buffers!r}")
+    t = Transform(name, apply, tuple(buffers))
+    return Optimizer(t.init, t.update)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Optimizer:
+    """Adam's direction, ``m_hat / (sqrt(v_hat) + eps)``, with moments ``mu`` and ``nu``
+    (:func:`~vfsdp.optim.base.adam_`'s arithmetic, optax's ``scale_by_adam``).
+
+    Args:
+        b1: The first moment's decay rate, in [0, 1).
+        b2: The second moment's decay rate, in [0, 1).
+        eps: Added to the denominator, >= 0.
+
+    Returns:
+        A transform for :func:`~vfsdp.optim.chain`.
+
+    Raises:
+        ValueError: betas outside [0, 1) or a negative ``eps``.
+
+    Example:
+        >>> opt = vfsdp.optim.chain(scale_by_adam(), scale_by_learning_rate(0.1))
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     vfsdp.grads(shards, spec)["w"].fill_(0.5)
+        ...     opt.update(vfsdp.grads(shards, spec), opt.init(shards, spec), shards, spec)
+        ...     return [round(x, 4) for x in shards["w"].tolist()]
+        >>> vfsdp.testing.simulate(2, body)      # the first step moves p by -lr
+        [[0.9, 0.9, 0.9, 0.9], [0.9, 0.9, 0.9, 0.9]]
+    """
+    check_hyper("scale_by_adam", 0.0, 0.0, betas=(b1, b2), eps=eps)
+
+    def apply(u: Updates, state: dict) -> None:
+        bc1, bc2_sqrt = step_scalars(u.count, (b1, b2))
+        g = u.scratch("scale_by_adam")
+        tp.foreach("copy_", g, u.updates)
+        tp.foreach("zero_", u.updates)  # adam_ adds the step to it: the direction alone
+        adam_(u.updates, g, state["mu"], state["nu"], b1, b2, eps, -1.0, bc1, bc2_sqrt)
+
+    t = Transform("scale_by_adam", apply, ("mu", "nu"), ("adam", (b1, b2), eps))
+    return Optimizer(t.init, t.update)
+
+
+def add_decayed_weights(weight_decay: float = 0.0, mask: Mask = None) -> Optimizer:
+    """``u += weight_decay * p`` for the tensors ``mask(path)`` selects (all when ``None``):
+    decoupled weight decay once the learning rate scales it (optax's ``add_decayed_weights``).
+
+    Args:
+        weight_decay: The rate, >= 0.
+        mask: ``path -> bool``; tensors for which it is false take no decay.
+
+    Returns:
+        A transform for :func:`~vfsdp.optim.chain`.
+
+    Raises:
+        ValueError: a negative ``weight_decay``.
+
+    Example:
+        >>> opt = vfsdp.optim.chain(add_decayed_weights(0.5), scale_by_learning_rate(0.1))
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     grads = vfsdp.grads(shards, spec)       # zeros: only the decay moves p
+        ...     opt.update(grads, opt.init(shards, spec), shards, spec)
+        ...     return [round(x, 4) for x in shards["w"].tolist()]
+        >>> vfsdp.testing.simulate(2, body)                # p * (1 - 0.1 * 0.5)
+        [[0.95, 0.95, 0.95, 0.95], [0.95, 0.95, 0.95, 0.95]]
+    """
+    check_hyper("add_decayed_weights", 0.0, weight_decay)
+
+    def apply(u: Updates, state: dict) -> None:
+        if weight_decay:
+            ps, us = u.where(mask)
+            tp.foreach("add_", us, ps, alpha=weight_decay)
+
+    t = Transform("add_decayed_weights", apply, (), ("decay", weight_decay, mask))
+    return Optimizer(t.init, t.update)
+
+
+def scale_by_learning_rate(lr: Schedule = 1e-3) -> Optimizer:
+    """The last transform of a chain: ``p -= lr * u``, the updates applied to the parameters.
+
+    Args:
+        lr: A float or a schedule ``step -> lr`` (steps count from 1).
+
+    Returns:
+        A transform for :func:`~vfsdp.optim.chain`, which must end its transforms.
+
+    Raises:
+        ValueError: a negative ``lr``.
+
+    Example:
+        >>> opt = vfsdp.optim.chain(scale_by_learning_rate(lambda step: 0.5 * step))
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.zeros(2)}, 1)
+        ...     shards = vfsdp.shard({"w": torch.zeros(2)}, spec)
+        ...     grads = vfsdp.grads(shards, spec)
+        ...     grads["w"].fill_(1.0)
+        ...     state = opt.init(shards, spec)
+        ...     for _ in range(2):
+        ...         state = opt.update(grads, state, shards, spec)
+        ...     return shards["w"].tolist()
+        >>> vfsdp.testing.simulate(1, body)           # -0.5, then -1.0
+        [[-1.5, -1.5]]
+    """
+    check_hyper("scale_by_learning_rate", lr, 0.0)
+    schedule = as_schedule(lr)
+
+    def apply(u: Updates, state: dict) -> None:
+        rate = learning_rate(schedule, u.count)
+        if isinstance(rate, torch.Tensor):
+            tp.foreach("mul_", u.updates, scalar=-rate)
+            tp.foreach("add_", u.params, u.updates)
+        else:
+            tp.foreach("add_", u.params, u.updates, alpha=-rate)
+
+    t = Transform("scale_by_learning_rate", apply, (), ("lr", lr))
+    return Optimizer(t.init, t.update)
+
+
+@dataclass
+class Updates:
+    """What a transform's ``apply`` works on, this step, over every unit it updates on this
+    rank: ``params`` (the parameter shards' flat slices), ``updates`` (matching slices in
+    the state dtype: the gradients, as the transforms before it left them) and ``count``
+    (the step counter, already counting this step). Whole units are whole shards (padding
+    included, zeros throughout)."""
+
+    params: list
+    updates: list
+    count: torch.Tensor
+    units: list = field(default_factory=list, repr=False)  # per unit: its _Slices
+
+    def scratch(self, name: str) -> list:
+        """A list of tensors matching ``updates`` for a temporary, kept between steps
+        (made at the first call; its values are whatever the last step left)."""
+        return [x for s in self.units for x in s.scratch(name)]
+
+    def where(self, mask: Mask) -> tuple[list, list]:
+        """``(params, updates)`` restricted to the tensors ``mask(path)`` selects."""
+        if mask is None:
+            return self.params, self.updates
+        ps, us = [], []
+        for s in self.units:
+            a, b = s.where(mask)
+            ps.extend(a)
+            us.extend(b)
+        return ps, us
+
+
+class _Slices:
+    """One unit's operands for a given set of update runs, made once and kept."""
+
+    def __init__(self, u, update_runs: tuple, buffers: list, dtype: torch.dtype) -> None:
+        p = u.db.shard
+        self.db, self.shard, self.runs, self.dtype = u.db, p, update_runs, dtype
+        self.whole = update_runs == runs(u.db, None)
+        self.flat = torch.zeros(p.numel(), dtype=dtype, device=p.device)
+        self.params, self.updates = self._cut(p), self._cut(self.flat)
+        self.buffers = [{k: self._cut(db.shard) for k, db in named.items()} for named in buffers]
+        sizes, keep, end = [], [], 0
+        for lo, hi in update_runs:
+            if lo > end:
+                sizes.append(lo - end)
+            keep.append(len(sizes))
+            sizes.append(hi - lo)
+            end = hi
+        if end < p.numel():
+            sizes.append(p.numel() - end)
+        self.sizes, self.keep = tuple(sizes), tuple(keep)
+        self._scratch: dict = {}
+        self._where: dict = {}
+
+    def _cut(self, flat: torch.Tensor) -> list:
+        return [flat] if self.whole else [flat[lo:hi] for lo, hi in self.runs]
+
+    def grads(self, g: torch.Tensor) -> list:
+        if self.whole:
+            return [g]
+        pieces = g.split_with_sizes(self.sizes)  # one op per unit cut by a mask or freezing
+        return [pieces[i] for i in self.keep]
+
+    def scratch(self, name: str) -> list:
+        if name not in self._scratch:
+            self._scratch[name] = self._cut(torch.zeros_like(self.flat))
+        return self._scratch[name]
+
+    def where(self, mask: Mask) -> tuple[list, list]:
+        if mask not in self._where:
+            cut = [(lo, hi) for lo, hi, d in segments(self.runs, runs(self.db, mask)) if d]
+            self._where[mask] = ([self.shard[lo:hi] for lo, hi in cut],
+                                 [self.flat[lo:hi] for lo, hi in cut])
+        return self._where[mask]
+
+
+@dataclass
+class TransformsState:
+    """A run of transforms' state: the step counter and, per transform, its buffers
+    (``{name: {unit key: DBuffer}}``, the parameters' layout).
+
+    Example:
+        >>> opt = vfsdp.optim.chain(transform(lambda u, s: None, ("m",)),
+        ...                         scale_by_learning_rate(0.1))
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(4)}, 2)
+        ...     state = opt.init(vfsdp.shard({"w": torch.ones(4)}, spec), spec)[0]
+        ...     return state.checkpoint_tree(spec)["transforms"][0]["m"]["w"].tolist()
+        >>> vfsdp.testing.simulate(2, body)      # zeros, shaped like each rank's piece
+        [[0.0, 0.0, 0.0, 0.0], []]
+    """
+
+    count: torch.Tensor
+    buffers: list
+    plan: AdamWPlan = field(default_factory=AdamWPlan, repr=False, compare=False)
+    slices: dict = field(default_factory=dict, repr=False, compare=False)
+
+    step = property(read_step, write_step, doc=read_step.__doc__)
+
+    def checkpoint_tree(self, spec: ShardSpec) -> dict:
+        """The step, and each transform's buffers shaped like the parameters."""
+        keep = owned_views(self.plan)
+        return {"step": self.step, "transforms": [
+            {k: param_tree(dbs, spec, keep) for k, dbs in named.items()} for named in self.buffers]}
+
+    def restore_checkpoint(self, tree: dict) -> TransformsState:
+        self.step = tree["step"]
+        return self
+
+
+def run(*members: Optimizer) -> Optimizer:
+    """The transforms ``members`` (ending with :func:`scale_by_learning_rate`) run one after
+    another, each a few multi-tensor ops over every unit's slices of this rank: what
+    :func:`~vfsdp.optim.chain` runs for a sequence it has no fused implementation of.
+
+    Args:
+        members: Transforms, the last :func:`scale_by_learning_rate`.
+
+    Returns:
+        An :class:`~vfsdp.optim.Optimizer` whose state is a :class:`TransformsState`.
+
+    Raises:
+        ValueError, TypeError: members out of order (see :func:`fuse`).
+
+    Example:
+        >>> opt = run(scale_by_adam(), scale_by_learning_rate(0.1))  # chain would fuse it
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     vfsdp.grads(shards, spec)["w"].fill_(0.5)
+        ...     opt.update(vfsdp.grads(shards, spec), opt.init(shards, spec), shards, spec)
+        ...     return [round(x, 4) for x in shards["w"].tolist()]
+        >>> vfsdp.testing.simulate(2, body)
+        [[0.9, 0.9, 0.9, 0.9], [0.9, 0.9, 0.9, 0.9]]
+    """
+    ts = [_of(m) for m in members]
+    if not ts or not all(ts):
+        raise TypeError("run takes transforms (scale_by_adam, transform(...), ...), the last "
+                        "scale_by_learning_rate; put other optimizers in a chain around it")
+    ts = _check(ts)
+
+    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> TransformsState:
+        same_at_ties(mask and (lambda p: selected(mask, p)), spec, "chain.init", "mask")
+        for t in ts:
+            if t.hyper and t.hyper[0] == "decay" and t.hyper[2] is not None:
+                same_at_ties(lambda p, m=t.hyper[2]: selected(m, p), spec, "chain.init",
+                             "add_decayed_weights' mask")
+        units = unit_buffers(shards, spec, "chain.init")
+        state = TransformsState(new_count(units[0].db.device if units else "cpu"),
+                                [{k: {} for k in t.buffers} for t in ts])
+        paths, update_runs = {}, {}
+        for u in units:
+            chosen = frozenset(t.path for t in u.db.tensors if selected(mask, t.path))
+            if not chosen:
+                continue
+            for t, named in zip(ts, state.buffers):
+                for k in t.buffers:
+                    named[k][u.key] = u.db.like(state_dtype(u.db.dtype), Role.STATE, k)
+            paths[u.key], update_runs[u.key] = chosen, runs(u.db, mask)
+        state.plan = AdamWPlan(paths, update_runs, update_runs)  # (decay: per transform)
+        return state
+
+    def update(grads: Any, state: TransformsState, shards: Any, spec: ShardSpec
+               ) -> TransformsState:
+        state.count.add_(1)
+        leaves = grad_leaves(grads, spec, "chain.update")
+        todo = Updates([], [], state.count)
+        gs: list = []
+        with torch.no_grad():
+            for u in unit_buffers(shards, spec, "chain.update"):
+                if u.key not in state.plan.paths:
+                    continue
+                update_runs = trainable_runs(u, state.plan, None)[0]
+                if not update_runs:
+                    continue  # every tensor of ours here is frozen
+                s = _slices(state, u, update_runs)
+                gs.extend(s.grads(flat_grads(leaves, u, "chain.update", s.dtype)))
+                todo.params.extend(s.params)
+                todo.updates.extend(s.updates)
+                todo.units.append(s)
+            if not todo.updates:
+                return state  # nothing of ours on this rank (or all of it frozen)
+            tp.foreach("copy_", todo.updates, gs)
+            for i, t in enumerate(ts):
+                t.apply(todo, {k: [x for s in todo.units for x in s.buffers[i][k]]
+                               for k in t.buffers})
+        return state
+
+    return Optimizer(init, update)
+
+
+def _slices(state: TransformsState, u, update_runs: tuple) -> _Slices:
+    found = state.slices.get(u.key)
+    # Another shards tree for the same spec has other buffers: never reuse its slices.
+    if found is None or found.runs != update_runs or found.shard is not u.db.shard:
+        found = state.slices[u.key] = _Slices(
+            u, update_runs, [{k: dbs[u.key] for k, dbs in named.items()}
+                             for named in state.buffers],
+            state_dtype(u.db.dtype))
+    return found
+
+
+def _check(ts: list, offset: int = 0) -> list[Transform]:
+    """The run of transforms ``ts`` starts (``None`` for another member), refused where out of
+    order; ``offset``: the chain's index of ``ts[0]``, for messages."""
+    last = next((i for i, t in enumerate(ts) if t and t.hyper[:1] == ("lr",)), None)
+    if last is None:
+        raise ValueError(f"chain: the transforms {[t.name for t in ts if t]} do not end with "
+                         f"scale_by_learning_rate(lr), so their updates would never reach the "
+                         f"parameters; end them with it")
+    after = [t.name for t in ts[last + 1:] if t]
+    if after:
+        raise ValueError(f"chain: {after[0]} comes after scale_by_learning_rate, which applies "
+                         f"the updates to the parameters: it would change updates already "
+                         f"applied; put every transform before scale_by_learning_rate")
+    stray = [i for i in range(last) if ts[i] is None]
+    if stray:
+        raise ValueError(f"chain: member {offset + stray[0]} sits between transforms: it reads "
+                         f"the gradients, not the updates the transforms before it made; put "
+                         f"it before the first transform ({ts[0].name})")
+    return ts[:last + 1]
+
+
+def fuse(members: tuple) -> tuple:
+    """``chain``'s members with their run of transforms replaced by one optimizer: AdamW's
+    own implementation for ``scale_by_adam``, ``add_decayed_weights`` (optional) and
+    ``scale_by_learning_rate`` in that order, else :func:`run`.
+
+    Raises:
+        ValueError: transforms that do not end with one :func:`scale_by_learning_rate`,
+            one after it, or another member between them.
+
+    Example:
+        >>> fuse((scale_by_adam(), scale_by_learning_rate(0.1)))[0].local_state  # AdamW's
+        True
+    """
+    ts = [_of(m) for m in members]
+    if not any(ts):
+        return members
+    first = next(i for i, t in enumerate(ts) if t)
+    found = _check(ts[first:], first)
+    end = first + len(found)
+    kinds = [t.hyper[:1] for t in found]
+    if kinds in ([("adam",), ("lr",)], [("adam",), ("decay",), ("lr",)]):
+        (_, betas, eps), (_, lr) = found[0].hyper, found[-1].hyper
+        _, wd, mask = found[1].hyper if len(found) == 3 else (None, 0.0, None)
+        one = adamw(lr, betas, eps, wd, mask, fused=None)
+    else:
+        one = run(*members[first:end])
+    return (*members[:first], one, *members[end:])

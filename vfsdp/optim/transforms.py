@@ -26,7 +26,7 @@ import torch
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import Role
 from vfsdp.functional.state import param_tree
-from vfsdp.optim.adamw import AdamWPlan, adamw, owned_views, segments, trainable_runs
+from vfsdp.optim.adamw import AdamWPlan, adamw, segments, trainable_runs
 from vfsdp.optim.base import (
     Mask,
     Optimizer,
@@ -339,7 +339,7 @@ class TransformsState:
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
         """The step, and each transform's buffers shaped like the parameters."""
-        keep = owned_views(self.plan)
+        keep = self.plan.local
         return {"step": self.step, "transforms": [
             {k: param_tree(dbs, spec, keep) for k, dbs in named.items()} for named in self.buffers]}
 

@@ -99,7 +99,7 @@ _ASSUMED = ("comm_efficiency 0.8 is an assumption (NCCL ring bus bandwidth is ty
 # Hopper's bf16 GEMMs reach about 70 % of the dense peak (cuBLAS at sustained clocks, the
 # power limit's throttling), FlashAttention-2 35 % (FlashAttention-3, arXiv 2407.08608, fig.
 # 1: FA2 at 330-350 of 989 TFLOP/s)
-_HOPPER = dict(compute_efficiency=0.7, attention_efficiency=0.35, contention=0.6)
+_HOPPER = {"compute_efficiency": 0.7, "attention_efficiency": 0.35, "contention": 0.6}
 
 PROFILES = {p.name: p for p in [
     # Ampere: cuBLAS reaches about 85 % of 312 TFLOP/s, FlashAttention-2 about 60 % forward

@@ -211,13 +211,12 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
             # float8 all-gathers: the weights cross in one byte, not the compute dtype's
             gather = ring(pm, u.gathered / pm / (_itemsize(param_dtype, p) if o.float8 else 1),
                           shard_link)
-            # the host's own work per unit and step, and the copies (read and write), on the
-            # compute lane
-            # the host's work, and the compute its own collectives slow by running beside it
-            host = prof.unit_overhead + prof.tensor_overhead * len(p.units[u.key].paths)
-            slowed += prof.contention * (gathers * gather + red)
-            new = (gather, red, host + prof.contention * (gathers * gather + red),
-                   2 * fwd_copy / prof.memory_bw, 2 * bwd_copy / prof.memory_bw)
+            # on the compute lane: the compute slowed beside the unit's collectives, the
+            # host's own work per unit and step, and the copies (read and write)
+            slow = prof.contention * (gathers * gather + red)
+            slowed += slow
+            new = (gather, red, slow + prof.unit_overhead + prof.tensor_overhead * len(
+                p.units[u.key].paths), 2 * fwd_copy / prof.memory_bw, 2 * bwd_copy / prof.memory_bw)
             times[u.key] = [a + b for a, b in zip(times.get(u.key, (0.0,) * 5), new)]
             by_key[u.key] = _plus(by_key[u.key], u) if u.key in by_key else u
     ub = [by_key[k] for k in model.units]

@@ -12,7 +12,7 @@ W`` starts W gloo processes; under torchrun, NCCL on GPUs). It times:
 * the host's own work per unit and per tensor of a step (vfsdp's bookkeeping, launches): steps
   of tiny units of 1 and 8 tensors, which have next to no compute or bytes.
 
-The profile has ``compute_efficiency`` and ``comm_efficiency`` 1.0 (its rates are achieved
+The profile has its efficiencies 1.0 and no contention (its rates are achieved
 ones), one node of W devices, and the measured figures in ``source``.
 """
 

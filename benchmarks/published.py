@@ -87,6 +87,7 @@ def predict(row: dict):
     (_, est), = sweep(tree, [row["gpus"]], hw=PROFILES[row["hw"]], shard=row["shard"],
                       tokens_per_gpu=tokens, micro_batches=row["grad_accum"], seq=row["seq"],
                       recompute=row["recompute"], float8=row["precision"] == "float8",
+                      compiled=row["compile"],
                       param_dtype=torch.bfloat16,
                       reduce_dtype=torch.float32 if row["reduce"] == "fp32" else torch.bfloat16)
     return est

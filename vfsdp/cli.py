@@ -177,6 +177,8 @@ def _estimate_parser(sub) -> None:
                    help="the loss's softmax and gradient dtype (default fp32)")
     p.add_argument("--float8", action="store_true",
                    help="float8 weight matmuls and float8 all-gathers")
+    p.add_argument("--compiled", action="store_true",
+                   help="under torch.compile: the kernels between the matmuls fused")
     p.add_argument("--no-prefetch", action="store_true")
     p.add_argument("--no-reshard", action="store_true", help="keep units after forward")
     p.add_argument("--vs", default="", help="also fsdp2 and/or megatron, comma-separated")
@@ -212,7 +214,8 @@ def _estimate(args) -> int:
                      experts_per_token=args.top_k, seq=args.seq, recompute=args.recompute,
                      micro_batches=args.micro_batches, grad_sync=not args.no_grad_sync,
                      float8=args.float8, logits_dtype=DTYPES[args.logits_dtype],
-                     prefetch=not args.no_prefetch, reshard_after_forward=not args.no_reshard)
+                     compiled=args.compiled, prefetch=not args.no_prefetch,
+                     reshard_after_forward=not args.no_reshard)
         secs = time.perf_counter() - t0
     except (ValueError, TypeError, OSError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -55,7 +55,8 @@ def test_the_estimate_command_refuses_bad_options(shapes, capsys, extra, match):
 def test_a_profile_with_a_negative_rate_is_refused_naming_the_field(shapes, tmp_path, capsys):
     data = dataclasses.asdict(hardware("h100"))
     for field, value in [("flops", -1), ("inter_bw", 0), ("compute_efficiency", 1.5),
-                         ("intra_latency", -1e-6), ("gpus_per_node", 0)]:
+                         ("intra_latency", -1e-6), ("gpus_per_node", 0),
+                         ("attention_efficiency", 0), ("contention", -0.5)]:
         path = tmp_path / f"{field}.json"
         path.write_text(json.dumps(dict(data, **{field: value})))
         _refused(capsys, ["estimate", shapes, "--gpus", "8", "--hw", str(path)], field)

@@ -12,7 +12,7 @@ W`` starts W gloo processes; under torchrun, NCCL on GPUs). It times:
 * the host's own work per unit and per tensor of a step (vfsdp's bookkeeping, launches): steps
   of tiny units of 1 and 8 tensors, which have next to no compute or bytes.
 
-The profile has ``compute_efficiency`` and ``comm_efficiency`` 1.0 (its rates are achieved
+The profile has its efficiencies 1.0 and no contention (its rates are achieved
 ones), one node of W devices, and the measured figures in ``source``.
 """
 
@@ -133,7 +133,8 @@ def calibrate(layer: tuple, sizes: tuple = (2**12, 2**24),
     else:  # the host's memory, shared by the ranks on it
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(world, 1)
     return Hardware(name, rate, memory, mem_bw, world, bw, latency, bw, latency,
-                    compute_efficiency=1.0, comm_efficiency=1.0, unit_overhead=overhead,
+                    compute_efficiency=1.0, comm_efficiency=1.0, attention_efficiency=1.0,
+                    unit_overhead=overhead,
                     tensor_overhead=per_tensor,
                     source=f"measured by vfsdp calibrate on {world} rank(s): all-gather "
                            f"{bw / 1e9:.3f} GB/s per rank, {latency * 1e6:.1f} us per ring "

@@ -37,6 +37,9 @@ class LayerCost:
         recompute_flops: FLOPs of the forward run again in its backward (time, not MFU).
         attention_flops: The part of ``flops`` in attention's score and value products
             (not matrix multiplies by a weight: what float8 matmuls leave in bf16).
+        elementwise_bytes: Bytes its kernels outside the matmuls (norms, activations,
+            residual adds, casts, copies) read and write, forward, backward and recompute:
+            they run at the memory bandwidth, not the FLOP rate.
 
     Example:
         >>> LayerCost(flops=6e9, activation_bytes=2**20).activation_bytes
@@ -48,6 +51,7 @@ class LayerCost:
     recompute_bytes: int = 0
     recompute_flops: float = 0.0
     attention_flops: float = 0.0
+    elementwise_bytes: float = 0.0
 
 
 def _meta(x: Any) -> Any:
@@ -107,6 +111,17 @@ def layer_cost(fn: Callable[..., torch.Tensor], params: Any, *inputs: Any) -> La
 # the other matmuls (half of them) again
 _RECOMPUTE = {False: (34, 0, 0.0), True: (2, 34, 1.0), "full": (2, 34, 1.0),
               "selective": (17, 17, 0.5)}
+# compiled -> bytes one layer's forward reads and writes outside its matmuls, per token and
+# width (its backward twice that, a recomputed forward again). Eager runs each norm,
+# activation, residual add, cast and layout copy as its own kernel, each reading its inputs
+# from HBM and writing its output: about 30 passes of 2-byte elements, the FFN's 4x wide
+# ones counted 4x, so 128; torch.compile fuses each chain into one kernel: half of it.
+# Fitted with contention on llm-foundry's H100 rows and torchtitan's 8-GPU rows
+ELEMENTWISE = {False: 128, True: 64}
+# float8's casts per token and width of a layer: each weight matmul's input (forward) and
+# output gradient (backward), about 17 widths in a LLaMA block, read for its amax, read and
+# written as float8 (2 + 2 + 1 bytes)
+FLOAT8_CASTS = 17 * 5
 
 EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
 
@@ -203,12 +218,13 @@ class Shapes:
             # the forward's weight matmuls run again (a share of them), attention if full
             extra = share * 2 * tokens * n + (attn / 3 if share == 1.0 else 0.0) if layer \
                 else 0.0
-            acts = again = 0
+            acts = again = ew = 0
             if layer and width:
                 acts, again = tokens * width * kept, tokens * width * again_per
+                ew = tokens * width * (ELEMENTWISE[o.compiled] * (3 + share) + FLOAT8_CASTS * o.float8)
             if has_embed and vocab:
                 acts += tokens * vocab * per_logit
-            out[key] = LayerCost(float(flops), int(acts), int(again), extra, float(attn))
+            out[key] = LayerCost(float(flops), int(acts), int(again), extra, float(attn), ew)
         return out
 
 

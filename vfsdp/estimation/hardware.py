@@ -32,8 +32,13 @@ class Hardware:
         intra_latency: Seconds per ring step inside a node.
         inter_bw: Inter-node bandwidth per device and direction (its NIC), bytes/s.
         inter_latency: Seconds per ring step across nodes.
-        compute_efficiency: The fraction of ``flops`` a training step's kernels reach.
+        compute_efficiency: The fraction of ``flops`` a large GEMM reaches (the weight
+            matmuls' rate; attention and the kernels between the matmuls are apart).
         comm_efficiency: The fraction of the link bandwidths a ring collective reaches.
+        attention_efficiency: The fraction of ``flops`` the attention kernel (flash
+            attention, forward and backward) reaches.
+        contention: Seconds of compute lost per second of a collective running beside it
+            (NCCL's ring kernels hold SMs and HBM bandwidth while they run).
         unit_overhead: Host seconds per unit per step that no FLOP or byte accounts for
             (vfsdp's bookkeeping, launching its collectives and the update's kernels):
             measured by ``calibrate``; 0 in the datasheet profiles, whose launches run
@@ -63,6 +68,8 @@ class Hardware:
     inter_latency: float
     compute_efficiency: float = 0.6
     comm_efficiency: float = 0.8
+    attention_efficiency: float = 0.4
+    contention: float = 0.0
     unit_overhead: float = 0.0
     tensor_overhead: float = 0.0
     source: str = ""
@@ -71,9 +78,10 @@ class Hardware:
         where = f"hardware {self.name}"
         for name in ("flops", "memory", "memory_bw", "intra_bw", "inter_bw"):
             rate(where, name, getattr(self, name))
-        for name in ("intra_latency", "inter_latency", "unit_overhead", "tensor_overhead"):
+        for name in ("intra_latency", "inter_latency", "unit_overhead", "tensor_overhead",
+                     "contention"):
             rate(where, name, getattr(self, name), zero=True)
-        for name in ("compute_efficiency", "comm_efficiency"):
+        for name in ("compute_efficiency", "comm_efficiency", "attention_efficiency"):
             fraction(where, name, getattr(self, name))
         count(where, "gpus_per_node", self.gpus_per_node)
 
@@ -83,37 +91,46 @@ class Hardware:
             json.dump(dataclasses.asdict(self), f, indent=1)
 
 
-_ASSUMED = ("compute_efficiency 0.6 and comm_efficiency 0.8 are assumptions (large-GEMM MFU "
-            "and NCCL ring bus bandwidth are typically 50-70 % and 75-90 % of peak); ring "
-            "step latencies 4 us in a node and 12 us across nodes are assumptions too")
+_ASSUMED = ("comm_efficiency 0.8 is an assumption (NCCL ring bus bandwidth is typically 75-90 % "
+            "of the link's); ring step latencies 4 us in a node and 12 us across nodes are "
+            "assumptions too; contention 0.6: compute loses 0.6 s per second of a collective "
+            "beside it, fitted on llm-foundry's H100 rows and torchtitan's 8-GPU rows "
+            "(docs/estimate.md)")
+# Hopper's bf16 GEMMs reach about 70 % of the dense peak (cuBLAS at sustained clocks, the
+# power limit's throttling), FlashAttention-2 35 % (FlashAttention-3, arXiv 2407.08608, fig.
+# 1: FA2 at 330-350 of 989 TFLOP/s)
+_HOPPER = {"compute_efficiency": 0.7, "attention_efficiency": 0.35, "contention": 0.6}
 
 PROFILES = {p.name: p for p in [
-    Hardware("a100", 312e12, 81920 * 2**20, 2.039e12, 8, 300e9, 4e-6, 25e9, 12e-6,
+    # Ampere: cuBLAS reaches about 85 % of 312 TFLOP/s, FlashAttention-2 about 60 % forward
+    # and backward (FlashAttention-2, arXiv 2307.08691, fig. 4-6: up to 225 TFLOP/s)
+    Hardware("a100", 312e12, 81920 * 2**20, 2.039e12, 8, 300e9, 4e-6, 25e9, 12e-6, 0.85,
+             attention_efficiency=0.6, contention=0.6,
              source="NVIDIA A100 datasheet (SXM4 80GB: 312 TFLOP/s bf16 dense, 2,039 GB/s "
                     "HBM2e, NVLink 600 GB/s both directions); DGX A100: one 200 Gb/s HDR NIC "
                     "per GPU. " + _ASSUMED),
-    Hardware("h100", 989e12, 81559 * 2**20, 3.35e12, 8, 450e9, 4e-6, 50e9, 12e-6,
+    Hardware("h100", 989e12, 81559 * 2**20, 3.35e12, 8, 450e9, 4e-6, 50e9, 12e-6, **_HOPPER,
              source="NVIDIA H100 datasheet (SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, "
                     "NVLink 900 GB/s both directions); DGX H100: one 400 Gb/s NDR NIC per "
                     "GPU. " + _ASSUMED),
-    Hardware("h100-500w", 912e12, 96 * 10**9, 2.4e12, 8, 450e9, 4e-6, 50e9, 12e-6,
+    Hardware("h100-500w", 912e12, 96 * 10**9, 2.4e12, 8, 450e9, 4e-6, 50e9, 12e-6, **_HOPPER,
              source="torchtitan's benchmark host (pytorch/torchtitan, benchmarks/"
                     "llama3_h100_202412_torchtitan.md: Grand Teton, 8 H100 with 96GB HBM2e at "
                     "2.4 TB/s, 500 W power limit, NVLink, 400 Gb/s RDMA per GPU); its peak "
                     "'between SXM and NVL' (989 and 835 TFLOP/s bf16 dense by NVIDIA's "
                     "datasheets) taken at the midpoint. " + _ASSUMED),
-    Hardware("h800", 989e12, 81559 * 2**20, 3.35e12, 8, 200e9, 4e-6, 50e9, 12e-6,
+    Hardware("h800", 989e12, 81559 * 2**20, 3.35e12, 8, 200e9, 4e-6, 50e9, 12e-6, **_HOPPER,
              source="NVIDIA H800 SXM5 (H100 compute, NVLink 400 GB/s both directions); "
                     "DeepSeek-V3 technical report, arXiv 2412.19437, sec. 3.2.2: 400 Gb/s IB "
                     "(50 GB/s) per GPU, about 160 GB/s NVLink achieved. " + _ASSUMED),
-    Hardware("h200", 989e12, 143771 * 2**20, 4.8e12, 8, 450e9, 4e-6, 50e9, 12e-6,
+    Hardware("h200", 989e12, 143771 * 2**20, 4.8e12, 8, 450e9, 4e-6, 50e9, 12e-6, **_HOPPER,
              source="NVIDIA H200 datasheet (SXM: 989 TFLOP/s bf16 dense, 141 GB HBM3e at "
                     "4.8 TB/s, NVLink 900 GB/s both directions); one 400 Gb/s NIC per GPU. "
                     + _ASSUMED),
-    Hardware("b200", 2.25e15, 183359 * 2**20, 8e12, 8, 900e9, 4e-6, 50e9, 12e-6,
+    Hardware("b200", 2.25e15, 183359 * 2**20, 8e12, 8, 900e9, 4e-6, 50e9, 12e-6, **_HOPPER,
              source="NVIDIA DGX B200 datasheet (2.25 PFLOP/s bf16 dense per GPU, 180 GB "
                     "HBM3e at 8 TB/s, NVLink 5 1.8 TB/s both directions, one 400 Gb/s "
-                    "ConnectX-7 NIC per GPU). " + _ASSUMED),
+                    "ConnectX-7 NIC per GPU); Hopper's efficiencies assumed. " + _ASSUMED),
 ]}
 
 

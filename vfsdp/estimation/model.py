@@ -56,7 +56,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
              baseline: Optional[str] = None, model_parallel: Optional[str] = None,
              layers: Optional[list] = None, experts: Optional[ShardSpec] = None,
              ep: Optional[int] = None, micro_batches: int = 1, grad_sync: bool = True,
-             float8: bool = False, logits_dtype: torch.dtype = torch.float32) -> Estimate:
+             float8: bool = False, logits_dtype: torch.dtype = torch.float32,
+             compiled: bool = False) -> Estimate:
     """Predict one training step of ``spec`` on ``hw`` (see ``docs/estimate.md``).
 
     Args:
@@ -116,6 +117,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             float8 all-gathers (one byte per weight crosses the links).
         logits_dtype: The dtype the loss's softmax and its gradient are in (the default
             costs' logits: 10 bytes per token and vocabulary entry in fp32, 6 in bf16).
+        compiled: Whether the step runs under ``torch.compile`` (the default costs' kernels
+            outside the matmuls fused: less of their memory traffic).
 
     Returns:
         An :class:`Estimate`.
@@ -151,7 +154,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
                 allocator_fraction=allocator_fraction, comm_library_bytes=comm_library_bytes,
                 baseline=baseline, model_parallel=model_parallel, layers=layers, ep=ep,
                 micro_batches=micro_batches, grad_sync=grad_sync, float8=float8,
-                logits_dtype=logits_dtype)
+                logits_dtype=logits_dtype, compiled=compiled)
     count("estimate", "rank", rank, least=0, optional=True)
     if rank is not None and rank >= spec.world_size:
         raise ValueError(f"estimate: rank={rank} is not a rank of the plan's {spec.world_size}")

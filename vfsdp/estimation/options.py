@@ -51,6 +51,7 @@ class Options:
     micro_batches: int = 1
     grad_sync: bool = True
     float8: bool = False
+    compiled: bool = False
     logits_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
@@ -76,7 +77,7 @@ class Options:
             raise ValueError(f"estimate: micro_batches={self.micro_batches} does not divide "
                              f"tokens_per_rank={self.tokens_per_rank}; pass the step's tokens, "
                              f"a multiple")
-        for name in ("grad_sync", "float8"):
+        for name in ("grad_sync", "float8", "compiled"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"estimate: {name} must be True or False, got "
                                  f"{getattr(self, name)!r}")

@@ -59,7 +59,8 @@ class Estimate:
             ranks).
         step_s: Seconds per step.
         compute_s: Seconds of forward and backward compute.
-        exposed_comm_s: Seconds the compute waited on collectives.
+        exposed_comm_s: Seconds the compute waited on collectives, or ran slowed beside them
+            (``Hardware.contention``).
         optimizer_s: Seconds of the update.
         tokens_per_s: Tokens per second over all ranks.
         mfu: Model FLOPs per second over the devices' peak (recomputed forwards not
@@ -172,7 +173,7 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     per_unit = _costs(parts, tokens, o)
     by_key: dict = {}  # unit key -> its UnitBytes, the experts' added to their layer's
     times: dict = {}  # unit key -> [gather s, reduce s, host s, forward copy s, backward copy s]
-    shards = state = grads = copies = 0
+    shards = state = grads = copies = slowed = 0
     for p in parts:
         pm, pr = p.mesh_shape[-1], math.prod(p.mesh_shape[:-1])
         sizes = baseline_sizes(p.units, baseline) if baseline else None
@@ -210,10 +211,12 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
             # float8 all-gathers: the weights cross in one byte, not the compute dtype's
             gather = ring(pm, u.gathered / pm / (_itemsize(param_dtype, p) if o.float8 else 1),
                           shard_link)
-            # the host's own work per unit and step, and the copies (read and write), on the
-            # compute lane
-            new = (gather, red, prof.unit_overhead + prof.tensor_overhead * len(p.units[u.key].paths),
-                   2 * fwd_copy / prof.memory_bw, 2 * bwd_copy / prof.memory_bw)
+            # on the compute lane: the compute slowed beside the unit's collectives, the
+            # host's own work per unit and step, and the copies (read and write)
+            slow = prof.contention * (gathers * gather + red)
+            slowed += slow
+            new = (gather, red, slow + prof.unit_overhead + prof.tensor_overhead * len(
+                p.units[u.key].paths), 2 * fwd_copy / prof.memory_bw, 2 * bwd_copy / prof.memory_bw)
             times[u.key] = [a + b for a, b in zip(times.get(u.key, (0.0,) * 5), new)]
             by_key[u.key] = _plus(by_key[u.key], u) if u.key in by_key else u
     ub = [by_key[k] for k in model.units]
@@ -235,11 +238,13 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     lanes = {}
     for key, (gather, reduce, host, fwd_copy, bwd_copy) in times.items():
         c = per_unit[key]
-        flops = c.flops + c.recompute_flops
-        if o.float8:  # the weight matmuls on float8 tensor cores, twice the rate; attention not
-            flops = c.attention_flops + (flops - c.attention_flops) / 2
-        lanes[key] = (gather, flops / 3 / rate + host / 3 + fwd_copy,
-                      2 * flops / 3 / rate + 2 * host / 3 + bwd_copy, reduce)
+        attn = c.attention_flops * (4 / 3 if o.recompute in (True, "full") else 1)
+        matmul = c.flops + c.recompute_flops - attn
+        # the weight matmuls at the GEMM rate (float8 tensor cores: twice it), attention at the
+        # attention kernel's, the rest at the memory bandwidth
+        busy = (matmul / (2 if o.float8 else 1) / rate + attn / (prof.flops * prof.attention_efficiency)
+                + c.elementwise_bytes / prof.memory_bw + host)
+        lanes[key] = (gather, busy / 3 + fwd_copy, 2 * busy / 3 + bwd_copy, reduce)
     act = tokens * model.shapes.width * _itemsize(param_dtype, model)
     exposed = 0.0  # on the compute lane: the model axis's all-reduces, the experts' all-to-alls
     if o.model_parallel is not None:
@@ -277,6 +282,7 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     name = prof.name if baseline is None else f"{prof.name}, {baseline} sharding"
     compute = steps * sched.compute
     copy_s = steps * sum(t[3] + t[4] for t in times.values())
+    exposed += steps * slowed  # the compute its collectives slowed: exposed communication
     return Estimate(gpus, m, r, name, memory, total, total <= prof.memory, at, comm,
                     step, compute - exposed - copy_s,
                     max(step - compute - sched.optimizer + exposed, 0.0),

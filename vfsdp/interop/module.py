@@ -27,7 +27,7 @@ import optree
 import torch
 from torch.func import functional_call
 
-from vfsdp._torch_private import compiling
+from vfsdp._torch_private import checkpoint_wrapped, compiling, graph_task_id
 from vfsdp.functional.gather import gather
 from vfsdp.functional.options import Policy, merge
 from vfsdp.functional.pieces import layer_pieces
@@ -152,6 +152,7 @@ class ModuleApply:
         self._thread: Optional[int] = None
         self._run: Optional[_Blocks] = None  # the run_layers call in progress
         self._hf_funcs: dict = {}  # module id -> Hugging Face's checkpoint function
+        self._scopes: dict = {}  # (owner id, module id) -> (module, its prefix, names under it)
 
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
         """The module's forward with ``params`` (a tree shaped as :func:`functionalize`'s,
@@ -213,9 +214,12 @@ class ModuleApply:
         for m in marked:
             self._hf_funcs[id(m)] = m.__dict__["_gradient_checkpointing_func"]
             m._gradient_checkpointing_func = functools.partial(self._hf_checkpoint, m)
+        full = {**tensors, **{n: tensors[s] for n, s in self.ties.items() if s in tensors},
+                **self.buffers}
         try:
-            return functional_call(self.module, {**tensors, **self.buffers}, args, kwargs,
-                                   tie_weights=True, strict=False)
+            with checkpoint_wrapped(functools.partial(self._again, self.module, lambda: full)):
+                return functional_call(self.module, {**tensors, **self.buffers}, args, kwargs,
+                                       tie_weights=True, strict=False)
         finally:
             for m in marked:
                 m._gradient_checkpointing_func = self._hf_funcs.pop(id(m))
@@ -312,6 +316,56 @@ class ModuleApply:
             state.close()
             run.finish()
 
+    def _again(self, owner: torch.nn.Module, tensors: Any, fn: Any, reentrant: bool) -> Any:
+        """``fn`` of a ``torch.utils.checkpoint`` inside a call of ``owner``, as its recompute
+        (in the backward, after the call) runs it: with the call's tensors (``tensors()``,
+        dotted names under ``owner``) swapped in again, those under ``fn``'s module where it is
+        one (or a method of one), else all of ``owner``'s; a checkpoint inside it the same."""
+        if reentrant and self._run is not None:
+            raise ValueError(
+                "apply.run_layers: torch.utils.checkpoint(use_reentrant=True) in the module's "
+                "forward is not supported: its recompute differentiates the blocks' regathered "
+                "tensors, which are not the gather's outputs; pass use_reentrant=False, or "
+                "checkpoint every block with apply.run_layers(..., policy=vfsdp.Policy("
+                "recompute='full'))")
+        sub = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+        key = (id(owner), id(sub))
+        if key not in self._scopes:
+            prefix = next((n + "." for n, m in owner.named_modules(remove_duplicate=False)
+                           if m is sub and n), "")
+            names = [n for n, _ in owner.named_parameters(remove_duplicate=False)] + \
+                [n for n, _ in owner.named_buffers()]
+            self._scopes[key] = (sub if prefix else owner, len(prefix),
+                                 [n for n in names if n.startswith(prefix)])
+        target, cut, names = self._scopes[key]
+
+        def again(*args: Any, **kwargs: Any) -> Any:
+            if graph_task_id() == -1:  # the forward: the call's tensors are in already
+                return fn(*args, **kwargs)
+            full = tensors()
+            with checkpoint_wrapped(functools.partial(self._again, owner, lambda: full)):
+                return _swapped(target, {n[cut:]: full[n] for n in names if n in full}, fn,
+                                args, kwargs)
+
+        return again
+
+    def _in_block(self, run: LayerRun, block: torch.nn.Module, tree: Any, forward: Any,
+                  args: tuple, kwargs: dict) -> Any:
+        """A block's call in :meth:`run_layers`: a checkpoint inside it recomputes with the
+        tensors regathered for its backward."""
+        refresh: list = []
+
+        def tensors() -> dict:
+            refresh[0](None)
+            return _flat_names(tree)
+
+        def wrap(fn: Any, reentrant: bool) -> Any:
+            refresh[:] = refresh or [run.refresher(tree)]
+            return self._again(block, tensors, fn, reentrant)
+
+        with checkpoint_wrapped(wrap):
+            return _swapped(block, _flat_names(tree), forward, args, kwargs)
+
     def _hf_checkpoint(self, module: torch.nn.Module, fn: Any, *args: Any) -> Any:
         """Hugging Face's ``_gradient_checkpointing_func`` while a call runs: ``fn`` (the
         layer's forward) under non-reentrant checkpointing, its parameters (what the call
@@ -398,8 +452,9 @@ class _Blocks:
         self.calls = pos + 1
         full, dbs = self.run.enter(self.units[block], self.first[pos + 1] if pos + 1 < n
                                    else None)
-        out = self.run.call(lambda tree, *a, **k: _swapped(block, _flat_names(tree), forward,
-                                                              a, k), full, args, kwargs)
+        out = self.run.call(lambda tree, *a, **k: self.apply._in_block(self.run, block, tree,
+                                                                       forward, a, k),
+                            full, args, kwargs)
         self.run.exit(dbs, last=pos + 1 == n)
         return out
 
@@ -416,10 +471,11 @@ def _swapped(module: torch.nn.Module, tensors: dict, fn: Any, args: tuple, kwarg
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".")
         owner = module.get_submodule(prefix)
-        owners.append((owner, leaf, owner._parameters[leaf]))
-        owner._parameters[leaf] = t
+        where = owner._parameters if leaf in owner._parameters else owner._buffers
+        owners.append((where, leaf, where[leaf]))
+        where[leaf] = t
     try:
         return fn(*args, **kwargs)
     finally:
-        for owner, leaf, old in owners:
-            owner._parameters[leaf] = old
+        for where, leaf, old in owners:
+            where[leaf] = old

@@ -94,6 +94,7 @@ def _compare(results, want):
 
 @pytest.mark.parametrize("how", ["inner", "outer"])
 @pytest.mark.parametrize("path", ["apply", "run_layers"])
+@pytest.mark.filterwarnings("ignore:apply.run_layers. torch.utils.checkpoint of a whole block")
 def test_checkpoint_in_the_forward_is_exact(how, path):
     """A block checkpointing a lambda over its submodules (``inner``) or the model each block
     (``outer``), and a lambda over two submodules; the module's own tensors are NaN."""

@@ -70,3 +70,20 @@ def test_a_reentrant_checkpoint_in_a_modules_forward_under_run_layers_is_refused
     for msg in simulate(2, _reentrant_in_module):
         assert "apply.run_layers: torch.utils.checkpoint(use_reentrant=True) in the module's" in msg
         assert "pass use_reentrant=False, or checkpoint every block with apply.run_layers(" in msg
+
+
+def _whole_block():
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    net.forward = lambda x: checkpoint(net[1], net[0](x), use_reentrant=False)
+    params, apply = vfsdp.functionalize(net)
+    spec = vfsdp.plan(params, 2)
+    apply.run_layers(vfsdp.shard(params, spec), spec, torch.ones(1, 4))
+
+
+def test_a_checkpoint_of_a_whole_block_under_apply_run_layers_warns_it_saves_nothing():
+    with pytest.warns(UserWarning, match="checkpoint of a whole block in the module's forward "
+                      "recomputes nothing"):  # caught here: warning filters are per process
+        simulate(2, _whole_block)

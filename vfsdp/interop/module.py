@@ -28,6 +28,7 @@ import torch
 from torch.func import functional_call
 
 from vfsdp._torch_private import checkpoint_wrapped, compiling, graph_task_id
+from vfsdp._warnings import warn_user
 from vfsdp.functional.gather import gather
 from vfsdp.functional.options import Policy, merge
 from vfsdp.functional.pieces import layer_pieces
@@ -112,6 +113,9 @@ class ModuleApply:
         blocks: The key path of the module list of blocks (the one holding the most
             parameters, e.g. ``("model", "layers")``), or ``None``: what :meth:`run_layers`
             runs unit by unit.
+
+    ``torch.utils.checkpoint`` in the module's forward (reentrant or not) recomputes, in the
+    backward, with the call's tensors: they are swapped in again for each recompute.
 
     A call swaps the module's attributes while it runs, so one ``ModuleApply`` serves one
     thread: ranks that are threads (``vfsdp.testing.simulate``) each functionalize a module of
@@ -255,8 +259,10 @@ class ModuleApply:
         SAC policy)`` checkpoints every block's call; Hugging Face's
         ``gradient_checkpointing_enable()`` checkpoints the blocks it marks (non-reentrant
         here and under ``apply(...)``: the same gradients). Either recompute reads the
-        regathered parameters. With ``recompute``, a Hugging Face model's KV cache is off
-        (``use_cache=False`` unless passed), as Hugging Face's own switch does.
+        regathered parameters, as does a non-reentrant ``torch.utils.checkpoint`` in the
+        module's own forward (around a whole block it recomputes nothing and warns). With
+        ``recompute``, a Hugging Face model's KV cache is off (``use_cache=False`` unless
+        passed), as Hugging Face's own switch does.
 
         Args:
             shards: This rank's shards (``vfsdp.shard`` of the tree).
@@ -272,7 +278,8 @@ class ModuleApply:
         Raises:
             ValueError: the tree has no module list of blocks, a unit holds tensors of a block
                 and tensors outside it, or a tie joins a block to another tensor.
-            ValueError: called while compiling (``torch.compile``).
+            ValueError: called while compiling (``torch.compile``), or the forward calls
+                ``torch.utils.checkpoint(..., use_reentrant=True)``.
             RuntimeError: a second thread calls this ``apply``.
         """
         self._claim()  # before any collective: the other ranks then stop instead of waiting
@@ -329,6 +336,12 @@ class ModuleApply:
                 "checkpoint every block with apply.run_layers(..., policy=vfsdp.Policy("
                 "recompute='full'))")
         sub = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+        sub = sub if isinstance(sub, torch.nn.Module) else None
+        if self._run is not None and sub in self._run.units:
+            warn_user("apply.run_layers: torch.utils.checkpoint of a whole block in the module's "
+                      "forward recomputes nothing (the run saves the block's activations "
+                      "itself); checkpoint every block with apply.run_layers(..., policy="
+                      "vfsdp.Policy(recompute='full'))")
         key = (id(owner), id(sub))
         if key not in self._scopes:
             prefix = next((n + "." for n, m in owner.named_modules(remove_duplicate=False)

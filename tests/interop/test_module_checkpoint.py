@@ -62,8 +62,9 @@ def _rank(net, path, calls=1):
     shards = vfsdp.shard(params, spec)
     for p in optree.tree_leaves(params):
         p.data = torch.full_like(p, float("nan"))  # the module's own tensors: never to be read
-    outs = [apply.run_layers(shards, spec, x) if path == "run_layers" else
-            apply(vfsdp.gather(shards, spec), x) for x in _inputs(calls)]
+    outs = [apply.run_layers(shards, spec, x) if path == "run_layers" else  # call k: weights * (k + 1)
+            apply(optree.tree_map(lambda t: t * (k + 1), vfsdp.gather(shards, spec)), x)
+            for k, x in enumerate(_inputs(calls))]
     for out in outs:
         out.square().sum().backward()
     rank = dist.get_rank()
@@ -72,18 +73,25 @@ def _rank(net, path, calls=1):
                             optree.tree_leaves(vfsdp.grads(shards, spec)))]
 
 
-def _want(how, reentrant=False, calls=1):
-    """Every parameter's gradient in one plain-torch process (the same checkpointing)."""
-    want = _make(how, reentrant)
-    for x in _inputs(calls):
-        want(x).square().sum().backward()
-    return [p.grad for p in optree.tree_leaves(vfsdp.functionalize(want)[0])]
+def _want(how, reentrant=False, calls=1, scaled=False):
+    """Every parameter's gradient in one plain-torch process (the same checkpointing); call k
+    with the weights times k + 1 where ``scaled``."""
+    total = None
+    for k, x in enumerate(_inputs(calls)):
+        net, c = _make(how, reentrant), k + 1 if scaled else 1
+        with torch.no_grad():
+            for p in net.parameters():
+                p.mul_(c)
+        net(x).square().sum().backward()
+        grads = [p.grad * c for p in optree.tree_leaves(vfsdp.functionalize(net)[0])]
+        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+    return total
 
 
 def _check(how, path, reentrant=False, calls=1):
     nets = [_make(how, reentrant) for _ in range(2)]  # built here: ranks (threads) share one RNG
     _compare(simulate(2, lambda: _rank(nets[dist.get_rank()], path, calls)),
-             _want(how, reentrant, calls))
+             _want(how, reentrant, calls, scaled=path == "apply"))
 
 
 def _compare(results, want):
@@ -101,15 +109,38 @@ def test_checkpoint_in_the_forward_is_exact(how, path):
     _check(how, path)
 
 
-@pytest.mark.parametrize("path", ["apply", "run_layers"])
-def test_two_forwards_then_two_backwards(path):
-    _check("inner", path, calls=2)
-
-
+@pytest.mark.filterwarnings("ignore:apply.run_layers. torch.utils.checkpoint of a whole block")
 @pytest.mark.parametrize("how", ["inner", "outer"])
-def test_reentrant_under_apply(how):
-    """use_reentrant=True: the recompute differentiates the gathered tensors again."""
-    _check(how, "apply", reentrant=True)
+@pytest.mark.parametrize("path", ["apply", "run_layers"])
+def test_two_forwards_then_two_backwards(how, path):
+    """Gradient accumulation: each recompute reads its own call's tensors (under ``apply``,
+    the second call's weights are twice the first's)."""
+    _check(how, path, calls=2)
+
+
+@pytest.mark.filterwarnings("ignore:apply.run_layers. torch.utils.checkpoint of a whole block")
+@pytest.mark.parametrize("how", ["inner", "outer"])
+@pytest.mark.parametrize("path", ["apply", "run_layers"])
+def test_reentrant(how, path):
+    """use_reentrant=True (run as a non-reentrant checkpoint: the same gradients)."""
+    _check(how, path, reentrant=True, calls=2)
+
+
+def test_reentrant_with_no_input_requiring_grad_gives_no_gradient_as_in_torch():
+    def body():
+        torch.manual_seed(0)
+        net = torch.nn.Linear(2, 2)
+        net.forward = lambda x: checkpoint(torch.nn.Linear.forward, net, x, use_reentrant=True)
+        params, apply = vfsdp.functionalize(net)
+        spec = vfsdp.plan(params, 2)
+        shards = vfsdp.shard(params, spec)
+        return apply(vfsdp.gather(shards, spec), torch.ones(1, 2)).requires_grad
+
+    net = torch.nn.Linear(2, 2)
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        plain = checkpoint(net, torch.ones(1, 2), use_reentrant=True).requires_grad
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        assert simulate(2, body) == [plain, plain] == [False, False]
 
 
 def test_gloo_processes():

@@ -1,6 +1,7 @@
 """Activation checkpointing misused: a bad ``recompute`` value, ``recompute`` where nothing
-can honour it, a reentrant checkpoint inside a ``run_layers`` layer or in a module's forward under
-``apply.run_layers`` (its gradients would be lost): each refused, naming the fix."""
+can honour it, a reentrant checkpoint inside a ``run_layers`` layer (its gradients would be
+lost): each refused, naming the fix; a checkpoint of a whole block in a module's forward
+under ``apply.run_layers`` (it saves nothing) warns."""
 
 import pytest
 import torch
@@ -50,26 +51,6 @@ def test_a_reentrant_checkpoint_inside_run_layers_is_refused_not_silently_wrong(
     for msg in simulate(2, _reentrant):
         assert "use_reentrant=True) inside layer_fn is not supported" in msg, msg
         assert "pass use_reentrant=False, or run_layers(..., recompute='full')" in msg
-
-
-def _reentrant_in_module():
-    from torch.utils.checkpoint import checkpoint
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    net.forward = lambda x: checkpoint(lambda h: net[1](net[0](h)), x, use_reentrant=True)
-    params, apply = vfsdp.functionalize(net)
-    spec = vfsdp.plan(params, 2)
-    try:
-        apply.run_layers(vfsdp.shard(params, spec), spec, torch.ones(1, 4))
-    except ValueError as exc:
-        return str(exc)
-
-
-def test_a_reentrant_checkpoint_in_a_modules_forward_under_run_layers_is_refused():
-    for msg in simulate(2, _reentrant_in_module):
-        assert "apply.run_layers: torch.utils.checkpoint(use_reentrant=True) in the module's" in msg
-        assert "pass use_reentrant=False, or checkpoint every block with apply.run_layers(" in msg
 
 
 def _whole_block():

@@ -114,8 +114,9 @@ class ModuleApply:
             parameters, e.g. ``("model", "layers")``), or ``None``: what :meth:`run_layers`
             runs unit by unit.
 
-    ``torch.utils.checkpoint`` in the module's forward (reentrant or not) recomputes, in the
-    backward, with the call's tensors: they are swapped in again for each recompute.
+    ``torch.utils.checkpoint`` in the module's forward recomputes, in the backward, with the
+    call's tensors: they are swapped in again for each recompute (a reentrant one runs as a
+    non-reentrant one: the same gradients).
 
     A call swaps the module's attributes while it runs, so one ``ModuleApply`` serves one
     thread: ranks that are threads (``vfsdp.testing.simulate``) each functionalize a module of
@@ -259,8 +260,8 @@ class ModuleApply:
         SAC policy)`` checkpoints every block's call; Hugging Face's
         ``gradient_checkpointing_enable()`` checkpoints the blocks it marks (non-reentrant
         here and under ``apply(...)``: the same gradients). Either recompute reads the
-        regathered parameters, as does a non-reentrant ``torch.utils.checkpoint`` in the
-        module's own forward (around a whole block it recomputes nothing and warns). With
+        regathered parameters, as does ``torch.utils.checkpoint`` in the module's own forward
+        (around a whole block it recomputes nothing and warns). With
         ``recompute``, a Hugging Face model's KV cache is off (``use_cache=False`` unless
         passed), as Hugging Face's own switch does.
 
@@ -278,8 +279,7 @@ class ModuleApply:
         Raises:
             ValueError: the tree has no module list of blocks, a unit holds tensors of a block
                 and tensors outside it, or a tie joins a block to another tensor.
-            ValueError: called while compiling (``torch.compile``), or the forward calls
-                ``torch.utils.checkpoint(..., use_reentrant=True)``.
+            ValueError: called while compiling (``torch.compile``).
             RuntimeError: a second thread calls this ``apply``.
         """
         self._claim()  # before any collective: the other ranks then stop instead of waiting
@@ -323,18 +323,11 @@ class ModuleApply:
             state.close()
             run.finish()
 
-    def _again(self, owner: torch.nn.Module, tensors: Any, fn: Any, reentrant: bool) -> Any:
+    def _again(self, owner: torch.nn.Module, tensors: Any, fn: Any) -> Any:
         """``fn`` of a ``torch.utils.checkpoint`` inside a call of ``owner``, as its recompute
         (in the backward, after the call) runs it: with the call's tensors (``tensors()``,
         dotted names under ``owner``) swapped in again, those under ``fn``'s module where it is
         one (or a method of one), else all of ``owner``'s; a checkpoint inside it the same."""
-        if reentrant and self._run is not None:
-            raise ValueError(
-                "apply.run_layers: torch.utils.checkpoint(use_reentrant=True) in the module's "
-                "forward is not supported: its recompute differentiates the blocks' regathered "
-                "tensors, which are not the gather's outputs; pass use_reentrant=False, or "
-                "checkpoint every block with apply.run_layers(..., policy=vfsdp.Policy("
-                "recompute='full'))")
         sub = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
         sub = sub if isinstance(sub, torch.nn.Module) else None
         if self._run is not None and sub in self._run.units:
@@ -372,9 +365,9 @@ class ModuleApply:
             refresh[0](None)
             return _flat_names(tree)
 
-        def wrap(fn: Any, reentrant: bool) -> Any:
+        def wrap(fn: Any) -> Any:
             refresh[:] = refresh or [run.refresher(tree)]
-            return self._again(block, tensors, fn, reentrant)
+            return self._again(block, tensors, fn)
 
         with checkpoint_wrapped(wrap):
             return _swapped(block, _flat_names(tree), forward, args, kwargs)

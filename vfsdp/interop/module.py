@@ -17,6 +17,7 @@ any tree of that shape: no wrapping, no copies.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import operator
@@ -27,7 +28,7 @@ import optree
 import torch
 from torch.func import functional_call
 
-from vfsdp._torch_private import checkpoint_wrapped, compiling, graph_task_id
+from vfsdp._torch_private import checkpoint_wrapped, compiling
 from vfsdp._warnings import warn_user
 from vfsdp.functional.gather import gather
 from vfsdp.functional.options import Policy, merge
@@ -344,12 +345,12 @@ class ModuleApply:
             self._scopes[key] = (sub if prefix else owner, len(prefix),
                                  [n for n in names if n.startswith(prefix)])
         target, cut, names = self._scopes[key]
+        run = self._run if owner is self.module else None  # its blocks are not in tensors()
 
         def again(*args: Any, **kwargs: Any) -> Any:
-            if graph_task_id() == -1:  # the forward: the call's tensors are in already
-                return fn(*args, **kwargs)
             full = tensors()
-            with checkpoint_wrapped(functools.partial(self._again, owner, lambda: full)):
+            with checkpoint_wrapped(functools.partial(self._again, owner, lambda: full)), \
+                    contextlib.nullcontext() if run is None else run.refusing():
                 return _swapped(target, {n[cut:]: full[n] for n in names if n in full}, fn,
                                 args, kwargs)
 
@@ -443,6 +444,17 @@ class _Blocks:
         for block in self.units:
             block.forward = functools.partial(self.call, block, block.forward)
 
+    @contextlib.contextmanager
+    def refusing(self) -> Any:
+        """While a checkpoint of the module's forward recomputes, after the run: a block's
+        call raises (it would read the block's own tensors)."""
+        for block in self.saved:
+            block.forward = functools.partial(_refuse_block, self.units[block])
+        try:
+            yield
+        finally:
+            self.close()
+
     def close(self) -> None:
         for block, forward in self.saved.items():
             del block.forward
@@ -463,6 +475,15 @@ class _Blocks:
                             full, args, kwargs)
         self.run.exit(dbs, last=pos + 1 == n)
         return out
+
+
+def _refuse_block(i: int, *args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(f"apply.run_layers: a torch.utils.checkpoint in the module's forward "
+                       f"recomputes a call of block {i} in the backward, after the run, where "
+                       f"nothing regathers the block; keep the blocks' calls out of the "
+                       f"checkpointed function (checkpoint every block with apply.run_layers(..., "
+                       f"policy=vfsdp.Policy(recompute='full'))), or call "
+                       f"apply(vfsdp.gather(shards, spec), ...)")
 
 
 def _flat_names(tree: Any) -> dict:

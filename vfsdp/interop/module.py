@@ -33,7 +33,7 @@ from vfsdp._warnings import warn_user
 from vfsdp.functional.gather import gather
 from vfsdp.functional.options import Policy, merge
 from vfsdp.functional.pieces import layer_pieces
-from vfsdp.functional.schedule import LayerRun, checkpointed
+from vfsdp.functional.schedule import LayerRun
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
@@ -157,7 +157,6 @@ class ModuleApply:
         self.blocks = _blocks(params)
         self._thread: Optional[int] = None
         self._run: Optional[_Blocks] = None  # the run_layers call in progress
-        self._hf_funcs: dict = {}  # module id -> Hugging Face's checkpoint function
         self._scopes: dict = {}  # (owner id, module id) -> (module, its prefix, names under it)
 
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
@@ -215,20 +214,11 @@ class ModuleApply:
         if meta is not None:
             raise ValueError(f"apply: buffer {meta} is on the meta device (the module was built "
                              f"there); give it values: apply.buffers[{meta!r}] = tensor")
-        marked = [m for m in self.module.modules() if getattr(m, "gradient_checkpointing", False)
-                  is True and "_gradient_checkpointing_func" in m.__dict__]
-        for m in marked:
-            self._hf_funcs[id(m)] = m.__dict__["_gradient_checkpointing_func"]
-            m._gradient_checkpointing_func = functools.partial(self._hf_checkpoint, m)
         full = {**tensors, **{n: tensors[s] for n, s in self.ties.items() if s in tensors},
                 **self.buffers}
-        try:
-            with checkpoint_wrapped(functools.partial(self._again, self.module, lambda: full)):
-                return functional_call(self.module, {**tensors, **self.buffers}, args, kwargs,
-                                       tie_weights=True, strict=False)
-        finally:
-            for m in marked:
-                m._gradient_checkpointing_func = self._hf_funcs.pop(id(m))
+        with checkpoint_wrapped(functools.partial(self._again, self.module, lambda: full)):
+            return functional_call(self.module, {**tensors, **self.buffers}, args, kwargs,
+                                   tie_weights=True, strict=False)
 
     def _claim(self) -> None:
         me = threading.get_ident()
@@ -258,11 +248,10 @@ class ModuleApply:
         ``policy`` leaves them unset).
 
         Activation checkpointing: ``policy=vfsdp.Policy(recompute="full" | "selective" |
-        SAC policy)`` checkpoints every block's call; Hugging Face's
-        ``gradient_checkpointing_enable()`` checkpoints the blocks it marks (non-reentrant
-        here and under ``apply(...)``: the same gradients). Either recompute reads the
-        regathered parameters, as does ``torch.utils.checkpoint`` in the module's own forward
-        (around a whole block it recomputes nothing and warns). With
+        SAC policy)`` checkpoints every block's call. Either recompute reads the regathered
+        parameters, as does ``torch.utils.checkpoint`` in the module's own forward (Hugging
+        Face's ``gradient_checkpointing_enable()`` included) inside a block's call; around a
+        whole block it recomputes nothing (it warns), around several it is refused. With
         ``recompute``, a Hugging Face model's KV cache is off (``use_cache=False`` unless
         passed), as Hugging Face's own switch does.
 
@@ -281,7 +270,8 @@ class ModuleApply:
             ValueError: the tree has no module list of blocks, a unit holds tensors of a block
                 and tensors outside it, or a tie joins a block to another tensor.
             ValueError: called while compiling (``torch.compile``).
-            RuntimeError: a second thread calls this ``apply``.
+            RuntimeError: a second thread calls this ``apply``; in the backward, a checkpoint
+                in the forward recomputes a block's call.
         """
         self._claim()  # before any collective: the other ranks then stop instead of waiting
         if compiling():
@@ -329,9 +319,13 @@ class ModuleApply:
         (in the backward, after the call) runs it: with the call's tensors (``tensors()``,
         dotted names under ``owner``) swapped in again, those under ``fn``'s module where it is
         one (or a method of one), else all of ``owner``'s; a checkpoint inside it the same."""
-        sub = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+        sub = fn
+        while isinstance(sub, functools.partial):  # Hugging Face's: partial(layer.__call__)
+            sub = sub.func
+        sub = sub if isinstance(sub, torch.nn.Module) else getattr(sub, "__self__", None)
         sub = sub if isinstance(sub, torch.nn.Module) else None
-        if self._run is not None and sub in self._run.units:
+        run = self._run if owner is self.module else None  # its blocks are not in tensors()
+        if run is not None and sub in run.units:
             warn_user("apply.run_layers: torch.utils.checkpoint of a whole block in the module's "
                       "forward recomputes nothing (the run saves the block's activations "
                       "itself); checkpoint every block with apply.run_layers(..., policy="
@@ -345,7 +339,6 @@ class ModuleApply:
             self._scopes[key] = (sub if prefix else owner, len(prefix),
                                  [n for n in names if n.startswith(prefix)])
         target, cut, names = self._scopes[key]
-        run = self._run if owner is self.module else None  # its blocks are not in tensors()
 
         def again(*args: Any, **kwargs: Any) -> Any:
             full = tensors()
@@ -372,18 +365,6 @@ class ModuleApply:
 
         with checkpoint_wrapped(wrap):
             return _swapped(block, _flat_names(tree), forward, args, kwargs)
-
-    def _hf_checkpoint(self, module: torch.nn.Module, fn: Any, *args: Any) -> Any:
-        """Hugging Face's ``_gradient_checkpointing_func`` while a call runs: ``fn`` (the
-        layer's forward) under non-reentrant checkpointing, its parameters (what the call
-        swapped in) passed as inputs, so the recompute swaps them in again."""
-        run = self._run
-        if run is not None and run.run.context_fn is not None and module in run.units:
-            return fn(*args)  # the run checkpoints the whole block already
-        tensors = dict(module.named_parameters(remove_duplicate=False))
-        return checkpointed(lambda full, *a: _swapped(module, full, fn, a, {}), tensors, args,
-                            {}, getattr(self._hf_funcs.get(id(module)), "keywords",
-                                        {}).get("context_fn"))
 
 
 def _blocks(params: dict) -> Optional[tuple]:

@@ -53,7 +53,7 @@ def _inputs(k):
     return [torch.randn(5, 3, generator=torch.Generator().manual_seed(i)) for i in range(k)]
 
 
-def _rank(net, path, calls=1):
+def _rank(net, path, calls=1, recompute=None):
     """This rank's pieces of every gradient after ``calls`` forwards, then their backwards."""
     if isinstance(net, tuple):  # a process of its own (spawn): it builds the module
         net = _make(*net)
@@ -62,7 +62,8 @@ def _rank(net, path, calls=1):
     shards = vfsdp.shard(params, spec)
     for p in optree.tree_leaves(params):
         p.data = torch.full_like(p, float("nan"))  # the module's own tensors: never to be read
-    outs = [apply.run_layers(shards, spec, x) if path == "run_layers" else  # call k: weights * (k + 1)
+    policy = vfsdp.Policy(recompute=recompute)  # under apply, call k: the weights * (k + 1)
+    outs = [apply.run_layers(shards, spec, x, policy=policy) if path == "run_layers" else
             apply(optree.tree_map(lambda t: t * (k + 1), vfsdp.gather(shards, spec)), x)
             for k, x in enumerate(_inputs(calls))]
     for out in outs:
@@ -145,3 +146,16 @@ def test_reentrant_with_no_input_requiring_grad_gives_no_gradient_as_in_torch():
 
 def test_gloo_processes():
     _compare(spawn(_rank, 2, ("inner", False), "run_layers"), _want("inner"))
+
+
+def test_a_checkpoint_inside_a_block_the_run_checkpoints_is_exact_and_recomputed_once():
+    """With ``recompute``, a block's own checkpoint nests in the run's: exact, and each MLP
+    runs twice (forward, the run's recompute), not three times."""
+    runs = []
+    nets = [_make("inner", False) for _ in range(2)]
+    for net in nets:
+        for block in net.layers:
+            block.up.register_forward_hook(lambda *_: runs.append(1))
+    _compare(simulate(2, lambda: _rank(nets[dist.get_rank()], "run_layers", recompute="full")),
+             _want("inner"))
+    assert len(runs) == 2 * 3 * 2  # ranks x blocks x (forward + recompute)

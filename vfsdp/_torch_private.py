@@ -23,6 +23,11 @@
 * :func:`functorch_paused`: ``torch._functorch.pyfunctorch.temporarily_clear_interpreter_stack``,
   so a collective inside a ``torch.func`` backward may write its own output buffer (gloo copies
   into it, which functorch would refuse as mutating a captured tensor).
+* :func:`checkpoint_wrapped`: ``torch.utils.checkpoint``'s function, as its recompute calls it,
+  is wrapped on this thread: the module's ``_checkpoint_without_reentrant_generator`` and
+  ``CheckpointFunction`` (names ``checkpoint`` looks up when called, so imports of it made
+  before are covered) are replaced once by wrappers that read this thread's innermost wrap
+  (with none, torch's own run).
 * :func:`version`: a tensor's in-place version counter (``t._version``).
 * :func:`set_data`: ``t.data = src`` past a subclass's ``__torch_function__``
   (``torch._C.DisableTorchFunctionSubclass``), to point a released view at no memory.
@@ -315,3 +320,57 @@ def enable_compiled_backward() -> bool:
 # Marked as torch._dynamo.assume_constant_result marks (that decorator only sets this
 # attribute, and importing dynamo to call it would cost a second): dynamo runs it, untraced.
 enable_compiled_backward._dynamo_marked_constant = True
+
+
+_WRAPS = threading.local()
+_WRAP_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def checkpoint_wrapped(wrap) -> Iterator[None]:
+    """While it runs, on this thread, each ``torch.utils.checkpoint`` call runs
+    ``wrap(function)`` where it would run ``function``, in the forward and in the backward's
+    recompute; a reentrant one runs as a non-reentrant one (the same gradients: no tensor
+    input requiring grad gives none, as torch's reentrant form does). ``wrap=None``: torch's
+    own (inside an outer wrap)."""
+    _install_checkpoint_wrap()
+    stack = _WRAPS.__dict__.setdefault("stack", [])
+    stack.append(wrap)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _wrap():
+    stack = getattr(_WRAPS, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _install_checkpoint_wrap() -> None:
+    from torch.utils import checkpoint as ckpt
+
+    with _WRAP_LOCK:
+        if getattr(ckpt, "_vfsdp_wrapped", False):
+            return
+        generator, base = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+
+        def without_reentrant(fn, *args, **kwargs):
+            wrap = _wrap()
+            return generator(fn if wrap is None else wrap(fn), *args, **kwargs)
+
+        class CheckpointFunction(base):  # the reentrant form: ``CheckpointFunction.apply``
+            @classmethod
+            def apply(cls, function, preserve, *args):
+                if _wrap() is None:
+                    return base.apply(function, preserve, *args)
+                ckpt.check_backward_validity(args)  # torch's warning
+                if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                    with torch.no_grad():  # as the reentrant form: no gradient at all
+                        return function(*args)
+                return ckpt.checkpoint(function, *args, use_reentrant=False,
+                                       preserve_rng_state=preserve)
+
+        ckpt._checkpoint_without_reentrant_generator = without_reentrant
+        ckpt.CheckpointFunction = CheckpointFunction
+        ckpt._vfsdp_wrapped = True

@@ -36,7 +36,13 @@ import optree
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-from vfsdp._torch_private import compiling, functorch_active, is_own_output, running_node_seq
+from vfsdp._torch_private import (
+    checkpoint_wrapped,
+    compiling,
+    functorch_active,
+    is_own_output,
+    running_node_seq,
+)
 from vfsdp.collectives.comm import Handle
 from vfsdp.collectives.dbuffer import DBuffer, ReleasedTensor, View, slot_of
 from vfsdp.functional.gather import pending, start_gather, writes_leaf_grads
@@ -265,6 +271,11 @@ class LayerRun:
             _Refresh(full, self.regather).watch(out, (args, kwargs))
         return out
 
+    def refresher(self, full: Any) -> Callable[[Any], None]:
+        """Called in a backward, it replaces ``full``'s tensors released since (in place) by
+        views of the regathered unit: what a recompute of the layer reads."""
+        return _Refresh(full, self.regather)
+
     def exit(self, dbs: list[DBuffer], last: bool) -> None:
         """After a layer's forward: reshard it (``reshard_after_forward``; not the last)."""
         if self.reshard_after_forward and not last:
@@ -380,8 +391,9 @@ def checkpointed(fn: Callable, full: Any, args: tuple, kwargs: dict,
               for t, want in zip(flat[:n], wants)]
         return fn(optree.tree_unflatten(treespec, ts), *flat[n:], **kw)
 
-    return checkpoint(inner, *leaves, *args, use_reentrant=False,
-                      context_fn=context_fn or noop_context_fn, **kwargs)
+    with checkpoint_wrapped(None):  # its recompute reads ``full`` itself
+        return checkpoint(inner, *leaves, *args, use_reentrant=False,
+                          context_fn=context_fn or noop_context_fn, **kwargs)
 
 
 def _gathered_buffers(full: Any) -> list[DBuffer]:

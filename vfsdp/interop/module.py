@@ -17,6 +17,7 @@ any tree of that shape: no wrapping, no copies.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import operator
@@ -27,11 +28,12 @@ import optree
 import torch
 from torch.func import functional_call
 
-from vfsdp._torch_private import compiling
+from vfsdp._torch_private import checkpoint_wrapped, compiling
+from vfsdp._warnings import warn_user
 from vfsdp.functional.gather import gather
 from vfsdp.functional.options import Policy, merge
 from vfsdp.functional.pieces import layer_pieces
-from vfsdp.functional.schedule import LayerRun, checkpointed
+from vfsdp.functional.schedule import LayerRun
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
@@ -113,6 +115,10 @@ class ModuleApply:
             parameters, e.g. ``("model", "layers")``), or ``None``: what :meth:`run_layers`
             runs unit by unit.
 
+    ``torch.utils.checkpoint`` in the module's forward recomputes, in the backward, with the
+    call's tensors: they are swapped in again for each recompute (a reentrant one runs as a
+    non-reentrant one: the same gradients).
+
     A call swaps the module's attributes while it runs, so one ``ModuleApply`` serves one
     thread: ranks that are threads (``vfsdp.testing.simulate``) each functionalize a module of
     their own.
@@ -151,7 +157,7 @@ class ModuleApply:
         self.blocks = _blocks(params)
         self._thread: Optional[int] = None
         self._run: Optional[_Blocks] = None  # the run_layers call in progress
-        self._hf_funcs: dict = {}  # module id -> Hugging Face's checkpoint function
+        self._scopes: dict = {}  # (owner id, module id) -> (module, its prefix, names under it)
 
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
         """The module's forward with ``params`` (a tree shaped as :func:`functionalize`'s,
@@ -208,17 +214,11 @@ class ModuleApply:
         if meta is not None:
             raise ValueError(f"apply: buffer {meta} is on the meta device (the module was built "
                              f"there); give it values: apply.buffers[{meta!r}] = tensor")
-        marked = [m for m in self.module.modules() if getattr(m, "gradient_checkpointing", False)
-                  is True and "_gradient_checkpointing_func" in m.__dict__]
-        for m in marked:
-            self._hf_funcs[id(m)] = m.__dict__["_gradient_checkpointing_func"]
-            m._gradient_checkpointing_func = functools.partial(self._hf_checkpoint, m)
-        try:
+        full = {**tensors, **{n: tensors[s] for n, s in self.ties.items() if s in tensors},
+                **self.buffers}
+        with checkpoint_wrapped(functools.partial(self._again, self.module, lambda: full)):
             return functional_call(self.module, {**tensors, **self.buffers}, args, kwargs,
                                    tie_weights=True, strict=False)
-        finally:
-            for m in marked:
-                m._gradient_checkpointing_func = self._hf_funcs.pop(id(m))
 
     def _claim(self) -> None:
         me = threading.get_ident()
@@ -248,11 +248,12 @@ class ModuleApply:
         ``policy`` leaves them unset).
 
         Activation checkpointing: ``policy=vfsdp.Policy(recompute="full" | "selective" |
-        SAC policy)`` checkpoints every block's call; Hugging Face's
-        ``gradient_checkpointing_enable()`` checkpoints the blocks it marks (non-reentrant
-        here and under ``apply(...)``: the same gradients). Either recompute reads the
-        regathered parameters. With ``recompute``, a Hugging Face model's KV cache is off
-        (``use_cache=False`` unless passed), as Hugging Face's own switch does.
+        SAC policy)`` checkpoints every block's call. Either recompute reads the regathered
+        parameters, as does ``torch.utils.checkpoint`` in the module's own forward (Hugging
+        Face's ``gradient_checkpointing_enable()`` included) inside a block's call; around a
+        whole block it recomputes nothing (it warns), around several it is refused. With
+        ``recompute``, a Hugging Face model's KV cache is off (``use_cache=False`` unless
+        passed), as Hugging Face's own switch does.
 
         Args:
             shards: This rank's shards (``vfsdp.shard`` of the tree).
@@ -269,7 +270,8 @@ class ModuleApply:
             ValueError: the tree has no module list of blocks, a unit holds tensors of a block
                 and tensors outside it, or a tie joins a block to another tensor.
             ValueError: called while compiling (``torch.compile``).
-            RuntimeError: a second thread calls this ``apply``.
+            RuntimeError: a second thread calls this ``apply``; in the backward, a checkpoint
+                in the forward recomputes a block's call.
         """
         self._claim()  # before any collective: the other ranks then stop instead of waiting
         if compiling():
@@ -312,17 +314,57 @@ class ModuleApply:
             state.close()
             run.finish()
 
-    def _hf_checkpoint(self, module: torch.nn.Module, fn: Any, *args: Any) -> Any:
-        """Hugging Face's ``_gradient_checkpointing_func`` while a call runs: ``fn`` (the
-        layer's forward) under non-reentrant checkpointing, its parameters (what the call
-        swapped in) passed as inputs, so the recompute swaps them in again."""
-        run = self._run
-        if run is not None and run.run.context_fn is not None and module in run.units:
-            return fn(*args)  # the run checkpoints the whole block already
-        tensors = dict(module.named_parameters(remove_duplicate=False))
-        return checkpointed(lambda full, *a: _swapped(module, full, fn, a, {}), tensors, args,
-                            {}, getattr(self._hf_funcs.get(id(module)), "keywords",
-                                        {}).get("context_fn"))
+    def _again(self, owner: torch.nn.Module, tensors: Any, fn: Any) -> Any:
+        """``fn`` of a ``torch.utils.checkpoint`` inside a call of ``owner``, as its recompute
+        (in the backward, after the call) runs it: with the call's tensors (``tensors()``,
+        dotted names under ``owner``) swapped in again, those under ``fn``'s module where it is
+        one (or a method of one), else all of ``owner``'s; a checkpoint inside it the same."""
+        sub = fn
+        while isinstance(sub, functools.partial):  # Hugging Face's: partial(layer.__call__)
+            sub = sub.func
+        sub = sub if isinstance(sub, torch.nn.Module) else getattr(sub, "__self__", None)
+        sub = sub if isinstance(sub, torch.nn.Module) else None
+        run = self._run if owner is self.module else None  # its blocks are not in tensors()
+        if run is not None and sub in run.units:
+            warn_user("apply.run_layers: torch.utils.checkpoint of a whole block in the module's "
+                      "forward recomputes nothing (the run saves the block's activations "
+                      "itself); checkpoint every block with apply.run_layers(..., policy="
+                      "vfsdp.Policy(recompute='full'))")
+        key = (id(owner), id(sub))
+        if key not in self._scopes:
+            prefix = next((n + "." for n, m in owner.named_modules(remove_duplicate=False)
+                           if m is sub and n), "")
+            names = [n for n, _ in owner.named_parameters(remove_duplicate=False)] + \
+                [n for n, _ in owner.named_buffers()]
+            self._scopes[key] = (sub if prefix else owner, len(prefix),
+                                 [n for n in names if n.startswith(prefix)])
+        target, cut, names = self._scopes[key]
+
+        def again(*args: Any, **kwargs: Any) -> Any:
+            full = tensors()
+            with checkpoint_wrapped(functools.partial(self._again, owner, lambda: full)), \
+                    contextlib.nullcontext() if run is None else run.refusing():
+                return _swapped(target, {n[cut:]: full[n] for n in names if n in full}, fn,
+                                args, kwargs)
+
+        return again
+
+    def _in_block(self, run: LayerRun, block: torch.nn.Module, tree: Any, forward: Any,
+                  args: tuple, kwargs: dict) -> Any:
+        """A block's call in :meth:`run_layers`: a checkpoint inside it recomputes with the
+        tensors regathered for its backward."""
+        refresh: list = []
+
+        def tensors() -> dict:
+            refresh[0](None)
+            return _flat_names(tree)
+
+        def wrap(fn: Any) -> Any:
+            refresh[:] = refresh or [run.refresher(tree)]
+            return self._again(block, tensors, fn)
+
+        with checkpoint_wrapped(wrap):
+            return _swapped(block, _flat_names(tree), forward, args, kwargs)
 
 
 def _blocks(params: dict) -> Optional[tuple]:
@@ -383,6 +425,17 @@ class _Blocks:
         for block in self.units:
             block.forward = functools.partial(self.call, block, block.forward)
 
+    @contextlib.contextmanager
+    def refusing(self) -> Any:
+        """While a checkpoint of the module's forward recomputes, after the run: a block's
+        call raises (it would read the block's own tensors)."""
+        for block in self.saved:
+            block.forward = functools.partial(_refuse_block, self.units[block])
+        try:
+            yield
+        finally:
+            self.close()
+
     def close(self) -> None:
         for block, forward in self.saved.items():
             del block.forward
@@ -398,10 +451,20 @@ class _Blocks:
         self.calls = pos + 1
         full, dbs = self.run.enter(self.units[block], self.first[pos + 1] if pos + 1 < n
                                    else None)
-        out = self.run.call(lambda tree, *a, **k: _swapped(block, _flat_names(tree), forward,
-                                                              a, k), full, args, kwargs)
+        out = self.run.call(lambda tree, *a, **k: self.apply._in_block(self.run, block, tree,
+                                                                       forward, a, k),
+                            full, args, kwargs)
         self.run.exit(dbs, last=pos + 1 == n)
         return out
+
+
+def _refuse_block(i: int, *args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(f"apply.run_layers: a torch.utils.checkpoint in the module's forward "
+                       f"recomputes a call of block {i} in the backward, after the run, where "
+                       f"nothing regathers the block; keep the blocks' calls out of the "
+                       f"checkpointed function (checkpoint every block with apply.run_layers(..., "
+                       f"policy=vfsdp.Policy(recompute='full'))), or call "
+                       f"apply(vfsdp.gather(shards, spec), ...)")
 
 
 def _flat_names(tree: Any) -> dict:
@@ -416,10 +479,11 @@ def _swapped(module: torch.nn.Module, tensors: dict, fn: Any, args: tuple, kwarg
     for name, t in tensors.items():
         prefix, _, leaf = name.rpartition(".")
         owner = module.get_submodule(prefix)
-        owners.append((owner, leaf, owner._parameters[leaf]))
-        owner._parameters[leaf] = t
+        where = owner._parameters if leaf in owner._parameters else owner._buffers
+        owners.append((where, leaf, where[leaf]))
+        where[leaf] = t
     try:
         return fn(*args, **kwargs)
     finally:
-        for owner, leaf, old in owners:
-            owner._parameters[leaf] = old
+        for where, leaf, old in owners:
+            where[leaf] = old

@@ -213,3 +213,25 @@ def evaluations_with_grad_on(evals: int) -> tuple:
     diff = max(float((s["w"].grad - w["w"]).abs().max()) if s["w"].numel() else 0.0
                for s, w in zip(shards["layers"], want["layers"]))
     return kept, diff, len(pending().entries)
+
+
+def kept_forward_after_a_dropped_one(how: str) -> list:
+    """A ``run_layers`` forward kept for later, another one (grad on) dropped at once (an
+    evaluation), then the first one's backward: this rank's gradient pieces, flat. The
+    dropped forward's gathers used to free the last layer's memory, which the kept forward's
+    backward reads without regathering (0.3: ``setStorage ... out of bounds``)."""
+    g = torch.Generator().manual_seed(0)
+    params = {"layers": [{"w": torch.randn(4, 4, generator=g) / 2} for _ in range(2)]}
+    spec = vfsdp.plan(params, dist.get_world_size())
+    shards = vfsdp.shard(params, spec)
+    x = torch.ones(2, 4)
+    opts = {} if how == "resharded" else {"reshard_after_forward": False}
+    run = lambda: vfsdp.run_layers(_tanh_layer, shards["layers"], spec["layers"], x, **opts)
+    loss = run().sum()
+    run().sum().item()  # an evaluation with grad mode on: its graph is dropped
+    loss.backward()
+    return [s["w"].grad.reshape(-1).tolist() for s in shards["layers"]]
+
+
+def _tanh_layer(p, h):
+    return torch.tanh(h @ p["w"])

@@ -176,3 +176,18 @@ def test_evaluations_with_grad_on_do_not_pile_up_records(runner):
     for kept, diff, after in got:
         assert kept < SWEEP, kept
         assert diff < 1e-6 and after == 0
+
+
+@pytest.mark.parametrize("how", ["resharded", "kept gathered"])
+def test_a_kept_forward_survives_a_dropped_one(how):
+    g = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(4, 4, generator=g) / 2).requires_grad_() for _ in range(2)]
+    h = torch.ones(2, 4)
+    for w in ws:
+        h = torch.tanh(h @ w)
+    h.sum().backward()
+    for world in (1, 2):
+        got = simulate(world, b.kept_forward_after_a_dropped_one, how)
+        for i, w in enumerate(ws):
+            full = torch.cat([torch.tensor(r[i]) for r in got])
+            torch.testing.assert_close(full, w.grad.reshape(-1))

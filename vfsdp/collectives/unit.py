@@ -400,6 +400,13 @@ class Unit:
             db.free_global()
             self._settle(db, self._of(db))
 
+    def keep_gathered(self, db: DBuffer) -> None:
+        """A gather that would regather ``db`` for its backward (``run_layers``) was left
+        gathered after its forward (the last layer, or no ``reshard_after_forward``): its
+        graph reads the full views until :meth:`graph_done`, as a plain gather's does."""
+        self._of(db).regathering -= 1
+        db.graphs += 1
+
     def record_done(self, db: DBuffer, regathers: bool = False) -> None:
         """A gather of ``db`` no longer awaits its backward (it reduced, or no rank needs
         it): the same moment on every rank."""

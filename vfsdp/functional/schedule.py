@@ -277,10 +277,17 @@ class LayerRun:
         return _Refresh(full, self.regather)
 
     def exit(self, dbs: list[DBuffer], last: bool) -> None:
-        """After a layer's forward: reshard it (``reshard_after_forward``; not the last)."""
-        if self.reshard_after_forward and not last:
-            for db in dbs:
+        """After a layer's forward: reshard it (``reshard_after_forward``; not the last). A
+        layer left gathered is read by its backward as a plain gather's is: its gathers hold
+        the memory until then (a later forward's gather of the unit, dropped, cannot free it)."""
+        for db in dbs:
+            if self.reshard_after_forward and not last:
                 db.unit.reshard(db)
+                continue
+            for call in self.regather.calls.get(id(db), ()):
+                if call.regathers and call.holds_graph:
+                    call.regathers = False
+                    db.unit.keep_gathered(db)
 
     def finish(self) -> None:
         """Prefetches no layer used (a forward that stopped early): finished and resharded

@@ -181,6 +181,8 @@ def read_back(kinds: list, out_dir: str, source: str) -> dict:
         zeros = vfsdp.init.sharded(vfsdp.init.rule(vfsdp.init.constant(0.0)))
         shards = vfsdp.shard(params, spec, init_fn=zeros)
         tree = apply.state_tree(shards)
-        vfsdp.checkpoint.load_safetensors(os.path.join(out_dir, kind + source), tree, spec)
+        rename = apply.saved_names() if source == "" else None  # save_pretrained's names
+        vfsdp.checkpoint.load_safetensors(os.path.join(out_dir, kind + source), tree, spec,
+                                          rename=rename)
         out[kind] = vfsdp.checkpoint.to_state_dict(tree, spec)
     return out if dist.get_rank() == 0 else {}

@@ -37,17 +37,10 @@ def test_architecture_trains_as_one_process_exports_and_reads_back(kind, tmp_pat
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd), kind
 
 
-#: transformers' save_pretrained renames these on the way out (its checkpoint conversion
-#: mapping: GPT-NeoX writes lm_head.weight as embed_out.weight, ViT its attention under
-#: the older names), which
-#: load_safetensors does not know yet
-RENAMED = {"gpt_neox", "vit"}
-
-
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.xfail(
-    strict=True, reason="save_pretrained renames a tensor")) if k in RENAMED else k
-    for k in mb.KINDS])
+@pytest.mark.parametrize("kind", mb.KINDS)
 def test_load_safetensors_reads_save_pretrained_at_3_ranks(kind, tmp_path):
+    """With ``rename=apply.saved_names()``: transformers renames some tensors on the way out
+    (GPT-NeoX's lm_head as embed_out, ViT's attention under its older names)."""
     net = mb.model(kind)
     net.save_pretrained(str(tmp_path / kind))
     want = net.state_dict()

@@ -176,6 +176,39 @@ class ModuleApply:
                              f"or one made from it (vfsdp.shard, vfsdp.gather)")
         return self._call(dict(zip(self._names, leaves)), args, kwargs)
 
+    def saved_names(self) -> Any:
+        """The names Hugging Face's ``save_pretrained`` writes the module's tensors under, as a
+        ``rename`` for :func:`vfsdp.checkpoint.load_safetensors` (``dotted name -> name in the
+        file``): transformers renames some on the way out (its checkpoint conversion mapping,
+        e.g. GPT-NeoX's ``lm_head`` as ``embed_out``, ViT's attention under its older names).
+        Names it keeps, and every name of a module that is not a transformers model, map to
+        themselves.
+
+        Returns:
+            A callable ``str -> str``.
+
+        Raises:
+            Nothing.
+
+        Example:
+            >>> import torch, vfsdp
+            >>> params, apply = vfsdp.functionalize(torch.nn.Linear(2, 2))
+            >>> apply.saved_names()("weight")
+            'weight'
+        """
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightRenaming, rename_source_key
+        except ImportError:  # not a transformers model's concern: names as they are
+            return lambda name: name
+        if not hasattr(self.module, "config"):
+            return lambda name: name
+        mapping = get_model_conversion_mapping(self.module, add_legacy=False)
+        back = [t.reverse_transform() for t in reversed(mapping)
+                if isinstance(t, WeightRenaming)]  # as save_pretrained applies them
+        return functools.lru_cache(maxsize=None)(
+            lambda name: rename_source_key(name, back, [], reverse=True)[0])
+
     def state_tree(self, shards: Any) -> Any:
         """``shards`` with the module's persistent buffers (BatchNorm's running statistics)
         added at their dotted names: the tree whose export has the keys ``state_dict()`` has.

@@ -263,7 +263,8 @@ class LayerRun:
             if self.context_fn is not None:
                 return checkpointed(fn, full, args, kwargs, self.context_fn)
             self.regather.packed = set()
-            out = fn(full, *args, **kwargs)
+            with checkpoint_wrapped(_same):  # a reentrant checkpoint in fn: as non-reentrant
+                out = fn(full, *args, **kwargs)
         if torch.is_grad_enabled() and not self.regather.packed:
             # the forward saved none of the gathered tensors: a checkpoint of its own did
             # (or the layer did not use them: what it returns as it was given is not watched,
@@ -347,6 +348,10 @@ class _Refresh:
                 if wants:  # a recompute differentiated through: a reentrant checkpoint
                     fresh.register_hook(_reentrant)
                 node[k] = fresh
+
+
+def _same(fn: Callable) -> Callable:
+    return fn
 
 
 def _reentrant(grad: torch.Tensor) -> None:

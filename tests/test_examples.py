@@ -212,7 +212,7 @@ def test_op_counts_benchmark_prints_equal_counts_at_both_sizes():
     for r in rows:  # name, params -> params, update -> update, step -> step
         assert r[4] == r[6] and r[7] == r[9], r
     rows = [line.split() for line in tensors.splitlines()[1:]]  # name, ops -> ops (ratio)
-    assert [r[0] for r in rows] == ["adamw8bit", "muon", "offload(adamw8bit)"]
+    assert [r[0] for r in rows] == ["adamw8bit", "muon", "soap", "shampoo", "offload(adamw8bit)"]
     for r in rows:
         assert abs(int(r[3]) - int(r[1])) <= 0.1 * int(r[1]), r
     rows = [line.split() for line in units.splitlines()[1:]]  # the same, over 4x the units

@@ -38,7 +38,9 @@
   collectives ``torch.ops._c10d_functional`` (:func:`traced_all_gather`,
   :func:`traced_all_reduce`, :func:`traced_reduce_scatter`), dynamo's
   ``trace_autograd_ops`` switch (:func:`trace_autograd_ops`) and the
-  ``assume_constant_result`` mark on :func:`enable_compiled_backward`.
+  ``assume_constant_result`` mark on :func:`enable_compiled_backward`, which also gives dynamo's
+  ``TensorVariable.method_attr_grad`` a fresh ``ConstantVariable(None)`` where it returned the
+  shared one (:func:`_own_none_grads`).
 
 Other torch versions may move or change these, so they are guarded and versioned here.
 """
@@ -313,7 +315,34 @@ def enable_compiled_backward() -> bool:
     if os.environ.get("VFSDP_TRACE_AUTOGRAD", "1") != "0" and hasattr(torch._dynamo.config,
                                                                       "trace_autograd_ops"):
         torch._dynamo.config.trace_autograd_ops = True
+    _own_none_grads()
     return True
+
+
+def _own_none_grads() -> None:
+    """Dynamo (torch 2.13) answers a read of ``t.grad`` that the traced frame set to ``None``
+    (``_flush``, ``zero_grads``, then the traced backward reads it) with its one shared
+    ``ConstantVariable(None)``, and then writes ``t``'s source onto that shared object: every
+    later compiled function that returns ``None`` reloads it from a variable of that earlier
+    frame, and fails (``AssertionError: shards_ missing``). A fresh ``ConstantVariable`` for
+    that read keeps the source on its own object. Installed once; where dynamo has no shared
+    ``None`` (other versions), nothing is replaced."""
+    from torch._dynamo.variables import constant, tensor
+
+    shared = getattr(constant, "CONSTANT_VARIABLE_NONE", None)
+    read = getattr(tensor.TensorVariable, "method_attr_grad", None)
+    if shared is None or read is None or getattr(read, "vfsdp_own_none", False):
+        return
+    if _torch_version() not in TESTED_TORCH:
+        warnings.warn(f"vfsdp: dynamo's .grad read is patched as tested on torch "
+                      f"{TESTED_TORCH}; torch {torch.__version__} may have changed it", stacklevel=2)
+
+    def method_attr_grad(self, tx):
+        found = read(self, tx)
+        return constant.ConstantVariable(None) if found is shared else found
+
+    method_attr_grad.vfsdp_own_none = True
+    tensor.TensorVariable.method_attr_grad = method_attr_grad
 
 
 

@@ -104,6 +104,10 @@ MIXED = [  # eager and compiled micro-batches share one grad_sync=False accumula
     {"micro": [False, True], "paths": ["eager", "compiled"]},
     {"micro": [False, False, True], "paths": ["compiled", "eager", "compiled"]},
     {"micro": [False, True], "paths": ["eager", "eager"], "zero_before": 1},
+    # a compiled zero_grads after a compiled sync that reduced the eager accumulator: dynamo's
+    # shared None once carried that frame's source and failed here ("shards missing")
+    {"micro": [False, True, False, True], "paths": ["eager", "compiled", "compiled", "compiled"],
+     "zero_before": 2},
 ]
 
 
@@ -115,3 +119,47 @@ def test_eager_and_compiled_micro_batches_accumulate_in_one_place(case):
     compiled zero_grads left the eager accumulator to be reduced into the next step."""
     case = dict(case, path="mixed", world=2, accumulate=None, op="sum", reduce_dtype=None)
     _check(case, spawn(pb.run_mixed, 2, case))
+
+
+def _whole_step_then_others():
+    import torch
+    import torch.distributed as dist
+
+    import vfsdp
+
+    params = {"layers": [{"w": torch.arange(16.0).reshape(4, 4) / 20 - 0.3 * i, "b": torch.ones(4)}
+                         for i in range(3)]}
+    spec = vfsdp.plan(params, dist.get_world_size())
+    shards = vfsdp.shard(params, spec)
+
+    def step(shards_, x):  # a whole step: zero_grads, gather, backward
+        vfsdp.zero_grads(shards_, spec)
+        h = x
+        for p in vfsdp.gather(shards_, spec)["layers"]:
+            h = torch.tanh(h @ p["w"] + p["b"])
+        h.sum().backward()
+
+    def scale(t):  # an unrelated function that returns None
+        t.mul_(2)
+
+    x = torch.ones(1, 4) * (dist.get_rank() + 1)
+    torch.compile(step, fullgraph=True, backend="aot_eager")(shards, x)
+    got = [g.clone() for g in optree_leaves(vfsdp.grads(shards, spec))]
+    step(shards, x)
+    want = optree_leaves(vfsdp.grads(shards, spec))
+    t = torch.ones(2)
+    torch.compile(scale, fullgraph=True, backend="aot_eager")(t)
+    return all(torch.equal(a, b) for a, b in zip(got, want)), t.tolist()
+
+
+def optree_leaves(tree):
+    import optree
+
+    return optree.tree_leaves(tree)
+
+
+@pytest.mark.slow
+def test_a_whole_step_compiled_in_threads_leaves_later_compiles_working():
+    """Dynamo (torch 2.13) wrote the source of a `.grad` the step set to None onto its shared
+    None: every later compiled function returning None failed ("shards_ missing")."""
+    assert simulate(2, _whole_step_then_others) == [(True, [2.0, 2.0])] * 2

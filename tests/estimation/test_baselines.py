@@ -57,3 +57,24 @@ def test_padding_separates_the_layout_from_the_copies():
     assert vfsdp.estimate(spec, padding="vfsdp", **kw) == v
     with pytest.raises(ValueError, match="unknown padding 'none'"):
         vfsdp.estimate(spec, padding="none")
+
+
+def test_micro_batch_tokens_keep_the_micro_batch_at_every_count():
+    """micro_batch_tokens: each count's micro-batches are its tokens over that size, so a
+    fixed global batch at more GPUs runs fewer micro-batches of the same size (each row is
+    the estimate with that count); a size that does not divide, or both, is refused."""
+    from vfsdp.estimation import sweep
+
+    params = {"layers": [{"w": torch.empty(512, 512, device="meta")} for _ in range(4)]}
+    rows = sweep(params, [8, 16, 32], hw="h800", global_tokens=2**16, micro_batch_tokens=1024,
+                 shard=8)
+    for count, (_, e) in zip([8, 16, 32], rows):
+        spec = vfsdp.plan(params, (count // 8, 8) if count > 8 else 8)
+        again = vfsdp.estimate(spec, hw="h800", tokens_per_rank=2**16 // count,
+                               micro_batches=2**16 // count // 1024)
+        assert e == again
+    assert rows[0][1].comm_bytes["all_gather"] == 2 * rows[1][1].comm_bytes["all_gather"]
+    with pytest.raises(ValueError, match="micro_batch_tokens=3000 does not divide"):
+        sweep(params, [8], global_tokens=2**16, micro_batch_tokens=3000)
+    with pytest.raises(ValueError, match="not both"):
+        sweep(params, [8], micro_batch_tokens=1024, micro_batches=2)

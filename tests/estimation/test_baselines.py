@@ -55,14 +55,12 @@ def test_padding_separates_the_layout_from_the_copies():
     assert no_dbuffer.comm_bytes["reduce_scatter"] == v.comm_bytes["reduce_scatter"]
     assert v.copy_bytes < no_dbuffer.copy_bytes < f.copy_bytes
     assert vfsdp.estimate(spec, padding="vfsdp", **kw) == v
-    with pytest.raises(ValueError, match="unknown padding 'none'"):
-        vfsdp.estimate(spec, padding="none")
 
 
 def test_micro_batch_tokens_keep_the_micro_batch_at_every_count():
     """micro_batch_tokens: each count's micro-batches are its tokens over that size, so a
     fixed global batch at more GPUs runs fewer micro-batches of the same size (each row is
-    the estimate with that count); a size that does not divide, or both, is refused."""
+    the estimate with that count)."""
     from vfsdp.estimation import sweep
 
     params = {"layers": [{"w": torch.empty(512, 512, device="meta")} for _ in range(4)]}
@@ -74,7 +72,3 @@ def test_micro_batch_tokens_keep_the_micro_batch_at_every_count():
                                micro_batches=2**16 // count // 1024)
         assert e == again
     assert rows[0][1].comm_bytes["all_gather"] == 2 * rows[1][1].comm_bytes["all_gather"]
-    with pytest.raises(ValueError, match="micro_batch_tokens=3000 does not divide"):
-        sweep(params, [8], global_tokens=2**16, micro_batch_tokens=3000)
-    with pytest.raises(ValueError, match="not both"):
-        sweep(params, [8], micro_batch_tokens=1024, micro_batches=2)

@@ -21,7 +21,6 @@ the whole step, such as the embedding and head) allocate and free these, and its
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -56,18 +55,13 @@ class UnitBytes:
 
 def baseline_padding(u: UnitLayout, system: str) -> int:
     """The padding unit ``u`` needs under another system's sharding rule (``"fsdp2"``: every
-    tensor split on dim 0, from :mod:`vfsdp.planner.baselines`; ``"megatron"``:
-    Megatron-FSDP's bucket, one per unit, padded to a multiple of ``lcm(m, 128)``
-    elements, as its ``build_data_parallel_buffer_index`` pads it, or where the unit has
-    blocks to keep whole, its LCM chunks)."""
+    tensor split on dim 0; ``"megatron"``: Megatron-FSDP's buffer padded to ``m`` LCM chunks,
+    so every rank's shard starts on a row: its ``BufferIndex`` with a ``chunk_size_factor``),
+    from :mod:`vfsdp.planner.baselines`."""
     from vfsdp.planner import baselines
 
-    tensors = [(tuple(sh), b) for sh, b in zip(u.shapes, u.blocks)]
-    if system == "fsdp2":
-        return baselines.fsdp2_padding(tensors, u.world_size)
-    if any(b > 1 for b in u.blocks):
-        return baselines.megatron_padding(tensors, u.world_size)
-    return -u.total_numel % math.lcm(u.world_size, 128)
+    rule = baselines.fsdp2_padding if system == "fsdp2" else baselines.megatron_padding
+    return rule([(tuple(sh), b) for sh, b in zip(u.shapes, u.blocks)], u.world_size)
 
 
 def baseline_sizes(units: Mapping[Any, UnitLayout], system: str) -> dict:

@@ -70,3 +70,14 @@ def test_micro_batch_tokens_keep_the_micro_batch_at_every_count():
                                micro_batches=2**16 // count // 1024)
         assert e == again
     assert rows[0][1].comm_bytes["all_gather"] == 2 * rows[1][1].comm_bytes["all_gather"]
+
+
+def test_stacked_experts_on_more_ranks_than_experts_double_under_fsdp2():
+    """FSDP2 shards each tensor on dim 0: 4 stacked experts over 8 ranks are padded to 8 rows,
+    so its reduce-scatters move twice vfsdp's bytes (GPT-OSS's 128 experts on 256 ranks)."""
+    tree = {"layers": [{"experts": {"w": torch.empty(4, 64, 64, device="meta")}}
+                       for _ in range(2)]}
+    spec = vfsdp.plan(tree, 8)
+    kw = {"hw": "h800", "tokens_per_rank": 64, "experts_per_token": 1}
+    v, f = vfsdp.estimate(spec, **kw), vfsdp.estimate(spec, baseline="fsdp2", **kw)
+    assert f.comm_bytes["reduce_scatter"] == 2 * v.comm_bytes["reduce_scatter"]

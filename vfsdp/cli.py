@@ -169,8 +169,11 @@ def _estimate_parser(sub) -> None:
                    choices=["full", "selective"],
                    help="activation checkpointing: full (the default when given) or selective "
                         "(torchtitan's op-level policy)")
-    p.add_argument("--micro-batches", type=int, default=1,
-                   help="gradient accumulation: micro-batches per step (they split the tokens)")
+    micro = p.add_mutually_exclusive_group()
+    micro.add_argument("--micro-batches", type=int,
+                       help="gradient accumulation: micro-batches per step (they split the tokens)")
+    micro.add_argument("--micro-batch-tokens", type=int,
+                       help="tokens per GPU of one micro-batch, the same at every count")
     p.add_argument("--no-grad-sync", action="store_true",
                    help="with --micro-batches: reduce only the last micro-batch's gradients")
     p.add_argument("--logits-dtype", default="fp32", choices=sorted(DTYPES),
@@ -195,7 +198,7 @@ def _estimate(args) -> int:
             raise ValueError("--gpus: give at least one GPU count, e.g. --gpus 8,64")
         systems = [s.strip() for s in args.vs.split(",") if s.strip()]
         for name in ("tokens_per_gpu", "global_tokens", "shard", "top_k", "ep", "seq",
-                     "micro_batches"):
+                     "micro_batches", "micro_batch_tokens"):
             count("estimate", "--" + name.replace("_", "-"), getattr(args, name),
                   optional=True)
         tree = _shapes(args.shapes, DTYPES[args.master_dtype])
@@ -212,7 +215,8 @@ def _estimate(args) -> int:
                      param_dtype=DTYPES[args.param_dtype],
                      reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
                      experts_per_token=args.top_k, seq=args.seq, recompute=args.recompute,
-                     micro_batches=args.micro_batches, grad_sync=not args.no_grad_sync,
+                     grad_sync=not args.no_grad_sync, micro_batch_tokens=args.micro_batch_tokens,
+                     **({} if args.micro_batches is None else {"micro_batches": args.micro_batches}),
                      float8=args.float8, logits_dtype=DTYPES[args.logits_dtype],
                      compiled=args.compiled, prefetch=not args.no_prefetch,
                      reshard_after_forward=not args.no_reshard)

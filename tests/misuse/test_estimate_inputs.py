@@ -43,6 +43,8 @@ def _refused(capsys, argv, match):
     (["--gpus", "0"], "--gpus takes ints >= 1"),
     (["--gpus", ","], "give at least one GPU count"),
     (["--vs", "fsdp3"], "vs names ['fsdp3']"),
+    (["--micro-batch-tokens", "0"], "--micro-batch-tokens must be an int >= 1"),
+    (["--micro-batch-tokens", "3000"], "micro_batch_tokens=3000 does not divide the 4096"),
     (["--hw", "tpu9"], "neither a profile"),
 ])
 def test_the_estimate_command_refuses_bad_options(shapes, capsys, extra, match):
@@ -105,14 +107,18 @@ def test_the_api_names_the_argument():
                           ({"seq": 0}, "seq"), ({"rank": 2}, "rank=2"),
                           ({"allocator_fraction": -0.1}, "allocator_fraction"),
                           ({"reduce_dtype": "fp32"}, "reduce_dtype"),
-                          ({"recompute": "yes"}, "recompute")]:
+                          ({"recompute": "yes"}, "recompute"),
+                          ({"padding": "none"}, "unknown padding 'none'")]:
         with pytest.raises(ValueError, match=match):
             vfsdp.estimate(spec, **kwargs)
     for kwargs, match in [({"tokens_per_gpu": 0}, "tokens_per_gpu"),
                           ({"tokens_per_gpu": -5}, "tokens_per_gpu"),
                           ({"shard": 0}, "shard"), ({"global_tokens": 0}, "global_tokens"),
                           ({"experts_per_token": -2}, "experts_per_token"),
-                          ({"vs": ["fsdp3"]}, "vs")]:
+                          ({"vs": ["fsdp3"]}, "vs"),
+                          ({"micro_batch_tokens": 0}, "micro_batch_tokens"),
+                          ({"micro_batch_tokens": 3000}, "micro_batch_tokens=3000 does not"),
+                          ({"micro_batch_tokens": 1024, "micro_batches": 2}, "not both")]:
         with pytest.raises(ValueError, match=match):
             sweep(tree, [2], **kwargs)
     with pytest.raises(ValueError, match="gpus is empty"):

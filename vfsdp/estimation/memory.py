@@ -55,8 +55,9 @@ class UnitBytes:
 
 def baseline_padding(u: UnitLayout, system: str) -> int:
     """The padding unit ``u`` needs under another system's sharding rule (``"fsdp2"``: every
-    tensor split on dim 0; ``"megatron"``: Megatron-FSDP's LCM chunks), from
-    :mod:`vfsdp.planner.baselines`."""
+    tensor split on dim 0; ``"megatron"``: Megatron-FSDP's buffer padded to ``m`` LCM chunks,
+    so every rank's shard starts on a row: its ``BufferIndex`` with a ``chunk_size_factor``),
+    from :mod:`vfsdp.planner.baselines`."""
     from vfsdp.planner import baselines
 
     rule = baselines.fsdp2_padding if system == "fsdp2" else baselines.megatron_padding

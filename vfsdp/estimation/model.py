@@ -57,7 +57,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
              layers: Optional[list] = None, experts: Optional[ShardSpec] = None,
              ep: Optional[int] = None, micro_batches: int = 1, grad_sync: bool = True,
              float8: bool = False, logits_dtype: torch.dtype = torch.float32,
-             compiled: bool = False) -> Estimate:
+             compiled: bool = False, padding: Optional[str] = None) -> Estimate:
     """Predict one training step of ``spec`` on ``hw`` (see ``docs/estimate.md``).
 
     Args:
@@ -85,13 +85,19 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         rank: The shard rank whose optimizer state is counted (default: the larger of the
             first and the last rank's; they differ where whole tiles or matrices sit on
             one rank).
-        baseline: ``"fsdp2"`` or ``"megatron"``: the same step with that system's sharding
-            rule and padding (:func:`~vfsdp.estimation.memory.baseline_sizes`); FSDP2's
-            copies too (copy-in and copy-out around each all-gather, and around each
-            reduce-scatter: ``Estimate.copy_bytes``, their time on the compute lane, and
-            the copy-out and reduce-scatter input beside the gathered unit and its gradients
-            at the peak), its regather of the last layer; Megatron-FSDP's flat buffers copy
-            what vfsdp's do. Their allocators' behaviour is not modelled.
+        baseline: ``"fsdp2"`` or ``"megatron"``: the same step as that system runs it: its
+            padding (:func:`~vfsdp.estimation.memory.baseline_sizes`), its copies
+            (``Estimate.copy_bytes``, their time on the compute lane) and the buffers they
+            add at the peak, and its regather of the last layer. FSDP2: copy-in and
+            copy-out around each all-gather and each reduce-scatter. Megatron-FSDP: gathers
+            in place from a shard it keeps in the compute dtype (cast once, after the
+            update), each gradient copied into its main-grad bucket, held from the layer's
+            backward's start, and the reduce-scatter's output added into the gradient
+            shard. Their allocators' behaviour is not modelled.
+        padding: ``"vfsdp"``, ``"fsdp2"`` or ``"megatron"``: another system's padding than
+            the step's own (default), for ablations: ``baseline="fsdp2", padding="vfsdp"``
+            is vfsdp's layout with FSDP2's copies, ``padding="fsdp2"`` vfsdp's step over
+            FSDP2's per-tensor padding.
         model_parallel: ``"tp"`` for a ``tp=`` plan of Megatron-style layers: each layer
             all-reduces its activations (``tokens_per_rank`` x the embedding's width, in the
             compute dtype) twice forward and twice backward over the model axis, on the
@@ -128,7 +134,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             ``experts_per_token``, ``tokens_per_rank``, ``experts_per_token``, ``seq`` or
             ``ep`` not an int >= 1, a negative ``allocator_fraction`` or
             ``comm_library_bytes``, a ``rank`` outside the plan, ``micro_batches`` that do
-            not divide ``tokens_per_rank``, an unknown baseline, or
+            not divide ``tokens_per_rank``, an unknown baseline or padding, or
             ``model_parallel="tp"`` for a plan without a model axis, ``layers`` naming
             a unit the plan does not have, or experts that do not fit the model's GPUs or
             layers.
@@ -154,7 +160,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
                 allocator_fraction=allocator_fraction, comm_library_bytes=comm_library_bytes,
                 baseline=baseline, model_parallel=model_parallel, layers=layers, ep=ep,
                 micro_batches=micro_batches, grad_sync=grad_sync, float8=float8,
-                logits_dtype=logits_dtype, compiled=compiled)
+                logits_dtype=logits_dtype, compiled=compiled, padding=padding)
     count("estimate", "rank", rank, least=0, optional=True)
     if rank is not None and rank >= spec.world_size:
         raise ValueError(f"estimate: rank={rank} is not a rank of the plan's {spec.world_size}")

@@ -45,6 +45,7 @@ class Options:
     allocator_fraction: float = 0.05
     comm_library_bytes: int = 2 * GiB
     baseline: Optional[str] = None
+    padding: Optional[str] = None
     model_parallel: Optional[str] = None
     layers: Optional[list] = None
     ep: Optional[int] = None
@@ -73,6 +74,9 @@ class Options:
         if self.baseline not in (None, "fsdp2", "megatron"):
             raise ValueError(f"estimate: unknown baseline {self.baseline!r}; pass 'fsdp2' or "
                              f"'megatron'")
+        if self.padding not in (None, "vfsdp", "fsdp2", "megatron"):
+            raise ValueError(f"estimate: unknown padding {self.padding!r}; pass 'vfsdp', 'fsdp2' "
+                             f"or 'megatron' (None: the system's own)")
         if self.tokens_per_rank % self.micro_batches:
             raise ValueError(f"estimate: micro_batches={self.micro_batches} does not divide "
                              f"tokens_per_rank={self.tokens_per_rank}; pass the step's tokens, "

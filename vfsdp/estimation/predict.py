@@ -67,11 +67,12 @@ class Estimate:
             counted).
         tokens_per_rank: The tokens each rank processes per step.
         ep: The expert-parallel group's size (1 without experts).
-        copy_bytes: Bytes the system copies outside its collectives per step: vfsdp (and
-            Megatron-FSDP, whose buffers are flat too) each gradient into its reduce-scatter
-            buffer, and each shard cast to the compute dtype; FSDP2 also each all-gather's
-            input out of the parameters (copy-in) and its output into them (copy-out), and
-            the reduce-scatter's output into the gradients.
+        copy_bytes: Bytes the system copies outside its collectives per step: vfsdp each
+            gradient into its reduce-scatter buffer, and each shard cast to the compute
+            dtype; FSDP2 also each all-gather's input out of the parameters (copy-in) and
+            its output into them (copy-out), and the reduce-scatter's output into the
+            gradients; Megatron-FSDP each gradient into its bucket, the reduce-scatter's
+            output into the gradient shard, and its compute-dtype shard once per step.
         copy_s: Seconds of those copies (read and write at the memory bandwidth, on the
             compute lane): ``step_s`` is ``compute_s + copy_s + exposed_comm_s +
             optimizer_s``.
@@ -173,10 +174,11 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     per_unit = _costs(parts, tokens, o)
     by_key: dict = {}  # unit key -> its UnitBytes, the experts' added to their layer's
     times: dict = {}  # unit key -> [gather s, reduce s, host s, forward copy s, backward copy s]
-    shards = state = grads = copies = slowed = 0
+    shards = state = grads = copies = slowed = once = rs_out = 0  # once: Megatron's cast
+    padding = baseline if o.padding is None else o.padding if o.padding != "vfsdp" else None
     for p in parts:
         pm, pr = p.mesh_shape[-1], math.prod(p.mesh_shape[:-1])
-        sizes = baseline_sizes(p.units, baseline) if baseline else None
+        sizes = baseline_sizes(p.units, padding) if padding else None
         ub = unit_bytes(p.units, param_dtype, o.reduce_dtype, sizes)
         share = p.state
         if sizes:  # the same state per element, over the baseline's shards
@@ -192,7 +194,7 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
                                  f"model's plan; key the experts by the layers they belong to "
                                  f"(plan them as a tree of the same paths)")
             again = u.key in layers and o.reshard_after_forward and (
-                u.key != layers[-1] or baseline == "fsdp2")  # FSDP2 regathers the last too
+                u.key != layers[-1] or baseline is not None)  # their hooks regather the last too
             gathers = 2 if again else 1
             comm["all_gather"] += u.gathered * gathers
             cast = u.gathered // pm if param_dtype not in (None, p.units[u.key].dtype) else 0
@@ -201,6 +203,11 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
                 fwd_copy += u.gathered // pm * (not cast) + u.gathered
                 bwd_copy += (gathers - 1) * (u.gathered // pm * (not cast) + u.gathered) + \
                     u.grad_shard
+            if baseline == "megatron":  # gathers in place from a kept compute-dtype shard
+                # (cast once, after the update); each gradient into the main-grad bucket, the
+                # reduce-scatter's output added into the gradient shard
+                fwd_copy, bwd_copy, once = 0, u.reduce_in + u.reduce_in // pm, once + cast
+                rs_out = max(rs_out, u.reduce_in // pm)
             copies += fwd_copy + bwd_copy
             comm["reduce_scatter"] += u.reduce_in
             red = ring(pm, u.reduce_in / pm, shard_link)
@@ -226,12 +233,15 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     # no sync: whole gradients held, in the parameters' dtype (vfsdp) or the reduce dtype
     held = 0 if o.grad_sync or steps == 1 else sum(
         u.reduce_in if baseline in ("fsdp2", "megatron") else u.accum for u in ub)
-    top, at, kinds = peak(shards + state + held, events)  # no sync: whole gradients held
+    top, at, kinds = peak(shards + once + state + held, events)  # Megatron's kept shard
     kinds["gradients"] += held
-    if baseline == "fsdp2" and ub:  # copy-out beside the all-gather's output, and the
-        extra = max(u.gathered for u in ub) + max(u.reduce_in for u in ub)  # RS copy-in
+    if baseline and ub:  # FSDP2: its copy-out beside the all-gather's output, and the RS
+        # copy-in; Megatron: the main-grad bucket from the layer's backward's start, and
+        # the reduce-scatter's output beside the gradient shard
+        extra = max(u.reduce_in for u in ub) + (max(u.gathered for u in ub) if baseline ==
+                                                "fsdp2" else rs_out)
         top, kinds["buffers"] = top + extra, kinds["buffers"] + extra
-    memory = {"params": shards, "gradients": kinds["gradients"], "optimizer": state,
+    memory = {"params": shards + once, "gradients": kinds["gradients"], "optimizer": state,
               "buffers": kinds["buffers"], "activations": kinds["activations"],
               "allowance": int(o.allocator_fraction * top) + int(o.comm_library_bytes)}
     total = sum(memory.values())
@@ -268,7 +278,8 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
             exposed += _add(lanes, key, 2 * one, backward * one)
     opt_s = (2 * state + 2 * shards + grads) / (prof.memory_bw * prof.compute_efficiency)
     opt_s += sum(_muon_flops(p.units, p.mesh_shape[-1]) for p in parts) / rate if o.muon else 0.0
-    sched = step_schedule([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s,
+    once_s = 2 * once / prof.memory_bw
+    sched = step_schedule([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s + once_s,
                           o.prefetch, o.reshard_after_forward)
     step, exposed = sched.step, exposed * steps
     if steps > 1:  # the micro-batches before the last: reduced each (grad_sync) or not at all
@@ -281,15 +292,15 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     model_flops = steps * sum(c.flops for c in per_unit.values())
     name = prof.name if baseline is None else f"{prof.name}, {baseline} sharding"
     compute = steps * sched.compute
-    copy_s = steps * sum(t[3] + t[4] for t in times.values())
+    copy_s = steps * sum(t[3] + t[4] for t in times.values()) + once_s
     exposed += steps * slowed  # the compute its collectives slowed: exposed communication
     return Estimate(gpus, m, r, name, memory, total, total <= prof.memory, at, comm,
-                    step, compute - exposed - copy_s,
+                    step, compute - exposed - copy_s + once_s,
                     max(step - compute - sched.optimizer + exposed, 0.0),
-                    sched.optimizer,
+                    sched.optimizer - once_s,
                     gpus * o.tokens_per_rank / step if step else 0.0,
                     model_flops / step / prof.flops if step else 0.0, o.tokens_per_rank, ep,
-                    copies * steps, copy_s)
+                    copies * steps + once, copy_s)
 
 
 def _itemsize(dtype: Optional[torch.dtype], part: PlanSummary) -> int:

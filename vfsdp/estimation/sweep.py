@@ -106,7 +106,7 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
           optimizer: Any = "adamw", shard: Optional[int] = None, ep: int = 1,
           granularity: Any = None, units: Any = None, tokens_per_gpu: Optional[int] = None,
           global_tokens: Optional[int] = None, vs: Sequence[str] = (),
-          **options: Any) -> list:
+          micro_batch_tokens: Optional[int] = None, **options: Any) -> list:
     """Estimate one model at each GPU count, as HSDP with replicas of one shard group.
 
     Args:
@@ -127,6 +127,8 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
         global_tokens: Tokens per step over all GPUs (strong scaling), instead.
         vs: Also ``"fsdp2"`` and/or ``"megatron"``: the same plan under their sharding rule
             and padding (``estimate(baseline=...)``).
+        micro_batch_tokens: Tokens per GPU of one micro-batch, the same at every count (the
+            micro-batches are the count's tokens over it), instead of ``micro_batches``.
         **options: :func:`~vfsdp.estimation.estimate`'s other arguments (``param_dtype``,
             ``experts_per_token``, ``seq``, ``recompute``, ``prefetch``, ...).
 
@@ -135,10 +137,11 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
 
     Raises:
         ValueError: no count, a count below 1 or that ``ep`` does not divide, a ``shard``,
-            ``ep``, ``tokens_per_gpu`` or ``global_tokens`` not an int >= 1, a ``shard``
-            that does not divide a count, both ``tokens_per_gpu`` and ``global_tokens``,
-            fewer ``global_tokens`` than GPUs, a ``vs`` other than fsdp2/megatron, and
-            :func:`~vfsdp.estimation.estimate`'s errors.
+            ``ep``, ``tokens_per_gpu``, ``global_tokens`` or ``micro_batch_tokens`` not an
+            int >= 1, a ``shard`` that does not divide a count, ``micro_batch_tokens`` that
+            do not divide a count's tokens or given with ``micro_batches``, both
+            ``tokens_per_gpu`` and ``global_tokens``, fewer ``global_tokens`` than GPUs, a
+            ``vs`` other than fsdp2/megatron, and :func:`~vfsdp.estimation.estimate`'s errors.
         TypeError: ``rank=``, ``baseline=`` or ``tokens_per_rank=`` (estimate's own).
 
     Example:
@@ -155,6 +158,10 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
     checks.count("sweep", "shard", shard, optional=True)
     checks.count("sweep", "tokens_per_gpu", tokens_per_gpu, optional=True)
     checks.count("sweep", "global_tokens", global_tokens, optional=True)
+    checks.count("sweep", "micro_batch_tokens", micro_batch_tokens, optional=True)
+    if micro_batch_tokens and "micro_batches" in options:
+        raise ValueError("sweep: give micro_batches (a count) or micro_batch_tokens (a size), "
+                         "not both")
     if not isinstance(gpus, (list, tuple, range)):
         raise ValueError(f"sweep: gpus takes a list of GPU counts, got {gpus!r}; pass e.g. "
                          f"[8, 64]")
@@ -177,18 +184,24 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
                             f"tokens_per_gpu= or global_tokens= for the tokens")
 
     def tokens(count: int) -> int:
-        return tokens_per_gpu or (global_tokens // count if global_tokens else 4096)
+        n = tokens_per_gpu or (global_tokens // count if global_tokens else 4096)
+        if micro_batch_tokens and n % micro_batch_tokens:
+            raise ValueError(f"sweep: micro_batch_tokens={micro_batch_tokens} does not divide "
+                             f"the {n} tokens per GPU at {count} GPUs; pass a divisor")
+        return n
 
     o = Options(hw=hw, muon=optimizer == "muon", tokens_per_rank=tokens(gpus[0]), **options)
     with paused_gc():  # see vfsdp._gc: a sweep builds many small objects
-        return _Sweep(params, o, optimizer, ep, granularity, units).rows(gpus, shard, tokens, vs)
+        run = _Sweep(params, o, optimizer, ep, granularity, units)
+        run.micro_tokens = micro_batch_tokens
+        return run.rows(gpus, shard, tokens, vs)
 
 
 class _Sweep:
     """The prepared trees, and per shard group size the parts :func:`predict` reads."""
 
     def __init__(self, params, o: Options, optimizer, ep, granularity, units) -> None:
-        self.o, self.ep = o, ep
+        self.o, self.ep, self.micro_tokens = o, ep, None
         trees = [params] if ep == 1 else list(expert_share(params, ep))
         self.prepared, self.opts = [], []
         for tree in trees:
@@ -222,8 +235,9 @@ class _Sweep:
         model = self.part(0, m, count, state)
         data = count // self.ep
         experts = self.part(1, math.gcd(m, data), data, state) if self.ep > 1 else None
+        mb = tokens // self.micro_tokens if self.micro_tokens else self.o.micro_batches
         return predict(model, experts, replace(self.o, tokens_per_rank=tokens, baseline=baseline,
-                                               ep=self.ep if experts else None))
+                                               ep=self.ep if experts else None, micro_batches=mb))
 
     def rows(self, gpus, shard, tokens_of, vs) -> list:
         out = []

@@ -146,7 +146,7 @@ def baselines(measured: str | None = None) -> None:
             kw = {"hw": "h100", "param_dtype": None, "tokens_per_rank": 2 * cfg.seq,
                   "experts_per_token": cfg.experts or None}
             v, f = vfsdp.estimate(spec, **kw), vfsdp.estimate(spec, baseline="fsdp2", **kw)
-            peak = [e.memory_per_rank - e.memory["allowance"] for e in (v, f)]
+            peak = [e.peak_allocated for e in (v, f)]
             config = f"W={world} {name} fp32"
             m = found.get(config)
             copy = f" ({m['added_copied_bytes_ratio']:.3f})" if m else ""

@@ -51,13 +51,12 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
              reshard_after_forward: bool = True, tokens_per_rank: int = 4096,
              costs: Optional[Mapping[Any, LayerCost]] = None,
              experts_per_token: Optional[int] = None, seq: Optional[int] = None,
-             recompute: bool = False, allocator_fraction: float = 0.05,
-             comm_library_bytes: int = 2 * GiB, rank: Optional[int] = None,
+             recompute: bool = False, comm_library_bytes: int = 2 * GiB, rank: Optional[int] = None,
              baseline: Optional[str] = None, model_parallel: Optional[str] = None,
              layers: Optional[list] = None, experts: Optional[ShardSpec] = None,
              ep: Optional[int] = None, micro_batches: int = 1, grad_sync: bool = True,
              float8: bool = False, logits_dtype: torch.dtype = torch.float32,
-             compiled: bool = False) -> Estimate:
+             compiled: bool = False, fused_loss: Optional[bool] = None) -> Estimate:
     """Predict one training step of ``spec`` on ``hw`` (see ``docs/estimate.md``).
 
     Args:
@@ -78,10 +77,10 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         seq: Sequence length, for the attention FLOPs of the default costs.
         recompute: Activation checkpointing for the default costs: ``True`` or ``"full"``
             (only each layer's input is kept, the forward runs again), ``"selective"``
-            (torchtitan's op-level policy: half the bytes kept, half the forward's weight
+            (torchtitan's op-level policy: half the outputs kept, half the forward's weight
             matmuls run again) or ``False``.
-        allocator_fraction: The caching allocator's allowance, a fraction of the rest.
-        comm_library_bytes: The communication library's own buffers.
+        comm_library_bytes: The communication library's own buffers (NCCL's, outside
+            torch's caching allocator): in ``memory_per_rank``, not in ``reserved``.
         rank: The shard rank whose optimizer state is counted (default: the larger of the
             first and the last rank's; they differ where whole tiles or matrices sit on
             one rank).
@@ -91,7 +90,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             reduce-scatter: ``Estimate.copy_bytes``, their time on the compute lane, and
             the copy-out and reduce-scatter input beside the gathered unit and its gradients
             at the peak), its regather of the last layer; Megatron-FSDP's flat buffers copy
-            what vfsdp's do. Their allocators' behaviour is not modelled.
+            what vfsdp's do. FSDP2's caching allocator holds a pool per stream (see
+            ``Estimate.reserved``).
         model_parallel: ``"tp"`` for a ``tp=`` plan of Megatron-style layers: each layer
             all-reduces its activations (``tokens_per_rank`` x the embedding's width, in the
             compute dtype) twice forward and twice backward over the model axis, on the
@@ -119,6 +119,9 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             costs' logits: 10 bytes per token and vocabulary entry in fp32, 6 in bf16).
         compiled: Whether the step runs under ``torch.compile`` (the default costs' kernels
             outside the matmuls fused: less of their memory traffic).
+        fused_loss: Whether the loss is one fused kernel, holding only the bf16 logits and
+            their gradient (``None``: as ``compiled``; torchtitan compiles its loss since
+            2025, not before).
 
     Returns:
         An :class:`Estimate`.
@@ -126,9 +129,9 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
     Raises:
         ValueError: an unknown profile or optimizer, a model with experts and no
             ``experts_per_token``, ``tokens_per_rank``, ``experts_per_token``, ``seq`` or
-            ``ep`` not an int >= 1, a negative ``allocator_fraction`` or
-            ``comm_library_bytes``, a ``rank`` outside the plan, ``micro_batches`` that do
-            not divide ``tokens_per_rank``, an unknown baseline, or
+            ``ep`` not an int >= 1, a negative ``comm_library_bytes``, ``fused_loss`` not a
+            bool, a ``rank`` outside the plan, ``micro_batches`` that do not divide
+            ``tokens_per_rank``, an unknown baseline, or
             ``model_parallel="tp"`` for a plan without a model axis, ``layers`` naming
             a unit the plan does not have, or experts that do not fit the model's GPUs or
             layers.
@@ -151,10 +154,10 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
                 reduce_dtype=reduce_dtype, prefetch=prefetch,
                 reshard_after_forward=reshard_after_forward, tokens_per_rank=tokens_per_rank,
                 costs=costs, experts_per_token=experts_per_token, seq=seq, recompute=recompute,
-                allocator_fraction=allocator_fraction, comm_library_bytes=comm_library_bytes,
+                comm_library_bytes=comm_library_bytes,
                 baseline=baseline, model_parallel=model_parallel, layers=layers, ep=ep,
                 micro_batches=micro_batches, grad_sync=grad_sync, float8=float8,
-                logits_dtype=logits_dtype, compiled=compiled)
+                logits_dtype=logits_dtype, compiled=compiled, fused_loss=fused_loss)
     count("estimate", "rank", rank, least=0, optional=True)
     if rank is not None and rank >= spec.world_size:
         raise ValueError(f"estimate: rank={rank} is not a rank of the plan's {spec.world_size}")

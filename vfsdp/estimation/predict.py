@@ -47,8 +47,10 @@ class Estimate:
         memory: Bytes by kind at the peak: ``params`` (shards), ``gradients`` (shards, and
             staging shards), ``optimizer`` (its state), ``buffers`` (gathered and
             reduce-scatter buffers live at the peak), ``activations`` (saved for backward),
-            ``allowance`` (the caching allocator and the communication library).
-        memory_per_rank: Their sum.
+            ``cached`` (what the caching allocator holds beyond the peak allocation:
+            ``peak_reserved - peak_allocated``), ``comm_library`` (NCCL's own buffers,
+            outside torch's allocator).
+        memory_per_rank: Their sum: the device memory the step needs.
         fits: Whether ``memory_per_rank`` fits the device.
         peak_at: The schedule event at which vfsdp's buffers peak.
         comm_bytes: Bytes per step and rank by collective, counted as
@@ -75,6 +77,17 @@ class Estimate:
         copy_s: Seconds of those copies (read and write at the memory bandwidth, on the
             compute lane): ``step_s`` is ``compute_s + copy_s + exposed_comm_s +
             optimizer_s``.
+        peak_allocated: The peak of the bytes allocated (``torch.cuda.max_memory_allocated``).
+        peak_reserved: The caching allocator's peak reservation
+            (``torch.cuda.max_memory_reserved``): vfsdp allocates every buffer on the compute
+            stream and frees it there, so it reuses what it frees and reserves its peak
+            allocation; FSDP2 allocates each all-gather's output on its all-gather streams and
+            each reduce-scatter's input and output (the sharded gradients are views of it) on
+            its reduce-scatter stream, and the allocator reuses a freed block only on the
+            stream it was allocated on, so it reserves each stream's own peak: the compute
+            stream's, the largest all-gather output, and the reduce-scatter stream's
+            (the gradients and the reduce-scatter inputs in flight). Fragmentation within a
+            pool is not modelled.
 
     Example:
         >>> spec = vfsdp.plan({"w": torch.empty(1024, 1024, device="meta")}, 8)
@@ -102,6 +115,8 @@ class Estimate:
     ep: int = 1
     copy_bytes: int = 0
     copy_s: float = 0.0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
 
     def record(self) -> dict:
         """One flat JSON record (``--json``)."""
@@ -226,14 +241,17 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     # no sync: whole gradients held, in the parameters' dtype (vfsdp) or the reduce dtype
     held = 0 if o.grad_sync or steps == 1 else sum(
         u.reduce_in if baseline in ("fsdp2", "megatron") else u.accum for u in ub)
-    top, at, kinds = peak(shards + state + held, events)  # no sync: whole gradients held
+    base = shards + state + held
+    top, at, kinds = peak(base, events)
     kinds["gradients"] += held
+    reserved = top  # one pool: vfsdp allocates every buffer on the compute stream
     if baseline == "fsdp2" and ub:  # copy-out beside the all-gather's output, and the
         extra = max(u.gathered for u in ub) + max(u.reduce_in for u in ub)  # RS copy-in
         top, kinds["buffers"] = top + extra, kinds["buffers"] + extra
+        reserved = max(top, _stream_pools(base, events, max(u.gathered for u in ub)))
     memory = {"params": shards, "gradients": kinds["gradients"], "optimizer": state,
               "buffers": kinds["buffers"], "activations": kinds["activations"],
-              "allowance": int(o.allocator_fraction * top) + int(o.comm_library_bytes)}
+              "cached": reserved - top, "comm_library": int(o.comm_library_bytes)}
     total = sum(memory.values())
     lanes = {}
     for key, (gather, reduce, host, fwd_copy, bwd_copy) in times.items():
@@ -289,7 +307,7 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
                     sched.optimizer,
                     gpus * o.tokens_per_rank / step if step else 0.0,
                     model_flops / step / prof.flops if step else 0.0, o.tokens_per_rank, ep,
-                    copies * steps, copy_s)
+                    copies * steps, copy_s, top, reserved)
 
 
 def _itemsize(dtype: Optional[torch.dtype], part: PlanSummary) -> int:
@@ -320,6 +338,15 @@ def _expert_group(model: PlanSummary, experts: Optional[PlanSummary], ep: Option
                          f"{em * er * size} GPUs and the model's {gpus}; plan the experts over "
                          f"the GPUs divided by ep")
     return size, links(prof, em, er, size)[2]
+
+
+def _stream_pools(base: int, events: list, all_gather: int) -> int:
+    """FSDP2's reservation: the sum of its streams' peaks (see ``Estimate.peak_reserved``),
+    the compute stream's from ``base`` and the events but the reduce-scatter stream's (the
+    gradient shards, the reduce-scatter inputs), and ``all_gather``, its largest output."""
+    rs = [e for e in events if e[0].startswith(("gradient shard", "reduce"))]
+    compute = [e for e in events if not e[0].startswith(("gradient shard", "reduce"))]
+    return peak(base, compute)[0] + all_gather + peak(0, rs)[0]
 
 
 def _add(lanes: dict, key: Any, forward: float, backward: float) -> float:

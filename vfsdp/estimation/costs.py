@@ -108,7 +108,7 @@ def layer_cost(fn: Callable[..., torch.Tensor], params: Any, *inputs: Any) -> La
 # of the forward's weight matmuls run again): none keeps Korthikanti et al.'s 34; full keeps
 # the layer input (2) and runs the whole forward again; torchtitan's op-level selective
 # policy keeps the layer input, attention's output and every other weight matmul's output
-# (``None``: from the shapes, half of the layer's matmul outputs) and runs the other half
+# (``None``: from the shapes, see Shapes) and runs the other half
 _RECOMPUTE = {False: (34, 0, 0.0), True: (2, 34, 1.0), "full": (2, 34, 1.0),
               "selective": (None, None, 0.5)}
 # compiled -> bytes one layer's forward reads and writes outside its matmuls, per token and
@@ -129,8 +129,8 @@ EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
 @dataclass(frozen=True)
 class Shapes:
     """What :func:`shape_costs` reads of a plan, whatever its mesh and tokens: per unit key
-    ``(weights, weights per routed expert, has routed experts, has the embedding, matmul
-    outputs, matmul outputs per routed expert)``, and the embedding table's width and
+    ``(weights, weights per routed expert, has routed experts, has the embedding, outputs
+    kept by selective checkpointing, the same per routed expert)``, and the embedding table's width and
     vocabulary (its second and first dims; 0 without one).
 
     Weights are those of matrices other than routed experts' and embedding tables (paths
@@ -172,8 +172,8 @@ class Shapes:
         """From the unit keys and ``(path, unit key, shape, global shape)`` per tensor, in
         tree order."""
         # [weights, stacked experts' per expert, indexed experts', their ids, has the
-        # embedding], and the same three of matmul outputs
-        rows: dict = {key: [0.0, 0.0, 0.0, set(), False, 0.0, 0.0, 0.0] for key in keys}
+        # embedding], the same three of matmul outputs, and the count of the first kind
+        rows: dict = {key: [0.0, 0.0, 0.0, set(), False, 0.0, 0.0, 0.0, 0] for key in keys}
         width = vocab = 0
         for path, unit, shape, global_shape in tensors:
             name = ".".join(map(str, path))
@@ -194,9 +194,13 @@ class Shapes:
                 n /= shape[0]
             row[at] += n
             row[5 + at] += out
+            row[8] += at == 0
+        # the outputs selective checkpointing keeps: of n matmuls the 1st, 3rd, ... (their
+        # mean width each), of each routed expert's half
         units = {k: (w, stacked + (indexed / len(ids) if ids else 0.0), bool(stacked or ids),
-                     emb, outs, o_st + (o_ix / len(ids) if ids else 0.0))
-                 for k, (w, stacked, indexed, ids, emb, outs, o_st, o_ix) in rows.items()}
+                     emb, -(-n // 2) * outs / n if n else 0.0,
+                     (o_st + (o_ix / len(ids) if ids else 0.0)) / 2)
+                 for k, (w, stacked, indexed, ids, emb, outs, o_st, o_ix, n) in rows.items()}
         return cls(MappingProxyType(units), width, vocab)
 
     def costs(self, tokens: int, o: Options) -> dict:
@@ -212,7 +216,7 @@ class Shapes:
                              "experts_per_token (top-k, e.g. 8 for DeepSeek-V3)")
         width, vocab = self.width, self.vocab
         out = {}
-        for key, (weights, per_expert, experts, has_embed, outs, per_expert_outs) in \
+        for key, (weights, per_expert, experts, has_embed, outs, expert_outs) in \
                 self.units.items():
             n = weights + (per_expert * experts_per_token if experts else 0.0)
             flops = 6 * tokens * n
@@ -225,9 +229,9 @@ class Shapes:
                 else 0.0
             acts = again = ew = 0
             if layer and width:
-                if kept is None:  # selective: the input, attention's output, half the outputs
-                    outs += per_expert_outs * experts_per_token if experts else 0.0
-                    kept = 2 * (2 + outs / 2 / width)
+                if kept is None:  # selective: the input, attention's output, every other
+                    outs += expert_outs * experts_per_token if experts else 0.0  # output
+                    kept = 2 * (2 + outs / width)
                     again_per = max(34 - kept, 0.0)
                 acts, again = tokens * width * kept, tokens * width * again_per
                 ew = tokens * width * (ELEMENTWISE[o.compiled] * (3 + share) + FLOAT8_CASTS * o.float8)
@@ -252,8 +256,9 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
       bytes per token and width), the 34 held again while its backward runs, and a third of
       the layer's FLOPs again (its forward, recomputed: time, not MFU); with
       ``recompute="selective"`` (torchtitan's op-level policy) the layer's input,
-      attention's output and every other weight matmul's output (half the matrices'
-      outputs, their second-to-last dims) in bf16; for the unit with the embedding, the
+      attention's output and every other weight matmul's output (the 1st, 3rd, ... of its
+      ``n`` matrices: ``ceil(n / 2)`` outputs of their mean width, a matrix's output its
+      second-to-last dim; half of each routed expert's) in bf16; for the unit with the embedding, the
       loss's peak per token and vocabulary entry: eager, the larger of its forward's (bf16
       logits, their cast to ``logits_dtype`` and its softmax: 10 bytes in fp32) and its
       backward's (the softmax, its gradient and the logits' gradient before the cast back:
@@ -266,7 +271,7 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
         experts_per_token: Routed experts per token (top-k), for a model with experts.
         seq: The sequence length (adds attention's FLOPs).
         recompute: Activation checkpointing: ``True`` or ``"full"`` (only each layer's input
-            is kept), ``"selective"`` (torchtitan's op-level policy: half the outputs kept,
+            is kept), ``"selective"`` (torchtitan's op-level policy: every other output kept,
             half the forward's weight matmuls run again), ``False``.
         logits_dtype: The dtype the loss computes its softmax in.
         fused_loss: Whether the loss is one fused kernel (``torch.compile``'s, Liger's).

@@ -77,7 +77,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         seq: Sequence length, for the attention FLOPs of the default costs.
         recompute: Activation checkpointing for the default costs: ``True`` or ``"full"``
             (only each layer's input is kept, the forward runs again), ``"selective"``
-            (torchtitan's op-level policy: half the outputs kept, half the forward's weight
+            (torchtitan's op-level policy: every other output kept, half the forward's weight
             matmuls run again) or ``False``.
         comm_library_bytes: The communication library's own buffers (NCCL's, outside
             torch's caching allocator): in ``memory_per_rank``, not in ``reserved``.

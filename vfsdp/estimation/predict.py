@@ -82,12 +82,11 @@ class Estimate:
             (``torch.cuda.max_memory_reserved``): vfsdp allocates every buffer on the compute
             stream and frees it there, so it reuses what it frees and reserves its peak
             allocation; FSDP2 allocates each all-gather's output on its all-gather streams and
-            each reduce-scatter's input and output (the sharded gradients are views of it) on
-            its reduce-scatter stream, and the allocator reuses a freed block only on the
-            stream it was allocated on, so it reserves each stream's own peak: the compute
-            stream's, the largest all-gather output, and the reduce-scatter stream's
-            (the gradients and the reduce-scatter inputs in flight). Fragmentation within a
-            pool is not modelled.
+            each reduce-scatter's output (the sharded gradients are views of it, held to the
+            step's end) on its reduce-scatter stream, and the allocator reuses a freed block
+            only on the stream it was allocated on, so it reserves each stream's own peak:
+            the compute stream's, the largest all-gather output, and the gradient shards.
+            Fragmentation within a pool is not modelled.
 
     Example:
         >>> spec = vfsdp.plan({"w": torch.empty(1024, 1024, device="meta")}, 8)
@@ -341,12 +340,13 @@ def _expert_group(model: PlanSummary, experts: Optional[PlanSummary], ep: Option
 
 
 def _stream_pools(base: int, events: list, all_gather: int) -> int:
-    """FSDP2's reservation: the sum of its streams' peaks (see ``Estimate.peak_reserved``),
-    the compute stream's from ``base`` and the events but the reduce-scatter stream's (the
-    gradient shards, the reduce-scatter inputs), and ``all_gather``, its largest output."""
-    rs = [e for e in events if e[0].startswith(("gradient shard", "reduce"))]
-    compute = [e for e in events if not e[0].startswith(("gradient shard", "reduce"))]
-    return peak(base, compute)[0] + all_gather + peak(0, rs)[0]
+    """FSDP2's reservation: the sum of its streams' peaks (see ``Estimate.peak_reserved``):
+    the compute stream's, from ``base`` and the events but the gradient shards;
+    ``all_gather``, its largest all-gather output; and the reduce-scatter stream's, the
+    gradient shards (views of its outputs, held to the step's end)."""
+    grads = [e for e in events if e[0].startswith("gradient shard")]
+    return peak(base, [e for e in events if e not in grads])[0] + all_gather + \
+        peak(0, grads)[0]
 
 
 def _add(lanes: dict, key: Any, forward: float, backward: float) -> float:

@@ -236,7 +236,7 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     ub = [by_key[k] for k in model.units]
     events = timeline(ub, layers, o.prefetch, o.reshard_after_forward,
                       {k: c.activation_bytes for k, c in per_unit.items()},
-                      {k: c.recompute_bytes for k, c in per_unit.items()})
+                      {k: c.recompute_bytes for k, c in per_unit.items()}, baseline == "fsdp2")
     # no sync: whole gradients held, in the parameters' dtype (vfsdp) or the reduce dtype
     held = 0 if o.grad_sync or steps == 1 else sum(
         u.reduce_in if baseline in ("fsdp2", "megatron") else u.accum for u in ub)
@@ -244,10 +244,8 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     top, at, kinds = peak(base, events)
     kinds["gradients"] += held
     reserved = top  # one pool: vfsdp allocates every buffer on the compute stream
-    if baseline == "fsdp2" and ub:  # copy-out beside the all-gather's output, and the
-        extra = max(u.gathered for u in ub) + max(u.reduce_in for u in ub)  # RS copy-in
-        top, kinds["buffers"] = top + extra, kinds["buffers"] + extra
-        reserved = max(top, _stream_pools(base, events, max(u.gathered for u in ub)))
+    if baseline == "fsdp2" and ub:
+        reserved = max(top, _stream_pools(base, events))
     memory = {"params": shards, "gradients": kinds["gradients"], "optimizer": state,
               "buffers": kinds["buffers"], "activations": kinds["activations"],
               "cached": reserved - top, "comm_library": int(o.comm_library_bytes)}
@@ -339,14 +337,17 @@ def _expert_group(model: PlanSummary, experts: Optional[PlanSummary], ep: Option
     return size, links(prof, em, er, size)[2]
 
 
-def _stream_pools(base: int, events: list, all_gather: int) -> int:
+def _stream_pools(base: int, events: list) -> int:
     """FSDP2's reservation: the sum of its streams' peaks (see ``Estimate.peak_reserved``):
-    the compute stream's, from ``base`` and the events but the gradient shards;
-    ``all_gather``, its largest all-gather output; and the reduce-scatter stream's, the
-    gradient shards (views of its outputs, held to the step's end)."""
-    grads = [e for e in events if e[0].startswith("gradient shard")]
-    return peak(base, [e for e in events if e not in grads])[0] + all_gather + \
-        peak(0, grads)[0]
+    the compute stream's, from ``base`` and the events but the two below; the all-gather
+    streams', the all-gather outputs; and the reduce-scatter stream's, the gradient shards
+    (views of its outputs, held to the step's end)."""
+    pools: dict = {}
+    for e in events:
+        pool = 1 if e[0].startswith(("all-gather output", "copied out")) else \
+            2 if e[0].startswith("gradient shard") else 0
+        pools.setdefault(pool, []).append(e)
+    return sum(peak(base if pool == 0 else 0, ev)[0] for pool, ev in pools.items())
 
 
 def _add(lanes: dict, key: Any, forward: float, backward: float) -> float:

@@ -88,10 +88,11 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             rule and padding (:func:`~vfsdp.estimation.memory.baseline_sizes`); FSDP2's
             copies too (copy-in and copy-out around each all-gather, and around each
             reduce-scatter: ``Estimate.copy_bytes``, their time on the compute lane, and
-            the copy-out and reduce-scatter input beside the gathered unit and its gradients
-            at the peak), its regather of the last layer; Megatron-FSDP's flat buffers copy
-            what vfsdp's do. FSDP2's caching allocator holds a pool per stream (see
-            ``Estimate.reserved``).
+            in the memory each all-gather's output until it is copied out, each unit's
+            unsharded gradients until copied into the reduce-scatter input), its regather
+            of the last layer, its caching allocator's pool per stream
+            (``Estimate.peak_reserved``); Megatron-FSDP's flat buffers copy what vfsdp's
+            do.
         model_parallel: ``"tp"`` for a ``tp=`` plan of Megatron-style layers: each layer
             all-reduces its activations (``tokens_per_rank`` x the embedding's width, in the
             compute dtype) twice forward and twice backward over the model axis, on the

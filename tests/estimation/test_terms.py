@@ -123,7 +123,8 @@ def test_the_cli_takes_the_workload_options(tmp_path, capsys):
     argv = ["estimate", str(path), "--gpus", "8,16", "--tokens-per-gpu", "8192"]
     for extra in (["--recompute"], ["--recompute", "selective"],
                   ["--micro-batches", "4", "--no-grad-sync"], ["--float8"],
-                  ["--reduce-dtype", "fp32"], ["--logits-dtype", "bf16"], ["--compiled"]):
+                  ["--reduce-dtype", "fp32"], ["--logits-dtype", "bf16"], ["--compiled"],
+                  ["--compiled", "--eager-loss"]):
         assert main(argv + extra) == 0, extra
     capsys.readouterr()
     assert main(argv + ["--micro-batches", "3"]) == 2

@@ -243,9 +243,8 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     base = shards + state + held
     top, at, kinds = peak(base, events)
     kinds["gradients"] += held
-    reserved = top  # one pool: vfsdp allocates every buffer on the compute stream
-    if baseline == "fsdp2" and ub:
-        reserved = max(top, _stream_pools(base, events))
+    # one pool where every buffer is the compute stream's (vfsdp), else one per stream
+    reserved = _stream_pools(base, events) if baseline == "fsdp2" else top
     memory = {"params": shards, "gradients": kinds["gradients"], "optimizer": state,
               "buffers": kinds["buffers"], "activations": kinds["activations"],
               "cached": reserved - top, "comm_library": int(o.comm_library_bytes)}

@@ -32,6 +32,7 @@ def test_every_row_quotes_its_source_and_the_figures_it_records():
             assert str(r["memory_gib"]) in r["quote"] and r["memory_kind"] == "reserved"
         assert r["precision"] in ("bf16", "float8") and r["recompute"] in (False, "full",
                                                                            "selective")
+        assert r["compile"] in (True, False, "blocks") and r["repo"] in _load().SYSTEMS
 
 
 def test_the_comparison_prints_every_row_and_the_bands(capsys, tmp_path):

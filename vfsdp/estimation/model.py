@@ -80,7 +80,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             (torchtitan's op-level policy: every other output kept, half the forward's weight
             matmuls run again) or ``False``.
         comm_library_bytes: The communication library's own buffers (NCCL's, outside
-            torch's caching allocator): in ``memory_per_rank``, not in ``reserved``.
+            torch's caching allocator): in ``memory_per_rank``, not in ``peak_reserved``.
         rank: The shard rank whose optimizer state is counted (default: the larger of the
             first and the last rank's; they differ where whole tiles or matrices sit on
             one rank).
@@ -117,7 +117,8 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         float8: Float8 weight matmuls (twice the bf16 rate; attention stays in bf16) and
             float8 all-gathers (one byte per weight crosses the links).
         logits_dtype: The dtype the loss's softmax and its gradient are in (the default
-            costs' logits: 10 bytes per token and vocabulary entry in fp32, 6 in bf16).
+            costs' logits: an eager loss's peak, 12 bytes per token and vocabulary entry in fp32,
+            6 in bf16).
         compiled: Whether the step runs under ``torch.compile`` (the default costs' kernels
             outside the matmuls fused: less of their memory traffic).
         fused_loss: Whether the loss is one fused kernel, holding only the bf16 logits and

@@ -170,7 +170,7 @@ def baselines(measured: str | None = None) -> None:
             kw = {"hw": "h100", "param_dtype": None, "tokens_per_rank": 2 * cfg.seq,
                   "experts_per_token": cfg.experts or None}
             v, f, g = (vfsdp.estimate(spec, baseline=b, **kw) for b in (None, "fsdp2", "megatron"))
-            peak = [e.memory_per_rank - e.memory["allowance"] for e in (v, f, g)]
+            peak = [e.peak_allocated for e in (v, f, g)]
             config = f"W={world} {name} fp32"
             m = found.get(config)
             copy = f" ({m['added_copied_bytes_ratio']:.3f})" if m else ""
@@ -205,7 +205,7 @@ def claims() -> None:
                       f"{e.memory_per_rank / 2**30:>5.1f} {e.tokens_per_s:>11,.0f} "
                       f"{100 * e.copy_s / e.step_s:>6.1f} "
                       f"{100 * (v.tokens_per_s / e.tokens_per_s - 1):>+9.1f}% "
-                      f"{100 * (1 - v.memory_per_rank / e.memory_per_rank):>6.1f}%"
+                      f"{100 * (1 - v.peak_reserved / e.peak_reserved):>6.1f}%"
                       f"{'' if e.fits else '  does NOT fit'}")
     print("   paper: 5-66 % more throughput, 16-30 % less peak reserved memory; FSDP2's copy-in/"
           "copy-out up to 14 % of a step; 92.8 % of the throughput without DBuffer, 65.4 % "

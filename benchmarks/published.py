@@ -7,7 +7,8 @@ tokens/s per GPU and memory), runs each through the estimator with the settings 
 states and nothing else (one profile per node type, no per-row constant), and prints
 predicted against measured, then the share of rows within +-15 % on tokens/s per GPU (bf16
 and float8 apart) and within +-10 % on memory (what the source measured: torchtitan's pages
-log the caching allocator's peak reserved bytes).
+log the caching allocator's peak reserved bytes, ``Estimate.peak_reserved``). Each row is
+estimated under the system it ran (``SYSTEMS``).
 
 The models' shapes come from their configurations (``MODELS``: torchtitan's Llama 3.1 8B,
 llm-foundry's MPT yamls); a shape list names the embedding ``embed`` so the shape rules find
@@ -76,21 +77,28 @@ MODELS = {
     "mpt-30b": lambda seq: mpt(48, 7168, seq),
     "mpt-70b": lambda seq: mpt(80, 8192, seq),
 }
+# the system each project ran, as the estimator models it: FSDP2 (torchtitan), Megatron-FSDP,
+# and llm-foundry's FSDP1, whose flat parameters copy and allocate as vfsdp's buffers do
+SYSTEMS = {"pytorch/torchtitan": "fsdp2", "NVIDIA-NeMo/Megatron-Bridge": "megatron",
+           "mosaicml/llm-foundry": None}
+COMPILE = {True: "yes", "blocks": "blk", False: "no"}
 PROFILES = {"h100-500w": "h100-500w", "h100": "h100", "h200": "h200", "a100": "a100",
             "a100-roce": "a100"}
 
 
 def predict(row: dict):
-    """The estimate of one row, from the settings its source states."""
+    """The estimate of one row, from the settings its source states, under the system it ran
+    (``compile``: ``true`` for the blocks and the loss, ``"blocks"`` for the blocks only)."""
     tree = MODELS[row["model"]](row["seq"])
     tokens = row["micro_batch"] * row["seq"] * row["grad_accum"]
-    (_, est), = sweep(tree, [row["gpus"]], hw=PROFILES[row["hw"]], shard=row["shard"],
-                      tokens_per_gpu=tokens, micro_batches=row["grad_accum"], seq=row["seq"],
-                      recompute=row["recompute"], float8=row["precision"] == "float8",
-                      compiled=row["compile"],
-                      param_dtype=torch.bfloat16,
-                      reduce_dtype=torch.float32 if row["reduce"] == "fp32" else torch.bfloat16)
-    return est
+    system = SYSTEMS[row["repo"]]
+    rows = sweep(tree, [row["gpus"]], hw=PROFILES[row["hw"]], shard=row["shard"],
+                 tokens_per_gpu=tokens, micro_batches=row["grad_accum"], seq=row["seq"],
+                 recompute=row["recompute"], float8=row["precision"] == "float8",
+                 compiled=bool(row["compile"]), fused_loss=row["compile"] is True,
+                 param_dtype=torch.bfloat16, vs=[system] if system else [],
+                 reduce_dtype=torch.float32 if row["reduce"] == "fp32" else torch.bfloat16)
+    return rows[-1][1]
 
 
 def main(argv=None) -> int:
@@ -110,7 +118,8 @@ def main(argv=None) -> int:
         bands[row["precision"]].append(ratio)
         mem = mem_ratio = None
         if row["memory_gib"] is not None:
-            mem = est.memory_per_rank / GiB
+            mem = (est.peak_reserved if row["memory_kind"] == "reserved"
+                   else est.peak_allocated) / GiB
             mem_ratio = mem / row["memory_gib"]
             bands["memory"].append(mem_ratio)
         out.append({"id": row["id"], "measured_tps": row["tokens_per_s_per_gpu"],
@@ -118,7 +127,7 @@ def main(argv=None) -> int:
                     "predicted_gib": mem, "memory_kind": row["memory_kind"]})
         mem_text = f"{row['memory_gib']:>8.1f} {mem:>7.1f} {mem_ratio:>6.2f}" if mem else ""
         print(f"{row['id']:<24} {row['hw']:<9} {row['gpus']:>5} {row['precision']:<6} "
-              f"{row['recompute']!s:<9} {'yes' if row['compile'] else 'no':<4} "
+              f"{row['recompute']!s:<9} {COMPILE[row['compile']]:<4} "
               f"{row['tokens_per_s_per_gpu']:>10,} {tps:>8,.0f} {ratio:>6.2f}  {mem_text}")
     print(f"\n{len(rows)} rows from {len({r['project'] for r in rows})} projects, estimated in "
           f"{time.perf_counter() - t0:.1f} s")

@@ -181,7 +181,9 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--float8", action="store_true",
                    help="float8 weight matmuls and float8 all-gathers")
     p.add_argument("--compiled", action="store_true",
-                   help="under torch.compile: the kernels between the matmuls fused")
+                   help="under torch.compile: the kernels between the matmuls fused, the loss one")
+    p.add_argument("--eager-loss", action="store_true",
+                   help="with --compiled: the loss stays eager (its softmax and gradient held)")
     p.add_argument("--no-prefetch", action="store_true")
     p.add_argument("--no-reshard", action="store_true", help="keep units after forward")
     p.add_argument("--vs", default="", help="also fsdp2 and/or megatron, comma-separated")
@@ -218,7 +220,8 @@ def _estimate(args) -> int:
                      grad_sync=not args.no_grad_sync, micro_batch_tokens=args.micro_batch_tokens,
                      **({} if args.micro_batches is None else {"micro_batches": args.micro_batches}),
                      float8=args.float8, logits_dtype=DTYPES[args.logits_dtype],
-                     compiled=args.compiled, prefetch=not args.no_prefetch,
+                     compiled=args.compiled, fused_loss=False if args.eager_loss else None,
+                     prefetch=not args.no_prefetch,
                      reshard_after_forward=not args.no_reshard)
         secs = time.perf_counter() - t0
     except (ValueError, TypeError, OSError, ImportError) as exc:

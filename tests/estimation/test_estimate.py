@@ -169,10 +169,11 @@ def test_a_sweep_equals_an_estimate_of_each_plan(optimizer):
                           "b": torch.empty(96, device="meta"),
                           "mlp": {"experts": [{"up": torch.empty(32, 16, device="meta")}
                                               for _ in range(3)]}} for _ in range(5)]}
-    # 2**25 bytes of allowance, and room for ~250 kB more: 2 ranks hold 315 kB, 4 ranks 213 kB
+    # 2**25 bytes for the communication library, and room for ~250 kB more: 2 ranks hold
+    # 315 kB, 4 ranks 213 kB
     hw = dataclasses.replace(hardware("h100"), memory=2**25 + 250_000, gpus_per_node=2)
     opts = {"param_dtype": torch.bfloat16, "experts_per_token": 2, "seq": 8, "recompute": True,
-            "allocator_fraction": 0.0, "comm_library_bytes": 2**25}
+            "comm_library_bytes": 2**25}
     gran = optimizer_for(optimizer, params).granularity
     for shard, tokens in ((None, {"tokens_per_gpu": 64}), (2, {"global_tokens": 4096})):
         rows = sweep(params, [1, 2, 4, 6, 8], hw=hw, optimizer=optimizer, shard=shard,

@@ -123,7 +123,8 @@ def test_the_cli_takes_the_workload_options(tmp_path, capsys):
     argv = ["estimate", str(path), "--gpus", "8,16", "--tokens-per-gpu", "8192"]
     for extra in (["--recompute"], ["--recompute", "selective"],
                   ["--micro-batches", "4", "--no-grad-sync"], ["--float8"],
-                  ["--reduce-dtype", "fp32"], ["--logits-dtype", "bf16"], ["--compiled"]):
+                  ["--reduce-dtype", "fp32"], ["--logits-dtype", "bf16"], ["--compiled"],
+                  ["--compiled", "--eager-loss"]):
         assert main(argv + extra) == 0, extra
     capsys.readouterr()
     assert main(argv + ["--micro-batches", "3"]) == 2
@@ -131,13 +132,44 @@ def test_the_cli_takes_the_workload_options(tmp_path, capsys):
     assert main(argv + ["--micro-batches", "0"]) == 2
 
 
-def test_the_logits_take_the_loss_dtype():
+def test_the_logits_take_the_loss_dtype_and_a_fused_loss_holds_the_least():
+    # eager: the softmax, its gradient and the logits' before the cast (3 x 4 bytes in fp32,
+    # 3 x 2 in bf16); fused (compiled): the bf16 logits and their gradient (4)
     spec = vfsdp.plan(_llama(vocab=32000), 8)
-    fp32 = vfsdp.estimate(spec, tokens_per_rank=4096)
-    bf16 = vfsdp.estimate(spec, tokens_per_rank=4096, logits_dtype=torch.bfloat16)
-    assert fp32.memory["activations"] - bf16.memory["activations"] == 4096 * 32000 * 4
+    acts = {kw: vfsdp.estimate(spec, tokens_per_rank=4096, **dict(kw)).memory["activations"]
+            for kw in ((), (("logits_dtype", torch.bfloat16),), (("fused_loss", True),),
+                       (("compiled", True),), (("compiled", True), ("fused_loss", False)))}
+    fp32, bf16, fused, compiled, blocks = acts.values()
+    assert fp32 - bf16 == 4096 * 32000 * 6 and fp32 - fused == 4096 * 32000 * 8
+    assert compiled == fused and blocks == fp32
     with pytest.raises(ValueError, match="logits_dtype"):
         vfsdp.estimate(spec, logits_dtype="bf16")
+
+
+def test_selective_keeps_the_input_attention_and_every_other_matmul_output():
+    from vfsdp.estimation import shape_costs
+
+    d, tokens = 256, 1024
+    costs = shape_costs(vfsdp.plan(_llama(d=d), 8), tokens, recompute="selective")
+    outs = d + 4 * d + d  # wq, w1, w2: the 1st and 3rd kept, of their mean width
+    assert costs[("layers", 0)].activation_bytes == tokens * 2 * (2 * d + 2 * outs // 3)
+
+
+def test_fsdp2_reserves_each_streams_peak_and_vfsdp_its_allocation():
+    """vfsdp allocates on the compute stream only: it reserves its peak allocation. FSDP2's
+    reduce-scatter stream keeps its own pool (the sharded gradients are views of its
+    outputs), which the compute stream's activations cannot reuse: at a forward's peak, with
+    no gradient allocated, the reservation holds them beyond the allocation."""
+    spec = vfsdp.plan(_llama(), 2)
+    kw = {"tokens_per_rank": 4096, "reduce_dtype": torch.float32}
+    v, f = vfsdp.estimate(spec, **kw), vfsdp.estimate(spec, baseline="fsdp2", **kw)
+    grads = sum(u.shard_numel for u in spec.units.values()) * 4
+    assert v.peak_at.startswith("forward") and f.peak_at.startswith("forward")
+    assert v.peak_reserved == v.peak_allocated and v.memory["cached"] == 0
+    assert f.peak_reserved - f.peak_allocated == f.memory["cached"] > 0
+    assert f.peak_reserved >= v.peak_allocated + grads  # the gradients' pool, beside
+    for e in (v, f):
+        assert e.memory_per_rank == e.peak_reserved + e.memory["comm_library"]
 
 
 @pytest.mark.parametrize("world, copy_ratio, peak_ratio", [(2, 0.222, 0.845), (4, 0.267, 0.729)])
@@ -157,6 +189,6 @@ def test_fsdp2_is_modelled_by_its_copies_as_vs_fsdp2_measures_them(world, copy_r
     assert v.copy_bytes == params  # each gradient into its reduce-scatter buffer, once
     assert f.copy_bytes > 3 * params and f.copy_s > v.copy_s > 0
     assert v.copy_bytes / f.copy_bytes == pytest.approx(copy_ratio, rel=0.25)
-    peak = [e.memory_per_rank - e.memory["allowance"] for e in (v, f)]
+    peak = [e.peak_allocated for e in (v, f)]
     assert peak[0] / peak[1] == pytest.approx(peak_ratio, rel=0.25)
     assert v.step_s == pytest.approx(v.compute_s + v.copy_s + v.exposed_comm_s + v.optimizer_s)

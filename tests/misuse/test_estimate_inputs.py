@@ -105,7 +105,8 @@ def test_the_api_names_the_argument():
                           ({"tokens_per_rank": 2.5}, "tokens_per_rank"),
                           ({"experts_per_token": -2}, "experts_per_token"),
                           ({"seq": 0}, "seq"), ({"rank": 2}, "rank=2"),
-                          ({"allocator_fraction": -0.1}, "allocator_fraction"),
+                          ({"comm_library_bytes": -1}, "comm_library_bytes"),
+                          ({"fused_loss": "yes"}, "fused_loss"),
                           ({"reduce_dtype": "fp32"}, "reduce_dtype"),
                           ({"recompute": "yes"}, "recompute"),
                           ({"padding": "none"}, "unknown padding 'none'")]:

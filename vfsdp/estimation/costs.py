@@ -106,11 +106,11 @@ def layer_cost(fn: Callable[..., torch.Tensor], params: Any, *inputs: Any) -> La
 
 # recompute -> (bytes kept per token and width, bytes held again in the backward, the share
 # of the forward's weight matmuls run again): none keeps Korthikanti et al.'s 34; full keeps
-# the layer input (2) and runs the whole forward again; torchtitan's op-level selective policy
-# saves every other weight matmul's output and attention's (about half the bytes) and runs
-# the other matmuls (half of them) again
+# the layer input (2) and runs the whole forward again; torchtitan's op-level selective
+# policy keeps the layer input, attention's output and every other weight matmul's output
+# (``None``: from the shapes, see Shapes) and runs the other half
 _RECOMPUTE = {False: (34, 0, 0.0), True: (2, 34, 1.0), "full": (2, 34, 1.0),
-              "selective": (17, 17, 0.5)}
+              "selective": (None, None, 0.5)}
 # compiled -> bytes one layer's forward reads and writes outside its matmuls, per token and
 # width (its backward twice that, a recomputed forward again). Eager runs each norm,
 # activation, residual add, cast and layout copy as its own kernel, each reading its inputs
@@ -129,11 +129,13 @@ EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
 @dataclass(frozen=True)
 class Shapes:
     """What :func:`shape_costs` reads of a plan, whatever its mesh and tokens: per unit key
-    ``(weights, weights per routed expert, has routed experts, has the embedding)``, and the
-    embedding table's width and vocabulary (its second and first dims; 0 without one).
+    ``(weights, weights per routed expert, has routed experts, has the embedding, outputs
+    kept by selective checkpointing, the same per routed expert)``, and the embedding table's width and
+    vocabulary (its second and first dims; 0 without one).
 
     Weights are those of matrices other than routed experts' and embedding tables (paths
-    naming ``embed``). A routed expert is a path through ``experts.<i>`` (one expert's
+    naming ``embed``); a matrix's outputs per token are its second-to-last dim (torch's
+    ``(out, in)`` weights). A routed expert is a path through ``experts.<i>`` (one expert's
     tensors) or through ``experts`` with the experts stacked on dim 0; a unit's weights per
     expert are what it holds of them over the experts it holds, the same whether it holds
     all of them or an expert-parallel rank's share. A sweep reads them once
@@ -169,8 +171,9 @@ class Shapes:
     def _read(cls, keys: Iterable, tensors: Iterable) -> Shapes:
         """From the unit keys and ``(path, unit key, shape, global shape)`` per tensor, in
         tree order."""
-        # weights, stacked experts' weights per expert, indexed experts' weights, their ids
-        rows: dict = {key: [0.0, 0.0, 0.0, set(), False] for key in keys}
+        # [weights, stacked experts' per expert, indexed experts', their ids, has the
+        # embedding], the same three of matmul outputs, and the count of the first kind
+        rows: dict = {key: [0.0, 0.0, 0.0, set(), False, 0.0, 0.0, 0.0, 0] for key in keys}
         width = vocab = 0
         for path, unit, shape, global_shape in tensors:
             name = ".".join(map(str, path))
@@ -185,30 +188,36 @@ class Shapes:
                 continue
             if len(shape) < 2:
                 continue
-            n = math.prod(shape)
-            if not found:
-                row[0] += n
-            elif found.group(3):
-                row[2] += n
-            elif shape[0]:
-                row[1] += n / shape[0]
+            n, out = math.prod(shape), global_shape[-2]
+            at = 0 if not found else 2 if found.group(3) else 1
+            if at == 1 and shape[0]:
+                n /= shape[0]
+            row[at] += n
+            row[5 + at] += out
+            row[8] += at == 0
+        # the outputs selective checkpointing keeps: of n matmuls the 1st, 3rd, ... (their
+        # mean width each), of each routed expert's half
         units = {k: (w, stacked + (indexed / len(ids) if ids else 0.0), bool(stacked or ids),
-                     emb) for k, (w, stacked, indexed, ids, emb) in rows.items()}
+                     emb, -(-n // 2) * outs / n if n else 0.0,
+                     (o_st + (o_ix / len(ids) if ids else 0.0)) / 2)
+                 for k, (w, stacked, indexed, ids, emb, outs, o_st, o_ix, n) in rows.items()}
         return cls(MappingProxyType(units), width, vocab)
 
     def costs(self, tokens: int, o: Options) -> dict:
         """``{unit key: LayerCost}`` for ``tokens`` tokens per rank under ``o``'s
-        ``experts_per_token``, ``seq``, ``recompute`` and ``logits_dtype`` (see
-        :func:`shape_costs`)."""
+        ``experts_per_token``, ``seq``, ``recompute``, ``logits_dtype`` and ``fused_loss``
+        (see :func:`shape_costs`)."""
         experts_per_token, seq = o.experts_per_token, o.seq
-        per_logit = 2 + 2 * o.logits_dtype.itemsize  # bf16 logits, the loss's softmax and grad
+        s = o.logits_dtype.itemsize  # the loss's peak per token and vocabulary entry: fused,
+        per_logit = 4 if o.fused_loss else max(2 + 2 * s, 3 * s)  # else eager (shape_costs)
         if experts_per_token is None and any(row[2] for row in self.units.values()):
             raise ValueError("estimate: the model has routed experts (paths "
                              "'...experts.<i>...' or stacked '...experts...'); pass "
                              "experts_per_token (top-k, e.g. 8 for DeepSeek-V3)")
         width, vocab = self.width, self.vocab
         out = {}
-        for key, (weights, per_expert, experts, has_embed) in self.units.items():
+        for key, (weights, per_expert, experts, has_embed, outs, expert_outs) in \
+                self.units.items():
             n = weights + (per_expert * experts_per_token if experts else 0.0)
             flops = 6 * tokens * n
             layer = isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int)
@@ -220,6 +229,10 @@ class Shapes:
                 else 0.0
             acts = again = ew = 0
             if layer and width:
+                if kept is None:  # selective: the input, attention's output, every other
+                    outs += expert_outs * experts_per_token if experts else 0.0  # output
+                    kept = 2 * (2 + outs / width)
+                    again_per = max(34 - kept, 0.0)
                 acts, again = tokens * width * kept, tokens * width * again_per
                 ew = tokens * width * (ELEMENTWISE[o.compiled] * (3 + share) + FLOAT8_CASTS * o.float8)
             if has_embed and vocab:
@@ -230,7 +243,7 @@ class Shapes:
 
 def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] = None,
                 seq: Optional[int] = None, recompute: Any = False,
-                logits_dtype: torch.dtype = torch.float32) -> dict:
+                logits_dtype: torch.dtype = torch.float32, fused_loss: bool = False) -> dict:
     """Costs from the shapes alone, per unit key, for ``tokens`` tokens per rank:
 
     * FLOPs: ``6 * tokens`` per weight of a matrix (forward 2, backward 4), routed experts'
@@ -241,9 +254,16 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
     * activations: 34 bytes per token and width per layer (Korthikanti et al. 2022, bf16,
       attention that saves no score matrix), or with ``recompute`` the layer input only (2
       bytes per token and width), the 34 held again while its backward runs, and a third of
-      the layer's FLOPs again (its forward, recomputed: time, not MFU); for the unit with
-      the embedding, the logits (bf16 logits, the loss's softmax and its gradient in
-      ``logits_dtype``: 10 bytes per token and vocabulary entry in fp32, 6 in bf16).
+      the layer's FLOPs again (its forward, recomputed: time, not MFU); with
+      ``recompute="selective"`` (torchtitan's op-level policy) the layer's input,
+      attention's output and every other weight matmul's output (the 1st, 3rd, ... of its
+      ``n`` matrices: ``ceil(n / 2)`` outputs of their mean width, a matrix's output its
+      second-to-last dim; half of each routed expert's) in bf16; for the unit with the embedding, the
+      loss's peak per token and vocabulary entry: eager, the larger of its forward's (bf16
+      logits, their cast to ``logits_dtype`` and its softmax: 10 bytes in fp32) and its
+      backward's (the softmax, its gradient and the logits' gradient before the cast back:
+      12 in fp32, 6 in bf16); a fused loss (``fused_loss``, such as a compiled one) holds the
+      bf16 logits and their gradient (4).
 
     Args:
         spec: The plan.
@@ -251,9 +271,10 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
         experts_per_token: Routed experts per token (top-k), for a model with experts.
         seq: The sequence length (adds attention's FLOPs).
         recompute: Activation checkpointing: ``True`` or ``"full"`` (only each layer's input
-            is kept), ``"selective"`` (torchtitan's op-level policy: half the bytes kept,
+            is kept), ``"selective"`` (torchtitan's op-level policy: every other output kept,
             half the forward's weight matmuls run again), ``False``.
         logits_dtype: The dtype the loss computes its softmax in.
+        fused_loss: Whether the loss is one fused kernel (``torch.compile``'s, Liger's).
 
     Returns:
         ``{unit key: LayerCost}``.
@@ -271,4 +292,4 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
     """
     return Shapes.of(spec).costs(tokens, Options(
         tokens_per_rank=tokens, experts_per_token=experts_per_token, seq=seq,
-        recompute=recompute, logits_dtype=logits_dtype))
+        recompute=recompute, logits_dtype=logits_dtype, fused_loss=fused_loss))

@@ -114,7 +114,7 @@ def split_units(units: Mapping[Any, UnitLayout], layers: Optional[list] = None) 
 
 
 def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: bool,
-             acts: dict, transient: dict) -> list:
+             acts: dict, transient: dict, copies: bool = False) -> list:
     """The step's buffer events, as ``(label, kind, delta_bytes)`` in the order vfsdp runs
     them: the whole-step units gathered, ``run_layers``' forward and backward over ``layers``
     (gather ahead by one with ``prefetch``, release after forward unless the last), each
@@ -123,22 +123,40 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
     unit's forward saves for its backward (kind ``"activations"``), the whole-step
     units' (the head's logits) from the end of the layers' forward to the start of their
     backward; ``transient``: bytes a layer's backward holds while it runs (what activation
-    checkpointing recomputes)."""
+    checkpointing recomputes); ``copies``: FSDP2's, each all-gather's output beside the
+    unsharded parameters it is copied into when the unit's turn comes (a prefetched one's
+    lives until then), and each unit's unsharded gradients (autograd's, in the compute
+    dtype) beside the reduce-scatter input they are copied into."""
     by = {u.key: u for u in units}
     rest = [by[k] for k in by if k not in set(layers)]
     run = [by[k] for k in layers]
     ev: list = []
     gathered: set = set()
+    landing: set = set()  # FSDP2: all-gather outputs not copied out yet
 
-    def gather(u):
+    def gather(u, own=True):
         if u.key not in gathered:
             gathered.add(u.key)
             ev.append((f"gather {u.key}", "buffers", u.gathered))
+            if copies:
+                landing.add(u.key)
+                ev.append((f"all-gather output {u.key}", "buffers", u.gathered))
+        if own and u.key in landing:  # its turn: copied out, the output freed
+            landing.discard(u.key)
+            ev.append((f"copied out {u.key}", "buffers", -u.gathered))
 
     def release(u):
         if u.key in gathered:
             gathered.discard(u.key)
             ev.append((f"release {u.key}", "buffers", -u.gathered))
+
+    def reduce(u):
+        ev.append((f"gradient shard {u.key}", "gradients", u.grad_shard + u.stage_shard))
+        if copies:
+            ev.append((f"unsharded gradients {u.key}", "buffers", u.gathered))
+        ev.append((f"reduce {u.key}", "buffers", u.reduce_in))
+        if copies:
+            ev.append((f"copied in {u.key}", "buffers", -u.gathered))
 
     def saved(u, sign):
         if acts.get(u.key):
@@ -150,7 +168,7 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
     for i, u in enumerate(run):  # forward
         gather(u)
         if prefetch and i + 1 < len(run):
-            gather(run[i + 1])
+            gather(run[i + 1], own=False)
         saved(u, 1)
         if reshard_after_forward and i + 1 < len(run):
             release(u)
@@ -163,20 +181,18 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
         u = run[i]
         gather(u)
         if prefetch and i > 0:
-            gather(run[i - 1])
+            gather(run[i - 1], own=False)
         if transient.get(u.key):  # what its backward recomputes, while it runs
             ev.append((f"recompute {u.key}", "activations", transient[u.key]))
             ev.append((f"recomputed {u.key}", "activations", -transient[u.key]))
         saved(u, -1)
         release(u)
-        ev.append((f"gradient shard {u.key}", "gradients", u.grad_shard + u.stage_shard))
-        ev.append((f"reduce {u.key}", "buffers", u.reduce_in))
+        reduce(u)
         if pending is not None:
             ev.append((f"reduced {pending.key}", "buffers", -pending.reduce_in))
         pending = u
     for u in reversed(rest):
-        ev.append((f"gradient shard {u.key}", "gradients", u.grad_shard + u.stage_shard))
-        ev.append((f"reduce {u.key}", "buffers", u.reduce_in))
+        reduce(u)
         ev.append((f"reduced {u.key}", "buffers", -u.reduce_in))
     if pending is not None:
         ev.append((f"reduced {pending.key}", "buffers", -pending.reduce_in))

@@ -51,13 +51,13 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
              reshard_after_forward: bool = True, tokens_per_rank: int = 4096,
              costs: Optional[Mapping[Any, LayerCost]] = None,
              experts_per_token: Optional[int] = None, seq: Optional[int] = None,
-             recompute: bool = False, allocator_fraction: float = 0.05,
-             comm_library_bytes: int = 2 * GiB, rank: Optional[int] = None,
+             recompute: bool = False, comm_library_bytes: int = 2 * GiB, rank: Optional[int] = None,
              baseline: Optional[str] = None, model_parallel: Optional[str] = None,
              layers: Optional[list] = None, experts: Optional[ShardSpec] = None,
              ep: Optional[int] = None, micro_batches: int = 1, grad_sync: bool = True,
              float8: bool = False, logits_dtype: torch.dtype = torch.float32,
-             compiled: bool = False, padding: Optional[str] = None) -> Estimate:
+             compiled: bool = False, padding: Optional[str] = None,
+             fused_loss: Optional[bool] = None) -> Estimate:
     """Predict one training step of ``spec`` on ``hw`` (see ``docs/estimate.md``).
 
     Args:
@@ -78,22 +78,25 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         seq: Sequence length, for the attention FLOPs of the default costs.
         recompute: Activation checkpointing for the default costs: ``True`` or ``"full"``
             (only each layer's input is kept, the forward runs again), ``"selective"``
-            (torchtitan's op-level policy: half the bytes kept, half the forward's weight
+            (torchtitan's op-level policy: every other output kept, half the forward's weight
             matmuls run again) or ``False``.
-        allocator_fraction: The caching allocator's allowance, a fraction of the rest.
-        comm_library_bytes: The communication library's own buffers.
+        comm_library_bytes: The communication library's own buffers (NCCL's, outside
+            torch's caching allocator): in ``memory_per_rank``, not in ``peak_reserved``.
         rank: The shard rank whose optimizer state is counted (default: the larger of the
             first and the last rank's; they differ where whole tiles or matrices sit on
             one rank).
         baseline: ``"fsdp2"`` or ``"megatron"``: the same step as that system runs it: its
             padding (:func:`~vfsdp.estimation.memory.baseline_sizes`), its copies
-            (``Estimate.copy_bytes``, their time on the compute lane) and the buffers they
-            add at the peak, and its regather of the last layer. FSDP2: copy-in and
-            copy-out around each all-gather and each reduce-scatter. Megatron-FSDP: gathers
-            in place from a shard it keeps in the compute dtype (cast once, after the
-            update), each gradient copied into its main-grad bucket, held from the layer's
-            backward's start, and the reduce-scatter's output added into the gradient
-            shard. Their allocators' behaviour is not modelled.
+            (``Estimate.copy_bytes``, their time on the compute lane), the buffers they
+            hold, and its regather of the last layer. FSDP2: copy-in and copy-out around
+            each all-gather and each reduce-scatter, in the memory each all-gather's output
+            until it is copied out and each unit's unsharded gradients until copied into
+            the reduce-scatter input, and its caching allocator's pool per stream
+            (``Estimate.peak_reserved``). Megatron-FSDP: gathers in place from a shard it
+            keeps in the compute dtype (cast once, after the update), each gradient copied
+            into its main-grad bucket, held from the layer's backward's start, and the
+            reduce-scatter's output added into the gradient shard; its allocator is not
+            modelled (reserved = allocated).
         padding: ``"vfsdp"``, ``"fsdp2"`` or ``"megatron"``: another system's padding than
             the step's own (default), for ablations: ``baseline="fsdp2", padding="vfsdp"``
             is vfsdp's layout with FSDP2's copies, ``padding="fsdp2"`` vfsdp's step over
@@ -122,9 +125,13 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         float8: Float8 weight matmuls (twice the bf16 rate; attention stays in bf16) and
             float8 all-gathers (one byte per weight crosses the links).
         logits_dtype: The dtype the loss's softmax and its gradient are in (the default
-            costs' logits: 10 bytes per token and vocabulary entry in fp32, 6 in bf16).
+            costs' logits: an eager loss's peak, 12 bytes per token and vocabulary entry in fp32,
+            6 in bf16).
         compiled: Whether the step runs under ``torch.compile`` (the default costs' kernels
             outside the matmuls fused: less of their memory traffic).
+        fused_loss: Whether the loss is one fused kernel, holding only the bf16 logits and
+            their gradient (``None``: as ``compiled``; torchtitan compiles its loss since
+            2025, not before).
 
     Returns:
         An :class:`Estimate`.
@@ -132,9 +139,9 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
     Raises:
         ValueError: an unknown profile or optimizer, a model with experts and no
             ``experts_per_token``, ``tokens_per_rank``, ``experts_per_token``, ``seq`` or
-            ``ep`` not an int >= 1, a negative ``allocator_fraction`` or
-            ``comm_library_bytes``, a ``rank`` outside the plan, ``micro_batches`` that do
-            not divide ``tokens_per_rank``, an unknown baseline or padding, or
+            ``ep`` not an int >= 1, a negative ``comm_library_bytes``, ``fused_loss`` not a
+            bool, a ``rank`` outside the plan, ``micro_batches`` that do not divide
+            ``tokens_per_rank``, an unknown baseline or padding, or
             ``model_parallel="tp"`` for a plan without a model axis, ``layers`` naming
             a unit the plan does not have, or experts that do not fit the model's GPUs or
             layers.
@@ -157,10 +164,11 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
                 reduce_dtype=reduce_dtype, prefetch=prefetch,
                 reshard_after_forward=reshard_after_forward, tokens_per_rank=tokens_per_rank,
                 costs=costs, experts_per_token=experts_per_token, seq=seq, recompute=recompute,
-                allocator_fraction=allocator_fraction, comm_library_bytes=comm_library_bytes,
+                comm_library_bytes=comm_library_bytes,
                 baseline=baseline, model_parallel=model_parallel, layers=layers, ep=ep,
                 micro_batches=micro_batches, grad_sync=grad_sync, float8=float8,
-                logits_dtype=logits_dtype, compiled=compiled, padding=padding)
+                logits_dtype=logits_dtype, compiled=compiled, padding=padding,
+                fused_loss=fused_loss)
     count("estimate", "rank", rank, least=0, optional=True)
     if rank is not None and rank >= spec.world_size:
         raise ValueError(f"estimate: rank={rank} is not a rank of the plan's {spec.world_size}")

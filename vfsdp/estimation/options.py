@@ -20,8 +20,8 @@ GiB = 2**30
 @dataclass(frozen=True)
 class Options:
     """:func:`~vfsdp.estimation.estimate`'s keywords (see there), with ``hw`` resolved to its
-    :class:`~vfsdp.estimation.hardware.Hardware` and ``muon``: whether the optimizer is Muon
-    (its Newton-Schulz FLOPs).
+    :class:`~vfsdp.estimation.hardware.Hardware`, ``muon``: whether the optimizer is Muon
+    (its Newton-Schulz FLOPs), and ``fused_loss`` ``None`` resolved to ``compiled``.
 
     Raises:
         ValueError: a value no step can have, naming the argument.
@@ -42,7 +42,6 @@ class Options:
     experts_per_token: Optional[int] = None
     seq: Optional[int] = None
     recompute: Union[bool, str] = False
-    allocator_fraction: float = 0.05
     comm_library_bytes: int = 2 * GiB
     baseline: Optional[str] = None
     padding: Optional[str] = None
@@ -54,14 +53,14 @@ class Options:
     float8: bool = False
     compiled: bool = False
     logits_dtype: torch.dtype = torch.float32
+    fused_loss: Optional[bool] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hw", hardware(self.hw))
         for name in ("tokens_per_rank", "experts_per_token", "seq", "ep", "micro_batches"):
             count("estimate", name, getattr(self, name), optional=name in ("experts_per_token",
                                                                           "seq", "ep"))
-        for name in ("allocator_fraction", "comm_library_bytes"):
-            rate("estimate", name, getattr(self, name), zero=True)
+        rate("estimate", "comm_library_bytes", self.comm_library_bytes, zero=True)
         for name in ("param_dtype", "reduce_dtype", "logits_dtype"):
             dtype = getattr(self, name)
             if not isinstance(dtype, torch.dtype) and (dtype is not None or name == "logits_dtype"):
@@ -81,7 +80,9 @@ class Options:
             raise ValueError(f"estimate: micro_batches={self.micro_batches} does not divide "
                              f"tokens_per_rank={self.tokens_per_rank}; pass the step's tokens, "
                              f"a multiple")
-        for name in ("grad_sync", "float8", "compiled"):
+        if self.fused_loss is None:  # a compiled step's loss is compiled too
+            object.__setattr__(self, "fused_loss", self.compiled)
+        for name in ("grad_sync", "float8", "compiled", "fused_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"estimate: {name} must be True or False, got "
                                  f"{getattr(self, name)!r}")

@@ -47,8 +47,10 @@ class Estimate:
         memory: Bytes by kind at the peak: ``params`` (shards), ``gradients`` (shards, and
             staging shards), ``optimizer`` (its state), ``buffers`` (gathered and
             reduce-scatter buffers live at the peak), ``activations`` (saved for backward),
-            ``allowance`` (the caching allocator and the communication library).
-        memory_per_rank: Their sum.
+            ``cached`` (what the caching allocator holds beyond the peak allocation:
+            ``peak_reserved - peak_allocated``), ``comm_library`` (NCCL's own buffers,
+            outside torch's allocator).
+        memory_per_rank: Their sum: the device memory the step needs.
         fits: Whether ``memory_per_rank`` fits the device.
         peak_at: The schedule event at which vfsdp's buffers peak.
         comm_bytes: Bytes per step and rank by collective, counted as
@@ -76,6 +78,16 @@ class Estimate:
         copy_s: Seconds of those copies (read and write at the memory bandwidth, on the
             compute lane): ``step_s`` is ``compute_s + copy_s + exposed_comm_s +
             optimizer_s``.
+        peak_allocated: The peak of the bytes allocated (``torch.cuda.max_memory_allocated``).
+        peak_reserved: The caching allocator's peak reservation
+            (``torch.cuda.max_memory_reserved``): vfsdp allocates every buffer on the compute
+            stream and frees it there, so it reuses what it frees and reserves its peak
+            allocation; FSDP2 allocates each all-gather's output on its all-gather streams and
+            each reduce-scatter's output (the sharded gradients are views of it, held to the
+            step's end) on its reduce-scatter stream, and the allocator reuses a freed block
+            only on the stream it was allocated on, so it reserves each stream's own peak:
+            the compute stream's, the largest all-gather output, and the gradient shards.
+            Fragmentation within a pool is not modelled.
 
     Example:
         >>> spec = vfsdp.plan({"w": torch.empty(1024, 1024, device="meta")}, 8)
@@ -103,6 +115,8 @@ class Estimate:
     ep: int = 1
     copy_bytes: int = 0
     copy_s: float = 0.0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
 
     def record(self) -> dict:
         """One flat JSON record (``--json``)."""
@@ -229,21 +243,22 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     ub = [by_key[k] for k in model.units]
     events = timeline(ub, layers, o.prefetch, o.reshard_after_forward,
                       {k: c.activation_bytes for k, c in per_unit.items()},
-                      {k: c.recompute_bytes for k, c in per_unit.items()})
+                      {k: c.recompute_bytes for k, c in per_unit.items()}, baseline == "fsdp2")
     # no sync: whole gradients held, in the parameters' dtype (vfsdp) or the reduce dtype
     held = 0 if o.grad_sync or steps == 1 else sum(
         u.reduce_in if baseline in ("fsdp2", "megatron") else u.accum for u in ub)
-    top, at, kinds = peak(shards + once + state + held, events)  # Megatron's kept shard
+    base = shards + once + state + held  # once: Megatron's kept compute-dtype shard
+    top, at, kinds = peak(base, events)
     kinds["gradients"] += held
-    if baseline and ub:  # FSDP2: its copy-out beside the all-gather's output, and the RS
-        # copy-in; Megatron: the main-grad bucket from the layer's backward's start, and
-        # the reduce-scatter's output beside the gradient shard
-        extra = max(u.reduce_in for u in ub) + (max(u.gathered for u in ub) if baseline ==
-                                                "fsdp2" else rs_out)
+    if baseline == "megatron" and ub:  # the main-grad bucket from the layer's backward's
+        # start, and the reduce-scatter's output beside the gradient shard
+        extra = max(u.reduce_in for u in ub) + rs_out
         top, kinds["buffers"] = top + extra, kinds["buffers"] + extra
+    # one pool where every buffer is the compute stream's (vfsdp), else one per stream
+    reserved = _stream_pools(base, events) if baseline == "fsdp2" else top
     memory = {"params": shards + once, "gradients": kinds["gradients"], "optimizer": state,
               "buffers": kinds["buffers"], "activations": kinds["activations"],
-              "allowance": int(o.allocator_fraction * top) + int(o.comm_library_bytes)}
+              "cached": reserved - top, "comm_library": int(o.comm_library_bytes)}
     total = sum(memory.values())
     lanes = {}
     for key, (gather, reduce, host, fwd_copy, bwd_copy) in times.items():
@@ -300,7 +315,7 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
                     sched.optimizer - once_s,
                     gpus * o.tokens_per_rank / step if step else 0.0,
                     model_flops / step / prof.flops if step else 0.0, o.tokens_per_rank, ep,
-                    copies * steps + once, copy_s)
+                    copies * steps + once, copy_s, top, reserved)
 
 
 def _itemsize(dtype: Optional[torch.dtype], part: PlanSummary) -> int:
@@ -331,6 +346,19 @@ def _expert_group(model: PlanSummary, experts: Optional[PlanSummary], ep: Option
                          f"{em * er * size} GPUs and the model's {gpus}; plan the experts over "
                          f"the GPUs divided by ep")
     return size, links(prof, em, er, size)[2]
+
+
+def _stream_pools(base: int, events: list) -> int:
+    """FSDP2's reservation: the sum of its streams' peaks (see ``Estimate.peak_reserved``):
+    the compute stream's, from ``base`` and the events but the two below; the all-gather
+    streams', the all-gather outputs; and the reduce-scatter stream's, the gradient shards
+    (views of its outputs, held to the step's end)."""
+    pools: dict = {}
+    for e in events:
+        pool = 1 if e[0].startswith(("all-gather output", "copied out")) else \
+            2 if e[0].startswith("gradient shard") else 0
+        pools.setdefault(pool, []).append(e)
+    return sum(peak(base if pool == 0 else 0, ev)[0] for pool, ev in pools.items())
 
 
 def _add(lanes: dict, key: Any, forward: float, backward: float) -> float:

@@ -128,21 +128,22 @@ def refuse_compile(what: str) -> None:
 
 def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: int,
                stack_state: Callable, vectors: bool) -> OwnedState:
-    """The owner plan and state: the 2-D tensors selected (by ``mask`` and ``only``) are the
-    matrices, with roots and waves as Muon plans them; ``stack_state(b, shape, dtype,
-    device)`` makes a wave's stacked state; ``vectors``: 1-D tensors get two sharded moments.
+    """The owner plan and state: the 1-D and 2-D tensors selected (by ``mask`` and ``only``)
+    are the owned tensors (the "matrices"), with roots and waves as Muon plans them;
+    ``stack_state(b, shape, dtype, device)`` makes a wave's stacked state; ``vectors``: 1-D
+    tensors stay on their shards instead, with two sharded moments (SOAP's Adam).
 
     Raises:
-        ValueError: a selected tensor that is neither a matrix nor (with ``vectors``) 1-D, a
-            matrix split over a model axis the shards' mesh lacks (naming its path and the fix).
+        ValueError: a selected tensor of 3 or more dimensions, a matrix split over a model
+            axis the shards' mesh lacks (naming its path and the fix).
     """
     def kind(t: TensorSpec) -> str:
         if not math.prod(t.global_shape) or not selected(mask, t.path):
             return ""
         if only is not None and not only(t.path):
             return "excluded by only="
-        if len(t.shape) == 2 or (vectors and len(t.shape) == 1):
-            return "matrix" if len(t.shape) == 2 else "vector"
+        if len(t.shape) in (1, 2):
+            return "vector" if vectors and len(t.shape) == 1 else "matrix"
         return f"{len(t.shape)}-D ({tuple(t.global_shape)})"
 
     for t in spec.tensors():

@@ -92,6 +92,7 @@ def soap(
     correct_bias: bool = True,
     only: Optional[Callable[[tuple], bool]] = None,
     wave_size: int = 8,
+    weight_decay_first: bool = False,
 ) -> Optimizer:
     """SOAP: every 2-D matrix updated whole on one owner rank (Muon's root plan), which holds
     its moments, statistics and eigenbases; 1-D tensors take Adam on their shards.
@@ -112,6 +113,9 @@ def soap(
             ``mask`` selects).
         wave_size: Matrices of one shape per owner in one exchange (a bound on the full
             gradients an owner holds at once).
+        weight_decay_first: Decay the parameters before the step (AdamW's order, what
+            ``chain(scale_by_soap(), add_decayed_weights(wd), ...)`` says) rather than after
+            it (the reference's); they differ by ``lr * weight_decay * step``.
 
     Returns:
         An :class:`vfsdp.optim.Optimizer`.
@@ -212,11 +216,14 @@ def soap(
                 tp.foreach("add_", den, scalar=eps)
                 updates = updates + list(tp.foreach("div", ms, den))
                 views = views + ps
+            if weight_decay_first:
+                decay_(views, rate, weight_decay)
             if isinstance(size, torch.Tensor):
                 tp.foreach("add_", views, tp.foreach("mul", updates, scalar=-size))
             else:
                 tp.foreach("add_", views, updates, alpha=-size)
-            decay_(views, rate, weight_decay)
+            if not weight_decay_first:
+                decay_(views, rate, weight_decay)
         return state
 
     return Optimizer(init, update)

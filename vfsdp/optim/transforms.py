@@ -62,7 +62,7 @@ class Transform:
     matching ``updates.updates``. ``hyper`` lets :func:`fuse` recognise the common chains."""
 
     name: str
-    apply: Callable[[Any, dict], None]
+    apply: Optional[Callable[[Any, dict], None]]  # None: a matrix preconditioner (fuse runs it)
     buffers: tuple = ()
     hyper: tuple = ()
 
@@ -249,7 +249,7 @@ def _owner(name: str, factory: str, options: dict) -> Optimizer:
                              f"{'scale_by_learning_rate' if key == 'lr' else 'add_decayed_weights'}"
                              f" in the chain, not to {name}")
     _factories()[factory](**options)  # refuses bad options now, by name
-    t = Transform(name, _owner_apply(name), (), ("owner", factory, options))
+    t = Transform(name, None, (), ("owner", factory, options))  # run refuses it: no apply
     return Optimizer(t.init, t.update)
 
 
@@ -259,12 +259,6 @@ def _factories() -> dict:
     from vfsdp.optim.soap import soap
 
     return {"soap": soap, "shampoo": shampoo, "muon": muon}
-
-
-def _owner_apply(name: str) -> Callable:
-    def apply(u: Updates, state: dict) -> None:  # run refuses it first (_check)
-        raise ValueError(f"{name} runs only inside chain(...)")
-    return apply
 
 
 def scale_by_soap(**options: Any) -> Optimizer:

@@ -10,8 +10,9 @@ Per step, for the matrices:
    (stacked the same way: moments, statistics, preconditioners), batched per shape;
 3. the updates go back to the holders, which add them to their shards (multi-tensor ops).
 
-1-D tensors keep their state sharded like the parameters (the optimizer's own elementwise
-rule). Over HSDP each replica's shard group does the same work.
+1-D tensors are owned the same way (Shampoo: a stack ``[B, n]``), or keep their state sharded
+like the parameters (SOAP: its own elementwise rule). Over HSDP each replica's shard group
+does the same work.
 
 Checkpoints: a matrix's state is a :class:`~vfsdp.collectives.Piece` of the whole tensor
 on its owner and an empty piece elsewhere, so a checkpoint reloads under any world size

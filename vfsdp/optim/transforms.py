@@ -11,7 +11,10 @@ without the decay) and runs AdamW's own fused implementation. Any other run of t
 runs them one after another over every unit's flat shard as lists (:func:`run`): each
 transform is a few multi-tensor ops over the whole rank, so a user's own chain (Lion, say,
 from a small :func:`transform`) costs a few ops per step whatever the number of tensors or
-units. Gradient transforms that are whole optimizers (``clip_by_global_norm``) go before the
+units. The matrix preconditioners (:func:`scale_by_soap`, :func:`scale_by_shampoo`,
+:func:`scale_by_muon`) need whole matrices on owner ranks: ``chain`` runs one followed by
+``add_decayed_weights`` and ``scale_by_learning_rate`` as its optimizer, and refuses other
+sequences with them. Gradient transforms that are whole optimizers (``clip_by_global_norm``) go before the
 transforms: they change the gradients, which the first transform reads.
 """
 
@@ -47,6 +50,9 @@ from vfsdp.optim.base import (
     unit_buffers,
     write_step,
 )
+from vfsdp.optim.muon import muon
+from vfsdp.optim.shampoo import shampoo
+from vfsdp.optim.soap import soap
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["Transform", "Updates", "TransformsState", "transform", "scale_by_adam",
@@ -240,6 +246,9 @@ def scale_by_learning_rate(lr: Schedule = 1e-3) -> Optimizer:
     return Optimizer(t.init, t.update)
 
 
+_FACTORIES = {"soap": soap, "shampoo": shampoo, "muon": muon}
+
+
 def _owner(name: str, factory: str, options: dict) -> Optimizer:
     """A matrix preconditioner as a transform: ``factory``'s (``vfsdp.optim.<factory>``)
     direction, run by :func:`fuse` as that optimizer with the chain's decay and rate."""
@@ -248,17 +257,9 @@ def _owner(name: str, factory: str, options: dict) -> Optimizer:
             raise ValueError(f"{name}: {key}= belongs to "
                              f"{'scale_by_learning_rate' if key == 'lr' else 'add_decayed_weights'}"
                              f" in the chain, not to {name}")
-    _factories()[factory](**options)  # refuses bad options now, by name
+    _FACTORIES[factory](**options)  # refuses bad options now, by name
     t = Transform(name, None, (), ("owner", factory, options))  # run refuses it: no apply
     return Optimizer(t.init, t.update)
-
-
-def _factories() -> dict:
-    from vfsdp.optim.muon import muon
-    from vfsdp.optim.shampoo import shampoo
-    from vfsdp.optim.soap import soap
-
-    return {"soap": soap, "shampoo": shampoo, "muon": muon}
 
 
 def scale_by_soap(**options: Any) -> Optimizer:
@@ -611,7 +612,7 @@ def fuse(members: tuple) -> tuple:
         (_, name, options), (_, lr) = found[0].hyper, found[-1].hyper
         wd = found[1].hyper[1] if len(found) == 3 else 0.0
         order = {"weight_decay_first": True} if name == "soap" and wd else {}
-        one = _factories()[name](lr=lr, weight_decay=wd, **options, **order)
+        one = _FACTORIES[name](lr=lr, weight_decay=wd, **options, **order)
     else:
         one = run(*members[first:end])
     return (*members[:first], one, *members[end:])

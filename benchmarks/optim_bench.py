@@ -163,7 +163,8 @@ def main(argv=None) -> int:
         args.dim, args.layers, args.repeat = 128, 2, 3
     device = args.device
     table = {cut: simulate(1, rows, args.dim, args.layers, cut, args.repeat, device,
-                           device=device if device != "cpu" else None)[0] for cut in (1, 4)}
+                           device=device if device != "cpu" else None, timeout=None)[0]
+             for cut in (1, 4)}
     one, four = table[1], table[4]
     print(f"{device}, {one['parameters']:,} parameters in {one['tensors']} tensors, then "
           f"{four['tensors']}; seconds per update (median of {args.repeat}), and against torch "

@@ -33,9 +33,11 @@ from vfsdp.collectives.piece import Piece
 from vfsdp.functional.state import param_tree
 from vfsdp.optim.base import (
     Mask,
+    decay_,
     flat_grads,
     frozen_of,
     grad_leaves,
+    learning_rate,
     new_count,
     selected,
     state_dtype,
@@ -52,7 +54,7 @@ from vfsdp.optim.muon import (
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["OwnedState", "init_owned", "owned_step", "refuse_compile"]
+__all__ = ["OwnedState", "init_owned", "owned_step", "begin", "apply_"]
 
 
 @dataclass
@@ -118,13 +120,30 @@ class OwnedState(MuonState):
         return self
 
 
-def refuse_compile(what: str) -> None:
-    """Muon's refusal under ``torch.compile``, in the same words."""
+def begin(what: str, state: OwnedState, schedule: Callable) -> object:
+    """Start an update: Muon's refusal under ``torch.compile`` (in its words), the step
+    counted (on the device and on the host); returns the step's learning rate."""
     if tp.compiling():
         raise ValueError(f"{what}.update under torch.compile is not supported yet (its "
                          f"per-tensor kernels and exchanges run eagerly); compile the "
                          f"forward and backward and call the update outside, or use "
                          f"vfsdp.optim.adamw, which compiles")
+    state.count.add_(1)
+    state.n += 1
+    return learning_rate(schedule, state.count)
+
+
+def apply_(views: list, updates: list, size, rate, weight_decay: float, first: bool) -> None:
+    """``p -= size * u`` over the lists, with decoupled weight decay (``p *= 1 - rate *
+    weight_decay``) before it (``first``) or after it."""
+    if first:
+        decay_(views, rate, weight_decay)
+    if isinstance(size, torch.Tensor):  # a schedule's: no tensor alpha in add_
+        tp.foreach("add_", views, tp.foreach("mul", updates, scalar=-size))
+    else:
+        tp.foreach("add_", views, updates, alpha=-size)
+    if not first:
+        decay_(views, rate, weight_decay)
 
 
 def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: int,

@@ -27,17 +27,14 @@ from typing import Any, Optional
 
 import torch
 
-from vfsdp import _torch_private as tp
 from vfsdp.optim.base import (
     Mask,
     Optimizer,
     Schedule,
     as_schedule,
     check_hyper,
-    decay_,
-    learning_rate,
 )
-from vfsdp.optim.owners import OwnedState, init_owned, owned_step, refuse_compile
+from vfsdp.optim.owners import OwnedState, apply_, begin, init_owned, owned_step
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["shampoo", "inverse_root"]
@@ -72,24 +69,11 @@ def _regions(shape: tuple, size: Optional[int]) -> list:
     return list(itertools.product(*(pieces(n) for n in shape)))
 
 
-def _cut(g: torch.Tensor, region: tuple) -> torch.Tensor:
-    """The blocks of region ``region`` of a stack ``g`` ``[B, *shape]`` as ``[N, rows, cols]``
-    (a vector's blocks as columns ``[N, n, 1]``)."""
-    x = g[(slice(None), *(slice(lo, hi) for lo, hi, _ in region))]
-    if len(region) == 1:
-        return x.reshape(-1, region[0][2], 1)
+def _blocks(x: torch.Tensor, region: tuple) -> torch.Tensor:
+    """The blocks of ``region`` (:func:`_regions`) of a stack ``x`` ``[B, rows, cols]``, as a
+    view ``[B, row blocks, column blocks, rows, cols]``."""
     (r0, r1, br), (c0, c1, bc) = region
-    return x.reshape(len(g), (r1 - r0) // br, br, (c1 - c0) // bc, bc).transpose(2, 3) \
-        .reshape(-1, br, bc)
-
-
-def _paste(out: torch.Tensor, y: torch.Tensor, region: tuple) -> None:
-    """Write the blocks ``y`` (:func:`_cut`'s layout) into region ``region`` of ``out``."""
-    at = (slice(None), *(slice(lo, hi) for lo, hi, _ in region))
-    if len(region) == 2:
-        (r0, r1, br), (c0, c1, bc) = region
-        y = y.view(len(out), (r1 - r0) // br, (c1 - c0) // bc, br, bc).transpose(2, 3)
-    out[at] = y.reshape(out[at].shape)
+    return x[:, r0:r1, c0:c1].unflatten(1, (-1, br)).unflatten(3, (-1, bc)).transpose(2, 3)
 
 
 def shampoo(
@@ -155,50 +139,41 @@ def shampoo(
     schedule = as_schedule(lr)
 
     def stack_state(b: int, shape: tuple, dtype: torch.dtype, device: Any) -> dict:
-        out = {}
-        for i, region in enumerate(_regions(shape, block_size)):
+        out = {}  # a vector is a column: its blocks have one side, L
+        for i, region in enumerate(_regions((*shape, 1)[:2], block_size)):
             blocks = math.prod((hi - lo) // n for lo, hi, n in region)
-            for side, (_, _, n) in zip("LR", region):
+            for side, (_, _, n) in zip("LR"[:len(shape)], region):
                 eye = torch.eye(n, dtype=dtype, device=device).mul_(eps)
                 out[f"{side}{i or ''}"] = eye.expand(b, blocks, n, n).clone()
-                out[f"P{side}{i or ''}"] = torch.zeros(b, blocks, n, n, dtype=dtype,
-                                                        device=device)
+                out[f"P{side}{i or ''}"] = torch.zeros_like(out[f"{side}{i or ''}"])
         return out
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> OwnedState:
         return init_owned("shampoo", shards, spec, mask, only, wave_size, stack_state, False)
 
     def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
-        refuse_compile("shampoo")
-        state.count.add_(1)
-        state.n += 1
-        rate = learning_rate(schedule, state.count)
+        rate = begin("shampoo", state, schedule)
         refresh = (state.n - 1) % precondition_frequency == 0
 
         def rule(w: int, g: torch.Tensor) -> torch.Tensor:
-            s, out = state.stacks[w], torch.empty_like(g)
+            s, order = state.stacks[w], g.dim() - 1  # a matrix's roots -1/4, a vector's -1/2
+            g = g if order == 2 else g.unsqueeze(-1)
+            out = torch.empty_like(g)
             for i, region in enumerate(_regions(g.shape[1:], block_size)):
-                x = _cut(g, region)
-                y = x
-                for side, xx in (("L", x @ x.mT), ("R", x.mT @ x if len(region) == 2 else None)):
-                    if xx is None:
-                        continue
-                    stats, root = (s[f"{p}{side}{i or ''}"].view(len(xx), *xx.shape[1:])
-                                   for p in ("", "P"))
-                    stats.add_(xx)
+                y = x = _blocks(g, region).reshape(-1, region[0][2], region[1][2])
+                for side in "LR"[:order]:
+                    n = x.shape[-2] if side == "L" else x.shape[-1]
+                    stats, root = (s[f"{p}{side}{i or ''}"].view(-1, n, n) for p in ("", "P"))
+                    stats.add_(x @ x.mT if side == "L" else x.mT @ x)
                     if refresh:
-                        root.copy_(inverse_root(stats, 2 * len(region), eps))
+                        root.copy_(inverse_root(stats, 2 * order, eps))
                     y = root @ y if side == "L" else y @ root
-                _paste(out, y, region)
-            return out
+                _blocks(out, region).copy_(y.view(_blocks(out, region).shape))
+            return out if order == 2 else out.squeeze(-1)
 
         with torch.no_grad():
             views, updates, _ = owned_step("shampoo", grads, state, shards, spec, rule, True)
-            decay_(views, rate, weight_decay)
-            if isinstance(rate, torch.Tensor):
-                tp.foreach("add_", views, tp.foreach("mul", updates, scalar=-rate))
-            else:
-                tp.foreach("add_", views, updates, alpha=-rate)
+            apply_(views, updates, rate, rate, weight_decay, True)
         return state
 
     return Optimizer(init, update)

@@ -246,18 +246,15 @@ def scale_by_learning_rate(lr: Schedule = 1e-3) -> Optimizer:
     return Optimizer(t.init, t.update)
 
 
-_FACTORIES = {"soap": soap, "shampoo": shampoo, "muon": muon}
-
-
-def _owner(name: str, factory: str, options: dict) -> Optimizer:
-    """A matrix preconditioner as a transform: ``factory``'s (``vfsdp.optim.<factory>``)
-    direction, run by :func:`fuse` as that optimizer with the chain's decay and rate."""
+def _owner(name: str, factory: Callable, options: dict) -> Optimizer:
+    """A matrix preconditioner as a transform: the optimizer ``factory``'s direction, run by
+    :func:`fuse` as that optimizer with the chain's decay and rate."""
     for key in ("lr", "weight_decay"):
         if key in options:
             raise ValueError(f"{name}: {key}= belongs to "
                              f"{'scale_by_learning_rate' if key == 'lr' else 'add_decayed_weights'}"
                              f" in the chain, not to {name}")
-    _FACTORIES[factory](**options)  # refuses bad options now, by name
+    factory(**options)  # refuses bad options now, by name
     t = Transform(name, None, (), ("owner", factory, options))  # run refuses it: no apply
     return Optimizer(t.init, t.update)
 
@@ -294,7 +291,7 @@ def scale_by_soap(**options: Any) -> Optimizer:
         >>> vfsdp.testing.simulate(2, body)      # SOAP's own state: chain runs soap
         ['OwnedState', 'OwnedState']
     """
-    return _owner("scale_by_soap", "soap", options)
+    return _owner("scale_by_soap", soap, options)
 
 
 def scale_by_shampoo(**options: Any) -> Optimizer:
@@ -321,7 +318,7 @@ def scale_by_shampoo(**options: Any) -> Optimizer:
         ...
         ValueError: shampoo: block_size must be >= 1 (or None: whole matrices), got 0
     """
-    return _owner("scale_by_shampoo", "shampoo", options)
+    return _owner("scale_by_shampoo", shampoo, options)
 
 
 def scale_by_muon(**options: Any) -> Optimizer:
@@ -348,7 +345,7 @@ def scale_by_muon(**options: Any) -> Optimizer:
         ...
         ValueError: scale_by_muon: lr= belongs to scale_by_learning_rate in the chain, not to scale_by_muon
     """
-    return _owner("scale_by_muon", "muon", options)
+    return _owner("scale_by_muon", muon, options)
 
 
 @dataclass
@@ -609,10 +606,10 @@ def fuse(members: tuple) -> tuple:
         one = adamw(lr, betas, eps, wd, mask, fused=None)
     elif kinds[0] == ("owner",) and kinds[1:] in ([("lr",)], [("decay",), ("lr",)]) \
             and (len(found) == 2 or found[1].hyper[2] is None):
-        (_, name, options), (_, lr) = found[0].hyper, found[-1].hyper
+        (_, make, options), (_, lr) = found[0].hyper, found[-1].hyper
         wd = found[1].hyper[1] if len(found) == 3 else 0.0
-        order = {"weight_decay_first": True} if name == "soap" and wd else {}
-        one = _FACTORIES[name](lr=lr, weight_decay=wd, **options, **order)
+        order = {"weight_decay_first": True} if make is soap and wd else {}
+        one = make(lr=lr, weight_decay=wd, **options, **order)
     else:
         one = run(*members[first:end])
     return (*members[:first], one, *members[end:])

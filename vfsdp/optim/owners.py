@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -120,7 +121,7 @@ class OwnedState(MuonState):
         return self
 
 
-def begin(what: str, state: OwnedState, schedule: Callable) -> object:
+def begin(what: str, state: OwnedState, schedule: Callable) -> Any:
     """Start an update: Muon's refusal under ``torch.compile`` (in its words), the step
     counted (on the device and on the host); returns the step's learning rate."""
     if tp.compiling():
@@ -133,7 +134,8 @@ def begin(what: str, state: OwnedState, schedule: Callable) -> object:
     return learning_rate(schedule, state.count)
 
 
-def apply_(views: list, updates: list, size, rate, weight_decay: float, first: bool) -> None:
+def apply_(views: list, updates: list, size: Any, rate: Any, weight_decay: float,
+           first: bool) -> None:
     """``p -= size * u`` over the lists, with decoupled weight decay (``p *= 1 - rate *
     weight_decay``) before it (``first``) or after it."""
     if first:

@@ -12,6 +12,10 @@ cut into 4 row blocks (4x the tensors). Rows:
   beside it (``step8`` of ``tests/optim/reference.py`` once per quantized tensor, what 0.2
   ran), over the same state;
 * ``vfsdp muon``: Muon on the matrices, AdamW on the norms;
+* ``vfsdp soap``: SOAP (1-D tensors on its Adam), beside ``pytorch-optimizer SOAP``, the
+  reference, over the same tensors in one process with the same hyperparameters (eigenbases
+  refreshed every 10 steps in both); ``vfsdp shampoo``: Shampoo on every tensor (blocks of
+  at most 1024, the 1-D rule for the norms);
 * ``offload(...)``: the same optimizers through ``vfsdp.optim.offload`` (state and fp32
   masters in host memory; on the CPU the "host" is the same memory, so the row shows what
   the per-unit copies and bookkeeping add), and ``offload(adamw fused)``, torch's fused CPU
@@ -19,6 +23,7 @@ cut into 4 row blocks (4x the tensors). Rows:
 
     python benchmarks/optim_bench.py
     python benchmarks/optim_bench.py --dim 512 --layers 2 --repeat 5
+    python benchmarks/optim_bench.py --quick       # tiny shapes, 3 repeats: a smoke run
 """
 
 from __future__ import annotations
@@ -105,13 +110,22 @@ def rows(dim: int, layers: int, cut: int, repeat: int, device: str) -> dict:
     fused = {"fused": True} if dev.type == "cuda" else {"foreach": True}
     topt = torch.optim.AdamW(leaves, lr=1e-3, **fused)
     out["torch AdamW"] = _median(topt.step, repeat, sync)
+    try:
+        from pytorch_optimizer import SOAP
+    except ImportError:  # the row is left out
+        SOAP = None
+    if SOAP is not None:
+        out["pytorch-optimizer SOAP"] = _median(
+            SOAP(leaves, lr=1e-3, precondition_frequency=10).step, repeat, sync)
     is_matrix = lambda p: str(p[-1]) != "norm"
     made = {
         "vfsdp adamw": lambda: vfsdp.optim.adamw(lr=1e-3),
         "vfsdp adamw8bit": lambda: vfsdp.optim.adamw8bit(lr=1e-3, compile=False),
         "vfsdp muon": lambda: vfsdp.optim.partition(
             {"muon": vfsdp.optim.muon(lr=1e-3), "adamw": vfsdp.optim.adamw(lr=1e-3)},
-            lambda p: "muon" if is_matrix(p) else "adamw")}
+            lambda p: "muon" if is_matrix(p) else "adamw"),
+        "vfsdp soap": lambda: vfsdp.optim.soap(lr=1e-3, precondition_frequency=10),
+        "vfsdp shampoo": lambda: vfsdp.optim.shampoo(lr=1e-3, precondition_frequency=10)}
     offload = getattr(vfsdp.optim, "offload", None)
     if offload is not None:
         made.update({
@@ -143,16 +157,21 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="128 wide, 2 layers, 3 repeats")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.dim, args.layers, args.repeat = 128, 2, 3
     device = args.device
     table = {cut: simulate(1, rows, args.dim, args.layers, cut, args.repeat, device,
-                           device=device if device != "cpu" else None)[0] for cut in (1, 4)}
+                           device=device if device != "cpu" else None, timeout=None)[0]
+             for cut in (1, 4)}
     one, four = table[1], table[4]
     print(f"{device}, {one['parameters']:,} parameters in {one['tensors']} tensors, then "
           f"{four['tensors']}; seconds per update (median of {args.repeat}), and against torch "
           f"AdamW in the same run")
     for name in ("torch AdamW", "vfsdp adamw", "vfsdp adamw8bit", "8-bit pass, per rank",
-                 "8-bit pass, per tensor", "vfsdp muon", "offload(adamw)",
+                 "8-bit pass, per tensor", "vfsdp muon", "vfsdp soap", "pytorch-optimizer SOAP",
+                 "vfsdp shampoo", "offload(adamw)",
                  "offload(adamw fused)", "offload(adamw8bit)", "offload(muon)"):
         if name not in one:
             continue

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -219,6 +220,19 @@ def test_op_counts_benchmark_prints_equal_counts_at_both_sizes():
     assert [r[0] for r in rows] == ["adamw", "adamw8bit", "clip"]
     for r in rows:
         assert int(r[3]) <= 1.1 * int(r[1]), r
+
+
+def test_optim_benchmark_quick_prints_every_row():
+    """benchmarks/optim_bench.py --quick: SOAP and Shampoo beside torch's AdamW and
+    pytorch-optimizer's SOAP, a positive time in both layouts."""
+    pytest.importorskip("pytorch_optimizer")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "optim_bench.py"),
+                           "--quick"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line[:22].strip(): [float(x) for x in re.findall(r"([0-9.]+) s ", line[22:])]
+            for line in proc.stdout.splitlines()[1:]}
+    for name in ("torch AdamW", "vfsdp soap", "pytorch-optimizer SOAP", "vfsdp shampoo"):
+        assert len(rows[name]) == 2 and min(rows[name]) > 0, (name, rows.get(name))
 
 
 @pytest.mark.slow

@@ -34,6 +34,8 @@ def test_soap_refuses_the_options_it_does_not_implement():
             vfsdp.optim.soap(**{name: True})
     with pytest.raises(ValueError, match="precondition_frequency must be >= 1"):
         vfsdp.optim.shampoo(precondition_frequency=0)
+    with pytest.raises(ValueError, match="shampoo: block_size must be >= 1"):
+        vfsdp.optim.shampoo(block_size=0)
 
 
 def test_what_soap_and_shampoo_cannot_update_is_named():
@@ -41,8 +43,8 @@ def test_what_soap_and_shampoo_cannot_update_is_named():
     w, b, conv = torch.ones(4, 4), torch.ones(4), torch.ones(2, 3, 4)
     got = simulate(2, _message, soap, {"w": w, "conv": conv})[0]
     assert got.startswith("soap: conv is given to soap") and "3-D" in got and "adamw" in got
-    got = simulate(2, _message, shampoo, {"w": w, "b": b})[0]
-    assert got.startswith("shampoo: b is given to shampoo") and "1-D" in got, got
+    got = simulate(2, _message, shampoo, {"w": w, "b": b, "conv": conv})[0]
+    assert got.startswith("shampoo: conv is given to shampoo") and "3-D" in got, got
     got = simulate(2, _message, soap, {"w": w, "b": b}, "w")[0]
     assert got.startswith("soap: w is frozen (requires_grad=False)") and "partition" in got
     got = simulate(2, _message, shampoo, {"w": w}, None, True)[0]

@@ -49,3 +49,23 @@ def test_bad_hyperparameters_and_transforms_are_refused():
         scale_by_learning_rate(float("nan"))
     with pytest.raises(TypeError, match=r"transform\('mine'\): takes apply"):
         transform(torch.zeros(1), name="mine")
+
+
+def test_a_matrix_preconditioner_outside_its_one_chain_is_refused():
+    from vfsdp.optim import scale_by_muon, scale_by_shampoo, scale_by_soap
+
+    sign = transform(lambda u, s: None, name="sign")
+    for members in ((sign, scale_by_soap(), scale_by_learning_rate(0.1)),
+                    (scale_by_shampoo(), sign, scale_by_learning_rate(0.1)),
+                    (scale_by_muon(), add_decayed_weights(0.1, lambda p: True),
+                     scale_by_learning_rate(0.1))):
+        name = next(m for m in members if m is not sign).init.__self__.name
+        with pytest.raises(ValueError, match=f"chain: {name} preconditions whole matrices"):
+            chain(*members)
+    with pytest.raises(ValueError, match="scale_by_soap: weight_decay= belongs to "
+                                         "add_decayed_weights"):
+        scale_by_soap(weight_decay=0.1)
+    with pytest.raises(ValueError, match="soap: precondition_frequency must be >= 1"):
+        scale_by_soap(precondition_frequency=0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'block'"):
+        scale_by_shampoo(block=4)

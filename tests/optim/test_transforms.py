@@ -217,3 +217,57 @@ def test_transform_state_checkpoints_and_reshards():
         assert any(".transforms.0.m." in k and any(v) for k, v in saved.items())
     finally:
         shutil.rmtree(tmp)
+
+
+def _matrix_pair(name):
+    """(a chain of the matrix preconditioner ``name``, the optimizer it should equal)."""
+    from tests.optim import test_soap as ts
+    from vfsdp.optim import scale_by_muon, scale_by_shampoo, scale_by_soap
+
+    decay = add_decayed_weights(0.01)
+    if name == "soap":
+        options = {k: v for k, v in ts.HYPER.items() if k not in ("lr", "weight_decay")}
+        return (chain(scale_by_soap(**options), scale_by_learning_rate(3e-3)),
+                vfsdp.optim.soap(lr=3e-3, weight_decay=0.0, **options))
+    if name == "shampoo":
+        options = {"precondition_frequency": 5, "block_size": 7}
+        return (chain(scale_by_shampoo(**options), decay, scale_by_learning_rate(SCHEDULE)),
+                vfsdp.optim.shampoo(lr=SCHEDULE, weight_decay=0.01, **options))
+    return (chain(scale_by_muon(momentum=0.9), decay, scale_by_learning_rate(0.02)),
+            vfsdp.optim.muon(lr=0.02, momentum=0.9, weight_decay=0.01))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", ["soap", "shampoo", "muon"])
+def test_matrix_preconditioner_chains_are_the_optimizers_bit_for_bit(world, name):
+    """Shampoo in blocks with vectors, Muon with weight decay, SOAP without (its reference
+    decays after the step: the next test): the same parameters, bit for bit, each matrix on
+    its owner (the same state type, so the same owners' plan)."""
+    from tests.optim import test_soap as ts
+
+    composed, fused = _matrix_pair(name)
+    got = simulate(world, ts._train, None, 8, composed)
+    want = simulate(world, ts._train, None, 8, fused)
+    for (a, _), (b, _) in zip(got, want):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(got[0][0][0], ts._params()["layers"][0]["w_up"])  # it moved
+
+
+def test_soap_chain_decays_before_the_step():
+    """chain(scale_by_soap, add_decayed_weights(wd), scale_by_learning_rate(lr)) decays the
+    parameters before each step (p * a - s u, a = 1 - lr wd), pytorch-optimizer's SOAP after
+    it (a * (p - s u)); SOAP's direction u does not read p, so after n moving steps from p0
+    the chain's change from a^n p0 is the reference's divided by a."""
+    pytest.importorskip("pytorch_optimizer")
+    from tests.optim import test_soap as ts
+    from vfsdp.optim import scale_by_soap
+
+    h = dict(ts.HYPER)
+    lr, wd = h.pop("lr"), h.pop("weight_decay")
+    opt = chain(scale_by_soap(**h), add_decayed_weights(wd), scale_by_learning_rate(lr))
+    a, n = 1 - lr * wd, 11  # the first of 12 updates only sets the eigenbases
+    want = ts._reference()
+    for got, _ in simulate(2, ts._train, None, 12, opt):
+        for c, r, p0 in zip(got, want, optree.tree_leaves(ts._params())):
+            base = a ** n * p0
+            ts._close([c - base], [(r - base) / a], [torch.zeros_like(p0)])

@@ -20,6 +20,9 @@ from vfsdp.optim.transforms import (
     add_decayed_weights,
     scale_by_adam,
     scale_by_learning_rate,
+    scale_by_muon,
+    scale_by_shampoo,
+    scale_by_soap,
     transform,
 )
 
@@ -52,6 +55,9 @@ __all__ = [
     "partition",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "scale_by_muon",
+    "scale_by_shampoo",
+    "scale_by_soap",
     "shampoo",
     "soap",
     "transform",

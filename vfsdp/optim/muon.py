@@ -107,8 +107,7 @@ def plan_roots(tensors: list[TensorSpec], world_size: int) -> list[int]:
 
 
 def _cost(t: TensorSpec) -> int:
-    r, c = t.global_shape[-2], t.global_shape[-1]
-    return r * c * min(r, c)
+    return math.prod(t.global_shape) * min(t.global_shape[-2:])  # a vector (Shampoo's): n^2
 
 
 def owned_matrices(found: list, world: int, units: list, what: str, why: str) -> tuple:

@@ -10,8 +10,9 @@ Per step, for the matrices:
    (stacked the same way: moments, statistics, preconditioners), batched per shape;
 3. the updates go back to the holders, which add them to their shards (multi-tensor ops).
 
-1-D tensors keep their state sharded like the parameters (the optimizer's own elementwise
-rule). Over HSDP each replica's shard group does the same work.
+1-D tensors are owned the same way (Shampoo: a stack ``[B, n]``), or keep their state sharded
+like the parameters (SOAP: its own elementwise rule). Over HSDP each replica's shard group
+does the same work.
 
 Checkpoints: a matrix's state is a :class:`~vfsdp.collectives.Piece` of the whole tensor
 on its owner and an empty piece elsewhere, so a checkpoint reloads under any world size
@@ -23,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,9 +34,11 @@ from vfsdp.collectives.piece import Piece
 from vfsdp.functional.state import param_tree
 from vfsdp.optim.base import (
     Mask,
+    decay_,
     flat_grads,
     frozen_of,
     grad_leaves,
+    learning_rate,
     new_count,
     selected,
     state_dtype,
@@ -51,7 +55,7 @@ from vfsdp.optim.muon import (
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["OwnedState", "init_owned", "owned_step", "refuse_compile"]
+__all__ = ["OwnedState", "init_owned", "owned_step", "begin", "apply_"]
 
 
 @dataclass
@@ -117,32 +121,51 @@ class OwnedState(MuonState):
         return self
 
 
-def refuse_compile(what: str) -> None:
-    """Muon's refusal under ``torch.compile``, in the same words."""
+def begin(what: str, state: OwnedState, schedule: Callable) -> Any:
+    """Start an update: Muon's refusal under ``torch.compile`` (in its words), the step
+    counted (on the device and on the host); returns the step's learning rate."""
     if tp.compiling():
         raise ValueError(f"{what}.update under torch.compile is not supported yet (its "
                          f"per-tensor kernels and exchanges run eagerly); compile the "
                          f"forward and backward and call the update outside, or use "
                          f"vfsdp.optim.adamw, which compiles")
+    state.count.add_(1)
+    state.n += 1
+    return learning_rate(schedule, state.count)
+
+
+def apply_(views: list, updates: list, size: Any, rate: Any, weight_decay: float,
+           first: bool) -> None:
+    """``p -= size * u`` over the lists, with decoupled weight decay (``p *= 1 - rate *
+    weight_decay``) before it (``first``) or after it."""
+    if first:
+        decay_(views, rate, weight_decay)
+    if isinstance(size, torch.Tensor):  # a schedule's: no tensor alpha in add_
+        tp.foreach("add_", views, tp.foreach("mul", updates, scalar=-size))
+    else:
+        tp.foreach("add_", views, updates, alpha=-size)
+    if not first:
+        decay_(views, rate, weight_decay)
 
 
 def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: int,
                stack_state: Callable, vectors: bool) -> OwnedState:
-    """The owner plan and state: the 2-D tensors selected (by ``mask`` and ``only``) are the
-    matrices, with roots and waves as Muon plans them; ``stack_state(b, shape, dtype,
-    device)`` makes a wave's stacked state; ``vectors``: 1-D tensors get two sharded moments.
+    """The owner plan and state: the 1-D and 2-D tensors selected (by ``mask`` and ``only``)
+    are the owned tensors (the "matrices"), with roots and waves as Muon plans them;
+    ``stack_state(b, shape, dtype, device)`` makes a wave's stacked state; ``vectors``: 1-D
+    tensors stay on their shards instead, with two sharded moments (SOAP's Adam).
 
     Raises:
-        ValueError: a selected tensor that is neither a matrix nor (with ``vectors``) 1-D, a
-            matrix split over a model axis the shards' mesh lacks (naming its path and the fix).
+        ValueError: a selected tensor of 3 or more dimensions, a matrix split over a model
+            axis the shards' mesh lacks (naming its path and the fix).
     """
     def kind(t: TensorSpec) -> str:
         if not math.prod(t.global_shape) or not selected(mask, t.path):
             return ""
         if only is not None and not only(t.path):
             return "excluded by only="
-        if len(t.shape) == 2 or (vectors and len(t.shape) == 1):
-            return "matrix" if len(t.shape) == 2 else "vector"
+        if len(t.shape) in (1, 2):
+            return "vector" if vectors and len(t.shape) == 1 else "matrix"
         return f"{len(t.shape)}-D ({tuple(t.global_shape)})"
 
     for t in spec.tensors():

@@ -1,36 +1,40 @@
-"""Distributed Shampoo (Gupta, Koren and Singer, 2018), each matrix whole on one owner
-(:mod:`vfsdp.optim.owners`), batched per shape there.
+"""Distributed Shampoo (Gupta, Koren and Singer, 2018), each tensor whole on one owner
+(:mod:`vfsdp.optim.owners`), cut into blocks there (Shi et al., 2023), batched per block shape.
 
-The published rule for a matrix ``G`` (Algorithm 1), its inverse roots refreshed every
-``precondition_frequency`` steps (stale in between, as the paper's large-scale practice):
+The published rule for a tensor of order ``k`` (a matrix: ``k = 2``, a vector: ``k = 1``;
+Algorithm 2), its inverse roots refreshed every ``precondition_frequency`` steps (stale in
+between, as the paper's large-scale practice), for a matrix ``G``:
 
 * ``L = eps I + sum G G^T``, ``R = eps I + sum G^T G`` (accumulated every step);
 * at steps ``1, 1 + f, 1 + 2f, ...``: ``PL = L^(-1/4)``, ``PR = R^(-1/4)`` by ``eigh``
   (eigenvalues floored at ``eps``);
-* ``p *= 1 - lr * weight_decay``; ``p -= lr * PL G PR``.
+* ``p *= 1 - lr * weight_decay``; ``p -= lr * PL G PR``;
 
-1-D tensors are refused by name: the published rule for them is a full ``n x n`` AdaGrad
-matrix; give them to AdamW with :func:`vfsdp.optim.partition`.
+and for a vector ``g``: ``L = eps I + sum g g^T`` (full-matrix AdaGrad), ``p -= lr *
+L^(-1/2) g``. Blocking (Distributed Shampoo's ``max_preconditioner_dim``): each dimension
+is cut into pieces of ``block_size`` (the last one shorter), and each block of a tensor takes
+the rule on its own, with its own statistics: an ``n``-vector holds ``O(n * block_size)``
+state, not ``O(n^2)``. A stack's blocks of one shape (at most 4 shapes per matrix shape: the
+full blocks and the edges) are one batch.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
-from vfsdp import _torch_private as tp
 from vfsdp.optim.base import (
     Mask,
     Optimizer,
     Schedule,
     as_schedule,
     check_hyper,
-    decay_,
-    learning_rate,
 )
-from vfsdp.optim.owners import OwnedState, init_owned, owned_step, refuse_compile
+from vfsdp.optim.owners import OwnedState, apply_, begin, init_owned, owned_step
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["shampoo", "inverse_root"]
@@ -49,53 +53,85 @@ def inverse_root(stats: torch.Tensor, p: int, floor: float) -> torch.Tensor:
     return (q * values.clamp_min(floor).pow(-1.0 / p).unsqueeze(-2)) @ q.mT
 
 
+def _regions(shape: tuple, size: Optional[int]) -> list:
+    """The blocks of a tensor of ``shape`` cut into pieces of at most ``size`` per dimension,
+    grouped by block shape: per group, per dimension ``(lo, hi, block)`` (``hi - lo`` a
+    multiple of ``block``); the group of full blocks first.
+
+    Example:
+        >>> _regions((5, 4), 2)
+        [((0, 4, 2), (0, 4, 2)), ((4, 5, 1), (0, 4, 2))]
+    """
+    def pieces(n: int) -> list:
+        b = n if size is None else min(n, size)
+        full = n - n % b
+        return [(0, full, b)] + ([(full, n, n - full)] if full < n else [])
+    return list(itertools.product(*(pieces(n) for n in shape)))
+
+
+def _blocks(x: torch.Tensor, region: tuple) -> torch.Tensor:
+    """The blocks of ``region`` (:func:`_regions`) of a stack ``x`` ``[B, rows, cols]``, as a
+    view ``[B, row blocks, column blocks, rows, cols]``."""
+    (r0, r1, br), (c0, c1, bc) = region
+    return x[:, r0:r1, c0:c1].unflatten(1, (-1, br)).unflatten(3, (-1, bc)).transpose(2, 3)
+
+
 def shampoo(
     lr: Schedule = 1e-3,
     eps: float = 1e-6,
     weight_decay: float = 0.0,
     precondition_frequency: int = 1,
+    block_size: Optional[int] = 1024,
     only: Optional[Callable[[tuple], bool]] = None,
     wave_size: int = 8,
 ) -> Optimizer:
-    """Shampoo for 2-D matrices, each updated whole on one owner rank (Muon's root plan),
-    which holds its statistics and inverse roots; pair it with AdamW for the rest through
-    :func:`vfsdp.optim.partition`.
+    """Shampoo for matrices and vectors, each updated whole on one owner rank (Muon's root
+    plan), which holds its statistics and inverse roots, per block of at most ``block_size``
+    per side; pair it with AdamW for other tensors through :func:`vfsdp.optim.partition`.
 
     Args:
         lr: A float or a schedule ``step -> lr``.
         eps: The statistics start at ``eps * I``; the floor of their eigenvalues.
         weight_decay: Decoupled weight decay (before the step).
         precondition_frequency: Steps between refreshes of the inverse roots.
-        only: ``path -> bool``: the matrices it updates (default: every 2-D tensor its
+        block_size: The longest side of a block (Distributed Shampoo's
+            ``max_preconditioner_dim``, whose default it takes); ``None``: whole tensors
+            (a vector of ``n`` then holds ``n x n`` statistics).
+        only: ``path -> bool``: the tensors it updates (default: every 1-D and 2-D tensor its
             ``mask`` selects).
-        wave_size: Matrices of one shape per owner in one exchange.
+        wave_size: Tensors of one shape per owner in one exchange.
 
     Returns:
         An :class:`vfsdp.optim.Optimizer`.
 
     Raises:
         ValueError: a negative ``lr``, ``eps`` or ``weight_decay``, a
-            ``precondition_frequency`` or ``wave_size`` below 1; from ``init``, a selected
-            tensor that is not 2-D (naming it), or a matrix split over a model axis the
-            shards' mesh lacks; from ``update``, under ``torch.compile`` (Muon's words) or
-            with a frozen tensor.
+            ``precondition_frequency``, ``block_size`` or ``wave_size`` below 1; from
+            ``init``, a selected tensor of 3 or more dimensions (naming it), or a matrix split
+            over a model axis the shards' mesh lacks; from ``update``, under
+            ``torch.compile`` (Muon's words) or with a frozen tensor.
 
     Example:
         >>> params = {"w": torch.randn(6, 4), "b": torch.zeros(6)}
-        >>> opt = vfsdp.optim.partition({"shampoo": vfsdp.optim.shampoo(lr=0.01),
-        ...                              "adamw": vfsdp.optim.adamw()},
-        ...                             lambda path: "shampoo" if path == ("w",) else "adamw")
+        >>> opt = vfsdp.optim.shampoo(lr=0.01, block_size=4)
         >>> def body():
         ...     spec = vfsdp.plan(params, 2)
         ...     shards = vfsdp.shard(params, spec)
         ...     state = opt.init(shards, spec)
         ...     vfsdp.grads(shards, spec)["w"].fill_(1.0)
         ...     state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
-        ...     return sorted(state["shampoo"].stacks[0])
-        >>> vfsdp.testing.simulate(2, body)[1]            # rank 1 owns w
-        ['L', 'PL', 'PR', 'R']
+        ...     return [{k: tuple(v.shape) for k, v in s.items() if k[0] in "LR"}
+        ...             for s in state.stacks if len(s["L"])]
+        >>> b, w = vfsdp.testing.simulate(2, body)   # [tensors, blocks, side, side]
+        >>> b                # rank 0 owns b: blocks of 4 and 2, one statistic each
+        [{'L': (1, 1, 4, 4), 'L1': (1, 1, 2, 2)}]
+        >>> w                # rank 1 owns w (6 x 4): blocks 4 x 4 and 2 x 4, an L and R each
+        [{'L': (1, 1, 4, 4), 'R': (1, 1, 4, 4), 'L1': (1, 1, 2, 2), 'R1': (1, 1, 4, 4)}]
     """
     check_hyper("shampoo", lr, weight_decay, eps=eps)
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"shampoo: block_size must be >= 1 (or None: whole matrices), got "
+                         f"{block_size}")
     for name, value in (("precondition_frequency", precondition_frequency),
                         ("wave_size", wave_size)):
         if value < 1:
@@ -103,37 +139,41 @@ def shampoo(
     schedule = as_schedule(lr)
 
     def stack_state(b: int, shape: tuple, dtype: torch.dtype, device: Any) -> dict:
-        eye = [torch.eye(n, dtype=dtype, device=device).mul_(eps).expand(b, n, n).clone()
-               for n in shape]
-        return {"L": eye[0], "R": eye[1], "PL": torch.zeros_like(eye[0]),
-                "PR": torch.zeros_like(eye[1])}
+        out = {}  # a vector is a column: its blocks have one side, L
+        for i, region in enumerate(_regions((*shape, 1)[:2], block_size)):
+            blocks = math.prod((hi - lo) // n for lo, hi, n in region)
+            for side, (_, _, n) in zip("LR"[:len(shape)], region):
+                eye = torch.eye(n, dtype=dtype, device=device).mul_(eps)
+                out[f"{side}{i or ''}"] = eye.expand(b, blocks, n, n).clone()
+                out[f"P{side}{i or ''}"] = torch.zeros_like(out[f"{side}{i or ''}"])
+        return out
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> OwnedState:
         return init_owned("shampoo", shards, spec, mask, only, wave_size, stack_state, False)
 
     def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
-        refuse_compile("shampoo")
-        state.count.add_(1)
-        state.n += 1
-        rate = learning_rate(schedule, state.count)
+        rate = begin("shampoo", state, schedule)
         refresh = (state.n - 1) % precondition_frequency == 0
 
         def rule(w: int, g: torch.Tensor) -> torch.Tensor:
-            s = state.stacks[w]
-            s["L"].add_(g @ g.mT)
-            s["R"].add_(g.mT @ g)
-            if refresh:
-                s["PL"].copy_(inverse_root(s["L"], 4, eps))
-                s["PR"].copy_(inverse_root(s["R"], 4, eps))
-            return s["PL"] @ g @ s["PR"]
+            s, order = state.stacks[w], g.dim() - 1  # a matrix's roots -1/4, a vector's -1/2
+            g = g if order == 2 else g.unsqueeze(-1)
+            out = torch.empty_like(g)
+            for i, region in enumerate(_regions(g.shape[1:], block_size)):
+                y = x = _blocks(g, region).reshape(-1, region[0][2], region[1][2])
+                for side in "LR"[:order]:
+                    n = x.shape[-2] if side == "L" else x.shape[-1]
+                    stats, root = (s[f"{p}{side}{i or ''}"].view(-1, n, n) for p in ("", "P"))
+                    stats.add_(x @ x.mT if side == "L" else x.mT @ x)
+                    if refresh:
+                        root.copy_(inverse_root(stats, 2 * order, eps))
+                    y = root @ y if side == "L" else y @ root
+                _blocks(out, region).copy_(y.view(_blocks(out, region).shape))
+            return out if order == 2 else out.squeeze(-1)
 
         with torch.no_grad():
             views, updates, _ = owned_step("shampoo", grads, state, shards, spec, rule, True)
-            decay_(views, rate, weight_decay)
-            if isinstance(rate, torch.Tensor):
-                tp.foreach("add_", views, tp.foreach("mul", updates, scalar=-rate))
-            else:
-                tp.foreach("add_", views, updates, alpha=-rate)
+            apply_(views, updates, rate, rate, weight_decay, True)
         return state
 
     return Optimizer(init, update)

@@ -35,10 +35,8 @@ from vfsdp.optim.base import (
     Schedule,
     as_schedule,
     check_hyper,
-    decay_,
-    learning_rate,
 )
-from vfsdp.optim.owners import OwnedState, init_owned, owned_step, refuse_compile
+from vfsdp.optim.owners import OwnedState, apply_, begin, init_owned, owned_step
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["soap", "eigenbasis"]
@@ -92,6 +90,7 @@ def soap(
     correct_bias: bool = True,
     only: Optional[Callable[[tuple], bool]] = None,
     wave_size: int = 8,
+    weight_decay_first: bool = False,
 ) -> Optimizer:
     """SOAP: every 2-D matrix updated whole on one owner rank (Muon's root plan), which holds
     its moments, statistics and eigenbases; 1-D tensors take Adam on their shards.
@@ -112,6 +111,9 @@ def soap(
             ``mask`` selects).
         wave_size: Matrices of one shape per owner in one exchange (a bound on the full
             gradients an owner holds at once).
+        weight_decay_first: Decay the parameters before the step (AdamW's order, what
+            ``chain(scale_by_soap(), add_decayed_weights(wd), ...)`` says) rather than after
+            it (the reference's); they differ by ``lr * weight_decay * step``.
 
     Returns:
         An :class:`vfsdp.optim.Optimizer`.
@@ -155,10 +157,7 @@ def soap(
         rows, cols = shape
         out = {"exp_avg": torch.zeros(b, rows, cols, dtype=dtype, device=device),
                "exp_avg_sq": torch.zeros(b, rows, cols, dtype=dtype, device=device)}
-        for name, n in (("L", rows), ("R", cols)):
-            if n <= max_precondition_dim:
-                out[name] = torch.zeros(b, n, n, dtype=dtype, device=device)
-        for name, n in (("QL", rows), ("QR", cols)):
+        for name, n in (("L", rows), ("R", cols), ("QL", rows), ("QR", cols)):
             if n <= max_precondition_dim:
                 out[name] = torch.zeros(b, n, n, dtype=dtype, device=device)
         return out
@@ -167,11 +166,8 @@ def soap(
         return init_owned("soap", shards, spec, mask, only, wave_size, stack_state, True)
 
     def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
-        refuse_compile("soap")
-        state.count.add_(1)
-        state.n += 1
+        rate = begin("soap", state, schedule)
         t = state.n - 1  # the reference's step: the first update only initialises
-        rate = learning_rate(schedule, state.count)
         size = rate * (math.sqrt(1 - b2 ** t) / (1 - b1 ** t)) if correct_bias and t else rate
 
         def rule(w: int, g: torch.Tensor) -> Optional[torch.Tensor]:
@@ -212,11 +208,7 @@ def soap(
                 tp.foreach("add_", den, scalar=eps)
                 updates = updates + list(tp.foreach("div", ms, den))
                 views = views + ps
-            if isinstance(size, torch.Tensor):
-                tp.foreach("add_", views, tp.foreach("mul", updates, scalar=-size))
-            else:
-                tp.foreach("add_", views, updates, alpha=-size)
-            decay_(views, rate, weight_decay)
+            apply_(views, updates, size, rate, weight_decay, weight_decay_first)
         return state
 
     return Optimizer(init, update)

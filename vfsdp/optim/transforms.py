@@ -11,7 +11,10 @@ without the decay) and runs AdamW's own fused implementation. Any other run of t
 runs them one after another over every unit's flat shard as lists (:func:`run`): each
 transform is a few multi-tensor ops over the whole rank, so a user's own chain (Lion, say,
 from a small :func:`transform`) costs a few ops per step whatever the number of tensors or
-units. Gradient transforms that are whole optimizers (``clip_by_global_norm``) go before the
+units. The matrix preconditioners (:func:`scale_by_soap`, :func:`scale_by_shampoo`,
+:func:`scale_by_muon`) need whole matrices on owner ranks: ``chain`` runs one followed by
+``add_decayed_weights`` and ``scale_by_learning_rate`` as its optimizer, and refuses other
+sequences with them. Gradient transforms that are whole optimizers (``clip_by_global_norm``) go before the
 transforms: they change the gradients, which the first transform reads.
 """
 
@@ -47,10 +50,14 @@ from vfsdp.optim.base import (
     unit_buffers,
     write_step,
 )
+from vfsdp.optim.muon import muon
+from vfsdp.optim.shampoo import shampoo
+from vfsdp.optim.soap import soap
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["Transform", "Updates", "TransformsState", "transform", "scale_by_adam",
-           "add_decayed_weights", "scale_by_learning_rate", "run", "fuse"]
+           "add_decayed_weights", "scale_by_learning_rate", "scale_by_soap", "scale_by_shampoo",
+           "scale_by_muon", "run", "fuse"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,7 +68,7 @@ class Transform:
     matching ``updates.updates``. ``hyper`` lets :func:`fuse` recognise the common chains."""
 
     name: str
-    apply: Callable[[Any, dict], None]
+    apply: Optional[Callable[[Any, dict], None]]  # None: a matrix preconditioner (fuse runs it)
     buffers: tuple = ()
     hyper: tuple = ()
 
@@ -239,6 +246,108 @@ def scale_by_learning_rate(lr: Schedule = 1e-3) -> Optimizer:
     return Optimizer(t.init, t.update)
 
 
+def _owner(name: str, factory: Callable, options: dict) -> Optimizer:
+    """A matrix preconditioner as a transform: the optimizer ``factory``'s direction, run by
+    :func:`fuse` as that optimizer with the chain's decay and rate."""
+    for key in ("lr", "weight_decay"):
+        if key in options:
+            raise ValueError(f"{name}: {key}= belongs to "
+                             f"{'scale_by_learning_rate' if key == 'lr' else 'add_decayed_weights'}"
+                             f" in the chain, not to {name}")
+    factory(**options)  # refuses bad options now, by name
+    t = Transform(name, None, (), ("owner", factory, options))  # run refuses it: no apply
+    return Optimizer(t.init, t.update)
+
+
+def scale_by_soap(**options: Any) -> Optimizer:
+    """SOAP's direction (:func:`~vfsdp.optim.soap`: Adam in the eigenbases of Shampoo's
+    preconditioners, each matrix on its owner rank), bias corrections included.
+
+    ``chain(scale_by_soap(**options), add_decayed_weights(wd), scale_by_learning_rate(lr))``
+    runs ``soap(lr, weight_decay=wd, weight_decay_first=True, **options)``: the decay
+    scales the parameters before the step, as the chain says (``u + wd * p`` with ``p``
+    before the update); ``soap(...)`` itself decays after the step, as the reference.
+    Without a decay the two are the same, bit for bit.
+
+    Args:
+        options: :func:`~vfsdp.optim.soap`'s keyword arguments but ``lr`` and
+            ``weight_decay`` (the chain's other transforms say those).
+
+    Returns:
+        A transform for :func:`~vfsdp.optim.chain`, followed only by
+        ``add_decayed_weights`` (without a mask) and ``scale_by_learning_rate``.
+
+    Raises:
+        ValueError: ``lr`` or ``weight_decay`` among ``options``, or an option soap refuses.
+        TypeError: an option soap does not take.
+
+    Example:
+        >>> opt = vfsdp.optim.chain(scale_by_soap(precondition_frequency=5),
+        ...                         scale_by_learning_rate(3e-3))
+        >>> def body():
+        ...     params = {"w": torch.ones(4, 6)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     return type(opt.init(vfsdp.shard(params, spec), spec)[0]).__name__
+        >>> vfsdp.testing.simulate(2, body)      # SOAP's own state: chain runs soap
+        ['OwnedState', 'OwnedState']
+    """
+    return _owner("scale_by_soap", soap, options)
+
+
+def scale_by_shampoo(**options: Any) -> Optimizer:
+    """Shampoo's direction ``L^(-1/4) G R^(-1/4)`` (:func:`~vfsdp.optim.shampoo`, each matrix
+    or block on its owner rank): ``chain(scale_by_shampoo(**options),
+    add_decayed_weights(wd), scale_by_learning_rate(lr))`` runs ``shampoo(lr,
+    weight_decay=wd, **options)``, which decays before the step as the chain says.
+
+    Args:
+        options: :func:`~vfsdp.optim.shampoo`'s keyword arguments but ``lr`` and
+            ``weight_decay``.
+
+    Returns:
+        A transform for :func:`~vfsdp.optim.chain`, followed only by
+        ``add_decayed_weights`` (without a mask) and ``scale_by_learning_rate``.
+
+    Raises:
+        ValueError: ``lr`` or ``weight_decay`` among ``options``, or an option shampoo refuses.
+        TypeError: an option shampoo does not take.
+
+    Example:
+        >>> scale_by_shampoo(block_size=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: shampoo: block_size must be >= 1 (or None: whole matrices), got 0
+    """
+    return _owner("scale_by_shampoo", shampoo, options)
+
+
+def scale_by_muon(**options: Any) -> Optimizer:
+    """Muon's direction (:func:`~vfsdp.optim.muon`: momentum, then Newton-Schulz on each
+    matrix's owner): ``chain(scale_by_muon(**options), add_decayed_weights(wd),
+    scale_by_learning_rate(lr))`` runs ``muon(lr, weight_decay=wd, **options)``, which
+    decays before the step as the chain says.
+
+    Args:
+        options: :func:`~vfsdp.optim.muon`'s keyword arguments but ``lr`` and
+            ``weight_decay``.
+
+    Returns:
+        A transform for :func:`~vfsdp.optim.chain`, followed only by
+        ``add_decayed_weights`` (without a mask) and ``scale_by_learning_rate``.
+
+    Raises:
+        ValueError: ``lr`` or ``weight_decay`` among ``options``, or an option muon refuses.
+        TypeError: an option muon does not take.
+
+    Example:
+        >>> scale_by_muon(lr=0.02)
+        Traceback (most recent call last):
+        ...
+        ValueError: scale_by_muon: lr= belongs to scale_by_learning_rate in the chain, not to scale_by_muon
+    """
+    return _owner("scale_by_muon", muon, options)
+
+
 @dataclass
 class Updates:
     """What a transform's ``apply`` works on, this step, over every unit it updates on this
@@ -360,7 +469,8 @@ def run(*members: Optimizer) -> Optimizer:
         An :class:`~vfsdp.optim.Optimizer` whose state is a :class:`TransformsState`.
 
     Raises:
-        ValueError, TypeError: members out of order (see :func:`fuse`).
+        ValueError, TypeError: members out of order (see :func:`fuse`), or a matrix
+            preconditioner (``scale_by_soap``, ...), which only ``chain`` runs.
 
     Example:
         >>> opt = run(scale_by_adam(), scale_by_learning_rate(0.1))  # chain would fuse it
@@ -378,6 +488,12 @@ def run(*members: Optimizer) -> Optimizer:
         raise TypeError("run takes transforms (scale_by_adam, transform(...), ...), the last "
                         "scale_by_learning_rate; put other optimizers in a chain around it")
     ts = _check(ts)
+    owner = next((t.name for t in ts if t.hyper[:1] == ("owner",)), None)
+    if owner is not None:
+        raise ValueError(f"chain: {owner} preconditions whole matrices on their owner ranks and "
+                         f"runs only as chain({owner}(...), add_decayed_weights(wd), "
+                         f"scale_by_learning_rate(lr)), the decay optional and without a mask; "
+                         f"give other tensors other optimizers with vfsdp.optim.partition")
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> TransformsState:
         same_at_ties(mask and (lambda p: selected(mask, p)), spec, "chain.init", "mask")
@@ -464,11 +580,14 @@ def _check(ts: list, offset: int = 0) -> list[Transform]:
 def fuse(members: tuple) -> tuple:
     """``chain``'s members with their run of transforms replaced by one optimizer: AdamW's
     own implementation for ``scale_by_adam``, ``add_decayed_weights`` (optional) and
-    ``scale_by_learning_rate`` in that order, else :func:`run`.
+    ``scale_by_learning_rate`` in that order; SOAP's, Shampoo's or Muon's for
+    ``scale_by_soap``/``scale_by_shampoo``/``scale_by_muon`` in its place (the decay without
+    a mask); else :func:`run`.
 
     Raises:
         ValueError: transforms that do not end with one :func:`scale_by_learning_rate`,
-            one after it, or another member between them.
+            one after it, or another member between them; a matrix preconditioner in any
+            other sequence.
 
     Example:
         >>> fuse((scale_by_adam(), scale_by_learning_rate(0.1)))[0].local_state  # AdamW's
@@ -485,6 +604,12 @@ def fuse(members: tuple) -> tuple:
         (_, betas, eps), (_, lr) = found[0].hyper, found[-1].hyper
         _, wd, mask = found[1].hyper if len(found) == 3 else (None, 0.0, None)
         one = adamw(lr, betas, eps, wd, mask, fused=None)
+    elif kinds[0] == ("owner",) and kinds[1:] in ([("lr",)], [("decay",), ("lr",)]) \
+            and (len(found) == 2 or found[1].hyper[2] is None):
+        (_, make, options), (_, lr) = found[0].hyper, found[-1].hyper
+        wd = found[1].hyper[1] if len(found) == 3 else 0.0
+        order = {"weight_decay_first": True} if make is soap and wd else {}
+        one = make(lr=lr, weight_decay=wd, **options, **order)
     else:
         one = run(*members[first:end])
     return (*members[:first], one, *members[end:])

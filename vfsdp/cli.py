@@ -39,8 +39,6 @@ from vfsdp.planner.plan import _logical, plan
 from vfsdp.planner.shapes import DTYPES, load_shapes
 from vfsdp.planner.spec import ShardSpec, unit_name
 
-__all__ = ["main", "describe", "suggest", "writable"]
-
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB"

@@ -83,8 +83,6 @@ from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, unit_name
 
-__all__ = ["save", "load", "AsyncSave", "CheckpointError"]
-
 _PENDING: dict = {}   # rank thread -> AsyncSave still running (one dict operation at a time)
 _EXECUTORS: dict = {}
 _ASYNC_GROUPS: dict = {}

@@ -30,8 +30,6 @@ from vfsdp.checkpoint.export import Rename, entries_and_names, name_keys, stream
 from vfsdp.checkpoint.storage import MANIFEST, CheckpointError, agree, agreed
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["save_safetensors", "load_safetensors", "read_header"]
-
 _CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
           torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
           torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16",

@@ -57,11 +57,6 @@ from vfsdp.collectives.agree import agreed as _agreed
 from vfsdp.collectives.piece import Piece
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["CheckpointError", "agree", "agreed", "MANIFEST", "METADATA", "dcp_state", "SafeReader",
-           "checksum_items", "verify_files", "VerifyingLoadPlanner", "read_manifest",
-           "manifest_checksum", "write_manifest", "match_manifest", "single_layout",
-           "describe_mesh"]
-
 MANIFEST = "vfsdp.json"
 METADATA = ".metadata"  # DCP's
 FORMAT = "vfsdp-checkpoint"

@@ -50,8 +50,6 @@ from vfsdp import _torch_private as tp
 from vfsdp.collectives.mesh import axis_of
 from vfsdp.collectives.unit import GATHER_HOOKS
 
-__all__ = ["Tracker", "AxisIndex", "current", "mark", "mark_gathered"]
-
 _ATTR = "_vfsdp_vma"
 _NONE: frozenset = frozenset()
 _STATE = threading.local()  # .tracker: the Tracker of the shard_map body running here

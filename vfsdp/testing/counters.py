@@ -19,8 +19,6 @@ import torch
 from vfsdp._torch_private import TorchDispatchMode
 from vfsdp.collectives.comm import in_collective
 
-__all__ = ["CopyCounter", "COPY_OPS"]
-
 COPY_OPS = frozenset({
     "copy_", "copy", "cat", "clone", "_to_copy", "stack", "split_with_sizes_copy",
     "_chunk_cat", "index_copy", "index_copy_", "as_strided_copy", "slice_copy", "view_copy",

@@ -25,8 +25,6 @@ import torch
 from vfsdp._torch_private import TorchDispatchMode, storage_id
 from vfsdp.collectives.dbuffer import observe, slot_of
 
-__all__ = ["GatheredProbe", "LiveBytes", "BufferBytes"]
-
 
 def _unit_buffers(trees) -> list:
     """Every buffer of the units the vfsdp tensors in ``trees`` belong to."""

@@ -33,9 +33,6 @@ import torch.nn.functional as F
 from vfsdp.interop import init as vinit
 from vfsdp.testing import moe
 
-__all__ = ["GPTConfig", "meta_params", "init_rule", "block", "example_layer", "mixture", "embed",
-           "head_loss", "loss_fn", "GPTModule"]
-
 
 @dataclass(frozen=True)
 class GPTConfig:

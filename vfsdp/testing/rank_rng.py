@@ -37,8 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["rank_generators", "RankRNG"]
-
 _SAMPLERS = {
     torch.randn, torch.rand, torch.randint, torch.randperm, torch.normal, torch.bernoulli,
     torch.multinomial, torch.rand_like, torch.randn_like, torch.randint_like, torch.poisson,

@@ -36,8 +36,6 @@ from vfsdp.collectives.comm import use_device
 from vfsdp.testing.rank_rng import on_this_thread, rank_generators
 from vfsdp.testing.runners import RankError, check_world, waiting_in
 
-__all__ = ["simulate"]
-
 # torch.nn.init as torch made it. A library that swaps these functions for a block of code
 # (transformers' no_init_weights) and runs in several rank threads at once can restore them
 # out of order and leave its no-op in place for the whole process: every later module would

@@ -30,8 +30,6 @@ import torch.multiprocessing as mp
 
 from vfsdp.testing.runners import RankError, check_world, waiting_in_dump
 
-__all__ = ["spawn"]
-
 
 def _check_importable(fn: Callable) -> None:
     name = getattr(fn, "__qualname__", repr(fn))

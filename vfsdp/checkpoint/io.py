@@ -486,9 +486,7 @@ def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_result(_write(path, tmp, entries, data, layout, None, thread_count))
         return AsyncSave(future, path)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    key = threading.get_ident()
+    key = threading.get_ident()  # _stage's copies to the host are complete: no sync
     executor = _EXECUTORS.setdefault(key, concurrent.futures.ThreadPoolExecutor(1, "vfsdp-ckpt"))
     handle = AsyncSave(executor.submit(_write, path, tmp, entries, data, layout, group,
                                        thread_count), path)
@@ -546,8 +544,8 @@ def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = No
     """
     path = os.fspath(path)
     wait_pending()
-    err, manifest, values, entries, parts = None, None, {}, [], None
-    try:
+
+    def check() -> tuple:
         manifest = read_manifest(path)
         entries, parts = _entries(tree_like, spec, "vfsdp.checkpoint.load")
         check_parts(manifest, parts, strict, path)
@@ -560,9 +558,9 @@ def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = No
         # Read (safely) here, not only inside DCP: torch 2.11's loader swallows a reader's
         # refusal and only says "metadata is None".
         SafeReader(path).read_metadata()
-    except (CheckpointError, OSError, TypeError, ValueError) as exc:
-        err = exc
-    agree(err)
+        return manifest, values, entries, parts
+
+    manifest, values, entries, parts = agreed(check)  # a failure on any rank: every rank raises
     try:
         dcp.load(dcp_state(entries), storage_reader=SafeReader(path),
                  planner=VerifyingLoadPlanner(path, manifest, verify))

@@ -96,8 +96,7 @@ def item_key(fqn: str, offsets) -> str:
 
 def _carrier(piece: Piece, data: torch.Tensor, write: bool) -> torch.Tensor:
     shape = torch.Size(piece.shape)
-    one = torch.zeros((), dtype=data.dtype)  # cpu: metadata only, never moved
-    carrier = one.expand(shape) if shape else one  # the global shape, owning one element
+    carrier = torch.zeros((), dtype=data.dtype).expand(shape)  # cpu: metadata, one element
     boxes = {tuple(o): s for o, s in piece.boxes()}  # DCP asks only for the boxes declared
     chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes.items()]
     props = TensorProperties(dtype=data.dtype)
@@ -253,7 +252,7 @@ def read_manifest(root: str) -> dict:
     if manifest["version"] == 1:  # vfsdp 0.1 wrote no checksum
         warnings.warn(f"{root} was saved by vfsdp 0.1, whose manifest has no checksum, so an "
                       f"edit to it cannot be detected; save it again to add one", FutureWarning,
-                      stacklevel=3)
+                      stacklevel=5)  # load's caller
     elif manifest.get("checksum") != manifest_checksum(manifest):
         raise CheckpointError(f"{root}/{MANIFEST} was edited after the save (its checksum does not "
                               f"match its contents); refusing to trust what it describes")

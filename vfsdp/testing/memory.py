@@ -38,7 +38,8 @@ def _unit_buffers(trees) -> list:
 
 class _Observing(TorchDispatchMode):
     """A dispatch mode that also observes DBuffer events while it is active, and samples before
-    and after every op (``_adds_outputs``: and counts the op's outputs with ``_add``)."""
+    and after every op (``_adds_outputs``: and counts the op's outputs with ``_add``).
+    Subclasses define ``on_event(event, db)`` and ``sample()``."""
 
     _adds_outputs = False
 
@@ -52,9 +53,6 @@ class _Observing(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self._events.close()
-
-    def on_event(self, event: str, db) -> None:
-        raise NotImplementedError
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.sample()

@@ -42,7 +42,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import hashlib
 import math
@@ -178,11 +177,10 @@ def _check_written_once(entries: list[Entry], group) -> None:
                              if e.piece.writer and e.piece.numel], group):
         for *where, crc in rank:
             crcs.setdefault(tuple(where), set()).add(crc)
-    held = collections.Counter()  # equal copies: the distinct ranges must cover each element once
-    for name, _start, numel, _within in crcs:
-        held[name] += numel
+    # Equal copies are fine, but the distinct ranges must cover each element once.
     conflict = next((w[0] for w, c in crcs.items() if len(c) > 1), None) or next(
-        (n for n, e in twice.items() if held[n] > math.prod(e.shape)), None)
+        (n for n, e in twice.items() if sum(w[2] for w in crcs if w[0] == n) > math.prod(e.shape)),
+        None)
     if conflict is None:
         return
     e = twice[conflict]

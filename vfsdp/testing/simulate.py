@@ -49,19 +49,14 @@ def _restore_nn_init() -> None:
         if getattr(torch.nn.init, name, fn) is not fn:
             setattr(torch.nn.init, name, fn)
 
+
 _THREADS: list[threading.Thread] = []  # rank threads of earlier runs (to refuse leftovers)
-
-
-def _leftovers() -> list[threading.Thread]:
-    alive = [t for t in _THREADS if t.is_alive()]
-    _THREADS[:] = alive
-    return alive
 
 
 def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[float],
               device=None) -> list:
     check_world(world_size)
-    left = _leftovers()
+    _THREADS[:] = left = [t for t in _THREADS if t.is_alive()]
     if left:
         raise RuntimeError(
             f"vfsdp.testing.simulate: {len(left)} rank thread(s) of an earlier simulate are still "

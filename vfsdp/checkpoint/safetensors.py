@@ -66,10 +66,6 @@ _NAMES = {"per_expert": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1",
 Part = tuple[str, tuple]
 
 
-def _mixtral(name: str) -> str:
-    return name.replace(".mlp.", ".block_sparse_moe.")
-
-
 def parts(name: str, shape: tuple, layout: Optional[str]) -> list[Part]:
     """The file tensors ``(key, shape)`` whose bytes, concatenated, are tensor ``name``'s in
     ``layout`` (``[(name, shape)]`` when it is stored whole under its own name).
@@ -100,7 +96,7 @@ def parts(name: str, shape: tuple, layout: Optional[str]) -> list[Part]:
         raise ValueError(f"save_safetensors: hf_layout must be one of {LAYOUTS} or None, got "
                          f"{layout!r}")
     found = _FUSED.fullmatch(name)
-    rename = _mixtral if layout == "mixtral" else (lambda n: n)
+    rename = (lambda n: n.replace(".mlp.", ".block_sparse_moe.")) if layout == "mixtral" else (lambda n: n)
     if found is None or len(shape) != 3 or (found["which"] == "gate_up_proj" and shape[1] % 2):
         return [(rename(name), tuple(shape))]
     gate, up, down = _NAMES[layout]

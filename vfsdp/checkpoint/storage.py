@@ -225,8 +225,7 @@ def read_manifest(root: str) -> dict:
         CheckpointError: ``root`` is not a complete vfsdp checkpoint.
     """
     if not os.path.isdir(root):
-        parent = os.path.dirname(os.path.abspath(root)) or "."
-        base = os.path.basename(os.path.abspath(root))
+        parent, base = os.path.split(os.path.abspath(root))
         near = os.listdir(parent) if os.path.isdir(parent) else []
         partial = sorted(n for n in near if n.startswith(base + ".partial-"))
         old = sorted(n for n in near if n.startswith(base + ".old-"))

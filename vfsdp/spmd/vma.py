@@ -178,13 +178,10 @@ class Tracker(TorchFunctionMode):
             seen.append((a, v))
         elif isinstance(a, AxisIndex):
             v = a.axes
-        elif isinstance(a, (list, tuple)):  # a list's tensors, an index's slices
-            for b in a:
+        elif isinstance(a, (list, tuple, slice)):  # a list's tensors, an index's slices
+            for b in (a.start, a.stop, a.step) if isinstance(a, slice) else a:
                 union = self._scan(b, seen, union)
             return union
-        elif isinstance(a, slice):
-            v = _NONE.union(*(s.axes for s in (a.start, a.stop, a.step)
-                              if isinstance(s, AxisIndex)))
         else:
             return union
         return v if not union else (union | v if v and v is not union else union)

@@ -20,7 +20,6 @@ a real rank. What differs from processes, and what ``simulate`` does about it:
 
 from __future__ import annotations
 
-import queue
 import sys
 import threading
 import time
@@ -66,7 +65,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
     _restore_nn_init()
     out: list = [None] * world_size
     failures: dict[int, str] = {}
-    errors: queue.Queue = queue.Queue()
+    errors: dict[int, str] = {}  # rank -> its traceback, written by its thread
     hook, threads_before = sys.excepthook, torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -83,7 +82,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
                         finally:
                             dist.destroy_process_group()
                 except BaseException as exc:  # noqa: BLE001 - reported to the caller
-                    errors.put((rank, traceback.format_exc()))
+                    errors[rank] = traceback.format_exc()
                     _torch_private.report_failure(mtp, exc)
 
             threads = [threading.Thread(target=worker, args=(r,), name=f"vfsdp-rank{r}",
@@ -103,9 +102,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
                 _torch_private.report_failure(mtp, TimeoutError("simulate timed out"))
                 for t in hung.values():  # woken from their collectives, they end
                     t.join(2.0)
-            while not errors.empty():
-                rank, tb = errors.get()
-                failures.setdefault(rank, tb)
+            failures = {**errors, **failures}  # a hung rank's report names where it waits
     finally:
         sys.excepthook = hook
         torch.set_num_threads(threads_before)

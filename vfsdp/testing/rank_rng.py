@@ -188,8 +188,7 @@ def rank_generators() -> Iterator[torch.Tensor]:
 @contextlib.contextmanager
 def on_this_thread(state: torch.Tensor) -> Iterator[torch.Generator]:
     """Give the calling (rank) thread its own generator, started from ``state``."""
-    g = torch.Generator()
-    g.set_state(state)
+    g = torch.Generator().set_state(state)
     _GENERATORS[threading.get_ident()] = g
     try:
         with RankRNG(g):

@@ -192,7 +192,7 @@ class _Op(torch.autograd.Function):
         ctx.shape, ctx.args = tuple(inputs[0].shape), inputs[1:]
 
     @classmethod
-    def jvp(cls, ctx, gx, *_):  # the tangent's: the same collective
+    def jvp(cls, ctx, gx, *_):  # the tangent's: the same collective (of the primal's shapes)
         return cls.forward(gx, *ctx.args)
 
 
@@ -208,10 +208,6 @@ class _PSum(_Op):
         return (g if scale == 1 else g * scale), None, None, None
 
     @staticmethod
-    def jvp(ctx, gx, *_):
-        return _psum(gx, *ctx.args[:2], "psum's tangent")
-
-    @staticmethod
     def vmap(info, in_dims, x, ax, scale, what="psum"):  # every rank batches alike
         return _PSum.apply(x, ax, scale, what), in_dims[0]
 
@@ -224,10 +220,6 @@ class _PVary(_Op):
     @staticmethod
     def backward(ctx, g):
         return _PSum.apply(g, ctx.args[0], 1, "pvary's backward (psum)"), None
-
-    @staticmethod
-    def jvp(ctx, gx, _):
-        return gx.view_as(gx)
 
     @staticmethod
     def vmap(info, in_dims, x, ax):  # elementwise: the batched tensor as it is

@@ -86,8 +86,6 @@ NOT_STRINGS = {
      "RuntimeError(why)"): "the poison()/_poison() sentences (SINKS)",
     ("vfsdp/interop/dtensor.py", "to_dtensor", "ValueError(_ragged_message(t))"):
         "BUILDERS: _ragged_message",
-    ("vfsdp/testing/memory.py", "_Observing.on_event", "NotImplementedError"):
-        "an abstract method of the probes' base class",
     ("vfsdp/testing/simulate.py", "_simulate", "RankError(real or failures)"):
         "BUILDERS: RankError.__init__, _simulate, _describe",
     ("vfsdp/testing/spawn.py", "spawn", "RankError(failures)"):

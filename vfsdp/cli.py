@@ -39,18 +39,16 @@ from vfsdp.planner.plan import _logical, plan
 from vfsdp.planner.shapes import DTYPES, load_shapes
 from vfsdp.planner.spec import ShardSpec, unit_name
 
-__all__ = ["main", "describe", "suggest", "writable"]
-
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
 
-def describe(spec: ShardSpec, out=None) -> dict:
-    """Print the per-distinct-unit table of a spec; return totals including baselines."""
-    out = out or sys.stdout
+def describe(spec: ShardSpec) -> None:
+    """Print the per-distinct-unit table of a spec and its totals, with FSDP2's and
+    Megatron-FSDP's padding."""
     print(f"{'unit':<32} {'count':>5} {'tensors':>7} {'S':>14} {'padding%':>10} {'bound%':>10} "
-          f"{'tensors/rank':>14} {'FSDP2%':>9} {'Megatron%':>10}", file=out)
+          f"{'tensors/rank':>14} {'FSDP2%':>9} {'Megatron%':>10}")
     tot_f2 = tot_mg = 0
     for keys in group_keys((u.signature, key) for key, u in spec.units.items()):
         u = spec.units[keys[0]]
@@ -62,29 +60,25 @@ def describe(spec: ShardSpec, out=None) -> dict:
         name = unit_name(keys[0]) + (f" (+{len(keys) - 1} alike)" if len(keys) > 1 else "")
         print(f"{name:<32} {len(keys):>5} {len(u.paths):>7} {u.shard_numel:>14,} "
               f"{100 * u.padding_ratio:>10.4f} {100 * u.lower_bound_ratio:>10.4f} "
-              f"{f'{lo}/{med:g}/{hi}':>14} {100 * f2 / e:>9.3f} {100 * mg / e:>10.3f}", file=out)
+              f"{f'{lo}/{med:g}/{hi}':>14} {100 * f2 / e:>9.3f} {100 * mg / e:>10.3f}")
         if u.split is not None:
-            print(f"    option: {u.split!r}", file=out)
+            print(f"    option: {u.split!r}")
     st = plan_stats(spec)
     e = max(st["total_numel"], 1)
-    st["fsdp2_ratio"], st["megatron_ratio"] = tot_f2 / e, tot_mg / e
     print(f"{'total':<32} {len(spec.units):>5} {st['tensors']:>7} {'':>14} "
           f"{100 * st['padding_ratio']:>10.4f} {100 * st['lower_bound_ratio']:>10.4f} {'':>14} "
-          f"{100 * st['fsdp2_ratio']:>9.3f} {100 * st['megatron_ratio']:>10.3f}", file=out)
-    return st
+          f"{100 * tot_f2 / e:>9.3f} {100 * tot_mg / e:>10.3f}")
 
 
-def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=None,
-            max_padding: float = 0.01) -> Optional[tuple[int, int]]:
-    """Print every ``replicate x shard`` factorisation of ``world_size``; return the pick.
-
-    The pick is the largest shard group whose padding is at most ``max_padding``.
+def suggest(tree, world_size: int, granularity, dtype: torch.dtype,
+            max_padding: float = 0.01) -> None:
+    """Print every ``replicate x shard`` factorisation of ``world_size``, and the pick: the
+    largest shard group whose padding is at most ``max_padding``.
     Bytes per rank assume sharded parameters in ``dtype``, AdamW's two fp32 states, and two
     all-gathers of every unit per step (forward, and again in backward).
     """
-    out = out or sys.stdout
     print(f"\n{'replicate x shard':>18} {'padding%':>10} {'bound%':>10} {'params/rank':>14} "
-          f"{'Adam state/rank':>16} {'all-gather/rank/step':>21}", file=out)
+          f"{'Adam state/rank':>16} {'all-gather/rank/step':>21}")
     best = None
     for shard in (s for s in range(1, world_size + 1) if world_size % s == 0):
         rep = world_size // shard
@@ -96,16 +90,15 @@ def suggest(tree, world_size: int, granularity, dtype: torch.dtype, out=None,
         gathered = 2 * sum((u.world_size - 1) * u.shard_numel for u in spec.units.values()) * dtype.itemsize
         print(f"{f'{rep} x {shard}':>18} {100 * st['padding_ratio']:>10.4f} "
               f"{100 * st['lower_bound_ratio']:>10.4f} {_gib(params):>14} {_gib(state):>16} "
-              f"{_gib(gathered):>21}", file=out)
+              f"{_gib(gathered):>21}")
         if st["padding_ratio"] <= max_padding:
             best = (rep, shard)
     if best is None:
         print(f"no factorisation keeps padding <= {100 * max_padding:g}%; use a coarser unit "
-              f"split or a finer granularity", file=out)
+              f"split or a finer granularity")
     else:
         print(f"recommended: replicate {best[0]} x shard {best[1]} (the largest shard group with "
-              f"padding <= {100 * max_padding:g}%)", file=out)
-    return best
+              f"padding <= {100 * max_padding:g}%)")
 
 
 def _calibrate_rank(tokens: int, repeats: int):

@@ -26,8 +26,6 @@ import torch.distributed as dist
 
 from vfsdp.checkpoint.storage import MANIFEST, CheckpointError
 
-__all__ = ["prepare", "commit", "fsync_dir"]
-
 
 def fsync_dir(path: str) -> None:
     with contextlib.suppress(OSError):

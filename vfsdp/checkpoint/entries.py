@@ -30,9 +30,6 @@ from vfsdp.functional.state import Checkpointable
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["Entry", "flatten", "unflatten", "register_state", "VALUE_TYPES", "dtype_name",
-           "parse_dtype", "tensor_bytes", "is_state_leaf"]
-
 VALUE_TYPES = (bool, int, float, str)
 
 

@@ -23,9 +23,6 @@ from vfsdp.collectives.scatter import scatter_unit
 from vfsdp.collectives.unit import export_full
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["to_state_dict", "from_state_dict", "stream_full", "stream_order", "Rename", "name_keys",
-           "entries_and_names"]
-
 Rename = Optional[Callable[[str], str]]
 
 

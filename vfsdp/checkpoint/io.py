@@ -42,7 +42,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import hashlib
 import math
@@ -82,8 +81,6 @@ from vfsdp.collectives.comm import control_device, device_for
 from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, unit_name
-
-__all__ = ["save", "load", "AsyncSave", "CheckpointError"]
 
 _PENDING: dict = {}   # rank thread -> AsyncSave still running (one dict operation at a time)
 _EXECUTORS: dict = {}
@@ -180,11 +177,10 @@ def _check_written_once(entries: list[Entry], group) -> None:
                              if e.piece.writer and e.piece.numel], group):
         for *where, crc in rank:
             crcs.setdefault(tuple(where), set()).add(crc)
-    held = collections.Counter()  # equal copies: the distinct ranges must cover each element once
-    for name, _start, numel, _within in crcs:
-        held[name] += numel
+    # Equal copies are fine, but the distinct ranges must cover each element once.
     conflict = next((w[0] for w, c in crcs.items() if len(c) > 1), None) or next(
-        (n for n, e in twice.items() if held[n] > math.prod(e.shape)), None)
+        (n for n, e in twice.items() if sum(w[2] for w in crcs if w[0] == n) > math.prod(e.shape)),
+        None)
     if conflict is None:
         return
     e = twice[conflict]
@@ -488,9 +484,7 @@ def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_result(_write(path, tmp, entries, data, layout, None, thread_count))
         return AsyncSave(future, path)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    key = threading.get_ident()
+    key = threading.get_ident()  # _stage's copies to the host are complete: no sync
     executor = _EXECUTORS.setdefault(key, concurrent.futures.ThreadPoolExecutor(1, "vfsdp-ckpt"))
     handle = AsyncSave(executor.submit(_write, path, tmp, entries, data, layout, group,
                                        thread_count), path)
@@ -548,8 +542,8 @@ def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = No
     """
     path = os.fspath(path)
     wait_pending()
-    err, manifest, values, entries, parts = None, None, {}, [], None
-    try:
+
+    def check() -> tuple:
         manifest = read_manifest(path)
         entries, parts = _entries(tree_like, spec, "vfsdp.checkpoint.load")
         check_parts(manifest, parts, strict, path)
@@ -562,9 +556,9 @@ def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = No
         # Read (safely) here, not only inside DCP: torch 2.11's loader swallows a reader's
         # refusal and only says "metadata is None".
         SafeReader(path).read_metadata()
-    except (CheckpointError, OSError, TypeError, ValueError) as exc:
-        err = exc
-    agree(err)
+        return manifest, values, entries, parts
+
+    manifest, values, entries, parts = agreed(check)  # a failure on any rank: every rank raises
     try:
         dcp.load(dcp_state(entries), storage_reader=SafeReader(path),
                  planner=VerifyingLoadPlanner(path, manifest, verify))

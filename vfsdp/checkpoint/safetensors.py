@@ -19,7 +19,7 @@ import os
 import re
 import struct
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 import torch
@@ -29,8 +29,6 @@ from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, tensor_bytes, u
 from vfsdp.checkpoint.export import Rename, entries_and_names, name_keys, stream_full, stream_order
 from vfsdp.checkpoint.storage import MANIFEST, CheckpointError, agree, agreed
 from vfsdp.planner.spec import ShardSpec
-
-__all__ = ["save_safetensors", "load_safetensors", "read_header"]
 
 _CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
           torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
@@ -68,13 +66,9 @@ _NAMES = {"per_expert": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1",
 Part = tuple[str, tuple]
 
 
-def _mixtral(name: str) -> str:
-    return name.replace(".mlp.", ".block_sparse_moe.")
-
-
-def parts(name: str, shape: tuple, layout: Optional[str]) -> Optional[list[Part]]:
+def parts(name: str, shape: tuple, layout: Optional[str]) -> list[Part]:
     """The file tensors ``(key, shape)`` whose bytes, concatenated, are tensor ``name``'s in
-    ``layout``, or ``None`` when it is stored whole under ``name``.
+    ``layout`` (``[(name, shape)]`` when it is stored whole under its own name).
 
     Args:
         name: The tensor's dotted name.
@@ -82,7 +76,7 @@ def parts(name: str, shape: tuple, layout: Optional[str]) -> Optional[list[Part]
         layout: ``None``/``"fused"``, ``"per_expert"`` or ``"mixtral"``.
 
     Returns:
-        ``[(key, shape)]`` in byte order, or ``None``.
+        ``[(key, shape)]`` in byte order.
 
     Raises:
         ValueError: an unknown layout.
@@ -93,16 +87,18 @@ def parts(name: str, shape: tuple, layout: Optional[str]) -> Optional[list[Part]
          ('m.0.block_sparse_moe.experts.0.w3.weight', (4, 3))]
         >>> parts("m.0.mlp.experts.down_proj", (2, 3, 4), "per_expert")[1]
         ('m.0.mlp.experts.1.down_proj.weight', (3, 4))
+        >>> parts("l.mlp.gate.weight", (4, 3), "mixtral")
+        [('l.block_sparse_moe.gate.weight', (4, 3))]
     """
     if layout is None or layout == "fused":
-        return None
+        return [(name, tuple(shape))]
     if layout not in _NAMES:
         raise ValueError(f"save_safetensors: hf_layout must be one of {LAYOUTS} or None, got "
                          f"{layout!r}")
     found = _FUSED.fullmatch(name)
-    rename = _mixtral if layout == "mixtral" else (lambda n: n)
+    rename = (lambda n: n.replace(".mlp.", ".block_sparse_moe.")) if layout == "mixtral" else (lambda n: n)
     if found is None or len(shape) != 3 or (found["which"] == "gate_up_proj" and shape[1] % 2):
-        return [(rename(name), tuple(shape))] if rename(name) != name else None
+        return [(rename(name), tuple(shape))]
     gate, up, down = _NAMES[layout]
     pre = rename(found["pre"] + "experts.")
     experts, rows, cols = shape
@@ -110,32 +106,6 @@ def parts(name: str, shape: tuple, layout: Optional[str]) -> Optional[list[Part]
         return [(f"{pre}{e}.{down}.weight", (rows, cols)) for e in range(experts)]
     half = (rows // 2, cols)
     return [(f"{pre}{e}.{w}.weight", half) for e in range(experts) for w in (gate, up)]
-
-
-def candidates(key: str, shape: tuple) -> list[list[Part]]:
-    """Where a reader may find tensor ``key`` of ``shape``, in the order tried: whole under
-    its own name, then each per-expert layout, then under Mixtral's ``block_sparse_moe``.
-
-    Args:
-        key: The tensor's name in the file's scheme.
-        shape: Its shape.
-
-    Returns:
-        A list of ``[(key, shape)]`` options; a reader takes the first whose keys all exist.
-
-    Raises:
-        Nothing.
-
-    Example:
-        >>> [c[0][0] for c in candidates("l.mlp.gate.weight", (4, 3))]
-        ['l.mlp.gate.weight', 'l.block_sparse_moe.gate.weight']
-    """
-    out = [[(key, tuple(shape))]]
-    for layout in ("per_expert", "mixtral"):
-        found = parts(key, shape, layout)
-        if found is not None and found not in out:
-            out.append(found)
-    return out
 
 
 def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst: int = 0,
@@ -215,7 +185,9 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
         tensors = (v for _, v in stream if isinstance(v, torch.Tensor))
         try:
             for target, blob, (_, group) in zip(targets, blobs, files):
-                _write_file(target, blob, itertools.islice(tensors, len(group)))
+                _write_file(target, itertools.chain(
+                    (struct.pack("<Q", len(blob)), blob),
+                    map(tensor_bytes, itertools.islice(tensors, len(group)))))
             if max_shard_size is not None:
                 _write_index(path, names, files, hf_layout)
             _remove_other_forms(targets)
@@ -277,34 +249,22 @@ def _write_index(path: str, names: dict, files: list, layout: Optional[str]) -> 
     index = {"metadata": {"total_size": sum(math.prod(e.shape) * e.dtype.itemsize
                                             for _, g in files for e in g)},
              "weight_map": {key: file for file, g in files for e in g
-                            for key, _ in _records(e, names, layout)}}
-    tmp = os.path.join(path, f"{INDEX}.partial-{uuid.uuid4().hex[:12]}")
-    with open(tmp, "w") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
-    os.replace(tmp, os.path.join(path, INDEX))
+                            for key, _ in parts(names[e.name], e.shape, layout)}}
+    _write_file(os.path.join(path, INDEX), [json.dumps(index, indent=2, sort_keys=True).encode()])
 
 
-def _write_file(target: str, blob: bytes, tensors) -> None:
-    """Write a safetensors file under a temporary name, renamed to ``target`` once complete."""
+def _write_file(target: str, chunks: Iterable[bytes]) -> None:
+    """Write ``chunks`` under a temporary name, renamed to ``target`` once complete."""
     tmp = f"{os.path.abspath(target)}.partial-{uuid.uuid4().hex[:12]}"
     try:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for t in tensors:
-                f.write(tensor_bytes(t))
+            f.writelines(chunks)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
-
-
-def _records(e: Entry, names: dict, layout: Optional[str]) -> list[tuple[str, tuple]]:
-    """The file tensors ``(key, shape)`` that store entry ``e``, in byte order."""
-    found = parts(names[e.name], tuple(e.shape), layout)
-    return [(names[e.name], tuple(e.shape))] if found is None else found
 
 
 def _headers_of(entries: list[Entry], names: dict, files: list, metadata: Optional[dict],
@@ -325,7 +285,7 @@ def _headers_of(entries: list[Entry], names: dict, files: list, metadata: Option
             if e.dtype not in _CODES:
                 raise TypeError(f"safetensors: {e.name} is {dtype_name(e.dtype)}, which "
                                 f"safetensors cannot store")
-            for key, shape in _records(e, names, layout):
+            for key, shape in parts(names[e.name], e.shape, layout):
                 if key in header:
                     raise ValueError(f"save_safetensors: two tensors are both stored as {key!r} "
                                      f"(hf_layout={layout!r}); rename one")
@@ -525,7 +485,12 @@ def _read_into(path: str, tree_like: Any, spec: ShardSpec, strict: bool, rename:
             if key not in values:
                 raise CheckpointError(f"{path}: no value {key!r} (for {e.name})")
             continue
-        options = candidates(key, tuple(e.shape))
+        # Whole under its own name, then each per-expert layout, then under Mixtral's names.
+        options = [[(key, tuple(e.shape))]]
+        for layout in ("per_expert", "mixtral"):
+            found = parts(key, e.shape, layout)
+            if found not in options:
+                options.append(found)
         found = next((c for c in options if all(k in header for k, _ in c)), None)
         if found is None:
             other = f" nor its per-expert tensors ({options[1][0][0]}, ...)" \

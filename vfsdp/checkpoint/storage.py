@@ -57,11 +57,6 @@ from vfsdp.collectives.agree import agreed as _agreed
 from vfsdp.collectives.piece import Piece
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["CheckpointError", "agree", "agreed", "MANIFEST", "METADATA", "dcp_state", "SafeReader",
-           "checksum_items", "verify_files", "VerifyingLoadPlanner", "read_manifest",
-           "manifest_checksum", "write_manifest", "match_manifest", "single_layout",
-           "describe_mesh"]
-
 MANIFEST = "vfsdp.json"
 METADATA = ".metadata"  # DCP's
 FORMAT = "vfsdp-checkpoint"
@@ -101,8 +96,7 @@ def item_key(fqn: str, offsets) -> str:
 
 def _carrier(piece: Piece, data: torch.Tensor, write: bool) -> torch.Tensor:
     shape = torch.Size(piece.shape)
-    one = torch.zeros((), dtype=data.dtype)  # cpu: metadata only, never moved
-    carrier = one.expand(shape) if shape else one  # the global shape, owning one element
+    carrier = torch.zeros((), dtype=data.dtype).expand(shape)  # cpu: metadata, one element
     boxes = {tuple(o): s for o, s in piece.boxes()}  # DCP asks only for the boxes declared
     chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes.items()]
     props = TensorProperties(dtype=data.dtype)
@@ -231,8 +225,7 @@ def read_manifest(root: str) -> dict:
         CheckpointError: ``root`` is not a complete vfsdp checkpoint.
     """
     if not os.path.isdir(root):
-        parent = os.path.dirname(os.path.abspath(root)) or "."
-        base = os.path.basename(os.path.abspath(root))
+        parent, base = os.path.split(os.path.abspath(root))
         near = os.listdir(parent) if os.path.isdir(parent) else []
         partial = sorted(n for n in near if n.startswith(base + ".partial-"))
         old = sorted(n for n in near if n.startswith(base + ".old-"))
@@ -258,7 +251,7 @@ def read_manifest(root: str) -> dict:
     if manifest["version"] == 1:  # vfsdp 0.1 wrote no checksum
         warnings.warn(f"{root} was saved by vfsdp 0.1, whose manifest has no checksum, so an "
                       f"edit to it cannot be detected; save it again to add one", FutureWarning,
-                      stacklevel=3)
+                      stacklevel=5)  # load's caller
     elif manifest.get("checksum") != manifest_checksum(manifest):
         raise CheckpointError(f"{root}/{MANIFEST} was edited after the save (its checksum does not "
                               f"match its contents); refusing to trust what it describes")

@@ -191,6 +191,10 @@ class _Op(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         ctx.shape, ctx.args = tuple(inputs[0].shape), inputs[1:]
 
+    @classmethod
+    def jvp(cls, ctx, gx, *_):  # the tangent's: the same collective (of the primal's shapes)
+        return cls.forward(gx, *ctx.args)
+
 
 class _PSum(_Op):
     forward = staticmethod(_psum)
@@ -202,10 +206,6 @@ class _PSum(_Op):
         ax, scale, _ = ctx.args
         g = _PVary.apply(g, ax)
         return (g if scale == 1 else g * scale), None, None, None
-
-    @staticmethod
-    def jvp(ctx, gx, *_):
-        return _psum(gx, *ctx.args[:2], "psum's tangent")
 
     @staticmethod
     def vmap(info, in_dims, x, ax, scale, what="psum"):  # every rank batches alike
@@ -222,10 +222,6 @@ class _PVary(_Op):
         return _PSum.apply(g, ctx.args[0], 1, "pvary's backward (psum)"), None
 
     @staticmethod
-    def jvp(ctx, gx, _):
-        return gx.view_as(gx)
-
-    @staticmethod
     def vmap(info, in_dims, x, ax):  # elementwise: the batched tensor as it is
         return _PVary.apply(x, ax), in_dims[0]
 
@@ -238,10 +234,6 @@ class _AllGather(_Op):
         ax, dim, shapes = ctx.args
         return _PSumScatter.apply(g, ax, dim, [s[dim] for s in shapes]), None, None, None
 
-    @staticmethod
-    def jvp(ctx, gx, *_):
-        return _gather(gx, *ctx.args)
-
 
 class _PSumScatter(_Op):
     forward = staticmethod(_scatter)
@@ -250,10 +242,6 @@ class _PSumScatter(_Op):
     def backward(ctx, g):
         ax, dim, sizes = ctx.args
         return _AllGather.apply(g, ax, dim, _chunk_shapes(ctx.shape, dim, sizes)), None, None, None
-
-    @staticmethod
-    def jvp(ctx, gx, *_):
-        return _scatter(gx, *ctx.args)
 
 
 class _AllToAll(_Op):
@@ -267,10 +255,6 @@ class _AllToAll(_Op):
         back = _AllToAll.apply(g, ax, concat_dim, split_dim, [s[concat_dim] for s in shapes],
                                tuple(_chunk_shapes(ctx.shape, split_dim, split_sizes)))
         return back, None, None, None, None, None
-
-    @staticmethod
-    def jvp(ctx, gx, *_):
-        return _a2a(gx, *ctx.args)
 
 
 # ---------------------------------------------------------------- public functions

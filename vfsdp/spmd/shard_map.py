@@ -49,8 +49,6 @@ from vfsdp.spmd.lax import _gather, _PVary, _shapes
 
 _MANUAL = threading.local()  # .axes: the mesh axes of the shard_map body running here
 
-__all__ = ["shard_map", "P"]
-
 
 class P(tuple):
     """A partition spec: per dim of a tensor, the mesh axis that splits it, a tuple of axes

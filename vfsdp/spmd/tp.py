@@ -22,8 +22,6 @@ from torch.distributed.tensor import Replicate, Shard
 from vfsdp.planner.granularity import format_path
 from vfsdp.spmd import lax
 
-__all__ = ["tp_local", "column_parallel", "row_parallel"]
-
 
 def tp_local(tree: Any, rule: Callable[[tuple], Any], axis: str, *,
              mesh: Optional[Any] = None) -> Any:

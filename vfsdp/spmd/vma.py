@@ -50,8 +50,6 @@ from vfsdp import _torch_private as tp
 from vfsdp.collectives.mesh import axis_of
 from vfsdp.collectives.unit import GATHER_HOOKS
 
-__all__ = ["Tracker", "AxisIndex", "current", "mark", "mark_gathered"]
-
 _ATTR = "_vfsdp_vma"
 _NONE: frozenset = frozenset()
 _STATE = threading.local()  # .tracker: the Tracker of the shard_map body running here
@@ -180,13 +178,10 @@ class Tracker(TorchFunctionMode):
             seen.append((a, v))
         elif isinstance(a, AxisIndex):
             v = a.axes
-        elif isinstance(a, (list, tuple)):  # a list's tensors, an index's slices
-            for b in a:
+        elif isinstance(a, (list, tuple, slice)):  # a list's tensors, an index's slices
+            for b in (a.start, a.stop, a.step) if isinstance(a, slice) else a:
                 union = self._scan(b, seen, union)
             return union
-        elif isinstance(a, slice):
-            v = _NONE.union(*(s.axes for s in (a.start, a.stop, a.step)
-                              if isinstance(s, AxisIndex)))
         else:
             return union
         return v if not union else (union | v if v and v is not union else union)

@@ -19,8 +19,6 @@ import torch
 from vfsdp._torch_private import TorchDispatchMode
 from vfsdp.collectives.comm import in_collective
 
-__all__ = ["CopyCounter", "COPY_OPS"]
-
 COPY_OPS = frozenset({
     "copy_", "copy", "cat", "clone", "_to_copy", "stack", "split_with_sizes_copy",
     "_chunk_cat", "index_copy", "index_copy_", "as_strided_copy", "slice_copy", "view_copy",
@@ -80,10 +78,7 @@ class CopyCounter(TorchDispatchMode):
         if namespace in ("c10d", "_c10d_functional"):
             self.collectives += 1  # any system's collectives, counted the same way
             self.ops[f"{namespace}::{name}"] += 1
-            tensors = [t for t in optree.tree_leaves((args, kwargs))
-                       if isinstance(t, torch.Tensor)]
-            self.collective_bytes += max((t.numel() * t.element_size() for t in tensors),
-                                         default=0)
+            self.collective_bytes += max(_sizes((args, kwargs)), default=0)
             return out
         if in_collective():
             return out  # the collective's own work, not work around it
@@ -92,28 +87,24 @@ class CopyCounter(TorchDispatchMode):
             # fsdp::chunk_cat) run their aten kernels below this mode: count them here.
             self.ops[f"{namespace}::{name}"] += 1
             if name == "all_gather_copy_in":
-                self.copies += 1
-                self.copy_bytes += sum(t.numel() * t.element_size() for t in args[0])
+                self._copied(args[0])
             elif ("copy" in name or "cat" in name) and "out" in kwargs:
-                self.copies += 1
-                outs = kwargs["out"]
-                for t in (outs if isinstance(outs, (list, tuple)) else (outs,)):
-                    self.copy_bytes += t.numel() * t.element_size()
+                self._copied(kwargs["out"])
             return out
         self.ops[name] += 1
         if func.is_view or torch.Tag.inplace_view in func.tags:
             self.views += 1
         elif name in ALLOC_OPS:
             self.allocations += 1
-        if name in COPY_OPS:
-            self.copies += 1
-            if "out" in kwargs:
-                written = kwargs["out"]
-            elif name.endswith("_"):
-                written = args[0]  # in-place: what it mutates
-            else:
-                written = out
-            for t in (written if isinstance(written, (list, tuple)) else (written,)):
-                if isinstance(t, torch.Tensor):
-                    self.copy_bytes += t.numel() * t.element_size()
+        if name in COPY_OPS:  # what it writes: out=, the tensor an in-place op mutates, or its result
+            self._copied(kwargs["out"] if "out" in kwargs else args[0] if name.endswith("_") else out)
         return out
+
+    def _copied(self, written) -> None:
+        self.copies += 1
+        self.copy_bytes += sum(_sizes(written))
+
+
+def _sizes(tree) -> list[int]:
+    """The bytes of each tensor in ``tree``."""
+    return [t.numel() * t.element_size() for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor)]

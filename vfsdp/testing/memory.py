@@ -25,8 +25,6 @@ import torch
 from vfsdp._torch_private import TorchDispatchMode, storage_id
 from vfsdp.collectives.dbuffer import observe, slot_of
 
-__all__ = ["GatheredProbe", "LiveBytes", "BufferBytes"]
-
 
 def _unit_buffers(trees) -> list:
     """Every buffer of the units the vfsdp tensors in ``trees`` belong to."""
@@ -40,7 +38,8 @@ def _unit_buffers(trees) -> list:
 
 class _Observing(TorchDispatchMode):
     """A dispatch mode that also observes DBuffer events while it is active, and samples before
-    and after every op (``_adds_outputs``: and counts the op's outputs with ``_add``)."""
+    and after every op (``_adds_outputs``: and counts the op's outputs with ``_add``).
+    Subclasses define ``on_event(event, db)`` and ``sample()``."""
 
     _adds_outputs = False
 
@@ -54,9 +53,6 @@ class _Observing(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self._events.close()
-
-    def on_event(self, event: str, db) -> None:
-        raise NotImplementedError
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.sample()

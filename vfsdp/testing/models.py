@@ -33,9 +33,6 @@ import torch.nn.functional as F
 from vfsdp.interop import init as vinit
 from vfsdp.testing import moe
 
-__all__ = ["GPTConfig", "meta_params", "init_rule", "block", "example_layer", "mixture", "embed",
-           "head_loss", "loss_fn", "GPTModule"]
-
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -60,23 +57,21 @@ def meta_params(cfg: GPTConfig) -> dict:
     def m(*shape):
         return torch.empty(shape, device="meta")
 
+    def mlp(f, *lead):  # SwiGLU weights of hidden size f (stacked on dims ``lead``)
+        return {"w_gate": m(*lead, cfg.dim, f), "w_up": m(*lead, cfg.dim, f), "w_down": m(*lead, f, cfg.dim)}
+
     hd = cfg.head_dim
     layers = []
     for _ in range(cfg.layers):
         layer = {"attn_norm": m(cfg.dim), "wq": m(cfg.dim, cfg.heads * hd),
                  "wk": m(cfg.dim, cfg.kv_heads * hd), "wv": m(cfg.dim, cfg.kv_heads * hd),
                  "wo": m(cfg.heads * hd, cfg.dim), "mlp_norm": m(cfg.dim)}
-        if cfg.experts and cfg.top_k:
-            e, f = cfg.experts, cfg.expert_ffn
-            layer["router"] = m(cfg.dim, e)
-            layer["experts"] = {"w_gate": m(e, cfg.dim, f), "w_up": m(e, cfg.dim, f),
-                                "w_down": m(e, f, cfg.dim)}
-        elif cfg.experts:
+        if cfg.experts:  # stacked for top-k routing, else one dict per expert
             layer["router"] = m(cfg.dim, cfg.experts)
-            layer["experts"] = [{"w_gate": m(cfg.dim, cfg.expert_ffn), "w_up": m(cfg.dim, cfg.expert_ffn),
-                                 "w_down": m(cfg.expert_ffn, cfg.dim)} for _ in range(cfg.experts)]
+            layer["experts"] = (mlp(cfg.expert_ffn, cfg.experts) if cfg.top_k else
+                                [mlp(cfg.expert_ffn) for _ in range(cfg.experts)])
         else:
-            layer.update(w_gate=m(cfg.dim, cfg.ffn), w_up=m(cfg.dim, cfg.ffn), w_down=m(cfg.ffn, cfg.dim))
+            layer.update(mlp(cfg.ffn))
         layers.append(layer)
     return {"io": {"embed": m(cfg.vocab, cfg.dim), "norm": m(cfg.dim), "head": m(cfg.dim, cfg.vocab)},
             "layers": layers}

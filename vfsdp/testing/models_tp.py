@@ -27,8 +27,6 @@ from vfsdp.spmd import lax
 from vfsdp.testing import moe
 from vfsdp.testing.models import GPTConfig, _heads, _rms, mixture
 
-__all__ = ["tp_rule", "block_tp", "ep_rule", "split_experts", "block_ep"]
-
 _COLUMNS = ("wq", "wk", "wv", "w_gate", "w_up")   # split by output columns (heads, hidden)
 _ROWS = ("wo", "w_down")                           # split by input rows: partial sums
 

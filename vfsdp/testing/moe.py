@@ -31,9 +31,6 @@ from torch.distributed.tensor import Replicate, Shard
 
 from vfsdp.spmd import lax
 
-__all__ = ["moe_params", "route", "expert", "moe_reference", "moe_ep", "ep_rule", "etp_rule",
-           "moe_etp"]
-
 
 def moe_params(dim: int, hidden: int, experts: int, seed: int = 0) -> dict:
     """Random parameters of one MoE layer (fp32, on the CPU).

@@ -37,8 +37,6 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["rank_generators", "RankRNG"]
-
 _SAMPLERS = {
     torch.randn, torch.rand, torch.randint, torch.randperm, torch.normal, torch.bernoulli,
     torch.multinomial, torch.rand_like, torch.randn_like, torch.randint_like, torch.poisson,
@@ -190,8 +188,7 @@ def rank_generators() -> Iterator[torch.Tensor]:
 @contextlib.contextmanager
 def on_this_thread(state: torch.Tensor) -> Iterator[torch.Generator]:
     """Give the calling (rank) thread its own generator, started from ``state``."""
-    g = torch.Generator()
-    g.set_state(state)
+    g = torch.Generator().set_state(state)
     _GENERATORS[threading.get_ident()] = g
     try:
         with RankRNG(g):

@@ -24,8 +24,6 @@ import re
 from types import FrameType
 from typing import Optional
 
-__all__ = ["RankError", "check_world", "waiting_in", "waiting_in_dump"]
-
 _COLLECTIVE_FILES = (os.path.join("torch", "distributed", "distributed_c10d.py"),
                      os.path.join("vfsdp", "collectives", "comm.py"))
 

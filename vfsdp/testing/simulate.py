@@ -20,7 +20,6 @@ a real rank. What differs from processes, and what ``simulate`` does about it:
 
 from __future__ import annotations
 
-import queue
 import sys
 import threading
 import time
@@ -36,8 +35,6 @@ from vfsdp.collectives.comm import use_device
 from vfsdp.testing.rank_rng import on_this_thread, rank_generators
 from vfsdp.testing.runners import RankError, check_world, waiting_in
 
-__all__ = ["simulate"]
-
 # torch.nn.init as torch made it. A library that swaps these functions for a block of code
 # (transformers' no_init_weights) and runs in several rank threads at once can restore them
 # out of order and leave its no-op in place for the whole process: every later module would
@@ -51,19 +48,14 @@ def _restore_nn_init() -> None:
         if getattr(torch.nn.init, name, fn) is not fn:
             setattr(torch.nn.init, name, fn)
 
+
 _THREADS: list[threading.Thread] = []  # rank threads of earlier runs (to refuse leftovers)
-
-
-def _leftovers() -> list[threading.Thread]:
-    alive = [t for t in _THREADS if t.is_alive()]
-    _THREADS[:] = alive
-    return alive
 
 
 def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[float],
               device=None) -> list:
     check_world(world_size)
-    left = _leftovers()
+    _THREADS[:] = left = [t for t in _THREADS if t.is_alive()]
     if left:
         raise RuntimeError(
             f"vfsdp.testing.simulate: {len(left)} rank thread(s) of an earlier simulate are still "
@@ -73,7 +65,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
     _restore_nn_init()
     out: list = [None] * world_size
     failures: dict[int, str] = {}
-    errors: queue.Queue = queue.Queue()
+    errors: dict[int, str] = {}  # rank -> its traceback, written by its thread
     hook, threads_before = sys.excepthook, torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -90,7 +82,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
                         finally:
                             dist.destroy_process_group()
                 except BaseException as exc:  # noqa: BLE001 - reported to the caller
-                    errors.put((rank, traceback.format_exc()))
+                    errors[rank] = traceback.format_exc()
                     _torch_private.report_failure(mtp, exc)
 
             threads = [threading.Thread(target=worker, args=(r,), name=f"vfsdp-rank{r}",
@@ -110,9 +102,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
                 _torch_private.report_failure(mtp, TimeoutError("simulate timed out"))
                 for t in hung.values():  # woken from their collectives, they end
                     t.join(2.0)
-            while not errors.empty():
-                rank, tb = errors.get()
-                failures.setdefault(rank, tb)
+            failures = {**errors, **failures}  # a hung rank's report names where it waits
     finally:
         sys.excepthook = hook
         torch.set_num_threads(threads_before)

@@ -30,8 +30,6 @@ import torch.multiprocessing as mp
 
 from vfsdp.testing.runners import RankError, check_world, waiting_in_dump
 
-__all__ = ["spawn"]
-
 
 def _check_importable(fn: Callable) -> None:
     name = getattr(fn, "__qualname__", repr(fn))
@@ -100,9 +98,6 @@ class _Tail:
             self.text += chunk
             sys.stderr.write(chunk)
             sys.stderr.flush()
-
-    def last(self, lines: int = 30) -> str:
-        return "\n".join(self.text.rstrip().splitlines()[-lines:])
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **kwargs: Any) -> list:
@@ -179,7 +174,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
                 why = f"rank {r} was killed by {signal.Signals(-code).name}"
             else:
                 why = f"rank {r} produced no result (exit code {code})"
-            tail = tails[r].last()
+            tail = "\n".join(tails[r].text.rstrip().splitlines()[-30:])  # its last lines
             failures[r] = why + (f"\n--- rank {r} stderr (last lines) ---\n{tail}" if tail
                                  and r not in failures else "")
     if failures:

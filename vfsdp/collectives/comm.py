@@ -40,6 +40,7 @@ unit that differs. The result is remembered on the spec, per group.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
@@ -154,6 +155,15 @@ class _PerThread(threading.local):
 
 
 _TLS = _PerThread()
+
+
+@atexit.register
+def _forget_groups() -> None:
+    """Drop the main thread's cached groups (the side group, offload's host groups, meshes)
+    while the interpreter still runs: a gloo group first freed during the interpreter's
+    finalization can abort the process ("terminate called without an active exception")
+    after its work is done."""
+    _TLS.__init__()
 
 
 @dataclass(frozen=True)

@@ -186,10 +186,11 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
 
 
 def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
-               rule: Callable, back: bool) -> tuple:
+               rule: Callable, back: bool, ready: Callable = lambda: None) -> tuple:
     """One exchange of the gradients to the owners, ``rule(w, stack)`` (wave ``w``'s
     gradients ``[B, rows, cols]`` on this rank, its updates returned), and, where ``back``,
-    the updates' exchange back.
+    the updates' exchange back. ``ready()`` runs once the inputs are checked, before any
+    write (:func:`~vfsdp.optim.base.begin`).
 
     Returns:
         ``(views, updates, vectors)``: the parameter slices the updates go to and the update
@@ -211,6 +212,7 @@ def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
     leaves = grad_leaves(grads, spec, f"{what}.update")
     gflat = {key: flat_grads(leaves, units[key], f"{what}.update", plan.dtype)
              for key, _ in plan.units}
+    ready()
     if not plan.units:
         return [], [], ([], [], [], [])
     work = torch.cat([gflat[key] for key, _ in plan.units])

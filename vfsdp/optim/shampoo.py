@@ -26,9 +26,10 @@ from vfsdp.optim.base import (
     Optimizer,
     Schedule,
     as_schedule,
+    atomic,
+    begin,
     check_hyper,
     decay_,
-    learning_rate,
 )
 from vfsdp.optim.owners import OwnedState, init_owned, owned_step, refuse_compile
 from vfsdp.planner.spec import ShardSpec
@@ -113,10 +114,8 @@ def shampoo(
 
     def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
         refuse_compile("shampoo")
-        state.count.add_(1)
-        state.n += 1
-        rate = learning_rate(schedule, state.count)
-        refresh = (state.n - 1) % precondition_frequency == 0
+        refresh = state.n % precondition_frequency == 0
+        rates: list = []  # begin's, once owned_step has checked the inputs
 
         def rule(w: int, g: torch.Tensor) -> torch.Tensor:
             s = state.stacks[w]
@@ -128,7 +127,9 @@ def shampoo(
             return s["PL"] @ g @ s["PR"]
 
         with torch.no_grad():
-            views, updates, _ = owned_step("shampoo", grads, state, shards, spec, rule, True)
+            views, updates, _ = owned_step("shampoo", grads, state, shards, spec, rule, True,
+                                           lambda: rates.append(begin(state.count, schedule)))
+            state.n, rate = state.n + 1, rates[0]
             decay_(views, rate, weight_decay)
             if isinstance(rate, torch.Tensor):
                 tp.foreach("add_", views, tp.foreach("mul", updates, scalar=-rate))
@@ -136,4 +137,4 @@ def shampoo(
                 tp.foreach("add_", views, updates, alpha=-rate)
         return state
 
-    return Optimizer(init, update)
+    return Optimizer(init, atomic(update))

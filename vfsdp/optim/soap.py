@@ -34,9 +34,10 @@ from vfsdp.optim.base import (
     Optimizer,
     Schedule,
     as_schedule,
+    atomic,
+    begin,
     check_hyper,
     decay_,
-    learning_rate,
 )
 from vfsdp.optim.owners import OwnedState, init_owned, owned_step, refuse_compile
 from vfsdp.planner.spec import ShardSpec
@@ -168,11 +169,8 @@ def soap(
 
     def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
         refuse_compile("soap")
-        state.count.add_(1)
-        state.n += 1
-        t = state.n - 1  # the reference's step: the first update only initialises
-        rate = learning_rate(schedule, state.count)
-        size = rate * (math.sqrt(1 - b2 ** t) / (1 - b1 ** t)) if correct_bias and t else rate
+        t = state.n  # the reference's step: the first update only initialises
+        rates: list = []  # begin's, once owned_step has checked the inputs
 
         def rule(w: int, g: torch.Tensor) -> Optional[torch.Tensor]:
             s = state.stacks[w]
@@ -201,8 +199,11 @@ def soap(
             return out
 
         with torch.no_grad():
-            views, updates, (ps, gs, ms, vs) = owned_step("soap", grads, state, shards, spec,
-                                                          rule, back=bool(t))
+            views, updates, (ps, gs, ms, vs) = owned_step(
+                "soap", grads, state, shards, spec, rule, back=bool(t),
+                ready=lambda: rates.append(begin(state.count, schedule)))
+            state.n, rate = t + 1, rates[0]
+            size = rate * (math.sqrt(1 - b2 ** t) / (1 - b1 ** t)) if correct_bias and t else rate
             if not t:
                 return state
             if ps:
@@ -219,4 +220,4 @@ def soap(
             decay_(views, rate, weight_decay)
         return state
 
-    return Optimizer(init, update)
+    return Optimizer(init, atomic(update))

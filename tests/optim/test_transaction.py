@@ -7,7 +7,7 @@ import torch
 
 import vfsdp
 from tests.optim import txn_bodies as tb
-from vfsdp.optim.base import BrokenUpdate, atomic, begin
+from vfsdp.optim.base import PartialUpdateError, atomic, begin
 from vfsdp.testing import simulate, spawn
 
 FAILING = [(1,), (0, 1)]  # the schedule (or user transform) raises at step 2 on these ranks
@@ -49,7 +49,7 @@ def test_a_failure_after_the_ranks_agreed_says_the_state_is_invalid():
         raise ArithmeticError("kernel failed")
 
     state = torch.zeros(1)
-    with pytest.raises(BrokenUpdate, match=r"partly updated; load both from a checkpoint"):
+    with pytest.raises(PartialUpdateError, match=r"partly updated; load both from a checkpoint"):
         atomic(update)(None, state, None, None)
 
 

@@ -94,7 +94,7 @@ __all__ = ["Optimizer", "host_counter", "gradient_transform", "TransformState", 
            "write_step", "sync_step", "TEMP_ELEMS", "adamw_step", "use_fused", "batches", "scale_",
            "new_count", "learning_rate", "step_scalars", "decay_", "adam_", "OwnedPlan",
            "CountedState", "init_units", "cuts_of", "atomic", "begin", "member", "checking", "settle",
-           "agree_all", "BrokenUpdate"]
+           "agree_all", "PartialUpdateError"]
 
 
 TEMP_ELEMS = 1 << 25
@@ -360,7 +360,7 @@ class Optimizer(NamedTuple):
     local_state: bool = False
 
 
-class BrokenUpdate(RuntimeError):
+class PartialUpdateError(RuntimeError):
     """An update failed after it began writing (its arithmetic, a collective of its own, or
     a user's code it runs after the ranks agreed): this rank's parameters and optimizer
     state are partly updated. Load both from a checkpoint."""
@@ -426,7 +426,7 @@ def atomic(update: Callable, compose: bool = False) -> Callable:
     writes nothing, so every member's schedule is evaluated before any member writes), the
     ranks agree once, then it runs for real. Nested, the outermost update agrees for all;
     under ``torch.compile`` the update runs as it is. A failure after the agreement raises
-    :class:`BrokenUpdate` (naming the cause) on the ranks where it happened.
+    :class:`PartialUpdateError` (naming the cause) on the ranks where it happened.
 
     Args:
         update: ``update(grads, state, shards, spec) -> state``.
@@ -437,7 +437,7 @@ def atomic(update: Callable, compose: bool = False) -> Callable:
 
     Raises:
         RuntimeError: from the update, on the ranks where it did not fail, naming the rank
-            that did; :class:`BrokenUpdate` as above.
+            that did; :class:`PartialUpdateError` as above.
 
     Example:
         >>> def update(grads, state, shards, spec):
@@ -473,13 +473,13 @@ def atomic(update: Callable, compose: bool = False) -> Callable:
         try:
             out = update(grads, state, shards, spec)
         except Exception as exc:
-            if txn.agreed and not txn.settled:
-                raise exc if isinstance(exc, BrokenUpdate) else BrokenUpdate(
-                    f"{getattr(update, '__qualname__', 'update')} failed after the ranks "
-                    f"agreed to write ({type(exc).__name__}: {exc}): the parameters and the "
-                    f"optimizer state on this rank are partly updated; load both from a "
-                    f"checkpoint") from exc
-            if not txn.settled:
+            if txn.agreed and not txn.settled and not isinstance(exc, PartialUpdateError):
+                name = getattr(update, "__qualname__", "update")
+                raise PartialUpdateError(f"{name} failed after the ranks agreed to write "
+                                   f"({type(exc).__name__}: {exc}): the parameters and the "
+                                   f"optimizer state on this rank are partly updated; load "
+                                   f"both from a checkpoint") from exc
+            if not (txn.agreed or txn.settled):
                 agree_all(exc)
             raise
         finally:
@@ -541,7 +541,7 @@ def settle(error: Optional[BaseException], undo: Callable[[], Any]) -> None:
     :func:`~vfsdp.optim.transform`'s ``apply``): the ranks agree whether it failed on any
     (:func:`agree_all`); if so every rank runs ``undo`` (restores what it wrote) and raises,
     as before ``begin``, where no other update of the transaction wrote yet, else
-    :class:`BrokenUpdate`.
+    :class:`PartialUpdateError`.
 
     Raises:
         Exception: ``error`` on its rank, ``RuntimeError`` on the others.

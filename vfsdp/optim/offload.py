@@ -31,7 +31,7 @@
 * An update is a transaction (:func:`~vfsdp.optim.base.atomic`): the wrapped optimizer's
   checks and schedule run first, on every rank, and a failure there raises on every rank
   before anything is written. A failure of the host update past that raises on every rank
-  too (one more small exchange, after it), as :class:`~vfsdp.optim.base.BrokenUpdate`, and
+  too (one more small exchange, after it), as :class:`~vfsdp.optim.base.PartialUpdateError`, and
   no rank copies back. A failure between two of the wrapped optimizer's own collectives (a
   global-norm clip's all-reduce, Muon's exchange) leaves the other ranks waiting in that
   collective, as it does without offload (until the process group's timeout); the exchanges
@@ -178,7 +178,7 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
             ``torch.compile``, or for other shards than ``init`` was given.
         RuntimeError: from ``update``, on every rank but the one where the wrapped
             optimizer's checks or schedule failed (which raises its own error), naming that
-            rank; :class:`~vfsdp.optim.base.BrokenUpdate` on every rank where the host
+            rank; :class:`~vfsdp.optim.base.PartialUpdateError` on every rank where the host
             update failed past them.
 
     Example:

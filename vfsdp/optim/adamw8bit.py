@@ -1,4 +1,7 @@
-"""Block-wise 8-bit AdamW: moments as uint8 codes in 32x32 tiles, quantized locally, no collective.
+"""Block-wise 8-bit AdamW: moments as uint8 codes in 32x32 tiles, quantized locally.
+
+No collective on the data: the one exchange of an update is the ranks' agreement that their
+checks passed (:func:`~vfsdp.optim.base.atomic`, a flag on the host).
 
 The optimizer declares its structure: ``opt.granularity`` keeps 32-row stripes of every matrix
 on one rank (``rows(32)``; a ``[E, R, C]`` expert stack whose ``R`` is not a multiple of 32

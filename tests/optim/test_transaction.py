@@ -75,3 +75,10 @@ def test_an_update_of_your_own_in_a_composition_runs_once():
 @pytest.mark.parametrize("kind", ["adamw", "muon", "offload(adamw8bit)"])
 def test_a_gradient_tree_one_rank_gets_wrong_is_refused_before_any_write(kind):
     assert simulate(2, tb.bad_tree, kind) == [("RuntimeError", True), ("ValueError", True)]
+
+
+def test_a_user_transform_failing_after_another_member_wrote_says_the_state_is_invalid():
+    # partition(adamw, your chain): AdamW wrote before the user's transform raised on rank 0
+    raised = [r["raised"] for r in simulate(2, tb.run, "adamw+user", (0,))]
+    assert all(r.startswith("PartialUpdateError: ") for r in raised), raised
+    assert "(RuntimeError: rank 0 failed: ArithmeticError: user transform failed)" in raised[1]

@@ -55,6 +55,10 @@ def optimizer(kind: str, ranks: tuple) -> O.Optimizer:
         "clip+adamw": lambda: O.chain(O.clip_by_global_norm(1.0), O.adamw(lr=lr)),
         "user": lambda: O.chain(O.clip_by_global_norm(1.0), O.transform(FlakyApply(ranks), ("m",)),
                                 O.scale_by_adam(), O.scale_by_learning_rate(0.01)),
+        "adamw+user": lambda: O.partition(
+            {"a": O.adamw(lr=0.01), "u": O.chain(O.transform(FlakyApply(ranks), ("m",)),
+                                                 O.scale_by_learning_rate(0.01))},
+            lambda p: "a" if p == ("w",) else "u"),
     }[kind]()
 
 

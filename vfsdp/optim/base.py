@@ -373,14 +373,18 @@ class _Dry(Exception):
 class _Txn:
     """The open update of this thread (a rank): ``dry`` in a composition's checking pass;
     ``agreed`` once the ranks agreed that every one's checks passed; ``settled`` once they
-    agreed that one failed (and every rank restored what it wrote)."""
+    agreed that one failed (and every rank restored what it wrote); ``writers``: the updates
+    past ``begin(count)`` in the writing pass."""
 
     def __init__(self, dry: bool, agreed: bool = False) -> None:
-        self.dry, self.agreed, self.settled = dry, agreed, False
-        self.writers = 0  # updates past begin(count) in the writing pass
+        self.dry, self.agreed, self.settled, self.writers = dry, agreed, False, 0
 
 
 _OPEN = threading.local()  # .txn: the open _Txn (simulate runs a rank per thread)
+
+
+def _open() -> Optional[_Txn]:
+    return None if tp.compiling() else getattr(_OPEN, "txn", None)
 
 
 def agree_all(error: Optional[BaseException]) -> None:
@@ -440,21 +444,23 @@ def atomic(update: Callable, compose: bool = False) -> Callable:
             that did; :class:`PartialUpdateError` as above.
 
     Example:
+        >>> def lr(step):
+        ...     raise ValueError("no schedule")
         >>> def update(grads, state, shards, spec):
-        ...     state["w"].add_(grads["w"] * begin(state["count"], lambda step: 1 / (step - 1)))
+        ...     state["w"].add_(grads["w"] * begin(state["count"], lr))
         ...     return state
         >>> state = {"w": torch.zeros(1), "count": torch.zeros(1)}
         >>> try:
         ...     atomic(update)({"w": torch.ones(1)}, state, None, None)
-        ... except ZeroDivisionError:
+        ... except ValueError:
         ...     state                                  # as it was
         {'w': tensor([0.]), 'count': tensor([0.])}
     """
 
     @functools.wraps(update)
     def run(grads: Any, state: Any, shards: Any, spec: Any) -> Any:
-        txn = getattr(_OPEN, "txn", None) if not tp.compiling() else False
-        if txn is not None:  # compiled (False), or a member of an open update
+        txn = _open()
+        if tp.compiling() or txn is not None:  # compiled, or a member of an open update
             if not (txn and txn.dry):
                 return update(grads, state, shards, spec)
             with contextlib.suppress(_Dry):
@@ -476,9 +482,9 @@ def atomic(update: Callable, compose: bool = False) -> Callable:
             if txn.agreed and not txn.settled and not isinstance(exc, PartialUpdateError):
                 name = getattr(update, "__qualname__", "update")
                 raise PartialUpdateError(f"{name} failed after the ranks agreed to write "
-                                   f"({type(exc).__name__}: {exc}): the parameters and the "
-                                   f"optimizer state on this rank are partly updated; load "
-                                   f"both from a checkpoint") from exc
+                                         f"({type(exc).__name__}: {exc}): the parameters and "
+                                         f"the optimizer state on this rank are partly "
+                                         f"updated; load both from a checkpoint") from exc
             if not (txn.agreed or txn.settled):
                 agree_all(exc)
             raise
@@ -514,7 +520,7 @@ def begin(count: Optional[torch.Tensor] = None, schedule: Optional[Callable] = N
         >>> begin(count, lambda step: 0.1 * step), count
         (tensor(0.1000, dtype=torch.float64), tensor([1.]))
     """
-    txn = getattr(_OPEN, "txn", None) if not tp.compiling() else None
+    txn = _open()
     if txn is not None and txn.dry:
         if schedule is not None and getattr(schedule, "constant", None) is None:
             learning_rate(schedule, count + 1)
@@ -549,7 +555,7 @@ def settle(error: Optional[BaseException], undo: Callable[[], Any]) -> None:
     Example:
         >>> settle(None, lambda: None)                 # no failure: nothing to undo
     """
-    txn = getattr(_OPEN, "txn", None) if not tp.compiling() else None
+    txn = _open()
     try:
         agree_all(error)
     except BaseException:
@@ -567,7 +573,7 @@ def checking() -> bool:
         >>> checking()
         False
     """
-    txn = getattr(_OPEN, "txn", None) if not tp.compiling() else None
+    txn = _open()
     return bool(txn and txn.dry)
 
 

@@ -38,7 +38,7 @@ def test_a_failed_update_changes_nothing_on_gloo_processes():
 
 
 def test_a_failed_update_changes_nothing_in_compositions():
-    kinds = ["shampoo", "clip+adamw", "offload(user)", "offload(clip+adamw)"]
+    kinds = ["adamw(fused)", "shampoo", "clip+adamw", "offload(user)", "offload(clip+adamw)"]
     _check(simulate(2, tb.cases, kinds, FAILING), kinds)
 
 

@@ -48,6 +48,7 @@ def optimizer(kind: str, ranks: tuple) -> O.Optimizer:
     vector = lambda p: "m" if p == ("w",) else "a"  # matrices: the matrix optimizer
     return {
         "adamw": lambda: O.adamw(lr=lr),
+        "adamw(fused)": lambda: O.adamw(lr=lr, fused=True),
         "adamw8bit": lambda: O.adamw8bit(lr=lr, min_8bit_numel=8),
         "muon": lambda: O.partition({"m": O.muon(lr=lr), "a": O.adamw(lr=0.01)}, vector),
         "soap": lambda: O.soap(lr=lr),

@@ -82,6 +82,8 @@ NOT_STRINGS = {
     ("vfsdp/checkpoint/io.py", "_write", "CheckpointError(errors[0])"): "BUILDERS: _write",
     ("vfsdp/checkpoint/io.py", "load", "_unwrap(exc, 'vfsdp.checkpoint.load')"): "_unwrap",
     ("vfsdp/collectives/agree.py", "agree", "error"): "the rank's own error, raised as it was",
+    ("vfsdp/optim/base.py", "begin", "_Dry"): "ends a member's update in a composition's "
+                                              "checking pass; the composition catches it",
     ("vfsdp/collectives/dbuffer.py", "ReleasedTensor.__torch_function__",
      "RuntimeError(why)"): "the poison()/_poison() sentences (SINKS)",
     ("vfsdp/interop/dtensor.py", "to_dtensor", "ValueError(_ragged_message(t))"):

@@ -116,10 +116,11 @@ def test_update_op_count_does_not_grow_with_parameters_tensors_or_units(fused):
     the bias corrections and step size are Python floats, as torch's foreach AdamW takes
     them; 0.4.0.dev0 took 7 device ops there), nothing per unit. fused: the step counter and one kernel
     per decay group; where a weight-decay mask cuts a unit, one view op per unit cuts its
-    gradient (no kernel)."""
+    gradient (no kernel). Both: the ranks' agreement (vfsdp.optim.base.atomic), one exchange
+    of a flag over a gloo group, on the host."""
     base, views = _update_ops(16, 3, fused)
     assert views == (0 if not fused else 3)
-    assert base == (8 + 2 if not fused else 3)
+    assert base == (8 + 2 + 1 if not fused else 3 + 1)
     for width, layers in ((32, 3), (64, 3), (16, 12)):  # x4, x16 parameters; x4 tensors
         ops, more_views = _update_ops(width, layers, fused)
         assert ops == base

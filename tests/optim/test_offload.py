@@ -76,9 +76,12 @@ def test_checkpoint_saved_offloaded_loads_without_offload_at_another_world_size(
 
 
 def test_a_host_failure_on_one_rank_raises_on_every_rank():
-    assert spawn(ob.failing_update, 2) == [
-        "RuntimeError: rank 1 failed: ArithmeticError: host kernel failed",
-        "ArithmeticError: host kernel failed"]
+    # An optimizer of one's own is not part of the transaction (vfsdp.optim.base.atomic): its
+    # failure is past the ranks' agreement, so every rank says its state is partly updated.
+    got = spawn(ob.failing_update, 2)
+    assert all(r.startswith("PartialUpdateError: ") and "partly updated" in r for r in got), got
+    assert "(RuntimeError: rank 1 failed: ArithmeticError: host kernel failed)" in got[0]
+    assert "(ArithmeticError: host kernel failed)" in got[1]
 
 
 def test_bf16_parameters_keep_fp32_masters():

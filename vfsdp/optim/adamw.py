@@ -35,6 +35,8 @@ from vfsdp.optim.base import (
     Schedule,
     adamw_step,
     as_schedule,
+    atomic,
+    begin,
     both,
     check_hyper,
     cuts_of,
@@ -42,7 +44,6 @@ from vfsdp.optim.base import (
     frozen_of,
     grad_leaves,
     init_units,
-    learning_rate,
     runs,
     selected,
     state_dtype,
@@ -226,9 +227,8 @@ def adamw(
         return state
 
     def update(grads: Any, state: AdamWState, shards: Any, spec: ShardSpec) -> AdamWState:
-        state.count.add_(1)
-        rate = learning_rate(schedule, state.count)
         if tp.compiling():
+            rate = begin(state.count, schedule)
             traced_adamw(grads, state, shards, spec, rate, betas, eps, weight_decay)
             return state
         leaves = grad_leaves(grads, spec, "adamw.update")
@@ -256,9 +256,10 @@ def adamw(
                 ops = groups.setdefault((m.device, u.db.dtype, on), ([], [], [], [], [], []))
                 for acc, xs in zip(ops, (ps, [g] if cuts is None else g, ms, vs, decay, flags)):
                     acc.extend(xs)
+            rate = begin(state.count, schedule)  # the checks are done: nothing written yet
             for (_, _, on), (ps, gs, ms, vs, decay, flags) in groups.items():
                 adamw_step(ps, gs, ms, vs, flags if on else decay, count=state.count, lr=rate,
                            betas=betas, eps=eps, weight_decay=weight_decay, fused=on)
         return state
 
-    return Optimizer(init, update, local_state=True)
+    return Optimizer(init, atomic(update), local_state=True)

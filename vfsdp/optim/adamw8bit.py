@@ -1,4 +1,7 @@
-"""Block-wise 8-bit AdamW: moments as uint8 codes in 32x32 tiles, quantized locally, no collective.
+"""Block-wise 8-bit AdamW: moments as uint8 codes in 32x32 tiles, quantized locally.
+
+No collective on the data: the one exchange of an update is the ranks' agreement that their
+checks passed (:func:`~vfsdp.optim.base.atomic`, a flag on the host).
 
 The optimizer declares its structure: ``opt.granularity`` keeps 32-row stripes of every matrix
 on one rank (``rows(32)``; a ``[E, R, C]`` expert stack whose ``R`` is not a multiple of 32
@@ -40,6 +43,8 @@ from vfsdp.optim.base import (
     Schedule,
     adamw_step,
     as_schedule,
+    atomic,
+    begin,
     both,
     check_hyper,
     cuts_of,
@@ -48,7 +53,6 @@ from vfsdp.optim.base import (
     frozen_of,
     grad_leaves,
     init_units,
-    learning_rate,
     runs,
     selected,
     step_scalars,
@@ -371,12 +375,10 @@ def adamw8bit(
                            qmaps(units[0].db.device))
 
     def update(grads: Any, state: AdamW8bitState, shards: Any, spec: ShardSpec) -> AdamW8bitState:
-        state.count.add_(1)
-        rate = learning_rate(schedule, state.count)
         if tp.compiling():
+            rate = begin(state.count, schedule)
             traced_adamw8bit(grads, state, shards, spec, rate, betas, eps, weight_decay)
             return state
-        scalars = step_scalars(state.count, betas)
         leaves = grad_leaves(grads, spec, "adamw8bit.update")
         units, gs = [], []
         with torch.no_grad():
@@ -389,6 +391,8 @@ def adamw8bit(
                     continue
                 units.append((u, frozen))
                 gs.append(flat_grads(leaves, u, "adamw8bit.update"))
+            rate = begin(state.count, schedule)  # the checks are done: nothing written yet
+            scalars = step_scalars(state.count, betas)
             if not units:
                 return state
             key = tuple((u.key, frozen) for u, frozen in units)
@@ -413,7 +417,7 @@ def adamw8bit(
                            fused=False, scalars=scalars)
         return state
 
-    return Optimizer(init, update, tile_granularity(min_8bit_numel), local_state=True)
+    return Optimizer(init, atomic(update), tile_granularity(min_8bit_numel), local_state=True)
 
 
 def compiled_step8() -> Callable:

@@ -23,6 +23,9 @@ An optimizer is an :class:`Optimizer`:
   unit's momentum is on every rank if it has a matrix anywhere), nor do combinators
   (``False``: the count reads all).
 
+An update is a transaction (:func:`atomic`): if it fails on any rank before it writes, every
+rank raises and every rank's parameters and state, step count included, are as they were.
+
 ``mask`` is how :func:`~vfsdp.optim.partition` hands each optimizer its subset, and
 :func:`~vfsdp.optim.chain` passes it on to every member, so they nest in any order. A state
 that implements :class:`vfsdp.functional.Checkpointable` is saved by ``vfsdp.checkpoint``.
@@ -59,17 +62,23 @@ Two kernels, chosen by :func:`use_fused`:
 from __future__ import annotations
 
 import bisect
+import contextlib
+import functools
 import inspect
 import itertools
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Optional, Union
 
 import optree
 import torch
+import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
 from vfsdp._warnings import warn_user
+from vfsdp.collectives.agree import agree
+from vfsdp.collectives.comm import collective_scope, side_group
 from vfsdp.collectives.dbuffer import DBuffer, View, slot_of
 from vfsdp.functional.gather import gradient_leaves
 from vfsdp.functional.state import param_tree
@@ -84,7 +93,8 @@ __all__ = ["Optimizer", "host_counter", "gradient_transform", "TransformState", 
            "init_masked", "both", "selected", "state_tensors", "runs", "frozen_of", "read_step",
            "write_step", "sync_step", "TEMP_ELEMS", "adamw_step", "use_fused", "batches", "scale_",
            "new_count", "learning_rate", "step_scalars", "decay_", "adam_", "OwnedPlan",
-           "CountedState", "init_units", "cuts_of"]
+           "CountedState", "init_units", "cuts_of", "atomic", "begin", "member", "checking", "settle",
+           "agree_all", "PartialUpdateError"]
 
 
 TEMP_ELEMS = 1 << 25
@@ -348,6 +358,232 @@ class Optimizer(NamedTuple):
     update: Callable[..., Any]
     granularity: Any = None
     local_state: bool = False
+
+
+class PartialUpdateError(RuntimeError):
+    """An update failed after it began writing (its arithmetic, a collective of its own, or
+    a user's code it runs after the ranks agreed): this rank's parameters and optimizer
+    state are partly updated. Load both from a checkpoint."""
+
+
+class _Dry(Exception):
+    """Ends an optimizer's update in a composition's checking pass, before it writes."""
+
+
+class _Txn:
+    """The open update of this thread (a rank): ``dry`` in a composition's checking pass;
+    ``agreed`` once the ranks agreed that every one's checks passed; ``settled`` once they
+    agreed that one failed (and every rank restored what it wrote); ``writers``: the updates
+    past ``begin(count)`` in the writing pass."""
+
+    def __init__(self, dry: bool, agreed: bool = False) -> None:
+        self.dry, self.agreed, self.settled, self.writers = dry, agreed, False, 0
+
+
+_OPEN = threading.local()  # .txn: the open _Txn (simulate runs a rank per thread)
+
+
+def _open() -> Optional[_Txn]:
+    return None if tp.compiling() else getattr(_OPEN, "txn", None)
+
+
+def agree_all(error: Optional[BaseException]) -> None:
+    """Collective over every rank: raise ``error`` here, or a ``RuntimeError`` naming the
+    rank that failed, if any rank had one. One 1-element all-reduce over a gloo group no
+    other exchange uses (:func:`~vfsdp.collectives.comm.side_group`: it never pairs with a
+    collective another rank is still in, and reads no device) when all went well; the
+    messages are exchanged only on a failure.
+
+    Raises:
+        BaseException: ``error``, on its rank; ``RuntimeError`` on the others.
+
+    Example:
+        >>> def body():
+        ...     try:
+        ...         agree_all(ValueError("lr") if dist.get_rank() == 1 else None)
+        ...     except Exception as exc:
+        ...         return type(exc).__name__
+        >>> vfsdp.testing.simulate(2, body)
+        ['RuntimeError', 'ValueError']
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        agree(error)  # raises it, if any
+        return
+    group = side_group()
+    with collective_scope():  # op counters count the exchange, not its host-side ops
+        flag = torch.tensor([0.0 if error is None else 1.0])  # cpu: the side group is gloo
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        failed = flag.item() != 0  # a host tensor: no device sync
+    if failed:
+        agree(error, group)
+
+
+def atomic(update: Callable, compose: bool = False) -> Callable:
+    """An optimizer's ``update`` as a transaction: if it fails on any rank before it writes,
+    every rank raises and every rank's parameters and state, step count included, are as they
+    were (see docs/optimizers.md, "When an update fails").
+
+    The update calls :func:`begin` once its checks (the gradient tree) are done, before its
+    first write: ``begin`` counts the step, evaluates the schedule, and the ranks agree
+    (:func:`agree_all`) that all got there. A composition (``compose=True``: ``chain``,
+    ``partition``, ``offload``) first runs its members up to their ``begin`` (a pass that
+    writes nothing, so every member's schedule is evaluated before any member writes), the
+    ranks agree once, then it runs for real. Nested, the outermost update agrees for all;
+    under ``torch.compile`` the update runs as it is. A failure after the agreement raises
+    :class:`PartialUpdateError` (naming the cause) on the ranks where it happened.
+
+    Args:
+        update: ``update(grads, state, shards, spec) -> state``.
+        compose: It runs other optimizers' updates (through :func:`member`).
+
+    Returns:
+        The update, wrapped.
+
+    Raises:
+        RuntimeError: from the update, on the ranks where it did not fail, naming the rank
+            that did; :class:`PartialUpdateError` as above.
+
+    Example:
+        >>> def lr(step):
+        ...     raise ValueError("no schedule")
+        >>> def update(grads, state, shards, spec):
+        ...     state["w"].add_(grads["w"] * begin(state["count"], lr))
+        ...     return state
+        >>> state = {"w": torch.zeros(1), "count": torch.zeros(1)}
+        >>> try:
+        ...     atomic(update)({"w": torch.ones(1)}, state, None, None)
+        ... except ValueError:
+        ...     state                                  # as it was
+        {'w': tensor([0.]), 'count': tensor([0.])}
+    """
+
+    @functools.wraps(update)
+    def run(grads: Any, state: Any, shards: Any, spec: Any) -> Any:
+        txn = _open()
+        if tp.compiling() or txn is not None:  # compiled, or a member of an open update
+            if not (txn and txn.dry):
+                return update(grads, state, shards, spec)
+            with contextlib.suppress(_Dry):
+                update(grads, state, shards, spec)
+            return state
+        if compose:  # the checking pass: every member up to its begin()
+            _OPEN.txn, error = _Txn(dry=True), None
+            try:
+                update(grads, state, shards, spec)
+            except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+                error = exc
+            finally:
+                _OPEN.txn = None
+            agree_all(error)
+        _OPEN.txn = txn = _Txn(dry=False, agreed=compose)
+        try:
+            out = update(grads, state, shards, spec)
+        except Exception as exc:
+            if txn.agreed and not txn.settled and not isinstance(exc, PartialUpdateError):
+                name = getattr(update, "__qualname__", "update")
+                raise PartialUpdateError(f"{name} failed after the ranks agreed to write "
+                                         f"({type(exc).__name__}: {exc}): the parameters and "
+                                         f"the optimizer state on this rank are partly "
+                                         f"updated; load both from a checkpoint") from exc
+            if not (txn.agreed or txn.settled):
+                agree_all(exc)
+            raise
+        finally:
+            _OPEN.txn = None
+        if not txn.agreed:  # it wrote nothing (returned before begin): pair with the others
+            agree_all(None)
+        return out
+
+    run.atomic = True
+    return run
+
+
+def begin(count: Optional[torch.Tensor] = None, schedule: Optional[Callable] = None) -> Any:
+    """The last step of an update before it writes (see :func:`atomic`): adds one to the step
+    counter ``count`` and returns the learning rate ``schedule`` gives for it
+    (:func:`learning_rate`), then, in an update of its own, the ranks agree. If the schedule
+    raises, or another rank failed, the counter is as it was. In a composition's checking
+    pass it evaluates the schedule at the next step and ends the member's update there.
+
+    Args:
+        count: The state's step counter, or ``None`` (a gradient transform).
+        schedule: The learning-rate schedule, or ``None``.
+
+    Returns:
+        The learning rate (``None`` without a schedule).
+
+    Raises:
+        Exception: what the schedule raised; ``RuntimeError`` where another rank failed.
+
+    Example:
+        >>> count = new_count("cpu")
+        >>> begin(count, lambda step: 0.1 * step), count
+        (tensor(0.1000, dtype=torch.float64), tensor([1.]))
+    """
+    txn = _open()
+    if txn is not None and txn.dry:
+        if schedule is not None and getattr(schedule, "constant", None) is None:
+            learning_rate(schedule, count + 1)
+        raise _Dry
+    if count is not None:
+        count.add_(1)
+        if txn is not None:
+            txn.writers += 1
+    try:
+        rate = None if schedule is None else learning_rate(schedule, count)
+        if txn is not None and not txn.agreed:
+            txn.settled = True
+            agree_all(None)
+            txn.agreed, txn.settled = True, False
+    except BaseException:
+        if count is not None:
+            count.sub_(1)  # an integer in float32: exact
+        raise
+    return rate
+
+
+def settle(error: Optional[BaseException], undo: Callable[[], Any]) -> None:
+    """Past :func:`begin`, where an update runs a user's code that writes (a
+    :func:`~vfsdp.optim.transform`'s ``apply``): the ranks agree whether it failed on any
+    (:func:`agree_all`); if so every rank runs ``undo`` (restores what it wrote) and raises,
+    as before ``begin``, where no other update of the transaction wrote yet, else
+    :class:`PartialUpdateError`.
+
+    Raises:
+        Exception: ``error`` on its rank, ``RuntimeError`` on the others.
+
+    Example:
+        >>> settle(None, lambda: None)                 # no failure: nothing to undo
+    """
+    txn = _open()
+    try:
+        agree_all(error)
+    except BaseException:
+        undo()
+        if txn is not None:
+            txn.settled = txn.writers <= 1
+        raise
+
+
+def checking() -> bool:
+    """Whether this is a composition's checking pass (see :func:`atomic`), in which an
+    update writes nothing.
+
+    Example:
+        >>> checking()
+        False
+    """
+    txn = _open()
+    return bool(txn and txn.dry)
+
+
+def member(opt: Optimizer, grads: Any, state: Any, shards: Any, spec: Any) -> Any:
+    """``opt.update(grads, state, shards, spec)`` as a composition runs a member: skipped in
+    the checking pass when the member is not :func:`atomic` (an ``Optimizer`` of your own:
+    it runs once, in the pass that writes, and is not part of the transaction)."""
+    if checking() and not getattr(opt.update, "atomic", False):
+        return state
+    return opt.update(grads, state, shards, spec)
 
 
 @dataclass

@@ -15,7 +15,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from vfsdp.optim.base import Mask, Optimizer, both, init_masked, same_at_ties, selected
+from vfsdp.optim.base import (
+    Mask,
+    Optimizer,
+    atomic,
+    begin,
+    both,
+    grad_leaves,
+    init_masked,
+    member,
+    same_at_ties,
+    selected,
+)
 from vfsdp.optim.transforms import fuse
 from vfsdp.planner.granularity import combine, format_path
 from vfsdp.planner.spec import ShardSpec
@@ -61,7 +72,7 @@ def partition(transforms: dict, labels: Callable[[tuple], str]) -> Optimizer:
 
     def update(grads: Any, state: dict, shards: Any, spec: ShardSpec) -> dict:
         # Each member writes its own label's tensors (parameters, or gradients in place).
-        return {name: opt.update(grads, state[name], shards, spec)
+        return {name: member(opt, grads, state[name], shards, spec)
                 for name, opt in transforms.items()}
 
     def granularity(path, tensor):
@@ -69,7 +80,7 @@ def partition(transforms: dict, labels: Callable[[tuple], str]) -> Optimizer:
         g = getattr(opt, "granularity", None)
         return g(path, tensor) if callable(g) else g
 
-    return Optimizer(init, update, granularity)
+    return Optimizer(init, atomic(update, compose=True), granularity)
 
 
 def chain(*transforms: Optimizer) -> Optimizer:
@@ -110,9 +121,9 @@ def chain(*transforms: Optimizer) -> Optimizer:
         return [init_masked(t, shards, spec, mask, "chain") for t in transforms]
 
     def update(grads: Any, state: list, shards: Any, spec: ShardSpec) -> list:
-        return [t.update(grads, s, shards, spec) for t, s in zip(transforms, state)]
+        return [member(t, grads, s, shards, spec) for t, s in zip(transforms, state)]
 
-    return Optimizer(init, update, combine(*(t.granularity for t in transforms)))
+    return Optimizer(init, atomic(update, compose=True), combine(*(t.granularity for t in transforms)))
 
 
 @dataclass
@@ -173,7 +184,9 @@ def clip_by_global_norm(max_norm: float) -> Optimizer:
         return ClipState(mask)
 
     def update(grads: Any, state: ClipState, shards: Any, spec: ShardSpec) -> ClipState:
+        grad_leaves(grads, spec, "clip_by_global_norm")  # the checks, before the ranks agree
+        begin()
         clip_grad_norm(grads, spec, max_norm, mask=state.mask)
         return state
 
-    return Optimizer(init, update)
+    return Optimizer(init, atomic(update))

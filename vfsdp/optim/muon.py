@@ -53,13 +53,14 @@ from vfsdp.optim.base import (
     OwnedPlan,
     Schedule,
     as_schedule,
+    atomic,
+    begin,
     check_hyper,
     decay_,
     flat_grads,
     frozen_of,
     grad_leaves,
     init_units,
-    learning_rate,
     selected,
     state_dtype,
     unit_buffers,
@@ -339,21 +340,21 @@ def muon(
                              "per-tensor kernels and exchanges run eagerly); compile the "
                              "forward and backward and call the update outside, or use "
                              "vfsdp.optim.adamw, which compiles")
-        state.count.add_(1)
-        rate = learning_rate(schedule, state.count)
         plan = state.plan
         units = {u.key: u for u in unit_buffers(shards, spec, "muon.update")
                  if u.key in state.momentum}
+        leaves = grad_leaves(grads, spec, "muon.update")
+        with torch.no_grad():
+            gflat = {key: flat_grads(leaves, units[key], "muon.update", plan.dtype)
+                     for key, _ in plan.units} if plan.waves else {}
+        rate = begin(state.count, schedule)  # the checks are done: nothing written yet
         if not plan.waves:
             return state
         first = next(iter(units.values())).db
         group, device = first.groups.shard, first.device
-        leaves = grad_leaves(grads, spec, "muon.update")
         frozen = {(key, k) for key, u in units.items()
                   for k in frozen_of(u, plan.paths[key])}  # no update, no decay
         with torch.no_grad():
-            gflat = {key: flat_grads(leaves, units[key], "muon.update", plan.dtype)
-                     for key, _ in plan.units}
             moms = [state.momentum[key].shard for key, _ in plan.units]
             bufs, gs = [], []
             for (key, _), buf in zip(plan.units, moms):
@@ -420,7 +421,7 @@ def muon(
                 tp.foreach("add_", views, updates, alpha=-rate)
         return state
 
-    return Optimizer(init, update)
+    return Optimizer(init, atomic(update))
 
 
 def _cat(parts: list, like: torch.Tensor) -> torch.Tensor:

@@ -28,13 +28,15 @@
   write is missed, whether or not a version counter sees it; what a fingerprint cannot tell
   is a write that only permutes values. On a CPU-only machine, where host and device are
   the same memory, the fingerprints cost more than the copies they spare.
-* A failure of the host update on one rank raises on every rank (one small exchange per
-  update, over a group nothing else uses), instead of leaving the others waiting in the next
-  collective. A failure between two of the wrapped optimizer's own collectives (a global-norm
-  clip's all-reduce, Muon's exchange) leaves the other ranks waiting in that collective, as
-  it does without offload (until the process group's timeout); the exchange never pairs with
-  it. The group spans every rank: every rank calls ``update``, as every rank runs the
-  wrapped optimizer's collectives.
+* An update is a transaction (:func:`~vfsdp.optim.base.atomic`): the wrapped optimizer's
+  checks and schedule run first, on every rank, and a failure there raises on every rank
+  before anything is written. A failure of the host update past that raises on every rank
+  too (one more small exchange, after it), as :class:`~vfsdp.optim.base.PartialUpdateError`, and
+  no rank copies back. A failure between two of the wrapped optimizer's own collectives (a
+  global-norm clip's all-reduce, Muon's exchange) leaves the other ranks waiting in that
+  collective, as it does without offload (until the process group's timeout); the exchanges
+  never pair with it. Their group spans every rank: every rank calls ``update``, as every
+  rank runs the wrapped optimizer's collectives.
 * A checkpoint of the state holds what the wrapped optimizer's state holds, under the same
   names: a checkpoint saved offloaded loads without offload, and back, at any world size. The
   masters are not saved (the parameters are): after a load they are read back from them.
@@ -52,19 +54,21 @@ from typing import Any, Optional
 
 import optree
 import torch
-import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
-from vfsdp.collectives.agree import agree
-from vfsdp.collectives.comm import host_groups, side_group
+from vfsdp.collectives.comm import host_groups
 from vfsdp.collectives.mirror import HostMirror, fingerprint
 from vfsdp.collectives.unit import Unit
 from vfsdp.optim.base import (
     Mask,
     Optimizer,
+    agree_all,
+    atomic,
+    checking,
     flat_grads,
     grad_leaves,
     init_masked,
+    member,
     runs,
     state_dtype,
     state_tensors,
@@ -124,7 +128,6 @@ class OffloadState:
     resyncs: int = 0
     grad_copies: int = 0
     seen: dict = field(default_factory=dict, repr=False)  # key -> fingerprint of what we wrote
-    flags: Any = field(default=None, repr=False)  # the failure flag's group (side_group)
     stream: Any = field(default=None, repr=False)  # the copies' CUDA stream (None on the CPU)
     pending: Any = field(default=None, repr=False)  # the event of the last copy to the device
 
@@ -173,8 +176,10 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         ValueError: from ``init``, parameters on ``meta``, or a GPU spec with a model axis
             (see :func:`vfsdp.collectives.host_groups`); from ``update``, under
             ``torch.compile``, or for other shards than ``init`` was given.
-        RuntimeError: from ``update``, on every rank but the one where the host update
-            failed (which raises its own error), naming that rank.
+        RuntimeError: from ``update``, on every rank but the one where the wrapped
+            optimizer's checks or schedule failed (which raises its own error), naming that
+            rank; :class:`~vfsdp.optim.base.PartialUpdateError` on every rank where the host
+            update failed past them.
 
     Example:
         >>> def body():
@@ -225,8 +230,7 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         host_shards = optree.tree_unflatten(spec.treespec, host_leaves)
         inner = init_masked(opt, host_shards, spec, mask, "offload")
         state = OffloadState(inner, tuple(made), host_shards,
-                             optree.tree_unflatten(spec.treespec, grad_leaves_), stream=stream,
-                             flags=side_group() if dist.is_initialized() else None)
+                             optree.tree_unflatten(spec.treespec, grad_leaves_), stream=stream)
         for u, hu in zip(units, made):
             state.seen[u.key] = fingerprint(hu.device.params.shard)
         return state
@@ -243,6 +247,11 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
             raise ValueError("offload.update: these shards are not the ones offload.init was "
                              "given (the state holds host copies of those); init a state for "
                              "them")
+        for u, hu in zip(units, state.units):
+            for (_, k), x in zip(u.leaves, u.values):  # frozen: no update, as without
+                hu.views[k].requires_grad_(x.requires_grad)  # offload
+        if checking():  # a composition's checking pass: the wrapped update's checks only
+            return member(opt, state.grads, state.inner, state.shards, spec)
         state.wait()
         blocking = state.stream is None
         rows, checks = [], []
@@ -250,8 +259,6 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
             torch.cuda.current_stream(state.stream.device).wait_stream(state.stream)
         with torch.no_grad():  # on the compute stream: waits for reductions still in flight
             for u, hu in zip(units, state.units):
-                for (_, k), x in zip(u.leaves, u.values):  # frozen: no update, as without
-                    hu.views[k].requires_grad_(x.requires_grad)  # offload
                 if not hu.runs:
                     continue
                 g = flat_grads(leaves, u, what)
@@ -291,8 +298,8 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         for hu in state.units:  # the host update may have changed them (a clip, in place)
             if hu.mirror is not None:
                 hu.mirror.forget()
-        try:
-            _agree(error, state.flags)
+        try:  # a failure past the checks (atomic): every rank raises, none copies back
+            agree_all(error)
         except BaseException:
             state.seen.clear()  # a failed update may have left the masters half written:
             raise               # the next one reads them all back from the device
@@ -307,21 +314,7 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
             torch.cuda.current_stream(state.stream.device).wait_event(state.pending)
         return state
 
-    return Optimizer(init, update, opt.granularity)
-
-
-def _agree(error: Optional[BaseException], flags: Any) -> None:
-    """Every rank raises if the host update failed on any: one 1-element all-reduce over
-    ``flags`` (:func:`~vfsdp.collectives.comm.side_group`, which no other exchange uses, so
-    it never pairs with a collective of the wrapped update another rank is still in) when all
-    went well, the messages exchanged only on a failure."""
-    if flags is None:
-        agree(error)  # no process group: raises it, if any
-        return
-    flag = torch.tensor([0.0 if error is None else 1.0])  # cpu: the side group is gloo
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=flags)
-    if flag.item() != 0:
-        agree(error, flags)
+    return Optimizer(init, atomic(update, compose=True), opt.granularity)
 
 
 def _read_back(hu: HostUnit, blocking: bool) -> None:

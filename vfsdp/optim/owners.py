@@ -34,11 +34,11 @@ from vfsdp.collectives.piece import Piece
 from vfsdp.functional.state import param_tree
 from vfsdp.optim.base import (
     Mask,
+    begin,
     decay_,
     flat_grads,
     frozen_of,
     grad_leaves,
-    learning_rate,
     new_count,
     selected,
     state_dtype,
@@ -121,17 +121,23 @@ class OwnedState(MuonState):
         return self
 
 
-def begin(what: str, state: OwnedState, schedule: Callable) -> Any:
-    """Start an update: Muon's refusal under ``torch.compile`` (in its words), the step
-    counted (on the device and on the host); returns the step's learning rate."""
-    if tp.compiling():
-        raise ValueError(f"{what}.update under torch.compile is not supported yet (its "
-                         f"per-tensor kernels and exchanges run eagerly); compile the "
-                         f"forward and backward and call the update outside, or use "
-                         f"vfsdp.optim.adamw, which compiles")
-    state.count.add_(1)
-    state.n += 1
-    return learning_rate(schedule, state.count)
+class Begin:
+    """An owned optimizer's update under way: Muon's refusal under ``torch.compile`` (in its
+    words) at once; called (``owned_step``'s ``ready``, once the inputs are checked), it
+    counts the step (:func:`~vfsdp.optim.base.begin`: the ranks agree) and holds its
+    learning rate in ``rate``. ``t`` is the number of updates before this one."""
+
+    def __init__(self, what: str, state: OwnedState, schedule: Callable) -> None:
+        if tp.compiling():
+            raise ValueError(f"{what}.update under torch.compile is not supported yet (its "
+                             f"per-tensor kernels and exchanges run eagerly); compile the "
+                             f"forward and backward and call the update outside, or use "
+                             f"vfsdp.optim.adamw, which compiles")
+        self.state, self.schedule, self.t, self.rate = state, schedule, state.n, None
+
+    def __call__(self) -> None:
+        self.rate = begin(self.state.count, self.schedule)
+        self.state.n = self.t + 1
 
 
 def apply_(views: list, updates: list, size: Any, rate: Any, weight_decay: float,
@@ -209,10 +215,11 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
 
 
 def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
-               rule: Callable, back: bool) -> tuple:
+               rule: Callable, back: bool, ready: Callable = lambda: None) -> tuple:
     """One exchange of the gradients to the owners, ``rule(w, stack)`` (wave ``w``'s
     gradients ``[B, rows, cols]`` on this rank, its updates returned), and, where ``back``,
-    the updates' exchange back.
+    the updates' exchange back. ``ready()`` runs once the inputs are checked, before any
+    write (:func:`~vfsdp.optim.base.begin`).
 
     Returns:
         ``(views, updates, vectors)``: the parameter slices the updates go to and the update
@@ -234,6 +241,7 @@ def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
     leaves = grad_leaves(grads, spec, f"{what}.update")
     gflat = {key: flat_grads(leaves, units[key], f"{what}.update", plan.dtype)
              for key, _ in plan.units}
+    ready()
     if not plan.units:
         return [], [], ([], [], [], [])
     work = torch.cat([gflat[key] for key, _ in plan.units])

@@ -32,9 +32,10 @@ from vfsdp.optim.base import (
     Optimizer,
     Schedule,
     as_schedule,
+    atomic,
     check_hyper,
 )
-from vfsdp.optim.owners import OwnedState, apply_, begin, init_owned, owned_step
+from vfsdp.optim.owners import Begin, OwnedState, apply_, init_owned, owned_step
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["shampoo", "inverse_root"]
@@ -152,8 +153,8 @@ def shampoo(
         return init_owned("shampoo", shards, spec, mask, only, wave_size, stack_state, False)
 
     def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
-        rate = begin("shampoo", state, schedule)
-        refresh = (state.n - 1) % precondition_frequency == 0
+        start = Begin("shampoo", state, schedule)
+        refresh = start.t % precondition_frequency == 0
 
         def rule(w: int, g: torch.Tensor) -> torch.Tensor:
             s, order = state.stacks[w], g.dim() - 1  # a matrix's roots -1/4, a vector's -1/2
@@ -172,8 +173,9 @@ def shampoo(
             return out if order == 2 else out.squeeze(-1)
 
         with torch.no_grad():
-            views, updates, _ = owned_step("shampoo", grads, state, shards, spec, rule, True)
-            apply_(views, updates, rate, rate, weight_decay, True)
+            views, updates, _ = owned_step("shampoo", grads, state, shards, spec, rule, True,
+                                           ready=start)
+            apply_(views, updates, start.rate, start.rate, weight_decay, True)
         return state
 
-    return Optimizer(init, update)
+    return Optimizer(init, atomic(update))

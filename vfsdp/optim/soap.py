@@ -34,9 +34,10 @@ from vfsdp.optim.base import (
     Optimizer,
     Schedule,
     as_schedule,
+    atomic,
     check_hyper,
 )
-from vfsdp.optim.owners import OwnedState, apply_, begin, init_owned, owned_step
+from vfsdp.optim.owners import Begin, OwnedState, apply_, init_owned, owned_step
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["soap", "eigenbasis"]
@@ -166,9 +167,8 @@ def soap(
         return init_owned("soap", shards, spec, mask, only, wave_size, stack_state, True)
 
     def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
-        rate = begin("soap", state, schedule)
-        t = state.n - 1  # the reference's step: the first update only initialises
-        size = rate * (math.sqrt(1 - b2 ** t) / (1 - b1 ** t)) if correct_bias and t else rate
+        start = Begin("soap", state, schedule)
+        t = start.t  # the reference's step: the first update only initialises
 
         def rule(w: int, g: torch.Tensor) -> Optional[torch.Tensor]:
             s = state.stacks[w]
@@ -198,7 +198,9 @@ def soap(
 
         with torch.no_grad():
             views, updates, (ps, gs, ms, vs) = owned_step("soap", grads, state, shards, spec,
-                                                          rule, back=bool(t))
+                                                          rule, back=bool(t), ready=start)
+            rate = start.rate
+            size = rate * (math.sqrt(1 - b2 ** t) / (1 - b1 ** t)) if correct_bias and t else rate
             if not t:
                 return state
             if ps:
@@ -211,4 +213,4 @@ def soap(
             apply_(views, updates, size, rate, weight_decay, weight_decay_first)
         return state
 
-    return Optimizer(init, update)
+    return Optimizer(init, atomic(update))

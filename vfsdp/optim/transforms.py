@@ -36,6 +36,8 @@ from vfsdp.optim.base import (
     Schedule,
     adam_,
     as_schedule,
+    atomic,
+    begin,
     check_hyper,
     flat_grads,
     grad_leaves,
@@ -45,6 +47,7 @@ from vfsdp.optim.base import (
     runs,
     same_at_ties,
     selected,
+    settle,
     state_dtype,
     step_scalars,
     unit_buffers,
@@ -494,6 +497,7 @@ def run(*members: Optimizer) -> Optimizer:
                          f"runs only as chain({owner}(...), add_decayed_weights(wd), "
                          f"scale_by_learning_rate(lr)), the decay optional and without a mask; "
                          f"give other tensors other optimizers with vfsdp.optim.partition")
+    lr = as_schedule(ts[-1].hyper[1])  # begin evaluates it before anything is written
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> TransformsState:
         same_at_ties(mask and (lambda p: selected(mask, p)), spec, "chain.init", "mask")
@@ -518,7 +522,6 @@ def run(*members: Optimizer) -> Optimizer:
 
     def update(grads: Any, state: TransformsState, shards: Any, spec: ShardSpec
                ) -> TransformsState:
-        state.count.add_(1)
         leaves = grad_leaves(grads, spec, "chain.update")
         todo = Updates([], [], state.count)
         gs: list = []
@@ -534,15 +537,32 @@ def run(*members: Optimizer) -> Optimizer:
                 todo.params.extend(s.params)
                 todo.updates.extend(s.updates)
                 todo.units.append(s)
-            if not todo.updates:
-                return state  # nothing of ours on this rank (or all of it frozen)
-            tp.foreach("copy_", todo.updates, gs)
-            for i, t in enumerate(ts):
-                t.apply(todo, {k: [x for s in todo.units for x in s.buffers[i][k]]
-                               for k in t.buffers})
+            begin(state.count, lr)  # the checks are done: nothing written yet
+            named = [{k: [x for s in todo.units for x in s.buffers[i][k]] for k in t.buffers}
+                     for i, t in enumerate(ts)]
+            # A user's apply may raise: what the transforms up to the last of them write is
+            # copied first (one op per buffer), restored on every rank if one fails.
+            last = max((i for i, t in enumerate(ts) if not t.hyper), default=-1)
+            saved = [(todo.scratch(f"saved {i} {k}"), xs) for i in range(last + 1)
+                     for k, xs in named[i].items() if todo.updates]
+            error = None
+            if todo.updates:
+                tp.foreach("copy_", todo.updates, gs)
+                for keep, xs in saved:
+                    tp.foreach("copy_", keep, xs)
+                try:
+                    for i in range(last + 1):
+                        ts[i].apply(todo, named[i])
+                except Exception as exc:  # noqa: BLE001 - raised by settle, on every rank
+                    error = exc
+            if last >= 0:
+                settle(error, lambda: [state.count.sub_(1), *(
+                    tp.foreach("copy_", xs, keep) for keep, xs in saved)])
+            for i in range(last + 1, len(ts) if todo.updates else 0):
+                ts[i].apply(todo, named[i])
         return state
 
-    return Optimizer(init, update)
+    return Optimizer(init, atomic(update))
 
 
 def _slices(state: TransformsState, u, update_runs: tuple) -> _Slices:

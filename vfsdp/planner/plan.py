@@ -303,7 +303,6 @@ class Prepared:
     reads the tree once (``vfsdp.estimation.sweep``)."""
 
     treespec: Any
-    num_leaves: int
     tied: dict                 # leaf index -> the leaf index it repeats
     members: dict              # unit key -> (leaf indices, paths, shapes, numels, blocks, dtype)
     strided: Optional[list]    # leaf index -> StridedRaggedShard, for a tp= plan
@@ -357,7 +356,7 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
         members[key] = (take(t_idx), take(t_paths), take(shapes), take(numels), take(blocks), dtype)
     frozen = frozenset() if abstract else frozenset(
         p for p, x in zip(t_paths, t_leaves) if isinstance(x, torch.nn.Parameter) and not x.requires_grad)
-    return Prepared(treespec, len(leaves), tied, members, strided, frozen)
+    return Prepared(treespec, tied, members, strided, frozen)
 
 
 def _abstract(leaves: Sequence) -> bool:
@@ -438,12 +437,13 @@ def assemble(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout], mesh_sh
 
 def _spec_leaves(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout]) -> list:
     """The spec's leaves: each unit's :class:`TensorSpec` s at their leaves, a tie's at each."""
-    out: list[Any] = [PASSTHROUGH] * prepared.num_leaves
-    for key, layout in layouts.items():
-        idx, paths = prepared.members[key][:2]
-        if layout.paths != paths:  # the layout's buffer order is not the tree's
-            idx = map(dict(zip(paths, idx)).__getitem__, layout.paths)
-        collections.deque(map(out.__setitem__, idx, layout.tensors), maxlen=0)
+    out: list[Any] = [PASSTHROUGH] * prepared.treespec.num_leaves
+    with paused_gc():
+        for key, layout in layouts.items():
+            idx, paths = prepared.members[key][:2]
+            if layout.paths != paths:  # the layout's buffer order is not the tree's
+                idx = map(dict(zip(paths, idx)).__getitem__, layout.paths)
+            collections.deque(map(out.__setitem__, idx, layout.tensors), maxlen=0)
     for i, first in prepared.tied.items():
         out[i] = out[first]
     return out

@@ -146,28 +146,6 @@ class UnitLayout:
     split: Optional[SplitSuggestion] = field(default=None, compare=False)
     strided: tuple = ()
 
-    def __post_init__(self) -> None:
-        n = len(self.paths)
-        if not (len(self.offsets) == len(self.numels) == len(self.blocks) == len(self.shapes)
-                == n):
-            raise ValueError(f"unit {unit_name(self.key)}: paths/offsets/numels/blocks/shapes "
-                             f"differ in length")
-        if self.world_size < 1 or self.shard_numel < 0:
-            raise ValueError(f"unit {unit_name(self.key)}: bad world_size/shard_numel")
-        if list(map(math.prod, self.shapes)) != list(self.numels):
-            path, shape, numel = next((p, sh, n) for p, sh, n in zip(
-                self.paths, self.shapes, self.numels) if math.prod(sh) != n)
-            raise ValueError(f"unit {unit_name(self.key)}: {format_path(path)} has shape "
-                             f"{tuple(shape)} but numel {numel}")
-        if self.strided and len(self.strided) != n:
-            raise ValueError(f"unit {unit_name(self.key)}: strided has {len(self.strided)} "
-                             f"entries for {n} tensors")
-        for path, shape, st in zip(self.paths, self.shapes, self.strided):
-            if st is not None and tuple(st.local_shape) != tuple(shape):
-                raise ValueError(f"unit {unit_name(self.key)}: {format_path(path)} has shape "
-                                 f"{tuple(shape)} but its {st.describe()} piece is "
-                                 f"{st.local_shape}")
-
     def __getstate__(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}  # not the caches below
 

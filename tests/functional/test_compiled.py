@@ -335,6 +335,7 @@ def _frozen_spec():
 
     params = {"layers": [{"w": torch.randn(4, 4), "b": torch.randn(4)} for _ in range(2)]}
     spec = vfsdp.plan(params, dist.get_world_size())
+    spec.leaves()  # made on first read: the plan's data from then on
     names = [n for n in ShardSpec.__slots__ if n != "__weakref__"]
     before = {n: getattr(spec, n) for n in names}
     shards = vfsdp.shard(params, spec)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vfsdp import check_spec, plan, rows
+from vfsdp.placements import StridedRaggedShard
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 
@@ -31,6 +32,26 @@ def _rebuild(spec, **changes):
 
 def test_valid_spec_passes():
     check_spec(_spec())
+
+
+def test_columns_of_different_lengths_are_caught():
+    spec = _spec()
+    u = next(iter(spec.units.values()))
+    with pytest.raises(ValueError, match="differ in length"):
+        check_spec(_rebuild(spec, shapes=u.shapes[:-1]))
+
+
+def test_a_piece_shaped_unlike_its_strided_placement_is_caught():
+    from torch.distributed.tensor import Shard
+
+    spec = plan({"w": torch.empty(4, 6, device="meta")}, (("dp", 2), ("tp", 2)), tp=lambda p: Shard(1),
+                tp_index=0)
+    check_spec(spec)
+    t = spec.tensor(("w",))
+    rows_ = StridedRaggedShard("tp", 2, 0, 0, (4, 6))  # a (2, 6) piece, not the (4, 3) planned
+    bad = TensorSpec(t.path, t.unit, t.offset, t.numel, t.shape, t.dtype, t.block, t.layout, rows_)
+    with pytest.raises(ValueError, match=r"shape \(4, 3\) but its Shard\(0\) over tp"):
+        check_spec(ShardSpec(spec.treespec, [bad], dict(spec.units), spec.mesh_shape))
 
 
 def test_overlap_is_caught():

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from vfsdp import ShapeDtype, check_spec, plan, plan_stats, rows, whole
 from vfsdp.functional import gather_reference, shard_reference, unit_buffer_reference
-from vfsdp.planner import PASSTHROUGH
+from vfsdp.planner import PASSTHROUGH, ShardSpec
 from vfsdp.testing.strategies import shapes, world_sizes
 
 WORLD_SIZES = st.one_of(world_sizes(17), st.just(64))
@@ -264,6 +264,14 @@ def test_shape_dtype_leaves_and_alignment():
 
 
 # ---------------------------------------------------------------- the spec object
+
+
+def test_the_leaves_are_made_on_first_read_as_an_eager_spec_has_them():
+    spec = plan(_layers_tree(), 3, granularity=rows(2))
+    eager = ShardSpec(spec.treespec, list(spec.leaves()), dict(spec.units), spec.mesh_shape)
+    assert eager == spec and eager.leaves() == spec.leaves() and spec.tree["layers"][1]["w"].offset
+    with pytest.raises(ValueError, match="disagree"):
+        ShardSpec(spec.treespec, lambda: spec.leaves()[1:], dict(spec.units), spec.mesh_shape).leaves()
 
 
 def test_spec_is_frozen_hashable_picklable_and_readable():

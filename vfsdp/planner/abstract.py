@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ShapeDtype", "is_tensor_leaf", "leaf_meta"]
+__all__ = ["ShapeDtype", "TENSOR_LEAVES", "is_tensor_leaf", "leaf_meta"]
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,13 @@ class ShapeDtype:
         return math.prod(self.shape)
 
 
+TENSOR_LEAVES = (ShapeDtype, torch.Tensor)
+"""The leaf types the planner shards (``ShapeDtype`` first: its exact-type check is the quick one)."""
+
+
 def is_tensor_leaf(x: Any) -> bool:
     """True for leaves the planner shards: ``torch.Tensor`` (real or meta) and ``ShapeDtype``."""
-    return isinstance(x, (torch.Tensor, ShapeDtype))
+    return isinstance(x, TENSOR_LEAVES)
 
 
 def leaf_meta(x: Any) -> tuple[tuple[int, ...], torch.dtype, int]:

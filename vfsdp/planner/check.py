@@ -27,8 +27,8 @@ def check_spec(spec: ShardSpec, *, placements: bool | None = None) -> None:
     Checked per unit: ``S`` is a positive multiple of the alignment; tensors are disjoint,
     contiguous intervals inside ``[0, m*S)``; no block crosses a rank boundary. Checked per
     tensor: it belongs to its unit's layout at the same offset, ``numel == prod(shape)``,
-    its dtype is the unit's, and (when ``placements``) its ``RaggedShard`` reproduces the
-    same per-rank ranges and is valid for its shape.
+    its dtype is the unit's, its shape is its ``strided`` piece's, and (when ``placements``)
+    its ``RaggedShard`` reproduces the same per-rank ranges and is valid for its shape.
 
     Args:
         spec: The spec to check.
@@ -53,6 +53,9 @@ def check_spec(spec: ShardSpec, *, placements: bool | None = None) -> None:
             _fail(f"unit {name}: S={s} is not a positive multiple of alignment {u.alignment}")
         if len(set(u.paths)) != len(u.paths):
             _fail(f"unit {name} lists a path twice")
+        columns = (u.offsets, u.numels, u.blocks, u.shapes, u.strided or u.paths)
+        if any(len(c) != len(u.paths) for c in columns):
+            _fail(f"unit {name}: paths/offsets/numels/blocks/shapes/strided differ in length")
         end = 0
         for path, off, e, g in zip(u.paths, u.offsets, u.numels, u.blocks):
             where = f"{format_path(path)} (unit {name})"
@@ -86,6 +89,9 @@ def check_spec(spec: ShardSpec, *, placements: bool | None = None) -> None:
             _fail(f"{where}: numel {t.numel} != prod(shape {tuple(t.shape)})")
         if t.dtype != u.dtype:
             _fail(f"{where}: dtype {t.dtype} differs from unit dtype {u.dtype}")
+        if t.strided is not None and t.strided.local_shape != tuple(t.shape):
+            _fail(f"{where}: shape {tuple(t.shape)} but its {t.strided.describe()} piece is "
+                  f"{t.strided.local_shape}")
     if placements is None:
         placements = spec.world_size * len(tensors) <= _PLACEMENT_CHECK_LIMIT
     for t in spec.tensors() if placements else ():

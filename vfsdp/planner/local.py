@@ -50,7 +50,7 @@ def local_plan(spec: ShardSpec, rank: Optional[int] = None) -> tuple:
     if rank is None:
         tree = spec.tree
         found = (spec.treespec.num_leaves,
-                 tuple(i for i, t in enumerate(spec._leaves) if isinstance(t, TensorSpec)),
+                 tuple(i for i, t in enumerate(spec.leaves()) if isinstance(t, TensorSpec)),
                  len(tree) if isinstance(tree, (list, tuple)) else -1, *_local_norms(spec))
     else:
         found = _local_units(spec, rank)
@@ -63,7 +63,7 @@ def _local_units(spec: ShardSpec, rank: int) -> tuple:
         first: dict = {}  # buffer index -> its first leaf (a tie is one tensor)
         for i, k in members:
             first.setdefault(k, i)
-        ts = spec._leaves
+        ts = spec.leaves()
         pieces = tuple((i, *ts[i].shard_range(rank)) for _k, i in
                        sorted(first.items(), key=lambda kv: ts[kv[1]].shard_range(rank)))
         views = tuple((i, ts[i].offset, ts[i].numel, tuple(ts[i].shape)) for i, _k in members)
@@ -74,7 +74,7 @@ def _local_units(spec: ShardSpec, rank: int) -> tuple:
 def _local_norms(spec: ShardSpec) -> tuple:
     seen, tensors, counted = set(), [], []
     model = spec.model_axis
-    for i, t in enumerate(spec._leaves):
+    for i, t in enumerate(spec.leaves()):
         if isinstance(t, TensorSpec) and (t.unit, t.path) not in seen:
             seen.add((t.unit, t.path))
             tensors.append((i, t.path))

@@ -5,16 +5,20 @@ No process group is needed or touched: a ``DeviceMesh`` is only read for its sha
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+from operator import attrgetter, itemgetter
 from typing import Any, Optional, Union
 
 import optree
 import torch
 
 from vfsdp._gc import paused_gc
-from vfsdp.planner.abstract import is_tensor_leaf, leaf_meta
+from vfsdp.planner.abstract import TENSOR_LEAVES, ShapeDtype, is_tensor_leaf
 from vfsdp.planner.granularity import Granularity, block_elements, format_path
 from vfsdp.planner.model_split import split_params
 from vfsdp.planner.solver import lower_bound, pack
@@ -109,20 +113,28 @@ def _outer_sequences(params: Any) -> list[tuple]:
     return sorted(found, key=repr)
 
 
-def _unit_keys(units: Units, paths: list[tuple], params: Any) -> list[Hashable]:
-    """The unit key of every tensor path."""
+def _grouped(keys: list, unit_of: Callable[[Any], Hashable] = lambda key: key) -> dict[Hashable, list]:
+    """Positions by unit, units in first-seen order; ``unit_of`` maps each run of equal
+    ``keys`` to its unit's key."""
+    grouped: dict[Hashable, list] = {}
+    for key, run in itertools.groupby(range(len(keys)), keys.__getitem__):
+        grouped.setdefault(unit_of(key), []).extend(run)
+    return grouped
+
+
+def _unit_groups(units: Units, paths: list[tuple], params: Any) -> dict[Hashable, list]:
+    """The positions in ``paths`` of every unit's tensors, by unit key."""
     if units is None:
         seqs = _outer_sequences(params)
-        if seqs:
-            depths = sorted({len(s) for s in seqs})
-            seq_set = set(seqs)
-            return [next((p[: d + 1] for d in depths if len(p) > d and p[:d] in seq_set), ROOT)
-                    for p in paths]
-        return [_layer_key(_logical(p)) for p in paths]
+        if seqs:  # a path's unit: its shallowest sequence's element, read once per run of paths
+            seq_set, depths = set(seqs), sorted({len(s) for s in seqs})
+            return _grouped(list(map(itemgetter(slice(0, depths[-1] + 1)), paths)),
+                            lambda k: next((k[: d + 1] for d in depths if k[:d] in seq_set), ROOT))
+        return _grouped([_layer_key(_logical(p)) for p in paths])
     if isinstance(units, int) and not isinstance(units, bool):
         if units < 0:
             raise ValueError(f"units depth must be >= 0, got {units}")
-        return [_logical(p)[:units] for p in paths]
+        return _grouped([_logical(p)[:units] for p in paths])
     if callable(units):
         keys = [units(p) for p in paths]
         for p, key in zip(paths, keys):
@@ -133,7 +145,7 @@ def _unit_keys(units: Units, paths: list[tuple], params: Any) -> list[Hashable]:
                     f"units callable returned an unhashable key {key!r} for {format_path(p)}; "
                     f"return a tuple, str or int"
                 ) from None
-        return keys
+        return _grouped(keys)
     if isinstance(units, (str, tuple)):
         units = [units]
     if not isinstance(units, Iterable):
@@ -149,7 +161,7 @@ def _unit_keys(units: Units, paths: list[tuple], params: Any) -> list[Hashable]:
             f"units prefix {format_path(missing[0])!r} matches no tensor; check the spelling "
             f"against the tree's paths (e.g. {format_path(paths[0]) if paths else 'none'!r})"
         )
-    return keys
+    return _grouped(keys)
 
 
 def _layer_key(lp: tuple) -> tuple:
@@ -291,7 +303,6 @@ class Prepared:
     reads the tree once (``vfsdp.estimation.sweep``)."""
 
     treespec: Any
-    num_leaves: int
     tied: dict                 # leaf index -> the leaf index it repeats
     members: dict              # unit key -> (leaf indices, paths, shapes, numels, blocks, dtype)
     strided: Optional[list]    # leaf index -> StridedRaggedShard, for a tp= plan
@@ -308,41 +319,59 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
         ValueError: a complex tensor, a unit mixing dtypes, a bad block, an unmatched prefix.
     """
     paths, leaves, treespec = flat or optree.tree_flatten_with_path(params)
-    all_idx = [i for i, x in enumerate(leaves) if is_tensor_leaf(x)]
+    abstract = _abstract(leaves)
+    all_idx = list(range(len(leaves))) if abstract else [
+        i for i, x in enumerate(leaves) if isinstance(x, TENSOR_LEAVES)]
     if tied is None:
         tied = find_ties(leaves, paths, all_idx, params)  # leaf index -> the one it repeats
-    t_idx = [i for i in all_idx if i not in tied]
-    keys = _unit_keys(units, [paths[i] for i in t_idx], params)
-    grouped: dict[Hashable, list] = {}
-    block_cache: dict = {}
-    for i, key in zip(t_idx, keys):
-        leaf = leaves[i]
-        shape, dtype, numel = leaf_meta(leaf)
-        if dtype.is_complex:
-            raise ValueError(f"vfsdp.plan: {format_path(paths[i])} is {dtype}; complex tensors "
-                             f"are not supported (reductions and optimizers assume real values): "
-                             f"store torch.view_as_real(t) instead")
-        ck = i if callable(granularity) else shape  # other granularities read the shape only
-        if ck not in block_cache:
-            block_cache[ck] = block_elements(granularity, paths[i], shape, numel, leaf)
-        block = block_cache[ck]
-        grouped.setdefault(key, []).append((i, paths[i], shape, numel, block, dtype))
+    t_idx = [i for i in all_idx if i not in tied] if tied else all_idx
+    t_paths, t_leaves = _taker(t_idx)(paths), _taker(t_idx)(leaves)
+    shapes = [tuple(x.shape) for x in t_leaves]
+    dtypes = list(map(attrgetter("dtype"), t_leaves))
+    if any(dt.is_complex for dt in set(dtypes)):
+        k = next(k for k, dt in enumerate(dtypes) if dt.is_complex)
+        raise ValueError(f"vfsdp.plan: {format_path(t_paths[k])} is {dtypes[k]}; complex tensors "
+                         f"are not supported (reductions and optimizers assume real values): "
+                         f"store torch.view_as_real(t) instead")
+    if callable(granularity):
+        numels = list(map(math.prod, shapes))
+        blocks = list(map(partial(block_elements, granularity), t_paths, shapes, numels, t_leaves))
+    else:  # numel and block depend on the shape only: each distinct shape once, in tree order
+        of_shape = {sh: (math.prod(sh), _shape_block(granularity, sh, shapes, t_paths))
+                    for sh in dict.fromkeys(shapes)}
+        pairs = list(map(of_shape.__getitem__, shapes))
+        numels, blocks = list(map(itemgetter(0), pairs)), list(map(itemgetter(1), pairs))
     members = {}
-    for key, rows in grouped.items():
-        dtype = rows[0][5]
-        for row in rows:
-            if row[5] != dtype:
-                raise ValueError(
-                    f"unit {unit_name(key)} mixes dtypes: {format_path(rows[0][1])} is "
-                    f"{dtype} but {format_path(row[1])} is {row[5]}. One unit is one "
-                    f"all-gather of one dtype: cast the tensors to one dtype, or pass units= "
-                    f"that puts them in separate units"
-                )
-        idx, ps, shapes, numels, blocks, _ = (tuple(c) for c in zip(*rows))
-        members[key] = (idx, ps, shapes, numels, blocks, dtype)
-    frozen = frozenset(paths[i] for i in t_idx if isinstance(leaves[i], torch.nn.Parameter)
-                       and not leaves[i].requires_grad)
-    return Prepared(treespec, len(leaves), tied, members, strided, frozen)
+    for key, ks in _unit_groups(units, t_paths, params).items():
+        take = _taker(ks)
+        dtype, *others = dict.fromkeys(take(dtypes))
+        if others:
+            k = next(k for k in ks if dtypes[k] != dtype)
+            raise ValueError(
+                f"unit {unit_name(key)} mixes dtypes: {format_path(t_paths[ks[0]])} is "
+                f"{dtype} but {format_path(t_paths[k])} is {dtypes[k]}. One unit is one "
+                f"all-gather of one dtype: cast the tensors to one dtype, or pass units= "
+                f"that puts them in separate units"
+            )
+        members[key] = (take(t_idx), take(t_paths), take(shapes), take(numels), take(blocks), dtype)
+    frozen = frozenset() if abstract else frozenset(
+        p for p, x in zip(t_paths, t_leaves) if isinstance(x, torch.nn.Parameter) and not x.requires_grad)
+    return Prepared(treespec, tied, members, strided, frozen)
+
+
+def _abstract(leaves: Sequence) -> bool:
+    """Whether every leaf is a :class:`ShapeDtype` (no storage, nothing frozen)."""
+    return set(map(type, leaves)) <= {ShapeDtype}
+
+
+def _shape_block(gran: Granularity, shape: tuple, shapes: list, paths: list) -> int:
+    """The block of a (non-callable) granularity for every tensor of ``shape``; an error
+    names the first of them."""
+    numel = math.prod(shape)
+    try:
+        return block_elements(gran, (), shape, numel, None)
+    except (TypeError, ValueError):
+        return block_elements(gran, paths[shapes.index(shape)], shape, numel, None)
 
 
 def unit_layouts(prepared: Prepared, m: int, alignment_bytes: int = 16,
@@ -388,24 +417,36 @@ def unit_layouts(prepared: Prepared, m: int, alignment_bytes: int = 16,
 
 
 def _taker(order: Sequence[int]) -> Callable[[Sequence], tuple]:
-    """``seq -> tuple(seq[k] for k in order)``, in C (a unit can hold thousands of tensors)."""
+    """``seq -> tuple(seq[k] for k in order)``, in C (a unit can hold thousands of tensors):
+    one slice where ``order`` is a run of consecutive indices."""
+    start = order[0] if order else 0
+    stop = start + len(order)
+    if tuple(order) == tuple(range(start, stop)):
+        return lambda seq: tuple(seq[start:stop])
     return lambda seq: tuple(map(seq.__getitem__, order))
 
 
 def assemble(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout], mesh_shape: tuple,
              mesh_names: Optional[tuple] = None) -> ShardSpec:
     """The :class:`ShardSpec` of ``prepared`` laid out as ``layouts`` (from
-    :func:`unit_layouts`) over ``mesh_shape``, whose last dim is the layouts' ``m``."""
-    out_leaves: list[Any] = [PASSTHROUGH] * prepared.num_leaves
-    for key, layout in layouts.items():
-        idx, paths = prepared.members[key][:2]
-        leaf_of = dict(zip(paths, idx))
-        for t in layout.tensors:
-            out_leaves[leaf_of[t.path]] = t
-    for i, first in prepared.tied.items():  # a tie is one tensor: its spec at every place
-        out_leaves[i] = out_leaves[first]
-    return ShardSpec(prepared.treespec, out_leaves, layouts, mesh_shape, mesh_names,
-                     frozen=prepared.frozen)
+    :func:`unit_layouts`) over ``mesh_shape``, whose last dim is the layouts' ``m``. Its
+    :class:`TensorSpec` leaves are made when first read."""
+    return ShardSpec(prepared.treespec, partial(_spec_leaves, prepared, layouts), layouts,
+                     mesh_shape, mesh_names, frozen=prepared.frozen)
+
+
+def _spec_leaves(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout]) -> list:
+    """The spec's leaves: each unit's :class:`TensorSpec` s at their leaves, a tie's at each."""
+    out: list[Any] = [PASSTHROUGH] * prepared.treespec.num_leaves
+    with paused_gc():
+        for key, layout in layouts.items():
+            idx, paths = prepared.members[key][:2]
+            if layout.paths != paths:  # the layout's buffer order is not the tree's
+                idx = map(dict(zip(paths, idx)).__getitem__, layout.paths)
+            collections.deque(map(out.__setitem__, idx, layout.tensors), maxlen=0)
+    for i, first in prepared.tied.items():
+        out[i] = out[first]
+    return out
 
 
 def find_ties(leaves: list, paths: list, idx: list, params: Any = None) -> dict:
@@ -421,15 +462,15 @@ def find_ties(leaves: list, paths: list, idx: list, params: Any = None) -> dict:
     Raises:
         ValueError: overlapping different views of one storage (naming both paths).
     """
-    first_by_id: dict = {}
-    by_storage: dict = {}
     tied: dict = {}
-    for i in idx:
+    if len(set(map(id, map(leaves.__getitem__, idx)))) < len(idx):  # an object at two places
+        ids = list(map(id, map(leaves.__getitem__, idx)))
+        first_by_id = dict(zip(reversed(ids), reversed(idx)))
+        tied = {i: first_by_id[d] for i, d in zip(idx, ids) if first_by_id[d] != i}
+    by_storage: dict = {}
+    for i in () if _abstract(leaves) else idx:
         leaf = leaves[i]
-        if (first := first_by_id.setdefault(id(leaf), i)) != i:
-            tied[i] = first
-            continue
-        if not isinstance(leaf, torch.Tensor) or leaf.device.type == "meta" or not leaf.numel():
+        if isinstance(leaf, ShapeDtype) or i in tied or leaf.device.type == "meta" or not leaf.numel():
             continue
         try:
             key = (leaf.device, leaf.untyped_storage().data_ptr())

@@ -44,7 +44,9 @@ How :func:`pack` works:
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -99,12 +101,11 @@ class _Bound:
     """Precomputed data to enumerate admissible ``S`` values quickly."""
 
     def __init__(self, numels: Sequence[int], blocks: Sequence[int], align: int) -> None:
-        items = sorted(((e, g) for e, g in zip(numels, blocks) if e > 0), key=lambda x: -x[0])
-        self.neg_numels = [-e for e, _ in items]  # ascending, for bisect
-        self.numels_desc = [e for e, _ in items]
-        self.prefix_lcm = [align]
-        for _, g in items:
-            self.prefix_lcm.append(math.lcm(self.prefix_lcm[-1], g))
+        first, second = operator.itemgetter(0), operator.itemgetter(1)
+        items = sorted(((e, g) for e, g in zip(numels, blocks) if e > 0), key=first, reverse=True)
+        self.numels_desc = list(map(first, items))
+        self.neg_numels = list(map(operator.neg, self.numels_desc))  # ascending, for bisect
+        self.prefix_lcm = list(itertools.accumulate(map(second, items), math.lcm, initial=align))
 
     def next_admissible(self, s: int) -> int:
         s = max(s, 1)

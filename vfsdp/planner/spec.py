@@ -14,6 +14,7 @@ Layout of a unit's buffer, rank r owning ``[r*S, (r+1)*S)``::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import itertools
@@ -145,38 +146,21 @@ class UnitLayout:
     split: Optional[SplitSuggestion] = field(default=None, compare=False)
     strided: tuple = ()
 
-    def __post_init__(self) -> None:
-        n = len(self.paths)
-        if not (len(self.offsets) == len(self.numels) == len(self.blocks) == len(self.shapes)
-                == n):
-            raise ValueError(f"unit {unit_name(self.key)}: paths/offsets/numels/blocks/shapes "
-                             f"differ in length")
-        if self.world_size < 1 or self.shard_numel < 0:
-            raise ValueError(f"unit {unit_name(self.key)}: bad world_size/shard_numel")
-        if list(map(math.prod, self.shapes)) != list(self.numels):
-            path, shape, numel = next((p, sh, n) for p, sh, n in zip(
-                self.paths, self.shapes, self.numels) if math.prod(sh) != n)
-            raise ValueError(f"unit {unit_name(self.key)}: {format_path(path)} has shape "
-                             f"{tuple(shape)} but numel {numel}")
-        if self.strided and len(self.strided) != n:
-            raise ValueError(f"unit {unit_name(self.key)}: strided has {len(self.strided)} "
-                             f"entries for {n} tensors")
-        for path, shape, st in zip(self.paths, self.shapes, self.strided):
-            if st is not None and tuple(st.local_shape) != tuple(shape):
-                raise ValueError(f"unit {unit_name(self.key)}: {format_path(path)} has shape "
-                                 f"{tuple(shape)} but its {st.describe()} piece is "
-                                 f"{st.local_shape}")
-
     def __getstate__(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}  # not the caches below
 
     @cached_property
     def tensors(self) -> tuple[TensorSpec, ...]:
-        """The unit's :class:`TensorSpec` s in buffer order, built from this layout alone."""
-        strided = self.strided or (None,) * len(self.paths)
-        return tuple(TensorSpec(p, self.key, o, n, tuple(sh), self.dtype, b, self, st)
-                     for p, o, n, b, sh, st in zip(self.paths, self.offsets, self.numels,
-                                                   self.blocks, self.shapes, strided))
+        """The unit's :class:`TensorSpec` s in buffer order, built from this layout alone, one
+        field at a time over all of them (a unit can hold thousands)."""
+        specs = tuple(map(object.__new__, itertools.repeat(TensorSpec, len(self.paths))))
+        repeat = itertools.repeat
+        columns = {"path": self.paths, "unit": repeat(self.key), "offset": self.offsets,
+                   "numel": self.numels, "shape": map(tuple, self.shapes), "dtype": repeat(self.dtype),
+                   "block": self.blocks, "layout": repeat(self), "strided": self.strided or repeat(None)}
+        for f in fields(TensorSpec):  # the slots' own setters: TensorSpec is frozen
+            collections.deque(map(getattr(TensorSpec, f.name).__set__, specs, columns[f.name]), maxlen=0)
+        return specs
 
     @cached_property
     def _pieces(self) -> dict:
@@ -379,6 +363,13 @@ class TensorSpec:
         )
 
 
+def _checked(treespec: Any, leaves: Iterable) -> tuple:
+    leaves = tuple(leaves)
+    if treespec.num_leaves != len(leaves):
+        raise ValueError("ShardSpec: treespec and leaves disagree")
+    return leaves
+
+
 class ShardSpec:
     """A frozen, hashable plan for a parameter pytree.
 
@@ -402,14 +393,15 @@ class ShardSpec:
     # The plan's own data and caches of it (fingerprint, lookups, sub-specs, local plans):
     # nothing of any process's runtime.
     __slots__ = ("units", "mesh_shape", "mesh_dim_names", "treespec", "frozen", "_leaves",
-                 "_fingerprint", "_by_path", "_by_unit", "_subs", "_local", "__weakref__")
+                 "_make_leaves", "_fingerprint", "_by_path", "_by_unit", "_subs", "_local", "__weakref__")
 
     def __init__(self, treespec, leaves, units: Mapping, mesh_shape, mesh_dim_names=None,
                  frozen: Iterable = ()) -> None:
         set_ = object.__setattr__
         set_(self, "frozen", frozenset(frozen))
         set_(self, "treespec", treespec)
-        set_(self, "_leaves", tuple(leaves))
+        set_(self, "_make_leaves", leaves if callable(leaves) else None)
+        set_(self, "_leaves", None if callable(leaves) else _checked(treespec, leaves))
         set_(self, "units", MappingProxyType(dict(units)))
         set_(self, "mesh_shape", tuple(mesh_shape))
         set_(self, "mesh_dim_names", None if mesh_dim_names is None else tuple(mesh_dim_names))
@@ -418,14 +410,12 @@ class ShardSpec:
         set_(self, "_by_unit", None)
         set_(self, "_subs", {})  # key -> sub-spec, made once
         set_(self, "_local", {})  # rank (or None) -> planner.local.local_plan, made once
-        if treespec.num_leaves != len(self._leaves):
-            raise ValueError("ShardSpec: treespec and leaves disagree")
 
     def __setattr__(self, name, value):
         raise AttributeError("ShardSpec is immutable")
 
     def __reduce__(self):
-        return (ShardSpec, (self.treespec, self._leaves, dict(self.units), self.mesh_shape,
+        return (ShardSpec, (self.treespec, self.leaves(), dict(self.units), self.mesh_shape,
                             self.mesh_dim_names, self.frozen))
 
     @property
@@ -447,17 +437,21 @@ class ShardSpec:
     @property
     def tree(self) -> Any:
         """A fresh pytree mirroring ``params``: ``TensorSpec`` leaves, ``PASSTHROUGH`` elsewhere."""
-        return optree.tree_unflatten(self.treespec, list(self._leaves))
+        return optree.tree_unflatten(self.treespec, list(self.leaves()))
 
     def leaves(self) -> tuple:
-        """The spec leaves in optree order."""
+        """The spec leaves in optree order (made when first read, where the spec was given a
+        function that makes them: ``vfsdp.plan`` does, so a plan only read by unit is quick)."""
+        if self._leaves is None:
+            object.__setattr__(self, "_leaves", _checked(self.treespec, self._make_leaves()))
+            object.__setattr__(self, "_make_leaves", None)
         return self._leaves
 
     def tensors(self) -> Iterator[TensorSpec]:
         """The ``TensorSpec`` s in optree order, each once (a tied tensor appears at several
         leaves but is one tensor)."""
         seen: set = set()
-        for x in self._leaves:
+        for x in self.leaves():
             if isinstance(x, TensorSpec) and id(x) not in seen:
                 seen.add(id(x))
                 yield x
@@ -472,7 +466,7 @@ class ShardSpec:
             >>> dict(vfsdp.plan({"embed": w, "head": w}, 2).ties)
             {('head',): ('embed',)}
         """
-        return MappingProxyType({p: t.path for p, t in zip(self.treespec.paths(), self._leaves)
+        return MappingProxyType({p: t.path for p, t in zip(self.treespec.paths(), self.leaves())
                                  if isinstance(t, TensorSpec) and tuple(p) != t.path})
 
     def tensor(self, path: tuple) -> TensorSpec:
@@ -483,7 +477,7 @@ class ShardSpec:
         """
         if self._by_path is None:
             found = {t.path: t for t in self.tensors()}
-            for p, t in zip(self.treespec.paths(), self._leaves):
+            for p, t in zip(self.treespec.paths(), self.leaves()):
                 if isinstance(t, TensorSpec):
                     found.setdefault(tuple(p), t)
             object.__setattr__(self, "_by_path", found)
@@ -503,7 +497,7 @@ class ShardSpec:
         """
         if self._by_unit is None:
             groups: dict = {}
-            for i, s in enumerate(self._leaves):
+            for i, s in enumerate(self.leaves()):
                 if isinstance(s, TensorSpec):
                     groups.setdefault(s.unit, []).append((i, s.layout.index(s.path)))
             object.__setattr__(self, "_by_unit",
@@ -557,7 +551,7 @@ class ShardSpec:
                 h.update(repr((u.key, u.world_size, u.shard_numel, str(u.dtype), u.paths,
                                u.offsets, u.numels, u.blocks, u.alignment,
                                u.strided)).encode())
-            for x in self._leaves:
+            for x in self.leaves():
                 h.update(repr(x._key() if isinstance(x, TensorSpec) else "passthrough").encode())
             if self.frozen:
                 h.update(repr(sorted(map(repr, self.frozen))).encode())

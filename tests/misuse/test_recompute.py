@@ -1,7 +1,6 @@
 """Activation checkpointing misused: a bad ``recompute`` value, ``recompute`` where nothing
-can honour it, a reentrant checkpoint inside a ``run_layers`` layer (its gradients would be
-lost): each refused, naming the fix; a checkpoint of a whole block in a module's forward
-under ``apply.run_layers`` (it saves nothing) warns."""
+can honour it: each refused, naming the fix; a reentrant checkpoint inside a ``run_layers``
+layer (its gradients would be lost) runs as a non-reentrant one."""
 
 import pytest
 import torch
@@ -58,42 +57,3 @@ def test_a_reentrant_checkpoint_inside_run_layers_gives_torchs_gradients():
         torch.testing.assert_close(gx, x.grad)
     for i, w in enumerate(ws):
         torch.testing.assert_close(torch.cat([r[1][i] for r in got]), w.grad.reshape(-1))
-
-
-def _whole_block():
-    from torch.utils.checkpoint import checkpoint
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    net.forward = lambda x: checkpoint(net[1], net[0](x), use_reentrant=False)
-    params, apply = vfsdp.functionalize(net)
-    spec = vfsdp.plan(params, 2)
-    apply.run_layers(vfsdp.shard(params, spec), spec, torch.ones(1, 4))
-
-
-def test_a_checkpoint_of_a_whole_block_under_apply_run_layers_warns_it_saves_nothing():
-    with pytest.warns(UserWarning, match="checkpoint of a whole block in the module's forward "
-                      "recomputes nothing"):  # caught here: warning filters are per process
-        simulate(2, _whole_block)
-
-
-def _spanning_blocks():
-    from torch.utils.checkpoint import checkpoint
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    net.forward = lambda x: checkpoint(lambda h: net[1](torch.tanh(net[0](h))), x,
-                                       use_reentrant=False)
-    params, apply = vfsdp.functionalize(net)
-    spec = vfsdp.plan(params, 2)
-    out = apply.run_layers(vfsdp.shard(params, spec), spec, torch.ones(1, 4))
-    try:
-        out.sum().backward()
-    except RuntimeError as exc:
-        return str(exc)
-
-
-def test_a_checkpoint_around_blocks_calls_under_apply_run_layers_is_refused_in_its_recompute():
-    for msg in simulate(2, _spanning_blocks):
-        assert "recomputes a call of block 0 in the backward, after the run" in msg, msg
-        assert "policy=vfsdp.Policy(recompute='full'))), or call apply(vfsdp.gather(" in msg

@@ -42,9 +42,10 @@ from vfsdp._torch_private import (
     functorch_active,
     is_own_output,
     running_node_seq,
+    saved_hooks_top,
 )
 from vfsdp.collectives.comm import Handle
-from vfsdp.collectives.dbuffer import DBuffer, ReleasedTensor, View, slot_of
+from vfsdp.collectives.dbuffer import SLOT, DBuffer, ReleasedTensor, View, slot_of
 from vfsdp.functional.gather import pending, start_gather, writes_leaf_grads
 from vfsdp.functional.options import Policy, merge, refuse, resolve
 from vfsdp.functional.pieces import assemble_layer, layer_pieces
@@ -82,26 +83,40 @@ class _Regather:
             self.last = db
         self.calls.setdefault(id(db), []).append(call)
 
-    def ensure(self, db: DBuffer) -> None:
+    def ensure(self, db: DBuffer, prefetch: bool = True) -> None:
         for call in self.calls.get(id(db), ()):
             call.check_versions()  # a shard changed since the forward: refuse to regather it
-        db.unit.pre_backward(db)
+        db.unit.pre_backward(db, prefetch)
 
-    def pack(self, t: torch.Tensor) -> Any:
-        slot = slot_of(t) or slot_of(t._base)
-        if slot is not None and slot.view is View.FULL and id(slot.buffer) in self.calls:
-            self.packed.add(id(slot.buffer))
-            return _Saved(slot.buffer, t)
-        # An op that saves its own output (tanh, relu) must not get that output back as it
-        # is: its grad_fn would hold this record, a cycle through C++ that Python's collector
-        # cannot break, so a graph dropped without its backward (an evaluation with grad mode
-        # on, an exception) would never be freed. A detached alias (no kernel, no copy, the
-        # same version counter) is what autograd keeps of its outputs without hooks, too.
-        return t.detach() if is_own_output(t) else t
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """A layer call's saved-tensor hooks: a gathered parameter as a record; anything else
+        handed to the hooks active around the call (a ``torch.utils.checkpoint`` around several
+        layers: its recompute then replays them, ``save_on_cpu``), or kept."""
+        outer = saved_hooks_top()
 
-    def unpack(self, saved: Any) -> torch.Tensor:
-        if not isinstance(saved, _Saved):
-            return saved
+        def pack(t: torch.Tensor) -> Any:
+            slot = slot_of(t) or slot_of(t._base)
+            if slot is not None and slot.view is View.FULL and id(slot.buffer) in self.calls:
+                self.packed.add(id(slot.buffer))
+                return _Saved(slot.buffer, t)
+            if outer is not None:
+                return outer[0](t)
+            # An op that saves its own output (tanh, relu) must not get that output back as
+            # it is: its grad_fn would hold this record, a cycle through C++ that Python's
+            # collector cannot break, so a graph dropped without its backward (an evaluation
+            # with grad mode on, an exception) would never be freed. A detached alias (no
+            # kernel, no copy, the same version counter) is what autograd keeps of its outputs
+            # without hooks, too.
+            return t.detach() if is_own_output(t) else t
+
+        def unpack(saved: Any) -> torch.Tensor:
+            if isinstance(saved, _Saved):
+                return self.unpack(saved)
+            return saved if outer is None else outer[1](saved)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def unpack(self, saved: _Saved, prefetch: bool = True) -> torch.Tensor:
         seq = running_node_seq()
         calls = self.calls.get(id(saved.db), ())
         if seq is not None and calls:
@@ -109,7 +124,7 @@ class _Regather:
             # as they do on a rank whose backward reaches one of their nodes before this.
             record = pending().backward(lambda: writes_leaf_grads(calls[0]))
             record.reach(seq)
-        self.ensure(saved.db)
+        self.ensure(saved.db, prefetch)
         buf = saved.db.global_buffer
         return saved.db.saved_view(saved.offset - buf.storage_offset(), saved.shape, saved.stride)
 
@@ -259,7 +274,7 @@ class LayerRun:
     def call(self, fn: Callable, full: Any, args: tuple, kwargs: dict) -> Any:
         """``fn(full, *args, **kwargs)`` under the run's saved-tensor hooks; with
         ``recompute``, checkpointed (:func:`checkpointed`)."""
-        with torch.autograd.graph.saved_tensors_hooks(self.regather.pack, self.regather.unpack):
+        with self.regather.hooks():
             if self.context_fn is not None:
                 return checkpointed(fn, full, args, kwargs, self.context_fn)
             self.regather.packed = set()
@@ -271,6 +286,31 @@ class LayerRun:
             # so a rank that skips a layer issues no regather the others do not)
             _Refresh(full, self.regather).watch(out, (args, kwargs))
         return out
+
+    def regathered(self, full: Any) -> tuple[Any, list[DBuffer]]:
+        """In a backward, a layer's ``full`` tree of its forward again, for a recompute of its
+        call (a checkpoint around several layers): each unit gathered now, without the
+        backward's prefetch, as new tensors requiring grad as the forward's did (so the
+        recompute saves what the forward saved) and read as gathered parameters by
+        :meth:`call`'s hooks. Also the buffers it gathered (:meth:`reshard` them after)."""
+        leaves, treespec = optree.tree_flatten(full)
+        out, gathered = [], []
+        for v in leaves:
+            slot = slot_of(v)
+            if slot is None or slot.view is not View.FULL:
+                out.append(v)
+                continue
+            if not slot.buffer.is_allocated:
+                gathered.append(slot.buffer)
+            t = self.regather.unpack(_Saved(slot.buffer, v), prefetch=False).detach()
+            setattr(t.requires_grad_(v.requires_grad), SLOT, slot)
+            out.append(t)
+        return optree.tree_unflatten(treespec, out), gathered
+
+    def reshard(self, dbs: list[DBuffer]) -> None:
+        """Release what :meth:`regathered` gathered (its backward gathers it again)."""
+        for db in dbs:
+            db.unit.reshard(db)
 
     def refresher(self, full: Any) -> Callable[[Any], None]:
         """Called in a backward, it replaces ``full``'s tensors released since (in place) by

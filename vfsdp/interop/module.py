@@ -29,7 +29,7 @@ import torch
 from torch.func import functional_call
 
 from vfsdp._torch_private import checkpoint_wrapped, compiling
-from vfsdp._warnings import warn_user
+from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.functional.gather import gather
 from vfsdp.functional.options import Policy, merge
 from vfsdp.functional.pieces import layer_pieces
@@ -358,11 +358,6 @@ class ModuleApply:
         sub = sub if isinstance(sub, torch.nn.Module) else getattr(sub, "__self__", None)
         sub = sub if isinstance(sub, torch.nn.Module) else None
         run = self._run if owner is self.module else None  # its blocks are not in tensors()
-        if run is not None and sub in run.units:
-            warn_user("apply.run_layers: torch.utils.checkpoint of a whole block in the module's "
-                      "forward recomputes nothing (the run saves the block's activations "
-                      "itself); checkpoint every block with apply.run_layers(..., policy="
-                      "vfsdp.Policy(recompute='full'))")
         key = (id(owner), id(sub))
         if key not in self._scopes:
             prefix = next((n + "." for n, m in owner.named_modules(remove_duplicate=False)
@@ -376,7 +371,7 @@ class ModuleApply:
         def again(*args: Any, **kwargs: Any) -> Any:
             full = tensors()
             with checkpoint_wrapped(functools.partial(self._again, owner, lambda: full)), \
-                    contextlib.nullcontext() if run is None else run.refusing():
+                    contextlib.nullcontext() if run is None else run.replaying():
                 return _swapped(target, {n[cut:]: full[n] for n in names if n in full}, fn,
                                 args, kwargs)
 
@@ -447,7 +442,9 @@ def _without(spec: ShardSpec, path: tuple, block_spec: ShardSpec) -> ShardSpec:
 
 class _Blocks:
     """The blocks of one :meth:`ModuleApply.run_layers` call: each distinct block's
-    ``forward`` is replaced while it runs by one that gathers its unit around the call."""
+    ``forward`` is replaced while it runs by one that gathers its unit around the call, and
+    again while a checkpoint of the module's forward recomputes blocks' calls in the backward
+    (:meth:`replaying`)."""
 
     def __init__(self, apply: ModuleApply, run: LayerRun, blocks: list) -> None:
         self.apply, self.run, self.blocks = apply, run, blocks
@@ -455,19 +452,31 @@ class _Blocks:
         self.first = [self.units.setdefault(block, pos) for pos, block in enumerate(blocks)]
         self.calls = 0  # the position the next call is expected at
         self.saved = {block: block.__dict__.get("forward") for block in self.units}
-        for block in self.units:
-            block.forward = functools.partial(self.call, block, block.forward)
+        self.forwards = {block: block.forward for block in self.units}
+        self.trees: dict = {}  # unit index -> its tree of the forward's (latest) call
+        self.replays = 0  # recomputes in progress
+        self.held: list = []  # what the recompute regathered, resharded at the next block
+        self.install()
+
+    def install(self) -> None:
+        for block, forward in self.forwards.items():
+            block.forward = functools.partial(self.call, block, forward)
 
     @contextlib.contextmanager
-    def refusing(self) -> Any:
-        """While a checkpoint of the module's forward recomputes, after the run: a block's
-        call raises (it would read the block's own tensors)."""
-        for block in self.saved:
-            block.forward = functools.partial(_refuse_block, self.units[block])
+    def replaying(self) -> Any:
+        """While a checkpoint of the module's forward recomputes, after the run: each block's
+        call regathers its unit (released at the next block's; the last one is what the
+        backward reads next)."""
+        if not self.replays:
+            self.install()
+        self.replays += 1
         try:
             yield
         finally:
-            self.close()
+            self.replays -= 1
+            if not self.replays:
+                self.close()
+                self.held = []
 
     def close(self) -> None:
         for block, forward in self.saved.items():
@@ -475,7 +484,19 @@ class _Blocks:
             if forward is not None:
                 block.forward = forward
 
+    def replay(self, block: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        tree = self.trees[self.units[block]]
+        keep = {id(slot_of(t).buffer) for t in optree.tree_leaves(tree) if slot_of(t)}
+        self.run.reshard([db for db in self.held if id(db) not in keep])
+        tree, gathered = self.run.regathered(tree)
+        self.held = [db for db in self.held if id(db) in keep] + gathered
+        return self.run.call(lambda full, *a, **k: self.apply._in_block(self.run, block, full,
+                                                                        forward, a, k),
+                             tree, args, kwargs)
+
     def call(self, block: torch.nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.replays:
+            return self.replay(block, forward, args, kwargs)
         if self.apply._run is not self:  # called outside the run's forward
             return forward(*args, **kwargs)
         n = len(self.blocks)
@@ -484,20 +505,12 @@ class _Blocks:
         self.calls = pos + 1
         full, dbs = self.run.enter(self.units[block], self.first[pos + 1] if pos + 1 < n
                                    else None)
+        self.trees[self.units[block]] = full
         out = self.run.call(lambda tree, *a, **k: self.apply._in_block(self.run, block, tree,
                                                                        forward, a, k),
                             full, args, kwargs)
         self.run.exit(dbs, last=pos + 1 == n)
         return out
-
-
-def _refuse_block(i: int, *args: Any, **kwargs: Any) -> None:
-    raise RuntimeError(f"apply.run_layers: a torch.utils.checkpoint in the module's forward "
-                       f"recomputes a call of block {i} in the backward, after the run, where "
-                       f"nothing regathers the block; keep the blocks' calls out of the "
-                       f"checkpointed function (checkpoint every block with apply.run_layers(..., "
-                       f"policy=vfsdp.Policy(recompute='full'))), or call "
-                       f"apply(vfsdp.gather(shards, spec), ...)")
 
 
 def _flat_names(tree: Any) -> dict:

@@ -50,6 +50,7 @@ Other torch versions may move or change these, so they are guarded and versioned
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from collections.abc import Iterator
@@ -410,6 +411,7 @@ def _install_checkpoint_wrap() -> None:
             return
         generator, base = checkpoint_internals(ckpt, _torch_version())
 
+        @functools.wraps(generator)  # its signature: what a check on an untested torch reads
         def without_reentrant(fn, *args, **kwargs):
             wrap = _wrap()
             return generator(fn if wrap is None else wrap(fn), *args, **kwargs)

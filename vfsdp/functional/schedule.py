@@ -40,6 +40,7 @@ from vfsdp._torch_private import (
     checkpoint_wrapped,
     compiling,
     functorch_active,
+    graph_task_id,
     is_own_output,
     running_node_seq,
     saved_hooks_top,
@@ -88,7 +89,7 @@ class _Regather:
             call.check_versions()  # a shard changed since the forward: refuse to regather it
         db.unit.pre_backward(db, prefetch)
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+    def hooks(self) -> _Hooks:
         """A layer call's saved-tensor hooks: a gathered parameter as a record; anything else
         handed to the hooks active around the call (a ``torch.utils.checkpoint`` around several
         layers: its recompute then replays them, ``save_on_cpu``), or kept."""
@@ -114,16 +115,19 @@ class _Regather:
                 return self.unpack(saved)
             return saved if outer is None else outer[1](saved)
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        return _Hooks(pack, unpack, outer)
+
+    def join(self, db: DBuffer) -> None:
+        """In a backward, before ``db``'s unit is regathered: units created after the running
+        node that did not run reduce (zeros) first, as they do on a rank whose backward
+        reaches one of their nodes before this."""
+        seq = running_node_seq()
+        calls = self.calls.get(id(db), ())
+        if seq is not None and calls:
+            pending().backward(lambda: writes_leaf_grads(calls[0])).reach(seq)
 
     def unpack(self, saved: _Saved, prefetch: bool = True) -> torch.Tensor:
-        seq = running_node_seq()
-        calls = self.calls.get(id(saved.db), ())
-        if seq is not None and calls:
-            # Units created after the running node that did not run reduce (zeros) first,
-            # as they do on a rank whose backward reaches one of their nodes before this.
-            record = pending().backward(lambda: writes_leaf_grads(calls[0]))
-            record.reach(seq)
+        self.join(saved.db)
         self.ensure(saved.db, prefetch)
         buf = saved.db.global_buffer
         return saved.db.saved_view(saved.offset - buf.storage_offset(), saved.shape, saved.stride)
@@ -274,17 +278,26 @@ class LayerRun:
     def call(self, fn: Callable, full: Any, args: tuple, kwargs: dict) -> Any:
         """``fn(full, *args, **kwargs)`` under the run's saved-tensor hooks; with
         ``recompute``, checkpointed (:func:`checkpointed`)."""
-        with self.regather.hooks():
+        self.regather.packed, hooks = set(), self.regather.hooks()
+        with hooks:
             if self.context_fn is not None:
-                return checkpointed(fn, full, args, kwargs, self.context_fn)
-            self.regather.packed = set()
-            with checkpoint_wrapped(_same):  # a reentrant checkpoint in fn: as non-reentrant
-                out = fn(full, *args, **kwargs)
-        if torch.is_grad_enabled() and not self.regather.packed:
-            # the forward saved none of the gathered tensors: a checkpoint of its own did
-            # (or the layer did not use them: what it returns as it was given is not watched,
-            # so a rank that skips a layer issues no regather the others do not)
-            _Refresh(full, self.regather).watch(out, (args, kwargs))
+                out = checkpointed(fn, full, args, kwargs, self.context_fn)
+            else:
+                with checkpoint_wrapped(_same):  # a reentrant checkpoint in fn: as non-reentrant
+                    out = fn(full, *args, **kwargs)
+        if torch.is_grad_enabled():
+            if self.context_fn is not None:
+                # its recompute, which regathers, runs only on ranks where the layer saved
+                # something: every rank joins the backward pass at the output (and reduces
+                # zeros where it does not run the unit's backward)
+                dbs = _gathered_buffers(full)
+                _watch(out, (args, kwargs), lambda grad: dbs and self.regather.join(dbs[0]))
+            elif not self.regather.packed:
+                # the forward saved none of the gathered tensors: a checkpoint of its own did
+                # (or the layer did not use them: what it returns as it was given is not
+                # watched, so a rank that skips a layer issues no regather the others do not)
+                _Refresh(full, self.regather).watch(out, (args, kwargs))
+            hooks.trigger(out, (args, kwargs))
         return out
 
     def regathered(self, full: Any) -> tuple[Any, list[DBuffer]]:
@@ -348,6 +361,48 @@ class LayerRun:
                     pending().release_after_backward(calls[0].unit)
 
 
+class _Hooks(torch.autograd.graph.saved_tensors_hooks):
+    """A layer call's saved-tensor hooks (:meth:`_Regather.hooks`), and the ones active
+    around the call (``outer``) that they hand activations to."""
+
+    def __init__(self, pack: Callable, unpack: Callable, outer: Optional[tuple]) -> None:
+        super().__init__(pack, unpack)
+        self.outer = outer
+
+    def trigger(self, out: Any, inputs: Any) -> None:
+        """Inside a ``torch.utils.checkpoint`` (any outer hooks): one empty tensor saved
+        through them after the layer, unpacked as the backward reaches the layer's output.
+        Whether a checkpoint recomputes, and up to where (torch stops a recompute once it has
+        what was saved), then does not depend on what the layer saved on this rank: its
+        recompute, which gathers the layer again, runs as far on every rank."""
+        outs = _outputs(out, inputs)
+        if self.outer is None or not outs:
+            return
+        pack, unpack = self.outer
+        holder, done = pack(outs[0].new_empty(0)), set()
+
+        def hook(grad: torch.Tensor) -> None:
+            if graph_task_id() not in done:  # once per backward pass
+                done.add(graph_task_id())
+                unpack(holder)
+
+        _watch(out, inputs, hook)
+
+
+def _outputs(out: Any, inputs: Any) -> list[torch.Tensor]:
+    """The tensors of ``out`` requiring grad that are not ``inputs`` (given back as they
+    were)."""
+    given = {id(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+    return [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)
+            and t.requires_grad and id(t) not in given]
+
+
+def _watch(out: Any, inputs: Any, hook: Callable) -> None:
+    """``hook`` on the gradient of each of :func:`_outputs`."""
+    for t in _outputs(out, inputs):
+        t.register_hook(hook)
+
+
 class _Refresh:
     """A ``torch.utils.checkpoint`` of the user's inside a layer reads the full tensors when
     the backward recomputes the layer, from the tree it was given (``checkpoint(f, full, h)``:
@@ -373,12 +428,8 @@ class _Refresh:
 
     def watch(self, out: Any, inputs: Any = ()) -> None:
         """Refresh when the backward reaches ``out`` (its tensors that are not ``inputs``)."""
-        if not self.spots:
-            return
-        given = {id(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
-        for t in optree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in given:
-                t.register_hook(self)
+        if self.spots:
+            _watch(out, inputs, self)
 
     def __call__(self, grad: torch.Tensor) -> None:
         spots, self.spots = self.spots, []

@@ -283,8 +283,9 @@ class ModuleApply:
         Activation checkpointing: ``policy=vfsdp.Policy(recompute="full" | "selective" |
         SAC policy)`` checkpoints every block's call. Either recompute reads the regathered
         parameters, as does ``torch.utils.checkpoint`` in the module's own forward (Hugging
-        Face's ``gradient_checkpointing_enable()`` included) inside a block's call; around a
-        whole block it recomputes nothing (it warns), around several it is refused. With
+        Face's ``gradient_checkpointing_enable()`` included) inside a block's call; around one
+        block or several (and the work between them) it keeps what it keeps in torch, and
+        its recompute gathers each block again around its call, released at the next. With
         ``recompute``, a Hugging Face model's KV cache is off (``use_cache=False`` unless
         passed), as Hugging Face's own switch does.
 
@@ -303,8 +304,7 @@ class ModuleApply:
             ValueError: the tree has no module list of blocks, a unit holds tensors of a block
                 and tensors outside it, or a tie joins a block to another tensor.
             ValueError: called while compiling (``torch.compile``).
-            RuntimeError: a second thread calls this ``apply``; in the backward, a checkpoint
-                in the forward recomputes a block's call.
+            RuntimeError: a second thread calls this ``apply``.
         """
         self._claim()  # before any collective: the other ranks then stop instead of waiting
         if compiling():

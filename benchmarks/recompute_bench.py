@@ -16,8 +16,9 @@ backward, AdamW) is measured on rank 0:
   fp32, the same tokens per rank) and its compute time over no checkpointing's, for the mode
   it models (Hugging Face's switch checkpoints each block: ``"full"``).
 
-Rows: ``hf`` is ``model.gradient_checkpointing_enable()`` (a non-reentrant
-``torch.utils.checkpoint`` around each decoder layer's call); ``stack`` replaces the decoder's
+Rows: ``hf`` is ``model.activation_checkpointing_enable()`` (transformers 5's name for
+``gradient_checkpointing_enable()``: a non-reentrant ``torch.utils.checkpoint`` around each
+decoder layer's call); ``stack`` replaces the decoder's
 forward by ``checkpoint(decoder.forward, ...)``: one checkpoint around the embedding, every
 block and the final norm.
 
@@ -64,9 +65,9 @@ def _switch(net, how) -> None:
     """Hugging Face's checkpointing on for ``"hf"``; the decoder checkpointed whole for
     ``"stack"``; neither otherwise."""
     if how == "hf":
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
-        net.gradient_checkpointing_disable()
+        net.activation_checkpointing_disable()
     decoder = net.model
     decoder.__dict__.pop("forward", None)
     if how == "stack":
@@ -142,7 +143,7 @@ def main() -> None:
         pred = est[PREDICTED[how]] if how in PREDICTED else None
         act = f"{pred.memory['activations'] / 2**20:.1f}" if pred else "n/a"
         ratio = f"{pred.compute_s / est[False].compute_s:.2f}" if pred else "n/a"
-        label = {None: "none", "hf": "HF gradient_checkpointing_enable()",
+        label = {None: "none", "hf": "HF activation_checkpointing_enable()",
                  "stack": "checkpoint(decoder)"}.get(how, f"Policy(recompute={how!r})")
         where = "apply.run_layers" if path == "run_layers" else "apply(vfsdp.gather(...))"
         print(f"| {where} | {label} | {peak / 2**20:.1f} | {held / 2**20:.1f} | "

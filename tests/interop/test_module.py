@@ -396,8 +396,8 @@ def _layer(p, h):
 
 def _layers_grads(how):
     """vfsdp.run_layers over 3 layers with torch.utils.checkpoint inside the layer function
-    (non-reentrant, the full tensors passed as an argument), or recompute= a SAC policy;
-    this rank's gradient pieces."""
+    (non-reentrant, the full tensors passed as an argument) or around the run, or recompute=
+    a SAC policy; this rank's gradient pieces."""
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
     def keep_mm(ctx, op, *args, **kwargs):
@@ -412,15 +412,19 @@ def _layers_grads(how):
     if how == "checkpoint":
         fn = lambda p, h: checkpoint(_layer, p, h, use_reentrant=False)
         h = vfsdp.run_layers(fn, shards["layers"], spec["layers"], x)
+    elif how == "around":
+        h = checkpoint(lambda t: vfsdp.run_layers(_layer, shards["layers"], spec["layers"], t),
+                       x, use_reentrant=False)
     else:
         h = vfsdp.run_layers(_layer, shards["layers"], spec["layers"], x, recompute=keep_mm)
     h.square().sum().backward()
     return [{k: v.clone() for k, v in g.items()} for g in vfsdp.grads(shards, spec)["layers"]]
 
 
-@pytest.mark.parametrize("how", ["checkpoint", "sac"])
+@pytest.mark.parametrize("how", ["checkpoint", "around", "sac"])
 def test_activation_checkpointing_inside_vfsdp_run_layers_is_exact(how):
-    """The recompute reads the regathered tensors, not the released ones of the forward."""
+    """The recompute reads the regathered tensors, not the released ones of the forward
+    (around the run: the ones its gathers again)."""
     params = [{"w": (torch.linspace(-1, 1, 16).reshape(4, 4) * (i + 1)).requires_grad_(),
                "b": (torch.linspace(0, 1, 4) + i).requires_grad_()} for i in range(3)]
     h = torch.linspace(-1, 1, 8).reshape(2, 4)

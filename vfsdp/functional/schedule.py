@@ -258,6 +258,7 @@ class LayerRun:
         self.context_fn = recompute_context(values["recompute"])
         self.regather = _Regather(self.prefetch)
         self.ahead: dict[int, list[Handle]] = {}  # layer -> its gathers in flight
+        self.held: list[DBuffer] = []  # what regathered() gathered, until the next call
 
     def _start(self, i: int) -> list[Handle]:  # every piece's gathers: one step
         return [start_gather(p.shards, p.spec, p.mesh, self.gopts, self.ropts, p.what,
@@ -300,30 +301,28 @@ class LayerRun:
             hooks.trigger(out, (args, kwargs))
         return out
 
-    def regathered(self, full: Any) -> tuple[Any, list[DBuffer]]:
+    def regathered(self, full: Any) -> Any:
         """In a backward, a layer's ``full`` tree of its forward again, for a recompute of its
         call (a checkpoint around several layers): each unit gathered now, without the
         backward's prefetch, as new tensors requiring grad as the forward's did (so the
         recompute saves what the forward saved) and read as gathered parameters by
-        :meth:`call`'s hooks. Also the buffers it gathered (:meth:`reshard` them after)."""
-        leaves, treespec = optree.tree_flatten(full)
-        out, gathered = [], []
-        for v in leaves:
+        :meth:`call`'s hooks. What the previous call gathered is released first (resharded)
+        unless this layer reads it; :attr:`held` is what it gathered."""
+        mine = _gathered_buffers(full)
+        for db in self.held:
+            if db not in mine:
+                db.unit.reshard(db)
+        self.held = [db for db in mine if db in self.held or not db.is_allocated]
+
+        def fresh(v: Any) -> Any:
             slot = slot_of(v)
             if slot is None or slot.view is not View.FULL:
-                out.append(v)
-                continue
-            if not slot.buffer.is_allocated:
-                gathered.append(slot.buffer)
+                return v
             t = self.regather.unpack(_Saved(slot.buffer, v), prefetch=False).detach()
             setattr(t.requires_grad_(v.requires_grad), SLOT, slot)
-            out.append(t)
-        return optree.tree_unflatten(treespec, out), gathered
+            return t
 
-    def reshard(self, dbs: list[DBuffer]) -> None:
-        """Release what :meth:`regathered` gathered (its backward gathers it again)."""
-        for db in dbs:
-            db.unit.reshard(db)
+        return optree.tree_map(fresh, full)
 
     def refresher(self, full: Any) -> Callable[[Any], None]:
         """Called in a backward, it replaces ``full``'s tensors released since (in place) by

@@ -29,7 +29,6 @@ import torch
 from torch.func import functional_call
 
 from vfsdp._torch_private import checkpoint_wrapped, compiling
-from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.functional.gather import gather
 from vfsdp.functional.options import Policy, merge
 from vfsdp.functional.pieces import layer_pieces
@@ -455,7 +454,6 @@ class _Blocks:
         self.forwards = {block: block.forward for block in self.units}
         self.trees: dict = {}  # unit index -> its tree of the forward's (latest) call
         self.replays = 0  # recomputes in progress
-        self.held: list = []  # what the recompute regathered, resharded at the next block
         self.install()
 
     def install(self) -> None:
@@ -476,7 +474,7 @@ class _Blocks:
             self.replays -= 1
             if not self.replays:
                 self.close()
-                self.held = []
+                self.run.held = []  # the last block's: its backward comes next
 
     def close(self) -> None:
         for block, forward in self.saved.items():
@@ -484,32 +482,22 @@ class _Blocks:
             if forward is not None:
                 block.forward = forward
 
-    def replay(self, block: torch.nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
-        tree = self.trees[self.units[block]]
-        keep = {id(slot_of(t).buffer) for t in optree.tree_leaves(tree) if slot_of(t)}
-        self.run.reshard([db for db in self.held if id(db) not in keep])
-        tree, gathered = self.run.regathered(tree)
-        self.held = [db for db in self.held if id(db) in keep] + gathered
-        return self.run.call(lambda full, *a, **k: self.apply._in_block(self.run, block, full,
-                                                                        forward, a, k),
-                             tree, args, kwargs)
-
     def call(self, block: torch.nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.replays:
-            return self.replay(block, forward, args, kwargs)
-        if self.apply._run is not self:  # called outside the run's forward
+        if not self.replays and self.apply._run is not self:  # outside the run's forward
             return forward(*args, **kwargs)
-        n = len(self.blocks)
-        pos = self.calls if self.calls < n and self.blocks[self.calls] is block else \
-            self.units[block]
-        self.calls = pos + 1
-        full, dbs = self.run.enter(self.units[block], self.first[pos + 1] if pos + 1 < n
-                                   else None)
-        self.trees[self.units[block]] = full
+        i, n, dbs = self.units[block], len(self.blocks), None
+        if self.replays:  # a recompute: the unit regathered, released at the next block
+            full = self.run.regathered(self.trees[i])
+        else:
+            pos = self.calls if self.calls < n and self.blocks[self.calls] is block else i
+            self.calls = pos + 1
+            full, dbs = self.run.enter(i, self.first[pos + 1] if pos + 1 < n else None)
+            self.trees[i], last = full, pos + 1 == n
         out = self.run.call(lambda tree, *a, **k: self.apply._in_block(self.run, block, tree,
                                                                        forward, a, k),
                             full, args, kwargs)
-        self.run.exit(dbs, last=pos + 1 == n)
+        if dbs is not None:
+            self.run.exit(dbs, last=last)
         return out
 
 

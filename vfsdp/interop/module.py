@@ -29,6 +29,7 @@ import torch
 from torch.func import functional_call
 
 from vfsdp._torch_private import checkpoint_wrapped, compiling
+from vfsdp.collectives.dbuffer import poison
 from vfsdp.functional.gather import gather
 from vfsdp.functional.options import Policy, merge
 from vfsdp.functional.pieces import layer_pieces
@@ -157,6 +158,14 @@ class ModuleApply:
         self._thread: Optional[int] = None
         self._run: Optional[_Blocks] = None  # the run_layers call in progress
         self._scopes: dict = {}  # (owner id, module id) -> (module, its prefix, names under it)
+        self._own: list = []  # the blocks' parameters, and what _Blocks puts in their place
+        if self.blocks is not None:
+            where = format_path(self.blocks)
+            first: dict = {}  # each block at its first position
+            for i, block in enumerate(module.get_submodule(where) if self.blocks else module):
+                first.setdefault(block, i)
+            self._own = [(p, _outside(p, f"{where}.{i}.{name}".lstrip(".")))
+                         for block, i in first.items() for name, p in _slots(block)]
 
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
         """The module's forward with ``params`` (a tree shaped as :func:`functionalize`'s,
@@ -452,13 +461,18 @@ class _Blocks:
         self.calls = 0  # the position the next call is expected at
         self.saved = {block: block.__dict__.get("forward") for block in self.units}
         self.forwards = {block: block.forward for block in self.units}
+        self.own = apply._own  # the blocks' parameters, and their stand-ins
         self.trees: dict = {}  # unit index -> its tree of the forward's (latest) call
         self.replays = 0  # recomputes in progress
         self.install()
 
     def install(self) -> None:
+        """Each block's forward replaced, and its parameters, outside its calls, by stand-ins
+        that raise when read (the run gathers a block only around its call)."""
         for block, forward in self.forwards.items():
             block.forward = functools.partial(self.call, block, forward)
+        for (where, leaf, _), stand_in in self.own:
+            where[leaf] = stand_in
 
     @contextlib.contextmanager
     def replaying(self) -> Any:
@@ -481,6 +495,8 @@ class _Blocks:
             del block.forward
             if forward is not None:
                 block.forward = forward
+        for (where, leaf, own), _ in self.own:
+            where[leaf] = own
 
     def call(self, block: torch.nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
         if not self.replays and self.apply._run is not self:  # outside the run's forward
@@ -499,6 +515,24 @@ class _Blocks:
         if dbs is not None:
             self.run.exit(dbs, last=last)
         return out
+
+
+def _slots(block: torch.nn.Module) -> Any:
+    """``(dotted name, (its module's parameter dict, key, the parameter))`` for each of the
+    block's parameter names."""
+    for name, p in block.named_parameters(remove_duplicate=False):
+        prefix, _, leaf = name.rpartition(".")
+        yield name, (block.get_submodule(prefix)._parameters, leaf, p)
+
+
+def _outside(slot: tuple, name: str) -> torch.Tensor:
+    """A stand-in for a block's parameter outside its calls: an alias (no memory) that
+    raises when an operation reads it, naming the fix."""
+    stand_in = slot[2].detach()
+    poison([stand_in], f"apply.run_layers: {name} is a block's parameter, read outside that "
+                       f"block's call, where the run has not gathered it; read it inside the "
+                       f"block's forward, or call apply(vfsdp.gather(shards, spec), ...)")
+    return stand_in
 
 
 def _flat_names(tree: Any) -> dict:

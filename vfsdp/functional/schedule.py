@@ -89,10 +89,10 @@ class _Regather:
             call.check_versions()  # a shard changed since the forward: refuse to regather it
         db.unit.pre_backward(db, prefetch)
 
-    def hooks(self) -> _Hooks:
+    def hooks(self) -> tuple[torch.autograd.graph.saved_tensors_hooks, Optional[tuple]]:
         """A layer call's saved-tensor hooks: a gathered parameter as a record; anything else
         handed to the hooks active around the call (a ``torch.utils.checkpoint`` around several
-        layers: its recompute then replays them, ``save_on_cpu``), or kept."""
+        layers: its recompute then replays them, ``save_on_cpu``), or kept; and those."""
         outer = saved_hooks_top()
 
         def pack(t: torch.Tensor) -> Any:
@@ -115,7 +115,7 @@ class _Regather:
                 return self.unpack(saved)
             return saved if outer is None else outer[1](saved)
 
-        return _Hooks(pack, unpack, outer)
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack), outer
 
     def join(self, db: DBuffer) -> None:
         """In a backward, before ``db``'s unit is regathered: units created after the running
@@ -279,7 +279,8 @@ class LayerRun:
     def call(self, fn: Callable, full: Any, args: tuple, kwargs: dict) -> Any:
         """``fn(full, *args, **kwargs)`` under the run's saved-tensor hooks; with
         ``recompute``, checkpointed (:func:`checkpointed`)."""
-        self.regather.packed, hooks = set(), self.regather.hooks()
+        self.regather.packed = set()
+        hooks, outer = self.regather.hooks()
         with hooks:
             if self.context_fn is not None:
                 out = checkpointed(fn, full, args, kwargs, self.context_fn)
@@ -298,7 +299,7 @@ class LayerRun:
                 # (or the layer did not use them: what it returns as it was given is not
                 # watched, so a rank that skips a layer issues no regather the others do not)
                 _Refresh(full, self.regather).watch(out, (args, kwargs))
-            hooks.trigger(out, (args, kwargs))
+            _trigger(outer, out, (args, kwargs))
         return out
 
     def regathered(self, full: Any) -> Any:
@@ -360,32 +361,23 @@ class LayerRun:
                     pending().release_after_backward(calls[0].unit)
 
 
-class _Hooks(torch.autograd.graph.saved_tensors_hooks):
-    """A layer call's saved-tensor hooks (:meth:`_Regather.hooks`), and the ones active
-    around the call (``outer``) that they hand activations to."""
+def _trigger(outer: Optional[tuple], out: Any, inputs: Any) -> None:
+    """Inside a ``torch.utils.checkpoint`` (any ``outer`` hooks): one empty tensor saved
+    through them after the layer, unpacked as the backward reaches the layer's output.
+    Whether a checkpoint recomputes, and up to where (torch stops a recompute once it has
+    what was saved), then does not depend on what the layer saved on this rank: its
+    recompute, which gathers the layer again, runs as far on every rank."""
+    outs = _outputs(out, inputs)
+    if outer is None or not outs:
+        return
+    holder, done = outer[0](outs[0].new_empty(0)), set()
 
-    def __init__(self, pack: Callable, unpack: Callable, outer: Optional[tuple]) -> None:
-        super().__init__(pack, unpack)
-        self.outer = outer
+    def hook(grad: torch.Tensor) -> None:
+        if graph_task_id() not in done:  # once per backward pass
+            done.add(graph_task_id())
+            outer[1](holder)
 
-    def trigger(self, out: Any, inputs: Any) -> None:
-        """Inside a ``torch.utils.checkpoint`` (any outer hooks): one empty tensor saved
-        through them after the layer, unpacked as the backward reaches the layer's output.
-        Whether a checkpoint recomputes, and up to where (torch stops a recompute once it has
-        what was saved), then does not depend on what the layer saved on this rank: its
-        recompute, which gathers the layer again, runs as far on every rank."""
-        outs = _outputs(out, inputs)
-        if self.outer is None or not outs:
-            return
-        pack, unpack = self.outer
-        holder, done = pack(outs[0].new_empty(0)), set()
-
-        def hook(grad: torch.Tensor) -> None:
-            if graph_task_id() not in done:  # once per backward pass
-                done.add(graph_task_id())
-                unpack(holder)
-
-        _watch(out, inputs, hook)
+    _watch(out, inputs, hook)
 
 
 def _outputs(out: Any, inputs: Any) -> list[torch.Tensor]:

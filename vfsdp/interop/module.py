@@ -159,13 +159,18 @@ class ModuleApply:
         self._run: Optional[_Blocks] = None  # the run_layers call in progress
         self._scopes: dict = {}  # (owner id, module id) -> (module, its prefix, names under it)
         self._own: list = []  # the blocks' parameters, and what _Blocks puts in their place
+        self._block_ties: dict = {}  # block -> {tied name: its tensor's name}, under the block
         if self.blocks is not None:
-            where = format_path(self.blocks)
+            where = format_path(self.blocks) + "." if self.blocks else ""
             first: dict = {}  # each block at its first position
-            for i, block in enumerate(module.get_submodule(where) if self.blocks else module):
+            for i, block in enumerate(module.get_submodule(where[:-1]) if where else module):
                 first.setdefault(block, i)
-            self._own = [(p, _outside(p, f"{where}.{i}.{name}".lstrip(".")))
+            self._own = [(p, _outside(p, f"{where}{i}.{name}"))
                          for block, i in first.items() for name, p in _slots(block)]
+            for block, i in first.items():
+                at = f"{where}{i}."
+                self._block_ties[block] = {n[len(at):]: t[len(at):] for n, t in ties.items()
+                                           if n.startswith(at) and t.startswith(at)}
 
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
         """The module's forward with ``params`` (a tree shaped as :func:`functionalize`'s,
@@ -390,17 +395,20 @@ class ModuleApply:
         """A block's call in :meth:`run_layers`: a checkpoint inside it recomputes with the
         tensors regathered for its backward."""
         refresh: list = []
+        ties = self._block_ties[block]
 
         def tensors() -> dict:
-            refresh[0](None)
-            return _flat_names(tree)
+            if refresh:
+                refresh[0](None)
+            flat = _flat_names(tree)
+            return {**flat, **{n: flat[t] for n, t in ties.items()}}  # a tie inside the block
 
         def wrap(fn: Any) -> Any:
             refresh[:] = refresh or [run.refresher(tree)]
             return self._again(block, tensors, fn)
 
         with checkpoint_wrapped(wrap):
-            return _swapped(block, _flat_names(tree), forward, args, kwargs)
+            return _swapped(block, tensors(), forward, args, kwargs)
 
 
 def _blocks(params: dict) -> Optional[tuple]:

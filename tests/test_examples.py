@@ -248,6 +248,27 @@ def test_compile_benchmark_runs_and_compiles_one_graph():
     assert "graphs compiled: 1 (1 = no recompiles)" in out, out
 
 
+@pytest.mark.slow
+def test_recompute_benchmark_rows_hold_less_with_checkpointing():
+    """The smallest run of benchmarks/recompute_bench.py: every row printed, and each way of
+    checkpointing holds less between forward and backward than none on the same path (Hugging
+    Face's switch under apply.run_layers saved nothing before the run handed it the blocks'
+    activations)."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "recompute_bench.py"),
+                           "--hidden", "64", "--layers", "2", "--seq", "32", "--batch", "2",
+                           "--vocab", "128", "--steps", "1"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines()
+            if line.startswith("| apply")]
+    assert len(rows) == 8, proc.stdout
+    held = {(r[0], r[1]): float(r[3]) for r in rows}
+    for (path, how), mib in held.items():
+        if how != "none":
+            assert mib < held[path, "none"], (path, how, held)
+
+
 def test_train_hf_matches_one_process_and_exports_for_from_pretrained(tmp_path):
     pytest.importorskip("transformers")
     out = _run("examples/train_hf.py", "--model", "llama", "--world-size", "2", "--steps", "2",

@@ -27,7 +27,11 @@
   is wrapped on this thread: the module's ``_checkpoint_without_reentrant_generator`` and
   ``CheckpointFunction`` (names ``checkpoint`` looks up when called, so imports of it made
   before are covered) are replaced once by wrappers that read this thread's innermost wrap
-  (with none, torch's own run).
+  (with none, torch's own run). Checked by name and signature on a torch not in
+  :data:`TESTED_TORCH` (a warning; an error naming what moved if they differ).
+* :func:`saved_hooks_top`: the innermost saved-tensor hooks
+  (``torch._C._autograd._top_saved_tensors_default_hooks``: a checkpoint's, ``save_on_cpu``),
+  which ``run_layers``' own hooks hand what is not a gathered parameter.
 * :func:`version`: a tensor's in-place version counter (``t._version``).
 * :func:`set_data`: ``t.data = src`` past a subclass's ``__torch_function__``
   (``torch._C.DisableTorchFunctionSubclass``), to point a released view at no memory.
@@ -48,6 +52,7 @@ Other torch versions may move or change these, so they are guarded and versioned
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from collections.abc import Iterator
@@ -376,14 +381,66 @@ def _wrap():
     return stack[-1] if stack else None
 
 
+def saved_hooks_top() -> Optional[tuple]:
+    """The innermost ``(pack, unpack)`` saved-tensor hooks active on this thread (a
+    ``torch.utils.checkpoint``'s, ``save_on_cpu``'s), or ``None`` (none, or a torch without
+    the query: what is not handed on is then kept as it is)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
+#: What :func:`checkpoint_wrapped` replaces: name -> (where its parameters are, their names).
+_CHECKPOINT_INTERNALS = {
+    "_checkpoint_without_reentrant_generator": (lambda f: f, ["fn", "preserve_rng_state"]),
+    "CheckpointFunction": (lambda c: c.forward, ["ctx", "run_function", "preserve_rng_state"]),
+    "check_backward_validity": (lambda f: f, ["inputs"]),
+}
+
+
+def checkpoint_internals(ckpt, version: tuple[int, int]) -> tuple:
+    """``torch.utils.checkpoint``'s (``ckpt``) non-reentrant generator and reentrant
+    ``CheckpointFunction``, as :func:`checkpoint_wrapped` replaces them; on a torch
+    ``version`` not in :data:`TESTED_TORCH`, checked by name and leading parameters first.
+
+    Raises:
+        RuntimeError: one is missing or takes other parameters (naming it and the tested
+            versions).
+
+    Warns:
+        RuntimeWarning: ``version`` is untested (and the names match).
+    """
+    import inspect
+
+    if version not in TESTED_TORCH:
+        for name, (where, params) in _CHECKPOINT_INTERNALS.items():
+            try:
+                got = list(inspect.signature(where(getattr(ckpt, name))).parameters)
+            except (AttributeError, TypeError, ValueError):
+                got = None
+            if got is None or got[:len(params)] != params:
+                raise RuntimeError(
+                    f"vfsdp: torch {'.'.join(map(str, version))} changed torch.utils.checkpoint."
+                    f"{name} (expected parameters {params}, found {got}), which vfsdp wraps so "
+                    f"that a checkpoint's recompute in apply / run_layers reads the call's "
+                    f"tensors, not the module's own (tested with torch "
+                    f"{', '.join('.'.join(map(str, v)) for v in TESTED_TORCH)}); install one "
+                    f"of those")
+        warnings.warn(f"vfsdp: torch.utils.checkpoint's internals were tested with torch "
+                      f"{TESTED_TORCH}; torch {'.'.join(map(str, version))} has the same names "
+                      f"and parameters, but may have changed what they do", RuntimeWarning,
+                      stacklevel=4)
+    return ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+
+
 def _install_checkpoint_wrap() -> None:
     from torch.utils import checkpoint as ckpt
 
     with _WRAP_LOCK:
         if getattr(ckpt, "_vfsdp_wrapped", False):
             return
-        generator, base = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+        generator, base = checkpoint_internals(ckpt, _torch_version())
 
+        @functools.wraps(generator)  # its signature: what a check on an untested torch reads
         def without_reentrant(fn, *args, **kwargs):
             wrap = _wrap()
             return generator(fn if wrap is None else wrap(fn), *args, **kwargs)

@@ -8,6 +8,7 @@ import optree
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 import vfsdp
 from vfsdp.testing import simulate
@@ -215,6 +216,19 @@ class Timm(torch.nn.Module):
         return self.blocks(self.stem(x))
 
 
+class TiedInside(torch.nn.Module):
+    """A block whose two layers share one weight (a tie inside the block), the second read
+    in a checkpoint of the block's own."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.b.weight = self.a.weight
+
+    def forward(self, h):
+        return h + checkpoint(lambda t: self.b(torch.tanh(self.a(t))), h, use_reentrant=False)
+
+
 def _encoder():
     layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0,
                                              batch_first=True)
@@ -229,6 +243,8 @@ MODELS = {  # name: (model, input, how the loss is made of the output)
                    lambda: torch.randn(3, 6, generator=_gen()), torch.sum),
     "timm": (Timm, lambda: torch.randn(3, 4, generator=_gen()), torch.sum),
     "encoder": (_encoder, lambda: torch.randn(2, 3, 8, generator=_gen()), torch.sum),
+    "tied_inside": (lambda: torch.nn.Sequential(*(TiedInside() for _ in range(3))),
+                    lambda: torch.randn(3, 6, generator=_gen()), torch.sum),
 }
 
 
@@ -271,8 +287,9 @@ def _check_against_torch(kind, policy=None):
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_run_layers_runs_the_modules_own_forward_block_by_block(kind):
     """Work and per-block arguments between the blocks, a block at two positions, blocks
-    returning (h, aux), blocks in a Sequential, a Sequential model, nn.TransformerEncoder:
-    the output and every gradient as one plain-torch process's."""
+    returning (h, aux), blocks in a Sequential, a Sequential model, nn.TransformerEncoder, a
+    tie inside each block (it read the module's own tensor: silently wrong): the output and
+    every gradient as one plain-torch process's."""
     _check_against_torch(kind)
 
 
@@ -396,8 +413,8 @@ def _layer(p, h):
 
 def _layers_grads(how):
     """vfsdp.run_layers over 3 layers with torch.utils.checkpoint inside the layer function
-    (non-reentrant, the full tensors passed as an argument), or recompute= a SAC policy;
-    this rank's gradient pieces."""
+    (non-reentrant, the full tensors passed as an argument) or around the run, or recompute=
+    a SAC policy; this rank's gradient pieces."""
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
     def keep_mm(ctx, op, *args, **kwargs):
@@ -412,15 +429,19 @@ def _layers_grads(how):
     if how == "checkpoint":
         fn = lambda p, h: checkpoint(_layer, p, h, use_reentrant=False)
         h = vfsdp.run_layers(fn, shards["layers"], spec["layers"], x)
+    elif how == "around":
+        h = checkpoint(lambda t: vfsdp.run_layers(_layer, shards["layers"], spec["layers"], t),
+                       x, use_reentrant=False)
     else:
         h = vfsdp.run_layers(_layer, shards["layers"], spec["layers"], x, recompute=keep_mm)
     h.square().sum().backward()
     return [{k: v.clone() for k, v in g.items()} for g in vfsdp.grads(shards, spec)["layers"]]
 
 
-@pytest.mark.parametrize("how", ["checkpoint", "sac"])
+@pytest.mark.parametrize("how", ["checkpoint", "around", "sac"])
 def test_activation_checkpointing_inside_vfsdp_run_layers_is_exact(how):
-    """The recompute reads the regathered tensors, not the released ones of the forward."""
+    """The recompute reads the regathered tensors, not the released ones of the forward
+    (around the run: the ones its gathers again)."""
     params = [{"w": (torch.linspace(-1, 1, 16).reshape(4, 4) * (i + 1)).requires_grad_(),
                "b": (torch.linspace(0, 1, 4) + i).requires_grad_()} for i in range(3)]
     h = torch.linspace(-1, 1, 8).reshape(2, 4)

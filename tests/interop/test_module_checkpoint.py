@@ -10,6 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 import vfsdp
 from vfsdp.testing import simulate, spawn
+from vfsdp.testing.memory import GatheredProbe, LiveBytes
 
 
 class Block(torch.nn.Module):
@@ -27,7 +28,8 @@ class Block(torch.nn.Module):
 
 
 class Net(torch.nn.Module):
-    """``inner``: the blocks checkpoint inside; ``outer``: the model checkpoints each block."""
+    """``inner``: the blocks checkpoint inside; ``outer``: the model checkpoints each block;
+    ``stack``: the model checkpoints a function of every block and the work between them."""
 
     def __init__(self, how, reentrant=False, d=4, n=3):
         super().__init__()
@@ -38,10 +40,17 @@ class Net(torch.nn.Module):
 
     def forward(self, x):
         h = self.emb(x)
-        for layer in self.layers:
+        if self.how == "stack":
+            h = checkpoint(self.stack, h, use_reentrant=self.reentrant)
+        for layer in self.layers if self.how != "stack" else ():
             h = checkpoint(layer, h, use_reentrant=self.reentrant) if self.how == "outer" else layer(h)
         return checkpoint(lambda t: self.head(t) * self.emb.bias.sum(), h,
                           use_reentrant=self.reentrant)  # a lambda reading two submodules
+
+    def stack(self, h):
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return h
 
 
 def _make(how, reentrant):
@@ -101,17 +110,16 @@ def _compare(results, want):
             torch.testing.assert_close(g, w.reshape(-1)[lo:hi], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("how", ["inner", "outer"])
+@pytest.mark.parametrize("how", ["inner", "outer", "stack"])
 @pytest.mark.parametrize("path", ["apply", "run_layers"])
-@pytest.mark.filterwarnings("ignore:apply.run_layers. torch.utils.checkpoint of a whole block")
 def test_checkpoint_in_the_forward_is_exact(how, path):
-    """A block checkpointing a lambda over its submodules (``inner``) or the model each block
-    (``outer``), and a lambda over two submodules; the module's own tensors are NaN."""
+    """A block checkpointing a lambda over its submodules (``inner``), the model each block
+    (``outer``) or all of them at once (``stack``: its recompute regathers each block around
+    its call), and a lambda over two submodules; the module's own tensors are NaN."""
     _check(how, path)
 
 
-@pytest.mark.filterwarnings("ignore:apply.run_layers. torch.utils.checkpoint of a whole block")
-@pytest.mark.parametrize("how", ["inner", "outer"])
+@pytest.mark.parametrize("how", ["inner", "outer", "stack"])
 @pytest.mark.parametrize("path", ["apply", "run_layers"])
 def test_two_forwards_then_two_backwards(how, path):
     """Gradient accumulation: each recompute reads its own call's tensors (under ``apply``,
@@ -119,8 +127,7 @@ def test_two_forwards_then_two_backwards(how, path):
     _check(how, path, calls=2)
 
 
-@pytest.mark.filterwarnings("ignore:apply.run_layers. torch.utils.checkpoint of a whole block")
-@pytest.mark.parametrize("how", ["inner", "outer"])
+@pytest.mark.parametrize("how", ["inner", "outer", "stack"])
 @pytest.mark.parametrize("path", ["apply", "run_layers"])
 def test_reentrant(how, path):
     """use_reentrant=True (run as a non-reentrant checkpoint: the same gradients)."""
@@ -159,3 +166,38 @@ def test_a_checkpoint_inside_a_block_the_run_checkpoints_is_exact_and_recomputed
     _compare(simulate(2, lambda: _rank(nets[dist.get_rank()], "run_layers", recompute="full")),
              _want("inner"))
     assert len(runs) == 2 * 3 * 2  # ranks x blocks x (forward + recompute)
+
+
+def _memory(how, world=2):
+    """Bytes live between the forward and the backward (what the graph keeps: activations,
+    and under ``apply.run_layers`` the units left gathered), and the most units gathered at
+    once under ``apply.run_layers``; ``world=None``: one plain-torch process."""
+    torch.manual_seed(0)
+    net = Net(how, d=32, n=4)
+    x = torch.randn(256, 3, generator=torch.Generator().manual_seed(1))
+    if world is None:
+        with LiveBytes() as live:
+            out = net(x)
+        return live.current
+    params, apply = vfsdp.functionalize(net)
+    spec = vfsdp.plan(params, world)
+    shards = vfsdp.shard(params, spec)
+    with LiveBytes() as live, GatheredProbe() as probe:
+        out = apply.run_layers(shards, spec, x)
+        kept = live.current
+        out.square().sum().backward()
+        del out
+    return kept, probe.peak_units
+
+
+def test_checkpoints_in_the_forward_save_activations_under_run_layers_as_in_torch():
+    """A checkpoint of each block (``outer``) or of all of them (``stack``) keeps what it
+    keeps in plain torch (the run's hooks hand the blocks' activations to it): the bytes
+    between forward and backward differ from torch's by the units left gathered alone, the
+    same in every mode; the recompute gathers no more units at once than the run."""
+    torch_kept = {how: _memory(how, None) for how in ("inner", "outer", "stack")}
+    assert torch_kept["stack"] < torch_kept["outer"] < torch_kept["inner"], torch_kept
+    got = {how: simulate(2, _memory, how)[0] for how in torch_kept}
+    units = {how: kept - torch_kept[how] for how, (kept, _) in got.items()}
+    assert units["inner"] == units["outer"] == units["stack"] < torch_kept["stack"], got
+    assert got["stack"][1] == got["outer"][1] == got["inner"][1] == 3, got  # rest, 2 blocks

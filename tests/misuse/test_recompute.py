@@ -1,10 +1,11 @@
 """Activation checkpointing misused: a bad ``recompute`` value, ``recompute`` where nothing
-can honour it, a reentrant checkpoint inside a ``run_layers`` layer (its gradients would be
-lost): each refused, naming the fix; a checkpoint of a whole block in a module's forward
-under ``apply.run_layers`` (it saves nothing) warns."""
+can honour it: each refused, naming the fix; a reentrant checkpoint inside a ``run_layers``
+layer (its gradients would be lost) runs as a non-reentrant one."""
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 import vfsdp
 from vfsdp.testing import simulate
@@ -33,8 +34,6 @@ def test_recompute_is_refused_by_a_plain_gather_in_the_one_wording():
 
 
 def _reentrant():
-    from torch.utils.checkpoint import checkpoint
-
     params = {"layers": [{"w": torch.full((4, 4), 0.1) + i} for i in range(3)]}
     spec = vfsdp.plan(params, 2)
     shards = vfsdp.shard(params, spec)
@@ -60,40 +59,73 @@ def test_a_reentrant_checkpoint_inside_run_layers_gives_torchs_gradients():
         torch.testing.assert_close(torch.cat([r[1][i] for r in got]), w.grad.reshape(-1))
 
 
-def _whole_block():
-    from torch.utils.checkpoint import checkpoint
+def _skipping(mode):
+    """Each layer uses its unit on rank 0 only (the data decides): rank 1's layers save
+    nothing, so its backward reaches no recompute of theirs."""
+    ws = [torch.full((4, 4), 0.1) * (i + 1) for i in range(3)]
 
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    net.forward = lambda x: checkpoint(net[1], net[0](x), use_reentrant=False)
-    params, apply = vfsdp.functionalize(net)
+    def layer(p, h):
+        return torch.tanh(h @ p["w"]) if h.sum() > 0 else h * 2
+
+    params = {"layers": [{"w": w} for w in ws]}
     spec = vfsdp.plan(params, 2)
-    apply.run_layers(vfsdp.shard(params, spec), spec, torch.ones(1, 4))
+    shards = vfsdp.shard(params, spec)
+    x = torch.full((1, 4), 1.0 if dist.get_rank() == 0 else -1.0, requires_grad=True)
+    run = lambda h, **kw: vfsdp.run_layers(layer if mode != "inside" else lambda p, t: checkpoint(
+        layer, p, t, use_reentrant=False), shards["layers"], spec["layers"], h, **kw)
+    out = (run(x, recompute="full") if mode == "recompute" else
+           checkpoint(run, x, use_reentrant=False) if mode == "around" else run(x))
+    out.sum().backward()
+    return x.grad, [g["w"] for g in vfsdp.gather(vfsdp.grads(shards, spec), spec)["layers"]]
 
 
-def test_a_checkpoint_of_a_whole_block_under_apply_run_layers_warns_it_saves_nothing():
-    with pytest.warns(UserWarning, match="checkpoint of a whole block in the module's forward "
-                      "recomputes nothing"):  # caught here: warning filters are per process
-        simulate(2, _whole_block)
+@pytest.mark.parametrize("mode", ["recompute", "inside", "around"])
+def test_a_unit_used_on_some_ranks_only_under_a_checkpoint_is_exact(mode):
+    """A checkpoint (``recompute``, one inside the layer, one around ``run_layers``) whose
+    layers use their unit on some ranks only: every rank joins the backward at each layer's
+    output (``recompute="full"`` hung: rank 0 regathered in its recompute, rank 1 never
+    entered the backward's agreement), and the gradients are one process's."""
+    want_x, want_w = [], [torch.zeros(4, 4) for _ in range(3)]
+    for sign in (1.0, -1.0):  # rank 0's data, rank 1's
+        ws = [(torch.full((4, 4), 0.1) * (i + 1)).requires_grad_() for i in range(3)]
+        x = torch.full((1, 4), sign, requires_grad=True)
+        h = x
+        for w in ws:
+            h = torch.tanh(h @ w) if h.sum() > 0 else h * 2
+        h.sum().backward()
+        want_x.append(x.grad)
+        want_w = [a + (w.grad if w.grad is not None else 0) / 2 for a, w in zip(want_w, ws)]
+    for r, (gx, gw) in enumerate(simulate(2, _skipping, mode, timeout=60)):
+        torch.testing.assert_close(gx, want_x[r])
+        for g, w in zip(gw, want_w):
+            torch.testing.assert_close(g, w)
 
 
-def _spanning_blocks():
-    from torch.utils.checkpoint import checkpoint
+def test_checkpoint_internals_are_checked_on_an_untested_torch():
+    """The torch.utils.checkpoint internals vfsdp wraps: used as they are on a tested torch,
+    with a warning on another, refused (naming what moved) where they changed."""
+    import types
+    import warnings
 
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    net.forward = lambda x: checkpoint(lambda h: net[1](torch.tanh(net[0](h))), x,
-                                       use_reentrant=False)
-    params, apply = vfsdp.functionalize(net)
-    spec = vfsdp.plan(params, 2)
-    out = apply.run_layers(vfsdp.shard(params, spec), spec, torch.ones(1, 4))
-    try:
-        out.sum().backward()
-    except RuntimeError as exc:
-        return str(exc)
+    from torch.utils import checkpoint as ckpt
 
+    from vfsdp._torch_private import TESTED_TORCH, checkpoint_internals
 
-def test_a_checkpoint_around_blocks_calls_under_apply_run_layers_is_refused_in_its_recompute():
-    for msg in simulate(2, _spanning_blocks):
-        assert "recomputes a call of block 0 in the backward, after the run" in msg, msg
-        assert "policy=vfsdp.Policy(recompute='full'))), or call apply(vfsdp.gather(" in msg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert checkpoint_internals(ckpt, TESTED_TORCH[-1])[1] is ckpt.CheckpointFunction
+    with pytest.warns(RuntimeWarning, match=r"tested with torch .*; torch 2.99 has the same"):
+        checkpoint_internals(ckpt, (2, 99))
+    moved = types.SimpleNamespace(**{n: getattr(ckpt, n) for n in (
+        "CheckpointFunction", "check_backward_validity")},
+        _checkpoint_without_reentrant_generator=lambda function, *args: None)
+    with pytest.raises(RuntimeError, match=r"torch 2.99 changed torch.utils.checkpoint._checkpoint"
+                       r"_without_reentrant_generator \(expected parameters \['fn', "
+                       r"'preserve_rng_state'\], found \['function', 'args'\]\).*install one"):
+        checkpoint_internals(moved, (2, 99))
+    gone = types.SimpleNamespace(_checkpoint_without_reentrant_generator=(
+        ckpt._checkpoint_without_reentrant_generator))
+    with pytest.raises(RuntimeError, match=r"changed torch.utils.checkpoint.CheckpointFunction "
+                       r"\(expected parameters \['ctx', 'run_function', 'preserve_rng_state'\], "
+                       r"found None\)"):
+        checkpoint_internals(gone, (2, 99))

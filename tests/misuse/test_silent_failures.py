@@ -348,3 +348,44 @@ def test_attention_dropout_draws_from_the_rank_generator():
     assert set(rows[0].tolist()) <= {0.0, 2.0} and not torch.equal(c0, torch.ones_like(c0))
     other = simulate(2, _attention, 1)[0][0]
     assert not torch.equal(c0, other)                      # the seed decides the mask
+
+
+# ------------------------------------------------------------------ apply.run_layers
+
+
+class _HeadReadsABlock(torch.nn.Module):
+    """A forward that reads a block's parameter outside that block's call."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x) * self.layers[0].bias.sum()
+
+
+def _head_reads_a_block():
+    net = _HeadReadsABlock()
+    params, apply = vfsdp.functionalize(net)
+    spec = vfsdp.plan(params, 2)
+    shards = vfsdp.shard(params, spec)
+    try:
+        apply.run_layers(shards, spec, torch.ones(3, 4))
+    except RuntimeError as exc:
+        msg = str(exc)
+    out = apply(vfsdp.gather(shards, spec), torch.ones(3, 4))  # the module is as it was
+    return msg, out.shape, type(net.layers[0].bias).__name__
+
+
+def test_a_block_parameter_read_outside_its_call_under_apply_run_layers_is_refused():
+    """It read the module's own tensor (not the shards'), so its gradient was lost: the
+    gradients were 2.5 off one process's. Outside their calls the blocks' parameters read
+    as released, naming the parameter and the fix."""
+    for msg, shape, kind in simulate(2, _head_reads_a_block):
+        assert msg.startswith("apply.run_layers: layers.0.bias is a block's parameter, read "
+                              "outside that block's call"), msg
+        assert "call apply(vfsdp.gather(shards, spec), ...)" in msg
+        assert shape == (3, 1) and kind == "Parameter"

@@ -320,10 +320,11 @@ class Unit:
         life.regather = True
         self._let_go(db, at_once=False)
 
-    def pre_backward(self, db: DBuffer) -> None:
+    def pre_backward(self, db: DBuffer, prefetch: bool = True) -> None:
         """Before the unit's backward or its zero reduction, on every rank alike:
         ``RESHARDED`` -> ``GATHERED`` (finish the prefetch, or all-gather now), then start the
-        prefetch of :attr:`backward_prefetch` if that unit is resharded (``GATHERING``)."""
+        prefetch of :attr:`backward_prefetch` if that unit is resharded (``GATHERING``; not
+        with ``prefetch=False``: a recompute's regather)."""
         life = self._of(db)
         if db.in_flight:
             db.wait()
@@ -332,7 +333,7 @@ class Unit:
             # (a held reshard too: its memory is still there, but another rank's was freed,
             # and every rank issues the same collectives; the values are the same)
             self._all_gather(db, async_op=False)
-        link = self.backward_prefetch
+        link = self.backward_prefetch if prefetch else None
         prev = link[0]() if link is not None else None
         if prev is not None:
             pdb = prev.compute(link[1])

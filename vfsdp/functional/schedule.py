@@ -40,11 +40,13 @@ from vfsdp._torch_private import (
     checkpoint_wrapped,
     compiling,
     functorch_active,
+    graph_task_id,
     is_own_output,
     running_node_seq,
+    saved_hooks_top,
 )
 from vfsdp.collectives.comm import Handle
-from vfsdp.collectives.dbuffer import DBuffer, ReleasedTensor, View, slot_of
+from vfsdp.collectives.dbuffer import SLOT, DBuffer, ReleasedTensor, View, slot_of
 from vfsdp.functional.gather import pending, start_gather, writes_leaf_grads
 from vfsdp.functional.options import Policy, merge, refuse, resolve
 from vfsdp.functional.pieces import assemble_layer, layer_pieces
@@ -82,34 +84,51 @@ class _Regather:
             self.last = db
         self.calls.setdefault(id(db), []).append(call)
 
-    def ensure(self, db: DBuffer) -> None:
+    def ensure(self, db: DBuffer, prefetch: bool = True) -> None:
         for call in self.calls.get(id(db), ()):
             call.check_versions()  # a shard changed since the forward: refuse to regather it
-        db.unit.pre_backward(db)
+        db.unit.pre_backward(db, prefetch)
 
-    def pack(self, t: torch.Tensor) -> Any:
-        slot = slot_of(t) or slot_of(t._base)
-        if slot is not None and slot.view is View.FULL and id(slot.buffer) in self.calls:
-            self.packed.add(id(slot.buffer))
-            return _Saved(slot.buffer, t)
-        # An op that saves its own output (tanh, relu) must not get that output back as it
-        # is: its grad_fn would hold this record, a cycle through C++ that Python's collector
-        # cannot break, so a graph dropped without its backward (an evaluation with grad mode
-        # on, an exception) would never be freed. A detached alias (no kernel, no copy, the
-        # same version counter) is what autograd keeps of its outputs without hooks, too.
-        return t.detach() if is_own_output(t) else t
+    def hooks(self) -> tuple[torch.autograd.graph.saved_tensors_hooks, Optional[tuple]]:
+        """A layer call's saved-tensor hooks: a gathered parameter as a record; anything else
+        handed to the hooks active around the call (a ``torch.utils.checkpoint`` around several
+        layers: its recompute then replays them, ``save_on_cpu``), or kept; and those."""
+        outer = saved_hooks_top()
 
-    def unpack(self, saved: Any) -> torch.Tensor:
-        if not isinstance(saved, _Saved):
-            return saved
+        def pack(t: torch.Tensor) -> Any:
+            slot = slot_of(t) or slot_of(t._base)
+            if slot is not None and slot.view is View.FULL and id(slot.buffer) in self.calls:
+                self.packed.add(id(slot.buffer))
+                return _Saved(slot.buffer, t)
+            if outer is not None:
+                return outer[0](t)
+            # An op that saves its own output (tanh, relu) must not get that output back as
+            # it is: its grad_fn would hold this record, a cycle through C++ that Python's
+            # collector cannot break, so a graph dropped without its backward (an evaluation
+            # with grad mode on, an exception) would never be freed. A detached alias (no
+            # kernel, no copy, the same version counter) is what autograd keeps of its outputs
+            # without hooks, too.
+            return t.detach() if is_own_output(t) else t
+
+        def unpack(saved: Any) -> torch.Tensor:
+            if isinstance(saved, _Saved):
+                return self.unpack(saved)
+            return saved if outer is None else outer[1](saved)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack), outer
+
+    def join(self, db: DBuffer) -> None:
+        """In a backward, before ``db``'s unit is regathered: units created after the running
+        node that did not run reduce (zeros) first, as they do on a rank whose backward
+        reaches one of their nodes before this."""
         seq = running_node_seq()
-        calls = self.calls.get(id(saved.db), ())
+        calls = self.calls.get(id(db), ())
         if seq is not None and calls:
-            # Units created after the running node that did not run reduce (zeros) first,
-            # as they do on a rank whose backward reaches one of their nodes before this.
-            record = pending().backward(lambda: writes_leaf_grads(calls[0]))
-            record.reach(seq)
-        self.ensure(saved.db)
+            pending().backward(lambda: writes_leaf_grads(calls[0])).reach(seq)
+
+    def unpack(self, saved: _Saved, prefetch: bool = True) -> torch.Tensor:
+        self.join(saved.db)
+        self.ensure(saved.db, prefetch)
         buf = saved.db.global_buffer
         return saved.db.saved_view(saved.offset - buf.storage_offset(), saved.shape, saved.stride)
 
@@ -239,6 +258,7 @@ class LayerRun:
         self.context_fn = recompute_context(values["recompute"])
         self.regather = _Regather(self.prefetch)
         self.ahead: dict[int, list[Handle]] = {}  # layer -> its gathers in flight
+        self.held: list[DBuffer] = []  # what regathered() gathered, until the next call
 
     def _start(self, i: int) -> list[Handle]:  # every piece's gathers: one step
         return [start_gather(p.shards, p.spec, p.mesh, self.gopts, self.ropts, p.what,
@@ -259,18 +279,51 @@ class LayerRun:
     def call(self, fn: Callable, full: Any, args: tuple, kwargs: dict) -> Any:
         """``fn(full, *args, **kwargs)`` under the run's saved-tensor hooks; with
         ``recompute``, checkpointed (:func:`checkpointed`)."""
-        with torch.autograd.graph.saved_tensors_hooks(self.regather.pack, self.regather.unpack):
+        self.regather.packed = set()
+        hooks, outer = self.regather.hooks()
+        with hooks:
             if self.context_fn is not None:
-                return checkpointed(fn, full, args, kwargs, self.context_fn)
-            self.regather.packed = set()
-            with checkpoint_wrapped(_same):  # a reentrant checkpoint in fn: as non-reentrant
-                out = fn(full, *args, **kwargs)
-        if torch.is_grad_enabled() and not self.regather.packed:
-            # the forward saved none of the gathered tensors: a checkpoint of its own did
-            # (or the layer did not use them: what it returns as it was given is not watched,
-            # so a rank that skips a layer issues no regather the others do not)
-            _Refresh(full, self.regather).watch(out, (args, kwargs))
+                out = checkpointed(fn, full, args, kwargs, self.context_fn)
+            else:
+                with checkpoint_wrapped(_same):  # a reentrant checkpoint in fn: as non-reentrant
+                    out = fn(full, *args, **kwargs)
+        if torch.is_grad_enabled():
+            if self.context_fn is not None:
+                # its recompute, which regathers, runs only on ranks where the layer saved
+                # something: every rank joins the backward pass at the output (and reduces
+                # zeros where it does not run the unit's backward)
+                dbs = _gathered_buffers(full)
+                _watch(out, (args, kwargs), lambda grad: dbs and self.regather.join(dbs[0]))
+            elif not self.regather.packed:
+                # the forward saved none of the gathered tensors: a checkpoint of its own did
+                # (or the layer did not use them: what it returns as it was given is not
+                # watched, so a rank that skips a layer issues no regather the others do not)
+                _Refresh(full, self.regather).watch(out, (args, kwargs))
+            _trigger(outer, out, (args, kwargs))
         return out
+
+    def regathered(self, full: Any) -> Any:
+        """In a backward, a layer's ``full`` tree of its forward again, for a recompute of its
+        call (a checkpoint around several layers): each unit gathered now, without the
+        backward's prefetch, as new tensors requiring grad as the forward's did (so the
+        recompute saves what the forward saved) and read as gathered parameters by
+        :meth:`call`'s hooks. What the previous call gathered is released first (resharded)
+        unless this layer reads it; :attr:`held` is what it gathered."""
+        mine = _gathered_buffers(full)
+        for db in self.held:
+            if db not in mine:
+                db.unit.reshard(db)
+        self.held = [db for db in mine if db in self.held or not db.is_allocated]
+
+        def fresh(v: Any) -> Any:
+            slot = slot_of(v)
+            if slot is None or slot.view is not View.FULL:
+                return v
+            t = self.regather.unpack(_Saved(slot.buffer, v), prefetch=False).detach()
+            setattr(t.requires_grad_(v.requires_grad), SLOT, slot)
+            return t
+
+        return optree.tree_map(fresh, full)
 
     def refresher(self, full: Any) -> Callable[[Any], None]:
         """Called in a backward, it replaces ``full``'s tensors released since (in place) by
@@ -308,6 +361,39 @@ class LayerRun:
                     pending().release_after_backward(calls[0].unit)
 
 
+def _trigger(outer: Optional[tuple], out: Any, inputs: Any) -> None:
+    """Inside a ``torch.utils.checkpoint`` (any ``outer`` hooks): one empty tensor saved
+    through them after the layer, unpacked as the backward reaches the layer's output.
+    Whether a checkpoint recomputes, and up to where (torch stops a recompute once it has
+    what was saved), then does not depend on what the layer saved on this rank: its
+    recompute, which gathers the layer again, runs as far on every rank."""
+    outs = _outputs(out, inputs)
+    if outer is None or not outs:
+        return
+    holder, done = outer[0](outs[0].new_empty(0)), set()
+
+    def hook(grad: torch.Tensor) -> None:
+        if graph_task_id() not in done:  # once per backward pass
+            done.add(graph_task_id())
+            outer[1](holder)
+
+    _watch(out, inputs, hook)
+
+
+def _outputs(out: Any, inputs: Any) -> list[torch.Tensor]:
+    """The tensors of ``out`` requiring grad that are not ``inputs`` (given back as they
+    were)."""
+    given = {id(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+    return [t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)
+            and t.requires_grad and id(t) not in given]
+
+
+def _watch(out: Any, inputs: Any, hook: Callable) -> None:
+    """``hook`` on the gradient of each of :func:`_outputs`."""
+    for t in _outputs(out, inputs):
+        t.register_hook(hook)
+
+
 class _Refresh:
     """A ``torch.utils.checkpoint`` of the user's inside a layer reads the full tensors when
     the backward recomputes the layer, from the tree it was given (``checkpoint(f, full, h)``:
@@ -333,12 +419,8 @@ class _Refresh:
 
     def watch(self, out: Any, inputs: Any = ()) -> None:
         """Refresh when the backward reaches ``out`` (its tensors that are not ``inputs``)."""
-        if not self.spots:
-            return
-        given = {id(t) for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
-        for t in optree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in given:
-                t.register_hook(self)
+        if self.spots:
+            _watch(out, inputs, self)
 
     def __call__(self, grad: torch.Tensor) -> None:
         spots, self.spots = self.spots, []

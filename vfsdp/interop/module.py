@@ -29,7 +29,7 @@ import torch
 from torch.func import functional_call
 
 from vfsdp._torch_private import checkpoint_wrapped, compiling
-from vfsdp._warnings import warn_user
+from vfsdp.collectives.dbuffer import poison
 from vfsdp.functional.gather import gather
 from vfsdp.functional.options import Policy, merge
 from vfsdp.functional.pieces import layer_pieces
@@ -158,6 +158,19 @@ class ModuleApply:
         self._thread: Optional[int] = None
         self._run: Optional[_Blocks] = None  # the run_layers call in progress
         self._scopes: dict = {}  # (owner id, module id) -> (module, its prefix, names under it)
+        self._own: list = []  # the blocks' parameters, and what _Blocks puts in their place
+        self._block_ties: dict = {}  # block -> {tied name: its tensor's name}, under the block
+        if self.blocks is not None:
+            where = format_path(self.blocks) + "." if self.blocks else ""
+            first: dict = {}  # each block at its first position
+            for i, block in enumerate(module.get_submodule(where[:-1]) if where else module):
+                first.setdefault(block, i)
+            self._own = [(p, _outside(p, f"{where}{i}.{name}"))
+                         for block, i in first.items() for name, p in _slots(block)]
+            for block, i in first.items():
+                at = f"{where}{i}."
+                self._block_ties[block] = {n[len(at):]: t[len(at):] for n, t in ties.items()
+                                           if n.startswith(at) and t.startswith(at)}
 
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
         """The module's forward with ``params`` (a tree shaped as :func:`functionalize`'s,
@@ -283,8 +296,9 @@ class ModuleApply:
         Activation checkpointing: ``policy=vfsdp.Policy(recompute="full" | "selective" |
         SAC policy)`` checkpoints every block's call. Either recompute reads the regathered
         parameters, as does ``torch.utils.checkpoint`` in the module's own forward (Hugging
-        Face's ``gradient_checkpointing_enable()`` included) inside a block's call; around a
-        whole block it recomputes nothing (it warns), around several it is refused. With
+        Face's ``gradient_checkpointing_enable()`` included) inside a block's call; around one
+        block or several (and the work between them) it keeps what it keeps in torch, and
+        its recompute gathers each block again around its call, released at the next. With
         ``recompute``, a Hugging Face model's KV cache is off (``use_cache=False`` unless
         passed), as Hugging Face's own switch does.
 
@@ -303,8 +317,7 @@ class ModuleApply:
             ValueError: the tree has no module list of blocks, a unit holds tensors of a block
                 and tensors outside it, or a tie joins a block to another tensor.
             ValueError: called while compiling (``torch.compile``).
-            RuntimeError: a second thread calls this ``apply``; in the backward, a checkpoint
-                in the forward recomputes a block's call.
+            RuntimeError: a second thread calls this ``apply``.
         """
         self._claim()  # before any collective: the other ranks then stop instead of waiting
         if compiling():
@@ -358,11 +371,6 @@ class ModuleApply:
         sub = sub if isinstance(sub, torch.nn.Module) else getattr(sub, "__self__", None)
         sub = sub if isinstance(sub, torch.nn.Module) else None
         run = self._run if owner is self.module else None  # its blocks are not in tensors()
-        if run is not None and sub in run.units:
-            warn_user("apply.run_layers: torch.utils.checkpoint of a whole block in the module's "
-                      "forward recomputes nothing (the run saves the block's activations "
-                      "itself); checkpoint every block with apply.run_layers(..., policy="
-                      "vfsdp.Policy(recompute='full'))")
         key = (id(owner), id(sub))
         if key not in self._scopes:
             prefix = next((n + "." for n, m in owner.named_modules(remove_duplicate=False)
@@ -376,7 +384,7 @@ class ModuleApply:
         def again(*args: Any, **kwargs: Any) -> Any:
             full = tensors()
             with checkpoint_wrapped(functools.partial(self._again, owner, lambda: full)), \
-                    contextlib.nullcontext() if run is None else run.refusing():
+                    contextlib.nullcontext() if run is None else run.replaying():
                 return _swapped(target, {n[cut:]: full[n] for n in names if n in full}, fn,
                                 args, kwargs)
 
@@ -387,17 +395,20 @@ class ModuleApply:
         """A block's call in :meth:`run_layers`: a checkpoint inside it recomputes with the
         tensors regathered for its backward."""
         refresh: list = []
+        ties = self._block_ties[block]
 
         def tensors() -> dict:
-            refresh[0](None)
-            return _flat_names(tree)
+            if refresh:
+                refresh[0](None)
+            flat = _flat_names(tree)
+            return {**flat, **{n: flat[t] for n, t in ties.items()}}  # a tie inside the block
 
         def wrap(fn: Any) -> Any:
             refresh[:] = refresh or [run.refresher(tree)]
             return self._again(block, tensors, fn)
 
         with checkpoint_wrapped(wrap):
-            return _swapped(block, _flat_names(tree), forward, args, kwargs)
+            return _swapped(block, tensors(), forward, args, kwargs)
 
 
 def _blocks(params: dict) -> Optional[tuple]:
@@ -447,7 +458,9 @@ def _without(spec: ShardSpec, path: tuple, block_spec: ShardSpec) -> ShardSpec:
 
 class _Blocks:
     """The blocks of one :meth:`ModuleApply.run_layers` call: each distinct block's
-    ``forward`` is replaced while it runs by one that gathers its unit around the call."""
+    ``forward`` is replaced while it runs by one that gathers its unit around the call, and
+    again while a checkpoint of the module's forward recomputes blocks' calls in the backward
+    (:meth:`replaying`)."""
 
     def __init__(self, apply: ModuleApply, run: LayerRun, blocks: list) -> None:
         self.apply, self.run, self.blocks = apply, run, blocks
@@ -455,49 +468,79 @@ class _Blocks:
         self.first = [self.units.setdefault(block, pos) for pos, block in enumerate(blocks)]
         self.calls = 0  # the position the next call is expected at
         self.saved = {block: block.__dict__.get("forward") for block in self.units}
-        for block in self.units:
-            block.forward = functools.partial(self.call, block, block.forward)
+        self.forwards = {block: block.forward for block in self.units}
+        self.own = apply._own  # the blocks' parameters, and their stand-ins
+        self.trees: dict = {}  # unit index -> its tree of the forward's (latest) call
+        self.replays = 0  # recomputes in progress
+        self.install()
+
+    def install(self) -> None:
+        """Each block's forward replaced, and its parameters, outside its calls, by stand-ins
+        that raise when read (the run gathers a block only around its call)."""
+        for block, forward in self.forwards.items():
+            block.forward = functools.partial(self.call, block, forward)
+        for (where, leaf, _), stand_in in self.own:
+            where[leaf] = stand_in
 
     @contextlib.contextmanager
-    def refusing(self) -> Any:
-        """While a checkpoint of the module's forward recomputes, after the run: a block's
-        call raises (it would read the block's own tensors)."""
-        for block in self.saved:
-            block.forward = functools.partial(_refuse_block, self.units[block])
+    def replaying(self) -> Any:
+        """While a checkpoint of the module's forward recomputes, after the run: each block's
+        call regathers its unit (released at the next block's; the last one is what the
+        backward reads next)."""
+        if not self.replays:
+            self.install()
+        self.replays += 1
         try:
             yield
         finally:
-            self.close()
+            self.replays -= 1
+            if not self.replays:
+                self.close()
+                self.run.held = []  # the last block's: its backward comes next
 
     def close(self) -> None:
         for block, forward in self.saved.items():
             del block.forward
             if forward is not None:
                 block.forward = forward
+        for (where, leaf, own), _ in self.own:
+            where[leaf] = own
 
     def call(self, block: torch.nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.apply._run is not self:  # called outside the run's forward
+        if not self.replays and self.apply._run is not self:  # outside the run's forward
             return forward(*args, **kwargs)
-        n = len(self.blocks)
-        pos = self.calls if self.calls < n and self.blocks[self.calls] is block else \
-            self.units[block]
-        self.calls = pos + 1
-        full, dbs = self.run.enter(self.units[block], self.first[pos + 1] if pos + 1 < n
-                                   else None)
+        i, n, dbs = self.units[block], len(self.blocks), None
+        if self.replays:  # a recompute: the unit regathered, released at the next block
+            full = self.run.regathered(self.trees[i])
+        else:
+            pos = self.calls if self.calls < n and self.blocks[self.calls] is block else i
+            self.calls = pos + 1
+            full, dbs = self.run.enter(i, self.first[pos + 1] if pos + 1 < n else None)
+            self.trees[i], last = full, pos + 1 == n
         out = self.run.call(lambda tree, *a, **k: self.apply._in_block(self.run, block, tree,
                                                                        forward, a, k),
                             full, args, kwargs)
-        self.run.exit(dbs, last=pos + 1 == n)
+        if dbs is not None:
+            self.run.exit(dbs, last=last)
         return out
 
 
-def _refuse_block(i: int, *args: Any, **kwargs: Any) -> None:
-    raise RuntimeError(f"apply.run_layers: a torch.utils.checkpoint in the module's forward "
-                       f"recomputes a call of block {i} in the backward, after the run, where "
-                       f"nothing regathers the block; keep the blocks' calls out of the "
-                       f"checkpointed function (checkpoint every block with apply.run_layers(..., "
-                       f"policy=vfsdp.Policy(recompute='full'))), or call "
-                       f"apply(vfsdp.gather(shards, spec), ...)")
+def _slots(block: torch.nn.Module) -> Any:
+    """``(dotted name, (its module's parameter dict, key, the parameter))`` for each of the
+    block's parameter names."""
+    for name, p in block.named_parameters(remove_duplicate=False):
+        prefix, _, leaf = name.rpartition(".")
+        yield name, (block.get_submodule(prefix)._parameters, leaf, p)
+
+
+def _outside(slot: tuple, name: str) -> torch.Tensor:
+    """A stand-in for a block's parameter outside its calls: an alias (no memory) that
+    raises when an operation reads it, naming the fix."""
+    stand_in = slot[2].detach()
+    poison([stand_in], f"apply.run_layers: {name} is a block's parameter, read outside that "
+                       f"block's call, where the run has not gathered it; read it inside the "
+                       f"block's forward, or call apply(vfsdp.gather(shards, spec), ...)")
+    return stand_in
 
 
 def _flat_names(tree: Any) -> dict:

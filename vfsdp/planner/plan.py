@@ -6,6 +6,8 @@ No process group is needed or touched: a ``DeviceMesh`` is only read for its sha
 from __future__ import annotations
 
 import collections
+import functools
+import gc
 import itertools
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -203,6 +205,24 @@ def _suggest_split(numels, blocks, m, align, shard_numel) -> Optional[tuple[int,
     return now, best[0], best[1]
 
 
+def _collector_paused(fn: Callable) -> Callable:
+    """``fn`` with Python's cyclic garbage collector paused: a plan makes about one small
+    object per tensor and frees few, so the collector's passes over them cost a third of
+    planning 45,395 tensors. Restores the collector as found (it may run sooner where
+    threads plan at once)."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+    return run
+
+
+@_collector_paused
 def plan(
     params: Any,
     mesh: Any,

@@ -82,11 +82,6 @@ class _Regather:
             self.last = db
         self.calls.setdefault(id(db), []).append(call)
 
-    def ensure(self, db: DBuffer) -> None:
-        for call in self.calls.get(id(db), ()):
-            call.check_versions()  # a shard changed since the forward: refuse to regather it
-        db.unit.pre_backward(db)
-
     def pack(self, t: torch.Tensor) -> Any:
         slot = slot_of(t) or slot_of(t._base)
         if slot is not None and slot.view is View.FULL and id(slot.buffer) in self.calls:
@@ -109,7 +104,9 @@ class _Regather:
             # as they do on a rank whose backward reaches one of their nodes before this.
             record = pending().backward(lambda: writes_leaf_grads(calls[0]))
             record.reach(seq)
-        self.ensure(saved.db)
+        for call in calls:
+            call.check_versions()  # a shard changed since the forward: refuse to regather it
+        saved.db.unit.pre_backward(saved.db)
         buf = saved.db.global_buffer
         return saved.db.saved_view(saved.offset - buf.storage_offset(), saved.shape, saved.stride)
 
@@ -263,7 +260,7 @@ class LayerRun:
             if self.context_fn is not None:
                 return checkpointed(fn, full, args, kwargs, self.context_fn)
             self.regather.packed = set()
-            with checkpoint_wrapped(_same):  # a reentrant checkpoint in fn: as non-reentrant
+            with checkpoint_wrapped(lambda fn: fn):  # a reentrant checkpoint in fn: as non-reentrant
                 out = fn(full, *args, **kwargs)
         if torch.is_grad_enabled() and not self.regather.packed:
             # the forward saved none of the gathered tensors: a checkpoint of its own did
@@ -350,10 +347,6 @@ class _Refresh:
                 node[k] = fresh
 
 
-def _same(fn: Callable) -> Callable:
-    return fn
-
-
 def _reentrant(grad: torch.Tensor) -> None:
     raise RuntimeError(
         "vfsdp.run_layers: torch.utils.checkpoint(use_reentrant=True) inside layer_fn is not "
@@ -409,9 +402,5 @@ def checkpointed(fn: Callable, full: Any, args: tuple, kwargs: dict,
 
 
 def _gathered_buffers(full: Any) -> list[DBuffer]:
-    seen: dict[int, DBuffer] = {}
-    for t in optree.tree_leaves(full):
-        slot = slot_of(t)
-        if slot is not None and slot.view is View.FULL:
-            seen[id(slot.buffer)] = slot.buffer
-    return list(seen.values())
+    slots = (slot_of(t) for t in optree.tree_leaves(full))
+    return list({id(s.buffer): s.buffer for s in slots if s is not None and s.view is View.FULL}.values())

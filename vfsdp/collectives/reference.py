@@ -17,6 +17,18 @@ __all__ = ["reduce_scatter_reference"]
 _OPS = ("sum", "avg")
 
 
+def _check(values: Sequence[torch.Tensor], what: str) -> None:
+    if not values:
+        raise ValueError(f"{what}: need one tensor per rank, got none")
+    first = values[0]
+    for r, v in enumerate(values):
+        if v.dim() != 1 or v.numel() != first.numel() or v.dtype != first.dtype:
+            raise ValueError(
+                f"{what}: rank {r} holds shape {tuple(v.shape)} {v.dtype}, rank 0 holds "
+                f"{tuple(first.shape)} {first.dtype}; every rank needs the same 1-D size and dtype"
+            )
+
+
 def reduce_scatter_reference(buffers: Sequence[torch.Tensor], op: str = "sum") -> list[torch.Tensor]:
     """Per-rank shards after a reduce-scatter of equal ``m*S``-element buffers.
 
@@ -37,16 +49,7 @@ def reduce_scatter_reference(buffers: Sequence[torch.Tensor], op: str = "sum") -
         >>> [s.tolist() for s in reduce_scatter_reference(bufs)]
         [[11.0], [22.0]]
     """
-    what = "reduce_scatter_reference"
-    if not buffers:
-        raise ValueError(f"{what}: need one tensor per rank, got none")
-    first = buffers[0]
-    for r, v in enumerate(buffers):
-        if v.dim() != 1 or v.numel() != first.numel() or v.dtype != first.dtype:
-            raise ValueError(
-                f"{what}: rank {r} holds shape {tuple(v.shape)} {v.dtype}, rank 0 holds "
-                f"{tuple(first.shape)} {first.dtype}; every rank needs the same 1-D size and dtype"
-            )
+    _check(buffers, "reduce_scatter_reference")
     if op not in _OPS:
         raise ValueError(f"op must be one of {_OPS}, got {op!r}")
     m = len(buffers)

@@ -109,12 +109,7 @@ def gather_reference(per_rank: Sequence[Any], spec: ShardSpec) -> Any:
     """
     if len(per_rank) != spec.world_size:
         raise ValueError(f"gather_reference: expected {spec.world_size} ranks, got {len(per_rank)}")
-    rank_leaves = [match_tree(t, spec, "gather_reference") for t in per_rank]
-    out = []
-    for i, s in enumerate(spec.leaves()):
-        if s is PASSTHROUGH:
-            out.append(rank_leaves[0][i])
-            continue
-        pieces = [leaves[i] for leaves in rank_leaves]
-        out.append(assemble_reference(pieces, s.placement, s.shape))
-    return optree.tree_unflatten(spec.treespec, out)
+    by_leaf = list(zip(*(match_tree(t, spec, "gather_reference") for t in per_rank)))
+    return optree.tree_unflatten(spec.treespec, [
+        pieces[0] if s is PASSTHROUGH else assemble_reference(list(pieces), s.placement, s.shape)
+        for s, pieces in zip(spec.leaves(), by_leaf)])

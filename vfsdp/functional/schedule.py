@@ -230,7 +230,7 @@ class LayerRun:
                              f"grads='return')")
         refuse(values, "eager", what)
         self.gopts, self.ropts = resolve(values, layers=True)
-        self.layers, self.what = layers, what
+        self.layers = layers
         self.prefetch = values["prefetch"] is not False
         self.reshard_after_forward = values["reshard_after_forward"] is not False
         self.context_fn = recompute_context(values["recompute"])

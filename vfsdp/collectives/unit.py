@@ -715,10 +715,10 @@ class Unit:
             self.traced.accumulator.grad = None
         self._accum_link = None
 
-    def link_prefetch(self, prev: Optional[Unit], dtype: Optional[torch.dtype]) -> None:
-        """Set :attr:`backward_prefetch`: ``prev`` (held weakly) is gathered, in ``dtype``,
-        while this unit's backward runs."""
-        self.backward_prefetch = None if prev is None else (weakref.ref(prev), dtype)
+    def link_prefetch(self, prev: Optional[DBuffer]) -> None:
+        """Set :attr:`backward_prefetch`: ``prev``'s unit (held weakly) is gathered, in its
+        dtype, while this unit's backward runs."""
+        self.backward_prefetch = None if prev is None else (weakref.ref(prev.unit), prev.dtype)
 
     def __repr__(self) -> str:
         held = []

@@ -823,13 +823,6 @@ class GatherHandle(Handle):
         self._handles, self._args = handles, (leaves, spec, calls, make)
         self.calls = calls  # unit key -> its gather (its unit, gathered buffer, shards)
 
-    @classmethod
-    def done_with(cls, result: Any) -> GatherHandle:
-        """A handle whose gathers are done: ``wait()`` returns ``result``."""
-        handle = cls([], [], None, {}, None)
-        handle._result, handle._done = result, True
-        return handle
-
     def wait(self) -> Any:
         if not self._done:
             for rec in self.calls.values():  # the units' GATHERING -> GATHERED
@@ -887,6 +880,8 @@ def gather_async(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, 
                          "all-gathers the compiler schedules (and overlaps) itself")
     values = merge(policy, options, what)
     if values["all_gather"] is not None:
-        return GatherHandle.done_with(_functional(shards, spec, mesh, values, what))
+        done = GatherHandle([], [], None, {}, None)  # its gathers are done: wait() returns it
+        done._result, done._done = _functional(shards, spec, mesh, values, what), True
+        return done
     gopts, ropts = _eager(values, what)
     return start_gather(shards, spec, own_mesh(shards, mesh, what), gopts, ropts, what)

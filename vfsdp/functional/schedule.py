@@ -77,8 +77,7 @@ class _Regather:
     def add(self, db: DBuffer, call) -> None:
         if id(db) not in self.calls:  # its backward prefetches the one gathered before it
             prev = self.last if self.prefetch else None
-            db.unit.link_prefetch(prev.unit if prev is not None else None,
-                                  prev.dtype if prev is not None else None)
+            db.unit.link_prefetch(prev)
             self.last = db
         self.calls.setdefault(id(db), []).append(call)
 

@@ -136,15 +136,12 @@ def release(tree: Any, spec: ShardSpec) -> None:
         [('ReleasedTensor', True, False), ('ReleasedTensor', True, False)]
     """
     leaves = match_tree(tree, spec, "vfsdp.release")
-    seen = set()
     pending().settle()  # graphs dropped since: their memory may go now
-    for key, members in spec.unit_leaves().items():
-        for i, _ in members:
-            slot = slot_of(leaves[i])
-            if slot is not None and slot.unit is not None and slot.unit.key == key \
-                    and id(slot.unit) not in seen:
-                seen.add(id(slot.unit))
-                slot.unit.release()
+    units = {id(unit): unit for key, members in spec.unit_leaves().items() for i, _ in members
+             if (slot := slot_of(leaves[i])) is not None and (unit := slot.unit) is not None
+             and unit.key == key}
+    for unit in units.values():
+        unit.release()
 
 
 def dbuffers(tree: Any, spec: ShardSpec) -> dict:

@@ -206,8 +206,7 @@ def own_mesh(tree: Any, mesh: Any, what: str) -> Any:
         ValueError: ``mesh=`` with the shards of ``vfsdp.shard``."""
     if mesh is None:
         return None
-    if any(slot_of(x) is not None for x in optree.tree_leaves(tree)
-           if isinstance(x, torch.Tensor)):
+    if any(slot_of(x) is not None for x in optree.tree_leaves(tree)):
         refuse_mesh(what)
     return mesh
 

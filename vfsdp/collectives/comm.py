@@ -499,8 +499,7 @@ def _check(spec: ShardSpec, group, device: torch.device) -> None:
     if world == 1:
         return
     device = control_device(device)
-    mine = torch.frombuffer(bytearray(bytes.fromhex(spec.fingerprint)), dtype=torch.uint8)
-    mine = mine.to(device)
+    mine = torch.frombuffer(bytearray(bytes.fromhex(spec.fingerprint)), dtype=torch.uint8).to(device)
     every = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
     all_gather_into(every, mine, group, count="spec_check")
     rows = every.view(world, -1).cpu()

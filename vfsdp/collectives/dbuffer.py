@@ -326,9 +326,7 @@ def observe(observer: Observer) -> Iterator[None]:
         >>> seen
         ['alloc']
     """
-    stack = getattr(_LOCAL, "observers", None)
-    if stack is None:
-        stack = _LOCAL.observers = []
+    stack = _LOCAL.__dict__.setdefault("observers", [])
     stack.append(observer)
     try:
         yield

@@ -48,7 +48,9 @@ writes them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import enum
 import weakref
 from collections.abc import Iterator, Sequence
@@ -157,16 +159,14 @@ class IllegalTransitionError(RuntimeError):
     """
 
 
+@dataclasses.dataclass(slots=True)
 class _Life:
     """One parameter buffer's place in its unit's life (the unit's ``state`` is that of the
     buffer gathered last)."""
 
-    __slots__ = ("state", "regather", "regathering")
-
-    def __init__(self) -> None:
-        self.state = UnitState.RELEASED
-        self.regather = False  # resharded since its last gather: the backward gathers it again
-        self.regathering = 0   # run_layers gathers awaiting their backward, on every rank alike
+    state: UnitState = UnitState.RELEASED
+    regather: bool = False  # resharded since its last gather: the backward gathers it again
+    regathering: int = 0    # run_layers gathers awaiting their backward, on every rank alike
 
     def wants_gather(self) -> bool:
         """Whether a backward gathers it again (``RESHARDED``, or a reshard a graph holds):
@@ -217,7 +217,7 @@ class Unit:
         # (weak unit, dtype); the same on every rank, as the runs are.
         self.backward_prefetch: Optional[tuple] = None
         self.awaiting = 0  # differentiable gathers of this unit whose backward is pending
-        self._life: dict = {}  # parameter buffer (by dtype) -> its _Life
+        self._life: dict = collections.defaultdict(_Life)  # parameter buffer (by dtype) -> its _Life
         self.traced: Optional[TracedUnit] = None  # see traced_record()
         # Callables run with the unit after each reduction into its gradient buffer lands,
         # held weakly (a bound method's owner goes, the hook goes).
@@ -240,10 +240,7 @@ class Unit:
     # ------------------------------------------------------------------ the lifecycle
 
     def _of(self, db: DBuffer) -> _Life:
-        found = self._life.get(db.dtype)
-        if found is None:
-            found = self._life[db.dtype] = _Life()
-        return found
+        return self._life[db.dtype]
 
     def _to(self, db: DBuffer, state: UnitState) -> None:
         self._of(db).state = state
@@ -256,10 +253,13 @@ class Unit:
         its rank's slice of its global buffer (no persistent copy)."""
         if dtype is None or dtype == self.params.dtype:
             return self.params
-        found = self._compute.get(dtype)
+        return self._made(self._compute, dtype, Role.COMPUTE)
+
+    def _made(self, made: dict, dtype: torch.dtype, role: Role) -> DBuffer:
+        """The unit's ``role`` buffer in ``dtype`` from ``made``, made on first use."""
+        found = made.get(dtype)
         if found is None:
-            found = self._compute[dtype] = DBuffer(self.layout, self.groups, dtype, Role.COMPUTE,
-                                                   unit=self)
+            found = made[dtype] = DBuffer(self.layout, self.groups, dtype, role, unit=self)
         return found
 
     def gather(self, param_dtype: Optional[torch.dtype] = None,
@@ -417,9 +417,8 @@ class Unit:
     def buffers(self) -> list[DBuffer]:
         """Every buffer the unit holds now: parameters, compute copies, gradients,
         accumulators and staging buffers (for memory accounting)."""
-        grads = [self._grads] if self._grads is not None else []
-        accum = [self._accum] if self._accum is not None else []
-        return [self.params, *self._compute.values(), *grads, *accum, *self._stage.values()]
+        return [db for db in (self.params, *self._compute.values(), self._grads, self._accum,
+                              *self._stage.values()) if db is not None]
 
     def gathered(self) -> list[DBuffer]:
         """The parameter buffers whose global buffer holds memory now."""
@@ -582,23 +581,17 @@ class Unit:
         # as torch's .grad: add to what the buffer holds (a new or released one: nothing)
         accumulate = not overwrite and gdb.holds_shard and not fresh
         self.grads_mode = "buffer"
-        if opts.async_reduce and stage is not accum:
-            # Overlaps the next unit's backward; the staging buffer is freed once it is done.
-            handle = self._reduce(buf, opts.grad_reduce, rdt, accumulate, True, stage)
-            if inflight is not None:
-                inflight.add(handle)  # at most one in flight on this rank
-        else:
-            self._reduce(buf, opts.grad_reduce, rdt, accumulate, False, None)
+        # Overlaps the next unit's backward (async); the staging buffer is freed once it is
+        # done. The on_reduced hooks run once the result is in the gradient buffer.
+        async_op = opts.async_reduce and stage is not accum
+        handle = gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
+                                    accumulate=accumulate, async_op=async_op,
+                                    release=stage if async_op else None, then=self._reduced)
+        if not async_op:
             stage.free_global()
+        elif inflight is not None:
+            inflight.add(handle)  # at most one in flight on this rank
         return _expand([gdb.local(i) for i in index], first) if views else None
-
-    def _reduce(self, source: torch.Tensor, op: str, reduce_dtype: Optional[torch.dtype],
-                accumulate: bool, async_op: bool, release: Optional[DBuffer]) -> Handle:
-        """Reduce-scatter ``source`` into the gradient buffer; the :attr:`on_reduced` hooks
-        run once the result is in it."""
-        return self.grads().reduce_scatter(source=source, op=op, reduce_dtype=reduce_dtype,
-                                           accumulate=accumulate, async_op=async_op,
-                                           release=release, then=self._reduced)
 
     def _reduced(self) -> None:
         live = []
@@ -713,11 +706,7 @@ class Unit:
         when the dtypes match and ``share_grads``, else a ``STAGE`` buffer."""
         if share_grads and dtype == self.params.dtype:
             return self.grads()
-        found = self._stage.get(dtype)
-        if found is None:
-            found = self._stage[dtype] = DBuffer(self.layout, self.groups, dtype, Role.STAGE,
-                                                 unit=self)
-        return found
+        return self._made(self._stage, dtype, Role.STAGE)
 
     def drop_accumulators(self) -> None:
         """Forget unreduced gradients, on every path (free the accumulator's memory)."""
@@ -727,10 +716,10 @@ class Unit:
             self.traced.accumulator.grad = None
         self._accum_link = None
 
-    def link_prefetch(self, prev: Optional[Unit], dtype: Optional[torch.dtype]) -> None:
-        """Set :attr:`backward_prefetch`: ``prev`` (held weakly) is gathered, in ``dtype``,
-        while this unit's backward runs."""
-        self.backward_prefetch = None if prev is None else (weakref.ref(prev), dtype)
+    def link_prefetch(self, prev: Optional[DBuffer]) -> None:
+        """Set :attr:`backward_prefetch`: ``prev``'s unit (held weakly) is gathered, in its
+        dtype, while this unit's backward runs."""
+        self.backward_prefetch = None if prev is None else (weakref.ref(prev.unit), prev.dtype)
 
     def __repr__(self) -> str:
         held = []
@@ -740,15 +729,12 @@ class Unit:
             if parts:
                 held.append(f"{db.name} {str(db.dtype).replace('torch.', '')} "
                             f"{'+'.join(parts)}")
-        pending = []
-        if any(db.in_flight for db in (self.params, *self._compute.values())):
-            pending.append("all-gather")
-        if self._grads is not None and self._grads.in_flight:
-            pending.append("reduce-scatter")
-        if self.awaiting:
-            pending.append(f"{self.awaiting} backward(s)")
-        if self.traced is not None and self.traced.accumulator.grad is not None:
-            pending.append("unreduced gradients")
+        pending = [what for what, on in (
+            ("all-gather", any(db.in_flight for db in (self.params, *self._compute.values()))),
+            ("reduce-scatter", self._grads is not None and self._grads.in_flight),
+            (f"{self.awaiting} backward(s)", self.awaiting),
+            ("unreduced gradients", self.traced is not None and self.traced.accumulator.grad is not None),
+        ) if on]
         return (f"Unit({unit_name(self.layout.key)}, rank {self.rank}/{self.layout.world_size}, "
                 f"S={self.layout.shard_numel}, {self.params.dtype}, {self.state.value}; "
                 f"holding [{', '.join(held)}]; pending [{', '.join(pending)}]"
@@ -815,20 +801,13 @@ def _merge(index, grads) -> tuple[list, list, list]:
     unique: dict = {}
     first: list = []
     for i, g in zip(index, grads):
-        if i in unique:
-            first.append(None)
-            if g is not None:
-                prev = unique[i]
-                unique[i] = g if prev is None else prev + g
-        else:
-            first.append(len(unique))
-            unique[i] = g
+        first.append(None if i in unique else len(unique))
+        prev = unique.get(i)
+        unique[i] = g if prev is None else prev if g is None else prev + g
     return list(unique), list(unique.values()), first
 
 
-def _expand(pieces: Optional[list], first: list) -> Optional[list]:
-    if pieces is None:
-        return None
+def _expand(pieces: list, first: list) -> list:
     return [pieces[k] if k is not None else None for k in first]
 
 

@@ -57,6 +57,7 @@ The sharded gradients of a shards tree: ``vfsdp.grads`` and ``vfsdp.zero_grads``
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, Optional
@@ -128,8 +129,7 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
                 g = leaves[i].grad
                 out[i] = g if g is not None else torch.zeros_like(leaves[i])
             continue
-        gdb = u.unit.grads()
-        gdb.ensure_shard()
+        u.unit.grads().ensure_shard()
         for i, k in u.leaves:
             out[i] = u.unit.grad_view(k)  # the same tensor each step: no op to make it
     return optree.tree_unflatten(spec.treespec, out)
@@ -180,8 +180,7 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
         return traced_zero_grads(shards, spec, set_to_none)
     leaves = match_tree(shards, spec, what)
     zero = []  # the .grad autograd accumulated (grads="return"), zeroed in one op
-    units = units_of(leaves, spec, what)
-    for u in units:
+    for u in units_of(leaves, spec, what):
         for i, _ in u.leaves:
             if leaves[i].grad is not None:
                 if set_to_none:
@@ -189,6 +188,7 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
                 else:
                     zero.append(leaves[i].grad)
         u.unit.drop_accumulators()
+        drop_traced_grads(u.unit.traced, keep=not set_to_none)  # the compiled path's leaves
         u.unit.grads_mode = None  # no reduction since: .grad or the buffer, whichever comes
         u.unit.grad_linked = False
         if not u.unit.has_grads:
@@ -201,9 +201,6 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
                 gdb.ensure_shard().zero_()
     with torch.no_grad():
         tp.foreach("zero_", zero)
-    # the compiled path's anchors and accumulators
-    for u in units:
-        drop_traced_grads(u.unit.traced, keep=not set_to_none)
 
 
 def gradient_leaves(grads: Any, spec: ShardSpec, what: str) -> list:
@@ -265,9 +262,8 @@ class BackwardPass:
 
     def agree(self, running: Any) -> None:
         """Start the one cross-rank exchange: which units this pass reduces."""
-        g = self.gathers
-        mine = [e for e in g.entries if e is running or e.will_run()]
-        self.agreement = Agreement(g, mine)
+        entries = self.gathers.entries
+        self.agreement = Agreement(self.gathers, [e for e in entries if e is running or e.will_run()])
 
     @property
     def marked(self) -> set:
@@ -305,12 +301,8 @@ class BackwardPass:
         """End of the pass (the engine's final callback): finish the agreement, reduce, with
         zeros, every marked unit left that did not run, then wait for the reductions in
         flight."""
-        g = self.gathers
-        g.settle()
-        marked = self.marked
-        for entry in sorted((e for e in g.entries if e.ran_in != self.task
-                             and id(e) in marked), key=lambda e: -e.seq):
-            self._zeros(entry)
+        self.reach(-1)  # (a node's sequence number is never negative)
+        g, marked = self.gathers, self.marked
         for e in list(g.entries):  # dead on every rank and unused: forgotten, no collective
             if e.orphan and id(e) not in marked and e.place not in self._alive:
                 g.close(e)
@@ -369,12 +361,10 @@ class Agreement:
         for e in self.awaiting:
             if not e.orphan:
                 bits[self.width + e.place - base] = 1
-        group = side_group()
         with comm.collective_scope():  # the exchange's own small tensors: not data movement
-            header = [-oldest, created, -created]
-            self.header = torch.tensor(header, dtype=torch.int64)  # cpu: the gloo side group
+            self.header = torch.tensor([-oldest, created, -created], dtype=torch.int64)  # cpu: gloo
             self.marks = torch.tensor(bits, dtype=torch.uint8)  # cpu: the gloo side group
-            self.works = [comm.all_reduce_max_(t, group, "backward_marks", async_op=True)
+            self.works = [comm.all_reduce_max_(t, side_group(), "backward_marks", async_op=True)
                           for t in (self.header, self.marks)]
 
     def marked(self) -> tuple[list, set]:
@@ -400,17 +390,15 @@ class Agreement:
         g.base = max(g.base, -neg_oldest)
         alive = {base + k for k in range(width) if bits[width + k]}
         by_place = {e.place: e for e in self.awaiting}
-        out = []
-        for k in (base + k for k in range(width) if bits[k]):
-            e = by_place.get(k)
-            if e is None:
+        runs = [base + k for k in range(width) if bits[k]]
+        for k in runs:
+            if k not in by_place:
                 raise RuntimeError(
                     f"vfsdp: another rank's backward runs gathered unit #{k} (its place in "
                     f"the record), which this rank had already reduced or dropped: every rank "
                     f"must keep or drop its graphs alike (retain_graph, a second backward "
                     f"through one graph)")
-            out.append(e)
-        return out, alive
+        return [by_place[k] for k in runs], alive
 
 
 SWEEP = 256
@@ -554,9 +542,10 @@ class Gather:
                  "place", "seq", "node", "ran_in", "reduced_in", "closed", "orphan",
                  "holds_graph", "__weakref__")
 
-    def __init__(self, spec, key, index, mesh, what, gopts, ropts) -> None:
+    def __init__(self, spec, key, index, mesh, what, gopts, ropts, regathers: bool = False) -> None:
         self.spec, self.key, self.index, self.mesh, self.what = spec, key, index, mesh, what
         self.gopts, self.ropts = gopts, ropts
+        self.regathers = regathers  # run_layers: gathered again for the backward if resharded
         self.unit = None
         self.db = None
         self.locals: tuple = ()   # the shards (to check their versions, to write .grad)
@@ -564,7 +553,6 @@ class Gather:
         self.flat_version = -1    # the unit's flat parameter shard's (optimizers write that)
         self.needs: tuple = ()    # which of them require grad
         self.recording = True     # autograd records the gather (grad mode was on at apply)
-        self.regathers = False    # run_layers: gathered again for the backward if resharded
         self.place = -1           # its place in the rank's record: the same on every rank
         self.seq = -1             # its autograd node's sequence number
         self.node: Any = None     # the node itself (weakly), while it lives
@@ -626,10 +614,6 @@ class Gather:
         if self.gopts.free_after_backward:
             self.unit.release(at_once=False, every_rank=False, db=self.db)
 
-    def resolve(self, local) -> None:
-        """Find the unit from the shards (unwrapped here under ``torch.func``), or pack them."""
-        self.unit = unit_for(local, self.spec, self.key, self.index, self.mesh, self.what)
-
     def __repr__(self) -> str:
         what = ("orphan" if self.orphan else "closed" if self.closed else
                 "awaiting" if self.recorded else "unrecorded")
@@ -646,8 +630,8 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def forward(rec: Gather, *local):
-        if rec.unit is None:
-            rec.resolve(local)
+        if rec.unit is None:  # the shards (unwrapped here under torch.func), or packed
+            rec.unit = unit_for(local, rec.spec, rec.key, rec.index, rec.mesh, rec.what)
         if rec.db is None:  # not prefetched by gather_async
             rec.db, _ = rec.unit.gather(rec.gopts.param_dtype)
         return tuple(rec.db.full(i) for i in rec.index)
@@ -708,14 +692,6 @@ def _assemble(leaves: list, spec: ShardSpec, calls: dict, make) -> Any:
         for (i, _), f in zip(members, fulls):
             out[i] = f
     return optree.tree_unflatten(spec.treespec, out)
-
-
-def _caller(spec, mesh, what, gopts, ropts, regathers: bool = False):
-    def make(key, index):
-        rec = Gather(spec, key, index, mesh, what, gopts, ropts)
-        rec.regathers = regathers
-        return rec
-    return make
 
 
 def gather(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
@@ -795,8 +771,8 @@ def gather(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
     gopts, ropts = _eager(values, what)
     leaves = match_tree(shards, spec, what)
     pending().settle()
-    return _assemble(leaves, spec, {}, _caller(spec, own_mesh(leaves, mesh, what), what, gopts,
-                                                ropts))
+    return _assemble(leaves, spec, {}, functools.partial(
+        Gather, spec, mesh=own_mesh(leaves, mesh, what), what=what, gopts=gopts, ropts=ropts))
 
 
 def _eager(values: dict, what: str, layers: bool = False) -> tuple:
@@ -825,7 +801,8 @@ def start_gather(shards: Any, spec: ShardSpec, mesh: Any, gopts: GatherOptions,
     """
     leaves = match_tree(shards, spec, what)
     pending().settle()
-    make = _caller(spec, mesh, what, gopts, ropts, regathers)
+    make = functools.partial(Gather, spec, mesh=mesh, what=what, gopts=gopts, ropts=ropts,
+                             regathers=regathers)
     calls, handles = {}, []
     if not functorch_active():  # under torch.func the shards are wrapped until forward
         for u in units_of(leaves, spec, what, mesh=mesh, pack=True):
@@ -845,13 +822,6 @@ class GatherHandle(Handle):
         super().__init__()
         self._handles, self._args = handles, (leaves, spec, calls, make)
         self.calls = calls  # unit key -> its gather (its unit, gathered buffer, shards)
-
-    @classmethod
-    def done_with(cls, result: Any) -> GatherHandle:
-        """A handle whose gathers are done: ``wait()`` returns ``result``."""
-        handle = cls([], [], None, {}, None)
-        handle._result, handle._done = result, True
-        return handle
 
     def wait(self) -> Any:
         if not self._done:
@@ -910,6 +880,8 @@ def gather_async(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, 
                          "all-gathers the compiler schedules (and overlaps) itself")
     values = merge(policy, options, what)
     if values["all_gather"] is not None:
-        return GatherHandle.done_with(_functional(shards, spec, mesh, values, what))
+        done = GatherHandle([], [], None, {}, None)  # its gathers are done: wait() returns it
+        done._result, done._done = _functional(shards, spec, mesh, values, what), True
+        return done
     gopts, ropts = _eager(values, what)
     return start_gather(shards, spec, own_mesh(shards, mesh, what), gopts, ropts, what)

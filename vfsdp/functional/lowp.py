@@ -283,54 +283,38 @@ def hooked_all_gather(shard: torch.Tensor, hooks: Any, pieces: tuple, views: tup
         >>> vfsdp.testing.simulate(2, body)[1]
         ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], [2.0, 2.0, 2.0, 2.0])
     """
-    tensor_of: dict = {}  # offset -> tensor id (a tied tensor is one tensor)
-    leaf_offset: dict = {}
-    for i, offset, _numel, _shape in views:
-        tensor_of.setdefault(offset, len(tensor_of))
-        leaf_offset[i] = offset
-    k = len(tensor_of)
-    device = shard.device
-    # Run-length lists in Python, one repeat_interleave each: no op per tensor.
-    runs, pos = [], 0
-    for i, lo, hi in pieces:
-        if lo > pos:
-            runs.append((k, lo - pos))
-        if hi > lo:
-            runs.append((tensor_of[leaf_offset[i]], hi - lo))
-        pos = max(pos, hi)
-    runs.append((k, s - pos))
-    sizes = {}
-    for _i, o, n, sh in views:
-        sizes[o] = (n, tuple(sh))
-    full_runs, pos = [], 0
-    for offset, tid in sorted(tensor_of.items()):
-        numel = sizes[offset][0]
-        if offset > pos:
-            full_runs.append((k, offset - pos))
-        full_runs.append((tid, numel))
-        pos = max(pos, offset + numel)
-    full_runs.append((k, world * s - pos))
-    segment, full_segment = (_segments(r, device) for r in (runs, full_runs))
-    shapes = [None] * k
-    spans = []
-    for offset, tid in sorted(tensor_of.items()):
-        numel, shape = sizes[offset]
-        shapes[tid] = shape
-        spans.append((tid, offset, numel))
+    first: dict = {}  # offset -> (tensor id, numel, shape): a tied tensor is one tensor
+    for _i, offset, numel, shape in views:  # (an empty tensor at the offset of another: one too)
+        tid = first[offset][0] if offset in first else len(first)
+        first[offset] = max(first.get(offset, (tid, -1, ())), (tid, numel, tuple(shape)))
+    tid_of = {i: first[offset][0] for i, offset, _numel, _shape in views}
+    k = len(first)
+    spans = sorted((offset, tid, numel) for offset, (tid, numel, _shape) in first.items())
+    segment = _segments([(tid_of[i], lo, hi) for i, lo, hi in pieces], s, k, shard.device)
+    full_segment = _segments([(tid, o, o + n) for o, tid, n in spans], world * s, k, shard.device)
+    shapes = tuple(shape for _tid, _numel, shape in sorted(first.values()))
     pieces_by_rank = []
     for r in range(world):
         here = []
-        for tid, o, n in spans:
-            a, b = max(o, r * s), min(o + n, (r + 1) * s)
-            if a < b:
-                here.append((tid, a - r * s, b - r * s, a - o, b - o))
+        for o, tid, n in spans:
+            lo, hi = max(o, r * s), min(o + n, (r + 1) * s)
+            if lo < hi:
+                here.append((tid, lo - r * s, hi - r * s, lo - o, hi - o))
         pieces_by_rank.append(tuple(here))
-    pieces_by_rank = tuple(pieces_by_rank)
-    unit = UnitInfo(segment, full_segment, k, world, group, tuple(shapes), pieces_by_rank, rank)
+    unit = UnitInfo(segment, full_segment, k, world, group, shapes, tuple(pieces_by_rank), rank)
     return _HookedGather.apply(shard, hooks, unit, reduce_dtype or torch.float32)
 
 
-def _segments(runs: list, device: torch.device) -> torch.Tensor:
-    ids = torch.tensor([r[0] for r in runs], dtype=torch.long, device=device)
-    lengths = torch.tensor([r[1] for r in runs], dtype=torch.long, device=device)
-    return torch.repeat_interleave(ids, lengths)
+def _segments(spans: list, total: int, k: int, device: torch.device) -> torch.Tensor:
+    """Per element of a ``total``-element range, the id of the span ``(id, lo, hi)`` holding it
+    (``k`` outside every span): run lengths in Python, one ``repeat_interleave``, no op per
+    tensor."""
+    ids, lengths, pos = [], [], 0
+    for tid, lo, hi in spans:
+        ids += (k, tid)
+        lengths += (max(lo - pos, 0), hi - lo)
+        pos = max(pos, hi)
+    ids.append(k)
+    lengths.append(total - pos)
+    ids_t = torch.tensor(ids, dtype=torch.long, device=device)
+    return torch.repeat_interleave(ids_t, torch.tensor(lengths, dtype=torch.long, device=device))

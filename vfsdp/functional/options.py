@@ -60,18 +60,9 @@ import torch
 
 from vfsdp.collectives.comm import REDUCE_OPS
 
-__all__ = ["Policy", "GatherOptions", "GradOptions", "merge", "refuse", "NAMES", "GRAD_MODES",
-           "GRAD_REDUCE_OPS"]
+__all__ = ["Policy", "GatherOptions", "GradOptions", "merge", "refuse", "NAMES", "GRAD_MODES"]
 
-GRAD_REDUCE_OPS = REDUCE_OPS
 GRAD_MODES = ("return", "buffer")
-
-
-def _check_dtype(name: str, value: Any) -> None:
-    if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
-        raise ValueError(f"{name} must be a floating-point torch.dtype or None, got {value!r}")
-
-
 _FLAGS = ("free_after_backward", "accumulate_grads", "grad_sync", "async_reduce", "prefetch",
           "reshard_after_forward")
 
@@ -80,10 +71,11 @@ def _check_values(values: dict) -> None:
     """The one check of a call's option values (made where its policy is made: a
     :class:`Policy`, or :func:`merge` for keyword overrides)."""
     for name in ("param_dtype", "reduce_dtype"):
-        _check_dtype(name, values[name])
-    if values["grad_reduce"] not in GRAD_REDUCE_OPS:
-        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_OPS}, got "
-                         f"{values['grad_reduce']!r}")
+        value = values[name]
+        if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+            raise ValueError(f"{name} must be a floating-point torch.dtype or None, got {value!r}")
+    if values["grad_reduce"] not in REDUCE_OPS:
+        raise ValueError(f"grad_reduce must be one of {REDUCE_OPS}, got {values['grad_reduce']!r}")
     if values["grads"] is not None and values["grads"] not in GRAD_MODES:
         raise ValueError(f"grads must be one of {GRAD_MODES}, got {values['grads']!r}")
     recompute = values["recompute"]
@@ -261,8 +253,6 @@ class GradOptions:
     async_reduce: bool = False
 
     def __post_init__(self) -> None:
-        if self.grads not in GRAD_MODES:
-            raise ValueError(f"grads must be one of {GRAD_MODES}, got {self.grads!r}")
         if self.async_reduce and self.grads != "buffer":
             raise ValueError("async_reduce=True needs grads='buffer': a gradient returned to "
                              "autograd must be complete when the backward returns it")

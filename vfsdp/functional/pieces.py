@@ -85,8 +85,14 @@ def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str,
         >>> [[(p.name, p.what) for p in layer] for layer in layer_pieces(layers, None, None, "f")]
         [[('a', "f (layer 0, piece 'a')")], [('a', "f (layer 1, piece 'a')")]]
     """
+    if isinstance(specs, ShardSpec):  # spec["layers"]: a ShardSpec whose tree is a list
+        if not isinstance(specs.tree, (list, tuple)):
+            raise ValueError(f"{what}: specs is a ShardSpec of a {type(specs.tree).__name__}; pass "
+                             f"the sub-spec of a list of layers (spec['layers']) or a list of "
+                             f"sub-specs")
+        specs = [specs[i] for i in range(len(specs.tree))]
     if specs is not None:
-        specs = _spec_list(specs, what)
+        specs = list(specs)
         if len(shards) != len(specs):
             raise ValueError(f"{what}: {len(shards)} shard subtrees but {len(specs)} specs")
         mesh = _mesh(shards, mesh, what, path)
@@ -121,8 +127,9 @@ def _layer(layer: Any, i: int, what: str, path: str) -> tuple[Piece, ...]:
             raise TypeError(f"{what}: layer {i} has a piece named None; name each piece (the "
                             f"layer function gets {{name: full tree}})")
         if not isinstance(piece, tuple) or len(piece) not in (2, 3):
+            got = f"a tuple of {len(piece)}" if isinstance(piece, tuple) else f"a {type(piece).__name__}"
             raise TypeError(f"{at}: a piece is (shards, spec) or (shards, spec, mesh), got "
-                            f"{_describe(piece)}; pass {_FORM}")
+                            f"{got}; pass {_FORM}")
         tree, spec, piece_mesh = piece if len(piece) == 3 else (*piece, None)
         if isinstance(tree, ShardSpec) and not isinstance(spec, ShardSpec):
             raise TypeError(f"{at}: got a ShardSpec where the shards go; a piece is "
@@ -136,26 +143,8 @@ def _layer(layer: Any, i: int, what: str, path: str) -> tuple[Piece, ...]:
     return tuple(out)
 
 
-def _describe(x: Any) -> str:
-    if isinstance(x, tuple):
-        return f"a tuple of {len(x)}"
-    return f"a {type(x).__name__}"
-
-
 def assemble_layer(layer: tuple[Piece, ...], fulls: list) -> Any:
     """What the layer function gets: the tree itself (one-plan form), or ``{name: tree}``."""
     if layer[0].name is None:
         return fulls[0]
     return {p.name: f for p, f in zip(layer, fulls)}
-
-
-def _spec_list(specs: Any, what: str) -> list:
-    """``spec["layers"]`` (a ShardSpec whose tree is a list) or a sequence of sub-specs."""
-    if isinstance(specs, ShardSpec):
-        tree = specs.tree
-        if not isinstance(tree, (list, tuple)):
-            raise ValueError(f"{what}: specs is a ShardSpec of a {type(tree).__name__}; pass the "
-                             f"sub-spec of a list of layers (spec['layers']) or a list of "
-                             f"sub-specs")
-        return [specs[i] for i in range(len(tree))]
-    return list(specs)

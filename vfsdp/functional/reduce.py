@@ -27,7 +27,7 @@ from vfsdp.collectives.unit import Unit, _expand, _merge
 from vfsdp.functional.options import GradOptions, Policy, merge
 from vfsdp.functional.tree import UnitLeaves, match_tree, own_mesh, units_of
 from vfsdp.planner.granularity import format_path
-from vfsdp.planner.spec import ShardSpec
+from vfsdp.planner.spec import ShardSpec, TensorSpec
 
 __all__ = ["reduce_scatter"]
 
@@ -115,10 +115,13 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, policy: Optional[Policy] = 
                          "them the result goes to fresh buffers, so there is nothing to add to")
     opts = GradOptions(grad_reduce=values["grad_reduce"], reduce_dtype=values["reduce_dtype"],
                        grads="buffer", accumulate_grads=values["accumulate_grads"])
-    grads = optree.tree_leaves(full_grads, none_is_leaf=True)
-    treespec = optree.tree_structure(full_grads, none_is_leaf=True)
+    grads, treespec = optree.tree_flatten(full_grads, none_is_leaf=True)
     if treespec.num_leaves != spec.treespec.num_leaves:
         match_tree(full_grads, spec, what)  # raises with the differing path
+    for g, t in zip(grads, spec.leaves()):
+        if isinstance(t, TensorSpec) and g is not None and tuple(g.shape) != tuple(t.shape):
+            raise ValueError(f"{what}: gradient of {format_path(t.path)} has shape "
+                             f"{tuple(g.shape)}, expected {tuple(t.shape)}")
     if shards is not None:
         own_mesh(shards, mesh, what)  # the shards' units carry their mesh
         units = units_of(match_tree(shards, spec, what), spec, what)
@@ -127,16 +130,9 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, policy: Optional[Policy] = 
         units = [UnitLeaves(key, Unit(spec.units[key], groups), tuple(members))
                  for key, members in spec.unit_leaves().items()]
     out: list = list(grads)
-    leaves = spec.leaves()
     for u in units:
-        unit_grads = []
-        for i, _k in u.leaves:
-            g, t = grads[i], leaves[i]
-            if g is not None and tuple(g.shape) != tuple(t.shape):
-                raise ValueError(f"{what}: gradient of {format_path(t.path)} has shape "
-                                 f"{tuple(g.shape)}, expected {tuple(t.shape)}")
-            unit_grads.append(g)
-        pieces = u.unit.reduce_grads(u.index, unit_grads, opts, overwrite=not accumulate_grads)
+        pieces = u.unit.reduce_grads(u.index, [grads[i] for i, _ in u.leaves], opts,
+                                     overwrite=not accumulate_grads)
         for (i, _), piece in zip(u.leaves, pieces):
             out[i] = piece
     return optree.tree_unflatten(spec.treespec, out)

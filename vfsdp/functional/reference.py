@@ -18,8 +18,7 @@ import optree
 import torch
 
 from vfsdp.functional.tree import match_tree
-from vfsdp.placements.ragged import local_shape
-from vfsdp.placements.reference import assemble_reference
+from vfsdp.placements.reference import assemble_reference, split_reference
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import PASSTHROUGH, ShardSpec, TensorSpec
 
@@ -81,20 +80,13 @@ def shard_reference(params: Any, spec: ShardSpec) -> list[Any]:
         >>> [t["w"].tolist() for t in shard_reference({"w": torch.arange(6.0)}, spec)]
         [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0], []]
     """
-    leaves = match_tree(params, spec, "shard_reference")
-    out = []
-    for rank in range(spec.world_size):
-        local = []
-        for s, leaf in zip(spec.leaves(), leaves):
-            if not isinstance(s, TensorSpec):
-                local.append(leaf)
-                continue
+    per_leaf = []  # per leaf, its value on each rank
+    for s, leaf in zip(spec.leaves(), match_tree(params, spec, "shard_reference")):
+        if isinstance(s, TensorSpec):
             _check_full(leaf, s, "shard_reference")
-            start, stop = s.local_range(rank)
-            piece = leaf.reshape(-1)[start:stop].clone()
-            local.append(piece.reshape(local_shape(s.placement, s.shape, rank)))
-        out.append(optree.tree_unflatten(spec.treespec, local))
-    return out
+        per_leaf.append(split_reference(leaf, s.placement) if isinstance(s, TensorSpec)
+                        else [leaf] * spec.world_size)
+    return [optree.tree_unflatten(spec.treespec, list(values)) for values in zip(*per_leaf)]
 
 
 def gather_reference(per_rank: Sequence[Any], spec: ShardSpec) -> Any:
@@ -117,12 +109,7 @@ def gather_reference(per_rank: Sequence[Any], spec: ShardSpec) -> Any:
     """
     if len(per_rank) != spec.world_size:
         raise ValueError(f"gather_reference: expected {spec.world_size} ranks, got {len(per_rank)}")
-    rank_leaves = [match_tree(t, spec, "gather_reference") for t in per_rank]
-    out = []
-    for i, s in enumerate(spec.leaves()):
-        if s is PASSTHROUGH:
-            out.append(rank_leaves[0][i])
-            continue
-        pieces = [leaves[i] for leaves in rank_leaves]
-        out.append(assemble_reference(pieces, s.placement, s.shape))
-    return optree.tree_unflatten(spec.treespec, out)
+    by_leaf = list(zip(*(match_tree(t, spec, "gather_reference") for t in per_rank)))
+    return optree.tree_unflatten(spec.treespec, [
+        pieces[0] if s is PASSTHROUGH else assemble_reference(list(pieces), s.placement, s.shape)
+        for s, pieces in zip(spec.leaves(), by_leaf)])

@@ -9,6 +9,7 @@ source rank, which packs one unit at a time and scatters it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import optree
@@ -25,7 +26,7 @@ from vfsdp.functional.tree import match_tree
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["scatter", "check_full"]
+__all__ = ["scatter", "check_full", "make_shards"]
 
 
 def check_full(x: Any, t: TensorSpec, what: str) -> torch.Tensor:
@@ -158,61 +159,78 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
         for i, t in enumerate(tensors):
             if isinstance(t, TensorSpec):
                 leaves[i] = check_full(leaves[i], t, what)
-        coords = None
-    else:
-        if not isinstance(src, int) or isinstance(src, bool):
-            raise ValueError(f"{what}: src must be a global rank (int) or None, got {src!r}")
-        error = None
-        local_src, src_index = src, None
-        if spec.model_axis is not None and spec.model_axis[1] > 1:
-            if groups.model is None:  # the same on every rank: each raises
-                raise ValueError(f"{what}: the plan is split over {spec.model_axis[0]!r}, but "
-                                 f"the mesh given has no such axis; pass the whole mesh "
-                                 f"(mesh=vfsdp.mesh(..., ({spec.model_axis[0]!r}, "
-                                 f"{spec.model_axis[1]}))), so the source can reach every "
-                                 f"index")
-            local_src, src_index = _model_source(spec, mesh, src, what)
-        coords = groups.coords(local_src)  # raises for a rank outside the mesh
-        whole: dict = {}  # on the source of a plan with a model axis: the global tensors
-        if full_tree is None and not source and any(not isinstance(t, TensorSpec)
-                                                    for t in tensors):
-            error = ValueError(f"{what}: rank {dist.get_rank()} passed None, but the tree has "
-                               f"leaves that are not tensors (their values are not in the "
-                               f"spec); pass the tree there too (meta tensors are fine)")
-        if dist.get_rank() == src:
-            try:
-                if leaves is None:
-                    raise ValueError(f"{what}: the full tensors are None on rank {src}, the "
-                                     f"source; pass them there (the other ranks may pass None)")
-                for i, t in enumerate(tensors):
-                    if isinstance(t, TensorSpec):
-                        if src_index is not None:
-                            whole[i] = _global(leaves[i], t, what)
-                        leaves[i] = check_full(leaves[i], t, what)
-            except ValueError as exc:
-                error = exc
-        agree(error, error_type=ValueError)  # every rank raises, none waits in the scatter
-        if src_index is not None and local_src == dist.get_rank():
-            _pieces_from_source(leaves, whole, tensors, groups, src_index)
+
+        def copy(db, members):  # each rank copies its own pieces
+            for i, k in members:
+                lo, hi = db.tensors[k].local_range(groups.shard_rank)
+                local = db.local(k)
+                local.copy_(leaves[i].detach().reshape(-1)[lo:hi].reshape(local.shape))
+
+        return make_shards(spec, groups, leaves, copy, requires_grad)
+    if not isinstance(src, int) or isinstance(src, bool):
+        raise ValueError(f"{what}: src must be a global rank (int) or None, got {src!r}")
+    error = None
+    local_src, src_index = src, None
+    if spec.model_axis is not None and spec.model_axis[1] > 1:
+        if groups.model is None:  # the same on every rank: each raises
+            raise ValueError(f"{what}: the plan is split over {spec.model_axis[0]!r}, but "
+                             f"the mesh given has no such axis; pass the whole mesh "
+                             f"(mesh=vfsdp.mesh(..., ({spec.model_axis[0]!r}, "
+                             f"{spec.model_axis[1]}))), so the source can reach every "
+                             f"index")
+        local_src, src_index = _model_source(spec, mesh, src, what)
+    coords = groups.coords(local_src)  # raises for a rank outside the mesh
+    whole: dict = {}  # on the source of a plan with a model axis: the global tensors
+    if full_tree is None and not source and any(not isinstance(t, TensorSpec)
+                                                for t in tensors):
+        error = ValueError(f"{what}: rank {dist.get_rank()} passed None, but the tree has "
+                           f"leaves that are not tensors (their values are not in the "
+                           f"spec); pass the tree there too (meta tensors are fine)")
+    if dist.get_rank() == src:
+        try:
+            if leaves is None:
+                raise ValueError(f"{what}: the full tensors are None on rank {src}, the "
+                                 f"source; pass them there (the other ranks may pass None)")
+            for i, t in enumerate(tensors):
+                if isinstance(t, TensorSpec):
+                    if src_index is not None:
+                        whole[i] = _global(leaves[i], t, what)
+                    leaves[i] = check_full(leaves[i], t, what)
+        except ValueError as exc:
+            error = exc
+    agree(error, error_type=ValueError)  # every rank raises, none waits in the scatter
+    if src_index is not None and local_src == dist.get_rank():
+        _pieces_from_source(leaves, whole, tensors, groups, src_index)
+    errors = []
+
+    def scatter_from_source(db, members):
+        def pack(buf):
+            for i, k in members:
+                t = db.tensors[k]
+                buf[t.offset:t.offset + t.numel].copy_(leaves[i].detach().reshape(-1))
+
+        errors.append(scatter_unit(db, pack, coords))
+
+    out = make_shards(spec, groups, leaves, scatter_from_source, requires_grad)
+    agree(next((e for e in errors if e is not None), None))
+    return out
+
+
+def make_shards(spec: ShardSpec, groups: Any, leaves: list, fill: Callable, requires_grad: bool
+                ) -> Any:
+    """A new :class:`~vfsdp.collectives.Unit` per unit of ``spec``, its parameter shard
+    written by ``fill(db, members)`` (``(leaf index, buffer index)`` of its tensors), and the
+    shards tree of its local views (one tensor per buffer index: a tie stays one tensor);
+    floating-point views require grad with ``requires_grad``, but the frozen ones
+    (``spec.frozen``)."""
     out = list(leaves)
-    errors, units = [], {}
+    units = {}
     with torch.no_grad():
         for key, members in spec.unit_leaves().items():
-            unit = units[key] = Unit(spec.units[key], groups)
+            unit = units[key] = Unit(spec.units[key], groups)  # the views' slots keep it alive
             db = unit.params
-            if coords is None:
-                for i, k in members:
-                    lo, hi = db.tensors[k].local_range(groups.shard_rank)
-                    local = db.local(k)
-                    local.copy_(leaves[i].detach().reshape(-1)[lo:hi].reshape(local.shape))
-            else:
-                def pack(buf, members=members, db=db):
-                    for i, k in members:
-                        t = db.tensors[k]
-                        buf[t.offset:t.offset + t.numel].copy_(leaves[i].detach().reshape(-1))
-
-                errors.append(scatter_unit(db, pack, coords))
-            views: dict = {}  # one tensor per buffer index: a tie stays one tensor
+            fill(db, members)
+            views: dict = {}
             for i, k in members:
                 if k not in views:
                     views[k] = db.local(k)
@@ -220,7 +238,5 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
                             db.tensors[k].path not in spec.frozen:
                         views[k].requires_grad_(True)
                 out[i] = views[k]
-    if coords is not None:
-        agree(next((e for e in errors if e is not None), None))
     prepare(spec, units)  # what a compiled step reads (vfsdp.functional.traced)
     return optree.tree_unflatten(spec.treespec, out)

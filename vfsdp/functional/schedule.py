@@ -79,8 +79,7 @@ class _Regather:
     def add(self, db: DBuffer, call) -> None:
         if id(db) not in self.calls:  # its backward prefetches the one gathered before it
             prev = self.last if self.prefetch else None
-            db.unit.link_prefetch(prev.unit if prev is not None else None,
-                                  prev.dtype if prev is not None else None)
+            db.unit.link_prefetch(prev)
             self.last = db
         self.calls.setdefault(id(db), []).append(call)
 
@@ -491,9 +490,5 @@ def checkpointed(fn: Callable, full: Any, args: tuple, kwargs: dict,
 
 
 def _gathered_buffers(full: Any) -> list[DBuffer]:
-    seen: dict[int, DBuffer] = {}
-    for t in optree.tree_leaves(full):
-        slot = slot_of(t)
-        if slot is not None and slot.view is View.FULL:
-            seen[id(slot.buffer)] = slot.buffer
-    return list(seen.values())
+    slots = (slot_of(t) for t in optree.tree_leaves(full))
+    return list({id(s.buffer): s.buffer for s in slots if s is not None and s.view is View.FULL}.values())

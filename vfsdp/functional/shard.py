@@ -11,16 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Optional
 
-import optree
 import torch
 import torch.distributed as dist
 
 from vfsdp.collectives.comm import resolve_groups, side_group
 from vfsdp.collectives.dbuffer import slot_of
-from vfsdp.collectives.unit import Unit
 from vfsdp.functional.gather import pending
-from vfsdp.functional.scatter import scatter
-from vfsdp.functional.traced import prepare
+from vfsdp.functional.scatter import make_shards, scatter
 from vfsdp.functional.tree import find_unit, match_tree
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
@@ -88,43 +85,22 @@ def shard(
     if init_fn is None:
         return scatter(params, spec, src, mesh=mesh, requires_grad=requires_grad)
     leaves = match_tree(params, spec, "vfsdp.shard")
-    groups = resolve_groups(spec, mesh)
-    out = list(leaves)
-    units = {}
-    with torch.no_grad():
-        for key, members in spec.unit_leaves().items():
-            unit = units[key] = Unit(spec.units[key], groups)  # the views' slots keep it alive
-            db = unit.params
-            views: dict = {}  # one tensor per buffer index: a tie stays one tensor
-            for i, k in members:
-                if k not in views:
-                    views[k] = _init_piece(db, k, init_fn, requires_grad
-                                           and db.tensors[k].path not in spec.frozen)
-                out[i] = views[k]
-    prepare(spec, units)  # what a compiled step reads (vfsdp.functional.traced)
-    return optree.tree_unflatten(spec.treespec, out)
 
+    def init(db, members):  # each piece filled by init_fn, or from what it returns
+        for k in dict.fromkeys(k for _, k in members):  # a tie is initialised once
+            t, local = db.tensors[k], db.local(k)
+            got = init_fn(t.path, local, t)
+            if got is None:
+                continue
+            got = torch.as_tensor(got, device=local.device)
+            if got.numel() != local.numel():
+                raise ValueError(f"vfsdp.shard: init_fn returned {got.numel()} values "
+                                 f"({tuple(got.shape)}) for {format_path(t.path)}, whose piece on "
+                                 f"this rank has {local.numel()} ({tuple(local.shape)}); fill the "
+                                 f"piece it is given in place, or return exactly that many values")
+            local.copy_(got.reshape(local.shape))
 
-def _init_piece(db, k: int, init_fn: InitFn, requires_grad: bool) -> torch.Tensor:
-    """Tensor ``k``'s local piece filled by ``init_fn``.
-
-    Raises:
-        ValueError: ``init_fn`` returned something of the wrong size (naming the path).
-    """
-    t = db.tensors[k]
-    local = db.local(k)
-    got = init_fn(t.path, local, t)
-    if got is not None:
-        got = torch.as_tensor(got, device=local.device)
-        if got.numel() != local.numel():
-            raise ValueError(f"vfsdp.shard: init_fn returned {got.numel()} values ({tuple(got.shape)}) "
-                             f"for {format_path(t.path)}, whose piece on this rank has "
-                             f"{local.numel()} ({tuple(local.shape)}); fill the piece it is given "
-                             f"in place, or return exactly that many values")
-        local.copy_(got.reshape(local.shape))
-    if requires_grad and local.is_floating_point():
-        local.requires_grad_(True)
-    return local
+    return make_shards(spec, resolve_groups(spec, mesh), leaves, init, requires_grad)
 
 
 def release(tree: Any, spec: ShardSpec) -> None:
@@ -160,15 +136,12 @@ def release(tree: Any, spec: ShardSpec) -> None:
         [('ReleasedTensor', True, False), ('ReleasedTensor', True, False)]
     """
     leaves = match_tree(tree, spec, "vfsdp.release")
-    seen = set()
     pending().settle()  # graphs dropped since: their memory may go now
-    for key, members in spec.unit_leaves().items():
-        for i, _ in members:
-            slot = slot_of(leaves[i])
-            if slot is not None and slot.unit is not None and slot.unit.key == key \
-                    and id(slot.unit) not in seen:
-                seen.add(id(slot.unit))
-                slot.unit.release()
+    units = {id(unit): unit for key, members in spec.unit_leaves().items() for i, _ in members
+             if (slot := slot_of(leaves[i])) is not None and (unit := slot.unit) is not None
+             and unit.key == key}
+    for unit in units.values():
+        unit.release()
 
 
 def dbuffers(tree: Any, spec: ShardSpec) -> dict:

@@ -25,7 +25,7 @@ from vfsdp.collectives.unit import Unit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec, UnitLayout, refuse_non_tree, unit_name
 
-__all__ = ["match_tree", "group_by_unit", "check_tree_arg", "UnitLeaves", "find_unit", "pack_unit",
+__all__ = ["match_tree", "group_by_unit", "UnitLeaves", "find_unit", "pack_unit",
            "units_of", "unit_for", "own_mesh"]
 
 
@@ -91,10 +91,6 @@ def find_unit(local: Sequence[Any], layout: UnitLayout, index: Sequence[int],
             # vfsdp.grads' views of a gradient buffer are values, as a plain tensor is
             plain = layout.paths[k]
             continue
-        if (found is not None and slot.buffer is found.params and slot.unit is found
-                and slot.index == k and slot.view is not View.FULL
-                and found.params.is_local_view(k, x)):
-            continue  # the common case: the next shard of the same unit
         if slot.view is View.FULL:
             raise ValueError(f"{what}: {at(k)} is a gathered full view (vfsdp.gather's output); "
                              f"pass the shards vfsdp.shard returned")
@@ -102,7 +98,7 @@ def find_unit(local: Sequence[Any], layout: UnitLayout, index: Sequence[int],
             raise ValueError(f"{what}: {at(k)} is a view of a {slot.buffer.name} buffer, not a "
                              f"parameter shard; pass the tree vfsdp.shard returned")
         unit = slot.unit
-        if unit.layout != layout:
+        if unit is not found and unit.layout != layout:  # (the next shard of the same unit: as it)
             got = unit.layout
             raise ValueError(
                 f"{what}: the shards of unit {unit_name(layout.key)} were made for another plan "
@@ -210,25 +206,9 @@ def own_mesh(tree: Any, mesh: Any, what: str) -> Any:
         ValueError: ``mesh=`` with the shards of ``vfsdp.shard``."""
     if mesh is None:
         return None
-    if any(slot_of(x) is not None for x in optree.tree_leaves(tree)
-           if isinstance(x, torch.Tensor)):
+    if any(slot_of(x) is not None for x in optree.tree_leaves(tree)):
         refuse_mesh(what)
     return mesh
-
-
-def check_tree_arg(tree: Any, what: str, spec: Any = None) -> None:
-    """Refuse, with the fix, what is not a pytree of tensors, or a spec in the wrong place.
-
-    Raises:
-        TypeError: naming what was passed and what to pass instead.
-    """
-    if isinstance(tree, ShardSpec):
-        raise TypeError(f"{what}: got a ShardSpec where the tree goes; the arguments are "
-                        f"swapped: call {what}(tree, spec)")
-    if spec is not None and not isinstance(spec, ShardSpec):
-        raise TypeError(f"{what}: spec must be the ShardSpec vfsdp.plan returned, got "
-                        f"{type(spec).__name__}")
-    refuse_non_tree(tree, what)
 
 
 def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:
@@ -259,7 +239,13 @@ def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:
         ...
         ValueError: f: tree structure differs from the spec (missing b); ...
     """
-    check_tree_arg(tree, what, spec)
+    if isinstance(tree, ShardSpec):
+        raise TypeError(f"{what}: got a ShardSpec where the tree goes; the arguments are "
+                        f"swapped: call {what}(tree, spec)")
+    if not isinstance(spec, ShardSpec):
+        raise TypeError(f"{what}: spec must be the ShardSpec vfsdp.plan returned, got "
+                        f"{type(spec).__name__}")
+    refuse_non_tree(tree, what)
     paths, leaves, treespec = optree.tree_flatten_with_path(tree)
     if treespec != spec.treespec:
         spec_paths = set(spec.treespec.paths())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -22,7 +23,7 @@ from vfsdp.estimation.options import Options
 from vfsdp.planner.plan import Prepared
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["LayerCost", "layer_cost", "shape_costs", "Shapes"]
+__all__ = ["LayerCost", "layer_cost", "shape_costs", "saved_bytes", "Shapes"]
 
 
 @dataclass(frozen=True)
@@ -105,12 +106,58 @@ def layer_cost(fn: Callable[..., torch.Tensor], params: Any, *inputs: Any) -> La
 
 
 # recompute -> (bytes kept per token and width, bytes held again in the backward, the share
-# of the forward's weight matmuls run again): none keeps Korthikanti et al.'s 34; full keeps
-# the layer input (2) and runs the whole forward again; torchtitan's op-level selective
-# policy keeps the layer input, attention's output and every other weight matmul's output
-# (``None``: from the shapes, see Shapes) and runs the other half
-_RECOMPUTE = {False: (34, 0, 0.0), True: (2, 34, 1.0), "full": (2, 34, 1.0),
+# of the forward's weight matmuls run again); ``None``: what the layer saves (saved_bytes).
+# None keeps all of it; full keeps the layer input (2) and runs the whole forward again;
+# torchtitan's op-level selective policy keeps the layer input, attention's output and every
+# other weight matmul's output (``None``: from the shapes, see Shapes) and runs the other half
+_RECOMPUTE = {False: (None, 0, 0.0), True: (2, None, 1.0), "full": (2, None, 1.0),
               "selective": (None, None, 0.5)}
+
+
+def _outputs(mats: Iterable, width: int) -> float:
+    """Elements per token the matrices' outputs leave saved: each matrix's side that is not
+    the width (its output, or its input when it reads a hidden layer), once, and for each
+    three of one width (a gated FFN: gate, up, down) the activation's output too."""
+    by_width: Counter = Counter()
+    for (a, b), c in mats:
+        by_width[b if a == width else a] += c
+    return sum(d * (c + c // 3 * (c % 3 == 0)) for d, c in by_width.items())
+
+
+def saved_bytes(mats: Iterable, expert_mats: Iterable, width: int, top_k: int) -> float:
+    """Bytes per token and width one block saves for its backward in bf16, from the shapes
+    of its matrices (``((rows, cols), count)``, as :class:`Shapes` holds them): its two
+    norms' inputs and outputs (fused norms: 4 widths), each matrix's output side once (what
+    attention, the activation, the gate product or the next matmul keeps: q, k and v at
+    their GQA widths, attention's output at o's, a GELU FFN's hidden layer twice), a gated
+    FFN's activation output (a third of its three matrices again), and per routed expert
+    of the ``top_k`` its own FFN's plus its input, output and weighted output (3 widths).
+    Flash attention (no score matrix; its log-sum-exp, 4 bytes a head, left out), no
+    dropout: GPT-2's block saves 32 (Korthikanti et al.'s 34 less its two dropout masks).
+    A matrix's side that is not the width is read in either orientation; one with neither
+    side the width counts its first.
+
+    Args:
+        mats: The block's matrices other than routed experts'.
+        expert_mats: One routed expert's (counts may be fractions: a unit's over its experts).
+        width: The model's width (the embedding's second dim).
+        top_k: Routed experts per token (0 without them).
+
+    Returns:
+        Bytes per token and width.
+
+    Raises:
+        ZeroDivisionError: ``width`` is 0.
+
+    Example:
+        >>> h = 64; gpt = [((3 * h, h), 1), ((h, h), 1), ((4 * h, h), 1), ((h, 4 * h), 1)]
+        >>> saved_bytes(gpt, (), h, 0)
+        32.0
+    """
+    experts = 3 * width + _outputs(expert_mats, width) if top_k else 0.0
+    return 2 * (4 * width + _outputs(mats, width) + top_k * experts) / width
+
+
 # compiled -> bytes one layer's forward reads and writes outside its matmuls, per token and
 # width (its backward twice that, a recomputed forward again). Eager runs each norm,
 # activation, residual add, cast and layout copy as its own kernel, each reading its inputs
@@ -130,8 +177,9 @@ EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
 class Shapes:
     """What :func:`shape_costs` reads of a plan, whatever its mesh and tokens: per unit key
     ``(weights, weights per routed expert, has routed experts, has the embedding, outputs
-    kept by selective checkpointing, the same per routed expert)``, and the embedding table's width and
-    vocabulary (its second and first dims; 0 without one).
+    kept by selective checkpointing, the same per routed expert, (its matrices, one routed
+    expert's) as ``((rows, cols), count)`` of their last two dims, for :func:`saved_bytes`)``,
+    and the embedding table's width and vocabulary (its second and first dims; 0 without one).
 
     Weights are those of matrices other than routed experts' and embedding tables (paths
     naming ``embed``); a matrix's outputs per token are its second-to-last dim (torch's
@@ -173,7 +221,10 @@ class Shapes:
         tree order."""
         # [weights, stacked experts' per expert, indexed experts', their ids, has the
         # embedding], the same three of matmul outputs, and the count of the first kind
-        rows: dict = {key: [0.0, 0.0, 0.0, set(), False, 0.0, 0.0, 0.0, 0] for key in keys}
+        # and the (rows, cols) of each matrix (its last two dims, local) with their counts:
+        # weights, stacked experts', indexed experts'
+        rows: dict = {key: [0.0, 0.0, 0.0, set(), False, 0.0, 0.0, 0.0, 0, Counter(), Counter(),
+                            Counter()] for key in keys}
         width = vocab = 0
         for path, unit, shape, global_shape in tensors:
             name = ".".join(map(str, path))
@@ -195,12 +246,16 @@ class Shapes:
             row[at] += n
             row[5 + at] += out
             row[8] += at == 0
+            row[9 + at][tuple(shape[-2:])] += 1
         # the outputs selective checkpointing keeps: of n matmuls the 1st, 3rd, ... (their
         # mean width each), of each routed expert's half
         units = {k: (w, stacked + (indexed / len(ids) if ids else 0.0), bool(stacked or ids),
                      emb, -(-n // 2) * outs / n if n else 0.0,
-                     (o_st + (o_ix / len(ids) if ids else 0.0)) / 2)
-                 for k, (w, stacked, indexed, ids, emb, outs, o_st, o_ix, n) in rows.items()}
+                     (o_st + (o_ix / len(ids) if ids else 0.0)) / 2,
+                     (tuple(sorted(mats.items())), tuple(sorted(
+                         {**st, **{m: st[m] + c / len(ids) for m, c in ix.items()}}.items()))))
+                 for k, (w, stacked, indexed, ids, emb, outs, o_st, o_ix, n, mats, st, ix)
+                 in rows.items()}
         return cls(MappingProxyType(units), width, vocab)
 
     def costs(self, tokens: int, o: Options) -> dict:
@@ -216,7 +271,7 @@ class Shapes:
                              "experts_per_token (top-k, e.g. 8 for DeepSeek-V3)")
         width, vocab = self.width, self.vocab
         out = {}
-        for key, (weights, per_expert, experts, has_embed, outs, expert_outs) in \
+        for key, (weights, per_expert, experts, has_embed, outs, expert_outs, mats) in \
                 self.units.items():
             n = weights + (per_expert * experts_per_token if experts else 0.0)
             flops = 6 * tokens * n
@@ -229,10 +284,12 @@ class Shapes:
                 else 0.0
             acts = again = ew = 0
             if layer and width:
-                if kept is None:  # selective: the input, attention's output, every other
-                    outs += expert_outs * experts_per_token if experts else 0.0  # output
-                    kept = 2 * (2 + outs / width)
-                    again_per = max(34 - kept, 0.0)
+                full = saved_bytes(*mats, width, experts_per_token if experts else 0)
+                if kept is None and again_per is None:  # selective: the input, attention's
+                    outs += expert_outs * experts_per_token if experts else 0.0  # output,
+                    kept = 2 * (2 + outs / width)  # every other output
+                kept, again_per = (full, 0) if kept is None else (
+                    kept, max(full - kept, 0.0) if again_per is None else again_per)
                 acts, again = tokens * width * kept, tokens * width * again_per
                 ew = tokens * width * (ELEMENTWISE[o.compiled] * (3 + share) + FLOAT8_CASTS * o.float8)
             if has_embed and vocab:
@@ -251,9 +308,10 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
       them; see :class:`Shapes` for what is an expert), embedding tables (paths naming
       ``embed``) not at all; with ``seq``, attention's ``12 * seq * width`` per token and
       layer (PaLM's accounting, ``width`` the embedding's second dim);
-    * activations: 34 bytes per token and width per layer (Korthikanti et al. 2022, bf16,
-      attention that saves no score matrix), or with ``recompute`` the layer input only (2
-      bytes per token and width), the 34 held again while its backward runs, and a third of
+    * activations: what the layer saves for its backward, from its shapes
+      (:func:`saved_bytes`: 32 bytes per token and width for GPT-2's block, 41 for Llama-3
+      8B's), or with ``recompute`` the layer input only (2 bytes per token and width), the
+      rest held again while its backward runs, and a third of
       the layer's FLOPs again (its forward, recomputed: time, not MFU); with
       ``recompute="selective"`` (torchtitan's op-level policy) the layer's input,
       attention's output and every other weight matmul's output (the 1st, 3rd, ... of its

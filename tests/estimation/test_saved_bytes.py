@@ -116,3 +116,19 @@ def test_the_rule_of_the_shapes_is_what_a_traced_block_saves(kind, rule):
     # the traced block's extra: rstd and the log-sum-exp (4 bytes a token and head), the
     # router's probabilities and the top-k's indices
     assert got == pytest.approx(want, rel=0.02), (got, want)
+
+
+@pytest.mark.parametrize("recompute, kept, again", [(False, 34.5, 0), ("full", 2, 32.5),
+                                                    ("selective", None, None)])
+def test_shape_costs_keep_the_rule_or_hold_the_rest_again(recompute, kept, again):
+    from vfsdp.estimation import shape_costs
+
+    tree = {"embed": torch.empty(100, H, device="meta"),
+            "layers": [_tree(_block("llama")[1], lambda s: torch.empty(s, device="meta"))]}
+    c = shape_costs(vfsdp.plan(tree, 1), tokens=T, recompute=recompute)[("layers", 0)]
+    if kept is None:  # selective: what it keeps and holds again add up to the whole
+        kept = c.activation_bytes / (T * H)
+        again = 34.5 - kept
+        assert 2 < kept < 34.5
+    assert c.activation_bytes == pytest.approx(T * H * kept, abs=1)
+    assert c.recompute_bytes == pytest.approx(T * H * again, abs=1)

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 import optree
 import torch
 
-from vfsdp._gc import paused_gc
+from vfsdp._gc import paused, paused_gc
 from vfsdp.planner.abstract import TENSOR_LEAVES, ShapeDtype, is_tensor_leaf
 from vfsdp.planner.granularity import Granularity, block_elements, format_path
 from vfsdp.planner.model_split import split_params
@@ -203,7 +203,7 @@ def _suggest_split(numels, blocks, m, align, shard_numel) -> Optional[tuple[int,
     return now, best[0], best[1]
 
 
-@paused_gc()  # see vfsdp._gc: a plan makes about one small object per tensor, frees few
+@paused  # see vfsdp._gc: a plan makes about one small object per tensor, frees few
 def plan(
     params: Any,
     mesh: Any,

@@ -213,3 +213,13 @@ def _frozen_scatter():
 
 def test_a_frozen_parameter_stays_frozen_through_scatter_from_a_source():
     assert simulate(2, _frozen_scatter) == [({("w",)}, False, True)] * 2
+
+
+def test_the_reference_of_a_tree_without_tensors_has_every_rank():
+    """shard_reference gave no rank at all for a tree with no leaves (then gather_reference
+    refused its own answer: 'expected 4 ranks, got 0')."""
+    params = {"embed": None, "layers": []}
+    spec = vfsdp.plan(params, 4)
+    pieces = shard_reference(params, spec)
+    assert pieces == [params] * 4
+    assert vfsdp.testing.gather_reference(pieces, spec) == params

@@ -77,6 +77,13 @@ def test_a_gradient_tree_one_rank_gets_wrong_is_refused_before_any_write(kind):
     assert simulate(2, tb.bad_tree, kind) == [("RuntimeError", True), ("ValueError", True)]
 
 
+@pytest.mark.parametrize("kind", ["adamw", "offload(adamw)", "offload(clip+adamw)"])
+def test_a_gradient_one_rank_gets_short_is_refused_before_any_write(kind):
+    # offload checked the sizes after the ranks agreed: PartialUpdateError on that rank, and
+    # the others waited in the host clip's all-reduce
+    assert simulate(2, tb.bad_tree, kind, True) == [("RuntimeError", True), ("ValueError", True)]
+
+
 def test_a_user_transform_failing_after_another_member_wrote_says_the_state_is_invalid():
     # partition(adamw, your chain): AdamW wrote before the user's transform raised on rank 0
     raised = [r["raised"] for r in simulate(2, tb.run, "adamw+user", (0,))]

@@ -123,9 +123,9 @@ def cases(kinds: list, failing: list) -> dict:
     return {(kind, ranks): run(kind, ranks) for kind in kinds for ranks in [(), *failing]}
 
 
-def bad_tree(kind: str) -> tuple:
-    """Rank 1 passes a gradient tree without ``b``: what each rank raised, and whether its
-    state and parameters were kept (bit for bit)."""
+def bad_tree(kind: str, short: bool = False) -> tuple:
+    """Rank 1 passes a gradient tree without ``b`` (``short``: with ``w`` one element short):
+    what each rank raised, and whether its state and parameters were kept (bit for bit)."""
     params = {"w": torch.linspace(-1, 1, 48).reshape(8, 6), "b": torch.linspace(0, 1, 6)}
     opt = optimizer(kind, ())
     spec = vfsdp.plan(params, dist.get_world_size(), granularity=opt.granularity)
@@ -133,7 +133,7 @@ def bad_tree(kind: str) -> tuple:
     state = opt.update(_grads(shards, spec, 1), opt.init(shards, spec), shards, spec)
     grads = _grads(shards, spec, 2)
     if dist.get_rank() == 1:
-        grads = {"w": grads["w"]}
+        grads = {"w": grads["w"][:-1], "b": grads["b"]} if short else {"w": grads["w"]}
     before = _snapshot(state, spec) + [s.clone() for s in shards.values()]
     try:
         opt.update(grads, state, shards, spec)

@@ -86,7 +86,8 @@ def shard_reference(params: Any, spec: ShardSpec) -> list[Any]:
             _check_full(leaf, s, "shard_reference")
         per_leaf.append(split_reference(leaf, s.placement) if isinstance(s, TensorSpec)
                         else [leaf] * spec.world_size)
-    return [optree.tree_unflatten(spec.treespec, list(values)) for values in zip(*per_leaf)]
+    return [optree.tree_unflatten(spec.treespec, [v[r] for v in per_leaf])
+            for r in range(spec.world_size)]  # a tree without leaves too
 
 
 def gather_reference(per_rank: Sequence[Any], spec: ShardSpec) -> Any:

@@ -250,7 +250,10 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         for u, hu in zip(units, state.units):
             for (_, k), x in zip(u.leaves, u.values):  # frozen: no update, as without
                 hu.views[k].requires_grad_(x.requires_grad)  # offload
-        if checking():  # a composition's checking pass: the wrapped update's checks only
+        if checking():  # the checking pass: the gradients' sizes, the wrapped update's checks
+            for u, hu in zip(units, state.units):
+                if hu.runs:
+                    flat_grads(leaves, u, what)
             return member(opt, state.grads, state.inner, state.shards, spec)
         state.wait()
         blocking = state.stream is None

@@ -6,8 +6,6 @@ No process group is needed or touched: a ``DeviceMesh`` is only read for its sha
 from __future__ import annotations
 
 import collections
-import functools
-import gc
 import itertools
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -19,7 +17,7 @@ from typing import Any, Optional, Union
 import optree
 import torch
 
-from vfsdp._gc import paused_gc
+from vfsdp._gc import paused, paused_gc
 from vfsdp.planner.abstract import TENSOR_LEAVES, ShapeDtype, is_tensor_leaf
 from vfsdp.planner.granularity import Granularity, block_elements, format_path
 from vfsdp.planner.model_split import split_params
@@ -205,24 +203,7 @@ def _suggest_split(numels, blocks, m, align, shard_numel) -> Optional[tuple[int,
     return now, best[0], best[1]
 
 
-def _collector_paused(fn: Callable) -> Callable:
-    """``fn`` with Python's cyclic garbage collector paused: a plan makes about one small
-    object per tensor and frees few, so the collector's passes over them cost a third of
-    planning 45,395 tensors. Restores the collector as found (it may run sooner where
-    threads plan at once)."""
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        was = gc.isenabled()
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if was:
-                gc.enable()
-    return run
-
-
-@_collector_paused
+@paused  # see vfsdp._gc: a plan makes about one small object per tensor, frees few
 def plan(
     params: Any,
     mesh: Any,
@@ -308,11 +289,10 @@ def plan(
         mesh_shape, mesh_names = split.data_shape, split.data_names
     elif tp_index is not None:
         raise ValueError("vfsdp.plan: tp_index= without tp=; give the tp rule too")
-    with paused_gc():
-        prepared = prepare(params, granularity, units, strided, tied)
-        layouts = unit_layouts(prepared, mesh_shape[-1], alignment_bytes, tuple(comm_dtypes),
-                               split_threshold)
-        return assemble(prepared, layouts, mesh_shape, mesh_names)
+    prepared = prepare(params, granularity, units, strided, tied)
+    layouts = unit_layouts(prepared, mesh_shape[-1], alignment_bytes, tuple(comm_dtypes),
+                           split_threshold)
+    return assemble(prepared, layouts, mesh_shape, mesh_names)
 
 
 @dataclass(frozen=True)

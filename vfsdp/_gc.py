@@ -12,34 +12,15 @@ enabled again only when the last one leaves, and only if it was enabled before t
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
-__all__ = ["paused_gc", "paused"]
+__all__ = ["paused_gc"]
 
 _lock = threading.Lock()
 _users = 0
 _was_enabled = False
-
-
-def _pause() -> None:
-    global _users, _was_enabled
-    with _lock:
-        if _users == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _users += 1
-
-
-def _resume() -> None:
-    global _users
-    with _lock:
-        _users -= 1
-        if _users == 0 and _was_enabled:
-            gc.enable()
 
 
 @contextlib.contextmanager
@@ -54,30 +35,16 @@ def paused_gc() -> Iterator[None]:
         >>> inside, gc.isenabled()
         (False, True)
     """
-    _pause()
+    global _users, _was_enabled
+    with _lock:
+        if _users == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _users += 1
     try:
         yield
     finally:
-        _resume()
-
-
-def paused(fn: Callable) -> Callable:
-    """``fn`` run as under :func:`paused_gc` (a function's return allocates nothing the
-    collector tracks after it is back on, where a generator's exit would: the collection
-    its burst is due comes at the caller's next allocation, as with no pause).
-
-    Example:
-        >>> import gc
-        >>> paused(gc.isenabled)(), gc.isenabled()
-        (False, True)
-    """
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        _pause()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _resume()
-
-    return run
+        with _lock:
+            _users -= 1
+            if _users == 0 and _was_enabled:
+                gc.enable()

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 import optree
 import torch
 
-from vfsdp._gc import paused, paused_gc
+from vfsdp._gc import paused_gc
 from vfsdp.planner.abstract import TENSOR_LEAVES, ShapeDtype, is_tensor_leaf
 from vfsdp.planner.granularity import Granularity, block_elements, format_path
 from vfsdp.planner.model_split import split_params
@@ -203,7 +203,6 @@ def _suggest_split(numels, blocks, m, align, shard_numel) -> Optional[tuple[int,
     return now, best[0], best[1]
 
 
-@paused  # see vfsdp._gc: a plan makes about one small object per tensor, frees few
 def plan(
     params: Any,
     mesh: Any,
@@ -289,10 +288,11 @@ def plan(
         mesh_shape, mesh_names = split.data_shape, split.data_names
     elif tp_index is not None:
         raise ValueError("vfsdp.plan: tp_index= without tp=; give the tp rule too")
-    prepared = prepare(params, granularity, units, strided, tied)
-    layouts = unit_layouts(prepared, mesh_shape[-1], alignment_bytes, tuple(comm_dtypes),
-                           split_threshold)
-    return assemble(prepared, layouts, mesh_shape, mesh_names)
+    with paused_gc():
+        prepared = prepare(params, granularity, units, strided, tied)
+        layouts = unit_layouts(prepared, mesh_shape[-1], alignment_bytes, tuple(comm_dtypes),
+                               split_threshold)
+        return assemble(prepared, layouts, mesh_shape, mesh_names)
 
 
 @dataclass(frozen=True)

@@ -340,7 +340,8 @@ def _own_none_grads() -> None:
         return
     if _torch_version() not in TESTED_TORCH:
         warnings.warn(f"vfsdp: dynamo's .grad read is patched as tested on torch "
-                      f"{TESTED_TORCH}; torch {torch.__version__} may have changed it", stacklevel=2)
+                      f"{TESTED_TORCH}; torch {torch.__version__} may have changed it",
+                      RuntimeWarning, stacklevel=2)
 
     def method_attr_grad(self, tx):
         found = read(self, tx)

@@ -6,7 +6,7 @@ checkpoint themselves through :class:`vfsdp.functional.Checkpointable`).
 
 from vfsdp.optim.adamw import AdamWPlan, AdamWState, adamw
 from vfsdp.optim.adamw8bit import AdamW8bitPlan, AdamW8bitState, adamw8bit
-from vfsdp.optim.base import Optimizer, as_schedule, gradient_transform
+from vfsdp.optim.base import Optimizer, PartialUpdateError, as_schedule, gradient_transform
 from vfsdp.optim.clip import clip_grad_norm, global_norm
 from vfsdp.optim.compose import ClipState, chain, clip_by_global_norm, partition
 from vfsdp.optim.mixed_clip import GradTree, clip_grad_norm_of, global_norm_of
@@ -38,6 +38,7 @@ __all__ = [
     "OffloadState",
     "TransformsState",
     "Optimizer",
+    "PartialUpdateError",
     "adamw",
     "add_decayed_weights",
     "adamw8bit",

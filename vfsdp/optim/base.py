@@ -363,7 +363,18 @@ class Optimizer(NamedTuple):
 class PartialUpdateError(RuntimeError):
     """An update failed after it began writing (its arithmetic, a collective of its own, or
     a user's code it runs after the ranks agreed): this rank's parameters and optimizer
-    state are partly updated. Load both from a checkpoint."""
+    state are partly updated. Load both from a checkpoint.
+
+    Example:
+        >>> def update(grads, state, shards, spec):
+        ...     begin(state["count"])                   # the ranks agreed: writes follow
+        ...     raise ArithmeticError("overflow")
+        >>> try:
+        ...     atomic(update)(None, {"count": torch.zeros(1)}, None, None)
+        ... except PartialUpdateError as exc:
+        ...     str(exc).split(":")[0]
+        'update failed after the ranks agreed to write (ArithmeticError'
+    """
 
 
 class _Dry(Exception):

@@ -20,6 +20,7 @@ import hashlib
 import itertools
 import math
 import statistics
+import threading
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -370,6 +371,8 @@ def _checked(treespec: Any, leaves: Iterable) -> tuple:
     return leaves
 
 
+_LEAVES_LOCK = threading.Lock()  # ShardSpec.leaves: made once where threads share a spec
+
 class ShardSpec:
     """A frozen, hashable plan for a parameter pytree.
 
@@ -443,8 +446,10 @@ class ShardSpec:
         """The spec leaves in optree order (made when first read, where the spec was given a
         function that makes them: ``vfsdp.plan`` does, so a plan only read by unit is quick)."""
         if self._leaves is None:
-            object.__setattr__(self, "_leaves", _checked(self.treespec, self._make_leaves()))
-            object.__setattr__(self, "_make_leaves", None)
+            with _LEAVES_LOCK:  # ranks (threads) sharing one spec: made once
+                if self._leaves is None:
+                    object.__setattr__(self, "_leaves", _checked(self.treespec, self._make_leaves()))
+                    object.__setattr__(self, "_make_leaves", None)
         return self._leaves
 
     def tensors(self) -> Iterator[TensorSpec]:

@@ -92,7 +92,7 @@ __all__ = ["Optimizer", "host_counter", "gradient_transform", "TransformState", 
            "unit_buffers", "grad_leaves", "state_dtype", "check_hyper", "flat_grads", "UnitTensors",
            "init_masked", "both", "selected", "state_tensors", "runs", "frozen_of", "read_step",
            "write_step", "sync_step", "TEMP_ELEMS", "adamw_step", "use_fused", "batches", "scale_",
-           "new_count", "learning_rate", "step_scalars", "decay_", "adam_", "OwnedPlan",
+           "new_count", "learning_rate", "step_scalars", "decay_", "descend_", "adam_", "OwnedPlan",
            "CountedState", "init_units", "cuts_of", "atomic", "begin", "member", "checking", "settle",
            "agree_all", "PartialUpdateError"]
 
@@ -225,6 +225,24 @@ def decay_(tensors: list, lr, weight_decay: float) -> None:
     one implementation every optimizer runs (:func:`scale_`: one op per dtype)."""
     if weight_decay and tensors:
         scale_(tensors, 1 - lr * weight_decay)
+
+
+def descend_(params: list, updates: list, rate, scratch: bool = False) -> None:
+    """``p -= rate * u`` over the lists: a float ``rate`` as ``add_``'s ``alpha``, a schedule's
+    tensor (no tensor ``alpha`` in ``add_``) cast to the updates' dtype and multiplied in,
+    into ``updates`` themselves where they are ``scratch``. The one implementation of the
+    step every owned optimizer, Muon and ``scale_by_learning_rate`` take."""
+    if not params:
+        return
+    if not isinstance(rate, torch.Tensor):
+        tp.foreach("add_", params, updates, alpha=-rate)
+        return
+    factor = -rate.to(updates[0].dtype)
+    if scratch:
+        tp.foreach("mul_", updates, scalar=factor)
+    else:
+        updates = tp.foreach("mul", updates, scalar=factor)
+    tp.foreach("add_", params, updates)
 
 
 def adam_(ps: list, gs: list, ms: list, vs: list, b1: float, b2: float, eps: float,

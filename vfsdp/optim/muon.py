@@ -57,6 +57,7 @@ from vfsdp.optim.base import (
     begin,
     check_hyper,
     decay_,
+    descend_,
     flat_grads,
     frozen_of,
     grad_leaves,
@@ -414,11 +415,7 @@ def muon(
             views = state.views(units, targets)
             # The parameter update: two multi-tensor ops over every matrix.
             decay_(views, rate, weight_decay)
-            if isinstance(rate, torch.Tensor):  # a schedule's: no tensor alpha in add_
-                updates = tp.foreach("mul", updates, scalar=-rate.to(plan.dtype))
-                tp.foreach("add_", views, updates)
-            else:
-                tp.foreach("add_", views, updates, alpha=-rate)
+            descend_(views, updates, rate)
         return state
 
     return Optimizer(init, atomic(update))

@@ -36,6 +36,7 @@ from vfsdp.optim.base import (
     Mask,
     begin,
     decay_,
+    descend_,
     flat_grads,
     frozen_of,
     grad_leaves,
@@ -146,10 +147,7 @@ def apply_(views: list, updates: list, size: Any, rate: Any, weight_decay: float
     weight_decay``) before it (``first``) or after it."""
     if first:
         decay_(views, rate, weight_decay)
-    if isinstance(size, torch.Tensor):  # a schedule's: no tensor alpha in add_
-        tp.foreach("add_", views, tp.foreach("mul", updates, scalar=-size))
-    else:
-        tp.foreach("add_", views, updates, alpha=-size)
+    descend_(views, updates, size)
     if not first:
         decay_(views, rate, weight_decay)
 

@@ -39,6 +39,7 @@ from vfsdp.optim.base import (
     atomic,
     begin,
     check_hyper,
+    descend_,
     flat_grads,
     grad_leaves,
     learning_rate,
@@ -238,12 +239,7 @@ def scale_by_learning_rate(lr: Schedule = 1e-3) -> Optimizer:
     schedule = as_schedule(lr)
 
     def apply(u: Updates, state: dict) -> None:
-        rate = learning_rate(schedule, u.count)
-        if isinstance(rate, torch.Tensor):
-            tp.foreach("mul_", u.updates, scalar=-rate)
-            tp.foreach("add_", u.params, u.updates)
-        else:
-            tp.foreach("add_", u.params, u.updates, alpha=-rate)
+        descend_(u.params, u.updates, learning_rate(schedule, u.count), scratch=True)
 
     t = Transform("scale_by_learning_rate", apply, (), ("lr", lr))
     return Optimizer(t.init, t.update)

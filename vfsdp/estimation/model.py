@@ -22,8 +22,9 @@ __all__ = ["estimate", "Estimate", "optimizer_for"]
 def optimizer_for(name: Union[str, Any], like: Any = None) -> Any:
     """A vfsdp optimizer from its name (``"adamw"``, ``"adamw8bit"``, ``"muon"``: Muon for
     the matrices of ``like``, a spec, a parameter tree or the tree's
-    ``optree.tree_flatten_with_path``, AdamW for the rest; ``"soap"``: SOAP for its 1-D and
-    2-D tensors, AdamW for the rest; ``"shampoo"``: as ``"muon"``), or the optimizer itself."""
+    ``optree.tree_flatten_with_path``, AdamW for the rest; ``"soap"`` and ``"shampoo"``: that
+    optimizer for its 1-D and 2-D tensors, as their own defaults do, AdamW for the rest), or
+    the optimizer itself."""
     from vfsdp import optim
 
     if not isinstance(name, str):
@@ -38,7 +39,7 @@ def optimizer_for(name: Union[str, Any], like: Any = None) -> Any:
                 optree.tree_flatten_with_path(like)
             ndim = {tuple(p): len(leaf_meta(x)[0]) for p, x in zip(paths, leaves)
                     if is_tensor_leaf(x)}
-        dims = (1, 2) if name == "soap" else (2,)
+        dims = (2,) if name == "muon" else (1, 2)
         return optim.partition({name: getattr(optim, name)(), "adamw": optim.adamw()},
                                lambda path: name if ndim.get(tuple(path)) in dims else "adamw")
     raise ValueError(f"estimate: unknown optimizer {name!r}; pass 'adamw', 'adamw8bit', "

@@ -8,17 +8,21 @@ states and nothing else (one profile per node type, no per-row constant), and pr
 predicted against measured, then the share of rows within +-15 % on tokens/s per GPU (bf16
 and float8 apart) and within +-10 % on memory (what the source measured: torchtitan's pages
 log the caching allocator's peak reserved bytes, ``Estimate.peak_reserved``). Each row is
-estimated under the system it ran (``SYSTEMS``).
+estimated under the system it ran (``SYSTEMS``). The bands are printed for every row and again
+for the held-out rows (``"held_out": true``: added after the estimator was tuned, with the date
+added; nothing in ``vfsdp.estimation`` was changed for them).
 
-The models' shapes come from their configurations (``MODELS``: torchtitan's Llama 3.1 8B,
-llm-foundry's MPT yamls); a shape list names the embedding ``embed`` so the shape rules find
-the width and vocabulary (MPT's tied output head is not counted in FLOPs: about 3 % of
-MPT-7B's).
+The models' shapes come from their configurations (``MODELS``: torchtitan's Llama 2 and 3
+model args, fms-fsdp's ``config_utils.py``, llm-foundry's MPT yamls); a shape list names the
+embedding ``embed`` so the shape rules find the width and vocabulary (MPT's tied output head
+is not counted in FLOPs: about 3 % of MPT-7B's). Where a source states its network per node,
+``PROFILES`` derives a profile that shares it among the node's GPUs, changing nothing else.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -29,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from vfsdp.estimation import sweep
+from vfsdp.estimation.hardware import hardware
 from vfsdp.planner.abstract import ShapeDtype
 
 ROWS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published", "rows.json")
@@ -72,18 +77,43 @@ def mpt(layers: int, d: int, seq: int, vocab: int = 50368) -> dict:
 
 MODELS = {
     "llama3-8b": lambda seq: llama(32, 4096, 14336, 32, 8, 128256),
+    # torchtitan 157a12c, models/llama/__init__.py (FFN: 2/3 of 4d, times ffn_dim_multiplier,
+    # rounded up to multiple_of); Llama 2's tokenizer 32,000 entries, Llama 3's 128,256
+    "llama3-70b": lambda seq: llama(80, 8192, 28672, 64, 8, 128256),
+    "llama2-13b": lambda seq: llama(40, 5120, 13824, 40, 40, 32000),
+    "llama2-70b": lambda seq: llama(80, 8192, 28672, 64, 8, 32000),
+    # fms-fsdp 5e522b4, fms_fsdp/utils/config_utils.py over fms's LLaMAConfig defaults
+    # (vocab 32,000, 7b: 4096 wide, 32 heads and layers, FFN 8/3 rounded to 256: 11,008)
+    "llama2-7b": lambda seq: llama(32, 4096, 11008, 32, 32, 32000),
+    "fms-34b": lambda seq: llama(48, 8192, 22016, 64, 8, 32000),
     "mpt-7b": lambda seq: mpt(32, 4096, seq),
     "mpt-13b": lambda seq: mpt(40, 5120, seq),
     "mpt-30b": lambda seq: mpt(48, 7168, seq),
     "mpt-70b": lambda seq: mpt(80, 8192, seq),
 }
 # the system each project ran, as the estimator models it: FSDP2 (torchtitan), Megatron-FSDP,
-# and llm-foundry's FSDP1, whose flat parameters copy and allocate as vfsdp's buffers do
+# and llm-foundry's and fms-fsdp's FSDP1, whose flat parameters copy and allocate as vfsdp's
+# buffers do (torchao's rows ran torchtitan)
 SYSTEMS = {"pytorch/torchtitan": "fsdp2", "NVIDIA-NeMo/Megatron-Bridge": "megatron",
-           "mosaicml/llm-foundry": None}
+           "mosaicml/llm-foundry": None, "foundation-model-stack/fms-fsdp": None,
+           "pytorch/ao": "fsdp2"}
 COMPILE = {True: "yes", "blocks": "blk", False: "no"}
+
+
+def _per_node_link(name: str, base: str, node_bits: float, source: str):
+    """``base``'s profile with one node's stated network shared by its GPUs (no other change)."""
+    hw = hardware(base)
+    return dataclasses.replace(hw, name=name, inter_bw=node_bits / 8 / hw.gpus_per_node,
+                               source=f"{source}; otherwise {hw.source}")
+
+
+_FMS = "fms-fsdp README.md at 5e522b4"
 PROFILES = {"h100-500w": "h100-500w", "h100": "h100", "h200": "h200", "a100": "a100",
-            "a100-roce": "a100"}
+            "a100-roce": "a100", "b200": "b200",
+            "a100-400g": _per_node_link("a100-400g", "a100", 400e9,
+                                        f"{_FMS}: 'A100 80G 128 GPUs with 400Gbps', per node"),
+            "h100-800g": _per_node_link("h100-800g", "h100", 800e9,
+                                        f"{_FMS}: 'H100 96 GPUs with 800 Gbps', per node")}
 
 
 def predict(row: dict):
@@ -109,6 +139,7 @@ def main(argv=None) -> int:
         rows = json.load(f)["rows"]
     t0 = time.perf_counter()
     out, bands = [], {"bf16": [], "float8": [], "memory": []}
+    held = {kind: [] for kind in bands}
     print(f"{'row':<24} {'hw':<9} {'gpus':>5} {'prec':<6} {'ckpt':<9} {'comp':<4} "
           f"{'tok/s meas':>10} {'pred':>8} {'ratio':>6}  {'GiB meas':>8} {'pred':>7} {'ratio':>6}")
     for row in rows:
@@ -116,32 +147,43 @@ def main(argv=None) -> int:
         tps = est.tokens_per_s / est.gpus
         ratio = tps / row["tokens_per_s_per_gpu"]
         bands[row["precision"]].append(ratio)
+        if row["held_out"]:
+            held[row["precision"]].append(ratio)
         mem = mem_ratio = None
         if row["memory_gib"] is not None:
             mem = (est.peak_reserved if row["memory_kind"] == "reserved"
                    else est.peak_allocated) / GiB
             mem_ratio = mem / row["memory_gib"]
             bands["memory"].append(mem_ratio)
-        out.append({"id": row["id"], "measured_tps": row["tokens_per_s_per_gpu"],
-                    "predicted_tps": tps, "measured_gib": row["memory_gib"],
-                    "predicted_gib": mem, "memory_kind": row["memory_kind"]})
+            if row["held_out"]:
+                held["memory"].append(mem_ratio)
+        out.append({"id": row["id"], "held_out": row["held_out"],
+                    "measured_tps": row["tokens_per_s_per_gpu"], "predicted_tps": tps,
+                    "measured_gib": row["memory_gib"], "predicted_gib": mem,
+                    "memory_kind": row["memory_kind"]})
         mem_text = f"{row['memory_gib']:>8.1f} {mem:>7.1f} {mem_ratio:>6.2f}" if mem else ""
-        print(f"{row['id']:<24} {row['hw']:<9} {row['gpus']:>5} {row['precision']:<6} "
-              f"{row['recompute']!s:<9} {COMPILE[row['compile']]:<4} "
-              f"{row['tokens_per_s_per_gpu']:>10,} {tps:>8,.0f} {ratio:>6.2f}  {mem_text}")
+        print(f"{row['id'] + '*' * row['held_out']:<24} {row['hw']:<9} {row['gpus']:>5} "
+              f"{row['precision']:<6} {row['recompute']!s:<9} {COMPILE[row['compile']]:<4} "
+              f"{row['tokens_per_s_per_gpu']:>10,.0f} {tps:>8,.0f} {ratio:>6.2f}  {mem_text}")
     print(f"\n{len(rows)} rows from {len({r['project'] for r in rows})} projects, estimated in "
-          f"{time.perf_counter() - t0:.1f} s")
-    for kind, band in (("bf16", 0.15), ("float8", 0.15), ("memory", 0.10)):
-        got = bands[kind]
-        if got:
-            inside = sum(abs(r - 1) <= band for r in got)
-            print(f"{kind + (' tokens/s' if kind != 'memory' else ''):<16} within +-{band:.0%}: "
-                  f"{inside} of {len(got)} ({inside / len(got):.0%}); predicted/measured "
-                  f"{min(got):.2f}-{max(got):.2f}")
+          f"{time.perf_counter() - t0:.1f} s (* held out: added after the estimator was tuned)")
+    for title, got in (("all rows", bands), ("held-out rows", held)):
+        print(title)
+        _print_bands(got)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)
     return 0
+
+
+def _print_bands(bands: dict) -> None:
+    for kind, band in (("bf16", 0.15), ("float8", 0.15), ("memory", 0.10)):
+        got = bands[kind]
+        if got:
+            inside = sum(abs(r - 1) <= band for r in got)
+            print(f"  {kind + (' tokens/s' if kind != 'memory' else ''):<16} within +-{band:.0%}: "
+                  f"{inside} of {len(got)} ({inside / len(got):.0%}); predicted/measured "
+                  f"{min(got):.2f}-{max(got):.2f}")
 
 
 if __name__ == "__main__":

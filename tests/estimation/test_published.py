@@ -1,14 +1,15 @@
-"""benchmarks/published: every row carries its citation and the figure it quotes, and the
-comparison runs."""
+"""benchmarks/published: every row carries its citation and the figure it quotes, the held-out
+rows are flagged and dated, and the comparison runs."""
 
 import importlib.util
 import json
 import os
+import re
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 FIELDS = {"id", "project", "repo", "commit", "path", "table", "quote", "hw", "model", "gpus",
           "shard", "micro_batch", "grad_accum", "seq", "precision", "compile", "recompute",
-          "reduce", "tokens_per_s_per_gpu", "memory_gib", "memory_kind", "notes"}
+          "reduce", "tokens_per_s_per_gpu", "memory_gib", "memory_kind", "notes", "held_out"}
 
 
 def _load():
@@ -18,21 +19,45 @@ def _load():
     return mod
 
 
+def _rows():
+    with open(_load().ROWS) as f:
+        return json.load(f)["rows"]
+
+
 def test_every_row_quotes_its_source_and_the_figures_it_records():
-    with open(os.path.join(ROOT, "published", "rows.json")) as f:
+    mod = _load()
+    with open(mod.ROWS) as f:
         rows = json.load(f)["rows"]
     assert len(rows) >= 20 and len({r["project"] for r in rows}) >= 4
     assert len({r["id"] for r in rows}) == len(rows)
     for r in rows:
-        assert set(r) == FIELDS, r["id"]
+        assert r["held_out"] in (True, False), r["id"]
+        assert set(r) == FIELDS | ({"added"} if r["held_out"] else set()), r["id"]
+        assert r["quote"] and r["table"] and r["notes"], r["id"]
         assert len(r["commit"]) == 40 and r["repo"].count("/") == 1 and r["path"], r["id"]
         tps = r["tokens_per_s_per_gpu"]
-        assert f"{tps:,}" in r["quote"] or f"| {tps} |" in r["quote"], r["id"]
+        assert re.search(rf"(^|[| ]){re.escape(f'{tps:,}')}($|[| ])", r["quote"]) or \
+            re.search(rf"(^|[| ]){re.escape(str(tps))}($|[| ])", r["quote"]), r["id"]
         if r["memory_gib"] is not None:
             assert str(r["memory_gib"]) in r["quote"] and r["memory_kind"] == "reserved"
         assert r["precision"] in ("bf16", "float8") and r["recompute"] in (False, "full",
                                                                            "selective")
-        assert r["compile"] in (True, False, "blocks") and r["repo"] in _load().SYSTEMS
+        assert r["compile"] in (True, False, "blocks") and r["repo"] in mod.SYSTEMS
+        assert r["hw"] in mod.PROFILES and r["model"] in mod.MODELS, r["id"]
+
+
+def test_held_out_rows_come_dated_from_sources_the_tuned_rows_did_not_use():
+    # issue 40: rows the estimator was not tuned to, at least 10, 4 with memory, from 2 projects
+    # not among the tuned rows'; each says when it was added
+    with open(_load().ROWS) as f:
+        rows = json.load(f)["rows"]
+    held = [r for r in rows if r["held_out"]]
+    tuned = [r for r in rows if not r["held_out"]]
+    assert all(re.fullmatch(r"\d{4}-\d{2}-\d{2}", r["added"]) for r in held)
+    assert len(held) >= 10 and sum(r["memory_gib"] is not None for r in held) >= 4
+    assert len({r["project"] for r in held} - {r["project"] for r in tuned}) >= 2
+    sources = {(r["repo"], r["commit"], r["path"]) for r in tuned}
+    assert not [r["id"] for r in held if (r["repo"], r["commit"], r["path"]) in sources]
 
 
 def test_the_comparison_prints_every_row_and_the_bands(capsys, tmp_path):
@@ -40,18 +65,21 @@ def test_the_comparison_prints_every_row_and_the_bands(capsys, tmp_path):
     assert _load().main(["--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "bf16 tokens/s" in text and "float8 tokens/s" in text and "memory" in text
+    held = text[text.index("held-out rows"):]
+    assert "bf16 tokens/s" in held and "float8 tokens/s" in held and "memory" in held
     records = json.loads(out.read_text())
     assert all(r["predicted_tps"] > 0 for r in records) and len(records) >= 20
+    assert {r["id"] for r in records if r["held_out"]} == {r["id"] for r in _rows() if r["held_out"]}
 
 
 def test_the_bf16_rows_the_kernel_model_was_not_fitted_on_hold_the_band():
     # its three fitted numbers (docs/estimate.md) came from llm-foundry's H100 rows and
-    # torchtitan's 8-GPU rows: torchtitan's 128-GPU rows and llm-foundry's A100 rows are unseen
+    # torchtitan's 8-GPU rows: torchtitan's 128-GPU rows and llm-foundry's A100 rows were not
+    # fitted, though seen while it was built (the later held-out rows are reported, not held
+    # to the band here)
     mod = _load()
-    with open(mod.ROWS) as f:
-        rows = json.load(f)["rows"]
-    held = [r for r in rows if r["precision"] == "bf16" and r["hw"] != "h100"
-            and r["id"] not in ("tt-8x-eager", "tt-8x-compile")]
+    held = [r for r in _rows() if r["precision"] == "bf16" and r["hw"] != "h100"
+            and r["id"] not in ("tt-8x-eager", "tt-8x-compile") and not r["held_out"]]
     assert len(held) == 7
     for r in held:
         est = mod.predict(r)
@@ -61,10 +89,10 @@ def test_the_bf16_rows_the_kernel_model_was_not_fitted_on_hold_the_band():
 def test_memory_lands_within_the_band_on_what_each_source_measured():
     # issue 40: at least 80 % of the rows with memory within +-10 % (torchtitan's logs: the
     # peak reserved; FSDP2's stream pools, the loss's peak eager or fused, all from the
-    # sources' settings, nothing fitted); every row within +-15 %
+    # sources' settings, nothing fitted); every row within +-15 %. The rows it was worked out
+    # on only: the held-out rows' results are reported (docs/estimate.md), not asserted
     mod = _load()
-    with open(mod.ROWS) as f:
-        rows = [r for r in json.load(f)["rows"] if r["memory_gib"] is not None]
+    rows = [r for r in _rows() if r["memory_gib"] is not None and not r["held_out"]]
     assert len(rows) >= 9
     ratios = []
     for r in rows:

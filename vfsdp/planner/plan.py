@@ -19,6 +19,7 @@ import torch
 
 from vfsdp._gc import paused_gc
 from vfsdp.planner.abstract import TENSOR_LEAVES, ShapeDtype, is_tensor_leaf
+from vfsdp.planner.flatten import flatten_with_path
 from vfsdp.planner.granularity import Granularity, block_elements, format_path
 from vfsdp.planner.model_split import split_params
 from vfsdp.planner.solver import lower_bound, pack
@@ -302,7 +303,8 @@ class Prepared:
     :func:`unit_layouts` lays it out for a shard group of any size, so a sweep over GPU counts
     reads the tree once (``vfsdp.estimation.sweep``)."""
 
-    treespec: Any
+    treespec: Any              # optree's, or a function of no arguments that makes it
+    num_leaves: int
     tied: dict                 # leaf index -> the leaf index it repeats
     members: dict              # unit key -> (leaf indices, paths, shapes, numels, blocks, dtype)
     strided: Optional[list]    # leaf index -> StridedRaggedShard, for a tp= plan
@@ -313,12 +315,13 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
             strided: Optional[list] = None, tied: Optional[dict] = None,
             flat: Optional[tuple] = None) -> Prepared:
     """The mesh-independent half of :func:`plan` (see :class:`Prepared`); ``flat``: the
-    tree's ``optree.tree_flatten_with_path``, where the caller has it already.
+    tree's ``optree.tree_flatten_with_path``, where the caller has it already (else
+    :func:`~vfsdp.planner.flatten.flatten_with_path`).
 
     Raises:
         ValueError: a complex tensor, a unit mixing dtypes, a bad block, an unmatched prefix.
     """
-    paths, leaves, treespec = flat or optree.tree_flatten_with_path(params)
+    paths, leaves, treespec = flat or flatten_with_path(params)
     abstract = _abstract(leaves)
     all_idx = list(range(len(leaves))) if abstract else [
         i for i, x in enumerate(leaves) if isinstance(x, TENSOR_LEAVES)]
@@ -356,7 +359,7 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
         members[key] = (take(t_idx), take(t_paths), take(shapes), take(numels), take(blocks), dtype)
     frozen = frozenset() if abstract else frozenset(
         p for p, x in zip(t_paths, t_leaves) if isinstance(x, torch.nn.Parameter) and not x.requires_grad)
-    return Prepared(treespec, tied, members, strided, frozen)
+    return Prepared(treespec, len(leaves), tied, members, strided, frozen)
 
 
 def _abstract(leaves: Sequence) -> bool:
@@ -437,7 +440,7 @@ def assemble(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout], mesh_sh
 
 def _spec_leaves(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout]) -> list:
     """The spec's leaves: each unit's :class:`TensorSpec` s at their leaves, a tie's at each."""
-    out: list[Any] = [PASSTHROUGH] * prepared.treespec.num_leaves
+    out: list[Any] = [PASSTHROUGH] * prepared.num_leaves
     with paused_gc():
         for key, layout in layouts.items():
             idx, paths = prepared.members[key][:2]

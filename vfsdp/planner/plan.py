@@ -19,6 +19,7 @@ import torch
 
 from vfsdp._gc import paused_gc
 from vfsdp.planner.abstract import TENSOR_LEAVES, ShapeDtype, is_tensor_leaf
+from vfsdp.planner.flatten import flatten_with_path
 from vfsdp.planner.granularity import Granularity, block_elements, format_path
 from vfsdp.planner.model_split import split_params
 from vfsdp.planner.solver import lower_bound, pack
@@ -302,7 +303,8 @@ class Prepared:
     :func:`unit_layouts` lays it out for a shard group of any size, so a sweep over GPU counts
     reads the tree once (``vfsdp.estimation.sweep``)."""
 
-    treespec: Any
+    treespec: Any              # optree's, or a function of no arguments that makes it
+    num_leaves: int
     tied: dict                 # leaf index -> the leaf index it repeats
     members: dict              # unit key -> (leaf indices, paths, shapes, numels, blocks, dtype)
     strided: Optional[list]    # leaf index -> StridedRaggedShard, for a tp= plan
@@ -313,22 +315,24 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
             strided: Optional[list] = None, tied: Optional[dict] = None,
             flat: Optional[tuple] = None) -> Prepared:
     """The mesh-independent half of :func:`plan` (see :class:`Prepared`); ``flat``: the
-    tree's ``optree.tree_flatten_with_path``, where the caller has it already.
+    tree's ``optree.tree_flatten_with_path``, where the caller has it already (else
+    :func:`~vfsdp.planner.flatten.flatten_with_path`).
 
     Raises:
         ValueError: a complex tensor, a unit mixing dtypes, a bad block, an unmatched prefix.
     """
-    paths, leaves, treespec = flat or optree.tree_flatten_with_path(params)
+    paths, leaves, treespec = flat or flatten_with_path(params)
     abstract = _abstract(leaves)
     all_idx = list(range(len(leaves))) if abstract else [
         i for i, x in enumerate(leaves) if isinstance(x, TENSOR_LEAVES)]
-    if tied is None:
-        tied = find_ties(leaves, paths, all_idx, params)  # leaf index -> the one it repeats
+    if tied is None:  # leaf index -> the one it repeats
+        tied = find_ties(leaves, paths, all_idx, params, storage=not abstract)
     t_idx = [i for i in all_idx if i not in tied] if tied else all_idx
     t_paths, t_leaves = _taker(t_idx)(paths), _taker(t_idx)(leaves)
-    shapes = [tuple(x.shape) for x in t_leaves]
+    shapes = list(map(tuple, map(attrgetter("shape"), t_leaves)))
     dtypes = list(map(attrgetter("dtype"), t_leaves))
-    if any(dt.is_complex for dt in set(dtypes)):
+    distinct_dtypes = set(dtypes)
+    if any(dt.is_complex for dt in distinct_dtypes):
         k = next(k for k, dt in enumerate(dtypes) if dt.is_complex)
         raise ValueError(f"vfsdp.plan: {format_path(t_paths[k])} is {dtypes[k]}; complex tensors "
                          f"are not supported (reductions and optimizers assume real values): "
@@ -344,7 +348,7 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
     members = {}
     for key, ks in _unit_groups(units, t_paths, params).items():
         take = _taker(ks)
-        dtype, *others = dict.fromkeys(take(dtypes))
+        dtype, *others = dict.fromkeys(take(dtypes)) if len(distinct_dtypes) > 1 else distinct_dtypes
         if others:
             k = next(k for k in ks if dtypes[k] != dtype)
             raise ValueError(
@@ -356,7 +360,7 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
         members[key] = (take(t_idx), take(t_paths), take(shapes), take(numels), take(blocks), dtype)
     frozen = frozenset() if abstract else frozenset(
         p for p, x in zip(t_paths, t_leaves) if isinstance(x, torch.nn.Parameter) and not x.requires_grad)
-    return Prepared(treespec, tied, members, strided, frozen)
+    return Prepared(treespec, len(leaves), tied, members, strided, frozen)
 
 
 def _abstract(leaves: Sequence) -> bool:
@@ -417,13 +421,10 @@ def unit_layouts(prepared: Prepared, m: int, alignment_bytes: int = 16,
 
 
 def _taker(order: Sequence[int]) -> Callable[[Sequence], tuple]:
-    """``seq -> tuple(seq[k] for k in order)``, in C (a unit can hold thousands of tensors):
-    one slice where ``order`` is a run of consecutive indices."""
-    start = order[0] if order else 0
-    stop = start + len(order)
-    if tuple(order) == tuple(range(start, stop)):
-        return lambda seq: tuple(seq[start:stop])
-    return lambda seq: tuple(map(seq.__getitem__, order))
+    """``seq -> tuple(seq[k] for k in order)``, in C (a unit can hold thousands of tensors)."""
+    if len(order) > 1:
+        return itemgetter(*order)
+    return lambda seq: tuple(seq[k] for k in order)
 
 
 def assemble(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout], mesh_shape: tuple,
@@ -437,7 +438,7 @@ def assemble(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout], mesh_sh
 
 def _spec_leaves(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout]) -> list:
     """The spec's leaves: each unit's :class:`TensorSpec` s at their leaves, a tie's at each."""
-    out: list[Any] = [PASSTHROUGH] * prepared.treespec.num_leaves
+    out: list[Any] = [PASSTHROUGH] * prepared.num_leaves
     with paused_gc():
         for key, layout in layouts.items():
             idx, paths = prepared.members[key][:2]
@@ -449,7 +450,7 @@ def _spec_leaves(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout]) -> 
     return out
 
 
-def find_ties(leaves: list, paths: list, idx: list, params: Any = None) -> dict:
+def find_ties(leaves: list, paths: list, idx: list, params: Any = None, storage: bool = True) -> dict:
     """Leaves that are one tensor: ``{leaf index: index of its first occurrence}``.
 
     A tie is the same object twice (a tied embedding and head), or two real tensors that are
@@ -457,18 +458,19 @@ def find_ties(leaves: list, paths: list, idx: list, params: Any = None) -> dict:
     share memory but are different views of it cannot be kept as one tensor. The first
     occurrence is the first in the dicts' insertion order (``params``, where given), as a
     module registers its tensors (``{"wte": w, "io": {"lm_head": w}}``: ``wte``), not in
-    optree's sorted-key order.
+    optree's sorted-key order. ``storage=False``: the leaves have no storage to compare
+    (``ShapeDtype`` s): only the same object is a tie.
 
     Raises:
         ValueError: overlapping different views of one storage (naming both paths).
     """
     tied: dict = {}
-    if len(set(map(id, map(leaves.__getitem__, idx)))) < len(idx):  # an object at two places
-        ids = list(map(id, map(leaves.__getitem__, idx)))
+    ids = list(map(id, map(leaves.__getitem__, idx)))
+    if len(set(ids)) < len(idx):  # an object at two places
         first_by_id = dict(zip(reversed(ids), reversed(idx)))
         tied = {i: first_by_id[d] for i, d in zip(idx, ids) if first_by_id[d] != i}
     by_storage: dict = {}
-    for i in () if _abstract(leaves) else idx:
+    for i in idx if storage else ():
         leaf = leaves[i]
         if isinstance(leaf, ShapeDtype) or i in tied or leaf.device.type == "meta" or not leaf.numel():
             continue

@@ -366,12 +366,12 @@ class TensorSpec:
 
 def _checked(treespec: Any, leaves: Iterable) -> tuple:
     leaves = tuple(leaves)
-    if treespec.num_leaves != len(leaves):
+    if not callable(treespec) and treespec.num_leaves != len(leaves):  # a made one
         raise ValueError("ShardSpec: treespec and leaves disagree")
     return leaves
 
 
-_LEAVES_LOCK = threading.Lock()  # ShardSpec.leaves: made once where threads share a spec
+_LAZY_LOCK = threading.RLock()  # ShardSpec's leaves and treespec: made once where threads share a spec
 
 class ShardSpec:
     """A frozen, hashable plan for a parameter pytree.
@@ -381,7 +381,8 @@ class ShardSpec:
         mesh_shape: Shape of the device mesh; the last dim is the shard dim.
         mesh_dim_names: Names of the mesh dims, or ``None``.
         world_size: ``m``, size of the shard dim.
-        treespec: The optree structure of ``params``.
+        treespec: The optree structure of ``params`` (``vfsdp.plan`` of a tree of plain
+            dicts, lists and tuples makes it when first read).
         frozen: The paths of the frozen tensors: ``nn.Parameter`` leaves with
             ``requires_grad=False`` (a module's ``requires_grad_(False)``). Their shards do
             not require grad.
@@ -395,16 +396,16 @@ class ShardSpec:
 
     # The plan's own data and caches of it (fingerprint, lookups, sub-specs, local plans):
     # nothing of any process's runtime.
-    __slots__ = ("units", "mesh_shape", "mesh_dim_names", "treespec", "frozen", "_leaves",
+    __slots__ = ("units", "mesh_shape", "mesh_dim_names", "_treespec", "frozen", "_leaves",
                  "_make_leaves", "_fingerprint", "_by_path", "_by_unit", "_subs", "_local", "__weakref__")
 
     def __init__(self, treespec, leaves, units: Mapping, mesh_shape, mesh_dim_names=None,
                  frozen: Iterable = ()) -> None:
         set_ = object.__setattr__
         set_(self, "frozen", frozenset(frozen))
-        set_(self, "treespec", treespec)
+        set_(self, "_treespec", treespec)  # or a function that makes it
         set_(self, "_make_leaves", leaves if callable(leaves) else None)
-        set_(self, "_leaves", None if callable(leaves) else _checked(treespec, leaves))
+        set_(self, "_leaves", None if callable(leaves) else _checked(self.treespec, leaves))
         set_(self, "units", MappingProxyType(dict(units)))
         set_(self, "mesh_shape", tuple(mesh_shape))
         set_(self, "mesh_dim_names", None if mesh_dim_names is None else tuple(mesh_dim_names))
@@ -438,6 +439,16 @@ class ShardSpec:
         return None if st is None else (st.axis, st.size, st.index)
 
     @property
+    def treespec(self) -> Any:
+        """The optree structure of ``params`` (made when first read, where the spec was given
+        a function that makes it)."""
+        if callable(self._treespec):
+            with _LAZY_LOCK:
+                if callable(self._treespec):
+                    object.__setattr__(self, "_treespec", self._treespec())
+        return self._treespec
+
+    @property
     def tree(self) -> Any:
         """A fresh pytree mirroring ``params``: ``TensorSpec`` leaves, ``PASSTHROUGH`` elsewhere."""
         return optree.tree_unflatten(self.treespec, list(self.leaves()))
@@ -446,9 +457,9 @@ class ShardSpec:
         """The spec leaves in optree order (made when first read, where the spec was given a
         function that makes them: ``vfsdp.plan`` does, so a plan only read by unit is quick)."""
         if self._leaves is None:
-            with _LEAVES_LOCK:  # ranks (threads) sharing one spec: made once
+            with _LAZY_LOCK:  # ranks (threads) sharing one spec: made once
                 if self._leaves is None:
-                    object.__setattr__(self, "_leaves", _checked(self.treespec, self._make_leaves()))
+                    object.__setattr__(self, "_leaves", _checked(self._treespec, self._make_leaves()))
                     object.__setattr__(self, "_make_leaves", None)
         return self._leaves
 

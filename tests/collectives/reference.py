@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from vfsdp.collectives.reference import _OPS, _check
+from vfsdp.collectives.comm import check_op
+from vfsdp.collectives.reference import _check
 
 
 def all_gather_reference(shards: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -20,8 +21,7 @@ def all_gather_reference(shards: Sequence[torch.Tensor]) -> torch.Tensor:
 def all_reduce_reference(values: Sequence[torch.Tensor], op: str = "sum") -> torch.Tensor:
     """What every rank holds after an all-reduce (``"sum"`` or ``"avg"``) of equal 1-D values."""
     _check(values, "all_reduce_reference")
-    if op not in _OPS:
-        raise ValueError(f"op must be one of {_OPS}, got {op!r}")
+    check_op(op)
     total = torch.stack(list(values)).sum(0)
     return total / len(values) if op == "avg" else total
 

@@ -294,18 +294,10 @@ def _from_mesh(mesh, spec: ShardSpec) -> MeshGroups:
         raise ValueError(f"vfsdp supports 1-D (FSDP) and 2-D (HSDP) meshes, got shape {shape}")
     shard = mesh.get_group(len(shape) - 1)
     replicate = mesh.get_group(0) if len(shape) == 2 else None
-    grid = mesh.mesh.reshape(-1, shape[-1]).tolist()
-    return MeshGroups(
-        shard=shard,
-        replicate=replicate,
-        shard_rank=dist.get_rank(shard),
-        shard_size=shape[-1],
-        replicate_rank=dist.get_rank(replicate) if replicate is not None else 0,
-        replicate_size=shape[0] if len(shape) == 2 else 1,
-        device=device_for(shard),
-        grid=tuple(tuple(int(r) for r in row) for row in grid),
-        model=model,
-    )
+    grid = tuple(map(tuple, mesh.mesh.reshape(-1, shape[-1]).tolist()))
+    return MeshGroups(shard, replicate, dist.get_rank(shard), shape[-1],
+                      dist.get_rank(replicate) if replicate is not None else 0, len(grid),
+                      device_for(shard), grid, model)
 
 
 def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None, check: bool = True) -> MeshGroups:
@@ -340,7 +332,6 @@ def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None, check: bool = Tr
     """
     groups = _groups_for(spec, mesh)
     if check:
-
         agree_on_spec(spec, groups)
     return groups
 
@@ -642,19 +633,15 @@ def _count(name: str, nbytes: int) -> None:
     c[f"{name}_bytes"] += nbytes
 
 
-def check_op(op: str) -> str:
-    """``op`` if it is a reduce op vfsdp supports (``"sum"``, ``"avg"``).
+def check_op(op: str):
+    """The ``ReduceOp`` of a reduce op vfsdp supports (``"sum"``, ``"avg"``).
 
     Raises:
         ValueError: any other value.
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
-    return op
-
-
-def _op(op: str):
-    return dist.ReduceOp.SUM if check_op(op) == "sum" else dist.ReduceOp.AVG
+    return dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.AVG
 
 
 def _alone(group) -> bool:
@@ -690,7 +677,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: 
 def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: str = "sum", group=None,
                         async_op: bool = False):
     """``out`` (S) <- ``op`` over ranks of their ``inp[r*S:(r+1)*S]``."""
-    rop = _op(op)
+    rop = check_op(op)
     return _issue("reduce_scatter", inp.numel() * inp.element_size(), group, out,
                   lambda: _reduce_scatter(out, inp, op=rop, group=group, async_op=async_op),
                   async_op, inp)
@@ -698,7 +685,7 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: str = "sum", g
 
 def all_reduce_(t: torch.Tensor, op: str = "sum", group=None):
     """In-place all-reduce; ``avg`` is SUM then a division (gloo has no AVG all-reduce)."""
-    _op(op)
+    check_op(op)
     _issue("all_reduce", t.numel() * t.element_size(), group, t,
            lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
     if op == "avg" and not _alone(group):
@@ -717,10 +704,9 @@ def all_reduce_max_(t: torch.Tensor, group=None, count: str = "all_reduce_max",
 
 def scatter_into(out: torch.Tensor, chunks: Optional[list], group=None, group_src: int = 0):
     """Equal-size scatter from ``group_src`` (``chunks`` there, ``None`` elsewhere)."""
-    _count("scatter", out.numel() * out.element_size())
-    with collective_scope(out):
-        dist.scatter(out, chunks, group=group, group_src=group_src)
-    return out
+    return _issue("scatter", out.numel() * out.element_size(), group, out,
+                  lambda: dist.scatter(out, chunks, group=group, group_src=group_src),
+                  inp=chunks[0] if chunks else None)
 
 
 def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list,

@@ -72,6 +72,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import math
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -86,7 +87,7 @@ from vfsdp.collectives import comm
 from vfsdp.collectives.comm import Handle, MeshGroups
 from vfsdp.planner.spec import TensorSpec, UnitLayout, unit_name
 
-__all__ = ["DBuffer", "alias", "contiguous_strides", "view_of", "ReleasedTensor", "poison", "revive",
+__all__ = ["DBuffer", "alias", "contiguous_strides", "view_of", "ReleasedTensor", "poison",
            "Role", "View", "Slot", "slot_of", "SLOT", "observe", "emit"]
 
 
@@ -98,11 +99,7 @@ def contiguous_strides(shape: tuple) -> tuple:
         >>> contiguous_strides((2, 3, 4)), contiguous_strides(())
         ((12, 4, 1), ())
     """
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
+    return tuple(math.prod(max(n, 1) for n in shape[d + 1:]) for d in range(len(shape)))
 
 
 def alias(storage_tensor: torch.Tensor, offset: int, shape: tuple,
@@ -194,14 +191,6 @@ def poison(views: Iterable[torch.Tensor], why: str) -> None:
             v.__class__ = ReleasedTensor
         if type(v) is ReleasedTensor:
             setattr(v, _WHY, why)
-
-
-def revive(views: Iterable[torch.Tensor]) -> None:
-    """Turn released views back into plain tensors: their memory was kept (a graph still
-    read it) and the unit is gathered again before it went."""
-    for v in views:
-        if type(v) is ReleasedTensor:
-            v.__class__ = torch.Tensor
 
 
 SLOT = "_vfsdp_slot"  # the attribute name on views
@@ -311,12 +300,11 @@ def slot_of(t: Any) -> Optional[Slot]:
     return getattr(t, SLOT, None) if isinstance(t, torch.Tensor) else None
 
 
-Observer = Callable[[str, Any], None]
 _LOCAL = threading.local()
 
 
 @contextlib.contextmanager
-def observe(observer: Observer) -> Iterator[None]:
+def observe(observer: Callable[[str, Any], None]) -> Iterator[None]:
     """Call ``observer(event, dbuffer)`` for every buffer event on this thread inside the block.
 
     Example:
@@ -340,10 +328,6 @@ def emit(event: str, db: Any) -> None:
     if stack:
         for observer in list(stack):
             observer(event, db)
-
-
-# Roles whose global buffer only vfsdp reads (through internal_views): it is resized in place.
-_INTERNAL = frozenset({Role.GRAD, Role.STAGE, Role.ACCUM})
 
 
 class DBuffer:
@@ -398,7 +382,7 @@ class DBuffer:
         # with one view per tensor) and drops its reference, so the memory goes with the last
         # tensor anyone made from it; the next gather or gradient write gets fresh memory.
         # Memory only vfsdp reads (staging, accumulators) is resized in place.
-        self._fresh = role not in _INTERNAL
+        self._fresh = role not in (Role.GRAD, Role.STAGE, Role.ACCUM)  # else: only vfsdp reads it
         self._global = torch.empty(m * s, dtype=self.dtype, device=self.device)
         self._dead = self._global  # stays zero bytes when fresh: the released state's storage
         self._dead_full = ([alias(self._dead, t.offset, tuple(t.shape)) for t in self.tensors]
@@ -533,10 +517,9 @@ class DBuffer:
         saved parameters), made once per ``(offset, shape, stride)`` and gather, and kept
         until the release (valid while gathered)."""
         key = (offset, tuple(shape), tuple(stride))
-        found = self._saved.get(key)
-        if found is None:
-            found = self._saved[key] = view_of(self._global, offset, tuple(shape), tuple(stride))
-        return found
+        if key not in self._saved:
+            self._saved[key] = view_of(self._global, *key)
+        return self._saved[key]
 
     def local_views(self) -> list[torch.Tensor]:
         """Every tensor's local piece, in buffer order."""
@@ -559,14 +542,10 @@ class DBuffer:
     def is_local_view(self, i: int, t: torch.Tensor) -> bool:
         """Whether ``t`` is exactly tensor ``i``'s local piece (same memory, shape, strides)."""
         lo, shape = self._local_spec[i]
-        if tuple(t.shape) != tuple(shape):
-            return False
-        if t.numel() == 0:
-            return True
-        if not self.holds_shard:  # a released piece of a released shard: no memory to read
-            return False
-        return (t.untyped_storage().data_ptr() == self.shard.untyped_storage().data_ptr()
-                and t.storage_offset() == self.shard.storage_offset() + lo and t.is_contiguous())
+        # (a released shard has no memory: none of its pieces is a piece of it)
+        return tuple(t.shape) == tuple(shape) and (t.numel() == 0 or (
+            self.holds_shard and t.untyped_storage().data_ptr() == self.shard.untyped_storage().data_ptr()
+            and t.storage_offset() == self.shard.storage_offset() + lo and t.is_contiguous()))
 
     # ------------------------------------------------------------------ global buffer
 
@@ -585,7 +564,9 @@ class DBuffer:
             else:
                 self._global.untyped_storage().resize_(self._global_bytes)
             emit("alloc", self)
-        revive(self._handed_out(View.FULL))
+        for t in self._handed_out(View.FULL):  # kept (a graph read them), gathered again
+            if type(t) is ReleasedTensor:
+                t.__class__ = torch.Tensor
         return self._global
 
     def release(self, at_once: bool = True) -> None:
@@ -716,25 +697,22 @@ class DBuffer:
                                                           device=self.device)
         keep = [src]  # a cast copy is read by the collective until it is done: keep it alive
 
-        def launch(a):
-            return comm.reduce_scatter_into(out, src, op, self.groups.shard, a)
-
         def done():
             keep.clear()
             if self.groups.replicate is not None:
                 comm.all_reduce_(out, op, self.groups.replicate)
-            if not direct:
-                if accumulate:
-                    self.shard.data.add_(out.to(self.dtype))
-                else:
-                    self.shard.data.copy_(out)
+            if accumulate:
+                self.shard.data.add_(out.to(self.dtype))
+            elif not direct:
+                self.shard.data.copy_(out)
             if release is not None:
                 release.free_global(wait=release is not self)
             if then is not None:
                 then()
             return self
 
-        return self._launch(launch, async_op, done)
+        return self._launch(lambda a: comm.reduce_scatter_into(out, src, op, self.groups.shard, a),
+                            async_op, done)
 
     def _reduce_source(self, source: torch.Tensor, op: str,
                        reduce_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.dtype]:

@@ -116,7 +116,7 @@ class HostMirror:
         """Copy the unit's gradient shard into the host tensor (its reduction is done, or
         ordered before on the device), its :func:`fingerprint` taken just before (so a
         write that lands after it, or during the copy, shows as a different fingerprint)."""
-        shard = unit.grads_shard()
+        shard = unit.grads().shard  # (its reduction is done: nothing to wait for)
         if self.stream is not None:  # after the reduction, which the compute stream is ordered after
             self.stream.wait_stream(torch.cuda.current_stream(shard.device))
         with torch.cuda.stream(self.stream):  # None (the CPU): plain copies, here

@@ -131,19 +131,19 @@ def boxes(shape: tuple, start: int, stop: int) -> list:
     inner = math.prod(shape[1:])
     if inner == 0:
         return []
-    out: list = []
     row, col = divmod(start, inner)
     end_row, end_col = divmod(stop, inner)
-    if col:  # a partial leading row
-        if row == end_row:
-            return [((row,) + o, (1,) + s) for o, s in boxes(shape[1:], col, end_col)]
-        out += [((row,) + o, (1,) + s) for o, s in boxes(shape[1:], col, inner)]
-        row += 1
+
+    def part(r: int, a: int, b: int) -> list:  # [a, b) of row r
+        return [((r,) + o, (1,) + s) for o, s in boxes(shape[1:], a, b)]
+
+    if row == end_row:
+        return part(row, col, end_col)
+    out = part(row, col, inner) if col else []  # a partial leading row
+    row += col > 0
     if end_row > row:  # whole rows
         out.append(((row,) + (0,) * (len(shape) - 1), (end_row - row,) + tuple(shape[1:])))
-    if end_col:  # a partial trailing row
-        out += [((end_row,) + o, (1,) + s) for o, s in boxes(shape[1:], 0, end_col)]
-    return out
+    return out + part(end_row, 0, end_col)  # a partial trailing row (or none)
 
 
 def per_rank(t: torch.Tensor, rank: int, world: int) -> Piece:

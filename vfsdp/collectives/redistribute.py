@@ -119,12 +119,10 @@ class Redistribution:
     def __init__(self, src: Sequence[Ranges], dst: Sequence[Ranges], rank: int, world: int) -> None:
         self.rank, self.world = rank, world
         n = len(src)
-        self.in_sizes = [src[i][rank][1] - src[i][rank][0] for i in range(n)]
-        self.out_sizes = [dst[i][rank][1] - dst[i][rank][0] for i in range(n)]
+        self.in_sizes = [s[rank][1] - s[rank][0] for s in src]
+        self.out_sizes = [d[rank][1] - d[rank][0] for d in dst]
         for i in range(n):
-            want = sum(hi - lo for lo, hi in dst[i])
-            have = _covered(src[i], dst[i])
-            if have != want:
+            if (have := _covered(src[i], dst[i])) != (want := sum(hi - lo for lo, hi in dst[i])):
                 raise ValueError(f"flat_redistribute: tensor {i}: the source ranges cover {have} "
                                  f"of the {want} destination elements")
         # Only the ranks with a non-empty range meet (a tensor spans few ranks): the slices in
@@ -169,10 +167,8 @@ class Redistribution:
         outs = [torch.empty(n, dtype=dtype, device=device) for n in self.out_sizes]
 
         def unpack(recv):
-            off = 0
-            for i, lo, hi in self.recv:
-                outs[i][lo:hi] = recv[off:off + hi - lo]
-                off += hi - lo
+            for (i, lo, hi), got in zip(self.recv, recv.split([hi - lo for _, lo, hi in self.recv])):
+                outs[i][lo:hi] = got
             return outs
 
         return self.exchange(send_buf, group, async_op, unpack)

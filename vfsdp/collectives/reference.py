@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["reduce_scatter_reference"]
+from vfsdp.collectives.comm import check_op
 
-_OPS = ("sum", "avg")
+__all__ = ["reduce_scatter_reference"]
 
 
 def _check(values: Sequence[torch.Tensor], what: str) -> None:
@@ -50,8 +50,7 @@ def reduce_scatter_reference(buffers: Sequence[torch.Tensor], op: str = "sum") -
         [[11.0], [22.0]]
     """
     _check(buffers, "reduce_scatter_reference")
-    if op not in _OPS:
-        raise ValueError(f"op must be one of {_OPS}, got {op!r}")
+    check_op(op)
     m = len(buffers)
     if buffers[0].numel() % m:
         raise ValueError(f"buffer of {buffers[0].numel()} elements does not split over {m} ranks")

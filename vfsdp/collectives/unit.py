@@ -122,12 +122,11 @@ class Reductions:
 
     def add(self, handle: Handle) -> None:
         self._inflight.append(handle)
-        while len(self._inflight) > self.limit:
-            self._inflight.pop(0).wait()
+        self.wait(self.limit)
 
-    def wait(self) -> None:
-        """Finish every reduction this object started."""
-        while self._inflight:
+    def wait(self, keep: int = 0) -> None:
+        """Finish every reduction this object started (but the ``keep`` newest)."""
+        while len(self._inflight) > keep:
             self._inflight.pop(0).wait()
 
     def __len__(self) -> int:
@@ -257,10 +256,9 @@ class Unit:
 
     def _made(self, made: dict, dtype: torch.dtype, role: Role) -> DBuffer:
         """The unit's ``role`` buffer in ``dtype`` from ``made``, made on first use."""
-        found = made.get(dtype)
-        if found is None:
-            found = made[dtype] = DBuffer(self.layout, self.groups, dtype, role, unit=self)
-        return found
+        if dtype not in made:
+            made[dtype] = DBuffer(self.layout, self.groups, dtype, role, unit=self)
+        return made[dtype]
 
     def gather(self, param_dtype: Optional[torch.dtype] = None,
                async_op: bool = False) -> tuple[DBuffer, Handle]:
@@ -371,12 +369,11 @@ class Unit:
                 self._settle(db, life)
             return
         db.wait()
-        if db.graphs > 0:  # a plain gather's graph still reads it
-            db.release(at_once)  # the memory goes at graph_done()
+        db.release(at_once)  # freed now, or at graph_done() while a plain gather's graph reads it
+        if db.release_pending:
             self._to(db, UnitState.HELD)
-            return
-        db.free_global()
-        self._settle(db, life)
+        else:
+            self._settle(db, life)
 
     def _settle(self, db: DBuffer, life: _Life) -> None:
         self._to(db, UnitState.RESHARDED if life.regather else UnitState.RELEASED)
@@ -474,10 +471,7 @@ class Unit:
             with torch.no_grad():
                 for x, p, need in zip(rec.locals, pieces, rec.needs):
                     if need and p is not None:
-                        if x.grad is None:
-                            x.grad = p
-                        else:
-                            x.grad.add_(p)
+                        x.grad = p if x.grad is None else x.grad.add_(p)
         return pieces
 
     def _unlink_stale(self, rec: Any) -> None:
@@ -500,16 +494,12 @@ class Unit:
         backward) are added into the buffer first."""
         with torch.no_grad():
             for x, k, need in zip(rec.locals, rec.index, rec.needs):
-                if not need:
-                    continue
-                view = self.grad_view(k)
-                old = x.grad
-                if old is view:
-                    continue
-                if old is not None:
-                    self.grads()  # the reduction in flight into the buffer lands first
-                    view.add_(old.view(view.shape))
-                x.grad = view
+                view = self.grad_view(k) if need else x.grad
+                if x.grad is not view:
+                    if x.grad is not None:
+                        self.grads()  # the reduction in flight into the buffer lands first
+                        view.add_(x.grad.view(view.shape))
+                    x.grad = view
         self.grad_linked = True
 
     def reduce_grads(self, index: Sequence[int], grads: Sequence[Optional[torch.Tensor]],
@@ -540,9 +530,9 @@ class Unit:
         rdt = opts.reduce_dtype or next((g.dtype for g in grads if g is not None), db.dtype)
         to_buffer = opts.grads == "buffer"
         accum = self.unreduced(create=not opts.grad_sync)
+        pairs = [(i, g) for i, g in zip(index, grads) if g is not None]
         if accum is not None:  # accumulating unsharded (no reduce until the last micro-batch)
             dsts = accum.internal_views()
-            pairs = [(i, g) for i, g in zip(index, grads) if g is not None]
             with torch.no_grad():  # one op for the unit
                 tp.foreach("add_", [dsts[i] for i, _ in pairs], [g for _, g in pairs])
             if not opts.grad_sync:
@@ -559,15 +549,9 @@ class Unit:
             stage = self.stage(rdt, share_grads=to_buffer)
             buf = stage.alloc_global().data
             dsts = stage.internal_views()  # made once: no view op per tensor per step
-            covered, copies = set(), []
-            for i, g in zip(index, grads):
-                if g is None:
-                    continue
-                dst = dsts[i]
-                covered.add(i)
-                if not _is_slice_of(g, dst):  # produced in place: nothing to copy
-                    copies.append((dst, g))
-            _zero_gaps(buf, db.tensors, covered)
+            # (a gradient produced in place has nothing to copy)
+            copies = [(dsts[i], g) for i, g in pairs if not _is_slice_of(g, dsts[i])]
+            _zero_gaps(buf, db.tensors, {i for i, _ in pairs})
             with torch.no_grad():  # one op for all the unit's pieces, not one per tensor
                 tp.foreach("copy_", [dst if dst.shape == g.shape else dst.view(g.shape)
                                        for dst, g in copies], [g for _, g in copies])
@@ -594,13 +578,10 @@ class Unit:
         return _expand([gdb.local(i) for i in index], first) if views else None
 
     def _reduced(self) -> None:
-        live = []
-        for ref in self.on_reduced:
-            hook = ref()
-            if hook is not None:
-                live.append(ref)
-                hook(self)
-        self.on_reduced[:] = live
+        hooks = [(ref, hook) for ref in self.on_reduced if (hook := ref()) is not None]
+        self.on_reduced[:] = [ref for ref, _ in hooks]
+        for _, hook in hooks:
+            hook(self)
 
     @property
     def grad_mirror(self) -> Any:
@@ -613,15 +594,9 @@ class Unit:
         """Copy the gradient shard into ``mirror`` after each reduction (``None``: stop):
         its ``refresh`` as an :attr:`on_reduced` hook, held weakly (it stops when its owner,
         an offloaded optimizer state, goes)."""
-        if self._mirror is not None:
-            self.on_reduced[:] = [r for r in self.on_reduced if r is not self._mirror]
+        self.on_reduced[:] = [r for r in self.on_reduced if r is not self._mirror]
         self._mirror = None if mirror is None else weakref.WeakMethod(mirror.refresh)
-        if self._mirror is not None:
-            self.on_reduced.append(self._mirror)
-
-    def grads_shard(self) -> Optional[torch.Tensor]:
-        """The gradient buffer's shard as it is (no wait), or ``None`` without a buffer."""
-        return None if self._grads is None else self._grads.shard
+        self.on_reduced += [self._mirror] if mirror is not None else []
 
     def reduce_new(self, source: torch.Tensor, op: str,
                    reduce_dtype: Optional[torch.dtype]) -> torch.Tensor:
@@ -722,13 +697,10 @@ class Unit:
         self.backward_prefetch = None if prev is None else (weakref.ref(prev.unit), prev.dtype)
 
     def __repr__(self) -> str:
-        held = []
-        for db in self.buffers():
-            parts = [p for p, on in (("shard", db.role is not Role.COMPUTE and db.holds_shard),
-                                     ("full", db.is_allocated)) if on]
-            if parts:
-                held.append(f"{db.name} {str(db.dtype).replace('torch.', '')} "
-                            f"{'+'.join(parts)}")
+        held = [f"{db.name} {str(db.dtype).replace('torch.', '')} {'+'.join(parts)}"
+                for db in self.buffers() if (parts := [p for p, on in (
+                    ("shard", db.role is not Role.COMPUTE and db.holds_shard),
+                    ("full", db.is_allocated)) if on])]
         pending = [what for what, on in (
             ("all-gather", any(db.in_flight for db in (self.params, *self._compute.values()))),
             ("reduce-scatter", self._grads is not None and self._grads.in_flight),
@@ -822,13 +794,10 @@ def _is_slice_of(g: torch.Tensor, dst: torch.Tensor) -> bool:
 def _zero_gaps(buf: torch.Tensor, tensors, covered: set) -> None:
     """Zero everything but the tensors about to be written: padding and missing gradients
     (one op for all the gaps)."""
-    end, gaps = 0, []
-    for i, t in enumerate(tensors):
-        if i in covered:
-            if t.offset > end:
-                gaps.append(buf[end:t.offset])
-            end = max(end, t.offset + t.numel)
-    if end < buf.numel():
-        gaps.append(buf[end:])
+    end, gaps, n = 0, [], buf.numel()
+    for lo, hi in [(t.offset, t.offset + t.numel) for i, t in enumerate(tensors) if i in covered] + [(n, n)]:
+        if lo > end:
+            gaps.append(buf[end:lo])
+        end = max(end, hi)
     with torch.no_grad():
         tp.foreach("zero_", gaps)

@@ -126,7 +126,7 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, policy: Optional[Policy] = 
         own_mesh(shards, mesh, what)  # the shards' units carry their mesh
         units = units_of(match_tree(shards, spec, what), spec, what)
     else:  # fresh units: only their gradient buffers are used
-        groups = resolve_groups(spec, mesh)
+        groups = resolve_groups(spec, mesh)  # (once: every unit's)
         units = [UnitLeaves(key, Unit(spec.units[key], groups), tuple(members))
                  for key, members in spec.unit_leaves().items()]
     out: list = list(grads)

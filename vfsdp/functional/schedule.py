@@ -83,11 +83,6 @@ class _Regather:
             self.last = db
         self.calls.setdefault(id(db), []).append(call)
 
-    def ensure(self, db: DBuffer, prefetch: bool = True) -> None:
-        for call in self.calls.get(id(db), ()):
-            call.check_versions()  # a shard changed since the forward: refuse to regather it
-        db.unit.pre_backward(db, prefetch)
-
     def hooks(self) -> tuple[torch.autograd.graph.saved_tensors_hooks, Optional[tuple]]:
         """A layer call's saved-tensor hooks: a gathered parameter as a record; anything else
         handed to the hooks active around the call (a ``torch.utils.checkpoint`` around several
@@ -127,7 +122,9 @@ class _Regather:
 
     def unpack(self, saved: _Saved, prefetch: bool = True) -> torch.Tensor:
         self.join(saved.db)
-        self.ensure(saved.db, prefetch)
+        for call in self.calls.get(id(saved.db), ()):
+            call.check_versions()  # a shard changed since the forward: refuse to regather it
+        saved.db.unit.pre_backward(saved.db, prefetch)
         buf = saved.db.global_buffer
         return saved.db.saved_view(saved.offset - buf.storage_offset(), saved.shape, saved.stride)
 
@@ -251,7 +248,7 @@ class LayerRun:
                              f"grads='return')")
         refuse(values, "eager", what)
         self.gopts, self.ropts = resolve(values, layers=True)
-        self.layers, self.what = layers, what
+        self.layers = layers
         self.prefetch = values["prefetch"] is not False
         self.reshard_after_forward = values["reshard_after_forward"] is not False
         self.context_fn = recompute_context(values["recompute"])
@@ -284,7 +281,7 @@ class LayerRun:
             if self.context_fn is not None:
                 out = checkpointed(fn, full, args, kwargs, self.context_fn)
             else:
-                with checkpoint_wrapped(_same):  # a reentrant checkpoint in fn: as non-reentrant
+                with checkpoint_wrapped(lambda f: f):  # a reentrant checkpoint in fn: as non-reentrant
                     out = fn(full, *args, **kwargs)
         if torch.is_grad_enabled():
             if self.context_fn is not None:
@@ -357,7 +354,7 @@ class LayerRun:
             # next backward pass releases them as it ends.
             for calls in self.regather.calls.values():
                 if not any(c.recorded for c in calls):
-                    pending().release_after_backward(calls[0].unit)
+                    pending().frozen[id(calls[0].unit)] = calls[0].unit
 
 
 def _trigger(outer: Optional[tuple], out: Any, inputs: Any) -> None:
@@ -429,10 +426,6 @@ class _Refresh:
                 if wants:  # a recompute differentiated through: a reentrant checkpoint
                     fresh.register_hook(_reentrant)
                 node[k] = fresh
-
-
-def _same(fn: Callable) -> Callable:
-    return fn
 
 
 def _reentrant(grad: torch.Tensor) -> None:

@@ -68,7 +68,6 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 
 from vfsdp import _torch_private as tp
-from vfsdp._torch_private import functorch_active
 from vfsdp.collectives import comm
 from vfsdp.collectives.comm import Handle, side_group
 from vfsdp.collectives.dbuffer import slot_of
@@ -408,7 +407,11 @@ class RankGathers:
         entry.holds_graph = True
         entry.unit.hold(entry.db, entry.regathers)
         entry.unit.awaiting += 1
-        weakref.finalize(ctx, self.died, weakref.ref(entry))
+        # Its node freed: settled at the next operation, not now: the node usually dies inside
+        # the destruction of the last tensor holding it, a view of the unit's memory still
+        # being torn down, so the memory cannot be judged free yet (DBuffer.free_global). (The
+        # node holds the entry itself, as ctx.call: this keeps it no longer.)
+        weakref.finalize(ctx, self.dying.append, entry)
         if self.created % SWEEP == 0 and tp.graph_task_id() == -1:
             self.sweep()
 
@@ -423,16 +426,6 @@ class RankGathers:
         _, alive = Agreement(self, []).marked()
         for e in [e for e in self.entries if e.orphan and e.place not in alive]:
             self.close(e)
-
-    def died(self, ref) -> None:
-        """The entry's autograd node was freed: settle it at the next operation.
-
-        Not now: the node usually dies inside the destruction of the last tensor holding it,
-        a view of the unit's memory still being torn down, so the memory cannot be judged
-        free yet (see :meth:`DBuffer.free_global`)."""
-        entry = ref()
-        if entry is not None:
-            self.dying.append(entry)
 
     def settle(self) -> None:
         """Settle the entries whose nodes died: no graph reads their memory any more. One that
@@ -572,7 +565,7 @@ class Gather:
                       zeros: bool = False) -> Optional[list]:
         """The unit's post-backward transition for this gather (inside ``torch.func``: its
         gradients reduced into fresh tensors, nothing of vfsdp's written)."""
-        if functorch_active():
+        if tp.functorch_active():
             self.unit.pre_backward(self.db)
             if self.gopts.free_after_backward and not keep:
                 self.unit.release(at_once=False, db=self.db)
@@ -615,7 +608,7 @@ class _GatherUnit(torch.autograd.Function):
         rec = ctx.call = inputs[0]
         ctx.set_materialize_grads(False)
         needs = tuple(ctx.needs_input_grad[1:])
-        if any(needs) and rec.recording and not functorch_active():
+        if any(needs) and rec.recording and not tp.functorch_active():
             rec.locals, rec.needs = tuple(inputs[1:]), needs
             rec.versions = tuple(tp.version(x) for x in rec.locals)
             rec.flat_version = tp.version(rec.unit.params.shard)
@@ -747,7 +740,7 @@ def gather(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
 def _eager(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str, start: bool) -> Handle:
     """The eager gather of ``gather`` (``start``: ``gather_async``), after refusing what the path
     cannot honour."""
-    refuse(values, "torch.func" if functorch_active() else "eager", what)
+    refuse(values, "torch.func" if tp.functorch_active() else "eager", what)
     gopts, ropts = resolve(values, layers=False)
     return start_gather(shards, spec, own_mesh(shards, mesh, what), gopts, ropts, what, start=start)
 
@@ -755,7 +748,7 @@ def _eager(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str, sta
 def _functional(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str) -> Any:
     """The functional gather: while compiling, or with ``all_gather=`` hooks (of shards
     made by ``vfsdp.shard`` only: ``mesh`` is ignored, as on the eager path)."""
-    if functorch_active():
+    if tp.functorch_active():
         refuse(values, "torch.func", what)
     refuse(values, "compiled" if tp.compiling() else "all_gather", what)
     if not tp.compiling():
@@ -776,7 +769,7 @@ def start_gather(shards: Any, spec: ShardSpec, mesh: Any, gopts: GatherOptions,
     make = functools.partial(Gather, spec, mesh=mesh, what=what, gopts=gopts, ropts=ropts,
                              regathers=regathers)
     calls, handles = {}, []
-    if start and not functorch_active():  # under torch.func the shards are wrapped until forward
+    if start and not tp.functorch_active():  # under torch.func the shards are wrapped until forward
         for u in units_of(leaves, spec, what, mesh=mesh, pack=True):
             call = make(u.key, u.index)
             call.unit = u.unit

@@ -21,7 +21,6 @@ import optree
 import torch
 
 from vfsdp import _torch_private as tp
-from vfsdp._torch_private import functorch_active
 from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.unit import Unit, _expand, _merge
 from vfsdp.functional.options import GradOptions, Policy, merge
@@ -95,7 +94,7 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, policy: Optional[Policy] = 
         >>> vfsdp.testing.simulate(2, body)
         [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
     """
-    if functorch_active():
+    if tp.functorch_active():
         raise ValueError("vfsdp.reduce_scatter cannot run inside torch.func transforms (it "
                          "writes gradient buffers); differentiate through vfsdp.gather instead, "
                          "whose backward reduce-scatters")

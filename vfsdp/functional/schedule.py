@@ -36,15 +36,7 @@ import optree
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-from vfsdp._torch_private import (
-    checkpoint_wrapped,
-    compiling,
-    functorch_active,
-    graph_task_id,
-    is_own_output,
-    running_node_seq,
-    saved_hooks_top,
-)
+from vfsdp import _torch_private as tp
 from vfsdp.collectives.comm import Handle
 from vfsdp.collectives.dbuffer import SLOT, DBuffer, ReleasedTensor, View, slot_of
 from vfsdp.functional.gather import pending, start_gather, writes_leaf_grads
@@ -78,8 +70,7 @@ class _Regather:
 
     def add(self, db: DBuffer, call) -> None:
         if id(db) not in self.calls:  # its backward prefetches the one gathered before it
-            prev = self.last if self.prefetch else None
-            db.unit.link_prefetch(prev)
+            db.unit.link_prefetch(self.last if self.prefetch else None)
             self.last = db
         self.calls.setdefault(id(db), []).append(call)
 
@@ -87,7 +78,7 @@ class _Regather:
         """A layer call's saved-tensor hooks: a gathered parameter as a record; anything else
         handed to the hooks active around the call (a ``torch.utils.checkpoint`` around several
         layers: its recompute then replays them, ``save_on_cpu``), or kept; and those."""
-        outer = saved_hooks_top()
+        outer = tp.saved_hooks_top()
 
         def pack(t: torch.Tensor) -> Any:
             slot = slot_of(t) or slot_of(t._base)
@@ -102,7 +93,7 @@ class _Regather:
             # with grad mode on, an exception) would never be freed. A detached alias (no
             # kernel, no copy, the same version counter) is what autograd keeps of its outputs
             # without hooks, too.
-            return t.detach() if is_own_output(t) else t
+            return t.detach() if tp.is_own_output(t) else t
 
         def unpack(saved: Any) -> torch.Tensor:
             if isinstance(saved, _Saved):
@@ -115,7 +106,7 @@ class _Regather:
         """In a backward, before ``db``'s unit is regathered: units created after the running
         node that did not run reduce (zeros) first, as they do on a rank whose backward
         reaches one of their nodes before this."""
-        seq = running_node_seq()
+        seq = tp.running_node_seq()
         calls = self.calls.get(id(db), ())
         if seq is not None and calls:
             pending().backward(lambda: writes_leaf_grads(calls[0])).reach(seq)
@@ -207,17 +198,17 @@ def run_layers(
         [[1.0, 1.0, 1.0, 1.0]]
     """
     what = "vfsdp.run_layers"
-    if functorch_active():
+    if tp.functorch_active():
         raise ValueError(f"{what} cannot run inside torch.func transforms: it keeps each unit's "
                          f"gradients in its gradient buffer; use vfsdp.gather (grads='return') "
                          f"there")
-    if compiling() and isinstance(specs, ShardSpec):  # the sub-specs vfsdp.shard prepared
+    if tp.compiling() and isinstance(specs, ShardSpec):  # the sub-specs vfsdp.shard prepared
         specs = [specs[i] for i in range(max(traced_children(specs), 0))]
     values = merge(policy, options, what)
-    if compiling() or values["all_gather"] is not None:  # the functional path: to .grad
-        refuse(values, "compiled" if compiling() else "all_gather", what)
+    if tp.compiling() or values["all_gather"] is not None:  # the functional path: to .grad
+        refuse(values, "compiled" if tp.compiling() else "all_gather", what)
         layers = layer_pieces(shards, specs, mesh, what,
-                              "compiled" if compiling() else "functional")
+                              "compiled" if tp.compiling() else "functional")
         return traced_run_layers(layer_fn, layers, h, values)
     run = LayerRun(layer_pieces(shards, specs, mesh, what), values, what)
     n = len(run.layers)
@@ -281,7 +272,7 @@ class LayerRun:
             if self.context_fn is not None:
                 out = checkpointed(fn, full, args, kwargs, self.context_fn)
             else:
-                with checkpoint_wrapped(lambda f: f):  # a reentrant checkpoint in fn: as non-reentrant
+                with tp.checkpoint_wrapped(lambda f: f):  # a reentrant checkpoint in fn: as non-reentrant
                     out = fn(full, *args, **kwargs)
         if torch.is_grad_enabled():
             if self.context_fn is not None:
@@ -369,8 +360,8 @@ def _trigger(outer: Optional[tuple], out: Any, inputs: Any) -> None:
     holder, done = outer[0](outs[0].new_empty(0)), set()
 
     def hook(grad: torch.Tensor) -> None:
-        if graph_task_id() not in done:  # once per backward pass
-            done.add(graph_task_id())
+        if tp.graph_task_id() not in done:  # once per backward pass
+            done.add(tp.graph_task_id())
             outer[1](holder)
 
     _watch(out, inputs, hook)
@@ -477,7 +468,7 @@ def checkpointed(fn: Callable, full: Any, args: tuple, kwargs: dict,
               for t, want in zip(flat[:n], wants)]
         return fn(optree.tree_unflatten(treespec, ts), *flat[n:], **kw)
 
-    with checkpoint_wrapped(None):  # its recompute reads ``full`` itself
+    with tp.checkpoint_wrapped(None):  # its recompute reads ``full`` itself
         return checkpoint(inner, *leaves, *args, use_reentrant=False,
                           context_fn=context_fn or noop_context_fn, **kwargs)
 

@@ -24,10 +24,10 @@ Two objects hold it, both with a ``repr`` that shows it:
   record (:class:`vfsdp.functional.gather.Gather`). It belongs to the rank's default
   process group (a rank of ``vfsdp.testing.simulate`` has its own), not to a thread.
 * :class:`BackwardPass`: the record of one backward pass, made at its first vfsdp hook. Its
-  :meth:`~BackwardPass.agree` is the one cross-rank call: each rank marks the entries whose
+  :class:`Agreement` is the one cross-rank call: each rank marks the entries whose
   nodes this pass will run, and the ranks OR these marks over the world (two small
   all-reduces of host tensors over a side group, the way DDP finds unused parameters,
-  started without waiting: :class:`Agreement`). The pass then reduces exactly the marked
+  started without waiting). The pass then reduces exactly the marked
   units, on every rank. A rank whose loss does not reach a marked unit takes part in its
   reduce-scatter with zero gradients, as FSDP2 does for unused parameters. The order is the
   autograd engine's: it runs nodes in decreasing creation order, so when the pass reaches a
@@ -68,7 +68,6 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 
 from vfsdp import _torch_private as tp
-from vfsdp._torch_private import functorch_active
 from vfsdp.collectives import comm
 from vfsdp.collectives.comm import Handle, side_group
 from vfsdp.collectives.dbuffer import slot_of
@@ -124,14 +123,12 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
     leaves = match_tree(shards, spec, what)
     out = list(leaves)
     for u in units_of(leaves, spec, what):
-        if _in_dot_grad(u.unit, leaves, u.leaves):
-            for i, _ in u.leaves:
-                g = leaves[i].grad
-                out[i] = g if g is not None else torch.zeros_like(leaves[i])
-            continue
-        u.unit.grads().ensure_shard()
-        for i, k in u.leaves:
-            out[i] = u.unit.grad_view(k)  # the same tensor each step: no op to make it
+        dot = _in_dot_grad(u.unit, leaves, u.leaves)
+        if not dot:
+            u.unit.grads().ensure_shard()
+        for i, k in u.leaves:  # a buffer's view: the same tensor each step, no op to make it
+            g = leaves[i].grad if dot else u.unit.grad_view(k)
+            out[i] = g if g is not None else torch.zeros_like(leaves[i])
     return optree.tree_unflatten(spec.treespec, out)
 
 
@@ -179,26 +176,21 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
     if tp.compiling():  # torch.compile: the gradients are the shards' .grad
         return traced_zero_grads(shards, spec, set_to_none)
     leaves = match_tree(shards, spec, what)
-    zero = []  # the .grad autograd accumulated (grads="return"), zeroed in one op
+    zero = []  # the .grad autograd accumulated (grads="return") and the buffers: one op
     for u in units_of(leaves, spec, what):
         for i, _ in u.leaves:
-            if leaves[i].grad is not None:
-                if set_to_none:
-                    leaves[i].grad = None
-                else:
-                    zero.append(leaves[i].grad)
+            if set_to_none:
+                leaves[i].grad = None
+            elif leaves[i].grad is not None:
+                zero.append(leaves[i].grad)
         u.unit.drop_accumulators()
         drop_traced_grads(u.unit.traced, keep=not set_to_none)  # the compiled path's leaves
         u.unit.grads_mode = None  # no reduction since: .grad or the buffer, whichever comes
         u.unit.grad_linked = False
-        if not u.unit.has_grads:
-            continue  # no gradient buffer yet: nothing to zero
-        gdb = u.unit.grads()
-        if set_to_none:
-            gdb.release_shard()
-        else:
-            with torch.no_grad():
-                gdb.ensure_shard().zero_()
+        if u.unit.has_grads and set_to_none:  # (no gradient buffer yet: nothing to zero)
+            u.unit.grads().release_shard()
+        elif u.unit.has_grads:
+            zero.append(u.unit.grads().ensure_shard())
     with torch.no_grad():
         tp.foreach("zero_", zero)
 
@@ -260,11 +252,6 @@ class BackwardPass:
         self._alive: set = set()  # places whose node is alive on some rank
         self._marked: Optional[set] = None  # ids of the entries it reduces (on some rank)
 
-    def agree(self, running: Any) -> None:
-        """Start the one cross-rank exchange: which units this pass reduces."""
-        entries = self.gathers.entries
-        self.agreement = Agreement(self.gathers, [e for e in entries if e is running or e.will_run()])
-
     @property
     def marked(self) -> set:
         """The entries some rank's pass runs (waits for the agreement the first time; forgets
@@ -287,8 +274,7 @@ class BackwardPass:
         later = [e for e in self.gathers.entries if e.seq > seq and e.ran_in != self.task]
         if not later:
             return
-        marked = self.marked
-        for other in sorted((e for e in later if id(e) in marked), key=lambda e: -e.seq):
+        for other in sorted((e for e in later if id(e) in self.marked), key=lambda e: -e.seq):
             self._zeros(other)
 
     def ran(self, entry: Any) -> None:
@@ -319,14 +305,10 @@ class BackwardPass:
         entry.ran_in = self.task
         keep = tp.keep_graph()  # as on the ranks that run it
         entry.post_backward([None] * len(entry.index), self.accumulates, keep, zeros=True)
-        if keep:
-            return  # the graph runs again on the ranks that run it: so does this
-        if entry.orphan:
-            self.gathers.close(entry)
-        else:
-            # Done in this pass on every rank; its node, alive here but not run, may still be
-            # read by its graph until it dies.
-            self.gathers.close(entry, graph_done=False)
+        if not keep:  # (kept: the graph runs again on the ranks that run it, so does this)
+            # Done in this pass on every rank; the node of an entry that is no orphan, alive
+            # here but not run, may still be read by its graph until it dies.
+            self.gathers.close(entry, graph_done=entry.orphan)
 
     def __repr__(self) -> str:
         marked = "?" if self._marked is None else len(self._marked)
@@ -355,15 +337,12 @@ class Agreement:
         created, base = gathers.created, gathers.base
         oldest = min((e.place for e in self.awaiting), default=created)
         self.width = max(64, 1 << max(created - base - 1, 0).bit_length())
-        bits = [0] * (2 * self.width)  # runs here, then: its node is alive here
-        for e in mine:
-            bits[e.place - base] = 1
-        for e in self.awaiting:
-            if not e.orphan:
-                bits[self.width + e.place - base] = 1
+        on = [e.place - base for e in mine] + [  # runs here, then: its node is alive here
+            self.width + e.place - base for e in self.awaiting if not e.orphan]
         with comm.collective_scope():  # the exchange's own small tensors: not data movement
             self.header = torch.tensor([-oldest, created, -created], dtype=torch.int64)  # cpu: gloo
-            self.marks = torch.tensor(bits, dtype=torch.uint8)  # cpu: the gloo side group
+            self.marks = torch.zeros(2 * self.width, dtype=torch.uint8)  # cpu: the gloo side group
+            self.marks[on] = 1
             self.works = [comm.all_reduce_max_(t, side_group(), "backward_marks", async_op=True)
                           for t in (self.header, self.marks)]
 
@@ -419,11 +398,6 @@ class RankGathers:
         # Units run_layers gathered with no record (frozen): the next pass releases them.
         self.frozen: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
-    def release_after_backward(self, unit: Any) -> None:
-        """Release ``unit`` (frozen: gathered with no record of a backward) as the next
-        backward pass ends."""
-        self.frozen[id(unit)] = unit
-
     def add(self, ctx: Any, entry: Any) -> None:
         """Record the gather ``entry`` whose autograd node ``ctx`` was just made."""
         self.settle()
@@ -433,7 +407,11 @@ class RankGathers:
         entry.holds_graph = True
         entry.unit.hold(entry.db, entry.regathers)
         entry.unit.awaiting += 1
-        weakref.finalize(ctx, self.died, weakref.ref(entry))
+        # Its node freed: settled at the next operation, not now: the node usually dies inside
+        # the destruction of the last tensor holding it, a view of the unit's memory still
+        # being torn down, so the memory cannot be judged free yet (DBuffer.free_global). (The
+        # node holds the entry itself, as ctx.call: this keeps it no longer.)
+        weakref.finalize(ctx, self.dying.append, entry)
         if self.created % SWEEP == 0 and tp.graph_task_id() == -1:
             self.sweep()
 
@@ -448,16 +426,6 @@ class RankGathers:
         _, alive = Agreement(self, []).marked()
         for e in [e for e in self.entries if e.orphan and e.place not in alive]:
             self.close(e)
-
-    def died(self, ref) -> None:
-        """The entry's autograd node was freed: settle it at the next operation.
-
-        Not now: the node usually dies inside the destruction of the last tensor holding it,
-        a view of the unit's memory still being torn down, so the memory cannot be judged
-        free yet (see :meth:`DBuffer.free_global`)."""
-        entry = ref()
-        if entry is not None:
-            self.dying.append(entry)
 
     def settle(self) -> None:
         """Settle the entries whose nodes died: no graph reads their memory any more. One that
@@ -496,14 +464,15 @@ class RankGathers:
 
     def backward(self, accumulates: Callable[[], bool], running: Any = None) -> BackwardPass:
         """The record of the backward pass running now: at its first vfsdp hook made, agreed
-        with every rank (:meth:`BackwardPass.agree`) and given the end-of-pass callback.
+        with every rank (:class:`Agreement`) and given the end-of-pass callback.
         ``accumulates()`` tells whether the pass writes leaves' ``.grad`` (asked once)."""
         self.settle()
         task = tp.graph_task_id()
         if self.current is None or self.current.task != task:
             record = self.current = BackwardPass(self, task, accumulates())
             tp.queue_final_callback(record.finish)
-            record.agree(running)
+            # the one cross-rank exchange, started: which units this pass reduces
+            record.agreement = Agreement(self, [e for e in self.entries if e is running or e.will_run()])
         return self.current
 
     def __repr__(self) -> str:
@@ -515,18 +484,16 @@ class _NoGroup:
     """The key of a process that has no default process group (yet)."""
 
 
-_NO_GROUP = _NoGroup()
 _BY_GROUP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def pending() -> RankGathers:
     """This rank's :class:`RankGathers`: the one of its default process group (a rank of
     ``vfsdp.testing.simulate`` has its own)."""
-    key = dist.group.WORLD if dist.is_initialized() else _NO_GROUP
-    found = _BY_GROUP.get(key)
-    if found is None:
-        found = _BY_GROUP[key] = RankGathers()
-    return found
+    key = dist.group.WORLD if dist.is_initialized() else _NoGroup
+    if key not in _BY_GROUP:
+        _BY_GROUP[key] = RankGathers()
+    return _BY_GROUP[key]
 
 
 class Gather:
@@ -580,7 +547,7 @@ class Gather:
         """
         for x, v, k in zip(self.locals, self.versions, self.index):
             if tp.version(x) != v:
-                path = ".".join(map(str, self.spec.units[self.key].paths[k]))
+                path = format_path(self.spec.units[self.key].paths[k])
                 raise RuntimeError(
                     f"{path} was modified in place after vfsdp.gather used it for the forward; "
                     f"the backward would mix old and new values (torch raises the same for a "
@@ -598,7 +565,7 @@ class Gather:
                       zeros: bool = False) -> Optional[list]:
         """The unit's post-backward transition for this gather (inside ``torch.func``: its
         gradients reduced into fresh tensors, nothing of vfsdp's written)."""
-        if functorch_active():
+        if tp.functorch_active():
             self.unit.pre_backward(self.db)
             if self.gopts.free_after_backward and not keep:
                 self.unit.release(at_once=False, db=self.db)
@@ -638,11 +605,10 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        rec = inputs[0]
-        ctx.call = rec
+        rec = ctx.call = inputs[0]
         ctx.set_materialize_grads(False)
         needs = tuple(ctx.needs_input_grad[1:])
-        if any(needs) and rec.recording and not functorch_active():
+        if any(needs) and rec.recording and not tp.functorch_active():
             rec.locals, rec.needs = tuple(inputs[1:]), needs
             rec.versions = tuple(tp.version(x) for x in rec.locals)
             rec.flat_version = tp.version(rec.unit.params.shard)
@@ -768,23 +734,21 @@ def gather(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
     values = merge(policy, options, what)
     if tp.compiling() or values["all_gather"] is not None:  # the functional path (traced)
         return _functional(shards, spec, mesh, values, what)
-    gopts, ropts = _eager(values, what)
-    leaves = match_tree(shards, spec, what)
-    pending().settle()
-    return _assemble(leaves, spec, {}, functools.partial(
-        Gather, spec, mesh=own_mesh(leaves, mesh, what), what=what, gopts=gopts, ropts=ropts))
+    return _eager(shards, spec, mesh, values, what, start=False).wait()
 
 
-def _eager(values: dict, what: str, layers: bool = False) -> tuple:
-    """The resolved eager options of a call, after refusing what the path cannot honour."""
-    refuse(values, "torch.func" if functorch_active() else "eager", what)
-    return resolve(values, layers)
+def _eager(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str, start: bool) -> Handle:
+    """The eager gather of ``gather`` (``start``: ``gather_async``), after refusing what the path
+    cannot honour."""
+    refuse(values, "torch.func" if tp.functorch_active() else "eager", what)
+    gopts, ropts = resolve(values, layers=False)
+    return start_gather(shards, spec, own_mesh(shards, mesh, what), gopts, ropts, what, start=start)
 
 
 def _functional(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str) -> Any:
     """The functional gather: while compiling, or with ``all_gather=`` hooks (of shards
     made by ``vfsdp.shard`` only: ``mesh`` is ignored, as on the eager path)."""
-    if functorch_active():
+    if tp.functorch_active():
         refuse(values, "torch.func", what)
     refuse(values, "compiled" if tp.compiling() else "all_gather", what)
     if not tp.compiling():
@@ -793,18 +757,19 @@ def _functional(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str
 
 
 def start_gather(shards: Any, spec: ShardSpec, mesh: Any, gopts: GatherOptions,
-                 ropts: GradOptions, what: str, regathers: bool = False) -> Handle:
+                 ropts: GradOptions, what: str, regathers: bool = False, start: bool = True) -> Handle:
     """Start a tree's all-gathers; ``wait()`` returns what :func:`gather` would.
 
-    The building block of :func:`gather_async` and :func:`vfsdp.run_layers` (``regathers``:
-    its backward gathers a resharded unit again, so its graph does not keep the memory).
+    The building block of :func:`gather`, :func:`gather_async` and :func:`vfsdp.run_layers`
+    (``regathers``: its backward gathers a resharded unit again, so its graph does not keep the
+    memory). ``start=False``: none starts now; each unit gathers as ``wait()`` assembles it.
     """
     leaves = match_tree(shards, spec, what)
     pending().settle()
     make = functools.partial(Gather, spec, mesh=mesh, what=what, gopts=gopts, ropts=ropts,
                              regathers=regathers)
     calls, handles = {}, []
-    if not functorch_active():  # under torch.func the shards are wrapped until forward
+    if start and not tp.functorch_active():  # under torch.func the shards are wrapped until forward
         for u in units_of(leaves, spec, what, mesh=mesh, pack=True):
             call = make(u.key, u.index)
             call.unit = u.unit
@@ -819,20 +784,15 @@ class GatherHandle(Handle):
     returns the full tree (what :func:`gather` returns, differentiable)."""
 
     def __init__(self, handles: list, leaves: list, spec: ShardSpec, calls: dict, make) -> None:
-        super().__init__()
-        self._handles, self._args = handles, (leaves, spec, calls, make)
+        super().__init__(handles, finish=lambda: _assemble(leaves, spec, calls, make))
         self.calls = calls  # unit key -> its gather (its unit, gathered buffer, shards)
 
     def wait(self) -> Any:
         if not self._done:
-            for rec in self.calls.values():  # the units' GATHERING -> GATHERED
+            for rec in self.calls.values():  # the units' GATHERING -> GATHERED, then the handles
                 if rec.unit.state is UnitState.GATHERING and rec.unit.live is rec.db:
                     rec.unit.wait()
-            for h in self._handles:
-                h.wait()
-            self._result = _assemble(*self._args)
-            self._handles, self._args, self._done = [], None, True
-        return self._result
+        return super().wait()
 
 
 def gather_async(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
@@ -857,7 +817,8 @@ def gather_async(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, 
         options: The keyword options of :func:`gather`.
 
     Returns:
-        A :class:`GatherHandle` (a :class:`vfsdp.collectives.Handle`).
+        A :class:`vfsdp.collectives.Handle` (a :class:`GatherHandle` but with ``all_gather=``
+            hooks).
 
     Raises:
         TypeError: an unknown option.
@@ -879,9 +840,7 @@ def gather_async(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, 
                          "is eager state the compiler cannot trace; call vfsdp.gather, whose "
                          "all-gathers the compiler schedules (and overlaps) itself")
     values = merge(policy, options, what)
-    if values["all_gather"] is not None:
-        done = GatherHandle([], [], None, {}, None)  # its gathers are done: wait() returns it
-        done._result, done._done = _functional(shards, spec, mesh, values, what), True
-        return done
-    gopts, ropts = _eager(values, what)
-    return start_gather(shards, spec, own_mesh(shards, mesh, what), gopts, ropts, what)
+    if values["all_gather"] is not None:  # its gathers are done: wait() returns the result
+        full = _functional(shards, spec, mesh, values, what)
+        return Handle(finish=lambda: full)
+    return _eager(shards, spec, mesh, values, what, start=True)

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from vfsdp import _torch_private as tp
-from vfsdp.functional.tiles import blockwise, tile_granularity, tile_view, tiled, tiles_of
+from vfsdp.functional.tiles import TILE, blockwise, tile_granularity, tile_view, tiled, tiles_of
 
 __all__ = ["UnitInfo", "Float8", "hooked_all_gather"]
 
@@ -148,13 +148,8 @@ class Float8:
         return out
 
     def _meta_size(self, unit: UnitInfo) -> int:
-        most = 0
-        for r in range(unit.world):  # (plain loops: dynamo traces them)
-            here = 0
-            for block in self._blocks(unit, r):
-                here += block[3]
-            most = max(most, here)
-        return unit.n_tensors + 1 + most
+        return unit.n_tensors + 1 + max([sum([block[3] for block in self._blocks(unit, r)])
+                                         for r in range(unit.world)])
 
     def pre_all_gather(self, shard: torch.Tensor, unit: UnitInfo) -> tuple:
         """``(float8 shard, scales)``: per-tensor scales (agreed on every rank), then this
@@ -172,12 +167,9 @@ class Float8:
         y = x / scale[unit.segment]  # cast once at the end (no in-place float8 writes)
         meta = [scale]
         for lo, hi, view, _n in self._blocks(unit, unit.rank):
-            b, r, c = view
             blocks = tiled(x[lo:hi].view(view))
             bscale = _scale(blocks.abs().amax(dim=(2, 4)), top)
-            rt, ct = blocks.shape[1], blocks.shape[3]
-            q = (blocks / bscale[:, :, None, :, None]).view(b, rt * 32, ct * 32)[:, :r, :c]
-            y[lo:hi] = q.reshape(-1)
+            y[lo:hi] = _untiled(blocks / bscale[:, :, None, :, None], view)
             meta.append(bscale.reshape(-1))
         payload = y.to(self.dtype)
         meta = torch.cat(meta)
@@ -190,19 +182,22 @@ class Float8:
         ``compute_dtype``."""
         scale = meta[: unit.n_tensors + 1]  # every rank sent the same per-tensor scales
         full = payload.float() * scale[unit.full_segment]
-        if self.scaling == "block":
-            size, s = self._meta_size(unit), payload.numel() // unit.world
-            for rank in range(unit.world):
-                off = rank * size + unit.n_tensors + 1
-                for lo, hi, view, n in self._blocks(unit, rank):
-                    b, r, c = view
-                    blocks = tiled(payload[rank * s + lo:rank * s + hi].float().view(view))
-                    rt, ct = blocks.shape[1], blocks.shape[3]
-                    scales = meta[off:off + n].view(b, rt, 1, ct, 1)
-                    values = (blocks * scales).view(b, rt * 32, ct * 32)[:, :r, :c]
-                    full[rank * s + lo:rank * s + hi] = values.reshape(-1)
-                    off += n
+        size, s = self._meta_size(unit), payload.numel() // unit.world
+        for rank in range(unit.world):  # block scales (none with "tensor")
+            off = rank * size + unit.n_tensors + 1
+            for lo, hi, view, n in self._blocks(unit, rank):
+                blocks = tiled(payload[rank * s + lo:rank * s + hi].float().view(view))
+                scales = meta[off:off + n].view(blocks.shape[0], blocks.shape[1], 1, blocks.shape[3], 1)
+                full[rank * s + lo:rank * s + hi] = _untiled(blocks * scales, view)
+                off += n
         return full.to(self.compute_dtype)
+
+
+def _untiled(blocks: torch.Tensor, view: tuple) -> torch.Tensor:
+    """:func:`~vfsdp.functional.tiles.tiled`'s inverse: ``[B, R/32, 32, C/32, 32]`` tiles -> the
+    ``(B, R, C)`` view's elements, flat (the padding dropped)."""
+    b, r, c = view
+    return blocks.reshape(b, blocks.shape[1] * TILE, blocks.shape[3] * TILE)[:, :r, :c].reshape(-1)
 
 
 def _scale(amax: torch.Tensor, top: float) -> torch.Tensor:

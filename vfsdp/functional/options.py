@@ -133,7 +133,7 @@ class Policy:
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(Policy))
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Policy)}
+_DEFAULT = Policy()
 
 
 def merge(policy: Optional[Policy], options: dict, what: str) -> dict:
@@ -147,12 +147,9 @@ def merge(policy: Optional[Policy], options: dict, what: str) -> dict:
     unknown = sorted(set(options) - set(NAMES))
     if unknown:
         raise TypeError(f"{what} got unexpected options {unknown}; it takes {list(NAMES)}")
-    if policy is None:
-        values = dict(_DEFAULTS)
-    elif isinstance(policy, Policy):
-        values = {name: getattr(policy, name) for name in NAMES}
-    else:
+    if not isinstance(policy, (Policy, type(None))):
         raise TypeError(f"{what}: policy must be a vfsdp.Policy, got {type(policy).__name__}")
+    values = {name: getattr(policy or _DEFAULT, name) for name in NAMES}
     if options:
         values.update(options)
         _check_values(values)

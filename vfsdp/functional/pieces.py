@@ -67,8 +67,8 @@ def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str,
         mesh: ``run_layers``' ``mesh=`` (the one-plan form only).
         what: The entry point, for messages.
         path: ``"eager"``; ``"functional"`` (``all_gather=`` hooks: only shards of
-            ``vfsdp.shard`` get there, a mesh passed with them is warned about and dropped,
-            as ``gather`` does); ``"compiled"`` (meshes are not read).
+            ``vfsdp.shard`` get there, a mesh passed with them is refused, as ``gather``
+            does; the functional path reads no mesh); ``"compiled"`` (meshes are not read).
 
     Returns:
         One tuple per layer; the one-plan form's hold one piece each, named ``None``
@@ -95,7 +95,7 @@ def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str,
         specs = list(specs)
         if len(shards) != len(specs):
             raise ValueError(f"{what}: {len(shards)} shard subtrees but {len(specs)} specs")
-        mesh = _mesh(shards, mesh, what, path)
+        mesh = None if path == "compiled" else own_mesh(shards, mesh, what)
         return [(Piece(None, s, sp, mesh, what),) for s, sp in zip(shards, specs)]
     if mesh is not None:
         raise TypeError(f"{what}: mesh= beside pieces (specs=None); give a piece of plain-tensor "
@@ -104,15 +104,6 @@ def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str,
         raise TypeError(f"{what}: with specs=None, shards is a list of layers, each a dict of "
                         f"pieces {_FORM}; got a {type(shards).__name__}")
     return [_layer(layer, i, what, path) for i, layer in enumerate(shards)]
-
-
-def _mesh(tree: Any, mesh: Any, what: str, path: str) -> Any:
-    """The mesh a piece's gathers take (``own_mesh``: ``None`` for ``vfsdp.shard``'s shards,
-    warned about); the functional path reads none (only ``vfsdp.shard``'s shards get there)."""
-    if path == "compiled":
-        return None
-    mesh = own_mesh(tree, mesh, what)
-    return mesh if path == "eager" else None
 
 
 def _layer(layer: Any, i: int, what: str, path: str) -> tuple[Piece, ...]:
@@ -139,7 +130,8 @@ def _layer(layer: Any, i: int, what: str, path: str) -> tuple[Piece, ...]:
                             f"piece is (shards, spec) with the sub-spec vfsdp.plan made for "
                             f"those shards, e.g. (e_shards['layers'][{i}], "
                             f"e_spec['layers'][{i}])")
-        out.append(Piece(name, tree, spec, _mesh(tree, piece_mesh, at, path), at))
+        piece_mesh = None if path == "compiled" else own_mesh(tree, piece_mesh, at)
+        out.append(Piece(name, tree, spec, piece_mesh, at))
     return tuple(out)
 
 

@@ -21,7 +21,6 @@ import optree
 import torch
 
 from vfsdp import _torch_private as tp
-from vfsdp._torch_private import functorch_active
 from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.unit import Unit, _expand, _merge
 from vfsdp.functional.options import GradOptions, Policy, merge
@@ -95,7 +94,7 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, policy: Optional[Policy] = 
         >>> vfsdp.testing.simulate(2, body)
         [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
     """
-    if functorch_active():
+    if tp.functorch_active():
         raise ValueError("vfsdp.reduce_scatter cannot run inside torch.func transforms (it "
                          "writes gradient buffers); differentiate through vfsdp.gather instead, "
                          "whose backward reduce-scatters")
@@ -126,7 +125,7 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, policy: Optional[Policy] = 
         own_mesh(shards, mesh, what)  # the shards' units carry their mesh
         units = units_of(match_tree(shards, spec, what), spec, what)
     else:  # fresh units: only their gradient buffers are used
-        groups = resolve_groups(spec, mesh)
+        groups = resolve_groups(spec, mesh)  # (once: every unit's)
         units = [UnitLeaves(key, Unit(spec.units[key], groups), tuple(members))
                  for key, members in spec.unit_leaves().items()]
     out: list = list(grads)

@@ -17,9 +17,9 @@ from typing import Any
 import optree
 import torch
 
+from vfsdp.functional.scatter import check_full
 from vfsdp.functional.tree import match_tree
 from vfsdp.placements.reference import assemble_reference, split_reference
-from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import PASSTHROUGH, ShardSpec, TensorSpec
 
 __all__ = ["unit_buffer_reference", "shard_reference", "gather_reference"]
@@ -50,16 +50,8 @@ def unit_buffer_reference(params: Any, spec: ShardSpec, key: Hashable) -> torch.
     by_path = {s.path: leaf for s, leaf in zip(spec.leaves(), leaves) if isinstance(s, TensorSpec)}
     buf = torch.zeros(layout.padded_numel, dtype=layout.dtype)  # cpu: reference
     for t in spec.unit_tensors(key):
-        full = by_path[t.path]
-        _check_full(full, t, "unit_buffer_reference")
-        buf[t.offset:t.offset + t.numel] = full.reshape(-1)
+        buf[t.offset:t.offset + t.numel] = check_full(by_path[t.path], t, "unit_buffer_reference").reshape(-1)
     return buf
-
-
-def _check_full(full: torch.Tensor, t: TensorSpec, what: str) -> None:
-    if tuple(full.shape) != tuple(t.shape) or full.dtype != t.dtype:
-        raise ValueError(f"{what}: {format_path(t.path)} is {tuple(full.shape)} {full.dtype}, "
-                         f"the spec says {tuple(t.shape)} {t.dtype}")
 
 
 def shard_reference(params: Any, spec: ShardSpec) -> list[Any]:
@@ -80,12 +72,10 @@ def shard_reference(params: Any, spec: ShardSpec) -> list[Any]:
         >>> [t["w"].tolist() for t in shard_reference({"w": torch.arange(6.0)}, spec)]
         [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0], []]
     """
-    per_leaf = []  # per leaf, its value on each rank
-    for s, leaf in zip(spec.leaves(), match_tree(params, spec, "shard_reference")):
-        if isinstance(s, TensorSpec):
-            _check_full(leaf, s, "shard_reference")
-        per_leaf.append(split_reference(leaf, s.placement) if isinstance(s, TensorSpec)
-                        else [leaf] * spec.world_size)
+    per_leaf = [  # per leaf, its value on each rank
+        split_reference(check_full(leaf, s, "shard_reference"), s.placement)
+        if isinstance(s, TensorSpec) else [leaf] * spec.world_size
+        for s, leaf in zip(spec.leaves(), match_tree(params, spec, "shard_reference"))]
     return [optree.tree_unflatten(spec.treespec, [v[r] for v in per_leaf])
             for r in range(spec.world_size)]  # a tree without leaves too
 

@@ -29,9 +29,10 @@ from vfsdp.planner.spec import ShardSpec, TensorSpec
 __all__ = ["scatter", "check_full", "make_shards"]
 
 
-def check_full(x: Any, t: TensorSpec, what: str) -> torch.Tensor:
+def check_full(x: Any, t: TensorSpec, what: str, whole: bool = False) -> torch.Tensor:
     """``x`` if it is a full tensor matching ``t`` (shape and dtype), with real data. For a
-    tensor a model axis splits (``t.strided``), ``x`` may be the global tensor: its piece
+    tensor a model axis splits (``t.strided``), ``x`` may be the global tensor (``whole``: must
+    be, as on the source of such a plan, since every index's piece comes from it): its piece
     (a view) is returned.
 
     Raises:
@@ -40,6 +41,10 @@ def check_full(x: Any, t: TensorSpec, what: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{what}: {format_path(t.path)} should be a tensor, got {type(x).__name__}")
     st = t.strided
+    if whole and st is not None and tuple(x.shape) != st.global_shape:
+        raise ValueError(f"{what}: {format_path(t.path)} has shape {tuple(x.shape)}; the source "
+                         f"of a plan split over {st.axis!r} must hold the global tensors "
+                         f"{st.global_shape} (every {st.axis} index's piece comes from it)")
     if st is not None and tuple(x.shape) == st.global_shape and st.dim is not None \
             and tuple(x.shape) != tuple(t.shape):
         x = x.narrow(st.dim, st.start, st.lengths[st.index])
@@ -59,31 +64,6 @@ def check_full(x: Any, t: TensorSpec, what: str) -> torch.Tensor:
     return x
 
 
-def _model_source(spec: ShardSpec, mesh: Any, src: int, what: str) -> tuple[int, int]:
-    """For a plan split over a model axis: the rank at ``src``'s data coordinates and this
-    rank's model index (it scatters this index's pieces), and ``src``'s model index."""
-    axis, _, index = spec.model_axis
-    grid = mesh.mesh
-    where = (grid == src).nonzero().tolist()
-    if not where:
-        raise ValueError(f"{what}: rank {src} is not in this mesh (ranks {grid.tolist()})")
-    coord = where[0]
-    k = tuple(mesh.mesh_dim_names).index(axis)
-    src_index, coord[k] = coord[k], index
-    return int(grid[tuple(coord)]), src_index
-
-
-def _global(x: Any, t: TensorSpec, what: str) -> Any:
-    """``x`` on the source of a plan split over a model axis: it must be the global tensor,
-    since every index's piece comes from it."""
-    st = t.strided
-    if isinstance(x, torch.Tensor) and st is not None and tuple(x.shape) != st.global_shape:
-        raise ValueError(f"{what}: {format_path(t.path)} has shape {tuple(x.shape)}; the source "
-                         f"of a plan split over {st.axis!r} must hold the global tensors "
-                         f"{st.global_shape} (every {st.axis} index's piece comes from it)")
-    return x
-
-
 def _pieces_from_source(leaves: list, whole: dict, tensors: list, groups: Any,
                         src_index: int) -> None:
     """The source's model group (the ranks at its data coordinates, one per model index):
@@ -94,17 +74,13 @@ def _pieces_from_source(leaves: list, whole: dict, tensors: list, groups: Any,
         for i, t in enumerate(tensors):
             if not isinstance(t, TensorSpec):
                 continue
-            st = t.strided
-            shape = st.global_shape if st is not None else tuple(t.shape)
             if i in whole:  # the source: its piece is already a view of the global tensor
-                buf = whole[i].detach().contiguous()
-            else:
-                buf = torch.empty(shape, dtype=t.dtype, device=groups.device)
+                comm.broadcast_(whole[i].detach().contiguous(), group=groups.model, group_src=src_index)
+                continue
+            shape = t.strided.global_shape if t.strided is not None else tuple(t.shape)
+            buf = torch.empty(shape, dtype=t.dtype, device=groups.device)
             comm.broadcast_(buf, group=groups.model, group_src=src_index)
-            if i not in whole:
-                piece = buf if st is None or st.dim is None else buf.narrow(
-                    st.dim, st.start, st.lengths[st.index])
-                leaves[i] = piece.clone()
+            leaves[i] = check_full(buf, t, "vfsdp.scatter").clone()  # this index's piece
 
 
 def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: Any = None,
@@ -178,9 +154,17 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
                              f"(mesh=vfsdp.mesh(..., ({spec.model_axis[0]!r}, "
                              f"{spec.model_axis[1]}))), so the source can reach every "
                              f"index")
-        local_src, src_index = _model_source(spec, mesh, src, what)
+        # the rank at src's data coordinates and this rank's model index (it scatters this
+        # index's pieces), and src's model index
+        axis, _, index = spec.model_axis
+        where = (mesh.mesh == src).nonzero().tolist()
+        if not where:
+            raise ValueError(f"{what}: rank {src} is not in this mesh (ranks {mesh.mesh.tolist()})")
+        coord, k = where[0], tuple(mesh.mesh_dim_names).index(axis)
+        src_index, coord[k] = coord[k], index
+        local_src = int(mesh.mesh[tuple(coord)])
     coords = groups.coords(local_src)  # raises for a rank outside the mesh
-    whole: dict = {}  # on the source of a plan with a model axis: the global tensors
+    whole: dict = {}  # on the source: the full (with a model axis, global) tensors
     if full_tree is None and not source and any(not isinstance(t, TensorSpec)
                                                 for t in tensors):
         error = ValueError(f"{what}: rank {dist.get_rank()} passed None, but the tree has "
@@ -193,9 +177,7 @@ def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: An
                                  f"source; pass them there (the other ranks may pass None)")
             for i, t in enumerate(tensors):
                 if isinstance(t, TensorSpec):
-                    if src_index is not None:
-                        whole[i] = _global(leaves[i], t, what)
-                    leaves[i] = check_full(leaves[i], t, what)
+                    whole[i], leaves[i] = leaves[i], check_full(leaves[i], t, what, src_index is not None)
         except ValueError as exc:
             error = exc
     agree(error, error_type=ValueError)  # every rank raises, none waits in the scatter

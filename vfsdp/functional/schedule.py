@@ -36,15 +36,7 @@ import optree
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-from vfsdp._torch_private import (
-    checkpoint_wrapped,
-    compiling,
-    functorch_active,
-    graph_task_id,
-    is_own_output,
-    running_node_seq,
-    saved_hooks_top,
-)
+from vfsdp import _torch_private as tp
 from vfsdp.collectives.comm import Handle
 from vfsdp.collectives.dbuffer import SLOT, DBuffer, ReleasedTensor, View, slot_of
 from vfsdp.functional.gather import pending, start_gather, writes_leaf_grads
@@ -78,21 +70,15 @@ class _Regather:
 
     def add(self, db: DBuffer, call) -> None:
         if id(db) not in self.calls:  # its backward prefetches the one gathered before it
-            prev = self.last if self.prefetch else None
-            db.unit.link_prefetch(prev)
+            db.unit.link_prefetch(self.last if self.prefetch else None)
             self.last = db
         self.calls.setdefault(id(db), []).append(call)
-
-    def ensure(self, db: DBuffer, prefetch: bool = True) -> None:
-        for call in self.calls.get(id(db), ()):
-            call.check_versions()  # a shard changed since the forward: refuse to regather it
-        db.unit.pre_backward(db, prefetch)
 
     def hooks(self) -> tuple[torch.autograd.graph.saved_tensors_hooks, Optional[tuple]]:
         """A layer call's saved-tensor hooks: a gathered parameter as a record; anything else
         handed to the hooks active around the call (a ``torch.utils.checkpoint`` around several
         layers: its recompute then replays them, ``save_on_cpu``), or kept; and those."""
-        outer = saved_hooks_top()
+        outer = tp.saved_hooks_top()
 
         def pack(t: torch.Tensor) -> Any:
             slot = slot_of(t) or slot_of(t._base)
@@ -107,7 +93,7 @@ class _Regather:
             # with grad mode on, an exception) would never be freed. A detached alias (no
             # kernel, no copy, the same version counter) is what autograd keeps of its outputs
             # without hooks, too.
-            return t.detach() if is_own_output(t) else t
+            return t.detach() if tp.is_own_output(t) else t
 
         def unpack(saved: Any) -> torch.Tensor:
             if isinstance(saved, _Saved):
@@ -120,14 +106,16 @@ class _Regather:
         """In a backward, before ``db``'s unit is regathered: units created after the running
         node that did not run reduce (zeros) first, as they do on a rank whose backward
         reaches one of their nodes before this."""
-        seq = running_node_seq()
+        seq = tp.running_node_seq()
         calls = self.calls.get(id(db), ())
         if seq is not None and calls:
             pending().backward(lambda: writes_leaf_grads(calls[0])).reach(seq)
 
     def unpack(self, saved: _Saved, prefetch: bool = True) -> torch.Tensor:
         self.join(saved.db)
-        self.ensure(saved.db, prefetch)
+        for call in self.calls.get(id(saved.db), ()):
+            call.check_versions()  # a shard changed since the forward: refuse to regather it
+        saved.db.unit.pre_backward(saved.db, prefetch)
         buf = saved.db.global_buffer
         return saved.db.saved_view(saved.offset - buf.storage_offset(), saved.shape, saved.stride)
 
@@ -210,17 +198,17 @@ def run_layers(
         [[1.0, 1.0, 1.0, 1.0]]
     """
     what = "vfsdp.run_layers"
-    if functorch_active():
+    if tp.functorch_active():
         raise ValueError(f"{what} cannot run inside torch.func transforms: it keeps each unit's "
                          f"gradients in its gradient buffer; use vfsdp.gather (grads='return') "
                          f"there")
-    if compiling() and isinstance(specs, ShardSpec):  # the sub-specs vfsdp.shard prepared
+    if tp.compiling() and isinstance(specs, ShardSpec):  # the sub-specs vfsdp.shard prepared
         specs = [specs[i] for i in range(max(traced_children(specs), 0))]
     values = merge(policy, options, what)
-    if compiling() or values["all_gather"] is not None:  # the functional path: to .grad
-        refuse(values, "compiled" if compiling() else "all_gather", what)
+    if tp.compiling() or values["all_gather"] is not None:  # the functional path: to .grad
+        refuse(values, "compiled" if tp.compiling() else "all_gather", what)
         layers = layer_pieces(shards, specs, mesh, what,
-                              "compiled" if compiling() else "functional")
+                              "compiled" if tp.compiling() else "functional")
         return traced_run_layers(layer_fn, layers, h, values)
     run = LayerRun(layer_pieces(shards, specs, mesh, what), values, what)
     n = len(run.layers)
@@ -251,7 +239,7 @@ class LayerRun:
                              f"grads='return')")
         refuse(values, "eager", what)
         self.gopts, self.ropts = resolve(values, layers=True)
-        self.layers, self.what = layers, what
+        self.layers = layers
         self.prefetch = values["prefetch"] is not False
         self.reshard_after_forward = values["reshard_after_forward"] is not False
         self.context_fn = recompute_context(values["recompute"])
@@ -284,7 +272,7 @@ class LayerRun:
             if self.context_fn is not None:
                 out = checkpointed(fn, full, args, kwargs, self.context_fn)
             else:
-                with checkpoint_wrapped(_same):  # a reentrant checkpoint in fn: as non-reentrant
+                with tp.checkpoint_wrapped(lambda f: f):  # a reentrant checkpoint in fn: as non-reentrant
                     out = fn(full, *args, **kwargs)
         if torch.is_grad_enabled():
             if self.context_fn is not None:
@@ -357,7 +345,7 @@ class LayerRun:
             # next backward pass releases them as it ends.
             for calls in self.regather.calls.values():
                 if not any(c.recorded for c in calls):
-                    pending().release_after_backward(calls[0].unit)
+                    pending().frozen[id(calls[0].unit)] = calls[0].unit
 
 
 def _trigger(outer: Optional[tuple], out: Any, inputs: Any) -> None:
@@ -372,8 +360,8 @@ def _trigger(outer: Optional[tuple], out: Any, inputs: Any) -> None:
     holder, done = outer[0](outs[0].new_empty(0)), set()
 
     def hook(grad: torch.Tensor) -> None:
-        if graph_task_id() not in done:  # once per backward pass
-            done.add(graph_task_id())
+        if tp.graph_task_id() not in done:  # once per backward pass
+            done.add(tp.graph_task_id())
             outer[1](holder)
 
     _watch(out, inputs, hook)
@@ -431,10 +419,6 @@ class _Refresh:
                 node[k] = fresh
 
 
-def _same(fn: Callable) -> Callable:
-    return fn
-
-
 def _reentrant(grad: torch.Tensor) -> None:
     raise RuntimeError(
         "vfsdp.run_layers: torch.utils.checkpoint(use_reentrant=True) inside layer_fn is not "
@@ -484,7 +468,7 @@ def checkpointed(fn: Callable, full: Any, args: tuple, kwargs: dict,
               for t, want in zip(flat[:n], wants)]
         return fn(optree.tree_unflatten(treespec, ts), *flat[n:], **kw)
 
-    with checkpoint_wrapped(None):  # its recompute reads ``full`` itself
+    with tp.checkpoint_wrapped(None):  # its recompute reads ``full`` itself
         return checkpoint(inner, *leaves, *args, use_reentrant=False,
                           context_fn=context_fn or noop_context_fn, **kwargs)
 

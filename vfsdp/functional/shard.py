@@ -168,10 +168,6 @@ def dbuffers(tree: Any, spec: ShardSpec) -> dict:
         ([(), ('layers', 0)], {})
     """
     leaves = match_tree(tree, spec, "vfsdp.dbuffers")
-    out = {}
-    for key, members in spec.unit_leaves().items():
-        unit = find_unit([leaves[i] for i, _ in members], spec.units[key],
-                         [k for _, k in members], "vfsdp.dbuffers")
-        if unit is not None:
-            out[key] = unit.params
-    return out
+    return {key: unit.params for key, members in spec.unit_leaves().items()
+            if (unit := find_unit([leaves[i] for i, _ in members], spec.units[key],
+                                  [k for _, k in members], "vfsdp.dbuffers")) is not None}

@@ -92,12 +92,10 @@ def param_tree(buffers: Mapping[Any, DBuffer], spec: ShardSpec,
         >>> vfsdp.testing.simulate(1, body)
         [{'a': (2,), 'b': (3,)}]
     """
+    pieces = pieces or (lambda db, k: db.local(k))
     leaves = []
     for p, s in zip(spec.treespec.paths(), spec.leaves()):
         db = buffers.get(s.unit) if isinstance(s, TensorSpec) else None
-        if db is None or tuple(p) != s.path:  # a tied leaf repeats its tensor: saved once
-            leaves.append(None)
-            continue
-        k = db.index(s.path)
-        leaves.append(pieces(db, k) if pieces is not None else db.local(k))
+        ok = db is not None and tuple(p) == s.path  # a tied leaf repeats its tensor: saved once
+        leaves.append(pieces(db, db.index(s.path)) if ok else None)
     return optree.tree_unflatten(spec.treespec, leaves)

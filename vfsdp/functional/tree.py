@@ -25,7 +25,7 @@ from vfsdp.collectives.unit import Unit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec, UnitLayout, refuse_non_tree, unit_name
 
-__all__ = ["match_tree", "group_by_unit", "UnitLeaves", "find_unit", "pack_unit",
+__all__ = ["match_tree", "group_by_unit", "UnitLeaves", "find_unit",
            "units_of", "unit_for", "own_mesh"]
 
 
@@ -118,28 +118,6 @@ def find_unit(local: Sequence[Any], layout: UnitLayout, index: Sequence[int],
     return found
 
 
-def pack_unit(local: Sequence[Any], layout: UnitLayout, index: Sequence[int], groups,
-              what: str) -> Unit:
-    """A fresh unit holding copies of ``local`` (this rank's pieces, one copy per tensor).
-
-    Raises:
-        ValueError: a leaf of the wrong local shape or dtype (naming its path).
-    """
-    unit = Unit(layout, groups)
-    db = unit.params
-    with torch.no_grad():
-        for x, k in zip(local, index):
-            ref = db.local(k)
-            if (not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(ref.shape)
-                    or x.dtype != ref.dtype):
-                got = (f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor)
-                       else type(x).__name__)
-                raise ValueError(f"{what}: {format_path(layout.paths[k])} should be this rank's "
-                                 f"shard of shape {tuple(ref.shape)} {ref.dtype}, got {got}")
-            ref.copy_(x.detach())
-    return unit
-
-
 def units_of(leaves: Sequence[Any], spec: ShardSpec, what: str, *, mesh: Any = None,
              pack: bool = False) -> list[UnitLeaves]:
     """Every unit of ``spec`` with the tree leaves that belong to it.
@@ -156,7 +134,7 @@ def units_of(leaves: Sequence[Any], spec: ShardSpec, what: str, *, mesh: Any = N
         One :class:`UnitLeaves` per unit of ``spec``, in the spec's unit order.
 
     Raises:
-        ValueError: as :func:`find_unit`, or plain tensors where ``pack`` is off.
+        ValueError: as :func:`unit_for`.
 
     Example:
         >>> def body():
@@ -170,30 +148,40 @@ def units_of(leaves: Sequence[Any], spec: ShardSpec, what: str, *, mesh: Any = N
     out = []
     for key, members in spec.unit_leaves().items():
         local = [leaves[i] for i, _ in members]
-        index = [k for _, k in members]
-        if pack:
-            unit = unit_for(local, spec, key, index, mesh, what)
-        else:
-            unit = find_unit(local, spec.units[key], index, what)
-            if unit is None:
-                raise ValueError(f"{what}: the tensors of unit {unit_name(key)} (e.g. "
-                                 f"{format_path(spec.units[key].paths[index[0]])}) are not "
-                                 f"vfsdp shards; pass the tree returned by vfsdp.shard")
+        unit = unit_for(local, spec, key, [k for _, k in members], mesh, what, pack)
         out.append(UnitLeaves(key, unit, tuple(members), tuple(local)))
     return out
 
 
 def unit_for(local: Sequence[Any], spec: ShardSpec, key: Hashable, index: Sequence[int],
-             mesh: Any, what: str) -> Unit:
-    """The unit of shards made by ``vfsdp.shard``, or a temporary one packed from plain
-    tensors on ``mesh``'s groups (default: the default group).
+             mesh: Any, what: str, pack: bool = True) -> Unit:
+    """The unit of shards made by ``vfsdp.shard``, or (``pack``) a temporary one holding copies
+    of plain tensors (this rank's pieces, one copy per tensor) on ``mesh``'s groups (default:
+    the default group).
 
     Raises:
-        ValueError: as :func:`find_unit` and :func:`pack_unit`.
+        ValueError: as :func:`find_unit`; plain tensors where ``pack`` is off, or a plain leaf of
+            the wrong local shape or dtype (naming its path).
     """
-    unit = find_unit(local, spec.units[key], index, what)
-    if unit is None:
-        return pack_unit(local, spec.units[key], index, resolve_groups(spec, mesh), what)
+    layout = spec.units[key]
+    unit = find_unit(local, layout, index, what)
+    if unit is not None:
+        return unit
+    if not pack:
+        raise ValueError(f"{what}: the tensors of unit {unit_name(key)} (e.g. "
+                         f"{format_path(layout.paths[index[0]])}) are not "
+                         f"vfsdp shards; pass the tree returned by vfsdp.shard")
+    unit = Unit(layout, resolve_groups(spec, mesh))
+    with torch.no_grad():
+        for x, k in zip(local, index):
+            ref = unit.params.local(k)
+            if (not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(ref.shape)
+                    or x.dtype != ref.dtype):
+                got = (f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor)
+                       else type(x).__name__)
+                raise ValueError(f"{what}: {format_path(layout.paths[k])} should be this rank's "
+                                 f"shard of shape {tuple(ref.shape)} {ref.dtype}, got {got}")
+            ref.copy_(x.detach())
     return unit
 
 
@@ -204,9 +192,7 @@ def own_mesh(tree: Any, mesh: Any, what: str) -> Any:
 
     Raises:
         ValueError: ``mesh=`` with the shards of ``vfsdp.shard``."""
-    if mesh is None:
-        return None
-    if any(slot_of(x) is not None for x in optree.tree_leaves(tree)):
+    if mesh is not None and any(slot_of(x) is not None for x in optree.tree_leaves(tree)):
         refuse_mesh(what)
     return mesh
 
@@ -257,9 +243,7 @@ def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:
         raise ValueError(f"{what}: tree structure differs from the spec ({detail}); pass the "
                          f"tree the spec was planned for, or a matching sub-spec")
     for path, leaf, s in zip(paths, leaves, spec.leaves()):
-        if not isinstance(s, TensorSpec):
-            continue
-        if not isinstance(leaf, torch.Tensor):
+        if isinstance(s, TensorSpec) and not isinstance(leaf, torch.Tensor):
             raise ValueError(f"{what}: {format_path(path)} should be a tensor, got "
                              f"{type(leaf).__name__}")
     return leaves

@@ -54,8 +54,6 @@ from vfsdp.optim.traced import adam_views, traced_adamw
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["adamw", "AdamWState", "AdamWPlan", "segments", "trainable_runs"]
-
 
 @dataclass(frozen=True)
 class AdamWPlan(OwnedPlan):

@@ -63,8 +63,6 @@ from vfsdp.optim.traced import TracedAdam8, first_leaves, traced_adamw8bit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["adamw8bit", "AdamW8bitState", "AdamW8bitPlan", "Quantized", "MIN_8BIT_NUMEL"]
-
 MIN_8BIT_NUMEL = 4096
 
 

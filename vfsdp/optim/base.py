@@ -87,16 +87,6 @@ from vfsdp.optim.schedules import constant
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["Optimizer", "host_counter", "gradient_transform", "TransformState", "Schedule", "Mask",
-           "as_schedule",
-           "unit_buffers", "grad_leaves", "state_dtype", "check_hyper", "flat_grads", "UnitTensors",
-           "init_masked", "both", "selected", "state_tensors", "runs", "frozen_of", "read_step",
-           "write_step", "sync_step", "TEMP_ELEMS", "adamw_step", "use_fused", "batches", "scale_",
-           "new_count", "learning_rate", "step_scalars", "decay_", "descend_", "adam_", "OwnedPlan",
-           "CountedState", "init_units", "cuts_of", "atomic", "begin", "member", "checking", "settle",
-           "agree_all", "PartialUpdateError"]
-
-
 TEMP_ELEMS = 1 << 25
 """Largest temporary of the foreach path, in elements (128 MiB in fp32)."""
 

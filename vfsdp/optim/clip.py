@@ -17,8 +17,6 @@ from vfsdp.optim.base import Mask, selected
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["clip_grad_norm", "global_norm", "check_max_norm", "local_squares", "scale_by_norm"]
-
 
 def check_max_norm(max_norm: float) -> float:
     """``max_norm`` if it is a finite number ``>= 0``.

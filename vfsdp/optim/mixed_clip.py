@@ -22,8 +22,6 @@ from vfsdp.functional.gather import gradient_leaves
 from vfsdp.optim.clip import check_max_norm, local_squares, scale_by_norm
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["GradTree", "global_norm_of", "clip_grad_norm_of"]
-
 
 class GradTree(NamedTuple):
     """One tree of gradient pieces and where it lives.

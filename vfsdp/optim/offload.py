@@ -76,8 +76,6 @@ from vfsdp.optim.base import (
 )
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["offload", "OffloadState", "HostUnit"]
-
 
 @dataclass(frozen=True)
 class HostUnit:

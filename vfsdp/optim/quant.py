@@ -39,9 +39,6 @@ import torch
 from vfsdp.functional.tiles import TILE
 from vfsdp.optim.base import adam_
 
-__all__ = ["dynamic_map", "midpoints", "TILE", "SpanTiles", "span_tiles", "flat_tile_ids",
-           "step8_flat"]
-
 
 @lru_cache(maxsize=4)
 def _map(signed: bool) -> tuple:

@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["constant", "warmup_cosine"]
-
 
 def constant(lr: float) -> Callable[[int], float]:
     """``step -> lr``.

@@ -31,6 +31,7 @@ from vfsdp.collectives.dbuffer import Role
 from vfsdp.functional.state import param_tree
 from vfsdp.optim.adamw import AdamWPlan, adamw, segments, trainable_runs
 from vfsdp.optim.base import (
+    CountedState,
     Mask,
     Optimizer,
     Schedule,
@@ -39,29 +40,23 @@ from vfsdp.optim.base import (
     atomic,
     begin,
     check_hyper,
+    cuts_of,
     descend_,
     flat_grads,
     grad_leaves,
+    init_units,
     learning_rate,
-    new_count,
-    read_step,
     runs,
-    same_at_ties,
     selected,
     settle,
     state_dtype,
     step_scalars,
     unit_buffers,
-    write_step,
 )
 from vfsdp.optim.muon import muon
 from vfsdp.optim.shampoo import shampoo
 from vfsdp.optim.soap import soap
 from vfsdp.planner.spec import ShardSpec
-
-__all__ = ["Transform", "Updates", "TransformsState", "transform", "scale_by_adam",
-           "add_decayed_weights", "scale_by_learning_rate", "scale_by_soap", "scale_by_shampoo",
-           "scale_by_muon", "run", "fuse"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -387,16 +382,7 @@ class _Slices:
         self.flat = torch.zeros(p.numel(), dtype=dtype, device=p.device)
         self.params, self.updates = self._cut(p), self._cut(self.flat)
         self.buffers = [{k: self._cut(db.shard) for k, db in named.items()} for named in buffers]
-        sizes, keep, end = [], [], 0
-        for lo, hi in update_runs:
-            if lo > end:
-                sizes.append(lo - end)
-            keep.append(len(sizes))
-            sizes.append(hi - lo)
-            end = hi
-        if end < p.numel():
-            sizes.append(p.numel() - end)
-        self.sizes, self.keep = tuple(sizes), tuple(keep)
+        self.sizes, self.keep = cuts_of(update_runs, p.numel())
         self._scratch: dict = {}
         self._where: dict = {}
 
@@ -423,7 +409,7 @@ class _Slices:
 
 
 @dataclass
-class TransformsState:
+class TransformsState(CountedState):
     """A run of transforms' state: the step counter and, per transform, its buffers
     (``{name: {unit key: DBuffer}}``, the parameters' layout).
 
@@ -438,22 +424,15 @@ class TransformsState:
         [[0.0, 0.0, 0.0, 0.0], []]
     """
 
-    count: torch.Tensor
     buffers: list
     plan: AdamWPlan = field(default_factory=AdamWPlan, repr=False, compare=False)
     slices: dict = field(default_factory=dict, repr=False, compare=False)
 
-    step = property(read_step, write_step, doc=read_step.__doc__)
-
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
         """The step, and each transform's buffers shaped like the parameters."""
-        keep = self.plan.local
-        return {"step": self.step, "transforms": [
-            {k: param_tree(dbs, spec, keep) for k, dbs in named.items()} for named in self.buffers]}
-
-    def restore_checkpoint(self, tree: dict) -> TransformsState:
-        self.step = tree["step"]
-        return self
+        return {**super().checkpoint_tree(spec), "transforms": [
+            {k: param_tree(dbs, spec, self.plan.local) for k, dbs in named.items()}
+            for named in self.buffers]}
 
 
 def run(*members: Optimizer) -> Optimizer:
@@ -496,14 +475,10 @@ def run(*members: Optimizer) -> Optimizer:
     lr = as_schedule(ts[-1].hyper[1])  # begin evaluates it before anything is written
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> TransformsState:
-        same_at_ties(mask and (lambda p: selected(mask, p)), spec, "chain.init", "mask")
-        for t in ts:
-            if t.hyper and t.hyper[0] == "decay" and t.hyper[2] is not None:
-                same_at_ties(lambda p, m=t.hyper[2]: selected(m, p), spec, "chain.init",
-                             "add_decayed_weights' mask")
-        units = unit_buffers(shards, spec, "chain.init")
-        state = TransformsState(new_count(units[0].db.device if units else "cpu"),
-                                [{k: {} for k in t.buffers} for t in ts])
+        units, count = init_units(shards, spec, "chain.init", mask=mask, **{
+            f"add_decayed_weights' mask (transform {i})": t.hyper[2]
+            for i, t in enumerate(ts) if t.hyper[:1] == ("decay",)})
+        state = TransformsState(count, [{k: {} for k in t.buffers} for t in ts])
         paths, update_runs = {}, {}
         for u in units:
             chosen = frozenset(t.path for t in u.db.tensors if selected(mask, t.path))

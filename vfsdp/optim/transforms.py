@@ -83,6 +83,10 @@ class Transform:
 
     update = init
 
+    def optimizer(self) -> Optimizer:
+        """This transform as a member of a :func:`~vfsdp.optim.chain`."""
+        return Optimizer(self.init, self.update)
+
 
 def _of(opt: Any) -> Optional[Transform]:
     found = getattr(opt.init, "__self__", None)
@@ -125,8 +129,7 @@ def transform(apply: Callable[[Any, dict], None], buffers: tuple = (),
     if not callable(apply) or not all(isinstance(b, str) for b in buffers):
         raise TypeError(f"transform({name!r}): takes apply(u, state), a callable, and buffer "
                         f"names as strings, got {type(apply).__name__} and {buffers!r}")
-    t = Transform(name, apply, tuple(buffers))
-    return Optimizer(t.init, t.update)
+    return Transform(name, apply, tuple(buffers)).optimizer()
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Optimizer:
@@ -164,8 +167,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Opti
         tp.foreach("zero_", u.updates)  # adam_ adds the step to it: the direction alone
         adam_(u.updates, g, state["mu"], state["nu"], b1, b2, eps, -1.0, bc1, bc2_sqrt)
 
-    t = Transform("scale_by_adam", apply, ("mu", "nu"), ("adam", (b1, b2), eps))
-    return Optimizer(t.init, t.update)
+    return Transform("scale_by_adam", apply, ("mu", "nu"), ("adam", (b1, b2), eps)).optimizer()
 
 
 def add_decayed_weights(weight_decay: float = 0.0, mask: Mask = None) -> Optimizer:
@@ -200,8 +202,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: Mask = None) -> Optimiz
             ps, us = u.where(mask)
             tp.foreach("add_", us, ps, alpha=weight_decay)
 
-    t = Transform("add_decayed_weights", apply, (), ("decay", weight_decay, mask))
-    return Optimizer(t.init, t.update)
+    return Transform("add_decayed_weights", apply, (), ("decay", weight_decay, mask)).optimizer()
 
 
 def scale_by_learning_rate(lr: Schedule = 1e-3) -> Optimizer:
@@ -236,8 +237,7 @@ def scale_by_learning_rate(lr: Schedule = 1e-3) -> Optimizer:
     def apply(u: Updates, state: dict) -> None:
         descend_(u.params, u.updates, learning_rate(schedule, u.count), scratch=True)
 
-    t = Transform("scale_by_learning_rate", apply, (), ("lr", lr))
-    return Optimizer(t.init, t.update)
+    return Transform("scale_by_learning_rate", apply, (), ("lr", lr)).optimizer()
 
 
 def _owner(name: str, factory: Callable, options: dict) -> Optimizer:
@@ -249,8 +249,7 @@ def _owner(name: str, factory: Callable, options: dict) -> Optimizer:
                              f"{'scale_by_learning_rate' if key == 'lr' else 'add_decayed_weights'}"
                              f" in the chain, not to {name}")
     factory(**options)  # refuses bad options now, by name
-    t = Transform(name, None, (), ("owner", factory, options))  # run refuses it: no apply
-    return Optimizer(t.init, t.update)
+    return Transform(name, None, (), ("owner", factory, options)).optimizer()  # run refuses it: no apply
 
 
 def scale_by_soap(**options: Any) -> Optimizer:
@@ -364,24 +363,21 @@ class Updates:
         """``(params, updates)`` restricted to the tensors ``mask(path)`` selects."""
         if mask is None:
             return self.params, self.updates
-        ps, us = [], []
-        for s in self.units:
-            a, b = s.where(mask)
-            ps.extend(a)
-            us.extend(b)
-        return ps, us
+        pairs = [s.where(mask) for s in self.units]
+        return [x for ps, _ in pairs for x in ps], [x for _, us in pairs for x in us]
 
 
 class _Slices:
     """One unit's operands for a given set of update runs, made once and kept."""
 
-    def __init__(self, u, update_runs: tuple, buffers: list, dtype: torch.dtype) -> None:
+    def __init__(self, u, update_runs: tuple, state: TransformsState) -> None:
         p = u.db.shard
-        self.db, self.shard, self.runs, self.dtype = u.db, p, update_runs, dtype
+        self.db, self.shard, self.runs = u.db, p, update_runs
         self.whole = update_runs == runs(u.db, None)
-        self.flat = torch.zeros(p.numel(), dtype=dtype, device=p.device)
+        self.flat = torch.zeros(p.numel(), dtype=state_dtype(p.dtype), device=p.device)
         self.params, self.updates = self._cut(p), self._cut(self.flat)
-        self.buffers = [{k: self._cut(db.shard) for k, db in named.items()} for named in buffers]
+        self.buffers = [{k: self._cut(dbs[u.key].shard) for k, dbs in named.items()}
+                        for named in state.buffers]
         self.sizes, self.keep = cuts_of(update_runs, p.numel())
         self._scratch: dict = {}
         self._where: dict = {}
@@ -503,8 +499,11 @@ def run(*members: Optimizer) -> Optimizer:
                 update_runs = trainable_runs(u, state.plan, None)[0]
                 if not update_runs:
                     continue  # every tensor of ours here is frozen
-                s = _slices(state, u, update_runs)
-                gs.extend(s.grads(flat_grads(leaves, u, "chain.update", s.dtype)))
+                s = state.slices.get(u.key)
+                # Another shards tree for the same spec has other buffers: never reuse its slices.
+                if s is None or s.runs != update_runs or s.shard is not u.db.shard:
+                    s = state.slices[u.key] = _Slices(u, update_runs, state)
+                gs.extend(s.grads(flat_grads(leaves, u, "chain.update", s.flat.dtype)))
                 todo.params.extend(s.params)
                 todo.updates.extend(s.updates)
                 todo.units.append(s)
@@ -534,17 +533,6 @@ def run(*members: Optimizer) -> Optimizer:
         return state
 
     return Optimizer(init, atomic(update))
-
-
-def _slices(state: TransformsState, u, update_runs: tuple) -> _Slices:
-    found = state.slices.get(u.key)
-    # Another shards tree for the same spec has other buffers: never reuse its slices.
-    if found is None or found.runs != update_runs or found.shard is not u.db.shard:
-        found = state.slices[u.key] = _Slices(
-            u, update_runs, [{k: dbs[u.key] for k, dbs in named.items()}
-                             for named in state.buffers],
-            state_dtype(u.db.dtype))
-    return found
 
 
 def _check(ts: list, offset: int = 0) -> list[Transform]:

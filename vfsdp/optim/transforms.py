@@ -243,11 +243,9 @@ def scale_by_learning_rate(lr: Schedule = 1e-3) -> Optimizer:
 def _owner(name: str, factory: Callable, options: dict) -> Optimizer:
     """A matrix preconditioner as a transform: the optimizer ``factory``'s direction, run by
     :func:`fuse` as that optimizer with the chain's decay and rate."""
-    for key in ("lr", "weight_decay"):
+    for key, home in (("lr", "scale_by_learning_rate"), ("weight_decay", "add_decayed_weights")):
         if key in options:
-            raise ValueError(f"{name}: {key}= belongs to "
-                             f"{'scale_by_learning_rate' if key == 'lr' else 'add_decayed_weights'}"
-                             f" in the chain, not to {name}")
+            raise ValueError(f"{name}: {key}= belongs to {home} in the chain, not to {name}")
     factory(**options)  # refuses bad options now, by name
     return Transform(name, None, (), ("owner", factory, options)).optimizer()  # run refuses it: no apply
 
@@ -579,14 +577,13 @@ def fuse(members: tuple) -> tuple:
     found = _check(ts[first:], first)
     end = first + len(found)
     kinds = [t.hyper[:1] for t in found]
+    lr = found[-1].hyper[1]
+    _, wd, mask = found[1].hyper if kinds[1:] == [("decay",), ("lr",)] else (None, 0.0, None)
     if kinds in ([("adam",), ("lr",)], [("adam",), ("decay",), ("lr",)]):
-        (_, betas, eps), (_, lr) = found[0].hyper, found[-1].hyper
-        _, wd, mask = found[1].hyper if len(found) == 3 else (None, 0.0, None)
+        _, betas, eps = found[0].hyper
         one = adamw(lr, betas, eps, wd, mask, fused=None)
-    elif kinds[0] == ("owner",) and kinds[1:] in ([("lr",)], [("decay",), ("lr",)]) \
-            and (len(found) == 2 or found[1].hyper[2] is None):
-        (_, make, options), (_, lr) = found[0].hyper, found[-1].hyper
-        wd = found[1].hyper[1] if len(found) == 3 else 0.0
+    elif kinds[0] == ("owner",) and kinds[1:] in ([("lr",)], [("decay",), ("lr",)]) and mask is None:
+        _, make, options = found[0].hyper
         order = {"weight_decay_first": True} if make is soap and wd else {}
         one = make(lr=lr, weight_decay=wd, **options, **order)
     else:

@@ -54,8 +54,6 @@ from vfsdp.optim.traced import adam_views, traced_adamw
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["adamw", "AdamWState", "AdamWPlan", "segments", "trainable_runs"]
-
 
 @dataclass(frozen=True)
 class AdamWPlan(OwnedPlan):
@@ -86,12 +84,9 @@ def segments(update_runs: tuple, decay_runs: tuple) -> tuple[tuple[int, int, boo
         ((0, 4, False), (4, 10, True), (12, 14, True), (14, 20, False))
     """
     cuts = sorted({x for run in decay_runs for x in run})
-    out = []
-    for lo, hi in update_runs:
-        edges = [lo, *(c for c in cuts if lo < c < hi), hi]
-        for a, b in itertools.pairwise(edges):
-            out.append((a, b, any(d0 <= a and b <= d1 for d0, d1 in decay_runs)))
-    return tuple(out)
+    return tuple((a, b, any(d0 <= a and b <= d1 for d0, d1 in decay_runs))
+                 for lo, hi in update_runs
+                 for a, b in itertools.pairwise([lo, *(c for c in cuts if lo < c < hi), hi]))
 
 
 def _slices(u, state, update_runs: tuple, decay_runs: tuple, fused: bool) -> tuple:

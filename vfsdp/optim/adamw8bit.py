@@ -63,8 +63,6 @@ from vfsdp.optim.traced import TracedAdam8, first_leaves, traced_adamw8bit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["adamw8bit", "AdamW8bitState", "AdamW8bitPlan", "Quantized", "MIN_8BIT_NUMEL"]
-
 MIN_8BIT_NUMEL = 4096
 
 
@@ -120,7 +118,6 @@ class RankPass:
     ps: tuple        # parameter shards (another tree's: made again), code shards (m, v)
     cms: tuple
     cvs: tuple
-    sizes: tuple     # their elements
     tiles: Optional[SpanTiles]  # None: no quantized tensor is trained
     decay: tuple     # parameter slices that decay
     small: tuple     # (parameter slices, m, v) of the fp32-moment tensors trained
@@ -193,9 +190,8 @@ class AdamW8bitState(CountedState):
 
             def small_piece(db, k, small=small):
                 found = small.get((db.key, k))
-                if found is None:
-                    return None
-                return tensor_piece(db.tensors[k], found, db.rank, db.groups.replicate_rank == 0)
+                return None if found is None else tensor_piece(db.tensors[k], found, db.rank,
+                                                               db.groups.replicate_rank == 0)
 
             tree[f"scales_{attr}"] = param_tree(self.codes_m, spec, scale_piece)
             tree[f"fp32_{attr}"] = param_tree(self.codes_m, spec, small_piece)
@@ -204,14 +200,9 @@ class AdamW8bitState(CountedState):
 
 def _rank_pass(state: AdamW8bitState, units: list) -> RankPass:
     """The :class:`RankPass` of ``units`` (``(unit, frozen buffer indices)`` in order)."""
-    plan, ps, cms, cvs, pieces, live = state.plan, [], [], [], [], set()
-    decay, small, ranges, base = [], ([], [], []), [], 0
+    plan, pieces, live, decay, small, ranges, base = state.plan, [], set(), [], [], [], 0
     for u, frozen in units:
-        p = u.db.shard
-        ps.append(p)
-        cms.append(state.codes_m[u.key].shard)
-        cvs.append(state.codes_v[u.key].shard)
-        at = 0
+        p, at = u.db.shard, 0
         for t in plan.quantized[u.key]:
             if t.hi > t.lo and t.k not in frozen:
                 pieces += [(t.lo - at, None, None), (t.hi - t.lo, t.view, t.t0)]
@@ -223,18 +214,18 @@ def _rank_pass(state: AdamW8bitState, units: list) -> RankPass:
         for k, lo, hi in plan.fp32[u.key]:
             if k not in frozen and hi > lo:
                 ranges.append((base + lo, base + hi))
-                for acc, x in zip(small, (p[lo:hi], state.fp32_m[(u.key, k)],
-                                          state.fp32_v[(u.key, k)])):
-                    acc.append(x)
+                small.append((p[lo:hi], state.fp32_m[(u.key, k)], state.fp32_v[(u.key, k)]))
         base += p.numel()
     cuts, keep = cuts_of(ranges, base)
     tiles = None
     if live:  # the scales of the tiles not trained now stay (other units', frozen tensors')
         still = tuple((t.t0, t.n_tiles) for key, ts in plan.quantized.items() for t in ts
                       if (key, t.k) not in live and t.n_tiles)
-        tiles = span_tiles(pieces, plan.n_tiles, ps[0].device, still)
-    return RankPass(tuple(ps), tuple(cms), tuple(cvs), tuple(x.numel() for x in ps),
-                    tiles, tuple(decay), tuple(map(tuple, small)), cuts, tuple(keep))
+        tiles = span_tiles(pieces, plan.n_tiles, units[0][0].db.device, still)
+    return RankPass(tuple(u.db.shard for u, _ in units),
+                    tuple(state.codes_m[u.key].shard for u, _ in units),
+                    tuple(state.codes_v[u.key].shard for u, _ in units),
+                    tiles, tuple(decay), tuple(zip(*small)) or ((), (), ()), cuts, tuple(keep))
 
 
 def adamw8bit(
@@ -322,15 +313,14 @@ def adamw8bit(
                 if t.path not in chosen:
                     continue
                 lo, hi = t.shard_range(db.rank)
-                start, stop = t.local_range(db.rank)
-                if not blockwise(tuple(t.shape), min_8bit_numel):
+                shape = tuple(t.shape)
+                if not blockwise(shape, min_8bit_numel):
                     f32.append((k, lo, hi))
                     state.fp32_m[(u.key, k)], state.fp32_v[(u.key, k)] = (
                         torch.zeros(hi - lo, dtype=torch.float32, device=db.device) for _ in "mv")
                     continue
-                shape = tuple(t.shape)
                 try:
-                    view = tile_view(shape, start, stop)
+                    view = tile_view(shape, *t.local_range(db.rank))
                 except ValueError as exc:
                     raise ValueError(
                         f"adamw8bit: {format_path(t.path)} {shape} is split across ranks inside a "
@@ -344,12 +334,10 @@ def adamw8bit(
                 t0 += t.n_tiles
             paths[u.key], quantized[u.key], fp32[u.key] = chosen, tuple(q8), tuple(f32)
         for attr in ("m", "v"):
-            whole = torch.zeros(t0 + 1, dtype=torch.float32,
-                                device=units[0].db.device if units else "cpu")
+            whole = torch.zeros(t0 + 1, dtype=torch.float32, device=count.device)
             setattr(state, f"rank_scales_{attr}", whole)
-            for key, q8 in quantized.items():
-                for t in q8:
-                    getattr(state, f"scales_{attr}")[(key, t.k)] = whole[t.t0:t.t0 + t.n_tiles]
+            getattr(state, f"scales_{attr}").update({(key, t.k): whole[t.t0:t.t0 + t.n_tiles]
+                                                     for key, q8 in quantized.items() for t in q8})
         state.plan = AdamW8bitPlan(paths, quantized, fp32, decay, decay_runs, t0)
         state.traced = _traced_views(units, state)
         return state
@@ -408,7 +396,7 @@ def adamw8bit(
                                  run.tiles, qm, qv, mm, mv, b1, b2, eps, rate, *scalars)
                 if len(run.ps) > 1:  # back into the units' buffers
                     for dst, src in ((run.ps, p), (run.cms, cm), (run.cvs, cv)):
-                        tp.foreach("copy_", list(dst), list(src.split(run.sizes)))
+                        tp.foreach("copy_", list(dst), list(src.split([x.numel() for x in run.ps])))
             if run.small[0]:  # one multi-tensor AdamW over the fp32-moment tensors
                 pieces = g.split_with_sizes(run.cuts)
                 ps, ms, vs = run.small

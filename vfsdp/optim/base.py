@@ -87,16 +87,6 @@ from vfsdp.optim.schedules import constant
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["Optimizer", "host_counter", "gradient_transform", "TransformState", "Schedule", "Mask",
-           "as_schedule",
-           "unit_buffers", "grad_leaves", "state_dtype", "check_hyper", "flat_grads", "UnitTensors",
-           "init_masked", "both", "selected", "state_tensors", "runs", "frozen_of", "read_step",
-           "write_step", "sync_step", "TEMP_ELEMS", "adamw_step", "use_fused", "batches", "scale_",
-           "new_count", "learning_rate", "step_scalars", "decay_", "descend_", "adam_", "OwnedPlan",
-           "CountedState", "init_units", "cuts_of", "atomic", "begin", "member", "checking", "settle",
-           "agree_all", "PartialUpdateError"]
-
-
 TEMP_ELEMS = 1 << 25
 """Largest temporary of the foreach path, in elements (128 MiB in fp32)."""
 
@@ -112,11 +102,10 @@ def use_fused(fused: Optional[bool], device: torch.device, dtypes: set, what: st
     if fused is None:
         return able and device.type == "cuda"
     if fused and not able:
-        why = (f"parameters, gradients and moments must share one dtype, got "
-               f"{sorted(map(str, dtypes))}")
         where = f": {what}" if what else ""
-        raise ValueError(f"adamw(fused=True){where}: {why}; use fused=False (the foreach path), "
-                         f"or fp32 master parameters (param_dtype= for the compute dtype)")
+        raise ValueError(f"adamw(fused=True){where}: parameters, gradients and moments must share "
+                         f"one dtype, got {sorted(map(str, dtypes))}; use fused=False (the foreach "
+                         f"path), or fp32 master parameters (param_dtype= for the compute dtype)")
     return bool(fused)
 
 
@@ -129,9 +118,7 @@ def batches(lists: tuple, limit: int = TEMP_ELEMS) -> list[tuple]:
         >>> [[t.tolist() for t in b[0]] for b in batches(([a[:3], a[3:]],), limit=4)]
         [[[0.0, 1.0, 2.0], [3.0]], [[4.0, 5.0, 6.0, 7.0]], [[8.0, 9.0]]]
     """
-    out: list = []
-    cur: list = [[] for _ in lists]
-    size = 0
+    out, cur, size = [], [[] for _ in lists], 0
     for parts in zip(*lists):
         n, lo = parts[0].numel(), 0
         while lo < n:
@@ -195,7 +182,10 @@ def learning_rate(schedule: Callable, count: torch.Tensor) -> Any:
     return value if value is not None else schedule(count.double().reshape(()))
 
 
-_BETAS: dict = {}  # (betas, device) -> the betas as a float64 tensor, made once
+@functools.cache
+def _betas(betas: tuple, device: str) -> torch.Tensor:
+    """The betas as a float64 tensor on ``device``, made once."""
+    return torch.tensor(betas, dtype=torch.float64, device=device)
 
 
 def step_scalars(count: torch.Tensor, betas: tuple) -> tuple:
@@ -212,11 +202,7 @@ def step_scalars(count: torch.Tensor, betas: tuple) -> tuple:
         b1, b2 = betas
         step = count.double().reshape(())  # in double precision, as the cached betas give
         return 1 - b1 ** step, (1 - b2 ** step).sqrt()
-    key = (tuple(betas), str(count.device))
-    found = _BETAS.get(key)
-    if found is None:
-        found = _BETAS[key] = torch.tensor(betas, dtype=torch.float64, device=count.device)
-    bc1, bc2 = (1 - found ** count).unbind()
+    bc1, bc2 = (1 - _betas(tuple(betas), str(count.device)) ** count).unbind()
     return bc1, bc2.sqrt()
 
 
@@ -308,7 +294,7 @@ def host_counter(count: torch.Tensor) -> bool:
 
 def adamw_step(ps: list, gs: list, ms: list, vs: list, decay: list, *, count: torch.Tensor,
                lr: Any, betas: tuple, eps: float, weight_decay: float, fused: bool,
-               scalars: Optional[tuple] = None, limit: Optional[int] = None) -> None:
+               scalars: Optional[tuple] = None) -> None:
     """One AdamW step in place over parallel lists of flat slices.
 
     Args:
@@ -320,8 +306,6 @@ def adamw_step(ps: list, gs: list, ms: list, vs: list, decay: list, *, count: to
         betas, eps, weight_decay: The hyperparameters.
         fused: Run torch's fused kernel (see :func:`use_fused`).
         scalars: This step's :func:`step_scalars`, where the caller has them already.
-        limit: Largest temporary of the foreach path, in elements (default
-            :data:`TEMP_ELEMS`).
 
     Example:
         >>> p, g, m, v = torch.ones(2), torch.full((2,), 0.5), torch.zeros(2), torch.zeros(2)
@@ -350,12 +334,11 @@ def adamw_step(ps: list, gs: list, ms: list, vs: list, decay: list, *, count: to
         scalars = 1 - b1 ** step, (1 - b2 ** step) ** 0.5
     bc1, bc2_sqrt = scalars if scalars is not None else step_scalars(count, betas)
     decay_(decay, lr, weight_decay)
-    adam_(ps, gs, ms, vs, b1, b2, eps, lr, bc1, bc2_sqrt, limit)
+    adam_(ps, gs, ms, vs, b1, b2, eps, lr, bc1, bc2_sqrt)
 
 
 Schedule = Union[float, Callable[[int], float]]
 Mask = Optional[Callable[[tuple], bool]]
-UnitTensors = UnitLeaves  # each unit's Unit, parameter DBuffer (.db) and leaves
 
 
 class Optimizer(NamedTuple):
@@ -489,9 +472,9 @@ def atomic(update: Callable, compose: bool = False) -> Callable:
     @functools.wraps(update)
     def run(grads: Any, state: Any, shards: Any, spec: Any) -> Any:
         txn = _open()
-        if tp.compiling() or txn is not None:  # compiled, or a member of an open update
-            if not (txn and txn.dry):
-                return update(grads, state, shards, spec)
+        if tp.compiling() or (txn is not None and not txn.dry):  # compiled, or a member
+            return update(grads, state, shards, spec)
+        if txn is not None:  # a member in the checking pass: up to its begin()
             with contextlib.suppress(_Dry):
                 update(grads, state, shards, spec)
             return state
@@ -751,10 +734,8 @@ def both(a: Mask, b: Mask) -> Mask:
         >>> m(("a", "w")), m(("a", "b")), both(None, None) is None
         (True, False, True)
     """
-    if a is None:
-        return b
-    if b is None:
-        return a
+    if a is None or b is None:
+        return b if a is None else a
     return lambda path: bool(a(path)) and bool(b(path))
 
 
@@ -840,7 +821,7 @@ def runs(db: Any, mask: Mask) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def frozen_of(u: UnitTensors, owned: frozenset) -> frozenset:
+def frozen_of(u: UnitLeaves, owned: frozenset) -> frozenset:
     """Buffer indices of unit ``u``'s tensors among ``owned`` (paths) whose shard does not
     require grad now. The one rule every optimizer follows, as ``torch.optim`` skips a
     parameter without a gradient: a frozen tensor gets no update and no weight decay, and
@@ -966,7 +947,7 @@ def cuts_of(ranges: list, total: int) -> tuple[tuple, list]:
     return sizes, [bisect.bisect_left(edges, lo) for lo, _ in ranges]
 
 
-def unit_buffers(shards: Any, spec: ShardSpec, what: str) -> list[UnitTensors]:
+def unit_buffers(shards: Any, spec: ShardSpec, what: str) -> list[UnitLeaves]:
     """Every unit of ``shards``: its :class:`~vfsdp.collectives.Unit`, parameter DBuffer
     (``.db``) and leaves (``.leaves``: ``(leaf index, buffer index)`` pairs).
 
@@ -976,13 +957,7 @@ def unit_buffers(shards: Any, spec: ShardSpec, what: str) -> list[UnitTensors]:
     return units_of(match_tree(shards, spec, what), spec, what)
 
 
-def grad_leaves(grads: Any, spec: ShardSpec, what: str) -> list:
-    """The gradient tree's leaves in spec order (match it once per update).
-
-    Raises:
-        ValueError: the tree does not match the spec.
-    """
-    return gradient_leaves(grads, spec, what)
+grad_leaves = gradient_leaves  # the gradient tree's leaves in spec order (once per update)
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -996,7 +971,7 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def flat_grads(leaves: list, unit: UnitTensors, what: str,
+def flat_grads(leaves: list, unit: UnitLeaves, what: str,
                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The unit's gradient as one flat ``S``-element tensor in the parameter layout.
 
@@ -1071,10 +1046,8 @@ def state_tensors(state: Any) -> list:
             todo.append(x.shard)
         elif isinstance(x, torch.Tensor):
             out.append(x)
-        elif isinstance(x, dict):
-            todo.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            todo.extend(x)
+        elif isinstance(x, (dict, list, tuple)):
+            todo.extend(x.values() if isinstance(x, dict) else x)
         elif hasattr(x, "__dict__"):
             todo.extend(vars(x).values())
     return out

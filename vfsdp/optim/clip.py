@@ -17,8 +17,6 @@ from vfsdp.optim.base import Mask, selected
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["clip_grad_norm", "global_norm", "check_max_norm", "local_squares", "scale_by_norm"]
-
 
 def check_max_norm(max_norm: float) -> float:
     """``max_norm`` if it is a finite number ``>= 0``.
@@ -126,14 +124,6 @@ def _norm(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask, what: str) -> tu
     return total.sqrt(), whole, loose
 
 
-def _counted(leaves: list, spec: ShardSpec, mask: Mask) -> list:
-    """The pieces this rank counts in a norm of a ``tp=`` plan off model index 0: those of
-    tensors split over the model axis (a replicated tensor is counted by index 0 only)."""
-    tensors, counted = local_plan(spec)[3:]
-    return [leaves[i] for (i, path), c in zip(tensors, counted) if c and selected(mask, path)
-            and isinstance(leaves[i], torch.Tensor) and leaves[i].numel()]
-
-
 def local_squares(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask,
                   what: Optional[str] = None) -> tuple:
     """``(sum of squares of this rank's pieces (fp32 scalar), whole, loose, groups)``: the
@@ -143,7 +133,11 @@ def local_squares(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask,
     whole, loose = _plan(leaves, spec, mask)
     pieces = [gdb.shard for gdb in whole] + [p for p in loose if p.numel()]
     if spec.model_axis is not None and spec.model_axis[2] != 0:
-        pieces = _counted(leaves, spec, mask)
+        # Off model index 0 of a tp= plan: only the pieces of tensors split over the model
+        # axis count (a replicated tensor is counted by index 0 only).
+        tensors, counted = local_plan(spec)[3:]
+        pieces = [leaves[i] for (i, path), c in zip(tensors, counted) if c and selected(mask, path)
+                  and isinstance(leaves[i], torch.Tensor) and leaves[i].numel()]
     if pieces:
         # One multi-tensor norm over every piece (fp32 arithmetic, no cast copy of bf16
         # gradients), then the sum of their squares: a fixed number of ops per step.
@@ -199,8 +193,7 @@ def clip_grad_norm(grads: Any, spec: ShardSpec, max_norm: float, *, mesh: Any = 
 
         return traced_clip(grads, spec, max_norm, eps, mask)
     what = "vfsdp.clip_grad_norm"
-    leaves = gradient_leaves(grads, spec, what)
-    norm, whole, loose = _norm(leaves, spec, mesh, mask, what)
+    norm, whole, loose = _norm(gradient_leaves(grads, spec, what), spec, mesh, mask, what)
     scale_by_norm(whole, loose, norm, max_norm, eps)
     return norm
 

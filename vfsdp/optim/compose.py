@@ -31,8 +31,6 @@ from vfsdp.optim.transforms import fuse
 from vfsdp.planner.granularity import combine, format_path
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["partition", "chain", "clip_by_global_norm", "ClipState"]
-
 
 def partition(transforms: dict, labels: Callable[[tuple], str]) -> Optimizer:
     """Each tensor is updated by ``transforms[labels(path)]`` (and only by it).

@@ -22,8 +22,6 @@ from vfsdp.functional.gather import gradient_leaves
 from vfsdp.optim.clip import check_max_norm, local_squares, scale_by_norm
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["GradTree", "global_norm_of", "clip_grad_norm_of"]
-
 
 class GradTree(NamedTuple):
     """One tree of gradient pieces and where it lives.
@@ -66,8 +64,7 @@ def _norm(trees: Sequence[GradTree], group: Any, what: str) -> tuple[torch.Tenso
             raise ValueError(f"{what}: a tree of a tp= plan (split over "
                              f"{t.spec.model_axis[0]!r}) already counts the tensors it "
                              f"replicates once; drop replicated=")
-        leaves = gradient_leaves(t.grads, t.spec, what)
-        sq, whole, loose, groups = local_squares(leaves, t.spec, t.mesh, None)
+        sq, whole, loose, groups = local_squares(gradient_leaves(t.grads, t.spec, what), t.spec, t.mesh, None)
         counted = groups.replicate_rank == 0 and (
             t.replicated is None or dist.get_rank(t.replicated) == 0)
         sq = sq if counted else torch.zeros_like(sq)

@@ -76,8 +76,6 @@ from vfsdp.optim.base import (
 )
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["offload", "OffloadState", "HostUnit"]
-
 
 @dataclass(frozen=True)
 class HostUnit:
@@ -203,8 +201,7 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> OffloadState:
         units = unit_buffers(shards, spec, "offload.init")
-        host_leaves: list = [None] * spec.treespec.num_leaves
-        grad_leaves_: list = [None] * spec.treespec.num_leaves
+        host_leaves, grad_leaves_ = ([None] * spec.treespec.num_leaves for _ in "hg")
         made = []
         on_gpu = bool(units) and units[0].db.device.type == "cuda"
         stream = torch.cuda.Stream(units[0].db.device) if on_gpu else None
@@ -229,11 +226,10 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
                 made.append(HostUnit(u.unit, host, chosen, views, mirror))
         host_shards = optree.tree_unflatten(spec.treespec, host_leaves)
         inner = init_masked(opt, host_shards, spec, mask, "offload")
-        state = OffloadState(inner, tuple(made), host_shards,
-                             optree.tree_unflatten(spec.treespec, grad_leaves_), stream=stream)
-        for u, hu in zip(units, made):
-            state.seen[u.key] = fingerprint(hu.device.params.shard)
-        return state
+        return OffloadState(inner, tuple(made), host_shards,
+                            optree.tree_unflatten(spec.treespec, grad_leaves_), stream=stream,
+                            seen={u.key: fingerprint(hu.device.params.shard)
+                                  for u, hu in zip(units, made)})
 
     def update(grads: Any, state: OffloadState, shards: Any, spec: ShardSpec) -> OffloadState:
         what = "offload.update"
@@ -274,21 +270,18 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
                     checks += [fingerprint(g), mirror.seen]
                 rows.append((hu, g, mirrored, saved is None))
             read = iter(torch.stack(checks).tolist() if checks else ())  # one copy to the host
-        todo = []
-        for hu, g, mirrored, unseen in rows:
-            now, saved = next(read), next(read)
-            fresh = mirrored and next(read) == next(read)  # the fingerprints: lists of two
-            if fresh:
-                hu.mirror.wait()  # its copy has landed before the host reads it
-            todo.append((hu, unseen or now != saved, None if fresh else g))
         if not blocking:  # the copies read what the compute stream wrote
             state.stream.wait_stream(torch.cuda.current_stream(state.stream.device))
         with torch.no_grad(), torch.cuda.stream(state.stream):  # None: no-op on the CPU
-            for hu, stale, g in todo:
-                if stale:
+            for hu, g, mirrored, unseen in rows:
+                now, saved = next(read), next(read)
+                fresh = mirrored and next(read) == next(read)  # the fingerprints: lists of two
+                if fresh:
+                    hu.mirror.wait()  # its copy has landed before the host reads it
+                if unseen or now != saved:
                     _read_back(hu, blocking)
                     state.resyncs += 1
-                if g is not None:
+                if not fresh:
                     hu.host.grads().shard.copy_(g, non_blocking=not blocking)
                     state.grad_copies += 1
         if state.stream is not None:

@@ -39,9 +39,6 @@ import torch
 from vfsdp.functional.tiles import TILE
 from vfsdp.optim.base import adam_
 
-__all__ = ["dynamic_map", "midpoints", "TILE", "SpanTiles", "span_tiles", "flat_tile_ids",
-           "step8_flat"]
-
 
 @lru_cache(maxsize=4)
 def _map(signed: bool) -> tuple:
@@ -50,13 +47,8 @@ def _map(signed: bool) -> tuple:
         n = 2 ** i if signed else 2 ** (i + 1)
         edges = [0.1 + 0.9 * k / n for k in range(n + 1)]
         means = [(a + b) / 2 * 10.0 ** (i - 6) for a, b in itertools.pairwise(edges)]
-        values += means
-        if signed:
-            values += [-x for x in means]
-    values.sort()
-    if len(values) != 256:
-        raise AssertionError(f"dynamic map has {len(values)} entries")
-    return tuple(values)
+        values += means + ([-x for x in means] if signed else [])
+    return tuple(sorted(values))
 
 
 def dynamic_map(signed: bool, device=None) -> torch.Tensor:

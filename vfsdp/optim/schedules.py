@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["constant", "warmup_cosine"]
-
 
 def constant(lr: float) -> Callable[[int], float]:
     """``step -> lr``.
@@ -69,9 +67,7 @@ def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.0) -> C
     def schedule(step: Any) -> Any:
         # One formula, on tensors (no Python branch on the step: it compiles and syncs
         # nothing); a Python step gets a Python float back.
-        t = step
-        if not isinstance(step, torch.Tensor):  # a Python step gets a Python float back
-            t = torch.tensor(float(step), dtype=torch.float64)  # cpu: a Python step
+        t = step if isinstance(step, torch.Tensor) else torch.tensor(float(step), dtype=torch.float64)
         progress = ((t - warmup) / max(1, total - warmup)).clamp(0, 1)
         out = floor + 0.5 * (peak - floor) * (1 + torch.cos(math.pi * progress))
         out = torch.where(t >= total, torch.full_like(out, floor), out)

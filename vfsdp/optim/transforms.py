@@ -31,6 +31,7 @@ from vfsdp.collectives.dbuffer import Role
 from vfsdp.functional.state import param_tree
 from vfsdp.optim.adamw import AdamWPlan, adamw, segments, trainable_runs
 from vfsdp.optim.base import (
+    CountedState,
     Mask,
     Optimizer,
     Schedule,
@@ -39,29 +40,23 @@ from vfsdp.optim.base import (
     atomic,
     begin,
     check_hyper,
+    cuts_of,
     descend_,
     flat_grads,
     grad_leaves,
+    init_units,
     learning_rate,
-    new_count,
-    read_step,
     runs,
-    same_at_ties,
     selected,
     settle,
     state_dtype,
     step_scalars,
     unit_buffers,
-    write_step,
 )
 from vfsdp.optim.muon import muon
 from vfsdp.optim.shampoo import shampoo
 from vfsdp.optim.soap import soap
 from vfsdp.planner.spec import ShardSpec
-
-__all__ = ["Transform", "Updates", "TransformsState", "transform", "scale_by_adam",
-           "add_decayed_weights", "scale_by_learning_rate", "scale_by_soap", "scale_by_shampoo",
-           "scale_by_muon", "run", "fuse"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,6 +82,10 @@ class Transform:
                         f"applies the updates to the parameters")
 
     update = init
+
+    def optimizer(self) -> Optimizer:
+        """This transform as a member of a :func:`~vfsdp.optim.chain`."""
+        return Optimizer(self.init, self.update)
 
 
 def _of(opt: Any) -> Optional[Transform]:
@@ -130,8 +129,7 @@ def transform(apply: Callable[[Any, dict], None], buffers: tuple = (),
     if not callable(apply) or not all(isinstance(b, str) for b in buffers):
         raise TypeError(f"transform({name!r}): takes apply(u, state), a callable, and buffer "
                         f"names as strings, got {type(apply).__name__} and {buffers!r}")
-    t = Transform(name, apply, tuple(buffers))
-    return Optimizer(t.init, t.update)
+    return Transform(name, apply, tuple(buffers)).optimizer()
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Optimizer:
@@ -169,8 +167,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Opti
         tp.foreach("zero_", u.updates)  # adam_ adds the step to it: the direction alone
         adam_(u.updates, g, state["mu"], state["nu"], b1, b2, eps, -1.0, bc1, bc2_sqrt)
 
-    t = Transform("scale_by_adam", apply, ("mu", "nu"), ("adam", (b1, b2), eps))
-    return Optimizer(t.init, t.update)
+    return Transform("scale_by_adam", apply, ("mu", "nu"), ("adam", (b1, b2), eps)).optimizer()
 
 
 def add_decayed_weights(weight_decay: float = 0.0, mask: Mask = None) -> Optimizer:
@@ -205,8 +202,7 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: Mask = None) -> Optimiz
             ps, us = u.where(mask)
             tp.foreach("add_", us, ps, alpha=weight_decay)
 
-    t = Transform("add_decayed_weights", apply, (), ("decay", weight_decay, mask))
-    return Optimizer(t.init, t.update)
+    return Transform("add_decayed_weights", apply, (), ("decay", weight_decay, mask)).optimizer()
 
 
 def scale_by_learning_rate(lr: Schedule = 1e-3) -> Optimizer:
@@ -241,21 +237,17 @@ def scale_by_learning_rate(lr: Schedule = 1e-3) -> Optimizer:
     def apply(u: Updates, state: dict) -> None:
         descend_(u.params, u.updates, learning_rate(schedule, u.count), scratch=True)
 
-    t = Transform("scale_by_learning_rate", apply, (), ("lr", lr))
-    return Optimizer(t.init, t.update)
+    return Transform("scale_by_learning_rate", apply, (), ("lr", lr)).optimizer()
 
 
 def _owner(name: str, factory: Callable, options: dict) -> Optimizer:
     """A matrix preconditioner as a transform: the optimizer ``factory``'s direction, run by
     :func:`fuse` as that optimizer with the chain's decay and rate."""
-    for key in ("lr", "weight_decay"):
+    for key, home in (("lr", "scale_by_learning_rate"), ("weight_decay", "add_decayed_weights")):
         if key in options:
-            raise ValueError(f"{name}: {key}= belongs to "
-                             f"{'scale_by_learning_rate' if key == 'lr' else 'add_decayed_weights'}"
-                             f" in the chain, not to {name}")
+            raise ValueError(f"{name}: {key}= belongs to {home} in the chain, not to {name}")
     factory(**options)  # refuses bad options now, by name
-    t = Transform(name, None, (), ("owner", factory, options))  # run refuses it: no apply
-    return Optimizer(t.init, t.update)
+    return Transform(name, None, (), ("owner", factory, options)).optimizer()  # run refuses it: no apply
 
 
 def scale_by_soap(**options: Any) -> Optimizer:
@@ -369,34 +361,22 @@ class Updates:
         """``(params, updates)`` restricted to the tensors ``mask(path)`` selects."""
         if mask is None:
             return self.params, self.updates
-        ps, us = [], []
-        for s in self.units:
-            a, b = s.where(mask)
-            ps.extend(a)
-            us.extend(b)
-        return ps, us
+        pairs = [s.where(mask) for s in self.units]
+        return [x for ps, _ in pairs for x in ps], [x for _, us in pairs for x in us]
 
 
 class _Slices:
     """One unit's operands for a given set of update runs, made once and kept."""
 
-    def __init__(self, u, update_runs: tuple, buffers: list, dtype: torch.dtype) -> None:
+    def __init__(self, u, update_runs: tuple, state: TransformsState) -> None:
         p = u.db.shard
-        self.db, self.shard, self.runs, self.dtype = u.db, p, update_runs, dtype
+        self.db, self.shard, self.runs = u.db, p, update_runs
         self.whole = update_runs == runs(u.db, None)
-        self.flat = torch.zeros(p.numel(), dtype=dtype, device=p.device)
+        self.flat = torch.zeros(p.numel(), dtype=state_dtype(p.dtype), device=p.device)
         self.params, self.updates = self._cut(p), self._cut(self.flat)
-        self.buffers = [{k: self._cut(db.shard) for k, db in named.items()} for named in buffers]
-        sizes, keep, end = [], [], 0
-        for lo, hi in update_runs:
-            if lo > end:
-                sizes.append(lo - end)
-            keep.append(len(sizes))
-            sizes.append(hi - lo)
-            end = hi
-        if end < p.numel():
-            sizes.append(p.numel() - end)
-        self.sizes, self.keep = tuple(sizes), tuple(keep)
+        self.buffers = [{k: self._cut(dbs[u.key].shard) for k, dbs in named.items()}
+                        for named in state.buffers]
+        self.sizes, self.keep = cuts_of(update_runs, p.numel())
         self._scratch: dict = {}
         self._where: dict = {}
 
@@ -423,7 +403,7 @@ class _Slices:
 
 
 @dataclass
-class TransformsState:
+class TransformsState(CountedState):
     """A run of transforms' state: the step counter and, per transform, its buffers
     (``{name: {unit key: DBuffer}}``, the parameters' layout).
 
@@ -438,22 +418,15 @@ class TransformsState:
         [[0.0, 0.0, 0.0, 0.0], []]
     """
 
-    count: torch.Tensor
     buffers: list
     plan: AdamWPlan = field(default_factory=AdamWPlan, repr=False, compare=False)
     slices: dict = field(default_factory=dict, repr=False, compare=False)
 
-    step = property(read_step, write_step, doc=read_step.__doc__)
-
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
         """The step, and each transform's buffers shaped like the parameters."""
-        keep = self.plan.local
-        return {"step": self.step, "transforms": [
-            {k: param_tree(dbs, spec, keep) for k, dbs in named.items()} for named in self.buffers]}
-
-    def restore_checkpoint(self, tree: dict) -> TransformsState:
-        self.step = tree["step"]
-        return self
+        return {**super().checkpoint_tree(spec), "transforms": [
+            {k: param_tree(dbs, spec, self.plan.local) for k, dbs in named.items()}
+            for named in self.buffers]}
 
 
 def run(*members: Optimizer) -> Optimizer:
@@ -496,14 +469,10 @@ def run(*members: Optimizer) -> Optimizer:
     lr = as_schedule(ts[-1].hyper[1])  # begin evaluates it before anything is written
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> TransformsState:
-        same_at_ties(mask and (lambda p: selected(mask, p)), spec, "chain.init", "mask")
-        for t in ts:
-            if t.hyper and t.hyper[0] == "decay" and t.hyper[2] is not None:
-                same_at_ties(lambda p, m=t.hyper[2]: selected(m, p), spec, "chain.init",
-                             "add_decayed_weights' mask")
-        units = unit_buffers(shards, spec, "chain.init")
-        state = TransformsState(new_count(units[0].db.device if units else "cpu"),
-                                [{k: {} for k in t.buffers} for t in ts])
+        units, count = init_units(shards, spec, "chain.init", mask=mask, **{
+            f"add_decayed_weights' mask (transform {i})": t.hyper[2]
+            for i, t in enumerate(ts) if t.hyper[:1] == ("decay",)})
+        state = TransformsState(count, [{k: {} for k in t.buffers} for t in ts])
         paths, update_runs = {}, {}
         for u in units:
             chosen = frozenset(t.path for t in u.db.tensors if selected(mask, t.path))
@@ -528,8 +497,11 @@ def run(*members: Optimizer) -> Optimizer:
                 update_runs = trainable_runs(u, state.plan, None)[0]
                 if not update_runs:
                     continue  # every tensor of ours here is frozen
-                s = _slices(state, u, update_runs)
-                gs.extend(s.grads(flat_grads(leaves, u, "chain.update", s.dtype)))
+                s = state.slices.get(u.key)
+                # Another shards tree for the same spec has other buffers: never reuse its slices.
+                if s is None or s.runs != update_runs or s.shard is not u.db.shard:
+                    s = state.slices[u.key] = _Slices(u, update_runs, state)
+                gs.extend(s.grads(flat_grads(leaves, u, "chain.update", s.flat.dtype)))
                 todo.params.extend(s.params)
                 todo.updates.extend(s.updates)
                 todo.units.append(s)
@@ -559,17 +531,6 @@ def run(*members: Optimizer) -> Optimizer:
         return state
 
     return Optimizer(init, atomic(update))
-
-
-def _slices(state: TransformsState, u, update_runs: tuple) -> _Slices:
-    found = state.slices.get(u.key)
-    # Another shards tree for the same spec has other buffers: never reuse its slices.
-    if found is None or found.runs != update_runs or found.shard is not u.db.shard:
-        found = state.slices[u.key] = _Slices(
-            u, update_runs, [{k: dbs[u.key] for k, dbs in named.items()}
-                             for named in state.buffers],
-            state_dtype(u.db.dtype))
-    return found
 
 
 def _check(ts: list, offset: int = 0) -> list[Transform]:
@@ -616,14 +577,13 @@ def fuse(members: tuple) -> tuple:
     found = _check(ts[first:], first)
     end = first + len(found)
     kinds = [t.hyper[:1] for t in found]
+    lr = found[-1].hyper[1]
+    _, wd, mask = found[1].hyper if kinds[1:] == [("decay",), ("lr",)] else (None, 0.0, None)
     if kinds in ([("adam",), ("lr",)], [("adam",), ("decay",), ("lr",)]):
-        (_, betas, eps), (_, lr) = found[0].hyper, found[-1].hyper
-        _, wd, mask = found[1].hyper if len(found) == 3 else (None, 0.0, None)
+        _, betas, eps = found[0].hyper
         one = adamw(lr, betas, eps, wd, mask, fused=None)
-    elif kinds[0] == ("owner",) and kinds[1:] in ([("lr",)], [("decay",), ("lr",)]) \
-            and (len(found) == 2 or found[1].hyper[2] is None):
-        (_, make, options), (_, lr) = found[0].hyper, found[-1].hyper
-        wd = found[1].hyper[1] if len(found) == 3 else 0.0
+    elif kinds[0] == ("owner",) and kinds[1:] in ([("lr",)], [("decay",), ("lr",)]) and mask is None:
+        _, make, options = found[0].hyper
         order = {"weight_decay_first": True} if make is soap and wd else {}
         one = make(lr=lr, weight_decay=wd, **options, **order)
     else:

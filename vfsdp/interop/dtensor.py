@@ -40,8 +40,6 @@ from vfsdp.functional.tree import group_by_unit, match_tree, units_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["to_dtensor", "from_dtensor", "dtensor_placement", "model_placement"]
-
 RAGGED = ("error", "redistribute", "keep")
 
 

@@ -86,7 +86,7 @@ NOT_STRINGS = {
                                               "checking pass; the composition catches it",
     ("vfsdp/collectives/dbuffer.py", "ReleasedTensor.__torch_function__",
      "RuntimeError(why)"): "the poison()/_poison() sentences (SINKS)",
-    ("vfsdp/interop/dtensor.py", "to_dtensor", "ValueError(_ragged_message(t))"):
+    ("vfsdp/interop/dtensor.py", "_placements", "ValueError(_ragged_message(t))"):
         "BUILDERS: _ragged_message",
     ("vfsdp/testing/simulate.py", "_simulate", "RankError(real or failures)"):
         "BUILDERS: RankError.__init__, _simulate, _describe",

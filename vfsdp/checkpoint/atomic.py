@@ -98,10 +98,8 @@ def _dead(partial: str) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # e.g. another user's live process
-        return False
+    except OSError as exc:  # gone, or e.g. another user's live process
+        return isinstance(exc, ProcessLookupError)
     return False
 
 

@@ -121,10 +121,6 @@ def register_state(cls: type, flatten: Callable[[Any, ShardSpec], Any],
     _ADAPTERS[cls] = (flatten, restore)
 
 
-def _path_name(path: tuple) -> str:
-    return format_path(tuple(path)) if path else "<root>"
-
-
 def _db_piece(t: torch.Tensor, db: DBuffer, k: int, name: str) -> Piece:
     """The Piece of a tensor that its slot says is tensor ``k``'s local view of ``db``.
 
@@ -187,7 +183,7 @@ def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: st
     paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=is_state_leaf)
     for path, leaf in zip(paths, leaves):
         path = prefix + tuple(path)
-        name = _path_name(path)
+        name = format_path(path)
         adapter = _adapter(leaf)
         if adapter is not None:
             _flatten_into(adapter[0](leaf, spec), spec, path, out, what)
@@ -228,6 +224,6 @@ def unflatten(tree: Any, spec: ShardSpec, values: dict, prefix: tuple = ()) -> A
         if adapter is not None:
             new.append(adapter[1](leaf, unflatten(adapter[0](leaf, spec), spec, values, path)))
         else:
-            new.append(values.get(_path_name(path), leaf) if isinstance(leaf, VALUE_TYPES)
+            new.append(values.get(format_path(path), leaf) if isinstance(leaf, VALUE_TYPES)
                        else leaf)
     return optree.tree_unflatten(treespec, new)

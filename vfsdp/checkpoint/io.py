@@ -70,7 +70,6 @@ from vfsdp.checkpoint.storage import (
     agreed,
     checksum_items,
     dcp_state,
-    describe_mesh,
     match_manifest,
     read_manifest,
     single_layout,
@@ -373,12 +372,6 @@ def _mesh_record(mesh: Any) -> Optional[list]:
     return [[str(n), int(s)] for n, s in zip(names, mesh.shape)]
 
 
-def parts_layout(parts: list[Part]) -> dict:
-    """What the manifest records of the parts: ``{"parts": {name: {mesh, plan}}}``."""
-    return {"parts": {p.name: {"mesh": _mesh_record(p.mesh), **single_layout(p.spec)}
-                      for p in parts}}
-
-
 def check_parts(manifest: dict, parts: Optional[list[Part]], strict: bool, path: str) -> None:
     """A load of one tree (``parts`` is ``None``) reads a checkpoint of one tree, and a load of
     parts names the checkpoint's parts (all of them, when ``strict``).
@@ -468,7 +461,8 @@ def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *
     path = os.fspath(path)
     wait_pending()
     entries, parts = agreed(_entries, tree, spec, "vfsdp.checkpoint.save")
-    layout = single_layout(spec) if parts is None else parts_layout(parts)
+    layout = single_layout(spec) if parts is None else {"parts": {  # {name: {mesh, plan}}
+        p.name: {"mesh": _mesh_record(p.mesh), **single_layout(p.spec)} for p in parts}}
     _check_consistent(entries, None)
     _check_written_once(entries, None)
     if not async_save:
@@ -547,8 +541,7 @@ def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = No
         manifest = read_manifest(path)
         entries, parts = _entries(tree_like, spec, "vfsdp.checkpoint.load")
         check_parts(manifest, parts, strict, path)
-        values = match_manifest(manifest, entries, strict, path, None if spec is None else
-                                describe_mesh(spec.mesh_shape, spec.model_axis))
+        values = match_manifest(manifest, entries, strict, path, spec)
         verify_files(path, manifest)
         with open(os.path.join(path, METADATA), "rb") as f:
             if zlib.crc32(f.read()) != manifest["metadata_crc"]:

@@ -11,6 +11,7 @@ those. vfsdp writes and reads the format itself; the ``safetensors`` package is 
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import itertools
 import json
@@ -18,8 +19,6 @@ import math
 import os
 import re
 import struct
-import uuid
-from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 import torch
@@ -27,7 +26,7 @@ import torch.distributed as dist
 
 from vfsdp.checkpoint.entries import Entry, dtype_name, flatten, tensor_bytes, unflatten
 from vfsdp.checkpoint.export import Rename, entries_and_names, name_keys, stream_full, stream_order
-from vfsdp.checkpoint.storage import MANIFEST, CheckpointError, agree, agreed
+from vfsdp.checkpoint.storage import MANIFEST, CheckpointError, agree, agreed, write_file
 from vfsdp.planner.spec import ShardSpec
 
 _CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
@@ -185,7 +184,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
         tensors = (v for _, v in stream if isinstance(v, torch.Tensor))
         try:
             for target, blob, (_, group) in zip(targets, blobs, files):
-                _write_file(target, itertools.chain(
+                write_file(target, itertools.chain(
                     (struct.pack("<Q", len(blob)), blob),
                     map(tensor_bytes, itertools.islice(tensors, len(group)))))
             if max_shard_size is not None:
@@ -193,8 +192,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
             _remove_other_forms(targets)
         except Exception as exc:  # noqa: BLE001 - e.g. disk full; raised below, on every rank
             error = exc
-    for _ in stream:  # the other ranks, and dst after a failure: take part in the collectives
-        pass
+    collections.deque(stream, maxlen=0)  # the other ranks, and dst after a failure: take part
     agree(error)
 
 
@@ -233,8 +231,7 @@ def _split(entries: list[Entry], max_bytes: Optional[int]) -> list[tuple[str, li
     if not isinstance(max_bytes, int) or max_bytes < 1:
         raise ValueError(f"save_safetensors: max_shard_size must be a positive int (bytes), "
                          f"got {max_bytes!r}")
-    groups: list = [[]]
-    size = 0
+    groups, size = [[]], 0
     for e in order:
         n = math.prod(e.shape) * e.dtype.itemsize
         if groups[-1] and size + n > max_bytes:
@@ -250,21 +247,7 @@ def _write_index(path: str, names: dict, files: list, layout: Optional[str]) -> 
                                             for _, g in files for e in g)},
              "weight_map": {key: file for file, g in files for e in g
                             for key, _ in parts(names[e.name], e.shape, layout)}}
-    _write_file(os.path.join(path, INDEX), [json.dumps(index, indent=2, sort_keys=True).encode()])
-
-
-def _write_file(target: str, chunks: Iterable[bytes]) -> None:
-    """Write ``chunks`` under a temporary name, renamed to ``target`` once complete."""
-    tmp = f"{os.path.abspath(target)}.partial-{uuid.uuid4().hex[:12]}"
-    try:
-        with open(tmp, "wb") as f:
-            f.writelines(chunks)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
+    write_file(os.path.join(path, INDEX), [json.dumps(index, indent=2, sort_keys=True).encode()])
 
 
 def _headers_of(entries: list[Entry], names: dict, files: list, metadata: Optional[dict],
@@ -279,8 +262,7 @@ def _headers_of(entries: list[Entry], names: dict, files: list, metadata: Option
         meta[_VALUES] = json.dumps(values)
     blobs = []
     for k, (_, group) in enumerate(files):
-        header: dict = {}
-        offset = 0
+        header, offset = {}, 0
         for e in group:
             if e.dtype not in _CODES:
                 raise TypeError(f"safetensors: {e.name} is {dtype_name(e.dtype)}, which "
@@ -455,8 +437,7 @@ def _headers(path: str) -> tuple[dict, dict]:
             files = [single]
         else:
             raise CheckpointError(f"{path} holds neither {INDEX} nor model.safetensors")
-    merged: dict = {}
-    values: dict = {}
+    merged, values = {}, {}
     for file in files:
         header, base = read_header(file)
         values.update(json.loads(header.pop("__metadata__", {}).get(_VALUES, "{}")))
@@ -486,15 +467,11 @@ def _read_into(path: str, tree_like: Any, spec: ShardSpec, strict: bool, rename:
                 raise CheckpointError(f"{path}: no value {key!r} (for {e.name})")
             continue
         # Whole under its own name, then each per-expert layout, then under Mixtral's names.
-        options = [[(key, tuple(e.shape))]]
-        for layout in ("per_expert", "mixtral"):
-            found = parts(key, e.shape, layout)
-            if found not in options:
-                options.append(found)
+        options = [[(key, tuple(e.shape))], *(parts(key, e.shape, layout) for layout in _NAMES)]
         found = next((c for c in options if all(k in header for k, _ in c)), None)
         if found is None:
-            other = f" nor its per-expert tensors ({options[1][0][0]}, ...)" \
-                if len(options) > 1 else ""
+            other = next((f" nor its per-expert tensors ({c[0][0]}, ...)" for c in options[1:]
+                          if c != options[0]), "")
             raise CheckpointError(f"{path}: no tensor {key!r}{other} (for {e.name})")
         for k, shape in found:
             rec = header[k]
@@ -514,54 +491,37 @@ def _read_into(path: str, tree_like: Any, spec: ShardSpec, strict: bool, rename:
     return {e.name: values[names[e.name]] for e in entries if e.kind == "value"}
 
 
-def _source(found: list, opened: dict, item: int, path: str, name: str):
-    """``read(flat, count)``: a flat range of a tensor's elements as bytes, from the tensor
-    stored whole or as consecutive pieces (per-expert tensors), from the pieces it spans."""
-    recs = [rec for _, rec in found]
-    starts = list(itertools.accumulate((math.prod(r["shape"]) for r in recs), initial=0))
-
-    def read(flat: int, count: int) -> bytearray:
-        raw = bytearray(count * item)  # a host buffer: numpy views would pin the storage
-        k = bisect.bisect_right(starts, flat) - 1
-        at = flat
-        while at < flat + count:
-            rec, stop = recs[k], min(starts[k + 1], flat + count)
-            f = opened[rec["file"]]
-            f.seek(rec["base"] + rec["data_offsets"][0] + (at - starts[k]) * item)
-            view = memoryview(raw)[(at - flat) * item:(stop - flat) * item]
-            if f.readinto(view) != len(view):
-                raise CheckpointError(f"{path}: {name} ends early (truncated)")
-            at, k = stop, k + 1
-        return raw
-
-    return read
+def _runs(e: Entry, numel: int) -> list[tuple[int, int]]:
+    """``[(flat start, count)]``: the runs of the stored tensor's elements that make up the
+    entry's ``numel`` elements, in their own order (a TP/EP piece's boxes row by row)."""
+    if e.kind != "sharded" or e.piece.within is None or not e.shape:
+        return [(e.piece.start if e.kind == "sharded" else 0, numel)]
+    strides = [math.prod(e.shape[d + 1:]) for d in range(len(e.shape))]
+    return [(sum(i * st for i, st in zip((*lead, offsets[-1]), strides)), sizes[-1])
+            for offsets, sizes in e.piece.boxes()
+            for lead in itertools.product(*(range(o, o + n) for o, n in zip(offsets[:-1], sizes)))]
 
 
 def _read_pieces(entries: list, stored: dict, opened: dict, path: str) -> None:
+    """Each entry's bytes, from the tensor stored whole or as consecutive pieces (per-expert
+    tensors), read from the pieces its runs span into one host buffer, then copied in."""
     for e in entries:
-        if e.kind == "value":
+        target = None if e.kind == "value" else e.piece.local if e.kind == "sharded" else e.tensor
+        if target is None or not target.numel():
             continue
-        target = e.piece.local if e.kind == "sharded" else e.tensor
-        if not target.numel():
-            continue
-        read = _source(stored[e.name], opened, target.element_size(), path, e.name)
-        if e.kind == "sharded" and e.piece.within is not None:  # a TP/EP piece's boxes
-            for offsets, sizes in e.piece.boxes():
-                e.piece.box_data(offsets, sizes).copy_(
-                    _read_box(read, tuple(e.shape), offsets, sizes, target.dtype))
-            continue
-        raw = read(e.piece.start if e.kind == "sharded" else 0, target.numel())
+        recs = [rec for _, rec in stored[e.name]]
+        starts = list(itertools.accumulate((math.prod(r["shape"]) for r in recs), initial=0))
+        item = target.element_size()
+        raw = bytearray(target.numel() * item)  # a host buffer: numpy views would pin the storage
+        view = memoryview(raw)
+        for at, count in _runs(e, target.numel()):
+            k, end = bisect.bisect_right(starts, at) - 1, at + count
+            while at < end:
+                rec, stop = recs[k], min(starts[k + 1], end)
+                f = opened[rec["file"]]
+                f.seek(rec["base"] + rec["data_offsets"][0] + (at - starts[k]) * item)
+                n = (stop - at) * item
+                if f.readinto(view[:n]) != n:
+                    raise CheckpointError(f"{path}: {e.name} ends early (truncated)")
+                view, at, k = view[n:], stop, k + 1
         target.copy_(torch.frombuffer(raw, dtype=target.dtype).view(target.shape))
-
-
-def _read_box(read: Callable[[int, int], bytearray], shape: tuple, offsets: tuple, sizes: tuple,
-              dtype: torch.dtype) -> torch.Tensor:
-    """One N-D box of a row-major tensor, read row by row."""
-    out = torch.empty(sizes, dtype=dtype)  # cpu: a host buffer, copied into the target
-    rows = out.reshape(-1, sizes[-1]) if sizes else out.reshape(1, 1)
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    for j, lead in enumerate(itertools.product(*(range(o, o + n) for o, n in
-                                                 zip(offsets[:-1], sizes[:-1])))):
-        flat = sum(i * st for i, st in zip(lead, strides)) + (offsets[-1] if offsets else 0)
-        rows[j].copy_(torch.frombuffer(read(flat, rows.shape[1]), dtype=dtype))
-    return out

@@ -36,8 +36,10 @@ import os
 import pickle
 import re
 import time
+import uuid
 import warnings
 import zlib
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
@@ -355,19 +357,31 @@ def write_manifest(tmp: str, entries: list[Entry], layout: dict, world: int,
         "metadata_crc": zlib.crc32(meta), "entries": described, "files": files, "items": items,
     }
     manifest["checksum"] = manifest_checksum(manifest)
-    with open(os.path.join(tmp, MANIFEST), "w") as f:  # in tmp: visible only once committed
-        json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
+    write_file(os.path.join(tmp, MANIFEST), [json.dumps(manifest).encode()])  # visible once committed
+
+
+def write_file(target: str, chunks: Iterable[bytes]) -> None:
+    """Write ``chunks`` under a temporary name, renamed to ``target`` once complete."""
+    tmp = f"{os.path.abspath(target)}.partial-{uuid.uuid4().hex[:12]}"
+    try:
+        with open(tmp, "wb") as f:
+            f.writelines(chunks)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
 
 
 def match_manifest(manifest: dict, entries: list[Entry], strict: bool, path: str,
-                   mesh: Optional[str] = None) -> dict:
+                   spec: Optional[ShardSpec] = None) -> dict:
     """The saved plain values for ``entries``, after checking each against the manifest.
 
-    ``mesh``: the loading spec's :func:`describe_mesh`; when it differs from the saved one, a
-    shape mismatch is reported as what it most likely is, a state that follows the mesh."""
+    ``spec``: the loading spec; when its mesh (:func:`describe_mesh`) differs from the saved
+    one, a shape mismatch is reported as what it most likely is, a state that follows the mesh."""
     saved = {e["name"]: e for e in manifest["entries"]}
+    mesh = None if spec is None else describe_mesh(spec.mesh_shape, spec.model_axis)
     was = describe_mesh(manifest["mesh_shape"], manifest.get("model_axis")) \
         if "mesh_shape" in manifest else None
     moved = mesh is not None and was is not None and was != mesh

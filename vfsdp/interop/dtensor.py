@@ -40,8 +40,6 @@ from vfsdp.functional.tree import group_by_unit, match_tree, units_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["to_dtensor", "from_dtensor", "dtensor_placement", "model_placement"]
-
 RAGGED = ("error", "redistribute", "keep")
 
 
@@ -113,24 +111,23 @@ def to_dtensor(shards: Any, spec: ShardSpec, *, mesh: Any = None, ragged: str = 
     if ragged not in RAGGED:
         raise ValueError(f"ragged must be one of {RAGGED}, got {ragged!r}")
     leaves = match_tree(shards, spec, "vfsdp.to_dtensor")
-    if spec.model_axis is not None:
-        return _to_dtensor_split(leaves, spec, mesh, ragged)
+    axis = spec.model_axis[0] if spec.model_axis else None
+    if axis is not None and axis not in (getattr(mesh, "mesh_dim_names", None) or ()):
+        raise ValueError(f"vfsdp.to_dtensor: the spec is split over the {axis!r} axis; pass "
+                         f"mesh= the DeviceMesh it was planned on (with {axis!r})")
     device_mesh = mesh if mesh is not None else default_mesh(spec)
-    lead = [Replicate()] * (len(spec.mesh_shape) - 1)
     out = list(leaves)
     for u in units_of(leaves, spec, "vfsdp.to_dtensor"):
         moved = []
         for i, k in u.leaves:
             t = u.db.tensors[k]
-            place = dtensor_placement(t)
-            if place is not None:
-                out[i] = _from_local(u.db.local(k), device_mesh, lead + [place], t.shape)
-            elif ragged == "error":
-                raise ValueError(_ragged_message(t))
+            places = _placements(t, spec, device_mesh, ragged)
+            if places is not None:
+                out[i] = _from_local(u.db.local(k), device_mesh, places, t.global_shape)
             elif ragged == "redistribute":
                 moved.append((i, k, t))
         if moved:
-            _even_copies(u.db, moved, out, device_mesh, lead)
+            _even_copies(u.db, moved, out, device_mesh, [Replicate()] * (len(spec.mesh_shape) - 1))
     return optree.tree_unflatten(spec.treespec, out)
 
 
@@ -155,35 +152,34 @@ def model_placement(t: TensorSpec) -> tuple[Optional[Placement], str]:
     return Shard(st.dim), ""
 
 
-def _to_dtensor_split(leaves: list, spec: ShardSpec, mesh: Any, ragged: str) -> Any:
-    """to_dtensor for a plan split over a model axis: DTensors of the global shape on the
-    mesh with the model axis."""
+def _placements(t: TensorSpec, spec: ShardSpec, mesh: Any, ragged: str) -> Optional[list]:
+    """The DTensor placements of ``t`` on ``mesh`` (over the data axes, and the model axis of
+    a ``tp=`` plan), or ``None`` where DTensor has none and ``ragged`` allows that.
+
+    Raises:
+        ValueError: no placements, with ``ragged="error"`` (for a ``tp=`` plan, unless
+            ``"keep"``), saying why.
+    """
+    data = dtensor_placement(t)
+    if spec.model_axis is None:
+        if data is None and ragged == "error":
+            raise ValueError(_ragged_message(t))
+        return None if data is None else [Replicate()] * (len(spec.mesh_shape) - 1) + [data]
     axis = spec.model_axis[0]
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if mesh is None or axis not in names:
-        raise ValueError(f"vfsdp.to_dtensor: the spec is split over the {axis!r} axis; pass "
-                         f"mesh= the DeviceMesh it was planned on (with {axis!r})")
-    out = list(leaves)
-    for u in units_of(leaves, spec, "vfsdp.to_dtensor"):
-        for i, k in u.leaves:
-            t = u.db.tensors[k]
-            data = dtensor_placement(t)
-            model, why = model_placement(t)
-            if isinstance(data, Shard) and isinstance(model, Shard) and model.dim == 0:
-                data, why = None, (f"the data axes split its {axis}-piece by rows too "
-                                   f"({axis}-major); DTensor orders mesh dims data-major")
-            elif data is None:
-                why = _ragged_message(t).split(": ", 1)[1].split("; pass", 1)[0]
-            if data is None or model is None:
-                if ragged == "keep":
-                    continue
-                raise ValueError(f"vfsdp.to_dtensor: {format_path(t.path)} has no DTensor "
-                                 f"layout: {why}. Pass ragged='keep' for the local shard, or "
-                                 f"save with vfsdp.checkpoint.save, which stores it exactly")
-            places = [model if name == axis else data if name == spec.mesh_dim_names[-1]
-                      else Replicate() for name in names]
-            out[i] = _from_local(u.db.local(k), mesh, places, t.global_shape)
-    return optree.tree_unflatten(spec.treespec, out)
+    model, why = model_placement(t)
+    if isinstance(data, Shard) and isinstance(model, Shard) and model.dim == 0:
+        data, why = None, (f"the data axes split its {axis}-piece by rows too "
+                           f"({axis}-major); DTensor orders mesh dims data-major")
+    elif data is None:
+        why = _ragged_message(t).split(": ", 1)[1].split("; pass", 1)[0]
+    if data is not None and model is not None:
+        return [model if name == axis else data if name == spec.mesh_dim_names[-1]
+                else Replicate() for name in mesh.mesh_dim_names]
+    if ragged == "keep":
+        return None
+    raise ValueError(f"vfsdp.to_dtensor: {format_path(t.path)} has no DTensor layout: {why}. "
+                     f"Pass ragged='keep' for the local shard, or save with "
+                     f"vfsdp.checkpoint.save, which stores it exactly")
 
 
 def _ragged_message(t: TensorSpec) -> str:

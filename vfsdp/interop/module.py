@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import operator
 import threading
 from typing import Any, Optional
@@ -37,7 +38,6 @@ from vfsdp.functional.schedule import LayerRun
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["functionalize", "ModuleApply"]
 
 def functionalize(module: torch.nn.Module) -> tuple[dict, ModuleApply]:
     """``(params, apply)``: the module's parameters as a tree, and ``apply(params, *args,
@@ -70,10 +70,8 @@ def functionalize(module: torch.nn.Module) -> tuple[dict, ModuleApply]:
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"vfsdp.functionalize takes an nn.Module, got {type(module).__name__}")
-    first: dict[int, str] = {}  # a tensor's first registered name
     every = list(module.named_parameters(remove_duplicate=False))
-    for name, p in every:
-        first.setdefault(id(p), name)
+    first = {id(p): name for name, p in reversed(every)}  # a tensor's first registered name
     ties = {name: first[id(p)] for name, p in every if first[id(p)] != name}
     tree: dict = {}
     for name, p in module.named_parameters():  # each tensor once, under its first name
@@ -96,7 +94,7 @@ def _lists(module: torch.nn.Module, tree: dict, prefix: str) -> Any:
     for key, sub in list(tree.items()):
         if isinstance(sub, dict):
             tree[key] = _lists(module, sub, f"{prefix}{key}.")
-    owner = module.get_submodule(prefix[:-1]) if prefix else module
+    owner = module.get_submodule(prefix[:-1])
     if isinstance(owner, (torch.nn.ModuleList, torch.nn.Sequential)) and \
         set(tree) == {str(i) for i in range(len(tree))}:
         return [tree[str(i)] for i in range(len(tree))]
@@ -162,9 +160,8 @@ class ModuleApply:
         self._block_ties: dict = {}  # block -> {tied name: its tensor's name}, under the block
         if self.blocks is not None:
             where = format_path(self.blocks) + "." if self.blocks else ""
-            first: dict = {}  # each block at its first position
-            for i, block in enumerate(module.get_submodule(where[:-1]) if where else module):
-                first.setdefault(block, i)
+            blocks = list(enumerate(module.get_submodule(where[:-1])))
+            first = {block: i for i, block in reversed(blocks)}  # each block at its first position
             self._own = [(p, _outside(p, f"{where}{i}.{name}"))
                          for block, i in first.items() for name, p in _slots(block)]
             for block, i in first.items():
@@ -350,8 +347,7 @@ class ModuleApply:
                                       plain, **unset))
         else:  # the module is the list of blocks
             rest = {}
-        blocks = self.module.get_submodule(where) if path else self.module
-        state = _Blocks(self, run, list(blocks))
+        state = _Blocks(self, run, list(self.module.get_submodule(where) if path else self.module))
         self._run = state
         try:
             return self._call(rest, args, kwargs)
@@ -375,10 +371,9 @@ class ModuleApply:
         if key not in self._scopes:
             prefix = next((n + "." for n, m in owner.named_modules(remove_duplicate=False)
                            if m is sub and n), "")
-            names = [n for n, _ in owner.named_parameters(remove_duplicate=False)] + \
-                [n for n, _ in owner.named_buffers()]
-            self._scopes[key] = (sub if prefix else owner, len(prefix),
-                                 [n for n in names if n.startswith(prefix)])
+            names = [n for n, _ in itertools.chain(owner.named_parameters(remove_duplicate=False),
+                                                   owner.named_buffers()) if n.startswith(prefix)]
+            self._scopes[key] = (sub if prefix else owner, len(prefix), names)
         target, cut, names = self._scopes[key]
 
         def again(*args: Any, **kwargs: Any) -> Any:
@@ -469,7 +464,6 @@ class _Blocks:
         self.calls = 0  # the position the next call is expected at
         self.saved = {block: block.__dict__.get("forward") for block in self.units}
         self.forwards = {block: block.forward for block in self.units}
-        self.own = apply._own  # the blocks' parameters, and their stand-ins
         self.trees: dict = {}  # unit index -> its tree of the forward's (latest) call
         self.replays = 0  # recomputes in progress
         self.install()
@@ -479,7 +473,7 @@ class _Blocks:
         that raise when read (the run gathers a block only around its call)."""
         for block, forward in self.forwards.items():
             block.forward = functools.partial(self.call, block, forward)
-        for (where, leaf, _), stand_in in self.own:
+        for (where, leaf, _), stand_in in self.apply._own:
             where[leaf] = stand_in
 
     @contextlib.contextmanager
@@ -503,7 +497,7 @@ class _Blocks:
             del block.forward
             if forward is not None:
                 block.forward = forward
-        for (where, leaf, own), _ in self.own:
+        for (where, leaf, own), _ in self.apply._own:
             where[leaf] = own
 
     def call(self, block: torch.nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:

@@ -18,8 +18,6 @@ from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, UnitLayout, unit_name
 
-__all__ = ["visualize"]
-
 _LETTERS = string.ascii_uppercase + string.ascii_lowercase + string.digits
 
 

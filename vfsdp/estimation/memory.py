@@ -79,10 +79,8 @@ def unit_bytes(units: Mapping[Any, UnitLayout], param_dtype: Optional[torch.dtyp
     key in place of the plan's, e.g. :func:`baseline_sizes`)."""
     out = []
     for key, u in units.items():
-        p = u.dtype.itemsize
-        c = (param_dtype or u.dtype).itemsize
         r_dtype = reduce_dtype or param_dtype or u.dtype
-        r = r_dtype.itemsize
+        p, c, r = u.dtype.itemsize, (param_dtype or u.dtype).itemsize, r_dtype.itemsize
         S, m = (sizes or {}).get(key, u.shard_numel), u.world_size
         out.append(UnitBytes(key, S * p, m * S * c, m * S * r,
                              S * r if r_dtype != u.dtype else 0, S * p, m * S * p))

@@ -155,10 +155,9 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
         raise ValueError("sweep: give tokens_per_gpu (weak scaling) or global_tokens (strong "
                          "scaling), not both")
     checks.count("sweep", "ep", ep)
-    checks.count("sweep", "shard", shard, optional=True)
-    checks.count("sweep", "tokens_per_gpu", tokens_per_gpu, optional=True)
-    checks.count("sweep", "global_tokens", global_tokens, optional=True)
-    checks.count("sweep", "micro_batch_tokens", micro_batch_tokens, optional=True)
+    for name, value in (("shard", shard), ("tokens_per_gpu", tokens_per_gpu),
+                        ("global_tokens", global_tokens), ("micro_batch_tokens", micro_batch_tokens)):
+        checks.count("sweep", name, value, optional=True)
     if micro_batch_tokens and "micro_batches" in options:
         raise ValueError("sweep: give micro_batches (a count) or micro_batch_tokens (a size), "
                          "not both")

@@ -148,6 +148,10 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
             gathered.discard(u.key)
             ev.append((f"release {u.key}", "buffers", -u.gathered))
 
+    def reduced(u):  # its reduce-scatter input freed
+        if u is not None:
+            ev.append((f"reduced {u.key}", "buffers", -u.reduce_in))
+
     def reduce(u):
         ev.append((f"gradient shard {u.key}", "gradients", u.grad_shard + u.stage_shard))
         if copies:
@@ -186,14 +190,12 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
         saved(u, -1)
         release(u)
         reduce(u)
-        if pending is not None:
-            ev.append((f"reduced {pending.key}", "buffers", -pending.reduce_in))
+        reduced(pending)
         pending = u
     for u in reversed(rest):
         reduce(u)
-        ev.append((f"reduced {u.key}", "buffers", -u.reduce_in))
-    if pending is not None:
-        ev.append((f"reduced {pending.key}", "buffers", -pending.reduce_in))
+        reduced(u)
+    reduced(pending)
     for u in rest:
         release(u)
     return ev

@@ -191,16 +191,15 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
 
     o = Options(hw=hw, muon=optimizer == "muon", tokens_per_rank=tokens(gpus[0]), **options)
     with paused_gc():  # see vfsdp._gc: a sweep builds many small objects
-        run = _Sweep(params, o, optimizer, ep, granularity, units)
-        run.micro_tokens = micro_batch_tokens
-        return run.rows(gpus, shard, tokens, vs)
+        return _Sweep(params, o, optimizer, ep, granularity, units, micro_batch_tokens).rows(
+            gpus, shard, tokens, vs)
 
 
 class _Sweep:
     """The prepared trees, and per shard group size the parts :func:`predict` reads."""
 
-    def __init__(self, params, o: Options, optimizer, ep, granularity, units) -> None:
-        self.o, self.ep, self.micro_tokens = o, ep, None
+    def __init__(self, params, o: Options, optimizer, ep, granularity, units, micro_tokens) -> None:
+        self.o, self.ep, self.micro_tokens = o, ep, micro_tokens
         trees = [params] if ep == 1 else list(expert_share(params, ep))
         self.prepared, self.opts = [], []
         for tree in trees:

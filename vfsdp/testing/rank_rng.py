@@ -26,8 +26,6 @@ What still shares the process generator: CUDA generators (``simulate(device="cud
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import threading
 from collections.abc import Iterator
 
@@ -48,21 +46,13 @@ _PATCHED: dict = {}
 
 
 # Ops that take no generator and draw from the process's default one: dropout
-# (``F.dropout`` & co., their ``torch.*`` ops) and attention's dropout.
+# (``F.dropout`` & co., their ``torch.*`` ops) and attention's dropout (and torch.nn.init's
+# functions, called without generator=).
 _DEFAULT_DRAWS = {
     F.dropout, torch.dropout, F.alpha_dropout, torch.alpha_dropout, F.dropout1d, F.dropout2d,
     F.dropout3d, torch.feature_dropout, F.feature_alpha_dropout, torch.feature_alpha_dropout,
     F.scaled_dot_product_attention,
 }
-
-
-@functools.cache
-def _takes_generator(func) -> bool:
-    """Whether a ``torch.nn.init`` function has a ``generator`` parameter."""
-    try:
-        return "generator" in inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _drawing_from(g: torch.Generator, func, args, kwargs):
@@ -89,12 +79,12 @@ class RankRNG(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if kwargs.get("generator") is None and (
-                func in _SAMPLERS or (getattr(func, "__module__", None) == "torch.nn.init"
-                                      and _takes_generator(func))):
+        if func in _SAMPLERS and kwargs.get("generator") is None:
             kwargs = dict(kwargs, generator=self.generator)
-        elif func in _DEFAULT_DRAWS and (func is not F.scaled_dot_product_attention or kwargs.get(
-                "dropout_p", args[4] if len(args) > 4 else 0.0) > 0.0):  # attention: its dropout
+        elif kwargs.get("generator") is None and (
+                func in _DEFAULT_DRAWS or getattr(func, "__module__", None) == "torch.nn.init") and (
+                func is not F.scaled_dot_product_attention  # attention: with dropout only
+                or kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) > 0.0):
             return _drawing_from(self.generator, func, args, kwargs)
         elif func is torch.Tensor.backward:
             # As a method call: dynamo traces `loss.backward()` (trace_autograd_ops), but not

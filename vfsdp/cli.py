@@ -35,7 +35,7 @@ from vfsdp.estimation.options import GiB
 from vfsdp.estimation.sweep import sweep
 from vfsdp.planner.check import check_spec, plan_stats
 from vfsdp.planner.granularity import parse_granularity
-from vfsdp.planner.plan import _logical, plan
+from vfsdp.planner.plan import plan
 from vfsdp.planner.shapes import DTYPES, load_shapes
 from vfsdp.planner.spec import ShardSpec, unit_name
 
@@ -83,14 +83,11 @@ def suggest(tree, world_size: int, granularity, dtype: torch.dtype,
     for shard in (s for s in range(1, world_size + 1) if world_size % s == 0):
         rep = world_size // shard
         spec = plan(tree, (rep, shard), granularity=granularity)
-        st = plan_stats(spec)
-        s_total = sum(u.shard_numel for u in spec.units.values())
-        params = s_total * dtype.itemsize
-        state = s_total * 4 * 2
-        gathered = 2 * sum((u.world_size - 1) * u.shard_numel for u in spec.units.values()) * dtype.itemsize
+        st, s_total = plan_stats(spec), sum(u.shard_numel for u in spec.units.values())
+        gathered = 2 * sum((u.world_size - 1) * u.shard_numel for u in spec.units.values())
         print(f"{f'{rep} x {shard}':>18} {100 * st['padding_ratio']:>10.4f} "
-              f"{100 * st['lower_bound_ratio']:>10.4f} {_gib(params):>14} {_gib(state):>16} "
-              f"{_gib(gathered):>21}")
+              f"{100 * st['lower_bound_ratio']:>10.4f} {_gib(s_total * dtype.itemsize):>14} "
+              f"{_gib(s_total * 4 * 2):>16} {_gib(gathered * dtype.itemsize):>21}")
         if st["padding_ratio"] <= max_padding:
             best = (rep, shard)
     if best is None:
@@ -359,10 +356,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.png:
         from vfsdp.interop.visualize import visualize
 
-        if args.unit is None:  # the most padded
-            unit = max(spec.units, key=lambda k: spec.units[k].padded_numel - spec.units[k].total_numel)
-        else:
-            unit = () if args.unit in ("root", "<root>", "") else _logical((args.unit,))
+        unit = max(spec.units, key=lambda k: spec.units[k].padded_numel - spec.units[k].total_numel) \
+            if args.unit is None else "<root>" if args.unit in ("root", "") else args.unit
         try:
             fig = visualize(spec, unit, figure=True, max_ranks=args.max_ranks)
         except (ValueError, ImportError) as exc:

@@ -128,10 +128,8 @@ def calibrate(layer: tuple, sizes: tuple = (2**12, 2**24),
     one, eight = (_host_overhead(repeats, n, device, world) for n in (1, 8))
     per_tensor = max((eight - one) / 7, 0.0)
     overhead = max(one - per_tensor, 0.0)
-    if device.type == "cuda":
-        memory = torch.cuda.get_device_properties(device).total_memory
-    else:  # the host's memory, shared by the ranks on it
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(world, 1)
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else \
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(world, 1)  # the host's, shared
     return Hardware(name, rate, memory, mem_bw, world, bw, latency, bw, latency,
                     compute_efficiency=1.0, comm_efficiency=1.0, attention_efficiency=1.0,
                     unit_overhead=overhead,

@@ -274,10 +274,8 @@ class Shapes:
         for key, (weights, per_expert, experts, has_embed, outs, expert_outs, mats) in \
                 self.units.items():
             n = weights + (per_expert * experts_per_token if experts else 0.0)
-            flops = 6 * tokens * n
             layer = isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int)
             attn = 12 * tokens * seq * width if layer and seq and width else 0
-            flops += attn
             kept, again_per, share = _RECOMPUTE[o.recompute]
             # the forward's weight matmuls run again (a share of them), attention if full
             extra = share * 2 * tokens * n + (attn / 3 if share == 1.0 else 0.0) if layer \
@@ -294,7 +292,7 @@ class Shapes:
                 ew = tokens * width * (ELEMENTWISE[o.compiled] * (3 + share) + FLOAT8_CASTS * o.float8)
             if has_embed and vocab:
                 acts += tokens * vocab * per_logit
-            out[key] = LayerCost(float(flops), int(acts), int(again), extra, float(attn), ew)
+            out[key] = LayerCost(float(6 * tokens * n + attn), int(acts), int(again), extra, float(attn), ew)
         return out
 
 

@@ -79,10 +79,8 @@ def unit_bytes(units: Mapping[Any, UnitLayout], param_dtype: Optional[torch.dtyp
     key in place of the plan's, e.g. :func:`baseline_sizes`)."""
     out = []
     for key, u in units.items():
-        p = u.dtype.itemsize
-        c = (param_dtype or u.dtype).itemsize
         r_dtype = reduce_dtype or param_dtype or u.dtype
-        r = r_dtype.itemsize
+        p, c, r = u.dtype.itemsize, (param_dtype or u.dtype).itemsize, r_dtype.itemsize
         S, m = (sizes or {}).get(key, u.shard_numel), u.world_size
         out.append(UnitBytes(key, S * p, m * S * c, m * S * r,
                              S * r if r_dtype != u.dtype else 0, S * p, m * S * p))
@@ -150,6 +148,10 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
             gathered.discard(u.key)
             ev.append((f"release {u.key}", "buffers", -u.gathered))
 
+    def reduced(u):  # its reduce-scatter input freed
+        if u is not None:
+            ev.append((f"reduced {u.key}", "buffers", -u.reduce_in))
+
     def reduce(u):
         ev.append((f"gradient shard {u.key}", "gradients", u.grad_shard + u.stage_shard))
         if copies:
@@ -188,14 +190,12 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
         saved(u, -1)
         release(u)
         reduce(u)
-        if pending is not None:
-            ev.append((f"reduced {pending.key}", "buffers", -pending.reduce_in))
+        reduced(pending)
         pending = u
     for u in reversed(rest):
         reduce(u)
-        ev.append((f"reduced {u.key}", "buffers", -u.reduce_in))
-    if pending is not None:
-        ev.append((f"reduced {pending.key}", "buffers", -pending.reduce_in))
+        reduced(u)
+    reduced(pending)
     for u in rest:
         release(u)
     return ev

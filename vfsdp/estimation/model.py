@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import optree
-import torch
 
 from vfsdp.estimation.checks import count
-from vfsdp.estimation.costs import LayerCost
 from vfsdp.estimation.hardware import Hardware
-from vfsdp.estimation.options import GiB, Options
+from vfsdp.estimation.options import Options
 from vfsdp.estimation.predict import Estimate, PlanSummary, predict
 from vfsdp.planner.abstract import is_tensor_leaf, leaf_meta
 from vfsdp.planner.spec import ShardSpec
@@ -46,19 +43,9 @@ def optimizer_for(name: Union[str, Any], like: Any = None) -> Any:
                      f"'muon', 'soap', 'shampoo' or a vfsdp.optim optimizer")
 
 
-def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any = "adamw",
-             param_dtype: Optional[torch.dtype] = torch.bfloat16,
-             reduce_dtype: Optional[torch.dtype] = None, prefetch: bool = True,
-             reshard_after_forward: bool = True, tokens_per_rank: int = 4096,
-             costs: Optional[Mapping[Any, LayerCost]] = None,
-             experts_per_token: Optional[int] = None, seq: Optional[int] = None,
-             recompute: bool = False, comm_library_bytes: int = 2 * GiB, rank: Optional[int] = None,
-             baseline: Optional[str] = None, model_parallel: Optional[str] = None,
-             layers: Optional[list] = None, experts: Optional[ShardSpec] = None,
-             ep: Optional[int] = None, micro_batches: int = 1, grad_sync: bool = True,
-             float8: bool = False, logits_dtype: torch.dtype = torch.float32,
-             compiled: bool = False, padding: Optional[str] = None,
-             fused_loss: Optional[bool] = None) -> Estimate:
+def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any = "adamw", *,
+             rank: Optional[int] = None, experts: Optional[ShardSpec] = None,
+             **options: Any) -> Estimate:
     """Predict one training step of ``spec`` on ``hw`` (see ``docs/estimate.md``).
 
     Args:
@@ -66,49 +53,9 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         hw: A hardware profile or its name (``"h800"``), or a JSON file from ``calibrate``.
         optimizer: A vfsdp optimizer or its name (``"adamw"``, ``"adamw8bit"``, ``"muon"``,
             ``"soap"``, ``"shampoo"``).
-        param_dtype: The compute dtype the units are gathered in (``None``: the shards').
-        reduce_dtype: The reduce-scatter dtype (default: ``param_dtype``).
-        prefetch: As ``run_layers``'.
-        reshard_after_forward: As ``run_layers``'.
-        tokens_per_rank: Tokens each rank processes per step (over all its micro-batches).
-        costs: Per unit key (or key prefix, such as ``("layers",)``) its
-            :class:`LayerCost` for ``tokens_per_rank`` tokens (from :func:`layer_cost`);
-            default: from the shapes (:func:`shape_costs`).
-        experts_per_token: Routed experts per token, for the shapes' default costs of a
-            model with ``experts``.
-        seq: Sequence length, for the attention FLOPs of the default costs.
-        recompute: Activation checkpointing for the default costs: ``True`` or ``"full"``
-            (only each layer's input is kept, the forward runs again), ``"selective"``
-            (torchtitan's op-level policy: every other output kept, half the forward's weight
-            matmuls run again) or ``False``.
-        comm_library_bytes: The communication library's own buffers (NCCL's, outside
-            torch's caching allocator): in ``memory_per_rank``, not in ``peak_reserved``.
         rank: The shard rank whose optimizer state is counted (default: the larger of the
             first and the last rank's; they differ where whole tiles or matrices sit on
             one rank).
-        baseline: ``"fsdp2"`` or ``"megatron"``: the same step as that system runs it: its
-            padding (:func:`~vfsdp.estimation.memory.baseline_sizes`), its copies
-            (``Estimate.copy_bytes``, their time on the compute lane), the buffers they
-            hold, and its regather of the last layer. FSDP2: copy-in and copy-out around
-            each all-gather and each reduce-scatter, in the memory each all-gather's output
-            until it is copied out and each unit's unsharded gradients until copied into
-            the reduce-scatter input, and its caching allocator's pool per stream
-            (``Estimate.peak_reserved``). Megatron-FSDP: gathers in place from a shard it
-            keeps in the compute dtype (cast once, after the update), each gradient copied
-            into its main-grad bucket, held from the layer's backward's start, and the
-            reduce-scatter's output added into the gradient shard; its allocator is not
-            modelled (reserved = allocated).
-        padding: ``"vfsdp"``, ``"fsdp2"`` or ``"megatron"``: another system's padding than
-            the step's own (default), for ablations: ``baseline="fsdp2", padding="vfsdp"``
-            is vfsdp's layout with FSDP2's copies, ``padding="fsdp2"`` vfsdp's step over
-            FSDP2's per-tensor padding.
-        model_parallel: ``"tp"`` for a ``tp=`` plan of Megatron-style layers: each layer
-            all-reduces its activations (``tokens_per_rank`` x the embedding's width, in the
-            compute dtype) twice forward and twice backward over the model axis, on the
-            compute lane (exposed). ``None``: the model axis's own collectives are not
-            modelled.
-        layers: The unit keys ``run_layers`` runs, in order (default: the longest run of
-            units keyed ``(name, i)``; the other units are gathered for the whole step).
         experts: Expert parallelism: the plan of one expert-parallel rank's experts (planned
             with ``tp=rule, tp_axis="ep"``, or that rank's share of the experts planned over
             the GPUs divided by ``ep``), keyed like the layers of ``spec`` they belong to;
@@ -116,24 +63,68 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             gathered, reduced and held with it, and its routed tokens cross the expert group
             in all-to-alls (two forward, two backward, two more with ``recompute``), on the
             compute lane.
-        ep: The expert group's size, where ``experts`` has no ``"ep"`` axis of its own.
-        micro_batches: Micro-batches per step (gradient accumulation), which split
-            ``tokens_per_rank``: each gathers the units again; activations are one's.
-        grad_sync: With ``micro_batches``, whether each reduces its gradients (FSDP's
-            default); ``False``: only the last does, and every unit's whole gradient is held
-            across them: in the parameters' dtype (vfsdp's ``grad_sync=False``), or in the
-            reduce dtype for the FSDP2 and Megatron-FSDP baselines.
-        float8: Float8 weight matmuls (twice the bf16 rate; attention stays in bf16) and
-            float8 all-gathers (one byte per weight crosses the links).
-        logits_dtype: The dtype the loss's softmax and its gradient are in (the default
-            costs' logits: an eager loss's peak, 12 bytes per token and vocabulary entry in fp32,
-            6 in bf16).
-        compiled: Whether the step runs under ``torch.compile`` (the default costs' kernels
-            outside the matmuls fused: less of their memory traffic).
-        fused_loss: Whether the loss is one fused kernel, holding only the bf16 logits and
-            their gradient (``None``: as ``compiled``; torchtitan compiles its loss since
-            2025, not before).
+        **options: The step, as :class:`~vfsdp.estimation.options.Options` takes it
+            (defaults: ``param_dtype`` bf16, ``tokens_per_rank`` 4096, ``comm_library_bytes``
+            2 GiB, ``micro_batches`` 1, ``logits_dtype`` fp32; ``prefetch``,
+            ``reshard_after_forward`` and ``grad_sync`` on; the rest off or ``None``):
 
+            * ``param_dtype``: The compute dtype the units are gathered in (``None``: the shards').
+            * ``reduce_dtype``: The reduce-scatter dtype (default: ``param_dtype``).
+            * ``prefetch``: As ``run_layers``'.
+            * ``reshard_after_forward``: As ``run_layers``'.
+            * ``tokens_per_rank``: Tokens each rank processes per step (over all its micro-batches).
+            * ``costs``: Per unit key (or key prefix, such as ``("layers",)``) its
+              :class:`LayerCost` for ``tokens_per_rank`` tokens (from :func:`layer_cost`);
+              default: from the shapes (:func:`shape_costs`).
+            * ``experts_per_token``: Routed experts per token, for the shapes' default costs of a
+              model with ``experts``.
+            * ``seq``: Sequence length, for the attention FLOPs of the default costs.
+            * ``recompute``: Activation checkpointing for the default costs: ``True`` or ``"full"``
+              (only each layer's input is kept, the forward runs again), ``"selective"``
+              (torchtitan's op-level policy: every other output kept, half the forward's weight
+              matmuls run again) or ``False``.
+            * ``comm_library_bytes``: The communication library's own buffers (NCCL's, outside
+              torch's caching allocator): in ``memory_per_rank``, not in ``peak_reserved``.
+            * ``baseline``: ``"fsdp2"`` or ``"megatron"``: the same step as that system runs it: its
+              padding (:func:`~vfsdp.estimation.memory.baseline_sizes`), its copies
+              (``Estimate.copy_bytes``, their time on the compute lane), the buffers they
+              hold, and its regather of the last layer. FSDP2: copy-in and copy-out around
+              each all-gather and each reduce-scatter, in the memory each all-gather's output
+              until it is copied out and each unit's unsharded gradients until copied into
+              the reduce-scatter input, and its caching allocator's pool per stream
+              (``Estimate.peak_reserved``). Megatron-FSDP: gathers in place from a shard it
+              keeps in the compute dtype (cast once, after the update), each gradient copied
+              into its main-grad bucket, held from the layer's backward's start, and the
+              reduce-scatter's output added into the gradient shard; its allocator is not
+              modelled (reserved = allocated).
+            * ``padding``: ``"vfsdp"``, ``"fsdp2"`` or ``"megatron"``: another system's padding than
+              the step's own (default), for ablations: ``baseline="fsdp2", padding="vfsdp"``
+              is vfsdp's layout with FSDP2's copies, ``padding="fsdp2"`` vfsdp's step over
+              FSDP2's per-tensor padding.
+            * ``model_parallel``: ``"tp"`` for a ``tp=`` plan of Megatron-style layers: each layer
+              all-reduces its activations (``tokens_per_rank`` x the embedding's width, in the
+              compute dtype) twice forward and twice backward over the model axis, on the
+              compute lane (exposed). ``None``: the model axis's own collectives are not
+              modelled.
+            * ``layers``: The unit keys ``run_layers`` runs, in order (default: the longest run of
+              units keyed ``(name, i)``; the other units are gathered for the whole step).
+            * ``ep``: The expert group's size, where ``experts`` has no ``"ep"`` axis of its own.
+            * ``micro_batches``: Micro-batches per step (gradient accumulation), which split
+              ``tokens_per_rank``: each gathers the units again; activations are one's.
+            * ``grad_sync``: With ``micro_batches``, whether each reduces its gradients (FSDP's
+              default); ``False``: only the last does, and every unit's whole gradient is held
+              across them: in the parameters' dtype (vfsdp's ``grad_sync=False``), or in the
+              reduce dtype for the FSDP2 and Megatron-FSDP baselines.
+            * ``float8``: Float8 weight matmuls (twice the bf16 rate; attention stays in bf16) and
+              float8 all-gathers (one byte per weight crosses the links).
+            * ``logits_dtype``: The dtype the loss's softmax and its gradient are in (the default
+              costs' logits: an eager loss's peak, 12 bytes per token and vocabulary entry in fp32,
+              6 in bf16).
+            * ``compiled``: Whether the step runs under ``torch.compile`` (the default costs' kernels
+              outside the matmuls fused: less of their memory traffic).
+            * ``fused_loss``: Whether the loss is one fused kernel, holding only the bf16 logits and
+              their gradient (``None``: as ``compiled``; torchtitan compiles its loss since
+              2025, not before).
     Returns:
         An :class:`Estimate`.
 
@@ -161,15 +152,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
     if experts is not None and not isinstance(experts, ShardSpec):
         raise TypeError(f"estimate: experts= takes the experts' ShardSpec, got "
                         f"{type(experts).__name__}")
-    o = Options(hw=hw, muon=optimizer == "muon", param_dtype=param_dtype,
-                reduce_dtype=reduce_dtype, prefetch=prefetch,
-                reshard_after_forward=reshard_after_forward, tokens_per_rank=tokens_per_rank,
-                costs=costs, experts_per_token=experts_per_token, seq=seq, recompute=recompute,
-                comm_library_bytes=comm_library_bytes,
-                baseline=baseline, model_parallel=model_parallel, layers=layers, ep=ep,
-                micro_batches=micro_batches, grad_sync=grad_sync, float8=float8,
-                logits_dtype=logits_dtype, compiled=compiled, padding=padding,
-                fused_loss=fused_loss)
+    o = Options(hw=hw, muon=optimizer == "muon", **options)
     count("estimate", "rank", rank, least=0, optional=True)
     if rank is not None and rank >= spec.world_size:
         raise ValueError(f"estimate: rank={rank} is not a rank of the plan's {spec.world_size}")

@@ -155,10 +155,9 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
         raise ValueError("sweep: give tokens_per_gpu (weak scaling) or global_tokens (strong "
                          "scaling), not both")
     checks.count("sweep", "ep", ep)
-    checks.count("sweep", "shard", shard, optional=True)
-    checks.count("sweep", "tokens_per_gpu", tokens_per_gpu, optional=True)
-    checks.count("sweep", "global_tokens", global_tokens, optional=True)
-    checks.count("sweep", "micro_batch_tokens", micro_batch_tokens, optional=True)
+    for name, value in (("shard", shard), ("tokens_per_gpu", tokens_per_gpu),
+                        ("global_tokens", global_tokens), ("micro_batch_tokens", micro_batch_tokens)):
+        checks.count("sweep", name, value, optional=True)
     if micro_batch_tokens and "micro_batches" in options:
         raise ValueError("sweep: give micro_batches (a count) or micro_batch_tokens (a size), "
                          "not both")
@@ -192,16 +191,15 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
 
     o = Options(hw=hw, muon=optimizer == "muon", tokens_per_rank=tokens(gpus[0]), **options)
     with paused_gc():  # see vfsdp._gc: a sweep builds many small objects
-        run = _Sweep(params, o, optimizer, ep, granularity, units)
-        run.micro_tokens = micro_batch_tokens
-        return run.rows(gpus, shard, tokens, vs)
+        return _Sweep(params, o, optimizer, ep, granularity, units, micro_batch_tokens).rows(
+            gpus, shard, tokens, vs)
 
 
 class _Sweep:
     """The prepared trees, and per shard group size the parts :func:`predict` reads."""
 
-    def __init__(self, params, o: Options, optimizer, ep, granularity, units) -> None:
-        self.o, self.ep, self.micro_tokens = o, ep, None
+    def __init__(self, params, o: Options, optimizer, ep, granularity, units, micro_tokens) -> None:
+        self.o, self.ep, self.micro_tokens = o, ep, micro_tokens
         trees = [params] if ep == 1 else list(expert_share(params, ep))
         self.prepared, self.opts = [], []
         for tree in trees:

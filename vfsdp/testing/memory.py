@@ -15,7 +15,6 @@ vfsdp and for FSDP2 in the benchmarks.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Any
 
@@ -44,15 +43,15 @@ class _Observing(TorchDispatchMode):
     _adds_outputs = False
 
     def __enter__(self):
-        self._events = contextlib.ExitStack()
-        self._events.enter_context(observe(self.on_event))
+        self._events = observe(self.on_event)
+        self._events.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            self._events.close()
+            self._events.__exit__(None, None, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.sample()
@@ -107,18 +106,13 @@ class GatheredProbe(_Observing):
             self.sample()
 
     def sample(self) -> None:
-        units, nbytes, dead = set(), 0, []
-        for key, ref in self._buffers.items():
-            db = ref()
-            if db is None:
-                dead.append(key)
-            elif db.is_allocated:
-                units.add(id(db.unit) if db.unit is not None else id(db))
-                nbytes += db.global_buffer.untyped_storage().nbytes()
-        for key in dead:
-            del self._buffers[key]
+        self._buffers = {key: ref for key, ref in self._buffers.items() if ref() is not None}
+        live = [db for db in (ref() for ref in self._buffers.values())
+                if db is not None and db.is_allocated]
+        units = {id(db.unit) if db.unit is not None else id(db) for db in live}
         self.peak_units = max(self.peak_units, len(units))
-        self.peak_bytes = max(self.peak_bytes, nbytes)
+        self.peak_bytes = max(self.peak_bytes,
+                              sum(db.global_buffer.untyped_storage().nbytes() for db in live))
 
 
 
@@ -170,22 +164,13 @@ class LiveBytes(_Observing):
                 refs.append(weakref.ref(t))
 
     def sample(self) -> None:
-        total, dead = 0, []
-        seen = set()
-        for key, refs in self._storages.items():
-            t = next((x for x in (r() for r in refs) if x is not None), None)
-            if t is None:
-                dead.append(key)
-                continue
-            sid = storage_id(t)
-            if sid in seen:
-                continue
-            seen.add(sid)
-            total += t.untyped_storage().nbytes()
-        for key in dead:
-            del self._storages[key]
-        self.current = total
-        self.peak = max(self.peak, total)
+        alive = {key: t for key, refs in self._storages.items()
+                 if (t := next((x for x in (r() for r in refs) if x is not None), None)) is not None}
+        self._storages = {key: self._storages[key] for key in alive}
+        # by the storage each lives in now (a resized one may be another's)
+        self.current = sum({storage_id(t): t.untyped_storage().nbytes()
+                            for t in alive.values()}.values())
+        self.peak = max(self.peak, self.current)
 
 
 class BufferBytes(LiveBytes):

@@ -102,13 +102,17 @@ def moe_reference(params: dict, x: torch.Tensor, k: int) -> torch.Tensor:
         >>> moe_reference(p, torch.randn(5, 8), 2).shape
         torch.Size([5, 8])
     """
-    ids, weights = route(x, params["router"], k)
-    out = torch.zeros_like(x)
-    for e in range(params["router"].shape[-1]):
+    return _routed(params["experts"], x, *route(x, params["router"], k), torch.zeros_like(x))
+
+
+def _routed(p: dict, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            out: torch.Tensor) -> torch.Tensor:
+    """``out`` plus each of the stacked experts ``p`` on the tokens of ``x`` routed to it
+    (``ids``, ``weights``: :func:`route`'s), weighted."""
+    for e in range(p["w_up"].shape[0]):
         tok, slot = (ids == e).nonzero(as_tuple=True)
         if tok.numel():
-            out = out.index_add(0, tok, expert(params["experts"], x[tok], e)
-                                * weights[tok, slot, None])
+            out = out.index_add(0, tok, expert(p, x[tok], e) * weights[tok, slot, None])
     return out
 
 
@@ -222,11 +226,7 @@ def moe_etp(router: torch.Tensor, local_experts: dict, x: torch.Tensor, k: int, 
     all_w = lax.all_gather(weights, axis, mesh=mesh)
     # Every gathered tensor stays in the graph where no token reaches an expert here: the
     # all_gathers' backwards run on every rank (+ empty sums: 0).
-    out = torch.zeros_like(xs) + xs[:0].sum() + all_w[:0].sum()
-    for e in range(gate.shape[0]):
-        tok, slot = (all_ids == e).nonzero(as_tuple=True)
-        if tok.numel():
-            out = out.index_add(0, tok, expert(local_experts, xs[tok], e)
-                                * all_w[tok, slot, None])
+    out = _routed(local_experts, xs, all_ids, all_w,
+                  torch.zeros_like(xs) + xs[:0].sum() + all_w[:0].sum())
     back = lax.all_to_all(out, axis, 0, 0, split_sizes=sizes.tolist(), mesh=mesh)
     return back.view(n, *x.shape).sum(0)

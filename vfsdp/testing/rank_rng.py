@@ -12,12 +12,11 @@ generator state (as every torchrun process starts from the same script):
   built inside a rank after ``torch.manual_seed(s)`` gets the same weights on every rank, as
   under torchrun);
 * dropout (``torch.nn.functional.dropout``, ``dropout1d/2d/3d``, ``alpha_dropout``,
-  ``feature_alpha_dropout``, their ``torch.*`` ops and the modules calling them), which takes
-  no generator, draws its mask from the rank's generator with the same formula as torch's
-  kernel (the values differ from the process generator's draw, the distribution does not);
-* attention dropout (``torch.nn.functional.scaled_dot_product_attention`` with
-  ``dropout_p > 0``, Hugging Face's default attention in training) runs as torch's documented
-  reference computation, its dropout mask drawn from the rank's generator;
+  ``feature_alpha_dropout``, their ``torch.*`` ops and the modules calling them) and attention
+  dropout (``torch.nn.functional.scaled_dot_product_attention``, Hugging Face's default
+  attention in training), which take no generator, run torch's own kernels with the process
+  generator set to the rank's state for the call (one rank at a time), and the rank's
+  generator advanced by what they drew;
 * ``torch.manual_seed``, ``torch.seed``, ``torch.initial_seed``, ``torch.get_rng_state`` and
   ``torch.set_rng_state`` act on the calling rank's generator.
 
@@ -27,9 +26,6 @@ What still shares the process generator: CUDA generators (``simulate(device="cud
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-import math
 import threading
 from collections.abc import Iterator
 
@@ -45,80 +41,32 @@ _SAMPLERS = {
     torch.Tensor.cauchy_,
 }
 _GENERATORS: dict[int, torch.Generator] = {}  # rank thread id -> its generator (while running)
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()
 _PATCHED: dict = {}
 
 
-# Dropout ops (no generator argument): function -> (spatial dims the mask is shared over,
-# alpha dropout). 0: an element-wise mask; "feature": every dim past (N, C).
-_DROPOUTS = {
-    F.dropout: (0, False), torch.dropout: (0, False),
-    F.alpha_dropout: (0, True), torch.alpha_dropout: (0, True),
-    F.dropout1d: (1, False), F.dropout2d: (2, False), F.dropout3d: (3, False),
-    torch.feature_dropout: ("feature", False),
-    F.feature_alpha_dropout: ("feature", True), torch.feature_alpha_dropout: ("feature", True),
+# Ops that take no generator and draw from the process's default one: dropout
+# (``F.dropout`` & co., their ``torch.*`` ops) and attention's dropout (and torch.nn.init's
+# functions, called without generator=).
+_DEFAULT_DRAWS = {
+    F.dropout, torch.dropout, F.alpha_dropout, torch.alpha_dropout, F.dropout1d, F.dropout2d,
+    F.dropout3d, torch.feature_dropout, F.feature_alpha_dropout, torch.feature_alpha_dropout,
+    F.scaled_dot_product_attention,
 }
-_ALPHA = 1.7580993408473766  # SELU's -alpha' (torch's alpha dropout constant)
 
 
-@functools.cache
-def _takes_generator(func) -> bool:
-    """Whether a ``torch.nn.init`` function has a ``generator`` parameter."""
-    try:
-        return "generator" in inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _dropout(func, g: torch.Generator, args, kwargs):
-    """``func`` (a dropout) with its mask drawn from ``g``; ``None`` when it would not draw
-    (not training, ``p == 0``, or a bad ``p``, which torch itself then refuses)."""
-    dims, alpha = _DROPOUTS[func]
-    names = ("input", "p", "train" if func.__module__ != "torch.nn.functional" else "training",
-             "inplace")
-    bound = dict(zip(names, args), **kwargs)
-    x = bound["input"]
-    p = bound.get("p", 0.5)
-    default_train = func not in (F.alpha_dropout, F.feature_alpha_dropout)
-    training = bound.get("training", bound.get("train", default_train))
-    if not training or not 0.0 < p <= 1.0 or not isinstance(x, torch.Tensor):
-        return None
-    if dims == "feature":
-        dims = max(x.dim() - 2, 0)
-    elif func is F.dropout2d and x.dim() == 3:
-        dims = 1  # torch's dropout2d treats a 3-D input as (N, C, L)
-    shape = tuple(x.shape[:x.dim() - dims]) + (1,) * dims if dims else tuple(x.shape)
-    keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p, generator=g)
-    inplace = bound.get("inplace", False)
-    if alpha:  # as torch's kernel: x * a * keep + alpha * a * (keep - 1 + p)
-        a = 1.0 / math.sqrt((_ALPHA * _ALPHA * p + 1.0) * (1.0 - p))
-        shift = (keep - 1.0).mul_(_ALPHA * a).add_(_ALPHA * a * p)
-        keep.mul_(a)
-        return (x.mul_(keep) if inplace else x * keep).add_(shift)
-    keep = keep.div_(1.0 - p) if p < 1.0 else keep
-    return x.mul_(keep) if inplace else x * keep
-
-
-def _sdpa(g: torch.Generator, query, key, value, attn_mask=None, dropout_p=0.0,
-          is_causal=False, scale=None, enable_gqa=False):
-    """``scaled_dot_product_attention`` with dropout, its mask drawn from ``g`` (torch's
-    reference computation: the kernels draw from the process generator)."""
-    n, m = query.size(-2), key.size(-2)
-    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
-    if enable_gqa:
-        key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
-        value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
-    w = query @ key.transpose(-2, -1) * scale
-    if is_causal:
-        w = w.masked_fill(~torch.ones(n, m, dtype=torch.bool, device=w.device).tril(),
-                          float("-inf"))
-    if attn_mask is not None:
-        w = w.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
-            else w + attn_mask
-    w = torch.softmax(w, dim=-1)
-    keep = torch.empty_like(w).bernoulli_(1.0 - dropout_p, generator=g)
-    w = w * keep / (1.0 - dropout_p) if dropout_p < 1.0 else w * keep
-    return w @ value
+def _drawing_from(g: torch.Generator, func, args, kwargs):
+    """``func`` run by torch's own kernel on the process's default generator set to ``g``'s
+    state (under a lock: one rank at a time), ``g`` advanced by what it drew."""
+    default = torch.default_generator
+    with _LOCK:
+        saved = default.get_state()
+        default.set_state(g.get_state())
+        try:
+            return func(*args, **kwargs)
+        finally:
+            g.set_state(default.get_state())
+            default.set_state(saved)
 
 
 class RankRNG(TorchFunctionMode):
@@ -131,17 +79,13 @@ class RankRNG(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if kwargs.get("generator") is None and (
-                func in _SAMPLERS or (getattr(func, "__module__", None) == "torch.nn.init"
-                                      and _takes_generator(func))):
+        if func in _SAMPLERS and kwargs.get("generator") is None:
             kwargs = dict(kwargs, generator=self.generator)
-        elif func is F.scaled_dot_product_attention and (
-                kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) > 0.0):
-            return _sdpa(self.generator, *args, **kwargs)
-        elif func in _DROPOUTS:
-            out = _dropout(func, self.generator, args, kwargs)
-            if out is not None:
-                return out
+        elif kwargs.get("generator") is None and (
+                func in _DEFAULT_DRAWS or getattr(func, "__module__", None) == "torch.nn.init") and (
+                func is not F.scaled_dot_product_attention  # attention: with dropout only
+                or kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) > 0.0):
+            return _drawing_from(self.generator, func, args, kwargs)
         elif func is torch.Tensor.backward:
             # As a method call: dynamo traces `loss.backward()` (trace_autograd_ops), but not
             # torch.autograd.backward, which Tensor.backward's body calls.

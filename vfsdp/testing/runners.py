@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import traceback
 from types import FrameType
 from typing import Optional
 
@@ -52,10 +53,8 @@ class RankError(RuntimeError):
         """The rank to show first: one that failed by itself, not one whose collective broke
         because another rank had already died (connection closed or reset, a peer's
         termination)."""
-        for rank, text in self.failures.items():
-            if not any(sign in text for sign in _COLLATERAL):
-                return rank
-        return next(iter(self.failures))
+        return next((rank for rank, text in self.failures.items()
+                     if not any(sign in text for sign in _COLLATERAL)), next(iter(self.failures)))
 
 
 _COLLATERAL = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -74,11 +73,8 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 def waiting_in(frame: Optional[FrameType]) -> str:
     """Where a hung thread waits: the collective and the code that called it."""
-    stack = []
-    while frame is not None:
-        stack.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
-        frame = frame.f_back
-    return _describe(stack)  # innermost first
+    return _describe([] if frame is None else [  # innermost first
+        (f.f_code.co_filename, line, f.f_code.co_name) for f, line in traceback.walk_stack(frame)])
 
 
 def waiting_in_dump(text: str) -> str:
@@ -104,12 +100,8 @@ def _describe(stack: list) -> str:
             user = next(((g, ln, name) for g, ln, name in stack[i + 1:]
                          if not g.startswith(_PACKAGE) and "torch" + os.sep not in g),
                         None) if caller and caller[0].startswith(_PACKAGE) else None
-            where = ""
-            if user:
-                where = (f" called from {caller[2]} ({caller[0]}:{caller[1]}), from your code "
-                         f"at {user[2]} ({user[0]}:{user[1]})")
-            elif caller:
-                where = f" called from {caller[2]} ({caller[0]}:{caller[1]})"
+            where = "" if caller is None else f" called from {caller[2]} ({caller[0]}:{caller[1]})" + (
+                f", from your code at {user[2]} ({user[0]}:{user[1]})" if user else "")
             return f"waiting in the collective {fn} ({os.path.basename(f)}:{line}){where}"
     if stack:
         f, line, fn = stack[0]

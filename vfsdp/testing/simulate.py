@@ -150,10 +150,7 @@ def simulate(world_size: int, fn: Optional[Callable] = None, *args: Any,
         ...                         for r in (0, 1)]
         True
     """
-    if fn is None:
-        def decorate(f):
-            return lambda *a, **k: _simulate(world_size, f, a, k, timeout, device)
-
-        return decorate
+    if fn is None:  # a decorator
+        return lambda f: lambda *a, **k: _simulate(world_size, f, a, k, timeout, device)
     return _simulate(world_size, fn, args, kwargs, timeout, device)
 

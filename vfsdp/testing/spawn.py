@@ -83,21 +83,22 @@ class _Tail:
     """Copies a rank's stderr file to ours as it grows, and keeps what it read."""
 
     def __init__(self, path: str) -> None:
-        self.path, self.pos, self.text = path, 0, ""
+        self.path, self.data = path, b""
+
+    @property
+    def text(self) -> str:
+        return self.data.decode("utf-8", "replace")
 
     def pump(self) -> None:
         try:
             with open(self.path, "rb") as f:
-                f.seek(self.pos)
-                data = f.read()
+                f.seek(len(self.data))
+                new = f.read()
         except OSError:
             return
-        if data:
-            self.pos += len(data)
-            chunk = data.decode("utf-8", "replace")
-            self.text += chunk
-            sys.stderr.write(chunk)
-            sys.stderr.flush()
+        self.data += new
+        sys.stderr.write(new.decode("utf-8", "replace"))
+        sys.stderr.flush()
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **kwargs: Any) -> list:

@@ -151,8 +151,7 @@ def meshes(draw, max_ranks: int = 8, hsdp: bool = True) -> Any:
     """
     if hsdp and max_ranks >= 2 and draw(st.booleans()):
         r = draw(st.integers(1, max_ranks))
-        m = draw(st.integers(1, max(1, max_ranks // r)))
-        return (r, m)
+        return (r, draw(st.integers(1, max(1, max_ranks // r))))
     return draw(st.integers(1, max_ranks))
 
 

@@ -13,7 +13,7 @@ for the held-out rows (``"held_out": true``: added after the estimator was tuned
 added; nothing in ``vfsdp.estimation`` was changed for them).
 
 The models' shapes come from their configurations (``MODELS``: torchtitan's Llama 2 and 3
-model args, fms-fsdp's ``config_utils.py``, llm-foundry's MPT yamls); a shape list names the
+and Qwen3 model args, fms-fsdp's ``config_utils.py``, llm-foundry's MPT yamls); a shape list names the
 embedding ``embed`` so the shape rules find the width and vocabulary (MPT's tied output head
 is not counted in FLOPs: about 3 % of MPT-7B's). Where a source states its network per node,
 ``PROFILES`` derives a profile that shares it among the node's GPUs, changing nothing else.
@@ -40,15 +40,21 @@ ROWS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published", "ro
 GiB = 2**30
 
 
-def llama(layers: int, d: int, ffn: int, heads: int, kv: int, vocab: int) -> dict:
-    """A LLaMA-3 tree (torchtitan's names), fp32 master weights."""
+def llama(layers: int, d: int, ffn: int, heads: int, kv: int, vocab: int,
+          head_dim: int = 0, qk_norm: bool = False) -> dict:
+    """A LLaMA-3 tree (torchtitan's names), fp32 master weights; ``head_dim`` when the heads
+    are not ``d // heads`` wide, ``qk_norm`` for Qwen3's norms of each head's query and key."""
     f32 = torch.float32
-    kvd = d // heads * kv
+    hd = head_dim or d // heads
+    qd, kvd = hd * heads, hd * kv
 
     def block() -> dict:
+        attention = {"wq": ShapeDtype((qd, d), f32), "wk": ShapeDtype((kvd, d), f32),
+                     "wv": ShapeDtype((kvd, d), f32), "wo": ShapeDtype((d, qd), f32)}
+        if qk_norm:
+            attention.update(q_norm=ShapeDtype((hd,), f32), k_norm=ShapeDtype((hd,), f32))
         return {"attention_norm": ShapeDtype((d,), f32), "ffn_norm": ShapeDtype((d,), f32),
-                "attention": {"wq": ShapeDtype((d, d), f32), "wk": ShapeDtype((kvd, d), f32),
-                              "wv": ShapeDtype((kvd, d), f32), "wo": ShapeDtype((d, d), f32)},
+                "attention": attention,
                 "feed_forward": {"w1": ShapeDtype((ffn, d), f32),
                                  "w2": ShapeDtype((d, ffn), f32),
                                  "w3": ShapeDtype((ffn, d), f32)}}
@@ -86,6 +92,11 @@ MODELS = {
     # (vocab 32,000, 7b: 4096 wide, 32 heads and layers, FFN 8/3 rounded to 256: 11,008)
     "llama2-7b": lambda seq: llama(32, 4096, 11008, 32, 32, 32000),
     "fms-34b": lambda seq: llama(48, 8192, 22016, 64, 8, 32000),
+    # torchtitan 6341d42, experiments/qwen3/__init__.py: 64 heads of 128 wider than the width
+    "qwen3-32b": lambda seq: llama(64, 5120, 25600, 64, 8, 151936, head_dim=128, qk_norm=True),
+    # llm-foundry 8c8dd48, scripts/train/yamls/pretrain/mpt-<size>.yaml (d_model, n_layers)
+    "mpt-1b": lambda seq: mpt(24, 2048, seq),
+    "mpt-3b": lambda seq: mpt(32, 2560, seq),
     "mpt-7b": lambda seq: mpt(32, 4096, seq),
     "mpt-13b": lambda seq: mpt(40, 5120, seq),
     "mpt-30b": lambda seq: mpt(48, 7168, seq),
@@ -93,10 +104,10 @@ MODELS = {
 }
 # the system each project ran, as the estimator models it: FSDP2 (torchtitan), Megatron-FSDP,
 # and llm-foundry's and fms-fsdp's FSDP1, whose flat parameters copy and allocate as vfsdp's
-# buffers do (torchao's rows ran torchtitan)
+# buffers do (torchao's and AWS's rows ran torchtitan)
 SYSTEMS = {"pytorch/torchtitan": "fsdp2", "NVIDIA-NeMo/Megatron-Bridge": "megatron",
            "mosaicml/llm-foundry": None, "foundation-model-stack/fms-fsdp": None,
-           "pytorch/ao": "fsdp2"}
+           "pytorch/ao": "fsdp2", "aws-samples/awsome-distributed-training": "fsdp2"}
 COMPILE = {True: "yes", "blocks": "blk", False: "no"}
 
 

@@ -47,17 +47,19 @@ def test_every_row_quotes_its_source_and_the_figures_it_records():
 
 
 def test_held_out_rows_come_dated_from_sources_the_tuned_rows_did_not_use():
-    # issue 40: rows the estimator was not tuned to, at least 10, 4 with memory, from 2 projects
-    # not among the tuned rows'; each says when it was added
+    # issue 40: rows the estimator was not tuned to (28: 7 with memory, 10 float8), from 3
+    # projects not among the tuned rows'; each says when it was added, and none comes from a
+    # table (repository, path and table, at any commit) a tuned row was taken from
     with open(_load().ROWS) as f:
         rows = json.load(f)["rows"]
     held = [r for r in rows if r["held_out"]]
     tuned = [r for r in rows if not r["held_out"]]
     assert all(re.fullmatch(r"\d{4}-\d{2}-\d{2}", r["added"]) for r in held)
-    assert len(held) >= 10 and sum(r["memory_gib"] is not None for r in held) >= 4
-    assert len({r["project"] for r in held} - {r["project"] for r in tuned}) >= 2
-    sources = {(r["repo"], r["commit"], r["path"]) for r in tuned}
-    assert not [r["id"] for r in held if (r["repo"], r["commit"], r["path"]) in sources]
+    assert len(held) >= 28 and sum(r["memory_gib"] is not None for r in held) >= 7
+    assert sum(r["precision"] == "float8" for r in held) >= 10
+    assert len({r["project"] for r in held} - {r["project"] for r in tuned}) >= 3
+    sources = {(r["repo"], r["path"], r["table"]) for r in tuned}
+    assert not [r["id"] for r in held if (r["repo"], r["path"], r["table"]) in sources]
 
 
 def test_the_comparison_prints_every_row_and_the_bands(capsys, tmp_path):

@@ -7,7 +7,8 @@ tokens/s per GPU and memory), runs each through the estimator with the settings 
 states and nothing else (one profile per node type, no per-row constant), and prints
 predicted against measured, then the share of rows within +-15 % on tokens/s per GPU (bf16
 and float8 apart) and within +-10 % on memory (what the source measured: torchtitan's pages
-log the caching allocator's peak reserved bytes, ``Estimate.peak_reserved``). Each row is
+log the caching allocator's peak reserved bytes, ``Estimate.peak_reserved``; KempnerForge's
+reports the peak allocated, ``Estimate.peak_allocated``). Each row is
 estimated under the system it ran (``SYSTEMS``). The bands are printed for every row and again
 for the held-out rows (``"held_out": true``: added after the estimator was tuned, with the date
 added; nothing in ``vfsdp.estimation`` was changed for them).
@@ -30,6 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import optree
 import torch
 
 from vfsdp.estimation import sweep
@@ -97,6 +99,8 @@ MODELS = {
     # llm-foundry 8c8dd48, scripts/train/yamls/pretrain/mpt-<size>.yaml (d_model, n_layers)
     "mpt-1b": lambda seq: mpt(24, 2048, seq),
     "mpt-3b": lambda seq: mpt(32, 2560, seq),
+    # KempnerForge 01b461a, config/schema.py: FFN 8/3 of the width times 1.3, rounded up to 256
+    "kf-13b": lambda seq: llama(40, 5120, 17920, 40, 8, 128256),
     "mpt-7b": lambda seq: mpt(32, 4096, seq),
     "mpt-13b": lambda seq: mpt(40, 5120, seq),
     "mpt-30b": lambda seq: mpt(48, 7168, seq),
@@ -107,7 +111,8 @@ MODELS = {
 # buffers do (torchao's and AWS's rows ran torchtitan)
 SYSTEMS = {"pytorch/torchtitan": "fsdp2", "NVIDIA-NeMo/Megatron-Bridge": "megatron",
            "mosaicml/llm-foundry": None, "foundation-model-stack/fms-fsdp": None,
-           "pytorch/ao": "fsdp2", "aws-samples/awsome-distributed-training": "fsdp2"}
+           "pytorch/ao": "fsdp2", "aws-samples/awsome-distributed-training": "fsdp2",
+           "KempnerInstitute/KempnerForge": "fsdp2"}
 COMPILE = {True: "yes", "blocks": "blk", False: "no"}
 
 
@@ -124,20 +129,34 @@ PROFILES = {"h100-500w": "h100-500w", "h100": "h100", "h200": "h200", "a100": "a
             "a100-400g": _per_node_link("a100-400g", "a100", 400e9,
                                         f"{_FMS}: 'A100 80G 128 GPUs with 400Gbps', per node"),
             "h100-800g": _per_node_link("h100-800g", "h100", 800e9,
-                                        f"{_FMS}: 'H100 96 GPUs with 800 Gbps', per node")}
+                                        f"{_FMS}: 'H100 96 GPUs with 800 Gbps', per node"),
+            # KempnerForge's reports: four H200s a node, each with the h200 profile's NIC
+            "h200-4x": dataclasses.replace(
+                hardware("h200"), name="h200-4x", gpus_per_node=4,
+                source="KempnerForge benchmarks/config_validation/config_validation.md at 5666d0d: "
+                       "'8 nodes, 4x NVIDIA H200 (141 GB) per node, NVLink intra-node, InfiniBand "
+                       "(NDR 400Gbps) inter-node', read as one 400 Gb/s NIC per GPU; otherwise "
+                       + hardware("h200").source)}
 
 
 def predict(row: dict):
     """The estimate of one row, from the settings its source states, under the system it ran
-    (``compile``: ``true`` for the blocks and the loss, ``"blocks"`` for the blocks only)."""
+    (``compile``: ``true`` for the blocks and the loss, ``"blocks"`` for the blocks only; where
+    a source differs from the usual, ``master: "bf16"`` for bf16 weights and optimizer state,
+    ``grad_sync: false`` for accumulation without a reduce-scatter until the last micro-batch,
+    ``logits: "bf16"`` for a loss over bf16 logits)."""
     tree = MODELS[row["model"]](row["seq"])
+    if row.get("master") == "bf16":  # the weights and so the optimizer's state kept in bf16
+        tree = optree.tree_map(lambda s: ShapeDtype(s.shape, torch.bfloat16), tree)
     tokens = row["micro_batch"] * row["seq"] * row["grad_accum"]
     system = SYSTEMS[row["repo"]]
     rows = sweep(tree, [row["gpus"]], hw=PROFILES[row["hw"]], shard=row["shard"],
                  tokens_per_gpu=tokens, micro_batches=row["grad_accum"], seq=row["seq"],
-                 recompute=row["recompute"], float8=row["precision"] == "float8",
-                 compiled=bool(row["compile"]), fused_loss=row["compile"] is True,
-                 param_dtype=torch.bfloat16, vs=[system] if system else [],
+                 grad_sync=row.get("grad_sync", True), recompute=row["recompute"],
+                 float8=row["precision"] == "float8", compiled=bool(row["compile"]),
+                 fused_loss=row["compile"] is True, param_dtype=torch.bfloat16,
+                 logits_dtype=torch.bfloat16 if row.get("logits") == "bf16" else torch.float32,
+                 vs=[system] if system else [],
                  reduce_dtype=torch.float32 if row["reduce"] == "fp32" else torch.bfloat16)
     return rows[-1][1]
 

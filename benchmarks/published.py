@@ -7,13 +7,14 @@ tokens/s per GPU and memory), runs each through the estimator with the settings 
 states and nothing else (one profile per node type, no per-row constant), and prints
 predicted against measured, then the share of rows within +-15 % on tokens/s per GPU (bf16
 and float8 apart) and within +-10 % on memory (what the source measured: torchtitan's pages
-log the caching allocator's peak reserved bytes, ``Estimate.peak_reserved``). Each row is
+log the caching allocator's peak reserved bytes, ``Estimate.peak_reserved``; KempnerForge's
+reports the peak allocated, ``Estimate.peak_allocated``). Each row is
 estimated under the system it ran (``SYSTEMS``). The bands are printed for every row and again
 for the held-out rows (``"held_out": true``: added after the estimator was tuned, with the date
 added; nothing in ``vfsdp.estimation`` was changed for them).
 
 The models' shapes come from their configurations (``MODELS``: torchtitan's Llama 2 and 3
-model args, fms-fsdp's ``config_utils.py``, llm-foundry's MPT yamls); a shape list names the
+and Qwen3 model args, fms-fsdp's ``config_utils.py``, llm-foundry's MPT yamls); a shape list names the
 embedding ``embed`` so the shape rules find the width and vocabulary (MPT's tied output head
 is not counted in FLOPs: about 3 % of MPT-7B's). Where a source states its network per node,
 ``PROFILES`` derives a profile that shares it among the node's GPUs, changing nothing else.
@@ -30,6 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import optree
 import torch
 
 from vfsdp.estimation import sweep
@@ -40,15 +42,21 @@ ROWS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published", "ro
 GiB = 2**30
 
 
-def llama(layers: int, d: int, ffn: int, heads: int, kv: int, vocab: int) -> dict:
-    """A LLaMA-3 tree (torchtitan's names), fp32 master weights."""
+def llama(layers: int, d: int, ffn: int, heads: int, kv: int, vocab: int,
+          head_dim: int = 0, qk_norm: bool = False) -> dict:
+    """A LLaMA-3 tree (torchtitan's names), fp32 master weights; ``head_dim`` when the heads
+    are not ``d // heads`` wide, ``qk_norm`` for Qwen3's norms of each head's query and key."""
     f32 = torch.float32
-    kvd = d // heads * kv
+    hd = head_dim or d // heads
+    qd, kvd = hd * heads, hd * kv
 
     def block() -> dict:
+        attention = {"wq": ShapeDtype((qd, d), f32), "wk": ShapeDtype((kvd, d), f32),
+                     "wv": ShapeDtype((kvd, d), f32), "wo": ShapeDtype((d, qd), f32)}
+        if qk_norm:
+            attention.update(q_norm=ShapeDtype((hd,), f32), k_norm=ShapeDtype((hd,), f32))
         return {"attention_norm": ShapeDtype((d,), f32), "ffn_norm": ShapeDtype((d,), f32),
-                "attention": {"wq": ShapeDtype((d, d), f32), "wk": ShapeDtype((kvd, d), f32),
-                              "wv": ShapeDtype((kvd, d), f32), "wo": ShapeDtype((d, d), f32)},
+                "attention": attention,
                 "feed_forward": {"w1": ShapeDtype((ffn, d), f32),
                                  "w2": ShapeDtype((d, ffn), f32),
                                  "w3": ShapeDtype((ffn, d), f32)}}
@@ -86,6 +94,13 @@ MODELS = {
     # (vocab 32,000, 7b: 4096 wide, 32 heads and layers, FFN 8/3 rounded to 256: 11,008)
     "llama2-7b": lambda seq: llama(32, 4096, 11008, 32, 32, 32000),
     "fms-34b": lambda seq: llama(48, 8192, 22016, 64, 8, 32000),
+    # torchtitan 6341d42, experiments/qwen3/__init__.py: 64 heads of 128 wider than the width
+    "qwen3-32b": lambda seq: llama(64, 5120, 25600, 64, 8, 151936, head_dim=128, qk_norm=True),
+    # llm-foundry 8c8dd48, scripts/train/yamls/pretrain/mpt-<size>.yaml (d_model, n_layers)
+    "mpt-1b": lambda seq: mpt(24, 2048, seq),
+    "mpt-3b": lambda seq: mpt(32, 2560, seq),
+    # KempnerForge 01b461a, config/schema.py: FFN 8/3 of the width times 1.3, rounded up to 256
+    "kf-13b": lambda seq: llama(40, 5120, 17920, 40, 8, 128256),
     "mpt-7b": lambda seq: mpt(32, 4096, seq),
     "mpt-13b": lambda seq: mpt(40, 5120, seq),
     "mpt-30b": lambda seq: mpt(48, 7168, seq),
@@ -93,10 +108,11 @@ MODELS = {
 }
 # the system each project ran, as the estimator models it: FSDP2 (torchtitan), Megatron-FSDP,
 # and llm-foundry's and fms-fsdp's FSDP1, whose flat parameters copy and allocate as vfsdp's
-# buffers do (torchao's rows ran torchtitan)
+# buffers do (torchao's and AWS's rows ran torchtitan)
 SYSTEMS = {"pytorch/torchtitan": "fsdp2", "NVIDIA-NeMo/Megatron-Bridge": "megatron",
            "mosaicml/llm-foundry": None, "foundation-model-stack/fms-fsdp": None,
-           "pytorch/ao": "fsdp2"}
+           "pytorch/ao": "fsdp2", "aws-samples/awsome-distributed-training": "fsdp2",
+           "KempnerInstitute/KempnerForge": "fsdp2"}
 COMPILE = {True: "yes", "blocks": "blk", False: "no"}
 
 
@@ -113,20 +129,34 @@ PROFILES = {"h100-500w": "h100-500w", "h100": "h100", "h200": "h200", "a100": "a
             "a100-400g": _per_node_link("a100-400g", "a100", 400e9,
                                         f"{_FMS}: 'A100 80G 128 GPUs with 400Gbps', per node"),
             "h100-800g": _per_node_link("h100-800g", "h100", 800e9,
-                                        f"{_FMS}: 'H100 96 GPUs with 800 Gbps', per node")}
+                                        f"{_FMS}: 'H100 96 GPUs with 800 Gbps', per node"),
+            # KempnerForge's reports: four H200s a node, each with the h200 profile's NIC
+            "h200-4x": dataclasses.replace(
+                hardware("h200"), name="h200-4x", gpus_per_node=4,
+                source="KempnerForge benchmarks/config_validation/config_validation.md at 5666d0d: "
+                       "'8 nodes, 4x NVIDIA H200 (141 GB) per node, NVLink intra-node, InfiniBand "
+                       "(NDR 400Gbps) inter-node', read as one 400 Gb/s NIC per GPU; otherwise "
+                       + hardware("h200").source)}
 
 
 def predict(row: dict):
     """The estimate of one row, from the settings its source states, under the system it ran
-    (``compile``: ``true`` for the blocks and the loss, ``"blocks"`` for the blocks only)."""
+    (``compile``: ``true`` for the blocks and the loss, ``"blocks"`` for the blocks only; where
+    a source differs from the usual, ``master: "bf16"`` for bf16 weights and optimizer state,
+    ``grad_sync: false`` for accumulation without a reduce-scatter until the last micro-batch,
+    ``logits: "bf16"`` for a loss over bf16 logits)."""
     tree = MODELS[row["model"]](row["seq"])
+    if row.get("master") == "bf16":  # the weights and so the optimizer's state kept in bf16
+        tree = optree.tree_map(lambda s: ShapeDtype(s.shape, torch.bfloat16), tree)
     tokens = row["micro_batch"] * row["seq"] * row["grad_accum"]
     system = SYSTEMS[row["repo"]]
     rows = sweep(tree, [row["gpus"]], hw=PROFILES[row["hw"]], shard=row["shard"],
                  tokens_per_gpu=tokens, micro_batches=row["grad_accum"], seq=row["seq"],
-                 recompute=row["recompute"], float8=row["precision"] == "float8",
-                 compiled=bool(row["compile"]), fused_loss=row["compile"] is True,
-                 param_dtype=torch.bfloat16, vs=[system] if system else [],
+                 grad_sync=row.get("grad_sync", True), recompute=row["recompute"],
+                 float8=row["precision"] == "float8", compiled=bool(row["compile"]),
+                 fused_loss=row["compile"] is True, param_dtype=torch.bfloat16,
+                 logits_dtype=torch.bfloat16 if row.get("logits") == "bf16" else torch.float32,
+                 vs=[system] if system else [],
                  reduce_dtype=torch.float32 if row["reduce"] == "fp32" else torch.bfloat16)
     return rows[-1][1]
 

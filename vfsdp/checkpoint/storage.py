@@ -346,10 +346,8 @@ def write_manifest(tmp: str, entries: list[Entry], layout: dict, world: int,
                    gathered: list) -> None:
     """Write ``vfsdp.json``: the entries, ``layout`` (:func:`single_layout`, or the parts'),
     the CRCs and sizes ``gathered`` from every rank."""
-    items, files = {}, {}
-    for _, (crcs, sizes) in gathered:
-        items.update(crcs)
-        files.update(sizes)
+    items = {key: rec for _, (crcs, _) in gathered for key, rec in crcs.items()}
+    files = {rel: size for _, (_, sizes) in gathered for rel, size in sizes.items()}
     with open(os.path.join(tmp, METADATA), "rb") as f:
         meta = f.read()
     files[METADATA] = len(meta)

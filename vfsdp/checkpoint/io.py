@@ -62,7 +62,6 @@ from vfsdp._torch_private import groups_are_per_thread
 from vfsdp.checkpoint.atomic import commit, prepare
 from vfsdp.checkpoint.entries import Entry, flatten, is_state_leaf, tensor_bytes, unflatten
 from vfsdp.checkpoint.storage import (
-    METADATA,
     CheckpointError,
     SafeReader,
     VerifyingLoadPlanner,
@@ -543,12 +542,6 @@ def load(path: str | os.PathLike, tree_like: Any, spec: Optional[ShardSpec] = No
         check_parts(manifest, parts, strict, path)
         values = match_manifest(manifest, entries, strict, path, spec)
         verify_files(path, manifest)
-        with open(os.path.join(path, METADATA), "rb") as f:
-            if zlib.crc32(f.read()) != manifest["metadata_crc"]:
-                raise CheckpointError(f"checkpoint {path}: {METADATA} is corrupt (CRC-32)")
-        # Read (safely) here, not only inside DCP: torch 2.11's loader swallows a reader's
-        # refusal and only says "metadata is None".
-        SafeReader(path).read_metadata()
         return manifest, values, entries, parts
 
     manifest, values, entries, parts = agreed(check)  # a failure on any rank: every rank raises

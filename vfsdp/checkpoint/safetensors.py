@@ -192,7 +192,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
             _remove_other_forms(targets)
         except Exception as exc:  # noqa: BLE001 - e.g. disk full; raised below, on every rank
             error = exc
-    collections.deque(stream, maxlen=0)  # the other ranks, and dst after a failure: take part
+    collections.deque(stream, maxlen=0)  # drained: the others (and dst after a failure) take part
     agree(error)
 
 

@@ -155,13 +155,11 @@ def _crcs(root: str, recs: dict) -> dict:
 
 def checksum_items(root: str, storage_data: dict, rank: int, world: int) -> tuple[dict, dict]:
     """CRCs of the stored items in the files this rank wrote, and those files' sizes."""
-    mine = set()
-    for i, rel in enumerate(sorted({info.relative_path for info in storage_data.values()})):
-        # The rank that wrote a DCP file (``__<rank>_<n>.distcp``) checksums it, still in its
-        # page cache; other names are spread round-robin.
-        writer = re.match(r"__(\d+)_", rel)
-        if (int(writer.group(1)) if writer else i) % world == rank:
-            mine.add(rel)
+    # The rank that wrote a DCP file (``__<rank>_<n>.distcp``) checksums it, still in its page
+    # cache; other names are spread round-robin.
+    rels = sorted({info.relative_path for info in storage_data.values()})
+    mine = {rel for i, rel in enumerate(rels)
+            if (int(w[1]) if (w := re.match(r"__(\d+)_", rel)) else i) % world == rank}
     recs = {item_key(index.fqn, index.offset or ()): [info.relative_path, info.offset, info.length]
             for index, info in storage_data.items() if info.relative_path in mine}
     for key, crc in _crcs(root, recs).items():
@@ -170,10 +168,12 @@ def checksum_items(root: str, storage_data: dict, rank: int, world: int) -> tupl
 
 
 def verify_files(root: str, manifest: dict) -> None:
-    """Every file the manifest lists exists with its recorded size.
+    """Every file the manifest lists exists with its recorded size, and DCP's ``.metadata``
+    has its CRC-32 and reads (safely).
 
     Raises:
-        CheckpointError: a file is missing or has another size (naming the entries in it).
+        CheckpointError: a file is missing or has another size (naming the entries in it), or
+            the metadata is corrupt or names what a DCP metadata file never holds.
     """
     holds: dict = {}
     for key, rec in manifest["items"].items():
@@ -189,6 +189,12 @@ def verify_files(root: str, manifest: dict) -> None:
         if got != size:
             raise CheckpointError(f"checkpoint {root}: file {rel} has {got} bytes, {size} were "
                                   f"written (truncated or overwritten){names}")
+    with open(os.path.join(root, METADATA), "rb") as f:
+        if zlib.crc32(f.read()) != manifest["metadata_crc"]:
+            raise CheckpointError(f"checkpoint {root}: {METADATA} is corrupt (CRC-32)")
+    # Read (safely) here, not only inside DCP: torch 2.11's loader swallows a reader's refusal
+    # and only says "metadata is None".
+    SafeReader(root).read_metadata()
 
 
 class VerifyingLoadPlanner(DefaultLoadPlanner):
@@ -340,10 +346,8 @@ def write_manifest(tmp: str, entries: list[Entry], layout: dict, world: int,
                    gathered: list) -> None:
     """Write ``vfsdp.json``: the entries, ``layout`` (:func:`single_layout`, or the parts'),
     the CRCs and sizes ``gathered`` from every rank."""
-    items, files = {}, {}
-    for _, (crcs, sizes) in gathered:
-        items.update(crcs)
-        files.update(sizes)
+    items = {key: rec for _, (crcs, _) in gathered for key, rec in crcs.items()}
+    files = {rel: size for _, (_, sizes) in gathered for rel, size in sizes.items()}
     with open(os.path.join(tmp, METADATA), "rb") as f:
         meta = f.read()
     files[METADATA] = len(meta)

@@ -162,8 +162,7 @@ class ModuleApply:
             where = format_path(self.blocks) + "." if self.blocks else ""
             blocks = list(enumerate(module.get_submodule(where[:-1])))
             first = {block: i for i, block in reversed(blocks)}  # each block at its first position
-            self._own = [(p, _outside(p, f"{where}{i}.{name}"))
-                         for block, i in first.items() for name, p in _slots(block)]
+            self._own = [x for block, i in first.items() for x in _stand_ins(block, f"{where}{i}.")]
             for block, i in first.items():
                 at = f"{where}{i}."
                 self._block_ties[block] = {n[len(at):]: t[len(at):] for n, t in ties.items()
@@ -339,14 +338,13 @@ class ModuleApply:
             kwargs["use_cache"] = False  # a cache written again by each recompute: off, as HF
         run = LayerRun(layer_pieces(_at(shards, path), block_spec, None, "apply.run_layers"),
                        values, "apply.run_layers")
+        rest = {}  # the tensors outside the blocks (none when the module is the list of blocks)
         if path:
             plain = None if policy is None else dataclasses.replace(policy, recompute=None)
             unset = {k: v for k, v in (("grads", "buffer"), ("free_after_backward", True))
                      if policy is None or getattr(policy, k) is None}
             rest = _flat_names(gather(_pruned(shards, path), _without(spec, path, block_spec),
                                       plain, **unset))
-        else:  # the module is the list of blocks
-            rest = {}
         state = _Blocks(self, run, list(self.module.get_submodule(where) if path else self.module))
         self._run = state
         try:
@@ -519,22 +517,18 @@ class _Blocks:
         return out
 
 
-def _slots(block: torch.nn.Module) -> Any:
-    """``(dotted name, (its module's parameter dict, key, the parameter))`` for each of the
-    block's parameter names."""
+def _stand_ins(block: torch.nn.Module, at: str) -> Any:
+    """``((its module's parameter dict, key, the parameter), stand-in)`` for each of the
+    block's parameter names (``at``: the block's dotted prefix). A stand-in is what the
+    parameter is outside the block's calls: an alias (no memory) that raises when an operation
+    reads it, naming the fix."""
     for name, p in block.named_parameters(remove_duplicate=False):
         prefix, _, leaf = name.rpartition(".")
-        yield name, (block.get_submodule(prefix)._parameters, leaf, p)
-
-
-def _outside(slot: tuple, name: str) -> torch.Tensor:
-    """A stand-in for a block's parameter outside its calls: an alias (no memory) that
-    raises when an operation reads it, naming the fix."""
-    stand_in = slot[2].detach()
-    poison([stand_in], f"apply.run_layers: {name} is a block's parameter, read outside that "
-                       f"block's call, where the run has not gathered it; read it inside the "
-                       f"block's forward, or call apply(vfsdp.gather(shards, spec), ...)")
-    return stand_in
+        stand_in = p.detach()
+        poison([stand_in], f"apply.run_layers: {at}{name} is a block's parameter, read outside "
+                           f"that block's call, where the run has not gathered it; read it inside "
+                           f"the block's forward, or call apply(vfsdp.gather(shards, spec), ...)")
+        yield (block.get_submodule(prefix)._parameters, leaf, p), stand_in
 
 
 def _flat_names(tree: Any) -> dict:

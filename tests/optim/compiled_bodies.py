@@ -19,7 +19,7 @@ def _opt(kind):
     o = vfsdp.optim
     if kind == "soap":
         return o.soap(lr=1e-2, weight_decay=0.1, precondition_frequency=2)
-    return o.shampoo(lr=1e-2, weight_decay=0.1, precondition_frequency=2, block_size=4)
+    return o.shampoo(lr=1e-2, weight_decay=0.1, precondition_frequency=2, block_size=8)
 
 
 def compiled_vs_eager(kind, steps=6, compiled_steps=(0, 1, 2, 3, 5), backend="aot_eager"):

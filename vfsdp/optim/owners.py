@@ -160,7 +160,15 @@ def branch(pred: Any, fn: Callable, args: tuple, state: tuple) -> tuple:
     """``fn(*args, *state)`` (new values of ``state``) where ``pred`` holds, else ``state`` as
     it is: a Python ``if`` eagerly (``pred`` a bool); compiled (``pred`` a 0-d bool tensor:
     the counter is not read back), ``torch.cond``, whose branches return new contiguous
-    tensors (the caller copies them into the state: ``x is not y``)."""
+    tensors (the caller copies them into the state: ``x is not y``).
+
+    Example:
+        >>> grow = lambda step, x: (x + step,)
+        >>> branch(True, grow, (torch.ones(1),), (torch.zeros(1),))
+        (tensor([1.]),)
+        >>> branch(False, grow, (torch.ones(1),), (torch.zeros(1),))
+        (tensor([0.]),)
+    """
     if not isinstance(pred, torch.Tensor):
         return fn(*args, *state) if pred else state
     n = len(args)

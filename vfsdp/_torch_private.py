@@ -293,6 +293,15 @@ def traced_reduce_scatter(x: torch.Tensor, op: str, group_name: str, size: int) 
     return torch.ops._c10d_functional.wait_tensor(out)
 
 
+def traced_all_to_all(x: torch.Tensor, recv_sizes: list, send_sizes: list,
+                      group_name: str) -> torch.Tensor:
+    """``all_to_all_single`` of the 1-D ``x`` with uneven splits (elements per rank) over the
+    group named ``group_name``: a traceable functional collective (not differentiable)."""
+    out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), list(recv_sizes),
+                                                       list(send_sizes), group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
 def traced_gather_ops() -> tuple:
     """The ops of a traced all-gather (the collective and its wait)."""
     return (torch.ops._c10d_functional.all_gather_into_tensor.default,

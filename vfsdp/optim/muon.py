@@ -39,7 +39,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, NoReturn, Optional
 
 import torch
 
@@ -88,6 +88,18 @@ def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
         s = x @ x.mT
         x = a * x + (b * s + c * s @ s) @ x
     return (x.mT if tall else x).to(torch.promote_types(g.dtype, torch.float32))
+
+
+def refuse_compiled(what: str, why: str) -> NoReturn:
+    """Refuse an update ``torch.compile`` cannot trace, in one wording (Muon's, and a SOAP or
+    Shampoo matrix split over a model axis).
+
+    Raises:
+        ValueError: always, naming ``what``, ``why`` and what to do instead.
+    """
+    raise ValueError(f"{what}.update under torch.compile is not supported yet ({why}); "
+                     f"compile the forward and backward and call the update outside, or use "
+                     f"an optimizer that compiles (adamw, adamw8bit, soap, shampoo)")
 
 
 def plan_roots(tensors: list[TensorSpec], world_size: int) -> list[int]:
@@ -337,10 +349,7 @@ def muon(
 
     def update(grads: Any, state: MuonState, shards: Any, spec: ShardSpec) -> MuonState:
         if tp.compiling():
-            raise ValueError("muon.update under torch.compile is not supported yet (its "
-                             "per-tensor kernels and exchanges run eagerly); compile the "
-                             "forward and backward and call the update outside, or use "
-                             "vfsdp.optim.adamw, which compiles")
+            refuse_compiled("muon", "its per-tensor kernels and exchanges run eagerly")
         plan = state.plan
         units = {u.key: u for u in unit_buffers(shards, spec, "muon.update")
                  if u.key in state.momentum}

@@ -14,6 +14,11 @@ Per step, for the matrices:
 like the parameters (SOAP: its own elementwise rule). Over HSDP each replica's shard group
 does the same work.
 
+Under ``torch.compile`` the same step is traced: the gradients are laid out in the same
+workspace from the ``.grad`` leaves (:class:`TracedOwned`, made by ``init``), the exchanges are
+functional ``all_to_all_single`` collectives over the same wave plans, and the rules branch on
+the step counter (a tensor) with :func:`branch` (``torch.cond``), never reading it back.
+
 Checkpoints: a matrix's state is a :class:`~vfsdp.collectives.Piece` of the whole tensor
 on its owner and an empty piece elsewhere, so a checkpoint reloads under any world size
 (the owners change; each loads what it now owns).
@@ -24,14 +29,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn, Optional
 
 import torch
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import Role
 from vfsdp.collectives.piece import Piece
+from vfsdp.collectives.unit import group_name
 from vfsdp.functional.state import param_tree
+from vfsdp.functional.traced import traced_leaves
 from vfsdp.optim.base import (
     Mask,
     begin,
@@ -52,19 +59,23 @@ from vfsdp.optim.muon import (
     _whole,
     owned_matrices,
     planned_waves,
+    refuse_compiled,
 )
+from vfsdp.optim.traced import first_leaves
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["OwnedState", "init_owned", "owned_step", "begin", "apply_"]
+__all__ = ["OwnedState", "init_owned", "owned_step", "begin", "apply_", "branch", "TracedOwned"]
 
 
 @dataclass
 class OwnedState(MuonState):
     """The step counter, the 1-D tensors' moments (``momentum``, ``second``: unit key ->
     DBuffer), and per wave the state of this rank's matrices in it (``stacks``: name ->
-    ``[B, ...]``; ``B = 0`` where it owns none). ``n`` is the step on the host (the rules
-    branch on it: no sync).
+    ``[B, ...]``; ``B = 0`` where it owns none). ``seen``: the counter's value on the host
+    and its version then, so that an eager update branches on the step without reading the
+    counter back (it reads it once after anything else changed it: a compiled update, a
+    checkpoint load, ``state.step = n``).
 
     Example:
         >>> def body():
@@ -79,7 +90,7 @@ class OwnedState(MuonState):
 
     second: dict = field(default_factory=dict)
     stacks: list = field(default_factory=list)
-    n: int = 0
+    seen: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
         """The step, and per state name a tree shaped like the parameters: a matrix's state
@@ -118,27 +129,58 @@ class OwnedState(MuonState):
         return {"step": self.step, **{n: param_tree(units, spec, leaf(n)) for n in names}}
 
     def restore_checkpoint(self, tree: dict) -> OwnedState:
-        self.step = self.n = tree["step"]
+        self.step = tree["step"]
         return self
 
 
 class Begin:
-    """An owned optimizer's update under way: Muon's refusal under ``torch.compile`` (in its
-    words) at once; called (``owned_step``'s ``ready``, once the inputs are checked), it
-    counts the step (:func:`~vfsdp.optim.base.begin`: the ranks agree) and holds its
-    learning rate in ``rate``. ``t`` is the number of updates before this one."""
+    """An owned optimizer's update under way; called (``owned_step``'s ``ready``, once the
+    inputs are checked), it counts the step (:func:`~vfsdp.optim.base.begin`: the ranks
+    agree) and holds its learning rate in ``rate``. ``t`` is the number of updates before
+    this one: eagerly an int, known at once (:attr:`OwnedState.seen`, or the counter read
+    back); compiled, the counter (a 0-d tensor, ``None`` until called)."""
 
-    def __init__(self, what: str, state: OwnedState, schedule: Callable) -> None:
-        if tp.compiling():
-            raise ValueError(f"{what}.update under torch.compile is not supported yet (its "
-                             f"per-tensor kernels and exchanges run eagerly); compile the "
-                             f"forward and backward and call the update outside, or use "
-                             f"vfsdp.optim.adamw, which compiles")
-        self.state, self.schedule, self.t, self.rate = state, schedule, state.n, None
+    def __init__(self, state: OwnedState, schedule: Callable) -> None:
+        self.state, self.schedule, self.rate, self.t = state, schedule, None, None
+        if not tp.compiling():
+            seen = state.seen
+            self.t = seen[1] if seen and seen[0] == tp.version(state.count) else state.step
 
     def __call__(self) -> None:
-        self.rate = begin(self.state.count, self.schedule)
-        self.state.n = self.t + 1
+        count = self.state.count
+        self.rate = begin(count, self.schedule)
+        if tp.compiling():
+            self.t = count.reshape(()) - 1
+            self.state.seen = None  # the next eager update reads the counter back once
+        else:
+            self.state.seen = (tp.version(count), self.t + 1)
+
+
+def branch(pred: Any, fn: Callable, args: tuple, state: tuple) -> tuple:
+    """``fn(*args, *state)`` (new values of ``state``) where ``pred`` holds, else ``state`` as
+    it is: a Python ``if`` eagerly (``pred`` a bool); compiled (``pred`` a 0-d bool tensor:
+    the counter is not read back), ``torch.cond``, whose branches return new contiguous
+    tensors (the caller copies them into the state: ``x is not y``).
+
+    Example:
+        >>> grow = lambda step, x: (x + step,)
+        >>> branch(True, grow, (torch.ones(1),), (torch.zeros(1),))
+        (tensor([1.]),)
+        >>> branch(False, grow, (torch.ones(1),), (torch.zeros(1),))
+        (tensor([0.]),)
+    """
+    if not isinstance(pred, torch.Tensor):
+        return fn(*args, *state) if pred else state
+    n = len(args)
+    return tuple(torch.cond(pred, lambda *xs: tuple(y.contiguous() for y in fn(*xs)),
+                            lambda *xs: tuple(x.clone() for x in xs[n:]), (*args, *state)))
+
+
+def copy_new(state: tuple, new: tuple) -> None:
+    """``x.copy_(y)`` where :func:`branch` gave a new value (the state's storages stay)."""
+    for x, y in zip(state, new):
+        if x is not y:
+            x.copy_(y)
 
 
 def apply_(views: list, updates: list, size: Any, rate: Any, weight_decay: float,
@@ -150,6 +192,29 @@ def apply_(views: list, updates: list, size: Any, rate: Any, weight_decay: float
     descend_(views, updates, size)
     if not first:
         decay_(views, rate, weight_decay)
+
+
+@dataclass(frozen=True)
+class TracedOwned:
+    """What a compiled update reads, made by ``init`` (eager).
+
+    Attributes:
+        group: The shard group's name (the functional collectives').
+        pieces: Per workspace unit (the plan's ``units`` order): ``(leaf, lo, hi)`` of each
+            tensor it updates with a piece here, by ``lo`` (the gradient's place).
+        leaf: ``(unit key, buffer index) -> leaf index`` of every tensor it updates.
+        owned: ``(leaf, path)`` of every tensor it updates (the frozen check).
+        vectors: The leaves of the 1-D tensors kept on their shards (SOAP), and their
+            moments' slices ``(m, v)``.
+        split: Whether a matrix is split over a model axis (not compiled).
+    """
+
+    group: str
+    pieces: tuple
+    leaf: dict
+    owned: tuple
+    vectors: tuple
+    split: bool
 
 
 def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: int,
@@ -209,6 +274,24 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
                                 device) for w in waves]
     state.kept["params"] = {u.key: u.db for u in units if u.key in paths}
     state.kept["vectors"] = vecs, picked  # and their cuts of the workspace
+    leaf, owned, pieces = {}, [], {key: [] for key, _ in layout}
+    for u in units:
+        for k, i in first_leaves(u).items():
+            t = u.db.tensors[k]
+            if u.key in paths and kind(t) in ("matrix", "vector"):
+                leaf[(u.key, k)] = i
+                owned.append((i, t.path))
+                lo, hi = t.shard_range(u.db.rank)
+                if hi > lo:
+                    pieces[u.key].append((lo, i, hi))
+    state.kept["traced"] = TracedOwned(
+        group_name(units[0].db.groups.shard) if units else "",
+        tuple(tuple((i, lo, hi) for lo, i, hi in sorted(pieces[key])) for key, _ in layout),
+        leaf, tuple(owned),
+        (tuple(leaf[(key, k)] for key, k, _, _ in vecs),
+         tuple([d[key].shard[lo:hi] for key, _, lo, hi in vecs]
+               for d in (state.momentum, state.second))),
+        any(_split(m) for m in matrices))
     return state
 
 
@@ -217,7 +300,8 @@ def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
     """One exchange of the gradients to the owners, ``rule(w, stack)`` (wave ``w``'s
     gradients ``[B, rows, cols]`` on this rank, its updates returned), and, where ``back``,
     the updates' exchange back. ``ready()`` runs once the inputs are checked, before any
-    write (:func:`~vfsdp.optim.base.begin`).
+    write (:func:`~vfsdp.optim.base.begin`). Compiled, the same over functional collectives
+    (see the module).
 
     Returns:
         ``(views, updates, vectors)``: the parameter slices the updates go to and the update
@@ -225,26 +309,66 @@ def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
             shard pieces.
 
     Raises:
-        ValueError: a frozen tensor (its path and the fix), or a gradient that does not fit.
+        ValueError: a frozen tensor (its path and the fix), or a gradient that does not fit;
+            compiled, a matrix split over a model axis (:func:`~vfsdp.optim.muon.refuse_compiled`).
     """
+    inputs = (_traced_inputs if tp.compiling() else _eager_inputs)(what, grads, state, shards,
+                                                                  spec, ready)
+    if inputs is None:
+        return [], [], ([], [], [], [])
+    work, exchange, whole, views_of, (ps, ms, vs) = inputs
+    plan = state.plan
+    pieces = work.split_with_sizes(plan.cuts)
+    vectors = (ps, [pieces[i] for i in state.kept["vectors"][1]], ms, vs)
+    targets, updates = [], []
+    for w, wave in enumerate(plan.waves):
+        recv = exchange(wave.to_roots, _cat([pieces[i] for i in wave.send], work))
+        out = work.new_empty(0)
+        if wave.stacked:
+            got = recv.split_with_sizes(wave.pieces)
+            m = wave.matrices[wave.stacked[0]]
+            g = _cat([got[c] for c in wave.order], work).view(len(wave.stacked), *m.spec.shape)
+            o = rule(w, whole(g, m) if _split(m) else g)
+            if back and _split(m):  # this index's piece of the global updates
+                st = m.spec.strided
+                o = o.narrow(st.dim + 1, st.start, st.lengths[st.index])
+            if back:
+                cut = o.reshape(-1).split_with_sizes(wave.out_cuts)
+                out = _cat([cut[c] for c in wave.out_send], work)
+        if back:
+            got = exchange(wave.from_roots, out).split_with_sizes(wave.back)
+            for (j, lo, hi), piece in zip(wave.targets, got):
+                targets.append((wave.matrices[j], lo, hi))
+                updates.append(piece)
+    return views_of(targets), updates, vectors
+
+
+def _frozen(what: str, path: tuple) -> NoReturn:
+    raise ValueError(f"{what}: {format_path(path)} is frozen (requires_grad=False); {what} "
+                     f"keeps its statistics on an owner rank and does not skip frozen "
+                     f"tensors: label it for no optimizer, or for adamw, with "
+                     f"vfsdp.optim.partition")
+
+
+def _eager_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
+                  ready: Callable) -> Any:
+    """``(workspace, exchange, whole, views, (params, m, v) of the vectors)`` eagerly: the
+    gradients in the units' flat layout, DBuffer slices, eager collectives; ``None`` when
+    there is nothing to update."""
     plan = state.plan
     units = {u.key: u for u in unit_buffers(shards, spec, f"{what}.update")
              if u.key in plan.paths}
     for key, u in units.items():
         for k in frozen_of(u, plan.paths[key]):
-            raise ValueError(f"{what}: {format_path(u.db.tensors[k].path)} is frozen "
-                             f"(requires_grad=False); {what} keeps its statistics on an owner "
-                             f"rank and does not skip frozen tensors: label it for no "
-                             f"optimizer, or for adamw, with vfsdp.optim.partition")
+            _frozen(what, u.db.tensors[k].path)
     leaves = grad_leaves(grads, spec, f"{what}.update")
     gflat = {key: flat_grads(leaves, units[key], f"{what}.update", plan.dtype)
              for key, _ in plan.units}
     ready()
     if not plan.units:
-        return [], [], ([], [], [], [])
+        return None
     work = torch.cat([gflat[key] for key, _ in plan.units])
-    pieces = work.split_with_sizes(plan.cuts)
-    vecs, cuts = state.kept["vectors"]
+    vecs, _ = state.kept["vectors"]
     shards = {key: u.db.shard for key, u in units.items()}
     found = state.kept.get("vector views")
     if found is None or any(found[0].get(k) is not x for k, x in shards.items()):
@@ -253,30 +377,49 @@ def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
             [bufs[key][lo:hi] for key, _, lo, hi in vecs]
             for bufs in (shards, *({k: b.shard for k, b in d.items()}
                                    for d in (state.momentum, state.second)))))
-    ps, ms, vs = found[1:]
-    vectors = (ps, [pieces[i] for i in cuts], ms, vs)
-    targets, updates = [], []
     groups = next(iter(units.values())).db.groups
-    for w, wave in enumerate(plan.waves):
-        recv = wave.to_roots.exchange(_cat([pieces[i] for i in wave.send], work), groups.shard)
-        out = work.new_empty(0)
-        if wave.stacked:
-            got = recv.split_with_sizes(wave.pieces)
-            m = wave.matrices[wave.stacked[0]]
-            g = _cat([got[c] for c in wave.order], work).view(len(wave.stacked), *m.spec.shape)
-            o = rule(w, _whole(g, m, groups.model) if _split(m) else g)
-            if back and _split(m):  # this index's piece of the global updates
-                st = m.spec.strided
-                o = o.narrow(st.dim + 1, st.start, st.lengths[st.index])
-            if back:
-                cut = o.reshape(-1).split_with_sizes(wave.out_cuts)
-                out = _cat([cut[c] for c in wave.out_send], work)
-        if back:
-            got = wave.from_roots.exchange(out, groups.shard).split_with_sizes(wave.back)
-            for (j, lo, hi), piece in zip(wave.targets, got):
-                targets.append((wave.matrices[j], lo, hi))
-                updates.append(piece)
-    return state.views(units, targets), updates, vectors
+    return (work, lambda r, x: r.exchange(x, groups.shard),
+            lambda g, m: _whole(g, m, groups.model),
+            lambda targets: state.views(units, targets), found[1:])
+
+
+def _traced_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
+                   ready: Callable) -> Any:
+    """:func:`_eager_inputs` while compiling: the workspace laid out from the gradient leaves
+    (zeros between the pieces), functional ``all_to_all_single`` exchanges, the parameter
+    leaves' slices (:class:`TracedOwned`)."""
+    plan, rec = state.plan, state.kept["traced"]
+    if rec.split:
+        refuse_compiled(what, "a matrix split over a model axis is gathered eagerly")
+    params, _ = traced_leaves(shards, spec, f"{what}.update")
+    gleaves, _ = traced_leaves(grads, spec, f"{what}.update")
+    for i, path in rec.owned:
+        if not params[i].requires_grad:
+            _frozen(what, path)
+    ready()
+    if not plan.units:
+        return None
+    parts = []
+    zeros = lambda n: state.count.new_zeros(n, dtype=plan.dtype)
+    for (_key, size), pieces in zip(plan.units, rec.pieces):
+        pos = 0
+        for i, lo, hi in pieces:
+            if lo > pos:
+                parts.append(zeros(lo - pos))
+            parts.append(gleaves[i].reshape(-1).to(plan.dtype))
+            pos = hi
+        if size > pos:
+            parts.append(zeros(size - pos))
+
+    def exchange(r, x):
+        return x if r.world == 1 else tp.traced_all_to_all(x, r.recv_sizes, r.send_sizes,
+                                                           rec.group)
+
+    vector_leaves, (ms, vs) = rec.vectors
+    return (torch.cat(parts), exchange, None,
+            lambda targets: [params[rec.leaf[(m.key, m.k)]].view(-1)[lo:hi]
+                             for m, lo, hi in targets],
+            ([params[i].view(-1) for i in vector_leaves], list(ms), list(vs)))
 
 
 def _cat(parts: list, like: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,15 @@ from vfsdp.optim.base import (
     atomic,
     check_hyper,
 )
-from vfsdp.optim.owners import Begin, OwnedState, apply_, init_owned, owned_step
+from vfsdp.optim.owners import (
+    Begin,
+    OwnedState,
+    apply_,
+    branch,
+    copy_new,
+    init_owned,
+    owned_step,
+)
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["shampoo", "inverse_root"]
@@ -110,7 +118,8 @@ def shampoo(
             ``precondition_frequency``, ``block_size`` or ``wave_size`` below 1; from
             ``init``, a selected tensor of 3 or more dimensions (naming it), or a matrix split
             over a model axis the shards' mesh lacks; from ``update``, under
-            ``torch.compile`` (Muon's words) or with a frozen tensor.
+            ``torch.compile`` a matrix split over a model axis (Muon's words), or a frozen
+            tensor.
 
     Example:
         >>> params = {"w": torch.randn(6, 4), "b": torch.zeros(6)}
@@ -138,6 +147,9 @@ def shampoo(
         if value < 1:
             raise ValueError(f"shampoo: {name} must be >= 1, got {value}")
     schedule = as_schedule(lr)
+    # The new inverse roots of a matrix's (order 2: -1/4) or a vector's (order 1: -1/2) blocks.
+    roots = {order: (lambda stats, root, p=2 * order: (inverse_root(stats, p, eps),))
+             for order in (1, 2)}
 
     def stack_state(b: int, shape: tuple, dtype: torch.dtype, device: Any) -> dict:
         out = {}  # a vector is a column: its blocks have one side, L
@@ -153,11 +165,11 @@ def shampoo(
         return init_owned("shampoo", shards, spec, mask, only, wave_size, stack_state, False)
 
     def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
-        start = Begin("shampoo", state, schedule)
-        refresh = start.t % precondition_frequency == 0
+        start = Begin(state, schedule)
 
         def rule(w: int, g: torch.Tensor) -> torch.Tensor:
             s, order = state.stacks[w], g.dim() - 1  # a matrix's roots -1/4, a vector's -1/2
+            refresh = start.t % precondition_frequency == 0  # compiled: a tensor
             g = g if order == 2 else g.unsqueeze(-1)
             out = torch.empty_like(g)
             for i, region in enumerate(_regions(g.shape[1:], block_size)):
@@ -166,8 +178,7 @@ def shampoo(
                     n = x.shape[-2] if side == "L" else x.shape[-1]
                     stats, root = (s[f"{p}{side}{i or ''}"].view(-1, n, n) for p in ("", "P"))
                     stats.add_(x @ x.mT if side == "L" else x.mT @ x)
-                    if refresh:
-                        root.copy_(inverse_root(stats, 2 * order, eps))
+                    copy_new((root,), branch(refresh, roots[order], (stats,), (root,)))
                     y = root @ y if side == "L" else y @ root
                 _blocks(out, region).copy_(y.view(_blocks(out, region).shape))
             return out if order == 2 else out.squeeze(-1)

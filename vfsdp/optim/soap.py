@@ -37,7 +37,15 @@ from vfsdp.optim.base import (
     atomic,
     check_hyper,
 )
-from vfsdp.optim.owners import Begin, OwnedState, apply_, init_owned, owned_step
+from vfsdp.optim.owners import (
+    Begin,
+    OwnedState,
+    apply_,
+    branch,
+    copy_new,
+    init_owned,
+    owned_step,
+)
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["soap", "eigenbasis"]
@@ -75,6 +83,34 @@ def _refresh(stats: torch.Tensor, q: torch.Tensor, v: torch.Tensor, side: int) -
     v = v.gather(side + 1, at.expand_as(v))
     q = torch.linalg.qr(mq.gather(2, order[:, None, :].expand_as(mq)).float())[0]
     return q.to(stats.dtype), v
+
+
+def _first(stats: torch.Tensor, q: torch.Tensor) -> tuple:
+    return (eigenbasis(stats),)
+
+
+_REFRESH = tuple(lambda stats, q, v, side=side: _refresh(stats, q, v, side) for side in (0, 1))
+
+
+def _gate(t: Any, dtype: torch.dtype) -> Any:
+    """Whether step ``t`` moves anything (the first only sets the eigenbases): eagerly
+    ``None`` (no) or ``1.0``; compiled, ``t > 0`` as a 0-d tensor of ``dtype`` that the
+    moments' weights are multiplied by (a weight 0 leaves them exactly as they were)."""
+    if isinstance(t, torch.Tensor):
+        return (t > 0).to(dtype)
+    return 1.0 if t else None
+
+
+def _sizes(t: Any, rate: Any, b1: float, b2: float, correct_bias: bool) -> tuple:
+    """``(step size, weight-decay rate)`` of step ``t > 0``: ``rate``, times Adam's bias
+    corrections; compiled, both 0 at ``t = 0`` (nothing moves: ``p * 1 - 0 * u``)."""
+    if not isinstance(t, torch.Tensor):
+        return (rate * (math.sqrt(1 - b2 ** t) / (1 - b1 ** t)) if correct_bias else rate), rate
+    t = t.double()
+    moving = t > 0
+    corr = torch.where(moving, (1 - b2 ** t).sqrt() / (1 - b1 ** t), 0.0) if correct_bias \
+        else moving.double()
+    return rate * corr, rate * moving.double()
 
 
 def soap(
@@ -124,7 +160,8 @@ def soap(
             ``precondition_frequency``, ``max_precondition_dim`` or ``wave_size`` below 1,
             an option vfsdp does not implement; from ``init``, a selected tensor of 3 or
             more dimensions, or a matrix split over a model axis the shards' mesh lacks; from
-            ``update``, under ``torch.compile`` (Muon's words) or with a frozen tensor.
+            ``update``, a frozen tensor, or under ``torch.compile`` a matrix split over a
+            model axis (Muon's words).
 
     Example:
         >>> params = {"w": torch.randn(6, 4), "b": torch.zeros(6)}
@@ -167,45 +204,42 @@ def soap(
         return init_owned("soap", shards, spec, mask, only, wave_size, stack_state, True)
 
     def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
-        start = Begin("soap", state, schedule)
-        t = start.t  # the reference's step: the first update only initialises
+        start = Begin(state, schedule)  # start.t: the reference's step (the first only
+        #                                 initialises); compiled, a tensor known once begun
 
         def rule(w: int, g: torch.Tensor) -> Optional[torch.Tensor]:
-            s = state.stacks[w]
+            s, t = state.stacks[w], start.t
             ql, qr = s.get("QL"), s.get("QR")
-            out = None
-            if t:
-                s["exp_avg"].lerp_(g, 1 - b1)
+            out, gate = None, _gate(t, g.dtype)
+            if gate is not None:
+                s["exp_avg"].lerp_(g, (1 - b1) * gate)
                 # Out of place: with no side rotated, _rotate returns its argument.
-                s["exp_avg_sq"].lerp_(_rotate(g, ql, qr).square(), 1 - b2)
+                s["exp_avg_sq"].lerp_(_rotate(g, ql, qr).square(), (1 - b2) * gate)
                 den = s["exp_avg_sq"].sqrt().add_(eps)
                 out = _rotate(_rotate(s["exp_avg"], ql, qr) / den, ql, qr, back=True)
             for name, x in (("L", g @ g.mT if "L" in s else None),
                             ("R", g.mT @ g if "R" in s else None)):
                 if x is not None:
                     s[name].lerp_(x, decay)
-            if not t:
-                for q, stats in (("QL", "L"), ("QR", "R")):
-                    if q in s:
-                        s[q].copy_(eigenbasis(s[stats]))
-            elif t % precondition_frequency == 0:
-                for side, (q, stats) in enumerate((("QL", "L"), ("QR", "R"))):
-                    if q in s:
-                        for x, y in zip((s[q], s["exp_avg_sq"]),
-                                        _refresh(s[stats], s[q], s["exp_avg_sq"], side)):
-                            x.copy_(y)  # in place: the state's storages stay
+            for side, (q, stats) in enumerate((("QL", "L"), ("QR", "R"))):
+                if q in s:  # the first update sets the eigenbases, refreshes update them
+                    copy_new((s[q],), branch(t == 0, _first, (s[stats],), (s[q],)))
+                    now = (s[q], s["exp_avg_sq"])
+                    copy_new(now, branch((t % precondition_frequency == 0) & (t > 0),
+                                         _REFRESH[side], (s[stats],), now))
             return out
 
         with torch.no_grad():
-            views, updates, (ps, gs, ms, vs) = owned_step("soap", grads, state, shards, spec,
-                                                          rule, back=bool(t), ready=start)
-            rate = start.rate
-            size = rate * (math.sqrt(1 - b2 ** t) / (1 - b1 ** t)) if correct_bias and t else rate
-            if not t:
-                return state
+            views, updates, (ps, gs, ms, vs) = owned_step(
+                "soap", grads, state, shards, spec, rule, back=start.t != 0, ready=start)
+            t = start.t  # (compiled: not known before; always exchanged back)
+            gate = _gate(t, gs[0].dtype if gs else torch.float32)
+            if gate is None:
+                return state  # eagerly, the first update: nothing moves
+            size, rate = _sizes(t, start.rate, b1, b2, correct_bias)
             if ps:
-                tp.foreach("lerp_", ms, gs, scalar=1 - b1)
-                tp.foreach("lerp_", vs, tp.foreach("mul", gs, gs), scalar=1 - b2)
+                tp.foreach("lerp_", ms, gs, scalar=(1 - b1) * gate)
+                tp.foreach("lerp_", vs, tp.foreach("mul", gs, gs), scalar=(1 - b2) * gate)
                 den = tp.foreach("sqrt", vs)
                 tp.foreach("add_", den, scalar=eps)
                 updates = updates + list(tp.foreach("div", ms, den))

@@ -424,10 +424,13 @@ def unit_layouts(prepared: Prepared, m: int, alignment_bytes: int = 16,
 
 
 def _taker(order: Sequence[int]) -> Callable[[Sequence], tuple]:
-    """``seq -> tuple(seq[k] for k in order)``, in C (a unit can hold thousands of tensors)."""
-    if len(order) > 1:
-        return itemgetter(*order)
-    return lambda seq: tuple(seq[k] for k in order)
+    """``seq -> tuple(seq[k] for k in order)``, in C (a unit can hold thousands of tensors):
+    one slice where ``order`` is a run of consecutive indices."""
+    start = order[0] if order else 0
+    stop = start + len(order)
+    if tuple(order) == tuple(range(start, stop)):
+        return lambda seq: tuple(seq[start:stop])
+    return itemgetter(*order)  # two or more: one index is a run
 
 
 def assemble(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout], mesh_shape: tuple,

@@ -328,7 +328,10 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
     if tied is None:  # leaf index -> the one it repeats
         tied = find_ties(leaves, paths, all_idx, params, storage=not abstract)
     t_idx = [i for i in all_idx if i not in tied] if tied else all_idx
-    t_paths, t_leaves = _taker(t_idx)(paths), _taker(t_idx)(leaves)
+    if len(t_idx) == len(leaves):  # every leaf a tensor, once
+        t_paths, t_leaves = paths, leaves
+    else:
+        t_paths, t_leaves = _taker(t_idx)(paths), _taker(t_idx)(leaves)
     shapes = list(map(tuple, map(attrgetter("shape"), t_leaves)))
     dtypes = list(map(attrgetter("dtype"), t_leaves))
     distinct_dtypes = set(dtypes)
@@ -421,10 +424,13 @@ def unit_layouts(prepared: Prepared, m: int, alignment_bytes: int = 16,
 
 
 def _taker(order: Sequence[int]) -> Callable[[Sequence], tuple]:
-    """``seq -> tuple(seq[k] for k in order)``, in C (a unit can hold thousands of tensors)."""
-    if len(order) > 1:
-        return itemgetter(*order)
-    return lambda seq: tuple(seq[k] for k in order)
+    """``seq -> tuple(seq[k] for k in order)``, in C (a unit can hold thousands of tensors):
+    one slice where ``order`` is a run of consecutive indices."""
+    start = order[0] if order else 0
+    stop = start + len(order)
+    if tuple(order) == tuple(range(start, stop)):
+        return lambda seq: tuple(seq[start:stop])
+    return itemgetter(*order)  # two or more: one index is a run
 
 
 def assemble(prepared: Prepared, layouts: Mapping[Hashable, UnitLayout], mesh_shape: tuple,

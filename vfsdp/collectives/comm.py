@@ -627,12 +627,6 @@ def reset_counts() -> None:
     counts().clear()
 
 
-def _count(name: str, nbytes: int) -> None:
-    c = counts()
-    c[name] += 1
-    c[f"{name}_bytes"] += nbytes
-
-
 def check_op(op: str):
     """The ``ReduceOp`` of a reduce op vfsdp supports (``"sum"``, ``"avg"``).
 
@@ -656,7 +650,7 @@ def _issue(count: str, nbytes: int, group, out: torch.Tensor, call: Callable[[],
     collective writing ``out``). A group of this rank alone runs none: ``out`` gets ``inp``
     by a local copy (if given and not the same memory; op counters leave it out, as the
     backend's). Returns the work when ``async_op`` (a done :class:`Handle` alone), else ``out``."""
-    _count(count, nbytes)
+    counts().update({count: 1, f"{count}_bytes": nbytes})
     if _alone(group):
         if inp is not None and (out.data_ptr() != inp.data_ptr() or out.dtype != inp.dtype):
             with torch.no_grad(), collective_scope():

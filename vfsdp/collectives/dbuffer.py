@@ -102,8 +102,7 @@ def contiguous_strides(shape: tuple) -> tuple:
     return tuple(math.prod(max(n, 1) for n in shape[d + 1:]) for d in range(len(shape)))
 
 
-def alias(storage_tensor: torch.Tensor, offset: int, shape: tuple,
-          stride: Optional[tuple] = None) -> torch.Tensor:
+def alias(storage_tensor: torch.Tensor, offset: int, shape: tuple) -> torch.Tensor:
     """A leaf tensor sharing ``storage_tensor``'s storage at ``offset`` (elements, from its
     own offset): not an autograd view of it, with its own version counter. One op
     (``as_strided_`` on a ``.data`` alias).
@@ -115,8 +114,7 @@ def alias(storage_tensor: torch.Tensor, offset: int, shape: tuple,
         ([[2.0, 3.0], [4.0, 5.0]], True, True)
     """
     out = storage_tensor.data
-    out.as_strided_(shape, contiguous_strides(shape) if stride is None else stride,
-                    storage_tensor.storage_offset() + offset)
+    out.as_strided_(shape, contiguous_strides(shape), storage_tensor.storage_offset() + offset)
     return out
 
 

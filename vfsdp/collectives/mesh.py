@@ -155,13 +155,11 @@ def _several(m: Any, wanted: tuple, dims: list) -> Axis:
     rows = m.mesh.permute(*rest, *dims).reshape(-1, math.prod(int(m.mesh.shape[d])
                                                               for d in dims)).tolist()
     me = dist.get_rank()
-    found = None
-    for row in rows:  # every rank builds every group of the tuple, in the same order
-        group = dist.new_group(row)
-        if me in row:
-            found = Axis(wanted, len(row), row.index(me), group)
-    if found is None:
+    groups = [dist.new_group(row) for row in rows]  # every rank builds every group, in order
+    k = next((k for k, row in enumerate(rows) if me in row), None)
+    if k is None:
         raise ValueError(f"rank {me} is not in the mesh {m.mesh.tolist()}")
+    found = Axis(wanted, len(rows[k]), rows[k].index(me), groups[k])
     _TLS.axes[key] = (m, found)
     return found
 

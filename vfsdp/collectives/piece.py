@@ -86,11 +86,9 @@ class Piece:
     def boxes(self) -> list:
         """``[(offsets, sizes), ...]`` covering the range, in flat order (offsets in the
         global tensor)."""
-        found = boxes(self.box_shape, self.start, self.stop)
-        if self.within is None:
-            return found
-        origin = tuple(self.within[0])
-        return [(tuple(o + a for o, a in zip(offs, origin)), sizes) for offs, sizes in found]
+        origin = (0,) * len(self.shape) if self.within is None else self.within[0]
+        return [(tuple(o + a for o, a in zip(offs, origin)), sizes)
+                for offs, sizes in boxes(self.box_shape, self.start, self.stop)]
 
     def box_data(self, offsets: tuple, sizes: tuple, data: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The slice of ``data`` (default: ``local``) holding one of :meth:`boxes`, box-shaped."""

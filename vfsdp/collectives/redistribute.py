@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Optional
 
 import torch
@@ -49,10 +49,9 @@ def _cut(a: tuple, b: tuple) -> tuple[int, int]:
 def _covered(src: Ranges, dst: Ranges) -> int:
     """Destination elements that some (disjoint) source range holds: a sweep, O(w log w)."""
     held = sorted((lo, hi) for lo, hi in src if hi > lo)
-    starts = [lo for lo, _ in held]
     total = 0
     for lo, hi in dst:  # an empty range meets none
-        k = max(bisect.bisect_right(starts, lo) - 1, 0)
+        k = max(bisect.bisect_right(held, lo, key=lambda r: r[0]) - 1, 0)
         while k < len(held) and held[k][0] < hi:
             a, b = _cut(held[k], (lo, hi))
             total += b - a
@@ -60,17 +59,15 @@ def _covered(src: Ranges, dst: Ranges) -> int:
     return total
 
 
-def _meet(i: int, mine: tuple, others: Ranges, sizes: list) -> list:
+def _meet(i: int, mine: tuple, others: Ranges, sizes: list) -> Iterator[tuple]:
     """``(rank, i, lo, hi)`` where ``mine`` meets each rank's range of ``others`` (relative to
     ``mine``'s start), adding each slice's size to ``sizes[rank]``."""
-    out: list = []
     if mine[1] > mine[0]:
         for q, r in enumerate(others):
             lo, hi = _cut(mine, r)
             if hi > lo:
-                out.append((q, i, lo - mine[0], hi - mine[0]))
                 sizes[q] += hi - lo
-    return out
+                yield q, i, lo - mine[0], hi - mine[0]
 
 
 class Redistribution:

@@ -61,7 +61,6 @@ def scatter_unit(db: DBuffer, pack: Optional[Callable[[torch.Tensor], None]],
     error: Optional[BaseException] = None
     with torch.no_grad():
         if groups.replicate_rank == src_replica:
-            chunks = None
             if here:
                 buf = torch.zeros(db.layout.padded_numel, dtype=db.dtype, device=db.device)
                 if pack is not None:
@@ -70,8 +69,8 @@ def scatter_unit(db: DBuffer, pack: Optional[Callable[[torch.Tensor], None]],
                     except Exception as exc:  # noqa: BLE001 - returned, raised on every rank
                         error = exc
                         buf.zero_()
-                chunks = list(buf.chunk(db.layout.world_size))
-            comm.scatter_into(out, chunks, group=groups.shard, group_src=src_shard)
+            comm.scatter_into(out, list(buf.chunk(db.layout.world_size)) if here else None,
+                              group=groups.shard, group_src=src_shard)
         if groups.replicate is not None:
             comm.broadcast_(out, group=groups.replicate, group_src=src_replica)
     return error

@@ -720,14 +720,12 @@ def drop_traced_grads(runtime: Any, keep: bool = False) -> None:
     ``set_to_none=False``) zeroed where it exists, so that a compiled step finds what it
     found before (one graph). While compiling ``keep`` is off: asking whether a gradient is
     ``None`` would be a guard."""
-    if runtime is None:
-        return
-    anchor = runtime.anchor
-    if keep and anchor.grad is not None:
-        anchor.grad.zero_()
-    else:
-        anchor.grad = None
-    runtime.accumulator.grad = None
+    if runtime is not None:
+        if keep and runtime.anchor.grad is not None:
+            runtime.anchor.grad.zero_()
+        else:
+            runtime.anchor.grad = None
+        runtime.accumulator.grad = None
 
 
 @contextlib.contextmanager
@@ -770,8 +768,7 @@ def _merge(index, grads) -> tuple[list, list, list]:
     index among the unique ones (``None`` for a repeat)."""
     if len(set(index)) == len(index):
         return list(index), list(grads), list(range(len(index)))
-    unique: dict = {}
-    first: list = []
+    unique, first = {}, []
     for i, g in zip(index, grads):
         first.append(None if i in unique else len(unique))
         prev = unique.get(i)

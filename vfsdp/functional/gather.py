@@ -784,15 +784,20 @@ class GatherHandle(Handle):
     returns the full tree (what :func:`gather` returns, differentiable)."""
 
     def __init__(self, handles: list, leaves: list, spec: ShardSpec, calls: dict, make) -> None:
-        super().__init__(handles, finish=lambda: _assemble(leaves, spec, calls, make))
+        super().__init__()
+        self._handles, self._args = handles, (leaves, spec, calls, make)
         self.calls = calls  # unit key -> its gather (its unit, gathered buffer, shards)
 
     def wait(self) -> Any:
-        if not self._done:
-            for rec in self.calls.values():  # the units' GATHERING -> GATHERED, then the handles
+        if not self._done:  # (not Handle's finish: collectives would call up into functional)
+            for rec in self.calls.values():  # the units' GATHERING -> GATHERED
                 if rec.unit.state is UnitState.GATHERING and rec.unit.live is rec.db:
                     rec.unit.wait()
-        return super().wait()
+            for h in self._handles:
+                h.wait()
+            self._result = _assemble(*self._args)
+            self._handles, self._args, self._done = [], None, True
+        return self._result
 
 
 def gather_async(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
@@ -817,8 +822,7 @@ def gather_async(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, 
         options: The keyword options of :func:`gather`.
 
     Returns:
-        A :class:`vfsdp.collectives.Handle` (a :class:`GatherHandle` but with ``all_gather=``
-            hooks).
+        A :class:`GatherHandle` (a :class:`vfsdp.collectives.Handle`).
 
     Raises:
         TypeError: an unknown option.
@@ -840,7 +844,8 @@ def gather_async(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, 
                          "is eager state the compiler cannot trace; call vfsdp.gather, whose "
                          "all-gathers the compiler schedules (and overlaps) itself")
     values = merge(policy, options, what)
-    if values["all_gather"] is not None:  # its gathers are done: wait() returns the result
-        full = _functional(shards, spec, mesh, values, what)
-        return Handle(finish=lambda: full)
+    if values["all_gather"] is not None:
+        done = GatherHandle([], [], None, {}, None)  # its gathers are done: wait() returns it
+        done._result, done._done = _functional(shards, spec, mesh, values, what), True
+        return done
     return _eager(shards, spec, mesh, values, what, start=True)

@@ -171,10 +171,9 @@ class Float8:
             bscale = _scale(blocks.abs().amax(dim=(2, 4)), top)
             y[lo:hi] = _untiled(blocks / bscale[:, :, None, :, None], view)
             meta.append(bscale.reshape(-1))
-        payload = y.to(self.dtype)
         meta = torch.cat(meta)
         pad = self._meta_size(unit) - meta.numel()
-        return payload, torch.cat([meta, meta.new_zeros(pad)]) if pad else meta
+        return y.to(self.dtype), torch.cat([meta, meta.new_zeros(pad)]) if pad else meta
 
     def post_all_gather(self, payload: torch.Tensor, meta: torch.Tensor,
                         unit: UnitInfo) -> torch.Tensor:
@@ -215,9 +214,7 @@ class _HookedGather(torch.autograd.Function):
     @staticmethod
     def forward(shard, hooks, unit, reduce_dtype):
         payload, meta = hooks.pre_all_gather(shard, unit)
-        full_payload = _gather_bytes(payload, unit)
-        full_meta = _gather_bytes(meta, unit)
-        return hooks.post_all_gather(full_payload, full_meta, unit)
+        return hooks.post_all_gather(_gather_bytes(payload, unit), _gather_bytes(meta, unit), unit)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

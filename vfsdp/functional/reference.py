@@ -46,9 +46,8 @@ def unit_buffer_reference(params: Any, spec: ShardSpec, key: Hashable) -> torch.
         [1.0, 1.0, 1.0, 2.0, 2.0, 0.0, 0.0, 0.0]
     """
     leaves = match_tree(params, spec, "unit_buffer_reference")
-    layout = spec.units[key]
     by_path = {s.path: leaf for s, leaf in zip(spec.leaves(), leaves) if isinstance(s, TensorSpec)}
-    buf = torch.zeros(layout.padded_numel, dtype=layout.dtype)  # cpu: reference
+    buf = torch.zeros(spec.units[key].padded_numel, dtype=spec.units[key].dtype)  # cpu: reference
     for t in spec.unit_tensors(key):
         buf[t.offset:t.offset + t.numel] = check_full(by_path[t.path], t, "unit_buffer_reference").reshape(-1)
     return buf

@@ -212,13 +212,11 @@ def make_shards(spec: ShardSpec, groups: Any, leaves: list, fill: Callable, requ
             unit = units[key] = Unit(spec.units[key], groups)  # the views' slots keep it alive
             db = unit.params
             fill(db, members)
-            views: dict = {}
+            views = {k: db.local(k) for _, k in members}  # a tie stays one tensor
+            for k, view in views.items():
+                if requires_grad and view.is_floating_point() and db.tensors[k].path not in spec.frozen:
+                    view.requires_grad_(True)
             for i, k in members:
-                if k not in views:
-                    views[k] = db.local(k)
-                    if requires_grad and views[k].is_floating_point() and \
-                            db.tensors[k].path not in spec.frozen:
-                        views[k].requires_grad_(True)
                 out[i] = views[k]
     prepare(spec, units)  # what a compiled step reads (vfsdp.functional.traced)
     return optree.tree_unflatten(spec.treespec, out)

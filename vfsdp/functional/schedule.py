@@ -285,7 +285,9 @@ class LayerRun:
                 # the forward saved none of the gathered tensors: a checkpoint of its own did
                 # (or the layer did not use them: what it returns as it was given is not
                 # watched, so a rank that skips a layer issues no regather the others do not)
-                _Refresh(full, self.regather).watch(out, (args, kwargs))
+                refresh = _Refresh(full, self.regather)
+                if refresh.spots:
+                    _watch(out, (args, kwargs), refresh)
             _trigger(outer, out, (args, kwargs))
         return out
 
@@ -403,11 +405,6 @@ class _Refresh:
                     self.spots.append((node, k, _Saved(slot.buffer, v), v.requires_grad))
             else:
                 self._walk(v)
-
-    def watch(self, out: Any, inputs: Any = ()) -> None:
-        """Refresh when the backward reaches ``out`` (its tensors that are not ``inputs``)."""
-        if self.spots:
-            _watch(out, inputs, self)
 
     def __call__(self, grad: torch.Tensor) -> None:
         spots, self.spots = self.spots, []

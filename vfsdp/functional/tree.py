@@ -243,7 +243,9 @@ def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:
         raise ValueError(f"{what}: tree structure differs from the spec ({detail}); pass the "
                          f"tree the spec was planned for, or a matching sub-spec")
     for path, leaf, s in zip(paths, leaves, spec.leaves()):
-        if isinstance(s, TensorSpec) and not isinstance(leaf, torch.Tensor):
+        if not isinstance(s, TensorSpec):
+            continue
+        if not isinstance(leaf, torch.Tensor):
             raise ValueError(f"{what}: {format_path(path)} should be a tensor, got "
                              f"{type(leaf).__name__}")
     return leaves

@@ -297,14 +297,15 @@ def adamw8bit(
                                   weight_decay_mask=weight_decay_mask)
         state = AdamW8bitState(count, {}, {})
         paths, quantized, fp32, decay, decay_runs, t0 = {}, {}, {}, {}, {}, 0
+        traced, small = [], []
         for u in units:
             db = u.db
             chosen = frozenset(t.path for t in db.tensors if selected(mask, t.path))
             if not chosen:
                 continue
-            state.codes_m[u.key] = db.like(torch.uint8, Role.STATE, "codes_m")
-            state.codes_v[u.key] = db.like(torch.uint8, Role.STATE, "codes_v")
-            decay[u.key] = frozenset(
+            cm = state.codes_m[u.key] = db.like(torch.uint8, Role.STATE, "codes_m")
+            cv = state.codes_v[u.key] = db.like(torch.uint8, Role.STATE, "codes_v")
+            decays = decay[u.key] = frozenset(
                 k for k, t in enumerate(db.tensors)
                 if t.path in chosen and selected(weight_decay_mask, t.path))
             decay_runs[u.key] = runs(db, both(weight_decay_mask, lambda path: path in chosen))
@@ -333,34 +334,20 @@ def adamw8bit(
                 q8[i] = replace(t, t0=t0)
                 t0 += t.n_tiles
             paths[u.key], quantized[u.key], fp32[u.key] = chosen, tuple(q8), tuple(f32)
+            first = first_leaves(u)  # what a compiled update reads (vfsdp.optim.traced)
+            traced += [(first[t.k], t, t.k in decays, cm.local(t.k).view(-1), cv.local(t.k).view(-1))
+                       for t in q8 if t.hi > t.lo]
+            small += [(first[k], k in decays, state.fp32_m[(u.key, k)], state.fp32_v[(u.key, k)])
+                      for k, lo, hi in f32 if hi > lo]
         for attr in ("m", "v"):
             whole = torch.zeros(t0 + 1, dtype=torch.float32, device=count.device)
             setattr(state, f"rank_scales_{attr}", whole)
             getattr(state, f"scales_{attr}").update({(key, t.k): whole[t.t0:t.t0 + t.n_tiles]
                                                      for key, q8 in quantized.items() for t in q8})
         state.plan = AdamW8bitPlan(paths, quantized, fp32, decay, decay_runs, t0)
-        state.traced = _traced_views(units, state)
+        state.traced = TracedAdam8(traced, state.rank_scales_m, state.rank_scales_v, small,
+                                   qmaps(count.device))
         return state
-
-    def _traced_views(units: list, state: AdamW8bitState) -> Any:
-        """What a compiled update reads (vfsdp.optim.traced): views made now, eagerly."""
-        if not units:
-            return None
-        q, small = [], []
-        for u in units:
-            if u.key not in state.codes_m:
-                continue
-            first = first_leaves(u)
-            decays = state.plan.decays[u.key]
-            cm, cv = state.codes_m[u.key], state.codes_v[u.key]
-            q += [(first[t.k], t, t.k in decays, cm.local(t.k).view(-1), cv.local(t.k).view(-1))
-                  for t in state.plan.quantized[u.key] if t.hi > t.lo]
-            for k, lo, hi in state.plan.fp32[u.key]:
-                if hi > lo:
-                    small.append((first[k], k in decays, state.fp32_m[(u.key, k)],
-                                  state.fp32_v[(u.key, k)]))
-        return TracedAdam8(q, state.rank_scales_m, state.rank_scales_v, small,
-                           qmaps(units[0].db.device))
 
     def update(grads: Any, state: AdamW8bitState, shards: Any, spec: ShardSpec) -> AdamW8bitState:
         if tp.compiling():

@@ -18,17 +18,15 @@ from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
 
-def check_max_norm(max_norm: float) -> float:
-    """``max_norm`` if it is a finite number ``>= 0``.
+def check_max_norm(max_norm: float) -> None:
+    """Refuse a ``max_norm`` that is not a finite number ``>= 0``.
 
     Raises:
         ValueError: negative, NaN or infinite (every gradient would silently become NaN or
             never be clipped).
     """
-    value = float(max_norm)
-    if not math.isfinite(value) or value < 0:
+    if not math.isfinite(value := float(max_norm)) or value < 0:
         raise ValueError(f"max_norm must be a finite number >= 0, got {max_norm!r}")
-    return value
 
 
 def _plan(leaves: list, spec: ShardSpec, mask: Mask) -> tuple[list, list]:

@@ -65,9 +65,8 @@ def _norm(trees: Sequence[GradTree], group: Any, what: str) -> tuple[torch.Tenso
                              f"{t.spec.model_axis[0]!r}) already counts the tensors it "
                              f"replicates once; drop replicated=")
         sq, whole, loose, groups = local_squares(gradient_leaves(t.grads, t.spec, what), t.spec, t.mesh, None)
-        counted = groups.replicate_rank == 0 and (
-            t.replicated is None or dist.get_rank(t.replicated) == 0)
-        sq = sq if counted else torch.zeros_like(sq)
+        if groups.replicate_rank != 0 or (t.replicated is not None and dist.get_rank(t.replicated) != 0):
+            sq = torch.zeros_like(sq)  # counted by another rank
         total = sq if total is None else total + sq.to(total.device)
         parts.append((whole, loose))
     comm.all_reduce_(total, "sum", group)

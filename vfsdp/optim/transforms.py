@@ -161,11 +161,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Opti
     check_hyper("scale_by_adam", 0.0, 0.0, betas=(b1, b2), eps=eps)
 
     def apply(u: Updates, state: dict) -> None:
-        bc1, bc2_sqrt = step_scalars(u.count, (b1, b2))
         g = u.scratch("scale_by_adam")
         tp.foreach("copy_", g, u.updates)
         tp.foreach("zero_", u.updates)  # adam_ adds the step to it: the direction alone
-        adam_(u.updates, g, state["mu"], state["nu"], b1, b2, eps, -1.0, bc1, bc2_sqrt)
+        adam_(u.updates, g, state["mu"], state["nu"], b1, b2, eps, -1.0, *step_scalars(u.count, (b1, b2)))
 
     return Transform("scale_by_adam", apply, ("mu", "nu"), ("adam", (b1, b2), eps)).optimizer()
 

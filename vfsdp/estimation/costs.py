@@ -87,8 +87,7 @@ def layer_cost(fn: Callable[..., torch.Tensor], params: Any, *inputs: Any) -> La
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    p = optree.tree_map(_meta, params)
-    xs = [optree.tree_map(_meta, x) for x in inputs]
+    p, xs = optree.tree_map(_meta, (params, list(inputs)))
     known = {id(t) for t in optree.tree_leaves([p, xs]) if isinstance(t, torch.Tensor)}
     saved: dict = {}
 

@@ -120,11 +120,10 @@ class Estimate:
 
     def record(self) -> dict:
         """One flat JSON record (``--json``)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("memory", "comm_bytes")}
-        out.update({f"memory_{k}": v for k, v in self.memory.items()})
-        out.update({f"bytes_{k}": v for k, v in self.comm_bytes.items()})
-        return out
+        return {**{f.name: getattr(self, f.name) for f in fields(self)
+                   if f.name not in ("memory", "comm_bytes")},
+                **{f"memory_{k}": v for k, v in self.memory.items()},
+                **{f"bytes_{k}": v for k, v in self.comm_bytes.items()}}
 
     def __str__(self) -> str:
         mem = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.memory.items())

@@ -83,11 +83,8 @@ def init_rule(cfg: GPTConfig):
 
     def resolve(path, shape):
         name = str(path[-1])
-        if name.endswith("norm"):
-            return vinit.constant(1.0)
-        if name in ("wo", "w_down"):
-            return scaled
-        return vinit.normal(0.02)
+        return vinit.constant(1.0) if name.endswith("norm") else scaled if name in ("wo", "w_down") \
+            else vinit.normal(0.02)
 
     return resolve
 

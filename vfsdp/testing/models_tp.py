@@ -167,8 +167,8 @@ def split_experts(params: dict) -> tuple[dict, dict]:
     for i, layer in enumerate(layers):
         if "experts" not in layer:
             raise ValueError(f"split_experts: layer {i} has no experts (GPTConfig(experts=E))")
-    rest = dict(params, layers=[{k: v for k, v in layer.items() if k != "experts"} for layer in layers])
-    return rest, {"layers": [{"experts": layer["experts"]} for layer in layers]}
+    return (dict(params, layers=[{k: v for k, v in layer.items() if k != "experts"} for layer in layers]),
+            {"layers": [{"experts": layer["experts"]} for layer in layers]})
 
 
 def block_ep(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = None,

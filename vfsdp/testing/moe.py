@@ -164,11 +164,8 @@ def moe_ep(router: torch.Tensor, local_experts: dict, x: torch.Tensor, k: int, a
     recv_ids = lax.all_to_all(sent_ids, axis, 0, 0, split_sizes=sizes, mesh=mesh)
     # recv_x stays in the graph even where no token came (skewed routing): its backward's
     # all_to_all must run on every rank, or the others wait in it (+ an empty sum: 0).
-    out = torch.zeros_like(recv_x) + recv_x[:0].sum()
-    for j in range(per):
-        pos = (recv_ids == first + j).nonzero(as_tuple=True)[0]
-        if pos.numel():
-            out = out.index_copy(0, pos, expert(local_experts, recv_x[pos], j))
+    out = _routed(local_experts, recv_x, (recv_ids - first)[:, None], recv_x.new_ones(len(recv_ids), 1),
+                  torch.zeros_like(recv_x) + recv_x[:0].sum())
     back = lax.all_to_all(out, axis, 0, 0, split_sizes=back_sizes, mesh=mesh)
     w = weights.reshape(-1)[order]
     return torch.zeros_like(x).index_add(0, tok, back * w[:, None])

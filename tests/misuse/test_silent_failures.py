@@ -389,3 +389,25 @@ def test_a_block_parameter_read_outside_its_call_under_apply_run_layers_is_refus
                               "outside that block's call"), msg
         assert "call apply(vfsdp.gather(shards, spec), ...)" in msg
         assert shape == (3, 1) and kind == "Parameter"
+
+
+def _reduce_scatter_keys():
+    spec = vfsdp.plan({"w": torch.ones(8), "b": torch.ones(2)}, 2)
+    messages = []
+    for grads in ({"w": torch.ones(8), "c": torch.ones(2)},  # as many leaves, another name
+                  {"w": torch.ones(8)}, {"w": torch.ones(8), "b": None}):
+        try:
+            vfsdp.reduce_scatter(grads, spec)
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_reduce_scatter_refuses_gradients_under_other_names_with_as_many_leaves():
+    """A gradient tree with the spec's leaf count but another key was taken by position: the
+    gradient of ``c`` went to ``b``. It is refused naming the path; a ``None`` gradient keeps
+    its place and is accepted."""
+    for got in simulate(2, _reduce_scatter_keys):
+        assert "unexpected c" in got[0] and "missing b" in got[1], got
+        assert got[2] is None, got

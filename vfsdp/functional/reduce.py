@@ -114,9 +114,17 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, policy: Optional[Policy] = 
                          "them the result goes to fresh buffers, so there is nothing to add to")
     opts = GradOptions(grad_reduce=values["grad_reduce"], reduce_dtype=values["reduce_dtype"],
                        grads="buffer", accumulate_grads=values["accumulate_grads"])
-    grads, treespec = optree.tree_flatten(full_grads, none_is_leaf=True)
-    if treespec.num_leaves != spec.treespec.num_leaves:
-        match_tree(full_grads, spec, what)  # raises with the differing path
+    paths, grads, _ = optree.tree_flatten_with_path(full_grads, none_is_leaf=True)
+    if paths != spec.treespec.paths():  # a None gradient keeps its place: compare the paths
+        expected = spec.treespec.paths()
+        known, have = set(expected), set(paths)
+        extra = next((p for p in paths if p not in known), None)
+        missing = next((p for p in expected if p not in have), None)
+        raise ValueError(f"{what}: tree structure differs from the spec ("
+                         + (f"unexpected {format_path(extra)}" if extra is not None else
+                            f"missing {format_path(missing)}" if missing is not None else
+                            "its leaves in another order") +
+                         "); pass gradients shaped like the tree the spec was planned for")
     for g, t in zip(grads, spec.leaves()):
         if isinstance(t, TensorSpec) and g is not None and tuple(g.shape) != tuple(t.shape):
             raise ValueError(f"{what}: gradient of {format_path(t.path)} has shape "

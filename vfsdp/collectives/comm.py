@@ -630,8 +630,22 @@ def reset_counts() -> None:
 def check_op(op: str):
     """The ``ReduceOp`` of a reduce op vfsdp supports (``"sum"``, ``"avg"``).
 
+    Args:
+        op: The op's name.
+
+    Returns:
+        ``dist.ReduceOp.SUM`` or ``dist.ReduceOp.AVG``.
+
     Raises:
         ValueError: any other value.
+
+    Example:
+        >>> check_op("sum") == dist.ReduceOp.SUM
+        True
+        >>> check_op("max")
+        Traceback (most recent call last):
+        ...
+        ValueError: reduce op must be one of ('sum', 'avg'), got 'max'
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")

@@ -56,14 +56,14 @@ import functools
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["functorch_active", "functorch_unwrapped", "storage_id", "TorchDispatchMode", "threaded_world",
            "report_failure", "groups_are_per_thread", "graph_task_id", "keep_graph",
-           "running_node_seq", "set_data", "foreach", "fused_adamw",
+           "running_node_seq", "node_seq", "set_data", "foreach", "fused_adamw",
            "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH",
            "compiling", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter",
            "traced_sum_autograd",
@@ -114,11 +114,17 @@ def graph_task_id() -> int:
     return int(torch._C._current_graph_task_id())
 
 
+def node_seq(node: Any) -> int:
+    """An autograd node's sequence number (its creation order on its thread: a backward runs
+    later nodes first)."""
+    return int(node._sequence_nr())
+
+
 def running_node_seq() -> Optional[int]:
     """Inside a backward: the sequence number of the autograd node running now (``None``
     outside one)."""
     node = torch._C._current_autograd_node()
-    return None if node is None else int(node._sequence_nr())
+    return None if node is None else node_seq(node)
 
 
 def is_own_output(t: torch.Tensor) -> bool:

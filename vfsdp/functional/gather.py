@@ -401,7 +401,7 @@ class RankGathers:
     def add(self, ctx: Any, entry: Any) -> None:
         """Record the gather ``entry`` whose autograd node ``ctx`` was just made."""
         self.settle()
-        entry.place, entry.seq, entry.node = self.created, ctx._sequence_nr(), weakref.ref(ctx)
+        entry.place, entry.seq, entry.node = self.created, tp.node_seq(ctx), weakref.ref(ctx)
         self.created += 1
         self.entries.append(entry)
         entry.holds_graph = True

@@ -160,23 +160,18 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
 
     def reduce(u):  # returns u while its reduce-scatter input is in flight
         acc = (accumulated or {}).get(u.key, 0)
-        shard = (f"gradient shard {u.key}", "gradients", u.grad_shard)
-        freed = (f"accumulator reduced {u.key}", "gradients", -acc)
+        shard = [(f"gradient shard {u.key}", "gradients", u.grad_shard)]
+        freed = [(f"accumulator reduced {u.key}", "gradients", -acc)]
         if acc and not copies and not u.stage_shard:  # the accumulator is the input
-            ev.extend((shard, freed))
+            ev.extend(shard + freed)
             return None
-        ev.append((f"gradient shard {u.key}", "gradients",
-                   u.stage_shard + (0 if acc else u.grad_shard)))
-        if copies:  # autograd's, added into the accumulator or copied into the input
-            ev.append((f"unsharded gradients {u.key}", "buffers", u.gathered))
-        done = (f"copied in {u.key}", "buffers", -u.gathered)
-        if copies and acc:
-            ev.append(done)
-        ev.append((f"reduce {u.key}", "buffers", u.reduce_in))
-        if copies and not acc:
-            ev.append(done)
-        if acc:  # copied into the input and dropped; then the gradient shard
-            ev.extend((freed, shard))
+        first = [(f"gradient shard {u.key}", "gradients", u.stage_shard + (0 if acc else u.grad_shard))]
+        # FSDP2: autograd's unsharded gradients, added into the accumulator and dropped, or
+        # copied into the input
+        grads = [(f"unsharded gradients {u.key}", "buffers", u.gathered)] if copies else []
+        done = [(f"copied in {u.key}", "buffers", -u.gathered)] if copies else []
+        red = [(f"reduce {u.key}", "buffers", u.reduce_in)]
+        ev.extend(first + grads + done + red + freed + shard if acc else first + grads + red + done)
         return u
 
     def saved(u, sign):

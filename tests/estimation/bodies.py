@@ -149,3 +149,30 @@ def tp_step(dtype=None) -> dict:
             "measured_bytes": {k: v for k, v in measured.items()
                                if k.endswith("_bytes") and k != "shape_exchange_bytes"},
             "predicted_bytes": {f"{k}_bytes": v for k, v in est.comm_bytes.items() if v}}
+
+
+def accum_step(micro: int, dtype, reduce_dtype, layers: int = 3) -> dict:
+    """One step of ``micro`` micro-batches, each but the last without a reduce
+    (``grad_sync=False``), under the buffer probe; the estimate of the same step beside it."""
+    cfg = GPTConfig(layers=layers)
+    opt = vfsdp.optim.adamw()
+    spec = vfsdp.plan(meta_params(cfg), dist.get_world_size(), granularity=opt.granularity)
+    shards = vfsdp.shard(meta_params(cfg), spec, init_fn=vfsdp.init.sharded(init_rule(cfg), 0))
+    toks = torch.randint(0, cfg.vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    with BufferBytes().track(shards) as live:
+        state = opt.init(shards, spec)
+        live.track(state_tensors(state))
+        for i in range(micro):
+            kw = {"param_dtype": dtype, "reduce_dtype": reduce_dtype, "grad_sync": i == micro - 1}
+            io = vfsdp.gather(shards["io"], spec["io"], grads="buffer", **kw)
+            h = vfsdp.run_layers(lambda p, x: block(p, x, cfg), shards["layers"],
+                                 spec["layers"], embed(io, toks), **kw)
+            head_loss(io, h, toks).backward()
+            del io, h
+    est = vfsdp.estimate(spec, hw="h100", optimizer="adamw", param_dtype=dtype,
+                         reduce_dtype=reduce_dtype, micro_batches=micro, grad_sync=False,
+                         tokens_per_rank=64 * micro, rank=dist.get_rank(),
+                         costs={(): LayerCost(0.0, 0), ("layers",): LayerCost(0.0, 0)})
+    return {"measured_peak": live.peak, "predicted_peak": est.memory_per_rank
+            - est.memory["activations"] - est.memory["cached"] - est.memory["comm_library"],
+            "at": est.peak_at}

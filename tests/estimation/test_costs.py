@@ -104,3 +104,34 @@ def _tied_trees(draw):
 @given(tree=_tied_trees(), m=st.integers(1, 5))
 def test_of_prepared_equals_of_on_trees_with_ties(tree, m):
     assert Shapes.of_prepared(prepare(tree)) == Shapes.of(vfsdp.plan(tree, m))
+
+
+@pytest.mark.parametrize("heads,kv,head_dim", [(4, 2, 32), (2, 1, 8), (4, 4, 16)])
+def test_attention_flops_are_counted_at_heads_times_head_dim_as_torch_counts_them(heads, kv,
+                                                                                 head_dim):
+    # a LLaMA block (torchtitan's names, torch's (out, in) weights) whose heads are not the
+    # width (64): the shape rules' FLOPs against torch's FlopCounterMode on the same block
+    from vfsdp.estimation import layer_cost, shape_costs
+
+    d, f, b, s = 64, 96, 2, 16
+    def m(*shape):
+        return torch.empty(*shape, device="meta")
+
+    layer = {"attention": {"wq": m(heads * head_dim, d), "wk": m(kv * head_dim, d),
+                           "wv": m(kv * head_dim, d), "wo": m(d, heads * head_dim)},
+             "feed_forward": {"w1": m(f, d), "w2": m(d, f), "w3": m(f, d)}}
+
+    def block(p, x):
+        a, ff = p["attention"], p["feed_forward"]
+        q, k, v = (torch.nn.functional.linear(x, a[w]).view(b, s, -1, head_dim).transpose(1, 2)
+                   for w in ("wq", "wk", "wv"))
+        k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+        att = torch.softmax(q @ k.transpose(-1, -2), -1) @ v  # QK^T and AV: what is counted
+        lin = torch.nn.functional.linear
+        h = x + lin(att.transpose(1, 2).reshape(b, s, -1), a["wo"])
+        return h + lin(torch.nn.functional.silu(lin(h, ff["w1"])) * lin(h, ff["w3"]), ff["w2"])
+
+    traced = layer_cost(block, layer, m(b, s, d))
+    tree = {"tok_embed": m(100, d), "layers": [layer, layer]}
+    rule = shape_costs(vfsdp.plan(tree, 2), tokens=b * s, seq=s)[("layers", 0)]
+    assert rule.flops == traced.flops

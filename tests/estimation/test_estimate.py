@@ -32,6 +32,16 @@ def test_hsdp_bytes_and_peak():
         assert r["measured_bytes"] == r["predicted_bytes"]
 
 
+@pytest.mark.parametrize("micro,dtype,reduce_dtype", [
+    (2, None, None), (2, torch.bfloat16, torch.float32), (3, torch.bfloat16, None),
+    (2, None, torch.bfloat16),
+])
+def test_buffer_peak_of_micro_batches_reduced_only_by_the_last(micro, dtype, reduce_dtype):
+    # each unit's accumulator (its own shard kept) freed as it reduces, in place or staged
+    for r in simulate(2, bodies.accum_step, micro, dtype, reduce_dtype):
+        assert abs(r["predicted_peak"] - r["measured_peak"]) <= 1e-3 * r["measured_peak"], r
+
+
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 def test_tp_by_fsdp_buffers_and_bytes_the_layers_all_reduces_included(dtype):
     for r in simulate(4, bodies.tp_step, dtype):

@@ -47,9 +47,10 @@ def test_micro_batches_regather_and_reduce_each_unless_grad_sync_is_off():
     assert sync.comm_bytes["reduce_scatter"] == 4 * one.comm_bytes["reduce_scatter"]
     assert nosync.comm_bytes["reduce_scatter"] == one.comm_bytes["reduce_scatter"]
     # without sync every unit's whole gradient is held: in vfsdp in the parameters' dtype
-    # (as torch's .grad), in FSDP2 in the reduce dtype (fp32 here)
+    # (as torch's .grad, its accumulator keeping a shard of its own too), in FSDP2 in the
+    # reduce dtype (fp32 here)
     units = spec.units.values()
-    held = sum(u.padded_numel * u.dtype.itemsize for u in units)
+    held = sum((u.padded_numel + u.shard_numel) * u.dtype.itemsize for u in units)
     assert nosync.memory["gradients"] - sync.memory["gradients"] == held
     fsdp2 = [vfsdp.estimate(spec, tokens_per_rank=8192, micro_batches=4, grad_sync=s,
                             reduce_dtype=torch.float32, baseline="fsdp2") for s in (True, False)]
@@ -60,6 +61,19 @@ def test_micro_batches_regather_and_reduce_each_unless_grad_sync_is_off():
     assert nosync.step_s <= sync.step_s
     with pytest.raises(ValueError, match="micro_batches=3 does not divide"):
         vfsdp.estimate(spec, tokens_per_rank=8192, micro_batches=3)
+
+
+def test_fsdp2_drops_each_accumulated_gradient_as_its_unit_reduces():
+    # nothing saved for the backward: the peak is at its reduces, where what is left of the
+    # fp32 accumulated gradient meets a unit's reduce-scatter input and the shards reduced so
+    # far (FSDP2 drops each unit's accumulated gradient once copied in), never all of them
+    spec = vfsdp.plan(_llama(layers=6), 2)
+    zero = {(): vfsdp.estimation.LayerCost(0.0, 0), ("layers",): vfsdp.estimation.LayerCost(0.0, 0)}
+    est = vfsdp.estimate(spec, tokens_per_rank=8192, micro_batches=2, grad_sync=False,
+                         reduce_dtype=torch.float32, baseline="fsdp2", costs=zero)
+    sizes = baseline_sizes(spec.units, "fsdp2")
+    held = sum(u.world_size * sizes[k] * 4 for k, u in spec.units.items())
+    assert est.peak_at.startswith("reduce") and 0 < est.memory["gradients"] <= held
 
 
 def test_float8_runs_the_weight_matmuls_at_twice_the_rate_and_gathers_one_byte():

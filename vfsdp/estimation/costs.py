@@ -170,6 +170,10 @@ ELEMENTWISE = {False: 128, True: 64}
 FLOAT8_CASTS = 17 * 5
 
 EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
+# attention's query and output projections: their side that is not the width is its heads x
+# head_dim, at which its score (QK^T) and value (AV) products run
+QUERY = re.compile(r"(^|\.)(wq|q_proj|q_b_proj|query)(\.|$)")
+OUTPUT = re.compile(r"(^|\.)(wo|o_proj|out_proj)(\.|$)")
 
 
 @dataclass(frozen=True)
@@ -177,7 +181,8 @@ class Shapes:
     """What :func:`shape_costs` reads of a plan, whatever its mesh and tokens: per unit key
     ``(weights, weights per routed expert, has routed experts, has the embedding, outputs
     kept by selective checkpointing, the same per routed expert, (its matrices, one routed
-    expert's) as ``((rows, cols), count)`` of their last two dims, for :func:`saved_bytes`)``,
+    expert's) as ``((rows, cols), count)`` of their last two dims, for :func:`saved_bytes`;
+    the last two global dims of attention's query and output projections, or ``None``)``,
     and the embedding table's width and vocabulary (its second and first dims; 0 without one).
 
     Weights are those of matrices other than routed experts' and embedding tables (paths
@@ -222,8 +227,9 @@ class Shapes:
         # embedding], the same three of matmul outputs, and the count of the first kind
         # and the (rows, cols) of each matrix (its last two dims, local) with their counts:
         # weights, stacked experts', indexed experts'
+        # and the query and output projections' global (rows, cols)
         rows: dict = {key: [0.0, 0.0, 0.0, set(), False, 0.0, 0.0, 0.0, 0, Counter(), Counter(),
-                            Counter()] for key in keys}
+                            Counter(), None, None] for key in keys}
         width = vocab = 0
         for path, unit, shape, global_shape in tensors:
             name = ".".join(map(str, path))
@@ -246,14 +252,18 @@ class Shapes:
             row[5 + at] += out
             row[8] += at == 0
             row[9 + at][tuple(shape[-2:])] += 1
+            for i, proj in ((12, QUERY), (13, OUTPUT)):
+                if row[i] is None and not found and proj.search(name):
+                    row[i] = tuple(global_shape[-2:])
         # the outputs selective checkpointing keeps: of n matmuls the 1st, 3rd, ... (their
         # mean width each), of each routed expert's half
         units = {k: (w, stacked + (indexed / len(ids) if ids else 0.0), bool(stacked or ids),
                      emb, -(-n // 2) * outs / n if n else 0.0,
                      (o_st + (o_ix / len(ids) if ids else 0.0)) / 2,
                      (tuple(sorted(mats.items())), tuple(sorted(
-                         {**st, **{m: st[m] + c / len(ids) for m, c in ix.items()}}.items()))))
-                 for k, (w, stacked, indexed, ids, emb, outs, o_st, o_ix, n, mats, st, ix)
+                         {**st, **{m: st[m] + c / len(ids) for m, c in ix.items()}}.items()))),
+                     (q, o))
+                 for k, (w, stacked, indexed, ids, emb, outs, o_st, o_ix, n, mats, st, ix, q, o)
                  in rows.items()}
         return cls(MappingProxyType(units), width, vocab)
 
@@ -270,11 +280,14 @@ class Shapes:
                              "experts_per_token (top-k, e.g. 8 for DeepSeek-V3)")
         width, vocab = self.width, self.vocab
         out = {}
-        for key, (weights, per_expert, experts, has_embed, outs, expert_outs, mats) in \
+        for key, (weights, per_expert, experts, has_embed, outs, expert_outs, mats, qo) in \
                 self.units.items():
             n = weights + (per_expert * experts_per_token if experts else 0.0)
             layer = isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int)
-            attn = 12 * tokens * seq * width if layer and seq and width else 0
+            # QK^T at the query's heads x head_dim, AV at the output projection's (the width
+            # where not found): 2 FLOPs a product forward, 4 backward
+            inner = sum(width if sh is None else sh[1] if sh[0] == width else sh[0] for sh in qo)
+            attn = 6 * tokens * seq * inner if layer and seq and width else 0
             kept, again_per, share = _RECOMPUTE[o.recompute]
             # the forward's weight matmuls run again (a share of them), attention if full
             extra = share * 2 * tokens * n + (attn / 3 if share == 1.0 else 0.0) if layer \
@@ -303,8 +316,11 @@ def shape_costs(spec: ShardSpec, tokens: int, experts_per_token: Optional[int] =
     * FLOPs: ``6 * tokens`` per weight of a matrix (forward 2, backward 4), routed experts'
       weights counted ``experts_per_token / experts`` times (each token meets that many of
       them; see :class:`Shapes` for what is an expert), embedding tables (paths naming
-      ``embed``) not at all; with ``seq``, attention's ``12 * seq * width`` per token and
-      layer (PaLM's accounting, ``width`` the embedding's second dim);
+      ``embed``) not at all; with ``seq``, attention's ``6 * seq * (q + o)`` per token and
+      layer (PaLM's ``12 * seq * width`` where the heads are the width), ``q`` the query
+      projection's heads x head_dim (QK^T), ``o`` the output projection's (AV): their side
+      that is not the width (paths naming ``wq``, ``q_proj``, ``q_b_proj`` or ``query``, and
+      ``wo``, ``o_proj`` or ``out_proj``), else the width (the embedding's second dim);
     * activations: what the layer saves for its backward, from its shapes
       (:func:`saved_bytes`: 32 bytes per token and width for GPT-2's block, 41 for Llama-3
       8B's), or with ``recompute`` the layer input only (2 bytes per token and width), the

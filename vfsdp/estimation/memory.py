@@ -112,7 +112,8 @@ def split_units(units: Mapping[Any, UnitLayout], layers: Optional[list] = None) 
 
 
 def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: bool,
-             acts: dict, transient: dict, copies: bool = False) -> list:
+             acts: dict, transient: dict, copies: bool = False,
+             accumulated: Optional[Mapping] = None) -> list:
     """The step's buffer events, as ``(label, kind, delta_bytes)`` in the order vfsdp runs
     them: the whole-step units gathered, ``run_layers``' forward and backward over ``layers``
     (gather ahead by one with ``prefetch``, release after forward unless the last), each
@@ -124,7 +125,12 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
     checkpointing recomputes); ``copies``: FSDP2's, each all-gather's output beside the
     unsharded parameters it is copied into when the unit's turn comes (a prefetched one's
     lives until then), and each unit's unsharded gradients (autograd's, in the compute
-    dtype) beside the reduce-scatter input they are copied into."""
+    dtype) beside the reduce-scatter input they are copied into; ``accumulated``: per unit
+    key, the bytes of its gradients accumulated without a reduce (``grad_sync=False``; in
+    the caller's base), freed unit by unit as the last backward reduces them: vfsdp's
+    accumulator is the reduce-scatter input where it is in the reduce dtype, else copied
+    into one; FSDP2 adds autograd's unsharded gradients into its own, copies that into the
+    input and drops it; the gradient shard comes after."""
     by = {u.key: u for u in units}
     rest = [by[k] for k in by if k not in set(layers)]
     run = [by[k] for k in layers]
@@ -152,13 +158,21 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
         if u is not None:
             ev.append((f"reduced {u.key}", "buffers", -u.reduce_in))
 
-    def reduce(u):
-        ev.append((f"gradient shard {u.key}", "gradients", u.grad_shard + u.stage_shard))
-        if copies:
-            ev.append((f"unsharded gradients {u.key}", "buffers", u.gathered))
-        ev.append((f"reduce {u.key}", "buffers", u.reduce_in))
-        if copies:
-            ev.append((f"copied in {u.key}", "buffers", -u.gathered))
+    def reduce(u):  # returns u while its reduce-scatter input is in flight
+        acc = (accumulated or {}).get(u.key, 0)
+        shard = [(f"gradient shard {u.key}", "gradients", u.grad_shard)]
+        freed = [(f"accumulator reduced {u.key}", "gradients", -acc)]
+        if acc and not copies and not u.stage_shard:  # the accumulator is the input
+            ev.extend(shard + freed)
+            return None
+        first = [(f"gradient shard {u.key}", "gradients", u.stage_shard + (0 if acc else u.grad_shard))]
+        # FSDP2: autograd's unsharded gradients, added into the accumulator and dropped, or
+        # copied into the input
+        grads = [(f"unsharded gradients {u.key}", "buffers", u.gathered)] if copies else []
+        done = [(f"copied in {u.key}", "buffers", -u.gathered)] if copies else []
+        red = [(f"reduce {u.key}", "buffers", u.reduce_in)]
+        ev.extend(first + grads + done + red + freed + shard if acc else first + grads + red + done)
+        return u
 
     def saved(u, sign):
         if acts.get(u.key):
@@ -189,12 +203,11 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
             ev.append((f"recomputed {u.key}", "activations", -transient[u.key]))
         saved(u, -1)
         release(u)
-        reduce(u)
+        now = reduce(u)
         reduced(pending)
-        pending = u
+        pending = now
     for u in reversed(rest):
-        reduce(u)
-        reduced(u)
+        reduced(reduce(u))
     reduced(pending)
     for u in rest:
         release(u)

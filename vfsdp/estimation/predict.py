@@ -240,12 +240,16 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
             times[u.key] = [a + b for a, b in zip(times.get(u.key, (0.0,) * 5), new)]
             by_key[u.key] = _plus(by_key[u.key], u) if u.key in by_key else u
     ub = [by_key[k] for k in model.units]
+    # no sync: whole gradients held, in the parameters' dtype (vfsdp) or the reduce dtype,
+    # each freed as its unit reduces (Megatron-FSDP's, its buffer's: to the step's end)
+    acc = {} if o.grad_sync or steps == 1 else {
+        u.key: u.reduce_in if baseline in ("fsdp2", "megatron") else u.accum for u in ub}
+    # vfsdp's accumulator (a DBuffer) also keeps an S-element shard of its own, to the end
+    held = sum(acc.values()) + (sum(u.shard for u in ub) if acc and baseline is None else 0)
     events = timeline(ub, layers, o.prefetch, o.reshard_after_forward,
                       {k: c.activation_bytes for k, c in per_unit.items()},
-                      {k: c.recompute_bytes for k, c in per_unit.items()}, baseline == "fsdp2")
-    # no sync: whole gradients held, in the parameters' dtype (vfsdp) or the reduce dtype
-    held = 0 if o.grad_sync or steps == 1 else sum(
-        u.reduce_in if baseline in ("fsdp2", "megatron") else u.accum for u in ub)
+                      {k: c.recompute_bytes for k, c in per_unit.items()}, baseline == "fsdp2",
+                      None if baseline == "megatron" else acc)
     base = shards + once + state + held  # once: Megatron's kept compute-dtype shard
     top, at, kinds = peak(base, events)
     kinds["gradients"] += held

@@ -124,7 +124,7 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, policy: Optional[Policy] = 
                          + (f"unexpected {format_path(extra)}" if extra is not None else
                             f"missing {format_path(missing)}" if missing is not None else
                             "its leaves in another order") +
-                         "); pass gradients shaped like the tree the spec was planned for")
+                         "); pass the tree the spec was planned for, or a matching sub-spec")
     for g, t in zip(grads, spec.leaves()):
         if isinstance(t, TensorSpec) and g is not None and tuple(g.shape) != tuple(t.shape):
             raise ValueError(f"{what}: gradient of {format_path(t.path)} has shape "

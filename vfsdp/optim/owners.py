@@ -72,10 +72,10 @@ __all__ = ["OwnedState", "init_owned", "owned_step", "begin", "apply_", "branch"
 class OwnedState(MuonState):
     """The step counter, the 1-D tensors' moments (``momentum``, ``second``: unit key ->
     DBuffer), and per wave the state of this rank's matrices in it (``stacks``: name ->
-    ``[B, ...]``; ``B = 0`` where it owns none). ``seen``: the counter's value on the host
-    and its version then, so that an eager update branches on the step without reading the
-    counter back (it reads it once after anything else changed it: a compiled update, a
-    checkpoint load, ``state.step = n``).
+    ``[B, ...]``; ``B = 0`` where it owns none). ``seen``: the counter, its version and its
+    value on the host after the last eager update, so that an eager update branches on the
+    step without reading the counter back (it reads it once after anything else changed it:
+    a compiled update, a checkpoint load, ``state.step = n``).
 
     Example:
         >>> def body():
@@ -143,8 +143,9 @@ class Begin:
     def __init__(self, state: OwnedState, schedule: Callable) -> None:
         self.state, self.schedule, self.rate, self.t = state, schedule, None, None
         if not tp.compiling():
-            seen = state.seen
-            self.t = seen[1] if seen and seen[0] == tp.version(state.count) else state.step
+            count, version, n = state.seen or (None, -1, 0)
+            same = count is state.count and version == tp.version(count)
+            self.t = n if same else state.step
 
     def __call__(self) -> None:
         count = self.state.count
@@ -153,7 +154,7 @@ class Begin:
             self.t = count.reshape(()) - 1
             self.state.seen = None  # the next eager update reads the counter back once
         else:
-            self.state.seen = (tp.version(count), self.t + 1)
+            self.state.seen = (count, tp.version(count), self.t + 1)
 
 
 def branch(pred: Any, fn: Callable, args: tuple, state: tuple) -> tuple:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn, Optional
 
 import torch
+import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import Role
@@ -285,8 +286,9 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
                 lo, hi = t.shard_range(u.db.rank)
                 if hi > lo:
                     pieces[u.key].append((lo, i, hi))
-    state.kept["traced"] = TracedOwned(
-        group_name(units[0].db.groups.shard) if units else "",
+    shard = units[0].db.groups.shard if units else None
+    state.kept["traced"] = TracedOwned(  # no group: shards made without a process group
+        group_name(shard) if shard is not None or dist.is_initialized() else "",
         tuple(tuple((i, lo, hi) for lo, i, hi in sorted(pieces[key])) for key, _ in layout),
         leaf, tuple(owned),
         (tuple(leaf[(key, k)] for key, k, _, _ in vecs),

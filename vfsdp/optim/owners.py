@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn, Optional
 
 import torch
+import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import Role
@@ -72,10 +73,10 @@ __all__ = ["OwnedState", "init_owned", "owned_step", "begin", "apply_", "branch"
 class OwnedState(MuonState):
     """The step counter, the 1-D tensors' moments (``momentum``, ``second``: unit key ->
     DBuffer), and per wave the state of this rank's matrices in it (``stacks``: name ->
-    ``[B, ...]``; ``B = 0`` where it owns none). ``seen``: the counter's value on the host
-    and its version then, so that an eager update branches on the step without reading the
-    counter back (it reads it once after anything else changed it: a compiled update, a
-    checkpoint load, ``state.step = n``).
+    ``[B, ...]``; ``B = 0`` where it owns none). ``seen``: the counter, its version and its
+    value on the host after the last eager update, so that an eager update branches on the
+    step without reading the counter back (it reads it once after anything else changed it:
+    a compiled update, a checkpoint load, ``state.step = n``).
 
     Example:
         >>> def body():
@@ -143,8 +144,9 @@ class Begin:
     def __init__(self, state: OwnedState, schedule: Callable) -> None:
         self.state, self.schedule, self.rate, self.t = state, schedule, None, None
         if not tp.compiling():
-            seen = state.seen
-            self.t = seen[1] if seen and seen[0] == tp.version(state.count) else state.step
+            count, version, n = state.seen or (None, -1, 0)
+            same = count is state.count and version == tp.version(count)
+            self.t = n if same else state.step
 
     def __call__(self) -> None:
         count = self.state.count
@@ -153,7 +155,7 @@ class Begin:
             self.t = count.reshape(()) - 1
             self.state.seen = None  # the next eager update reads the counter back once
         else:
-            self.state.seen = (tp.version(count), self.t + 1)
+            self.state.seen = (count, tp.version(count), self.t + 1)
 
 
 def branch(pred: Any, fn: Callable, args: tuple, state: tuple) -> tuple:
@@ -284,8 +286,9 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
                 lo, hi = t.shard_range(u.db.rank)
                 if hi > lo:
                     pieces[u.key].append((lo, i, hi))
-    state.kept["traced"] = TracedOwned(
-        group_name(units[0].db.groups.shard) if units else "",
+    shard = units[0].db.groups.shard if units else None
+    state.kept["traced"] = TracedOwned(  # no group: shards made without a process group
+        group_name(shard) if shard is not None or dist.is_initialized() else "",
         tuple(tuple((i, lo, hi) for lo, i, hi in sorted(pieces[key])) for key, _ in layout),
         leaf, tuple(owned),
         (tuple(leaf[(key, k)] for key, k, _, _ in vecs),

@@ -43,6 +43,10 @@ def flatten_with_path(tree: Any) -> tuple[list, list, Union[optree.PyTreeSpec, S
         plain ``dict``/``list``/``tuple``/``None`` nodes) a function of no arguments that
         returns it (a :class:`Structure`).
 
+    Raises:
+        Whatever ``optree.tree_flatten_with_path`` raises for the tree (it reads any tree the
+        walk leaves).
+
     Example:
         >>> paths, leaves, make = flatten_with_path({"b": [1, None], "a": (2,)})
         >>> paths, leaves, make()

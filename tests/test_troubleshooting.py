@@ -84,6 +84,8 @@ NOT_STRINGS = {
     ("vfsdp/collectives/agree.py", "agree", "error"): "the rank's own error, raised as it was",
     ("vfsdp/optim/base.py", "begin", "_Dry"): "ends a member's update in a composition's "
                                               "checking pass; the composition catches it",
+    ("vfsdp/planner/flatten.py", "flatten_with_path.walk", "_NotPlain"):
+        "ends the planner's walk at a node it leaves to optree; flatten_with_path catches it",
     ("vfsdp/collectives/dbuffer.py", "ReleasedTensor.__torch_function__",
      "RuntimeError(why)"): "the poison()/_poison() sentences (SINKS)",
     ("vfsdp/interop/dtensor.py", "_placements", "ValueError(_ragged_message(t))"):

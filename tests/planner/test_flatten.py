@@ -68,3 +68,14 @@ def test_a_plans_treespec_is_made_once_when_first_read_and_kept():
     assert pickle.loads(pickle.dumps(spec)) == spec
     assert vfsdp.plan(collections.OrderedDict(params), 2).treespec == optree.tree_structure(
         collections.OrderedDict(params))  # optree's own, made by plan
+
+
+def test_shard_takes_its_trees_treespec_as_the_specs_where_the_structure_matches():
+    params = {"layers": [{"w": torch.ones(4, 2)} for _ in range(2)], "b": torch.ones(3)}
+    spec = vfsdp.plan(params, 2)
+    treespec = optree.tree_structure(params)
+    assert spec.same_structure(treespec, params) and spec._treespec is treespec
+    assert not vfsdp.plan(params, 2).same_structure(optree.tree_structure({"b": 0}), {"b": 0})
+    other = vfsdp.plan(params, 2)
+    vfsdp.testing.simulate(2, lambda: vfsdp.shard(params, other))
+    assert not callable(other._treespec) and other.treespec == treespec

@@ -233,7 +233,7 @@ def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:
                         f"{type(spec).__name__}")
     refuse_non_tree(tree, what)
     paths, leaves, treespec = optree.tree_flatten_with_path(tree)
-    if treespec != spec.treespec:
+    if not spec.same_structure(treespec, tree):
         spec_paths = set(spec.treespec.paths())
         extra = [p for p in paths if p not in spec_paths]
         missing = [p for p in spec.treespec.paths() if p not in set(paths)]

@@ -12,9 +12,6 @@ that do not sort) goes to optree for the whole tree.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from functools import partial
 from itertools import islice
 from typing import Any, Union
 
@@ -24,7 +21,7 @@ import torch
 from vfsdp._gc import paused_gc
 from vfsdp.planner.abstract import ShapeDtype
 
-__all__ = ["flatten_with_path"]
+__all__ = ["flatten_with_path", "Structure"]
 
 _LEAF = object()  # the record's mark of a leaf
 _LEAF_TYPES = frozenset((ShapeDtype, torch.Tensor, torch.nn.Parameter))
@@ -34,7 +31,7 @@ class _NotPlain(Exception):
     """A node the walk leaves to optree."""
 
 
-def flatten_with_path(tree: Any) -> tuple[list, list, Union[optree.PyTreeSpec, Callable[[], Any]]]:
+def flatten_with_path(tree: Any) -> tuple[list, list, Union[optree.PyTreeSpec, Structure]]:
     """``optree.tree_flatten_with_path(tree)``, with the treespec made when asked for.
 
     Args:
@@ -44,7 +41,11 @@ def flatten_with_path(tree: Any) -> tuple[list, list, Union[optree.PyTreeSpec, C
         ``(paths, leaves, treespec)``: the paths and leaves exactly as
         ``optree.tree_flatten_with_path`` gives them, and its treespec, or (for a tree of
         plain ``dict``/``list``/``tuple``/``None`` nodes) a function of no arguments that
-        returns it.
+        returns it (a :class:`Structure`).
+
+    Raises:
+        Whatever ``optree.tree_flatten_with_path`` raises for the tree (it reads any tree the
+        walk leaves).
 
     Example:
         >>> paths, leaves, make = flatten_with_path({"b": [1, None], "a": (2,)})
@@ -101,7 +102,26 @@ def flatten_with_path(tree: Any) -> tuple[list, list, Union[optree.PyTreeSpec, C
         walk(tree, ())
     except (_NotPlain, RecursionError):
         return optree.tree_flatten_with_path(tree)
-    return paths, leaves, functools.cache(partial(_structure, record))
+    return paths, leaves, Structure(record)
+
+
+class Structure:
+    """A plain tree's structure as :func:`flatten_with_path` recorded it (no leaf): called,
+    optree's treespec of it."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: list) -> None:
+        self.record = record
+
+    def __call__(self) -> optree.PyTreeSpec:
+        return _structure(self.record)
+
+    def matches(self, tree: Any) -> bool:
+        """Whether ``tree`` has this structure (its walk records the same), without making
+        either treespec."""
+        got = flatten_with_path(tree)[2]
+        return isinstance(got, Structure) and got.record == self.record
 
 
 def _structure(record: list) -> optree.PyTreeSpec:

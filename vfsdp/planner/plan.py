@@ -322,7 +322,7 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
         ValueError: a complex tensor, a unit mixing dtypes, a bad block, an unmatched prefix.
     """
     paths, leaves, treespec = flat or flatten_with_path(params)
-    abstract = _abstract(leaves)
+    abstract = set(map(type, leaves)) <= {ShapeDtype}  # no storage, nothing frozen
     all_idx = list(range(len(leaves))) if abstract else [
         i for i, x in enumerate(leaves) if isinstance(x, TENSOR_LEAVES)]
     if tied is None:  # leaf index -> the one it repeats
@@ -364,11 +364,6 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
     frozen = frozenset() if abstract else frozenset(
         p for p, x in zip(t_paths, t_leaves) if isinstance(x, torch.nn.Parameter) and not x.requires_grad)
     return Prepared(treespec, len(leaves), tied, members, strided, frozen)
-
-
-def _abstract(leaves: Sequence) -> bool:
-    """Whether every leaf is a :class:`ShapeDtype` (no storage, nothing frozen)."""
-    return set(map(type, leaves)) <= {ShapeDtype}
 
 
 def _shape_block(gran: Granularity, shape: tuple, shapes: list, paths: list) -> int:

@@ -33,6 +33,7 @@ import torch
 from vfsdp._torch_private import compiling as _compiling
 from vfsdp.placements.ragged import RaggedShard
 from vfsdp.placements.strided import StridedRaggedShard
+from vfsdp.planner.flatten import Structure
 from vfsdp.planner.granularity import format_path
 
 __all__ = ["UnitLayout", "TensorSpec", "ShardSpec", "SplitSuggestion", "PASSTHROUGH", "unit_name"]
@@ -447,6 +448,25 @@ class ShardSpec:
                 if callable(self._treespec):
                     object.__setattr__(self, "_treespec", self._treespec())
         return self._treespec
+
+    def same_structure(self, treespec: Any, tree: Any) -> bool:
+        """Whether ``treespec``, ``tree``'s optree treespec, is this spec's structure. A spec
+        whose treespec is not made yet compares ``tree`` with the structure ``vfsdp.plan``
+        recorded and, where they match, takes ``treespec`` as its own (``vfsdp.shard`` and
+        ``gather`` check their tree so, without making the spec's treespec again).
+
+        Example:
+            >>> import optree
+            >>> spec = vfsdp.plan({"w": torch.ones(4)}, 2)
+            >>> spec.same_structure(optree.tree_structure({"w": 0}), {"w": 0})
+            True
+        """
+        lazy = self._treespec
+        if isinstance(lazy, Structure) and lazy.matches(tree):
+            with _LAZY_LOCK:
+                if self._treespec is lazy:
+                    object.__setattr__(self, "_treespec", treespec)
+        return treespec == self.treespec
 
     @property
     def tree(self) -> Any:

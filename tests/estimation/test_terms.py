@@ -47,10 +47,10 @@ def test_micro_batches_regather_and_reduce_each_unless_grad_sync_is_off():
     assert sync.comm_bytes["reduce_scatter"] == 4 * one.comm_bytes["reduce_scatter"]
     assert nosync.comm_bytes["reduce_scatter"] == one.comm_bytes["reduce_scatter"]
     # without sync every unit's whole gradient is held: in vfsdp in the parameters' dtype
-    # (as torch's .grad, its accumulator keeping a shard of its own too), in FSDP2 in the
+    # (as torch's .grad; the accumulator keeps no shard of its own), in FSDP2 in the
     # reduce dtype (fp32 here)
     units = spec.units.values()
-    held = sum((u.padded_numel + u.shard_numel) * u.dtype.itemsize for u in units)
+    held = sum(u.padded_numel * u.dtype.itemsize for u in units)
     assert nosync.memory["gradients"] - sync.memory["gradients"] == held
     fsdp2 = [vfsdp.estimate(spec, tokens_per_rank=8192, micro_batches=4, grad_sync=s,
                             reduce_dtype=torch.float32, baseline="fsdp2") for s in (True, False)]

@@ -386,8 +386,10 @@ class DBuffer:
         self._dead_full = ([alias(self._dead, t.offset, tuple(t.shape)) for t in self.tensors]
                            if self._fresh else None)
         # A compute copy (param_dtype) keeps no memory of its own: its shard is this rank's
-        # slice of the global buffer, written by the cast and all-gathered in place.
-        self._in_global = role is Role.COMPUTE
+        # slice of the global buffer, written by the cast and all-gathered in place. Staging
+        # buffers and accumulators use only their global buffer: their shard is that slice
+        # too (no S elements of their own, held for the unit's life).
+        self._in_global = role in (Role.COMPUTE, Role.STAGE, Role.ACCUM)
         self._local_spec = layout.pieces(self.rank)
         self._dead_shard: Optional[torch.Tensor] = None
         self._dead_local: Optional[list] = None

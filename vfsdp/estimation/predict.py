@@ -9,6 +9,7 @@ costs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -193,6 +194,8 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
         pm, pr = p.mesh_shape[-1], math.prod(p.mesh_shape[:-1])
         sizes = baseline_sizes(p.units, padding) if padding else None
         ub = unit_bytes(p.units, param_dtype, o.reduce_dtype, sizes)
+        if baseline is None:  # vfsdp's staging buffer keeps no shard of its own (a slice of
+            ub = [dataclasses.replace(u, stage_shard=0) for u in ub]  # its global buffer)
         share = p.state
         if sizes:  # the same state per element, over the baseline's shards
             share = int(share * sum(sizes.values()) /
@@ -244,8 +247,7 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     # each freed as its unit reduces (Megatron-FSDP's, its buffer's: to the step's end)
     acc = {} if o.grad_sync or steps == 1 else {
         u.key: u.reduce_in if baseline in ("fsdp2", "megatron") else u.accum for u in ub}
-    # vfsdp's accumulator (a DBuffer) also keeps an S-element shard of its own, to the end
-    held = sum(acc.values()) + (sum(u.shard for u in ub) if acc and baseline is None else 0)
+    held = sum(acc.values())
     events = timeline(ub, layers, o.prefetch, o.reshard_after_forward,
                       {k: c.activation_bytes for k, c in per_unit.items()},
                       {k: c.recompute_bytes for k, c in per_unit.items()}, baseline == "fsdp2",

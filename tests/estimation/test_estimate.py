@@ -317,8 +317,6 @@ def test_stacked_experts_planned_with_an_ep_rule_take_ep_from_the_plan():
     assert est.compute_s == pytest.approx(whole.compute_s, rel=1e-9)
 
 
-@pytest.mark.xfail(strict=True, reason="owners.init_owned names the shard group (group_name) "
-                   "eagerly; estimate's units have none and no process group runs")
 @pytest.mark.parametrize("optimizer", ["soap", "shampoo"])
 def test_soap_and_shampoo_estimate_without_a_process_group(optimizer):
     """As adamw and muon do: estimate needs no process group (a laptop's planning call)."""

@@ -136,8 +136,6 @@ def test_the_api_refuses_what_is_not_a_plan_or_a_list_of_counts():
         sweep(tree, 8)
 
 
-@pytest.mark.xfail(strict=True, reason="since estimate takes **options into Options, an unknown "
-                   "option's TypeError names Options.__init__, not estimate")
 def test_an_unknown_option_is_refused_in_estimate_s_name():
     spec = vfsdp.plan({"w": torch.empty(8, 8, device="meta")}, 2)
     with pytest.raises(TypeError, match=r"estimate\(\) got an unexpected keyword argument 'bogus'"):

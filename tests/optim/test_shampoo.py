@@ -144,8 +144,5 @@ def _compiled_step():
     return torch.equal(*out)
 
 
-@pytest.mark.xfail(strict=True, reason="under simulate, dynamo traces RankRNG's "
-                   "__torch_function__ into Tensor.unflatten's super() call (shampoo's _blocks) "
-                   "and stops: Unsupported")
 def test_a_compiled_update_runs_under_simulate():
     assert simulate(1, _compiled_step)[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Union
 
 import optree
@@ -152,6 +153,10 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
     if experts is not None and not isinstance(experts, ShardSpec):
         raise TypeError(f"estimate: experts= takes the experts' ShardSpec, got "
                         f"{type(experts).__name__}")
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(Options)} - {"muon"})
+    if unknown or "muon" in options:  # in estimate's name, as a signature would
+        raise TypeError(f"estimate() got an unexpected keyword argument "
+                        f"{(unknown or ['muon'])[0]!r}")
     o = Options(hw=hw, muon=optimizer == "muon", **options)
     count("estimate", "rank", rank, least=0, optional=True)
     if rank is not None and rank >= spec.world_size:

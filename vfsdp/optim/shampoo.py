@@ -82,7 +82,10 @@ def _blocks(x: torch.Tensor, region: tuple) -> torch.Tensor:
     """The blocks of ``region`` (:func:`_regions`) of a stack ``x`` ``[B, rows, cols]``, as a
     view ``[B, row blocks, column blocks, rows, cols]``."""
     (r0, r1, br), (c0, c1, bc) = region
-    return x[:, r0:r1, c0:c1].unflatten(1, (-1, br)).unflatten(3, (-1, bc)).transpose(2, 3)
+    # view, not unflatten: under simulate dynamo traces RankRNG's __torch_function__ into
+    # Tensor.unflatten's super() call, and stops
+    return x[:, r0:r1, c0:c1].view(x.shape[0], (r1 - r0) // br, br, (c1 - c0) // bc,
+                                   bc).transpose(2, 3)
 
 
 def shampoo(

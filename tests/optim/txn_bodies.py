@@ -69,8 +69,8 @@ def _snapshot(x, spec) -> list:
     out = []
     if isinstance(getattr(x, "count", None), torch.Tensor):
         out.append(x.count.clone())
-    if isinstance(getattr(x, "n", None), int):
-        out.append(torch.tensor(float(x.n)))
+    if isinstance(getattr(x, "step", None), int):  # as the owned optimizers' next update reads it
+        out.append(torch.tensor(float(x.step)))
     if hasattr(x, "inner") and hasattr(x, "shards"):  # offload: the masters too
         out += _snapshot(x.shards, spec)
     while hasattr(x, "checkpoint_tree"):

@@ -67,7 +67,8 @@ def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.0) -> C
     def schedule(step: Any) -> Any:
         # One formula, on tensors (no Python branch on the step: it compiles and syncs
         # nothing); a Python step gets a Python float back.
-        t = step if isinstance(step, torch.Tensor) else torch.tensor(float(step), dtype=torch.float64)
+        t = step if isinstance(step, torch.Tensor) else \
+            torch.tensor(float(step), dtype=torch.float64)  # cpu: a Python step, on the host
         progress = ((t - warmup) / max(1, total - warmup)).clamp(0, 1)
         out = floor + 0.5 * (peak - floor) * (1 + torch.cos(math.pi * progress))
         out = torch.where(t >= total, torch.full_like(out, floor), out)

@@ -33,6 +33,7 @@ from vfsdp.estimation.model import optimizer_for
 from vfsdp.estimation.options import Options
 from vfsdp.estimation.predict import Estimate, PlanSummary, predict
 from vfsdp.planner.abstract import ShapeDtype, is_tensor_leaf, leaf_meta
+from vfsdp.planner.flatten import flatten_with_path
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.plan import prepare, unit_layouts
 
@@ -203,7 +204,7 @@ class _Sweep:
         trees = [params] if ep == 1 else list(expert_share(params, ep))
         self.prepared, self.opts = [], []
         for tree in trees:
-            flat = optree.tree_flatten_with_path(tree)
+            flat = flatten_with_path(tree)
             opt = optimizer_for(optimizer, flat)
             gran = opt.granularity if granularity is None else granularity
             self.prepared.append(prepare(tree, gran, units, flat=flat))

@@ -699,7 +699,7 @@ class Unit:
     def __repr__(self) -> str:
         held = [f"{db.name} {str(db.dtype).replace('torch.', '')} {'+'.join(parts)}"
                 for db in self.buffers() if (parts := [p for p, on in (
-                    ("shard", db.role is not Role.COMPUTE and db.holds_shard),
+                    ("shard", db.role not in (Role.COMPUTE, Role.STAGE, Role.ACCUM) and db.holds_shard),
                     ("full", db.is_allocated)) if on])]
         pending = [what for what, on in (
             ("all-gather", any(db.in_flight for db in (self.params, *self._compute.values()))),

@@ -24,7 +24,7 @@ from vfsdp import _torch_private as tp
 from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.unit import Unit, _expand, _merge
 from vfsdp.functional.options import GradOptions, Policy, merge
-from vfsdp.functional.tree import UnitLeaves, match_tree, own_mesh, units_of
+from vfsdp.functional.tree import UnitLeaves, match_tree, own_mesh, refuse_structure, units_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
@@ -114,17 +114,9 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, policy: Optional[Policy] = 
                          "them the result goes to fresh buffers, so there is nothing to add to")
     opts = GradOptions(grad_reduce=values["grad_reduce"], reduce_dtype=values["reduce_dtype"],
                        grads="buffer", accumulate_grads=values["accumulate_grads"])
-    paths, grads, _ = optree.tree_flatten_with_path(full_grads, none_is_leaf=True)
+    paths, grads, treespec = optree.tree_flatten_with_path(full_grads, none_is_leaf=True)
     if paths != spec.treespec.paths():  # a None gradient keeps its place: compare the paths
-        expected = spec.treespec.paths()
-        known, have = set(expected), set(paths)
-        extra = next((p for p in paths if p not in known), None)
-        missing = next((p for p in expected if p not in have), None)
-        raise ValueError(f"{what}: tree structure differs from the spec ("
-                         + (f"unexpected {format_path(extra)}" if extra is not None else
-                            f"missing {format_path(missing)}" if missing is not None else
-                            "its leaves in another order") +
-                         "); pass the tree the spec was planned for, or a matching sub-spec")
+        refuse_structure(paths, treespec, spec, what)
     for g, t in zip(grads, spec.leaves()):
         if isinstance(t, TensorSpec) and g is not None and tuple(g.shape) != tuple(t.shape):
             raise ValueError(f"{what}: gradient of {format_path(t.path)} has shape "

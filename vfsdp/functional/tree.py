@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import optree
 import torch
@@ -25,7 +25,7 @@ from vfsdp.collectives.unit import Unit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec, UnitLayout, refuse_non_tree, unit_name
 
-__all__ = ["match_tree", "group_by_unit", "UnitLeaves", "find_unit",
+__all__ = ["match_tree", "refuse_structure", "group_by_unit", "UnitLeaves", "find_unit",
            "units_of", "unit_for", "own_mesh"]
 
 
@@ -234,14 +234,7 @@ def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:
     refuse_non_tree(tree, what)
     paths, leaves, treespec = optree.tree_flatten_with_path(tree)
     if not spec.same_structure(treespec, tree):
-        spec_paths = set(spec.treespec.paths())
-        extra = [p for p in paths if p not in spec_paths]
-        missing = [p for p in spec.treespec.paths() if p not in set(paths)]
-        detail = (f"unexpected {format_path(extra[0])}" if extra else
-                  f"missing {format_path(missing[0])}" if missing else
-                  f"{treespec} vs {spec.treespec}")
-        raise ValueError(f"{what}: tree structure differs from the spec ({detail}); pass the "
-                         f"tree the spec was planned for, or a matching sub-spec")
+        refuse_structure(paths, treespec, spec, what)
     for path, leaf, s in zip(paths, leaves, spec.leaves()):
         if not isinstance(s, TensorSpec):
             continue
@@ -249,6 +242,20 @@ def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:
             raise ValueError(f"{what}: {format_path(path)} should be a tensor, got "
                              f"{type(leaf).__name__}")
     return leaves
+
+
+def refuse_structure(paths: list, treespec: Any, spec: ShardSpec, what: str) -> NoReturn:
+    """Raise for a tree (its ``paths`` and ``treespec``) whose structure is not the spec's,
+    naming the first path one has and the other lacks."""
+    expected = spec.treespec.paths()
+    known, have = set(expected), set(paths)
+    extra = next((p for p in paths if p not in known), None)
+    missing = next((p for p in expected if p not in have), None)
+    detail = (f"unexpected {format_path(extra)}" if extra is not None else
+              f"missing {format_path(missing)}" if missing is not None else
+              f"{treespec} vs {spec.treespec}")
+    raise ValueError(f"{what}: tree structure differs from the spec ({detail}); pass the "
+                     f"tree the spec was planned for, or a matching sub-spec")
 
 
 def group_by_unit(spec: ShardSpec) -> dict[Hashable, list[tuple[int, TensorSpec]]]:

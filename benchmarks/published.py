@@ -1,7 +1,7 @@
 """Published FSDP training measurements against ``vfsdp.estimation.sweep``'s projection.
 
-``python benchmarks/published.py [--json OUT]`` reads ``benchmarks/published/rows.json`` (each
-row: its source, repository, commit, path, table and the row's text, the hardware, model,
+``python benchmarks/published.py [--json OUT] [--round N]`` reads
+``benchmarks/published/rows.json`` (each row: its source, repository, commit, path, table and the row's text, the hardware, model,
 GPUs, micro-batch, accumulation, sequence, precision, checkpointing and the measured
 tokens/s per GPU and memory), runs each through the estimator with the settings the source
 states and nothing else (one profile per node type, no per-row constant), and prints
@@ -11,10 +11,12 @@ log the caching allocator's peak reserved bytes, ``Estimate.peak_reserved``; Kem
 reports the peak allocated, ``Estimate.peak_allocated``). Each row is
 estimated under the system it ran (``SYSTEMS``). The bands are printed for every row and again
 for the held-out rows (``"held_out": true``: added after the estimator was tuned, with the date
-added; nothing in ``vfsdp.estimation`` was changed for them).
+added; nothing in ``vfsdp.estimation`` was changed for them), and with ``--round N`` for the
+held-out rows of that round alone (``"round": N``; rounds before the 4th carry none).
 
 The models' shapes come from their configurations (``MODELS``: torchtitan's Llama 2 and 3
-and Qwen3 model args, fms-fsdp's ``config_utils.py``, llm-foundry's MPT yamls); a shape list names the
+and Qwen3 model args, fms-fsdp's ``config_utils.py``, llm-foundry's MPT yamls, OLMo-core's
+``TransformerConfig``); a shape list names the
 embedding ``embed`` so the shape rules find the width and vocabulary (MPT's tied output head
 is not counted in FLOPs: about 3 % of MPT-7B's). Where a source states its network per node,
 ``PROFILES`` derives a profile that shares it among the node's GPUs, changing nothing else.
@@ -43,9 +45,10 @@ GiB = 2**30
 
 
 def llama(layers: int, d: int, ffn: int, heads: int, kv: int, vocab: int,
-          head_dim: int = 0, qk_norm: bool = False) -> dict:
+          head_dim: int = 0, qk_norm: bool | str = False) -> dict:
     """A LLaMA-3 tree (torchtitan's names), fp32 master weights; ``head_dim`` when the heads
-    are not ``d // heads`` wide, ``qk_norm`` for Qwen3's norms of each head's query and key."""
+    are not ``d // heads`` wide, ``qk_norm`` for Qwen3's norms of each head's query and key
+    (``"full"``: OLMo 2's, over all heads' queries and all keys)."""
     f32 = torch.float32
     hd = head_dim or d // heads
     qd, kvd = hd * heads, hd * kv
@@ -54,7 +57,9 @@ def llama(layers: int, d: int, ffn: int, heads: int, kv: int, vocab: int,
         attention = {"wq": ShapeDtype((qd, d), f32), "wk": ShapeDtype((kvd, d), f32),
                      "wv": ShapeDtype((kvd, d), f32), "wo": ShapeDtype((d, qd), f32)}
         if qk_norm:
-            attention.update(q_norm=ShapeDtype((hd,), f32), k_norm=ShapeDtype((hd,), f32))
+            full = qk_norm == "full"
+            attention.update(q_norm=ShapeDtype((qd if full else hd,), f32),
+                             k_norm=ShapeDtype((kvd if full else hd,), f32))
         return {"attention_norm": ShapeDtype((d,), f32), "ffn_norm": ShapeDtype((d,), f32),
                 "attention": attention,
                 "feed_forward": {"w1": ShapeDtype((ffn, d), f32),
@@ -105,6 +110,14 @@ MODELS = {
     "mpt-13b": lambda seq: mpt(40, 5120, seq),
     "mpt-30b": lambda seq: mpt(48, 7168, seq),
     "mpt-70b": lambda seq: mpt(80, 8192, seq),
+    # OLMo-core e27ba74, nn/transformer/config.py: olmo_1B/7B/13B are llama2_1B/7B/13B with
+    # qk_norm (LayerNorms over all heads' queries and keys), llama3_8B; FFN int(8d/3), times
+    # 1.3 for Llama 3, rounded up to 256 (Llama 3: 1,024); the dolma2 tokenizer's 100,278
+    # entries padded to a multiple of 128: 100,352
+    "olmo2-1b": lambda seq: llama(18, 2048, 5632, 16, 16, 100352, qk_norm="full"),
+    "olmo2-7b": lambda seq: llama(32, 4096, 11008, 32, 32, 100352, qk_norm="full"),
+    "olmo2-13b": lambda seq: llama(40, 5120, 13824, 40, 40, 100352, qk_norm="full"),
+    "olmo-llama3-8b": lambda seq: llama(32, 4096, 14336, 32, 8, 100352),
 }
 # the system each project ran, as the estimator models it: FSDP2 (torchtitan), Megatron-FSDP,
 # and llm-foundry's and fms-fsdp's FSDP1, whose flat parameters copy and allocate as vfsdp's
@@ -112,7 +125,8 @@ MODELS = {
 SYSTEMS = {"pytorch/torchtitan": "fsdp2", "NVIDIA-NeMo/Megatron-Bridge": "megatron",
            "mosaicml/llm-foundry": None, "foundation-model-stack/fms-fsdp": None,
            "pytorch/ao": "fsdp2", "aws-samples/awsome-distributed-training": "fsdp2",
-           "KempnerInstitute/KempnerForge": "fsdp2"}
+           "KempnerInstitute/KempnerForge": "fsdp2", "allenai/OLMo-core": "fsdp2",
+           "Lightning-AI/lightning-thunder": "fsdp2"}
 COMPILE = {True: "yes", "blocks": "blk", False: "no"}
 
 
@@ -144,7 +158,8 @@ def predict(row: dict):
     (``compile``: ``true`` for the blocks and the loss, ``"blocks"`` for the blocks only; where
     a source differs from the usual, ``master: "bf16"`` for bf16 weights and optimizer state,
     ``grad_sync: false`` for accumulation without a reduce-scatter until the last micro-batch,
-    ``logits: "bf16"`` for a loss over bf16 logits)."""
+    ``logits: "bf16"`` for a loss over bf16 logits, ``reshard: false`` for weights kept
+    unsharded from the forward to the backward: FSDP2's ``reshard_after_forward=False``)."""
     tree = MODELS[row["model"]](row["seq"])
     if row.get("master") == "bf16":  # the weights and so the optimizer's state kept in bf16
         tree = optree.tree_map(lambda s: ShapeDtype(s.shape, torch.bfloat16), tree)
@@ -156,7 +171,7 @@ def predict(row: dict):
                  float8=row["precision"] == "float8", compiled=bool(row["compile"]),
                  fused_loss=row["compile"] is True, param_dtype=torch.bfloat16,
                  logits_dtype=torch.bfloat16 if row.get("logits") == "bf16" else torch.float32,
-                 vs=[system] if system else [],
+                 reshard_after_forward=row.get("reshard", True), vs=[system] if system else [],
                  reduce_dtype=torch.float32 if row["reduce"] == "fp32" else torch.bfloat16)
     return rows[-1][1]
 
@@ -164,29 +179,33 @@ def predict(row: dict):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write predicted and measured per row here")
+    ap.add_argument("--round", type=int, help="also the bands of this round's held-out rows alone "
+                                              "(the rows' \"round\")")
     args = ap.parse_args(argv)
     with open(ROWS, encoding="utf-8") as f:
         rows = json.load(f)["rows"]
     t0 = time.perf_counter()
-    out, bands = [], {"bf16": [], "float8": [], "memory": []}
-    held = {kind: [] for kind in bands}
+    groups = {"all rows": lambda r: True, "held-out rows": lambda r: r["held_out"]}
+    if args.round is not None:
+        groups[f"held-out rows of round {args.round}"] = lambda r: r.get("round") == args.round
+    bands = {title: {"bf16": [], "float8": [], "memory": []} for title in groups}
+    out = []
     print(f"{'row':<24} {'hw':<9} {'gpus':>5} {'prec':<6} {'ckpt':<9} {'comp':<4} "
           f"{'tok/s meas':>10} {'pred':>8} {'ratio':>6}  {'GiB meas':>8} {'pred':>7} {'ratio':>6}")
     for row in rows:
         est = predict(row)
         tps = est.tokens_per_s / est.gpus
         ratio = tps / row["tokens_per_s_per_gpu"]
-        bands[row["precision"]].append(ratio)
-        if row["held_out"]:
-            held[row["precision"]].append(ratio)
         mem = mem_ratio = None
         if row["memory_gib"] is not None:
             mem = (est.peak_reserved if row["memory_kind"] == "reserved"
                    else est.peak_allocated) / GiB
             mem_ratio = mem / row["memory_gib"]
-            bands["memory"].append(mem_ratio)
-            if row["held_out"]:
-                held["memory"].append(mem_ratio)
+        for title, keep in groups.items():
+            if keep(row):
+                bands[title][row["precision"]].append(ratio)
+                if mem_ratio is not None:
+                    bands[title]["memory"].append(mem_ratio)
         out.append({"id": row["id"], "held_out": row["held_out"],
                     "measured_tps": row["tokens_per_s_per_gpu"], "predicted_tps": tps,
                     "measured_gib": row["memory_gib"], "predicted_gib": mem,
@@ -197,7 +216,7 @@ def main(argv=None) -> int:
               f"{row['tokens_per_s_per_gpu']:>10,.0f} {tps:>8,.0f} {ratio:>6.2f}  {mem_text}")
     print(f"\n{len(rows)} rows from {len({r['project'] for r in rows})} projects, estimated in "
           f"{time.perf_counter() - t0:.1f} s (* held out: added after the estimator was tuned)")
-    for title, got in (("all rows", bands), ("held-out rows", held)):
+    for title, got in bands.items():
         print(title)
         _print_bands(got)
     if args.json:

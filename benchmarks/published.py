@@ -1,18 +1,19 @@
 """Published FSDP training measurements against ``vfsdp.estimation.sweep``'s projection.
 
 ``python benchmarks/published.py [--json OUT] [--round N]`` reads
-``benchmarks/published/rows.json`` (each row: its source, repository, commit, path, table and the row's text, the hardware, model,
-GPUs, micro-batch, accumulation, sequence, precision, checkpointing and the measured
-tokens/s per GPU and memory), runs each through the estimator with the settings the source
-states and nothing else (one profile per node type, no per-row constant), and prints
-predicted against measured, then the share of rows within +-15 % on tokens/s per GPU (bf16
-and float8 apart) and within +-10 % on memory (what the source measured: torchtitan's pages
-log the caching allocator's peak reserved bytes, ``Estimate.peak_reserved``; KempnerForge's
-reports the peak allocated, ``Estimate.peak_allocated``). Each row is
-estimated under the system it ran (``SYSTEMS``). The bands are printed for every row and again
-for the held-out rows (``"held_out": true``: added after the estimator was tuned, with the date
-added; nothing in ``vfsdp.estimation`` was changed for them), and with ``--round N`` for the
-held-out rows of that round alone (``"round": N``; rounds before the 4th carry none).
+``benchmarks/published/rows.json`` (each row: its source, repository, commit, path, table and
+the row's text, the hardware, model, GPUs, micro-batch, accumulation, sequence, precision,
+checkpointing and the measured tokens/s per GPU and memory), runs each through the estimator
+with the settings the source states and nothing else (one profile per node type, no per-row
+constant), and prints predicted against measured, then the share of rows within +-15 % on
+tokens/s per GPU (bf16 and float8 apart) and within +-10 % on memory (what the source
+measured: torchtitan's pages log the caching allocator's peak reserved bytes,
+``Estimate.peak_reserved``; KempnerForge's reports the peak allocated,
+``Estimate.peak_allocated``). Each row is estimated under the system it ran (``SYSTEMS``). The
+bands are printed for every row and again for the held-out rows (``"held_out": true``: added
+after the estimator was tuned, with the date added; nothing in ``vfsdp.estimation`` was
+changed for them), and with ``--round N`` for the held-out rows of that round alone
+(``"round": N``; rounds before the 4th carry none).
 
 The models' shapes come from their configurations (``MODELS``: torchtitan's Llama 2 and 3
 and Qwen3 model args, fms-fsdp's ``config_utils.py``, llm-foundry's MPT yamls, OLMo-core's

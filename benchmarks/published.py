@@ -36,6 +36,7 @@ import torch
 
 from vfsdp.estimation import sweep
 from vfsdp.estimation.hardware import hardware
+from vfsdp.optim import Optimizer
 from vfsdp.planner.abstract import ShapeDtype
 
 ROWS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published", "rows.json")
@@ -139,6 +140,12 @@ PROFILES = {"h100-500w": "h100-500w", "h100": "h100", "h200": "h200", "a100": "a
                        + hardware("h200").source)}
 
 
+# torch.optim.AdamW's state: exp_avg and exp_avg_sq made by torch.zeros_like(param)
+# (torch/optim/adamw.py, _init_group), so in the parameters' dtype: bf16 beside bf16 weights
+TORCH_ADAMW = Optimizer(lambda shards, spec, mask=None: [
+    (torch.zeros_like(x), torch.zeros_like(x)) for x in optree.tree_leaves(shards)], None)
+
+
 def predict(row: dict):
     """The estimate of one row, from the settings its source states, under the system it ran
     (``compile``: ``true`` for the blocks and the loss, ``"blocks"`` for the blocks only; where
@@ -146,11 +153,13 @@ def predict(row: dict):
     ``grad_sync: false`` for accumulation without a reduce-scatter until the last micro-batch,
     ``logits: "bf16"`` for a loss over bf16 logits)."""
     tree = MODELS[row["model"]](row["seq"])
-    if row.get("master") == "bf16":  # the weights and so the optimizer's state kept in bf16
+    optimizer = "adamw"  # vfsdp's: fp32 moments
+    if row.get("master") == "bf16":  # the weights and so the optimizer's state kept in bf16:
         tree = optree.tree_map(lambda s: ShapeDtype(s.shape, torch.bfloat16), tree)
+        optimizer = TORCH_ADAMW
     tokens = row["micro_batch"] * row["seq"] * row["grad_accum"]
     system = SYSTEMS[row["repo"]]
-    rows = sweep(tree, [row["gpus"]], hw=PROFILES[row["hw"]], shard=row["shard"],
+    rows = sweep(tree, [row["gpus"]], hw=PROFILES[row["hw"]], shard=row["shard"], optimizer=optimizer,
                  tokens_per_gpu=tokens, micro_batches=row["grad_accum"], seq=row["seq"],
                  grad_sync=row.get("grad_sync", True), recompute=row["recompute"],
                  float8=row["precision"] == "float8", compiled=bool(row["compile"]),
@@ -196,8 +205,10 @@ def main(argv=None) -> int:
               f"{row['precision']:<6} {row['recompute']!s:<9} {COMPILE[row['compile']]:<4} "
               f"{row['tokens_per_s_per_gpu']:>10,.0f} {tps:>8,.0f} {ratio:>6.2f}  {mem_text}")
     print(f"\n{len(rows)} rows from {len({r['project'] for r in rows})} projects, estimated in "
-          f"{time.perf_counter() - t0:.1f} s (* held out: added after the estimator was tuned)")
-    for title, got in (("all rows", bands), ("held-out rows", held)):
+          f"{time.perf_counter() - t0:.1f} s (* held out: added after the estimator was tuned, and "
+          f"not tuned on since)")
+    still = sum(r["held_out"] for r in rows)  # rows tuned on since they were added are not
+    for title, got in (("all rows", bands), (f"held-out rows ({still} still held out)", held)):
         print(title)
         _print_bands(got)
     if args.json:
@@ -208,12 +219,13 @@ def main(argv=None) -> int:
 
 def _print_bands(bands: dict) -> None:
     for kind, band in (("bf16", 0.15), ("float8", 0.15), ("memory", 0.10)):
-        got = bands[kind]
-        if got:
-            inside = sum(abs(r - 1) <= band for r in got)
-            print(f"  {kind + (' tokens/s' if kind != 'memory' else ''):<16} within +-{band:.0%}: "
-                  f"{inside} of {len(got)} ({inside / len(got):.0%}); predicted/measured "
-                  f"{min(got):.2f}-{max(got):.2f}")
+        got, name = bands[kind], kind + (" tokens/s" if kind != "memory" else "")
+        if not got:
+            print(f"  {name:<16} no rows")
+            continue
+        inside = sum(abs(r - 1) <= band for r in got)
+        print(f"  {name:<16} within +-{band:.0%}: {inside} of {len(got)} ({inside / len(got):.0%}); "
+              f"predicted/measured {min(got):.2f}-{max(got):.2f}")
 
 
 if __name__ == "__main__":

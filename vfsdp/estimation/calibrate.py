@@ -132,8 +132,7 @@ def calibrate(layer: tuple, sizes: tuple = (2**12, 2**24),
         os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(world, 1)  # the host's, shared
     return Hardware(name, rate, memory, mem_bw, world, bw, latency, bw, latency,
                     compute_efficiency=1.0, comm_efficiency=1.0, attention_efficiency=1.0,
-                    unit_overhead=overhead,
-                    tensor_overhead=per_tensor,
+                    float8_efficiency=1.0, unit_overhead=overhead, tensor_overhead=per_tensor,
                     source=f"measured by vfsdp calibrate on {world} rank(s): all-gather "
                            f"{bw / 1e9:.3f} GB/s per rank, {latency * 1e6:.1f} us per ring "
                            f"step; {rate / 1e9:.2f} GFLOP/s on the layer; memory "

@@ -165,9 +165,11 @@ def saved_bytes(mats: Iterable, expert_mats: Iterable, width: int, top_k: int) -
 # Fitted with contention on llm-foundry's H100 rows and torchtitan's 8-GPU rows
 ELEMENTWISE = {False: 128, True: 64}
 # float8's casts per token and width of a layer: each weight matmul's input (forward) and
-# output gradient (backward), about 17 widths in a LLaMA block, read for its amax, read and
-# written as float8 (2 + 2 + 1 bytes)
-FLOAT8_CASTS = 17 * 5
+# output gradient (backward), 17 widths in a LLaMA block, each cast as torchao's tensorwise
+# recipe does (torchao/testing/training/roofline_utils.py, get_tensor_memory_traffic_ovhd_s):
+# read for its amax, then read and written as float8 twice, row- and column-major for the two
+# GEMMs that take it (2 + 2 + 2 * 1 bytes; it was 5, one float8 copy)
+FLOAT8_CASTS = 17 * 6
 
 EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
 # attention's query and output projections: their side that is not the width is its heads x

@@ -37,6 +37,8 @@ class Hardware:
         comm_efficiency: The fraction of the link bandwidths a ring collective reaches.
         attention_efficiency: The fraction of ``flops`` the attention kernel (flash
             attention, forward and backward) reaches.
+        float8_efficiency: The fraction of the dense float8 peak (``2 * flops``) a large
+            float8 GEMM reaches (``float8=True``'s weight matmuls).
         contention: Seconds of compute lost per second of a collective running beside it
             (NCCL's ring kernels hold SMs and HBM bandwidth while they run).
         unit_overhead: Host seconds per unit per step that no FLOP or byte accounts for
@@ -69,6 +71,12 @@ class Hardware:
     compute_efficiency: float = 0.6
     comm_efficiency: float = 0.8
     attention_efficiency: float = 0.4
+    # float8 GEMMs on Hopper reach about 60 % of the float8 peak, not bf16's 70 %: torchao's
+    # H100 float8 GEMMs run at 1,234-1,236 of 1,979 TFLOP/s (pytorch/ao 36027d8, benchmarks/
+    # prototype/blockwise_fp8_training/README.md), and its compiled tensorwise float8 linear
+    # at M, K, N = 4096, 8192, 16384 measures 1.39x its bf16 one (torchao/float8/README.md at
+    # 8c81863): 1.45x here at 0.6 with the casts (costs.FLOAT8_CASTS and the weight's 8 bytes)
+    float8_efficiency: float = 0.6
     contention: float = 0.0
     unit_overhead: float = 0.0
     tensor_overhead: float = 0.0
@@ -81,7 +89,7 @@ class Hardware:
         for name in ("intra_latency", "inter_latency", "unit_overhead", "tensor_overhead",
                      "contention"):
             rate(where, name, getattr(self, name), zero=True)
-        for name in ("compute_efficiency", "comm_efficiency", "attention_efficiency"):
+        for name in ("compute_efficiency", "comm_efficiency", "attention_efficiency", "float8_efficiency"):
             fraction(where, name, getattr(self, name))
         count(where, "gpus_per_node", self.gpus_per_node)
 

@@ -116,8 +116,9 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
               default); ``False``: only the last does, and every unit's whole gradient is held
               across them: in the parameters' dtype (vfsdp's ``grad_sync=False``), or in the
               reduce dtype for the FSDP2 and Megatron-FSDP baselines.
-            * ``float8``: Float8 weight matmuls (twice the bf16 rate; attention stays in bf16) and
-              float8 all-gathers (one byte per weight crosses the links).
+            * ``float8``: Float8 weight matmuls (at ``Hardware.float8_efficiency`` of twice the
+              bf16 peak, their inputs' and output gradients' casts at the memory bandwidth;
+              attention stays in bf16) and float8 all-gathers (one byte per weight crosses).
             * ``logits_dtype``: The dtype the loss's softmax and its gradient are in (the default
               costs' logits: an eager loss's peak, 12 bytes per token and vocabulary entry in fp32,
               6 in bf16).

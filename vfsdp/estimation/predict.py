@@ -179,6 +179,7 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     gpus = m * r * (axis.size if axis is not None else 1)
     ep, ep_link = _expert_group(model, experts, o.ep, gpus, prof)
     rate = prof.flops * prof.compute_efficiency
+    mm = 2 * prof.flops * prof.float8_efficiency if o.float8 else rate  # the weight matmuls'
     comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0,
             # the backward's agreement: 3 int64, and two bytes (runs, alive) per place of a
             # window from the oldest gather the previous pass found awaiting (in a steady
@@ -269,10 +270,9 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     for key, (gather, reduce, host, fwd_copy, bwd_copy) in times.items():
         c = per_unit[key]
         attn = c.attention_flops * (4 / 3 if o.recompute in (True, "full") else 1)
-        matmul = c.flops + c.recompute_flops - attn
-        # the weight matmuls at the GEMM rate (float8 tensor cores: twice it), attention at the
-        # attention kernel's, the rest at the memory bandwidth
-        busy = (matmul / (2 if o.float8 else 1) / rate + attn / (prof.flops * prof.attention_efficiency)
+        # the weight matmuls at the GEMM rate (float8's: its own share of twice the peak),
+        # attention at the attention kernel's, the rest at the memory bandwidth
+        busy = ((c.flops + c.recompute_flops - attn) / mm + attn / (prof.flops * prof.attention_efficiency)
                 + c.elementwise_bytes / prof.memory_bw + host)
         lanes[key] = (gather, busy / 3 + fwd_copy, 2 * busy / 3 + bwd_copy, reduce)
     act = tokens * model.shapes.width * _itemsize(param_dtype, model)

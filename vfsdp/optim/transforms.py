@@ -338,67 +338,57 @@ def scale_by_muon(**options: Any) -> Optimizer:
     return _owner("scale_by_muon", muon, options)
 
 
-@dataclass
 class Updates:
     """What a transform's ``apply`` works on, this step, over every unit it updates on this
     rank: ``params`` (the parameter shards' flat slices), ``updates`` (matching slices in
     the state dtype: the gradients, as the transforms before it left them) and ``count``
     (the step counter, already counting this step). Whole units are whole shards (padding
-    included, zeros throughout)."""
+    included, zeros throughout). Made once per set of units and update runs and kept (the
+    shards and buffers are fixed tensors, so their views are too); ``buffers``: per
+    transform, its buffers' slices matching ``updates``."""
 
-    params: list
-    updates: list
-    count: torch.Tensor
-    units: list = field(default_factory=list, repr=False)  # per unit: its _Slices
+    def __init__(self, units: list, state: TransformsState) -> None:
+        self.key, self.count = [(u.key, rs) for u, rs in units], state.count  # (unit, runs)
+        self.dbs, self.shards = [u.db for u, _ in units], [u.db.shard for u, _ in units]
+        self.whole = [rs == runs(u.db, None) for u, rs in units]
+        self.cuts = [((None,), (0,)) if whole else cuts_of(rs, p.numel())
+                     for whole, (_, rs), p in zip(self.whole, self.key, self.shards)]
+        self.flats = [torch.zeros_like(p, dtype=state_dtype(p.dtype)) for p in self.shards]
+        self.params, self.updates = self._cut(self.shards), self._cut(self.flats)
+        self.buffers = [{k: self._cut([dbs[key].shard for key, _ in self.key])
+                         for k, dbs in named.items()} for named in state.buffers]
+        self._kept: dict = {}
+
+    def _cut(self, flats: list) -> list:
+        return [x for f, whole, (_, rs) in zip(flats, self.whole, self.key)
+                for x in ([f] if whole else [f[lo:hi] for lo, hi in rs])]
+
+    def grads(self, gs: list) -> list:
+        """The units' flat gradients ``gs`` cut as ``updates``: one op per unit cut by a mask
+        or freezing (gradient slices are never kept: the buffer may be freed)."""
+        out = []
+        for g, whole, (sizes, keep) in zip(gs, self.whole, self.cuts):
+            pieces = (g,) if whole else g.split_with_sizes(sizes)
+            out += [pieces[i] for i in keep]
+        return out
 
     def scratch(self, name: str) -> list:
         """A list of tensors matching ``updates`` for a temporary, kept between steps
         (made at the first call; its values are whatever the last step left)."""
-        return [x for s in self.units for x in s.scratch(name)]
+        if name not in self._kept:
+            self._kept[name] = self._cut([torch.zeros_like(f) for f in self.flats])
+        return self._kept[name]
 
     def where(self, mask: Mask) -> tuple[list, list]:
         """``(params, updates)`` restricted to the tensors ``mask(path)`` selects."""
         if mask is None:
             return self.params, self.updates
-        pairs = [s.where(mask) for s in self.units]
-        return [x for ps, _ in pairs for x in ps], [x for _, us in pairs for x in us]
-
-
-class _Slices:
-    """One unit's operands for a given set of update runs, made once and kept."""
-
-    def __init__(self, u, update_runs: tuple, state: TransformsState) -> None:
-        p = u.db.shard
-        self.db, self.shard, self.runs = u.db, p, update_runs
-        self.whole = update_runs == runs(u.db, None)
-        self.flat = torch.zeros(p.numel(), dtype=state_dtype(p.dtype), device=p.device)
-        self.params, self.updates = self._cut(p), self._cut(self.flat)
-        self.buffers = [{k: self._cut(dbs[u.key].shard) for k, dbs in named.items()}
-                        for named in state.buffers]
-        self.sizes, self.keep = cuts_of(update_runs, p.numel())
-        self._scratch: dict = {}
-        self._where: dict = {}
-
-    def _cut(self, flat: torch.Tensor) -> list:
-        return [flat] if self.whole else [flat[lo:hi] for lo, hi in self.runs]
-
-    def grads(self, g: torch.Tensor) -> list:
-        if self.whole:
-            return [g]
-        pieces = g.split_with_sizes(self.sizes)  # one op per unit cut by a mask or freezing
-        return [pieces[i] for i in self.keep]
-
-    def scratch(self, name: str) -> list:
-        if name not in self._scratch:
-            self._scratch[name] = self._cut(torch.zeros_like(self.flat))
-        return self._scratch[name]
-
-    def where(self, mask: Mask) -> tuple[list, list]:
-        if mask not in self._where:
-            cut = [(lo, hi) for lo, hi, d in segments(self.runs, runs(self.db, mask)) if d]
-            self._where[mask] = ([self.shard[lo:hi] for lo, hi in cut],
-                                 [self.flat[lo:hi] for lo, hi in cut])
-        return self._where[mask]
+        if mask not in self._kept:
+            cuts = [[(lo, hi) for lo, hi, d in segments(rs, runs(db, mask)) if d]
+                    for db, (_, rs) in zip(self.dbs, self.key)]
+            self._kept[mask] = tuple([x[lo:hi] for x, cut in zip(xs, cuts) for lo, hi in cut]
+                                     for xs in (self.shards, self.flats))
+        return self._kept[mask]
 
 
 @dataclass
@@ -419,7 +409,7 @@ class TransformsState(CountedState):
 
     buffers: list
     plan: AdamWPlan = field(default_factory=AdamWPlan, repr=False, compare=False)
-    slices: dict = field(default_factory=dict, repr=False, compare=False)
+    updates: Optional[Updates] = field(default=None, repr=False, compare=False)
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
         """The step, and each transform's buffers shaped like the parameters."""
@@ -487,26 +477,19 @@ def run(*members: Optimizer) -> Optimizer:
     def update(grads: Any, state: TransformsState, shards: Any, spec: ShardSpec
                ) -> TransformsState:
         leaves = grad_leaves(grads, spec, "chain.update")
-        todo = Updates([], [], state.count)
-        gs: list = []
         with torch.no_grad():
-            for u in unit_buffers(shards, spec, "chain.update"):
-                if u.key not in state.plan.paths:
-                    continue
-                update_runs = trainable_runs(u, state.plan, None)[0]
-                if not update_runs:
-                    continue  # every tensor of ours here is frozen
-                s = state.slices.get(u.key)
-                # Another shards tree for the same spec has other buffers: never reuse its slices.
-                if s is None or s.runs != update_runs or s.shard is not u.db.shard:
-                    s = state.slices[u.key] = _Slices(u, update_runs, state)
-                gs.extend(s.grads(flat_grads(leaves, u, "chain.update", s.flat.dtype)))
-                todo.params.extend(s.params)
-                todo.updates.extend(s.updates)
-                todo.units.append(s)
+            units = [(u, trainable_runs(u, state.plan, None)[0])
+                     for u in unit_buffers(shards, spec, "chain.update") if u.key in state.plan.paths]
+            units = [(u, rs) for u, rs in units if rs]  # not where every tensor of ours is frozen
+            todo = state.updates
+            # Another shards tree for the same spec has other buffers: never reuse its slices.
+            if todo is None or todo.key != [(u.key, rs) for u, rs in units] or any(
+                    p is not u.db.shard for p, (u, _) in zip(todo.shards, units)):
+                todo = state.updates = Updates(units, state)
+            gs = todo.grads([flat_grads(leaves, u, "chain.update", f.dtype)
+                             for (u, _), f in zip(units, todo.flats)])
             begin(state.count, lr)  # the checks are done: nothing written yet
-            named = [{k: [x for s in todo.units for x in s.buffers[i][k]] for k in t.buffers}
-                     for i, t in enumerate(ts)]
+            named = todo.buffers
             # A user's apply may raise: what the transforms up to the last of them write is
             # copied first (one op per buffer), restored on every rank if one fails.
             last = max((i for i, t in enumerate(ts) if not t.hyper), default=-1)

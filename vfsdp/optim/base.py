@@ -231,9 +231,7 @@ def descend_(params: list, updates: list, rate, scratch: bool = False) -> None:
     factor = -rate.to(updates[0].dtype)
     if scratch:
         tp.foreach("mul_", updates, scalar=factor)
-    else:
-        updates = tp.foreach("mul", updates, scalar=factor)
-    tp.foreach("add_", params, updates)
+    tp.foreach("add_", params, updates if scratch else tp.foreach("mul", updates, scalar=factor))
 
 
 def adam_(ps: list, gs: list, ms: list, vs: list, b1: float, b2: float, eps: float,
@@ -581,8 +579,7 @@ def checking() -> bool:
         >>> checking()
         False
     """
-    txn = _open()
-    return bool(txn and txn.dry)
+    return getattr(_open(), "dry", False)
 
 
 def member(opt: Optimizer, grads: Any, state: Any, shards: Any, spec: Any) -> Any:

@@ -70,12 +70,11 @@ def _plan(leaves: list, spec: ShardSpec, mask: Mask) -> tuple[list, list]:
 
 
 def _groups_and_device(leaves: list, spec: ShardSpec, mesh: Any, what: Optional[str]):
-    for x in leaves:
-        slot = slot_of(x)
-        if slot is not None:  # gradient buffer views: their unit's groups
-            if mesh is not None and what is not None:
-                refuse_mesh(what)
-            return slot.buffer.groups, slot.buffer.device
+    slot = next((s for s in map(slot_of, leaves) if s is not None), None)
+    if slot is not None:  # gradient buffer views: their unit's groups
+        if mesh is not None and what is not None:
+            refuse_mesh(what)
+        return slot.buffer.groups, slot.buffer.device
     groups = resolve_groups(spec, mesh)
     device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), groups.device)
     return groups, device

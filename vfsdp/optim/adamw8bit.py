@@ -45,7 +45,6 @@ from vfsdp.optim.base import (
     as_schedule,
     atomic,
     begin,
-    both,
     check_hyper,
     cuts_of,
     decay_,
@@ -85,9 +84,8 @@ class Quantized:
 class AdamW8bitPlan(OwnedPlan):
     """What ``init`` derives from the spec and the mask, per unit: the tensors it updates
     (``paths``), the quantized ones (``quantized``, by shard offset), those with fp32 moments
-    (``fp32``: ``(k, lo, hi)``), the buffer indices that decay (``decays``) and their shard
-    ranges, merged (``decay_runs``), and the rank's number of tiles (``n_tiles``). Never
-    saved; rebuilt by ``init``.
+    (``fp32``: ``(k, lo, hi)``), the buffer indices that decay (``decays``) and the rank's
+    number of tiles (``n_tiles``). Never saved; rebuilt by ``init``.
 
     Example:
         >>> opt = vfsdp.optim.adamw8bit(min_8bit_numel=1024)
@@ -103,7 +101,6 @@ class AdamW8bitPlan(OwnedPlan):
     quantized: Mapping[Any, tuple] = field(default_factory=dict)
     fp32: Mapping[Any, tuple] = field(default_factory=dict)
     decays: Mapping[Any, frozenset] = field(default_factory=dict)
-    decay_runs: Mapping[Any, tuple] = field(default_factory=dict)
     n_tiles: int = 0
 
 
@@ -296,7 +293,7 @@ def adamw8bit(
         units, count = init_units(shards, spec, "adamw8bit.init", mask=mask,
                                   weight_decay_mask=weight_decay_mask)
         state = AdamW8bitState(count, {}, {})
-        paths, quantized, fp32, decay, decay_runs, t0 = {}, {}, {}, {}, {}, 0
+        paths, quantized, fp32, decay, t0 = {}, {}, {}, {}, 0
         traced, small = [], []
         for u in units:
             db = u.db
@@ -308,7 +305,6 @@ def adamw8bit(
             decays = decay[u.key] = frozenset(
                 k for k, t in enumerate(db.tensors)
                 if t.path in chosen and selected(weight_decay_mask, t.path))
-            decay_runs[u.key] = runs(db, both(weight_decay_mask, lambda path: path in chosen))
             q8, f32 = [], []
             for k, t in enumerate(db.tensors):
                 if t.path not in chosen:
@@ -344,7 +340,7 @@ def adamw8bit(
             setattr(state, f"rank_scales_{attr}", whole)
             getattr(state, f"scales_{attr}").update({(key, t.k): whole[t.t0:t.t0 + t.n_tiles]
                                                      for key, q8 in quantized.items() for t in q8})
-        state.plan = AdamW8bitPlan(paths, quantized, fp32, decay, decay_runs, t0)
+        state.plan = AdamW8bitPlan(paths, quantized, fp32, decay, t0)
         state.traced = TracedAdam8(traced, state.rank_scales_m, state.rank_scales_v, small,
                                    qmaps(count.device))
         return state

@@ -190,16 +190,21 @@ def _betas(betas: tuple, device: str) -> torch.Tensor:
 
 def step_scalars(count: torch.Tensor, betas: tuple) -> tuple:
     """``(1 - beta1 ** step, sqrt(1 - beta2 ** step))``, the bias corrections of the step
-    ``count`` holds, as 0-d float64 tensors on its device: the double-precision scalars
-    ``torch.optim.AdamW`` takes, in four ops on two elements.
+    ``count`` holds: Python floats where the counter is in host memory
+    (:func:`host_counter`, as ``torch.optim.AdamW``'s foreach path reads its step), else 0-d
+    float64 tensors on its device, the double-precision scalars ``torch.optim.AdamW`` takes,
+    in four ops on two elements (no host sync).
 
     Example:
         >>> bc1, bc2_sqrt = step_scalars(torch.ones(1), (0.9, 0.99))
-        >>> round(float(bc1), 4), round(float(bc2_sqrt), 4)
+        >>> round(bc1, 4), round(bc2_sqrt, 4)
         (0.1, 0.1)
     """
+    b1, b2 = betas
+    if host_counter(count):
+        step = float(count)
+        return 1 - b1 ** step, (1 - b2 ** step) ** 0.5
     if tp.compiling():  # no module-level cache in a graph (a new entry would recompile)
-        b1, b2 = betas
         step = count.double().reshape(())  # in double precision, as the cached betas give
         return 1 - b1 ** step, (1 - b2 ** step).sqrt()
     bc1, bc2 = (1 - _betas(tuple(betas), str(count.device)) ** count).unbind()
@@ -226,9 +231,7 @@ def descend_(params: list, updates: list, rate, scratch: bool = False) -> None:
     factor = -rate.to(updates[0].dtype)
     if scratch:
         tp.foreach("mul_", updates, scalar=factor)
-    else:
-        updates = tp.foreach("mul", updates, scalar=factor)
-    tp.foreach("add_", params, updates)
+    tp.foreach("add_", params, updates if scratch else tp.foreach("mul", updates, scalar=factor))
 
 
 def adam_(ps: list, gs: list, ms: list, vs: list, b1: float, b2: float, eps: float,
@@ -239,9 +242,9 @@ def adam_(ps: list, gs: list, ms: list, vs: list, b1: float, b2: float, eps: flo
     AdamW's foreach path runs it over every unit's slices, 8-bit AdamW over its dequantized
     span (lists of one tensor), and a compiled update traces it.
 
-    On the CPU, outside ``torch.compile``, the step size is a per-tensor scalar list
-    (``torch._foreach_addcdiv_``'s), so the ops and their rounding are ``torch.optim.AdamW``'s;
-    elsewhere (a GPU, a compiled graph, where a scalar list would be read back to the host)
+    With bias corrections in host memory (floats, or CPU tensors outside ``torch.compile``)
+    the step size is a Python float, so the ops and their rounding are ``torch.optim.AdamW``'s;
+    elsewhere (a GPU, a compiled graph, where a float would be read back to the host)
     the denominator is divided by the step size first, as torch's ``capturable`` path does, a
     rounding apart in the last bit.
 
@@ -250,7 +253,7 @@ def adam_(ps: list, gs: list, ms: list, vs: list, b1: float, b2: float, eps: flo
         b1, b2, eps: The hyperparameters.
         lr: The learning rate (a float or a tensor).
         bc1, bc2_sqrt: The bias correction and the square root of the second
-            (:func:`step_scalars`; tensors, or floats).
+            (:func:`step_scalars`: floats, or tensors).
         limit: Largest temporary, in elements (default :data:`TEMP_ELEMS`): the slices are
             taken in batches of at most that (the same bits either way).
 
@@ -265,21 +268,16 @@ def adam_(ps: list, gs: list, ms: list, vs: list, b1: float, b2: float, eps: flo
     tp.foreach("lerp_", ms, gs, scalar=1 - b1)
     tp.foreach("mul_", vs, scalar=b2)
     tp.foreach("addcmul_", vs, gs, gs, scalar=1 - b2)
-    if not isinstance(bc1, torch.Tensor):
-        size, per_tensor = -lr / bc1, False
-    elif ps[0].device.type == "cpu" and not tp.compiling():
-        size, per_tensor = None, True  # a scalar list per batch, read on the host
+    if not isinstance(bc1, torch.Tensor) or host_counter(bc1):  # host scalars: a float step
+        size = -float(lr) / float(bc1)
     else:  # the scalars in the moments' dtype, as torch's capturable path takes them
         dt = ms[0].dtype
-        size, per_tensor = torch.div(-lr, bc1).to(dt), False
-        bc2_sqrt = bc2_sqrt.to(dt)
+        size, bc2_sqrt = torch.div(-lr, bc1).to(dt), bc2_sqrt.to(dt)
     for bp, bm, bv in batches((ps, ms, vs), limit or TEMP_ELEMS):
         denom = tp.foreach("sqrt", bv)
         tp.foreach("div_", denom, scalar=bc2_sqrt)
         tp.foreach("add_", denom, scalar=eps)
-        if per_tensor:
-            tp.foreach("addcdiv_", bp, bm, denom, scalar=torch.div(-lr, bc1.expand(len(bp))))
-        elif isinstance(size, torch.Tensor):  # dynamo takes no tensor `value` in addcdiv_
+        if isinstance(size, torch.Tensor):  # dynamo takes no tensor `value` in addcdiv_
             tp.foreach("div_", denom, scalar=size)
             tp.foreach("addcdiv_", bp, bm, denom)
         else:
@@ -326,13 +324,9 @@ def adamw_step(ps: list, gs: list, ms: list, vs: list, decay: list, *, count: to
             tp.fused_adamw(ps_, gs_, ms_, vs_, [count] * len(idx), lr=lr, beta1=b1,
                            beta2=b2, weight_decay=wd, eps=eps)
         return
-    if scalars is None and host_counter(count):
-        # Host memory: the scalars as torch.optim.AdamW's foreach path takes them (Python
-        # floats, no device sync), none of the tiny ops a device counter needs.
-        step = float(count)
-        lr = float(lr) if isinstance(lr, torch.Tensor) else lr
-        scalars = 1 - b1 ** step, (1 - b2 ** step) ** 0.5
-    bc1, bc2_sqrt = scalars if scalars is not None else step_scalars(count, betas)
+    bc1, bc2_sqrt = scalars or step_scalars(count, betas)
+    if not isinstance(bc1, torch.Tensor):  # host memory: a schedule's rate as a float too
+        lr = float(lr)
     decay_(decay, lr, weight_decay)
     adam_(ps, gs, ms, vs, b1, b2, eps, lr, bc1, bc2_sqrt)
 
@@ -585,8 +579,7 @@ def checking() -> bool:
         >>> checking()
         False
     """
-    txn = _open()
-    return bool(txn and txn.dry)
+    return getattr(_open(), "dry", False)
 
 
 def member(opt: Optimizer, grads: Any, state: Any, shards: Any, spec: Any) -> Any:

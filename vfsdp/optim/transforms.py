@@ -1,4 +1,5 @@
-"""Optimizer pieces in optax's vocabulary, composed by :func:`~vfsdp.optim.chain`.
+"""Composition, optax-style (``partition`` tensors between optimizers, ``chain`` transforms),
+and the optimizer pieces in optax's vocabulary that :func:`chain` composes.
 
 A *transform* turns the updates (at first, the gradients) into new updates; the last one,
 :func:`scale_by_learning_rate`, applies them to the parameters (``p -= lr * u``, optax's
@@ -16,6 +17,15 @@ units. The matrix preconditioners (:func:`scale_by_soap`, :func:`scale_by_shampo
 ``add_decayed_weights`` and ``scale_by_learning_rate`` as its optimizer, and refuses other
 sequences with them. Gradient transforms that are whole optimizers (``clip_by_global_norm``) go before the
 transforms: they change the gradients, which the first transform reads.
+
+``partition`` and ``chain`` both pass a ``mask`` down (see :mod:`vfsdp.optim.base`), so they
+nest in any order::
+
+    partition({"hidden": chain(clip_by_global_norm(1.0), muon()),
+               "rest": chain(clip_by_global_norm(1.0), adamw())}, labels)
+    chain(clip_by_global_norm(1.0), partition({...}, labels))
+
+Inside a ``partition``, a ``clip_by_global_norm`` clips the global norm of its own subset.
 """
 
 from __future__ import annotations
@@ -39,14 +49,18 @@ from vfsdp.optim.base import (
     as_schedule,
     atomic,
     begin,
+    both,
     check_hyper,
     cuts_of,
     descend_,
     flat_grads,
     grad_leaves,
+    init_masked,
     init_units,
     learning_rate,
+    member,
     runs,
+    same_at_ties,
     selected,
     settle,
     state_dtype,
@@ -56,6 +70,7 @@ from vfsdp.optim.base import (
 from vfsdp.optim.muon import muon
 from vfsdp.optim.shampoo import shampoo
 from vfsdp.optim.soap import soap
+from vfsdp.planner.granularity import combine, format_path
 from vfsdp.planner.spec import ShardSpec
 
 
@@ -338,67 +353,57 @@ def scale_by_muon(**options: Any) -> Optimizer:
     return _owner("scale_by_muon", muon, options)
 
 
-@dataclass
 class Updates:
     """What a transform's ``apply`` works on, this step, over every unit it updates on this
     rank: ``params`` (the parameter shards' flat slices), ``updates`` (matching slices in
     the state dtype: the gradients, as the transforms before it left them) and ``count``
     (the step counter, already counting this step). Whole units are whole shards (padding
-    included, zeros throughout)."""
+    included, zeros throughout). Made once per set of units and update runs and kept (the
+    shards and buffers are fixed tensors, so their views are too); ``buffers``: per
+    transform, its buffers' slices matching ``updates``."""
 
-    params: list
-    updates: list
-    count: torch.Tensor
-    units: list = field(default_factory=list, repr=False)  # per unit: its _Slices
+    def __init__(self, units: list, state: TransformsState) -> None:
+        self.key, self.count = [(u.key, rs) for u, rs in units], state.count  # (unit, runs)
+        self.dbs, self.shards = [u.db for u, _ in units], [u.db.shard for u, _ in units]
+        self.whole = [rs == runs(u.db, None) for u, rs in units]
+        self.cuts = [((None,), (0,)) if whole else cuts_of(rs, p.numel())
+                     for whole, (_, rs), p in zip(self.whole, self.key, self.shards)]
+        self.flats = [torch.zeros_like(p, dtype=state_dtype(p.dtype)) for p in self.shards]
+        self.params, self.updates = self._cut(self.shards), self._cut(self.flats)
+        self.buffers = [{k: self._cut([dbs[key].shard for key, _ in self.key])
+                         for k, dbs in named.items()} for named in state.buffers]
+        self._kept: dict = {}
+
+    def _cut(self, flats: list) -> list:
+        return [x for f, whole, (_, rs) in zip(flats, self.whole, self.key)
+                for x in ([f] if whole else [f[lo:hi] for lo, hi in rs])]
+
+    def grads(self, gs: list) -> list:
+        """The units' flat gradients ``gs`` cut as ``updates``: one op per unit cut by a mask
+        or freezing (gradient slices are never kept: the buffer may be freed)."""
+        out = []
+        for g, whole, (sizes, keep) in zip(gs, self.whole, self.cuts):
+            pieces = (g,) if whole else g.split_with_sizes(sizes)
+            out += [pieces[i] for i in keep]
+        return out
 
     def scratch(self, name: str) -> list:
         """A list of tensors matching ``updates`` for a temporary, kept between steps
         (made at the first call; its values are whatever the last step left)."""
-        return [x for s in self.units for x in s.scratch(name)]
+        if name not in self._kept:
+            self._kept[name] = self._cut([torch.zeros_like(f) for f in self.flats])
+        return self._kept[name]
 
     def where(self, mask: Mask) -> tuple[list, list]:
         """``(params, updates)`` restricted to the tensors ``mask(path)`` selects."""
         if mask is None:
             return self.params, self.updates
-        pairs = [s.where(mask) for s in self.units]
-        return [x for ps, _ in pairs for x in ps], [x for _, us in pairs for x in us]
-
-
-class _Slices:
-    """One unit's operands for a given set of update runs, made once and kept."""
-
-    def __init__(self, u, update_runs: tuple, state: TransformsState) -> None:
-        p = u.db.shard
-        self.db, self.shard, self.runs = u.db, p, update_runs
-        self.whole = update_runs == runs(u.db, None)
-        self.flat = torch.zeros(p.numel(), dtype=state_dtype(p.dtype), device=p.device)
-        self.params, self.updates = self._cut(p), self._cut(self.flat)
-        self.buffers = [{k: self._cut(dbs[u.key].shard) for k, dbs in named.items()}
-                        for named in state.buffers]
-        self.sizes, self.keep = cuts_of(update_runs, p.numel())
-        self._scratch: dict = {}
-        self._where: dict = {}
-
-    def _cut(self, flat: torch.Tensor) -> list:
-        return [flat] if self.whole else [flat[lo:hi] for lo, hi in self.runs]
-
-    def grads(self, g: torch.Tensor) -> list:
-        if self.whole:
-            return [g]
-        pieces = g.split_with_sizes(self.sizes)  # one op per unit cut by a mask or freezing
-        return [pieces[i] for i in self.keep]
-
-    def scratch(self, name: str) -> list:
-        if name not in self._scratch:
-            self._scratch[name] = self._cut(torch.zeros_like(self.flat))
-        return self._scratch[name]
-
-    def where(self, mask: Mask) -> tuple[list, list]:
-        if mask not in self._where:
-            cut = [(lo, hi) for lo, hi, d in segments(self.runs, runs(self.db, mask)) if d]
-            self._where[mask] = ([self.shard[lo:hi] for lo, hi in cut],
-                                 [self.flat[lo:hi] for lo, hi in cut])
-        return self._where[mask]
+        if mask not in self._kept:
+            cuts = [[(lo, hi) for lo, hi, d in segments(rs, runs(db, mask)) if d]
+                    for db, (_, rs) in zip(self.dbs, self.key)]
+            self._kept[mask] = tuple([x[lo:hi] for x, cut in zip(xs, cuts) for lo, hi in cut]
+                                     for xs in (self.shards, self.flats))
+        return self._kept[mask]
 
 
 @dataclass
@@ -419,7 +424,7 @@ class TransformsState(CountedState):
 
     buffers: list
     plan: AdamWPlan = field(default_factory=AdamWPlan, repr=False, compare=False)
-    slices: dict = field(default_factory=dict, repr=False, compare=False)
+    updates: Optional[Updates] = field(default=None, repr=False, compare=False)
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
         """The step, and each transform's buffers shaped like the parameters."""
@@ -487,26 +492,19 @@ def run(*members: Optimizer) -> Optimizer:
     def update(grads: Any, state: TransformsState, shards: Any, spec: ShardSpec
                ) -> TransformsState:
         leaves = grad_leaves(grads, spec, "chain.update")
-        todo = Updates([], [], state.count)
-        gs: list = []
         with torch.no_grad():
-            for u in unit_buffers(shards, spec, "chain.update"):
-                if u.key not in state.plan.paths:
-                    continue
-                update_runs = trainable_runs(u, state.plan, None)[0]
-                if not update_runs:
-                    continue  # every tensor of ours here is frozen
-                s = state.slices.get(u.key)
-                # Another shards tree for the same spec has other buffers: never reuse its slices.
-                if s is None or s.runs != update_runs or s.shard is not u.db.shard:
-                    s = state.slices[u.key] = _Slices(u, update_runs, state)
-                gs.extend(s.grads(flat_grads(leaves, u, "chain.update", s.flat.dtype)))
-                todo.params.extend(s.params)
-                todo.updates.extend(s.updates)
-                todo.units.append(s)
+            units = [(u, trainable_runs(u, state.plan, None)[0])
+                     for u in unit_buffers(shards, spec, "chain.update") if u.key in state.plan.paths]
+            units = [(u, rs) for u, rs in units if rs]  # not where every tensor of ours is frozen
+            todo = state.updates
+            # Another shards tree for the same spec has other buffers: never reuse its slices.
+            if todo is None or todo.key != [(u.key, rs) for u, rs in units] or any(
+                    p is not u.db.shard for p, (u, _) in zip(todo.shards, units)):
+                todo = state.updates = Updates(units, state)
+            gs = todo.grads([flat_grads(leaves, u, "chain.update", f.dtype)
+                             for (u, _), f in zip(units, todo.flats)])
             begin(state.count, lr)  # the checks are done: nothing written yet
-            named = [{k: [x for s in todo.units for x in s.buffers[i][k]] for k in t.buffers}
-                     for i, t in enumerate(ts)]
+            named = todo.buffers
             # A user's apply may raise: what the transforms up to the last of them write is
             # copied first (one op per buffer), restored on every rank if one fails.
             last = max((i for i, t in enumerate(ts) if not t.hyper), default=-1)
@@ -588,3 +586,161 @@ def fuse(members: tuple) -> tuple:
     else:
         one = run(*members[first:end])
     return (*members[:first], one, *members[end:])
+
+
+def partition(transforms: dict, labels: Callable[[tuple], str]) -> Optimizer:
+    """Each tensor is updated by ``transforms[labels(path)]`` (and only by it).
+
+    Args:
+        transforms: ``label -> optimizer`` (any optimizer, ``chain`` or ``partition``).
+        labels: ``path -> label``.
+
+    Returns:
+        An :class:`Optimizer` whose state is ``{label: state}`` and whose granularity is,
+            per tensor, that of its label's optimizer.
+
+    Raises:
+        ValueError: from ``init``, a selected tensor whose label has no transform.
+        TypeError: from ``init``, a member whose ``init`` takes no ``mask``.
+
+    Example:
+        >>> opt = vfsdp.optim.partition(
+        ...     {"8bit": vfsdp.optim.adamw8bit(), "fp32": vfsdp.optim.adamw()},
+        ...     lambda path: "8bit" if path[-1] == "w" else "fp32")
+        >>> opt.granularity(("w",), torch.empty(64, 64)), opt.granularity(("b",), torch.empty(64))
+        (rows(32), None)
+    """
+    if not isinstance(transforms, dict) or not transforms:
+        raise TypeError("partition(transforms, labels) takes a non-empty dict of optimizers")
+
+    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> dict:
+        same_at_ties(labels, spec, "partition", "labels")
+        for t in spec.tensors():
+            if selected(mask, t.path) and labels(t.path) not in transforms:
+                raise ValueError(f"partition: {format_path(t.path)} is labelled "
+                                 f"{labels(t.path)!r}, which has no transform (have "
+                                 f"{sorted(transforms)})")
+        return {name: init_masked(opt, shards, spec,
+                                  both(mask, lambda p, n=name: labels(p) == n), "partition")
+                for name, opt in transforms.items()}
+
+    def update(grads: Any, state: dict, shards: Any, spec: ShardSpec) -> dict:
+        # Each member writes its own label's tensors (parameters, or gradients in place).
+        return {name: member(opt, grads, state[name], shards, spec)
+                for name, opt in transforms.items()}
+
+    def granularity(path, tensor):
+        opt = transforms.get(labels(path))
+        g = getattr(opt, "granularity", None)
+        return g(path, tensor) if callable(g) else g
+
+    return Optimizer(init, atomic(update, compose=True), granularity)
+
+
+def chain(*transforms: Optimizer) -> Optimizer:
+    """Apply transforms in order, each to the gradients the one before it left (e.g.
+    clipping, then an optimizer), as ``optax.chain`` does: a gradient transform changes the
+    gradients in place (one update form, see :mod:`vfsdp.optim.base`), and the next member
+    reads the same tree.
+
+    A run of transforms (:mod:`vfsdp.optim.transforms`: ``scale_by_adam``, ...,
+    ``scale_by_learning_rate``) is one member: AdamW's own implementation for AdamW's
+    sequence, else the transforms one after another over the whole rank.
+
+    The chain's granularity keeps whole every block any member needs
+    (:func:`vfsdp.planner.granularity.combine`); its ``mask`` goes to every member.
+
+    Args:
+        transforms: Optimizers (or gradient transforms), applied in order.
+
+    Returns:
+        An :class:`Optimizer` whose state is the list of the members' states.
+
+    Raises:
+        TypeError: a member that is not an :class:`Optimizer`.
+        ValueError: transforms out of order (see :func:`vfsdp.optim.transforms.fuse`).
+
+    Example:
+        >>> opt = vfsdp.optim.chain(vfsdp.optim.clip_by_global_norm(1.0),
+        ...                         vfsdp.optim.adamw8bit(lr=1e-3))
+        >>> opt.granularity(("w",), torch.empty(64, 64))
+        rows(32)
+    """
+    for t in transforms:
+        if not isinstance(t, Optimizer):
+            raise TypeError(f"chain takes Optimizers, got {type(t).__name__}")
+    transforms = fuse(transforms)  # a run of transforms: one member (vfsdp.optim.transforms)
+
+    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> list:
+        return [init_masked(t, shards, spec, mask, "chain") for t in transforms]
+
+    def update(grads: Any, state: list, shards: Any, spec: ShardSpec) -> list:
+        return [member(t, grads, s, shards, spec) for t, s in zip(transforms, state)]
+
+    return Optimizer(init, atomic(update, compose=True), combine(*(t.granularity for t in transforms)))
+
+
+@dataclass
+class ClipState:
+    """``clip_by_global_norm``'s state: nothing to save, only the mask ``init`` was given.
+
+    Example:
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(4)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(4)}, spec)
+        ...     state = vfsdp.optim.clip_by_global_norm(1.0).init(shards, spec)
+        ...     return state, state.checkpoint_tree(spec)
+        >>> vfsdp.testing.simulate(2, body)
+        [(ClipState(mask=None), {}), (ClipState(mask=None), {})]
+    """
+
+    mask: Optional[Callable[[tuple], bool]] = None
+
+    def checkpoint_tree(self, spec: ShardSpec) -> dict:
+        return {}
+
+    def restore_checkpoint(self, tree: Any) -> ClipState:
+        return self
+
+
+def clip_by_global_norm(max_norm: float) -> Optimizer:
+    """A gradient transform: clip the gradients' global norm in place (for :func:`chain`).
+
+    Under a ``partition`` mask, the norm and the scaling cover the selected tensors only.
+
+    Args:
+        max_norm: The largest allowed global norm.
+
+    Returns:
+        An :class:`Optimizer` whose ``update`` scales the gradients in place (no parameters
+            change) and whose state is a :class:`ClipState`.
+
+    Raises:
+        ValueError: ``max_norm`` is negative or not finite.
+
+    Example:
+        >>> opt = vfsdp.optim.chain(vfsdp.optim.clip_by_global_norm(1.0), vfsdp.optim.adamw())
+        >>> def body():
+        ...     spec = vfsdp.plan({"w": torch.ones(8)}, 2)
+        ...     shards = vfsdp.shard({"w": torch.ones(8)}, spec)
+        ...     grads = vfsdp.grads(shards, spec)
+        ...     grads["w"].fill_(3.0)
+        ...     opt.update(grads, opt.init(shards, spec), shards, spec)
+        ...     return round(float(vfsdp.optim.global_norm(grads, spec)), 4)
+        >>> vfsdp.testing.simulate(2, body)
+        [1.0, 1.0]
+    """
+    from vfsdp.optim.clip import check_max_norm, clip_grad_norm
+
+    check_max_norm(max_norm)
+
+    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> ClipState:
+        return ClipState(mask)
+
+    def update(grads: Any, state: ClipState, shards: Any, spec: ShardSpec) -> ClipState:
+        grad_leaves(grads, spec, "clip_by_global_norm")  # the checks, before the ranks agree
+        begin()
+        clip_grad_norm(grads, spec, max_norm, mask=state.mask)
+        return state
+
+    return Optimizer(init, atomic(update))

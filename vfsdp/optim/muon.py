@@ -56,6 +56,7 @@ from vfsdp.optim.base import (
     atomic,
     begin,
     check_hyper,
+    cuts_of,
     decay_,
     descend_,
     flat_grads,
@@ -66,7 +67,7 @@ from vfsdp.optim.base import (
     state_dtype,
     unit_buffers,
 )
-from vfsdp.optim.muon_waves import cuts_of, group_matrices, held_ranges, plan_waves
+from vfsdp.optim.muon_waves import group_matrices, held_ranges, plan_waves
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
@@ -124,13 +125,49 @@ def _cost(t: TensorSpec) -> int:
     return math.prod(t.global_shape) * min(t.global_shape[-2:])  # a vector (Shampoo's): n^2
 
 
-def owned_matrices(found: list, world: int, units: list, what: str, why: str) -> tuple:
-    """The :class:`Matrix` of each ``(key, k, spec, rank)`` of ``found``, its owner chosen by
-    :func:`plan_roots`. Refuses, on every rank at init, a matrix split over a model axis whose
-    group the shards lack (``why`` names what needs the whole matrix)."""
-    roots = plan_roots([f[2] for f in found], world)
+def owned_kind(mask: Mask, only: Optional[Callable], of: Callable) -> Callable:
+    """``t -> kind``: ``""`` for a tensor not selected (by ``mask``) or empty (by the global
+    size: a TP piece may be empty on some index of the model axis, which still takes part in
+    its matrix's exchanges), ``"excluded by only="``, else ``of(t)`` (``"matrix"``,
+    ``"vector"`` or why it is neither)."""
+    def kind(t: TensorSpec) -> str:
+        if not math.prod(t.global_shape) or not selected(mask, t.path):
+            return ""
+        return "excluded by only=" if only is not None and not only(t.path) else of(t)
+    return kind
+
+
+def init_owned_plan(state_type: type, what: str, why: str, shards: Any, spec: ShardSpec,
+                    mask: Mask, kind: Callable, refuse: Callable, wave_size: int) -> tuple:
+    """A new state and its :class:`MuonPlan` over the tensors ``kind`` calls ``"matrix"``
+    (exchanged whole to an owner chosen by :func:`plan_roots`, in waves of one shape) or
+    ``"vector"`` (kept on their shards: their ranges cut the workspace too), after
+    ``refuse(t, kind(t))`` of every tensor. One dtype for every matrix (the exchanges carry
+    many units at once): float32, or float64 where a unit's parameters are.
+
+    Returns:
+        ``(state, units, owned, vectors, picked)``: ``owned``: unit key -> its ``(k, spec)``
+        updated; ``vectors``: ``(key, k, lo, hi)`` of this rank's vector pieces; ``picked``:
+        their cuts of the workspace.
+
+    Raises:
+        ValueError: what ``refuse`` raises; a matrix split over a model axis whose group the
+            shards lack (``why`` names what needs the whole matrix).
+    """
+    for t in spec.tensors():
+        refuse(t, kind(t))
+    units, count = init_units(shards, spec, f"{what}.init", mask=mask)
+    state = state_type(count, {})
+    owned = {u.key: [(k, t) for k, t in enumerate(u.db.tensors) if kind(t) in ("matrix", "vector")]
+             for u in units}
+    owned = {key: mine for key, mine in owned.items() if mine}
+    dtype = functools.reduce(torch.promote_types, [state_dtype(u.db.dtype) for u in units
+                                                   if u.key in owned], torch.float32)
+    rank = units[0].db.rank if units else 0
+    found = [(key, k, t) for key, mine in owned.items() for k, t in mine if kind(t) == "matrix"]
+    roots = plan_roots([t for _, _, t in found], spec.world_size)
     matrices = tuple(Matrix(key, k, t, root, *t.shard_range(rank))
-                     for (key, k, t, rank), root in zip(found, roots))
+                     for (key, k, t), root in zip(found, roots))
     split = next((m for m in matrices if _split(m)), None)
     if split is not None and units[0].db.groups.model is None:
         axis = split.spec.strided.axis
@@ -138,25 +175,81 @@ def owned_matrices(found: list, world: int, units: list, what: str, why: str) ->
                          f"{why} needs the whole matrix, so vfsdp needs that axis' group: "
                          f"shard with vfsdp.shard(params, spec, mesh=mesh) on the mesh with "
                          f"{axis!r}, not its data sub-mesh")
-    return matrices
-
-
-def planned_waves(matrices: tuple, wave_size: int, rank: int, world: int, layout: tuple,
-                  extra: tuple = ()) -> tuple:
-    """The waves of ``matrices`` (:func:`~vfsdp.optim.muon_waves.plan_waves`) over a workspace
-    of the units' shards end to end (``layout``: ``(key, elements)`` each), each wave's sends
-    as indices of the workspace's cuts (:func:`~vfsdp.optim.base.cuts_of`), which also cut the
-    ``extra`` ``(key, lo, hi)`` ranges. Returns ``(waves, cuts, the extra ranges' indices)``."""
-    base = dict(zip((k for k, _ in layout),
-                    itertools.accumulate((n for _, n in layout), initial=0)))
-    waves, sends = plan_waves(group_matrices(matrices, wave_size, _shape), rank, world, base)
+    vectors = tuple((key, k, lo, hi) for key, mine in owned.items() for k, t in mine
+                    if kind(t) == "vector" for lo, hi in [t.shard_range(rank)] if hi > lo)
+    # The workspace: the units' shards end to end.
+    layout = tuple((u.key, u.db.shard.numel()) for u in units if u.key in owned)
+    base = dict(zip(owned, itertools.accumulate((n for _, n in layout), initial=0)))
+    waves, sends = plan_waves(group_matrices(matrices, wave_size, _shape), rank,
+                              spec.world_size, base)
     cuts, index = cuts_of([r for wave in sends for r in wave]
-                          + [(base[key] + lo, base[key] + hi) for key, lo, hi in extra],
+                          + [(base[key] + lo, base[key] + hi) for key, _, lo, hi in vectors],
                           sum(n for _, n in layout))
     picked = iter(index)
     waves = tuple(replace(w, send=tuple(next(picked) for _ in wave))
                   for w, wave in zip(waves, sends))
-    return waves, cuts, tuple(picked)
+    state.plan = MuonPlan({key: frozenset(t.path for _, t in mine) for key, mine in owned.items()},
+                          matrices, waves, dtype, layout, cuts)
+    return state, units, owned, vectors, tuple(picked)
+
+
+def eager_grads(what: str, grads: Any, state: MuonState, shards: Any, spec: ShardSpec) -> tuple:
+    """``(units, gradients, frozen)`` of an eager update: the plan's units by key, their
+    gradients in the units' flat layout (the plan's dtype) and the ``(key, k)`` of the frozen
+    tensors it updates.
+
+    Raises:
+        ValueError: a tree that does not match the spec, or a gradient that does not fit.
+    """
+    plan = state.plan
+    units = {u.key: u for u in unit_buffers(shards, spec, f"{what}.update")
+             if u.key in plan.paths}
+    frozen = {(key, k) for key, u in units.items() for k in frozen_of(u, plan.paths[key])}
+    leaves = grad_leaves(grads, spec, f"{what}.update")
+    with torch.no_grad():
+        return units, {key: flat_grads(leaves, units[key], f"{what}.update", plan.dtype)
+                       for key, _ in plan.units}, frozen
+
+
+def run_waves(plan: MuonPlan, pieces: tuple, work: torch.Tensor, send: Callable,
+              rule: Callable, model: Any = None, back: bool = True) -> tuple:
+    """Every wave of ``plan``: its pieces of the workspace (``pieces``: ``work`` cut at the
+    plan's cuts) to the roots, ``rule(w, stack)`` on the root's stack of wave ``w`` (the
+    global matrices under TP: gathered over ``model``), and, where ``back``, the updates back
+    to the holders. ``send(redistribution, buffer)`` starts an exchange and returns what
+    waits for it: the next wave's gather is in flight while a wave's rule runs.
+
+    Returns:
+        ``(targets, updates)``: per piece received back, ``(matrix, lo, hi)`` within its
+        piece on this rank, and the piece.
+    """
+    def start(wave):
+        return send(wave.to_roots, _cat([pieces[i] for i in wave.send], work))
+
+    targets, updates = [], []
+    pending = start(plan.waves[0]) if plan.waves else None
+    for w, wave in enumerate(plan.waves):
+        recv = pending()
+        if w + 1 < len(plan.waves):
+            pending = start(plan.waves[w + 1])  # in flight during the rule
+        out = work.new_empty(0)
+        if wave.stacked:
+            m = wave.matrices[wave.stacked[0]]
+            got = recv.split_with_sizes(wave.pieces)
+            g = _cat([got[c] for c in wave.order], work).view(len(wave.stacked), *m.spec.shape)
+            o = rule(w, _whole(g, m, model) if _split(m) else g)
+            if back and _split(m):  # this index's piece of the global updates
+                st = m.spec.strided
+                o = o.narrow(st.dim + 1, st.start, st.lengths[st.index])
+            if back:
+                cut = o.reshape(-1).split_with_sizes(wave.out_cuts)
+                out = _cat([cut[c] for c in wave.out_send], work)
+        if back:
+            got = send(wave.from_roots, out)().split_with_sizes(wave.back)
+            for (j, lo, hi), piece in zip(wave.targets, got):
+                targets.append((wave.matrices[j], lo, hi))
+                updates.append(piece)
+    return targets, updates
 
 
 def _split(m: Matrix) -> bool:
@@ -307,63 +400,37 @@ def muon(
     schedule = as_schedule(lr)
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> MuonState:
-        def owns(t: TensorSpec) -> bool:
-            # By the global size: a TP piece may be empty on some index of the model axis,
-            # which still takes part in its matrix's exchanges.
-            return (len(t.shape) == 2 and math.prod(t.global_shape) > 0
-                    and (only is None or only(t.path))
-                    and selected(mask, t.path))
+        def refuse(t: TensorSpec, why: str) -> None:
+            if why not in ("", "matrix") and mask is not None:  # a partition's label: what
+                #                                     it gives Muon, Muon must update
+                raise ValueError(f"muon: {format_path(t.path)} is given to Muon (its mask "
+                                 f"or partition label) but is {why}, so nothing would "
+                                 f"update it; label it for another optimizer (e.g. "
+                                 f"adamw)")
 
-        if mask is not None:  # a partition's label: what it gives Muon, Muon must update
-            for t in spec.tensors():
-                if selected(mask, t.path) and math.prod(t.global_shape) > 0 and not owns(t):
-                    why = ("excluded by only=" if len(t.shape) == 2 else
-                           f"not a 2-D matrix ({tuple(t.global_shape)})")
-                    raise ValueError(f"muon: {format_path(t.path)} is given to Muon (its mask "
-                                     f"or partition label) but is {why}, so nothing would "
-                                     f"update it; label it for another optimizer (e.g. "
-                                     f"adamw)")
-        units, count = init_units(shards, spec, "muon.init", mask=mask)
-        state = MuonState(count, {})
-        found: list[tuple] = []
-        paths: dict = {}
-        # One dtype for every matrix (the exchanges carry many units at once): float32, or
-        # float64 where a unit's parameters are (the same on every rank: units are).
-        dtype = functools.reduce(torch.promote_types, [state_dtype(u.db.dtype) for u in units
-                                                       if any(map(owns, u.db.tensors))],
-                                 torch.float32)
+        kind = owned_kind(mask, only, lambda t: "matrix" if len(t.shape) == 2 else
+                          f"not a 2-D matrix ({tuple(t.global_shape)})")
+        state, units, owned, _, _ = init_owned_plan(MuonState, "muon", "Newton-Schulz", shards,
+                                                    spec, mask, kind, refuse, wave_size)
         for u in units:
-            mine = [(k, t) for k, t in enumerate(u.db.tensors) if owns(t)]
-            if not mine:
-                continue
-            state.momentum[u.key] = u.db.like(dtype, Role.STATE, "momentum")
-            paths[u.key] = frozenset(t.path for _, t in mine)
-            found += [(u.key, k, t, u.db.rank) for k, t in mine]
-        matrices = owned_matrices(found, spec.world_size, units, "muon", "Newton-Schulz")
-        # The workspace: the units' shards end to end.
-        layout = tuple((u.key, u.db.shard.numel()) for u in units if u.key in state.momentum)
-        waves, cuts, _ = planned_waves(matrices, wave_size, units[0].db.rank if units else 0,
-                                       spec.world_size, layout)
-        state.plan = MuonPlan(paths, matrices, waves, dtype, layout, cuts)
+            if u.key in owned:
+                state.momentum[u.key] = u.db.like(state.plan.dtype, Role.STATE, "momentum")
         return state
+
+    def rule(w: int, stack: torch.Tensor) -> torch.Tensor:
+        rows, cols = stack.shape[1:]  # the global matrices
+        return newton_schulz(stack, ns_steps).mul_(
+            max(1.0, rows / cols) ** 0.5 if scale == "original" else 0.2 * max(rows, cols) ** 0.5)
 
     def update(grads: Any, state: MuonState, shards: Any, spec: ShardSpec) -> MuonState:
         if tp.compiling():
             refuse_compiled("muon", "its per-tensor kernels and exchanges run eagerly")
         plan = state.plan
-        units = {u.key: u for u in unit_buffers(shards, spec, "muon.update")
-                 if u.key in state.momentum}
-        leaves = grad_leaves(grads, spec, "muon.update")
-        with torch.no_grad():
-            gflat = {key: flat_grads(leaves, units[key], "muon.update", plan.dtype)
-                     for key, _ in plan.units} if plan.waves else {}
+        units, gflat, frozen = eager_grads("muon", grads, state, shards, spec)
         rate = begin(state.count, schedule)  # the checks are done: nothing written yet
         if not plan.waves:
             return state
         first = next(iter(units.values())).db
-        group, device = first.groups.shard, first.device
-        frozen = {(key, k) for key, u in units.items()
-                  for k in frozen_of(u, plan.paths[key])}  # no update, no decay
         with torch.no_grad():
             moms = [state.momentum[key].shard for key, _ in plan.units]
             bufs, gs = [], []
@@ -378,53 +445,23 @@ def muon(
                         gs.append(gflat[key][m.lo:m.hi])
             # Momentum, then the updates it sends, as multi-tensor ops into one workspace.
             tp.foreach("lerp_", bufs, gs, scalar=1 - momentum)
-            work = torch.empty(sum(n for _, n in plan.units), dtype=plan.dtype, device=device)
+            work = torch.empty(sum(n for _, n in plan.units), dtype=plan.dtype,
+                               device=first.device)
             ws = list(work.split_with_sizes([n for _, n in plan.units]))
             if nesterov:
                 tp.foreach("copy_", ws, list(gflat.values()))
                 tp.foreach("lerp_", ws, moms, scalar=momentum)
             else:
                 tp.foreach("copy_", ws, moms)
-            pieces = work.split_with_sizes(plan.cuts)
-
-            def start(wave):
-                send = _cat([pieces[i] for i in wave.send], work)
-                return wave.to_roots.exchange(send, group, async_op=True)
-
-            targets, updates = [], []
-            pending = start(plan.waves[0])
-            for w, wave in enumerate(plan.waves):
-                recv = pending.wait()
-                if w + 1 < len(plan.waves):
-                    pending = start(plan.waves[w + 1])  # in flight during Newton-Schulz
-                out = work.new_empty(0)
-                if wave.stacked:
-                    m = wave.matrices[wave.stacked[0]]
-                    got = recv.split_with_sizes(wave.pieces)
-                    stack = _cat([got[c] for c in wave.order], work).view(
-                        len(wave.stacked), *m.spec.shape)
-                    split = _split(m)
-                    if split:
-                        stack = _whole(stack, m, first.groups.model)
-                    o = newton_schulz(stack, ns_steps)
-                    rows, cols = m.spec.global_shape
-                    o.mul_(max(1.0, rows / cols) ** 0.5 if scale == "original"
-                           else 0.2 * max(rows, cols) ** 0.5)
-                    if split:  # this index's piece of the global updates
-                        st = m.spec.strided
-                        o = o.narrow(st.dim + 1, st.start, st.lengths[st.index])
-                    cut = o.reshape(-1).split_with_sizes(wave.out_cuts)
-                    out = _cat([cut[c] for c in wave.out_send], work)
-                back = wave.from_roots.exchange(out, group).split_with_sizes(wave.back)
-                for (j, lo, hi), piece in zip(wave.targets, back):
-                    m = wave.matrices[j]
-                    if (m.key, m.k) not in frozen:
-                        targets.append((m, lo, hi))
-                        updates.append(piece)
-            views = state.views(units, targets)
+            targets, updates = run_waves(
+                plan, work.split_with_sizes(plan.cuts), work,
+                lambda r, x: r.exchange(x, first.groups.shard, async_op=True).wait, rule,
+                first.groups.model)
+            kept = [i for i, (m, _, _) in enumerate(targets) if (m.key, m.k) not in frozen]
+            views = state.views(units, [targets[i] for i in kept])  # frozen: no update, no decay
             # The parameter update: two multi-tensor ops over every matrix.
             decay_(views, rate, weight_decay)
-            descend_(views, updates, rate)
+            descend_(views, [updates[i] for i in kept], rate)
         return state
 
     return Optimizer(init, atomic(update))

@@ -26,7 +26,7 @@ on its owner and an empty piece elsewhere, so a checkpoint reloads under any wor
 
 from __future__ import annotations
 
-import math
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Optional
@@ -40,33 +40,21 @@ from vfsdp.collectives.piece import Piece
 from vfsdp.collectives.unit import group_name
 from vfsdp.functional.state import param_tree
 from vfsdp.functional.traced import traced_leaves
-from vfsdp.optim.base import (
-    Mask,
-    begin,
-    decay_,
-    descend_,
-    flat_grads,
-    frozen_of,
-    grad_leaves,
-    new_count,
-    selected,
-    state_dtype,
-    unit_buffers,
-)
+from vfsdp.optim.base import Mask, begin, decay_, descend_
 from vfsdp.optim.muon import (
-    MuonPlan,
     MuonState,
     _split,
-    _whole,
-    owned_matrices,
-    planned_waves,
+    eager_grads,
+    init_owned_plan,
+    owned_kind,
     refuse_compiled,
+    run_waves,
 )
 from vfsdp.optim.traced import first_leaves
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["OwnedState", "init_owned", "owned_step", "begin", "apply_", "branch", "TracedOwned"]
+__all__ = ["OwnedState", "init_owned", "owned_step", "begin", "apply_", "branch_", "TracedOwned"]
 
 
 @dataclass
@@ -158,28 +146,25 @@ class Begin:
             self.state.seen = (count, tp.version(count), self.t + 1)
 
 
-def branch(pred: Any, fn: Callable, args: tuple, state: tuple) -> tuple:
-    """``fn(*args, *state)`` (new values of ``state``) where ``pred`` holds, else ``state`` as
-    it is: a Python ``if`` eagerly (``pred`` a bool); compiled (``pred`` a 0-d bool tensor:
-    the counter is not read back), ``torch.cond``, whose branches return new contiguous
-    tensors (the caller copies them into the state: ``x is not y``).
+def branch_(pred: Any, fn: Callable, args: tuple, state: tuple) -> None:
+    """``state = fn(*args, *state)`` in place (copied into the state's storages) where
+    ``pred`` holds: a Python ``if`` eagerly (``pred`` a bool); compiled (``pred`` a 0-d bool
+    tensor: the counter is not read back), ``torch.cond``, whose branches return new
+    contiguous tensors.
 
     Example:
-        >>> grow = lambda step, x: (x + step,)
-        >>> branch(True, grow, (torch.ones(1),), (torch.zeros(1),))
-        (tensor([1.]),)
-        >>> branch(False, grow, (torch.ones(1),), (torch.zeros(1),))
-        (tensor([0.]),)
+        >>> x = torch.zeros(1)
+        >>> branch_(False, lambda step, x: (x + step,), (torch.ones(1),), (x,))
+        >>> branch_(True, lambda step, x: (x + step,), (torch.ones(1),), (x,))
+        >>> x
+        tensor([1.])
     """
     if not isinstance(pred, torch.Tensor):
-        return fn(*args, *state) if pred else state
-    n = len(args)
-    return tuple(torch.cond(pred, lambda *xs: tuple(y.contiguous() for y in fn(*xs)),
-                            lambda *xs: tuple(x.clone() for x in xs[n:]), (*args, *state)))
-
-
-def copy_new(state: tuple, new: tuple) -> None:
-    """``x.copy_(y)`` where :func:`branch` gave a new value (the state's storages stay)."""
+        new = fn(*args, *state) if pred else state
+    else:
+        n = len(args)
+        new = torch.cond(pred, lambda *xs: tuple(y.contiguous() for y in fn(*xs)),
+                         lambda *xs: tuple(x.clone() for x in xs[n:]), (*args, *state))
     for x, y in zip(state, new):
         if x is not y:
             x.copy_(y)
@@ -202,8 +187,8 @@ class TracedOwned:
 
     Attributes:
         group: The shard group's name (the functional collectives').
-        pieces: Per workspace unit (the plan's ``units`` order): ``(leaf, lo, hi)`` of each
-            tensor it updates with a piece here, by ``lo`` (the gradient's place).
+        pieces: ``(leaf, lo, hi)`` of each tensor it updates with a piece here: the
+            gradient's place in the workspace (the units' shards end to end).
         leaf: ``(unit key, buffer index) -> leaf index`` of every tensor it updates.
         owned: ``(leaf, path)`` of every tensor it updates (the frozen check).
         vectors: The leaves of the 1-D tensors kept on their shards (SOAP), and their
@@ -230,71 +215,47 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
         ValueError: a selected tensor of 3 or more dimensions, a matrix split over a model
             axis the shards' mesh lacks (naming its path and the fix).
     """
-    def kind(t: TensorSpec) -> str:
-        if not math.prod(t.global_shape) or not selected(mask, t.path):
-            return ""
-        if only is not None and not only(t.path):
-            return "excluded by only="
-        if len(t.shape) in (1, 2):
-            return "vector" if vectors and len(t.shape) == 1 else "matrix"
-        return f"{len(t.shape)}-D ({tuple(t.global_shape)})"
-
-    for t in spec.tensors():
-        why = kind(t)
-        if why and why not in ("matrix", "vector") and (mask is not None or "D (" in why):
+    def refuse(t: TensorSpec, why: str) -> None:
+        if why not in ("", "matrix", "vector") and (mask is not None or "D (" in why):
             raise ValueError(f"{what}: {format_path(t.path)} is given to {what} (its mask, "
                              f"partition label or no label) but is {why}, which it does not "
                              f"update; label it for another optimizer (e.g. adamw) with "
                              f"vfsdp.optim.partition")
-    units = unit_buffers(shards, spec, f"{what}.init")
-    state = OwnedState(new_count(units[0].db.device if units else "cpu"), {})
-    dtype = torch.float32
+
+    kind = owned_kind(mask, only, lambda t: (
+        ("vector" if vectors and len(t.shape) == 1 else "matrix") if len(t.shape) in (1, 2)
+        else f"{len(t.shape)}-D ({tuple(t.global_shape)})"))
+    state, units, owned, vecs, picked = init_owned_plan(OwnedState, what, what, shards, spec,
+                                                        mask, kind, refuse, wave_size)
+    plan, device = state.plan, state.count.device
     for u in units:
-        if any(kind(t) in ("matrix", "vector") for t in u.db.tensors):
-            dtype = torch.promote_types(dtype, state_dtype(u.db.dtype))
-    found, paths, vecs = [], {}, []
-    for u in units:
-        mine = [(k, t) for k, t in enumerate(u.db.tensors) if kind(t) in ("matrix", "vector")]
-        if not mine:
-            continue
-        paths[u.key] = frozenset(t.path for _, t in mine)
-        found += [(u.key, k, t, u.db.rank) for k, t in mine if kind(t) == "matrix"]
-        if any(kind(t) == "vector" for _, t in mine):
-            state.momentum[u.key] = u.db.like(dtype, Role.STATE, "exp_avg")
-            state.second[u.key] = u.db.like(dtype, Role.STATE, "exp_avg_sq")
-            vecs += [(u.key, k, *t.shard_range(u.db.rank)) for k, t in mine
-                     if kind(t) == "vector"]
-    matrices = owned_matrices(found, spec.world_size, units, what, what)
-    layout = tuple((u.key, u.db.shard.numel()) for u in units if u.key in paths)
-    vecs = tuple(v for v in vecs if v[3] > v[2])
-    waves, cuts, picked = planned_waves(matrices, wave_size, units[0].db.rank if units else 0,
-                                        spec.world_size, layout,
-                                        tuple((key, lo, hi) for key, _, lo, hi in vecs))
-    state.plan = MuonPlan(paths, matrices, waves, dtype, layout, cuts)
-    device = state.count.device
-    state.stacks = [stack_state(len(w.stacked), tuple(w.matrices[0].spec.global_shape), dtype,
-                                device) for w in waves]
-    state.kept["params"] = {u.key: u.db for u in units if u.key in paths}
+        if any(kind(t) == "vector" for _, t in owned.get(u.key, ())):
+            state.momentum[u.key] = u.db.like(plan.dtype, Role.STATE, "exp_avg")
+            state.second[u.key] = u.db.like(plan.dtype, Role.STATE, "exp_avg_sq")
+    state.stacks = [stack_state(len(w.stacked), tuple(w.matrices[0].spec.global_shape),
+                                plan.dtype, device) for w in plan.waves]
+    state.kept["params"] = {u.key: u.db for u in units if u.key in owned}
     state.kept["vectors"] = vecs, picked  # and their cuts of the workspace
-    leaf, owned, pieces = {}, [], {key: [] for key, _ in layout}
+    leaf, paths, pieces = {}, [], []
+    base = dict(zip(owned, itertools.accumulate((n for _, n in plan.units), initial=0)))
     for u in units:
+        mine = dict(owned.get(u.key, ()))
         for k, i in first_leaves(u).items():
-            t = u.db.tensors[k]
-            if u.key in paths and kind(t) in ("matrix", "vector"):
+            if k in mine:
                 leaf[(u.key, k)] = i
-                owned.append((i, t.path))
-                lo, hi = t.shard_range(u.db.rank)
+                paths.append((i, mine[k].path))
+                lo, hi = mine[k].shard_range(u.db.rank)
                 if hi > lo:
-                    pieces[u.key].append((lo, i, hi))
+                    pieces.append((i, base[u.key] + lo, base[u.key] + hi))
     shard = units[0].db.groups.shard if units else None
     state.kept["traced"] = TracedOwned(  # no group: shards made without a process group
         group_name(shard) if shard is not None or dist.is_initialized() else "",
-        tuple(tuple((i, lo, hi) for lo, i, hi in sorted(pieces[key])) for key, _ in layout),
-        leaf, tuple(owned),
+        tuple(pieces),
+        leaf, tuple(paths),
         (tuple(leaf[(key, k)] for key, k, _, _ in vecs),
          tuple([d[key].shard[lo:hi] for key, _, lo, hi in vecs]
                for d in (state.momentum, state.second))),
-        any(_split(m) for m in matrices))
+        any(_split(m) for m in plan.matrices))
     return state
 
 
@@ -319,30 +280,11 @@ def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
                                                                   spec, ready)
     if inputs is None:
         return [], [], ([], [], [], [])
-    work, exchange, whole, views_of, (ps, ms, vs) = inputs
+    work, send, model, views_of, (ps, ms, vs) = inputs
     plan = state.plan
     pieces = work.split_with_sizes(plan.cuts)
     vectors = (ps, [pieces[i] for i in state.kept["vectors"][1]], ms, vs)
-    targets, updates = [], []
-    for w, wave in enumerate(plan.waves):
-        recv = exchange(wave.to_roots, _cat([pieces[i] for i in wave.send], work))
-        out = work.new_empty(0)
-        if wave.stacked:
-            got = recv.split_with_sizes(wave.pieces)
-            m = wave.matrices[wave.stacked[0]]
-            g = _cat([got[c] for c in wave.order], work).view(len(wave.stacked), *m.spec.shape)
-            o = rule(w, whole(g, m) if _split(m) else g)
-            if back and _split(m):  # this index's piece of the global updates
-                st = m.spec.strided
-                o = o.narrow(st.dim + 1, st.start, st.lengths[st.index])
-            if back:
-                cut = o.reshape(-1).split_with_sizes(wave.out_cuts)
-                out = _cat([cut[c] for c in wave.out_send], work)
-        if back:
-            got = exchange(wave.from_roots, out).split_with_sizes(wave.back)
-            for (j, lo, hi), piece in zip(wave.targets, got):
-                targets.append((wave.matrices[j], lo, hi))
-                updates.append(piece)
+    targets, updates = run_waves(plan, pieces, work, send, rule, model, back)
     return views_of(targets), updates, vectors
 
 
@@ -355,18 +297,13 @@ def _frozen(what: str, path: tuple) -> NoReturn:
 
 def _eager_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
                   ready: Callable) -> Any:
-    """``(workspace, exchange, whole, views, (params, m, v) of the vectors)`` eagerly: the
+    """``(workspace, send, model group, views, (params, m, v) of the vectors)`` eagerly: the
     gradients in the units' flat layout, DBuffer slices, eager collectives; ``None`` when
     there is nothing to update."""
     plan = state.plan
-    units = {u.key: u for u in unit_buffers(shards, spec, f"{what}.update")
-             if u.key in plan.paths}
-    for key, u in units.items():
-        for k in frozen_of(u, plan.paths[key]):
-            _frozen(what, u.db.tensors[k].path)
-    leaves = grad_leaves(grads, spec, f"{what}.update")
-    gflat = {key: flat_grads(leaves, units[key], f"{what}.update", plan.dtype)
-             for key, _ in plan.units}
+    units, gflat, frozen = eager_grads(what, grads, state, shards, spec)
+    for key, k in frozen:
+        _frozen(what, units[key].db.tensors[k].path)
     ready()
     if not plan.units:
         return None
@@ -381,8 +318,7 @@ def _eager_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
             for bufs in (shards, *({k: b.shard for k, b in d.items()}
                                    for d in (state.momentum, state.second)))))
     groups = next(iter(units.values())).db.groups
-    return (work, lambda r, x: r.exchange(x, groups.shard),
-            lambda g, m: _whole(g, m, groups.model),
+    return (work, lambda r, x: r.exchange(x, groups.shard, async_op=True).wait, groups.model,
             lambda targets: state.views(units, targets), found[1:])
 
 
@@ -402,28 +338,17 @@ def _traced_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
     ready()
     if not plan.units:
         return None
-    parts = []
-    zeros = lambda n: state.count.new_zeros(n, dtype=plan.dtype)
-    for (_key, size), pieces in zip(plan.units, rec.pieces):
-        pos = 0
-        for i, lo, hi in pieces:
-            if lo > pos:
-                parts.append(zeros(lo - pos))
-            parts.append(gleaves[i].reshape(-1).to(plan.dtype))
-            pos = hi
-        if size > pos:
-            parts.append(zeros(size - pos))
+    work = state.count.new_zeros(sum(n for _, n in plan.units), dtype=plan.dtype)
+    for i, lo, hi in rec.pieces:  # zeros between the pieces
+        work[lo:hi] = gleaves[i].reshape(-1)
 
-    def exchange(r, x):
-        return x if r.world == 1 else tp.traced_all_to_all(x, r.recv_sizes, r.send_sizes,
-                                                           rec.group)
+    def send(r, x):
+        y = x if r.world == 1 else tp.traced_all_to_all(x, r.recv_sizes, r.send_sizes, rec.group)
+        return lambda: y
 
     vector_leaves, (ms, vs) = rec.vectors
-    return (torch.cat(parts), exchange, None,
+    return (work, send, None,
             lambda targets: [params[rec.leaf[(m.key, m.k)]].view(-1)[lo:hi]
                              for m, lo, hi in targets],
             ([params[i].view(-1) for i in vector_leaves], list(ms), list(vs)))
 
-
-def _cat(parts: list, like: torch.Tensor) -> torch.Tensor:
-    return torch.cat(parts) if parts else like.new_empty(0)

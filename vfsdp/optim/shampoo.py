@@ -39,8 +39,7 @@ from vfsdp.optim.owners import (
     Begin,
     OwnedState,
     apply_,
-    branch,
-    copy_new,
+    branch_,
     init_owned,
     owned_step,
 )
@@ -181,7 +180,7 @@ def shampoo(
                     n = x.shape[-2] if side == "L" else x.shape[-1]
                     stats, root = (s[f"{p}{side}{i or ''}"].view(-1, n, n) for p in ("", "P"))
                     stats.add_(x @ x.mT if side == "L" else x.mT @ x)
-                    copy_new((root,), branch(refresh, roots[order], (stats,), (root,)))
+                    branch_(refresh, roots[order], (stats,), (root,))
                     y = root @ y if side == "L" else y @ root
                 _blocks(out, region).copy_(y.view(_blocks(out, region).shape))
             return out if order == 2 else out.squeeze(-1)

@@ -41,8 +41,7 @@ from vfsdp.optim.owners import (
     Begin,
     OwnedState,
     apply_,
-    branch,
-    copy_new,
+    branch_,
     init_owned,
     owned_step,
 )
@@ -223,10 +222,10 @@ def soap(
                     s[name].lerp_(x, decay)
             for side, (q, stats) in enumerate((("QL", "L"), ("QR", "R"))):
                 if q in s:  # the first update sets the eigenbases, refreshes update them
-                    copy_new((s[q],), branch(t == 0, _first, (s[stats],), (s[q],)))
+                    branch_(t == 0, _first, (s[stats],), (s[q],))
                     now = (s[q], s["exp_avg_sq"])
-                    copy_new(now, branch((t % precondition_frequency == 0) & (t > 0),
-                                         _REFRESH[side], (s[stats],), now))
+                    branch_((t % precondition_frequency == 0) & (t > 0), _REFRESH[side],
+                            (s[stats],), now)
             return out
 
         with torch.no_grad():

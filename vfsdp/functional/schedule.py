@@ -42,7 +42,8 @@ from vfsdp.collectives.dbuffer import SLOT, DBuffer, ReleasedTensor, View, slot_
 from vfsdp.functional.gather import pending, start_gather, writes_leaf_grads
 from vfsdp.functional.options import Policy, merge, refuse, resolve
 from vfsdp.functional.pieces import assemble_layer, layer_pieces
-from vfsdp.functional.traced import traced_children, traced_run_layers
+from vfsdp.functional.traced import traced_run_layers
+from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["run_layers", "LayerRun", "checkpointed", "recompute_context", "SAVED_OPS"]
@@ -203,7 +204,7 @@ def run_layers(
                          f"gradients in its gradient buffer; use vfsdp.gather (grads='return') "
                          f"there")
     if tp.compiling() and isinstance(specs, ShardSpec):  # the sub-specs vfsdp.shard prepared
-        specs = [specs[i] for i in range(max(traced_children(specs), 0))]
+        specs = [specs[i] for i in range(max(local_plan(specs)[2], 0))]
     values = merge(policy, options, what)
     if tp.compiling() or values["all_gather"] is not None:  # the functional path: to .grad
         refuse(values, "compiled" if tp.compiling() else "all_gather", what)

@@ -43,10 +43,9 @@ from vfsdp.functional.gather import pending, start_gather, writes_leaf_grads
 from vfsdp.functional.options import Policy, merge, refuse, resolve
 from vfsdp.functional.pieces import assemble_layer, layer_pieces
 from vfsdp.functional.traced import traced_run_layers
-from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["run_layers", "LayerRun", "checkpointed", "recompute_context", "SAVED_OPS"]
+__all__ = ["run_layers", "LayerRun", "checkpointed", "SAVED_OPS"]
 
 
 class _Saved:
@@ -203,14 +202,10 @@ def run_layers(
         raise ValueError(f"{what} cannot run inside torch.func transforms: it keeps each unit's "
                          f"gradients in its gradient buffer; use vfsdp.gather (grads='return') "
                          f"there")
-    if tp.compiling() and isinstance(specs, ShardSpec):  # the sub-specs vfsdp.shard prepared
-        specs = [specs[i] for i in range(max(local_plan(specs)[2], 0))]
     values = merge(policy, options, what)
     if tp.compiling() or values["all_gather"] is not None:  # the functional path: to .grad
         refuse(values, "compiled" if tp.compiling() else "all_gather", what)
-        layers = layer_pieces(shards, specs, mesh, what,
-                              "compiled" if tp.compiling() else "functional")
-        return traced_run_layers(layer_fn, layers, h, values)
+        return traced_run_layers(layer_fn, layer_pieces(shards, specs, mesh, what), h, values)
     run = LayerRun(layer_pieces(shards, specs, mesh, what), values, what)
     n = len(run.layers)
     for i in range(n):
@@ -243,7 +238,12 @@ class LayerRun:
         self.layers = layers
         self.prefetch = values["prefetch"] is not False
         self.reshard_after_forward = values["reshard_after_forward"] is not False
-        self.context_fn = recompute_context(values["recompute"])
+        # recompute's context_fn for torch.utils.checkpoint: None (no checkpointing), "full"
+        # (nothing kept), "selective" (SAVED_OPS' outputs kept) or a SAC policy
+        recompute = values["recompute"]
+        self.context_fn = None if recompute is None else noop_context_fn if recompute == "full" \
+            else functools.partial(create_selective_checkpoint_contexts,
+                                   list(SAVED_OPS) if recompute == "selective" else recompute)
         self.regather = _Regather(self.prefetch)
         self.ahead: dict[int, list[Handle]] = {}  # layer -> its gathers in flight
         self.held: list[DBuffer] = []  # what regathered() gathered, until the next call
@@ -434,22 +434,7 @@ SAVED_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.
              torch.ops.aten._scaled_dot_product_cudnn_attention.default)
 
 
-def recompute_context(recompute: Any) -> Optional[Callable]:
-    """The ``context_fn`` of a ``recompute`` option for ``torch.utils.checkpoint``: ``None``
-    (no checkpointing), ``"full"`` (torch's default: nothing kept), ``"selective"`` (the
-    outputs of :data:`SAVED_OPS` kept) or a SAC policy, as
-    ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` takes it (a callable
-    ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``, or a list of ops to keep)."""
-    if recompute is None:
-        return None
-    if recompute == "full":
-        return noop_context_fn
-    policy = list(SAVED_OPS) if recompute == "selective" else recompute
-    return functools.partial(create_selective_checkpoint_contexts, policy)
-
-
-def checkpointed(fn: Callable, full: Any, args: tuple, kwargs: dict,
-                 context_fn: Optional[Callable] = None) -> Any:
+def checkpointed(fn: Callable, full: Any, args: tuple, kwargs: dict, context_fn: Callable) -> Any:
     """``fn(full, *args, **kwargs)`` under non-reentrant ``torch.utils.checkpoint``, the
     full tensors passed as its inputs: saved by the hooks around the call (a run's records of
     gathered parameters), so the recompute reads what the backward regathered, not the
@@ -468,7 +453,7 @@ def checkpointed(fn: Callable, full: Any, args: tuple, kwargs: dict,
 
     with tp.checkpoint_wrapped(None):  # its recompute reads ``full`` itself
         return checkpoint(inner, *leaves, *args, use_reentrant=False,
-                          context_fn=context_fn or noop_context_fn, **kwargs)
+                          context_fn=context_fn, **kwargs)
 
 
 def _gathered_buffers(full: Any) -> list[DBuffer]:

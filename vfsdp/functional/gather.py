@@ -438,9 +438,9 @@ class RankGathers:
                 continue
             if entry.ran_in != -2:
                 self.close(entry)
-                continue
-            entry.orphan = True
-            entry.orphaned()
+            else:
+                entry.orphan = True
+                entry.orphaned()
 
     def close(self, entry: Any, graph_done: bool = True) -> None:
         """Forget the entry: it reduced in a pass that will not run again, or (an orphan) no
@@ -627,9 +627,7 @@ class _GatherUnit(torch.autograd.Function):
             record.ran(rec)
             accumulates = writes_leaf_grads(rec)
         grads = [g if need else None for g, need in zip(grads, needs)]  # frozen: no gradient
-        pieces = rec.post_backward(grads, accumulates, keep)
-        if pieces is None:
-            return (None,) * (1 + len(rec.index))
+        pieces = rec.post_backward(grads, accumulates, keep) or [None] * len(needs)
         return (None, *[p if need else None for p, need in zip(pieces, needs)])
 
 
@@ -645,19 +643,6 @@ def writes_leaf_grads(rec: Gather) -> bool:
     except (AttributeError, RuntimeError):  # e.g. inside torch.func: not a plain leaf
         return False
     return tp.will_execute(node)
-
-
-def _assemble(leaves: list, spec: ShardSpec, calls: dict, make) -> Any:
-    out = list(leaves)
-    for key, members in spec.unit_leaves().items():
-        call = calls.get(key) or make(key, tuple(k for _, k in members))
-        call.recording = torch.is_grad_enabled()
-        fulls = _GatherUnit.apply(call, *(leaves[i] for i, _ in members))
-        for hook in GATHER_HOOKS:  # e.g. shard_map's replication tracking
-            hook(fulls, spec, members)
-        for (i, _), f in zip(members, fulls):
-            out[i] = f
-    return optree.tree_unflatten(spec.treespec, out)
 
 
 def gather(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
@@ -785,18 +770,28 @@ class GatherHandle(Handle):
 
     def __init__(self, handles: list, leaves: list, spec: ShardSpec, calls: dict, make) -> None:
         super().__init__()
-        self._handles, self._args = handles, (leaves, spec, calls, make)
+        self._handles, self._leaves, self._spec, self._make = handles, leaves, spec, make
         self.calls = calls  # unit key -> its gather (its unit, gathered buffer, shards)
 
     def wait(self) -> Any:
-        if not self._done:  # (not Handle's finish: collectives would call up into functional)
-            for rec in self.calls.values():  # the units' GATHERING -> GATHERED
-                if rec.unit.state is UnitState.GATHERING and rec.unit.live is rec.db:
-                    rec.unit.wait()
-            for h in self._handles:
-                h.wait()
-            self._result = _assemble(*self._args)
-            self._handles, self._args, self._done = [], None, True
+        if self._done:  # (not Handle's finish: collectives would call up into functional)
+            return self._result
+        for rec in self.calls.values():  # the units' GATHERING -> GATHERED
+            if rec.unit.state is UnitState.GATHERING and rec.unit.live is rec.db:
+                rec.unit.wait()
+        for h in self._handles:
+            h.wait()
+        out, spec = list(self._leaves), self._spec
+        for key, members in spec.unit_leaves().items():
+            call = self.calls.get(key) or self._make(key, tuple(k for _, k in members))
+            call.recording = torch.is_grad_enabled()
+            fulls = _GatherUnit.apply(call, *(self._leaves[i] for i, _ in members))
+            for hook in GATHER_HOOKS:  # e.g. shard_map's replication tracking
+                hook(fulls, spec, members)
+            for (i, _), f in zip(members, fulls):
+                out[i] = f
+        self._result, self._done = optree.tree_unflatten(spec.treespec, out), True
+        self._handles = self._leaves = self._make = None
         return self._result
 
 

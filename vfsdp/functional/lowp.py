@@ -218,8 +218,7 @@ class _HookedGather(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        shard, _, unit, reduce_dtype = inputs
-        ctx.args = (shard.dtype, unit, reduce_dtype)
+        ctx.args = (inputs[0].dtype, *inputs[2:])  # (the shard's dtype, unit, reduce_dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -285,15 +284,11 @@ def hooked_all_gather(shard: torch.Tensor, hooks: Any, pieces: tuple, views: tup
     segment = _segments([(tid_of[i], lo, hi) for i, lo, hi in pieces], s, k, shard.device)
     full_segment = _segments([(tid, o, o + n) for o, tid, n in spans], world * s, k, shard.device)
     shapes = tuple(shape for _tid, _numel, shape in sorted(first.values()))
-    pieces_by_rank = []
-    for r in range(world):
-        here = []
-        for o, tid, n in spans:
-            lo, hi = max(o, r * s), min(o + n, (r + 1) * s)
-            if lo < hi:
-                here.append((tid, lo - r * s, hi - r * s, lo - o, hi - o))
-        pieces_by_rank.append(tuple(here))
-    unit = UnitInfo(segment, full_segment, k, world, group, shapes, tuple(pieces_by_rank), rank)
+    cut = [[(tid, o, max(o, r * s), min(o + n, (r + 1) * s)) for o, tid, n in spans]
+           for r in range(world)]  # per rank, each tensor's overlap [lo, hi) with its shard
+    pieces_by_rank = tuple(tuple((tid, lo - r * s, hi - r * s, lo - o, hi - o)
+                                 for tid, o, lo, hi in cut[r] if lo < hi) for r in range(world))
+    unit = UnitInfo(segment, full_segment, k, world, group, shapes, pieces_by_rank, rank)
     return _HookedGather.apply(shard, hooks, unit, reduce_dtype or torch.float32)
 
 

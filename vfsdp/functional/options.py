@@ -153,8 +153,7 @@ def merge(policy: Optional[Policy], options: dict, what: str) -> dict:
     if options:
         values.update(options)
         _check_values(values)
-    if values["grad_sync"] is None:  # None: the default, as for every option
-        values["grad_sync"] = True
+    values["grad_sync"] = values["grad_sync"] is not False  # None: the default, True
     return values
 
 

@@ -23,7 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vfsdp import _torch_private as tp
 from vfsdp.functional.tree import own_mesh
+from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
 __all__ = ["Piece", "layer_pieces", "assemble_layer"]
@@ -57,18 +59,17 @@ class Piece:
     what: str
 
 
-def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str,
-                 path: str = "eager") -> list[tuple[Piece, ...]]:
+def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str) -> list[tuple[Piece, ...]]:
     """The layers of a ``run_layers`` call, each a tuple of :class:`Piece`.
 
     Args:
         shards: One shards subtree per layer, or (``specs=None``) one dict of pieces per layer.
         specs: The matching sub-specs (a list spec or a sequence of them), or ``None``.
         mesh: ``run_layers``' ``mesh=`` (the one-plan form only).
-        what: The entry point, for messages.
-        path: ``"eager"``; ``"functional"`` (``all_gather=`` hooks: only shards of
-            ``vfsdp.shard`` get there, a mesh passed with them is refused, as ``gather``
-            does; the functional path reads no mesh); ``"compiled"`` (meshes are not read).
+        what: The entry point, for messages. (While compiling, meshes are not read, and a
+            list spec's sub-specs are those ``vfsdp.shard`` prepared; with ``all_gather=``
+            hooks only shards of ``vfsdp.shard`` get here: a mesh with them is refused, as
+            ``gather`` does.)
 
     Returns:
         One tuple per layer; the one-plan form's hold one piece each, named ``None``
@@ -85,17 +86,18 @@ def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str,
         >>> [[(p.name, p.what) for p in layer] for layer in layer_pieces(layers, None, None, "f")]
         [[('a', "f (layer 0, piece 'a')")], [('a', "f (layer 1, piece 'a')")]]
     """
+    compiled = tp.compiling()
     if isinstance(specs, ShardSpec):  # spec["layers"]: a ShardSpec whose tree is a list
-        if not isinstance(specs.tree, (list, tuple)):
+        if local_plan(specs)[2] < 0:  # (its subtrees: prepared by vfsdp.shard, for compiling)
             raise ValueError(f"{what}: specs is a ShardSpec of a {type(specs.tree).__name__}; pass "
                              f"the sub-spec of a list of layers (spec['layers']) or a list of "
                              f"sub-specs")
-        specs = [specs[i] for i in range(len(specs.tree))]
+        specs = [specs[i] for i in range(local_plan(specs)[2])]
     if specs is not None:
         specs = list(specs)
         if len(shards) != len(specs):
             raise ValueError(f"{what}: {len(shards)} shard subtrees but {len(specs)} specs")
-        mesh = None if path == "compiled" else own_mesh(shards, mesh, what)
+        mesh = None if compiled else own_mesh(shards, mesh, what)
         return [(Piece(None, s, sp, mesh, what),) for s, sp in zip(shards, specs)]
     if mesh is not None:
         raise TypeError(f"{what}: mesh= beside pieces (specs=None); give a piece of plain-tensor "
@@ -103,10 +105,10 @@ def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str,
     if isinstance(shards, (Mapping, ShardSpec)) or not isinstance(shards, Sequence):
         raise TypeError(f"{what}: with specs=None, shards is a list of layers, each a dict of "
                         f"pieces {_FORM}; got a {type(shards).__name__}")
-    return [_layer(layer, i, what, path) for i, layer in enumerate(shards)]
+    return [_layer(layer, i, what, compiled) for i, layer in enumerate(shards)]
 
 
-def _layer(layer: Any, i: int, what: str, path: str) -> tuple[Piece, ...]:
+def _layer(layer: Any, i: int, what: str, compiled: bool) -> tuple[Piece, ...]:
     if not isinstance(layer, Mapping) or not layer:
         got = "an empty dict" if isinstance(layer, Mapping) else f"a {type(layer).__name__}"
         raise TypeError(f"{what}: layer {i} is {got}; with specs=None each layer is a dict of "
@@ -130,7 +132,7 @@ def _layer(layer: Any, i: int, what: str, path: str) -> tuple[Piece, ...]:
                             f"piece is (shards, spec) with the sub-spec vfsdp.plan made for "
                             f"those shards, e.g. (e_shards['layers'][{i}], "
                             f"e_spec['layers'][{i}])")
-        piece_mesh = None if path == "compiled" else own_mesh(tree, piece_mesh, at)
+        piece_mesh = None if compiled else own_mesh(tree, piece_mesh, at)
         out.append(Piece(name, tree, spec, piece_mesh, at))
     return tuple(out)
 

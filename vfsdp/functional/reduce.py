@@ -24,6 +24,7 @@ from vfsdp import _torch_private as tp
 from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.unit import Unit, _expand, _merge
 from vfsdp.functional.options import GradOptions, Policy, merge
+from vfsdp.functional.traced import padded
 from vfsdp.functional.tree import UnitLeaves, match_tree, own_mesh, refuse_structure, units_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
@@ -36,21 +37,11 @@ def _reduce_functional(unit: Unit, index, grads, opts: GradOptions) -> list:
     and return fresh pieces; nothing made outside the transform is mutated (a tied tensor's
     repeated index gets its gradients summed, ``None`` at the repeats)."""
     index, grads, first = _merge(index, grads)
-    db, layout, rank = unit.params, unit.layout, unit.rank
-    by_index = dict(zip(index, grads))
+    db, rank = unit.params, unit.rank
     rdt = opts.reduce_dtype or next((g.dtype for g in grads if g is not None), db.dtype)
-    pieces, end = [], 0
-    for i, t in enumerate(db.tensors):
-        g = by_index.get(i)
-        if g is None:
-            continue
-        if t.offset > end:
-            pieces.append(torch.zeros(t.offset - end, dtype=rdt, device=db.device))
-        pieces.append(g.reshape(-1).to(rdt))
-        end = t.offset + t.numel
-    if end < layout.padded_numel:
-        pieces.append(torch.zeros(layout.padded_numel - end, dtype=rdt, device=db.device))
-    full = torch.cat(pieces)
+    spans = sorted((db.tensors[i].offset, i, g) for i, g in zip(index, grads) if g is not None)
+    full = padded([(g.to(rdt), o, o + g.numel()) for o, _i, g in spans],
+                  unit.layout.padded_numel, torch.empty(0, dtype=rdt, device=db.device))
     with tp.functorch_paused():  # gloo writes into its output; functorch would refuse that
         out = unit.reduce_new(full, opts.grad_reduce, rdt)
     return _expand([out[slice(*db.tensors[i].shard_range(rank))].view(db.local_shape(i))

@@ -42,10 +42,10 @@ from vfsdp.collectives.dbuffer import SLOT, DBuffer, ReleasedTensor, View, slot_
 from vfsdp.functional.gather import pending, start_gather, writes_leaf_grads
 from vfsdp.functional.options import Policy, merge, refuse, resolve
 from vfsdp.functional.pieces import assemble_layer, layer_pieces
-from vfsdp.functional.traced import traced_children, traced_run_layers
+from vfsdp.functional.traced import traced_run_layers
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["run_layers", "LayerRun", "checkpointed", "recompute_context", "SAVED_OPS"]
+__all__ = ["run_layers", "LayerRun", "checkpointed", "SAVED_OPS"]
 
 
 class _Saved:
@@ -55,69 +55,6 @@ class _Saved:
 
     def __init__(self, db: DBuffer, t: torch.Tensor) -> None:
         self.db, self.offset, self.shape, self.stride = db, t.storage_offset(), t.shape, t.stride()
-
-
-class _Regather:
-    """The run's gathered buffers, for its saved-tensor hooks: which saved tensors are its
-    gathered parameters, and the gathers whose shards a regather re-reads. The regather and
-    the prefetch themselves are the units' transitions (:meth:`Unit.pre_backward`)."""
-
-    def __init__(self, prefetch: bool) -> None:
-        self.last: Optional[DBuffer] = None  # the buffer gathered before (for the prefetch)
-        self.calls: dict[int, list] = {}  # buffer id -> its gathers in this run
-        self.prefetch = prefetch
-        self.packed: set = set()  # buffer ids saved by the layer running now
-
-    def add(self, db: DBuffer, call) -> None:
-        if id(db) not in self.calls:  # its backward prefetches the one gathered before it
-            db.unit.link_prefetch(self.last if self.prefetch else None)
-            self.last = db
-        self.calls.setdefault(id(db), []).append(call)
-
-    def hooks(self) -> tuple[torch.autograd.graph.saved_tensors_hooks, Optional[tuple]]:
-        """A layer call's saved-tensor hooks: a gathered parameter as a record; anything else
-        handed to the hooks active around the call (a ``torch.utils.checkpoint`` around several
-        layers: its recompute then replays them, ``save_on_cpu``), or kept; and those."""
-        outer = tp.saved_hooks_top()
-
-        def pack(t: torch.Tensor) -> Any:
-            slot = slot_of(t) or slot_of(t._base)
-            if slot is not None and slot.view is View.FULL and id(slot.buffer) in self.calls:
-                self.packed.add(id(slot.buffer))
-                return _Saved(slot.buffer, t)
-            if outer is not None:
-                return outer[0](t)
-            # An op that saves its own output (tanh, relu) must not get that output back as
-            # it is: its grad_fn would hold this record, a cycle through C++ that Python's
-            # collector cannot break, so a graph dropped without its backward (an evaluation
-            # with grad mode on, an exception) would never be freed. A detached alias (no
-            # kernel, no copy, the same version counter) is what autograd keeps of its outputs
-            # without hooks, too.
-            return t.detach() if tp.is_own_output(t) else t
-
-        def unpack(saved: Any) -> torch.Tensor:
-            if isinstance(saved, _Saved):
-                return self.unpack(saved)
-            return saved if outer is None else outer[1](saved)
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack), outer
-
-    def join(self, db: DBuffer) -> None:
-        """In a backward, before ``db``'s unit is regathered: units created after the running
-        node that did not run reduce (zeros) first, as they do on a rank whose backward
-        reaches one of their nodes before this."""
-        seq = tp.running_node_seq()
-        calls = self.calls.get(id(db), ())
-        if seq is not None and calls:
-            pending().backward(lambda: writes_leaf_grads(calls[0])).reach(seq)
-
-    def unpack(self, saved: _Saved, prefetch: bool = True) -> torch.Tensor:
-        self.join(saved.db)
-        for call in self.calls.get(id(saved.db), ()):
-            call.check_versions()  # a shard changed since the forward: refuse to regather it
-        saved.db.unit.pre_backward(saved.db, prefetch)
-        buf = saved.db.global_buffer
-        return saved.db.saved_view(saved.offset - buf.storage_offset(), saved.shape, saved.stride)
 
 
 def run_layers(
@@ -202,14 +139,10 @@ def run_layers(
         raise ValueError(f"{what} cannot run inside torch.func transforms: it keeps each unit's "
                          f"gradients in its gradient buffer; use vfsdp.gather (grads='return') "
                          f"there")
-    if tp.compiling() and isinstance(specs, ShardSpec):  # the sub-specs vfsdp.shard prepared
-        specs = [specs[i] for i in range(max(traced_children(specs), 0))]
     values = merge(policy, options, what)
     if tp.compiling() or values["all_gather"] is not None:  # the functional path: to .grad
         refuse(values, "compiled" if tp.compiling() else "all_gather", what)
-        layers = layer_pieces(shards, specs, mesh, what,
-                              "compiled" if tp.compiling() else "functional")
-        return traced_run_layers(layer_fn, layers, h, values)
+        return traced_run_layers(layer_fn, layer_pieces(shards, specs, mesh, what), h, values)
     run = LayerRun(layer_pieces(shards, specs, mesh, what), values, what)
     n = len(run.layers)
     for i in range(n):
@@ -242,10 +175,65 @@ class LayerRun:
         self.layers = layers
         self.prefetch = values["prefetch"] is not False
         self.reshard_after_forward = values["reshard_after_forward"] is not False
-        self.context_fn = recompute_context(values["recompute"])
-        self.regather = _Regather(self.prefetch)
+        # recompute's context_fn for torch.utils.checkpoint: None (no checkpointing), "full"
+        # (nothing kept), "selective" (SAVED_OPS' outputs kept) or a SAC policy
+        recompute = values["recompute"]
+        self.context_fn = None if recompute is None else noop_context_fn if recompute == "full" \
+            else functools.partial(create_selective_checkpoint_contexts,
+                                   list(SAVED_OPS) if recompute == "selective" else recompute)
         self.ahead: dict[int, list[Handle]] = {}  # layer -> its gathers in flight
         self.held: list[DBuffer] = []  # what regathered() gathered, until the next call
+        # The run's gathered buffers, for its saved-tensor hooks: which saved tensors are its
+        # gathered parameters, and the gathers whose shards a regather re-reads. The regather
+        # and the prefetch themselves are the units' transitions (Unit.pre_backward).
+        self.last: Optional[DBuffer] = None  # the buffer gathered before (for the prefetch)
+        self.calls: dict[int, list] = {}  # buffer id -> its gathers in this run
+        self.packed: set = set()  # buffer ids saved by the layer running now
+
+    def hooks(self) -> tuple[torch.autograd.graph.saved_tensors_hooks, Optional[tuple]]:
+        """A layer call's saved-tensor hooks: a gathered parameter as a record; anything else
+        handed to the hooks active around the call (a ``torch.utils.checkpoint`` around several
+        layers: its recompute then replays them, ``save_on_cpu``), or kept; and those."""
+        outer = tp.saved_hooks_top()
+
+        def pack(t: torch.Tensor) -> Any:
+            slot = slot_of(t) or slot_of(t._base)
+            if slot is not None and slot.view is View.FULL and id(slot.buffer) in self.calls:
+                self.packed.add(id(slot.buffer))
+                return _Saved(slot.buffer, t)
+            if outer is not None:
+                return outer[0](t)
+            # An op that saves its own output (tanh, relu) must not get that output back as
+            # it is: its grad_fn would hold this record, a cycle through C++ that Python's
+            # collector cannot break, so a graph dropped without its backward (an evaluation
+            # with grad mode on, an exception) would never be freed. A detached alias (no
+            # kernel, no copy, the same version counter) is what autograd keeps of its outputs
+            # without hooks, too.
+            return t.detach() if tp.is_own_output(t) else t
+
+        def unpack(saved: Any) -> torch.Tensor:
+            if isinstance(saved, _Saved):
+                return self.unpack(saved)
+            return saved if outer is None else outer[1](saved)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack), outer
+
+    def join(self, db: DBuffer) -> None:
+        """In a backward, before ``db``'s unit is regathered: units created after the running
+        node that did not run reduce (zeros) first, as they do on a rank whose backward
+        reaches one of their nodes before this."""
+        seq = tp.running_node_seq()
+        calls = self.calls.get(id(db), ())
+        if seq is not None and calls:
+            pending().backward(lambda: writes_leaf_grads(calls[0])).reach(seq)
+
+    def unpack(self, saved: _Saved, prefetch: bool = True) -> torch.Tensor:
+        self.join(saved.db)
+        for call in self.calls.get(id(saved.db), ()):
+            call.check_versions()  # a shard changed since the forward: refuse to regather it
+        saved.db.unit.pre_backward(saved.db, prefetch)
+        buf = saved.db.global_buffer
+        return saved.db.saved_view(saved.offset - buf.storage_offset(), saved.shape, saved.stride)
 
     def _start(self, i: int) -> list[Handle]:  # every piece's gathers: one step
         return [start_gather(p.shards, p.spec, p.mesh, self.gopts, self.ropts, p.what,
@@ -256,9 +244,11 @@ class LayerRun:
         buffers; the gather of layer ``nxt`` starts (``prefetch``)."""
         handles = self.ahead.pop(i, None) or self._start(i)
         full = assemble_layer(self.layers[i], [handle.wait() for handle in handles])
-        for handle in handles:
-            for call in handle.calls.values():
-                self.regather.add(call.db, call)
+        for call in (call for handle in handles for call in handle.calls.values()):
+            if id(call.db) not in self.calls:  # its backward prefetches the one gathered before
+                call.db.unit.link_prefetch(self.last if self.prefetch else None)
+                self.last = call.db
+            self.calls.setdefault(id(call.db), []).append(call)
         if nxt is not None and self.prefetch and nxt != i and nxt not in self.ahead:
             self.ahead[nxt] = self._start(nxt)
         return full, _gathered_buffers(full)
@@ -266,8 +256,8 @@ class LayerRun:
     def call(self, fn: Callable, full: Any, args: tuple, kwargs: dict) -> Any:
         """``fn(full, *args, **kwargs)`` under the run's saved-tensor hooks; with
         ``recompute``, checkpointed (:func:`checkpointed`)."""
-        self.regather.packed = set()
-        hooks, outer = self.regather.hooks()
+        self.packed = set()
+        hooks, outer = self.hooks()
         with hooks:
             if self.context_fn is not None:
                 out = checkpointed(fn, full, args, kwargs, self.context_fn)
@@ -280,12 +270,12 @@ class LayerRun:
                 # something: every rank joins the backward pass at the output (and reduces
                 # zeros where it does not run the unit's backward)
                 dbs = _gathered_buffers(full)
-                _watch(out, (args, kwargs), lambda grad: dbs and self.regather.join(dbs[0]))
-            elif not self.regather.packed:
+                _watch(out, (args, kwargs), lambda grad: dbs and self.join(dbs[0]))
+            elif not self.packed:
                 # the forward saved none of the gathered tensors: a checkpoint of its own did
                 # (or the layer did not use them: what it returns as it was given is not
                 # watched, so a rank that skips a layer issues no regather the others do not)
-                refresh = _Refresh(full, self.regather)
+                refresh = _Refresh(full, self)
                 if refresh.spots:
                     _watch(out, (args, kwargs), refresh)
             _trigger(outer, out, (args, kwargs))
@@ -308,7 +298,7 @@ class LayerRun:
             slot = slot_of(v)
             if slot is None or slot.view is not View.FULL:
                 return v
-            t = self.regather.unpack(_Saved(slot.buffer, v), prefetch=False).detach()
+            t = self.unpack(_Saved(slot.buffer, v), prefetch=False).detach()
             setattr(t.requires_grad_(v.requires_grad), SLOT, slot)
             return t
 
@@ -317,7 +307,7 @@ class LayerRun:
     def refresher(self, full: Any) -> Callable[[Any], None]:
         """Called in a backward, it replaces ``full``'s tensors released since (in place) by
         views of the regathered unit: what a recompute of the layer reads."""
-        return _Refresh(full, self.regather)
+        return _Refresh(full, self)
 
     def exit(self, dbs: list[DBuffer], last: bool) -> None:
         """After a layer's forward: reshard it (``reshard_after_forward``; not the last). A
@@ -327,7 +317,7 @@ class LayerRun:
             if self.reshard_after_forward and not last:
                 db.unit.reshard(db)
                 continue
-            for call in self.regather.calls.get(id(db), ()):
+            for call in self.calls.get(id(db), ()):
                 if call.regathers and call.holds_graph:
                     call.regathers = False
                     db.unit.keep_gathered(db)
@@ -345,7 +335,7 @@ class LayerRun:
             # Frozen units (no gather of theirs records a backward, so no post-backward
             # releases them) may be regathered or prefetched for the inputs' gradients: the
             # next backward pass releases them as it ends.
-            for calls in self.regather.calls.values():
+            for calls in self.calls.values():
                 if not any(c.recorded for c in calls):
                     pending().frozen[id(calls[0].unit)] = calls[0].unit
 
@@ -390,9 +380,9 @@ class _Refresh:
     layer's outputs, the tree's released tensors are replaced, in place, by views of the
     regathered unit (the same ones the saved-tensor hooks hand out)."""
 
-    def __init__(self, full: Any, regather: _Regather) -> None:
+    def __init__(self, full: Any, run: LayerRun) -> None:
         self.spots: list = []  # (container, key, record, requires_grad)
-        self.regather = regather
+        self.run = run
         self._walk(full)
 
     def _walk(self, node: Any) -> None:
@@ -410,7 +400,7 @@ class _Refresh:
         spots, self.spots = self.spots, []
         for node, k, saved, wants in spots:
             if type(node[k]) is ReleasedTensor:
-                fresh = self.regather.unpack(saved).detach().requires_grad_(wants)
+                fresh = self.run.unpack(saved).detach().requires_grad_(wants)
                 if wants:  # a recompute differentiated through: a reentrant checkpoint
                     fresh.register_hook(_reentrant)
                 node[k] = fresh
@@ -433,22 +423,7 @@ SAVED_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.
              torch.ops.aten._scaled_dot_product_cudnn_attention.default)
 
 
-def recompute_context(recompute: Any) -> Optional[Callable]:
-    """The ``context_fn`` of a ``recompute`` option for ``torch.utils.checkpoint``: ``None``
-    (no checkpointing), ``"full"`` (torch's default: nothing kept), ``"selective"`` (the
-    outputs of :data:`SAVED_OPS` kept) or a SAC policy, as
-    ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` takes it (a callable
-    ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``, or a list of ops to keep)."""
-    if recompute is None:
-        return None
-    if recompute == "full":
-        return noop_context_fn
-    policy = list(SAVED_OPS) if recompute == "selective" else recompute
-    return functools.partial(create_selective_checkpoint_contexts, policy)
-
-
-def checkpointed(fn: Callable, full: Any, args: tuple, kwargs: dict,
-                 context_fn: Optional[Callable] = None) -> Any:
+def checkpointed(fn: Callable, full: Any, args: tuple, kwargs: dict, context_fn: Callable) -> Any:
     """``fn(full, *args, **kwargs)`` under non-reentrant ``torch.utils.checkpoint``, the
     full tensors passed as its inputs: saved by the hooks around the call (a run's records of
     gathered parameters), so the recompute reads what the backward regathered, not the
@@ -467,7 +442,7 @@ def checkpointed(fn: Callable, full: Any, args: tuple, kwargs: dict,
 
     with tp.checkpoint_wrapped(None):  # its recompute reads ``full`` itself
         return checkpoint(inner, *leaves, *args, use_reentrant=False,
-                          context_fn=context_fn or noop_context_fn, **kwargs)
+                          context_fn=context_fn, **kwargs)
 
 
 def _gathered_buffers(full: Any) -> list[DBuffer]:

@@ -33,11 +33,13 @@ were made on.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import optree
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import SLOT
@@ -47,10 +49,8 @@ from vfsdp.functional.pieces import assemble_layer
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["traced_gather", "prepare", "traced_children", "clip_groups",
-           "CLIP_GROUPS",
-           "traced_leaves", "traced_run_layers", "traced_grads",
-           "traced_zero_grads", "unit_context"]
+__all__ = ["traced_gather", "prepare", "clip_groups", "CLIP_GROUPS", "traced_leaves",
+           "traced_run_layers", "traced_grads", "traced_zero_grads", "unit_context", "padded"]
 
 
 def prepare(spec: ShardSpec, units: dict) -> None:
@@ -89,19 +89,13 @@ def _local(spec: ShardSpec, rank: Optional[int], groups: Any) -> None:
     if rank is not None:
         local_plan(spec, rank)
     if groups is not None:
-        model = spec.model_axis
-        name = None
-        if model is not None and model[1] > 1:
-            name = group_name(groups.model) if groups.model is not None else ""
-        CLIP_GROUPS[(spec.fingerprint, dist.get_rank())] = (group_name(groups.shard), name)
+        split = spec.model_axis is not None and spec.model_axis[1] > 1
+        model = group_name(groups.model) if groups.model is not None else ""
+        CLIP_GROUPS[(spec.fingerprint, dist.get_rank())] = (group_name(groups.shard),
+                                                            model if split else None)
     tree = spec.tree
-    if isinstance(tree, dict):
-        keys = list(tree)
-    elif isinstance(tree, (list, tuple)):
-        keys = list(range(len(tree)))
-    else:
-        return
-    for key in keys:
+    for key in tree if isinstance(tree, dict) else range(len(tree)) if isinstance(
+            tree, (list, tuple)) else ():
         node = tree[key]
         if isinstance(node, TensorSpec) or (isinstance(node, (dict, list, tuple))
                                             and not optree.tree_is_leaf(node)):
@@ -121,14 +115,13 @@ def clip_groups(spec: ShardSpec, what: str) -> tuple:
     return found
 
 
-def _unit_of(leaves: list, views: tuple, what: str) -> tuple:
-    """The runtime (``unit.traced``) of the unit whose full tensors ``views`` names, from its
-    first shard's slot.
+def _unit_of(leaf: Any, what: str) -> Any:
+    """The runtime (``unit.traced``) of the unit of the shard ``leaf``, from its slot.
 
     Raises:
         ValueError: the leaf is not a shard made by ``vfsdp.shard`` (or ``scatter``).
     """
-    slot = getattr(leaves[views[0][0]], SLOT, None)
+    slot = getattr(leaf, SLOT, None)
     found = getattr(slot.owner, "traced", None) if slot is not None else None
     if found is None:
         raise ValueError(f"{what} under torch.compile: these shards were not made for the "
@@ -140,9 +133,7 @@ def _unit_of(leaves: list, views: tuple, what: str) -> tuple:
 def _rank(leaves: list, spec: ShardSpec, what: str) -> int:
     """This rank's index in the shard group, from the tree's first tensor's unit."""
     tensors = local_plan(spec, None)[1]
-    if not tensors:
-        return 0
-    return _unit_of(leaves, ((tensors[0],),), what).shard_rank
+    return _unit_of(leaves[tensors[0]], what).shard_rank if tensors else 0
 
 
 def unit_context(leaves: list, spec: ShardSpec, what: str) -> list:
@@ -152,17 +143,8 @@ def unit_context(leaves: list, spec: ShardSpec, what: str) -> list:
     Raises:
         ValueError: shards not made by ``vfsdp.shard``.
     """
-    return [(u, _unit_of(leaves, u[4], what))
+    return [(u, _unit_of(leaves[u[4][0][0]], what))
             for u in local_plan(spec, _rank(leaves, spec, what))]
-
-
-def traced_children(spec: ShardSpec) -> int:
-    """How many subtrees a list spec has (``-1`` for another container), while compiling.
-
-    Raises:
-        ValueError: an unprepared spec.
-    """
-    return local_plan(spec, None)[2]
 
 
 def traced_leaves(tree: Any, spec: ShardSpec, what: str) -> tuple[list, Any]:
@@ -203,15 +185,15 @@ def traced_zero_grads(shards: Any, spec: ShardSpec, set_to_none: bool) -> None:
     Raises:
         ValueError: a tree that does not match the spec.
     """
-    leaves, _ = traced_leaves(shards, spec, "vfsdp.zero_grads")
+    what = "vfsdp.zero_grads"
+    leaves, _ = traced_leaves(shards, spec, what)
     for i in local_plan(spec, None)[1]:
         if set_to_none:  # unconditionally: asking whether it was None would be a guard
             leaves[i].grad = None
         elif leaves[i].grad is not None:
             leaves[i].grad.zero_()
-    rank = _rank(leaves, spec, "vfsdp.zero_grads")
-    for u in local_plan(spec, rank):
-        drop_traced_grads(_unit_of(leaves, u[4], "vfsdp.zero_grads"))
+    for _u, runtime in unit_context(leaves, spec, what):
+        drop_traced_grads(runtime)
 
 
 def _grad_times(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -235,38 +217,38 @@ def _grad_summed(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
                        summed.to(x.dtype))
 
 
-def _flush(acc: torch.Tensor, leaves: list, pieces: tuple, groups: tuple, scale: float) -> None:
-    """A synced gather after ``grad_sync=False`` backwards: reduce-scatter the unreduced
-    gradients the accumulator holds (as the eager sync does, with this backward's own added
-    there, here in a reduce-scatter of their own) into the shards' ``.grad``, and drop them."""
-    shard_name, m, rep_name, _replicas = groups
-    red = tp.traced_reduce_scatter(acc.grad, "sum", shard_name, m)
-    if rep_name is not None:
-        red = tp.traced_all_reduce(red, "sum", rep_name)
-    if scale != 1.0:
-        red = red * scale
-    with torch.no_grad():
-        for i, lo, hi in pieces:
-            x = leaves[i]
-            if x.requires_grad:
-                piece = red[lo:hi].view(x.shape).to(x.dtype)
-                if x.grad is None:
-                    x.grad = piece
-                else:
-                    x.grad.add_(piece)
-    acc.grad = None
+def _scale(runtime: Any, grad_reduce: str) -> float:
+    """What the reduce-scatter's sum is multiplied by: ``1 / ranks`` for ``"avg"``."""
+    return 1.0 / (runtime.shard_size * runtime.replicas) if grad_reduce == "avg" else 1.0
 
 
-def _flush_tree(leaves: list, spec: ShardSpec, grad_reduce: str, what: str) -> None:
-    """:func:`_flush` for every unit of a tree whose accumulator holds gradients."""
-    for *_k, pieces, views in local_plan(spec, _rank(leaves, spec, what)):
-        _anchor, acc, shard_name, m, rep_name, replicas, _model, _r = _unit_of(leaves, views, what)
-        if acc.grad is not None:
-            scale = 1.0 / (m * replicas) if grad_reduce == "avg" else 1.0
-            _flush(acc, leaves, pieces, (shard_name, m, rep_name, replicas), scale)
+def _flush(leaves: list, context: list, grad_reduce: str) -> None:
+    """A synced gather after ``grad_sync=False`` backwards: for every unit of ``context``
+    (:func:`unit_context`) whose accumulator holds gradients, reduce-scatter them (as the
+    eager sync does, with this backward's own added there, here in a reduce-scatter of their
+    own) into the shards' ``.grad``, and drop them."""
+    for (*_k, pieces, _views), rt in context:
+        acc = rt.accumulator
+        if acc.grad is None:
+            continue
+        red = tp.traced_reduce_scatter(acc.grad, "sum", rt.shard_group, rt.shard_size)
+        if rt.replicate_group is not None:
+            red = tp.traced_all_reduce(red, "sum", rt.replicate_group)
+        if _scale(rt, grad_reduce) != 1.0:
+            red = red * _scale(rt, grad_reduce)
+        with torch.no_grad():
+            for i, lo, hi in pieces:
+                x = leaves[i]
+                if x.requires_grad:
+                    piece = red[lo:hi].view(x.shape).to(x.dtype)
+                    if x.grad is None:
+                        x.grad = piece
+                    else:
+                        x.grad.add_(piece)
+        acc.grad = None
 
 
-def traced_gather(shards: Any, spec: ShardSpec, opts: dict, flush: bool = True,
+def traced_gather(shards: Any, spec: ShardSpec, opts: dict,
                   context: Optional[list] = None) -> Any:
     """The full tree, by functional collectives the compiler can trace (see the module).
 
@@ -282,9 +264,9 @@ def traced_gather(shards: Any, spec: ShardSpec, opts: dict, flush: bool = True,
             gradients of the full tensors add up, unsharded, in the unit's accumulator, its
             ``.grad`` in the parameters' dtype, and the next synced gather reduce-scatters
             them into the shards' ``.grad`` before its own backward adds to them).
-        flush: Do that here (``False``: the caller did, outside a checkpointed region).
         context: :func:`unit_context` of the shards, when the caller read it (outside a
-            checkpointed region, where dynamo guards what it reads).
+            checkpointed region, where dynamo guards what it reads) and flushed what
+            ``grad_sync=False`` left (:func:`_flush`); ``None``: both done here.
 
     Returns:
         The full tree (views of one gathered buffer per unit).
@@ -294,60 +276,59 @@ def traced_gather(shards: Any, spec: ShardSpec, opts: dict, flush: bool = True,
             ``reduce_dtype`` other than the gather's.
     """
     what = "vfsdp.gather"
-    param_dtype, grad_reduce, reduce_dtype = (opts["param_dtype"], opts["grad_reduce"],
-                                              opts["reduce_dtype"])
-    hooks, grad_sync = opts["all_gather"], opts["grad_sync"]
+    param_dtype, grad_reduce, reduce_dtype, hooks, grad_sync = (
+        opts[k] for k in ("param_dtype", "grad_reduce", "reduce_dtype", "all_gather", "grad_sync"))
     leaves, treespec = traced_leaves(shards, spec, what)
-    if flush and grad_sync:  # what grad_sync=False backwards left unreduced
-        _flush_tree(leaves, spec, grad_reduce, what)
+    if context is None:
+        context = unit_context(leaves, spec, what)
+        if grad_sync:  # what grad_sync=False backwards left unreduced
+            _flush(leaves, context, grad_reduce)
     out = list(leaves)
-    for (_key, s, dtype, pieces, views), runtime in context or unit_context(leaves, spec, what):
-        anchor, acc, shard_name, m, rep_name, replicas, _model, rank = runtime
-        scale = 1.0 / (m * replicas) if grad_reduce == "avg" else 1.0
-        parts, pos = [], 0
-        for i, lo, hi in pieces:
-            if lo > pos:
-                parts.append(leaves[i].new_zeros(lo - pos))
-            parts.append(leaves[i].reshape(-1))
-            pos = max(pos, hi)
-        if pos < s or not parts:
-            parts.append(leaves[views[0][0]].new_zeros(s - pos))
-        shard = torch.cat(parts) if len(parts) > 1 else parts[0]
-        shard = shard + anchor * 0  # (see _unit_plan) exact: x + 0 == x
+    for (_key, s, dtype, pieces, views), rt in context:
+        shard = padded([(leaves[i], lo, hi) for i, lo, hi in pieces], s, leaves[views[0][0]])
+        shard = shard + rt.anchor * 0  # (see the module) exact: x + 0 == x
         if not grad_sync:  # no reduce-scatter: the full gradients go to the accumulator
             shard = shard.detach()
-        elif rep_name is not None:  # HSDP: the replicas' gradients are summed too
-            shard = _grad_summed(shard, rep_name, replicas)
-        if grad_sync and scale != 1.0:  # "avg": the reduce-scatter's sum, times 1 / ranks
-            shard = _grad_times(shard, scale)
+        elif rt.replicate_group is not None:  # HSDP: the replicas' gradients are summed too
+            shard = _grad_summed(shard, rt.replicate_group, rt.replicas)
+        if grad_sync and _scale(rt, grad_reduce) != 1.0:  # "avg": the sum, times 1 / ranks
+            shard = _grad_times(shard, _scale(rt, grad_reduce))
         gather_dtype = param_dtype or dtype
         if hooks is not None:  # a low-precision gather (vfsdp.functional.lowp)
-            full = hooked_all_gather(shard, hooks, pieces, views, s, shard_name, m, rank,
-                                     reduce_dtype)
-            if not grad_sync:
-                full = full + (acc - acc.detach()).to(full.dtype)
-            for i, offset, numel, shape in views:
-                out[i] = full[offset:offset + numel].view(shape)
-            continue
-        if reduce_dtype is not None and reduce_dtype != gather_dtype:
+            full = hooked_all_gather(shard, hooks, pieces, views, s, rt.shard_group,
+                                     rt.shard_size, rt.shard_rank, reduce_dtype)
+        elif reduce_dtype is not None and reduce_dtype != gather_dtype:
             raise ValueError(f"vfsdp.gather: reduce_dtype={reduce_dtype} is not supported under "
                              f"torch.compile with a {gather_dtype} gather (the compiled "
                              f"reduce-scatter runs in the gather dtype); gather in that dtype, "
                              f"or run this step eagerly")
-        full = tp.traced_all_gather(shard.to(gather_dtype), shard_name, m)
+        else:
+            full = tp.traced_all_gather(shard.to(gather_dtype), rt.shard_group, rt.shard_size)
         if not grad_sync:
-            full = full + (acc - acc.detach()).to(gather_dtype)
+            full = full + (rt.accumulator - rt.accumulator.detach()).to(full.dtype)
         for i, offset, numel, shape in views:
             out[i] = full[offset:offset + numel].view(shape)
     return optree.tree_unflatten(treespec, out)
 
 
+def padded(spans: list, total: int, like: torch.Tensor) -> torch.Tensor:
+    """One flat tensor of ``total`` elements: each ``(tensor, lo, hi)`` of ``spans`` (in
+    order) flattened at ``lo``, zeros (of ``like``'s dtype and device) between and after
+    them. One ``cat``, or the tensor itself where it is the whole."""
+    parts, pos = [], 0
+    for x, lo, hi in spans:
+        if lo > pos:
+            parts.append(like.new_zeros(lo - pos))
+        parts.append(x.reshape(-1))
+        pos = max(pos, hi)
+    if pos < total or not parts:
+        parts.append(like.new_zeros(total - pos))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
 
 def _regather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     """Selective activation checkpointing: recompute (re-gather) the all-gathers and their
     waits in backward, save everything else."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
     if op in tp.traced_gather_ops() or getattr(op, "is_view", False):
         return CheckpointPolicy.MUST_RECOMPUTE  # views cost nothing to redo
     return CheckpointPolicy.PREFER_SAVE
@@ -371,37 +352,25 @@ def traced_run_layers(layer_fn: Any, layers: list, h: Any, opts: dict) -> Any:
     Raises:
         ValueError: as :func:`traced_gather`.
     """
-    import functools
-
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
-    if tp.compiling():
-        tp.enable_compiled_backward()  # runs while tracing: lets dynamo trace its backward
-
-    grad_sync, grad_reduce = opts["grad_sync"], opts["grad_reduce"]
-    reshard_after_forward = opts["reshard_after_forward"] is not False
     contexts = []  # read here, outside the checkpointed region below: dynamo guards them
-    for layer in layers:
-        for piece in layer:
-            leaves = traced_leaves(piece.shards, piece.spec, piece.what)[0]
-            if grad_sync:  # what grad_sync=False backwards left unreduced
-                _flush_tree(leaves, piece.spec, grad_reduce, piece.what)
-            contexts.append(unit_context(leaves, piece.spec, piece.what))
+    for piece in (piece for layer in layers for piece in layer):
+        leaves = traced_leaves(piece.shards, piece.spec, piece.what)[0]  # (lets dynamo trace
+        contexts.append(unit_context(leaves, piece.spec, piece.what))      # the backward)
+        if opts["grad_sync"]:  # what grad_sync=False backwards left unreduced
+            _flush(leaves, contexts[-1], opts["grad_reduce"])
     shards = [[piece.shards for piece in layer] for layer in layers]
 
     def run(shards, h):
         found = iter(contexts)
         for layer, trees in zip(layers, shards):
             h = layer_fn(assemble_layer(layer, [
-                traced_gather(tree, piece.spec, opts, flush=False, context=next(found))
+                traced_gather(tree, piece.spec, opts, next(found))
                 for piece, tree in zip(layer, trees)]), h)
         return h
 
-    if not reshard_after_forward:
+    if opts["reshard_after_forward"] is False:
         return run(shards, h)
     # One region (the compiler rematerialises one per forward-loss-backward graph): every
     # all-gather is recomputed where the backward needs its unit, everything else is saved.
-    h = checkpoint(run, shards, h, use_reentrant=False,
-                   context_fn=functools.partial(create_selective_checkpoint_contexts,
-                                                _regather_policy))
-    return h
+    return checkpoint(run, shards, h, use_reentrant=False, context_fn=functools.partial(
+        create_selective_checkpoint_contexts, _regather_policy))

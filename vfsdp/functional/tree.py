@@ -236,9 +236,7 @@ def match_tree(tree: Any, spec: ShardSpec, what: str) -> list:
     if not spec.same_structure(treespec, tree):
         refuse_structure(paths, treespec, spec, what)
     for path, leaf, s in zip(paths, leaves, spec.leaves()):
-        if not isinstance(s, TensorSpec):
-            continue
-        if not isinstance(leaf, torch.Tensor):
+        if isinstance(s, TensorSpec) and not isinstance(leaf, torch.Tensor):
             raise ValueError(f"{what}: {format_path(path)} should be a tensor, got "
                              f"{type(leaf).__name__}")
     return leaves

@@ -263,6 +263,10 @@ def compiling() -> bool:
     return torch.compiler.is_dynamo_compiling()
 
 
+def _waited(out: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
 def traced_all_gather(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
     """Every rank's 1-D ``x`` concatenated (``size`` ranks of the group named ``group_name``),
     as a traceable, differentiable functional collective: its backward reduce-scatters (sum).
@@ -270,15 +274,13 @@ def traced_all_gather(x: torch.Tensor, group_name: str, size: int) -> torch.Tens
     2.13; 2.11 keeps it in ``_c10d_functional_autograd``)."""
     ops = torch.ops._c10d_functional_autograd if _torch_version() < (2, 12) else \
         torch.ops._c10d_functional
-    out = ops.all_gather_into_tensor(x.contiguous(), size, group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
+    return _waited(ops.all_gather_into_tensor(x.contiguous(), size, group_name))
 
 
 def traced_all_reduce(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
     """``x`` reduced over the group named ``group_name``: a traceable functional collective
     (not differentiable: for norms and for gradients inside a backward)."""
-    out = torch.ops._c10d_functional.all_reduce(x.contiguous(), op, group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
+    return _waited(torch.ops._c10d_functional.all_reduce(x.contiguous(), op, group_name))
 
 
 def traced_sum_autograd(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
@@ -289,23 +291,21 @@ def traced_sum_autograd(x: torch.Tensor, group_name: str, size: int) -> torch.Te
     if _torch_version() < (2, 12):
         full = traced_all_gather(x.reshape(-1), group_name, size)
         return full.view(size, -1).sum(0).view(x.shape)
-    out = torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
+    return traced_all_reduce(x, "sum", group_name)
 
 
 def traced_reduce_scatter(x: torch.Tensor, op: str, group_name: str, size: int) -> torch.Tensor:
     """``x`` (1-D, ``size * n`` elements) reduced over the group, this rank's ``n``: traceable."""
-    out = torch.ops._c10d_functional.reduce_scatter_tensor(x.contiguous(), op, size, group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
+    return _waited(torch.ops._c10d_functional.reduce_scatter_tensor(x.contiguous(), op, size,
+                                                                     group_name))
 
 
 def traced_all_to_all(x: torch.Tensor, recv_sizes: list, send_sizes: list,
                       group_name: str) -> torch.Tensor:
     """``all_to_all_single`` of the 1-D ``x`` with uneven splits (elements per rank) over the
     group named ``group_name``: a traceable functional collective (not differentiable)."""
-    out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), list(recv_sizes),
-                                                       list(send_sizes), group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
+    return _waited(torch.ops._c10d_functional.all_to_all_single(x.contiguous(), list(recv_sizes),
+                                                                 list(send_sizes), group_name))
 
 
 def traced_gather_ops() -> tuple:

@@ -16,10 +16,10 @@ def group_ops_keep_padding_zero():
     world = dist.get_world_size()
     spec = _unit_spec(world)
     db = DBuffer(spec.units[("layers", 0)], resolve_groups(spec))
-    for k, local in enumerate(db.local_views()):
-        local.data.fill_(1.0 + k)
+    for k in range(len(db)):
+        db.local(k).data.fill_(1.0 + k)
     other = db.like()
-    other.copy_(db).scale_(3.0).add_(db, alpha=-1.0)
+    other.copy_(db).add_(db)
     cast = db.like(torch.bfloat16, name="bf16")
     cast.copy_(db)
     mask = torch.ones(db.shard.numel(), dtype=torch.bool)
@@ -40,17 +40,17 @@ def release_lets_go_of_memory():
     world = dist.get_world_size()
     spec = _unit_spec(world)
     db = DBuffer(spec.units[("layers", 0)], resolve_groups(spec))
-    for local in db.local_views():
-        local.data.fill_(float(dist.get_rank() + 1))
+    for k in range(len(db)):
+        db.local(k).data.fill_(float(dist.get_rank() + 1))
     assert not db.is_allocated
     try:
-        db.full_views()
+        db.full(0)
         return False  # full views of a released buffer must be refused
     except RuntimeError:
         pass
     handle = db.all_gather(async_op=True)
     handle.wait()
-    fulls = db.full_views()
+    fulls = [db.full(k) for k in range(len(db))]
     first = [f.clone() for f in fulls]
     derived = [f.T if f.dim() == 2 else f[1:] for f in fulls]  # not vfsdp's to change
     db.free_global()
@@ -59,7 +59,7 @@ def release_lets_go_of_memory():
                    and f.shape == a.shape for f, a in zip(fulls, first))
     kept = all(torch.equal(d, a.T if a.dim() == 2 else a[1:]) for d, a in zip(derived, first))
     db.all_gather()
-    again = db.full_views()
+    again = [db.full(k) for k in range(len(db))]
     return (released and kept and all(torch.equal(a, b) for a, b in zip(first, again))
             and all(type(f) is ReleasedTensor for f in fulls))
 

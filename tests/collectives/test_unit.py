@@ -245,7 +245,7 @@ def test_only_the_units_transitions_issue_unit_collectives():
         for path in sorted((root / sub).glob("*.py")):
             for n, line in enumerate(path.read_text().splitlines(), 1):
                 code = line.split("#")[0]
-                if re.search(r"\.(all_gather|reduce_scatter|reduce_scatter_new|regather)\(", code) \
+                if re.search(r"\.(all_gather|reduce_scatter|regather)\(", code) \
                         and ">>>" not in code and "vfsdp.reduce_scatter(" not in code:
                     bad.append(f"{path.name}:{n}: {line.strip()}")
     assert bad == []

@@ -35,20 +35,19 @@ exchange the wrong elements, and different sizes abort the process. The first ti
 used on a group (``vfsdp.shard``, ``vfsdp.scatter``, ...), every rank all-gathers the spec's
 32-byte fingerprint over the shard group (and the replicate group under HSDP). On a mismatch
 the ranks exchange a short description of each unit and every rank raises, naming the first
-unit that differs. The result is remembered on the spec, per group.
+unit that differs. Each rank remembers the result, per spec and group.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import threading
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -148,6 +147,10 @@ class _PerThread(threading.local):
     def __init__(self) -> None:
         self.hosts: dict = {}
         self.meshes: dict = {}
+        self.agreed: dict = {}  # (spec fingerprint, grid) -> the default group it was checked in
+        self.stack: list = []  # meshes entered with vfsdp.lax.use_mesh
+        self.axes: dict = {}  # {(mesh id, axes): (mesh, Axis)} of several axes (mesh.axis_of)
+        self.observers: list = []  # of DBuffer events (dbuffer.observe)
         self.side: Optional[tuple] = None
         self.device: Optional[torch.device] = None
         self.depth = 0
@@ -166,7 +169,7 @@ def _forget_groups() -> None:
     _TLS.__init__()
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class MeshGroups:
     """Where a spec's collectives run on this rank.
 
@@ -431,10 +434,9 @@ def host_groups(groups: MeshGroups) -> MeshGroups:
         rows = [dist.new_group(list(row), backend="gloo") for row in groups.grid]
         cols = ([dist.new_group(list(col), backend="gloo") for col in zip(*groups.grid)]
                 if groups.replicate is not None else None)
-        found = _TLS.hosts[groups.grid] = MeshGroups(
-            rows[groups.replicate_rank], None if cols is None else cols[groups.shard_rank],
-            groups.shard_rank, groups.shard_size, groups.replicate_rank, groups.replicate_size,
-            torch.device("cpu"), groups.grid)
+        found = _TLS.hosts[groups.grid] = dataclasses.replace(
+            groups, shard=rows[groups.replicate_rank], device=torch.device("cpu"),
+            replicate=None if cols is None else cols[groups.shard_rank])
     return found
 
 
@@ -524,33 +526,19 @@ def _check(spec: ShardSpec, group, device: torch.device) -> None:
                        f"differ); {fix}")
 
 
-# This process's record of the specs its ranks checked, per world and grid (the spec itself is
-# never written: a plan is data).
-_AGREED: dict = {}  # id(spec) -> {(id(world), grid): the world}, while the spec lives
-
-
 def agree_on_spec(spec: ShardSpec, groups: MeshGroups) -> None:
     """Collective, once per spec and group: every rank holds this spec.
 
     Raises:
         SpecMismatch: on every rank, naming the first unit that differs.
     """
-    world = dist.group.WORLD
-    key = (id(world), groups.grid)
-    agreed = _AGREED.get(id(spec))
-    if agreed is None:  # by identity: equal specs of two simulated ranks are two records
-        agreed = _AGREED[id(spec)] = {}
-        weakref.finalize(spec, _AGREED.pop, id(spec), None)
-    ref = agreed.get(key)
-    if ref is not None and ref() is world:
+    key = (spec.fingerprint, groups.grid)  # this rank's (thread's) record: a plan is data
+    if _TLS.agreed.get(key) is dist.group.WORLD:
         return
     _check(spec, groups.shard, groups.device)
     if groups.replicate is not None:
         _check(spec, groups.replicate, groups.device)
-    try:
-        agreed[key] = weakref.ref(world)
-    except TypeError:  # a process group without weak references: remember it by identity
-        agreed[key] = lambda w=world: w
+    _TLS.agreed[key] = dist.group.WORLD
 
 
 REDUCE_OPS = ("sum", "avg")
@@ -652,12 +640,6 @@ def check_op(op: str):
     return dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.AVG
 
 
-def _alone(group) -> bool:
-    """Whether the group is this rank alone: its collectives are local copies (or nothing),
-    without a call into the backend (FSDP2 skips them the same way)."""
-    return dist.get_world_size(group) == 1
-
-
 def _issue(count: str, nbytes: int, group, out: torch.Tensor, call: Callable[[], Any],
            async_op: bool = False, inp: Optional[torch.Tensor] = None) -> Any:
     """Count one collective (``nbytes`` under ``count``) and run ``call()`` (the backend's
@@ -665,7 +647,7 @@ def _issue(count: str, nbytes: int, group, out: torch.Tensor, call: Callable[[],
     by a local copy (if given and not the same memory; op counters leave it out, as the
     backend's). Returns the work when ``async_op`` (a done :class:`Handle` alone), else ``out``."""
     counts().update({count: 1, f"{count}_bytes": nbytes})
-    if _alone(group):
+    if dist.get_world_size(group) == 1:  # this rank alone: no call into the backend (as FSDP2)
         if inp is not None and (out.data_ptr() != inp.data_ptr() or out.dtype != inp.dtype):
             with torch.no_grad(), collective_scope():
                 out.copy_(inp.reshape(out.shape))
@@ -696,8 +678,8 @@ def all_reduce_(t: torch.Tensor, op: str = "sum", group=None):
     check_op(op)
     _issue("all_reduce", t.numel() * t.element_size(), group, t,
            lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
-    if op == "avg" and not _alone(group):
-        t.div_(dist.get_world_size(group))
+    if op == "avg" and (n := dist.get_world_size(group)) > 1:
+        t.div_(n)
     return t
 
 

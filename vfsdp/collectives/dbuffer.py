@@ -73,7 +73,6 @@ import contextlib
 import enum
 import functools
 import math
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -298,9 +297,6 @@ def slot_of(t: Any) -> Optional[Slot]:
     return getattr(t, SLOT, None) if isinstance(t, torch.Tensor) else None
 
 
-_LOCAL = threading.local()
-
-
 @contextlib.contextmanager
 def observe(observer: Callable[[str, Any], None]) -> Iterator[None]:
     """Call ``observer(event, dbuffer)`` for every buffer event on this thread inside the block.
@@ -312,17 +308,16 @@ def observe(observer: Callable[[str, Any], None]) -> Iterator[None]:
         >>> seen
         ['alloc']
     """
-    stack = _LOCAL.__dict__.setdefault("observers", [])
-    stack.append(observer)
+    comm._TLS.observers.append(observer)
     try:
         yield
     finally:
-        stack.remove(observer)
+        comm._TLS.observers.remove(observer)
 
 
 def emit(event: str, db: Any) -> None:
     """Report ``event`` about ``db`` to this thread's observers (none: nothing happens)."""
-    stack = getattr(_LOCAL, "observers", None)
+    stack = comm._TLS.observers
     if stack:
         for observer in list(stack):
             observer(event, db)
@@ -404,8 +399,6 @@ class DBuffer:
                       else torch.zeros(s, dtype=self.dtype, device=self.device))
         self._global_bytes = self._global.untyped_storage().nbytes()
         self._pending: Optional[Handle] = None
-        self.graphs = 0  # live autograd graphs that read this buffer's full views
-        self.release_pending = False  # release() was asked while such a graph was alive
         # Views are made on demand and point back at this DBuffer, which keeps only weak
         # references to those whose memory it may release (to turn them into ReleasedTensors):
         # no reference cycle, so dropping the shards frees the memory at once.
@@ -521,14 +514,6 @@ class DBuffer:
             self._saved[key] = view_of(self._global, *key)
         return self._saved[key]
 
-    def local_views(self) -> list[torch.Tensor]:
-        """Every tensor's local piece, in buffer order."""
-        return [self.local(i) for i in range(len(self))]
-
-    def full_views(self) -> list[torch.Tensor]:
-        """Every tensor's full view, in buffer order (gather first)."""
-        return [self.full(i) for i in range(len(self))]
-
     @property
     def global_buffer(self) -> torch.Tensor:
         """The ``m*S`` buffer (zero bytes of storage while released)."""
@@ -553,7 +538,6 @@ class DBuffer:
         """Allocate the global buffer (contents undefined): fresh memory for a buffer whose
         views are handed out, its own storage resized back for one only vfsdp reads. Views
         handed out since the last release (kept for a graph) read as live again."""
-        self.release_pending = False
         if not self.is_allocated:
             if self._fresh:
                 self._global = torch.empty(self._dead.numel(), dtype=self.dtype,
@@ -569,26 +553,6 @@ class DBuffer:
                 t.__class__ = torch.Tensor
         return self._global
 
-    def release(self, at_once: bool = True) -> None:
-        """Release the gathered memory, safely: the memory is freed now, or, while an autograd
-        graph that saved the full views is alive (``graphs > 0``), when the last such graph
-        finishes its backward or is dropped (its unit's ``graph_done``).
-
-        Args:
-            at_once: The full views handed out read as released
-                (:class:`~vfsdp.collectives.dbuffer.ReleasedTensor`) at once, as a user's
-                ``vfsdp.release`` asks. ``False`` (``free_after_backward``: one graph is done,
-                another may still be forwarding with them) only when the memory goes.
-        """
-        if not self.is_allocated:
-            return
-        if self.graphs > 0:
-            self.release_pending = True
-            if at_once:
-                self._release_views()
-            return
-        self.free_global()
-
     def free_global(self, wait: bool = True) -> None:
         """Release the global buffer's memory; views stay valid objects until re-allocated.
 
@@ -598,7 +562,6 @@ class DBuffer:
         """
         if wait:
             self.wait()
-        self.release_pending = False
         if not self.is_allocated:
             return
         if self._fresh:  # let go: the memory goes with the last tensor made from it
@@ -633,7 +596,7 @@ class DBuffer:
             self._pending = handle
         return handle
 
-    def all_gather(self, async_op: bool = False, source: Optional[torch.Tensor] = None) -> Handle:
+    def all_gather(self, async_op: bool = False) -> Handle:
         """Gather every rank's shard into the global buffer, in place; one collective.
 
         A ``COMPUTE`` buffer's shard is this rank's slice of the global buffer (allocate it
@@ -642,29 +605,19 @@ class DBuffer:
 
         Args:
             async_op: Return at once; ``handle.wait()`` before using the full views.
-            source: Send this ``S``-element tensor instead of the shard (e.g. a bf16 cast of
-                an fp32 master shard); it must have this buffer's dtype.
 
         Returns:
             A :class:`Handle`.
-
-        Raises:
-            ValueError: ``source`` has the wrong size or dtype.
         """
-        if source is not None and (source.numel() != self.shard.numel()
-                                   or source.dtype != self.dtype):
-            raise ValueError(f"all_gather source must be {self.shard.numel()} x {self.dtype}, "
-                             f"got {source.numel()} x {source.dtype}")
         self.wait()
         self.alloc_global()
-        src = self.shard if source is None else source  # a compute copy's: in fresh memory
-        out = self._global.data
+        src, out = self.shard, self._global.data  # (a compute copy's shard: in fresh memory)
         return self._launch(lambda a: comm.all_gather_into(out, src, self.groups.shard, a), async_op)
 
     def reduce_scatter(self, source: Optional[torch.Tensor] = None, op: str = "avg",
                        reduce_dtype: Optional[torch.dtype] = None, accumulate: bool = False,
                        async_op: bool = False, release: Optional[DBuffer] = None,
-                       then: Optional[Callable[[], Any]] = None) -> Handle:
+                       then: Optional[Callable[[], Any]] = None, new: bool = False) -> Handle:
         """Reduce-scatter ``source`` (default: this buffer's global buffer) into the shard.
 
         Over HSDP's replicate dim the result is then all-reduced, so ``op="avg"`` averages
@@ -681,6 +634,9 @@ class DBuffer:
             release: A DBuffer whose global buffer is ``source``: released once the result
                 is in the shard (the staging buffer of an asynchronous reduction).
             then: Called once the result is in the shard (the unit's ``on_reduced`` hooks).
+            new: Into a new ``S``-element tensor of this buffer's dtype, which the handle's
+                ``wait()`` returns (the gradients handed to autograd): this buffer is not
+                touched, nor waited for.
 
         Returns:
             A :class:`Handle`.
@@ -688,11 +644,17 @@ class DBuffer:
         Raises:
             ValueError: ``source`` has the wrong size, or ``op`` is unknown.
         """
-        src, rdt = self._reduce_source(self._global if source is None else source, op,
-                                       reduce_dtype)
-        self.wait()
-        self.ensure_shard(zero=accumulate)
-        direct = rdt == self.dtype and not accumulate
+        source = self._global if source is None else source
+        if source.numel() != self._global.numel():
+            raise ValueError(f"reduce_scatter source must have {self._global.numel()} elements, "
+                             f"got {source.numel()}")
+        comm.check_op(op)
+        rdt = reduce_dtype or source.dtype
+        src = source.detach().to(rdt)  # (no copy when it has the reduce dtype)
+        if not new:
+            self.wait()
+            self.ensure_shard(zero=accumulate)
+        direct = rdt == self.dtype and not accumulate and not new
         out = self.shard.data if direct else torch.empty(self.shard.numel(), dtype=rdt,
                                                           device=self.device)
         keep = [src]  # a cast copy is read by the collective until it is done: keep it alive
@@ -701,6 +663,8 @@ class DBuffer:
             keep.clear()
             if self.groups.replicate is not None:
                 comm.all_reduce_(out, op, self.groups.replicate)
+            if new:
+                return out.to(self.dtype)
             if accumulate:
                 self.shard.data.add_(out.to(self.dtype))
             elif not direct:
@@ -711,35 +675,8 @@ class DBuffer:
                 then()
             return self
 
-        return self._launch(lambda a: comm.reduce_scatter_into(out, src, op, self.groups.shard, a),
-                            async_op, done)
-
-    def _reduce_source(self, source: torch.Tensor, op: str,
-                       reduce_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.dtype]:
-        """The checked reduce-scatter input, detached and cast to the reduce dtype."""
-        if source.numel() != self._global.numel():
-            raise ValueError(f"reduce_scatter source must have {self._global.numel()} elements, "
-                             f"got {source.numel()}")
-        comm.check_op(op)
-        src = source.detach()
-        rdt = reduce_dtype or src.dtype
-        return (src if src.dtype == rdt else src.to(rdt)), rdt
-
-    def reduce_scatter_new(self, source: torch.Tensor, op: str = "avg",
-                           reduce_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Reduce-scatter ``source`` into a new ``S``-element tensor of this buffer's dtype
-        (over HSDP also all-reduced over the replicate dim); this buffer is not touched.
-
-        Raises:
-            ValueError: ``source`` has the wrong size, or ``op`` is unknown.
-        """
-        src, rdt = self._reduce_source(source, op, reduce_dtype)
-        out = torch.empty(self.shard.numel(), dtype=rdt, device=self.device)
-        with torch.no_grad():
-            comm.reduce_scatter_into(out, src, op, self.groups.shard)
-            if self.groups.replicate is not None:
-                comm.all_reduce_(out, op, self.groups.replicate)
-        return out if rdt == self.dtype else out.to(self.dtype)
+        fn = lambda a: comm.reduce_scatter_into(out, src, op, self.groups.shard, a)
+        return comm.launch(self.device, fn, False, done) if new else self._launch(fn, async_op, done)
 
     def local_shape(self, i: int) -> tuple:
         """Tensor ``i``'s local shape on this rank."""
@@ -800,10 +737,6 @@ class DBuffer:
     def zero_(self) -> DBuffer:
         """One kernel over the whole shard."""
         return self._inplace("zero_")
-
-    def scale_(self, factor: float) -> DBuffer:
-        """Multiply the shard by ``factor`` (one kernel)."""
-        return self._inplace("mul_", factor)
 
     def add_(self, other: Union[DBuffer, torch.Tensor], alpha: float = 1.0) -> DBuffer:
         """Add another buffer of the same layout (or a flat ``S``-element tensor)."""

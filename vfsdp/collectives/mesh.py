@@ -10,24 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
-from vfsdp.collectives.comm import world_mesh
+from vfsdp.collectives.comm import _TLS, world_mesh
 
 __all__ = ["mesh", "Axis", "axis_of", "axis_names", "use_mesh", "current_mesh"]
-
-class _PerThread(threading.local):
-    def __init__(self) -> None:
-        self.stack: list = []  # meshes entered with use_mesh on this thread (rank)
-        self.axes: dict = {}  # {(mesh id, axes): (mesh, Axis)} of several axes
-
-
-_TLS = _PerThread()
 
 
 def mesh(*axes: tuple[str, int]) -> Any:

@@ -131,15 +131,14 @@ class Redistribution:
             x for i in range(n) for x in _meet(i, dst[i][rank], src[i], self.recv_sizes))]
 
     def run(self, sources: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup] = None,
-            device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
-            async_op: bool = False) -> list[torch.Tensor] | Handle:
+            device: Optional[torch.device] = None, async_op: bool = False
+            ) -> list[torch.Tensor] | Handle:
         """Move ``sources`` (this rank's source pieces) to this rank's destination pieces.
 
         Args:
             sources: This rank's piece of each tensor, one dtype.
             group: The process group the ranks index (default: every rank).
             device: Device of the outputs (default: the first source's).
-            dtype: Dtype of the outputs when there are no sources (default float32).
             async_op: Return a :class:`Handle` at once.
 
         Returns:
@@ -151,7 +150,7 @@ class Redistribution:
         dtypes = {s.dtype for s in sources}
         if len(dtypes) > 1:
             raise ValueError(f"flat_redistribute: one dtype per call, got {sorted(map(str, dtypes))}")
-        dtype = dtypes.pop() if dtypes else (dtype or torch.float32)
+        dtype = dtypes.pop() if dtypes else torch.float32  # (no sources: empty outputs)
         device = device or (sources[0].device if sources else torch.device("cpu"))
         for i, piece in enumerate(sources):
             if piece.numel() != self.in_sizes[i]:

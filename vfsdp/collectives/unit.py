@@ -166,6 +166,7 @@ class _Life:
     state: UnitState = UnitState.RELEASED
     regather: bool = False  # resharded since its last gather: the backward gathers it again
     regathering: int = 0    # run_layers gathers awaiting their backward, on every rank alike
+    graphs: int = 0         # live autograd graphs of plain gathers that read the full views
 
     def wants_gather(self) -> bool:
         """Whether a backward gathers it again (``RESHARDED``, or a reshard a graph holds):
@@ -369,10 +370,12 @@ class Unit:
                 self._settle(db, life)
             return
         db.wait()
-        db.release(at_once)  # freed now, or at graph_done() while a plain gather's graph reads it
-        if db.release_pending:
+        if life.graphs > 0:  # a plain gather's graph reads it: freed at graph_done()
+            if at_once:
+                db._release_views()
             self._to(db, UnitState.HELD)
         else:
+            db.free_global()
             self._settle(db, life)
 
     def _settle(self, db: DBuffer, life: _Life) -> None:
@@ -385,25 +388,25 @@ class Unit:
         if regathers:
             self._of(db).regathering += 1
         else:
-            db.graphs += 1
+            self._of(db).graphs += 1
 
     def graph_done(self, db: DBuffer, regathers: bool = False) -> None:
         """``HELD`` -> ``RELEASED`` (``RESHARDED`` while gathers that regather await their
         backward) once the last plain gather's graph reading ``db``'s full views is done or
         dropped."""
-        if regathers:
-            return
-        db.graphs -= 1
-        if db.release_pending and db.graphs <= 0:
-            db.free_global()
-            self._settle(db, self._of(db))
+        if not regathers:
+            life = self._of(db)
+            life.graphs -= 1
+            if life.state is UnitState.HELD and life.graphs <= 0:
+                db.free_global()
+                self._settle(db, life)
 
     def keep_gathered(self, db: DBuffer) -> None:
         """A gather that would regather ``db`` for its backward (``run_layers``) was left
         gathered after its forward (the last layer, or no ``reshard_after_forward``): its
         graph reads the full views until :meth:`graph_done`, as a plain gather's does."""
         self._of(db).regathering -= 1
-        db.graphs += 1
+        self._of(db).graphs += 1
 
     def record_done(self, db: DBuffer, regathers: bool = False) -> None:
         """A gather of ``db`` no longer awaits its backward (it reduced, or no rank needs
@@ -602,7 +605,7 @@ class Unit:
                    reduce_dtype: Optional[torch.dtype]) -> torch.Tensor:
         """Reduce-scatter ``source`` into a new ``S``-element tensor (the gradients handed
         to autograd); the unit's buffers are not touched."""
-        return self.params.reduce_scatter_new(source, op=op, reduce_dtype=reduce_dtype)
+        return self.params.reduce_scatter(source, op, reduce_dtype, new=True).wait()
 
     @property
     def has_grads(self) -> bool:
@@ -613,8 +616,7 @@ class Unit:
         """The sharded gradient buffer (created zeroed on first use), after any reduction
         still writing it has finished."""
         if self._grads is None:
-            self._grads = DBuffer(self.layout, self.groups, self.params.dtype, Role.GRAD,
-                                  unit=self)
+            self._grads = self.params.like(role=Role.GRAD)
         self._grads.wait()
         return self._grads
 

@@ -51,8 +51,8 @@ def test_the_shapes_of_a_prepared_tp_tree_read_the_embeddings_global_shape():
         return Shard(1) if path[0] == "embed" else Shard(0) if path[-1] == "q" else Replicate()
 
     spec = vfsdp.plan(tree, mesh, tp=rule, tp_index=1)
-    split = split_params(tree, mesh, (2, 2), ("dp", "tp"), rule, "tp", 1)
-    got = Shapes.of_prepared(prepare(split.local, strided=split.strided))
+    local, strided, *_ = split_params(tree, mesh, (2, 2), ("dp", "tp"), rule, "tp", 1)
+    got = Shapes.of_prepared(prepare(local, strided=strided))
     assert got == Shapes.of(spec)
     assert (got.width, got.vocab) == (8, 12) and got.units[("layers", 0)][0] == 32
 

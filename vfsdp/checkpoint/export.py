@@ -201,7 +201,9 @@ def from_state_dict(state_dict: Optional[dict], tree_like: Any, spec: ShardSpec,
                   None)
         coords = (0, 0) if db is None else (db.groups.replicate_rank, db.groups.shard_rank)
         try:
-            box[0] = _check_source(state_dict, entries, key, strict) + (coords,)
+            box[0] = (None, _check_source(state_dict, entries, key, strict), coords)
+        except CheckpointError as exc:
+            box[0] = (str(exc), {}, coords)
         except Exception as exc:  # noqa: BLE001 - sent to every rank
             box[0] = (f"from_state_dict: checking the state dict failed: {exc}", {}, coords)
     dist.broadcast_object_list(box, group_src=src)
@@ -229,27 +231,30 @@ def from_state_dict(state_dict: Optional[dict], tree_like: Any, spec: ShardSpec,
     return unflatten(tree_like, spec, values)
 
 
-def _check_source(state_dict, entries, key, strict) -> tuple:
+def _check_source(state_dict, entries, key, strict) -> dict:
+    """The plain values of ``state_dict`` for ``entries``.
+
+    Raises:
+        CheckpointError: not a dict, a name missing, a shape or dtype mismatch, or (``strict``)
+            unused names.
+    """
     if not isinstance(state_dict, dict):
-        return (f"from_state_dict: rank with src needs a dict, got {type(state_dict).__name__}", {})
+        raise CheckpointError(f"from_state_dict: rank with src needs a dict, got {type(state_dict).__name__}")
     for e in entries:
         k = key[e.name]
         if k not in state_dict:
-            return (f"from_state_dict: no {k!r} in the state dict (for {e.name})", {})
+            raise CheckpointError(f"from_state_dict: no {k!r} in the state dict (for {e.name})")
         v = state_dict[k]
-        if e.kind == "value":
-            continue
-        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(e.shape) or v.dtype != e.dtype:
+        if e.kind != "value" and (not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(e.shape)
+                                  or v.dtype != e.dtype):
             got = (f"{tuple(v.shape)} {dtype_name(v.dtype)}" if isinstance(v, torch.Tensor)
                    else type(v).__name__)
-            return (f"from_state_dict: {k!r} is {got}, {e.name} needs {tuple(e.shape)} "
-                    f"{dtype_name(e.dtype)}", {})
-    if strict:
-        extra = sorted(set(state_dict) - set(key.values()))
-        if extra:
-            return (f"from_state_dict: unused names {extra[:5]}; pass strict=False to ignore "
-                    f"them", {})
-    return (None, {e.name: state_dict[key[e.name]] for e in entries if e.kind == "value"})
+            raise CheckpointError(f"from_state_dict: {k!r} is {got}, {e.name} needs {tuple(e.shape)} "
+                           f"{dtype_name(e.dtype)}")
+    extra = sorted(set(state_dict) - set(key.values())) if strict else None
+    if extra:
+        raise CheckpointError(f"from_state_dict: unused names {extra[:5]}; pass strict=False to ignore them")
+    return {e.name: state_dict[key[e.name]] for e in entries if e.kind == "value"}
 
 
 def _scatter_unit(db, group: list, state_dict, key, is_src: bool, coords: tuple,

@@ -203,10 +203,13 @@ def local_shape(placement: Placement, shape: Sequence[int], rank: int) -> tuple[
         >>> local_shape(RaggedShard((0,), (1, 3)), (4, 2), 1)
         (3, 2)
     """
-    shape = tuple(shape)
-    n = local_numel(placement, shape, rank)
-    if not placement.dims:
-        return shape if n else (0,)
-    trailing = shape[len(placement.dims):]
-    slab = math.prod(trailing)
-    return (n // slab if slab else 0, *trailing)
+    return piece_shape(tuple(shape), len(placement.dims), local_numel(placement, shape, rank))
+
+
+def piece_shape(shape: tuple, lead: int, n: int) -> tuple[int, ...]:
+    """The shape of ``n`` elements of a tensor of ``shape`` split over its first ``lead``
+    dims: ``(n // slab, *shape[lead:])``; with no ``lead`` dims ``shape`` itself, or ``(0,)``
+    when ``n`` is 0."""
+    if not lead:
+        return tuple(shape) if n else (0,)
+    return (n // (math.prod(shape[lead:]) or 1), *shape[lead:])

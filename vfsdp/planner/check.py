@@ -10,7 +10,7 @@ from typing import Any
 
 from vfsdp.placements.ragged import flat_range
 from vfsdp.planner.granularity import format_path
-from vfsdp.planner.spec import PASSTHROUGH, ShardSpec, TensorSpec, unit_name
+from vfsdp.planner.spec import PASSTHROUGH, ShardSpec, TensorSpec, over, unit_name
 
 __all__ = ["check_spec", "plan_stats"]
 
@@ -130,9 +130,9 @@ def plan_stats(spec: ShardSpec) -> dict[str, Any]:
     return {
         "total_numel": total,
         "padded_numel": padded,
-        "padding_ratio": (padded - total) / total if total else 0.0,
+        "padding_ratio": over(padded, total),
         "lower_bound_numel": bound,
-        "lower_bound_ratio": (bound - total) / total if total else 0.0,
+        "lower_bound_ratio": over(bound, total),
         "units": len(spec.units),
         "tensors": sum(1 for _ in spec.tensors()),
     }

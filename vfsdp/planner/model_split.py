@@ -8,7 +8,7 @@ of ``(name, size)`` axes with ``tp_index`` needs no process group at all.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import optree
 
@@ -16,25 +16,7 @@ from vfsdp.placements.strided import StridedRaggedShard
 from vfsdp.planner.abstract import ShapeDtype, is_tensor_leaf, leaf_meta
 from vfsdp.planner.granularity import format_path
 
-__all__ = ["split_params", "ModelSplit"]
-
-
-class ModelSplit(NamedTuple):
-    """What :func:`split_params` gives: the local tree, each leaf's placement, the data mesh.
-
-    Attributes:
-        local: The tree with every tensor leaf replaced by a :class:`ShapeDtype` of its piece
-            (ties kept: one object per tensor).
-        strided: Per leaf (optree order): its :class:`StridedRaggedShard`, or ``None`` (not a
-            tensor).
-        data_shape: The mesh shape without the model axis.
-        data_names: Its dim names.
-    """
-
-    local: Any
-    strided: list
-    data_shape: tuple
-    data_names: tuple
+__all__ = ["split_params"]
 
 
 def _index_of(mesh: Any, axis: str, tp_index: Optional[int], size: int) -> int:
@@ -70,7 +52,7 @@ def _placement(place: Any, path: tuple, shape: tuple) -> Optional[int]:
 
 
 def split_params(params: Any, mesh: Any, mesh_shape: tuple, mesh_names: Optional[tuple],
-                 rule: Callable[[tuple], Any], axis: str, tp_index: Optional[int]) -> ModelSplit:
+                 rule: Callable[[tuple], Any], axis: str, tp_index: Optional[int]) -> tuple:
     """Cut every tensor of ``params`` (global shapes) as ``rule`` says over ``axis``.
 
     Args:
@@ -83,7 +65,10 @@ def split_params(params: Any, mesh: Any, mesh_shape: tuple, mesh_names: Optional
         tp_index: The index along ``axis`` to plan for (``None``: this rank's).
 
     Returns:
-        A :class:`ModelSplit`.
+        ``(local, strided, data_shape, data_names)``: the tree with every tensor leaf replaced
+        by a :class:`ShapeDtype` of its piece (ties kept: one object per tensor); per leaf
+        (optree order) its :class:`StridedRaggedShard`, or ``None`` (not a tensor); the mesh
+        shape without the model axis, and its dim names.
 
     Raises:
         ValueError: no named mesh, no such axis, no data axis left, a bad index or rule
@@ -123,9 +108,8 @@ def split_params(params: Any, mesh: Any, mesh_shape: tuple, mesh_names: Optional
                     f"give both paths the same rule")
         local.append(piece)
         strided.append(st)
-    data_shape = mesh_shape[:d] + mesh_shape[d + 1:]
-    data_names = mesh_names[:d] + mesh_names[d + 1:]
-    return ModelSplit(optree.tree_unflatten(treespec, local), strided, data_shape, data_names)
+    return (optree.tree_unflatten(treespec, local), strided, mesh_shape[:d] + mesh_shape[d + 1:],
+            mesh_names[:d] + mesh_names[d + 1:])
 
 
 def _name(dim: Optional[int]) -> str:

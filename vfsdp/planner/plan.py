@@ -284,9 +284,8 @@ def plan(
         paths, leaves, _ = optree.tree_flatten_with_path(params)
         tied = find_ties(leaves, paths, [i for i, x in enumerate(leaves) if is_tensor_leaf(x)],
                          params)
-        split = split_params(params, mesh, mesh_shape, mesh_names, tp, tp_axis, tp_index)
-        params, strided = split.local, split.strided
-        mesh_shape, mesh_names = split.data_shape, split.data_names
+        params, strided, mesh_shape, mesh_names = split_params(params, mesh, mesh_shape, mesh_names,
+                                                               tp, tp_axis, tp_index)
     elif tp_index is not None:
         raise ValueError("vfsdp.plan: tp_index= without tp=; give the tp rule too")
     with paused_gc():
@@ -328,10 +327,8 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
     if tied is None:  # leaf index -> the one it repeats
         tied = find_ties(leaves, paths, all_idx, params, storage=not abstract)
     t_idx = [i for i in all_idx if i not in tied] if tied else all_idx
-    if len(t_idx) == len(leaves):  # every leaf a tensor, once
-        t_paths, t_leaves = paths, leaves
-    else:
-        t_paths, t_leaves = _taker(t_idx)(paths), _taker(t_idx)(leaves)
+    take = _taker(t_idx)  # one slice where every leaf is a tensor, once
+    t_paths, t_leaves = take(paths), take(leaves)
     shapes = list(map(tuple, map(attrgetter("shape"), t_leaves)))
     dtypes = list(map(attrgetter("dtype"), t_leaves))
     distinct_dtypes = set(dtypes)
@@ -395,8 +392,7 @@ def unit_layouts(prepared: Prepared, m: int, alignment_bytes: int = 16,
                 split = _suggest_split(numels, blocks, m, align, packing.shard_numel)
             solved[signature] = (packing, align, split)
         packing, align, split = solved[signature]
-        order = packing.order
-        take = _taker(order)
+        take = _taker(packing.order)
         layouts[key] = UnitLayout(
             key=key,
             world_size=m,
@@ -413,7 +409,7 @@ def unit_layouts(prepared: Prepared, m: int, alignment_bytes: int = 16,
             split=None if split is None else SplitSuggestion(
                 tuple(paths[k] for k in split[2]), split[0], split[1], sum(numels)
             ),
-            strided=() if strided is None else tuple(strided[idx[k]] for k in order),
+            strided=() if strided is None else tuple(strided[idx[k]] for k in packing.order),
         )
     return layouts
 
@@ -510,10 +506,8 @@ def _insertion_key(tree: Any, path: tuple) -> tuple:
     its dict; other entries as optree numbers them)."""
     key = []
     for entry in path:
-        if isinstance(tree, dict):
-            key.append(list(tree).index(entry))
-        else:
-            key.append(entry if isinstance(entry, int) else 0)
+        key.append(list(tree).index(entry) if isinstance(tree, dict)
+                   else entry if isinstance(entry, int) else 0)
         tree = tree[entry] if isinstance(tree, (dict, list, tuple)) else None
     return tuple(key)
 

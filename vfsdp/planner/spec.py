@@ -31,7 +31,7 @@ import optree
 import torch
 
 from vfsdp._torch_private import compiling as _compiling
-from vfsdp.placements.ragged import RaggedShard
+from vfsdp.placements.ragged import RaggedShard, piece_shape
 from vfsdp.placements.strided import StridedRaggedShard
 from vfsdp.planner.flatten import Structure
 from vfsdp.planner.granularity import format_path
@@ -57,9 +57,12 @@ def refuse_non_tree(tree: Any, what: str) -> None:
 
 def unit_name(key: Hashable) -> str:
     """Readable name of a unit key: ``('layers', 3)`` -> ``'layers.3'``, ``()`` -> ``'<root>'``."""
-    if isinstance(key, tuple):
-        return format_path(key)
-    return str(key)
+    return format_path(key) if isinstance(key, tuple) else str(key)
+
+
+def over(padded: int, total: int) -> float:
+    """``(padded - total) / total``: a padding ratio (0 when ``total`` is 0)."""
+    return (padded - total) / total if total else 0.0
 
 
 class _Passthrough:
@@ -205,14 +208,12 @@ class UnitLayout:
     @property
     def padding_ratio(self) -> float:
         """``(m*S - E) / E`` (0 for an empty unit)."""
-        e = self.total_numel
-        return (self.padded_numel - e) / e if e else 0.0
+        return over(self.padded_numel, self.total_numel)
 
     @property
     def lower_bound_ratio(self) -> float:
         """Padding ratio the lower bound would give."""
-        e = self.total_numel
-        return (self.world_size * self.lower_bound - e) / e if e else 0.0
+        return over(self.world_size * self.lower_bound, self.total_numel)
 
     @property
     def signature(self) -> tuple:
@@ -323,10 +324,7 @@ class TensorSpec:
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """``local_shape(self.placement, self.shape, rank)`` without building the placement."""
         start, stop = self.local_range(rank)
-        lead = len(self.dims)
-        if not lead:
-            return tuple(self.shape) if stop > start else (0,)
-        return ((stop - start) // (math.prod(self.shape[lead:]) or 1), *self.shape[lead:])
+        return piece_shape(self.shape, len(self.dims), stop - start)
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """Where ``rank``'s piece sits in that rank's ``S``-element shard buffer."""

@@ -130,27 +130,6 @@ def to_dtensor(shards: Any, spec: ShardSpec, *, mesh: Any = None, ragged: str = 
     return optree.tree_unflatten(spec.treespec, out)
 
 
-def model_placement(t: TensorSpec) -> tuple[Optional[Placement], str]:
-    """The DTensor placement over the model axis of a TP/EP-split tensor, or ``None`` and why
-    not.
-
-    DTensor's ``Shard`` cuts like ``torch.chunk``, vfsdp's model split like
-    ``torch.tensor_split``: they agree when the dim divides evenly (or chunk happens to give
-    the same sizes). DTensor applies mesh dims in order, so the data axes' ``Shard(0)`` of a
-    piece already cut along dim 0 by the model axis (model-major) has no placement either.
-    """
-    st = t.strided
-    if st.dim is None:
-        return Replicate(), ""
-    n = st.global_shape[st.dim]
-    chunk = [len(c) for c in torch.arange(n, device="meta").chunk(st.size)]
-    chunk += [0] * (st.size - len(chunk))
-    if tuple(chunk) != st.lengths:
-        return None, (f"its {st.describe()} split gives lengths {st.lengths}, DTensor's "
-                      f"Shard({st.dim}) (torch.chunk) {tuple(chunk)}")
-    return Shard(st.dim), ""
-
-
 def _placements(t: TensorSpec, spec: ShardSpec, mesh: Any, ragged: str) -> Optional[list]:
     """The DTensor placements of ``t`` on ``mesh`` (over the data axes, and the model axis of
     a ``tp=`` plan), or ``None`` where DTensor has none and ``ragged`` allows that.
@@ -164,8 +143,16 @@ def _placements(t: TensorSpec, spec: ShardSpec, mesh: Any, ragged: str) -> Optio
         if data is None and ragged == "error":
             raise ValueError(_ragged_message(t))
         return None if data is None else [Replicate()] * (len(spec.mesh_shape) - 1) + [data]
-    axis = spec.model_axis[0]
-    model, why = model_placement(t)
+    # DTensor's Shard cuts like torch.chunk, vfsdp's model split like torch.tensor_split: they
+    # agree when the dim divides evenly (or chunk happens to give the same sizes). DTensor
+    # applies mesh dims in order, so the data axes' Shard(0) of a piece already cut along dim 0
+    # by the model axis (model-major) has no placement either.
+    axis, st = spec.model_axis[0], t.strided
+    chunk = st.dim is not None and tuple(b - a for a, b in (
+        shard0_range((st.global_shape[st.dim],), st.size, r) for r in range(st.size)))
+    model = Replicate() if st.dim is None else Shard(st.dim) if chunk == st.lengths else None
+    why = "" if model is not None else (f"its {st.describe()} split gives lengths {st.lengths}, "
+                                        f"DTensor's Shard({st.dim}) (torch.chunk) {chunk}")
     if isinstance(data, Shard) and isinstance(model, Shard) and model.dim == 0:
         data, why = None, (f"the data axes split its {axis}-piece by rows too "
                            f"({axis}-major); DTensor orders mesh dims data-major")

@@ -264,14 +264,13 @@ class ModuleApply:
 
     def _claim(self) -> None:
         me = threading.get_ident()
-        if self._thread is None:
-            self._thread = me
-        elif self._thread != me:
+        if self._thread not in (None, me):
             raise RuntimeError(
                 "apply: called from a second thread. A call swaps the module's tensors in and "
                 "out of its attributes, so two threads sharing one module would read each "
                 "other's; under vfsdp.testing.simulate (ranks are threads) build the module and "
                 "functionalize it inside the rank's function")
+        self._thread = me
 
     def run_layers(self, shards: Any, spec: ShardSpec, *args: Any,
                    policy: Optional[Policy] = None, **kwargs: Any) -> Any:

@@ -164,7 +164,7 @@ def _estimate_parser(sub) -> None:
                        help="gradient accumulation: micro-batches per step (they split the tokens)")
     micro.add_argument("--micro-batch-tokens", type=int,
                        help="tokens per GPU of one micro-batch, the same at every count")
-    p.add_argument("--no-grad-sync", action="store_true",
+    p.add_argument("--no-grad-sync", dest="grad_sync", action="store_false",
                    help="with --micro-batches: reduce only the last micro-batch's gradients")
     p.add_argument("--logits-dtype", default="fp32", choices=sorted(DTYPES),
                    help="the loss's softmax and gradient dtype (default fp32)")
@@ -172,10 +172,11 @@ def _estimate_parser(sub) -> None:
                    help="float8 weight matmuls and float8 all-gathers")
     p.add_argument("--compiled", action="store_true",
                    help="under torch.compile: the kernels between the matmuls fused, the loss one")
-    p.add_argument("--eager-loss", action="store_true",
+    p.add_argument("--no-prefetch", dest="prefetch", action="store_false")
+    p.add_argument("--no-reshard", dest="reshard_after_forward", action="store_false",
+                   help="keep units after forward")
+    p.add_argument("--eager-loss", dest="fused_loss", action="store_const", const=False,
                    help="with --compiled: the loss stays eager (its softmax and gradient held)")
-    p.add_argument("--no-prefetch", action="store_true")
-    p.add_argument("--no-reshard", action="store_true", help="keep units after forward")
     p.add_argument("--vs", default="", help="also fsdp2 and/or megatron, comma-separated")
     p.add_argument("--json", help="write one record per GPU count and system here")
     p.add_argument("--png", help="draw scaling curves and the memory stack (matplotlib)")
@@ -200,19 +201,14 @@ def _estimate(args) -> int:
             import matplotlib  # noqa: F401  (refused now, not after the table)
         for path in (args.json, args.png):
             writable(path)
+        options = {k: v for k, v in vars(args).items() if k not in _NOT_SWEPT}
+        options.update({k: DTYPES[options[k]] for k in ("param_dtype", "reduce_dtype", "logits_dtype")
+                        if options[k]})
+        options["experts_per_token"] = options.pop("top_k")
+        if args.micro_batches is None:  # sweep refuses micro_batches with micro_batch_tokens
+            del options["micro_batches"]
         t0 = time.perf_counter()
-        rows = sweep(tree, counts, hw=args.hw, optimizer=args.optimizer, shard=args.shard,
-                     ep=args.ep, granularity=gran, tokens_per_gpu=args.tokens_per_gpu,
-                     global_tokens=args.global_tokens, vs=systems,
-                     param_dtype=DTYPES[args.param_dtype],
-                     reduce_dtype=DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
-                     experts_per_token=args.top_k, seq=args.seq, recompute=args.recompute,
-                     grad_sync=not args.no_grad_sync, micro_batch_tokens=args.micro_batch_tokens,
-                     **({} if args.micro_batches is None else {"micro_batches": args.micro_batches}),
-                     float8=args.float8, logits_dtype=DTYPES[args.logits_dtype],
-                     compiled=args.compiled, fused_loss=False if args.eager_loss else None,
-                     prefetch=not args.no_prefetch,
-                     reshard_after_forward=not args.no_reshard)
+        rows = sweep(tree, counts, granularity=gran, vs=systems, **options)
         secs = time.perf_counter() - t0
     except (ValueError, TypeError, OSError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -237,6 +233,9 @@ def _estimate(args) -> int:
     if args.png:
         print(_draw([e for s, e in rows if s == "vfsdp"], args.png))
     return 0
+
+
+_NOT_SWEPT = {"command", "shapes", "gpus", "granularity", "vs", "master_dtype", "json", "png"}
 
 
 def _int(option: str, text: str) -> int:
@@ -341,7 +340,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         gran = parse_granularity(args.granularity)
-        tree = load_shapes(args.shapes, DTYPES[args.dtype])
+        tree = _shapes(args.shapes, DTYPES[args.dtype])
         t0 = time.perf_counter()
         spec = plan(tree, args.world_size, granularity=gran, alignment_bytes=args.alignment_bytes)
         secs = time.perf_counter() - t0

@@ -34,9 +34,8 @@ from vfsdp.collectives.agree import agreed
 from vfsdp.collectives.comm import default_mesh, resolve_groups
 from vfsdp.collectives.dbuffer import DBuffer
 from vfsdp.collectives.redistribute import flat_redistribute, shard0_range
-from vfsdp.collectives.unit import Unit
-from vfsdp.functional.traced import prepare
-from vfsdp.functional.tree import group_by_unit, match_tree, units_of
+from vfsdp.functional.scatter import make_shards
+from vfsdp.functional.tree import match_tree, units_of
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
@@ -131,27 +130,6 @@ def to_dtensor(shards: Any, spec: ShardSpec, *, mesh: Any = None, ragged: str = 
     return optree.tree_unflatten(spec.treespec, out)
 
 
-def model_placement(t: TensorSpec) -> tuple[Optional[Placement], str]:
-    """The DTensor placement over the model axis of a TP/EP-split tensor, or ``None`` and why
-    not.
-
-    DTensor's ``Shard`` cuts like ``torch.chunk``, vfsdp's model split like
-    ``torch.tensor_split``: they agree when the dim divides evenly (or chunk happens to give
-    the same sizes). DTensor applies mesh dims in order, so the data axes' ``Shard(0)`` of a
-    piece already cut along dim 0 by the model axis (model-major) has no placement either.
-    """
-    st = t.strided
-    if st.dim is None:
-        return Replicate(), ""
-    n = st.global_shape[st.dim]
-    chunk = [len(c) for c in torch.arange(n, device="meta").chunk(st.size)]
-    chunk += [0] * (st.size - len(chunk))
-    if tuple(chunk) != st.lengths:
-        return None, (f"its {st.describe()} split gives lengths {st.lengths}, DTensor's "
-                      f"Shard({st.dim}) (torch.chunk) {tuple(chunk)}")
-    return Shard(st.dim), ""
-
-
 def _placements(t: TensorSpec, spec: ShardSpec, mesh: Any, ragged: str) -> Optional[list]:
     """The DTensor placements of ``t`` on ``mesh`` (over the data axes, and the model axis of
     a ``tp=`` plan), or ``None`` where DTensor has none and ``ragged`` allows that.
@@ -165,8 +143,16 @@ def _placements(t: TensorSpec, spec: ShardSpec, mesh: Any, ragged: str) -> Optio
         if data is None and ragged == "error":
             raise ValueError(_ragged_message(t))
         return None if data is None else [Replicate()] * (len(spec.mesh_shape) - 1) + [data]
-    axis = spec.model_axis[0]
-    model, why = model_placement(t)
+    # DTensor's Shard cuts like torch.chunk, vfsdp's model split like torch.tensor_split: they
+    # agree when the dim divides evenly (or chunk happens to give the same sizes). DTensor
+    # applies mesh dims in order, so the data axes' Shard(0) of a piece already cut along dim 0
+    # by the model axis (model-major) has no placement either.
+    axis, st = spec.model_axis[0], t.strided
+    chunk = st.dim is not None and tuple(b - a for a, b in (
+        shard0_range((st.global_shape[st.dim],), st.size, r) for r in range(st.size)))
+    model = Replicate() if st.dim is None else Shard(st.dim) if chunk == st.lengths else None
+    why = "" if model is not None else (f"its {st.describe()} split gives lengths {st.lengths}, "
+                                        f"DTensor's Shard({st.dim}) (torch.chunk) {chunk}")
     if isinstance(data, Shard) and isinstance(model, Shard) and model.dim == 0:
         data, why = None, (f"the data axes split its {axis}-piece by rows too "
                            f"({axis}-major); DTensor orders mesh dims data-major")
@@ -207,9 +193,9 @@ def _even_copies(db: DBuffer, moved: list, out: list, device_mesh, lead: list) -
         out[i] = _from_local(local, device_mesh, lead + [place], t.shape)
 
 
-def _source_ranges(x: Any, t: TensorSpec, rank: int, m: int, path: str,
-                   t_mesh: tuple) -> tuple[list, torch.Tensor]:
+def _source_ranges(x: Any, t: TensorSpec, rank: int, m: int, t_mesh: tuple) -> tuple[list, torch.Tensor]:
     """Per-rank source ranges of a DTensor (or full tensor) leaf, and this rank's piece."""
+    path = format_path(t.path)
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"vfsdp.from_dtensor: {path} should be a DTensor or tensor, got "
                          f"{type(x).__name__}")
@@ -288,29 +274,17 @@ def from_dtensor(tree: Any, spec: ShardSpec, *, mesh: Any = None,
                          f"tensors with vfsdp.shard(params, spec, mesh=mesh), or load a "
                          f"vfsdp.checkpoint")
     groups = resolve_groups(spec, mesh)
-    units = group_by_unit(spec)
-    m, rank = spec.world_size, groups.shard_rank
-
+    m, rank, leaf_specs = spec.world_size, groups.shard_rank, spec.leaves()
     found = agreed(lambda: {  # local checks first: a bad leaf on one rank must not hang the others
-        key: [_source_ranges(leaves[i], t, rank, m, format_path(t.path), spec.mesh_shape)
-              for i, t in members] for key, members in units.items()})
-    out, made = list(leaves), {}
-    with torch.no_grad():
-        for key, members in units.items():
-            unit = made[key] = Unit(spec.units[key], groups)  # the views' slots keep it alive
-            db = unit.params
-            src = [ranges for ranges, _ in found[key]]
-            pieces = [piece.to(db.device) for _, piece in found[key]]
-            dst = [[t.local_range(r) for r in range(m)] for _, t in members]
-            got = flat_redistribute(pieces, src, dst, groups.shard, db.device)
-            views: dict = {}  # one tensor per buffer index: a tie stays one tensor
-            for (i, t), piece in zip(members, got):
-                k = db.index(t.path)
-                if k not in views:
-                    views[k] = db.local(k)
-                    views[k].reshape(-1).copy_(piece)
-                    if requires_grad and views[k].is_floating_point():
-                        views[k].requires_grad_(True)
-                out[i] = views[k]
-    prepare(spec, made)  # what a compiled step reads, as vfsdp.shard's shards
-    return optree.tree_unflatten(spec.treespec, out)
+        key: [_source_ranges(leaves[i], leaf_specs[i], rank, m, spec.mesh_shape) for i, _ in members]
+        for key, members in spec.unit_leaves().items()})
+
+    def fill(db: DBuffer, members: list) -> None:  # one all_to_all_single moves the unit's rows
+        src, pieces = zip(*found[db.layout.key])
+        dst = [[db.tensors[k].local_range(r) for r in range(m)] for _, k in members]
+        got = flat_redistribute([p.to(db.device) for p in pieces], list(src), dst, groups.shard,
+                                db.device)
+        for k, piece in dict(zip((k for _, k in members), got)).items():  # a tie: once
+            db.local(k).reshape(-1).copy_(piece)
+
+    return make_shards(spec, groups, leaves, fill, requires_grad)

@@ -160,11 +160,11 @@ class ModuleApply:
         self._block_ties: dict = {}  # block -> {tied name: its tensor's name}, under the block
         if self.blocks is not None:
             where = format_path(self.blocks) + "." if self.blocks else ""
-            blocks = list(enumerate(module.get_submodule(where[:-1])))
-            first = {block: i for i, block in reversed(blocks)}  # each block at its first position
-            self._own = [x for block, i in first.items() for x in _stand_ins(block, f"{where}{i}.")]
+            # each block at its first position
+            first = {block: i for i, block in reversed(list(enumerate(module.get_submodule(where[:-1]))))}
             for block, i in first.items():
                 at = f"{where}{i}."
+                self._own += _stand_ins(block, at)
                 self._block_ties[block] = {n[len(at):]: t[len(at):] for n, t in ties.items()
                                            if n.startswith(at) and t.startswith(at)}
 
@@ -264,14 +264,13 @@ class ModuleApply:
 
     def _claim(self) -> None:
         me = threading.get_ident()
-        if self._thread is None:
-            self._thread = me
-        elif self._thread != me:
+        if self._thread not in (None, me):
             raise RuntimeError(
                 "apply: called from a second thread. A call swaps the module's tensors in and "
                 "out of its attributes, so two threads sharing one module would read each "
                 "other's; under vfsdp.testing.simulate (ranks are threads) build the module and "
                 "functionalize it inside the rank's function")
+        self._thread = me
 
     def run_layers(self, shards: Any, spec: ShardSpec, *args: Any,
                    policy: Optional[Policy] = None, **kwargs: Any) -> Any:
@@ -331,13 +330,13 @@ class ModuleApply:
             if inside[0] != inside[1]:
                 raise ValueError(f"apply.run_layers: {name} is tied to {target}, across the "
                                  f"blocks' boundary; call apply(vfsdp.gather(shards, spec), ...)")
-        block_spec = _at(spec, path)
+        block_spec = functools.reduce(operator.getitem, path, spec)
         values = merge(policy, {}, "apply.run_layers")
         if values["recompute"] is not None and "use_cache" not in kwargs and \
                 getattr(getattr(self.module, "config", None), "use_cache", False):
             kwargs["use_cache"] = False  # a cache written again by each recompute: off, as HF
-        run = LayerRun(layer_pieces(_at(shards, path), block_spec, None, "apply.run_layers"),
-                       values, "apply.run_layers")
+        run = LayerRun(layer_pieces(functools.reduce(operator.getitem, path, shards), block_spec, None,
+                                    "apply.run_layers"), values, "apply.run_layers")
         rest = {}  # the tensors outside the blocks (none when the module is the list of blocks)
         if path:
             plain = None if policy is None else dataclasses.replace(policy, recompute=None)
@@ -415,10 +414,6 @@ def _blocks(params: dict) -> Optional[tuple]:
                 yield from walk(v, (*path, k))
 
     return max(walk(params, ()), key=lambda f: f[0], default=(0, None))[1]
-
-
-def _at(tree: Any, path: tuple) -> Any:
-    return functools.reduce(operator.getitem, path, tree)
 
 
 def _pruned(tree: Any, path: tuple) -> Any:

@@ -45,7 +45,9 @@ class _Observing(TorchDispatchMode):
     def __enter__(self):
         self._events = observe(self.on_event)
         self._events.__enter__()
-        return super().__enter__()
+        out = super().__enter__()
+        self.sample()
+        return out
 
     def __exit__(self, *exc):
         try:
@@ -57,8 +59,7 @@ class _Observing(TorchDispatchMode):
         self.sample()
         out = func(*args, **(kwargs or {}))
         if self._adds_outputs:
-            for t in (out if isinstance(out, (list, tuple)) else (out,)):
-                self._add(t)
+            self._add(*(out if isinstance(out, (list, tuple)) else (out,)))
         self.sample()
         return out
 
@@ -90,15 +91,7 @@ class GatheredProbe(_Observing):
         super().__init__()
         self.peak_units = 0
         self.peak_bytes = 0
-        self._buffers: dict[int, weakref.ref] = {}
-        for db in _unit_buffers(trees):
-            if db.role.holds_params:
-                self._buffers[id(db)] = weakref.ref(db)
-
-    def __enter__(self):
-        out = super().__enter__()
-        self.sample()
-        return out
+        self._buffers = {id(db): weakref.ref(db) for db in _unit_buffers(trees) if db.role.holds_params}
 
     def on_event(self, event: str, db) -> None:
         if event == "alloc" and db.role.holds_params:
@@ -139,27 +132,23 @@ class LiveBytes(_Observing):
 
     def on_event(self, event: str, db) -> None:
         if event in ("create", "alloc"):
-            self._add(db.shard)
-            self._add(db.global_buffer)
+            self._add(db.shard, db.global_buffer)
 
     def track(self, *items: Any) -> LiveBytes:
         """Count these tensors' storages too; a vfsdp shard (or any tree of them) brings
         every buffer of its unit (parameters, copies, gradients, staging)."""
-        for item in items:
-            for t in optree.tree_leaves(item):
-                self._add(t)
-        for db in _unit_buffers(items):
-            self._add(db.shard)
-            self._add(db.global_buffer)
+        self._add(*optree.tree_leaves(list(items)))
+        self._add(*(t for db in _unit_buffers(items) for t in (db.shard, db.global_buffer)))
         return self
 
-    def _add(self, t) -> None:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+    def _add(self, *tensors: Any) -> None:
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
             try:
-                sid = storage_id(t)
+                refs = self._storages.setdefault(storage_id(t), [])
             except (RuntimeError, NotImplementedError):
-                return
-            refs = self._storages.setdefault(sid, [])
+                continue
             if len(refs) < 4:  # a few views suffice to see whether the storage lives
                 refs.append(weakref.ref(t))
 

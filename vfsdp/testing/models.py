@@ -104,10 +104,6 @@ def _rotary(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
-def _swiglu(h: torch.Tensor, p: dict) -> torch.Tensor:
-    return (F.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
-
-
 def _heads(h: torch.Tensor, p: dict, cfg: GPTConfig, heads: int, kv_heads: int) -> torch.Tensor:
     """Causal GQA over ``heads`` query and ``kv_heads`` key/value heads (all of them, or one
     tensor-parallel rank's): the attention output before ``wo``, ``(batch, seq, heads * hd)``."""
@@ -129,7 +125,7 @@ def block(p: dict, x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
     h = _rms(x, p["mlp_norm"])
     if "experts" in p:
         return x + mixture(p, h, cfg)
-    return x + _swiglu(h, p)
+    return x + moe.swiglu(h, p)
 
 
 def example_layer(tokens: int = 64, device: Optional[torch.device] = None) -> tuple:
@@ -172,7 +168,7 @@ def mixture(p: dict, h: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
         return out.view_as(h)
     # dense soft mixture: deterministic, same compute in every system
     gates = torch.softmax(h @ p["router"], dim=-1)
-    return sum(gates[..., e:e + 1] * _swiglu(h, ex) for e, ex in enumerate(p["experts"]))
+    return sum(gates[..., e:e + 1] * moe.swiglu(h, ex) for e, ex in enumerate(p["experts"]))
 
 
 def embed(io: dict, tokens: torch.Tensor) -> torch.Tensor:

@@ -89,9 +89,10 @@ def route(x: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     return ids, top / top.sum(-1, keepdim=True)
 
 
-def expert(p: dict, t: torch.Tensor, e: int) -> torch.Tensor:
-    """Expert ``e`` of the stacked experts ``p`` (SwiGLU) on the tokens ``t`` [N, D]."""
-    return (F.silu(t @ p["w_gate"][e]) * (t @ p["w_up"][e])) @ p["w_down"][e]
+def swiglu(t: torch.Tensor, p: dict) -> torch.Tensor:
+    """The SwiGLU MLP of ``p`` (``w_gate``, ``w_up``, ``w_down``; one expert's or a dense layer's)
+    on ``t``."""
+    return (F.silu(t @ p["w_gate"]) * (t @ p["w_up"])) @ p["w_down"]
 
 
 def moe_reference(params: dict, x: torch.Tensor, k: int) -> torch.Tensor:
@@ -112,7 +113,8 @@ def _routed(p: dict, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     for e in range(p["w_up"].shape[0]):
         tok, slot = (ids == e).nonzero(as_tuple=True)
         if tok.numel():
-            out = out.index_add(0, tok, expert(p, x[tok], e) * weights[tok, slot, None])
+            y = swiglu(x[tok], {k: w[e] for k, w in p.items()})  # expert e's tokens
+            out = out.index_add(0, tok, y * weights[tok, slot, None])
     return out
 
 

@@ -43,12 +43,6 @@ _NN_INIT = {name: fn for name, fn in vars(torch.nn.init).items()
             if callable(fn) and not name.startswith("_")}
 
 
-def _restore_nn_init() -> None:
-    for name, fn in _NN_INIT.items():
-        if getattr(torch.nn.init, name, fn) is not fn:
-            setattr(torch.nn.init, name, fn)
-
-
 _THREADS: list[threading.Thread] = []  # rank threads of earlier runs (to refuse leftovers)
 
 
@@ -62,7 +56,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
             f"running ({', '.join(t.name for t in left[:4])}): it timed out or was interrupted "
             f"while they were busy outside a collective. Wait for them to finish, or restart the "
             f"Python process (notebook kernel)")
-    _restore_nn_init()
+    vars(torch.nn.init).update(_NN_INIT)
     out: list = [None] * world_size
     failures: dict[int, str] = {}
     errors: dict[int, str] = {}  # rank -> its traceback, written by its thread
@@ -106,7 +100,7 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
     finally:
         sys.excepthook = hook
         torch.set_num_threads(threads_before)
-        _restore_nn_init()
+        vars(torch.nn.init).update(_NN_INIT)
     # Ranks that only died because another rank failed exit with SystemExit; keep real causes.
     real = {r: tb for r, tb in failures.items() if "Test termination event" not in tb}
     if failures:

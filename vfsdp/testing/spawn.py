@@ -79,26 +79,17 @@ def _worker(rank, world_size, init_file, err_path, dump_at, fn, args, kwargs, re
     os._exit(code)
 
 
-class _Tail:
-    """Copies a rank's stderr file to ours as it grows, and keeps what it read."""
-
-    def __init__(self, path: str) -> None:
-        self.path, self.data = path, b""
-
-    @property
-    def text(self) -> str:
-        return self.data.decode("utf-8", "replace")
-
-    def pump(self) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(len(self.data))
-                new = f.read()
-        except OSError:
-            return
-        self.data += new
-        sys.stderr.write(new.decode("utf-8", "replace"))
-        sys.stderr.flush()
+def _pump(path: str, seen: bytearray) -> None:
+    """Copy what a rank's stderr file at ``path`` gained to ours, and keep it in ``seen``."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(len(seen))
+            new = f.read()
+    except OSError:
+        return
+    seen += new
+    sys.stderr.write(new.decode("utf-8", "replace"))
+    sys.stderr.flush()
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **kwargs: Any) -> list:
@@ -131,9 +122,10 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
     failures: dict[int, str] = {}
     with tempfile.TemporaryDirectory(prefix="vfsdp-spawn-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        tails = [_Tail(os.path.join(tmp, f"rank{r}.stderr")) for r in range(world_size)]
+        errs = [os.path.join(tmp, f"rank{r}.stderr") for r in range(world_size)]
+        tails = [bytearray() for _ in range(world_size)]  # what each rank wrote to its stderr
         dump_at = time.time() + timeout - min(3.0, 0.15 * timeout)
-        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, tails[r].path,
+        procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, errs[r],
                                                    dump_at, fn, args, kwargs, results),
                              daemon=True) for r in range(world_size)]
         for p in procs:
@@ -142,8 +134,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
         # writing it would never exit if we waited for it first.
         deadline = time.monotonic() + timeout
         while len(out) + len(failures) < world_size and time.monotonic() < deadline:
-            for t in tails:
-                t.pump()
+            for r in range(world_size):
+                _pump(errs[r], tails[r])
             try:
                 rank, ok, value = results.get(timeout=0.2)
             except queue.Empty:
@@ -160,22 +152,22 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
         for r in hung:
             procs[r].kill()
             procs[r].join(5.0)
-        for t in tails:
-            t.pump()
+        for r in range(world_size):
+            _pump(errs[r], tails[r])
         for r in range(world_size):
             if r in out:
                 continue
-            code = procs[r].exitcode
+            code, text = procs[r].exitcode, tails[r].decode("utf-8", "replace")
             if r in hung:
                 why = (f"rank {r} did not finish within {timeout} s; "
-                       f"{waiting_in_dump(tails[r].text)}")
+                       f"{waiting_in_dump(text)}")
             elif r in failures:
                 why = failures[r]
             elif code is not None and code < 0:
                 why = f"rank {r} was killed by {signal.Signals(-code).name}"
             else:
                 why = f"rank {r} produced no result (exit code {code})"
-            tail = "\n".join(tails[r].text.rstrip().splitlines()[-30:])  # its last lines
+            tail = "\n".join(text.rstrip().splitlines()[-30:])  # its last lines
             failures[r] = why + (f"\n--- rank {r} stderr (last lines) ---\n{tail}" if tail
                                  and r not in failures else "")
     if failures:

@@ -1,6 +1,6 @@
 """Published FSDP training measurements against ``vfsdp.estimation.sweep``'s projection.
 
-``python benchmarks/published.py [--json OUT] [--round N]`` reads
+``python benchmarks/published.py [--json OUT] [--round N ...]`` reads
 ``benchmarks/published/rows.json`` (each row: its source, repository, commit, path, table and
 the row's text, the hardware, model, GPUs, micro-batch, accumulation, sequence, precision,
 checkpointing and the measured tokens/s per GPU and memory), runs each through the estimator
@@ -12,7 +12,7 @@ measured: torchtitan's pages log the caching allocator's peak reserved bytes,
 ``Estimate.peak_allocated``). Each row is estimated under the system it ran (``SYSTEMS``). The
 bands are printed for every row and again for the held-out rows (``"held_out": true``: added
 after the estimator was tuned, with the date added; nothing in ``vfsdp.estimation`` was
-changed for them), and with ``--round N`` for the held-out rows of that round alone
+changed for them), and with ``--round N`` (repeatable) for the held-out rows of that round alone
 (``"round": N``; rounds before the 4th carry none).
 
 The models' shapes come from their configurations (``MODELS``: torchtitan's Llama 2 and 3
@@ -180,15 +180,16 @@ def predict(row: dict):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write predicted and measured per row here")
-    ap.add_argument("--round", type=int, help="also the bands of this round's held-out rows alone "
-                                              "(the rows' \"round\")")
+    ap.add_argument("--round", type=int, action="append", default=[],
+                    help="also the bands of this round's held-out rows alone (the rows' \"round\"; "
+                         "repeat for several rounds)")
     args = ap.parse_args(argv)
     with open(ROWS, encoding="utf-8") as f:
         rows = json.load(f)["rows"]
     t0 = time.perf_counter()
     groups = {"all rows": lambda r: True, "held-out rows": lambda r: r["held_out"]}
-    if args.round is not None:
-        groups[f"held-out rows of round {args.round}"] = lambda r: r.get("round") == args.round
+    for n in args.round:
+        groups[f"held-out rows of round {n}"] = lambda r, n=n: r.get("round") == n
     bands = {title: {"bf16": [], "float8": [], "memory": []} for title in groups}
     out = []
     print(f"{'row':<24} {'hw':<9} {'gpus':>5} {'prec':<6} {'ckpt':<9} {'comp':<4} "

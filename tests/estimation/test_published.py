@@ -10,10 +10,10 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 FIELDS = {"id", "project", "repo", "commit", "path", "table", "quote", "hw", "model", "gpus",
           "shard", "micro_batch", "grad_accum", "seq", "precision", "compile", "recompute",
           "reduce", "tokens_per_s_per_gpu", "memory_gib", "memory_kind", "notes", "held_out"}
-# settings only some sources need (published.predict), a throughput quoted for all GPUs, a
-# memory quoted in decimal GB, a web address (an issue's or a pull request's thread)
+# settings only some sources need (published.predict), a throughput quoted for all GPUs or as
+# a step's seconds, a memory quoted in decimal GB, a web address (a thread or a post)
 OPTIONAL = {"master": ("bf16",), "grad_sync": (False,), "logits": ("bf16",), "reshard": (False,),
-            "tokens_per_s": None, "memory_gb": None, "url": None}
+            "tokens_per_s": None, "step_s": None, "memory_gb": None, "url": None}
 
 
 def _load():
@@ -45,6 +45,10 @@ def test_every_row_quotes_its_source_and_the_figures_it_records():
         if "tokens_per_s" in r:  # the source's figure is all GPUs'
             assert tps == round(r["tokens_per_s"] / r["gpus"], 2), r["id"]
             tps = r["tokens_per_s"]
+        if "step_s" in r:  # the source's figure is a step's seconds
+            tokens = r["micro_batch"] * r["seq"] * r["grad_accum"]
+            assert tps == round(tokens / r["step_s"], 2), r["id"]
+            tps = r["step_s"]
         assert any(re.search(rf"(^|[| ]){re.escape(text)}($|[| ])", r["quote"])
                    for text in (f"{tps:,}", str(tps), f"{tps:.2f}")), r["id"]
         if "url" in r:
@@ -91,14 +95,13 @@ def test_round_4_is_held_out_from_sources_no_earlier_row_cites():
 def test_round_5_is_held_out_from_sources_no_earlier_row_cites():
     # issue 40, a fifth round while the estimator is changed on the first four: at least 15
     # rows, 10 with memory (each reserved or allocated, as its source measured) and 4 float8,
-    # from sources (repository, path and table, or thread) no earlier row cites. One project is
-    # new (the AWS blog's SageMaker runs); the rest are torchtitan's and lightning-thunder's
-    # own pull requests, which no earlier row cited
+    # from 2 projects no earlier row came from and sources (repository, path and table, or
+    # thread) no earlier row cites
     new, old = _round(5)
     assert len(new) >= 15 and sum(r["precision"] == "float8" for r in new) >= 4
     assert sum(r["memory_gib"] is not None and r["memory_kind"] in ("reserved", "allocated")
                for r in new) >= 10
-    assert len({r["project"] for r in new} - {r["project"] for r in old}) >= 1
+    assert len({r["project"] for r in new} - {r["project"] for r in old}) >= 2
 
 
 def _round(n: int):

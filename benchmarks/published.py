@@ -1,6 +1,6 @@
 """Published FSDP training measurements against ``vfsdp.estimation.sweep``'s projection.
 
-``python benchmarks/published.py [--json OUT] [--round N]`` reads
+``python benchmarks/published.py [--json OUT] [--round N ...]`` reads
 ``benchmarks/published/rows.json`` (each row: its source, repository, commit, path, table and
 the row's text, the hardware, model, GPUs, micro-batch, accumulation, sequence, precision,
 checkpointing and the measured tokens/s per GPU and memory), runs each through the estimator
@@ -12,7 +12,7 @@ measured: torchtitan's pages log the caching allocator's peak reserved bytes,
 ``Estimate.peak_allocated``). Each row is estimated under the system it ran (``SYSTEMS``). The
 bands are printed for every row and again for the held-out rows (``"held_out": true``: added
 after the estimator was tuned, with the date added; nothing in ``vfsdp.estimation`` was
-changed for them), and with ``--round N`` for the held-out rows of that round alone
+changed for them), and with ``--round N`` (repeatable) for the held-out rows of that round alone
 (``"round": N``; rounds before the 4th carry none).
 
 The models' shapes come from their configurations (``MODELS``: torchtitan's Llama 2 and 3
@@ -122,13 +122,13 @@ MODELS = {
     "olmo-llama3-8b": lambda seq: llama(32, 4096, 14336, 32, 8, 100352),
 }
 # the system each project ran, as the estimator models it: FSDP2 (torchtitan), Megatron-FSDP,
-# and llm-foundry's and fms-fsdp's FSDP1, whose flat parameters copy and allocate as vfsdp's
-# buffers do (torchao's and AWS's rows ran torchtitan)
+# and llm-foundry's, fms-fsdp's and YaFSDP's baseline FSDP1, whose flat parameters copy and
+# allocate as vfsdp's buffers do (torchao's and AWS's rows ran torchtitan)
 SYSTEMS = {"pytorch/torchtitan": "fsdp2", "NVIDIA-NeMo/Megatron-Bridge": "megatron",
            "mosaicml/llm-foundry": None, "foundation-model-stack/fms-fsdp": None,
            "pytorch/ao": "fsdp2", "aws-samples/awsome-distributed-training": "fsdp2",
            "KempnerInstitute/KempnerForge": "fsdp2", "allenai/OLMo-core": "fsdp2",
-           "Lightning-AI/lightning-thunder": "fsdp2"}
+           "Lightning-AI/lightning-thunder": "fsdp2", "yandex/YaFSDP": None}
 COMPILE = {True: "yes", "blocks": "blk", False: "no"}
 
 
@@ -189,16 +189,17 @@ def predict(row: dict):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write predicted and measured per row here")
-    ap.add_argument("--round", type=int, help="also the bands of this round's held-out rows alone "
-                                              "(the rows' \"round\")")
+    ap.add_argument("--round", type=int, action="append", default=[],
+                    help="also the bands of this round's held-out rows alone (the rows' \"round\"; "
+                         "repeat for several rounds)")
     args = ap.parse_args(argv)
     with open(ROWS, encoding="utf-8") as f:
         rows = json.load(f)["rows"]
     t0 = time.perf_counter()
     still = sum(r["held_out"] for r in rows)  # rows tuned on since they were added are not
     groups = {"all rows": lambda r: True, f"held-out rows ({still} still held out)": lambda r: r["held_out"]}
-    if args.round is not None:
-        groups[f"held-out rows of round {args.round}"] = lambda r: r.get("round") == args.round
+    for n in args.round:  # a round's rows that are still held out
+        groups[f"held-out rows of round {n}"] = lambda r, n=n: r["held_out"] and r.get("round") == n
     bands = {title: {"bf16": [], "float8": [], "memory": []} for title in groups}
     out = []
     print(f"{'row':<24} {'hw':<9} {'gpus':>5} {'prec':<6} {'ckpt':<9} {'comp':<4} "

@@ -50,7 +50,6 @@ BUILDERS = {
     ("vfsdp/testing/runners.py", "waiting_in_dump"): "where a hung process waits",
     ("vfsdp/testing/simulate.py", "_simulate"): "a rank thread that did not finish",
     ("vfsdp/testing/spawn.py", "spawn"): "a rank process that hung, crashed or said nothing",
-    ("vfsdp/checkpoint/export.py", "_check_source"): "from_state_dict's source checks",
     ("vfsdp/checkpoint/export.py", "from_state_dict"): "from_state_dict's source failure",
     ("vfsdp/checkpoint/io.py", "_write"): "a save's checksum failure",
     ("vfsdp/checkpoint/storage.py", "read_manifest"): "hints of a missing checkpoint",
@@ -76,7 +75,7 @@ NOT_STRINGS = {
     ("vfsdp/checkpoint/atomic.py", "prepare", "FileExistsError(value)"):
         "the text of _prepare_rank0's _Exists, sent from rank 0",
     ("vfsdp/checkpoint/export.py", "from_state_dict", "CheckpointError(err)"):
-        "BUILDERS: _check_source and from_state_dict",
+        "BUILDERS: from_state_dict; _check_source's CheckpointErrors, sent from src",
     ("vfsdp/checkpoint/io.py", "_write", "_unwrap(exc, 'vfsdp.checkpoint.save')"):
         "_unwrap: the rank's own error (+ ' (rank N)') or a CheckpointError constructed there",
     ("vfsdp/checkpoint/io.py", "_write", "CheckpointError(errors[0])"): "BUILDERS: _write",

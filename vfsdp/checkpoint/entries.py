@@ -185,16 +185,15 @@ def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: st
         path = prefix + tuple(path)
         name = format_path(path)
         adapter = _adapter(leaf)
+        slot = slot_of(leaf) if isinstance(leaf, torch.Tensor) else None
+        if slot is not None and slot.view is View.LOCAL:
+            leaf = _db_piece(leaf, slot.buffer, slot.index, name)
         if adapter is not None:
             _flatten_into(adapter[0](leaf, spec), spec, path, out, what)
         elif isinstance(leaf, Piece):
             out.append(Entry(name, "sharded", tuple(leaf.shape), leaf.local.dtype, piece=leaf))
         elif isinstance(leaf, torch.Tensor):
-            slot = slot_of(leaf)
-            if slot is not None and slot.view is View.LOCAL:
-                p = _db_piece(leaf, slot.buffer, slot.index, name)
-                out.append(Entry(name, "sharded", tuple(p.shape), leaf.dtype, piece=p))
-            elif slot is not None:
+            if slot is not None:
                 raise ValueError(f"{what}: {name} is a gathered full view; pass the shards "
                                  f"(the tree vfsdp.shard returned), not vfsdp.gather's output")
             elif slot_of(leaf._base) is not None:

@@ -207,9 +207,21 @@ def local_shape(placement: Placement, shape: Sequence[int], rank: int) -> tuple[
 
 
 def piece_shape(shape: tuple, lead: int, n: int) -> tuple[int, ...]:
-    """The shape of ``n`` elements of a tensor of ``shape`` split over its first ``lead``
-    dims: ``(n // slab, *shape[lead:])``; with no ``lead`` dims ``shape`` itself, or ``(0,)``
-    when ``n`` is 0."""
+    """The shape of a piece of ``n`` elements of a tensor split over its first ``lead`` dims.
+
+    Args:
+        shape: The full tensor shape.
+        lead: How many leading dims are split (``len(placement.dims)``).
+        n: The piece's elements, a whole number of ``prod(shape[lead:])``-element slabs.
+
+    Returns:
+        ``(n // slab, *shape[lead:])``; with no ``lead`` dims (a 0-d tensor) ``shape``
+            itself, or ``(0,)`` when ``n`` is 0.
+
+    Example:
+        >>> piece_shape((10, 4), 1, 12)
+        (3, 4)
+    """
     if not lead:
         return tuple(shape) if n else (0,)
     return (n // (math.prod(shape[lead:]) or 1), *shape[lead:])

@@ -90,9 +90,7 @@ class StridedRaggedShard:
     @property
     def lengths(self) -> tuple[int, ...]:
         """Every index's length along :attr:`dim` (``()`` when replicated)."""
-        if self.dim is None:
-            return ()
-        return split_lengths(self.global_shape[self.dim], self.size)
+        return () if self.dim is None else split_lengths(self.global_shape[self.dim], self.size)
 
     @property
     def start(self) -> int:

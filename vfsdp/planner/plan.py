@@ -327,8 +327,10 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
     if tied is None:  # leaf index -> the one it repeats
         tied = find_ties(leaves, paths, all_idx, params, storage=not abstract)
     t_idx = [i for i in all_idx if i not in tied] if tied else all_idx
-    take = _taker(t_idx)  # one slice where every leaf is a tensor, once
-    t_paths, t_leaves = take(paths), take(leaves)
+    if len(t_idx) == len(leaves):  # every leaf a tensor, once
+        t_paths, t_leaves = paths, leaves
+    else:
+        t_paths, t_leaves = _taker(t_idx)(paths), _taker(t_idx)(leaves)
     shapes = list(map(tuple, map(attrgetter("shape"), t_leaves)))
     dtypes = list(map(attrgetter("dtype"), t_leaves))
     distinct_dtypes = set(dtypes)

@@ -68,10 +68,8 @@ def recipe(spec: Any) -> str:
         blocks[x.path] = _Code(f"vfsdp.rows({x.block // row})") if short else x.block
         units[x.path] = x.unit
     tree = optree.tree_unflatten(spec.treespec, leaves)
-    if spec.mesh_dim_names is not None:
-        mesh = tuple(zip(spec.mesh_dim_names, spec.mesh_shape))
-    else:
-        mesh = spec.mesh_shape[0] if len(spec.mesh_shape) == 1 else spec.mesh_shape
+    mesh = (tuple(zip(spec.mesh_dim_names, spec.mesh_shape)) if spec.mesh_dim_names is not None
+            else spec.mesh_shape[0] if len(spec.mesh_shape) == 1 else spec.mesh_shape)
     aligned = sorted({u.alignment * u.dtype.itemsize for u in spec.units.values()})
     lines = ["import torch, vfsdp", "from vfsdp import ShapeDtype", f"params = {tree!r}",
              f"blocks = {blocks!r}  # each tensor's block: elements, or rows(k)",

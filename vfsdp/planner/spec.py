@@ -61,7 +61,19 @@ def unit_name(key: Hashable) -> str:
 
 
 def over(padded: int, total: int) -> float:
-    """``(padded - total) / total``: a padding ratio (0 when ``total`` is 0)."""
+    """A padding ratio.
+
+    Args:
+        padded: Elements with padding (``m * S``).
+        total: Elements of the tensors.
+
+    Returns:
+        ``(padded - total) / total``, or 0 when ``total`` is 0.
+
+    Example:
+        >>> over(12, 10)
+        0.2
+    """
     return (padded - total) / total if total else 0.0
 
 

@@ -204,15 +204,14 @@ def _source_ranges(x: Any, t: TensorSpec, rank: int, m: int, t_mesh: tuple) -> t
                          f"spec says {tuple(t.shape)} {t.dtype}")
     full = x.detach()
     if isinstance(x, DTensor):
-        places = list(x.placements)
+        *lead, last = x.placements
         mesh_shape = tuple(x.device_mesh.shape)
         if len(mesh_shape) != len(t_mesh) or mesh_shape[-1] != m:
             raise ValueError(f"vfsdp.from_dtensor: {path} lives on a mesh of shape {mesh_shape}, "
                              f"the spec was planned for {t_mesh}")
-        if any(not isinstance(p, Replicate) for p in places[:-1]):
-            raise ValueError(f"vfsdp.from_dtensor: {path} has placements {places}; every dim "
+        if any(not isinstance(p, Replicate) for p in lead):
+            raise ValueError(f"vfsdp.from_dtensor: {path} has placements {[*lead, last]}; every dim "
                              f"but the last (shard) mesh dim must be Replicate()")
-        last = places[-1]
         full = x.to_local().detach()
         if type(last) is Shard and last.dim == 0:
             if x.device_mesh.get_local_rank(len(mesh_shape) - 1) != rank:

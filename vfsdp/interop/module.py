@@ -73,11 +73,7 @@ def functionalize(module: torch.nn.Module) -> tuple[dict, ModuleApply]:
     every = list(module.named_parameters(remove_duplicate=False))
     first = {id(p): name for name, p in reversed(every)}  # a tensor's first registered name
     ties = {name: first[id(p)] for name, p in every if first[id(p)] != name}
-    tree: dict = {}
-    for name, p in module.named_parameters():  # each tensor once, under its first name
-        node, leaf = _parent(tree, name)
-        node[leaf] = p
-    params = _lists(module, tree, "")
+    params = _tree(module, "", set(first.values()))  # each tensor once, under its first name
     return params, ModuleApply(module, params, ties)
 
 
@@ -89,16 +85,17 @@ def _parent(tree: Any, name: str) -> tuple[Any, str]:
     return tree, leaf
 
 
-def _lists(module: torch.nn.Module, tree: dict, prefix: str) -> Any:
-    """``tree`` with the nodes of module lists whose every block holds parameters as lists."""
-    for key, sub in list(tree.items()):
-        if isinstance(sub, dict):
-            tree[key] = _lists(module, sub, f"{prefix}{key}.")
-    owner = module.get_submodule(prefix[:-1])
-    if isinstance(owner, (torch.nn.ModuleList, torch.nn.Sequential)) and \
-        set(tree) == {str(i) for i in range(len(tree))}:
-        return [tree[str(i)] for i in range(len(tree))]
-    return tree
+def _tree(module: torch.nn.Module, prefix: str, names: set) -> Any:
+    """The parameters of ``module`` (dotted ``prefix``) registered first under it (``names``),
+    nested by name; a module list whose every block holds some as a list."""
+    node = {k: p for k, p in module.named_parameters(recurse=False) if prefix + k in names}
+    for k, sub in module.named_children():
+        if child := _tree(sub, f"{prefix}{k}.", names):
+            node[k] = child
+    if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and \
+            set(node) == {str(i) for i in range(len(node))}:
+        return [node[str(i)] for i in range(len(node))]
+    return node
 
 
 class ModuleApply:

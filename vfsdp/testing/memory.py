@@ -27,11 +27,8 @@ from vfsdp.collectives.dbuffer import observe, slot_of
 
 def _unit_buffers(trees) -> list:
     """Every buffer of the units the vfsdp tensors in ``trees`` belong to."""
-    units: dict = {}
-    for t in optree.tree_leaves(list(trees)):
-        slot = slot_of(t)
-        if slot is not None and slot.unit is not None:
-            units[id(slot.unit)] = slot.unit
+    units = {id(slot.unit): slot.unit for slot in map(slot_of, optree.tree_leaves(list(trees)))
+             if slot is not None and slot.unit is not None}
     return [db for u in units.values() for db in u.buffers()]
 
 

@@ -115,17 +115,15 @@ def rank_generators() -> Iterator[torch.Tensor]:
     Yields the caller's default generator state, from which each rank starts.
     """
     with _LOCK:
-        for name, fn in _REPLACEMENTS.items():
-            _PATCHED[name] = getattr(torch, name)
-            setattr(torch, name, fn)
-            setattr(torch.random, name, fn)
+        _PATCHED.update((name, getattr(torch, name)) for name in _REPLACEMENTS)
+        for module in (torch, torch.random):
+            vars(module).update(_REPLACEMENTS)
     try:
         yield torch.default_generator.get_state()
     finally:
         with _LOCK:
-            for name in _REPLACEMENTS:
-                setattr(torch, name, _PATCHED[name])
-                setattr(torch.random, name, _PATCHED[name])
+            for module in (torch, torch.random):
+                vars(module).update(_PATCHED)
             _PATCHED.clear()
 
 

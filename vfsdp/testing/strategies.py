@@ -34,6 +34,7 @@ their data; the test never sees them): about 13 % of ``plans()``, 9 % of ``param
 
 from __future__ import annotations
 
+import itertools
 import math
 import zlib
 from collections.abc import Sequence
@@ -240,16 +241,13 @@ def param_trees(draw, max_layers: int = 3, max_tensors: int = 3, max_side: int =
         >>> tree["layers"], tree["root"], tree["note"]
         ([{'t0': tensor(1.)}, {'t0': tensor(2.)}], {}, 'passes through')
     """
-    counter = [0]
+    counter = itertools.count(1)  # the tensor's number, added to its values
 
     def tensor(shape, dtype):
-        counter[0] += 1
-        n = math.prod(shape)
         if meta:
             return torch.empty(shape, dtype=dtype, device="meta")
-        values = (torch.arange(n, dtype=torch.float64) * 0.25  # cpu: test data
-                   + counter[0]).reshape(shape)
-        return values.to(dtype)
+        values = torch.arange(math.prod(shape), dtype=torch.float64) * 0.25  # cpu: test data
+        return (values + next(counter)).reshape(shape).to(dtype)
 
     layers = []
     for _ in range(draw(st.integers(0, max_layers))):

@@ -13,6 +13,7 @@ FIELDS = {"id", "project", "repo", "commit", "path", "table", "quote", "hw", "mo
 # settings only some sources need (published.predict), a throughput quoted for all GPUs, a
 # memory quoted in decimal GB, a web address (an issue's or a pull request's thread)
 OPTIONAL = {"master": ("bf16",), "grad_sync": (False,), "logits": ("bf16",), "reshard": (False,),
+            "fp8_weights_saved": (True,),
             "tokens_per_s": None, "memory_gb": None, "url": None}
 
 
@@ -37,7 +38,8 @@ def test_every_row_quotes_its_source_and_the_figures_it_records():
     for r in rows:
         assert r["held_out"] in (True, False), r["id"]
         # a row added held out and later tuned on keeps its date and says when it was tuned on
-        dated = {"added", "round"} if r["held_out"] else {"added", "tuned_on"} if "tuned_on" in r else set()
+        assert not (r["held_out"] and "tuned_on" in r), r["id"]
+        dated = {"added", "round"} | ({"tuned_on"} if "tuned_on" in r else set())
         extra = set(r) - FIELDS - dated
         assert set(r) >= FIELDS and extra <= set(OPTIONAL), (r["id"], extra)
         assert all(OPTIONAL[k] is None or r[k] in OPTIONAL[k] for k in extra), r["id"]
@@ -88,7 +90,8 @@ def test_round_4_is_held_out_from_sources_no_earlier_row_cites():
     rows = _rows()
     new = [r for r in rows if "round" in r]
     old = [r for r in rows if "round" not in r]
-    assert all(r["round"] == 4 and r["held_out"] for r in new)
+    # (each held out, or tuned on since: 2026-12-05's float8 memory, lightning-thunder's 6)
+    assert all(r["round"] == 4 and (r["held_out"] or "tuned_on" in r) for r in new)
     assert len(new) >= 15 and sum(r["memory_gib"] is not None for r in new) >= 6
     assert sum(r["precision"] == "float8" for r in new) >= 4
     assert len({r["project"] for r in new} - {r["project"] for r in old}) >= 2

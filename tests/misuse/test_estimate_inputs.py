@@ -109,7 +109,10 @@ def test_the_api_names_the_argument():
                           ({"fused_loss": "yes"}, "fused_loss"),
                           ({"reduce_dtype": "fp32"}, "reduce_dtype"),
                           ({"recompute": "yes"}, "recompute"),
-                          ({"padding": "none"}, "unknown padding 'none'")]:
+                          ({"padding": "none"}, "unknown padding 'none'"),
+                          ({"float8_saved_weights": 1}, "float8_saved_weights must be True"),
+                          ({"float8_saved_weights": True, "float8": True},
+                           "needs float8=True and compiled=True")]:
         with pytest.raises(ValueError, match=match):
             vfsdp.estimate(spec, **kwargs)
     for kwargs, match in [({"tokens_per_gpu": 0}, "tokens_per_gpu"),

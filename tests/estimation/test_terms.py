@@ -95,8 +95,8 @@ def test_float8_keeps_the_unsharded_weights_in_one_byte_and_compile_may_save_the
     # float8 weight (its transpose) for the backward as well, one byte an element more
     spec = vfsdp.plan(_llama(layers=4, d=512), 8)
     layers = sum(8 * u.shard_numel for k, u in spec.units.items() if k != ())
-    kw = dict(tokens_per_rank=4096, seq=4096, reshard_after_forward=False, compiled=True,
-              baseline="fsdp2")
+    kw = {"tokens_per_rank": 4096, "seq": 4096, "reshard_after_forward": False, "compiled": True,
+          "baseline": "fsdp2"}
     bf16, fp8, saved = (vfsdp.estimate(spec, **kw, **extra) for extra in (
         {}, {"float8": True}, {"float8": True, "float8_saved_weights": True}))
     assert bf16.memory["buffers"] - fp8.memory["buffers"] == layers  # 2 bytes -> 1

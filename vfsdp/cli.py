@@ -172,6 +172,10 @@ def _estimate_parser(sub) -> None:
                    help="float8 weight matmuls and float8 all-gathers")
     p.add_argument("--compiled", action="store_true",
                    help="under torch.compile: the kernels between the matmuls fused, the loss one")
+    p.add_argument("--float8-saved-weights", action="store_true",
+                   help="with --float8 --compiled: each layer's unsharded float8 weights saved "
+                        "for its backward (torchao 2024-10 to 2025-06 without "
+                        "force_recompute_fp8_weight_in_bwd)")
     p.add_argument("--eager-loss", action="store_true",
                    help="with --compiled: the loss stays eager (its softmax and gradient held)")
     p.add_argument("--no-prefetch", action="store_true")
@@ -211,6 +215,7 @@ def _estimate(args) -> int:
                      **({} if args.micro_batches is None else {"micro_batches": args.micro_batches}),
                      float8=args.float8, logits_dtype=DTYPES[args.logits_dtype],
                      compiled=args.compiled, fused_loss=False if args.eager_loss else None,
+                     float8_saved_weights=args.float8_saved_weights,
                      prefetch=not args.no_prefetch,
                      reshard_after_forward=not args.no_reshard)
         secs = time.perf_counter() - t0

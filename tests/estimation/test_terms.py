@@ -171,7 +171,7 @@ def test_the_cli_takes_the_workload_options(tmp_path, capsys):
     for extra in (["--recompute"], ["--recompute", "selective"],
                   ["--micro-batches", "4", "--no-grad-sync"], ["--float8"],
                   ["--reduce-dtype", "fp32"], ["--logits-dtype", "bf16"], ["--compiled"],
-                  ["--compiled", "--eager-loss"]):
+                  ["--compiled", "--eager-loss"], ["--float8", "--compiled", "--float8-saved-weights"]):
         assert main(argv + extra) == 0, extra
     capsys.readouterr()
     assert main(argv + ["--micro-batches", "3"]) == 2

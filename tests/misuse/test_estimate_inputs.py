@@ -46,6 +46,7 @@ def _refused(capsys, argv, match):
     (["--micro-batch-tokens", "0"], "--micro-batch-tokens must be an int >= 1"),
     (["--micro-batch-tokens", "3000"], "micro_batch_tokens=3000 does not divide the 4096"),
     (["--hw", "tpu9"], "neither a profile"),
+    (["--float8-saved-weights", "--float8"], "float8_saved_weights=True needs float8=True and compiled"),
 ])
 def test_the_estimate_command_refuses_bad_options(shapes, capsys, extra, match):
     argv = ["estimate", shapes, "--gpus", "8", *extra]

@@ -167,7 +167,10 @@ def predict(row: dict):
     a source differs from the usual, ``master: "bf16"`` for bf16 weights and optimizer state,
     ``grad_sync: false`` for accumulation without a reduce-scatter until the last micro-batch,
     ``logits: "bf16"`` for a loss over bf16 logits, ``reshard: false`` for weights kept
-    unsharded from the forward to the backward: FSDP2's ``reshard_after_forward=False``)."""
+    unsharded from the forward to the backward: FSDP2's ``reshard_after_forward=False``,
+    ``fp8_weights_saved: true`` for a compiled float8 run whose torchao saved each layer's
+    unsharded float8 weights for its backward: from October 2024 to June 2025 without
+    ``force_recompute_fp8_weight_in_bwd``)."""
     tree = MODELS[row["model"]](row["seq"])
     optimizer = "adamw"  # vfsdp's: fp32 moments
     if row.get("master") == "bf16":  # the weights and so the optimizer's state kept in bf16:
@@ -182,6 +185,7 @@ def predict(row: dict):
                  fused_loss=row["compile"] is True, param_dtype=torch.bfloat16,
                  logits_dtype=torch.bfloat16 if row.get("logits") == "bf16" else torch.float32,
                  reshard_after_forward=row.get("reshard", True), vs=[system] if system else [],
+                 float8_saved_weights=row.get("fp8_weights_saved", False),
                  reduce_dtype=torch.float32 if row["reduce"] == "fp32" else torch.bfloat16)
     return rows[-1][1]
 

@@ -46,6 +46,7 @@ def _refused(capsys, argv, match):
     (["--micro-batch-tokens", "0"], "--micro-batch-tokens must be an int >= 1"),
     (["--micro-batch-tokens", "3000"], "micro_batch_tokens=3000 does not divide the 4096"),
     (["--hw", "tpu9"], "neither a profile"),
+    (["--float8-saved-weights", "--float8"], "float8_saved_weights=True needs float8=True and compiled"),
 ])
 def test_the_estimate_command_refuses_bad_options(shapes, capsys, extra, match):
     argv = ["estimate", shapes, "--gpus", "8", *extra]
@@ -109,7 +110,10 @@ def test_the_api_names_the_argument():
                           ({"fused_loss": "yes"}, "fused_loss"),
                           ({"reduce_dtype": "fp32"}, "reduce_dtype"),
                           ({"recompute": "yes"}, "recompute"),
-                          ({"padding": "none"}, "unknown padding 'none'")]:
+                          ({"padding": "none"}, "unknown padding 'none'"),
+                          ({"float8_saved_weights": 1}, "float8_saved_weights must be True"),
+                          ({"float8_saved_weights": True, "float8": True},
+                           "needs float8=True and compiled=True")]:
         with pytest.raises(ValueError, match=match):
             vfsdp.estimate(spec, **kwargs)
     for kwargs, match in [({"tokens_per_gpu": 0}, "tokens_per_gpu"),

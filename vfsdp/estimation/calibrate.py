@@ -112,8 +112,7 @@ def calibrate(layer: tuple, sizes: tuple = (2**12, 2**24),
         n = size // 4
         inp = torch.ones(n, device=device)
         out = torch.empty(world * n, device=device)
-        fits.append(_median_time(lambda: all_gather_into(out, inp), repeats)
-                    / max(world - 1, 1))
+        fits.append(_median_time(lambda: all_gather_into(out, inp), repeats) / max(world - 1, 1))
     if fits[1] > fits[0]:
         bw = (sizes[1] - sizes[0]) / (fits[1] - fits[0])
         latency = max(fits[0] - sizes[0] / bw, 1e-7)

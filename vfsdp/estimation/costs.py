@@ -57,8 +57,7 @@ class LayerCost:
 
 def _meta(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        out = torch.empty_like(x, device="meta")
-        return out.requires_grad_(x.requires_grad or x.is_floating_point())
+        return torch.empty_like(x, device="meta").requires_grad_(x.requires_grad or x.is_floating_point())
     return x
 
 
@@ -273,14 +272,13 @@ class Shapes:
         """``{unit key: LayerCost}`` for ``tokens`` tokens per rank under ``o``'s
         ``experts_per_token``, ``seq``, ``recompute``, ``logits_dtype`` and ``fused_loss``
         (see :func:`shape_costs`)."""
-        experts_per_token, seq = o.experts_per_token, o.seq
+        experts_per_token, seq, width, vocab = o.experts_per_token, o.seq, self.width, self.vocab
         s = o.logits_dtype.itemsize  # the loss's peak per token and vocabulary entry: fused,
         per_logit = 4 if o.fused_loss else max(2 + 2 * s, 3 * s)  # else eager (shape_costs)
         if experts_per_token is None and any(row[2] for row in self.units.values()):
             raise ValueError("estimate: the model has routed experts (paths "
                              "'...experts.<i>...' or stacked '...experts...'); pass "
                              "experts_per_token (top-k, e.g. 8 for DeepSeek-V3)")
-        width, vocab = self.width, self.vocab
         out = {}
         for key, (weights, per_expert, experts, has_embed, outs, expert_outs, mats, qo) in \
                 self.units.items():
@@ -292,8 +290,7 @@ class Shapes:
             attn = 6 * tokens * seq * inner if layer and seq and width else 0
             kept, again_per, share = _RECOMPUTE[o.recompute]
             # the forward's weight matmuls run again (a share of them), attention if full
-            extra = share * 2 * tokens * n + (attn / 3 if share == 1.0 else 0.0) if layer \
-                else 0.0
+            extra = share * 2 * tokens * n + (attn / 3 if share == 1.0 else 0.0) if layer else 0.0
             acts = again = ew = 0
             if layer and width:
                 full = saved_bytes(*mats, width, experts_per_token if experts else 0)

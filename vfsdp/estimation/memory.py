@@ -51,6 +51,7 @@ class UnitBytes:
     stage_shard: int  # the staging buffer's shard (a reduction dtype other than the params')
     grad_shard: int   # the reduced gradient shard
     accum: int        # grad_sync=False's accumulator: the full unit in the parameters' dtype
+    grads: int = 0    # FSDP2's unsharded gradients, autograd's: the full unit in the compute dtype
 
 
 def baseline_padding(u: UnitLayout, system: str) -> int:
@@ -83,7 +84,7 @@ def unit_bytes(units: Mapping[Any, UnitLayout], param_dtype: Optional[torch.dtyp
         p, c, r = u.dtype.itemsize, (param_dtype or u.dtype).itemsize, r_dtype.itemsize
         S, m = (sizes or {}).get(key, u.shard_numel), u.world_size
         out.append(UnitBytes(key, S * p, m * S * c, m * S * r,
-                             S * r if r_dtype != u.dtype else 0, S * p, m * S * p))
+                             S * r if r_dtype != u.dtype else 0, S * p, m * S * p, m * S * c))
     return out
 
 
@@ -168,8 +169,8 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
         first = [(f"gradient shard {u.key}", "gradients", u.stage_shard + (0 if acc else u.grad_shard))]
         # FSDP2: autograd's unsharded gradients, added into the accumulator and dropped, or
         # copied into the input
-        grads = [(f"unsharded gradients {u.key}", "buffers", u.gathered)] if copies else []
-        done = [(f"copied in {u.key}", "buffers", -u.gathered)] if copies else []
+        grads = [(f"unsharded gradients {u.key}", "buffers", u.grads)] if copies else []
+        done = [(f"copied in {u.key}", "buffers", -u.grads)] if copies else []
         red = [(f"reduce {u.key}", "buffers", u.reduce_in)]
         ev.extend(first + grads + done + red + freed + shard if acc else first + grads + red + done)
         return u

@@ -118,7 +118,12 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
               reduce dtype for the FSDP2 and Megatron-FSDP baselines.
             * ``float8``: Float8 weight matmuls (at ``Hardware.float8_efficiency`` of twice the
               bf16 peak, their inputs' and output gradients' casts at the memory bandwidth;
-              attention stays in bf16) and float8 all-gathers (one byte per weight crosses).
+              attention stays in bf16) and float8 all-gathers: the layers' weights cross and
+              stay unsharded in one byte an element (torchao's ``enable_fsdp_float8_all_gather``).
+            * ``float8_saved_weights``: With ``float8`` and ``compiled``, whether the compiled
+              step saves each layer's unsharded float8 weights (their transposes) for its
+              backward: torchao from October 2024 to June 2025 without
+              ``force_recompute_fp8_weight_in_bwd``; since, it recomputes them (default).
             * ``logits_dtype``: The dtype the loss's softmax and its gradient are in (the default
               costs' logits: an eager loss's peak, 12 bytes per token and vocabulary entry in fp32,
               6 in bf16).
@@ -134,11 +139,11 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
         ValueError: an unknown profile or optimizer, a model with experts and no
             ``experts_per_token``, ``tokens_per_rank``, ``experts_per_token``, ``seq`` or
             ``ep`` not an int >= 1, a negative ``comm_library_bytes``, ``fused_loss`` not a
-            bool, a ``rank`` outside the plan, ``micro_batches`` that do not divide
-            ``tokens_per_rank``, an unknown baseline or padding, or
-            ``model_parallel="tp"`` for a plan without a model axis, ``layers`` naming
-            a unit the plan does not have, or experts that do not fit the model's GPUs or
-            layers.
+            bool, ``float8_saved_weights`` without ``float8`` and ``compiled``, a ``rank``
+            outside the plan, ``micro_batches`` that do not divide ``tokens_per_rank``, an
+            unknown baseline or padding, or ``model_parallel="tp"`` for a plan without a
+            model axis, ``layers`` naming a unit the plan does not have, or experts that do
+            not fit the model's GPUs or layers.
         TypeError: ``spec`` or ``experts`` is not a :class:`ShardSpec`.
 
     Example:

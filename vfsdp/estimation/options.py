@@ -52,6 +52,7 @@ class Options:
     grad_sync: bool = True
     float8: bool = False
     compiled: bool = False
+    float8_saved_weights: bool = False
     logits_dtype: torch.dtype = torch.float32
     fused_loss: Optional[bool] = None
 
@@ -82,7 +83,10 @@ class Options:
                              f"a multiple")
         if self.fused_loss is None:  # a compiled step's loss is compiled too
             object.__setattr__(self, "fused_loss", self.compiled)
-        for name in ("grad_sync", "float8", "compiled", "fused_loss"):
+        for name in ("grad_sync", "float8", "compiled", "fused_loss", "float8_saved_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"estimate: {name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
+        if self.float8_saved_weights and not (self.float8 and self.compiled):
+            raise ValueError("estimate: float8_saved_weights=True needs float8=True and "
+                             "compiled=True (torch.compile saves them); pass both, or drop it")

@@ -194,9 +194,15 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     for p in parts:
         pm, pr = p.mesh_shape[-1], math.prod(p.mesh_shape[:-1])
         sizes = baseline_sizes(p.units, padding) if padding else None
-        ub = unit_bytes(p.units, param_dtype, o.reduce_dtype, sizes)
-        if baseline is None:  # vfsdp's staging buffer keeps no shard of its own (a slice of
-            ub = [dataclasses.replace(u, stage_shard=0) for u in ub]  # its global buffer)
+        # vfsdp's staging buffer keeps no shard of its own (a slice of its global buffer);
+        # float8 all-gathers (torchao's enable_fsdp_float8_all_gather: fsdp_pre_all_gather
+        # casts the shard, fsdp_post_all_gather wraps the gathered bytes in a Float8Tensor,
+        # torchao/float8/fsdp_utils.py at e919558) leave the layers' unsharded weights in one
+        # byte an element (their norms' few with them); the head and embedding stay bf16
+        ub = [dataclasses.replace(u, stage_shard=u.stage_shard * (baseline is not None),
+                                  gathered=u.gathered // _itemsize(param_dtype, p)
+                                  if o.float8 and u.key in layers else u.gathered)
+              for u in unit_bytes(p.units, param_dtype, o.reduce_dtype, sizes)]
         share = p.state
         if sizes:  # the same state per element, over the baseline's shards
             share = int(share * sum(sizes.values()) /
@@ -232,9 +238,7 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
                 shard_grad = u.reduce_in // pm
                 comm["all_reduce"] += shard_grad
                 red += 2 * ring(pr, shard_grad / pr, rep_link)
-            # float8 all-gathers: the weights cross in one byte, not the compute dtype's
-            gather = ring(pm, u.gathered / pm / (_itemsize(param_dtype, p) if o.float8 else 1),
-                          shard_link)
+            gather = ring(pm, u.gathered / pm, shard_link)
             # on the compute lane: the compute slowed beside the unit's collectives, the
             # host's own work per unit and step, and the copies (read and write)
             slow = prof.contention * (gathers * gather + red)
@@ -250,7 +254,10 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
         u.key: u.reduce_in if baseline in ("fsdp2", "megatron") else u.accum for u in ub}
     held = sum(acc.values())
     events = timeline(ub, layers, o.prefetch, o.reshard_after_forward,
-                      {k: c.activation_bytes for k, c in per_unit.items()},
+                      # and float8_saved_weights: each layer's unsharded float8 weights (their
+                      # transposes), one byte an element, saved from its forward to its backward
+                      {k: c.activation_bytes + by_key[k].gathered * (o.float8_saved_weights and k in layers)
+                       for k, c in per_unit.items()},
                       {k: c.recompute_bytes for k, c in per_unit.items()}, baseline == "fsdp2",
                       None if baseline == "megatron" else acc)
     base = shards + once + state + held  # once: Megatron's kept compute-dtype shard

@@ -91,10 +91,8 @@ def step_schedule(rest: list, layers: list, optimizer: float, prefetch: bool = T
         return comm_free
 
     now = max([0.0] + [issue(0.0, g) for g, _, _, _ in rest]) + fwd  # the compute lane
-    done = {}
     n = len(layers)
-    if n:
-        done[0] = issue(now, layers[0][0])
+    done = {0: issue(now, layers[0][0])} if n else {}
     for i in range(n):  # forward
         start = max(now, done[i])
         now = start + layers[i][1]

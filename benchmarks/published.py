@@ -170,7 +170,8 @@ def predict(row: dict):
     unsharded from the forward to the backward: FSDP2's ``reshard_after_forward=False``,
     ``fp8_weights_saved: true`` for a compiled float8 run whose torchao saved each layer's
     unsharded float8 weights for its backward: from October 2024 to June 2025 without
-    ``force_recompute_fp8_weight_in_bwd``)."""
+    ``force_recompute_fp8_weight_in_bwd``, ``fp8_all_gather: false`` for float8 matmuls over
+    weights gathered in bf16)."""
     tree = MODELS[row["model"]](row["seq"])
     optimizer = "adamw"  # vfsdp's: fp32 moments
     if row.get("master") == "bf16":  # the weights and so the optimizer's state kept in bf16:
@@ -186,6 +187,7 @@ def predict(row: dict):
                  logits_dtype=torch.bfloat16 if row.get("logits") == "bf16" else torch.float32,
                  reshard_after_forward=row.get("reshard", True), vs=[system] if system else [],
                  float8_saved_weights=row.get("fp8_weights_saved", False),
+                 float8_all_gather=row.get("fp8_all_gather", row["precision"] == "float8"),
                  reduce_dtype=torch.float32 if row["reduce"] == "fp32" else torch.bfloat16)
     return rows[-1][1]
 

@@ -175,6 +175,9 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false")
     p.add_argument("--no-reshard", dest="reshard_after_forward", action="store_false",
                    help="keep units after forward")
+    p.add_argument("--bf16-all-gathers", dest="float8_all_gather", action="store_const",
+                   const=False, help="with --float8: the weights gathered and kept in bf16 (float8 "
+                                     "matmuls only)")
     p.add_argument("--float8-saved-weights", action="store_true",
                    help="with --float8 --compiled: each layer's unsharded float8 weights saved "
                         "for its backward (torchao 2024-10 to 2025-06 without "

@@ -102,6 +102,14 @@ def test_float8_keeps_the_unsharded_weights_in_one_byte_and_compile_may_save_the
     assert bf16.memory["buffers"] - fp8.memory["buffers"] == layers  # 2 bytes -> 1
     assert saved.memory["activations"] - fp8.memory["activations"] == layers
     assert saved.peak_allocated - fp8.peak_allocated == layers
+    # float8 matmuls over bf16 all-gathers (torchao's rowwise recipe, Transformer Engine under
+    # FSDP1): the weights cross and stay in bf16, the saved float8 copies still one byte
+    matmuls, saved_bf16 = (vfsdp.estimate(spec, **kw, float8=True, float8_all_gather=False, **extra)
+                           for extra in ({}, {"float8_saved_weights": True}))
+    assert matmuls.memory["buffers"] == bf16.memory["buffers"]
+    assert matmuls.comm_bytes["all_gather"] == bf16.comm_bytes["all_gather"]
+    assert matmuls.compute_s == pytest.approx(fp8.compute_s)
+    assert saved_bf16.memory["activations"] - matmuls.memory["activations"] == layers
 
 
 def test_compute_by_hand_matmuls_attention_and_the_memory_bound_rest():

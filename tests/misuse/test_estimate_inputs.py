@@ -112,6 +112,8 @@ def test_the_api_names_the_argument():
                           ({"recompute": "yes"}, "recompute"),
                           ({"padding": "none"}, "unknown padding 'none'"),
                           ({"float8_saved_weights": 1}, "float8_saved_weights must be True"),
+                          ({"float8_all_gather": "no"}, "float8_all_gather must be True"),
+                          ({"float8_all_gather": True}, "float8_all_gather=True needs float8=True"),
                           ({"float8_saved_weights": True, "float8": True},
                            "needs float8=True and compiled=True")]:
         with pytest.raises(ValueError, match=match):

@@ -53,6 +53,7 @@ class Options:
     float8: bool = False
     compiled: bool = False
     float8_saved_weights: bool = False
+    float8_all_gather: Optional[bool] = None
     logits_dtype: torch.dtype = torch.float32
     fused_loss: Optional[bool] = None
 
@@ -83,10 +84,16 @@ class Options:
                              f"a multiple")
         if self.fused_loss is None:  # a compiled step's loss is compiled too
             object.__setattr__(self, "fused_loss", self.compiled)
-        for name in ("grad_sync", "float8", "compiled", "fused_loss", "float8_saved_weights"):
+        if self.float8_all_gather is None:  # torchao's float8 recipes gather in float8 too
+            object.__setattr__(self, "float8_all_gather", self.float8)
+        for name in ("grad_sync", "float8", "compiled", "fused_loss", "float8_saved_weights",
+                     "float8_all_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"estimate: {name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
+        if self.float8_all_gather and not self.float8:
+            raise ValueError("estimate: float8_all_gather=True needs float8=True (the weights "
+                             "are cast for float8 matmuls); pass both, or drop it")
         if self.float8_saved_weights and not (self.float8 and self.compiled):
             raise ValueError("estimate: float8_saved_weights=True needs float8=True and "
                              "compiled=True (torch.compile saves them); pass both, or drop it")

@@ -195,13 +195,13 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
         pm, pr = p.mesh_shape[-1], math.prod(p.mesh_shape[:-1])
         sizes = baseline_sizes(p.units, padding) if padding else None
         # vfsdp's staging buffer keeps no shard of its own (a slice of its global buffer);
-        # float8 all-gathers (torchao's enable_fsdp_float8_all_gather: fsdp_pre_all_gather
+        # float8 all-gathers (torchao's enable_fsdp_float8_all_gather, float8_all_gather: fsdp_pre_all_gather
         # casts the shard, fsdp_post_all_gather wraps the gathered bytes in a Float8Tensor,
         # torchao/float8/fsdp_utils.py at e919558) leave the layers' unsharded weights in one
         # byte an element (their norms' few with them); the head and embedding stay bf16
         ub = [dataclasses.replace(u, stage_shard=u.stage_shard * (baseline is not None),
                                   gathered=u.gathered // _itemsize(param_dtype, p)
-                                  if o.float8 and u.key in layers else u.gathered)
+                                  if o.float8_all_gather and u.key in layers else u.gathered)
               for u in unit_bytes(p.units, param_dtype, o.reduce_dtype, sizes)]
         share = p.state
         if sizes:  # the same state per element, over the baseline's shards
@@ -256,7 +256,8 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     events = timeline(ub, layers, o.prefetch, o.reshard_after_forward,
                       # and float8_saved_weights: each layer's unsharded float8 weights (their
                       # transposes), one byte an element, saved from its forward to its backward
-                      {k: c.activation_bytes + by_key[k].gathered * (o.float8_saved_weights and k in layers)
+                      {k: c.activation_bytes + (o.float8_saved_weights and k in layers) * by_key[k].gathered
+                       // (1 if o.float8_all_gather else _itemsize(param_dtype, model))
                        for k, c in per_unit.items()},
                       {k: c.recompute_bytes for k, c in per_unit.items()}, baseline == "fsdp2",
                       None if baseline == "megatron" else acc)

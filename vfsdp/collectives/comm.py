@@ -151,7 +151,7 @@ class _PerThread(threading.local):
         self.stack: list = []  # meshes entered with vfsdp.lax.use_mesh
         self.axes: dict = {}  # {(mesh id, axes): (mesh, Axis)} of several axes (mesh.axis_of)
         self.observers: list = []  # of DBuffer events (dbuffer.observe)
-        self.side: Optional[tuple] = None
+        self.side: dict = {}
         self.device: Optional[torch.device] = None
         self.depth = 0
         self.counts: Counter = Counter()
@@ -260,33 +260,21 @@ def device_for(group=None) -> torch.device:
     return torch.device("cpu")
 
 
-def _data_mesh(mesh, spec: ShardSpec) -> tuple[Any, Any]:
-    """``(data sub-mesh, model axis group)`` of a mesh that also has the spec's model axis
-    (``vfsdp.plan(..., tp=rule)`` on the full mesh), else ``(mesh, None)``.
-
-    Raises:
-        ValueError: the mesh's index along the model axis is not the spec's.
-    """
-    names = tuple(mesh.mesh_dim_names or ())
-    model = spec.model_axis
-    if model is None or model[0] not in names or spec.mesh_dim_names is None:
-        return mesh, None
-    axis, size, index = model
-    here = int(mesh.get_local_rank(axis))
-    if here != index:
-        raise ValueError(f"the spec is of {axis}={index}'s pieces but this rank is {axis}={here} "
-                         f"of the mesh; plan on each rank with its own mesh coordinate "
-                         f"(vfsdp.plan(params, mesh, tp=rule) reads it)")
-    if int(mesh.mesh.shape[names.index(axis)]) != size:
-        raise ValueError(f"the spec splits over {size} {axis!r} ranks, the mesh has "
-                         f"{int(mesh.mesh.shape[names.index(axis)])}; re-plan for this mesh")
-    data = spec.mesh_dim_names
-    sub = mesh[data] if len(data) > 1 else mesh[data[0]]
-    return sub, mesh.get_group(axis)
-
-
 def _from_mesh(mesh, spec: ShardSpec) -> MeshGroups:
-    mesh, model = _data_mesh(mesh, spec)
+    names, model, group = tuple(mesh.mesh_dim_names or ()), spec.model_axis, None
+    if model is not None and model[0] in names and spec.mesh_dim_names is not None:
+        # the full mesh of a plan(..., tp=rule): run on its data axes, keep the model axis group
+        axis, size, index = model
+        here = int(mesh.get_local_rank(axis))
+        if here != index:
+            raise ValueError(f"the spec is of {axis}={index}'s pieces but this rank is {axis}={here} "
+                             f"of the mesh; plan on each rank with its own mesh coordinate "
+                             f"(vfsdp.plan(params, mesh, tp=rule) reads it)")
+        if int(mesh.mesh.shape[names.index(axis)]) != size:
+            raise ValueError(f"the spec splits over {size} {axis!r} ranks, the mesh has "
+                             f"{int(mesh.mesh.shape[names.index(axis)])}; re-plan for this mesh")
+        data, group = spec.mesh_dim_names, mesh.get_group(axis)
+        mesh = mesh[data] if len(data) > 1 else mesh[data[0]]
     shape = tuple(int(d) for d in mesh.mesh.shape)
     if shape != spec.mesh_shape:
         raise ValueError(
@@ -300,7 +288,7 @@ def _from_mesh(mesh, spec: ShardSpec) -> MeshGroups:
     grid = tuple(map(tuple, mesh.mesh.reshape(-1, shape[-1]).tolist()))
     return MeshGroups(shard, replicate, dist.get_rank(shard), shape[-1],
                       dist.get_rank(replicate) if replicate is not None else 0, len(grid),
-                      device_for(shard), grid, model)
+                      device_for(shard), grid, group)
 
 
 def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None, check: bool = True) -> MeshGroups:
@@ -387,14 +375,19 @@ def world_mesh(shape: tuple, names: tuple):
     """The ``DeviceMesh`` of ``shape`` with dim ``names`` over the default group, built once
     per group and kept (building one creates process groups), on :func:`device_for`'s device
     type (the CPU for ``meta``, whose small exchanges need values)."""
-    key = (id(dist.group.WORLD), tuple(shape), tuple(names))
-    entry = _TLS.meshes.get(key)
-    if entry is None or entry[0] is not dist.group.WORLD:
-        from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
-        device_type = control_device(device_for()).type
-        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
-        entry = _TLS.meshes[key] = (dist.group.WORLD, mesh)
+    return _cached(_TLS.meshes, (tuple(shape), tuple(names)), lambda: init_device_mesh(
+        control_device(device_for()).type, tuple(shape), mesh_dim_names=tuple(names)))
+
+
+def _cached(table: dict, key: Any, make: Callable[[], Any], owner: Any = None) -> Any:
+    """``make()``, made once per ``key`` in this thread's ``table`` and kept while ``owner``
+    (default: the default process group; a new one makes it again) is the one it was made for."""
+    owner = dist.group.WORLD if owner is None else owner
+    entry = table.get(key)
+    if entry is None or entry[0] is not owner:
+        entry = table[key] = (owner, make())
     return entry[1]
 
 
@@ -429,15 +422,14 @@ def host_groups(groups: MeshGroups) -> MeshGroups:
         raise ValueError("offload: a spec with a model axis (TP/EP) on a GPU needs host groups "
                          "for that axis, which vfsdp does not build; offload FSDP/HSDP specs, "
                          "or run the optimizer on the device")
-    found = _TLS.hosts.get(groups.grid)
-    if found is None:
+    def make() -> MeshGroups:
         rows = [dist.new_group(list(row), backend="gloo") for row in groups.grid]
         cols = ([dist.new_group(list(col), backend="gloo") for col in zip(*groups.grid)]
                 if groups.replicate is not None else None)
-        found = _TLS.hosts[groups.grid] = dataclasses.replace(
-            groups, shard=rows[groups.replicate_rank], device=torch.device("cpu"),
-            replicate=None if cols is None else cols[groups.shard_rank])
-    return found
+        return dataclasses.replace(groups, shard=rows[groups.replicate_rank], device=torch.device("cpu"),
+                                   replicate=None if cols is None else cols[groups.shard_rank])
+
+    return _cached(_TLS.hosts, groups.grid, make)
 
 
 def side_group():
@@ -463,9 +455,7 @@ def side_group():
     if not dist.is_initialized():
         raise RuntimeError("side_group: no process group is initialised; call it inside "
                            "vfsdp.testing.simulate/spawn or after init_process_group")
-    if _TLS.side is None or _TLS.side[0] is not dist.group.WORLD:
-        _TLS.side = (dist.group.WORLD, dist.new_group(backend="gloo"))
-    return _TLS.side[1]
+    return _cached(_TLS.side, None, lambda: dist.new_group(backend="gloo"))
 
 
 class SpecMismatch(ValueError):

@@ -650,7 +650,7 @@ def _issue(count: str, nbytes: int, group, out: torch.Tensor, call: Callable[[],
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False,
                     count: str = "all_gather"):
     """``out`` (m*S) <- every rank's ``inp`` (S), in rank order (counted under ``count``)."""
-    return _issue(count, out.numel() * out.element_size(), group, out,
+    return _issue(count, out.nbytes, group, out,
                   lambda: _all_gather(out, inp, group=group, async_op=async_op), async_op, inp)
 
 
@@ -658,16 +658,14 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: str = "sum", g
                         async_op: bool = False):
     """``out`` (S) <- ``op`` over ranks of their ``inp[r*S:(r+1)*S]``."""
     rop = check_op(op)
-    return _issue("reduce_scatter", inp.numel() * inp.element_size(), group, out,
-                  lambda: _reduce_scatter(out, inp, op=rop, group=group, async_op=async_op),
-                  async_op, inp)
+    return _issue("reduce_scatter", inp.nbytes, group, out,
+                  lambda: _reduce_scatter(out, inp, op=rop, group=group, async_op=async_op), async_op, inp)
 
 
 def all_reduce_(t: torch.Tensor, op: str = "sum", group=None):
     """In-place all-reduce; ``avg`` is SUM then a division (gloo has no AVG all-reduce)."""
     check_op(op)
-    _issue("all_reduce", t.numel() * t.element_size(), group, t,
-           lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
+    _issue("all_reduce", t.nbytes, group, t, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
     if op == "avg" and (n := dist.get_world_size(group)) > 1:
         t.div_(n)
     return t
@@ -677,16 +675,14 @@ def all_reduce_max_(t: torch.Tensor, group=None, count: str = "all_reduce_max",
                     async_op: bool = False):
     """In-place element-wise MAX over ranks (counted under ``count``); ``async_op``: return
     the work (``wait()`` it before reading ``t``)."""
-    return _issue(count, t.numel() * t.element_size(), group, t,
-                  lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=async_op),
-                  async_op)
+    return _issue(count, t.nbytes, group, t, lambda: dist.all_reduce(
+        t, op=dist.ReduceOp.MAX, group=group, async_op=async_op), async_op)
 
 
 def scatter_into(out: torch.Tensor, chunks: Optional[list], group=None, group_src: int = 0):
     """Equal-size scatter from ``group_src`` (``chunks`` there, ``None`` elsewhere)."""
-    return _issue("scatter", out.numel() * out.element_size(), group, out,
-                  lambda: dist.scatter(out, chunks, group=group, group_src=group_src),
-                  inp=chunks[0] if chunks else None)
+    return _issue("scatter", out.nbytes, group, out, lambda: dist.scatter(
+        out, chunks, group=group, group_src=group_src), inp=chunks[0] if chunks else None)
 
 
 def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list,
@@ -697,11 +693,10 @@ def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_s
     Returns:
         ``out``, or the work object when ``async_op``.
     """
-    return _issue(count, inp.numel() * inp.element_size(), group, out,
-                  lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
-                                                 async_op=async_op), async_op, inp)
+    return _issue(count, inp.nbytes, group, out, lambda: dist.all_to_all_single(
+        out, inp, out_splits, in_splits, group=group, async_op=async_op), async_op, inp)
 
 
 def broadcast_(t: torch.Tensor, group=None, group_src: int = 0):
-    return _issue("broadcast", t.numel() * t.element_size(), group, t,
+    return _issue("broadcast", t.nbytes, group, t,
                   lambda: dist.broadcast(t, group=group, group_src=group_src))

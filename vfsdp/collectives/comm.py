@@ -321,38 +321,34 @@ def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None, check: bool = Tr
         ...
         RuntimeError: vfsdp needs an initialised process group ...
     """
-    groups = _groups_for(spec, mesh)
+    if mesh is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "vfsdp needs an initialised process group (torchrun, vfsdp.testing.spawn or "
+                "vfsdp.testing.simulate); planning alone needs none"
+            )
+        world = dist.get_world_size()
+        want = spec.world_size * spec.replicas
+        if spec.model_axis is not None and world != want:
+            axis, size, _ = spec.model_axis
+            raise ValueError(f"the spec is of one {axis!r} index's pieces over the data axes "
+                             f"{spec.mesh_dim_names or spec.mesh_shape}; pass the mesh it was "
+                             f"planned on (mesh=vfsdp.mesh(..., ({axis!r}, {size}))) so vfsdp runs "
+                             f"over the data axes only")
+        if world != want:
+            raise ValueError(
+                f"the spec was planned for mesh {spec.mesh_shape} ({want} ranks) but the default "
+                f"process group has {world}; re-plan with vfsdp.plan(params, {world}) or pass the "
+                f"matching DeviceMesh"
+            )
+    if mesh is None and len(spec.mesh_shape) == 1:
+        groups = MeshGroups(None, None, dist.get_rank(), world, 0, 1, device_for(),
+                            (tuple(range(world)),))
+    else:
+        groups = _from_mesh(mesh if mesh is not None else default_mesh(spec), spec)
     if check:
         agree_on_spec(spec, groups)
     return groups
-
-
-def _groups_for(spec: ShardSpec, mesh: Optional[Any]) -> MeshGroups:
-    if mesh is not None:
-        return _from_mesh(mesh, spec)
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "vfsdp needs an initialised process group (torchrun, vfsdp.testing.spawn or "
-            "vfsdp.testing.simulate); planning alone needs none"
-        )
-    world = dist.get_world_size()
-    want = spec.world_size * spec.replicas
-    if spec.model_axis is not None and world != want:
-        axis, size, _ = spec.model_axis
-        raise ValueError(f"the spec is of one {axis!r} index's pieces over the data axes "
-                         f"{spec.mesh_dim_names or spec.mesh_shape}; pass the mesh it was planned "
-                         f"on (mesh=vfsdp.mesh(..., ({axis!r}, {size}))) so vfsdp runs over the "
-                         f"data axes only")
-    if world != want:
-        raise ValueError(
-            f"the spec was planned for mesh {spec.mesh_shape} ({want} ranks) but the default "
-            f"process group has {world}; re-plan with vfsdp.plan(params, {world}) or pass the "
-            f"matching DeviceMesh"
-        )
-    if len(spec.mesh_shape) == 1:
-        return MeshGroups(None, None, dist.get_rank(), world, 0, 1, device_for(),
-                          (tuple(range(world)),))
-    return _from_mesh(default_mesh(spec), spec)
 
 
 def default_mesh(spec: ShardSpec):

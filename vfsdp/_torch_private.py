@@ -132,10 +132,7 @@ def is_own_output(t: torch.Tensor) -> bool:
     ``grad_fn`` is the node just made: the newest sequence number on this thread). Such a
     tensor, kept as it is by the hook, would hold its own node: a cycle through C++."""
     node = t.grad_fn
-    if node is None:
-        return False
-    next_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
-    return next_nr is None or int(node._sequence_nr()) == next_nr() - 1  # unknown: assume so
+    return node is not None and int(node._sequence_nr()) == torch._C._autograd._get_sequence_nr() - 1
 
 
 def keep_graph() -> bool:
@@ -399,10 +396,8 @@ def _wrap():
 
 def saved_hooks_top() -> Optional[tuple]:
     """The innermost ``(pack, unpack)`` saved-tensor hooks active on this thread (a
-    ``torch.utils.checkpoint``'s, ``save_on_cpu``'s), or ``None`` (none, or a torch without
-    the query: what is not handed on is then kept as it is)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return None if top is None else top(False)
+    ``torch.utils.checkpoint``'s, ``save_on_cpu``'s), or ``None``."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 #: What :func:`checkpoint_wrapped` replaces: name -> (where its parameters are, their names).

@@ -151,7 +151,7 @@ class _PerThread(threading.local):
         self.stack: list = []  # meshes entered with vfsdp.lax.use_mesh
         self.axes: dict = {}  # {(mesh id, axes): (mesh, Axis)} of several axes (mesh.axis_of)
         self.observers: list = []  # of DBuffer events (dbuffer.observe)
-        self.side: Optional[tuple] = None
+        self.side: dict = {}
         self.device: Optional[torch.device] = None
         self.depth = 0
         self.counts: Counter = Counter()
@@ -260,33 +260,21 @@ def device_for(group=None) -> torch.device:
     return torch.device("cpu")
 
 
-def _data_mesh(mesh, spec: ShardSpec) -> tuple[Any, Any]:
-    """``(data sub-mesh, model axis group)`` of a mesh that also has the spec's model axis
-    (``vfsdp.plan(..., tp=rule)`` on the full mesh), else ``(mesh, None)``.
-
-    Raises:
-        ValueError: the mesh's index along the model axis is not the spec's.
-    """
-    names = tuple(mesh.mesh_dim_names or ())
-    model = spec.model_axis
-    if model is None or model[0] not in names or spec.mesh_dim_names is None:
-        return mesh, None
-    axis, size, index = model
-    here = int(mesh.get_local_rank(axis))
-    if here != index:
-        raise ValueError(f"the spec is of {axis}={index}'s pieces but this rank is {axis}={here} "
-                         f"of the mesh; plan on each rank with its own mesh coordinate "
-                         f"(vfsdp.plan(params, mesh, tp=rule) reads it)")
-    if int(mesh.mesh.shape[names.index(axis)]) != size:
-        raise ValueError(f"the spec splits over {size} {axis!r} ranks, the mesh has "
-                         f"{int(mesh.mesh.shape[names.index(axis)])}; re-plan for this mesh")
-    data = spec.mesh_dim_names
-    sub = mesh[data] if len(data) > 1 else mesh[data[0]]
-    return sub, mesh.get_group(axis)
-
-
 def _from_mesh(mesh, spec: ShardSpec) -> MeshGroups:
-    mesh, model = _data_mesh(mesh, spec)
+    names, model, group = tuple(mesh.mesh_dim_names or ()), spec.model_axis, None
+    if model is not None and model[0] in names and spec.mesh_dim_names is not None:
+        # the full mesh of a plan(..., tp=rule): run on its data axes, keep the model axis group
+        axis, size, index = model
+        here = int(mesh.get_local_rank(axis))
+        if here != index:
+            raise ValueError(f"the spec is of {axis}={index}'s pieces but this rank is {axis}={here} "
+                             f"of the mesh; plan on each rank with its own mesh coordinate "
+                             f"(vfsdp.plan(params, mesh, tp=rule) reads it)")
+        if int(mesh.mesh.shape[names.index(axis)]) != size:
+            raise ValueError(f"the spec splits over {size} {axis!r} ranks, the mesh has "
+                             f"{int(mesh.mesh.shape[names.index(axis)])}; re-plan for this mesh")
+        data, group = spec.mesh_dim_names, mesh.get_group(axis)
+        mesh = mesh[data] if len(data) > 1 else mesh[data[0]]
     shape = tuple(int(d) for d in mesh.mesh.shape)
     if shape != spec.mesh_shape:
         raise ValueError(
@@ -300,7 +288,7 @@ def _from_mesh(mesh, spec: ShardSpec) -> MeshGroups:
     grid = tuple(map(tuple, mesh.mesh.reshape(-1, shape[-1]).tolist()))
     return MeshGroups(shard, replicate, dist.get_rank(shard), shape[-1],
                       dist.get_rank(replicate) if replicate is not None else 0, len(grid),
-                      device_for(shard), grid, model)
+                      device_for(shard), grid, group)
 
 
 def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None, check: bool = True) -> MeshGroups:
@@ -333,38 +321,34 @@ def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None, check: bool = Tr
         ...
         RuntimeError: vfsdp needs an initialised process group ...
     """
-    groups = _groups_for(spec, mesh)
+    if mesh is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "vfsdp needs an initialised process group (torchrun, vfsdp.testing.spawn or "
+                "vfsdp.testing.simulate); planning alone needs none"
+            )
+        world = dist.get_world_size()
+        want = spec.world_size * spec.replicas
+        if spec.model_axis is not None and world != want:
+            axis, size, _ = spec.model_axis
+            raise ValueError(f"the spec is of one {axis!r} index's pieces over the data axes "
+                             f"{spec.mesh_dim_names or spec.mesh_shape}; pass the mesh it was "
+                             f"planned on (mesh=vfsdp.mesh(..., ({axis!r}, {size}))) so vfsdp runs "
+                             f"over the data axes only")
+        if world != want:
+            raise ValueError(
+                f"the spec was planned for mesh {spec.mesh_shape} ({want} ranks) but the default "
+                f"process group has {world}; re-plan with vfsdp.plan(params, {world}) or pass the "
+                f"matching DeviceMesh"
+            )
+    if mesh is None and len(spec.mesh_shape) == 1:
+        groups = MeshGroups(None, None, dist.get_rank(), world, 0, 1, device_for(),
+                            (tuple(range(world)),))
+    else:
+        groups = _from_mesh(mesh if mesh is not None else default_mesh(spec), spec)
     if check:
         agree_on_spec(spec, groups)
     return groups
-
-
-def _groups_for(spec: ShardSpec, mesh: Optional[Any]) -> MeshGroups:
-    if mesh is not None:
-        return _from_mesh(mesh, spec)
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "vfsdp needs an initialised process group (torchrun, vfsdp.testing.spawn or "
-            "vfsdp.testing.simulate); planning alone needs none"
-        )
-    world = dist.get_world_size()
-    want = spec.world_size * spec.replicas
-    if spec.model_axis is not None and world != want:
-        axis, size, _ = spec.model_axis
-        raise ValueError(f"the spec is of one {axis!r} index's pieces over the data axes "
-                         f"{spec.mesh_dim_names or spec.mesh_shape}; pass the mesh it was planned "
-                         f"on (mesh=vfsdp.mesh(..., ({axis!r}, {size}))) so vfsdp runs over the "
-                         f"data axes only")
-    if world != want:
-        raise ValueError(
-            f"the spec was planned for mesh {spec.mesh_shape} ({want} ranks) but the default "
-            f"process group has {world}; re-plan with vfsdp.plan(params, {world}) or pass the "
-            f"matching DeviceMesh"
-        )
-    if len(spec.mesh_shape) == 1:
-        return MeshGroups(None, None, dist.get_rank(), world, 0, 1, device_for(),
-                          (tuple(range(world)),))
-    return _from_mesh(default_mesh(spec), spec)
 
 
 def default_mesh(spec: ShardSpec):
@@ -387,14 +371,19 @@ def world_mesh(shape: tuple, names: tuple):
     """The ``DeviceMesh`` of ``shape`` with dim ``names`` over the default group, built once
     per group and kept (building one creates process groups), on :func:`device_for`'s device
     type (the CPU for ``meta``, whose small exchanges need values)."""
-    key = (id(dist.group.WORLD), tuple(shape), tuple(names))
-    entry = _TLS.meshes.get(key)
-    if entry is None or entry[0] is not dist.group.WORLD:
-        from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
-        device_type = control_device(device_for()).type
-        mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
-        entry = _TLS.meshes[key] = (dist.group.WORLD, mesh)
+    return _cached(_TLS.meshes, (tuple(shape), tuple(names)), lambda: init_device_mesh(
+        control_device(device_for()).type, tuple(shape), mesh_dim_names=tuple(names)))
+
+
+def _cached(table: dict, key: Any, make: Callable[[], Any], owner: Any = None) -> Any:
+    """``make()``, made once per ``key`` in this thread's ``table`` and kept while ``owner``
+    (default: the default process group; a new one makes it again) is the one it was made for."""
+    owner = dist.group.WORLD if owner is None else owner
+    entry = table.get(key)
+    if entry is None or entry[0] is not owner:
+        entry = table[key] = (owner, make())
     return entry[1]
 
 
@@ -429,15 +418,14 @@ def host_groups(groups: MeshGroups) -> MeshGroups:
         raise ValueError("offload: a spec with a model axis (TP/EP) on a GPU needs host groups "
                          "for that axis, which vfsdp does not build; offload FSDP/HSDP specs, "
                          "or run the optimizer on the device")
-    found = _TLS.hosts.get(groups.grid)
-    if found is None:
+    def make() -> MeshGroups:
         rows = [dist.new_group(list(row), backend="gloo") for row in groups.grid]
         cols = ([dist.new_group(list(col), backend="gloo") for col in zip(*groups.grid)]
                 if groups.replicate is not None else None)
-        found = _TLS.hosts[groups.grid] = dataclasses.replace(
-            groups, shard=rows[groups.replicate_rank], device=torch.device("cpu"),
-            replicate=None if cols is None else cols[groups.shard_rank])
-    return found
+        return dataclasses.replace(groups, shard=rows[groups.replicate_rank], device=torch.device("cpu"),
+                                   replicate=None if cols is None else cols[groups.shard_rank])
+
+    return _cached(_TLS.hosts, groups.grid, make)
 
 
 def side_group():
@@ -463,9 +451,7 @@ def side_group():
     if not dist.is_initialized():
         raise RuntimeError("side_group: no process group is initialised; call it inside "
                            "vfsdp.testing.simulate/spawn or after init_process_group")
-    if _TLS.side is None or _TLS.side[0] is not dist.group.WORLD:
-        _TLS.side = (dist.group.WORLD, dist.new_group(backend="gloo"))
-    return _TLS.side[1]
+    return _cached(_TLS.side, None, lambda: dist.new_group(backend="gloo"))
 
 
 class SpecMismatch(ValueError):
@@ -660,7 +646,7 @@ def _issue(count: str, nbytes: int, group, out: torch.Tensor, call: Callable[[],
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False,
                     count: str = "all_gather"):
     """``out`` (m*S) <- every rank's ``inp`` (S), in rank order (counted under ``count``)."""
-    return _issue(count, out.numel() * out.element_size(), group, out,
+    return _issue(count, out.nbytes, group, out,
                   lambda: _all_gather(out, inp, group=group, async_op=async_op), async_op, inp)
 
 
@@ -668,16 +654,14 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, op: str = "sum", g
                         async_op: bool = False):
     """``out`` (S) <- ``op`` over ranks of their ``inp[r*S:(r+1)*S]``."""
     rop = check_op(op)
-    return _issue("reduce_scatter", inp.numel() * inp.element_size(), group, out,
-                  lambda: _reduce_scatter(out, inp, op=rop, group=group, async_op=async_op),
-                  async_op, inp)
+    return _issue("reduce_scatter", inp.nbytes, group, out,
+                  lambda: _reduce_scatter(out, inp, op=rop, group=group, async_op=async_op), async_op, inp)
 
 
 def all_reduce_(t: torch.Tensor, op: str = "sum", group=None):
     """In-place all-reduce; ``avg`` is SUM then a division (gloo has no AVG all-reduce)."""
     check_op(op)
-    _issue("all_reduce", t.numel() * t.element_size(), group, t,
-           lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
+    _issue("all_reduce", t.nbytes, group, t, lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
     if op == "avg" and (n := dist.get_world_size(group)) > 1:
         t.div_(n)
     return t
@@ -687,16 +671,14 @@ def all_reduce_max_(t: torch.Tensor, group=None, count: str = "all_reduce_max",
                     async_op: bool = False):
     """In-place element-wise MAX over ranks (counted under ``count``); ``async_op``: return
     the work (``wait()`` it before reading ``t``)."""
-    return _issue(count, t.numel() * t.element_size(), group, t,
-                  lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=async_op),
-                  async_op)
+    return _issue(count, t.nbytes, group, t, lambda: dist.all_reduce(
+        t, op=dist.ReduceOp.MAX, group=group, async_op=async_op), async_op)
 
 
 def scatter_into(out: torch.Tensor, chunks: Optional[list], group=None, group_src: int = 0):
     """Equal-size scatter from ``group_src`` (``chunks`` there, ``None`` elsewhere)."""
-    return _issue("scatter", out.numel() * out.element_size(), group, out,
-                  lambda: dist.scatter(out, chunks, group=group, group_src=group_src),
-                  inp=chunks[0] if chunks else None)
+    return _issue("scatter", out.nbytes, group, out, lambda: dist.scatter(
+        out, chunks, group=group, group_src=group_src), inp=chunks[0] if chunks else None)
 
 
 def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_splits: list,
@@ -707,11 +689,10 @@ def all_to_all_into(out: torch.Tensor, inp: torch.Tensor, out_splits: list, in_s
     Returns:
         ``out``, or the work object when ``async_op``.
     """
-    return _issue(count, inp.numel() * inp.element_size(), group, out,
-                  lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
-                                                 async_op=async_op), async_op, inp)
+    return _issue(count, inp.nbytes, group, out, lambda: dist.all_to_all_single(
+        out, inp, out_splits, in_splits, group=group, async_op=async_op), async_op, inp)
 
 
 def broadcast_(t: torch.Tensor, group=None, group_src: int = 0):
-    return _issue("broadcast", t.numel() * t.element_size(), group, t,
+    return _issue("broadcast", t.nbytes, group, t,
                   lambda: dist.broadcast(t, group=group, group_src=group_src))

@@ -386,11 +386,9 @@ class DBuffer:
         # too (no S elements of their own, held for the unit's life).
         self._in_global = role in (Role.COMPUTE, Role.STAGE, Role.ACCUM)
         self._local_spec = layout.pieces(self.rank)
-        self._dead_shard: Optional[torch.Tensor] = None
+        self._dead_shard = alias(self._dead, self.rank * s, (s,)) if self._in_global else None
         self._dead_local: Optional[list] = None
-        if self._in_global:
-            self._dead_shard = alias(self._dead, self.rank * s, (s,))
-        elif role is Role.GRAD:  # released with set_to_none: its pieces are handed out
+        if role is Role.GRAD:  # released with set_to_none: its pieces are handed out
             self._dead_shard = torch.empty(s, dtype=self.dtype, device=self.device)
             self._dead_local = [alias(self._dead_shard, lo, shape)
                                 for lo, shape in self._local_spec]

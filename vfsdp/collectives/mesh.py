@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
-from vfsdp.collectives.comm import _TLS, world_mesh
+from vfsdp.collectives.comm import _TLS, _cached, world_mesh
 
 __all__ = ["mesh", "Axis", "axis_of", "axis_names", "use_mesh", "current_mesh"]
 
@@ -138,21 +138,18 @@ def axis_of(axis: Union[str, tuple], device_mesh: Optional[Any] = None) -> Axis:
 
 def _several(m: Any, wanted: tuple, dims: list) -> Axis:
     """The :class:`Axis` of several axes of ``m`` (their groups built once, on every rank)."""
-    key = (id(m), wanted)
-    entry = _TLS.axes.get(key)
-    if entry is not None and entry[0] is m:
-        return entry[1]
-    rest = [d for d in range(m.mesh.dim()) if d not in dims]
-    rows = m.mesh.permute(*rest, *dims).reshape(-1, math.prod(int(m.mesh.shape[d])
-                                                              for d in dims)).tolist()
-    me = dist.get_rank()
-    groups = [dist.new_group(row) for row in rows]  # every rank builds every group, in order
-    k = next((k for k, row in enumerate(rows) if me in row), None)
-    if k is None:
-        raise ValueError(f"rank {me} is not in the mesh {m.mesh.tolist()}")
-    found = Axis(wanted, len(rows[k]), rows[k].index(me), groups[k])
-    _TLS.axes[key] = (m, found)
-    return found
+    def make() -> Axis:
+        rest = [d for d in range(m.mesh.dim()) if d not in dims]
+        rows = m.mesh.permute(*rest, *dims).reshape(-1, math.prod(int(m.mesh.shape[d])
+                                                                  for d in dims)).tolist()
+        me = dist.get_rank()
+        groups = [dist.new_group(row) for row in rows]  # every rank builds every group, in order
+        k = next((k for k, row in enumerate(rows) if me in row), None)
+        if k is None:
+            raise ValueError(f"rank {me} is not in the mesh {m.mesh.tolist()}")
+        return Axis(wanted, len(rows[k]), rows[k].index(me), groups[k])
+
+    return _cached(_TLS.axes, (id(m), wanted), make, m)
 
 
 @contextlib.contextmanager

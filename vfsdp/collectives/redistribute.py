@@ -156,8 +156,7 @@ class Redistribution:
             if piece.numel() != self.in_sizes[i]:
                 raise ValueError(f"flat_redistribute: tensor {i}: this rank's source has "
                                  f"{piece.numel()} elements, its range {self.in_sizes[i]}")
-        flat = [s.reshape(-1) for s in sources]
-        send = [flat[i][lo:hi] for i, lo, hi in self.send]
+        send = [sources[i].reshape(-1)[lo:hi] for i, lo, hi in self.send]
         send_buf = (torch.cat(send).to(device) if send
                     else torch.empty(0, dtype=dtype, device=device))
         outs = [torch.empty(n, dtype=dtype, device=device) for n in self.out_sizes]

@@ -130,9 +130,10 @@ def test_the_comparison_prints_every_row_and_the_bands(capsys, tmp_path):
     assert "bf16 tokens/s" in text and "float8 tokens/s" in text and "memory" in text
     held = text[text.index("held-out rows"):]
     assert "bf16 tokens/s" in held and "float8 tokens/s" in held and "memory" in held
-    for n in (4, 5):
-        part = text[text.index(f"held-out rows of round {n}"):]
-        assert "bf16 tokens/s" in part and "float8 tokens/s" in part and "memory" in part
+    for n in (4, 5):  # each round's own bands, every kind with rows
+        part = text[text.index(f"held-out rows of round {n}"):].split("held-out rows of round 5")[n == 5]
+        assert "bf16 tokens/s    within" in part and "float8 tokens/s  within" in part
+        assert "memory           within" in part and "no rows" not in part
     records = json.loads(out.read_text())
     assert all(r["predicted_tps"] > 0 for r in records) and len(records) >= 20
     assert {r["id"] for r in records if r["held_out"]} == {r["id"] for r in _rows() if r["held_out"]}

@@ -110,6 +110,12 @@ def test_float8_keeps_the_unsharded_weights_in_one_byte_and_compile_may_save_the
     assert matmuls.comm_bytes["all_gather"] == bf16.comm_bytes["all_gather"]
     assert matmuls.compute_s == pytest.approx(fp8.compute_s)
     assert saved_bf16.memory["activations"] - matmuls.memory["activations"] == layers
+    # a checkpointed layer saves none (torchao: "If using outer activation checkpointing
+    # context or SAC, you may disable this option"; torchtitan PR #833: 47.32 GiB both ways)
+    for recompute in ("selective", "full"):
+        a, b = (vfsdp.estimate(spec, **kw, float8=True, recompute=recompute, **extra)
+                for extra in ({}, {"float8_saved_weights": True}))
+        assert a.memory == b.memory and a.peak_allocated == b.peak_allocated
 
 
 def test_compute_by_hand_matmuls_attention_and_the_memory_bound_rest():

@@ -71,11 +71,13 @@ class Hardware:
     compute_efficiency: float = 0.6
     comm_efficiency: float = 0.8
     attention_efficiency: float = 0.4
-    # float8 GEMMs on Hopper reach about 60 % of the float8 peak, not bf16's 70 %: torchao's
-    # H100 float8 GEMMs run at 1,234-1,236 of 1,979 TFLOP/s (pytorch/ao 36027d8, benchmarks/
-    # prototype/blockwise_fp8_training/README.md), and its compiled tensorwise float8 linear
-    # at M, K, N = 4096, 8192, 16384 measures 1.39x its bf16 one (torchao/float8/README.md at
-    # 8c81863): 1.45x here at 0.6 with the casts (costs.FLOAT8_CASTS and the weight's 8 bytes)
+    # float8 GEMMs on Hopper at about 60 % of the float8 peak, not bf16's 70 %: torchao's
+    # compiled tensorwise float8 linear at M, K, N = 4096, 8192, 16384 measures 1.39x its bf16
+    # one (torchao/float8/README.md at 8c81863), 1.45x here at 0.6 with the casts
+    # (costs.FLOAT8_CASTS and the weight's 8 bytes). A bound, not a fit: the best float8 GEMMs
+    # torchao lists on H100 run at 1,234-1,236 of 1,979 TFLOP/s (0.62; DeepGEMM's blockwise
+    # forward and input-gradient GEMMs, pytorch/ao 36027d8, benchmarks/prototype/
+    # blockwise_fp8_training/README.md), its weight-gradient GEMM at 457 (0.23)
     float8_efficiency: float = 0.6
     contention: float = 0.0
     unit_overhead: float = 0.0

@@ -126,8 +126,9 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
               under FSDP1, ``enable_fsdp_float8_all_gather=False``).
             * ``float8_saved_weights``: With ``float8`` and ``compiled``, whether the compiled
               step saves each layer's unsharded float8 weights (their transposes) for its
-              backward: torchao from October 2024 to June 2025 without
-              ``force_recompute_fp8_weight_in_bwd``; since, it recomputes them (default).
+              backward: torchao before June 2025 (03c850a) without
+              ``force_recompute_fp8_weight_in_bwd`` (added in October 2024, e919558); since,
+              it recomputes them (default). Layers under ``recompute`` save none.
             * ``logits_dtype``: The dtype the loss's softmax and its gradient are in (the default
               costs' logits: an eager loss's peak, 12 bytes per token and vocabulary entry in fp32,
               6 in bf16).

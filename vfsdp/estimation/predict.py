@@ -255,8 +255,12 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     held = sum(acc.values())
     events = timeline(ub, layers, o.prefetch, o.reshard_after_forward,
                       # and float8_saved_weights: each layer's unsharded float8 weights (their
-                      # transposes), one byte an element, saved from its forward to its backward
-                      {k: c.activation_bytes + (o.float8_saved_weights and k in layers) * by_key[k].gathered
+                      # transposes), one byte an element, saved from its forward to its backward;
+                      # a checkpointed layer saves none (torchao's config.py at e919558: "If using
+                      # outer activation checkpointing context or SAC, you may disable this
+                      # option"; torchtitan PR #833 reserves 47.32 GiB with and without it)
+                      {k: c.activation_bytes + (o.float8_saved_weights and not o.recompute and k in layers)
+                       * by_key[k].gathered
                        // (1 if o.float8_all_gather else _itemsize(param_dtype, model))
                        for k, c in per_unit.items()},
                       {k: c.recompute_bytes for k, c in per_unit.items()}, baseline == "fsdp2",

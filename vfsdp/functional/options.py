@@ -209,7 +209,7 @@ def refuse(values: dict, path: str, what: str) -> None:
         if path in paths and asked(values):
             why, hint = paths[path]
             raise ValueError(f"{what}: {name} is not supported {_WHERE[path]} ({why}); {hint}")
-    if values["recompute"] is not None and (path != "eager" or "run_layers" not in what):
+    if values["recompute"] is not None:  # (the eager run_layers runs its layers: calls no refuse)
         why, hint = _RECOMPUTE[path]
         raise ValueError(f"{what}: recompute={values['recompute']!r} is not supported "
                          f"{_WHERE[path]} ({why}); {hint}")

@@ -74,13 +74,12 @@ def _pieces_from_source(leaves: list, whole: dict, tensors: list, groups: Any,
         for i, t in enumerate(tensors):
             if not isinstance(t, TensorSpec):
                 continue
-            if i in whole:  # the source: its piece is already a view of the global tensor
-                comm.broadcast_(whole[i].detach().contiguous(), group=groups.model, group_src=src_index)
-                continue
             shape = t.strided.global_shape if t.strided is not None else tuple(t.shape)
-            buf = torch.empty(shape, dtype=t.dtype, device=groups.device)
+            buf = whole[i].detach().contiguous() if i in whole else torch.empty(
+                shape, dtype=t.dtype, device=groups.device)
             comm.broadcast_(buf, group=groups.model, group_src=src_index)
-            leaves[i] = check_full(buf, t, "vfsdp.scatter").clone()  # this index's piece
+            if i not in whole:  # (the source's piece is already a view of the global tensor)
+                leaves[i] = check_full(buf, t, "vfsdp.scatter").clone()  # this index's piece
 
 
 def scatter(full_tree: Any, spec: ShardSpec, src: Optional[int] = 0, *, mesh: Any = None,

@@ -161,7 +161,7 @@ class LayerRun:
     calls its blocks.
 
     Raises:
-        ValueError: ``grads="return"``, or an option the eager path refuses.
+        ValueError: ``grads="return"`` (the eager path honours every other option).
     """
 
     def __init__(self, layers: list, values: dict, what: str) -> None:
@@ -170,7 +170,6 @@ class LayerRun:
                              f"are reduce-scattered into its gradient buffer as its backward "
                              f"ends; read them with vfsdp.grads (use vfsdp.gather for "
                              f"grads='return')")
-        refuse(values, "eager", what)
         self.gopts, self.ropts = resolve(values, layers=True)
         self.layers = layers
         self.prefetch = values["prefetch"] is not False

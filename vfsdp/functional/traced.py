@@ -94,8 +94,8 @@ def _local(spec: ShardSpec, rank: Optional[int], groups: Any) -> None:
         CLIP_GROUPS[(spec.fingerprint, dist.get_rank())] = (group_name(groups.shard),
                                                             model if split else None)
     tree = spec.tree
-    for key in tree if isinstance(tree, dict) else range(len(tree)) if isinstance(
-            tree, (list, tuple)) else ():
+    keys = tree if isinstance(tree, dict) else range(len(tree)) if isinstance(tree, (list, tuple)) else ()
+    for key in keys:
         node = tree[key]
         if isinstance(node, TensorSpec) or (isinstance(node, (dict, list, tuple))
                                             and not optree.tree_is_leaf(node)):

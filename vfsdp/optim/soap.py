@@ -1,5 +1,5 @@
 """Distributed SOAP (Vyas et al., 2024): Adam in the eigenbases of Shampoo's preconditioners,
-each matrix whole on one owner (:mod:`vfsdp.optim.owners`), batched per shape there.
+each matrix whole on one owner (:mod:`vfsdp.optim.muon`'s owners), batched per shape there.
 
 The rule is pytorch-optimizer's ``SOAP`` (a port of the authors' code), for a matrix ``G``
 with statistics ``L``, ``R`` and eigenbases ``QL``, ``QR`` (``x -> QL^T x QR`` projects):
@@ -37,7 +37,7 @@ from vfsdp.optim.base import (
     atomic,
     check_hyper,
 )
-from vfsdp.optim.owners import (
+from vfsdp.optim.muon import (
     Begin,
     OwnedState,
     apply_,
@@ -46,8 +46,6 @@ from vfsdp.optim.owners import (
     owned_step,
 )
 from vfsdp.planner.spec import ShardSpec
-
-__all__ = ["soap", "eigenbasis"]
 
 
 def eigenbasis(stats: torch.Tensor) -> torch.Tensor:
@@ -216,16 +214,12 @@ def soap(
                 s["exp_avg_sq"].lerp_(_rotate(g, ql, qr).square(), (1 - b2) * gate)
                 den = s["exp_avg_sq"].sqrt().add_(eps)
                 out = _rotate(_rotate(s["exp_avg"], ql, qr) / den, ql, qr, back=True)
-            for name, x in (("L", g @ g.mT if "L" in s else None),
-                            ("R", g.mT @ g if "R" in s else None)):
-                if x is not None:
-                    s[name].lerp_(x, decay)
-            for side, (q, stats) in enumerate((("QL", "L"), ("QR", "R"))):
-                if q in s:  # the first update sets the eigenbases, refreshes update them
+            for side, (stats, q) in enumerate((("L", "QL"), ("R", "QR"))):
+                if stats in s:  # the first update sets the eigenbases, refreshes update them
+                    s[stats].lerp_(g @ g.mT if side == 0 else g.mT @ g, decay)
                     branch_(t == 0, _first, (s[stats],), (s[q],))
-                    now = (s[q], s["exp_avg_sq"])
                     branch_((t % precondition_frequency == 0) & (t > 0), _REFRESH[side],
-                            (s[stats],), now)
+                            (s[stats],), (s[q], s["exp_avg_sq"]))
             return out
 
         with torch.no_grad():

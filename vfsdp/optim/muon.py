@@ -852,13 +852,11 @@ def _eager_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
     work = torch.cat([gflat[key] for key, _ in plan.units])
     vecs, _ = state.kept["vectors"]
     shards = {key: u.db.shard for key, u in units.items()}
-    vectors = state.cached("vector views", shards, lambda: tuple(  # the shards are fixed tensors
-        [bufs[key][lo:hi] for key, _, lo, hi in vecs]
-        for bufs in (shards, *({k: b.shard for k, b in d.items()}
-                               for d in (state.momentum, state.second)))))
+    ps = state.cached("vector views", shards, lambda: [shards[key][lo:hi] for key, _, lo, hi in vecs])
     groups = next(iter(units.values())).db.groups
     return (work, eager_send(groups.shard), groups.model,
-            lambda targets: state.views(units, targets), vectors)
+            lambda targets: state.views(units, targets),
+            (ps, *state.kept["traced"].vectors[1]))  # the moments' slices (init's)
 
 
 def _traced_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,

@@ -1,5 +1,6 @@
 """Distributed Shampoo (Gupta, Koren and Singer, 2018), each tensor whole on one owner
-(:mod:`vfsdp.optim.muon`'s owners), cut into blocks there (Shi et al., 2023), batched per block shape.
+(:mod:`vfsdp.optim.muon`'s owners), cut into blocks there (Shi et al., 2023), batched per
+block shape.
 
 The published rule for a tensor of order ``k`` (a matrix: ``k = 2``, a vector: ``k = 1``;
 Algorithm 2), its inverse roots refreshed every ``precondition_frequency`` steps (stale in

@@ -160,10 +160,8 @@ def held_ranges(t: Any, world: int) -> list:
         >>> held_ranges(vfsdp.plan({"w": torch.ones(3, 2)}, 2).tree["w"], 3)
         [(0, 4), (4, 6), (0, 0)]
     """
-    out = [(0, 0)] * world
-    for r in t.ranks():
-        out[r] = t.local_range(r)
-    return out
+    ranks = set(t.ranks())
+    return [t.local_range(r) if r in ranks else (0, 0) for r in range(world)]
 
 
 def plan_waves(groups: list, rank: int, world: int, base: dict) -> tuple[tuple, list]:
@@ -297,9 +295,8 @@ def init_owned_plan(state_type: type, what: str, why: str, shards: Any, spec: Sh
         refuse(t, kind(t))
     units, count = init_units(shards, spec, f"{what}.init", mask=mask)
     state = state_type(count, {})
-    owned = {u.key: [(k, t) for k, t in enumerate(u.db.tensors) if kind(t) in ("matrix", "vector")]
-             for u in units}
-    owned = {key: mine for key, mine in owned.items() if mine}
+    owned = {u.key: mine for u in units if (mine := [(k, t) for k, t in enumerate(u.db.tensors)
+                                                     if kind(t) in ("matrix", "vector")])}
     dtype = functools.reduce(torch.promote_types, [state_dtype(u.db.dtype) for u in units
                                                    if u.key in owned], torch.float32)
     rank = units[0].db.rank if units else 0

@@ -82,10 +82,6 @@ def _refresh(stats: torch.Tensor, q: torch.Tensor, v: torch.Tensor, side: int) -
     return q.to(stats.dtype), v
 
 
-def _first(stats: torch.Tensor, q: torch.Tensor) -> tuple:
-    return (eigenbasis(stats),)
-
-
 _REFRESH = tuple(lambda stats, q, v, side=side: _refresh(stats, q, v, side) for side in (0, 1))
 
 
@@ -217,7 +213,7 @@ def soap(
             for side, (stats, q) in enumerate((("L", "QL"), ("R", "QR"))):
                 if stats in s:  # the first update sets the eigenbases, refreshes update them
                     s[stats].lerp_(g @ g.mT if side == 0 else g.mT @ g, decay)
-                    branch_(t == 0, _first, (s[stats],), (s[q],))
+                    branch_(t == 0, lambda st, _: (eigenbasis(st),), (s[stats],), (s[q],))
                     branch_((t % precondition_frequency == 0) & (t > 0), _REFRESH[side],
                             (s[stats],), (s[q], s["exp_avg_sq"]))
             return out

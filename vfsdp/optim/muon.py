@@ -89,8 +89,8 @@ import torch
 import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
-from vfsdp.collectives import comm
 from vfsdp.collectives.dbuffer import Role
+from vfsdp.collectives.mesh import Axis
 from vfsdp.collectives.piece import Piece
 from vfsdp.collectives.redistribute import Redistribution
 from vfsdp.collectives.unit import group_name
@@ -120,6 +120,7 @@ from vfsdp.optim.base import (
 from vfsdp.optim.traced import first_leaves
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
+from vfsdp.spmd.lax import _gather
 
 
 @dataclass(frozen=True)
@@ -403,18 +404,11 @@ def _split(m: Matrix) -> bool:
 def _whole(stack: torch.Tensor, m: Matrix, model: Any) -> torch.Tensor:
     """The global matrices of a stack of TP pieces ``[B, *piece]`` (this rank is their root;
     every matrix of the stack is cut like ``m``), from the stacks of every index of the model
-    axis: one all-gather over it, padded to the largest index's share."""
+    axis: one all-gather over it (:mod:`vfsdp.lax`'s, padded to the largest index's share)."""
     st = m.spec.strided
-    b = stack.shape[0]
-    shapes = [replace(st, index=i).local_shape for i in range(st.size)]
-    widths = [b * math.prod(sh) for sh in shapes]
-    width = max(widths)
-    send = torch.zeros(width, dtype=stack.dtype, device=stack.device)
-    send[:widths[st.index]] = stack.reshape(-1)
-    recv = torch.empty(st.size * width, dtype=stack.dtype, device=stack.device)
-    comm.all_gather_into(recv, send, model)
-    parts = [recv[i * width:i * width + widths[i]].view(b, *shapes[i]) for i in range(st.size)]
-    return torch.cat(parts, st.dim + 1)
+    shapes = [(stack.shape[0], *replace(st, index=i).local_shape) for i in range(st.size)]
+    return _gather(stack, Axis(st.axis, st.size, st.index, model), st.dim + 1,
+                   shapes).contiguous()  # (the rule's matmuls round by the layout)
 
 
 @dataclass(frozen=True)

@@ -553,9 +553,8 @@ def muon(
                           f"not a 2-D matrix ({tuple(t.global_shape)})")
         state, units, owned, _, _ = init_owned_plan(MuonState, "muon", "Newton-Schulz", shards,
                                                     spec, mask, kind, refuse, wave_size)
-        for u in units:
-            if u.key in owned:
-                state.momentum[u.key] = u.db.like(state.plan.dtype, Role.STATE, "momentum")
+        state.momentum.update({u.key: u.db.like(state.plan.dtype, Role.STATE, "momentum")
+                               for u in units if u.key in owned})
         return state
 
     def rule(w: int, stack: torch.Tensor) -> torch.Tensor:

@@ -89,9 +89,7 @@ def _gate(t: Any, dtype: torch.dtype) -> Any:
     """Whether step ``t`` moves anything (the first only sets the eigenbases): eagerly
     ``None`` (no) or ``1.0``; compiled, ``t > 0`` as a 0-d tensor of ``dtype`` that the
     moments' weights are multiplied by (a weight 0 leaves them exactly as they were)."""
-    if isinstance(t, torch.Tensor):
-        return (t > 0).to(dtype)
-    return 1.0 if t else None
+    return (t > 0).to(dtype) if isinstance(t, torch.Tensor) else 1.0 if t else None
 
 
 def _sizes(t: Any, rate: Any, b1: float, b2: float, correct_bias: bool) -> tuple:

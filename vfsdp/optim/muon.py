@@ -2,7 +2,7 @@
 shape.
 
 Per step, for every 2-D matrix the optimizer owns (ops that grow with the number of distinct
-shapes, not of matrices; the waves' plans are in :mod:`vfsdp.optim.muon_waves`):
+shapes, not of matrices; the waves' plans: **Waves** below):
 
 1. momentum (Nesterov), multi-tensor ops over every unit's whole shard:
    ``b.lerp_(g, 1 - mu)``, then ``u = g.lerp(b, mu)`` into one flat workspace (the units'
@@ -30,6 +30,49 @@ all-gather per wave, of every such matrix the rank is root of), runs Newton-Schu
 whole matrix and keeps its own piece. Every index computes the same result (the model axis'
 ranks repeat the Newton-Schulz work rather than exchange it again). The model axis' group
 comes from the mesh the shards were made on (``vfsdp.shard(params, spec, mesh=mesh)``).
+
+**Waves**: matrices of one shape exchanged and orthogonalised as one stack. ``init`` groups
+the matrices Muon updates by shape (the global shape, and under TP the piece's cut), and cuts
+each group into waves of at most ``wave_size`` matrices per root. Per wave and rank it plans,
+as pure data, what one update does with a fixed number of ops whatever the number of
+matrices:
+
+* **to the roots**: the momentum updates of every unit are one flat workspace (the units'
+  shards end to end); one ``split`` of it gives every piece a rank sends, a ``cat`` lays out a
+  wave's send buffer, one ``all_to_all_single`` moves it, and on each root a ``split`` and a
+  ``cat`` put the received pieces in stack order: ``[B, rows, cols]``, its matrices in wave
+  order;
+* **back to the holders**: the root's orthogonalised stack is cut and laid out the same way;
+  each holder receives its pieces and adds them into its parameter shard with one
+  multi-tensor op per update.
+
+The exchanges are :class:`~vfsdp.collectives.Redistribution` plans (their ``send``/``recv``
+lists), turned into these cuts and orders.
+
+**Owners**: optimizers whose matrices are updated whole on one owner rank, with state held
+there (SOAP, Shampoo), run on Muon's root plan and waves, carrying the gradients.
+
+Per step, for the matrices:
+
+1. every rank's gradient shards go to the matrices' owners, one wave of same-shape matrices at
+   a time (Muon's exchange: one ``all_to_all_single`` per wave), as a stack ``[B, rows,
+   cols]``;
+2. the owner runs the optimizer's rule on the stack with the state it holds for that wave
+   (stacked the same way: moments, statistics, preconditioners), batched per shape;
+3. the updates go back to the holders, which add them to their shards (multi-tensor ops).
+
+1-D tensors are owned the same way (Shampoo: a stack ``[B, n]``), or keep their state sharded
+like the parameters (SOAP: its own elementwise rule). Over HSDP each replica's shard group
+does the same work.
+
+Under ``torch.compile`` the same step is traced: the gradients are laid out in the same
+workspace from the ``.grad`` leaves (:class:`TracedOwned`, made by ``init``), the exchanges are
+functional ``all_to_all_single`` collectives over the same wave plans, and the rules branch on
+the step counter (a tensor) with :func:`branch_` (``torch.cond``), never reading it back.
+
+Checkpoints: a matrix's state is a :class:`~vfsdp.collectives.Piece` of the whole tensor
+on its owner and an empty piece elsewhere, so a checkpoint reloads under any world size
+(the owners change; each loads what it now owns).
 """
 
 from __future__ import annotations
@@ -37,15 +80,22 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, NoReturn, Optional
 
 import torch
+import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
-from vfsdp.collectives import comm
 from vfsdp.collectives.dbuffer import Role
+from vfsdp.collectives.mesh import Axis
+from vfsdp.collectives.piece import Piece
+from vfsdp.collectives.redistribute import Redistribution
+from vfsdp.collectives.unit import group_name
+from vfsdp.functional.state import param_tree
+from vfsdp.functional.traced import traced_leaves
 from vfsdp.optim.base import (
     CountedState,
     Mask,
@@ -67,11 +117,99 @@ from vfsdp.optim.base import (
     state_dtype,
     unit_buffers,
 )
-from vfsdp.optim.muon_waves import group_matrices, held_ranges, plan_waves
+from vfsdp.optim.traced import first_leaves
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec
+from vfsdp.spmd.lax import _gather
 
-__all__ = ["muon", "plan_roots", "newton_schulz", "MuonState", "MuonPlan", "Matrix"]
+
+@dataclass(frozen=True)
+class Wave:
+    """One wave, as seen from one rank.
+
+    Attributes:
+        matrices: Its :class:`~vfsdp.optim.muon.Matrix` values, in wave order.
+        stacked: Indices (into ``matrices``) of those whose root is this rank, in stack order.
+        to_roots: The exchange of the momentum updates to the roots.
+        send: Indices of the workspace cuts (:attr:`MuonPlan.cuts`) this rank sends, in
+            ``to_roots.send`` order.
+        pieces: Sizes of the received pieces (``to_roots.recv`` order).
+        order: Those pieces' indices in stack order.
+        from_roots: The exchange of the orthogonalised updates back to the holders.
+        out_cuts: Sizes cutting this rank's flat stack of updates into what it sends.
+        out_send: Indices of those cuts in ``from_roots.send`` order.
+        back: Sizes of the pieces received back (``from_roots.recv`` order: per piece,
+            ``(index into matrices, lo, hi)`` within that matrix's piece on this rank).
+    """
+
+    matrices: tuple
+    stacked: tuple
+    to_roots: Redistribution
+    send: tuple
+    pieces: tuple
+    order: tuple
+    from_roots: Redistribution
+    out_cuts: tuple
+    out_send: tuple
+    back: tuple
+
+
+def held_ranges(t: Any, world: int) -> list:
+    """Each rank's flat range of ``t`` (``local_range``), read only on the ranks it spans.
+
+    Example:
+        >>> held_ranges(vfsdp.plan({"w": torch.ones(3, 2)}, 2).tree["w"], 3)
+        [(0, 4), (4, 6), (0, 0)]
+    """
+    ranks = set(t.ranks())
+    return [t.local_range(r) if r in ranks else (0, 0) for r in range(world)]
+
+
+def plan_waves(groups: list, rank: int, world: int, base: dict) -> tuple[tuple, list]:
+    """The :class:`Wave` values of ``groups`` (lists of matrices exchanged together), and the
+    workspace ranges each wave sends (``base``: unit key -> the unit's offset in the
+    workspace), for :func:`cuts_of`."""
+    waves, sends = [], []
+    for mats in groups:
+        held = [held_ranges(m.spec, world) for m in mats]
+        at_root = [[(0, m.spec.numel) if r == m.root else (0, 0) for r in range(world)]
+                   for m in mats]
+        to_roots = Redistribution(held, at_root, rank, world)
+        from_roots = Redistribution(at_root, held, rank, world)
+        stacked = tuple(j for j, m in enumerate(mats) if m.root == rank)
+        sizes = [mats[j].spec.numel for j in stacked]
+        first, at = dict(zip(stacked, itertools.accumulate(sizes, initial=0))), sum(sizes)
+        sends.append([(base[mats[i].key] + mats[i].lo + lo, base[mats[i].key] + mats[i].lo + hi)
+                      for i, lo, hi in to_roots.send])
+        pieces = tuple(hi - lo for _, lo, hi in to_roots.recv)
+        order = tuple(sorted(range(len(pieces)),
+                             key=lambda c: first[to_roots.recv[c][0]] + to_roots.recv[c][1]))
+        out_cuts, out_send = cuts_of([(first[i] + lo, first[i] + hi)
+                                      for i, lo, hi in from_roots.send], at)
+        waves.append(Wave(tuple(mats), stacked, to_roots, (), pieces, order, from_roots,
+                          out_cuts, tuple(out_send),
+                          tuple(hi - lo for _, lo, hi in from_roots.recv)))
+    return tuple(waves), sends
+
+
+def group_matrices(matrices: tuple, wave_size: int, key: Any) -> list:
+    """Matrices with the same ``key(m)`` (their shape), in order of first appearance, cut so
+    that no root holds more than ``wave_size`` of one wave.
+
+    Example:
+        >>> from types import SimpleNamespace as M
+        >>> ms = [M(i=i, root=r, s=s) for i, (r, s) in enumerate([(0, "a"), (0, "a"), (1, "b"),
+        ...                                                       (0, "a"), (1, "a")])]
+        >>> [[m.i for m in g] for g in group_matrices(ms, 2, lambda m: m.s)]
+        [[0, 1, 4], [3], [2]]
+    """
+    out: dict = {}
+    counts: Counter = Counter()
+    for m in matrices:
+        k = key(m)
+        out.setdefault(k, defaultdict(list))[counts[k, m.root] // wave_size].append(m)
+        counts[k, m.root] += 1
+    return [w for waves in out.values() for _, w in sorted(waves.items())]
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -158,9 +296,8 @@ def init_owned_plan(state_type: type, what: str, why: str, shards: Any, spec: Sh
         refuse(t, kind(t))
     units, count = init_units(shards, spec, f"{what}.init", mask=mask)
     state = state_type(count, {})
-    owned = {u.key: [(k, t) for k, t in enumerate(u.db.tensors) if kind(t) in ("matrix", "vector")]
-             for u in units}
-    owned = {key: mine for key, mine in owned.items() if mine}
+    owned = {u.key: mine for u in units if (mine := [(k, t) for k, t in enumerate(u.db.tensors)
+                                                     if kind(t) in ("matrix", "vector")])}
     dtype = functools.reduce(torch.promote_types, [state_dtype(u.db.dtype) for u in units
                                                    if u.key in owned], torch.float32)
     rank = units[0].db.rank if units else 0
@@ -211,20 +348,27 @@ def eager_grads(what: str, grads: Any, state: MuonState, shards: Any, spec: Shar
                        for key, _ in plan.units}, frozen
 
 
+def eager_send(group: Any) -> Callable:
+    """:func:`run_waves`'s ``send`` over eager collectives on ``group``."""
+    return lambda r, x, later=False: (r.exchange(x, group, async_op=True).wait if later
+                                      else r.exchange(x, group))
+
+
 def run_waves(plan: MuonPlan, pieces: tuple, work: torch.Tensor, send: Callable,
               rule: Callable, model: Any = None, back: bool = True) -> tuple:
     """Every wave of ``plan``: its pieces of the workspace (``pieces``: ``work`` cut at the
     plan's cuts) to the roots, ``rule(w, stack)`` on the root's stack of wave ``w`` (the
     global matrices under TP: gathered over ``model``), and, where ``back``, the updates back
-    to the holders. ``send(redistribution, buffer)`` starts an exchange and returns what
-    waits for it: the next wave's gather is in flight while a wave's rule runs.
+    to the holders. ``send(redistribution, buffer, later=False)`` exchanges, or (``later``)
+    starts an exchange and returns what waits for it: the next wave's gather is in flight
+    while a wave's rule runs.
 
     Returns:
         ``(targets, updates)``: per piece received back, ``(matrix, lo, hi)`` within its
         piece on this rank, and the piece.
     """
     def start(wave):
-        return send(wave.to_roots, _cat([pieces[i] for i in wave.send], work))
+        return send(wave.to_roots, _cat([pieces[i] for i in wave.send], work), True)
 
     targets, updates = [], []
     pending = start(plan.waves[0]) if plan.waves else None
@@ -245,8 +389,8 @@ def run_waves(plan: MuonPlan, pieces: tuple, work: torch.Tensor, send: Callable,
                 cut = o.reshape(-1).split_with_sizes(wave.out_cuts)
                 out = _cat([cut[c] for c in wave.out_send], work)
         if back:
-            got = send(wave.from_roots, out)().split_with_sizes(wave.back)
-            for (j, lo, hi), piece in zip(wave.targets, got):
+            got = send(wave.from_roots, out).split_with_sizes(wave.back)
+            for (j, lo, hi), piece in zip(wave.from_roots.recv, got):
                 targets.append((wave.matrices[j], lo, hi))
                 updates.append(piece)
     return targets, updates
@@ -260,18 +404,11 @@ def _split(m: Matrix) -> bool:
 def _whole(stack: torch.Tensor, m: Matrix, model: Any) -> torch.Tensor:
     """The global matrices of a stack of TP pieces ``[B, *piece]`` (this rank is their root;
     every matrix of the stack is cut like ``m``), from the stacks of every index of the model
-    axis: one all-gather over it, padded to the largest index's share."""
+    axis: one all-gather over it (:mod:`vfsdp.lax`'s, padded to the largest index's share)."""
     st = m.spec.strided
-    b = stack.shape[0]
-    shapes = [replace(st, index=i).local_shape for i in range(st.size)]
-    widths = [b * math.prod(sh) for sh in shapes]
-    width = max(widths)
-    send = torch.zeros(width, dtype=stack.dtype, device=stack.device)
-    send[:widths[st.index]] = stack.reshape(-1)
-    recv = torch.empty(st.size * width, dtype=stack.dtype, device=stack.device)
-    comm.all_gather_into(recv, send, model)
-    parts = [recv[i * width:i * width + widths[i]].view(b, *shapes[i]) for i in range(st.size)]
-    return torch.cat(parts, st.dim + 1)
+    shapes = [(stack.shape[0], *replace(st, index=i).local_shape) for i in range(st.size)]
+    return _gather(stack, Axis(st.axis, st.size, st.index, model), st.dim + 1,
+                   shapes).contiguous()  # (the rule's matmuls round by the layout)
 
 
 @dataclass(frozen=True)
@@ -290,7 +427,7 @@ class Matrix:
 @dataclass(frozen=True)
 class MuonPlan(OwnedPlan):
     """What ``init`` derives from the spec and the mask: the matrices, their roots, the waves
-    with their exchange plans (:mod:`vfsdp.optim.muon_waves`), the units they live in (the
+    with their exchange plans (:class:`~vfsdp.optim.muon.Wave`), the units they live in (the
     workspace's layout) and its cuts. Never saved; rebuilt by ``init``.
 
     Example:
@@ -333,12 +470,16 @@ class MuonState(CountedState):
     def views(self, units: dict, targets: list) -> list:
         """The parameter shard slices an update adds into (``targets``: ``(matrix, lo, hi)``
         within its piece), made once and kept: the parameter shards are fixed tensors."""
-        key = tuple((m.key, m.k, lo, hi) for m, lo, hi in targets)
+        shards = {m.key: units[m.key].db.shard for m, _, _ in targets}
+        return self.cached(tuple((m.key, m.k, lo, hi) for m, lo, hi in targets), shards,
+                           lambda: [shards[m.key][m.lo + lo:m.lo + hi] for m, lo, hi in targets])
+
+    def cached(self, key: Any, shards: dict, make: Callable) -> Any:
+        """``make()``, kept under ``key`` while ``shards`` (unit key -> shard) are the same
+        tensors."""
         found = self.kept.get(key)
-        if found is None or any(units[k].db.shard is not x for k, x in found[0].items()):
-            shards = {m.key: units[m.key].db.shard for m, _, _ in targets}
-            found = self.kept[key] = (shards, [shards[m.key][m.lo + lo:m.lo + hi]
-                                               for m, lo, hi in targets])
+        if found is None or any(found[0].get(k) is not x for k, x in shards.items()):
+            found = self.kept[key] = (shards, make())
         return found[1]
 
 
@@ -412,9 +553,8 @@ def muon(
                           f"not a 2-D matrix ({tuple(t.global_shape)})")
         state, units, owned, _, _ = init_owned_plan(MuonState, "muon", "Newton-Schulz", shards,
                                                     spec, mask, kind, refuse, wave_size)
-        for u in units:
-            if u.key in owned:
-                state.momentum[u.key] = u.db.like(state.plan.dtype, Role.STATE, "momentum")
+        state.momentum.update({u.key: u.db.like(state.plan.dtype, Role.STATE, "momentum")
+                               for u in units if u.key in owned})
         return state
 
     def rule(w: int, stack: torch.Tensor) -> torch.Tensor:
@@ -433,30 +573,21 @@ def muon(
         first = next(iter(units.values())).db
         with torch.no_grad():
             moms = [state.momentum[key].shard for key, _ in plan.units]
-            bufs, gs = [], []
-            for (key, _), buf in zip(plan.units, moms):
-                if not any(k == key for k, _ in frozen):  # the whole shard (only matrices
-                    bufs.append(buf)                     # are read)
-                    gs.append(gflat[key])
-                    continue
-                for m in plan.matrices:  # a frozen matrix keeps its momentum
-                    if m.key == key and (key, m.k) not in frozen and m.hi > m.lo:
-                        bufs.append(buf[m.lo:m.hi])
-                        gs.append(gflat[key][m.lo:m.hi])
+            pairs = []  # (momentum, gradient): the whole shard (only matrices are read), or
+            for (key, _), buf in zip(plan.units, moms):  # a frozen matrix keeps its momentum
+                g = gflat[key]
+                pairs += [(buf, g)] if all(k != key for k, _ in frozen) else [
+                    (buf[m.lo:m.hi], g[m.lo:m.hi]) for m in plan.matrices
+                    if m.key == key and (key, m.k) not in frozen]
             # Momentum, then the updates it sends, as multi-tensor ops into one workspace.
-            tp.foreach("lerp_", bufs, gs, scalar=1 - momentum)
-            work = torch.empty(sum(n for _, n in plan.units), dtype=plan.dtype,
-                               device=first.device)
-            ws = list(work.split_with_sizes([n for _, n in plan.units]))
+            tp.foreach("lerp_", [b for b, _ in pairs], [g for _, g in pairs], scalar=1 - momentum)
+            work = torch.cat(list(gflat.values()) if nesterov else moms)
             if nesterov:
-                tp.foreach("copy_", ws, list(gflat.values()))
-                tp.foreach("lerp_", ws, moms, scalar=momentum)
-            else:
-                tp.foreach("copy_", ws, moms)
+                tp.foreach("lerp_", list(work.split_with_sizes([n for _, n in plan.units])), moms,
+                           scalar=momentum)
             targets, updates = run_waves(
                 plan, work.split_with_sizes(plan.cuts), work,
-                lambda r, x: r.exchange(x, first.groups.shard, async_op=True).wait, rule,
-                first.groups.model)
+                eager_send(first.groups.shard), rule, first.groups.model)
             kept = [i for i, (m, _, _) in enumerate(targets) if (m.key, m.k) not in frozen]
             views = state.views(units, [targets[i] for i in kept])  # frozen: no update, no decay
             # The parameter update: two multi-tensor ops over every matrix.
@@ -477,3 +608,274 @@ def _shape(m: Matrix) -> tuple:
     st = m.spec.strided
     return (tuple(m.spec.global_shape), tuple(m.spec.shape),
             (st.dim, tuple(st.lengths), st.index) if _split(m) else None)
+
+
+@dataclass
+class OwnedState(MuonState):
+    """The step counter, the 1-D tensors' moments (``momentum``, ``second``: unit key ->
+    DBuffer), and per wave the state of this rank's matrices in it (``stacks``: name ->
+    ``[B, ...]``; ``B = 0`` where it owns none). ``seen``: the counter, its version and its
+    value on the host after the last eager update, so that an eager update branches on the
+    step without reading the counter back (it reads it once after anything else changed it:
+    a compiled update, a checkpoint load, ``state.step = n``).
+
+    Example:
+        >>> def body():
+        ...     params = {"w": torch.ones(4, 6), "b": torch.ones(4)}
+        ...     spec = vfsdp.plan(params, 2)
+        ...     state = vfsdp.optim.soap().init(vfsdp.shard(params, spec), spec)
+        ...     return [{k: tuple(v.shape) for k, v in s.items()} for s in state.stacks]
+        >>> vfsdp.testing.simulate(2, body)[0]            # rank 0 owns w
+        [{'exp_avg': (1, 4, 6), 'exp_avg_sq': (1, 4, 6), 'L': (1, 4, 4), 'R': (1, 6, 6), \
+'QL': (1, 4, 4), 'QR': (1, 6, 6)}]
+    """
+
+    second: dict = field(default_factory=dict)
+    stacks: list = field(default_factory=list)
+    seen: Optional[tuple] = field(default=None, repr=False, compare=False)
+
+    def checkpoint_tree(self, spec: ShardSpec) -> dict:
+        """The step, and per state name a tree shaped like the parameters: a matrix's state
+        as a Piece (whole on its owner, empty elsewhere), a 1-D tensor's as its shard."""
+        plan, units = self.plan, self.kept["params"]
+        writer = all(db.groups.replicate_rank == 0 for db in units.values())
+        held = {}  # (key, k) -> its wave's stacks and its place in them (None: not owned here)
+        for wave, stacks in zip(plan.waves, self.stacks):
+            for j, m in enumerate(wave.matrices):
+                held[(m.key, m.k)] = stacks, wave.stacked.index(j) if j in wave.stacked else None
+        firsts = {"exp_avg": self.momentum, "exp_avg_sq": self.second}
+        names = dict.fromkeys([*(firsts if self.momentum else ()), *(n for s in self.stacks for n in s)])
+
+        def leaf(name: str) -> Callable:
+            def pick(db, k):
+                if (db.key, k) not in held:  # a 1-D tensor, or not this optimizer's
+                    vec = firsts.get(name, {}).get(db.key)
+                    return vec.local(k) if vec is not None and plan.owns(db, k) else None
+                stacks, at = held[(db.key, k)]
+                if name not in stacks:
+                    return None
+                local = (torch.empty(0, dtype=plan.dtype, device=db.device) if at is None
+                         else stacks[name][at])
+                st = db.tensors[k].strided  # under TP, every index holds the same: one writes
+                first = st is None or st.index == 0
+                return Piece(local, tuple(stacks[name].shape[1:]), 0,
+                             writer=writer and first and local.numel() > 0)
+            return pick
+
+        return {"step": self.step, **{n: param_tree(units, spec, leaf(n)) for n in names}}
+
+
+class Begin:
+    """An owned optimizer's update under way; called (``owned_step``'s ``ready``, once the
+    inputs are checked), it counts the step (:func:`~vfsdp.optim.base.begin`: the ranks
+    agree) and holds its learning rate in ``rate``. ``t`` is the number of updates before
+    this one: eagerly an int, known at once (:attr:`OwnedState.seen`, or the counter read
+    back); compiled, the counter (a 0-d tensor, ``None`` until called)."""
+
+    def __init__(self, state: OwnedState, schedule: Callable) -> None:
+        self.state, self.schedule, self.rate, self.t = state, schedule, None, None
+        if not tp.compiling():
+            count, version, n = state.seen or (None, -1, 0)
+            same = count is state.count and version == tp.version(count)
+            self.t = n if same else state.step
+
+    def __call__(self) -> None:
+        count = self.state.count
+        self.rate = begin(count, self.schedule)
+        if tp.compiling():
+            self.t = count.reshape(()) - 1
+            self.state.seen = None  # the next eager update reads the counter back once
+        else:
+            self.state.seen = (count, tp.version(count), self.t + 1)
+
+
+def branch_(pred: Any, fn: Callable, args: tuple, state: tuple) -> None:
+    """``state = fn(*args, *state)`` in place (copied into the state's storages) where
+    ``pred`` holds: a Python ``if`` eagerly (``pred`` a bool); compiled (``pred`` a 0-d bool
+    tensor: the counter is not read back), ``torch.cond``, whose branches return new
+    contiguous tensors.
+
+    Example:
+        >>> x = torch.zeros(1)
+        >>> branch_(False, lambda step, x: (x + step,), (torch.ones(1),), (x,))
+        >>> branch_(True, lambda step, x: (x + step,), (torch.ones(1),), (x,))
+        >>> x
+        tensor([1.])
+    """
+    if not isinstance(pred, torch.Tensor):
+        new = fn(*args, *state) if pred else state
+    else:
+        n = len(args)
+        new = torch.cond(pred, lambda *xs: tuple(y.contiguous() for y in fn(*xs)),
+                         lambda *xs: tuple(x.clone() for x in xs[n:]), (*args, *state))
+    for x, y in zip(state, new):
+        if x is not y:
+            x.copy_(y)
+
+
+def apply_(views: list, updates: list, size: Any, rate: Any, weight_decay: float,
+           first: bool) -> None:
+    """``p -= size * u`` over the lists, with decoupled weight decay (``p *= 1 - rate *
+    weight_decay``) before it (``first``) or after it."""
+    if first:
+        decay_(views, rate, weight_decay)
+    descend_(views, updates, size)
+    if not first:
+        decay_(views, rate, weight_decay)
+
+
+@dataclass(frozen=True)
+class TracedOwned:
+    """What a compiled update reads, made by ``init`` (eager).
+
+    Attributes:
+        group: The shard group's name (the functional collectives').
+        pieces: ``(leaf, lo, hi)`` of each tensor it updates with a piece here: the
+            gradient's place in the workspace (the units' shards end to end).
+        leaf: ``(unit key, buffer index) -> leaf index`` of every tensor it updates.
+        vectors: The leaves of the 1-D tensors kept on their shards (SOAP), and their
+            moments' slices ``(m, v)``.
+        split: Whether a matrix is split over a model axis (not compiled).
+    """
+
+    group: str
+    pieces: tuple
+    leaf: dict
+    vectors: tuple
+    split: bool
+
+
+def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: int,
+               stack_state: Callable, vectors: bool) -> OwnedState:
+    """The owner plan and state: the 1-D and 2-D tensors selected (by ``mask`` and ``only``)
+    are the owned tensors (the "matrices"), with roots and waves as Muon plans them;
+    ``stack_state(b, shape, dtype, device)`` makes a wave's stacked state; ``vectors``: 1-D
+    tensors stay on their shards instead, with two sharded moments (SOAP's Adam).
+
+    Raises:
+        ValueError: a selected tensor of 3 or more dimensions, a matrix split over a model
+            axis the shards' mesh lacks (naming its path and the fix).
+    """
+    def refuse(t: TensorSpec, why: str) -> None:
+        if why not in ("", "matrix", "vector") and (mask is not None or "D (" in why):
+            raise ValueError(f"{what}: {format_path(t.path)} is given to {what} (its mask, "
+                             f"partition label or no label) but is {why}, which it does not "
+                             f"update; label it for another optimizer (e.g. adamw) with "
+                             f"vfsdp.optim.partition")
+
+    kind = owned_kind(mask, only, lambda t: (
+        ("vector" if vectors and len(t.shape) == 1 else "matrix") if len(t.shape) in (1, 2)
+        else f"{len(t.shape)}-D ({tuple(t.global_shape)})"))
+    state, units, owned, vecs, picked = init_owned_plan(OwnedState, what, what, shards, spec,
+                                                        mask, kind, refuse, wave_size)
+    plan, device = state.plan, state.count.device
+    for u in units:
+        if any(kind(t) == "vector" for _, t in owned.get(u.key, ())):
+            state.momentum[u.key] = u.db.like(plan.dtype, Role.STATE, "exp_avg")
+            state.second[u.key] = u.db.like(plan.dtype, Role.STATE, "exp_avg_sq")
+    state.stacks = [stack_state(len(w.stacked), tuple(w.matrices[0].spec.global_shape),
+                                plan.dtype, device) for w in plan.waves]
+    state.kept["params"] = {u.key: u.db for u in units if u.key in owned}
+    state.kept["vectors"] = vecs, picked  # and their cuts of the workspace
+    leaf = {(u.key, k): i for u in units for k, i in first_leaves(u).items() if plan.owns(u.db, k)}
+    base = dict(zip(owned, itertools.accumulate((n for _, n in plan.units), initial=0)))
+    pieces = tuple((leaf[(key, k)], base[key] + lo, base[key] + hi) for key, k, lo, hi in
+                   [*((m.key, m.k, m.lo, m.hi) for m in plan.matrices), *vecs] if hi > lo)
+    shard = units[0].db.groups.shard if units else None
+    state.kept["traced"] = TracedOwned(  # no group: shards made without a process group
+        group_name(shard) if shard is not None or dist.is_initialized() else "", pieces, leaf,
+        (tuple(leaf[(key, k)] for key, k, _, _ in vecs),
+         tuple([d[key].shard[lo:hi] for key, _, lo, hi in vecs]
+               for d in (state.momentum, state.second))),
+        any(_split(m) for m in plan.matrices))
+    return state
+
+
+def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
+               rule: Callable, back: bool, ready: Callable = lambda: None) -> tuple:
+    """One exchange of the gradients to the owners, ``rule(w, stack)`` (wave ``w``'s
+    gradients ``[B, rows, cols]`` on this rank, its updates returned), and, where ``back``,
+    the updates' exchange back. ``ready()`` runs once the inputs are checked, before any
+    write (:func:`~vfsdp.optim.base.begin`). Compiled, the same over functional collectives
+    (see the module).
+
+    Returns:
+        ``(views, updates, vectors)``: the parameter slices the updates go to and the update
+            pieces (the matrices), and ``(params, grads, m, v)`` lists of the 1-D tensors'
+            shard pieces.
+
+    Raises:
+        ValueError: a frozen tensor (its path and the fix), or a gradient that does not fit;
+            compiled, a matrix split over a model axis (:func:`~vfsdp.optim.muon.refuse_compiled`).
+    """
+    inputs = (_traced_inputs if tp.compiling() else _eager_inputs)(what, grads, state, shards,
+                                                                  spec, ready)
+    if inputs is None:
+        return [], [], ([], [], [], [])
+    work, send, model, views_of, (ps, ms, vs) = inputs
+    plan = state.plan
+    pieces = work.split_with_sizes(plan.cuts)
+    vectors = (ps, [pieces[i] for i in state.kept["vectors"][1]], ms, vs)
+    targets, updates = run_waves(plan, pieces, work, send, rule, model, back)
+    return views_of(targets), updates, vectors
+
+
+def _frozen(what: str, path: tuple) -> NoReturn:
+    raise ValueError(f"{what}: {format_path(path)} is frozen (requires_grad=False); {what} "
+                     f"keeps its statistics on an owner rank and does not skip frozen "
+                     f"tensors: label it for no optimizer, or for adamw, with "
+                     f"vfsdp.optim.partition")
+
+
+def _eager_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
+                  ready: Callable) -> Any:
+    """``(workspace, send, model group, views, (params, m, v) of the vectors)`` eagerly: the
+    gradients in the units' flat layout, DBuffer slices, eager collectives; ``None`` when
+    there is nothing to update."""
+    plan = state.plan
+    units, gflat, frozen = eager_grads(what, grads, state, shards, spec)
+    for key, k in frozen:
+        _frozen(what, units[key].db.tensors[k].path)
+    ready()
+    if not plan.units:
+        return None
+    work = torch.cat([gflat[key] for key, _ in plan.units])
+    vecs, _ = state.kept["vectors"]
+    shards = {key: u.db.shard for key, u in units.items()}
+    ps = state.cached("vector views", shards, lambda: [shards[key][lo:hi] for key, _, lo, hi in vecs])
+    groups = next(iter(units.values())).db.groups
+    return (work, eager_send(groups.shard), groups.model,
+            lambda targets: state.views(units, targets),
+            (ps, *state.kept["traced"].vectors[1]))  # the moments' slices (init's)
+
+
+def _traced_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
+                   ready: Callable) -> Any:
+    """:func:`_eager_inputs` while compiling: the workspace laid out from the gradient leaves
+    (zeros between the pieces), functional ``all_to_all_single`` exchanges, the parameter
+    leaves' slices (:class:`TracedOwned`)."""
+    plan, rec = state.plan, state.kept["traced"]
+    if rec.split:
+        refuse_compiled(what, "a matrix split over a model axis is gathered eagerly")
+    params, _ = traced_leaves(shards, spec, f"{what}.update")
+    gleaves, _ = traced_leaves(grads, spec, f"{what}.update")
+    for (key, k), i in rec.leaf.items():
+        if not params[i].requires_grad:
+            _frozen(what, state.kept["params"][key].tensors[k].path)
+    ready()
+    if not plan.units:
+        return None
+    work = state.count.new_zeros(sum(n for _, n in plan.units), dtype=plan.dtype)
+    for i, lo, hi in rec.pieces:  # zeros between the pieces
+        work[lo:hi] = gleaves[i].reshape(-1)
+
+    def send(r, x, later=False):
+        y = x if r.world == 1 else tp.traced_all_to_all(x, r.recv_sizes, r.send_sizes, rec.group)
+        return (lambda: y) if later else y
+
+    vector_leaves, (ms, vs) = rec.vectors
+    return (work, send, None,
+            lambda targets: [params[rec.leaf[(m.key, m.k)]].view(-1)[lo:hi]
+                             for m, lo, hi in targets],
+            ([params[i].view(-1) for i in vector_leaves], list(ms), list(vs)))
+

@@ -1,5 +1,6 @@
 """Distributed Shampoo (Gupta, Koren and Singer, 2018), each tensor whole on one owner
-(:mod:`vfsdp.optim.owners`), cut into blocks there (Shi et al., 2023), batched per block shape.
+(:mod:`vfsdp.optim.muon`'s owners), cut into blocks there (Shi et al., 2023), batched per
+block shape.
 
 The published rule for a tensor of order ``k`` (a matrix: ``k = 2``, a vector: ``k = 1``;
 Algorithm 2), its inverse roots refreshed every ``precondition_frequency`` steps (stale in
@@ -35,7 +36,7 @@ from vfsdp.optim.base import (
     atomic,
     check_hyper,
 )
-from vfsdp.optim.owners import (
+from vfsdp.optim.muon import (
     Begin,
     OwnedState,
     apply_,
@@ -44,8 +45,6 @@ from vfsdp.optim.owners import (
     owned_step,
 )
 from vfsdp.planner.spec import ShardSpec
-
-__all__ = ["shampoo", "inverse_root"]
 
 
 def inverse_root(stats: torch.Tensor, p: int, floor: float) -> torch.Tensor:

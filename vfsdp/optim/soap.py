@@ -1,5 +1,5 @@
 """Distributed SOAP (Vyas et al., 2024): Adam in the eigenbases of Shampoo's preconditioners,
-each matrix whole on one owner (:mod:`vfsdp.optim.owners`), batched per shape there.
+each matrix whole on one owner (:mod:`vfsdp.optim.muon`'s owners), batched per shape there.
 
 The rule is pytorch-optimizer's ``SOAP`` (a port of the authors' code), for a matrix ``G``
 with statistics ``L``, ``R`` and eigenbases ``QL``, ``QR`` (``x -> QL^T x QR`` projects):
@@ -37,7 +37,7 @@ from vfsdp.optim.base import (
     atomic,
     check_hyper,
 )
-from vfsdp.optim.owners import (
+from vfsdp.optim.muon import (
     Begin,
     OwnedState,
     apply_,
@@ -46,8 +46,6 @@ from vfsdp.optim.owners import (
     owned_step,
 )
 from vfsdp.planner.spec import ShardSpec
-
-__all__ = ["soap", "eigenbasis"]
 
 
 def eigenbasis(stats: torch.Tensor) -> torch.Tensor:
@@ -84,10 +82,6 @@ def _refresh(stats: torch.Tensor, q: torch.Tensor, v: torch.Tensor, side: int) -
     return q.to(stats.dtype), v
 
 
-def _first(stats: torch.Tensor, q: torch.Tensor) -> tuple:
-    return (eigenbasis(stats),)
-
-
 _REFRESH = tuple(lambda stats, q, v, side=side: _refresh(stats, q, v, side) for side in (0, 1))
 
 
@@ -95,9 +89,7 @@ def _gate(t: Any, dtype: torch.dtype) -> Any:
     """Whether step ``t`` moves anything (the first only sets the eigenbases): eagerly
     ``None`` (no) or ``1.0``; compiled, ``t > 0`` as a 0-d tensor of ``dtype`` that the
     moments' weights are multiplied by (a weight 0 leaves them exactly as they were)."""
-    if isinstance(t, torch.Tensor):
-        return (t > 0).to(dtype)
-    return 1.0 if t else None
+    return (t > 0).to(dtype) if isinstance(t, torch.Tensor) else 1.0 if t else None
 
 
 def _sizes(t: Any, rate: Any, b1: float, b2: float, correct_bias: bool) -> tuple:
@@ -216,16 +208,12 @@ def soap(
                 s["exp_avg_sq"].lerp_(_rotate(g, ql, qr).square(), (1 - b2) * gate)
                 den = s["exp_avg_sq"].sqrt().add_(eps)
                 out = _rotate(_rotate(s["exp_avg"], ql, qr) / den, ql, qr, back=True)
-            for name, x in (("L", g @ g.mT if "L" in s else None),
-                            ("R", g.mT @ g if "R" in s else None)):
-                if x is not None:
-                    s[name].lerp_(x, decay)
-            for side, (q, stats) in enumerate((("QL", "L"), ("QR", "R"))):
-                if q in s:  # the first update sets the eigenbases, refreshes update them
-                    branch_(t == 0, _first, (s[stats],), (s[q],))
-                    now = (s[q], s["exp_avg_sq"])
+            for side, (stats, q) in enumerate((("L", "QL"), ("R", "QR"))):
+                if stats in s:  # the first update sets the eigenbases, refreshes update them
+                    s[stats].lerp_(g @ g.mT if side == 0 else g.mT @ g, decay)
+                    branch_(t == 0, lambda st, _: (eigenbasis(st),), (s[stats],), (s[q],))
                     branch_((t % precondition_frequency == 0) & (t > 0), _REFRESH[side],
-                            (s[stats],), now)
+                            (s[stats],), (s[q], s["exp_avg_sq"]))
             return out
 
         with torch.no_grad():

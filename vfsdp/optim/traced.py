@@ -30,9 +30,6 @@ from vfsdp.optim.quant import span_tiles, step8_flat
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["traced_adamw", "traced_clip", "adam_views", "first_leaves", "TracedAdam8",
-           "traced_adamw8bit"]
-
 
 def first_leaves(u: Any) -> dict:
     """Unit ``u``'s buffer index -> the first leaf (spec order) holding that tensor (a tied
@@ -182,7 +179,6 @@ def traced_adamw8bit(grads: Any, state: Any, shards: Any, spec: ShardSpec, lr: A
     views = state.traced
     params, _ = traced_leaves(shards, spec, "adamw8bit.update")
     gleaves, _ = traced_leaves(grads, spec, "adamw8bit.update")
-    b1, b2 = betas
     scalars = step_scalars(state.count, betas)
     live = [x for x in views.quantized if params[x[0]].requires_grad]  # frozen: left alone
     with torch.no_grad():
@@ -190,14 +186,13 @@ def traced_adamw8bit(grads: Any, state: Any, shards: Any, spec: ShardSpec, lr: A
         if live:
             still = tuple((x[1].t0, x[1].n_tiles) for x in views.quantized
                           if not params[x[0]].requires_grad)  # their scales stay
-            n = views.sm.numel() - 1
-            tiles = span_tiles([(x[1].hi - x[1].lo, x[1].view, x[1].t0) for x in live], n,
-                               views.sm.device, still)
+            tiles = span_tiles([(x[1].hi - x[1].lo, x[1].view, x[1].t0) for x in live],
+                               views.sm.numel() - 1, views.sm.device, still)
             cols = [list(xs) for xs in zip(*[
                 (params[i].view(-1), gleaves[i].reshape(-1).float(), cm, cv)
                 for i, _t, _d, cm, cv in live])]
             flat = [torch.cat(xs) for xs in cols]
-            step8_flat(*flat, views.sm, views.sv, tiles, *views.maps, b1, b2, eps, lr, *scalars)
+            step8_flat(*flat, views.sm, views.sv, tiles, *views.maps, *betas, eps, lr, *scalars)
             sizes = [x[1].hi - x[1].lo for x in live]
             for j in (0, 2, 3):  # back into the parameters and codes
                 tp.foreach("copy_", cols[j], list(flat[j].split(sizes)))

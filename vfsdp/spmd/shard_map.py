@@ -288,13 +288,10 @@ def _layout(pairs: list, t: Any, mesh: Any, names: tuple, split: bool) -> tuple:
 
 def _moved(join: bool, layouts: list, leaves: list) -> list:
     """``leaves`` with each one that has cuts split into this rank's piece or joined."""
-    out = list(leaves)
     cut = [i for i, lay in enumerate(layouts) if lay]
-    if cut:
-        for i, t in zip(cut, _Move.apply(join, tuple(layouts[i] for i in cut),
-                                         *(leaves[i] for i in cut))):
-            out[i] = t
-    return out
+    moved = dict(zip(cut, _Move.apply(join, tuple(layouts[i] for i in cut),
+                                      *(leaves[i] for i in cut)))) if cut else {}
+    return [moved.get(i, t) for i, t in enumerate(leaves)]
 
 
 def _assemble(result: Any, out_specs: Any, names: tuple, mesh: Any, tracker) -> Any:

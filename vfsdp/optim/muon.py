@@ -646,23 +646,22 @@ class OwnedState(MuonState):
         firsts = {"exp_avg": self.momentum, "exp_avg_sq": self.second}
         names = dict.fromkeys([*(firsts if self.momentum else ()), *(n for s in self.stacks for n in s)])
 
-        def leaf(name: str) -> Callable:
-            def pick(db, k):
-                if (db.key, k) not in held:  # a 1-D tensor, or not this optimizer's
-                    vec = firsts.get(name, {}).get(db.key)
-                    return vec.local(k) if vec is not None and plan.owns(db, k) else None
-                stacks, at = held[(db.key, k)]
-                if name not in stacks:
-                    return None
-                local = (torch.empty(0, dtype=plan.dtype, device=db.device) if at is None
-                         else stacks[name][at])
-                st = db.tensors[k].strided  # under TP, every index holds the same: one writes
-                first = st is None or st.index == 0
-                return Piece(local, tuple(stacks[name].shape[1:]), 0,
-                             writer=writer and first and local.numel() > 0)
-            return pick
+        def pick(name: str, db: Any, k: int) -> Any:
+            if (db.key, k) not in held:  # a 1-D tensor, or not this optimizer's
+                vec = firsts.get(name, {}).get(db.key)
+                return vec.local(k) if vec is not None and plan.owns(db, k) else None
+            stacks, at = held[(db.key, k)]
+            if name not in stacks:
+                return None
+            local = (torch.empty(0, dtype=plan.dtype, device=db.device) if at is None
+                     else stacks[name][at])
+            st = db.tensors[k].strided  # under TP, every index holds the same: one writes
+            first = st is None or st.index == 0
+            return Piece(local, tuple(stacks[name].shape[1:]), 0,
+                         writer=writer and first and local.numel() > 0)
 
-        return {"step": self.step, **{n: param_tree(units, spec, leaf(n)) for n in names}}
+        return {"step": self.step,
+                **{n: param_tree(units, spec, functools.partial(pick, n)) for n in names}}
 
 
 class Begin:

@@ -187,7 +187,7 @@ def predict(row: dict):
                  logits_dtype=torch.bfloat16 if row.get("logits") == "bf16" else torch.float32,
                  reshard_after_forward=row.get("reshard", True), vs=[system] if system else [],
                  float8_saved_weights=row.get("fp8_weights_saved", False),
-                 float8_all_gather=row.get("fp8_all_gather", row["precision"] == "float8"),
+                 float8_all_gather=row.get("fp8_all_gather"),
                  reduce_dtype=torch.float32 if row["reduce"] == "fp32" else torch.bfloat16)
     return rows[-1][1]
 

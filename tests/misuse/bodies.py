@@ -120,13 +120,15 @@ def different_plans(how: str):
     if how == "layout":  # same S, different order of tensors
         params = {"a": torch.zeros(4), "b": torch.zeros(4)} if rank == 0 else \
             {"b": torch.zeros(4), "c": torch.zeros(4)}
-    elif how == "granularity":  # same tensors and S, rows kept whole on one rank only
+    elif how in ("granularity", "replan"):  # same tensors and S, rows whole on one rank only
         params = {"w": torch.zeros(8, 4)}
+        if how == "replan":  # after both agreed on one plan, each plans again: one differently
+            vfsdp.shard(params, vfsdp.plan(params, dist.get_world_size()))
         spec = vfsdp.plan(params, dist.get_world_size(),
                           granularity=vfsdp.rows(1) if rank == 0 else None)
     else:  # different S
         params = {"a": torch.zeros(4 if rank == 0 else 40)}
-    if how != "granularity":
+    if how not in ("granularity", "replan"):
         spec = vfsdp.plan(params, dist.get_world_size())
     try:
         vfsdp.shard(params, spec)

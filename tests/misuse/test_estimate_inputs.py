@@ -47,6 +47,7 @@ def _refused(capsys, argv, match):
     (["--micro-batch-tokens", "3000"], "micro_batch_tokens=3000 does not divide the 4096"),
     (["--hw", "tpu9"], "neither a profile"),
     (["--float8-saved-weights", "--float8"], "float8_saved_weights=True needs float8=True and compiled"),
+    (["--bf16-all-gathers"], "float8_all_gather=False needs float8=True"),
 ])
 def test_the_estimate_command_refuses_bad_options(shapes, capsys, extra, match):
     argv = ["estimate", shapes, "--gpus", "8", *extra]
@@ -112,8 +113,10 @@ def test_the_api_names_the_argument():
                           ({"recompute": "yes"}, "recompute"),
                           ({"padding": "none"}, "unknown padding 'none'"),
                           ({"float8_saved_weights": 1}, "float8_saved_weights must be True"),
-                          ({"float8_all_gather": "no"}, "float8_all_gather must be True"),
+                          ({"float8_all_gather": "no", "float8": True},
+                           "float8_all_gather must be True"),
                           ({"float8_all_gather": True}, "float8_all_gather=True needs float8=True"),
+                          ({"float8_all_gather": False}, "float8_all_gather=False needs float8=True"),
                           ({"float8_saved_weights": True, "float8": True},
                            "needs float8=True and compiled=True")]:
         with pytest.raises(ValueError, match=match):

@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import hashlib
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional, Union
@@ -147,7 +148,7 @@ class _PerThread(threading.local):
     def __init__(self) -> None:
         self.hosts: dict = {}
         self.meshes: dict = {}
-        self.agreed: dict = {}  # (spec fingerprint, grid) -> the default group it was checked in
+        self.agreed: dict = {}  # (id(spec), grid) -> the default group it was checked in
         self.stack: list = []  # meshes entered with vfsdp.lax.use_mesh
         self.axes: dict = {}  # {(mesh id, axes): (mesh, Axis)} of several axes (mesh.axis_of)
         self.observers: list = []  # of DBuffer events (dbuffer.observe)
@@ -518,13 +519,18 @@ def agree_on_spec(spec: ShardSpec, groups: MeshGroups) -> None:
     Raises:
         SpecMismatch: on every rank, naming the first unit that differs.
     """
-    key = (spec.fingerprint, groups.grid)  # this rank's (thread's) record: a plan is data
-    if _TLS.agreed.get(key) is dist.group.WORLD:
+    # by identity, not the fingerprint: a rank that plans again runs the check again, so an
+    # equal re-plan on one rank meets a different one on another inside the check (every
+    # rank raises), not inside the next collective; forgotten when the spec goes
+    key, agreed = (id(spec), groups.grid), _TLS.agreed
+    if agreed.get(key) is dist.group.WORLD:
         return
     _check(spec, groups.shard, groups.device)
     if groups.replicate is not None:
         _check(spec, groups.replicate, groups.device)
-    _TLS.agreed[key] = dist.group.WORLD
+    if key not in agreed:
+        weakref.finalize(spec, agreed.pop, key, None)
+    agreed[key] = dist.group.WORLD
 
 
 REDUCE_OPS = ("sum", "avg")

@@ -121,7 +121,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
               attention stays in bf16) and float8 all-gathers: the layers' weights cross and
               stay unsharded in one byte an element (torchao's ``enable_fsdp_float8_all_gather``).
             * ``float8_all_gather``: With ``float8``, whether the all-gathers are in float8
-              (default: ``float8``'s value); ``False``: float8 matmuls over weights gathered and
+              (default: ``True`` with ``float8``); ``False``: float8 matmuls over weights gathered and
               kept in the parameters' dtype (torchao's rowwise recipes, Transformer Engine
               under FSDP1, ``enable_fsdp_float8_all_gather=False``).
             * ``float8_saved_weights``: With ``float8`` and ``compiled``, whether the compiled
@@ -145,7 +145,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             ``experts_per_token``, ``tokens_per_rank``, ``experts_per_token``, ``seq`` or
             ``ep`` not an int >= 1, a negative ``comm_library_bytes``, ``fused_loss`` not a
             bool, ``float8_saved_weights`` without ``float8`` and ``compiled``,
-            ``float8_all_gather=True`` without ``float8``, a ``rank``
+            ``float8_all_gather`` without ``float8``, a ``rank``
             outside the plan, ``micro_batches`` that do not divide ``tokens_per_rank``, an
             unknown baseline or padding, or ``model_parallel="tp"`` for a plan without a
             model axis, ``layers`` naming a unit the plan does not have, or experts that do

@@ -84,16 +84,18 @@ class Options:
                              f"a multiple")
         if self.fused_loss is None:  # a compiled step's loss is compiled too
             object.__setattr__(self, "fused_loss", self.compiled)
-        if self.float8_all_gather is None:  # torchao's float8 recipes gather in float8 too
-            object.__setattr__(self, "float8_all_gather", self.float8)
+        if self.float8_all_gather is not None and self.float8 is not True:
+            raise ValueError(f"estimate: float8_all_gather={self.float8_all_gather!r} needs "
+                             f"float8=True (it says how float8's weights are gathered); pass "
+                             f"both, or drop it")
+        if self.float8 is True and self.float8_all_gather is None:  # torchao's recipes: float8
+            object.__setattr__(self, "float8_all_gather", True)  # gathers too (None: no float8)
         for name in ("grad_sync", "float8", "compiled", "fused_loss", "float8_saved_weights",
                      "float8_all_gather"):
-            if not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), bool) and (name, getattr(self, name)) != (
+                    "float8_all_gather", None):
                 raise ValueError(f"estimate: {name} must be True or False, got "
                                  f"{getattr(self, name)!r}")
-        if self.float8_all_gather and not self.float8:
-            raise ValueError("estimate: float8_all_gather=True needs float8=True (the weights "
-                             "are cast for float8 matmuls); pass both, or drop it")
         if self.float8_saved_weights and not (self.float8 and self.compiled):
             raise ValueError("estimate: float8_saved_weights=True needs float8=True and "
                              "compiled=True (torch.compile saves them); pass both, or drop it")

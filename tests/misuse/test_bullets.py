@@ -350,6 +350,9 @@ def _conflicting_tie_labels():
                                       lambda p: "d" if p[-1] == "embed" else "n"),
                 adamw(weight_decay_mask=lambda p: p[-1] == "embed"),
                 adamw8bit(weight_decay_mask=lambda p: p[-1] == "head"),
+                # only= of the matrix optimizers: the tied tensor was never updated
+                *(getattr(vfsdp.optim, kind)(only=lambda p: p[-1] == "head")
+                  for kind in ("muon", "soap", "shampoo")),
                 vfsdp.optim.chain(adamw()),
                 ):
         try:
@@ -370,4 +373,5 @@ def test_a_tied_tensor_gets_one_answer_from_labels_and_masks():
         assert out == ["partition: labels gives 'd' at io.embed but 'n' at io.head",
                        "adamw.init: weight_decay_mask gives True at io.embed but False at io.head",
                        "adamw8bit.init: weight_decay_mask gives False at io.embed but True at "
-                       "io.head", "ok"]
+                       "io.head", *(f"{kind}.init: only gives False at io.embed but True at "
+                                    f"io.head" for kind in ("muon", "soap", "shampoo")), "ok"]

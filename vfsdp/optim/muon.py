@@ -276,7 +276,8 @@ def owned_kind(mask: Mask, only: Optional[Callable], of: Callable) -> Callable:
 
 
 def init_owned_plan(state_type: type, what: str, why: str, shards: Any, spec: ShardSpec,
-                    mask: Mask, kind: Callable, refuse: Callable, wave_size: int) -> tuple:
+                    mask: Mask, only: Optional[Callable], kind: Callable, refuse: Callable,
+                    wave_size: int) -> tuple:
     """A new state and its :class:`MuonPlan` over the tensors ``kind`` calls ``"matrix"``
     (exchanged whole to an owner chosen by :func:`plan_roots`, in waves of one shape) or
     ``"vector"`` (kept on their shards: their ranges cut the workspace too), after
@@ -289,12 +290,13 @@ def init_owned_plan(state_type: type, what: str, why: str, shards: Any, spec: Sh
         their cuts of the workspace.
 
     Raises:
-        ValueError: what ``refuse`` raises; a matrix split over a model axis whose group the
-            shards lack (``why`` names what needs the whole matrix).
+        ValueError: what ``refuse`` raises; ``mask`` or ``only`` answering differently at a
+            tied tensor's places; a matrix split over a model axis whose group the shards
+            lack (``why`` names what needs the whole matrix).
     """
     for t in spec.tensors():
         refuse(t, kind(t))
-    units, count = init_units(shards, spec, f"{what}.init", mask=mask)
+    units, count = init_units(shards, spec, f"{what}.init", mask=mask, only=only)
     state = state_type(count, {})
     owned = {u.key: mine for u in units if (mine := [(k, t) for k, t in enumerate(u.db.tensors)
                                                      if kind(t) in ("matrix", "vector")])}
@@ -552,7 +554,7 @@ def muon(
         kind = owned_kind(mask, only, lambda t: "matrix" if len(t.shape) == 2 else
                           f"not a 2-D matrix ({tuple(t.global_shape)})")
         state, units, owned, _, _ = init_owned_plan(MuonState, "muon", "Newton-Schulz", shards,
-                                                    spec, mask, kind, refuse, wave_size)
+                                                    spec, mask, only, kind, refuse, wave_size)
         state.momentum.update({u.key: u.db.like(state.plan.dtype, Role.STATE, "momentum")
                                for u in units if u.key in owned})
         return state
@@ -766,7 +768,7 @@ def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: 
         ("vector" if vectors and len(t.shape) == 1 else "matrix") if len(t.shape) in (1, 2)
         else f"{len(t.shape)}-D ({tuple(t.global_shape)})"))
     state, units, owned, vecs, picked = init_owned_plan(OwnedState, what, what, shards, spec,
-                                                        mask, kind, refuse, wave_size)
+                                                        mask, only, kind, refuse, wave_size)
     plan, device = state.plan, state.count.device
     for u in units:
         if any(kind(t) == "vector" for _, t in owned.get(u.key, ())):

@@ -180,8 +180,8 @@ def _estimate_parser(sub) -> None:
                                      "matmuls only)")
     p.add_argument("--float8-saved-weights", action="store_true",
                    help="with --float8 --compiled: each layer's unsharded float8 weights saved "
-                        "for its backward (torchao 2024-10 to 2025-06 without "
-                        "force_recompute_fp8_weight_in_bwd)")
+                        "for its backward (torchao before 2025-06 without "
+                        "force_recompute_fp8_weight_in_bwd; none in checkpointed layers)")
     p.add_argument("--eager-loss", dest="fused_loss", action="store_const", const=False,
                    help="with --compiled: the loss stays eager (its softmax and gradient held)")
     p.add_argument("--vs", default="", help="also fsdp2 and/or megatron, comma-separated")

@@ -170,8 +170,8 @@ def predict(row: dict):
     unsharded from the forward to the backward: FSDP2's ``reshard_after_forward=False``,
     ``fp8_weights_saved: true`` for a compiled float8 run whose torchao saved each layer's
     unsharded float8 weights for its backward: before June 2025 without
-    ``force_recompute_fp8_weight_in_bwd`` (added October 2024), ``fp8_all_gather: false`` for float8 matmuls over
-    weights gathered in bf16)."""
+    ``force_recompute_fp8_weight_in_bwd`` (added October 2024), ``fp8_all_gather: false``
+    for float8 matmuls over weights gathered in bf16)."""
     tree = MODELS[row["model"]](row["seq"])
     optimizer = "adamw"  # vfsdp's: fp32 moments
     if row.get("master") == "bf16":  # the weights and so the optimizer's state kept in bf16:

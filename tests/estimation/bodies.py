@@ -22,6 +22,13 @@ from vfsdp.testing.models import (
 )
 
 
+def _model(cfg: GPTConfig, opt, mesh) -> tuple:
+    """``(spec, shards, tokens)`` of the example model planned for ``opt`` on ``mesh``."""
+    spec = vfsdp.plan(meta_params(cfg), mesh, granularity=opt.granularity)
+    shards = vfsdp.shard(meta_params(cfg), spec, init_fn=vfsdp.init.sharded(init_rule(cfg), 0))
+    return spec, shards, torch.randint(0, cfg.vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
 def step(optimizer: str, dtype, prefetch: bool = True, reshard: bool = True, layers: int = 3,
          mesh=None, steps: int = 2) -> dict:
     """``steps`` training steps (gather the embedding/head for the step, ``run_layers``,
@@ -29,10 +36,7 @@ def step(optimizer: str, dtype, prefetch: bool = True, reshard: bool = True, lay
     estimate predicts for the same plan, beside them."""
     cfg = GPTConfig(layers=layers)
     opt = optimizer_for(optimizer, meta_params(cfg))
-    mesh = mesh or dist.get_world_size()
-    spec = vfsdp.plan(meta_params(cfg), mesh, granularity=opt.granularity)
-    shards = vfsdp.shard(meta_params(cfg), spec, init_fn=vfsdp.init.sharded(init_rule(cfg), 0))
-    toks = torch.randint(0, cfg.vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    spec, shards, toks = _model(cfg, opt, mesh or dist.get_world_size())
     with BufferBytes().track(shards) as live:
         state = opt.init(shards, spec)
         live.track(state_tensors(state))
@@ -156,9 +160,7 @@ def accum_step(micro: int, dtype, reduce_dtype, layers: int = 3) -> dict:
     (``grad_sync=False``), under the buffer probe; the estimate of the same step beside it."""
     cfg = GPTConfig(layers=layers)
     opt = vfsdp.optim.adamw()
-    spec = vfsdp.plan(meta_params(cfg), dist.get_world_size(), granularity=opt.granularity)
-    shards = vfsdp.shard(meta_params(cfg), spec, init_fn=vfsdp.init.sharded(init_rule(cfg), 0))
-    toks = torch.randint(0, cfg.vocab, (2, 32), generator=torch.Generator().manual_seed(0))
+    spec, shards, toks = _model(cfg, opt, dist.get_world_size())
     with BufferBytes().track(shards) as live:
         state = opt.init(shards, spec)
         live.track(state_tensors(state))

@@ -122,13 +122,14 @@ MODELS = {
     "olmo-llama3-8b": lambda seq: llama(32, 4096, 14336, 32, 8, 100352),
 }
 # the system each project ran, as the estimator models it: FSDP2 (torchtitan), Megatron-FSDP,
-# and llm-foundry's, fms-fsdp's and YaFSDP's baseline FSDP1, whose flat parameters copy and
-# allocate as vfsdp's buffers do (torchao's and AWS's rows ran torchtitan)
+# and llm-foundry's, fms-fsdp's, YaFSDP's baseline and VectorLM's FSDP1, whose flat parameters copy
+# and allocate as vfsdp's buffers do (torchao's and AWS's rows ran torchtitan)
 SYSTEMS = {"pytorch/torchtitan": "fsdp2", "NVIDIA-NeMo/Megatron-Bridge": "megatron",
            "mosaicml/llm-foundry": None, "foundation-model-stack/fms-fsdp": None,
            "pytorch/ao": "fsdp2", "aws-samples/awsome-distributed-training": "fsdp2",
            "KempnerInstitute/KempnerForge": "fsdp2", "allenai/OLMo-core": "fsdp2",
-           "Lightning-AI/lightning-thunder": "fsdp2", "yandex/YaFSDP": None}
+           "Lightning-AI/lightning-thunder": "fsdp2", "yandex/YaFSDP": None,
+           "VectorInstitute/vectorlm": None}
 COMPILE = {True: "yes", "blocks": "blk", False: "no"}
 
 

@@ -112,17 +112,20 @@ _RECOMPUTE = {False: (None, 0, 0.0), True: (2, None, 1.0), "full": (2, None, 1.0
               "selective": (None, None, 0.5)}
 
 
-def _outputs(mats: Iterable, width: int) -> float:
+def _outputs(mats: Iterable, width: int, again: int = 1) -> float:
     """Elements per token the matrices' outputs leave saved: each matrix's side that is not
     the width (its output, or its input when it reads a hidden layer), once, and for each
-    three of one width (a gated FFN: gate, up, down) the activation's output too."""
+    three of one width (a gated FFN: gate, up, down) ``again`` times a third more: the
+    activation's output (1), or what a compiled step recomputes of it (see
+    :func:`saved_bytes`)."""
     by_width: Counter = Counter()
     for (a, b), c in mats:
         by_width[b if a == width else a] += c
-    return sum(d * (c + c // 3 * (c % 3 == 0)) for d, c in by_width.items())
+    return sum(d * (c + again * (c // 3) * (c % 3 == 0)) for d, c in by_width.items())
 
 
-def saved_bytes(mats: Iterable, expert_mats: Iterable, width: int, top_k: int) -> float:
+def saved_bytes(mats: Iterable, expert_mats: Iterable, width: int, top_k: int,
+                compiled: bool = False, float8: bool = False, rms: bool = False) -> float:
     """Bytes per token and width one block saves for its backward in bf16, from the shapes
     of its matrices (``((rows, cols), count)``, as :class:`Shapes` holds them): its two
     norms' inputs and outputs (fused norms: 4 widths), each matrix's output side once (what
@@ -152,8 +155,17 @@ def saved_bytes(mats: Iterable, expert_mats: Iterable, width: int, top_k: int) -
         >>> saved_bytes(gpt, (), h, 0)
         32.0
     """
-    experts = 3 * width + _outputs(expert_mats, width) if top_k else 0.0
-    return 2 * (4 * width + _outputs(mats, width) + top_k * experts) / width
+    # compiled: the min-cut partitioner (torch/_functorch/partitioners.py,
+    # min_cut_rematerialization_partition) recomputes pointwise ops in the backward where
+    # that saves bytes: a gated FFN's activation output from the gate's; with float8 the
+    # norms' outputs and the gate product too (their casts' scales kept), attention's output
+    # kept again as the output projection's float8 input (half a width). Eager, an RMSNorm
+    # (rms) that upcasts (torch's rms_norm and torchtitan's, LitGPT's) keeps its fp32 input
+    # and its normalized bf16 value: 4 bytes a norm more. Traced in tests/estimation.
+    again = 1 - compiled - compiled * float8
+    experts = 3 * width + _outputs(expert_mats, width, again) if top_k else 0.0
+    norms = 4 - compiled * float8 * 1.5 + 4 * (rms and not compiled)
+    return 2 * (norms * width + _outputs(mats, width, again) + top_k * experts) / width
 
 
 # compiled -> bytes one layer's forward reads and writes outside its matmuls, per token and
@@ -175,6 +187,7 @@ EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
 # head_dim, at which its score (QK^T) and value (AV) products run
 QUERY = re.compile(r"(^|\.)(wq|q_proj|q_b_proj|query)(\.|$)")
 OUTPUT = re.compile(r"(^|\.)(wo|o_proj|out_proj)(\.|$)")
+NORM = re.compile(r"norm|(^|\.)ln")  # a norm's vector: an RMSNorm's where it has no bias
 
 
 @dataclass(frozen=True)
@@ -230,7 +243,7 @@ class Shapes:
         # weights, stacked experts', indexed experts'
         # and the query and output projections' global (rows, cols)
         rows: dict = {key: [0.0, 0.0, 0.0, set(), False, 0.0, 0.0, 0.0, 0, Counter(), Counter(),
-                            Counter(), None, None] for key in keys}
+                            Counter(), None, None, False, False] for key in keys}
         width = vocab = 0
         for path, unit, shape, global_shape in tensors:
             name = ".".join(map(str, path))
@@ -243,6 +256,8 @@ class Shapes:
                 if not width and len(global_shape) == 2:
                     width, vocab = int(global_shape[1]), int(global_shape[0])
                 continue
+            if len(shape) == 1 and NORM.search(name):  # a norm's weight, or its bias
+                row[14 + (path[-1] == "bias")] = True
             if len(shape) < 2:
                 continue
             n, out = math.prod(shape), global_shape[-2]
@@ -263,9 +278,9 @@ class Shapes:
                      (o_st + (o_ix / len(ids) if ids else 0.0)) / 2,
                      (tuple(sorted(mats.items())), tuple(sorted(
                          {**st, **{m: st[m] + c / len(ids) for m, c in ix.items()}}.items()))),
-                     (q, o))
-                 for k, (w, stacked, indexed, ids, emb, outs, o_st, o_ix, n, mats, st, ix, q, o)
-                 in rows.items()}
+                     (q, o), norm and not bias)
+                 for k, (w, stacked, indexed, ids, emb, outs, o_st, o_ix, n, mats, st, ix, q, o,
+                         norm, bias) in rows.items()}
         return cls(MappingProxyType(units), width, vocab)
 
     def costs(self, tokens: int, o: Options) -> dict:
@@ -280,7 +295,7 @@ class Shapes:
                              "'...experts.<i>...' or stacked '...experts...'); pass "
                              "experts_per_token (top-k, e.g. 8 for DeepSeek-V3)")
         out = {}
-        for key, (weights, per_expert, experts, has_embed, outs, expert_outs, mats, qo) in \
+        for key, (weights, per_expert, experts, has_embed, outs, expert_outs, mats, qo, rms) in \
                 self.units.items():
             n = weights + (per_expert * experts_per_token if experts else 0.0)
             layer = isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int)
@@ -293,7 +308,8 @@ class Shapes:
             extra = share * 2 * tokens * n + (attn / 3 if share == 1.0 else 0.0) if layer else 0.0
             acts = again = ew = 0
             if layer and width:
-                full = saved_bytes(*mats, width, experts_per_token if experts else 0)
+                full = saved_bytes(*mats, width, experts_per_token if experts else 0, o.compiled,
+                                   o.float8, rms)
                 if kept is None and again_per is None:  # selective: the input, attention's
                     outs += expert_outs * experts_per_token if experts else 0.0  # output,
                     kept = 2 * (2 + outs / width)  # every other output

@@ -136,13 +136,19 @@ def saved_bytes(mats: Iterable, expert_mats: Iterable, width: int, top_k: int,
     Flash attention (no score matrix; its log-sum-exp, 4 bytes a head, left out), no
     dropout: GPT-2's block saves 32 (Korthikanti et al.'s 34 less its two dropout masks).
     A matrix's side that is not the width is read in either orientation; one with neither
-    side the width counts its first.
+    side the width counts its first. That is eager with fused norms; the step's mode
+    changes it (see the comment below and ``docs/estimate.md``).
 
     Args:
         mats: The block's matrices other than routed experts'.
         expert_mats: One routed expert's (counts may be fractions: a unit's over its experts).
         width: The model's width (the embedding's second dim).
         top_k: Routed experts per token (0 without them).
+        compiled: Under ``torch.compile``: its partitioner recomputes a gated FFN's
+            activation output (and the norms' outputs and gate product with ``float8``).
+        float8: Float8 weight matmuls (torchao's tensorwise linears).
+        rms: The norms are RMSNorms that upcast (eager: their fp32 input and normalized
+            value kept, 4 bytes per token and width a norm more).
 
     Returns:
         Bytes per token and width.
@@ -154,14 +160,19 @@ def saved_bytes(mats: Iterable, expert_mats: Iterable, width: int, top_k: int,
         >>> h = 64; gpt = [((3 * h, h), 1), ((h, h), 1), ((4 * h, h), 1), ((h, 4 * h), 1)]
         >>> saved_bytes(gpt, (), h, 0)
         32.0
+        >>> llama = [((h, h), 4), ((4 * h, h), 2), ((h, 4 * h), 1)]  # attention, SwiGLU
+        >>> saved_bytes(llama, (), h, 0, rms=True), saved_bytes(llama, (), h, 0, compiled=True)
+        (56.0, 40.0)
     """
-    # compiled: the min-cut partitioner (torch/_functorch/partitioners.py,
-    # min_cut_rematerialization_partition) recomputes pointwise ops in the backward where
-    # that saves bytes: a gated FFN's activation output from the gate's; with float8 the
-    # norms' outputs and the gate product too (their casts' scales kept), attention's output
-    # kept again as the output projection's float8 input (half a width). Eager, an RMSNorm
-    # (rms) that upcasts (torch's rms_norm and torchtitan's, LitGPT's) keeps its fp32 input
-    # and its normalized bf16 value: 4 bytes a norm more. Traced in tests/estimation.
+    # compiled: torch.compile's min-cut partitioner (pytorch/pytorch
+    # torch/_functorch/partitioners.py at c28ba8e, min_cut_rematerialization_partition)
+    # recomputes pointwise ops in the backward: a gated FFN's activation output from the
+    # gate's; with float8 (torchao's input_fp8 saved, pytorch/ao torchao/float8/
+    # float8_linear.py at e919558) the norms' outputs and the gate product too, their casts'
+    # amax kept, and attention's output kept again as its float8 copy (half a width). Eager,
+    # an RMSNorm (rms) that upcasts (pytorch/torchtitan torchtitan/models/norms.py at
+    # 026e23a) keeps its fp32 input and normalized bf16 value: 4 bytes a norm more. Traced
+    # in tests/estimation/test_saved_bytes.py (docs/estimate.md, fourth pass, memory).
     again = 1 - compiled - compiled * float8
     experts = 3 * width + _outputs(expert_mats, width, again) if top_k else 0.0
     norms = 4 - compiled * float8 * 1.5 + 4 * (rms and not compiled)

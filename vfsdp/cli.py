@@ -171,7 +171,8 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--float8", action="store_true",
                    help="float8 weight matmuls and float8 all-gathers")
     p.add_argument("--compiled", action="store_true",
-                   help="under torch.compile: the kernels between the matmuls fused, the loss one")
+                   help="under torch.compile: the kernels between the matmuls fused, the loss one, "
+                        "and the activations its partitioner keeps")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false")
     p.add_argument("--no-reshard", dest="reshard_after_forward", action="store_false",
                    help="keep units after forward")

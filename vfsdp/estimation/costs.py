@@ -112,17 +112,20 @@ _RECOMPUTE = {False: (None, 0, 0.0), True: (2, None, 1.0), "full": (2, None, 1.0
               "selective": (None, None, 0.5)}
 
 
-def _outputs(mats: Iterable, width: int) -> float:
+def _outputs(mats: Iterable, width: int, again: int = 1) -> float:
     """Elements per token the matrices' outputs leave saved: each matrix's side that is not
     the width (its output, or its input when it reads a hidden layer), once, and for each
-    three of one width (a gated FFN: gate, up, down) the activation's output too."""
+    three of one width (a gated FFN: gate, up, down) ``again`` times a third more: the
+    activation's output (1), or what a compiled step recomputes of it (see
+    :func:`saved_bytes`)."""
     by_width: Counter = Counter()
     for (a, b), c in mats:
         by_width[b if a == width else a] += c
-    return sum(d * (c + c // 3 * (c % 3 == 0)) for d, c in by_width.items())
+    return sum(d * (c + again * (c // 3) * (c % 3 == 0)) for d, c in by_width.items())
 
 
-def saved_bytes(mats: Iterable, expert_mats: Iterable, width: int, top_k: int) -> float:
+def saved_bytes(mats: Iterable, expert_mats: Iterable, width: int, top_k: int,
+                compiled: bool = False, float8: bool = False, rms: bool = False) -> float:
     """Bytes per token and width one block saves for its backward in bf16, from the shapes
     of its matrices (``((rows, cols), count)``, as :class:`Shapes` holds them): its two
     norms' inputs and outputs (fused norms: 4 widths), each matrix's output side once (what
@@ -133,13 +136,19 @@ def saved_bytes(mats: Iterable, expert_mats: Iterable, width: int, top_k: int) -
     Flash attention (no score matrix; its log-sum-exp, 4 bytes a head, left out), no
     dropout: GPT-2's block saves 32 (Korthikanti et al.'s 34 less its two dropout masks).
     A matrix's side that is not the width is read in either orientation; one with neither
-    side the width counts its first.
+    side the width counts its first. That is eager with fused norms; the step's mode
+    changes it (see the comment below and ``docs/estimate.md``).
 
     Args:
         mats: The block's matrices other than routed experts'.
         expert_mats: One routed expert's (counts may be fractions: a unit's over its experts).
         width: The model's width (the embedding's second dim).
         top_k: Routed experts per token (0 without them).
+        compiled: Under ``torch.compile``: its partitioner recomputes a gated FFN's
+            activation output (and the norms' outputs and gate product with ``float8``).
+        float8: Float8 weight matmuls (torchao's tensorwise linears).
+        rms: The norms are RMSNorms that upcast (eager: their fp32 input and normalized
+            value kept, 4 bytes per token and width a norm more).
 
     Returns:
         Bytes per token and width.
@@ -151,9 +160,23 @@ def saved_bytes(mats: Iterable, expert_mats: Iterable, width: int, top_k: int) -
         >>> h = 64; gpt = [((3 * h, h), 1), ((h, h), 1), ((4 * h, h), 1), ((h, 4 * h), 1)]
         >>> saved_bytes(gpt, (), h, 0)
         32.0
+        >>> llama = [((h, h), 4), ((4 * h, h), 2), ((h, 4 * h), 1)]  # attention, SwiGLU
+        >>> saved_bytes(llama, (), h, 0, rms=True), saved_bytes(llama, (), h, 0, compiled=True)
+        (56.0, 40.0)
     """
-    experts = 3 * width + _outputs(expert_mats, width) if top_k else 0.0
-    return 2 * (4 * width + _outputs(mats, width) + top_k * experts) / width
+    # compiled: torch.compile's min-cut partitioner (pytorch/pytorch
+    # torch/_functorch/partitioners.py at c28ba8e, min_cut_rematerialization_partition)
+    # recomputes pointwise ops in the backward: a gated FFN's activation output from the
+    # gate's; with float8 (torchao's input_fp8 saved, pytorch/ao torchao/float8/
+    # float8_linear.py at e919558) the norms' outputs and the gate product too, their casts'
+    # amax kept, and attention's output kept again as its float8 copy (half a width). Eager,
+    # an RMSNorm (rms) that upcasts (pytorch/torchtitan torchtitan/models/norms.py at
+    # 026e23a) keeps its fp32 input and normalized bf16 value: 4 bytes a norm more. Traced
+    # in tests/estimation/test_saved_bytes.py (docs/estimate.md, fourth pass, memory).
+    again = 1 - compiled - compiled * float8
+    experts = 3 * width + _outputs(expert_mats, width, again) if top_k else 0.0
+    norms = 4 - compiled * float8 * 1.5 + 4 * (rms and not compiled)
+    return 2 * (norms * width + _outputs(mats, width, again) + top_k * experts) / width
 
 
 # compiled -> bytes one layer's forward reads and writes outside its matmuls, per token and
@@ -175,6 +198,7 @@ EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
 # head_dim, at which its score (QK^T) and value (AV) products run
 QUERY = re.compile(r"(^|\.)(wq|q_proj|q_b_proj|query)(\.|$)")
 OUTPUT = re.compile(r"(^|\.)(wo|o_proj|out_proj)(\.|$)")
+NORM = re.compile(r"norm|(^|\.)ln")  # a norm's vector: an RMSNorm's where it has no bias
 
 
 @dataclass(frozen=True)
@@ -230,7 +254,7 @@ class Shapes:
         # weights, stacked experts', indexed experts'
         # and the query and output projections' global (rows, cols)
         rows: dict = {key: [0.0, 0.0, 0.0, set(), False, 0.0, 0.0, 0.0, 0, Counter(), Counter(),
-                            Counter(), None, None] for key in keys}
+                            Counter(), None, None, False, False] for key in keys}
         width = vocab = 0
         for path, unit, shape, global_shape in tensors:
             name = ".".join(map(str, path))
@@ -243,6 +267,8 @@ class Shapes:
                 if not width and len(global_shape) == 2:
                     width, vocab = int(global_shape[1]), int(global_shape[0])
                 continue
+            if len(shape) == 1 and NORM.search(name):  # a norm's weight, or its bias
+                row[14 + (path[-1] == "bias")] = True
             if len(shape) < 2:
                 continue
             n, out = math.prod(shape), global_shape[-2]
@@ -263,9 +289,9 @@ class Shapes:
                      (o_st + (o_ix / len(ids) if ids else 0.0)) / 2,
                      (tuple(sorted(mats.items())), tuple(sorted(
                          {**st, **{m: st[m] + c / len(ids) for m, c in ix.items()}}.items()))),
-                     (q, o))
-                 for k, (w, stacked, indexed, ids, emb, outs, o_st, o_ix, n, mats, st, ix, q, o)
-                 in rows.items()}
+                     (q, o), norm and not bias)
+                 for k, (w, stacked, indexed, ids, emb, outs, o_st, o_ix, n, mats, st, ix, q, o,
+                         norm, bias) in rows.items()}
         return cls(MappingProxyType(units), width, vocab)
 
     def costs(self, tokens: int, o: Options) -> dict:
@@ -280,7 +306,7 @@ class Shapes:
                              "'...experts.<i>...' or stacked '...experts...'); pass "
                              "experts_per_token (top-k, e.g. 8 for DeepSeek-V3)")
         out = {}
-        for key, (weights, per_expert, experts, has_embed, outs, expert_outs, mats, qo) in \
+        for key, (weights, per_expert, experts, has_embed, outs, expert_outs, mats, qo, rms) in \
                 self.units.items():
             n = weights + (per_expert * experts_per_token if experts else 0.0)
             layer = isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int)
@@ -293,7 +319,8 @@ class Shapes:
             extra = share * 2 * tokens * n + (attn / 3 if share == 1.0 else 0.0) if layer else 0.0
             acts = again = ew = 0
             if layer and width:
-                full = saved_bytes(*mats, width, experts_per_token if experts else 0)
+                full = saved_bytes(*mats, width, experts_per_token if experts else 0, o.compiled,
+                                   o.float8, rms)
                 if kept is None and again_per is None:  # selective: the input, attention's
                     outs += expert_outs * experts_per_token if experts else 0.0  # output,
                     kept = 2 * (2 + outs / width)  # every other output

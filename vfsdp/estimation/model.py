@@ -133,7 +133,9 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
               costs' logits: an eager loss's peak, 12 bytes per token and vocabulary entry in fp32,
               6 in bf16).
             * ``compiled``: Whether the step runs under ``torch.compile`` (the default costs' kernels
-              outside the matmuls fused: less of their memory traffic).
+              outside the matmuls fused: less of their memory traffic; its partitioner's
+              activations: a gated FFN's SiLU recomputed, with ``float8`` the norms' outputs and
+              the gate product too; eager, an RMSNorm keeps its fp32 input and normalized value).
             * ``fused_loss``: Whether the loss is one fused kernel, holding only the bf16 logits and
               their gradient (``None``: as ``compiled``; torchtitan compiles its loss since
               2025, not before).

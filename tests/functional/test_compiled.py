@@ -300,7 +300,8 @@ def _refusals():
                lambda: vfsdp.gather(shards, spec, grad_reduce="max"),
                lambda: vfsdp.run_layers(_layer, shards["layers"], spec["layers"],
                                         torch.ones(1, D), async_reduce=True),
-               lambda: vfsdp.gather_async(shards, spec).wait()):
+               lambda: vfsdp.gather_async(shards, spec).wait(),
+               lambda: vfsdp.release(vfsdp.gather(shards, spec), spec)):
         try:
             torch.compile(fn, fullgraph=True, backend="aot_eager")()
             out.append("no error")
@@ -311,7 +312,7 @@ def _refusals():
 
 @THREADS
 def test_what_the_compiled_path_cannot_do_is_refused_by_name():
-    buffer, muon, reduce, layers_buffer, misspelt, max_, async_, handle = \
+    buffer, muon, reduce, layers_buffer, misspelt, max_, async_, handle, release = \
         simulate(2, _refusals)[0]
     # one wording for what a path cannot honour, on every path
     assert "vfsdp.gather: grads='buffer' is not supported under torch.compile" in buffer
@@ -321,6 +322,7 @@ def test_what_the_compiled_path_cannot_do_is_refused_by_name():
     assert "grad_reduce must be one of ('sum', 'avg'), got 'max'" in max_  # summed before
     assert "vfsdp.run_layers: async_reduce=True is not supported under torch.compile" in async_
     assert "vfsdp.gather_async under torch.compile is not supported" in handle
+    assert "vfsdp.release under torch.compile is not supported" in release  # dynamo's before
     assert "muon.update under torch.compile is not supported yet" in muon
     assert ("reduce_dtype=torch.float32 is not supported under torch.compile with a "
             "torch.bfloat16 gather" in reduce)

@@ -134,10 +134,10 @@ def traced_clip(grads: Any, spec: ShardSpec, max_norm: float, eps: float,
         The norm before clipping.
 
     Raises:
-        ValueError: a tree that does not match the spec, or what the eager clip raises for
-            ``mesh`` (a mesh or default group that does not match the spec, a ``tp=`` spec
-            without the mesh with its axis), or an HSDP spec without ``mesh=`` whose default
-            mesh this rank has not built.
+        ValueError: a tree that does not match the spec, an unprepared spec, what the eager
+            clip raises for ``mesh`` (a mesh or default group that does not match the spec, a
+            ``tp=`` spec without the mesh with its axis), or an HSDP spec without ``mesh=``
+            whose default mesh this rank has not built.
     """
     what = "vfsdp.clip_grad_norm"
     leaves, _ = traced_leaves(grads, spec, what)

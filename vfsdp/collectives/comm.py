@@ -386,20 +386,19 @@ def world_mesh(shape: tuple, names: tuple, build: bool = True):
     kept, or ``None``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    key = (tuple(shape), tuple(names))
-    if not build:
-        entry = _TLS.meshes.get(key)
-        return entry[1] if entry is not None and entry[0] is dist.group.WORLD else None
-    return _cached(_TLS.meshes, key, lambda: init_device_mesh(
-        control_device(device_for()).type, tuple(shape), mesh_dim_names=tuple(names)))
+    return _cached(_TLS.meshes, (tuple(shape), tuple(names)), (lambda: init_device_mesh(
+        control_device(device_for()).type, tuple(shape), mesh_dim_names=tuple(names))) if build else None)
 
 
-def _cached(table: dict, key: Any, make: Callable[[], Any], owner: Any = None) -> Any:
+def _cached(table: dict, key: Any, make: Optional[Callable[[], Any]], owner: Any = None) -> Any:
     """``make()``, made once per ``key`` in this thread's ``table`` and kept while ``owner``
-    (default: the default process group; a new one makes it again) is the one it was made for."""
+    (default: the default process group; a new one makes it again) is the one it was made for
+    (``make=None``: ``None`` where none is kept)."""
     owner = dist.group.WORLD if owner is None else owner
     entry = table.get(key)
     if entry is None or entry[0] is not owner:
+        if make is None:
+            return None
         entry = table[key] = (owner, make())
     return entry[1]
 

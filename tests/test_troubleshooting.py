@@ -89,6 +89,8 @@ NOT_STRINGS = {
      "RuntimeError(why)"): "the poison()/_poison() sentences (SINKS)",
     ("vfsdp/interop/dtensor.py", "_placements", "ValueError(_ragged_message(t))"):
         "BUILDERS: _ragged_message",
+    ("vfsdp/optim/traced.py", "traced_clip", "ValueError(refused)"):
+        "the eager clip's own messages (resolve_groups, model_group), found by _norm_groups",
     ("vfsdp/testing/simulate.py", "_simulate", "RankError(real or failures)"):
         "BUILDERS: RankError.__init__, _simulate, _describe",
     ("vfsdp/testing/spawn.py", "spawn", "RankError(failures)"):

@@ -42,7 +42,8 @@
   collectives ``torch.ops._c10d_functional`` (:func:`traced_all_gather`,
   :func:`traced_all_reduce`, :func:`traced_reduce_scatter`), dynamo's
   ``trace_autograd_ops`` switch (:func:`trace_autograd_ops`) and the
-  ``assume_constant_result`` mark on :func:`enable_compiled_backward`, which also gives dynamo's
+  ``assume_constant_result`` mark (:func:`untraced`) on :func:`enable_compiled_backward` and on
+  the compiled clip's group lookup; the former also gives dynamo's
   ``TensorVariable.method_attr_grad`` a fresh ``ConstantVariable(None)`` where it returned the
   shared one (:func:`_own_none_grads`).
 
@@ -68,7 +69,7 @@ __all__ = ["functorch_active", "functorch_unwrapped", "storage_id", "TorchDispat
            "compiling", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter",
            "traced_sum_autograd",
            "trace_autograd_ops", "traced_gather_ops",
-           "enable_compiled_backward"]
+           "enable_compiled_backward", "untraced"]
 
 TESTED_TORCH = ((2, 11), (2, 13))
 _LOCK = threading.Lock()
@@ -364,9 +365,16 @@ def _own_none_grads() -> None:
 
 
 
-# Marked as torch._dynamo.assume_constant_result marks (that decorator only sets this
-# attribute, and importing dynamo to call it would cost a second): dynamo runs it, untraced.
-enable_compiled_backward._dynamo_marked_constant = True
+def untraced(fn):
+    """Mark ``fn`` as ``torch._dynamo.assume_constant_result`` does (that decorator only sets
+    this attribute, and importing dynamo to call it would cost a second): while tracing,
+    dynamo runs it for real and keeps its result as a constant, guarding the objects it was
+    given by identity. Returns ``fn``."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+untraced(enable_compiled_backward)
 
 
 _WRAPS = threading.local()

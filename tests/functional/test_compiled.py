@@ -300,7 +300,8 @@ def _refusals():
                lambda: vfsdp.gather(shards, spec, grad_reduce="max"),
                lambda: vfsdp.run_layers(_layer, shards["layers"], spec["layers"],
                                         torch.ones(1, D), async_reduce=True),
-               lambda: vfsdp.gather_async(shards, spec).wait()):
+               lambda: vfsdp.gather_async(shards, spec).wait(),
+               lambda: vfsdp.release(vfsdp.gather(shards, spec), spec)):
         try:
             torch.compile(fn, fullgraph=True, backend="aot_eager")()
             out.append("no error")
@@ -311,7 +312,7 @@ def _refusals():
 
 @THREADS
 def test_what_the_compiled_path_cannot_do_is_refused_by_name():
-    buffer, muon, reduce, layers_buffer, misspelt, max_, async_, handle = \
+    buffer, muon, reduce, layers_buffer, misspelt, max_, async_, handle, release = \
         simulate(2, _refusals)[0]
     # one wording for what a path cannot honour, on every path
     assert "vfsdp.gather: grads='buffer' is not supported under torch.compile" in buffer
@@ -321,9 +322,77 @@ def test_what_the_compiled_path_cannot_do_is_refused_by_name():
     assert "grad_reduce must be one of ('sum', 'avg'), got 'max'" in max_  # summed before
     assert "vfsdp.run_layers: async_reduce=True is not supported under torch.compile" in async_
     assert "vfsdp.gather_async under torch.compile is not supported" in handle
+    assert "vfsdp.release under torch.compile is not supported" in release  # dynamo's before
     assert "muon.update under torch.compile is not supported yet" in muon
     assert ("reduce_dtype=torch.float32 is not supported under torch.compile with a "
             "torch.bfloat16 gather" in reduce)
+
+
+def _clip(shards, spec, mesh):
+    return vfsdp.clip_grad_norm(vfsdp.grads(shards, spec), spec, 0.5, mesh=mesh)
+
+
+def _clip_cases(cases):
+    """Per case, the compiled clip (norm, clipped .grad) on one copy of the shards and the
+    eager clip on another, or what each raised. The compiled gradients carry no unit: both
+    add over ``mesh=`` (else the default group)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    g = torch.Generator().manual_seed(0)
+    params = {"a": torch.randn(6, 4, generator=g), "b": torch.randn(5, generator=g)}
+    out = {}
+    fast = torch.compile(_clip, fullgraph=True, dynamic=False, backend="aot_eager",
+                         isolate_recompiles=True)  # this rank's graphs: one per spec and mesh
+    for case in cases:
+        if case == "fsdp":
+            spec, on, given = vfsdp.plan(params, dist.get_world_size()), None, None
+        elif case.startswith(("hsdp", "sub")):  # not named as the default mesh: not built
+            m = vfsdp.mesh(("rep", 2), ("dp", 2))
+            spec, on = (vfsdp.plan(params, 2), m["dp"]) if case == "sub" else (vfsdp.plan(params, m), m)
+            given = m if case == "hsdp" else None
+        else:
+            m = vfsdp.mesh(("dp", 2), ("tp", 2))
+            spec, on = vfsdp.plan(params, m, tp=lambda p: Shard(1) if p[-1] == "a" else Replicate()), m
+            given = {"tp": m, "tp-no-mesh": None, "tp-data-mesh": m["dp"]}[case]
+        got = []
+        for run in (fast, _clip):
+            shards = vfsdp.shard(params, spec, mesh=on)
+            full = vfsdp.gather(shards, spec)
+            sum(((dist.get_rank() + 1) * p).pow(2).sum() for p in optree.tree_leaves(full)).backward()
+            try:
+                norm = float(run(shards, spec, given))
+                got.append((norm, [x.grad.clone() for x in optree.tree_leaves(shards)]))
+            except Exception as exc:  # noqa: BLE001 - dynamo wraps the ValueError
+                got.append(f"{exc} {exc.__cause__}")
+        out[case] = got
+    return out
+
+
+def _same(compiled, eager):
+    return (compiled[0] == pytest.approx(eager[0], rel=1e-6) and compiled[0] > 0.5
+            and all(torch.allclose(a, b, atol=1e-7) for a, b in zip(compiled[1], eager[1])))
+
+
+@THREADS
+def test_the_compiled_clip_adds_over_the_eager_clips_groups_or_refuses_as_it_does():
+    """1-D over the default group; HSDP and TP with mesh=: the eager clip's norm and clipped
+    gradients. Without the mesh they need, the eager clip's own refusals (a sub-mesh's spec
+    on the whole world, a tp= spec), and for HSDP, whose default mesh would be built while
+    tracing (this mesh is not named as it is), a refusal naming mesh= (never a norm over
+    the wrong group)."""
+    for compiled, eager in simulate(2, _clip_cases, ["fsdp"])[0].values():
+        assert _same(compiled, eager)
+    cases = ["hsdp", "hsdp-no-mesh", "sub", "tp", "tp-no-mesh", "tp-data-mesh"]
+    for rank in simulate(4, _clip_cases, cases):
+        assert _same(*rank["hsdp"]) and _same(*rank["tp"])
+        compiled, eager = rank["hsdp-no-mesh"]
+        assert "cannot make while torch.compile traces; pass mesh= the DeviceMesh" in compiled
+        assert _same(rank["hsdp"][1], eager)  # eagerly: the default mesh, built
+        for case, words in (("sub", "planned for mesh (2,) (2 ranks) but the default process "
+                                    "group has 4"),
+                            ("tp-no-mesh", "the spec is of one 'tp' index's pieces"),
+                            ("tp-data-mesh", "pass mesh= the mesh with 'tp'")):
+            assert all(words in r for r in rank[case]), (case, rank[case])
 
 
 def _frozen_spec():

@@ -292,7 +292,8 @@ def _from_mesh(mesh, spec: ShardSpec) -> MeshGroups:
                       device_for(shard), grid, group)
 
 
-def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None, check: bool = True) -> MeshGroups:
+def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None, check: bool = True,
+                   build: bool = True) -> MeshGroups:
     """The groups a spec's collectives use on this rank.
 
     The first time a spec is used on a process group, every rank checks (one small
@@ -302,6 +303,8 @@ def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None, check: bool = Tr
         spec: A plan.
         mesh: A ``DeviceMesh`` matching ``spec.mesh_shape``, or ``None`` for the default group.
         check: Check that the ranks agree on the spec (once per spec and group).
+        build: Build the default group's 2-D mesh if this rank has none yet; ``False``
+            (while ``torch.compile`` traces, which cannot make process groups): refuse.
 
     Returns:
         A :class:`MeshGroups`.
@@ -309,7 +312,8 @@ def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None, check: bool = Tr
     Raises:
         RuntimeError: no process group is initialised.
         ValueError: the group or mesh does not match the world size the spec was planned for,
-            or the ranks hold different specs (naming the first unit that differs).
+            the ranks hold different specs (naming the first unit that differs), or a mesh
+            to build with ``build=False``.
 
     Example:
         >>> def body():
@@ -346,14 +350,21 @@ def resolve_groups(spec: ShardSpec, mesh: Optional[Any] = None, check: bool = Tr
         groups = MeshGroups(None, None, dist.get_rank(), world, 0, 1, device_for(),
                             (tuple(range(world)),))
     else:
-        groups = _from_mesh(mesh if mesh is not None else default_mesh(spec), spec)
+        found = mesh if mesh is not None else default_mesh(spec, build)
+        if found is None:
+            raise ValueError(f"the spec runs on a {spec.mesh_shape} mesh over the default group, "
+                             f"whose groups this rank has not made yet and cannot make while "
+                             f"torch.compile traces; pass mesh= the DeviceMesh the shards were "
+                             f"made on")
+        groups = _from_mesh(found, spec)
     if check:
         agree_on_spec(spec, groups)
     return groups
 
 
-def default_mesh(spec: ShardSpec):
-    """The ``DeviceMesh`` of ``spec.mesh_shape`` over the default group (built once, cached).
+def default_mesh(spec: ShardSpec, build: bool = True):
+    """The ``DeviceMesh`` of ``spec.mesh_shape`` over the default group (built once, cached;
+    ``build=False``: ``None`` where not built yet).
 
     The last dim shards: ranks ``[i*m, (i+1)*m)`` shard together.
 
@@ -365,25 +376,29 @@ def default_mesh(spec: ShardSpec):
                          f"group, and the spec was planned for {spec.mesh_shape}: plan for "
                          f"({spec.replicas}, {spec.world_size}) (replicate, shard), the same "
                          f"ranks and the same shards")
-    return world_mesh(spec.mesh_shape, ("replicate", "shard")[-len(spec.mesh_shape):])
+    return world_mesh(spec.mesh_shape, ("replicate", "shard")[-len(spec.mesh_shape):], build)
 
 
-def world_mesh(shape: tuple, names: tuple):
+def world_mesh(shape: tuple, names: tuple, build: bool = True):
     """The ``DeviceMesh`` of ``shape`` with dim ``names`` over the default group, built once
     per group and kept (building one creates process groups), on :func:`device_for`'s device
-    type (the CPU for ``meta``, whose small exchanges need values)."""
+    type (the CPU for ``meta``, whose small exchanges need values); ``build=False``: the one
+    kept, or ``None``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return _cached(_TLS.meshes, (tuple(shape), tuple(names)), lambda: init_device_mesh(
-        control_device(device_for()).type, tuple(shape), mesh_dim_names=tuple(names)))
+    return _cached(_TLS.meshes, (tuple(shape), tuple(names)), (lambda: init_device_mesh(
+        control_device(device_for()).type, tuple(shape), mesh_dim_names=tuple(names))) if build else None)
 
 
-def _cached(table: dict, key: Any, make: Callable[[], Any], owner: Any = None) -> Any:
+def _cached(table: dict, key: Any, make: Optional[Callable[[], Any]], owner: Any = None) -> Any:
     """``make()``, made once per ``key`` in this thread's ``table`` and kept while ``owner``
-    (default: the default process group; a new one makes it again) is the one it was made for."""
+    (default: the default process group; a new one makes it again) is the one it was made for
+    (``make=None``: ``None`` where none is kept)."""
     owner = dist.group.WORLD if owner is None else owner
     entry = table.get(key)
     if entry is None or entry[0] is not owner:
+        if make is None:
+            return None
         entry = table[key] = (owner, make())
     return entry[1]
 

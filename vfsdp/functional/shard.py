@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from vfsdp import _torch_private as tp
 from vfsdp.collectives.comm import resolve_groups, side_group
 from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.functional.gather import pending
@@ -120,7 +121,7 @@ def release(tree: Any, spec: ShardSpec) -> None:
         ``None``.
 
     Raises:
-        ValueError: the tree does not match the spec.
+        ValueError: the tree does not match the spec, or under ``torch.compile``.
 
     Example:
         >>> def body():
@@ -135,6 +136,10 @@ def release(tree: Any, spec: ShardSpec) -> None:
         >>> vfsdp.testing.simulate(2, body)
         [('ReleasedTensor', True, False), ('ReleasedTensor', True, False)]
     """
+    if tp.compiling():
+        raise ValueError("vfsdp.release under torch.compile is not supported: compiled gathers "
+                         "hold no vfsdp buffers (the compiler owns and frees theirs); drop it from "
+                         "the compiled function, or call it outside")
     leaves = match_tree(tree, spec, "vfsdp.release")
     pending().settle()  # graphs dropped since: their memory may go now
     units = {id(unit): unit for key, members in spec.unit_leaves().items() for i, _ in members

@@ -38,28 +38,24 @@ from typing import Any, Optional
 
 import optree
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import SLOT
-from vfsdp.collectives.unit import drop_traced_grads, group_name
+from vfsdp.collectives.unit import drop_traced_grads
 from vfsdp.functional.lowp import hooked_all_gather
 from vfsdp.functional.pieces import assemble_layer
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["traced_gather", "prepare", "clip_groups", "CLIP_GROUPS", "traced_leaves",
-           "traced_run_layers", "traced_grads", "traced_zero_grads", "unit_context", "padded"]
+__all__ = ["traced_gather", "prepare", "traced_leaves", "traced_run_layers", "traced_grads",
+           "traced_zero_grads", "unit_context", "padded"]
 
 
 def prepare(spec: ShardSpec, units: dict) -> None:
-    """Make, eagerly, what the compiled path reads: each unit's runtime (``unit.traced``),
+    """Make, eagerly, what the compiled path reads: each unit's runtime (``unit.traced``) and
     this rank's :func:`~vfsdp.planner.local.local_plan` of ``spec`` and of every sub-spec of
-    its subtrees (``spec["layers"]``, ``spec["layers"][3]``, ``spec["embed"]``, ...), and, for
-    the compiled
-    ``clip_grad_norm`` (which sees gradients, not shards), the groups of each in
-    :data:`CLIP_GROUPS`.
+    its subtrees (``spec["layers"]``, ``spec["layers"][3]``, ``spec["embed"]``, ...).
 
     Args:
         spec: The plan.
@@ -71,48 +67,23 @@ def prepare(spec: ShardSpec, units: dict) -> None:
     Raises:
         Nothing.
     """
-    rank, groups = None, None
+    rank = None
     for unit in units.values():
-        rank, groups = unit.traced_record().shard_rank, unit.groups
-    _local(spec, rank, groups)
+        rank = unit.traced_record().shard_rank
+    _local(spec, rank)
 
 
-CLIP_GROUPS: dict = {}
-"""``(spec fingerprint, global rank) -> (shard group name, model axis group name or None,
-or "" when the spec has a model axis its shards' groups lack)``: what the compiled
-``clip_grad_norm`` all-reduces over, for each spec this process made shards for (the last
-shards made for a spec on a rank are the ones it reads)."""
-
-
-def _local(spec: ShardSpec, rank: Optional[int], groups: Any) -> None:
+def _local(spec: ShardSpec, rank: Optional[int]) -> None:
     local_plan(spec, None)
     if rank is not None:
         local_plan(spec, rank)
-    if groups is not None:
-        split = spec.model_axis is not None and spec.model_axis[1] > 1
-        model = group_name(groups.model) if groups.model is not None else ""
-        CLIP_GROUPS[(spec.fingerprint, dist.get_rank())] = (group_name(groups.shard),
-                                                            model if split else None)
     tree = spec.tree
     keys = tree if isinstance(tree, dict) else range(len(tree)) if isinstance(tree, (list, tuple)) else ()
     for key in keys:
         node = tree[key]
         if isinstance(node, TensorSpec) or (isinstance(node, (dict, list, tuple))
                                             and not optree.tree_is_leaf(node)):
-            _local(spec[key], rank, groups)
-
-
-def clip_groups(spec: ShardSpec, what: str) -> tuple:
-    """This rank's :data:`CLIP_GROUPS` entry for ``spec``.
-
-    Raises:
-        ValueError: no shards were made for the spec on this rank.
-    """
-    found = CLIP_GROUPS.get((spec.fingerprint, dist.get_rank()))
-    if found is None:
-        raise ValueError(f"{what} under torch.compile: no shards were made for this spec "
-                         f"here; make them with vfsdp.shard before compiling")
-    return found
+            _local(spec[key], rank)
 
 
 def _unit_of(leaf: Any, what: str) -> Any:

@@ -123,14 +123,29 @@ def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = N
 def _norm(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask, what: str) -> tuple:
     total, whole, loose, groups = local_squares(leaves, spec, mesh, mask, what)
     comm.all_reduce_(total, "sum", groups.shard)
-    if spec.model_axis is not None and spec.model_axis[1] > 1:  # TP/EP: the other pieces
-        if groups.model is None:
-            raise ValueError(f"vfsdp.clip_grad_norm: the spec is split over "
-                             f"{spec.model_axis[0]!r}; its norm adds every index's pieces, so "
-                             f"vfsdp needs that axis: make the shards with vfsdp.shard(params, "
-                             f"spec, mesh=mesh) on the mesh with {spec.model_axis[0]!r}")
-        comm.all_reduce_(total, "sum", groups.model)
+    model = model_group(spec, groups)
+    if model is not None:  # TP/EP: the other indices' pieces
+        comm.all_reduce_(total, "sum", model)
     return total.sqrt(), whole, loose
+
+
+def model_group(spec: ShardSpec, groups: Any) -> Any:
+    """The group over which a norm adds the other model indices' pieces: ``groups.model``
+    for a spec split over a model axis (``tp=``), else ``None``.
+
+    Raises:
+        ValueError: a split spec whose groups lack that axis (a data mesh given or shards
+            made on one).
+    """
+    if spec.model_axis is None or spec.model_axis[1] <= 1:
+        return None
+    if groups.model is None:
+        axis = spec.model_axis[0]
+        raise ValueError(f"vfsdp.clip_grad_norm: the spec is split over {axis!r}; its norm adds "
+                         f"every index's pieces, so vfsdp needs that axis: pass mesh= the mesh "
+                         f"with {axis!r} (for .grad pieces), and make the shards with "
+                         f"vfsdp.shard(params, spec, mesh=mesh) on it")
+    return groups.model
 
 
 def local_squares(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask,
@@ -173,8 +188,9 @@ def clip_grad_norm(grads: Any, spec: ShardSpec, max_norm: float, *, mesh: Any = 
         spec: The plan.
         max_norm: The largest allowed norm.
         mesh: A ``DeviceMesh`` matching the spec, for pieces that are not gradient buffer
-            views; default: the default group. With gradient buffer views (which carry
-            their mesh) it is refused.
+            views (the shards' ``.grad``, and every gradient under ``torch.compile``);
+            default: the default group. With gradient buffer views (which carry their mesh)
+            it is refused.
         eps: Added to the norm before dividing.
         mask: ``path -> bool``: clip only the selected tensors, by their own norm.
 
@@ -200,7 +216,7 @@ def clip_grad_norm(grads: Any, spec: ShardSpec, max_norm: float, *, mesh: Any = 
     if tp.compiling():  # torch.compile: functional collectives over the shards' .grad
         from vfsdp.optim.traced import traced_clip
 
-        return traced_clip(grads, spec, max_norm, eps, mask)
+        return traced_clip(grads, spec, max_norm, eps, mask, mesh)
     what = "vfsdp.clip_grad_norm"
     norm, whole, loose = _norm(gradient_leaves(grads, spec, what), spec, mesh, mask, what)
     scale_by_norm(whole, loose, norm, max_norm, eps)

@@ -12,7 +12,9 @@ result equals the eager step within fp32 rounding (the compiler may fuse the ari
 differently). Eager and compiled updates on one state count in one counter, in any order.
 
 :func:`traced_clip` is ``clip_grad_norm`` over the shards' ``.grad``: a norm per tensor, one
-functional all-reduce over the shard group (and the model axis), one scaling.
+functional all-reduce over the shard group (and the model axis), one scaling. The gradients
+carry no unit, so its groups are what the eager clip uses for such pieces: ``mesh=``, else
+the default group.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from typing import Any
 import torch
 
 from vfsdp import _torch_private as tp
-from vfsdp.functional.traced import clip_groups, traced_leaves
+from vfsdp.collectives.comm import resolve_groups
+from vfsdp.collectives.unit import group_name
+from vfsdp.functional.traced import traced_leaves
 from vfsdp.optim.base import adamw_step, decay_, step_scalars
-from vfsdp.optim.clip import scale_by_norm
+from vfsdp.optim.clip import model_group, scale_by_norm
 from vfsdp.optim.quant import span_tiles, step8_flat
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
@@ -98,39 +102,58 @@ def _adam(members: Any, params: list, gleaves: list, count: torch.Tensor, lr: An
                    eps=eps, weight_decay=weight_decay, fused=False)
 
 
+@tp.untraced
+def _norm_groups(spec: ShardSpec, mesh: Any) -> tuple:
+    """``(shard group name, model axis group name or None, device, None)`` of the groups the
+    eager clip adds loose pieces over (``mesh=``, else the default group: the same rule, the
+    same checks and messages), or ``(None, None, None, the eager message)``. Run for real
+    while dynamo traces (:func:`~vfsdp._torch_private.untraced`), once per spec and mesh: no
+    collective (the ranks' agreement on the spec was checked when its shards were made) and
+    no new process group (a collective call, which tracing cannot make)."""
+    try:
+        groups = resolve_groups(spec, mesh, check=False, build=False)
+        model = model_group(spec, groups)
+    except ValueError as exc:
+        return None, None, None, str(exc)
+    return group_name(groups.shard), None if model is None else group_name(model), groups.device, None
+
+
 def traced_clip(grads: Any, spec: ShardSpec, max_norm: float, eps: float,
-                mask: Any = None) -> torch.Tensor:
+                mask: Any = None, mesh: Any = None) -> torch.Tensor:
     """``clip_grad_norm`` while compiling: every tensor's norm, one functional all-reduce
-    over the shard group (and over the model axis of a ``tp=`` plan), one scaling.
+    over the shard group (and over the model axis of a ``tp=`` plan), one scaling. The
+    gradients carry no unit, so the groups are the eager path's for loose pieces: ``mesh=``,
+    else the default group.
 
     Args:
         grads: The gradient tree.
         spec: The plan.
-        max_norm, eps, mask: As for ``clip_grad_norm``.
+        max_norm, eps, mask, mesh: As for ``clip_grad_norm``.
 
     Returns:
         The norm before clipping.
 
     Raises:
-        ValueError: a tree that does not match the spec, or an unprepared spec.
+        ValueError: a tree that does not match the spec, an unprepared spec, what the eager
+            clip raises for ``mesh`` (a mesh or default group that does not match the spec, a
+            ``tp=`` spec without the mesh with its axis), or an HSDP spec without ``mesh=``
+            whose default mesh this rank has not built.
     """
     what = "vfsdp.clip_grad_norm"
     leaves, _ = traced_leaves(grads, spec, what)
     tensors, counted = local_plan(spec, None)[3:]
-    shard_name, model = clip_groups(spec, what)
-    if model == "":
-        raise ValueError("vfsdp.clip_grad_norm: the spec is split over a model axis, but its "
-                         "shards were made on the data mesh only; make them with "
-                         "vfsdp.shard(params, spec, mesh=mesh) on the mesh with that axis")
+    shard_name, model, device, refused = _norm_groups(spec, mesh)
+    if refused is not None:
+        raise ValueError(refused)
     chosen = [(i, c) for (i, path), c in zip(tensors, counted)
               if mask is None or bool(mask(path))]
     pieces = [leaves[i] for i, c in chosen if c]
-    device = leaves[tensors[0][0]].device if tensors else torch.device("cpu")
     if pieces:
         total = torch.stack([torch.linalg.vector_norm(p, dtype=torch.float32)
                              for p in pieces]).square().sum()
     else:
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        total = torch.zeros((), dtype=torch.float32,
+                            device=leaves[tensors[0][0]].device if tensors else device)
     total = tp.traced_all_reduce(total, "sum", shard_name)
     if model is not None:
         total = tp.traced_all_reduce(total, "sum", model)

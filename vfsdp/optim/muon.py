@@ -61,9 +61,8 @@ Per step, for the matrices:
    (stacked the same way: moments, statistics, preconditioners), batched per shape;
 3. the updates go back to the holders, which add them to their shards (multi-tensor ops).
 
-1-D tensors are owned the same way (Shampoo: a stack ``[B, n]``), or keep their state sharded
-like the parameters (SOAP: its own elementwise rule). Over HSDP each replica's shard group
-does the same work.
+1-D tensors are owned the same way, as a stack ``[B, n]``. Over HSDP each replica's shard
+group does the same work.
 
 Under ``torch.compile`` the same step is traced: the gradients are laid out in the same
 workspace from the ``.grad`` leaves (:class:`TracedOwned`, made by ``init``), the exchanges are
@@ -279,15 +278,12 @@ def init_owned_plan(state_type: type, what: str, why: str, shards: Any, spec: Sh
                     mask: Mask, only: Optional[Callable], kind: Callable, refuse: Callable,
                     wave_size: int) -> tuple:
     """A new state and its :class:`MuonPlan` over the tensors ``kind`` calls ``"matrix"``
-    (exchanged whole to an owner chosen by :func:`plan_roots`, in waves of one shape) or
-    ``"vector"`` (kept on their shards: their ranges cut the workspace too), after
+    (exchanged whole to an owner chosen by :func:`plan_roots`, in waves of one shape), after
     ``refuse(t, kind(t))`` of every tensor. One dtype for every matrix (the exchanges carry
     many units at once): float32, or float64 where a unit's parameters are.
 
     Returns:
-        ``(state, units, owned, vectors, picked)``: ``owned``: unit key -> its ``(k, spec)``
-        updated; ``vectors``: ``(key, k, lo, hi)`` of this rank's vector pieces; ``picked``:
-        their cuts of the workspace.
+        ``(state, units, owned)``: ``owned``: unit key -> its ``(k, spec)`` updated.
 
     Raises:
         ValueError: what ``refuse`` raises; ``mask`` or ``only`` answering differently at a
@@ -299,11 +295,11 @@ def init_owned_plan(state_type: type, what: str, why: str, shards: Any, spec: Sh
     units, count = init_units(shards, spec, f"{what}.init", mask=mask, only=only)
     state = state_type(count, {})
     owned = {u.key: mine for u in units if (mine := [(k, t) for k, t in enumerate(u.db.tensors)
-                                                     if kind(t) in ("matrix", "vector")])}
+                                                     if kind(t) == "matrix"])}
     dtype = functools.reduce(torch.promote_types, [state_dtype(u.db.dtype) for u in units
                                                    if u.key in owned], torch.float32)
     rank = units[0].db.rank if units else 0
-    found = [(key, k, t) for key, mine in owned.items() for k, t in mine if kind(t) == "matrix"]
+    found = [(key, k, t) for key, mine in owned.items() for k, t in mine]
     roots = plan_roots([t for _, _, t in found], spec.world_size)
     matrices = tuple(Matrix(key, k, t, root, *t.shard_range(rank))
                      for (key, k, t), root in zip(found, roots))
@@ -314,22 +310,18 @@ def init_owned_plan(state_type: type, what: str, why: str, shards: Any, spec: Sh
                          f"{why} needs the whole matrix, so vfsdp needs that axis' group: "
                          f"shard with vfsdp.shard(params, spec, mesh=mesh) on the mesh with "
                          f"{axis!r}, not its data sub-mesh")
-    vectors = tuple((key, k, lo, hi) for key, mine in owned.items() for k, t in mine
-                    if kind(t) == "vector" for lo, hi in [t.shard_range(rank)] if hi > lo)
     # The workspace: the units' shards end to end.
     layout = tuple((u.key, u.db.shard.numel()) for u in units if u.key in owned)
     base = dict(zip(owned, itertools.accumulate((n for _, n in layout), initial=0)))
     waves, sends = plan_waves(group_matrices(matrices, wave_size, _shape), rank,
                               spec.world_size, base)
-    cuts, index = cuts_of([r for wave in sends for r in wave]
-                          + [(base[key] + lo, base[key] + hi) for key, _, lo, hi in vectors],
-                          sum(n for _, n in layout))
+    cuts, index = cuts_of([r for wave in sends for r in wave], sum(n for _, n in layout))
     picked = iter(index)
     waves = tuple(replace(w, send=tuple(next(picked) for _ in wave))
                   for w, wave in zip(waves, sends))
     state.plan = MuonPlan({key: frozenset(t.path for _, t in mine) for key, mine in owned.items()},
                           matrices, waves, dtype, layout, cuts)
-    return state, units, owned, vectors, tuple(picked)
+    return state, units, owned
 
 
 def eager_grads(what: str, grads: Any, state: MuonState, shards: Any, spec: ShardSpec) -> tuple:
@@ -378,7 +370,7 @@ def run_waves(plan: MuonPlan, pieces: tuple, work: torch.Tensor, send: Callable,
         recv = pending()
         if w + 1 < len(plan.waves):
             pending = start(plan.waves[w + 1])  # in flight during the rule
-        out = work.new_empty(0)
+        sent = []
         if wave.stacked:
             m = wave.matrices[wave.stacked[0]]
             got = recv.split_with_sizes(wave.pieces)
@@ -389,9 +381,9 @@ def run_waves(plan: MuonPlan, pieces: tuple, work: torch.Tensor, send: Callable,
                 o = o.narrow(st.dim + 1, st.start, st.lengths[st.index])
             if back:
                 cut = o.reshape(-1).split_with_sizes(wave.out_cuts)
-                out = _cat([cut[c] for c in wave.out_send], work)
+                sent = [cut[c] for c in wave.out_send]
         if back:
-            got = send(wave.from_roots, out).split_with_sizes(wave.back)
+            got = send(wave.from_roots, _cat(sent, work)).split_with_sizes(wave.back)
             for (j, lo, hi), piece in zip(wave.from_roots.recv, got):
                 targets.append((wave.matrices[j], lo, hi))
                 updates.append(piece)
@@ -473,15 +465,11 @@ class MuonState(CountedState):
         """The parameter shard slices an update adds into (``targets``: ``(matrix, lo, hi)``
         within its piece), made once and kept: the parameter shards are fixed tensors."""
         shards = {m.key: units[m.key].db.shard for m, _, _ in targets}
-        return self.cached(tuple((m.key, m.k, lo, hi) for m, lo, hi in targets), shards,
-                           lambda: [shards[m.key][m.lo + lo:m.lo + hi] for m, lo, hi in targets])
-
-    def cached(self, key: Any, shards: dict, make: Callable) -> Any:
-        """``make()``, kept under ``key`` while ``shards`` (unit key -> shard) are the same
-        tensors."""
-        found = self.kept.get(key)
+        key = tuple((m.key, m.k, lo, hi) for m, lo, hi in targets)
+        found = self.kept.get(key)  # kept while the shards are the same tensors
         if found is None or any(found[0].get(k) is not x for k, x in shards.items()):
-            found = self.kept[key] = (shards, make())
+            found = self.kept[key] = (shards, [shards[m.key][m.lo + lo:m.lo + hi]
+                                               for m, lo, hi in targets])
         return found[1]
 
 
@@ -553,7 +541,7 @@ def muon(
 
         kind = owned_kind(mask, only, lambda t: "matrix" if len(t.shape) == 2 else
                           f"not a 2-D matrix ({tuple(t.global_shape)})")
-        state, units, owned, _, _ = init_owned_plan(MuonState, "muon", "Newton-Schulz", shards,
+        state, units, owned = init_owned_plan(MuonState, "muon", "Newton-Schulz", shards,
                                                     spec, mask, only, kind, refuse, wave_size)
         state.momentum.update({u.key: u.db.like(state.plan.dtype, Role.STATE, "momentum")
                                for u in units if u.key in owned})
@@ -614,12 +602,11 @@ def _shape(m: Matrix) -> tuple:
 
 @dataclass
 class OwnedState(MuonState):
-    """The step counter, the 1-D tensors' moments (``momentum``, ``second``: unit key ->
-    DBuffer), and per wave the state of this rank's matrices in it (``stacks``: name ->
-    ``[B, ...]``; ``B = 0`` where it owns none). ``seen``: the counter, its version and its
-    value on the host after the last eager update, so that an eager update branches on the
-    step without reading the counter back (it reads it once after anything else changed it:
-    a compiled update, a checkpoint load, ``state.step = n``).
+    """The step counter and per wave the state of this rank's tensors in it (``stacks``: name
+    -> ``[B, ...]``; ``B = 0`` where it owns none; ``momentum`` stays empty). ``seen``: the
+    counter, its version and its value on the host after the last eager update, so that an
+    eager update branches on the step without reading the counter back (it reads it once after
+    anything else changed it: a compiled update, a checkpoint load, ``state.step = n``).
 
     Example:
         >>> def body():
@@ -632,27 +619,22 @@ class OwnedState(MuonState):
 'QL': (1, 4, 4), 'QR': (1, 6, 6)}]
     """
 
-    second: dict = field(default_factory=dict)
     stacks: list = field(default_factory=list)
     seen: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
-        """The step, and per state name a tree shaped like the parameters: a matrix's state
-        as a Piece (whole on its owner, empty elsewhere), a 1-D tensor's as its shard."""
+        """The step, and per state name a tree shaped like the parameters: a tensor's state
+        as a Piece (whole on its owner, empty elsewhere)."""
         plan, units = self.plan, self.kept["params"]
         writer = all(db.groups.replicate_rank == 0 for db in units.values())
         held = {}  # (key, k) -> its wave's stacks and its place in them (None: not owned here)
         for wave, stacks in zip(plan.waves, self.stacks):
             for j, m in enumerate(wave.matrices):
                 held[(m.key, m.k)] = stacks, wave.stacked.index(j) if j in wave.stacked else None
-        firsts = {"exp_avg": self.momentum, "exp_avg_sq": self.second}
-        names = dict.fromkeys([*(firsts if self.momentum else ()), *(n for s in self.stacks for n in s)])
+        names = dict.fromkeys(n for s in self.stacks for n in s)
 
         def pick(name: str, db: Any, k: int) -> Any:
-            if (db.key, k) not in held:  # a 1-D tensor, or not this optimizer's
-                vec = firsts.get(name, {}).get(db.key)
-                return vec.local(k) if vec is not None and plan.owns(db, k) else None
-            stacks, at = held[(db.key, k)]
+            stacks, at = held.get((db.key, k), ({}, None))  # not this optimizer's: no stacks
             if name not in stacks:
                 return None
             local = (torch.empty(0, dtype=plan.dtype, device=db.device) if at is None
@@ -734,60 +716,47 @@ class TracedOwned:
         pieces: ``(leaf, lo, hi)`` of each tensor it updates with a piece here: the
             gradient's place in the workspace (the units' shards end to end).
         leaf: ``(unit key, buffer index) -> leaf index`` of every tensor it updates.
-        vectors: The leaves of the 1-D tensors kept on their shards (SOAP), and their
-            moments' slices ``(m, v)``.
         split: Whether a matrix is split over a model axis (not compiled).
     """
 
     group: str
     pieces: tuple
     leaf: dict
-    vectors: tuple
     split: bool
 
 
 def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: int,
-               stack_state: Callable, vectors: bool) -> OwnedState:
+               stack_state: Callable) -> OwnedState:
     """The owner plan and state: the 1-D and 2-D tensors selected (by ``mask`` and ``only``)
     are the owned tensors (the "matrices"), with roots and waves as Muon plans them;
-    ``stack_state(b, shape, dtype, device)`` makes a wave's stacked state; ``vectors``: 1-D
-    tensors stay on their shards instead, with two sharded moments (SOAP's Adam).
+    ``stack_state(b, shape, dtype, device)`` makes a wave's stacked state.
 
     Raises:
         ValueError: a selected tensor of 3 or more dimensions, a matrix split over a model
             axis the shards' mesh lacks (naming its path and the fix).
     """
     def refuse(t: TensorSpec, why: str) -> None:
-        if why not in ("", "matrix", "vector") and (mask is not None or "D (" in why):
+        if why not in ("", "matrix") and (mask is not None or "D (" in why):
             raise ValueError(f"{what}: {format_path(t.path)} is given to {what} (its mask, "
                              f"partition label or no label) but is {why}, which it does not "
                              f"update; label it for another optimizer (e.g. adamw) with "
                              f"vfsdp.optim.partition")
 
-    kind = owned_kind(mask, only, lambda t: (
-        ("vector" if vectors and len(t.shape) == 1 else "matrix") if len(t.shape) in (1, 2)
-        else f"{len(t.shape)}-D ({tuple(t.global_shape)})"))
-    state, units, owned, vecs, picked = init_owned_plan(OwnedState, what, what, shards, spec,
-                                                        mask, only, kind, refuse, wave_size)
-    plan, device = state.plan, state.count.device
-    for u in units:
-        if any(kind(t) == "vector" for _, t in owned.get(u.key, ())):
-            state.momentum[u.key] = u.db.like(plan.dtype, Role.STATE, "exp_avg")
-            state.second[u.key] = u.db.like(plan.dtype, Role.STATE, "exp_avg_sq")
+    kind = owned_kind(mask, only, lambda t: "matrix" if len(t.shape) in (1, 2)
+                      else f"{len(t.shape)}-D ({tuple(t.global_shape)})")
+    state, units, owned = init_owned_plan(OwnedState, what, what, shards, spec, mask, only,
+                                          kind, refuse, wave_size)
+    plan = state.plan
     state.stacks = [stack_state(len(w.stacked), tuple(w.matrices[0].spec.global_shape),
-                                plan.dtype, device) for w in plan.waves]
+                                plan.dtype, state.count.device) for w in plan.waves]
     state.kept["params"] = {u.key: u.db for u in units if u.key in owned}
-    state.kept["vectors"] = vecs, picked  # and their cuts of the workspace
     leaf = {(u.key, k): i for u in units for k, i in first_leaves(u).items() if plan.owns(u.db, k)}
     base = dict(zip(owned, itertools.accumulate((n for _, n in plan.units), initial=0)))
-    pieces = tuple((leaf[(key, k)], base[key] + lo, base[key] + hi) for key, k, lo, hi in
-                   [*((m.key, m.k, m.lo, m.hi) for m in plan.matrices), *vecs] if hi > lo)
+    pieces = tuple((leaf[(m.key, m.k)], base[m.key] + m.lo, base[m.key] + m.hi)
+                   for m in plan.matrices if m.hi > m.lo)
     shard = units[0].db.groups.shard if units else None
     state.kept["traced"] = TracedOwned(  # no group: shards made without a process group
         group_name(shard) if shard is not None or dist.is_initialized() else "", pieces, leaf,
-        (tuple(leaf[(key, k)] for key, k, _, _ in vecs),
-         tuple([d[key].shard[lo:hi] for key, _, lo, hi in vecs]
-               for d in (state.momentum, state.second))),
         any(_split(m) for m in plan.matrices))
     return state
 
@@ -801,9 +770,7 @@ def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
     (see the module).
 
     Returns:
-        ``(views, updates, vectors)``: the parameter slices the updates go to and the update
-            pieces (the matrices), and ``(params, grads, m, v)`` lists of the 1-D tensors'
-            shard pieces.
+        ``(views, updates)``: the parameter slices the updates go to and the update pieces.
 
     Raises:
         ValueError: a frozen tensor (its path and the fix), or a gradient that does not fit;
@@ -812,13 +779,11 @@ def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
     inputs = (_traced_inputs if tp.compiling() else _eager_inputs)(what, grads, state, shards,
                                                                   spec, ready)
     if inputs is None:
-        return [], [], ([], [], [], [])
-    work, send, model, views_of, (ps, ms, vs) = inputs
-    plan = state.plan
-    pieces = work.split_with_sizes(plan.cuts)
-    vectors = (ps, [pieces[i] for i in state.kept["vectors"][1]], ms, vs)
-    targets, updates = run_waves(plan, pieces, work, send, rule, model, back)
-    return views_of(targets), updates, vectors
+        return [], []
+    work, send, model, views_of = inputs
+    targets, updates = run_waves(state.plan, work.split_with_sizes(state.plan.cuts), work, send,
+                                 rule, model, back)
+    return views_of(targets), updates
 
 
 def _frozen(what: str, path: tuple) -> NoReturn:
@@ -830,9 +795,8 @@ def _frozen(what: str, path: tuple) -> NoReturn:
 
 def _eager_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
                   ready: Callable) -> Any:
-    """``(workspace, send, model group, views, (params, m, v) of the vectors)`` eagerly: the
-    gradients in the units' flat layout, DBuffer slices, eager collectives; ``None`` when
-    there is nothing to update."""
+    """``(workspace, send, model group, views)`` eagerly: the gradients in the units' flat
+    layout, DBuffer slices, eager collectives; ``None`` when there is nothing to update."""
     plan = state.plan
     units, gflat, frozen = eager_grads(what, grads, state, shards, spec)
     for key, k in frozen:
@@ -841,13 +805,9 @@ def _eager_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
     if not plan.units:
         return None
     work = torch.cat([gflat[key] for key, _ in plan.units])
-    vecs, _ = state.kept["vectors"]
-    shards = {key: u.db.shard for key, u in units.items()}
-    ps = state.cached("vector views", shards, lambda: [shards[key][lo:hi] for key, _, lo, hi in vecs])
     groups = next(iter(units.values())).db.groups
     return (work, eager_send(groups.shard), groups.model,
-            lambda targets: state.views(units, targets),
-            (ps, *state.kept["traced"].vectors[1]))  # the moments' slices (init's)
+            lambda targets: state.views(units, targets))
 
 
 def _traced_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
@@ -874,9 +834,6 @@ def _traced_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
         y = x if r.world == 1 else tp.traced_all_to_all(x, r.recv_sizes, r.send_sizes, rec.group)
         return (lambda: y) if later else y
 
-    vector_leaves, (ms, vs) = rec.vectors
-    return (work, send, None,
-            lambda targets: [params[rec.leaf[(m.key, m.k)]].view(-1)[lo:hi]
-                             for m, lo, hi in targets],
-            ([params[i].view(-1) for i in vector_leaves], list(ms), list(vs)))
+    return (work, send, None, lambda targets: [params[rec.leaf[(m.key, m.k)]].view(-1)[lo:hi]
+                                               for m, lo, hi in targets])
 

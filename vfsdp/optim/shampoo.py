@@ -163,7 +163,7 @@ def shampoo(
         return out
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> OwnedState:
-        return init_owned("shampoo", shards, spec, mask, only, wave_size, stack_state, False)
+        return init_owned("shampoo", shards, spec, mask, only, wave_size, stack_state)
 
     def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
         start = Begin(state, schedule)
@@ -185,7 +185,7 @@ def shampoo(
             return out if order == 2 else out.squeeze(-1)
 
         with torch.no_grad():
-            views, updates, _ = owned_step("shampoo", grads, state, shards, spec, rule, True,
+            views, updates = owned_step("shampoo", grads, state, shards, spec, rule, True,
                                            ready=start)
             apply_(views, updates, start.rate, start.rate, weight_decay, True)
         return state

@@ -13,7 +13,7 @@ with statistics ``L``, ``R`` and eigenbases ``QL``, ``QR`` (``x -> QL^T x QR`` p
   ``precondition_frequency`` steps ``QL``, ``QR`` are refreshed by one power iteration and a
   QR decomposition (in float32), ``v`` permuted to the new order of the eigenvalues;
 * a side longer than ``max_precondition_dim`` is not rotated (identity);
-* 1-D tensors take Adam with the same step size, on their shards.
+* 1-D tensors take Adam with the same step size (no side rotated), owned as the matrices are.
 
 Under TP the owner of a matrix split over the model axis gathers its pieces (as Muon's root
 does), runs the rule on the global matrix and keeps its piece of the update: each index of
@@ -28,7 +28,6 @@ from typing import Any, Optional
 
 import torch
 
-from vfsdp import _torch_private as tp
 from vfsdp.optim.base import (
     Mask,
     Optimizer,
@@ -121,7 +120,7 @@ def soap(
     weight_decay_first: bool = False,
 ) -> Optimizer:
     """SOAP: every 2-D matrix updated whole on one owner rank (Muon's root plan), which holds
-    its moments, statistics and eigenbases; 1-D tensors take Adam on their shards.
+    its moments, statistics and eigenbases; 1-D tensors take Adam on an owner too.
 
     Args:
         lr: A float or a schedule ``step -> lr``.
@@ -183,16 +182,15 @@ def soap(
     schedule = as_schedule(lr)
 
     def stack_state(b: int, shape: tuple, dtype: torch.dtype, device: Any) -> dict:
-        rows, cols = shape
-        out = {"exp_avg": torch.zeros(b, rows, cols, dtype=dtype, device=device),
-               "exp_avg_sq": torch.zeros(b, rows, cols, dtype=dtype, device=device)}
-        for name, n in (("L", rows), ("R", cols), ("QL", rows), ("QR", cols)):
+        out = {name: torch.zeros(b, *shape, dtype=dtype, device=device)
+               for name in ("exp_avg", "exp_avg_sq")}  # a vector's sides are not rotated
+        for name, n in zip(("L", "R", "QL", "QR"), shape * 2 if len(shape) == 2 else ()):
             if n <= max_precondition_dim:
                 out[name] = torch.zeros(b, n, n, dtype=dtype, device=device)
         return out
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> OwnedState:
-        return init_owned("soap", shards, spec, mask, only, wave_size, stack_state, True)
+        return init_owned("soap", shards, spec, mask, only, wave_size, stack_state)
 
     def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
         start = Begin(state, schedule)  # start.t: the reference's step (the first only
@@ -216,22 +214,12 @@ def soap(
                             (s[stats],), (s[q], s["exp_avg_sq"]))
             return out
 
-        with torch.no_grad():
-            views, updates, (ps, gs, ms, vs) = owned_step(
-                "soap", grads, state, shards, spec, rule, back=start.t != 0, ready=start)
-            t = start.t  # (compiled: not known before; always exchanged back)
-            gate = _gate(t, gs[0].dtype if gs else torch.float32)
-            if gate is None:
-                return state  # eagerly, the first update: nothing moves
-            size, rate = _sizes(t, start.rate, b1, b2, correct_bias)
-            if ps:
-                tp.foreach("lerp_", ms, gs, scalar=(1 - b1) * gate)
-                tp.foreach("lerp_", vs, tp.foreach("mul", gs, gs), scalar=(1 - b2) * gate)
-                den = tp.foreach("sqrt", vs)
-                tp.foreach("add_", den, scalar=eps)
-                updates = updates + list(tp.foreach("div", ms, den))
-                views = views + ps
-            apply_(views, updates, size, rate, weight_decay, weight_decay_first)
+        with torch.no_grad():  # eagerly, the first update sends nothing back: nothing moves
+            views, updates = owned_step("soap", grads, state, shards, spec, rule,
+                                        back=start.t != 0, ready=start)
+            if views:  # (compiled: t is known once begun; always exchanged back)
+                size, rate = _sizes(start.t, start.rate, b1, b2, correct_bias)
+                apply_(views, updates, size, rate, weight_decay, weight_decay_first)
         return state
 
     return Optimizer(init, atomic(update))

@@ -696,12 +696,14 @@ def as_schedule(value: Schedule) -> Callable[[int], float]:
 
 
 def check_hyper(what: str, lr: Schedule, weight_decay: float, betas: Optional[tuple] = None,
-                eps: Optional[float] = None, momentum: Optional[float] = None) -> None:
+                eps: Optional[float] = None, momentum: Optional[float] = None,
+                **counts: int) -> None:
     """Refuse hyperparameters no optimizer can use (a schedule ``lr`` is checked when called).
 
     Raises:
-        ValueError: a negative ``lr``, ``eps`` or ``weight_decay``, or betas or momentum
-            outside [0, 1), naming the optimizer and the value.
+        ValueError: a negative ``lr``, ``eps`` or ``weight_decay``, betas or momentum
+            outside [0, 1), or one of ``counts`` (by name) below 1, naming the
+            optimizer and the value.
 
     Example:
         >>> check_hyper("adamw", 1e-3, 0.0, betas=(0.9, 1.0))
@@ -717,6 +719,9 @@ def check_hyper(what: str, lr: Schedule, weight_decay: float, betas: Optional[tu
                         ("weight_decay", weight_decay)):
         if value is not None and not value >= 0:  # also refuses NaN
             raise ValueError(f"{what}: {name} must be >= 0, got {value}")
+    for name, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{what}: {name} must be >= 1, got {value}")
 
 
 def both(a: Mask, b: Mask) -> Mask:

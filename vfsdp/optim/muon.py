@@ -725,65 +725,71 @@ class TracedOwned:
     split: bool
 
 
-def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: int,
-               stack_state: Callable) -> OwnedState:
-    """The owner plan and state: the 1-D and 2-D tensors selected (by ``mask`` and ``only``)
-    are the owned tensors (the "matrices"), with roots and waves as Muon plans them;
-    ``stack_state(b, shape, dtype, device)`` makes a wave's stacked state.
+def owned(what: str, lr: Schedule, only: Optional[Callable], wave_size: int,
+          stack_state: Callable, rule: Callable, finish: Callable, first_moves: bool = True,
+          ) -> Optimizer:
+    """An optimizer on owners (SOAP, Shampoo): the 1-D and 2-D tensors selected (by ``mask``
+    and ``only``) are the owned tensors (the "matrices"), with roots and waves as Muon plans
+    them. ``init`` makes a wave's stacked state by ``stack_state(b, shape, dtype, device)``;
+    ``update`` exchanges the gradients to the owners, runs ``rule(stacks, t, g)`` (a wave's
+    state, :attr:`Begin.t`, its gradients ``[B, ...]`` on this rank; the updates returned),
+    exchanges the updates back (eagerly not at ``t = 0`` unless ``first_moves``), and calls
+    ``finish(views, updates, start)`` (the parameter slices, the update pieces, the
+    :class:`Begin`) where it got any. Compiled, the same over functional collectives (see
+    the module).
 
     Raises:
-        ValueError: a selected tensor of 3 or more dimensions, a matrix split over a model
-            axis the shards' mesh lacks (naming its path and the fix).
+        ValueError: from ``init``, a selected tensor of 3 or more dimensions, a matrix split
+            over a model axis the shards' mesh lacks (naming its path and the fix); from
+            ``update``, a frozen tensor (its path and the fix), or a gradient that does not
+            fit; compiled, a matrix split over a model axis (:func:`refuse_compiled`).
     """
-    def refuse(t: TensorSpec, why: str) -> None:
-        if why not in ("", "matrix") and (mask is not None or "D (" in why):
-            raise ValueError(f"{what}: {format_path(t.path)} is given to {what} (its mask, "
-                             f"partition label or no label) but is {why}, which it does not "
-                             f"update; label it for another optimizer (e.g. adamw) with "
-                             f"vfsdp.optim.partition")
+    schedule = as_schedule(lr)
 
-    kind = owned_kind(mask, only, lambda t: "matrix" if len(t.shape) in (1, 2)
-                      else f"{len(t.shape)}-D ({tuple(t.global_shape)})")
-    state, units, owned = init_owned_plan(OwnedState, what, what, shards, spec, mask, only,
-                                          kind, refuse, wave_size)
-    plan = state.plan
-    state.stacks = [stack_state(len(w.stacked), tuple(w.matrices[0].spec.global_shape),
-                                plan.dtype, state.count.device) for w in plan.waves]
-    state.kept["params"] = {u.key: u.db for u in units if u.key in owned}
-    leaf = {(u.key, k): i for u in units for k, i in first_leaves(u).items() if plan.owns(u.db, k)}
-    base = dict(zip(owned, itertools.accumulate((n for _, n in plan.units), initial=0)))
-    pieces = tuple((leaf[(m.key, m.k)], base[m.key] + m.lo, base[m.key] + m.hi)
-                   for m in plan.matrices if m.hi > m.lo)
-    shard = units[0].db.groups.shard if units else None
-    state.kept["traced"] = TracedOwned(  # no group: shards made without a process group
-        group_name(shard) if shard is not None or dist.is_initialized() else "", pieces, leaf,
-        any(_split(m) for m in plan.matrices))
-    return state
+    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> OwnedState:
+        def refuse(t: TensorSpec, why: str) -> None:
+            if why not in ("", "matrix") and (mask is not None or "D (" in why):
+                raise ValueError(f"{what}: {format_path(t.path)} is given to {what} (its mask, "
+                                 f"partition label or no label) but is {why}, which it does "
+                                 f"not update; label it for another optimizer (e.g. adamw) "
+                                 f"with vfsdp.optim.partition")
 
+        kind = owned_kind(mask, only, lambda t: "matrix" if len(t.shape) in (1, 2)
+                          else f"{len(t.shape)}-D ({tuple(t.global_shape)})")
+        state, units, owned = init_owned_plan(OwnedState, what, what, shards, spec, mask, only,
+                                              kind, refuse, wave_size)
+        plan = state.plan
+        state.stacks = [stack_state(len(w.stacked), tuple(w.matrices[0].spec.global_shape),
+                                    plan.dtype, state.count.device) for w in plan.waves]
+        state.kept["params"] = {u.key: u.db for u in units if u.key in owned}
+        leaf = {(u.key, k): i for u in units for k, i in first_leaves(u).items()
+                if plan.owns(u.db, k)}
+        base = dict(zip(owned, itertools.accumulate((n for _, n in plan.units), initial=0)))
+        pieces = tuple((leaf[(m.key, m.k)], base[m.key] + m.lo, base[m.key] + m.hi)
+                       for m in plan.matrices if m.hi > m.lo)
+        shard = units[0].db.groups.shard if units else None
+        state.kept["traced"] = TracedOwned(  # no group: shards made without a process group
+            group_name(shard) if shard is not None or dist.is_initialized() else "", pieces,
+            leaf, any(_split(m) for m in plan.matrices))
+        return state
 
-def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
-               rule: Callable, back: bool, ready: Callable = lambda: None) -> tuple:
-    """One exchange of the gradients to the owners, ``rule(w, stack)`` (wave ``w``'s
-    gradients ``[B, rows, cols]`` on this rank, its updates returned), and, where ``back``,
-    the updates' exchange back. ``ready()`` runs once the inputs are checked, before any
-    write (:func:`~vfsdp.optim.base.begin`). Compiled, the same over functional collectives
-    (see the module).
+    def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
+        start = Begin(state, schedule)  # start.t: compiled, a tensor known once begun
+        back = first_moves or start.t != 0  # (compiled: always exchanged back)
+        with torch.no_grad():
+            inputs = (_traced_inputs if tp.compiling() else _eager_inputs)(what, grads, state,
+                                                                          shards, spec, start)
+            if inputs is None:
+                return state
+            work, send, model, views_of = inputs
+            targets, updates = run_waves(
+                state.plan, work.split_with_sizes(state.plan.cuts), work, send,
+                lambda w, g: rule(state.stacks[w], start.t, g), model, back)
+            if targets:
+                finish(views_of(targets), updates, start)
+        return state
 
-    Returns:
-        ``(views, updates)``: the parameter slices the updates go to and the update pieces.
-
-    Raises:
-        ValueError: a frozen tensor (its path and the fix), or a gradient that does not fit;
-            compiled, a matrix split over a model axis (:func:`~vfsdp.optim.muon.refuse_compiled`).
-    """
-    inputs = (_traced_inputs if tp.compiling() else _eager_inputs)(what, grads, state, shards,
-                                                                  spec, ready)
-    if inputs is None:
-        return [], []
-    work, send, model, views_of = inputs
-    targets, updates = run_waves(state.plan, work.split_with_sizes(state.plan.cuts), work, send,
-                                 rule, model, back)
-    return views_of(targets), updates
+    return Optimizer(init, atomic(update))
 
 
 def _frozen(what: str, path: tuple) -> NoReturn:

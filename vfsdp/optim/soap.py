@@ -28,23 +28,8 @@ from typing import Any, Optional
 
 import torch
 
-from vfsdp.optim.base import (
-    Mask,
-    Optimizer,
-    Schedule,
-    as_schedule,
-    atomic,
-    check_hyper,
-)
-from vfsdp.optim.muon import (
-    Begin,
-    OwnedState,
-    apply_,
-    branch_,
-    init_owned,
-    owned_step,
-)
-from vfsdp.planner.spec import ShardSpec
+from vfsdp.optim.base import Optimizer, Schedule, check_hyper
+from vfsdp.optim.muon import Begin, apply_, branch_, owned
 
 
 def eigenbasis(stats: torch.Tensor) -> torch.Tensor:
@@ -167,19 +152,16 @@ def soap(
         >>> vfsdp.testing.simulate(2, body)
         [(3, [1]), (3, [1])]
     """
-    check_hyper("soap", lr, weight_decay, betas=betas, eps=eps)
+    check_hyper("soap", lr, weight_decay, betas=betas, eps=eps,
+                precondition_frequency=precondition_frequency,
+                max_precondition_dim=max_precondition_dim, wave_size=wave_size)
     for name, on in (("merge_dims", merge_dims), ("precondition_1d", precondition_1d),
                      ("normalize_grads", normalize_grads)):
         if on:
             raise ValueError(f"soap: {name}=True is not implemented by vfsdp's SOAP; leave it "
                              f"False (the reference's default)")
-    for name, value in (("precondition_frequency", precondition_frequency),
-                        ("max_precondition_dim", max_precondition_dim), ("wave_size", wave_size)):
-        if value < 1:
-            raise ValueError(f"soap: {name} must be >= 1, got {value}")
     b1, b2 = betas
     decay = 1 - (b2 if shampoo_beta is None else shampoo_beta)
-    schedule = as_schedule(lr)
 
     def stack_state(b: int, shape: tuple, dtype: torch.dtype, device: Any) -> dict:
         out = {name: torch.zeros(b, *shape, dtype=dtype, device=device)
@@ -189,37 +171,26 @@ def soap(
                 out[name] = torch.zeros(b, n, n, dtype=dtype, device=device)
         return out
 
-    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> OwnedState:
-        return init_owned("soap", shards, spec, mask, only, wave_size, stack_state)
+    def rule(s: dict, t: Any, g: torch.Tensor) -> Optional[torch.Tensor]:
+        # t: the reference's step (the first only initialises, and sends nothing back)
+        ql, qr = s.get("QL"), s.get("QR")
+        out, gate = None, _gate(t, g.dtype)
+        if gate is not None:
+            s["exp_avg"].lerp_(g, (1 - b1) * gate)
+            # Out of place: with no side rotated, _rotate returns its argument.
+            s["exp_avg_sq"].lerp_(_rotate(g, ql, qr).square(), (1 - b2) * gate)
+            den = s["exp_avg_sq"].sqrt().add_(eps)
+            out = _rotate(_rotate(s["exp_avg"], ql, qr) / den, ql, qr, back=True)
+        for side, (stats, q) in enumerate((("L", "QL"), ("R", "QR"))):
+            if stats in s:  # the first update sets the eigenbases, refreshes update them
+                s[stats].lerp_(g @ g.mT if side == 0 else g.mT @ g, decay)
+                branch_(t == 0, lambda st, _: (eigenbasis(st),), (s[stats],), (s[q],))
+                branch_((t % precondition_frequency == 0) & (t > 0), _REFRESH[side],
+                        (s[stats],), (s[q], s["exp_avg_sq"]))
+        return out
 
-    def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
-        start = Begin(state, schedule)  # start.t: the reference's step (the first only
-        #                                 initialises); compiled, a tensor known once begun
+    def finish(views: list, updates: list, start: Begin) -> None:
+        size, rate = _sizes(start.t, start.rate, b1, b2, correct_bias)
+        apply_(views, updates, size, rate, weight_decay, weight_decay_first)
 
-        def rule(w: int, g: torch.Tensor) -> Optional[torch.Tensor]:
-            s, t = state.stacks[w], start.t
-            ql, qr = s.get("QL"), s.get("QR")
-            out, gate = None, _gate(t, g.dtype)
-            if gate is not None:
-                s["exp_avg"].lerp_(g, (1 - b1) * gate)
-                # Out of place: with no side rotated, _rotate returns its argument.
-                s["exp_avg_sq"].lerp_(_rotate(g, ql, qr).square(), (1 - b2) * gate)
-                den = s["exp_avg_sq"].sqrt().add_(eps)
-                out = _rotate(_rotate(s["exp_avg"], ql, qr) / den, ql, qr, back=True)
-            for side, (stats, q) in enumerate((("L", "QL"), ("R", "QR"))):
-                if stats in s:  # the first update sets the eigenbases, refreshes update them
-                    s[stats].lerp_(g @ g.mT if side == 0 else g.mT @ g, decay)
-                    branch_(t == 0, lambda st, _: (eigenbasis(st),), (s[stats],), (s[q],))
-                    branch_((t % precondition_frequency == 0) & (t > 0), _REFRESH[side],
-                            (s[stats],), (s[q], s["exp_avg_sq"]))
-            return out
-
-        with torch.no_grad():  # eagerly, the first update sends nothing back: nothing moves
-            views, updates = owned_step("soap", grads, state, shards, spec, rule,
-                                        back=start.t != 0, ready=start)
-            if views:  # (compiled: t is known once begun; always exchanged back)
-                size, rate = _sizes(start.t, start.rate, b1, b2, correct_bias)
-                apply_(views, updates, size, rate, weight_decay, weight_decay_first)
-        return state
-
-    return Optimizer(init, atomic(update))
+    return owned("soap", lr, only, wave_size, stack_state, rule, finish, first_moves=False)

@@ -132,8 +132,6 @@ class AdamWState(CountedState):
 
     exp_avg: dict
     exp_avg_sq: dict
-    plan: AdamWPlan = field(default_factory=AdamWPlan, repr=False, compare=False)
-    slices: dict = field(default_factory=dict, repr=False, compare=False)  # per unit: _slices
     traced: Optional[list] = field(default=None, repr=False, compare=False)  # adam_views
     saved: ClassVar[tuple] = ("exp_avg", "exp_avg_sq")
 
@@ -238,13 +236,9 @@ def adamw(
                 m = state.exp_avg[u.key].shard
                 g = flat_grads(leaves, u, "adamw.update", m.dtype)
                 on = use_fused(fused, m.device, {u.db.dtype, g.dtype, m.dtype})
-                key = (update_runs, decay_runs, on)
-                found = state.slices.get(u.key)
-                # Another shards tree for the same spec has other buffers: never reuse its slices.
-                if found is None or found[0] != key or found[1] is not u.db.shard:
-                    found = state.slices[u.key] = (key, u.db.shard, _slices(
-                        u, state, update_runs, decay_runs, on))
-                cuts, ps, ms, vs, decay, flags = found[2]
+                cuts, ps, ms, vs, decay, flags = state.cached(
+                    (u.key, update_runs, decay_runs, on), (u.db.shard,),
+                    lambda: _slices(u, state, update_runs, decay_runs, on))
                 if cuts is not None:  # one op cuts the whole shard (gaps included)
                     pieces = g.split_with_sizes(cuts[0])
                     g = [pieces[i] for i in cuts[1]]

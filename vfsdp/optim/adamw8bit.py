@@ -148,8 +148,6 @@ class AdamW8bitState(CountedState):
     fp32_v: dict = field(default_factory=dict)
     rank_scales_m: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     rank_scales_v: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
-    passes: dict = field(default_factory=dict, repr=False, compare=False)
-    plan: AdamW8bitPlan = field(default_factory=AdamW8bitPlan, repr=False, compare=False)
     traced: Optional[TracedAdam8] = field(default=None, repr=False, compare=False)
     saved: ClassVar[tuple] = ("codes_m", "codes_v")
 
@@ -366,10 +364,8 @@ def adamw8bit(
             scalars = step_scalars(state.count, betas)
             if not units:
                 return state
-            key = tuple((u.key, frozen) for u, frozen in units)
-            run = state.passes.get(key)
-            if run is None or any(a is not u.db.shard for a, (u, _) in zip(run.ps, units)):
-                run = state.passes[key] = _rank_pass(state, units)
+            run = state.cached(tuple((u.key, frozen) for u, frozen in units),
+                               tuple(u.db.shard for u, _ in units), lambda: _rank_pass(state, units))
             decay_(list(run.decay), rate, weight_decay)
             g = _cat(gs).float()  # its arithmetic: fp32
             if run.tiles is not None:  # one 8-bit pass over every unit of the rank

@@ -902,11 +902,13 @@ class OwnedPlan:
 @dataclass
 class CountedState:
     """The base of an optimizer state: the step counter (``count``, :func:`new_count`;
-    ``step`` reads and sets it), the plan (an :class:`OwnedPlan`), and a checkpoint of the
-    step and of the per-unit DBuffers named in ``saved``, shaped like the parameters (the
-    tensors the plan updates)."""
+    ``step`` reads and sets it), the plan (an :class:`OwnedPlan`), what the updates keep
+    (``kept``: :meth:`cached`), and a checkpoint of the step and of the per-unit DBuffers
+    named in ``saved``, shaped like the parameters (the tensors the plan updates)."""
 
     count: torch.Tensor
+    plan: OwnedPlan = field(default_factory=OwnedPlan, repr=False, compare=False, kw_only=True)
+    kept: dict = field(default_factory=dict, repr=False, compare=False, kw_only=True)
     saved: ClassVar[tuple] = ()
 
     step = property(read_step, write_step, doc=read_step.__doc__)
@@ -920,6 +922,15 @@ class CountedState:
     def restore_checkpoint(self, tree: dict) -> Any:
         self.step = tree["step"]
         return self
+
+    def cached(self, key: Any, shards: tuple, make: Callable[[], Any]) -> Any:
+        """``make()`` (views of the state and of ``shards``), kept under ``key`` while
+        ``shards`` are the same tensors: another shards tree of the same spec has other
+        buffers, whose views are never reused."""
+        found = self.kept.get(key)
+        if found is None or any(a is not b for a, b in zip(found[0], shards)):
+            found = self.kept[key] = (shards, make())
+        return found[1]
 
 
 def init_units(shards: Any, spec: ShardSpec, what: str, **masks: Mask) -> tuple[list, torch.Tensor]:

@@ -262,34 +262,31 @@ def _cost(t: TensorSpec) -> int:
     return math.prod(t.global_shape) * min(t.global_shape[-2:])  # a vector (Shampoo's): n^2
 
 
-def owned_kind(mask: Mask, only: Optional[Callable], of: Callable) -> Callable:
-    """``t -> kind``: ``""`` for a tensor not selected (by ``mask``) or empty (by the global
-    size: a TP piece may be empty on some index of the model axis, which still takes part in
-    its matrix's exchanges), ``"excluded by only="``, else ``of(t)`` (``"matrix"``,
-    ``"vector"`` or why it is neither)."""
-    def kind(t: TensorSpec) -> str:
-        if not math.prod(t.global_shape) or not selected(mask, t.path):
-            return ""
-        return "excluded by only=" if only is not None and not only(t.path) else of(t)
-    return kind
-
-
 def init_owned_plan(state_type: type, what: str, why: str, shards: Any, spec: ShardSpec,
-                    mask: Mask, only: Optional[Callable], kind: Callable, refuse: Callable,
+                    mask: Mask, only: Optional[Callable], of: Callable, refuse: Callable,
                     wave_size: int) -> tuple:
-    """A new state and its :class:`MuonPlan` over the tensors ``kind`` calls ``"matrix"``
-    (exchanged whole to an owner chosen by :func:`plan_roots`, in waves of one shape), after
-    ``refuse(t, kind(t))`` of every tensor. One dtype for every matrix (the exchanges carry
+    """A new state and its :class:`MuonPlan` over the tensors it updates (exchanged whole to
+    an owner chosen by :func:`plan_roots`, in waves of one shape), after ``refuse(t, kind)``
+    of every tensor. ``kind``: ``""`` for a tensor not selected (by ``mask``) or empty (by
+    the global size: a TP piece may be empty on some index of the model axis, which still
+    takes part in its matrix's exchanges), ``"excluded by only="``, else ``of(t)``
+    (``"matrix"``: updated, or why not). One dtype for every matrix (the exchanges carry
     many units at once): float32, or float64 where a unit's parameters are.
 
     Returns:
-        ``(state, units, owned)``: ``owned``: unit key -> its ``(k, spec)`` updated.
+        ``(state, units, base)``: ``base``: the key of each unit holding a tensor it updates
+        -> the unit's offset in the workspace (the units' shards end to end).
 
     Raises:
         ValueError: what ``refuse`` raises; ``mask`` or ``only`` answering differently at a
             tied tensor's places; a matrix split over a model axis whose group the shards
             lack (``why`` names what needs the whole matrix).
     """
+    def kind(t: TensorSpec) -> str:
+        if not math.prod(t.global_shape) or not selected(mask, t.path):
+            return ""
+        return "excluded by only=" if only is not None and not only(t.path) else of(t)
+
     for t in spec.tensors():
         refuse(t, kind(t))
     units, count = init_units(shards, spec, f"{what}.init", mask=mask, only=only)
@@ -321,7 +318,7 @@ def init_owned_plan(state_type: type, what: str, why: str, shards: Any, spec: Sh
                   for w, wave in zip(waves, sends))
     state.plan = MuonPlan({key: frozenset(t.path for _, t in mine) for key, mine in owned.items()},
                           matrices, waves, dtype, layout, cuts)
-    return state, units, owned
+    return state, units, base
 
 
 def eager_grads(what: str, grads: Any, state: MuonState, shards: Any, spec: ShardSpec) -> tuple:
@@ -457,20 +454,14 @@ class MuonState(CountedState):
     """
 
     momentum: dict
-    plan: MuonPlan = field(default_factory=MuonPlan, repr=False, compare=False)
-    kept: dict = field(default_factory=dict, repr=False, compare=False)
     saved: ClassVar[tuple] = ("momentum",)
 
     def views(self, units: dict, targets: list) -> list:
         """The parameter shard slices an update adds into (``targets``: ``(matrix, lo, hi)``
         within its piece), made once and kept: the parameter shards are fixed tensors."""
-        shards = {m.key: units[m.key].db.shard for m, _, _ in targets}
-        key = tuple((m.key, m.k, lo, hi) for m, lo, hi in targets)
-        found = self.kept.get(key)  # kept while the shards are the same tensors
-        if found is None or any(found[0].get(k) is not x for k, x in shards.items()):
-            found = self.kept[key] = (shards, [shards[m.key][m.lo + lo:m.lo + hi]
-                                               for m, lo, hi in targets])
-        return found[1]
+        shards = [units[m.key].db.shard for m, _, _ in targets]
+        return self.cached(tuple((m.key, m.k, lo, hi) for m, lo, hi in targets), shards,
+                           lambda: [p[m.lo + lo:m.lo + hi] for p, (m, lo, hi) in zip(shards, targets)])
 
 
 def muon(
@@ -539,10 +530,10 @@ def muon(
                                  f"update it; label it for another optimizer (e.g. "
                                  f"adamw)")
 
-        kind = owned_kind(mask, only, lambda t: "matrix" if len(t.shape) == 2 else
-                          f"not a 2-D matrix ({tuple(t.global_shape)})")
-        state, units, owned = init_owned_plan(MuonState, "muon", "Newton-Schulz", shards,
-                                                    spec, mask, only, kind, refuse, wave_size)
+        state, units, owned = init_owned_plan(
+            MuonState, "muon", "Newton-Schulz", shards, spec, mask, only, lambda t: "matrix"
+            if len(t.shape) == 2 else f"not a 2-D matrix ({tuple(t.global_shape)})", refuse,
+            wave_size)
         state.momentum.update({u.key: u.db.like(state.plan.dtype, Role.STATE, "momentum")
                                for u in units if u.key in owned})
         return state
@@ -581,8 +572,7 @@ def muon(
             kept = [i for i, (m, _, _) in enumerate(targets) if (m.key, m.k) not in frozen]
             views = state.views(units, [targets[i] for i in kept])  # frozen: no update, no decay
             # The parameter update: two multi-tensor ops over every matrix.
-            decay_(views, rate, weight_decay)
-            descend_(views, [updates[i] for i in kept], rate)
+            apply_(views, [updates[i] for i in kept], rate, rate, weight_decay, True)
         return state
 
     return Optimizer(init, atomic(update))
@@ -754,17 +744,16 @@ def owned(what: str, lr: Schedule, only: Optional[Callable], wave_size: int,
                                  f"not update; label it for another optimizer (e.g. adamw) "
                                  f"with vfsdp.optim.partition")
 
-        kind = owned_kind(mask, only, lambda t: "matrix" if len(t.shape) in (1, 2)
-                          else f"{len(t.shape)}-D ({tuple(t.global_shape)})")
-        state, units, owned = init_owned_plan(OwnedState, what, what, shards, spec, mask, only,
-                                              kind, refuse, wave_size)
+        state, units, base = init_owned_plan(
+            OwnedState, what, what, shards, spec, mask, only, lambda t: "matrix"
+            if len(t.shape) in (1, 2) else f"{len(t.shape)}-D ({tuple(t.global_shape)})",
+            refuse, wave_size)
         plan = state.plan
         state.stacks = [stack_state(len(w.stacked), tuple(w.matrices[0].spec.global_shape),
                                     plan.dtype, state.count.device) for w in plan.waves]
-        state.kept["params"] = {u.key: u.db for u in units if u.key in owned}
+        state.kept["params"] = {u.key: u.db for u in units if u.key in base}
         leaf = {(u.key, k): i for u in units for k, i in first_leaves(u).items()
                 if plan.owns(u.db, k)}
-        base = dict(zip(owned, itertools.accumulate((n for _, n in plan.units), initial=0)))
         pieces = tuple((leaf[(m.key, m.k)], base[m.key] + m.lo, base[m.key] + m.hi)
                        for m in plan.matrices if m.hi > m.lo)
         shard = units[0].db.groups.shard if units else None

@@ -423,7 +423,6 @@ class TransformsState(CountedState):
     """
 
     buffers: list
-    plan: AdamWPlan = field(default_factory=AdamWPlan, repr=False, compare=False)
     updates: Optional[Updates] = field(default=None, repr=False, compare=False)
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:

@@ -76,6 +76,16 @@ class AdamWPlan(OwnedPlan):
     decay_runs: Mapping[Any, tuple] = field(default_factory=dict)
 
 
+def masked_plan(units: list, mask: Mask, decay_mask: Mask) -> AdamWPlan:
+    """The :class:`AdamWPlan` of ``units`` (:func:`~vfsdp.optim.base.unit_buffers`) for the
+    tensors ``mask`` selects, those ``decay_mask`` selects too taking weight decay; a unit
+    holding none of them is not in it."""
+    mine = [u for u in units if any(selected(mask, t.path) for t in u.db.tensors)]
+    return AdamWPlan({u.key: frozenset(t.path for t in u.db.tensors if selected(mask, t.path))
+                      for u in mine}, {u.key: runs(u.db, mask) for u in mine},
+                     {u.key: runs(u.db, both(decay_mask, mask)) for u in mine})
+
+
 def segments(update_runs: tuple, decay_runs: tuple) -> tuple[tuple[int, int, bool], ...]:
     """The update runs cut where decay starts or stops: ``(lo, hi, decays)`` each.
 
@@ -199,21 +209,16 @@ def adamw(
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> AdamWState:
         units, count = init_units(shards, spec, "adamw.init", mask=mask,
                                   weight_decay_mask=weight_decay_mask)
-        state = AdamWState(count, {}, {})
-        update_runs, decay_runs, paths = {}, {}, {}
+        state = AdamWState(count, {}, {}, plan=masked_plan(units, mask, weight_decay_mask))
         for u in units:
-            chosen = tuple(t.path for t in u.db.tensors if selected(mask, t.path))
-            if not chosen:
+            if u.key not in state.plan.paths:
                 continue  # nothing of this unit is ours: no state for it
             sdt = state_dtype(u.db.dtype)  # float32, or float64 for float64 parameters
             if fused:
-                use_fused(True, u.db.device, {u.db.dtype, sdt}, format_path(chosen[0]))
+                use_fused(True, u.db.device, {u.db.dtype, sdt}, format_path(next(
+                    t.path for t in u.db.tensors if selected(mask, t.path))))
             state.exp_avg[u.key] = u.db.like(sdt, Role.STATE, "exp_avg")
             state.exp_avg_sq[u.key] = u.db.like(sdt, Role.STATE, "exp_avg_sq")
-            update_runs[u.key] = runs(u.db, mask)
-            decay_runs[u.key] = runs(u.db, both(weight_decay_mask, mask))
-            paths[u.key] = frozenset(chosen)
-        state.plan = AdamWPlan(paths, update_runs, decay_runs)
         # What a compiled update reads (vfsdp.optim.traced).
         state.traced = adam_views(units, state, lambda p: selected(mask, p),
                                   lambda p: selected(weight_decay_mask, p))

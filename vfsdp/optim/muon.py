@@ -638,30 +638,6 @@ class OwnedState(MuonState):
                 **{n: param_tree(units, spec, functools.partial(pick, n)) for n in names}}
 
 
-class Begin:
-    """An owned optimizer's update under way; called (``owned_step``'s ``ready``, once the
-    inputs are checked), it counts the step (:func:`~vfsdp.optim.base.begin`: the ranks
-    agree) and holds its learning rate in ``rate``. ``t`` is the number of updates before
-    this one: eagerly an int, known at once (:attr:`OwnedState.seen`, or the counter read
-    back); compiled, the counter (a 0-d tensor, ``None`` until called)."""
-
-    def __init__(self, state: OwnedState, schedule: Callable) -> None:
-        self.state, self.schedule, self.rate, self.t = state, schedule, None, None
-        if not tp.compiling():
-            count, version, n = state.seen or (None, -1, 0)
-            same = count is state.count and version == tp.version(count)
-            self.t = n if same else state.step
-
-    def __call__(self) -> None:
-        count = self.state.count
-        self.rate = begin(count, self.schedule)
-        if tp.compiling():
-            self.t = count.reshape(()) - 1
-            self.state.seen = None  # the next eager update reads the counter back once
-        else:
-            self.state.seen = (count, tp.version(count), self.t + 1)
-
-
 def branch_(pred: Any, fn: Callable, args: tuple, state: tuple) -> None:
     """``state = fn(*args, *state)`` in place (copied into the state's storages) where
     ``pred`` holds: a Python ``if`` eagerly (``pred`` a bool); compiled (``pred`` a 0-d bool
@@ -722,11 +698,12 @@ def owned(what: str, lr: Schedule, only: Optional[Callable], wave_size: int,
     and ``only``) are the owned tensors (the "matrices"), with roots and waves as Muon plans
     them. ``init`` makes a wave's stacked state by ``stack_state(b, shape, dtype, device)``;
     ``update`` exchanges the gradients to the owners, runs ``rule(stacks, t, g)`` (a wave's
-    state, :attr:`Begin.t`, its gradients ``[B, ...]`` on this rank; the updates returned),
-    exchanges the updates back (eagerly not at ``t = 0`` unless ``first_moves``), and calls
-    ``finish(views, updates, start)`` (the parameter slices, the update pieces, the
-    :class:`Begin`) where it got any. Compiled, the same over functional collectives (see
-    the module).
+    state, the number ``t`` of updates before this one, its gradients ``[B, ...]`` on this
+    rank; the updates returned), exchanges the updates back (eagerly not at ``t = 0`` unless
+    ``first_moves``), and calls ``finish(views, updates, t, lr)`` (the parameter slices, the
+    update pieces, ``t``, the learning rate) where it got any. ``t`` is eagerly an int,
+    known at once (:attr:`OwnedState.seen`, or the counter read back); compiled, the
+    counter, a 0-d tensor (the same step over functional collectives: see the module).
 
     Raises:
         ValueError: from ``init``, a selected tensor of 3 or more dimensions, a matrix split
@@ -763,19 +740,26 @@ def owned(what: str, lr: Schedule, only: Optional[Callable], wave_size: int,
         return state
 
     def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
-        start = Begin(state, schedule)  # start.t: compiled, a tensor known once begun
-        back = first_moves or start.t != 0  # (compiled: always exchanged back)
+        count, compiling, t = state.count, tp.compiling(), None
+        if not compiling:
+            seen, version, n = state.seen or (None, -1, 0)
+            t = n if seen is count and version == tp.version(count) else state.step
+        back = compiling or first_moves or t != 0  # (compiled: always exchanged back)
         with torch.no_grad():
-            inputs = (_traced_inputs if tp.compiling() else _eager_inputs)(what, grads, state,
-                                                                          shards, spec, start)
+            inputs = (_traced_inputs if compiling else _eager_inputs)(what, grads, state,
+                                                                     shards, spec)
+            rate = begin(count, schedule)  # the checks are done: nothing written yet
+            # compiled: the next eager update reads the counter back once
+            t, state.seen = (count.reshape(()) - 1, None) if compiling else (
+                t, (count, tp.version(count), t + 1))
             if inputs is None:
                 return state
             work, send, model, views_of = inputs
             targets, updates = run_waves(
                 state.plan, work.split_with_sizes(state.plan.cuts), work, send,
-                lambda w, g: rule(state.stacks[w], start.t, g), model, back)
+                lambda w, g: rule(state.stacks[w], t, g), model, back)
             if targets:
-                finish(views_of(targets), updates, start)
+                finish(views_of(targets), updates, t, rate)
         return state
 
     return Optimizer(init, atomic(update))
@@ -788,15 +772,13 @@ def _frozen(what: str, path: tuple) -> NoReturn:
                      f"vfsdp.optim.partition")
 
 
-def _eager_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
-                  ready: Callable) -> Any:
+def _eager_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec) -> Any:
     """``(workspace, send, model group, views)`` eagerly: the gradients in the units' flat
     layout, DBuffer slices, eager collectives; ``None`` when there is nothing to update."""
     plan = state.plan
     units, gflat, frozen = eager_grads(what, grads, state, shards, spec)
     for key, k in frozen:
         _frozen(what, units[key].db.tensors[k].path)
-    ready()
     if not plan.units:
         return None
     work = torch.cat([gflat[key] for key, _ in plan.units])
@@ -805,8 +787,7 @@ def _eager_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
             lambda targets: state.views(units, targets))
 
 
-def _traced_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
-                   ready: Callable) -> Any:
+def _traced_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec) -> Any:
     """:func:`_eager_inputs` while compiling: the workspace laid out from the gradient leaves
     (zeros between the pieces), functional ``all_to_all_single`` exchanges, the parameter
     leaves' slices (:class:`TracedOwned`)."""
@@ -818,7 +799,6 @@ def _traced_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
     for (key, k), i in rec.leaf.items():
         if not params[i].requires_grad:
             _frozen(what, state.kept["params"][key].tensors[k].path)
-    ready()
     if not plan.units:
         return None
     work = state.count.new_zeros(sum(n for _, n in plan.units), dtype=plan.dtype)

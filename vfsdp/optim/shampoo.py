@@ -159,5 +159,5 @@ def shampoo(
             _blocks(out, region).copy_(y.view(_blocks(out, region).shape))
         return out if order == 2 else out.squeeze(-1)
 
-    return owned("shampoo", lr, only, wave_size, stack_state, rule, lambda views, updates, start:
-                 apply_(views, updates, start.rate, start.rate, weight_decay, True))
+    return owned("shampoo", lr, only, wave_size, stack_state, rule, lambda views, updates, t, lr:
+                 apply_(views, updates, lr, lr, weight_decay, True))

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 
 from vfsdp.optim.base import Optimizer, Schedule, check_hyper
-from vfsdp.optim.muon import Begin, apply_, branch_, owned
+from vfsdp.optim.muon import apply_, branch_, owned
 
 
 def eigenbasis(stats: torch.Tensor) -> torch.Tensor:
@@ -189,8 +189,8 @@ def soap(
                         (s[stats],), (s[q], s["exp_avg_sq"]))
         return out
 
-    def finish(views: list, updates: list, start: Begin) -> None:
-        size, rate = _sizes(start.t, start.rate, b1, b2, correct_bias)
+    def finish(views: list, updates: list, t: Any, lr: Any) -> None:
+        size, rate = _sizes(t, lr, b1, b2, correct_bias)
         apply_(views, updates, size, rate, weight_decay, weight_decay_first)
 
     return owned("soap", lr, only, wave_size, stack_state, rule, finish, first_moves=False)

@@ -367,20 +367,19 @@ def run_waves(plan: MuonPlan, pieces: tuple, work: torch.Tensor, send: Callable,
         recv = pending()
         if w + 1 < len(plan.waves):
             pending = start(plan.waves[w + 1])  # in flight during the rule
-        sent = []
+        out = None  # (a rank that is no root of the wave sends nothing back)
         if wave.stacked:
             m = wave.matrices[wave.stacked[0]]
-            got = recv.split_with_sizes(wave.pieces)
-            g = _cat([got[c] for c in wave.order], work).view(len(wave.stacked), *m.spec.shape)
+            g = _laid_out(recv, wave.pieces, wave.order).view(len(wave.stacked), *m.spec.shape)
             o = rule(w, _whole(g, m, model) if _split(m) else g)
             if back and _split(m):  # this index's piece of the global updates
                 st = m.spec.strided
                 o = o.narrow(st.dim + 1, st.start, st.lengths[st.index])
             if back:
-                cut = o.reshape(-1).split_with_sizes(wave.out_cuts)
-                sent = [cut[c] for c in wave.out_send]
+                out = _laid_out(o.reshape(-1), wave.out_cuts, wave.out_send)
         if back:
-            got = send(wave.from_roots, _cat(sent, work)).split_with_sizes(wave.back)
+            got = send(wave.from_roots, work.new_empty(0) if out is None else out
+                       ).split_with_sizes(wave.back)
             for (j, lo, hi), piece in zip(wave.from_roots.recv, got):
                 targets.append((wave.matrices[j], lo, hi))
                 updates.append(piece)
@@ -583,6 +582,15 @@ def _cat(parts: list, like: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts) if parts else like.new_empty(0)
 
 
+def _laid_out(x: torch.Tensor, sizes: tuple, order: tuple) -> torch.Tensor:
+    """``x`` cut at ``sizes``, the pieces ``order`` names end to end: ``x`` itself where that
+    is every piece in order (no copy)."""
+    if order == tuple(range(len(sizes))):
+        return x
+    parts = x.split_with_sizes(sizes)
+    return _cat([parts[c] for c in order], x)
+
+
 def _shape(m: Matrix) -> tuple:
     """What a wave's matrices share: the shape, and under TP the cut of this index's piece."""
     st = m.spec.strided
@@ -682,13 +690,11 @@ class TracedOwned:
         pieces: ``(leaf, lo, hi)`` of each tensor it updates with a piece here: the
             gradient's place in the workspace (the units' shards end to end).
         leaf: ``(unit key, buffer index) -> leaf index`` of every tensor it updates.
-        split: Whether a matrix is split over a model axis (not compiled).
     """
 
     group: str
     pieces: tuple
     leaf: dict
-    split: bool
 
 
 def owned(what: str, lr: Schedule, only: Optional[Callable], wave_size: int,
@@ -735,8 +741,7 @@ def owned(what: str, lr: Schedule, only: Optional[Callable], wave_size: int,
                        for m in plan.matrices if m.hi > m.lo)
         shard = units[0].db.groups.shard if units else None
         state.kept["traced"] = TracedOwned(  # no group: shards made without a process group
-            group_name(shard) if shard is not None or dist.is_initialized() else "", pieces,
-            leaf, any(_split(m) for m in plan.matrices))
+            group_name(shard) if shard is not None or dist.is_initialized() else "", pieces, leaf)
         return state
 
     def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
@@ -792,7 +797,7 @@ def _traced_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec)
     (zeros between the pieces), functional ``all_to_all_single`` exchanges, the parameter
     leaves' slices (:class:`TracedOwned`)."""
     plan, rec = state.plan, state.kept["traced"]
-    if rec.split:
+    if any(_split(m) for m in plan.matrices):
         refuse_compiled(what, "a matrix split over a model axis is gathered eagerly")
     params, _ = traced_leaves(shards, spec, f"{what}.update")
     gleaves, _ = traced_leaves(grads, spec, f"{what}.update")

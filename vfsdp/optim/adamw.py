@@ -116,8 +116,7 @@ def _slices(u, state, update_runs: tuple, decay_runs: tuple, fused: bool) -> tup
     every = runs(u.db, None)
     partial_decay = decay_runs not in ((), every)
     if update_runs == every and not (fused and partial_decay):
-        decay = [p[lo:hi] for lo, hi in decay_runs] if partial_decay else (
-            [p] if decay_runs else [])
+        decay = [p] if decay_runs == every else [p[lo:hi] for lo, hi in decay_runs]
         return None, [p], [m], [v], decay, [bool(decay_runs)]
     cut = segments(update_runs, decay_runs)
     ps = [p[lo:hi] for lo, hi, _ in cut]

@@ -612,9 +612,9 @@ class OwnedState(MuonState):
         ...     spec = vfsdp.plan(params, 2)
         ...     state = vfsdp.optim.soap().init(vfsdp.shard(params, spec), spec)
         ...     return [{k: tuple(v.shape) for k, v in s.items()} for s in state.stacks]
-        >>> vfsdp.testing.simulate(2, body)[0]            # rank 0 owns w
-        [{'exp_avg': (1, 4, 6), 'exp_avg_sq': (1, 4, 6), 'L': (1, 4, 4), 'R': (1, 6, 6), \
-'QL': (1, 4, 4), 'QR': (1, 6, 6)}]
+        >>> vfsdp.testing.simulate(2, body)[0]   # rank 0 owns w; b's wave: none of it here
+        [{'exp_avg': (0, 4), 'exp_avg_sq': (0, 4)}, {'exp_avg': (1, 4, 6), 'exp_avg_sq': \
+(1, 4, 6), 'L': (1, 4, 4), 'R': (1, 6, 6), 'QL': (1, 4, 4), 'QR': (1, 6, 6)}]
     """
 
     stacks: list = field(default_factory=list)

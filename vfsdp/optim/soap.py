@@ -148,9 +148,9 @@ def soap(
         ...     for _ in range(3):     # the first update only sets the eigenbases
         ...         vfsdp.grads(shards, spec)["w"].fill_(1.0)
         ...         state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
-        ...     return state.step, [m.root for m in state.plan.matrices]
+        ...     return state.step, [m.root for m in state.plan.matrices]   # b's and w's owners
         >>> vfsdp.testing.simulate(2, body)
-        [(3, [1]), (3, [1])]
+        [(3, [0, 1]), (3, [0, 1])]
     """
     check_hyper("soap", lr, weight_decay, betas=betas, eps=eps,
                 precondition_frequency=precondition_frequency,

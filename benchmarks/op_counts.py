@@ -46,7 +46,7 @@ def _optimizer(name: str):
     if name == "adamw8bit":
         return vfsdp.optim.adamw8bit(lr=1e-3, weight_decay=0.1, weight_decay_mask=no_norm,
                                      compile=False)
-    if name == "soap":  # the norms too: Adam on their shards
+    if name == "soap":  # the norms too: Adam on their owners
         return vfsdp.optim.soap(lr=1e-3)
     matrices = {"muon": vfsdp.optim.muon, "shampoo": vfsdp.optim.shampoo}[name]
     return vfsdp.optim.partition(

@@ -76,6 +76,16 @@ class AdamWPlan(OwnedPlan):
     decay_runs: Mapping[Any, tuple] = field(default_factory=dict)
 
 
+def masked_plan(units: list, mask: Mask, decay_mask: Mask) -> AdamWPlan:
+    """The :class:`AdamWPlan` of ``units`` (:func:`~vfsdp.optim.base.unit_buffers`) for the
+    tensors ``mask`` selects, those ``decay_mask`` selects too taking weight decay; a unit
+    holding none of them is not in it."""
+    mine = [u for u in units if any(selected(mask, t.path) for t in u.db.tensors)]
+    return AdamWPlan({u.key: frozenset(t.path for t in u.db.tensors if selected(mask, t.path))
+                      for u in mine}, {u.key: runs(u.db, mask) for u in mine},
+                     {u.key: runs(u.db, both(decay_mask, mask)) for u in mine})
+
+
 def segments(update_runs: tuple, decay_runs: tuple) -> tuple[tuple[int, int, bool], ...]:
     """The update runs cut where decay starts or stops: ``(lo, hi, decays)`` each.
 
@@ -106,8 +116,7 @@ def _slices(u, state, update_runs: tuple, decay_runs: tuple, fused: bool) -> tup
     every = runs(u.db, None)
     partial_decay = decay_runs not in ((), every)
     if update_runs == every and not (fused and partial_decay):
-        decay = [p[lo:hi] for lo, hi in decay_runs] if partial_decay else (
-            [p] if decay_runs else [])
+        decay = [p] if decay_runs == every else [p[lo:hi] for lo, hi in decay_runs]
         return None, [p], [m], [v], decay, [bool(decay_runs)]
     cut = segments(update_runs, decay_runs)
     ps = [p[lo:hi] for lo, hi, _ in cut]
@@ -132,8 +141,6 @@ class AdamWState(CountedState):
 
     exp_avg: dict
     exp_avg_sq: dict
-    plan: AdamWPlan = field(default_factory=AdamWPlan, repr=False, compare=False)
-    slices: dict = field(default_factory=dict, repr=False, compare=False)  # per unit: _slices
     traced: Optional[list] = field(default=None, repr=False, compare=False)  # adam_views
     saved: ClassVar[tuple] = ("exp_avg", "exp_avg_sq")
 
@@ -201,21 +208,16 @@ def adamw(
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> AdamWState:
         units, count = init_units(shards, spec, "adamw.init", mask=mask,
                                   weight_decay_mask=weight_decay_mask)
-        state = AdamWState(count, {}, {})
-        update_runs, decay_runs, paths = {}, {}, {}
+        state = AdamWState(count, {}, {}, plan=masked_plan(units, mask, weight_decay_mask))
         for u in units:
-            chosen = tuple(t.path for t in u.db.tensors if selected(mask, t.path))
-            if not chosen:
+            if u.key not in state.plan.paths:
                 continue  # nothing of this unit is ours: no state for it
             sdt = state_dtype(u.db.dtype)  # float32, or float64 for float64 parameters
             if fused:
-                use_fused(True, u.db.device, {u.db.dtype, sdt}, format_path(chosen[0]))
+                use_fused(True, u.db.device, {u.db.dtype, sdt}, format_path(next(
+                    t.path for t in u.db.tensors if selected(mask, t.path))))
             state.exp_avg[u.key] = u.db.like(sdt, Role.STATE, "exp_avg")
             state.exp_avg_sq[u.key] = u.db.like(sdt, Role.STATE, "exp_avg_sq")
-            update_runs[u.key] = runs(u.db, mask)
-            decay_runs[u.key] = runs(u.db, both(weight_decay_mask, mask))
-            paths[u.key] = frozenset(chosen)
-        state.plan = AdamWPlan(paths, update_runs, decay_runs)
         # What a compiled update reads (vfsdp.optim.traced).
         state.traced = adam_views(units, state, lambda p: selected(mask, p),
                                   lambda p: selected(weight_decay_mask, p))
@@ -238,13 +240,9 @@ def adamw(
                 m = state.exp_avg[u.key].shard
                 g = flat_grads(leaves, u, "adamw.update", m.dtype)
                 on = use_fused(fused, m.device, {u.db.dtype, g.dtype, m.dtype})
-                key = (update_runs, decay_runs, on)
-                found = state.slices.get(u.key)
-                # Another shards tree for the same spec has other buffers: never reuse its slices.
-                if found is None or found[0] != key or found[1] is not u.db.shard:
-                    found = state.slices[u.key] = (key, u.db.shard, _slices(
-                        u, state, update_runs, decay_runs, on))
-                cuts, ps, ms, vs, decay, flags = found[2]
+                cuts, ps, ms, vs, decay, flags = state.cached(
+                    (u.key, update_runs, decay_runs, on), (u.db.shard,),
+                    lambda: _slices(u, state, update_runs, decay_runs, on))
                 if cuts is not None:  # one op cuts the whole shard (gaps included)
                     pieces = g.split_with_sizes(cuts[0])
                     g = [pieces[i] for i in cuts[1]]

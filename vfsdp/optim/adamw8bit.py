@@ -148,8 +148,6 @@ class AdamW8bitState(CountedState):
     fp32_v: dict = field(default_factory=dict)
     rank_scales_m: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     rank_scales_v: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
-    passes: dict = field(default_factory=dict, repr=False, compare=False)
-    plan: AdamW8bitPlan = field(default_factory=AdamW8bitPlan, repr=False, compare=False)
     traced: Optional[TracedAdam8] = field(default=None, repr=False, compare=False)
     saved: ClassVar[tuple] = ("codes_m", "codes_v")
 
@@ -306,7 +304,8 @@ def adamw8bit(
                 k for k, t in enumerate(db.tensors)
                 if t.path in chosen and selected(weight_decay_mask, t.path))
             q8, f32 = [], []
-            for k, t in enumerate(db.tensors):
+            # in shard order: every unit's tiles, in that order, then the spare
+            for k, t in sorted(enumerate(db.tensors), key=lambda kt: kt[1].shard_range(db.rank)[0]):
                 if t.path not in chosen:
                     continue
                 lo, hi = t.shard_range(db.rank)
@@ -324,11 +323,8 @@ def adamw8bit(
                         f"32x32 tile ({exc}); plan with granularity=opt.granularity so each tile "
                         f"stays on one rank"
                     ) from None
-                q8.append(Quantized(k, lo, hi, view, tiles_of(view)))
-            q8.sort(key=lambda t: t.lo)
-            for i, t in enumerate(q8):  # every unit's tiles, in shard order, then the spare
-                q8[i] = replace(t, t0=t0)
-                t0 += t.n_tiles
+                q8.append(Quantized(k, lo, hi, view, n := tiles_of(view), t0))
+                t0 += n
             paths[u.key], quantized[u.key], fp32[u.key] = chosen, tuple(q8), tuple(f32)
             first = first_leaves(u)  # what a compiled update reads (vfsdp.optim.traced)
             traced += [(first[t.k], t, t.k in decays, cm.local(t.k).view(-1), cv.local(t.k).view(-1))
@@ -366,10 +362,8 @@ def adamw8bit(
             scalars = step_scalars(state.count, betas)
             if not units:
                 return state
-            key = tuple((u.key, frozen) for u, frozen in units)
-            run = state.passes.get(key)
-            if run is None or any(a is not u.db.shard for a, (u, _) in zip(run.ps, units)):
-                run = state.passes[key] = _rank_pass(state, units)
+            run = state.cached(tuple((u.key, frozen) for u, frozen in units),
+                               tuple(u.db.shard for u, _ in units), lambda: _rank_pass(state, units))
             decay_(list(run.decay), rate, weight_decay)
             g = _cat(gs).float()  # its arithmetic: fp32
             if run.tiles is not None:  # one 8-bit pass over every unit of the rank

@@ -696,12 +696,14 @@ def as_schedule(value: Schedule) -> Callable[[int], float]:
 
 
 def check_hyper(what: str, lr: Schedule, weight_decay: float, betas: Optional[tuple] = None,
-                eps: Optional[float] = None, momentum: Optional[float] = None) -> None:
+                eps: Optional[float] = None, momentum: Optional[float] = None,
+                **counts: int) -> None:
     """Refuse hyperparameters no optimizer can use (a schedule ``lr`` is checked when called).
 
     Raises:
-        ValueError: a negative ``lr``, ``eps`` or ``weight_decay``, or betas or momentum
-            outside [0, 1), naming the optimizer and the value.
+        ValueError: a negative ``lr``, ``eps`` or ``weight_decay``, betas or momentum
+            outside [0, 1), or one of ``counts`` (by name) below 1, naming the
+            optimizer and the value.
 
     Example:
         >>> check_hyper("adamw", 1e-3, 0.0, betas=(0.9, 1.0))
@@ -717,6 +719,9 @@ def check_hyper(what: str, lr: Schedule, weight_decay: float, betas: Optional[tu
                         ("weight_decay", weight_decay)):
         if value is not None and not value >= 0:  # also refuses NaN
             raise ValueError(f"{what}: {name} must be >= 0, got {value}")
+    for name, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{what}: {name} must be >= 1, got {value}")
 
 
 def both(a: Mask, b: Mask) -> Mask:
@@ -897,11 +902,13 @@ class OwnedPlan:
 @dataclass
 class CountedState:
     """The base of an optimizer state: the step counter (``count``, :func:`new_count`;
-    ``step`` reads and sets it), the plan (an :class:`OwnedPlan`), and a checkpoint of the
-    step and of the per-unit DBuffers named in ``saved``, shaped like the parameters (the
-    tensors the plan updates)."""
+    ``step`` reads and sets it), the plan (an :class:`OwnedPlan`), what the updates keep
+    (``kept``: :meth:`cached`), and a checkpoint of the step and of the per-unit DBuffers
+    named in ``saved``, shaped like the parameters (the tensors the plan updates)."""
 
     count: torch.Tensor
+    plan: OwnedPlan = field(default_factory=OwnedPlan, repr=False, compare=False, kw_only=True)
+    kept: dict = field(default_factory=dict, repr=False, compare=False, kw_only=True)
     saved: ClassVar[tuple] = ()
 
     step = property(read_step, write_step, doc=read_step.__doc__)
@@ -915,6 +922,15 @@ class CountedState:
     def restore_checkpoint(self, tree: dict) -> Any:
         self.step = tree["step"]
         return self
+
+    def cached(self, key: Any, shards: tuple, make: Callable[[], Any]) -> Any:
+        """``make()`` (views of the state and of ``shards``), kept under ``key`` while
+        ``shards`` are the same tensors: another shards tree of the same spec has other
+        buffers, whose views are never reused."""
+        found = self.kept.get(key)
+        if found is None or any(a is not b for a, b in zip(found[0], shards)):
+            found = self.kept[key] = (shards, make())
+        return found[1]
 
 
 def init_units(shards: Any, spec: ShardSpec, what: str, **masks: Mask) -> tuple[list, torch.Tensor]:

@@ -61,9 +61,8 @@ Per step, for the matrices:
    (stacked the same way: moments, statistics, preconditioners), batched per shape;
 3. the updates go back to the holders, which add them to their shards (multi-tensor ops).
 
-1-D tensors are owned the same way (Shampoo: a stack ``[B, n]``), or keep their state sharded
-like the parameters (SOAP: its own elementwise rule). Over HSDP each replica's shard group
-does the same work.
+1-D tensors are owned the same way, as a stack ``[B, n]``. Over HSDP each replica's shard
+group does the same work.
 
 Under ``torch.compile`` the same step is traced: the gradients are laid out in the same
 workspace from the ``.grad`` leaves (:class:`TracedOwned`, made by ``init``), the exchanges are
@@ -263,47 +262,41 @@ def _cost(t: TensorSpec) -> int:
     return math.prod(t.global_shape) * min(t.global_shape[-2:])  # a vector (Shampoo's): n^2
 
 
-def owned_kind(mask: Mask, only: Optional[Callable], of: Callable) -> Callable:
-    """``t -> kind``: ``""`` for a tensor not selected (by ``mask``) or empty (by the global
-    size: a TP piece may be empty on some index of the model axis, which still takes part in
-    its matrix's exchanges), ``"excluded by only="``, else ``of(t)`` (``"matrix"``,
-    ``"vector"`` or why it is neither)."""
-    def kind(t: TensorSpec) -> str:
-        if not math.prod(t.global_shape) or not selected(mask, t.path):
-            return ""
-        return "excluded by only=" if only is not None and not only(t.path) else of(t)
-    return kind
-
-
 def init_owned_plan(state_type: type, what: str, why: str, shards: Any, spec: ShardSpec,
-                    mask: Mask, only: Optional[Callable], kind: Callable, refuse: Callable,
+                    mask: Mask, only: Optional[Callable], of: Callable, refuse: Callable,
                     wave_size: int) -> tuple:
-    """A new state and its :class:`MuonPlan` over the tensors ``kind`` calls ``"matrix"``
-    (exchanged whole to an owner chosen by :func:`plan_roots`, in waves of one shape) or
-    ``"vector"`` (kept on their shards: their ranges cut the workspace too), after
-    ``refuse(t, kind(t))`` of every tensor. One dtype for every matrix (the exchanges carry
+    """A new state and its :class:`MuonPlan` over the tensors it updates (exchanged whole to
+    an owner chosen by :func:`plan_roots`, in waves of one shape), after ``refuse(t, kind)``
+    of every tensor. ``kind``: ``""`` for a tensor not selected (by ``mask``) or empty (by
+    the global size: a TP piece may be empty on some index of the model axis, which still
+    takes part in its matrix's exchanges), ``"excluded by only="``, else ``of(t)``
+    (``"matrix"``: updated, or why not). One dtype for every matrix (the exchanges carry
     many units at once): float32, or float64 where a unit's parameters are.
 
     Returns:
-        ``(state, units, owned, vectors, picked)``: ``owned``: unit key -> its ``(k, spec)``
-        updated; ``vectors``: ``(key, k, lo, hi)`` of this rank's vector pieces; ``picked``:
-        their cuts of the workspace.
+        ``(state, units, base)``: ``base``: the key of each unit holding a tensor it updates
+        -> the unit's offset in the workspace (the units' shards end to end).
 
     Raises:
         ValueError: what ``refuse`` raises; ``mask`` or ``only`` answering differently at a
             tied tensor's places; a matrix split over a model axis whose group the shards
             lack (``why`` names what needs the whole matrix).
     """
+    def kind(t: TensorSpec) -> str:
+        if not math.prod(t.global_shape) or not selected(mask, t.path):
+            return ""
+        return "excluded by only=" if only is not None and not only(t.path) else of(t)
+
     for t in spec.tensors():
         refuse(t, kind(t))
     units, count = init_units(shards, spec, f"{what}.init", mask=mask, only=only)
     state = state_type(count, {})
     owned = {u.key: mine for u in units if (mine := [(k, t) for k, t in enumerate(u.db.tensors)
-                                                     if kind(t) in ("matrix", "vector")])}
+                                                     if kind(t) == "matrix"])}
     dtype = functools.reduce(torch.promote_types, [state_dtype(u.db.dtype) for u in units
                                                    if u.key in owned], torch.float32)
     rank = units[0].db.rank if units else 0
-    found = [(key, k, t) for key, mine in owned.items() for k, t in mine if kind(t) == "matrix"]
+    found = [(key, k, t) for key, mine in owned.items() for k, t in mine]
     roots = plan_roots([t for _, _, t in found], spec.world_size)
     matrices = tuple(Matrix(key, k, t, root, *t.shard_range(rank))
                      for (key, k, t), root in zip(found, roots))
@@ -314,22 +307,18 @@ def init_owned_plan(state_type: type, what: str, why: str, shards: Any, spec: Sh
                          f"{why} needs the whole matrix, so vfsdp needs that axis' group: "
                          f"shard with vfsdp.shard(params, spec, mesh=mesh) on the mesh with "
                          f"{axis!r}, not its data sub-mesh")
-    vectors = tuple((key, k, lo, hi) for key, mine in owned.items() for k, t in mine
-                    if kind(t) == "vector" for lo, hi in [t.shard_range(rank)] if hi > lo)
     # The workspace: the units' shards end to end.
     layout = tuple((u.key, u.db.shard.numel()) for u in units if u.key in owned)
     base = dict(zip(owned, itertools.accumulate((n for _, n in layout), initial=0)))
     waves, sends = plan_waves(group_matrices(matrices, wave_size, _shape), rank,
                               spec.world_size, base)
-    cuts, index = cuts_of([r for wave in sends for r in wave]
-                          + [(base[key] + lo, base[key] + hi) for key, _, lo, hi in vectors],
-                          sum(n for _, n in layout))
+    cuts, index = cuts_of([r for wave in sends for r in wave], sum(n for _, n in layout))
     picked = iter(index)
     waves = tuple(replace(w, send=tuple(next(picked) for _ in wave))
                   for w, wave in zip(waves, sends))
     state.plan = MuonPlan({key: frozenset(t.path for _, t in mine) for key, mine in owned.items()},
                           matrices, waves, dtype, layout, cuts)
-    return state, units, owned, vectors, tuple(picked)
+    return state, units, base
 
 
 def eager_grads(what: str, grads: Any, state: MuonState, shards: Any, spec: ShardSpec) -> tuple:
@@ -378,20 +367,19 @@ def run_waves(plan: MuonPlan, pieces: tuple, work: torch.Tensor, send: Callable,
         recv = pending()
         if w + 1 < len(plan.waves):
             pending = start(plan.waves[w + 1])  # in flight during the rule
-        out = work.new_empty(0)
+        out = None  # (a rank that is no root of the wave sends nothing back)
         if wave.stacked:
             m = wave.matrices[wave.stacked[0]]
-            got = recv.split_with_sizes(wave.pieces)
-            g = _cat([got[c] for c in wave.order], work).view(len(wave.stacked), *m.spec.shape)
+            g = _laid_out(recv, wave.pieces, wave.order).view(len(wave.stacked), *m.spec.shape)
             o = rule(w, _whole(g, m, model) if _split(m) else g)
             if back and _split(m):  # this index's piece of the global updates
                 st = m.spec.strided
                 o = o.narrow(st.dim + 1, st.start, st.lengths[st.index])
             if back:
-                cut = o.reshape(-1).split_with_sizes(wave.out_cuts)
-                out = _cat([cut[c] for c in wave.out_send], work)
+                out = _laid_out(o.reshape(-1), wave.out_cuts, wave.out_send)
         if back:
-            got = send(wave.from_roots, out).split_with_sizes(wave.back)
+            got = send(wave.from_roots, work.new_empty(0) if out is None else out
+                       ).split_with_sizes(wave.back)
             for (j, lo, hi), piece in zip(wave.from_roots.recv, got):
                 targets.append((wave.matrices[j], lo, hi))
                 updates.append(piece)
@@ -465,24 +453,14 @@ class MuonState(CountedState):
     """
 
     momentum: dict
-    plan: MuonPlan = field(default_factory=MuonPlan, repr=False, compare=False)
-    kept: dict = field(default_factory=dict, repr=False, compare=False)
     saved: ClassVar[tuple] = ("momentum",)
 
     def views(self, units: dict, targets: list) -> list:
         """The parameter shard slices an update adds into (``targets``: ``(matrix, lo, hi)``
         within its piece), made once and kept: the parameter shards are fixed tensors."""
-        shards = {m.key: units[m.key].db.shard for m, _, _ in targets}
+        shards = [units[m.key].db.shard for m, _, _ in targets]
         return self.cached(tuple((m.key, m.k, lo, hi) for m, lo, hi in targets), shards,
-                           lambda: [shards[m.key][m.lo + lo:m.lo + hi] for m, lo, hi in targets])
-
-    def cached(self, key: Any, shards: dict, make: Callable) -> Any:
-        """``make()``, kept under ``key`` while ``shards`` (unit key -> shard) are the same
-        tensors."""
-        found = self.kept.get(key)
-        if found is None or any(found[0].get(k) is not x for k, x in shards.items()):
-            found = self.kept[key] = (shards, make())
-        return found[1]
+                           lambda: [p[m.lo + lo:m.lo + hi] for p, (m, lo, hi) in zip(shards, targets)])
 
 
 def muon(
@@ -551,10 +529,10 @@ def muon(
                                  f"update it; label it for another optimizer (e.g. "
                                  f"adamw)")
 
-        kind = owned_kind(mask, only, lambda t: "matrix" if len(t.shape) == 2 else
-                          f"not a 2-D matrix ({tuple(t.global_shape)})")
-        state, units, owned, _, _ = init_owned_plan(MuonState, "muon", "Newton-Schulz", shards,
-                                                    spec, mask, only, kind, refuse, wave_size)
+        state, units, owned = init_owned_plan(
+            MuonState, "muon", "Newton-Schulz", shards, spec, mask, only, lambda t: "matrix"
+            if len(t.shape) == 2 else f"not a 2-D matrix ({tuple(t.global_shape)})", refuse,
+            wave_size)
         state.momentum.update({u.key: u.db.like(state.plan.dtype, Role.STATE, "momentum")
                                for u in units if u.key in owned})
         return state
@@ -593,8 +571,7 @@ def muon(
             kept = [i for i, (m, _, _) in enumerate(targets) if (m.key, m.k) not in frozen]
             views = state.views(units, [targets[i] for i in kept])  # frozen: no update, no decay
             # The parameter update: two multi-tensor ops over every matrix.
-            decay_(views, rate, weight_decay)
-            descend_(views, [updates[i] for i in kept], rate)
+            apply_(views, [updates[i] for i in kept], rate, rate, weight_decay, True)
         return state
 
     return Optimizer(init, atomic(update))
@@ -603,6 +580,15 @@ def muon(
 def _cat(parts: list, like: torch.Tensor) -> torch.Tensor:
     """``torch.cat(parts)``, or an empty tensor like ``like`` (a rank with nothing to send)."""
     return torch.cat(parts) if parts else like.new_empty(0)
+
+
+def _laid_out(x: torch.Tensor, sizes: tuple, order: tuple) -> torch.Tensor:
+    """``x`` cut at ``sizes``, the pieces ``order`` names end to end: ``x`` itself where that
+    is every piece in order (no copy)."""
+    if order == tuple(range(len(sizes))):
+        return x
+    parts = x.split_with_sizes(sizes)
+    return _cat([parts[c] for c in order], x)
 
 
 def _shape(m: Matrix) -> tuple:
@@ -614,12 +600,11 @@ def _shape(m: Matrix) -> tuple:
 
 @dataclass
 class OwnedState(MuonState):
-    """The step counter, the 1-D tensors' moments (``momentum``, ``second``: unit key ->
-    DBuffer), and per wave the state of this rank's matrices in it (``stacks``: name ->
-    ``[B, ...]``; ``B = 0`` where it owns none). ``seen``: the counter, its version and its
-    value on the host after the last eager update, so that an eager update branches on the
-    step without reading the counter back (it reads it once after anything else changed it:
-    a compiled update, a checkpoint load, ``state.step = n``).
+    """The step counter and per wave the state of this rank's tensors in it (``stacks``: name
+    -> ``[B, ...]``; ``B = 0`` where it owns none; ``momentum`` stays empty). ``seen``: the
+    counter, its version and its value on the host after the last eager update, so that an
+    eager update branches on the step without reading the counter back (it reads it once after
+    anything else changed it: a compiled update, a checkpoint load, ``state.step = n``).
 
     Example:
         >>> def body():
@@ -627,32 +612,27 @@ class OwnedState(MuonState):
         ...     spec = vfsdp.plan(params, 2)
         ...     state = vfsdp.optim.soap().init(vfsdp.shard(params, spec), spec)
         ...     return [{k: tuple(v.shape) for k, v in s.items()} for s in state.stacks]
-        >>> vfsdp.testing.simulate(2, body)[0]            # rank 0 owns w
-        [{'exp_avg': (1, 4, 6), 'exp_avg_sq': (1, 4, 6), 'L': (1, 4, 4), 'R': (1, 6, 6), \
-'QL': (1, 4, 4), 'QR': (1, 6, 6)}]
+        >>> vfsdp.testing.simulate(2, body)[0]   # rank 0 owns w; b's wave: none of it here
+        [{'exp_avg': (0, 4), 'exp_avg_sq': (0, 4)}, {'exp_avg': (1, 4, 6), 'exp_avg_sq': \
+(1, 4, 6), 'L': (1, 4, 4), 'R': (1, 6, 6), 'QL': (1, 4, 4), 'QR': (1, 6, 6)}]
     """
 
-    second: dict = field(default_factory=dict)
     stacks: list = field(default_factory=list)
     seen: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
-        """The step, and per state name a tree shaped like the parameters: a matrix's state
-        as a Piece (whole on its owner, empty elsewhere), a 1-D tensor's as its shard."""
+        """The step, and per state name a tree shaped like the parameters: a tensor's state
+        as a Piece (whole on its owner, empty elsewhere)."""
         plan, units = self.plan, self.kept["params"]
         writer = all(db.groups.replicate_rank == 0 for db in units.values())
         held = {}  # (key, k) -> its wave's stacks and its place in them (None: not owned here)
         for wave, stacks in zip(plan.waves, self.stacks):
             for j, m in enumerate(wave.matrices):
                 held[(m.key, m.k)] = stacks, wave.stacked.index(j) if j in wave.stacked else None
-        firsts = {"exp_avg": self.momentum, "exp_avg_sq": self.second}
-        names = dict.fromkeys([*(firsts if self.momentum else ()), *(n for s in self.stacks for n in s)])
+        names = dict.fromkeys(n for s in self.stacks for n in s)
 
         def pick(name: str, db: Any, k: int) -> Any:
-            if (db.key, k) not in held:  # a 1-D tensor, or not this optimizer's
-                vec = firsts.get(name, {}).get(db.key)
-                return vec.local(k) if vec is not None and plan.owns(db, k) else None
-            stacks, at = held[(db.key, k)]
+            stacks, at = held.get((db.key, k), ({}, None))  # not this optimizer's: no stacks
             if name not in stacks:
                 return None
             local = (torch.empty(0, dtype=plan.dtype, device=db.device) if at is None
@@ -664,30 +644,6 @@ class OwnedState(MuonState):
 
         return {"step": self.step,
                 **{n: param_tree(units, spec, functools.partial(pick, n)) for n in names}}
-
-
-class Begin:
-    """An owned optimizer's update under way; called (``owned_step``'s ``ready``, once the
-    inputs are checked), it counts the step (:func:`~vfsdp.optim.base.begin`: the ranks
-    agree) and holds its learning rate in ``rate``. ``t`` is the number of updates before
-    this one: eagerly an int, known at once (:attr:`OwnedState.seen`, or the counter read
-    back); compiled, the counter (a 0-d tensor, ``None`` until called)."""
-
-    def __init__(self, state: OwnedState, schedule: Callable) -> None:
-        self.state, self.schedule, self.rate, self.t = state, schedule, None, None
-        if not tp.compiling():
-            count, version, n = state.seen or (None, -1, 0)
-            same = count is state.count and version == tp.version(count)
-            self.t = n if same else state.step
-
-    def __call__(self) -> None:
-        count = self.state.count
-        self.rate = begin(count, self.schedule)
-        if tp.compiling():
-            self.t = count.reshape(()) - 1
-            self.state.seen = None  # the next eager update reads the counter back once
-        else:
-            self.state.seen = (count, tp.version(count), self.t + 1)
 
 
 def branch_(pred: Any, fn: Callable, args: tuple, state: tuple) -> None:
@@ -734,91 +690,84 @@ class TracedOwned:
         pieces: ``(leaf, lo, hi)`` of each tensor it updates with a piece here: the
             gradient's place in the workspace (the units' shards end to end).
         leaf: ``(unit key, buffer index) -> leaf index`` of every tensor it updates.
-        vectors: The leaves of the 1-D tensors kept on their shards (SOAP), and their
-            moments' slices ``(m, v)``.
-        split: Whether a matrix is split over a model axis (not compiled).
     """
 
     group: str
     pieces: tuple
     leaf: dict
-    vectors: tuple
-    split: bool
 
 
-def init_owned(what: str, shards, spec: ShardSpec, mask: Mask, only, wave_size: int,
-               stack_state: Callable, vectors: bool) -> OwnedState:
-    """The owner plan and state: the 1-D and 2-D tensors selected (by ``mask`` and ``only``)
-    are the owned tensors (the "matrices"), with roots and waves as Muon plans them;
-    ``stack_state(b, shape, dtype, device)`` makes a wave's stacked state; ``vectors``: 1-D
-    tensors stay on their shards instead, with two sharded moments (SOAP's Adam).
-
-    Raises:
-        ValueError: a selected tensor of 3 or more dimensions, a matrix split over a model
-            axis the shards' mesh lacks (naming its path and the fix).
-    """
-    def refuse(t: TensorSpec, why: str) -> None:
-        if why not in ("", "matrix", "vector") and (mask is not None or "D (" in why):
-            raise ValueError(f"{what}: {format_path(t.path)} is given to {what} (its mask, "
-                             f"partition label or no label) but is {why}, which it does not "
-                             f"update; label it for another optimizer (e.g. adamw) with "
-                             f"vfsdp.optim.partition")
-
-    kind = owned_kind(mask, only, lambda t: (
-        ("vector" if vectors and len(t.shape) == 1 else "matrix") if len(t.shape) in (1, 2)
-        else f"{len(t.shape)}-D ({tuple(t.global_shape)})"))
-    state, units, owned, vecs, picked = init_owned_plan(OwnedState, what, what, shards, spec,
-                                                        mask, only, kind, refuse, wave_size)
-    plan, device = state.plan, state.count.device
-    for u in units:
-        if any(kind(t) == "vector" for _, t in owned.get(u.key, ())):
-            state.momentum[u.key] = u.db.like(plan.dtype, Role.STATE, "exp_avg")
-            state.second[u.key] = u.db.like(plan.dtype, Role.STATE, "exp_avg_sq")
-    state.stacks = [stack_state(len(w.stacked), tuple(w.matrices[0].spec.global_shape),
-                                plan.dtype, device) for w in plan.waves]
-    state.kept["params"] = {u.key: u.db for u in units if u.key in owned}
-    state.kept["vectors"] = vecs, picked  # and their cuts of the workspace
-    leaf = {(u.key, k): i for u in units for k, i in first_leaves(u).items() if plan.owns(u.db, k)}
-    base = dict(zip(owned, itertools.accumulate((n for _, n in plan.units), initial=0)))
-    pieces = tuple((leaf[(key, k)], base[key] + lo, base[key] + hi) for key, k, lo, hi in
-                   [*((m.key, m.k, m.lo, m.hi) for m in plan.matrices), *vecs] if hi > lo)
-    shard = units[0].db.groups.shard if units else None
-    state.kept["traced"] = TracedOwned(  # no group: shards made without a process group
-        group_name(shard) if shard is not None or dist.is_initialized() else "", pieces, leaf,
-        (tuple(leaf[(key, k)] for key, k, _, _ in vecs),
-         tuple([d[key].shard[lo:hi] for key, _, lo, hi in vecs]
-               for d in (state.momentum, state.second))),
-        any(_split(m) for m in plan.matrices))
-    return state
-
-
-def owned_step(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
-               rule: Callable, back: bool, ready: Callable = lambda: None) -> tuple:
-    """One exchange of the gradients to the owners, ``rule(w, stack)`` (wave ``w``'s
-    gradients ``[B, rows, cols]`` on this rank, its updates returned), and, where ``back``,
-    the updates' exchange back. ``ready()`` runs once the inputs are checked, before any
-    write (:func:`~vfsdp.optim.base.begin`). Compiled, the same over functional collectives
-    (see the module).
-
-    Returns:
-        ``(views, updates, vectors)``: the parameter slices the updates go to and the update
-            pieces (the matrices), and ``(params, grads, m, v)`` lists of the 1-D tensors'
-            shard pieces.
+def owned(what: str, lr: Schedule, only: Optional[Callable], wave_size: int,
+          stack_state: Callable, rule: Callable, finish: Callable, first_moves: bool = True,
+          ) -> Optimizer:
+    """An optimizer on owners (SOAP, Shampoo): the 1-D and 2-D tensors selected (by ``mask``
+    and ``only``) are the owned tensors (the "matrices"), with roots and waves as Muon plans
+    them. ``init`` makes a wave's stacked state by ``stack_state(b, shape, dtype, device)``;
+    ``update`` exchanges the gradients to the owners, runs ``rule(stacks, t, g)`` (a wave's
+    state, the number ``t`` of updates before this one, its gradients ``[B, ...]`` on this
+    rank; the updates returned), exchanges the updates back (eagerly not at ``t = 0`` unless
+    ``first_moves``), and calls ``finish(views, updates, t, lr)`` (the parameter slices, the
+    update pieces, ``t``, the learning rate) where it got any. ``t`` is eagerly an int,
+    known at once (:attr:`OwnedState.seen`, or the counter read back); compiled, the
+    counter, a 0-d tensor (the same step over functional collectives: see the module).
 
     Raises:
-        ValueError: a frozen tensor (its path and the fix), or a gradient that does not fit;
-            compiled, a matrix split over a model axis (:func:`~vfsdp.optim.muon.refuse_compiled`).
+        ValueError: from ``init``, a selected tensor of 3 or more dimensions, a matrix split
+            over a model axis the shards' mesh lacks (naming its path and the fix); from
+            ``update``, a frozen tensor (its path and the fix), or a gradient that does not
+            fit; compiled, a matrix split over a model axis (:func:`refuse_compiled`).
     """
-    inputs = (_traced_inputs if tp.compiling() else _eager_inputs)(what, grads, state, shards,
-                                                                  spec, ready)
-    if inputs is None:
-        return [], [], ([], [], [], [])
-    work, send, model, views_of, (ps, ms, vs) = inputs
-    plan = state.plan
-    pieces = work.split_with_sizes(plan.cuts)
-    vectors = (ps, [pieces[i] for i in state.kept["vectors"][1]], ms, vs)
-    targets, updates = run_waves(plan, pieces, work, send, rule, model, back)
-    return views_of(targets), updates, vectors
+    schedule = as_schedule(lr)
+
+    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> OwnedState:
+        def refuse(t: TensorSpec, why: str) -> None:
+            if why not in ("", "matrix") and (mask is not None or "D (" in why):
+                raise ValueError(f"{what}: {format_path(t.path)} is given to {what} (its mask, "
+                                 f"partition label or no label) but is {why}, which it does "
+                                 f"not update; label it for another optimizer (e.g. adamw) "
+                                 f"with vfsdp.optim.partition")
+
+        state, units, base = init_owned_plan(
+            OwnedState, what, what, shards, spec, mask, only, lambda t: "matrix"
+            if len(t.shape) in (1, 2) else f"{len(t.shape)}-D ({tuple(t.global_shape)})",
+            refuse, wave_size)
+        plan = state.plan
+        state.stacks = [stack_state(len(w.stacked), tuple(w.matrices[0].spec.global_shape),
+                                    plan.dtype, state.count.device) for w in plan.waves]
+        state.kept["params"] = {u.key: u.db for u in units if u.key in base}
+        leaf = {(u.key, k): i for u in units for k, i in first_leaves(u).items()
+                if plan.owns(u.db, k)}
+        pieces = tuple((leaf[(m.key, m.k)], base[m.key] + m.lo, base[m.key] + m.hi)
+                       for m in plan.matrices if m.hi > m.lo)
+        shard = units[0].db.groups.shard if units else None
+        state.kept["traced"] = TracedOwned(  # no group: shards made without a process group
+            group_name(shard) if shard is not None or dist.is_initialized() else "", pieces, leaf)
+        return state
+
+    def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
+        count, compiling, t = state.count, tp.compiling(), None
+        if not compiling:
+            seen, version, n = state.seen or (None, -1, 0)
+            t = n if seen is count and version == tp.version(count) else state.step
+        back = compiling or first_moves or t != 0  # (compiled: always exchanged back)
+        with torch.no_grad():
+            inputs = (_traced_inputs if compiling else _eager_inputs)(what, grads, state,
+                                                                     shards, spec)
+            rate = begin(count, schedule)  # the checks are done: nothing written yet
+            # compiled: the next eager update reads the counter back once
+            t, state.seen = (count.reshape(()) - 1, None) if compiling else (
+                t, (count, tp.version(count), t + 1))
+            if inputs is None:
+                return state
+            work, send, model, views_of = inputs
+            targets, updates = run_waves(
+                state.plan, work.split_with_sizes(state.plan.cuts), work, send,
+                lambda w, g: rule(state.stacks[w], t, g), model, back)
+            if targets:
+                finish(views_of(targets), updates, t, rate)
+        return state
+
+    return Optimizer(init, atomic(update))
 
 
 def _frozen(what: str, path: tuple) -> NoReturn:
@@ -828,42 +777,33 @@ def _frozen(what: str, path: tuple) -> NoReturn:
                      f"vfsdp.optim.partition")
 
 
-def _eager_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
-                  ready: Callable) -> Any:
-    """``(workspace, send, model group, views, (params, m, v) of the vectors)`` eagerly: the
-    gradients in the units' flat layout, DBuffer slices, eager collectives; ``None`` when
-    there is nothing to update."""
+def _eager_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec) -> Any:
+    """``(workspace, send, model group, views)`` eagerly: the gradients in the units' flat
+    layout, DBuffer slices, eager collectives; ``None`` when there is nothing to update."""
     plan = state.plan
     units, gflat, frozen = eager_grads(what, grads, state, shards, spec)
     for key, k in frozen:
         _frozen(what, units[key].db.tensors[k].path)
-    ready()
     if not plan.units:
         return None
     work = torch.cat([gflat[key] for key, _ in plan.units])
-    vecs, _ = state.kept["vectors"]
-    shards = {key: u.db.shard for key, u in units.items()}
-    ps = state.cached("vector views", shards, lambda: [shards[key][lo:hi] for key, _, lo, hi in vecs])
     groups = next(iter(units.values())).db.groups
     return (work, eager_send(groups.shard), groups.model,
-            lambda targets: state.views(units, targets),
-            (ps, *state.kept["traced"].vectors[1]))  # the moments' slices (init's)
+            lambda targets: state.views(units, targets))
 
 
-def _traced_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
-                   ready: Callable) -> Any:
+def _traced_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec) -> Any:
     """:func:`_eager_inputs` while compiling: the workspace laid out from the gradient leaves
     (zeros between the pieces), functional ``all_to_all_single`` exchanges, the parameter
     leaves' slices (:class:`TracedOwned`)."""
     plan, rec = state.plan, state.kept["traced"]
-    if rec.split:
+    if any(_split(m) for m in plan.matrices):
         refuse_compiled(what, "a matrix split over a model axis is gathered eagerly")
     params, _ = traced_leaves(shards, spec, f"{what}.update")
     gleaves, _ = traced_leaves(grads, spec, f"{what}.update")
     for (key, k), i in rec.leaf.items():
         if not params[i].requires_grad:
             _frozen(what, state.kept["params"][key].tensors[k].path)
-    ready()
     if not plan.units:
         return None
     work = state.count.new_zeros(sum(n for _, n in plan.units), dtype=plan.dtype)
@@ -874,9 +814,6 @@ def _traced_inputs(what: str, grads, state: OwnedState, shards, spec: ShardSpec,
         y = x if r.world == 1 else tp.traced_all_to_all(x, r.recv_sizes, r.send_sizes, rec.group)
         return (lambda: y) if later else y
 
-    vector_leaves, (ms, vs) = rec.vectors
-    return (work, send, None,
-            lambda targets: [params[rec.leaf[(m.key, m.k)]].view(-1)[lo:hi]
-                             for m, lo, hi in targets],
-            ([params[i].view(-1) for i in vector_leaves], list(ms), list(vs)))
+    return (work, send, None, lambda targets: [params[rec.leaf[(m.key, m.k)]].view(-1)[lo:hi]
+                                               for m, lo, hi in targets])
 

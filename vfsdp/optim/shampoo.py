@@ -28,23 +28,8 @@ from typing import Any, Optional
 
 import torch
 
-from vfsdp.optim.base import (
-    Mask,
-    Optimizer,
-    Schedule,
-    as_schedule,
-    atomic,
-    check_hyper,
-)
-from vfsdp.optim.muon import (
-    Begin,
-    OwnedState,
-    apply_,
-    branch_,
-    init_owned,
-    owned_step,
-)
-from vfsdp.planner.spec import ShardSpec
+from vfsdp.optim.base import Optimizer, Schedule, check_hyper
+from vfsdp.optim.muon import apply_, branch_, owned
 
 
 def inverse_root(stats: torch.Tensor, p: int, floor: float) -> torch.Tensor:
@@ -139,15 +124,11 @@ def shampoo(
         >>> w                # rank 1 owns w (6 x 4): blocks 4 x 4 and 2 x 4, an L and R each
         [{'L': (1, 1, 4, 4), 'R': (1, 1, 4, 4), 'L1': (1, 1, 2, 2), 'R1': (1, 1, 4, 4)}]
     """
-    check_hyper("shampoo", lr, weight_decay, eps=eps)
+    check_hyper("shampoo", lr, weight_decay, eps=eps,
+                precondition_frequency=precondition_frequency, wave_size=wave_size)
     if block_size is not None and block_size < 1:
         raise ValueError(f"shampoo: block_size must be >= 1 (or None: whole matrices), got "
                          f"{block_size}")
-    for name, value in (("precondition_frequency", precondition_frequency),
-                        ("wave_size", wave_size)):
-        if value < 1:
-            raise ValueError(f"shampoo: {name} must be >= 1, got {value}")
-    schedule = as_schedule(lr)
     # The new inverse roots of a matrix's (order 2: -1/4) or a vector's (order 1: -1/2) blocks.
     roots = {order: (lambda stats, root, p=2 * order: (inverse_root(stats, p, eps),))
              for order in (1, 2)}
@@ -162,32 +143,21 @@ def shampoo(
                 out[f"P{side}{i or ''}"] = torch.zeros_like(out[f"{side}{i or ''}"])
         return out
 
-    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> OwnedState:
-        return init_owned("shampoo", shards, spec, mask, only, wave_size, stack_state, False)
+    def rule(s: dict, t: Any, g: torch.Tensor) -> torch.Tensor:
+        order = g.dim() - 1  # a matrix's roots -1/4, a vector's -1/2
+        refresh = t % precondition_frequency == 0  # compiled: a tensor
+        g = g if order == 2 else g.unsqueeze(-1)
+        out = torch.empty_like(g)
+        for i, region in enumerate(_regions(g.shape[1:], block_size)):
+            y = x = _blocks(g, region).reshape(-1, region[0][2], region[1][2])
+            for side in "LR"[:order]:
+                n = x.shape[-2] if side == "L" else x.shape[-1]
+                stats, root = (s[f"{p}{side}{i or ''}"].view(-1, n, n) for p in ("", "P"))
+                stats.add_(x @ x.mT if side == "L" else x.mT @ x)
+                branch_(refresh, roots[order], (stats,), (root,))
+                y = root @ y if side == "L" else y @ root
+            _blocks(out, region).copy_(y.view(_blocks(out, region).shape))
+        return out if order == 2 else out.squeeze(-1)
 
-    def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
-        start = Begin(state, schedule)
-
-        def rule(w: int, g: torch.Tensor) -> torch.Tensor:
-            s, order = state.stacks[w], g.dim() - 1  # a matrix's roots -1/4, a vector's -1/2
-            refresh = start.t % precondition_frequency == 0  # compiled: a tensor
-            g = g if order == 2 else g.unsqueeze(-1)
-            out = torch.empty_like(g)
-            for i, region in enumerate(_regions(g.shape[1:], block_size)):
-                y = x = _blocks(g, region).reshape(-1, region[0][2], region[1][2])
-                for side in "LR"[:order]:
-                    n = x.shape[-2] if side == "L" else x.shape[-1]
-                    stats, root = (s[f"{p}{side}{i or ''}"].view(-1, n, n) for p in ("", "P"))
-                    stats.add_(x @ x.mT if side == "L" else x.mT @ x)
-                    branch_(refresh, roots[order], (stats,), (root,))
-                    y = root @ y if side == "L" else y @ root
-                _blocks(out, region).copy_(y.view(_blocks(out, region).shape))
-            return out if order == 2 else out.squeeze(-1)
-
-        with torch.no_grad():
-            views, updates, _ = owned_step("shampoo", grads, state, shards, spec, rule, True,
-                                           ready=start)
-            apply_(views, updates, start.rate, start.rate, weight_decay, True)
-        return state
-
-    return Optimizer(init, atomic(update))
+    return owned("shampoo", lr, only, wave_size, stack_state, rule, lambda views, updates, t, lr:
+                 apply_(views, updates, lr, lr, weight_decay, True))

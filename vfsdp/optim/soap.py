@@ -13,7 +13,7 @@ with statistics ``L``, ``R`` and eigenbases ``QL``, ``QR`` (``x -> QL^T x QR`` p
   ``precondition_frequency`` steps ``QL``, ``QR`` are refreshed by one power iteration and a
   QR decomposition (in float32), ``v`` permuted to the new order of the eigenvalues;
 * a side longer than ``max_precondition_dim`` is not rotated (identity);
-* 1-D tensors take Adam with the same step size, on their shards.
+* 1-D tensors take Adam with the same step size (no side rotated), owned as the matrices are.
 
 Under TP the owner of a matrix split over the model axis gathers its pieces (as Muon's root
 does), runs the rule on the global matrix and keeps its piece of the update: each index of
@@ -28,24 +28,8 @@ from typing import Any, Optional
 
 import torch
 
-from vfsdp import _torch_private as tp
-from vfsdp.optim.base import (
-    Mask,
-    Optimizer,
-    Schedule,
-    as_schedule,
-    atomic,
-    check_hyper,
-)
-from vfsdp.optim.muon import (
-    Begin,
-    OwnedState,
-    apply_,
-    branch_,
-    init_owned,
-    owned_step,
-)
-from vfsdp.planner.spec import ShardSpec
+from vfsdp.optim.base import Optimizer, Schedule, check_hyper
+from vfsdp.optim.muon import apply_, branch_, owned
 
 
 def eigenbasis(stats: torch.Tensor) -> torch.Tensor:
@@ -121,7 +105,7 @@ def soap(
     weight_decay_first: bool = False,
 ) -> Optimizer:
     """SOAP: every 2-D matrix updated whole on one owner rank (Muon's root plan), which holds
-    its moments, statistics and eigenbases; 1-D tensors take Adam on their shards.
+    its moments, statistics and eigenbases; 1-D tensors take Adam on an owner too.
 
     Args:
         lr: A float or a schedule ``step -> lr``.
@@ -164,74 +148,49 @@ def soap(
         ...     for _ in range(3):     # the first update only sets the eigenbases
         ...         vfsdp.grads(shards, spec)["w"].fill_(1.0)
         ...         state = opt.update(vfsdp.grads(shards, spec), state, shards, spec)
-        ...     return state.step, [m.root for m in state.plan.matrices]
+        ...     return state.step, [m.root for m in state.plan.matrices]   # b's and w's owners
         >>> vfsdp.testing.simulate(2, body)
-        [(3, [1]), (3, [1])]
+        [(3, [0, 1]), (3, [0, 1])]
     """
-    check_hyper("soap", lr, weight_decay, betas=betas, eps=eps)
+    check_hyper("soap", lr, weight_decay, betas=betas, eps=eps,
+                precondition_frequency=precondition_frequency,
+                max_precondition_dim=max_precondition_dim, wave_size=wave_size)
     for name, on in (("merge_dims", merge_dims), ("precondition_1d", precondition_1d),
                      ("normalize_grads", normalize_grads)):
         if on:
             raise ValueError(f"soap: {name}=True is not implemented by vfsdp's SOAP; leave it "
                              f"False (the reference's default)")
-    for name, value in (("precondition_frequency", precondition_frequency),
-                        ("max_precondition_dim", max_precondition_dim), ("wave_size", wave_size)):
-        if value < 1:
-            raise ValueError(f"soap: {name} must be >= 1, got {value}")
     b1, b2 = betas
     decay = 1 - (b2 if shampoo_beta is None else shampoo_beta)
-    schedule = as_schedule(lr)
 
     def stack_state(b: int, shape: tuple, dtype: torch.dtype, device: Any) -> dict:
-        rows, cols = shape
-        out = {"exp_avg": torch.zeros(b, rows, cols, dtype=dtype, device=device),
-               "exp_avg_sq": torch.zeros(b, rows, cols, dtype=dtype, device=device)}
-        for name, n in (("L", rows), ("R", cols), ("QL", rows), ("QR", cols)):
+        out = {name: torch.zeros(b, *shape, dtype=dtype, device=device)
+               for name in ("exp_avg", "exp_avg_sq")}  # a vector's sides are not rotated
+        for name, n in zip(("L", "R", "QL", "QR"), shape * 2 if len(shape) == 2 else ()):
             if n <= max_precondition_dim:
                 out[name] = torch.zeros(b, n, n, dtype=dtype, device=device)
         return out
 
-    def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> OwnedState:
-        return init_owned("soap", shards, spec, mask, only, wave_size, stack_state, True)
+    def rule(s: dict, t: Any, g: torch.Tensor) -> Optional[torch.Tensor]:
+        # t: the reference's step (the first only initialises, and sends nothing back)
+        ql, qr = s.get("QL"), s.get("QR")
+        out, gate = None, _gate(t, g.dtype)
+        if gate is not None:
+            s["exp_avg"].lerp_(g, (1 - b1) * gate)
+            # Out of place: with no side rotated, _rotate returns its argument.
+            s["exp_avg_sq"].lerp_(_rotate(g, ql, qr).square(), (1 - b2) * gate)
+            den = s["exp_avg_sq"].sqrt().add_(eps)
+            out = _rotate(_rotate(s["exp_avg"], ql, qr) / den, ql, qr, back=True)
+        for side, (stats, q) in enumerate((("L", "QL"), ("R", "QR"))):
+            if stats in s:  # the first update sets the eigenbases, refreshes update them
+                s[stats].lerp_(g @ g.mT if side == 0 else g.mT @ g, decay)
+                branch_(t == 0, lambda st, _: (eigenbasis(st),), (s[stats],), (s[q],))
+                branch_((t % precondition_frequency == 0) & (t > 0), _REFRESH[side],
+                        (s[stats],), (s[q], s["exp_avg_sq"]))
+        return out
 
-    def update(grads: Any, state: OwnedState, shards: Any, spec: ShardSpec) -> OwnedState:
-        start = Begin(state, schedule)  # start.t: the reference's step (the first only
-        #                                 initialises); compiled, a tensor known once begun
+    def finish(views: list, updates: list, t: Any, lr: Any) -> None:
+        size, rate = _sizes(t, lr, b1, b2, correct_bias)
+        apply_(views, updates, size, rate, weight_decay, weight_decay_first)
 
-        def rule(w: int, g: torch.Tensor) -> Optional[torch.Tensor]:
-            s, t = state.stacks[w], start.t
-            ql, qr = s.get("QL"), s.get("QR")
-            out, gate = None, _gate(t, g.dtype)
-            if gate is not None:
-                s["exp_avg"].lerp_(g, (1 - b1) * gate)
-                # Out of place: with no side rotated, _rotate returns its argument.
-                s["exp_avg_sq"].lerp_(_rotate(g, ql, qr).square(), (1 - b2) * gate)
-                den = s["exp_avg_sq"].sqrt().add_(eps)
-                out = _rotate(_rotate(s["exp_avg"], ql, qr) / den, ql, qr, back=True)
-            for side, (stats, q) in enumerate((("L", "QL"), ("R", "QR"))):
-                if stats in s:  # the first update sets the eigenbases, refreshes update them
-                    s[stats].lerp_(g @ g.mT if side == 0 else g.mT @ g, decay)
-                    branch_(t == 0, lambda st, _: (eigenbasis(st),), (s[stats],), (s[q],))
-                    branch_((t % precondition_frequency == 0) & (t > 0), _REFRESH[side],
-                            (s[stats],), (s[q], s["exp_avg_sq"]))
-            return out
-
-        with torch.no_grad():
-            views, updates, (ps, gs, ms, vs) = owned_step(
-                "soap", grads, state, shards, spec, rule, back=start.t != 0, ready=start)
-            t = start.t  # (compiled: not known before; always exchanged back)
-            gate = _gate(t, gs[0].dtype if gs else torch.float32)
-            if gate is None:
-                return state  # eagerly, the first update: nothing moves
-            size, rate = _sizes(t, start.rate, b1, b2, correct_bias)
-            if ps:
-                tp.foreach("lerp_", ms, gs, scalar=(1 - b1) * gate)
-                tp.foreach("lerp_", vs, tp.foreach("mul", gs, gs), scalar=(1 - b2) * gate)
-                den = tp.foreach("sqrt", vs)
-                tp.foreach("add_", den, scalar=eps)
-                updates = updates + list(tp.foreach("div", ms, den))
-                views = views + ps
-            apply_(views, updates, size, rate, weight_decay, weight_decay_first)
-        return state
-
-    return Optimizer(init, atomic(update))
+    return owned("soap", lr, only, wave_size, stack_state, rule, finish, first_moves=False)

@@ -39,7 +39,7 @@ import torch
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import Role
 from vfsdp.functional.state import param_tree
-from vfsdp.optim.adamw import AdamWPlan, adamw, segments, trainable_runs
+from vfsdp.optim.adamw import adamw, masked_plan, segments, trainable_runs
 from vfsdp.optim.base import (
     CountedState,
     Mask,
@@ -423,7 +423,6 @@ class TransformsState(CountedState):
     """
 
     buffers: list
-    plan: AdamWPlan = field(default_factory=AdamWPlan, repr=False, compare=False)
     updates: Optional[Updates] = field(default=None, repr=False, compare=False)
 
     def checkpoint_tree(self, spec: ShardSpec) -> dict:
@@ -476,17 +475,13 @@ def run(*members: Optimizer) -> Optimizer:
         units, count = init_units(shards, spec, "chain.init", mask=mask, **{
             f"add_decayed_weights' mask (transform {i})": t.hyper[2]
             for i, t in enumerate(ts) if t.hyper[:1] == ("decay",)})
-        state = TransformsState(count, [{k: {} for k in t.buffers} for t in ts])
-        paths, update_runs = {}, {}
+        state = TransformsState(count, [{k: {} for k in t.buffers} for t in ts],
+                                plan=masked_plan(units, mask, None))  # (decay: per transform)
         for u in units:
-            chosen = frozenset(t.path for t in u.db.tensors if selected(mask, t.path))
-            if not chosen:
-                continue
-            for t, named in zip(ts, state.buffers):
-                for k in t.buffers:
-                    named[k][u.key] = u.db.like(state_dtype(u.db.dtype), Role.STATE, k)
-            paths[u.key], update_runs[u.key] = chosen, runs(u.db, mask)
-        state.plan = AdamWPlan(paths, update_runs, update_runs)  # (decay: per transform)
+            if u.key in state.plan.paths:
+                for t, named in zip(ts, state.buffers):
+                    for k in t.buffers:
+                        named[k][u.key] = u.db.like(state_dtype(u.db.dtype), Role.STATE, k)
         return state
 
     def update(grads: Any, state: TransformsState, shards: Any, spec: ShardSpec

@@ -432,7 +432,7 @@ class Unit:
         """One gather's backward (``grads``: its full gradients; ``zeros``: this rank's loss
         did not reach it, so it takes part in the reduction with zeros): the unit is gathered
         again if it was resharded, released after it (``free_after_backward``, unless the
-        graph is kept), and its gradients reduced (or accumulated unsharded) as ``rec.ropts``
+        graph is kept), and its gradients reduced (or accumulated unsharded) as ``rec.policy``
         says, the shards' ``.grad`` linked to the gradient buffer for ``grads="buffer"``.
 
         Args:
@@ -457,16 +457,16 @@ class Unit:
                 f"backward")
         rec.reduced_in = task
         self.pre_backward(rec.db)
-        if rec.gopts.free_after_backward and not keep:
+        if rec.policy.free_after_backward and not keep:
             # Its backward is done: the gathered parameters go before the gradient staging
             # buffer is allocated, now or when the last other graph reading them is done.
             self._let_go(rec.db, at_once=False)
-        to_buffer = rec.ropts.grads == "buffer"
+        to_buffer = rec.policy.grads == "buffer"
         if to_buffer:
             self._unlink_stale(rec)
-        pieces = self.reduce_grads(rec.index, grads, rec.ropts, inflight=inflight,
+        pieces = self.reduce_grads(rec.index, grads, rec.policy, inflight=inflight,
                                    views=not to_buffer)
-        if to_buffer and rec.ropts.grad_sync and accumulates:
+        if to_buffer and rec.policy.grad_sync and accumulates:
             self._link_grads(rec)
         if to_buffer or pieces is None:
             return None
@@ -515,7 +515,7 @@ class Unit:
             index: Buffer indices of the tensors whose gradients are given (a tied tensor may
                 appear more than once: its gradients are summed).
             grads: Their full gradients (``None``: zero, e.g. a frozen tensor).
-            opts: The resolved gradient options. ``grads="buffer"``: into the gradient
+            opts: The resolved ``vfsdp.Policy``. ``grads="buffer"``: into the gradient
                 DBuffer, adding to what it holds, as torch's ``.grad`` does (overwriting only
                 a released or new buffer, or with ``overwrite``). ``grads="return"``: into a
                 fresh tensor, nothing of vfsdp's is written.

@@ -7,7 +7,7 @@ Imports ``vfsdp.collectives`` and below, never ``spmd``, ``interop``, ``optim``,
 
 from vfsdp.collectives.unit import Reductions
 from vfsdp.functional.gather import gather, gather_async, grads, zero_grads
-from vfsdp.functional.options import GatherOptions, GradOptions, Policy
+from vfsdp.functional.options import Policy
 from vfsdp.functional.reduce import reduce_scatter
 from vfsdp.functional.reference import (
     gather_reference,
@@ -22,8 +22,6 @@ from vfsdp.functional.tree import UnitLeaves, match_tree, units_of
 
 __all__ = [
     "Checkpointable",
-    "GatherOptions",
-    "GradOptions",
     "Policy",
     "Reductions",
     "UnitLeaves",

@@ -72,7 +72,7 @@ from vfsdp.collectives import comm
 from vfsdp.collectives.comm import Handle, side_group
 from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.collectives.unit import GATHER_HOOKS, Reductions, UnitState, drop_traced_grads
-from vfsdp.functional.options import GatherOptions, GradOptions, Policy, merge, refuse, resolve
+from vfsdp.functional.options import Policy, merge, refuse, resolve
 from vfsdp.functional.reduce import _reduce_functional
 from vfsdp.functional.traced import traced_gather, traced_grads, traced_zero_grads
 from vfsdp.functional.tree import match_tree, own_mesh, unit_for, units_of
@@ -271,10 +271,9 @@ class BackwardPass:
         collective the caller issues next). Only then does it wait for the agreement: a rank
         whose pass ran every unit after ``seq`` goes on without it."""
         self.gathers.settle()
-        later = [e for e in self.gathers.entries if e.seq > seq and e.ran_in != self.task]
-        if not later:
-            return
-        for other in sorted((e for e in later if id(e) in self.marked), key=lambda e: -e.seq):
+        later = [e for e in self.gathers.entries if e.seq > seq and e.ran_in != self.task
+                 and id(e) in self.marked]  # (marked, which waits, asked only if one is later)
+        for other in sorted(later, key=lambda e: -e.seq):
             self._zeros(other)
 
     def ran(self, entry: Any) -> None:
@@ -504,14 +503,14 @@ class Gather:
     An object that pytree utilities and ``torch.func`` leave alone.
     """
 
-    __slots__ = ("spec", "key", "index", "mesh", "what", "gopts", "ropts", "unit", "db",
+    __slots__ = ("spec", "key", "index", "mesh", "what", "policy", "unit", "db",
                  "locals", "versions", "flat_version", "needs", "recording", "regathers",
                  "place", "seq", "node", "ran_in", "reduced_in", "closed", "orphan",
                  "holds_graph", "__weakref__")
 
-    def __init__(self, spec, key, index, mesh, what, gopts, ropts, regathers: bool = False) -> None:
+    def __init__(self, spec, key, index, mesh, what, policy, regathers: bool = False) -> None:
         self.spec, self.key, self.index, self.mesh, self.what = spec, key, index, mesh, what
-        self.gopts, self.ropts = gopts, ropts
+        self.policy = policy  # resolved (vfsdp.functional.options.resolve)
         self.regathers = regathers  # run_layers: gathered again for the backward if resharded
         self.unit = None
         self.db = None
@@ -567,9 +566,9 @@ class Gather:
         gradients reduced into fresh tensors, nothing of vfsdp's written)."""
         if tp.functorch_active():
             self.unit.pre_backward(self.db)
-            if self.gopts.free_after_backward and not keep:
+            if self.policy.free_after_backward and not keep:
                 self.unit.release(at_once=False, db=self.db)
-            return _reduce_functional(self.unit, self.index, grads, self.ropts)
+            return _reduce_functional(self.unit, self.index, grads, self.policy)
         return self.unit.post_backward(self, grads, accumulates=accumulates, keep=keep,
                                        inflight=pending().inflight, zeros=zeros)
 
@@ -578,7 +577,7 @@ class Gather:
         ``free_after_backward``, its gathered memory can go now (the next backward reduces
         its zeros if another rank's runs the unit; a resharded unit is gathered again
         then)."""
-        if self.gopts.free_after_backward:
+        if self.policy.free_after_backward:
             self.unit.release(at_once=False, every_rank=False, db=self.db)
 
     def __repr__(self) -> str:
@@ -600,7 +599,7 @@ class _GatherUnit(torch.autograd.Function):
         if rec.unit is None:  # the shards (unwrapped here under torch.func), or packed
             rec.unit = unit_for(local, rec.spec, rec.key, rec.index, rec.mesh, rec.what)
         if rec.db is None:  # not prefetched by gather_async
-            rec.db, _ = rec.unit.gather(rec.gopts.param_dtype)
+            rec.db, _ = rec.unit.gather(rec.policy.param_dtype)
         return tuple(rec.db.full(i) for i in rec.index)
 
     @staticmethod
@@ -726,8 +725,8 @@ def _eager(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str, sta
     """The eager gather of ``gather`` (``start``: ``gather_async``), after refusing what the path
     cannot honour."""
     refuse(values, "torch.func" if tp.functorch_active() else "eager", what)
-    gopts, ropts = resolve(values, layers=False)
-    return start_gather(shards, spec, own_mesh(shards, mesh, what), gopts, ropts, what, start=start)
+    return start_gather(shards, spec, own_mesh(shards, mesh, what), resolve(values, layers=False), what,
+                        start=start)
 
 
 def _functional(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str) -> Any:
@@ -741,24 +740,24 @@ def _functional(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str
     return traced_gather(shards, spec, values)
 
 
-def start_gather(shards: Any, spec: ShardSpec, mesh: Any, gopts: GatherOptions,
-                 ropts: GradOptions, what: str, regathers: bool = False, start: bool = True) -> Handle:
+def start_gather(shards: Any, spec: ShardSpec, mesh: Any, policy: Policy, what: str,
+                 regathers: bool = False, start: bool = True) -> Handle:
     """Start a tree's all-gathers; ``wait()`` returns what :func:`gather` would.
 
     The building block of :func:`gather`, :func:`gather_async` and :func:`vfsdp.run_layers`
-    (``regathers``: its backward gathers a resharded unit again, so its graph does not keep the
-    memory). ``start=False``: none starts now; each unit gathers as ``wait()`` assembles it.
+    (``policy``: resolved; ``regathers``: its backward gathers a resharded unit again, so its
+    graph does not keep the memory). ``start=False``: none starts now; each unit gathers as
+    ``wait()`` assembles it.
     """
     leaves = match_tree(shards, spec, what)
     pending().settle()
-    make = functools.partial(Gather, spec, mesh=mesh, what=what, gopts=gopts, ropts=ropts,
-                             regathers=regathers)
+    make = functools.partial(Gather, spec, mesh=mesh, what=what, policy=policy, regathers=regathers)
     calls, handles = {}, []
     if start and not tp.functorch_active():  # under torch.func the shards are wrapped until forward
         for u in units_of(leaves, spec, what, mesh=mesh, pack=True):
             call = make(u.key, u.index)
             call.unit = u.unit
-            call.db, handle = u.unit.gather(gopts.param_dtype, async_op=True)
+            call.db, handle = u.unit.gather(policy.param_dtype, async_op=True)
             calls[u.key] = call
             handles.append(handle)
     return GatherHandle(handles, leaves, spec, calls, make)

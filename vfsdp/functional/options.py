@@ -60,7 +60,7 @@ import torch
 
 from vfsdp.collectives.comm import REDUCE_OPS
 
-__all__ = ["Policy", "GatherOptions", "GradOptions", "merge", "refuse", "NAMES", "GRAD_MODES"]
+__all__ = ["Policy", "merge", "refuse", "NAMES", "GRAD_MODES"]
 
 GRAD_MODES = ("return", "buffer")
 _FLAGS = ("free_after_backward", "accumulate_grads", "grad_sync", "async_reduce", "prefetch",
@@ -215,62 +215,27 @@ def refuse(values: dict, path: str, what: str) -> None:
                          f"{_WHERE[path]} ({why}); {hint}")
 
 
-@dataclass(frozen=True)
-class GatherOptions:
-    """How a unit is gathered and how long it stays gathered (a resolved :class:`Policy`).
-
-    Example:
-        >>> GatherOptions(param_dtype=torch.bfloat16)
-        GatherOptions(param_dtype=torch.bfloat16, free_after_backward=False)
-    """
-
-    param_dtype: Optional[torch.dtype] = None
-    free_after_backward: bool = False
-
-
-@dataclass(frozen=True)
-class GradOptions:
-    """How a unit's gradients are reduced and where they go (a resolved :class:`Policy`).
-
-    Example:
-        >>> GradOptions(grads="buffer", async_reduce=True).grad_reduce
-        'avg'
-        >>> GradOptions(async_reduce=True)              # needs grads="buffer"
-        Traceback (most recent call last):
-        ...
-        ValueError: async_reduce=True needs grads='buffer': ...
-    """
-
-    grad_reduce: str = "avg"
-    reduce_dtype: Optional[torch.dtype] = None
-    grads: str = "return"
-    accumulate_grads: Optional[bool] = None
-    grad_sync: bool = True
-    async_reduce: bool = False
-
-    def __post_init__(self) -> None:
-        if self.async_reduce and self.grads != "buffer":
-            raise ValueError("async_reduce=True needs grads='buffer': a gradient returned to "
-                             "autograd must be complete when the backward returns it")
-
-
-def resolve(values: dict, layers: bool) -> tuple[GatherOptions, GradOptions]:
-    """The eager options of one call (checked by :func:`refuse` first): ``None`` fields take
-    the entry point's default
-    (``layers``: :func:`vfsdp.run_layers`, which alone holds the full tensors and runs the
-    backward unit by unit: free after it, reduce asynchronously, into the buffer).
+def resolve(values: dict, layers: bool) -> Policy:
+    """The eager options of one call (checked by :func:`refuse` first), as one resolved
+    :class:`Policy`: ``None`` fields take the entry point's default (``layers``:
+    :func:`vfsdp.run_layers`, which alone holds the full tensors and runs the backward unit by
+    unit: free after it, reduce asynchronously, into the buffer); ``prefetch`` and
+    ``reshard_after_forward`` unless ``False``.
 
     Raises:
         ValueError: a bad value or combination.
 
     Example:
-        >>> g, r = resolve(merge(None, {"param_dtype": torch.bfloat16}, "gather"), layers=True)
-        >>> g.param_dtype, g.free_after_backward, r.grads, r.async_reduce
-        (torch.bfloat16, True, 'buffer', True)
+        >>> p = resolve(merge(None, {"param_dtype": torch.bfloat16}, "gather"), layers=True)
+        >>> p.param_dtype, p.free_after_backward, p.grads, p.async_reduce, p.prefetch
+        (torch.bfloat16, True, 'buffer', True, True)
     """
     pick = lambda name, default: default if values[name] is None else values[name]
-    return (GatherOptions(values["param_dtype"], pick("free_after_backward", layers)),
-            GradOptions(values["grad_reduce"], values["reduce_dtype"],
-                        pick("grads", "buffer" if layers else "return"),
-                        values["accumulate_grads"], values["grad_sync"],
-                        pick("async_reduce", layers)))
+    grads = pick("grads", "buffer" if layers else "return")
+    if pick("async_reduce", layers) and grads != "buffer":
+        raise ValueError("async_reduce=True needs grads='buffer': a gradient returned to "
+                         "autograd must be complete when the backward returns it")
+    return Policy(**dict(values, free_after_backward=pick("free_after_backward", layers),
+                         grads=grads, async_reduce=pick("async_reduce", layers),
+                         prefetch=values["prefetch"] is not False,
+                         reshard_after_forward=values["reshard_after_forward"] is not False))

@@ -23,7 +23,7 @@ import torch
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.unit import Unit, _expand, _merge
-from vfsdp.functional.options import GradOptions, Policy, merge
+from vfsdp.functional.options import Policy, merge, resolve
 from vfsdp.functional.traced import padded
 from vfsdp.functional.tree import UnitLeaves, match_tree, own_mesh, refuse_structure, units_of
 from vfsdp.planner.granularity import format_path
@@ -32,7 +32,7 @@ from vfsdp.planner.spec import ShardSpec, TensorSpec
 __all__ = ["reduce_scatter"]
 
 
-def _reduce_functional(unit: Unit, index, grads, opts: GradOptions) -> list:
+def _reduce_functional(unit: Unit, index, grads, opts: Policy) -> list:
     """Inside ``torch.func``: build the buffer with one ``cat`` (still one copy per tensor)
     and return fresh pieces; nothing made outside the transform is mutated (a tied tensor's
     repeated index gets its gradients summed, ``None`` at the repeats)."""
@@ -103,8 +103,7 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, policy: Optional[Policy] = 
     if accumulate_grads and shards is None:
         raise ValueError("vfsdp.reduce_scatter(accumulate_grads=True) needs shards=: without "
                          "them the result goes to fresh buffers, so there is nothing to add to")
-    opts = GradOptions(grad_reduce=values["grad_reduce"], reduce_dtype=values["reduce_dtype"],
-                       grads="buffer", accumulate_grads=values["accumulate_grads"])
+    opts = resolve(dict(values, grads="buffer"), layers=False)
     paths, grads, treespec = optree.tree_flatten_with_path(full_grads, none_is_leaf=True)
     if paths != spec.treespec.paths():  # a None gradient keeps its place: compare the paths
         refuse_structure(paths, treespec, spec, what)

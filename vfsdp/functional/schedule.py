@@ -170,10 +170,8 @@ class LayerRun:
                              f"are reduce-scattered into its gradient buffer as its backward "
                              f"ends; read them with vfsdp.grads (use vfsdp.gather for "
                              f"grads='return')")
-        self.gopts, self.ropts = resolve(values, layers=True)
+        self.policy = resolve(values, layers=True)
         self.layers = layers
-        self.prefetch = values["prefetch"] is not False
-        self.reshard_after_forward = values["reshard_after_forward"] is not False
         # recompute's context_fn for torch.utils.checkpoint: None (no checkpointing), "full"
         # (nothing kept), "selective" (SAVED_OPS' outputs kept) or a SAC policy
         recompute = values["recompute"]
@@ -235,8 +233,8 @@ class LayerRun:
         return saved.db.saved_view(saved.offset - buf.storage_offset(), saved.shape, saved.stride)
 
     def _start(self, i: int) -> list[Handle]:  # every piece's gathers: one step
-        return [start_gather(p.shards, p.spec, p.mesh, self.gopts, self.ropts, p.what,
-                             regathers=True) for p in self.layers[i]]
+        return [start_gather(p.shards, p.spec, p.mesh, self.policy, p.what, regathers=True)
+                for p in self.layers[i]]
 
     def enter(self, i: int, nxt: Optional[int]) -> tuple[Any, list[DBuffer]]:
         """Layer ``i``'s full tensors (gathered now, or the prefetch waited), and their
@@ -245,10 +243,10 @@ class LayerRun:
         full = assemble_layer(self.layers[i], [handle.wait() for handle in handles])
         for call in (call for handle in handles for call in handle.calls.values()):
             if id(call.db) not in self.calls:  # its backward prefetches the one gathered before
-                call.db.unit.link_prefetch(self.last if self.prefetch else None)
+                call.db.unit.link_prefetch(self.last if self.policy.prefetch else None)
                 self.last = call.db
             self.calls.setdefault(id(call.db), []).append(call)
-        if nxt is not None and self.prefetch and nxt != i and nxt not in self.ahead:
+        if nxt is not None and self.policy.prefetch and nxt != i and nxt not in self.ahead:
             self.ahead[nxt] = self._start(nxt)
         return full, _gathered_buffers(full)
 
@@ -313,7 +311,7 @@ class LayerRun:
         layer left gathered is read by its backward as a plain gather's is: its gathers hold
         the memory until then (a later forward's gather of the unit, dropped, cannot free it)."""
         for db in dbs:
-            if self.reshard_after_forward and not last:
+            if self.policy.reshard_after_forward and not last:
                 db.unit.reshard(db)
                 continue
             for call in self.calls.get(id(db), ()):

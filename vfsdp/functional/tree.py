@@ -25,7 +25,7 @@ from vfsdp.collectives.unit import Unit
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, TensorSpec, UnitLayout, refuse_non_tree, unit_name
 
-__all__ = ["match_tree", "refuse_structure", "group_by_unit", "UnitLeaves", "find_unit",
+__all__ = ["match_tree", "refuse_structure", "UnitLeaves", "find_unit",
            "units_of", "unit_for", "own_mesh"]
 
 
@@ -254,11 +254,3 @@ def refuse_structure(paths: list, treespec: Any, spec: ShardSpec, what: str) -> 
               f"{treespec} vs {spec.treespec}")
     raise ValueError(f"{what}: tree structure differs from the spec ({detail}); pass the "
                      f"tree the spec was planned for, or a matching sub-spec")
-
-
-def group_by_unit(spec: ShardSpec) -> dict[Hashable, list[tuple[int, TensorSpec]]]:
-    """``unit key -> [(leaf index, TensorSpec), ...]`` for the tensor leaves of ``spec``
-    (from the grouping the spec computes once and keeps)."""
-    leaves = spec.leaves()
-    return {key: [(i, leaves[i]) for i, _ in members]
-            for key, members in spec.unit_leaves().items()}

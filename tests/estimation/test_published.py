@@ -13,7 +13,7 @@ FIELDS = {"id", "project", "repo", "commit", "path", "table", "quote", "hw", "mo
 # settings only some sources need (published.predict), a throughput quoted for all GPUs or as
 # a step's seconds, a memory quoted in decimal GB, a web address (a thread or a post)
 OPTIONAL = {"master": ("bf16",), "grad_sync": (False,), "logits": ("bf16",), "reshard": (False,),
-            "fp8_weights_saved": (True,), "fp8_all_gather": (False,),
+            "fp8_weights_saved": (True,), "fp8_all_gather": (False,), "fp8_fused_casts": (True,),
             "tokens_per_s": None, "step_s": None, "memory_gb": None, "url": None}
 
 

@@ -179,6 +179,9 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--bf16-all-gathers", dest="float8_all_gather", action="store_const",
                    const=False, help="with --float8: the weights gathered and kept in bf16 (float8 "
                                      "matmuls only)")
+    p.add_argument("--float8-fused-casts", action="store_const", const=True,
+                   help="with --float8: its casts in fused kernels without --compiled (Transformer "
+                        "Engine's; torchao's run as separate kernels in eager mode)")
     p.add_argument("--float8-saved-weights", action="store_true",
                    help="with --float8 --compiled: each layer's unsharded float8 weights saved "
                         "for its backward (torchao before 2025-06 without "

@@ -48,6 +48,7 @@ def _refused(capsys, argv, match):
     (["--hw", "tpu9"], "neither a profile"),
     (["--float8-saved-weights", "--float8"], "float8_saved_weights=True needs float8=True and compiled"),
     (["--bf16-all-gathers"], "float8_all_gather=False needs float8=True"),
+    (["--float8-fused-casts"], "float8_fused_casts=True needs float8=True"),
 ])
 def test_the_estimate_command_refuses_bad_options(shapes, capsys, extra, match):
     argv = ["estimate", shapes, "--gpus", "8", *extra]
@@ -117,6 +118,9 @@ def test_the_api_names_the_argument():
                            "float8_all_gather must be True"),
                           ({"float8_all_gather": True}, "float8_all_gather=True needs float8=True"),
                           ({"float8_all_gather": False}, "float8_all_gather=False needs float8=True"),
+                          ({"float8_fused_casts": True}, "float8_fused_casts=True needs float8=True"),
+                          ({"float8_fused_casts": "te", "float8": True},
+                           "float8_fused_casts must be True"),
                           ({"float8_saved_weights": True, "float8": True},
                            "needs float8=True and compiled=True")]:
         with pytest.raises(ValueError, match=match):

@@ -186,12 +186,19 @@ def saved_bytes(mats: Iterable, expert_mats: Iterable, width: int, top_k: int,
 # ones counted 4x, so 128; torch.compile fuses each chain into one kernel: half of it.
 # Fitted with contention on llm-foundry's H100 rows and torchtitan's 8-GPU rows
 ELEMENTWISE = {False: 128, True: 64}
-# float8's casts per token and width of a layer: each weight matmul's input (forward) and
-# output gradient (backward), 17 widths in a LLaMA block, each cast as torchao's tensorwise
-# recipe does (torchao/testing/training/roofline_utils.py, get_tensor_memory_traffic_ovhd_s):
-# read for its amax, then read and written as float8 twice, row- and column-major for the two
-# GEMMs that take it (2 + 2 + 2 * 1 bytes; it was 5, one float8 copy)
-FLOAT8_CASTS = 17 * 6
+# float8's casts, by whether they run fused: (widths of a LLaMA block's GEMM operands cast per
+# token, bytes per element of each), each operand cast for the two GEMMs that take it, and with
+# bf16 all-gathers each weight too. Fused (torch.compile, Transformer Engine): an amax read,
+# then one kernel writing float8 in both layouts, 2 + 2 + 2 * 1 bytes (torchao's tensorwise
+# recipe, torchao/testing/training/roofline_utils.py, get_tensor_memory_traffic_ovhd_s), the
+# inputs x (wq, wk, wv) and the FFN's (w1, w3) cast once each: 17 widths. Eager torchao
+# (pytorch/ao 3eb18e7, torchao/float8): each Float8Linear casts its own input (20 widths), twice
+# (float8_linear.py, matmul_with_hp_or_float8_args: dim0 forward, dim1 for the weight's
+# gradient), each cast as six kernels (float8_utils.py tensor_to_amax's abs r2 w2 and max r2,
+# float8_tensor.py's .to(float32) r2 w4, * scale r4 w4, to_fp8_saturated's clamp r4 w4 and
+# .to(float8) r4 w1: 33 bytes), plus one layout copy r1 w1 (float8_ops.py, float8_mm's
+# .contiguous() of a row-major b or a column-major a): 68 bytes
+FLOAT8_CASTS = {True: (17, 6), False: (20, 68)}
 
 EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
 # attention's query and output projections: their side that is not the width is its heads x
@@ -327,7 +334,10 @@ class Shapes:
                 kept, again_per = (full, 0) if kept is None else (
                     kept, max(full - kept, 0.0) if again_per is None else again_per)
                 acts, again = tokens * width * kept, tokens * width * again_per
-                ew = tokens * width * (ELEMENTWISE[o.compiled] * (3 + share) + FLOAT8_CASTS * o.float8)
+                ew = tokens * width * ELEMENTWISE[o.compiled] * (3 + share)
+                if o.float8:
+                    widths, per = FLOAT8_CASTS[o.float8_fused_casts]
+                    ew += per * (tokens * width * widths + n * (not o.float8_all_gather))
             if has_embed and vocab:
                 acts += tokens * vocab * per_logit
             out[key] = LayerCost(float(6 * tokens * n + attn), int(acts), int(again), extra, float(attn), ew)

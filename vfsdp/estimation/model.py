@@ -124,6 +124,11 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
               (default: ``True`` with ``float8``); ``False``: float8 matmuls over weights gathered and
               kept in the parameters' dtype (torchao's rowwise recipes, Transformer Engine
               under FSDP1, ``enable_fsdp_float8_all_gather=False``).
+            * ``float8_fused_casts``: With ``float8``, whether its casts run fused (an amax pass
+              and one kernel writing both layouts, 6 bytes an element of each GEMM operand:
+              torch.compile's, Transformer Engine's ``cast_transpose``) or as torchao's eager
+              kernels (abs, max, upcast, scale, clamp, cast: 68 bytes, each linear casting its
+              own input). Default: ``compiled``.
             * ``float8_saved_weights``: With ``float8`` and ``compiled``, whether the compiled
               step saves each layer's unsharded float8 weights (their transposes) for its
               backward: torchao before June 2025 (03c850a) without
@@ -147,7 +152,7 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             ``experts_per_token``, ``tokens_per_rank``, ``experts_per_token``, ``seq`` or
             ``ep`` not an int >= 1, a negative ``comm_library_bytes``, ``fused_loss`` not a
             bool, ``float8_saved_weights`` without ``float8`` and ``compiled``,
-            ``float8_all_gather`` without ``float8``, a ``rank``
+            ``float8_all_gather`` or ``float8_fused_casts`` without ``float8``, a ``rank``
             outside the plan, ``micro_batches`` that do not divide ``tokens_per_rank``, an
             unknown baseline or padding, or ``model_parallel="tp"`` for a plan without a
             model axis, ``layers`` naming a unit the plan does not have, or experts that do

@@ -54,6 +54,7 @@ class Options:
     compiled: bool = False
     float8_saved_weights: bool = False
     float8_all_gather: Optional[bool] = None
+    float8_fused_casts: Optional[bool] = None
     logits_dtype: torch.dtype = torch.float32
     fused_loss: Optional[bool] = None
 
@@ -84,18 +85,20 @@ class Options:
                              f"a multiple")
         if self.fused_loss is None:  # a compiled step's loss is compiled too
             object.__setattr__(self, "fused_loss", self.compiled)
-        if self.float8_all_gather is not None and self.float8 is not True:
-            raise ValueError(f"estimate: float8_all_gather={self.float8_all_gather!r} needs "
-                             f"float8=True (it says how float8's weights are gathered); pass "
-                             f"both, or drop it")
-        if self.float8 is True and self.float8_all_gather is None:  # torchao's recipes: float8
-            object.__setattr__(self, "float8_all_gather", True)  # gathers too (None: no float8)
+        for name, what in (("float8_all_gather", "how float8's weights are gathered"),
+                           ("float8_fused_casts", "how float8's casts run")):
+            if getattr(self, name) is not None and self.float8 is not True:
+                raise ValueError(f"estimate: {name}={getattr(self, name)!r} needs float8=True (it "
+                                 f"says {what}); pass both, or drop it")
+        if self.float8 is True:  # torchao's recipes: float8 gathers too, its casts fused when
+            for name, value in (("float8_all_gather", True), ("float8_fused_casts", self.compiled)):
+                if getattr(self, name) is None:  # compiled (None: no float8)
+                    object.__setattr__(self, name, value)
         for name in ("grad_sync", "float8", "compiled", "fused_loss", "float8_saved_weights",
-                     "float8_all_gather"):
-            if not isinstance(getattr(self, name), bool) and (name, getattr(self, name)) != (
-                    "float8_all_gather", None):
-                raise ValueError(f"estimate: {name} must be True or False, got "
-                                 f"{getattr(self, name)!r}")
+                     "float8_all_gather", "float8_fused_casts"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name.startswith("float8_")):
+                raise ValueError(f"estimate: {name} must be True or False, got {value!r}")
         if self.float8_saved_weights and not (self.float8 and self.compiled):
             raise ValueError("estimate: float8_saved_weights=True needs float8=True and "
                              "compiled=True (torch.compile saves them); pass both, or drop it")

@@ -303,10 +303,6 @@ class TensorSpec:
         return self.layout.world_size
 
     @property
-    def shard_numel(self) -> int:
-        return self.layout.shard_numel
-
-    @property
     def global_shape(self) -> tuple:
         """Shape of the global tensor (``shape`` unless a model axis splits it)."""
         return tuple(self.shape) if self.strided is None else self.strided.global_shape
@@ -348,10 +344,8 @@ class TensorSpec:
     def dims(self) -> tuple[int, ...]:
         """Prefix dims of the ``RaggedShard`` placement (whole trailing slabs per unit)."""
         unit = math.gcd(self.block, self.numel) if self.numel else 1
-        for d in range(1 if self.shape else 0, len(self.shape) + 1):
-            if unit % max(math.prod(self.shape[d:]), 1) == 0:
-                return tuple(range(d))
-        return tuple(range(len(self.shape)))
+        return tuple(range(next(d for d in range(1 if self.shape else 0, len(self.shape) + 1)
+                                if unit % max(math.prod(self.shape[d:]), 1) == 0)))  # d=ndim fits
 
     @property
     def placement(self) -> RaggedShard:

@@ -61,10 +61,11 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from gpt_module import GPTModule  # noqa: E402
 
 import vfsdp  # noqa: E402
 from vfsdp.testing import CopyCounter  # noqa: E402
-from vfsdp.testing.models import GPTConfig, GPTModule, meta_params  # noqa: E402
+from vfsdp.testing.models import GPTConfig, meta_params  # noqa: E402
 
 CONFIGS = {
     "large": (GPTConfig(vocab=32000, dim=2048, layers=16, heads=16, kv_heads=8, ffn=5632,

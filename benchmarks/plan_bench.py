@@ -34,7 +34,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import vfsdp
 from vfsdp.planner import solver
 from vfsdp.planner.baselines import fsdp2_padding, megatron_padding
-from vfsdp.planner.certify import certify_unit
 from vfsdp.planner.granularity import parse_granularity
 from vfsdp.planner.shapes import load_shapes
 
@@ -84,6 +83,28 @@ def spec_leaf(spec, path):
         _LEAF_INDEX.clear()
         index = _LEAF_INDEX[id(spec)] = {t.path: t for t in spec.tensors()}
     return index[path]
+
+
+def certify_unit(numels, blocks, world_size, align, *, upper=None, max_seconds=60.0):
+    """The exact optimum of one unit: the minimal feasible ``S`` over all orders, or ``None``
+    if not settled in ``max_seconds``. The solver's lower bound is cheap but not always
+    attainable (block alignment at every rank boundary can force padding no order avoids);
+    for every admissible ``S`` from the bound upward (up to ``upper``, a known feasible ``S``)
+    this runs the backtracking search with no budget, which enumerates every order of tensor
+    classes (earliest-start placement is exact for a fixed order), so the first feasible
+    ``S`` is the true optimum.
+
+    Example: ``certify_unit([6, 2], [3, 1], 2, 1)`` is 5.
+    """
+    eff, bound, s = solver._bound(numels, blocks, world_size, align)
+    deadline = time.perf_counter() + max_seconds
+    while upper is None or s < upper:
+        if solver._search(numels, eff, s, world_size, budget=10**12) is not None:
+            return s
+        if time.perf_counter() > deadline:
+            return None
+        s = bound.next_admissible(s + 1)
+    return upper
 
 
 def certified_ratio(spec, seconds):

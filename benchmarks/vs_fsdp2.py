@@ -52,14 +52,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import optree
 import torch
 import torch.distributed as dist
+from gpt_module import Block, GPTModule
 
 import vfsdp
 from vfsdp.collectives import slot_of
 from vfsdp.testing import CopyCounter, LiveBytes, moe, spawn
 from vfsdp.testing.models import (
     GPTConfig,
-    GPTModule,
-    _Block,
     _heads,
     _rms,
     init_rule,
@@ -298,7 +297,7 @@ class _EPModel(GPTModule):
         torch.nn.Module.__init__(self)
         self.cfg = cfg
         index = mesh.get_local_rank("ep")
-        self.io = _Block(full["io"], cfg)
+        self.io = Block(full["io"], cfg)
         self.blocks = torch.nn.ModuleList(_EPBlock(p, cfg, mesh, index, ep)
                                           for p in full["layers"])
 

@@ -196,11 +196,10 @@ def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: st
             if slot is not None:
                 raise ValueError(f"{what}: {name} is a gathered full view; pass the shards "
                                  f"(the tree vfsdp.shard returned), not vfsdp.gather's output")
-            elif slot_of(leaf._base) is not None:
+            if slot_of(leaf._base) is not None:
                 raise ValueError(f"{what}: {name} is a view of a vfsdp buffer (e.g. a reshaped "
                                  f"shard); pass the tensor vfsdp handed out itself")
-            else:
-                out.append(Entry(name, "replicated", tuple(leaf.shape), leaf.dtype, tensor=leaf))
+            out.append(Entry(name, "replicated", tuple(leaf.shape), leaf.dtype, tensor=leaf))
         elif isinstance(leaf, VALUE_TYPES):
             out.append(Entry(name, "value", value=leaf))
         elif isinstance(leaf, DBuffer):

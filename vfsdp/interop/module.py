@@ -36,7 +36,7 @@ from vfsdp.functional.options import Policy, merge
 from vfsdp.functional.pieces import layer_pieces
 from vfsdp.functional.schedule import LayerRun
 from vfsdp.planner.granularity import format_path
-from vfsdp.planner.spec import ShardSpec, TensorSpec
+from vfsdp.planner.spec import ShardSpec
 
 
 def functionalize(module: torch.nn.Module) -> tuple[dict, ModuleApply]:
@@ -428,17 +428,13 @@ def _without(spec: ShardSpec, path: tuple, block_spec: ShardSpec) -> ShardSpec:
     Raises:
         ValueError: a unit holds tensors of the blocks and tensors outside them.
     """
-    sub = _pruned(spec.tree, path)
-    leaves, treespec = optree.tree_flatten(sub)
-    keys = {x.unit for x in leaves if isinstance(x, TensorSpec)}
-    shared = keys & set(block_spec.units)
+    found = spec.of_subtree(_pruned(spec.tree, path))
+    shared = set(found.units) & set(block_spec.units)
     if shared:
         raise ValueError(f"apply.run_layers: unit {sorted(map(str, shared))[0]} holds tensors "
                          f"of the blocks at {format_path(path)} and tensors outside them; plan "
                          f"with each block a unit of its own (the default units=)")
-    units = {k: v for k, v in spec.units.items() if k in keys}
-    return ShardSpec(treespec, leaves, units, spec.mesh_shape, spec.mesh_dim_names,
-                     {x.path for x in leaves if isinstance(x, TensorSpec)} & spec.frozen)
+    return found
 
 
 class _Blocks:

@@ -303,10 +303,6 @@ class TensorSpec:
         return self.layout.world_size
 
     @property
-    def shard_numel(self) -> int:
-        return self.layout.shard_numel
-
-    @property
     def global_shape(self) -> tuple:
         """Shape of the global tensor (``shape`` unless a model axis splits it)."""
         return tuple(self.shape) if self.strided is None else self.strided.global_shape
@@ -348,10 +344,8 @@ class TensorSpec:
     def dims(self) -> tuple[int, ...]:
         """Prefix dims of the ``RaggedShard`` placement (whole trailing slabs per unit)."""
         unit = math.gcd(self.block, self.numel) if self.numel else 1
-        for d in range(1 if self.shape else 0, len(self.shape) + 1):
-            if unit % max(math.prod(self.shape[d:]), 1) == 0:
-                return tuple(range(d))
-        return tuple(range(len(self.shape)))
+        return tuple(range(next(d for d in range(1 if self.shape else 0, len(self.shape) + 1)
+                                if unit % max(math.prod(self.shape[d:]), 1) == 0)))  # d=ndim fits
 
     @property
     def placement(self) -> RaggedShard:
@@ -577,15 +571,31 @@ class ShardSpec:
             raise ValueError(f"vfsdp: spec[{key!r}] under torch.compile: only sub-specs made "
                              f"before compiling can be looked up; take it from a spec "
                              f"vfsdp.shard made shards for, or index it once before compiling")
-        sub = self.tree[key]
-        _paths, leaves, treespec = optree.tree_flatten_with_path(sub)
-        keys = {x.unit for x in leaves if isinstance(x, TensorSpec)}
-        units = {k: v for k, v in self.units.items() if k in keys}
-        found = ShardSpec(treespec, leaves, units, self.mesh_shape, self.mesh_dim_names,
-                          {x.path for x in leaves if isinstance(x, TensorSpec)} & self.frozen)
+        found = self.of_subtree(self.tree[key])
         with contextlib.suppress(TypeError):  # an unhashable key: not kept
             self._subs[key] = found
         return found
+
+    def of_subtree(self, sub: Any) -> ShardSpec:
+        """The spec of ``sub``, a subtree of :attr:`tree` (or a copy of it with some subtrees
+        cut out): its tensors' units, this spec's mesh, its frozen paths.
+
+        Args:
+            sub: The subtree, its leaves this spec's ``TensorSpec`` s (and ``PASSTHROUGH``).
+
+        Returns:
+            A :class:`ShardSpec` of ``sub``.
+
+        Example:
+            >>> spec = vfsdp.plan({"a": torch.empty(4), "b": [torch.empty(2)]}, 2)
+            >>> list(spec.of_subtree({"b": spec.tree["b"]}).units)
+            [('b', 0)]
+        """
+        leaves, treespec = optree.tree_flatten(sub)
+        tensors = [x for x in leaves if isinstance(x, TensorSpec)]
+        keys = {x.unit for x in tensors}
+        return ShardSpec(treespec, leaves, {k: v for k, v in self.units.items() if k in keys},
+                         self.mesh_shape, self.mesh_dim_names, {x.path for x in tensors} & self.frozen)
 
     @property
     def fingerprint(self) -> str:

@@ -1,5 +1,6 @@
 """A small LLaMA-style decoder (RMSNorm, rotary, SwiGLU, GQA; optional MoE layers) as plain
-functions over a parameter pytree, plus the same model as ``nn.Module`` for FSDP2 comparisons.
+functions over a parameter pytree (``benchmarks/gpt_module.py`` holds it as ``nn.Module`` s for
+FSDP2 comparisons).
 
 Parameters::
 
@@ -26,7 +27,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-import optree
 import torch
 import torch.nn.functional as F
 
@@ -186,36 +186,3 @@ def loss_fn(params: dict, tokens: torch.Tensor, targets: torch.Tensor, cfg: GPTC
     for p in params["layers"]:
         x = block(p, x, cfg)
     return head_loss(params["io"], x, targets)
-
-
-class _Block(torch.nn.Module):
-    def __init__(self, tree: dict, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        paths, leaves, self.treespec = optree.tree_flatten_with_path(tree)
-        self.names = ["__".join(map(str, path)) for path in paths]  # experts__0__w_up
-        for name, value in zip(self.names, leaves):
-            self.register_parameter(name, torch.nn.Parameter(value.clone()))
-
-    def tree(self) -> dict:
-        return optree.tree_unflatten(self.treespec, [getattr(self, n) for n in self.names])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return block(self.tree(), x, self.cfg)
-
-
-class GPTModule(torch.nn.Module):
-    """The same model as modules (one per block), for ``fully_shard`` comparisons."""
-
-    def __init__(self, params: dict, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.io = _Block(params["io"], cfg)
-        self.blocks = torch.nn.ModuleList(_Block(p, cfg) for p in params["layers"])
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        io = self.io.tree()
-        x = embed(io, tokens)
-        for blk in self.blocks:
-            x = blk(x)
-        return head_loss(io, x, targets)

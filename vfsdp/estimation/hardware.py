@@ -80,8 +80,9 @@ class Hardware:
     # forward and input-gradient GEMMs, pytorch/ao 36027d8, benchmarks/prototype/
     # blockwise_fp8_training/README.md), its weight-gradient GEMM at 457 (0.23)
     float8_efficiency: float = 0.6
-    # rowwise float8's GEMMs (float8_recipe="rowwise": PyTorch's CUTLASS rowwise _scaled_mm,
-    # aten/src/ATen/native/cuda/RowwiseScaledMM.cu, not cuBLAS) at 44 %: torchao's rowwise
+    # rowwise float8's GEMMs (float8_recipe="rowwise": PyTorch's CUTLASS _scaled_mm forward,
+    # aten/src/ATen/native/cuda/RowwiseScaledMM.cu; backward cuBLAS's and a rescale, pytorch/ao
+    # torchao/float8/float8_ops.py at f5b5567) at 44 %: torchao's rowwise
     # table of the same benchmark and shape (LNLinearSigmoid fwd + bwd, M, K, N = 4096, 8192,
     # 16384) measures 1.07x bf16 (pytorch/ao fdddb2cfa, docs/static/fp8-rowwise-perf.png,
     # PyTorch 2.8.0a0), which with the rowwise casts (costs.FLOAT8_CASTS + 2 bytes) gives 0.44,

@@ -173,7 +173,8 @@ def predict(row: dict):
     unsharded float8 weights for its backward: before June 2025 without
     ``force_recompute_fp8_weight_in_bwd`` (added October 2024), ``fp8_all_gather: false``
     for float8 matmuls over weights gathered in bf16, ``fp8_fused_casts: true`` for float8 casts
-    in fused kernels without torch.compile: Transformer Engine's)."""
+    in fused kernels without torch.compile: Transformer Engine's, ``fp8_recipe: "rowwise"`` for
+    torchao's per-row scales: ``--float8.recipe_name rowwise``)."""
     tree = MODELS[row["model"]](row["seq"])
     optimizer = "adamw"  # vfsdp's: fp32 moments
     if row.get("master") == "bf16":  # the weights and so the optimizer's state kept in bf16:
@@ -191,6 +192,7 @@ def predict(row: dict):
                  float8_saved_weights=row.get("fp8_weights_saved", False),
                  float8_all_gather=row.get("fp8_all_gather"),
                  float8_fused_casts=row.get("fp8_fused_casts"),
+                 float8_recipe=row.get("fp8_recipe"),
                  reduce_dtype=torch.float32 if row["reduce"] == "fp32" else torch.bfloat16)
     return rows[-1][1]
 

@@ -182,6 +182,9 @@ def _estimate_parser(sub) -> None:
     p.add_argument("--float8-fused-casts", action="store_const", const=True,
                    help="with --float8: its casts in fused kernels without --compiled (Transformer "
                         "Engine's; torchao's run as separate kernels in eager mode)")
+    p.add_argument("--float8-recipe", help="with --float8: torchao's scaling, tensorwise "
+                                           "(default) or rowwise (per-row scales, slower GEMMs, "
+                                           "bf16 all-gathers)")
     p.add_argument("--float8-saved-weights", action="store_true",
                    help="with --float8 --compiled: each layer's unsharded float8 weights saved "
                         "for its backward (torchao before 2025-06 without "

@@ -14,6 +14,7 @@ FIELDS = {"id", "project", "repo", "commit", "path", "table", "quote", "hw", "mo
 # a step's seconds, a memory quoted in decimal GB, a web address (a thread or a post)
 OPTIONAL = {"master": ("bf16",), "grad_sync": (False,), "logits": ("bf16",), "reshard": (False,),
             "fp8_weights_saved": (True,), "fp8_all_gather": (False,), "fp8_fused_casts": (True,),
+            "fp8_recipe": ("rowwise",),
             "tokens_per_s": None, "step_s": None, "memory_gb": None, "url": None}
 
 

@@ -151,6 +151,13 @@ def test_compute_by_hand_matmuls_attention_and_the_memory_bound_rest():
     assert compute(float8=True, float8_all_gather=False) == pytest.approx(
         fp8 + 128 * rest + eager + d * d * 68 / 1e11)
     assert compute(float8=True, compiled=True) == pytest.approx(fp8 + 64 * rest + casts)
+    # rowwise: its GEMMs at float8_rowwise_efficiency (0.44 by default), 2 bytes more an element
+    # cast (the bf16 copy in the other layout), the weights too: it gathers in bf16
+    rowwise = matmul * 0.5 / (2 * 0.44) + attention + tokens * d * 17 * 8 / 1e11 + d * d * 8 / 1e11
+    assert compute(float8=True, compiled=True, float8_recipe="rowwise") == pytest.approx(
+        64 * rest + rowwise)
+    assert compute(float8=True, compiled=True, float8_recipe="tensorwise") == compute(
+        float8=True, compiled=True)
 
 
 def test_float8_casts_are_torchaos_kernels_over_a_llama_blocks_gemm_operands():

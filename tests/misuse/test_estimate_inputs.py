@@ -49,6 +49,8 @@ def _refused(capsys, argv, match):
     (["--float8-saved-weights", "--float8"], "float8_saved_weights=True needs float8=True and compiled"),
     (["--bf16-all-gathers"], "float8_all_gather=False needs float8=True"),
     (["--float8-fused-casts"], "float8_fused_casts=True needs float8=True"),
+    (["--float8-recipe", "rowwise"], "float8_recipe='rowwise' needs float8=True"),
+    (["--float8-recipe", "blockwise", "--float8"], "unknown float8_recipe 'blockwise'"),
 ])
 def test_the_estimate_command_refuses_bad_options(shapes, capsys, extra, match):
     argv = ["estimate", shapes, "--gpus", "8", *extra]
@@ -121,6 +123,11 @@ def test_the_api_names_the_argument():
                           ({"float8_fused_casts": True}, "float8_fused_casts=True needs float8=True"),
                           ({"float8_fused_casts": "te", "float8": True},
                            "float8_fused_casts must be True"),
+                          ({"float8_recipe": "rowwise"}, "float8_recipe='rowwise' needs float8=True"),
+                          ({"float8_recipe": "blockwise", "float8": True},
+                           "unknown float8_recipe 'blockwise'"),
+                          ({"float8_recipe": "rowwise", "float8": True, "float8_all_gather": True},
+                           "float8_all_gather=True needs float8_recipe='tensorwise'"),
                           ({"float8_saved_weights": True, "float8": True},
                            "needs float8=True and compiled=True")]:
         with pytest.raises(ValueError, match=match):

@@ -197,7 +197,10 @@ ELEMENTWISE = {False: 128, True: 64}
 # gradient), each cast as six kernels (float8_utils.py tensor_to_amax's abs r2 w2 and max r2,
 # float8_tensor.py's .to(float32) r2 w4, * scale r4 w4, to_fp8_saturated's clamp r4 w4 and
 # .to(float8) r4 w1: 33 bytes), plus one layout copy r1 w1 (float8_ops.py, float8_mm's
-# .contiguous() of a row-major b or a column-major a): 68 bytes
+# .contiguous() of a row-major b or a column-major a): 68 bytes. Rowwise (per-row scales along
+# each GEMM's reduced dim): 2 bytes more an element, the bf16 copy in the other layout written
+# and read back before its cast (roofline_utils.py at 36027d8, rowwise: 8 against 6, weights
+# 10 against 8)
 FLOAT8_CASTS = {True: (17, 6), False: (20, 68)}
 
 EXPERT = re.compile(r"(^|\.)experts(\.(\d+))?(\.|$)")
@@ -337,6 +340,7 @@ class Shapes:
                 ew = tokens * width * ELEMENTWISE[o.compiled] * (3 + share)
                 if o.float8:
                     widths, per = FLOAT8_CASTS[o.float8_fused_casts]
+                    per += 2 * (o.float8_recipe == "rowwise")  # its transposed bf16 copy
                     ew += per * (tokens * width * widths + n * (not o.float8_all_gather))
             if has_embed and vocab:
                 acts += tokens * vocab * per_logit

@@ -39,6 +39,7 @@ class Hardware:
             attention, forward and backward) reaches.
         float8_efficiency: The fraction of the dense float8 peak (``2 * flops``) a large
             float8 GEMM reaches (``float8=True``'s weight matmuls).
+        float8_rowwise_efficiency: The same, with per-row scales (``float8_recipe="rowwise"``).
         contention: Seconds of compute lost per second of a collective running beside it
             (NCCL's ring kernels hold SMs and HBM bandwidth while they run).
         unit_overhead: Host seconds per unit per step that no FLOP or byte accounts for
@@ -79,6 +80,14 @@ class Hardware:
     # forward and input-gradient GEMMs, pytorch/ao 36027d8, benchmarks/prototype/
     # blockwise_fp8_training/README.md), its weight-gradient GEMM at 457 (0.23)
     float8_efficiency: float = 0.6
+    # rowwise float8's GEMMs (float8_recipe="rowwise": PyTorch's CUTLASS _scaled_mm forward,
+    # aten/src/ATen/native/cuda/RowwiseScaledMM.cu; backward cuBLAS's and a rescale, pytorch/ao
+    # torchao/float8/float8_ops.py at f5b5567) at 44 %: torchao's rowwise
+    # table of the same benchmark and shape (LNLinearSigmoid fwd + bwd, M, K, N = 4096, 8192,
+    # 16384) measures 1.07x bf16 (pytorch/ao fdddb2cfa, docs/static/fp8-rowwise-perf.png,
+    # PyTorch 2.8.0a0), which with the rowwise casts (costs.FLOAT8_CASTS + 2 bytes) gives 0.44,
+    # where tensorwise's 1.39x gives 0.57 (taken as 0.6 above). Measured on H100 only
+    float8_rowwise_efficiency: float = 0.44
     contention: float = 0.0
     unit_overhead: float = 0.0
     tensor_overhead: float = 0.0
@@ -91,7 +100,8 @@ class Hardware:
         for name in ("intra_latency", "inter_latency", "unit_overhead", "tensor_overhead",
                      "contention"):
             rate(where, name, getattr(self, name), zero=True)
-        for name in ("compute_efficiency", "comm_efficiency", "attention_efficiency", "float8_efficiency"):
+        for name in ("compute_efficiency", "comm_efficiency", "attention_efficiency", "float8_efficiency",
+                     "float8_rowwise_efficiency"):
             fraction(where, name, getattr(self, name))
         count(where, "gpus_per_node", self.gpus_per_node)
 

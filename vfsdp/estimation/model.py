@@ -129,6 +129,10 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
               torch.compile's, Transformer Engine's ``cast_transpose``) or as torchao's eager
               kernels (abs, max, upcast, scale, clamp, cast: 68 bytes, each linear casting its
               own input). Default: ``compiled``.
+            * ``float8_recipe``: With ``float8``, torchao's scaling: ``"tensorwise"`` (default)
+              or ``"rowwise"`` (per-row scales: its GEMMs at
+              ``Hardware.float8_rowwise_efficiency``, 2 bytes more an element cast, and bf16
+              all-gathers, ``float8_all_gather`` defaulting to ``False``).
             * ``float8_saved_weights``: With ``float8`` and ``compiled``, whether the compiled
               step saves each layer's unsharded float8 weights (their transposes) for its
               backward: torchao before June 2025 (03c850a) without
@@ -152,7 +156,9 @@ def estimate(spec: ShardSpec, hw: Union[str, Hardware] = "h100", optimizer: Any 
             ``experts_per_token``, ``tokens_per_rank``, ``experts_per_token``, ``seq`` or
             ``ep`` not an int >= 1, a negative ``comm_library_bytes``, ``fused_loss`` not a
             bool, ``float8_saved_weights`` without ``float8`` and ``compiled``,
-            ``float8_all_gather`` or ``float8_fused_casts`` without ``float8``, a ``rank``
+            ``float8_all_gather``, ``float8_fused_casts`` or ``float8_recipe`` without
+            ``float8``, an unknown ``float8_recipe``, ``float8_all_gather=True`` with
+            ``float8_recipe="rowwise"``, a ``rank``
             outside the plan, ``micro_batches`` that do not divide ``tokens_per_rank``, an
             unknown baseline or padding, or ``model_parallel="tp"`` for a plan without a
             model axis, ``layers`` naming a unit the plan does not have, or experts that do

@@ -55,6 +55,7 @@ class Options:
     float8_saved_weights: bool = False
     float8_all_gather: Optional[bool] = None
     float8_fused_casts: Optional[bool] = None
+    float8_recipe: Optional[str] = None
     logits_dtype: torch.dtype = torch.float32
     fused_loss: Optional[bool] = None
 
@@ -86,14 +87,23 @@ class Options:
         if self.fused_loss is None:  # a compiled step's loss is compiled too
             object.__setattr__(self, "fused_loss", self.compiled)
         for name, what in (("float8_all_gather", "how float8's weights are gathered"),
-                           ("float8_fused_casts", "how float8's casts run")):
+                           ("float8_fused_casts", "how float8's casts run"),
+                           ("float8_recipe", "how float8's casts are scaled")):
             if getattr(self, name) is not None and self.float8 is not True:
                 raise ValueError(f"estimate: {name}={getattr(self, name)!r} needs float8=True (it "
                                  f"says {what}); pass both, or drop it")
-        if self.float8 is True:  # torchao's recipes: float8 gathers too, its casts fused when
-            for name, value in (("float8_all_gather", True), ("float8_fused_casts", self.compiled)):
-                if getattr(self, name) is None:  # compiled (None: no float8)
+        if self.float8 is True:  # torchao's recipes: tensorwise, float8 gathers (not rowwise's),
+            rowwise = self.float8_recipe == "rowwise"  # its casts fused when compiled (None: no float8)
+            for name, value in (("float8_recipe", "tensorwise"), ("float8_all_gather", not rowwise),
+                                ("float8_fused_casts", self.compiled)):
+                if getattr(self, name) is None:
                     object.__setattr__(self, name, value)
+            if self.float8_recipe not in ("tensorwise", "rowwise"):
+                raise ValueError(f"estimate: unknown float8_recipe {self.float8_recipe!r}; pass "
+                                 f"'tensorwise' or 'rowwise'")
+            if rowwise and self.float8_all_gather is True:  # torchao/float8/config.py at f5b5567
+                raise ValueError("estimate: float8_all_gather=True needs float8_recipe='tensorwise' "
+                                 "(torchao gathers rowwise weights in bf16); drop one")
         for name in ("grad_sync", "float8", "compiled", "fused_loss", "float8_saved_weights",
                      "float8_all_gather", "float8_fused_casts"):
             value = getattr(self, name)

@@ -179,7 +179,8 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
     gpus = m * r * (axis.size if axis is not None else 1)
     ep, ep_link = _expert_group(model, experts, o.ep, gpus, prof)
     rate = prof.flops * prof.compute_efficiency
-    mm = 2 * prof.flops * prof.float8_efficiency if o.float8 else rate  # the weight matmuls'
+    mm = 2 * prof.flops * (prof.float8_rowwise_efficiency if o.float8_recipe == "rowwise"
+                           else prof.float8_efficiency) if o.float8 else rate  # the weight matmuls'
     comm = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "all_to_all": 0,
             # the backward's agreement: 3 int64, and two bytes (runs, alive) per place of a
             # window from the oldest gather the previous pass found awaiting (in a steady

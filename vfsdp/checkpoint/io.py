@@ -77,7 +77,7 @@ from vfsdp.checkpoint.storage import (
 )
 from vfsdp.collectives.comm import control_device, device_for
 from vfsdp.collectives.dbuffer import slot_of
-from vfsdp.functional.pieces import Planned, unpack
+from vfsdp.functional.pieces import Planned
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, unit_name
 
@@ -291,12 +291,16 @@ def normalize(parts: Any, what: str) -> list[Planned]:
         if not name or "." in name:
             raise ValueError(f"{what}: part name {name!r} is empty or holds a '.'; entries are "
                              f"stored as <part>.<path>, so name parts like 'experts' or 'rest'")
-        tree, spec, mesh = unpack(value, lambda kind, got: {
-            "form": f"{what}: part {name!r} is a {type(got).__name__}, not a (tree, spec) or (tree, "
-                    f"spec, mesh) tuple; {_FORM}",
-            "swapped": f"{what}: part {name!r} has its spec where its tree goes; the tuple is (tree, spec)",
-            "spec": f"{what}: part {name!r}'s spec must be the ShardSpec vfsdp.plan returned, got "
-                    f"{type(got).__name__}"}[kind])
+        if not isinstance(value, tuple) or len(value) not in (2, 3):
+            raise TypeError(f"{what}: part {name!r} is a {type(value).__name__}, not a (tree, "
+                            f"spec) or (tree, spec, mesh) tuple; {_FORM}")
+        tree, spec, mesh = (*value, None)[:3]
+        if isinstance(tree, ShardSpec):
+            raise TypeError(f"{what}: part {name!r} has its spec where its tree goes; the tuple "
+                            f"is (tree, spec)")
+        if not isinstance(spec, ShardSpec):
+            raise TypeError(f"{what}: part {name!r}'s spec must be the ShardSpec vfsdp.plan "
+                            f"returned, got {type(spec).__name__}")
         if mesh is not None and not hasattr(mesh, "mesh_dim_names"):
             raise TypeError(f"{what}: part {name!r}'s mesh must be the DeviceMesh its shards were "
                             f"made on (vfsdp.mesh(...)) or None, got {type(mesh).__name__}")

@@ -19,7 +19,7 @@ ones naming the layer, the piece and the fix; :mod:`vfsdp.functional.schedule` r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from vfsdp.functional.tree import own_mesh
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["Planned", "LayerPiece", "unpack", "layer_pieces", "assemble_layer"]
+__all__ = ["Planned", "LayerPiece", "layer_pieces", "assemble_layer"]
 
 _FORM = ("{name: (shards, spec)} or {name: (shards, spec, mesh)}, e.g. "
          "{'dense': (shards['layers'][i], spec['layers'][i]), "
@@ -74,37 +74,6 @@ class LayerPiece(Planned):
     what: str = ""
 
 
-def unpack(value: Any, refuse: Callable[[str, Any], str]) -> tuple[Any, ShardSpec, Any]:
-    """``(tree, spec, mesh)`` of a ``(tree, spec)`` or ``(tree, spec, mesh)`` tuple, checked.
-
-    Args:
-        value: The tuple.
-        refuse: ``(kind, got) -> message`` of the ``TypeError`` for a ``"form"`` error (``got``:
-            the value), a ``"swapped"`` one (a ``ShardSpec`` where the tree goes) or a
-            ``"spec"`` one (``got``: the spec, not a ``ShardSpec``).
-
-    Returns:
-        The tree, the spec, and the mesh (``None`` in a pair).
-
-    Raises:
-        TypeError: not a tuple of 2 or 3, a ShardSpec first, or a spec that is not one.
-
-    Example:
-        >>> spec = vfsdp.plan({"w": torch.ones(4)}, 1)
-        >>> unpack(({"w": torch.ones(4)}, spec), lambda kind, got: kind)[2] is None
-        True
-        >>> unpack((spec, spec), lambda kind, got: f"{kind}: {type(got).__name__}")
-        Traceback (most recent call last):
-        TypeError: swapped: ShardSpec
-    """
-    if not isinstance(value, tuple) or len(value) not in (2, 3):
-        raise TypeError(refuse("form", value))
-    tree, spec, mesh = (*value, None)[:3]
-    if isinstance(tree, ShardSpec) or not isinstance(spec, ShardSpec):
-        raise TypeError(refuse("swapped" if isinstance(tree, ShardSpec) else "spec", spec))
-    return tree, spec, mesh
-
-
 def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str) -> list[tuple[LayerPiece, ...]]:
     """The layers of a ``run_layers`` call, each a tuple of :class:`LayerPiece`.
 
@@ -136,8 +105,7 @@ def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str) -> list[tuple[La
     if isinstance(specs, ShardSpec):  # spec["layers"]: a ShardSpec whose tree is a list
         if local_plan(specs)[2] < 0:  # (its subtrees: prepared by vfsdp.shard, for compiling)
             raise ValueError(f"{what}: specs is a ShardSpec of a {type(specs.tree).__name__}; pass "
-                             f"the sub-spec of a list of layers (spec['layers']) or a list of "
-                             f"sub-specs")
+                             f"the sub-spec of a list of layers (spec['layers']) or a list of sub-specs")
         specs = [specs[i] for i in range(local_plan(specs)[2])]
     if specs is not None:
         specs = list(specs)
@@ -165,15 +133,19 @@ def _layer(layer: Any, i: int, what: str, compiled: bool) -> tuple[LayerPiece, .
         if name is None:
             raise TypeError(f"{what}: layer {i} has a piece named None; name each piece (the "
                             f"layer function gets {{name: full tree}})")
-        tree, spec, piece_mesh = unpack(piece, lambda kind, got: {
-            "form": f"{at}: a piece is (shards, spec) or (shards, spec, mesh), got "
-                    f"{f'a tuple of {len(got)}' if isinstance(got, tuple) else f'a {type(got).__name__}'}"
-                    f"; pass {_FORM}",
-            "swapped": f"{at}: got a ShardSpec where the shards go; a piece is (shards, spec), "
-                       "in that order",
-            "spec": f"{at}: the spec is a {type(got).__name__}, not a ShardSpec; a piece is (shards, "
-                    f"spec) with the sub-spec vfsdp.plan made for those shards, e.g. "
-                    f"(e_shards['layers'][{i}], e_spec['layers'][{i}])"}[kind])
+        if not isinstance(piece, tuple) or len(piece) not in (2, 3):
+            got = f"a tuple of {len(piece)}" if isinstance(piece, tuple) else f"a {type(piece).__name__}"
+            raise TypeError(f"{at}: a piece is (shards, spec) or (shards, spec, mesh), got "
+                            f"{got}; pass {_FORM}")
+        tree, spec, piece_mesh = piece if len(piece) == 3 else (*piece, None)
+        if isinstance(tree, ShardSpec) and not isinstance(spec, ShardSpec):
+            raise TypeError(f"{at}: got a ShardSpec where the shards go; a piece is "
+                            f"(shards, spec), in that order")
+        if not isinstance(spec, ShardSpec):
+            raise TypeError(f"{at}: the spec is a {type(spec).__name__}, not a ShardSpec; a "
+                            f"piece is (shards, spec) with the sub-spec vfsdp.plan made for "
+                            f"those shards, e.g. (e_shards['layers'][{i}], "
+                            f"e_spec['layers'][{i}])")
         piece_mesh = None if compiled else own_mesh(tree, piece_mesh, at)
         out.append(LayerPiece(tree, spec, piece_mesh, name=name, what=at))
     return tuple(out)

@@ -254,7 +254,7 @@ class GradTree(Planned):
             counts them. HSDP's replicate dim, and the replicated tensors of a
             ``vfsdp.plan(..., tp=rule)`` spec, are handled without it.
 
-    Until vfsdp 0.4 a ``NamedTuple``: indexing or unpacking one still works, with a
+    Before vfsdp 0.4 a ``NamedTuple``: indexing or unpacking one still works, with a
     ``DeprecationWarning``, until the next release.
 
     Example:

@@ -41,3 +41,19 @@ def test_errors():
         return True
 
     assert simulate(1, body) == [True]
+
+
+def test_grad_tree_is_the_planned_record_and_its_tuple_form_is_deprecated():
+    from vfsdp.functional.pieces import Planned
+
+    spec = vfsdp.plan({"w": torch.ones(4)}, 1)
+    grads, group = {"w": torch.ones(4)}, object()
+    tree = vfsdp.optim.GradTree(grads, spec, None, group)
+    assert isinstance(tree, Planned) and tree.grads is grads is tree.tree
+    assert (tree.spec, tree.mesh, tree.replicated, tree.name) == (spec, None, group, None)
+    assert tree == vfsdp.optim.GradTree(grads=grads, spec=spec, replicated=group)
+    with pytest.warns(DeprecationWarning, match="no longer a tuple") as caught:
+        g, s, m, r = tree
+        last = tree[3]
+    assert (g, s, m, r) == (grads, spec, None, group) and last is group
+    assert all(w.filename == __file__ for w in caught)

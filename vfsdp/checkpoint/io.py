@@ -49,7 +49,7 @@ import os
 import threading
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import optree
 import torch
@@ -77,6 +77,7 @@ from vfsdp.checkpoint.storage import (
 )
 from vfsdp.collectives.comm import control_device, device_for
 from vfsdp.collectives.dbuffer import slot_of
+from vfsdp.functional.pieces import Planned
 from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, unit_name
 
@@ -264,17 +265,9 @@ _FORM = ("pass parts as {name: (tree, spec)} or {name: (tree, spec, mesh)}, or a
          "tuples; for one tree pass save(path, tree, spec)")
 
 
-class Part(NamedTuple):
-    """One named part: its tree, the spec it was sharded with, and its mesh (or ``None``)."""
-
-    name: str
-    tree: Any
-    spec: ShardSpec
-    mesh: Any = None
-
-
-def normalize(parts: Any, what: str) -> list[Part]:
-    """The parts of a dict or list form, checked.
+def normalize(parts: Any, what: str) -> list[Planned]:
+    """The parts of a dict or list form, checked, each a named
+    :class:`~vfsdp.functional.pieces.Planned`.
 
     Raises:
         TypeError: not a dict/list of ``(tree, spec[, mesh])`` tuples, a name that is not a
@@ -309,12 +302,11 @@ def normalize(parts: Any, what: str) -> list[Part]:
             raise TypeError(f"{what}: part {name!r}'s spec must be the ShardSpec vfsdp.plan "
                             f"returned, got {type(spec).__name__}")
         if mesh is not None and not hasattr(mesh, "mesh_dim_names"):
-            raise TypeError(f"{what}: part {name!r}'s mesh must be the DeviceMesh its shards "
-                            f"were made on (vfsdp.mesh(...)) or None, got "
-                            f"{type(mesh).__name__}")
+            raise TypeError(f"{what}: part {name!r}'s mesh must be the DeviceMesh its shards were "
+                            f"made on (vfsdp.mesh(...)) or None, got {type(mesh).__name__}")
         if mesh is not None:
             _check_mesh(name, spec, mesh, what)
-        out.append(Part(name, tree, spec, mesh))
+        out.append(Planned(tree, spec, mesh, name=name))
     return out
 
 
@@ -330,7 +322,7 @@ def _check_mesh(name: str, spec: ShardSpec, mesh: Any, what: str) -> None:
                          f" data ranks{split}); pass the mesh its shards were made on, or none")
 
 
-def _check_owner(name: str, layout: Any, part: Part, what: str) -> None:
+def _check_owner(name: str, layout: Any, part: Planned, what: str) -> None:
     """A shard of a vfsdp buffer (of unit ``layout``) belongs to a unit of its part's spec."""
     own = part.spec.units.get(layout.key)
     if own is not layout and own != layout:
@@ -339,7 +331,7 @@ def _check_owner(name: str, layout: Any, part: Part, what: str) -> None:
                          f"each tree with the spec it was sharded with ({{name: (shards, spec)}})")
 
 
-def _flatten_part(part: Part, what: str) -> list[Entry]:
+def _flatten_part(part: Planned, what: str) -> list[Entry]:
     """A part's entries, each named ``<part>.<path>`` (names hold no ".": entries of two parts
     never clash).
 
@@ -350,8 +342,7 @@ def _flatten_part(part: Part, what: str) -> list[Entry]:
     # Shards first, before optimizer states read their buffers through the spec.
     paths, leaves, _ = optree.tree_flatten_with_path(part.tree, is_leaf=is_state_leaf)
     for path, leaf in zip(paths, leaves):
-        slot = slot_of(leaf) if isinstance(leaf, torch.Tensor) else None
-        if slot is not None:
+        if (slot := slot_of(leaf)) is not None:
             _check_owner(format_path((part.name, *path)), slot.buffer.layout, part, what)
     try:
         entries = flatten(part.tree, part.spec, what, (part.name,))
@@ -371,7 +362,7 @@ def _mesh_record(mesh: Any) -> Optional[list]:
     return [[str(n), int(s)] for n, s in zip(names, mesh.shape)]
 
 
-def check_parts(manifest: dict, parts: Optional[list[Part]], strict: bool, path: str) -> None:
+def check_parts(manifest: dict, parts: Optional[list[Planned]], strict: bool, path: str) -> None:
     """A load of one tree (``parts`` is ``None``) reads a checkpoint of one tree, and a load of
     parts names the checkpoint's parts (all of them, when ``strict``).
 

@@ -13,7 +13,7 @@ shards, as ``gather``'s ``mesh=``; shards of ``vfsdp.shard`` carry theirs). Ever
 units are gathered, prefetched, resharded and reduced as the units of a one-plan layer are,
 each over its own groups. Layers may hold different pieces (dense layers before MoE ones).
 
-This module only reads the arguments into :class:`Piece` records, and refuses malformed
+This module only reads the arguments into :class:`LayerPiece` records, and refuses malformed
 ones naming the layer, the piece and the fix; :mod:`vfsdp.functional.schedule` runs them.
 """
 
@@ -28,7 +28,7 @@ from vfsdp.functional.tree import own_mesh
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
-__all__ = ["Piece", "layer_pieces", "assemble_layer"]
+__all__ = ["Planned", "LayerPiece", "layer_pieces", "assemble_layer"]
 
 _FORM = ("{name: (shards, spec)} or {name: (shards, spec, mesh)}, e.g. "
          "{'dense': (shards['layers'][i], spec['layers'][i]), "
@@ -36,31 +36,46 @@ _FORM = ("{name: (shards, spec)} or {name: (shards, spec, mesh)}, e.g. "
 
 
 @dataclass(frozen=True)
-class Piece:
-    """One plan's share of one layer.
+class Planned:
+    """A tree with its plan and mesh: a checkpoint's part, one plan's piece of a layer
+    (:class:`LayerPiece`), a tree of gradients to clip (:class:`vfsdp.optim.GradTree`).
 
     Attributes:
-        name: The piece's key in the layer's dict (``None`` in the one-plan form).
-        shards: Its shards subtree.
-        spec: Its sub-spec.
-        mesh: ``mesh=`` for plain-tensor shards (``None`` for ``vfsdp.shard``'s).
-        what: The entry point, with the layer and piece, for messages.
+        tree: The tree (shards, gradients, a training state).
+        spec: The ``ShardSpec`` ``vfsdp.plan`` made for it.
+        mesh: The ``DeviceMesh`` its shards were made on (``None``: ``vfsdp.shard``'s shards
+            carry theirs, or the default group).
+        name: Its name among several (``None`` alone).
 
     Example:
         >>> spec = vfsdp.plan({"w": torch.ones(4)}, 1)
-        >>> Piece("dense", {"w": torch.ones(4)}, spec, None, "f").name
+        >>> Planned({"w": torch.ones(4)}, spec, name="dense").name
         'dense'
     """
 
-    name: Any
-    shards: Any
+    tree: Any
     spec: ShardSpec
-    mesh: Any
-    what: str
+    mesh: Any = None
+    name: Any = None
 
 
-def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str) -> list[tuple[Piece, ...]]:
-    """The layers of a ``run_layers`` call, each a tuple of :class:`Piece`.
+@dataclass(frozen=True)
+class LayerPiece(Planned):
+    """One plan's share of one layer: a :class:`Planned` (``name``: its key in the layer's
+    dict, ``None`` in the one-plan form) and ``what``, the entry point with the layer and
+    piece, for messages.
+
+    Example:
+        >>> spec = vfsdp.plan({"w": torch.ones(4)}, 1)
+        >>> LayerPiece({"w": torch.ones(4)}, spec, name="dense", what="f").what
+        'f'
+    """
+
+    what: str = ""
+
+
+def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str) -> list[tuple[LayerPiece, ...]]:
+    """The layers of a ``run_layers`` call, each a tuple of :class:`LayerPiece`.
 
     Args:
         shards: One shards subtree per layer, or (``specs=None``) one dict of pieces per layer.
@@ -90,15 +105,14 @@ def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str) -> list[tuple[Pi
     if isinstance(specs, ShardSpec):  # spec["layers"]: a ShardSpec whose tree is a list
         if local_plan(specs)[2] < 0:  # (its subtrees: prepared by vfsdp.shard, for compiling)
             raise ValueError(f"{what}: specs is a ShardSpec of a {type(specs.tree).__name__}; pass "
-                             f"the sub-spec of a list of layers (spec['layers']) or a list of "
-                             f"sub-specs")
+                             f"the sub-spec of a list of layers (spec['layers']) or a list of sub-specs")
         specs = [specs[i] for i in range(local_plan(specs)[2])]
     if specs is not None:
         specs = list(specs)
         if len(shards) != len(specs):
             raise ValueError(f"{what}: {len(shards)} shard subtrees but {len(specs)} specs")
         mesh = None if compiled else own_mesh(shards, mesh, what)
-        return [(Piece(None, s, sp, mesh, what),) for s, sp in zip(shards, specs)]
+        return [(LayerPiece(s, sp, mesh, what=what),) for s, sp in zip(shards, specs)]
     if mesh is not None:
         raise TypeError(f"{what}: mesh= beside pieces (specs=None); give a piece of plain-tensor "
                         f"shards its mesh as (shards, spec, mesh)")
@@ -108,7 +122,7 @@ def layer_pieces(shards: Any, specs: Any, mesh: Any, what: str) -> list[tuple[Pi
     return [_layer(layer, i, what, compiled) for i, layer in enumerate(shards)]
 
 
-def _layer(layer: Any, i: int, what: str, compiled: bool) -> tuple[Piece, ...]:
+def _layer(layer: Any, i: int, what: str, compiled: bool) -> tuple[LayerPiece, ...]:
     if not isinstance(layer, Mapping) or not layer:
         got = "an empty dict" if isinstance(layer, Mapping) else f"a {type(layer).__name__}"
         raise TypeError(f"{what}: layer {i} is {got}; with specs=None each layer is a dict of "
@@ -133,12 +147,10 @@ def _layer(layer: Any, i: int, what: str, compiled: bool) -> tuple[Piece, ...]:
                             f"those shards, e.g. (e_shards['layers'][{i}], "
                             f"e_spec['layers'][{i}])")
         piece_mesh = None if compiled else own_mesh(tree, piece_mesh, at)
-        out.append(Piece(name, tree, spec, piece_mesh, at))
+        out.append(LayerPiece(tree, spec, piece_mesh, name=name, what=at))
     return tuple(out)
 
 
-def assemble_layer(layer: tuple[Piece, ...], fulls: list) -> Any:
+def assemble_layer(layer: tuple[LayerPiece, ...], fulls: list) -> Any:
     """What the layer function gets: the tree itself (one-plan form), or ``{name: tree}``."""
-    if layer[0].name is None:
-        return fulls[0]
-    return {p.name: f for p, f in zip(layer, fulls)}
+    return fulls[0] if layer[0].name is None else {p.name: f for p, f in zip(layer, fulls)}

@@ -233,7 +233,7 @@ class LayerRun:
         return saved.db.saved_view(saved.offset - buf.storage_offset(), saved.shape, saved.stride)
 
     def _start(self, i: int) -> list[Handle]:  # every piece's gathers: one step
-        return [start_gather(p.shards, p.spec, p.mesh, self.policy, p.what, regathers=True)
+        return [start_gather(p.tree, p.spec, p.mesh, self.policy, p.what, regathers=True)
                 for p in self.layers[i]]
 
     def enter(self, i: int, nxt: Optional[int]) -> tuple[Any, list[DBuffer]]:

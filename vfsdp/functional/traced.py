@@ -325,11 +325,11 @@ def traced_run_layers(layer_fn: Any, layers: list, h: Any, opts: dict) -> Any:
     """
     contexts = []  # read here, outside the checkpointed region below: dynamo guards them
     for piece in (piece for layer in layers for piece in layer):
-        leaves = traced_leaves(piece.shards, piece.spec, piece.what)[0]  # (lets dynamo trace
+        leaves = traced_leaves(piece.tree, piece.spec, piece.what)[0]  # (lets dynamo trace
         contexts.append(unit_context(leaves, piece.spec, piece.what))      # the backward)
         if opts["grad_sync"]:  # what grad_sync=False backwards left unreduced
             _flush(leaves, contexts[-1], opts["grad_reduce"])
-    shards = [[piece.shards for piece in layer] for layer in layers]
+    shards = [[piece.tree for piece in layer] for layer in layers]
 
     def run(shards, h):
         found = iter(contexts)

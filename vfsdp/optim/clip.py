@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from vfsdp import _torch_private as tp
-from vfsdp._warnings import refuse_mesh
+from vfsdp._warnings import refuse_mesh, warn_user
 from vfsdp.collectives import comm
 from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.dbuffer import Role, View, slot_of
 from vfsdp.functional.gather import gradient_leaves
+from vfsdp.functional.pieces import Planned
 from vfsdp.optim.base import Mask, selected
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
@@ -236,17 +238,24 @@ def scale_by_norm(whole: list, loose: list, norm: torch.Tensor, max_norm: float,
             tp.foreach("mul_", gs, scalar=coef if dtype == coef.dtype else coef.to(dtype))
 
 
-class GradTree(NamedTuple):
-    """One tree of gradient pieces and where it lives.
+@dataclass(frozen=True, init=False)
+class GradTree(Planned):
+    """One tree of gradient pieces and where it lives: a
+    :class:`~vfsdp.functional.pieces.Planned` (``tree``: the gradients, also read as
+    ``grads``) with ``replicated``. Made as before: ``GradTree(grads, spec, mesh=None,
+    replicated=None)``.
 
     Attributes:
-        grads: This rank's gradient pieces (``vfsdp.grads(shards, spec)``).
+        grads: This rank's gradient pieces (``vfsdp.grads(shards, spec)``), the ``tree``.
         spec: Its plan.
         mesh: The ``DeviceMesh`` its shards were made on (``None``: the default group).
         replicated: A process group over which this tree's gradients are identical (e.g. a
             tensor-parallel group for parameters every TP rank holds whole): only its rank 0
             counts them. HSDP's replicate dim, and the replicated tensors of a
             ``vfsdp.plan(..., tp=rule)`` spec, are handled without it.
+
+    Before vfsdp 0.4 a ``NamedTuple``: indexing or unpacking one still works, with a
+    ``DeprecationWarning``, until the next release.
 
     Example:
         >>> def body():
@@ -259,10 +268,18 @@ class GradTree(NamedTuple):
         [(None, 2.0), (None, 2.0)]
     """
 
-    grads: Any
-    spec: ShardSpec
-    mesh: Any = None
     replicated: Any = None
+
+    def __init__(self, grads: Any, spec: ShardSpec, mesh: Any = None, replicated: Any = None) -> None:
+        super().__init__(grads, spec, mesh)
+        object.__setattr__(self, "replicated", replicated)
+
+    grads = property(lambda self: self.tree)
+
+    def __getitem__(self, i: Any) -> Any:
+        warn_user("GradTree is no longer a tuple (vfsdp 0.4); indexing or unpacking one goes in the "
+                  "next release: read .grads, .spec, .mesh, .replicated", DeprecationWarning)
+        return (self.tree, self.spec, self.mesh, self.replicated)[i]
 
 
 def _norm_of(trees: Sequence[GradTree], group: Any, what: str) -> tuple[torch.Tensor, list]:
@@ -271,13 +288,12 @@ def _norm_of(trees: Sequence[GradTree], group: Any, what: str) -> tuple[torch.Te
         raise ValueError(f"{what}: give at least one GradTree")
     total, parts = None, []
     for t in trees:
-        if not isinstance(t, GradTree):
-            t = GradTree(*t)
+        t = t if isinstance(t, GradTree) else GradTree(*t)
         if t.replicated is not None and t.spec.model_axis is not None:
             raise ValueError(f"{what}: a tree of a tp= plan (split over "
                              f"{t.spec.model_axis[0]!r}) already counts the tensors it "
                              f"replicates once; drop replicated=")
-        sq, whole, loose, groups = local_squares(gradient_leaves(t.grads, t.spec, what), t.spec, t.mesh, None)
+        sq, whole, loose, groups = local_squares(gradient_leaves(t.tree, t.spec, what), t.spec, t.mesh, None)
         if groups.replicate_rank != 0 or (t.replicated is not None and dist.get_rank(t.replicated) != 0):
             sq = torch.zeros_like(sq)  # counted by another rank
         total = sq if total is None else total + sq.to(total.device)

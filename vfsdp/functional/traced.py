@@ -219,14 +219,14 @@ def _flush(leaves: list, context: list, grad_reduce: str) -> None:
         acc.grad = None
 
 
-def traced_gather(shards: Any, spec: ShardSpec, opts: dict,
+def traced_gather(shards: Any, spec: ShardSpec, opts: Any,
                   context: Optional[list] = None) -> Any:
     """The full tree, by functional collectives the compiler can trace (see the module).
 
     Args:
         shards: The shards (``vfsdp.shard``'s tree: their units carry their groups).
         spec: Their spec.
-        opts: The call's option values (:func:`vfsdp.functional.options.merge`), of which
+        opts: The call's ``vfsdp.Policy`` (:func:`vfsdp.functional.options.merge`), of which
             this path reads ``param_dtype``, ``grad_reduce``, ``reduce_dtype`` (``None`` or
             the gather's dtype: compiled, the gradients are reduce-scattered in the dtype
             they were gathered in; with ``all_gather`` hooks, any, float32 by default),
@@ -248,7 +248,7 @@ def traced_gather(shards: Any, spec: ShardSpec, opts: dict,
     """
     what = "vfsdp.gather"
     param_dtype, grad_reduce, reduce_dtype, hooks, grad_sync = (
-        opts[k] for k in ("param_dtype", "grad_reduce", "reduce_dtype", "all_gather", "grad_sync"))
+        opts.param_dtype, opts.grad_reduce, opts.reduce_dtype, opts.all_gather, opts.grad_sync)
     leaves, treespec = traced_leaves(shards, spec, what)
     if context is None:
         context = unit_context(leaves, spec, what)
@@ -305,7 +305,7 @@ def _regather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.PREFER_SAVE
 
 
-def traced_run_layers(layer_fn: Any, layers: list, h: Any, opts: dict) -> Any:
+def traced_run_layers(layer_fn: Any, layers: list, h: Any, opts: Any) -> Any:
     """:func:`vfsdp.run_layers` while compiling: each unit gathered functionally; with
     ``reshard_after_forward`` the gathered parameters are not saved for backward but gathered
     again there (selective activation checkpointing of the all-gathers), everything else
@@ -314,7 +314,7 @@ def traced_run_layers(layer_fn: Any, layers: list, h: Any, opts: dict) -> Any:
     Args:
         layer_fn, h: As for ``run_layers``.
         layers: Per layer, its pieces (:func:`vfsdp.functional.pieces.layer_pieces`).
-        opts: The call's option values, as for :func:`traced_gather`
+        opts: The call's ``vfsdp.Policy``, as for :func:`traced_gather`
             (``reshard_after_forward`` too).
 
     Returns:
@@ -327,8 +327,8 @@ def traced_run_layers(layer_fn: Any, layers: list, h: Any, opts: dict) -> Any:
     for piece in (piece for layer in layers for piece in layer):
         leaves = traced_leaves(piece.shards, piece.spec, piece.what)[0]  # (lets dynamo trace
         contexts.append(unit_context(leaves, piece.spec, piece.what))      # the backward)
-        if opts["grad_sync"]:  # what grad_sync=False backwards left unreduced
-            _flush(leaves, contexts[-1], opts["grad_reduce"])
+        if opts.grad_sync:  # what grad_sync=False backwards left unreduced
+            _flush(leaves, contexts[-1], opts.grad_reduce)
     shards = [[piece.shards for piece in layer] for layer in layers]
 
     def run(shards, h):
@@ -339,7 +339,7 @@ def traced_run_layers(layer_fn: Any, layers: list, h: Any, opts: dict) -> Any:
                 for piece, tree in zip(layer, trees)]), h)
         return h
 
-    if opts["reshard_after_forward"] is False:
+    if opts.reshard_after_forward is False:
         return run(shards, h)
     # One region (the compiler rematerialises one per forward-loss-backward graph): every
     # all-gather is recomputed where the backward needs its unit, everything else is saved.

@@ -196,8 +196,7 @@ def refuse(policy: Policy, path: str, what: str) -> None:
         what: The entry point, for the message.
 
     Raises:
-        ValueError: a bad value (as a :class:`Policy` refuses it), or ``<what>: <option> is
-            not supported <where> (<why>); <hint>``.
+        ValueError: ``<what>: <option> is not supported <where> (<why>); <hint>``.
     """
     for name, asked, paths in _REFUSED:
         if path in paths and asked(policy):

@@ -71,8 +71,10 @@ def test_async_reduce_needs_the_buffer():
 
 
 def test_bad_values_and_unknown_names():
-    """Values are checked once, where a call's policy is made: a Policy, or merge() for
-    keyword overrides."""
+    """Values are checked once, where a call's policy is made: a Policy, or the one merge()
+    makes of a policy and keyword overrides (what every path then reads)."""
+    got = merge(Policy(grad_reduce="sum"), {"param_dtype": torch.bfloat16, "grad_sync": None}, "g")
+    assert got == Policy(param_dtype=torch.bfloat16, grad_reduce="sum", grad_sync=True)
     with pytest.raises(ValueError, match="grad_reduce must be one of"):
         Policy(grad_reduce="max")
     with pytest.raises(ValueError, match="grads must be one of"):

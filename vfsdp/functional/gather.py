@@ -715,29 +715,29 @@ def gather(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
         [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]] [[1.5, 1.5]]
     """
     what = "vfsdp.gather"
-    values = merge(policy, options, what)
-    if tp.compiling() or values["all_gather"] is not None:  # the functional path (traced)
-        return _functional(shards, spec, mesh, values, what)
-    return _eager(shards, spec, mesh, values, what, start=False).wait()
+    policy = merge(policy, options, what)
+    if tp.compiling() or policy.all_gather is not None:  # the functional path (traced)
+        return _functional(shards, spec, mesh, policy, what)
+    return _eager(shards, spec, mesh, policy, what, start=False).wait()
 
 
-def _eager(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str, start: bool) -> Handle:
+def _eager(shards: Any, spec: ShardSpec, mesh: Any, policy: Policy, what: str, start: bool) -> Handle:
     """The eager gather of ``gather`` (``start``: ``gather_async``), after refusing what the path
     cannot honour."""
-    refuse(values, "torch.func" if tp.functorch_active() else "eager", what)
-    return start_gather(shards, spec, own_mesh(shards, mesh, what), resolve(values, layers=False), what,
+    refuse(policy, "torch.func" if tp.functorch_active() else "eager", what)
+    return start_gather(shards, spec, own_mesh(shards, mesh, what), resolve(policy, layers=False), what,
                         start=start)
 
 
-def _functional(shards: Any, spec: ShardSpec, mesh: Any, values: dict, what: str) -> Any:
+def _functional(shards: Any, spec: ShardSpec, mesh: Any, policy: Policy, what: str) -> Any:
     """The functional gather: while compiling, or with ``all_gather=`` hooks (of shards
     made by ``vfsdp.shard`` only: ``mesh`` is ignored, as on the eager path)."""
     if tp.functorch_active():
-        refuse(values, "torch.func", what)
-    refuse(values, "compiled" if tp.compiling() else "all_gather", what)
+        refuse(policy, "torch.func", what)
+    refuse(policy, "compiled" if tp.compiling() else "all_gather", what)
     if not tp.compiling():
         own_mesh(shards, mesh, what)  # only vfsdp.shard's shards get here
-    return traced_gather(shards, spec, values)
+    return traced_gather(shards, spec, policy)
 
 
 def start_gather(shards: Any, spec: ShardSpec, mesh: Any, policy: Policy, what: str,
@@ -837,9 +837,9 @@ def gather_async(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, 
         raise ValueError("vfsdp.gather_async under torch.compile is not supported: its handle "
                          "is eager state the compiler cannot trace; call vfsdp.gather, whose "
                          "all-gathers the compiler schedules (and overlaps) itself")
-    values = merge(policy, options, what)
-    if values["all_gather"] is not None:
+    policy = merge(policy, options, what)
+    if policy.all_gather is not None:
         done = GatherHandle([], [], None, {}, None)  # its gathers are done: wait() returns it
-        done._result, done._done = _functional(shards, spec, mesh, values, what), True
+        done._result, done._done = _functional(shards, spec, mesh, policy, what), True
         return done
-    return _eager(shards, spec, mesh, values, what, start=True)
+    return _eager(shards, spec, mesh, policy, what, start=True)

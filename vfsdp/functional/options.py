@@ -52,6 +52,7 @@ gather, which knows the dtype).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -65,35 +66,6 @@ __all__ = ["Policy", "merge", "refuse", "NAMES", "GRAD_MODES"]
 GRAD_MODES = ("return", "buffer")
 _FLAGS = ("free_after_backward", "accumulate_grads", "grad_sync", "async_reduce", "prefetch",
           "reshard_after_forward")
-
-
-def _check_values(values: dict) -> None:
-    """The one check of a call's option values (made where its policy is made: a
-    :class:`Policy`, or :func:`merge` for keyword overrides)."""
-    for name in ("param_dtype", "reduce_dtype"):
-        value = values[name]
-        if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
-            raise ValueError(f"{name} must be a floating-point torch.dtype or None, got {value!r}")
-    if values["grad_reduce"] not in REDUCE_OPS:
-        raise ValueError(f"grad_reduce must be one of {REDUCE_OPS}, got {values['grad_reduce']!r}")
-    if values["grads"] is not None and values["grads"] not in GRAD_MODES:
-        raise ValueError(f"grads must be one of {GRAD_MODES}, got {values['grads']!r}")
-    recompute = values["recompute"]
-    if not (recompute in (None, "full", "selective") or callable(recompute)
-            or isinstance(recompute, (list, tuple))):
-        raise ValueError(f"recompute must be None, 'full', 'selective' or a selective "
-                         f"checkpointing policy (a callable (ctx, op, *args, **kwargs) -> "
-                         f"torch.utils.checkpoint.CheckpointPolicy, or a list of ops to "
-                         f"keep), got {recompute!r}")
-    for name in _FLAGS:
-        if values[name] is not None and type(values[name]) is not bool:
-            raise ValueError(f"{name} must be True, False or None (the entry point's "
-                             f"default), got {values[name]!r}")
-    if values["accumulate_grads"] is False:
-        raise ValueError("accumulate_grads=False was removed in vfsdp 0.4: gradients add up "
-                         "across backwards until you zero them, as torch's .grad does, on every "
-                         "path. Call vfsdp.zero_grads(shards, spec) before a backward that should "
-                         "start afresh, and drop accumulate_grads")
 
 
 @dataclass(frozen=True)
@@ -128,54 +100,76 @@ class Policy:
     reshard_after_forward: Optional[bool] = None
     recompute: Any = None
 
-    def __post_init__(self) -> None:
-        _check_values({name: getattr(self, name) for name in NAMES})
+    def __post_init__(self) -> None:  # the one check of option values: where a policy is made
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+                raise ValueError(f"{name} must be a floating-point torch.dtype or None, got {value!r}")
+        if self.grad_reduce not in REDUCE_OPS:
+            raise ValueError(f"grad_reduce must be one of {REDUCE_OPS}, got {self.grad_reduce!r}")
+        if self.grads is not None and self.grads not in GRAD_MODES:
+            raise ValueError(f"grads must be one of {GRAD_MODES}, got {self.grads!r}")
+        recompute = self.recompute
+        if not (recompute in (None, "full", "selective") or callable(recompute)
+                or isinstance(recompute, (list, tuple))):
+            raise ValueError(f"recompute must be None, 'full', 'selective' or a selective "
+                             f"checkpointing policy (a callable (ctx, op, *args, **kwargs) -> "
+                             f"torch.utils.checkpoint.CheckpointPolicy, or a list of ops to "
+                             f"keep), got {recompute!r}")
+        for name in _FLAGS:
+            if getattr(self, name) is not None and type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be True, False or None (the entry point's "
+                                 f"default), got {getattr(self, name)!r}")
+        if self.accumulate_grads is False:
+            raise ValueError("accumulate_grads=False was removed in vfsdp 0.4: gradients add up "
+                             "across backwards until you zero them, as torch's .grad does, on "
+                             "every path. Call vfsdp.zero_grads(shards, spec) before a backward "
+                             "that should start afresh, and drop accumulate_grads")
+        if self.grad_sync is None:  # the default on every path
+            object.__setattr__(self, "grad_sync", True)
 
 
 NAMES = tuple(f.name for f in dataclasses.fields(Policy))
 _DEFAULT = Policy()
 
 
-def merge(policy: Optional[Policy], options: dict, what: str) -> dict:
-    """The option values of one call: ``policy``'s fields (or the defaults), overridden by the
-    keyword ``options``. Plain dict work, so the compiled path traces it too.
+def merge(policy: Optional[Policy], options: dict, what: str) -> Policy:
+    """The options of one call: ``policy`` (or the defaults), its fields overridden by the
+    keyword ``options`` (a new :class:`Policy`, which checks them). The compiled path traces
+    it too.
 
     Raises:
         TypeError: an unknown keyword (listing the known ones), or a ``policy`` that is not
             a :class:`Policy`.
+        ValueError: a bad keyword value (as a :class:`Policy` refuses it).
     """
     unknown = sorted(set(options) - set(NAMES))
     if unknown:
         raise TypeError(f"{what} got unexpected options {unknown}; it takes {list(NAMES)}")
     if not isinstance(policy, (Policy, type(None))):
         raise TypeError(f"{what}: policy must be a vfsdp.Policy, got {type(policy).__name__}")
-    values = {name: getattr(policy or _DEFAULT, name) for name in NAMES}
-    if options:
-        values.update(options)
-        _check_values(values)
-    values["grad_sync"] = values["grad_sync"] is not False  # None: the default, True
-    return values
+    return dataclasses.replace(policy or _DEFAULT, **options) if options else policy or _DEFAULT
 
 
 _FUNC = ("inside torch.func transforms gradients are the values the transform returns, and "
          "tensors made outside it must not be mutated")
 _AUTOGRAD = ("the sharded gradients go to autograd (.grad; vfsdp.grads reads them) and the "
              "compiler schedules the reduce-scatters")
-# option, whether the values ask for it, and per path: (why, what to do instead)
+# option, whether the policy asks for it, and per path: (why, what to do instead)
 _REFUSED = (
-    ("grads='buffer'", lambda v: v["grads"] == "buffer",
+    ("grads='buffer'", lambda p: p.grads == "buffer",
      {"torch.func": (_FUNC, "use grads='return'"),
       "compiled": (_AUTOGRAD, "drop grads='buffer'"),
       "all_gather": (_AUTOGRAD, "drop grads='buffer'")}),
-    ("accumulate_grads=True", lambda v: v["accumulate_grads"] is True,
+    ("accumulate_grads=True", lambda p: p.accumulate_grads is True,
      {"torch.func": (_FUNC, "add the returned gradients yourself")}),
-    ("grad_sync=False", lambda v: v["grad_sync"] is False,
+    ("grad_sync=False", lambda p: p.grad_sync is False,
      {"torch.func": (_FUNC, "sum the returned gradients, or call outside torch.func")}),
-    ("all_gather= hooks", lambda v: v["all_gather"] is not None,
+    ("all_gather= hooks", lambda p: p.all_gather is not None,
      {"torch.func": ("the hooks' functional gather reads the shards' units, which torch.func "
                      "hides behind its wrappers", "gather in param_dtype, or call outside "
                      "torch.func")}),
-    ("async_reduce=True", lambda v: v["async_reduce"] is True,
+    ("async_reduce=True", lambda p: p.async_reduce is True,
      {"torch.func": (_FUNC, "drop it"), "compiled": (_AUTOGRAD, "drop it"),
       "all_gather": (_AUTOGRAD, "drop it")}),
 )
@@ -193,49 +187,51 @@ _RECOMPUTE = {
 }
 
 
-def refuse(values: dict, path: str, what: str) -> None:
+def refuse(policy: Policy, path: str, what: str) -> None:
     """Refuse, in one wording on every path, the options ``path`` cannot honour.
 
     Args:
-        values: The call's options (:func:`merge`).
+        policy: The call's options (:func:`merge`).
         path: ``"eager"``, ``"torch.func"``, ``"compiled"`` or ``"all_gather"``.
         what: The entry point, for the message.
 
     Raises:
-        ValueError: a bad value (as a :class:`Policy` refuses it), or ``<what>: <option> is
-            not supported <where> (<why>); <hint>``.
+        ValueError: ``<what>: <option> is not supported <where> (<why>); <hint>``.
     """
     for name, asked, paths in _REFUSED:
-        if path in paths and asked(values):
+        if path in paths and asked(policy):
             why, hint = paths[path]
             raise ValueError(f"{what}: {name} is not supported {_WHERE[path]} ({why}); {hint}")
-    if values["recompute"] is not None:  # (the eager run_layers runs its layers: calls no refuse)
+    if policy.recompute is not None:  # (the eager run_layers runs its layers: calls no refuse)
         why, hint = _RECOMPUTE[path]
-        raise ValueError(f"{what}: recompute={values['recompute']!r} is not supported "
+        raise ValueError(f"{what}: recompute={policy.recompute!r} is not supported "
                          f"{_WHERE[path]} ({why}); {hint}")
 
 
-def resolve(values: dict, layers: bool) -> Policy:
-    """The eager options of one call (checked by :func:`refuse` first), as one resolved
-    :class:`Policy`: ``None`` fields take the entry point's default (``layers``:
-    :func:`vfsdp.run_layers`, which alone holds the full tensors and runs the backward unit by
-    unit: free after it, reduce asynchronously, into the buffer); ``prefetch`` and
-    ``reshard_after_forward`` unless ``False``.
+def resolve(policy: Policy, layers: bool) -> Policy:
+    """The eager options of one call (checked by :func:`refuse` first), resolved: ``None``
+    fields take the entry point's default (``layers``: :func:`vfsdp.run_layers`, which alone
+    holds the full tensors and runs the backward unit by unit: free after it, reduce
+    asynchronously, into the buffer); ``prefetch`` and ``reshard_after_forward`` unless
+    ``False``. A copy of ``policy`` (whose values were checked where it was made) with those
+    fields set, valid by construction: not checked again.
 
     Raises:
-        ValueError: a bad value or combination.
+        ValueError: ``async_reduce=True`` without ``grads='buffer'``.
 
     Example:
         >>> p = resolve(merge(None, {"param_dtype": torch.bfloat16}, "gather"), layers=True)
         >>> p.param_dtype, p.free_after_backward, p.grads, p.async_reduce, p.prefetch
         (torch.bfloat16, True, 'buffer', True, True)
     """
-    pick = lambda name, default: default if values[name] is None else values[name]
+    pick = lambda name, default: default if getattr(policy, name) is None else getattr(policy, name)
     grads = pick("grads", "buffer" if layers else "return")
     if pick("async_reduce", layers) and grads != "buffer":
         raise ValueError("async_reduce=True needs grads='buffer': a gradient returned to "
                          "autograd must be complete when the backward returns it")
-    return Policy(**dict(values, free_after_backward=pick("free_after_backward", layers),
-                         grads=grads, async_reduce=pick("async_reduce", layers),
-                         prefetch=values["prefetch"] is not False,
-                         reshard_after_forward=values["reshard_after_forward"] is not False))
+    out = copy.copy(policy)  # (frozen: set as its own __init__ does, valid by construction)
+    out.__dict__.update(free_after_backward=pick("free_after_backward", layers), grads=grads,
+                        async_reduce=pick("async_reduce", layers),
+                        prefetch=policy.prefetch is not False,
+                        reshard_after_forward=policy.reshard_after_forward is not False)
+    return out

@@ -15,6 +15,7 @@ sum runs over every rank of the mesh. Options: :mod:`vfsdp.functional.options`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import optree
@@ -92,18 +93,18 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, policy: Optional[Policy] = 
     what = "vfsdp.reduce_scatter"
     if options.get("accumulate_grads") is False:  # here the default: overwrite
         del options["accumulate_grads"]
-    values = merge(policy, options, what)
-    for name, asked in (("grad_sync=False", values["grad_sync"] is False),
-                        ("grads='return'", values["grads"] == "return"),
-                        ("async_reduce=True", values["async_reduce"] is True)):
+    policy = merge(policy, options, what)
+    for name, asked in (("grad_sync=False", policy.grad_sync is False),
+                        ("grads='return'", policy.grads == "return"),
+                        ("async_reduce=True", policy.async_reduce is True)):
         if asked:
             raise ValueError(f"{what}: {name} is not supported by an explicit reduction (it "
                              f"reduces now, into the gradient buffers); drop it")
-    accumulate_grads = values["accumulate_grads"] is True
+    accumulate_grads = policy.accumulate_grads is True
     if accumulate_grads and shards is None:
         raise ValueError("vfsdp.reduce_scatter(accumulate_grads=True) needs shards=: without "
                          "them the result goes to fresh buffers, so there is nothing to add to")
-    opts = resolve(dict(values, grads="buffer"), layers=False)
+    opts = resolve(dataclasses.replace(policy, grads="buffer"), layers=False)
     paths, grads, treespec = optree.tree_flatten_with_path(full_grads, none_is_leaf=True)
     if paths != spec.treespec.paths():  # a None gradient keeps its place: compare the paths
         refuse_structure(paths, treespec, spec, what)

@@ -139,11 +139,11 @@ def run_layers(
         raise ValueError(f"{what} cannot run inside torch.func transforms: it keeps each unit's "
                          f"gradients in its gradient buffer; use vfsdp.gather (grads='return') "
                          f"there")
-    values = merge(policy, options, what)
-    if tp.compiling() or values["all_gather"] is not None:  # the functional path: to .grad
-        refuse(values, "compiled" if tp.compiling() else "all_gather", what)
-        return traced_run_layers(layer_fn, layer_pieces(shards, specs, mesh, what), h, values)
-    run = LayerRun(layer_pieces(shards, specs, mesh, what), values, what)
+    policy = merge(policy, options, what)
+    if tp.compiling() or policy.all_gather is not None:  # the functional path: to .grad
+        refuse(policy, "compiled" if tp.compiling() else "all_gather", what)
+        return traced_run_layers(layer_fn, layer_pieces(shards, specs, mesh, what), h, policy)
+    run = LayerRun(layer_pieces(shards, specs, mesh, what), policy, what)
     n = len(run.layers)
     for i in range(n):
         full, dbs = run.enter(i, i + 1 if i + 1 < n else None)
@@ -164,17 +164,17 @@ class LayerRun:
         ValueError: ``grads="return"`` (the eager path honours every other option).
     """
 
-    def __init__(self, layers: list, values: dict, what: str) -> None:
-        if values["grads"] == "return":
+    def __init__(self, layers: list, policy: Policy, what: str) -> None:
+        if policy.grads == "return":
             raise ValueError(f"{what}: grads='return' is not supported: each unit's gradients "
                              f"are reduce-scattered into its gradient buffer as its backward "
                              f"ends; read them with vfsdp.grads (use vfsdp.gather for "
                              f"grads='return')")
-        self.policy = resolve(values, layers=True)
+        self.policy = resolve(policy, layers=True)
         self.layers = layers
         # recompute's context_fn for torch.utils.checkpoint: None (no checkpointing), "full"
         # (nothing kept), "selective" (SAVED_OPS' outputs kept) or a SAC policy
-        recompute = values["recompute"]
+        recompute = policy.recompute
         self.context_fn = None if recompute is None else noop_context_fn if recompute == "full" \
             else functools.partial(create_selective_checkpoint_contexts,
                                    list(SAVED_OPS) if recompute == "selective" else recompute)

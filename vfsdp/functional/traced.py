@@ -44,6 +44,7 @@ from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import SLOT
 from vfsdp.collectives.unit import drop_traced_grads
 from vfsdp.functional.lowp import hooked_all_gather
+from vfsdp.functional.options import Policy
 from vfsdp.functional.pieces import assemble_layer
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec, TensorSpec
@@ -219,14 +220,14 @@ def _flush(leaves: list, context: list, grad_reduce: str) -> None:
         acc.grad = None
 
 
-def traced_gather(shards: Any, spec: ShardSpec, opts: dict,
+def traced_gather(shards: Any, spec: ShardSpec, opts: Policy,
                   context: Optional[list] = None) -> Any:
     """The full tree, by functional collectives the compiler can trace (see the module).
 
     Args:
         shards: The shards (``vfsdp.shard``'s tree: their units carry their groups).
         spec: Their spec.
-        opts: The call's option values (:func:`vfsdp.functional.options.merge`), of which
+        opts: The call's ``vfsdp.Policy`` (:func:`vfsdp.functional.options.merge`), of which
             this path reads ``param_dtype``, ``grad_reduce``, ``reduce_dtype`` (``None`` or
             the gather's dtype: compiled, the gradients are reduce-scattered in the dtype
             they were gathered in; with ``all_gather`` hooks, any, float32 by default),
@@ -247,35 +248,33 @@ def traced_gather(shards: Any, spec: ShardSpec, opts: dict,
             ``reduce_dtype`` other than the gather's.
     """
     what = "vfsdp.gather"
-    param_dtype, grad_reduce, reduce_dtype, hooks, grad_sync = (
-        opts[k] for k in ("param_dtype", "grad_reduce", "reduce_dtype", "all_gather", "grad_sync"))
     leaves, treespec = traced_leaves(shards, spec, what)
     if context is None:
         context = unit_context(leaves, spec, what)
-        if grad_sync:  # what grad_sync=False backwards left unreduced
-            _flush(leaves, context, grad_reduce)
+        if opts.grad_sync:  # what grad_sync=False backwards left unreduced
+            _flush(leaves, context, opts.grad_reduce)
     out = list(leaves)
     for (_key, s, dtype, pieces, views), rt in context:
         shard = padded([(leaves[i], lo, hi) for i, lo, hi in pieces], s, leaves[views[0][0]])
         shard = shard + rt.anchor * 0  # (see the module) exact: x + 0 == x
-        if not grad_sync:  # no reduce-scatter: the full gradients go to the accumulator
+        if not opts.grad_sync:  # no reduce-scatter: the full gradients go to the accumulator
             shard = shard.detach()
         elif rt.replicate_group is not None:  # HSDP: the replicas' gradients are summed too
             shard = _grad_summed(shard, rt.replicate_group, rt.replicas)
-        if grad_sync and _scale(rt, grad_reduce) != 1.0:  # "avg": the sum, times 1 / ranks
-            shard = _grad_times(shard, _scale(rt, grad_reduce))
-        gather_dtype = param_dtype or dtype
-        if hooks is not None:  # a low-precision gather (vfsdp.functional.lowp)
-            full = hooked_all_gather(shard, hooks, pieces, views, s, rt.shard_group,
-                                     rt.shard_size, rt.shard_rank, reduce_dtype)
-        elif reduce_dtype is not None and reduce_dtype != gather_dtype:
-            raise ValueError(f"vfsdp.gather: reduce_dtype={reduce_dtype} is not supported under "
-                             f"torch.compile with a {gather_dtype} gather (the compiled "
+        if opts.grad_sync and _scale(rt, opts.grad_reduce) != 1.0:  # "avg": the sum, times 1/ranks
+            shard = _grad_times(shard, _scale(rt, opts.grad_reduce))
+        gather_dtype = opts.param_dtype or dtype
+        if opts.all_gather is not None:  # a low-precision gather (vfsdp.functional.lowp)
+            full = hooked_all_gather(shard, opts.all_gather, pieces, views, s, rt.shard_group,
+                                     rt.shard_size, rt.shard_rank, opts.reduce_dtype)
+        elif opts.reduce_dtype is not None and opts.reduce_dtype != gather_dtype:
+            raise ValueError(f"vfsdp.gather: reduce_dtype={opts.reduce_dtype} is not supported "
+                             f"under torch.compile with a {gather_dtype} gather (the compiled "
                              f"reduce-scatter runs in the gather dtype); gather in that dtype, "
                              f"or run this step eagerly")
         else:
             full = tp.traced_all_gather(shard.to(gather_dtype), rt.shard_group, rt.shard_size)
-        if not grad_sync:
+        if not opts.grad_sync:
             full = full + (rt.accumulator - rt.accumulator.detach()).to(full.dtype)
         for i, offset, numel, shape in views:
             out[i] = full[offset:offset + numel].view(shape)
@@ -305,7 +304,7 @@ def _regather_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.PREFER_SAVE
 
 
-def traced_run_layers(layer_fn: Any, layers: list, h: Any, opts: dict) -> Any:
+def traced_run_layers(layer_fn: Any, layers: list, h: Any, opts: Policy) -> Any:
     """:func:`vfsdp.run_layers` while compiling: each unit gathered functionally; with
     ``reshard_after_forward`` the gathered parameters are not saved for backward but gathered
     again there (selective activation checkpointing of the all-gathers), everything else
@@ -314,7 +313,7 @@ def traced_run_layers(layer_fn: Any, layers: list, h: Any, opts: dict) -> Any:
     Args:
         layer_fn, h: As for ``run_layers``.
         layers: Per layer, its pieces (:func:`vfsdp.functional.pieces.layer_pieces`).
-        opts: The call's option values, as for :func:`traced_gather`
+        opts: The call's ``vfsdp.Policy``, as for :func:`traced_gather`
             (``reshard_after_forward`` too).
 
     Returns:
@@ -327,8 +326,8 @@ def traced_run_layers(layer_fn: Any, layers: list, h: Any, opts: dict) -> Any:
     for piece in (piece for layer in layers for piece in layer):
         leaves = traced_leaves(piece.tree, piece.spec, piece.what)[0]  # (lets dynamo trace
         contexts.append(unit_context(leaves, piece.spec, piece.what))      # the backward)
-        if opts["grad_sync"]:  # what grad_sync=False backwards left unreduced
-            _flush(leaves, contexts[-1], opts["grad_reduce"])
+        if opts.grad_sync:  # what grad_sync=False backwards left unreduced
+            _flush(leaves, contexts[-1], opts.grad_reduce)
     shards = [[piece.tree for piece in layer] for layer in layers]
 
     def run(shards, h):
@@ -339,7 +338,7 @@ def traced_run_layers(layer_fn: Any, layers: list, h: Any, opts: dict) -> Any:
                 for piece, tree in zip(layer, trees)]), h)
         return h
 
-    if opts["reshard_after_forward"] is False:
+    if opts.reshard_after_forward is False:
         return run(shards, h)
     # One region (the compiler rematerialises one per forward-loss-backward graph): every
     # all-gather is recomputed where the backward needs its unit, everything else is saved.

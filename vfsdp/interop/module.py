@@ -18,7 +18,6 @@ any tree of that shape: no wrapping, no copies.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 import operator
@@ -328,19 +327,18 @@ class ModuleApply:
                 raise ValueError(f"apply.run_layers: {name} is tied to {target}, across the "
                                  f"blocks' boundary; call apply(vfsdp.gather(shards, spec), ...)")
         block_spec = functools.reduce(operator.getitem, path, spec)
-        values = merge(policy, {}, "apply.run_layers")
-        if values["recompute"] is not None and "use_cache" not in kwargs and \
+        policy = merge(policy, {}, "apply.run_layers")
+        if policy.recompute is not None and "use_cache" not in kwargs and \
                 getattr(getattr(self.module, "config", None), "use_cache", False):
             kwargs["use_cache"] = False  # a cache written again by each recompute: off, as HF
         run = LayerRun(layer_pieces(functools.reduce(operator.getitem, path, shards), block_spec, None,
-                                    "apply.run_layers"), values, "apply.run_layers")
+                                    "apply.run_layers"), policy, "apply.run_layers")
         rest = {}  # the tensors outside the blocks (none when the module is the list of blocks)
         if path:
-            plain = None if policy is None else dataclasses.replace(policy, recompute=None)
             unset = {k: v for k, v in (("grads", "buffer"), ("free_after_backward", True))
-                     if policy is None or getattr(policy, k) is None}
+                     if getattr(policy, k) is None}
             rest = _flat_names(gather(_pruned(shards, path), _without(spec, path, block_spec),
-                                      plain, **unset))
+                                      policy, recompute=None, **unset))
         state = _Blocks(self, run, list(self.module.get_submodule(where) if path else self.module))
         self._run = state
         try:

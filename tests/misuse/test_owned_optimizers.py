@@ -36,6 +36,8 @@ def test_soap_refuses_the_options_it_does_not_implement():
         vfsdp.optim.shampoo(precondition_frequency=0)
     with pytest.raises(ValueError, match="shampoo: block_size must be >= 1"):
         vfsdp.optim.shampoo(block_size=0)
+    with pytest.raises(ValueError, match="muon: wave_size must be >= 1, got 0"):
+        vfsdp.optim.muon(wave_size=0)
 
 
 def test_what_soap_and_shampoo_cannot_update_is_named():

@@ -513,11 +513,9 @@ def muon(
         >>> a == b and sorted(a) == [0, 1]
         True
     """
-    check_hyper("muon", lr, weight_decay, momentum=momentum)
+    check_hyper("muon", lr, weight_decay, momentum=momentum, wave_size=wave_size)
     if scale not in ("original", "moonlight"):
         raise ValueError(f"scale must be 'original' or 'moonlight', got {scale!r}")
-    if wave_size < 1:
-        raise ValueError(f"wave_size must be >= 1, got {wave_size}")
     schedule = as_schedule(lr)
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> MuonState:

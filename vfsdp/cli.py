@@ -53,8 +53,7 @@ def describe(spec: ShardSpec) -> None:
     for keys in group_keys((u.signature, key) for key, u in spec.units.items()):
         u = spec.units[keys[0]]
         f2, mg = (baseline_padding(u, s) for s in ("fsdp2", "megatron"))
-        tot_f2 += f2 * len(keys)
-        tot_mg += mg * len(keys)
+        tot_f2, tot_mg = tot_f2 + f2 * len(keys), tot_mg + mg * len(keys)
         lo, med, hi = u.tensors_per_rank_summary()
         e = max(u.total_numel, 1)
         name = unit_name(keys[0]) + (f" (+{len(keys) - 1} alike)" if len(keys) > 1 else "")
@@ -362,9 +361,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     check_spec(spec, placements=False)
-    n = sum(1 for _ in spec.tensors())
-    print(f"{args.shapes}: {n} tensors, m={args.world_size}, granularity {args.granularity}, "
-          f"{args.dtype}, planned in {secs:.3f} s")
+    print(f"{args.shapes}: {sum(1 for _ in spec.tensors())} tensors, m={args.world_size}, "
+          f"granularity {args.granularity}, {args.dtype}, planned in {secs:.3f} s")
     describe(spec)
     if args.png:
         from vfsdp.interop.visualize import visualize

@@ -18,6 +18,7 @@ ones), one node of W devices, and the measured figures in ``source``.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -107,12 +108,9 @@ def calibrate(layer: tuple, sizes: tuple = (2**12, 2**24),
         raise ValueError(f"calibrate: sizes must be two increasing byte counts, got {sizes!r}")
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = device_for()  # where vfsdp's buffers go: CUDA under NCCL, else the CPU
-    fits = []
-    for size in sizes:
-        n = size // 4
-        inp = torch.ones(n, device=device)
-        out = torch.empty(world * n, device=device)
-        fits.append(_median_time(lambda: all_gather_into(out, inp), repeats) / max(world - 1, 1))
+    fits = [_median_time(functools.partial(all_gather_into, torch.empty(world * (size // 4), device=device),
+                                           torch.ones(size // 4, device=device)), repeats) / max(world - 1, 1)
+            for size in sizes]
     if fits[1] > fits[0]:
         bw = (sizes[1] - sizes[0]) / (fits[1] - fits[0])
         latency = max(fits[0] - sizes[0] / bw, 1e-7)

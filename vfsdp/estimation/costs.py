@@ -55,12 +55,6 @@ class LayerCost:
     elementwise_bytes: float = 0.0
 
 
-def _meta(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return torch.empty_like(x, device="meta").requires_grad_(x.requires_grad or x.is_floating_point())
-    return x
-
-
 def layer_cost(fn: Callable[..., torch.Tensor], params: Any, *inputs: Any) -> LayerCost:
     """Trace ``fn(params, *inputs)`` forward and backward on ``meta`` copies (no memory, no
     compute): the FLOPs torch's flop counter counts, and the bytes of the tensors autograd
@@ -86,7 +80,9 @@ def layer_cost(fn: Callable[..., torch.Tensor], params: Any, *inputs: Any) -> La
     """
     from torch.utils.flop_counter import FlopCounterMode
 
-    p, xs = optree.tree_map(_meta, (params, list(inputs)))
+    p, xs = optree.tree_map(lambda x: torch.empty_like(x, device="meta").requires_grad_(
+        x.requires_grad or x.is_floating_point()) if isinstance(x, torch.Tensor) else x,
+        (params, list(inputs)))
     known = {id(t) for t in optree.tree_leaves([p, xs]) if isinstance(t, torch.Tensor)}
     saved: dict = {}
 
@@ -103,13 +99,12 @@ def layer_cost(fn: Callable[..., torch.Tensor], params: Any, *inputs: Any) -> La
     return LayerCost(float(counter.get_total_flops()), int(sum(saved.values())))
 
 
-# recompute -> (bytes kept per token and width, bytes held again in the backward, the share
-# of the forward's weight matmuls run again); ``None``: what the layer saves (saved_bytes).
-# None keeps all of it; full keeps the layer input (2) and runs the whole forward again;
-# torchtitan's op-level selective policy keeps the layer input, attention's output and every
-# other weight matmul's output (``None``: from the shapes, see Shapes) and runs the other half
-_RECOMPUTE = {False: (None, 0, 0.0), True: (2, None, 1.0), "full": (2, None, 1.0),
-              "selective": (None, None, 0.5)}
+# recompute -> the share of the forward's weight matmuls run again. None keeps what the layer
+# saves (saved_bytes); full keeps the layer input (2 bytes per token and width) and runs the
+# whole forward again; torchtitan's op-level selective policy keeps the layer input,
+# attention's output and every other weight matmul's output (from the shapes, see Shapes) and
+# runs the other half; the backward holds again what the forward did not keep
+_RECOMPUTE = {False: 0.0, True: 1.0, "full": 1.0, "selective": 0.5}
 
 
 def _outputs(mats: Iterable, width: int, again: int = 1) -> float:
@@ -318,25 +313,23 @@ class Shapes:
         out = {}
         for key, (weights, per_expert, experts, has_embed, outs, expert_outs, mats, qo, rms) in \
                 self.units.items():
-            n = weights + (per_expert * experts_per_token if experts else 0.0)
+            k = experts_per_token if experts else 0  # routed experts per token
+            n = weights + per_expert * k
             layer = isinstance(key, tuple) and len(key) >= 2 and isinstance(key[-1], int)
             # QK^T at the query's heads x head_dim, AV at the output projection's (the width
             # where not found): 2 FLOPs a product forward, 4 backward
             inner = sum(width if sh is None else sh[1] if sh[0] == width else sh[0] for sh in qo)
             attn = 6 * tokens * seq * inner if layer and seq and width else 0
-            kept, again_per, share = _RECOMPUTE[o.recompute]
+            share = _RECOMPUTE[o.recompute]
             # the forward's weight matmuls run again (a share of them), attention if full
             extra = share * 2 * tokens * n + (attn / 3 if share == 1.0 else 0.0) if layer else 0.0
             acts = again = ew = 0
             if layer and width:
-                full = saved_bytes(*mats, width, experts_per_token if experts else 0, o.compiled,
-                                   o.float8, rms)
-                if kept is None and again_per is None:  # selective: the input, attention's
-                    outs += expert_outs * experts_per_token if experts else 0.0  # output,
-                    kept = 2 * (2 + outs / width)  # every other output
-                kept, again_per = (full, 0) if kept is None else (
-                    kept, max(full - kept, 0.0) if again_per is None else again_per)
-                acts, again = tokens * width * kept, tokens * width * again_per
+                full = saved_bytes(*mats, width, k, o.compiled, o.float8, rms)
+                # selective: the input, attention's output, every other output
+                kept = full if not o.recompute else 2 if o.recompute != "selective" else \
+                    2 * (2 + (outs + expert_outs * k) / width)
+                acts, again = tokens * width * kept, tokens * width * max(full - kept, 0.0)
                 ew = tokens * width * ELEMENTWISE[o.compiled] * (3 + share)
                 if o.float8:
                     widths, per = FLOAT8_CASTS[o.float8_fused_casts]

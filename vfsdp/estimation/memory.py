@@ -150,10 +150,9 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
             landing.discard(u.key)
             ev.append((f"copied out {u.key}", "buffers", -u.gathered))
 
-    def release(u):
-        if u.key in gathered:
-            gathered.discard(u.key)
-            ev.append((f"release {u.key}", "buffers", -u.gathered))
+    def release(u):  # every unit released is gathered
+        gathered.discard(u.key)
+        ev.append((f"release {u.key}", "buffers", -u.gathered))
 
     def reduced(u):  # its reduce-scatter input freed
         if u is not None:
@@ -194,8 +193,7 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
     for u in reversed(rest):
         saved(u, -1)
     pending = None
-    for i in range(len(run) - 1, -1, -1):  # backward
-        u = run[i]
+    for i, u in reversed(list(enumerate(run))):  # backward
         gather(u)
         if prefetch and i > 0:
             gather(run[i - 1], own=False)
@@ -204,9 +202,8 @@ def timeline(units: list, layers: list, prefetch: bool, reshard_after_forward: b
             ev.append((f"recomputed {u.key}", "activations", -transient[u.key]))
         saved(u, -1)
         release(u)
-        now = reduce(u)
-        reduced(pending)
-        pending = now
+        now, pending = pending, reduce(u)  # reduced once the next reduction waits for it
+        reduced(now)
     for u in reversed(rest):
         reduced(reduce(u))
     reduced(pending)
@@ -299,40 +296,29 @@ def _on_rank(u: UnitLayout, rank: int) -> UnitLayout:
 
 def _sub_spec(u: UnitLayout, replicas: int) -> ShardSpec:
     """A spec of one unit's tensors, under their own paths (what labels and ties read)."""
-    leaves = u.tensors
-    root: Any = {}
-    if len(leaves) == 1 and not leaves[0].path:  # the whole tree is one tensor
-        root = leaves[0]
-    for t in leaves if isinstance(root, dict) else ():
+    root: Any = u.tensors[0] if len(u.paths) == 1 and not u.paths[0] else {}  # one tensor: the tree
+    for t in u.tensors if isinstance(root, dict) else ():
         node = root
         for part in t.path[:-1]:
             node = node.setdefault(part, {})
         node[t.path[-1]] = t
-    _, ordered, treespec = optree.tree_flatten_with_path(
-        root, is_leaf=lambda x: isinstance(x, TensorSpec))
+    ordered, treespec = optree.tree_flatten(root, is_leaf=lambda x: isinstance(x, TensorSpec))
     mesh = (replicas, u.world_size) if replicas > 1 else (u.world_size,)
     return ShardSpec(treespec, ordered, {u.key: u}, mesh)
 
 
 def _unit_state_bytes(opt: Any, spec: ShardSpec, rank: int) -> tuple:
-    """``(state, {storage id: bytes})``: the optimizer's state of ``spec`` on ``rank`` (meta
-    shards), and its storages but the parameters'."""
-    leaves: list = [None] * spec.treespec.num_leaves
+    """``(state, {storage id: bytes})``: the optimizer's state of ``spec`` (one unit) on
+    ``rank`` (meta shards), and its storages but the parameters'."""
+    (u,) = spec.units.values()
+    unit = Unit(u, MeshGroups(None, None, rank, u.world_size, 0, spec.replicas,
+                              torch.device("meta"), (tuple(range(u.world_size)),)))
     with torch.no_grad():
-        for key, members in spec.unit_leaves().items():
-            u = spec.units[key]
-            unit = Unit(u, MeshGroups(None, None, rank, u.world_size, 0, spec.replicas,
-                                      torch.device("meta"), (tuple(range(u.world_size)),)))
-            views: dict = {}
-            for i, k in members:
-                if k not in views:
-                    views[k] = unit.params.local(k)
-                    if views[k].is_floating_point():
-                        views[k].requires_grad_(True)
-                leaves[i] = views[k]
-    shards = optree.tree_unflatten(spec.treespec, leaves)
-    state = opt.init(shards, spec)
-    skip = {storage_id(x) for x in leaves if isinstance(x, torch.Tensor)}
+        views = [v.requires_grad_(v.is_floating_point())
+                 for v in map(unit.params.local, range(len(u.paths)))]
+    state = opt.init(optree.tree_unflatten(spec.treespec, [views[u.index(t.path)]
+                                                           for t in spec.leaves()]), spec)
+    skip = {storage_id(x) for x in views}
     out: dict = {}
     for x in state_tensors(state):
         sid = storage_id(x)

@@ -154,9 +154,9 @@ class PlanSummary:
     def of(cls, spec: ShardSpec, opt: Any, rank: Optional[int] = None) -> PlanSummary:
         """A plan's part, the state the larger of its first and last rank's (or ``rank``'s:
         they differ where whole tiles or matrices sit on one rank)."""
-        ranks = sorted({0, spec.world_size - 1}) if rank is None else [rank]
         alike = alike_units(spec.units)
-        state = max(optimizer_bytes(opt, spec.units, r, spec.replicas, alike) for r in ranks)
+        state = max(optimizer_bytes(opt, spec.units, r, spec.replicas, alike)
+                    for r in ({0, spec.world_size - 1} if rank is None else {rank}))
         return cls(spec.units, spec.mesh_shape, state, Shapes.of(spec))
 
     @property
@@ -204,11 +204,9 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
                                   gathered=u.gathered // _itemsize(param_dtype, p)
                                   if o.float8_all_gather and u.key in layers else u.gathered)
               for u in unit_bytes(p.units, param_dtype, o.reduce_dtype, sizes)]
-        share = p.state
-        if sizes:  # the same state per element, over the baseline's shards
-            share = int(share * sum(sizes.values()) /
-                        max(sum(u.shard_numel for u in p.units.values()), 1))
-        state += share
+        # the same state per element, over the baseline's shards
+        state += int(p.state * sum(sizes.values()) / max(sum(u.shard_numel for u in p.units.values()), 1)) \
+            if sizes else p.state
         shards += sum(u.shard for u in ub)
         grads += sum(u.grad_shard for u in ub)
         shard_link, rep_link, _ = links(prof, pm, pr, gpus // (pm * pr))
@@ -310,7 +308,11 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
             comm["all_to_all"] += int((2 + backward) * sent)
             exposed += _add(lanes, key, 2 * one, backward * one)
     opt_s = (2 * state + 2 * shards + grads) / (prof.memory_bw * prof.compute_efficiency)
-    opt_s += sum(_muon_flops(p.units, p.mesh_shape[-1]) for p in parts) / rate if o.muon else 0.0
+    # Muon's Newton-Schulz FLOPs per rank: 5 iterations of three matmuls per matrix, spread
+    # over the ranks (each replica orthogonalises all of its own)
+    opt_s += sum(sum((5 * (4 * a * a * b + 2 * a ** 3) for u in p.units.values() for a, b in (
+        sorted(s) for s in u.shapes if len(s) == 2)), 0.0) / p.mesh_shape[-1] for p in parts) / rate \
+        if o.muon else 0.0
     once_s = 2 * once / prof.memory_bw
     sched = step_schedule([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s + once_s,
                           o.prefetch, o.reshard_after_forward)
@@ -371,12 +373,10 @@ def _stream_pools(base: int, events: list) -> int:
     the compute stream's, from ``base`` and the events but the two below; the all-gather
     streams', the all-gather outputs; and the reduce-scatter stream's, the gradient shards
     (views of its outputs, held to the step's end)."""
-    pools: dict = {}
-    for e in events:
-        pool = 1 if e[0].startswith(("all-gather output", "copied out")) else \
-            2 if e[0].startswith("gradient shard") else 0
-        pools.setdefault(pool, []).append(e)
-    return sum(peak(base if pool == 0 else 0, ev)[0] for pool, ev in pools.items())
+    pools = [1 if e[0].startswith(("all-gather output", "copied out")) else
+             2 if e[0].startswith("gradient shard") else 0 for e in events]
+    return sum(peak(base if pool == 0 else 0, [e for e, p in zip(events, pools) if p == pool])[0]
+               for pool in set(pools))
 
 
 def _add(lanes: dict, key: Any, forward: float, backward: float) -> float:
@@ -401,13 +401,6 @@ def _costs(parts: list, tokens: int, o: Options) -> dict:
         if found is not None:
             out[key] = found
     return out
-
-
-def _muon_flops(units: Mapping, m: int) -> float:
-    """Newton-Schulz FLOPs per rank for Muon (5 iterations of three matmuls per matrix,
-    spread over the ranks: each replica orthogonalises all of its own)."""
-    return sum((5 * (4 * a * a * b + 2 * a ** 3) for u in units.values()
-                for a, b in (sorted(s) for s in u.shapes if len(s) == 2)), 0.0) / m
 
 
 def _plus(a: Any, b: Any) -> Any:

@@ -192,66 +192,58 @@ def sweep(params: Any, gpus: Sequence[int], *, hw: Union[str, Hardware] = "h100"
 
     o = Options(hw=hw, muon=optimizer == "muon", tokens_per_rank=tokens(gpus[0]), **options)
     with paused_gc():  # see vfsdp._gc: a sweep builds many small objects
-        return _Sweep(params, o, optimizer, ep, granularity, units, micro_batch_tokens).rows(
-            gpus, shard, tokens, vs)
+        return _rows(params, o, optimizer, ep, granularity, units, micro_batch_tokens, gpus, shard,
+                     tokens, vs)
 
 
-class _Sweep:
-    """The prepared trees, and per shard group size the parts :func:`predict` reads."""
+def _rows(params, o: Options, optimizer, ep, granularity, units, micro_tokens, gpus, shard, tokens_of,
+          vs) -> list:
+    """:func:`sweep`'s rows: the prepared trees once, and per shard group size the parts
+    :func:`predict` reads."""
+    prepared, opts, parts = [], [], []  # parts: per tree, m -> [layouts, state]
+    for tree in [params] if ep == 1 else expert_share(params, ep):
+        flat = flatten_with_path(tree)
+        opts.append(optimizer_for(optimizer, flat))
+        prepared.append(prepare(tree, opts[-1].granularity if granularity is None else granularity,
+                                units, flat=flat))
+        parts.append({})
+    alike = [alike_members(p) for p in prepared]  # units laid out alike
+    shapes = [Shapes.of_prepared(p) for p in prepared]  # read tensors: once
 
-    def __init__(self, params, o: Options, optimizer, ep, granularity, units, micro_tokens) -> None:
-        self.o, self.ep, self.micro_tokens = o, ep, micro_tokens
-        trees = [params] if ep == 1 else list(expert_share(params, ep))
-        self.prepared, self.opts = [], []
-        for tree in trees:
-            flat = flatten_with_path(tree)
-            opt = optimizer_for(optimizer, flat)
-            gran = opt.granularity if granularity is None else granularity
-            self.prepared.append(prepare(tree, gran, units, flat=flat))
-            self.opts.append(opt)
-        self.alike = [alike_members(p) for p in self.prepared]  # units laid out alike
-        self.shapes = [Shapes.of_prepared(p) for p in self.prepared]  # read tensors: once
-        self.parts: list = [{} for _ in trees]  # per tree: m -> [layouts, state]
-
-    def part(self, i: int, m: int, gpus: int, state: bool = True) -> PlanSummary:
+    def part(i: int, m: int, gpus: int, state: bool) -> PlanSummary:
         """Tree ``i``'s :class:`PlanSummary` over ``gpus`` in shard groups of ``m``; without its
         optimizer's ``state`` (0 bytes) where ``state=False``."""
-        entry = self.parts[i].setdefault(m, [None, None])
+        entry = parts[i].setdefault(m, [None, None])
         if entry[0] is None:
-            entry[0] = unit_layouts(self.prepared[i], m)
+            entry[0] = unit_layouts(prepared[i], m)
         if state and entry[1] is None:
-            entry[1] = max(optimizer_bytes(self.opts[i], entry[0], r, alike=self.alike[i])
-                           for r in {0, m - 1})
-        mesh = (m,) if m == gpus else (gpus // m, m)
-        return PlanSummary(entry[0], mesh, entry[1] or 0, self.shapes[i])
+            entry[1] = max(optimizer_bytes(opts[i], entry[0], r, alike=alike[i]) for r in {0, m - 1})
+        return PlanSummary(entry[0], (m,) if m == gpus else (gpus // m, m), entry[1] or 0, shapes[i])
 
-    def one(self, count: int, m: int, tokens: int, baseline: Optional[str],
-            state: bool = True) -> Estimate:
+    def one(count: int, m: int, tokens: int, baseline: Optional[str], state: bool = True) -> Estimate:
         """The estimate at ``count`` GPUs in shard groups of ``m``; ``state=False``: without
         the optimizer's state, a lower bound of the memory (what fits so does not, first)."""
         if count % m:
             raise ValueError(f"sweep: shard={m} does not divide {count} GPUs")
-        model = self.part(0, m, count, state)
-        data = count // self.ep
-        experts = self.part(1, math.gcd(m, data), data, state) if self.ep > 1 else None
-        mb = tokens // self.micro_tokens if self.micro_tokens else self.o.micro_batches
-        return predict(model, experts, replace(self.o, tokens_per_rank=tokens, baseline=baseline,
-                                               ep=self.ep if experts else None, micro_batches=mb))
+        model, data = part(0, m, count, state), count // ep
+        experts = part(1, math.gcd(m, data), data, state) if ep > 1 else None
+        mb = tokens // micro_tokens if micro_tokens else o.micro_batches
+        return predict(model, experts, replace(
+            o, tokens_per_rank=tokens, baseline=baseline, ep=ep if experts else None, micro_batches=mb))
 
-    def rows(self, gpus, shard, tokens_of, vs) -> list:
-        out = []
-        for count in gpus:
-            tokens = tokens_of(count)
-            best = None  # the estimate at m, where the search made it
-            if shard is not None:
-                m = min(shard, count)
-            else:  # the smallest that fits, else the largest
-                for m in shard_sizes(count, self.o.hw.gpus_per_node):
-                    best = None
-                    if self.one(count, m, tokens, None, state=False).fits:
-                        best = self.one(count, m, tokens, None)
-                        if best.fits:
-                            break
-            out.append(("vfsdp", best or self.one(count, m, tokens, None)))
-            out.extend((s, self.one(count, m, tokens, s)) for s in vs)
-        return out
+    out = []
+    for count in gpus:
+        tokens = tokens_of(count)
+        best = None  # the estimate at m, where the search made it
+        if shard is not None:
+            m = min(shard, count)
+        else:  # the smallest that fits, else the largest
+            for m in shard_sizes(count, o.hw.gpus_per_node):
+                best = None
+                if one(count, m, tokens, None, state=False).fits:
+                    best = one(count, m, tokens, None)
+                    if best.fits:
+                        break
+        out.append(("vfsdp", best or one(count, m, tokens, None)))
+        out.extend((s, one(count, m, tokens, s)) for s in vs)
+    return out

@@ -242,11 +242,10 @@ def optimizer_bytes(opt: Any, units: Mapping[Any, UnitLayout], rank: int = 0,
         u = units[keys[0]]
         if u.paths:
             r = min(rank, u.world_size - 1)
-            part = _sub_spec(_on_rank(u, r) if getattr(opt, "local_state", False) else u,
-                             replicas)
-            state, sizes = _unit_state_bytes(opt, part, r)
+            part = _on_rank(u, r) if getattr(opt, "local_state", False) else u
+            state, sizes = _unit_state_bytes(opt, part, replicas, r)
             if shared is None:  # both inits alive: a storage in both is the optimizer's own
-                again = _unit_state_bytes(opt, part, r)[1]
+                again = _unit_state_bytes(opt, part, replicas, r)[1]
                 shared = {sid: n for sid, n in sizes.items() if sid in again}
                 total += sum(shared.values())
             total += len(keys) * sum(n for sid, n in sizes.items() if sid not in shared)
@@ -294,8 +293,10 @@ def _on_rank(u: UnitLayout, rank: int) -> UnitLayout:
     return replace(u, split=None, **{f: tuple(getattr(u, f)[k] for k in keep) for f in names})
 
 
-def _sub_spec(u: UnitLayout, replicas: int) -> ShardSpec:
-    """A spec of one unit's tensors, under their own paths (what labels and ties read)."""
+def _unit_state_bytes(opt: Any, u: UnitLayout, replicas: int, rank: int) -> tuple:
+    """``(state, {storage id: bytes})``: the optimizer's state of unit ``u`` on ``rank`` (meta
+    shards of a spec of its tensors, under their own paths: what labels and ties read), and
+    its storages but the parameters'."""
     root: Any = u.tensors[0] if len(u.paths) == 1 and not u.paths[0] else {}  # one tensor: the tree
     for t in u.tensors if isinstance(root, dict) else ():
         node = root
@@ -303,15 +304,9 @@ def _sub_spec(u: UnitLayout, replicas: int) -> ShardSpec:
             node = node.setdefault(part, {})
         node[t.path[-1]] = t
     ordered, treespec = optree.tree_flatten(root, is_leaf=lambda x: isinstance(x, TensorSpec))
-    mesh = (replicas, u.world_size) if replicas > 1 else (u.world_size,)
-    return ShardSpec(treespec, ordered, {u.key: u}, mesh)
-
-
-def _unit_state_bytes(opt: Any, spec: ShardSpec, rank: int) -> tuple:
-    """``(state, {storage id: bytes})``: the optimizer's state of ``spec`` (one unit) on
-    ``rank`` (meta shards), and its storages but the parameters'."""
-    (u,) = spec.units.values()
-    unit = Unit(u, MeshGroups(None, None, rank, u.world_size, 0, spec.replicas,
+    spec = ShardSpec(treespec, ordered, {u.key: u},
+                     (replicas, u.world_size) if replicas > 1 else (u.world_size,))
+    unit = Unit(u, MeshGroups(None, None, rank, u.world_size, 0, replicas,
                               torch.device("meta"), (tuple(range(u.world_size)),)))
     with torch.no_grad():
         views = [v.requires_grad_(v.is_floating_point())
@@ -319,9 +314,5 @@ def _unit_state_bytes(opt: Any, spec: ShardSpec, rank: int) -> tuple:
     state = opt.init(optree.tree_unflatten(spec.treespec, [views[u.index(t.path)]
                                                            for t in spec.leaves()]), spec)
     skip = {storage_id(x) for x in views}
-    out: dict = {}
-    for x in state_tensors(state):
-        sid = storage_id(x)
-        if sid not in skip and sid not in out:
-            out[sid] = x.untyped_storage().nbytes()
-    return state, out
+    return state, {storage_id(x): x.untyped_storage().nbytes() for x in state_tensors(state)
+                   if storage_id(x) not in skip}

@@ -38,16 +38,15 @@ __all__ = ["calibrate"]
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> float:
     times = []
-    for i in range(repeats + 1):
+    for _ in range(repeats + 1):
         if dist.is_initialized():
             dist.barrier()
         t0 = time.perf_counter()
         fn()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the device's work, not only its launch
-        if i:  # the first is a warm-up
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])  # the first is a warm-up
 
 
 def _host_overhead(repeats: int, tensors: int, device: torch.device, world: int) -> float:
@@ -63,9 +62,7 @@ def _host_overhead(repeats: int, tensors: int, device: torch.device, world: int)
     box = [opt.init(shards, spec)]
 
     def layer(p, x):
-        for w in p.values():
-            x = x @ w
-        return x
+        return functools.reduce(torch.matmul, p.values(), x)
 
     def step() -> None:
         h = vfsdp.run_layers(layer, shards["layers"], spec["layers"],

@@ -215,9 +215,8 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
                 raise ValueError(f"estimate: the experts' unit {u.key!r} is no unit of the "
                                  f"model's plan; key the experts by the layers they belong to "
                                  f"(plan them as a tree of the same paths)")
-            again = u.key in layers and o.reshard_after_forward and (
-                u.key != layers[-1] or baseline is not None)  # their hooks regather the last too
-            gathers = 2 if again else 1
+            gathers = 2 if u.key in layers and o.reshard_after_forward and (
+                u.key != layers[-1] or baseline is not None) else 1  # their hooks regather the last too
             comm["all_gather"] += u.gathered * gathers
             cast = u.gathered // pm if param_dtype not in (None, p.units[u.key].dtype) else 0
             fwd_copy, bwd_copy = cast, (gathers - 1) * cast + u.reduce_in
@@ -232,11 +231,9 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
                 rs_out = max(rs_out, u.reduce_in // pm)
             copies += fwd_copy + bwd_copy
             comm["reduce_scatter"] += u.reduce_in
-            red = ring(pm, u.reduce_in / pm, shard_link)
-            if pr > 1:
-                shard_grad = u.reduce_in // pm
-                comm["all_reduce"] += shard_grad
-                red += 2 * ring(pr, shard_grad / pr, rep_link)
+            # with replicas, the gradient shard's all-reduce too
+            red = ring(pm, u.reduce_in / pm, shard_link) + 2 * ring(pr, u.reduce_in // pm / pr, rep_link)
+            comm["all_reduce"] += u.reduce_in // pm * (pr > 1)
             gather = ring(pm, u.gathered / pm, shard_link)
             # on the compute lane: the compute slowed beside the unit's collectives, the
             # host's own work per unit and step, and the copies (read and write)
@@ -314,25 +311,25 @@ def predict(model: PlanSummary, experts: Optional[PlanSummary], o: Options) -> E
         sorted(s) for s in u.shapes if len(s) == 2)), 0.0) / p.mesh_shape[-1] for p in parts) / rate \
         if o.muon else 0.0
     once_s = 2 * once / prof.memory_bw
-    sched = step_schedule([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s + once_s,
-                          o.prefetch, o.reshard_after_forward)
-    step, exposed = sched.step, exposed * steps
+    opt_s += once_s  # and Megatron-FSDP's cast, after the update
+    step, compute = step_schedule([lanes[k] for k in rest], [lanes[k] for k in layers], opt_s,
+                                  o.prefetch, o.reshard_after_forward)
+    exposed *= steps
     if steps > 1:  # the micro-batches before the last: reduced each (grad_sync) or not at all
         mid = lanes if o.grad_sync else {k: (g, f, b, 0.0) for k, (g, f, b, _) in lanes.items()}
-        one = step_schedule([mid[k] for k in rest], [mid[k] for k in layers], 0.0, o.prefetch,
-                            o.reshard_after_forward)
-        step += (steps - 1) * one.step
+        step += (steps - 1) * step_schedule([mid[k] for k in rest], [mid[k] for k in layers], 0.0,
+                                            o.prefetch, o.reshard_after_forward)[0]
         for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
             comm[kind] *= steps if o.grad_sync or kind in ("all_gather", "all_to_all") else 1
     model_flops = steps * sum(c.flops for c in per_unit.values())
     name = prof.name if baseline is None else f"{prof.name}, {baseline} sharding"
-    compute = steps * sched.compute
+    compute *= steps
     copy_s = steps * sum(t[3] + t[4] for t in times.values()) + once_s
     exposed += steps * slowed  # the compute its collectives slowed: exposed communication
     return Estimate(gpus, m, r, name, memory, total, total <= prof.memory, at, comm,
                     step, compute - exposed - copy_s + once_s,
-                    max(step - compute - sched.optimizer + exposed, 0.0),
-                    sched.optimizer - once_s,
+                    max(step - compute - opt_s + exposed, 0.0),
+                    opt_s - once_s,
                     gpus * o.tokens_per_rank / step if step else 0.0,
                     model_flops / step / prof.flops if step else 0.0, o.tokens_per_rank, ep,
                     copies * steps + once, copy_s, top, reserved)

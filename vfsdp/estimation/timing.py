@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from vfsdp.estimation.hardware import Hardware
 
-__all__ = ["Link", "links", "ring", "step_schedule", "Schedule"]
+__all__ = ["Link", "links", "ring", "step_schedule"]
 
 
 @dataclass(frozen=True)
@@ -61,17 +61,8 @@ def ring(n: int, per_rank_bytes: float, link: Link) -> float:
     return 0.0 if n <= 1 else (n - 1) * (link.latency + per_rank_bytes / link.bandwidth)
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """What :func:`step_schedule` found."""
-
-    step: float       # seconds from the first gather to the end of the optimizer
-    compute: float    # seconds of compute (forward and backward)
-    optimizer: float  # seconds of the optimizer
-
-
 def step_schedule(rest: list, layers: list, optimizer: float, prefetch: bool = True,
-                  reshard_after_forward: bool = True) -> Schedule:
+                  reshard_after_forward: bool = True) -> tuple:
     """The two-lane timeline (see the module docstring).
 
     Args:
@@ -81,6 +72,10 @@ def step_schedule(rest: list, layers: list, optimizer: float, prefetch: bool = T
         optimizer: Seconds of the update.
         prefetch: As ``run_layers``'.
         reshard_after_forward: As ``run_layers``'.
+
+    Returns:
+        ``(step, compute)``: seconds from the first gather to the end of the optimizer, and
+        seconds of compute (forward and backward).
     """
     comm_free = 0.0  # when the communication lane is next free
     fwd, bwd = (sum(unit[k] for unit in rest) / 2 for k in (1, 2))  # the whole-step units' halves
@@ -112,5 +107,4 @@ def step_schedule(rest: list, layers: list, optimizer: float, prefetch: bool = T
     now += bwd  # the embedding's backward
     for _, _, _, r in rest:
         last_reduce = issue(now, r)
-    return Schedule(max(now, last_reduce) + optimizer, sum(f + b for _, f, b, _ in rest + layers),
-                    optimizer)
+    return max(now, last_reduce) + optimizer, sum(f + b for _, f, b, _ in rest + layers)

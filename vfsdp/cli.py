@@ -297,9 +297,8 @@ def _draw(rows: list, path: str) -> str:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     gpus = [e.gpus for e in rows]
-    base = rows[0].tokens_per_s / rows[0].gpus
     a.plot(gpus, [e.tokens_per_s for e in rows], "o-", label="projected")
-    a.plot(gpus, [base * g for g in gpus], "--", label="linear")
+    a.plot(gpus, [rows[0].tokens_per_s / rows[0].gpus * g for g in gpus], "--", label="linear")
     a.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="tokens/s", title="scaling")
     a.legend()
     bottom = [0.0] * len(rows)

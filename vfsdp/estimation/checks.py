@@ -63,9 +63,8 @@ def rate(where: str, name: str, value: Any, zero: bool = False) -> float:
         ...
         ValueError: hardware h100: flops must be a finite number > 0, got -1
     """
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and \
-        math.isfinite(value) and (value >= 0 if zero else value > 0)
-    if not ok:
+    if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and (value >= 0 if zero else value > 0)):
         raise ValueError(f"{where}: {name} must be a finite number {'>=' if zero else '>'} 0, "
                          f"got {value!r}")
     return float(value)

@@ -70,8 +70,7 @@ class Options:
             if not isinstance(dtype, torch.dtype) and (dtype is not None or name == "logits_dtype"):
                 raise ValueError(f"estimate: {name} must be a torch.dtype (None too, but for "
                                  f"logits_dtype), got {dtype!r}")
-        if not (self.recompute is True or self.recompute is False
-                or self.recompute in ("full", "selective")):
+        if not (isinstance(self.recompute, bool) or self.recompute in ("full", "selective")):
             raise ValueError(f"estimate: recompute must be False, True, 'full' or 'selective', "
                              f"got {self.recompute!r}")
         if self.baseline not in (None, "fsdp2", "megatron"):

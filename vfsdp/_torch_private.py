@@ -60,16 +60,7 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-__all__ = ["functorch_active", "functorch_unwrapped", "storage_id", "TorchDispatchMode", "threaded_world",
-           "report_failure", "groups_are_per_thread", "graph_task_id", "keep_graph",
-           "running_node_seq", "node_seq", "set_data", "foreach", "fused_adamw",
-           "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH",
-           "compiling", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter",
-           "traced_sum_autograd",
-           "trace_autograd_ops", "traced_gather_ops",
-           "enable_compiled_backward", "untraced"]
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode  # for the probes
 
 TESTED_TORCH = ((2, 11), (2, 13))
 _LOCK = threading.Lock()
@@ -164,8 +155,7 @@ def foreach(op: str, *lists: list, scalar=None, **kwargs):
     """
     if not lists or not lists[0]:
         return None if op.endswith("_") else []  # torch refuses empty lists
-    extra = () if scalar is None else (scalar,)
-    return getattr(torch, f"_foreach_{op}")(*lists, *extra, **kwargs)
+    return getattr(torch, f"_foreach_{op}")(*lists, *(() if scalar is None else (scalar,)), **kwargs)
 
 
 def fused_adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, *,
@@ -176,8 +166,7 @@ def fused_adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, st
     kernel takes it on CUDA."""
     if not params:
         return
-    if isinstance(lr, torch.Tensor) and lr.dtype != torch.float32:
-        lr = lr.to(torch.float32)
+    lr = lr.to(torch.float32) if isinstance(lr, torch.Tensor) else lr
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr,
                         beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                         maximize=False, grad_scale=None, found_inf=None)
@@ -200,14 +189,15 @@ def groups_are_per_thread() -> bool:
     return _ISOLATED.is_set()
 
 
-def _module():
+def _untested(message: str, stacklevel: int) -> None:
+    """``message`` as a ``RuntimeWarning`` on a torch not in :data:`TESTED_TORCH`."""
     if _torch_version() not in TESTED_TORCH:
-        warnings.warn(
-            f"vfsdp.testing.simulate was tested with torch {TESTED_TORCH}; torch "
-            f"{torch.__version__} may have changed its threaded process group",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
+def _module():
+    _untested(f"vfsdp.testing.simulate was tested with torch {TESTED_TORCH}; torch "
+              f"{torch.__version__} may have changed its threaded process group", 3)
     try:
         from torch.testing._internal.distributed import multi_threaded_pg
     except ImportError as exc:  # pragma: no cover - depends on the torch build
@@ -351,10 +341,8 @@ def _own_none_grads() -> None:
     read = getattr(tensor.TensorVariable, "method_attr_grad", None)
     if shared is None or read is None or getattr(read, "vfsdp_own_none", False):
         return
-    if _torch_version() not in TESTED_TORCH:
-        warnings.warn(f"vfsdp: dynamo's .grad read is patched as tested on torch "
-                      f"{TESTED_TORCH}; torch {torch.__version__} may have changed it",
-                      RuntimeWarning, stacklevel=2)
+    _untested(f"vfsdp: dynamo's .grad read is patched as tested on torch {TESTED_TORCH}; torch "
+              f"{torch.__version__} may have changed it", 2)
 
     def method_attr_grad(self, tx):
         found = read(self, tx)

@@ -26,8 +26,8 @@ def _layouts(x: Any) -> list[UnitLayout]:
         return list(x.units.values())
     if isinstance(x, UnitLayout):
         return [x]
-    slots = [slot for slot in map(slot_of, optree.tree_leaves(x)) if slot is not None]
-    found = {slot.buffer.layout.key: slot.buffer.layout for slot in slots}
+    found = {slot.buffer.layout.key: slot.buffer.layout
+             for slot in map(slot_of, optree.tree_leaves(x)) if slot is not None}
     if not found:
         raise TypeError(f"vfsdp.visualize: give a ShardSpec, a UnitLayout or a tree of shards "
                         f"(vfsdp.shard's output), got {type(x).__name__}")
@@ -152,7 +152,8 @@ def _figure(layouts: list, shown: dict) -> Any:
     cmap = plt.get_cmap("tab20")
     y, ticks, labels, handles = 0, [], [], {}
     for u in layouts:
-        s = u.shard_numel
+        s, st = u.shard_numel, next((x for x in u.strided if x is not None), None)
+        label = unit_name(u.key) + ("" if st is None else f" {st.axis}{st.index}")
         for r in range(shown[u.key]):
             for a, b, i in _segments(u):
                 lo, hi = max(a, r * s), min(b, (r + 1) * s)
@@ -161,17 +162,14 @@ def _figure(layouts: list, shown: dict) -> Any:
                 if i is None:
                     name, style = "padding", {"color": "white", "edgecolor": "grey", "hatch": "//"}
                 else:
-                    st = u.tensors[i].strided
-                    part = ("" if st is None or st.dim is None else
-                            f" [{st.axis} {st.start}:{st.start + st.lengths[st.index]} of dim "
-                            f"{st.dim}]")
+                    t = u.tensors[i].strided
+                    part = ("" if t is None or t.dim is None else
+                            f" [{t.axis} {t.start}:{t.start + t.lengths[t.index]} of dim {t.dim}]")
                     name = f"{unit_name(u.key)}: {format_path(u.paths[i])}{part}"
                     style = {"color": cmap(i % 20)}
                 handles.setdefault(name, ax.barh(y, hi - lo, left=lo - r * s, height=0.8, **style))
             ticks.append(y)
-            st = next((x for x in u.strided if x is not None), None)
-            where = "" if st is None else f" {st.axis}{st.index}"
-            labels.append(f"{unit_name(u.key)}{where} r{r}")
+            labels.append(f"{label} r{r}")
             y -= 1
         y -= 0.5
     ax.set_yticks(ticks, labels)

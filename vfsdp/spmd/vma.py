@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import traceback
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional
 
@@ -291,12 +292,7 @@ def _swapped(a: Any, swap: dict) -> Any:
 
 def _in_custom_forward() -> bool:
     """Whether a custom ``autograd.Function``'s forward is on this thread's stack."""
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_code is _APPLY:
-            return True
-        f = f.f_back
-    return False
+    return any(f.f_code is _APPLY for f, _ in traceback.walk_stack(sys._getframe(2)))
 
 
 def _mixed(func, i: int, t: torch.Tensor, axes: tuple, fix: str) -> None:

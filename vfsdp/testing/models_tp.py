@@ -60,9 +60,8 @@ def tp_rule(cfg: GPTConfig) -> Callable[[tuple], Any]:
         raise TypeError(f"tp_rule: expected a GPTConfig, got {type(cfg).__name__}")
 
     def rule(path: tuple) -> Any:
-        if "experts" in path or not path:
-            return Replicate()
-        return Shard(1) if path[-1] in _COLUMNS else Shard(0) if path[-1] in _ROWS else Replicate()
+        name = None if "experts" in path or not path else path[-1]
+        return Shard(1) if name in _COLUMNS else Shard(0) if name in _ROWS else Replicate()
 
     return rule
 

@@ -142,10 +142,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
                 if all(not p.is_alive() for p in procs) and results.empty():
                     break
                 continue
-            if ok:
-                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
-            else:
-                failures[rank] = value
+            (out if ok else failures)[rank] = (torch.load(io.BytesIO(value), weights_only=False)
+                                               if ok else value)
         for p in procs:
             p.join(max(0.0, min(5.0, deadline - time.monotonic())))
         hung = {r for r, p in enumerate(procs) if p.is_alive()}
@@ -154,22 +152,15 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
             procs[r].join(5.0)
         for r in range(world_size):
             _pump(errs[r], tails[r])
-        for r in range(world_size):
-            if r in out:
+            if r in out or (r in failures and r not in hung):
                 continue
             code, text = procs[r].exitcode, tails[r].decode("utf-8", "replace")
-            if r in hung:
-                why = (f"rank {r} did not finish within {timeout} s; "
-                       f"{waiting_in_dump(text)}")
-            elif r in failures:
-                why = failures[r]
-            elif code is not None and code < 0:
-                why = f"rank {r} was killed by {signal.Signals(-code).name}"
-            else:
-                why = f"rank {r} produced no result (exit code {code})"
             tail = "\n".join(text.rstrip().splitlines()[-30:])  # its last lines
-            failures[r] = why + (f"\n--- rank {r} stderr (last lines) ---\n{tail}" if tail
-                                 and r not in failures else "")
+            failures[r] = (
+                f"rank {r} did not finish within {timeout} s; {waiting_in_dump(text)}" if r in hung
+                else f"rank {r} was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+                else f"rank {r} produced no result (exit code {code})"
+            ) + (f"\n--- rank {r} stderr (last lines) ---\n{tail}" if tail and r not in failures else "")
     if failures:
         raise RankError(failures)
     return [out[r] for r in range(world_size)]

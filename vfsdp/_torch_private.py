@@ -277,8 +277,7 @@ def traced_sum_autograd(x: torch.Tensor, group_name: str, size: int) -> torch.Te
     has none, so there every rank's ``x`` is all-gathered (whose backward reduce-scatters the
     same gradient to every rank: their sum) and added up."""
     if _torch_version() < (2, 12):
-        full = traced_all_gather(x.reshape(-1), group_name, size)
-        return full.view(size, -1).sum(0).view(x.shape)
+        return traced_all_gather(x.reshape(-1), group_name, size).view(size, -1).sum(0).view(x.shape)
     return traced_all_reduce(x, "sum", group_name)
 
 
@@ -386,8 +385,7 @@ def checkpoint_wrapped(wrap) -> Iterator[None]:
 
 
 def _wrap():
-    stack = getattr(_WRAPS, "stack", None)
-    return stack[-1] if stack else None
+    return (getattr(_WRAPS, "stack", None) or [None])[-1]
 
 
 def saved_hooks_top() -> Optional[tuple]:

@@ -71,9 +71,8 @@ def functionalize(module: torch.nn.Module) -> tuple[dict, ModuleApply]:
         raise TypeError(f"vfsdp.functionalize takes an nn.Module, got {type(module).__name__}")
     every = list(module.named_parameters(remove_duplicate=False))
     first = {id(p): name for name, p in reversed(every)}  # a tensor's first registered name
-    ties = {name: first[id(p)] for name, p in every if first[id(p)] != name}
     params = _tree(module, "", set(first.values()))  # each tensor once, under its first name
-    return params, ModuleApply(module, params, ties)
+    return params, ModuleApply(module, params, {n: first[id(p)] for n, p in every if first[id(p)] != n})
 
 
 def _parent(tree: Any, name: str) -> tuple[Any, str]:
@@ -208,9 +207,8 @@ class ModuleApply:
             return lambda name: name
         if not hasattr(self.module, "config"):
             return lambda name: name
-        mapping = get_model_conversion_mapping(self.module, add_legacy=False)
-        back = [t.reverse_transform() for t in reversed(mapping)
-                if isinstance(t, WeightRenaming)]  # as save_pretrained applies them
+        back = [t.reverse_transform() for t in reversed(get_model_conversion_mapping(
+            self.module, add_legacy=False)) if isinstance(t, WeightRenaming)]  # as save_pretrained does
         return functools.lru_cache(maxsize=None)(
             lambda name: rename_source_key(name, back, [], reverse=True)[0])
 

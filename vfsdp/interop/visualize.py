@@ -77,8 +77,7 @@ def _text(u: UnitLayout, width: int, shown: int) -> str:
     lines.append("|" + "|".join(bar) + "|")
     lines.append((" " + " ".join(f"rank {r}".center(per) for r in range(shown))).rstrip()
                  + (f" (first {shown} of {m} ranks)" if shown < m else ""))
-    for i, path in enumerate(u.paths):
-        t = u.tensors[i]
+    for i, (path, t) in enumerate(zip(u.paths, u.tensors)):
         shares = [f"r{r}:{t.shard_range(r)[1] - t.shard_range(r)[0]}" for r in range(m)
                   if t.shard_range(r)[1] > t.shard_range(r)[0]]
         st = t.strided
@@ -147,10 +146,9 @@ def _figure(layouts: list, shown: dict) -> Any:
     except ImportError as exc:
         raise ImportError("vfsdp.visualize(figure=True) needs matplotlib: pip install "
                           "vfsdp[viz]") from exc
-    rows = sum(shown.values())
-    fig, ax = plt.subplots(figsize=(10, 0.45 * rows + 1.2))
+    fig, ax = plt.subplots(figsize=(10, 0.45 * sum(shown.values()) + 1.2))
     cmap = plt.get_cmap("tab20")
-    y, ticks, labels, handles = 0, [], [], {}
+    y, ticks, handles = 0, [], {}  # ticks: (y, the row's label)
     for u in layouts:
         s, st = u.shard_numel, next((x for x in u.strided if x is not None), None)
         label = unit_name(u.key) + ("" if st is None else f" {st.axis}{st.index}")
@@ -168,11 +166,10 @@ def _figure(layouts: list, shown: dict) -> Any:
                     name = f"{unit_name(u.key)}: {format_path(u.paths[i])}{part}"
                     style = {"color": cmap(i % 20)}
                 handles.setdefault(name, ax.barh(y, hi - lo, left=lo - r * s, height=0.8, **style))
-            ticks.append(y)
-            labels.append(f"{label} r{r}")
+            ticks.append((y, f"{label} r{r}"))
             y -= 1
         y -= 0.5
-    ax.set_yticks(ticks, labels)
+    ax.set_yticks([y for y, _ in ticks], [label for _, label in ticks])
     ax.set_xlabel("element of the rank's shard (S)")
     ax.legend(list(handles.values()), list(handles), bbox_to_anchor=(1.01, 1), loc="upper left",
               fontsize="small")

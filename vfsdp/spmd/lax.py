@@ -103,8 +103,7 @@ def _shapes(x: torch.Tensor, ax: Axis, what: str) -> list[tuple]:
     every = torch.empty(ax.size * (_MAX_DIMS + 1), dtype=torch.int64, device=device)
     with tp.functorch_paused():
         comm.all_gather_into(every, mine, ax.group, count="shape_exchange")
-    rows = every.view(ax.size, -1).tolist()
-    return [tuple(r[1:1 + r[0]]) for r in rows]
+    return [tuple(r[1:1 + r[0]]) for r in every.view(ax.size, -1).tolist()]
 
 
 def _gather(x: torch.Tensor, ax: Axis, dim: int, shapes: Sequence[tuple]) -> torch.Tensor:
@@ -133,9 +132,8 @@ def _scatter(x: torch.Tensor, ax: Axis, dim: int, sizes: Sequence[int]) -> torch
     moved = x.detach().movedim(dim, 0)
     rest = moved.shape[1:]
     inner = int(rest.numel())
-    width = max(sizes) * inner
     send = torch.nn.utils.rnn.pad_sequence(list(moved.split(list(sizes), 0)), batch_first=True)
-    out = moved.new_empty(width)
+    out = moved.new_empty(max(sizes) * inner)
     with tp.functorch_paused():
         comm.reduce_scatter_into(out, send.view(-1), "sum", ax.group)
     mine = sizes[ax.index]
@@ -172,11 +170,10 @@ def _a2a(x: torch.Tensor, ax: Axis, split_dim: int, concat_dim: int,
     if ax.size == 1:
         return chunks[0].clone(memory_format=torch.contiguous_format)
     send = torch.cat([c.reshape(-1) for c in chunks])
-    in_sizes = [c.numel() for c in chunks]
     out_sizes = [int(torch.Size(s).numel()) for s in shapes]
     recv = x.new_empty(sum(out_sizes))
     with tp.functorch_paused():
-        comm.all_to_all_into(recv, send.contiguous(), out_sizes, in_sizes, ax.group)
+        comm.all_to_all_into(recv, send.contiguous(), out_sizes, [c.numel() for c in chunks], ax.group)
     return torch.cat([p.view(s) for p, s in zip(recv.split(out_sizes), shapes)], concat_dim)
 
 
@@ -252,9 +249,8 @@ class _AllToAll(_Op):
         # The reverse exchange: each rank's piece of the cotangent goes back to its sender,
         # which gets the shapes of the chunks it sent (no shape exchange needed).
         ax, split_dim, concat_dim, split_sizes, shapes = ctx.args
-        back = _AllToAll.apply(g, ax, concat_dim, split_dim, [s[concat_dim] for s in shapes],
-                               tuple(_chunk_shapes(ctx.shape, split_dim, split_sizes)))
-        return back, None, None, None, None, None
+        return _AllToAll.apply(g, ax, concat_dim, split_dim, [s[concat_dim] for s in shapes], tuple(
+            _chunk_shapes(ctx.shape, split_dim, split_sizes))), None, None, None, None, None
 
 
 # ---------------------------------------------------------------- public functions

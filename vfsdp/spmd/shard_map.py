@@ -247,9 +247,8 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
                    for p, s, t in zip(paths, specs, leaves)]
         pieces = _moved(False, layouts, leaves)
         tracker = vma.Tracker(names, mesh, check_vma == "strict") if check_vma else None
-        if tracker is not None:
-            for piece, lay in zip(pieces, layouts):
-                vma.mark(piece, [a for c in lay for a in axis_names(c.axis.name)], tracker)
+        for piece, lay in zip(pieces, layouts) if tracker is not None else ():
+            vma.mark(piece, [a for c in lay for a in axis_names(c.axis.name)], tracker)
         _MANUAL.axes = names
         try:
             with use_mesh(mesh), (tracker or contextlib.nullcontext()):

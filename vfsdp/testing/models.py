@@ -113,8 +113,7 @@ def _heads(h: torch.Tensor, p: dict, cfg: GPTConfig, heads: int, kv_heads: int) 
     q, k = _rotary(q), _rotary(k)
     rep = heads // kv_heads
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return att.transpose(1, 2).reshape(b, t, heads * hd)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, heads * hd)
 
 
 def block(p: dict, x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:

@@ -212,6 +212,5 @@ def block_ep(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = Non
         raise ValueError("block_ep: expert parallelism routes tokens: GPTConfig(top_k=k > 0)")
     x = x + _heads(_rms(x, p["attn_norm"]), p, cfg, cfg.heads, cfg.kv_heads) @ p["wo"]
     h = _rms(x, p["mlp_norm"])
-    out = moe.moe_ep(p["router"], p["experts"], h.reshape(-1, h.shape[-1]), cfg.top_k, axis,
-                     cfg.experts, mesh=mesh)
-    return x + out.view_as(h)
+    return x + moe.moe_ep(p["router"], p["experts"], h.reshape(-1, h.shape[-1]), cfg.top_k, axis,
+                          cfg.experts, mesh=mesh).view_as(h)

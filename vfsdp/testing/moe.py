@@ -84,8 +84,7 @@ def etp_rule(path: tuple) -> Any:
 
 def route(x: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(expert ids [T, k], weights [T, k])``: the top-k of the router's softmax, renormalised."""
-    probs = F.softmax(x @ router, dim=-1)
-    top, ids = probs.topk(k, dim=-1)
+    top, ids = F.softmax(x @ router, dim=-1).topk(k, dim=-1)
     return ids, top / top.sum(-1, keepdim=True)
 
 
@@ -224,5 +223,4 @@ def moe_etp(router: torch.Tensor, local_experts: dict, x: torch.Tensor, k: int, 
     # all_gathers' backwards run on every rank (+ empty sums: 0).
     out = _routed(local_experts, xs, all_ids, all_w,
                   torch.zeros_like(xs) + xs[:0].sum() + all_w[:0].sum())
-    back = lax.all_to_all(out, axis, 0, 0, split_sizes=sizes.tolist(), mesh=mesh)
-    return back.view(n, *x.shape).sum(0)
+    return lax.all_to_all(out, axis, 0, 0, split_sizes=sizes.tolist(), mesh=mesh).view(n, *x.shape).sum(0)

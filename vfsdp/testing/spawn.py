@@ -46,8 +46,8 @@ def _check_importable(fn: Callable) -> None:
 
 
 def _worker(rank, world_size, init_file, err_path, dump_at, fn, args, kwargs, results):
-    fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 2)  # this rank's stderr, Python's and C++'s, goes to its file
+    # this rank's stderr, Python's and C++'s, goes to its file
+    os.dup2(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
     faulthandler.enable()  # fatal signals: write every thread's stack there
     # a hang: where it waits, written shortly before the parent's deadline (wall clock)
     faulthandler.dump_traceback_later(max(0.5, dump_at - time.time()))

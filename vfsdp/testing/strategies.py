@@ -175,8 +175,6 @@ def granularities() -> st.SearchStrategy:
         >>> find(granularities(), lambda g: g is not None, settings=fixed)
         rows(1)
     """
-    fixed = st.sampled_from([None, rows(1), rows(2), rows(3), rows(4), whole])
-
     @st.composite
     def mixed(draw):
         table = draw(st.lists(st.sampled_from([None, rows(1), rows(2), whole]), min_size=1,
@@ -184,7 +182,7 @@ def granularities() -> st.SearchStrategy:
         # a hash that is the same in every process (str hashes are salted per process)
         return lambda path, tensor: table[zlib.crc32(repr(tuple(path)).encode()) % len(table)]
 
-    return st.one_of(fixed, mixed())
+    return st.one_of(st.sampled_from([None, rows(1), rows(2), rows(3), rows(4), whole]), mixed())
 
 
 def dtypes(choices: Sequence[torch.dtype] = DTYPES) -> st.SearchStrategy:
@@ -284,9 +282,8 @@ def plans(draw, trees: Optional[st.SearchStrategy] = None, mesh: Optional[st.Sea
         ({'r0': tensor(1.)}, 3)
     """
     params = draw(trees if trees is not None else param_trees())
-    spec = plan(params, draw(mesh if mesh is not None else meshes()),
-                granularity=draw(granularity if granularity is not None else granularities()))
-    return params, spec
+    return params, plan(params, draw(mesh if mesh is not None else meshes()),
+                        granularity=draw(granularity if granularity is not None else granularities()))
 
 
 @st.composite

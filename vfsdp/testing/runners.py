@@ -46,8 +46,7 @@ class RankError(RuntimeError):
     def __init__(self, failures: dict[int, str]):
         self.failures = dict(sorted(failures.items()))
         first = self.root_cause()
-        msg = f"rank(s) {sorted(self.failures)} failed; rank {first}:\n{self.failures[first]}"
-        super().__init__(msg)
+        super().__init__(f"rank(s) {sorted(self.failures)} failed; rank {first}:\n{self.failures[first]}")
 
     def root_cause(self) -> int:
         """The rank to show first: one that failed by itself, not one whose collective broke

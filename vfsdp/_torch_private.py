@@ -195,29 +195,24 @@ def _untested(message: str, stacklevel: int) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
 
 
-def _module():
+@contextlib.contextmanager
+def threaded_world() -> Iterator[object]:
+    """Install a thread-local c10d world for the ``"threaded"`` backend; one at a time."""
     _untested(f"vfsdp.testing.simulate was tested with torch {TESTED_TORCH}; torch "
-              f"{torch.__version__} may have changed its threaded process group", 3)
+              f"{torch.__version__} may have changed its threaded process group", 2)
     try:
-        from torch.testing._internal.distributed import multi_threaded_pg
+        from torch.testing._internal.distributed import multi_threaded_pg as mtp
     except ImportError as exc:  # pragma: no cover - depends on the torch build
         raise RuntimeError(
             "vfsdp.testing.simulate needs torch's threaded process group "
             "(torch.testing._internal.distributed.multi_threaded_pg), which this torch build "
             "lacks; use vfsdp.testing.spawn instead"
         ) from exc
-    world = getattr(multi_threaded_pg, "ThreadLocalWorld", None)
+    world = getattr(mtp, "ThreadLocalWorld", None)
     if world is not None and not hasattr(world, "comms"):
         # torch 2.11: destroy_process_group() iterates and clears _world.comms, which the
         # threaded world lacks; it holds no communicators, so an empty list is exact.
         world.comms = property(lambda self: [])
-    return multi_threaded_pg
-
-
-@contextlib.contextmanager
-def threaded_world() -> Iterator[object]:
-    """Install a thread-local c10d world for the ``"threaded"`` backend; one at a time."""
-    mtp = _module()
     if not _LOCK.acquire(blocking=False):
         raise RuntimeError("vfsdp.testing.simulate cannot nest or run concurrently")
     try:

@@ -72,9 +72,8 @@ def _text(u: UnitLayout, width: int, shown: int) -> str:
         i = max(segs, key=lambda g: min(max(a + 1, b), g[1]) - max(a, g[0]))[2]
         return "." if i is None else _LETTERS[i % len(_LETTERS)]
 
-    bar = ["".join(cell(r * s + s * c // per, r * s + s * (c + 1) // per) if s else " "
-                   for c in range(per)) for r in range(shown)]
-    lines.append("|" + "|".join(bar) + "|")
+    lines.append("|" + "|".join("".join(cell(r * s + s * c // per, r * s + s * (c + 1) // per) if s else " "
+                                        for c in range(per)) for r in range(shown)) + "|")
     lines.append((" " + " ".join(f"rank {r}".center(per) for r in range(shown))).rstrip()
                  + (f" (first {shown} of {m} ranks)" if shown < m else ""))
     for i, (path, t) in enumerate(zip(u.paths, u.tensors)):

@@ -97,10 +97,9 @@ def _shapes(x: torch.Tensor, ax: Axis, what: str) -> list[tuple]:
         raise ValueError(f"{what}: tensors of up to {_MAX_DIMS} dims, got {x.dim()}")
     if ax.size == 1:
         return [tuple(x.shape)]
-    device = control_device(x.device)
     mine = torch.tensor([x.dim(), *x.shape] + [-1] * (_MAX_DIMS - x.dim()), dtype=torch.int64,
-                        device=device)
-    every = torch.empty(ax.size * (_MAX_DIMS + 1), dtype=torch.int64, device=device)
+                        device=control_device(x.device))
+    every = mine.new_empty(ax.size * (_MAX_DIMS + 1))
     with tp.functorch_paused():
         comm.all_gather_into(every, mine, ax.group, count="shape_exchange")
     return [tuple(r[1:1 + r[0]]) for r in every.view(ax.size, -1).tolist()]
@@ -151,9 +150,8 @@ def _a2a_shapes(x: torch.Tensor, ax: Axis, split_dim: int,
     mine = _chunk_shapes(tuple(x.shape), split_dim, split_sizes)
     if ax.size == 1:
         return mine
-    device = control_device(x.device)
     meta = torch.tensor([list(s) + [-1] * (_MAX_DIMS - len(s)) for s in mine],
-                        dtype=torch.int64, device=device)
+                        dtype=torch.int64, device=control_device(x.device))
     got = torch.empty_like(meta)
     with tp.functorch_paused():
         comm.all_to_all_into(got.view(-1), meta.view(-1), [_MAX_DIMS] * ax.size,

@@ -115,9 +115,7 @@ def block_tp(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = Non
     h = _rms(x, p["mlp_norm"])
     if "experts" in p:  # replicated over the axis: every rank computes the whole mixture
         return x + mixture(p, h, cfg)
-    h = lax.pvary(h, axis, mesh=mesh)
-    up = torch.nn.functional.silu(h @ p["w_gate"]) * (h @ p["w_up"])
-    return x + lax.row_parallel(up, p["w_down"], axis, mesh=mesh)
+    return x + lax.psum(moe.swiglu(lax.pvary(h, axis, mesh=mesh), p), axis, mesh=mesh)  # w_down row-parallel
 
 
 def ep_rule(path: tuple) -> Any:

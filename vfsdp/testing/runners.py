@@ -46,7 +46,8 @@ class RankError(RuntimeError):
     def __init__(self, failures: dict[int, str]):
         self.failures = dict(sorted(failures.items()))
         first = self.root_cause()
-        super().__init__(f"rank(s) {sorted(self.failures)} failed; rank {first}:\n{self.failures[first]}")
+        msg = f"rank(s) {sorted(self.failures)} failed; rank {first}:\n{self.failures[first]}"
+        super().__init__(msg)
 
     def root_cause(self) -> int:
         """The rank to show first: one that failed by itself, not one whose collective broke
@@ -99,8 +100,9 @@ def _describe(stack: list) -> str:
             user = next(((g, ln, name) for g, ln, name in stack[i + 1:]
                          if not g.startswith(_PACKAGE) and "torch" + os.sep not in g),
                         None) if caller and caller[0].startswith(_PACKAGE) else None
-            where = (f" called from {caller[2]} ({caller[0]}:{caller[1]})" if caller else "") + (
-                f", from your code at {user[2]} ({user[0]}:{user[1]})" if user else "")
+            where = (f" called from {caller[2]} ({caller[0]}:{caller[1]}), from your code at {user[2]} "
+                     f"({user[0]}:{user[1]})" if user else
+                     f" called from {caller[2]} ({caller[0]}:{caller[1]})" if caller else "")
             return f"waiting in the collective {fn} ({os.path.basename(f)}:{line}){where}"
     if stack:
         f, line, fn = stack[0]

@@ -88,8 +88,9 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
                 t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             hung = {r: t for r, t in enumerate(threads) if t.is_alive()}
             frames = sys._current_frames() if hung else {}
-            failures = {**errors, **{r: f"rank {r} did not finish within {timeout} s; "  # where it waits
-                                        f"{waiting_in(frames.get(t.ident))}" for r, t in hung.items()}}
+            failures = dict(errors)  # a hung rank's report names where it waits
+            for r, t in hung.items():
+                failures[r] = f"rank {r} did not finish within {timeout} s; {waiting_in(frames.get(t.ident))}"
             if hung:
                 _torch_private.report_failure(mtp, TimeoutError("simulate timed out"))
                 for t in hung.values():  # woken from their collectives, they end

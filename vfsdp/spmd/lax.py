@@ -191,7 +191,16 @@ class _Op(torch.autograd.Function):
         return cls.forward(gx, *ctx.args)
 
 
-class _PSum(_Op):
+class _Batched(_Op):
+    """A collective that ``torch.func.vmap`` runs on the batched tensor as it is (elementwise
+    over the ranks: every rank batches alike)."""
+
+    @classmethod
+    def vmap(cls, info, in_dims, x, *args):
+        return cls.apply(x, *args), in_dims[0]
+
+
+class _PSum(_Batched):
     forward = staticmethod(_psum)
 
     @staticmethod
@@ -202,12 +211,8 @@ class _PSum(_Op):
         g = _PVary.apply(g, ax)
         return (g if scale == 1 else g * scale), None, None, None
 
-    @staticmethod
-    def vmap(info, in_dims, x, ax, scale, what="psum"):  # every rank batches alike
-        return _PSum.apply(x, ax, scale, what), in_dims[0]
 
-
-class _PVary(_Op):
+class _PVary(_Batched):
     @staticmethod
     def forward(x, ax):
         return x.view_as(x)
@@ -215,10 +220,6 @@ class _PVary(_Op):
     @staticmethod
     def backward(ctx, g):
         return _PSum.apply(g, ctx.args[0], 1, "pvary's backward (psum)"), None
-
-    @staticmethod
-    def vmap(info, in_dims, x, ax):  # elementwise: the batched tensor as it is
-        return _PVary.apply(x, ax), in_dims[0]
 
 
 class _AllGather(_Op):

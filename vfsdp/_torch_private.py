@@ -68,8 +68,7 @@ _ISOLATED = threading.Event()  # set while threaded_world() has thread isolation
 
 
 def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
+    return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def functorch_active() -> bool:

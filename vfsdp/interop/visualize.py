@@ -134,9 +134,7 @@ def visualize(x: Any, unit: Any = None, *, width: int = 72, figure: bool = False
     if max_ranks is not None and max_ranks < 1:
         raise ValueError(f"vfsdp.visualize: max_ranks must be at least 1, got {max_ranks}")
     shown = {u.key: min(u.world_size, max_ranks or u.world_size) for u in layouts}
-    if figure:
-        return _figure(layouts, shown)
-    return "\n\n".join(_text(u, width, shown[u.key]) for u in layouts)
+    return _figure(layouts, shown) if figure else "\n\n".join(_text(u, width, shown[u.key]) for u in layouts)
 
 
 def _figure(layouts: list, shown: dict) -> Any:

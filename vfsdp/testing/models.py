@@ -120,9 +120,7 @@ def block(p: dict, x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
     """One decoder block on ``(batch, seq, dim)``."""
     x = x + _heads(_rms(x, p["attn_norm"]), p, cfg, cfg.heads, cfg.kv_heads) @ p["wo"]
     h = _rms(x, p["mlp_norm"])
-    if "experts" in p:
-        return x + mixture(p, h, cfg)
-    return x + moe.swiglu(h, p)
+    return x + (mixture(p, h, cfg) if "experts" in p else moe.swiglu(h, p))
 
 
 def example_layer(tokens: int = 64, device: Optional[torch.device] = None) -> tuple:

@@ -113,9 +113,9 @@ def block_tp(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = Non
     x = x + lax.row_parallel(_heads(h, p, cfg, cfg.heads // n, cfg.kv_heads // n), p["wo"], axis,
                              mesh=mesh)
     h = _rms(x, p["mlp_norm"])
-    if "experts" in p:  # replicated over the axis: every rank computes the whole mixture
-        return x + mixture(p, h, cfg)
-    return x + lax.psum(moe.swiglu(lax.pvary(h, axis, mesh=mesh), p), axis, mesh=mesh)  # w_down row-parallel
+    # a mixture is replicated over the axis (every rank computes all of it); w_down is row-parallel
+    return x + (mixture(p, h, cfg) if "experts" in p else
+                lax.psum(moe.swiglu(lax.pvary(h, axis, mesh=mesh), p), axis, mesh=mesh))
 
 
 def ep_rule(path: tuple) -> Any:

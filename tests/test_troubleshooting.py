@@ -37,7 +37,7 @@ WILD = "\x00"   # an f-string field in a rendered message
 # Calls whose argument is a message: name -> (argument index, class the user sees, or None
 # for "the call's own name" / "any").
 SINKS = {"warn": (0, None), "warn_user": (0, "UserWarning"), "poison": (1, "RuntimeError"),
-         "_poison": (1, "RuntimeError")}
+         "_poison": (1, "RuntimeError"), "_untested": (0, "RuntimeWarning")}
 EXC_NAME = re.compile(r"(Error|Exception|Mismatch|Warning|Exit|_Exists)$")
 # What the user sees for an exception class that is not public.
 SEEN_AS = {"_Exists": "FileExistsError"}

@@ -16,8 +16,6 @@ import gc
 import threading
 from collections.abc import Iterator
 
-__all__ = ["paused_gc"]
-
 _lock = threading.Lock()
 _users = 0
 _was_enabled = False

@@ -60,16 +60,7 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-__all__ = ["functorch_active", "functorch_unwrapped", "storage_id", "TorchDispatchMode", "threaded_world",
-           "report_failure", "groups_are_per_thread", "graph_task_id", "keep_graph",
-           "running_node_seq", "node_seq", "set_data", "foreach", "fused_adamw",
-           "will_execute", "queue_final_callback", "functorch_paused", "version", "TESTED_TORCH",
-           "compiling", "traced_all_gather", "traced_all_reduce", "traced_reduce_scatter",
-           "traced_sum_autograd",
-           "trace_autograd_ops", "traced_gather_ops",
-           "enable_compiled_backward", "untraced"]
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode  # for the probes
 
 TESTED_TORCH = ((2, 11), (2, 13))
 _LOCK = threading.Lock()
@@ -77,8 +68,7 @@ _ISOLATED = threading.Event()  # set while threaded_world() has thread isolation
 
 
 def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
+    return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def functorch_active() -> bool:
@@ -164,8 +154,7 @@ def foreach(op: str, *lists: list, scalar=None, **kwargs):
     """
     if not lists or not lists[0]:
         return None if op.endswith("_") else []  # torch refuses empty lists
-    extra = () if scalar is None else (scalar,)
-    return getattr(torch, f"_foreach_{op}")(*lists, *extra, **kwargs)
+    return getattr(torch, f"_foreach_{op}")(*lists, *(() if scalar is None else (scalar,)), **kwargs)
 
 
 def fused_adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, steps: list, *,
@@ -176,8 +165,7 @@ def fused_adamw(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, st
     kernel takes it on CUDA."""
     if not params:
         return
-    if isinstance(lr, torch.Tensor) and lr.dtype != torch.float32:
-        lr = lr.to(torch.float32)
+    lr = lr.to(torch.float32) if isinstance(lr, torch.Tensor) else lr
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr,
                         beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                         maximize=False, grad_scale=None, found_inf=None)
@@ -200,34 +188,30 @@ def groups_are_per_thread() -> bool:
     return _ISOLATED.is_set()
 
 
-def _module():
+def _untested(message: str, stacklevel: int) -> None:
+    """``message`` as a ``RuntimeWarning`` on a torch not in :data:`TESTED_TORCH`."""
     if _torch_version() not in TESTED_TORCH:
-        warnings.warn(
-            f"vfsdp.testing.simulate was tested with torch {TESTED_TORCH}; torch "
-            f"{torch.__version__} may have changed its threaded process group",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
+@contextlib.contextmanager
+def threaded_world() -> Iterator[object]:
+    """Install a thread-local c10d world for the ``"threaded"`` backend; one at a time."""
+    _untested(f"vfsdp.testing.simulate was tested with torch {TESTED_TORCH}; torch "
+              f"{torch.__version__} may have changed its threaded process group", 2)
     try:
-        from torch.testing._internal.distributed import multi_threaded_pg
+        from torch.testing._internal.distributed import multi_threaded_pg as mtp
     except ImportError as exc:  # pragma: no cover - depends on the torch build
         raise RuntimeError(
             "vfsdp.testing.simulate needs torch's threaded process group "
             "(torch.testing._internal.distributed.multi_threaded_pg), which this torch build "
             "lacks; use vfsdp.testing.spawn instead"
         ) from exc
-    world = getattr(multi_threaded_pg, "ThreadLocalWorld", None)
+    world = getattr(mtp, "ThreadLocalWorld", None)
     if world is not None and not hasattr(world, "comms"):
         # torch 2.11: destroy_process_group() iterates and clears _world.comms, which the
         # threaded world lacks; it holds no communicators, so an empty list is exact.
         world.comms = property(lambda self: [])
-    return multi_threaded_pg
-
-
-@contextlib.contextmanager
-def threaded_world() -> Iterator[object]:
-    """Install a thread-local c10d world for the ``"threaded"`` backend; one at a time."""
-    mtp = _module()
     if not _LOCK.acquire(blocking=False):
         raise RuntimeError("vfsdp.testing.simulate cannot nest or run concurrently")
     try:
@@ -287,8 +271,7 @@ def traced_sum_autograd(x: torch.Tensor, group_name: str, size: int) -> torch.Te
     has none, so there every rank's ``x`` is all-gathered (whose backward reduce-scatters the
     same gradient to every rank: their sum) and added up."""
     if _torch_version() < (2, 12):
-        full = traced_all_gather(x.reshape(-1), group_name, size)
-        return full.view(size, -1).sum(0).view(x.shape)
+        return traced_all_gather(x.reshape(-1), group_name, size).view(size, -1).sum(0).view(x.shape)
     return traced_all_reduce(x, "sum", group_name)
 
 
@@ -351,10 +334,8 @@ def _own_none_grads() -> None:
     read = getattr(tensor.TensorVariable, "method_attr_grad", None)
     if shared is None or read is None or getattr(read, "vfsdp_own_none", False):
         return
-    if _torch_version() not in TESTED_TORCH:
-        warnings.warn(f"vfsdp: dynamo's .grad read is patched as tested on torch "
-                      f"{TESTED_TORCH}; torch {torch.__version__} may have changed it",
-                      RuntimeWarning, stacklevel=2)
+    _untested(f"vfsdp: dynamo's .grad read is patched as tested on torch {TESTED_TORCH}; torch "
+              f"{torch.__version__} may have changed it", 2)
 
     def method_attr_grad(self, tx):
         found = read(self, tx)
@@ -398,8 +379,7 @@ def checkpoint_wrapped(wrap) -> Iterator[None]:
 
 
 def _wrap():
-    stack = getattr(_WRAPS, "stack", None)
-    return stack[-1] if stack else None
+    return (getattr(_WRAPS, "stack", None) or [None])[-1]
 
 
 def saved_hooks_top() -> Optional[tuple]:

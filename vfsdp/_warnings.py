@@ -6,8 +6,6 @@ import os
 import sys
 import warnings
 
-__all__ = ["warn_user", "refuse_mesh"]
-
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 

@@ -63,9 +63,8 @@ def dtensor_placement(t: TensorSpec) -> Optional[Placement]:
     m = t.world_size
     if m == 1:
         return Replicate()
-    even = bool(t.shape) and all(t.local_range(r) == shard0_range(tuple(t.shape), m, r)
-                                 for r in range(m))
-    return Shard(0) if even else None
+    return Shard(0) if bool(t.shape) and all(t.local_range(r) == shard0_range(tuple(t.shape), m, r)
+                                             for r in range(m)) else None
 
 
 def _from_local(local: torch.Tensor, mesh: Any, places: list, shape: tuple) -> DTensor:
@@ -202,7 +201,7 @@ def _source_ranges(x: Any, t: TensorSpec, rank: int, m: int, t_mesh: tuple) -> t
     if tuple(x.shape) != tuple(t.shape) or x.dtype != t.dtype:
         raise ValueError(f"vfsdp.from_dtensor: {path} is {tuple(x.shape)} {x.dtype}, the "
                          f"spec says {tuple(t.shape)} {t.dtype}")
-    full = x.detach()
+    full = (x.to_local() if isinstance(x, DTensor) else x).detach()
     if isinstance(x, DTensor):
         *lead, last = x.placements
         mesh_shape = tuple(x.device_mesh.shape)
@@ -212,7 +211,6 @@ def _source_ranges(x: Any, t: TensorSpec, rank: int, m: int, t_mesh: tuple) -> t
         if any(not isinstance(p, Replicate) for p in lead):
             raise ValueError(f"vfsdp.from_dtensor: {path} has placements {[*lead, last]}; every dim "
                              f"but the last (shard) mesh dim must be Replicate()")
-        full = x.to_local().detach()
         if type(last) is Shard and last.dim == 0:
             if x.device_mesh.get_local_rank(len(mesh_shape) - 1) != rank:
                 raise ValueError(f"vfsdp.from_dtensor: {path}'s mesh orders the shard dim "

@@ -83,11 +83,8 @@ def rule(default: Any = normal(0.02), ones: Optional[Callable[[tuple], bool]] = 
     """
 
     def resolve(path: tuple, shape: tuple) -> Any:
-        if ones is not None and ones(path):
-            return constant(1.0)
-        if zeros is not None and zeros(path):
-            return constant(0.0)
-        return default
+        return (constant(1.0) if ones is not None and ones(path) else
+                constant(0.0) if zeros is not None and zeros(path) else default)
 
     return resolve
 
@@ -157,8 +154,7 @@ def sharded(init_rule: Rule, seed: int = 0) -> Callable:
             where = torch.arange(numel).view(st.global_shape).narrow(  # cpu: index arithmetic
                 st.dim, st.start, st.lengths[st.index]).reshape(-1)[lo:hi]
             first, last = int(where.min()), int(where.max()) + 1
-            span = _values(kind, tuple(path), first, last, numel, seed, local.dtype)
-            values = span[where - first]
+            values = _values(kind, tuple(path), first, last, numel, seed, local.dtype)[where - first]
         local.view(-1).copy_(values.to(local.device))
 
     return init_fn

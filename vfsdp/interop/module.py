@@ -71,9 +71,8 @@ def functionalize(module: torch.nn.Module) -> tuple[dict, ModuleApply]:
         raise TypeError(f"vfsdp.functionalize takes an nn.Module, got {type(module).__name__}")
     every = list(module.named_parameters(remove_duplicate=False))
     first = {id(p): name for name, p in reversed(every)}  # a tensor's first registered name
-    ties = {name: first[id(p)] for name, p in every if first[id(p)] != name}
     params = _tree(module, "", set(first.values()))  # each tensor once, under its first name
-    return params, ModuleApply(module, params, ties)
+    return params, ModuleApply(module, params, {n: first[id(p)] for n, p in every if first[id(p)] != n})
 
 
 def _parent(tree: Any, name: str) -> tuple[Any, str]:
@@ -208,9 +207,8 @@ class ModuleApply:
             return lambda name: name
         if not hasattr(self.module, "config"):
             return lambda name: name
-        mapping = get_model_conversion_mapping(self.module, add_legacy=False)
-        back = [t.reverse_transform() for t in reversed(mapping)
-                if isinstance(t, WeightRenaming)]  # as save_pretrained applies them
+        back = [t.reverse_transform() for t in reversed(get_model_conversion_mapping(
+            self.module, add_legacy=False)) if isinstance(t, WeightRenaming)]  # as save_pretrained does
         return functools.lru_cache(maxsize=None)(
             lambda name: rename_source_key(name, back, [], reverse=True)[0])
 
@@ -333,14 +331,12 @@ class ModuleApply:
             kwargs["use_cache"] = False  # a cache written again by each recompute: off, as HF
         run = LayerRun(layer_pieces(functools.reduce(operator.getitem, path, shards), block_spec, None,
                                     "apply.run_layers"), policy, "apply.run_layers")
-        rest = {}  # the tensors outside the blocks (none when the module is the list of blocks)
-        if path:
-            unset = {k: v for k, v in (("grads", "buffer"), ("free_after_backward", True))
-                     if getattr(policy, k) is None}
-            rest = _flat_names(gather(_pruned(shards, path), _without(spec, path, block_spec),
-                                      policy, recompute=None, **unset))
-        state = _Blocks(self, run, list(self.module.get_submodule(where) if path else self.module))
-        self._run = state
+        unset = {k: v for k, v in (("grads", "buffer"), ("free_after_backward", True))
+                 if getattr(policy, k) is None}
+        # the tensors outside the blocks (none when the module is the list of blocks)
+        rest = _flat_names(gather(_pruned(shards, path), _without(spec, path, block_spec), policy,
+                                  recompute=None, **unset)) if path else {}
+        self._run = state = _Blocks(self, run, list(self.module.get_submodule(where if path else "")))
         try:
             return self._call(rest, args, kwargs)
         finally:
@@ -445,11 +441,10 @@ class _Blocks:
         self.apply, self.run, self.blocks = apply, run, blocks
         self.units: dict = {}  # block module -> its unit's index (its first position)
         self.first = [self.units.setdefault(block, pos) for pos, block in enumerate(blocks)]
-        self.calls = 0  # the position the next call is expected at
+        self.calls = self.replays = 0  # the position the next call is expected at; recomputes in progress
         self.saved = {block: block.__dict__.get("forward") for block in self.units}
         self.forwards = {block: block.forward for block in self.units}
         self.trees: dict = {}  # unit index -> its tree of the forward's (latest) call
-        self.replays = 0  # recomputes in progress
         self.install()
 
     def install(self) -> None:

@@ -26,8 +26,8 @@ def _layouts(x: Any) -> list[UnitLayout]:
         return list(x.units.values())
     if isinstance(x, UnitLayout):
         return [x]
-    slots = [slot for slot in map(slot_of, optree.tree_leaves(x)) if slot is not None]
-    found = {slot.buffer.layout.key: slot.buffer.layout for slot in slots}
+    found = {slot.buffer.layout.key: slot.buffer.layout
+             for slot in map(slot_of, optree.tree_leaves(x)) if slot is not None}
     if not found:
         raise TypeError(f"vfsdp.visualize: give a ShardSpec, a UnitLayout or a tree of shards "
                         f"(vfsdp.shard's output), got {type(x).__name__}")
@@ -72,13 +72,11 @@ def _text(u: UnitLayout, width: int, shown: int) -> str:
         i = max(segs, key=lambda g: min(max(a + 1, b), g[1]) - max(a, g[0]))[2]
         return "." if i is None else _LETTERS[i % len(_LETTERS)]
 
-    bar = ["".join(cell(r * s + s * c // per, r * s + s * (c + 1) // per) if s else " "
-                   for c in range(per)) for r in range(shown)]
-    lines.append("|" + "|".join(bar) + "|")
+    lines.append("|" + "|".join("".join(cell(r * s + s * c // per, r * s + s * (c + 1) // per) if s else " "
+                                        for c in range(per)) for r in range(shown)) + "|")
     lines.append((" " + " ".join(f"rank {r}".center(per) for r in range(shown))).rstrip()
                  + (f" (first {shown} of {m} ranks)" if shown < m else ""))
-    for i, path in enumerate(u.paths):
-        t = u.tensors[i]
+    for i, (path, t) in enumerate(zip(u.paths, u.tensors)):
         shares = [f"r{r}:{t.shard_range(r)[1] - t.shard_range(r)[0]}" for r in range(m)
                   if t.shard_range(r)[1] > t.shard_range(r)[0]]
         st = t.strided
@@ -136,9 +134,7 @@ def visualize(x: Any, unit: Any = None, *, width: int = 72, figure: bool = False
     if max_ranks is not None and max_ranks < 1:
         raise ValueError(f"vfsdp.visualize: max_ranks must be at least 1, got {max_ranks}")
     shown = {u.key: min(u.world_size, max_ranks or u.world_size) for u in layouts}
-    if figure:
-        return _figure(layouts, shown)
-    return "\n\n".join(_text(u, width, shown[u.key]) for u in layouts)
+    return _figure(layouts, shown) if figure else "\n\n".join(_text(u, width, shown[u.key]) for u in layouts)
 
 
 def _figure(layouts: list, shown: dict) -> Any:
@@ -147,12 +143,12 @@ def _figure(layouts: list, shown: dict) -> Any:
     except ImportError as exc:
         raise ImportError("vfsdp.visualize(figure=True) needs matplotlib: pip install "
                           "vfsdp[viz]") from exc
-    rows = sum(shown.values())
-    fig, ax = plt.subplots(figsize=(10, 0.45 * rows + 1.2))
+    fig, ax = plt.subplots(figsize=(10, 0.45 * sum(shown.values()) + 1.2))
     cmap = plt.get_cmap("tab20")
-    y, ticks, labels, handles = 0, [], [], {}
+    y, ticks, handles = 0, [], {}  # ticks: (y, the row's label)
     for u in layouts:
-        s = u.shard_numel
+        s, st = u.shard_numel, next((x for x in u.strided if x is not None), None)
+        label = unit_name(u.key) + ("" if st is None else f" {st.axis}{st.index}")
         for r in range(shown[u.key]):
             for a, b, i in _segments(u):
                 lo, hi = max(a, r * s), min(b, (r + 1) * s)
@@ -161,20 +157,16 @@ def _figure(layouts: list, shown: dict) -> Any:
                 if i is None:
                     name, style = "padding", {"color": "white", "edgecolor": "grey", "hatch": "//"}
                 else:
-                    st = u.tensors[i].strided
-                    part = ("" if st is None or st.dim is None else
-                            f" [{st.axis} {st.start}:{st.start + st.lengths[st.index]} of dim "
-                            f"{st.dim}]")
+                    t = u.tensors[i].strided
+                    part = ("" if t is None or t.dim is None else
+                            f" [{t.axis} {t.start}:{t.start + t.lengths[t.index]} of dim {t.dim}]")
                     name = f"{unit_name(u.key)}: {format_path(u.paths[i])}{part}"
                     style = {"color": cmap(i % 20)}
                 handles.setdefault(name, ax.barh(y, hi - lo, left=lo - r * s, height=0.8, **style))
-            ticks.append(y)
-            st = next((x for x in u.strided if x is not None), None)
-            where = "" if st is None else f" {st.axis}{st.index}"
-            labels.append(f"{unit_name(u.key)}{where} r{r}")
+            ticks.append((y, f"{label} r{r}"))
             y -= 1
         y -= 0.5
-    ax.set_yticks(ticks, labels)
+    ax.set_yticks([y for y, _ in ticks], [label for _, label in ticks])
     ax.set_xlabel("element of the rank's shard (S)")
     ax.legend(list(handles.values()), list(handles), bbox_to_anchor=(1.01, 1), loc="upper left",
               fontsize="small")

@@ -97,14 +97,12 @@ def _shapes(x: torch.Tensor, ax: Axis, what: str) -> list[tuple]:
         raise ValueError(f"{what}: tensors of up to {_MAX_DIMS} dims, got {x.dim()}")
     if ax.size == 1:
         return [tuple(x.shape)]
-    device = control_device(x.device)
     mine = torch.tensor([x.dim(), *x.shape] + [-1] * (_MAX_DIMS - x.dim()), dtype=torch.int64,
-                        device=device)
-    every = torch.empty(ax.size * (_MAX_DIMS + 1), dtype=torch.int64, device=device)
+                        device=control_device(x.device))
+    every = mine.new_empty(ax.size * (_MAX_DIMS + 1))
     with tp.functorch_paused():
         comm.all_gather_into(every, mine, ax.group, count="shape_exchange")
-    rows = every.view(ax.size, -1).tolist()
-    return [tuple(r[1:1 + r[0]]) for r in rows]
+    return [tuple(r[1:1 + r[0]]) for r in every.view(ax.size, -1).tolist()]
 
 
 def _gather(x: torch.Tensor, ax: Axis, dim: int, shapes: Sequence[tuple]) -> torch.Tensor:
@@ -133,9 +131,8 @@ def _scatter(x: torch.Tensor, ax: Axis, dim: int, sizes: Sequence[int]) -> torch
     moved = x.detach().movedim(dim, 0)
     rest = moved.shape[1:]
     inner = int(rest.numel())
-    width = max(sizes) * inner
     send = torch.nn.utils.rnn.pad_sequence(list(moved.split(list(sizes), 0)), batch_first=True)
-    out = moved.new_empty(width)
+    out = moved.new_empty(max(sizes) * inner)
     with tp.functorch_paused():
         comm.reduce_scatter_into(out, send.view(-1), "sum", ax.group)
     mine = sizes[ax.index]
@@ -153,9 +150,8 @@ def _a2a_shapes(x: torch.Tensor, ax: Axis, split_dim: int,
     mine = _chunk_shapes(tuple(x.shape), split_dim, split_sizes)
     if ax.size == 1:
         return mine
-    device = control_device(x.device)
     meta = torch.tensor([list(s) + [-1] * (_MAX_DIMS - len(s)) for s in mine],
-                        dtype=torch.int64, device=device)
+                        dtype=torch.int64, device=control_device(x.device))
     got = torch.empty_like(meta)
     with tp.functorch_paused():
         comm.all_to_all_into(got.view(-1), meta.view(-1), [_MAX_DIMS] * ax.size,
@@ -172,11 +168,10 @@ def _a2a(x: torch.Tensor, ax: Axis, split_dim: int, concat_dim: int,
     if ax.size == 1:
         return chunks[0].clone(memory_format=torch.contiguous_format)
     send = torch.cat([c.reshape(-1) for c in chunks])
-    in_sizes = [c.numel() for c in chunks]
     out_sizes = [int(torch.Size(s).numel()) for s in shapes]
     recv = x.new_empty(sum(out_sizes))
     with tp.functorch_paused():
-        comm.all_to_all_into(recv, send.contiguous(), out_sizes, in_sizes, ax.group)
+        comm.all_to_all_into(recv, send.contiguous(), out_sizes, [c.numel() for c in chunks], ax.group)
     return torch.cat([p.view(s) for p, s in zip(recv.split(out_sizes), shapes)], concat_dim)
 
 
@@ -196,7 +191,16 @@ class _Op(torch.autograd.Function):
         return cls.forward(gx, *ctx.args)
 
 
-class _PSum(_Op):
+class _Batched(_Op):
+    """A collective that ``torch.func.vmap`` runs on the batched tensor as it is (elementwise
+    over the ranks: every rank batches alike)."""
+
+    @classmethod
+    def vmap(cls, info, in_dims, x, *args):
+        return cls.apply(x, *args), in_dims[0]
+
+
+class _PSum(_Batched):
     forward = staticmethod(_psum)
 
     @staticmethod
@@ -207,12 +211,8 @@ class _PSum(_Op):
         g = _PVary.apply(g, ax)
         return (g if scale == 1 else g * scale), None, None, None
 
-    @staticmethod
-    def vmap(info, in_dims, x, ax, scale, what="psum"):  # every rank batches alike
-        return _PSum.apply(x, ax, scale, what), in_dims[0]
 
-
-class _PVary(_Op):
+class _PVary(_Batched):
     @staticmethod
     def forward(x, ax):
         return x.view_as(x)
@@ -220,10 +220,6 @@ class _PVary(_Op):
     @staticmethod
     def backward(ctx, g):
         return _PSum.apply(g, ctx.args[0], 1, "pvary's backward (psum)"), None
-
-    @staticmethod
-    def vmap(info, in_dims, x, ax):  # elementwise: the batched tensor as it is
-        return _PVary.apply(x, ax), in_dims[0]
 
 
 class _AllGather(_Op):
@@ -252,9 +248,8 @@ class _AllToAll(_Op):
         # The reverse exchange: each rank's piece of the cotangent goes back to its sender,
         # which gets the shapes of the chunks it sent (no shape exchange needed).
         ax, split_dim, concat_dim, split_sizes, shapes = ctx.args
-        back = _AllToAll.apply(g, ax, concat_dim, split_dim, [s[concat_dim] for s in shapes],
-                               tuple(_chunk_shapes(ctx.shape, split_dim, split_sizes)))
-        return back, None, None, None, None, None
+        return _AllToAll.apply(g, ax, concat_dim, split_dim, [s[concat_dim] for s in shapes], tuple(
+            _chunk_shapes(ctx.shape, split_dim, split_sizes))), None, None, None, None, None
 
 
 # ---------------------------------------------------------------- public functions

@@ -241,15 +241,13 @@ def shard_map(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any, *,
                              f"mapped); call the inner body directly: its pieces and "
                              f"collectives are already per rank")
         paths, leaves, treespec = optree.tree_flatten_with_path(args, none_is_leaf=True)
-        specs = _specs(in_specs, args, "in")
         # A Python loop over the inputs: each has its own spec (noted in the module docstring).
         layouts = [_layout(_check_spec(s, t, _where("args", p), names), t, mesh, names, True)
-                   for p, s, t in zip(paths, specs, leaves)]
+                   for p, s, t in zip(paths, _specs(in_specs, args, "in"), leaves)]
         pieces = _moved(False, layouts, leaves)
         tracker = vma.Tracker(names, mesh, check_vma == "strict") if check_vma else None
-        if tracker is not None:
-            for piece, lay in zip(pieces, layouts):
-                vma.mark(piece, [a for c in lay for a in axis_names(c.axis.name)], tracker)
+        for piece, lay in zip(pieces, layouts) if tracker is not None else ():
+            vma.mark(piece, [a for c in lay for a in axis_names(c.axis.name)], tracker)
         _MANUAL.axes = names
         try:
             with use_mesh(mesh), (tracker or contextlib.nullcontext()):
@@ -296,10 +294,9 @@ def _moved(join: bool, layouts: list, leaves: list) -> list:
 
 def _assemble(result: Any, out_specs: Any, names: tuple, mesh: Any, tracker) -> Any:
     paths, leaves, treespec = optree.tree_flatten_with_path(result, none_is_leaf=True)
-    specs = _specs(out_specs, result, "out")
     layouts = []
     out = list(leaves)
-    for i, (p, s, t) in enumerate(zip(paths, specs, leaves)):
+    for i, (p, s, t) in enumerate(zip(paths, _specs(out_specs, result, "out"), leaves)):
         where = _where("output", p)
         pairs = _check_spec(s, t, where, names)
         if tracker is not None and isinstance(t, torch.Tensor):

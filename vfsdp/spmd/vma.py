@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import traceback
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional
 
@@ -173,6 +174,7 @@ class Tracker(TorchFunctionMode):
             self.paused -= 1
 
     def _scan(self, a: Any, seen: list, union: frozenset) -> frozenset:
+        v = _NONE  # not a tensor, an axis index or a container of them
         if isinstance(a, torch.Tensor):
             v = self.vma(a)
             seen.append((a, v))
@@ -181,8 +183,6 @@ class Tracker(TorchFunctionMode):
         elif isinstance(a, (list, tuple, slice)):  # a list's tensors, an index's slices
             for b in (a.start, a.stop, a.step) if isinstance(a, slice) else a:
                 union = self._scan(b, seen, union)
-            return union
-        else:
             return union
         return v if not union else (union | v if v and v is not union else union)
 
@@ -193,15 +193,12 @@ class Tracker(TorchFunctionMode):
         self.ops += 1
         name = getattr(func, "__name__", "")
         seen: list = []  # (tensor, its axes)
-        union = self._scan(args[1:] if name in _SHAPE_ONLY else args, seen, _NONE)
-        union = self._scan(tuple(kwargs.values()), seen, union)
+        union = self._scan((args[1:] if name in _SHAPE_ONLY else args, tuple(kwargs.values())), seen, _NONE)
         if func is torch.autograd.grad:
             return self._grads(func, args, kwargs)
-        written = None
-        if name in _INPLACE or (name.endswith("_") and not name.startswith("_")):
-            written = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        elif isinstance(kwargs.get("out"), torch.Tensor):
-            written = kwargs["out"]
+        inplace = name in _INPLACE or (name.endswith("_") and not name.startswith("_"))
+        written = (args[0] if args else None) if inplace else kwargs.get("out")
+        written = written if isinstance(written, torch.Tensor) else None
         if union and seen:
             args, kwargs = self._pvary_mixed(func, seen, union, written, args, kwargs)
         out = func(*args, **kwargs)
@@ -236,10 +233,8 @@ class Tracker(TorchFunctionMode):
                 else:
                     swap[id(t)] = lax._PVary.apply(t, self.axis(missing))
             self.mark(swap.get(id(t), t), union)
-        if swap:
-            args = _swapped(args, swap)
-            kwargs = {k: _swapped(v, swap) for k, v in kwargs.items()}
-        return args, kwargs
+        return (_swapped(args, swap), {k: _swapped(v, swap) for k, v in kwargs.items()}) if swap else (
+            args, kwargs)
 
     def check_collective(self, op: str, x: torch.Tensor, names: tuple) -> tuple:
         """Check ``op``'s input's replication over ``names``: returns ``(missing, after)``, the
@@ -291,12 +286,7 @@ def _swapped(a: Any, swap: dict) -> Any:
 
 def _in_custom_forward() -> bool:
     """Whether a custom ``autograd.Function``'s forward is on this thread's stack."""
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_code is _APPLY:
-            return True
-        f = f.f_back
-    return False
+    return any(f.f_code is _APPLY for f, _ in traceback.walk_stack(sys._getframe(2)))
 
 
 def _mixed(func, i: int, t: torch.Tensor, axes: tuple, fix: str) -> None:

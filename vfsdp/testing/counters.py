@@ -58,12 +58,8 @@ class CopyCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter = Counter()
-        self.copy_bytes = 0
-        self.copies = 0
-        self.collectives = 0
-        self.collective_bytes = 0
-        self.views = 0
-        self.allocations = 0
+        self.copy_bytes = self.copies = self.collectives = self.collective_bytes = 0
+        self.views = self.allocations = 0
 
     @property
     def kernels(self) -> int:

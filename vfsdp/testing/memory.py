@@ -86,8 +86,7 @@ class GatheredProbe(_Observing):
 
     def __init__(self, *trees: Any) -> None:
         super().__init__()
-        self.peak_units = 0
-        self.peak_bytes = 0
+        self.peak_units = self.peak_bytes = 0
         self._buffers = {id(db): weakref.ref(db) for db in _unit_buffers(trees) if db.role.holds_params}
 
     def on_event(self, event: str, db) -> None:
@@ -124,8 +123,7 @@ class LiveBytes(_Observing):
     def __init__(self) -> None:
         super().__init__()
         self._storages: dict[int, list] = {}
-        self.peak = 0
-        self.current = 0
+        self.peak = self.current = 0
 
     def on_event(self, event: str, db) -> None:
         if event in ("create", "alloc"):

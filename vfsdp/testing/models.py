@@ -61,20 +61,19 @@ def meta_params(cfg: GPTConfig) -> dict:
         return {"w_gate": m(*lead, cfg.dim, f), "w_up": m(*lead, cfg.dim, f), "w_down": m(*lead, f, cfg.dim)}
 
     hd = cfg.head_dim
-    layers = []
-    for _ in range(cfg.layers):
-        layer = {"attn_norm": m(cfg.dim), "wq": m(cfg.dim, cfg.heads * hd),
-                 "wk": m(cfg.dim, cfg.kv_heads * hd), "wv": m(cfg.dim, cfg.kv_heads * hd),
-                 "wo": m(cfg.heads * hd, cfg.dim), "mlp_norm": m(cfg.dim)}
-        if cfg.experts:  # stacked for top-k routing, else one dict per expert
-            layer["router"] = m(cfg.dim, cfg.experts)
-            layer["experts"] = (mlp(cfg.expert_ffn, cfg.experts) if cfg.top_k else
-                                [mlp(cfg.expert_ffn) for _ in range(cfg.experts)])
-        else:
-            layer.update(mlp(cfg.ffn))
-        layers.append(layer)
+
+    def layer() -> dict:
+        attn = {"attn_norm": m(cfg.dim), "wq": m(cfg.dim, cfg.heads * hd),
+                "wk": m(cfg.dim, cfg.kv_heads * hd), "wv": m(cfg.dim, cfg.kv_heads * hd),
+                "wo": m(cfg.heads * hd, cfg.dim), "mlp_norm": m(cfg.dim)}
+        if not cfg.experts:
+            return {**attn, **mlp(cfg.ffn)}
+        return {**attn, "router": m(cfg.dim, cfg.experts),  # stacked for top-k routing, else one per expert
+                "experts": mlp(cfg.expert_ffn, cfg.experts) if cfg.top_k else
+                [mlp(cfg.expert_ffn) for _ in range(cfg.experts)]}
+
     return {"io": {"embed": m(cfg.vocab, cfg.dim), "norm": m(cfg.dim), "head": m(cfg.dim, cfg.vocab)},
-            "layers": layers}
+            "layers": [layer() for _ in range(cfg.layers)]}
 
 
 def init_rule(cfg: GPTConfig):
@@ -109,23 +108,19 @@ def _heads(h: torch.Tensor, p: dict, cfg: GPTConfig, heads: int, kv_heads: int) 
     tensor-parallel rank's): the attention output before ``wo``, ``(batch, seq, heads * hd)``."""
     b, t, _ = h.shape
     hd = cfg.head_dim
-    q = (h @ p["wq"]).view(b, t, heads, hd).transpose(1, 2)
-    k = (h @ p["wk"]).view(b, t, kv_heads, hd).transpose(1, 2)
-    v = (h @ p["wv"]).view(b, t, kv_heads, hd).transpose(1, 2)
+    q, k, v = ((h @ p[w]).view(b, t, n, hd).transpose(1, 2)
+               for w, n in (("wq", heads), ("wk", kv_heads), ("wv", kv_heads)))
     q, k = _rotary(q), _rotary(k)
     rep = heads // kv_heads
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return att.transpose(1, 2).reshape(b, t, heads * hd)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, heads * hd)
 
 
 def block(p: dict, x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
     """One decoder block on ``(batch, seq, dim)``."""
     x = x + _heads(_rms(x, p["attn_norm"]), p, cfg, cfg.heads, cfg.kv_heads) @ p["wo"]
     h = _rms(x, p["mlp_norm"])
-    if "experts" in p:
-        return x + mixture(p, h, cfg)
-    return x + moe.swiglu(h, p)
+    return x + (mixture(p, h, cfg) if "experts" in p else moe.swiglu(h, p))
 
 
 def example_layer(tokens: int = 64, device: Optional[torch.device] = None) -> tuple:
@@ -163,9 +158,8 @@ def mixture(p: dict, h: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
         torch.Size([2, 3, 8])
     """
     if cfg.top_k:
-        out = moe.moe_reference({"router": p["router"], "experts": p["experts"]},
-                                h.reshape(-1, h.shape[-1]), cfg.top_k)
-        return out.view_as(h)
+        return moe.moe_reference({"router": p["router"], "experts": p["experts"]},
+                                 h.reshape(-1, h.shape[-1]), cfg.top_k).view_as(h)
     # dense soft mixture: deterministic, same compute in every system
     gates = torch.softmax(h @ p["router"], dim=-1)
     return sum(gates[..., e:e + 1] * moe.swiglu(h, ex) for e, ex in enumerate(p["experts"]))

@@ -60,9 +60,8 @@ def tp_rule(cfg: GPTConfig) -> Callable[[tuple], Any]:
         raise TypeError(f"tp_rule: expected a GPTConfig, got {type(cfg).__name__}")
 
     def rule(path: tuple) -> Any:
-        if "experts" in path or not path:
-            return Replicate()
-        return Shard(1) if path[-1] in _COLUMNS else Shard(0) if path[-1] in _ROWS else Replicate()
+        name = None if "experts" in path or not path else path[-1]
+        return Shard(1) if name in _COLUMNS else Shard(0) if name in _ROWS else Replicate()
 
     return rule
 
@@ -114,11 +113,9 @@ def block_tp(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = Non
     x = x + lax.row_parallel(_heads(h, p, cfg, cfg.heads // n, cfg.kv_heads // n), p["wo"], axis,
                              mesh=mesh)
     h = _rms(x, p["mlp_norm"])
-    if "experts" in p:  # replicated over the axis: every rank computes the whole mixture
-        return x + mixture(p, h, cfg)
-    h = lax.pvary(h, axis, mesh=mesh)
-    up = torch.nn.functional.silu(h @ p["w_gate"]) * (h @ p["w_up"])
-    return x + lax.row_parallel(up, p["w_down"], axis, mesh=mesh)
+    # a mixture is replicated over the axis (every rank computes all of it); w_down is row-parallel
+    return x + (mixture(p, h, cfg) if "experts" in p else
+                lax.psum(moe.swiglu(lax.pvary(h, axis, mesh=mesh), p), axis, mesh=mesh))
 
 
 def ep_rule(path: tuple) -> Any:
@@ -213,6 +210,5 @@ def block_ep(p: dict, x: torch.Tensor, cfg: GPTConfig, mesh: Optional[Any] = Non
         raise ValueError("block_ep: expert parallelism routes tokens: GPTConfig(top_k=k > 0)")
     x = x + _heads(_rms(x, p["attn_norm"]), p, cfg, cfg.heads, cfg.kv_heads) @ p["wo"]
     h = _rms(x, p["mlp_norm"])
-    out = moe.moe_ep(p["router"], p["experts"], h.reshape(-1, h.shape[-1]), cfg.top_k, axis,
-                     cfg.experts, mesh=mesh)
-    return x + out.view_as(h)
+    return x + moe.moe_ep(p["router"], p["experts"], h.reshape(-1, h.shape[-1]), cfg.top_k, axis,
+                          cfg.experts, mesh=mesh).view_as(h)

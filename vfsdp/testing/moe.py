@@ -84,8 +84,7 @@ def etp_rule(path: tuple) -> Any:
 
 def route(x: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(expert ids [T, k], weights [T, k])``: the top-k of the router's softmax, renormalised."""
-    probs = F.softmax(x @ router, dim=-1)
-    top, ids = probs.topk(k, dim=-1)
+    top, ids = F.softmax(x @ router, dim=-1).topk(k, dim=-1)
     return ids, top / top.sum(-1, keepdim=True)
 
 
@@ -169,8 +168,7 @@ def moe_ep(router: torch.Tensor, local_experts: dict, x: torch.Tensor, k: int, a
     out = _routed(local_experts, recv_x, (recv_ids - first)[:, None], recv_x.new_ones(len(recv_ids), 1),
                   torch.zeros_like(recv_x) + recv_x[:0].sum())
     back = lax.all_to_all(out, axis, 0, 0, split_sizes=back_sizes, mesh=mesh)
-    w = weights.reshape(-1)[order]
-    return torch.zeros_like(x).index_add(0, tok, back * w[:, None])
+    return torch.zeros_like(x).index_add(0, tok, back * weights.reshape(-1)[order, None])
 
 
 def moe_etp(router: torch.Tensor, local_experts: dict, x: torch.Tensor, k: int, axis: str, *,
@@ -220,12 +218,9 @@ def moe_etp(router: torch.Tensor, local_experts: dict, x: torch.Tensor, k: int, 
     n = lax.axis_size(axis, mesh=mesh)
     ids, weights = route(x, router, k)
     sizes = lax.all_gather(torch.tensor([x.shape[0]], device=x.device), axis, mesh=mesh)
-    xs = lax.all_gather(x, axis, mesh=mesh)
-    all_ids = lax.all_gather(ids, axis, mesh=mesh)
-    all_w = lax.all_gather(weights, axis, mesh=mesh)
+    xs, all_ids, all_w = (lax.all_gather(t, axis, mesh=mesh) for t in (x, ids, weights))
     # Every gathered tensor stays in the graph where no token reaches an expert here: the
     # all_gathers' backwards run on every rank (+ empty sums: 0).
     out = _routed(local_experts, xs, all_ids, all_w,
                   torch.zeros_like(xs) + xs[:0].sum() + all_w[:0].sum())
-    back = lax.all_to_all(out, axis, 0, 0, split_sizes=sizes.tolist(), mesh=mesh)
-    return back.view(n, *x.shape).sum(0)
+    return lax.all_to_all(out, axis, 0, 0, split_sizes=sizes.tolist(), mesh=mesh).view(n, *x.shape).sum(0)

@@ -100,12 +100,9 @@ def _describe(stack: list) -> str:
             user = next(((g, ln, name) for g, ln, name in stack[i + 1:]
                          if not g.startswith(_PACKAGE) and "torch" + os.sep not in g),
                         None) if caller and caller[0].startswith(_PACKAGE) else None
-            where = ""
-            if user:
-                where = (f" called from {caller[2]} ({caller[0]}:{caller[1]}), from your code "
-                         f"at {user[2]} ({user[0]}:{user[1]})")
-            elif caller:
-                where = f" called from {caller[2]} ({caller[0]}:{caller[1]})"
+            where = (f" called from {caller[2]} ({caller[0]}:{caller[1]}), from your code at {user[2]} "
+                     f"({user[0]}:{user[1]})" if user else
+                     f" called from {caller[2]} ({caller[0]}:{caller[1]})" if caller else "")
             return f"waiting in the collective {fn} ({os.path.basename(f)}:{line}){where}"
     if stack:
         f, line, fn = stack[0]

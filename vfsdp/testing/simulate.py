@@ -58,7 +58,6 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
             f"Python process (notebook kernel)")
     vars(torch.nn.init).update(_NN_INIT)
     out: list = [None] * world_size
-    failures: dict[int, str] = {}
     errors: dict[int, str] = {}  # rank -> its traceback, written by its thread
     hook, threads_before = sys.excepthook, torch.get_num_threads()
     torch.set_num_threads(1)
@@ -88,15 +87,14 @@ def _simulate(world_size: int, fn: Callable, args, kwargs, timeout: Optional[flo
             for t in threads:  # one deadline for all ranks
                 t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             hung = {r: t for r, t in enumerate(threads) if t.is_alive()}
+            frames = sys._current_frames() if hung else {}
+            failures = dict(errors)  # a hung rank's report names where it waits
+            for r, t in hung.items():
+                failures[r] = f"rank {r} did not finish within {timeout} s; {waiting_in(frames.get(t.ident))}"
             if hung:
-                frames = sys._current_frames()
-                for r, t in hung.items():
-                    failures[r] = (f"rank {r} did not finish within {timeout} s; "
-                                   f"{waiting_in(frames.get(t.ident))}")
                 _torch_private.report_failure(mtp, TimeoutError("simulate timed out"))
                 for t in hung.values():  # woken from their collectives, they end
                     t.join(2.0)
-            failures = {**errors, **failures}  # a hung rank's report names where it waits
     finally:
         sys.excepthook = hook
         torch.set_num_threads(threads_before)

@@ -46,8 +46,8 @@ def _check_importable(fn: Callable) -> None:
 
 
 def _worker(rank, world_size, init_file, err_path, dump_at, fn, args, kwargs, results):
-    fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.dup2(fd, 2)  # this rank's stderr, Python's and C++'s, goes to its file
+    # this rank's stderr, Python's and C++'s, goes to its file
+    os.dup2(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
     faulthandler.enable()  # fatal signals: write every thread's stack there
     # a hang: where it waits, written shortly before the parent's deadline (wall clock)
     faulthandler.dump_traceback_later(max(0.5, dump_at - time.time()))
@@ -142,10 +142,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
                 if all(not p.is_alive() for p in procs) and results.empty():
                     break
                 continue
-            if ok:
-                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
-            else:
-                failures[rank] = value
+            (out if ok else failures)[rank] = (torch.load(io.BytesIO(value), weights_only=False)
+                                               if ok else value)
         for p in procs:
             p.join(max(0.0, min(5.0, deadline - time.monotonic())))
         hung = {r for r, p in enumerate(procs) if p.is_alive()}
@@ -154,22 +152,15 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **k
             procs[r].join(5.0)
         for r in range(world_size):
             _pump(errs[r], tails[r])
-        for r in range(world_size):
-            if r in out:
+            if r in out or (r in failures and r not in hung):
                 continue
             code, text = procs[r].exitcode, tails[r].decode("utf-8", "replace")
-            if r in hung:
-                why = (f"rank {r} did not finish within {timeout} s; "
-                       f"{waiting_in_dump(text)}")
-            elif r in failures:
-                why = failures[r]
-            elif code is not None and code < 0:
-                why = f"rank {r} was killed by {signal.Signals(-code).name}"
-            else:
-                why = f"rank {r} produced no result (exit code {code})"
             tail = "\n".join(text.rstrip().splitlines()[-30:])  # its last lines
-            failures[r] = why + (f"\n--- rank {r} stderr (last lines) ---\n{tail}" if tail
-                                 and r not in failures else "")
+            failures[r] = (
+                f"rank {r} did not finish within {timeout} s; {waiting_in_dump(text)}" if r in hung
+                else f"rank {r} was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+                else f"rank {r} produced no result (exit code {code})"
+            ) + (f"\n--- rank {r} stderr (last lines) ---\n{tail}" if tail and r not in failures else "")
     if failures:
         raise RankError(failures)
     return [out[r] for r in range(world_size)]

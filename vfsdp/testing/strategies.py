@@ -175,8 +175,6 @@ def granularities() -> st.SearchStrategy:
         >>> find(granularities(), lambda g: g is not None, settings=fixed)
         rows(1)
     """
-    fixed = st.sampled_from([None, rows(1), rows(2), rows(3), rows(4), whole])
-
     @st.composite
     def mixed(draw):
         table = draw(st.lists(st.sampled_from([None, rows(1), rows(2), whole]), min_size=1,
@@ -184,7 +182,7 @@ def granularities() -> st.SearchStrategy:
         # a hash that is the same in every process (str hashes are salted per process)
         return lambda path, tensor: table[zlib.crc32(repr(tuple(path)).encode()) % len(table)]
 
-    return st.one_of(fixed, mixed())
+    return st.one_of(st.sampled_from([None, rows(1), rows(2), rows(3), rows(4), whole]), mixed())
 
 
 def dtypes(choices: Sequence[torch.dtype] = DTYPES) -> st.SearchStrategy:
@@ -249,15 +247,13 @@ def param_trees(draw, max_layers: int = 3, max_tensors: int = 3, max_side: int =
         values = torch.arange(math.prod(shape), dtype=torch.float64) * 0.25  # cpu: test data
         return (values + next(counter)).reshape(shape).to(dtype)
 
-    layers = []
-    for _ in range(draw(st.integers(0, max_layers))):
+    def unit(prefix: str, dims: int, least: int) -> dict:  # one dtype per unit
         dtype = draw(dtypes(dtype_choices))
-        layers.append({f"t{j}": tensor(draw(shapes(2, max_side)), dtype)
-                       for j in range(draw(st.integers(1, max_tensors)))})
-    dtype = draw(dtypes(dtype_choices))
-    root = {f"r{j}": tensor(draw(shapes(3, max_side)), dtype)
-            for j in range(draw(st.integers(0 if layers else 1, max_tensors)))}
-    return {"layers": layers, "root": root, "note": "passes through"}
+        return {f"{prefix}{j}": tensor(draw(shapes(dims, max_side)), dtype)
+                for j in range(draw(st.integers(least, max_tensors)))}
+
+    layers = [unit("t", 2, 1) for _ in range(draw(st.integers(0, max_layers)))]
+    return {"layers": layers, "root": unit("r", 3, 0 if layers else 1), "note": "passes through"}
 
 
 @st.composite
@@ -286,9 +282,8 @@ def plans(draw, trees: Optional[st.SearchStrategy] = None, mesh: Optional[st.Sea
         ({'r0': tensor(1.)}, 3)
     """
     params = draw(trees if trees is not None else param_trees())
-    spec = plan(params, draw(mesh if mesh is not None else meshes()),
-                granularity=draw(granularity if granularity is not None else granularities()))
-    return params, spec
+    return params, plan(params, draw(mesh if mesh is not None else meshes()),
+                        granularity=draw(granularity if granularity is not None else granularities()))
 
 
 @st.composite
@@ -314,8 +309,7 @@ def compositions(draw, total: int, parts: int) -> tuple:
         (2, 0, 3)
     """
     cuts = sorted(draw(st.lists(st.integers(0, total), min_size=parts - 1, max_size=parts - 1)))
-    bounds = [0, *cuts, total]
-    return tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+    return tuple(b - a for a, b in itertools.pairwise([0, *cuts, total]))
 
 
 @st.composite
@@ -347,9 +341,6 @@ def ragged_cases(draw, max_world: int = 17) -> tuple:
     m = draw(st.one_of(st.integers(1, max_world), st.just(64)))
     d = draw(st.integers(0, len(shape)))
     lead = math.prod(shape[:d])
-    if math.prod(shape) == 0:
-        units = (0,) * m
-    else:
-        divisors = [k for k in range(1, lead + 1) if lead % k == 0]
-        units = draw(compositions(draw(st.sampled_from(divisors)), m))
+    divisors = [k for k in range(1, lead + 1) if lead % k == 0]
+    units = (0,) * m if math.prod(shape) == 0 else draw(compositions(draw(st.sampled_from(divisors)), m))
     return shape, RaggedShard(tuple(range(d)), units)

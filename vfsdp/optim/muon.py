@@ -153,24 +153,13 @@ class Wave:
     back: tuple
 
 
-def held_ranges(t: Any, world: int) -> list:
-    """Each rank's flat range of ``t`` (``local_range``), read only on the ranks it spans.
-
-    Example:
-        >>> held_ranges(vfsdp.plan({"w": torch.ones(3, 2)}, 2).tree["w"], 3)
-        [(0, 4), (4, 6), (0, 0)]
-    """
-    ranks = set(t.ranks())
-    return [t.local_range(r) if r in ranks else (0, 0) for r in range(world)]
-
-
 def plan_waves(groups: list, rank: int, world: int, base: dict) -> tuple[tuple, list]:
     """The :class:`Wave` values of ``groups`` (lists of matrices exchanged together), and the
     workspace ranges each wave sends (``base``: unit key -> the unit's offset in the
     workspace), for :func:`cuts_of`."""
     waves, sends = [], []
     for mats in groups:
-        held = [held_ranges(m.spec, world) for m in mats]
+        held = [[m.spec.local_range(r) for r in range(world)] for m in mats]
         at_root = [[(0, m.spec.numel) if r == m.root else (0, 0) for r in range(world)]
                    for m in mats]
         to_roots = Redistribution(held, at_root, rank, world)
@@ -247,14 +236,11 @@ def plan_roots(tensors: list[TensorSpec], world_size: int) -> list[int]:
     """
     load = [0] * world_size
     roots = [0] * len(tensors)
-    order = sorted(range(len(tensors)), key=lambda i: (-_cost(tensors[i]), i))
     split = any(t.strided is not None for t in tensors)  # the same roots on every model index
-    for i in order:
-        t = tensors[i]
-        held = [0 if split else hi - lo for lo, hi in held_ranges(t, world_size)]
-        r = min(range(world_size), key=lambda q: (load[q], -held[q], q))
-        roots[i] = r
-        load[r] += _cost(t)
+    for i in sorted(range(len(tensors)), key=lambda i: (-_cost(tensors[i]), i)):
+        held = [0 if split else hi - lo for lo, hi in map(tensors[i].local_range, range(world_size))]
+        roots[i] = r = min(range(world_size), key=lambda q: (load[q], -held[q], q))
+        load[r] += _cost(tensors[i])
     return roots
 
 
@@ -358,16 +344,12 @@ def run_waves(plan: MuonPlan, pieces: tuple, work: torch.Tensor, send: Callable,
         ``(targets, updates)``: per piece received back, ``(matrix, lo, hi)`` within its
         piece on this rank, and the piece.
     """
-    def start(wave):
-        return send(wave.to_roots, _cat([pieces[i] for i in wave.send], work), True)
-
     targets, updates = [], []
-    pending = start(plan.waves[0]) if plan.waves else None
+    starts = (send(wave.to_roots, _cat([pieces[i] for i in wave.send], work), True)
+              for wave in plan.waves)  # next() starts one: a wave's exchange while the last runs
+    pending = next(starts, None)
     for w, wave in enumerate(plan.waves):
-        recv = pending()
-        if w + 1 < len(plan.waves):
-            pending = start(plan.waves[w + 1])  # in flight during the rule
-        out = None  # (a rank that is no root of the wave sends nothing back)
+        recv, pending = pending(), next(starts, None)  # in flight during the rule
         if wave.stacked:
             m = wave.matrices[wave.stacked[0]]
             g = _laid_out(recv, wave.pieces, wave.order).view(len(wave.stacked), *m.spec.shape)
@@ -375,14 +357,10 @@ def run_waves(plan: MuonPlan, pieces: tuple, work: torch.Tensor, send: Callable,
             if back and _split(m):  # this index's piece of the global updates
                 st = m.spec.strided
                 o = o.narrow(st.dim + 1, st.start, st.lengths[st.index])
-            if back:
-                out = _laid_out(o.reshape(-1), wave.out_cuts, wave.out_send)
-        if back:
-            got = send(wave.from_roots, work.new_empty(0) if out is None else out
-                       ).split_with_sizes(wave.back)
-            for (j, lo, hi), piece in zip(wave.from_roots.recv, got):
-                targets.append((wave.matrices[j], lo, hi))
-                updates.append(piece)
+        if back:  # (a rank that is no root of the wave sends nothing back)
+            updates += send(wave.from_roots, _laid_out(o.reshape(-1), wave.out_cuts, wave.out_send)
+                            if wave.stacked else work.new_empty(0)).split_with_sizes(wave.back)
+            targets += [(wave.matrices[j], lo, hi) for j, lo, hi in wave.from_roots.recv]
     return targets, updates
 
 
@@ -551,14 +529,14 @@ def muon(
         first = next(iter(units.values())).db
         with torch.no_grad():
             moms = [state.momentum[key].shard for key, _ in plan.units]
-            pairs = []  # (momentum, gradient): the whole shard (only matrices are read), or
-            for (key, _), buf in zip(plan.units, moms):  # a frozen matrix keeps its momentum
-                g = gflat[key]
-                pairs += [(buf, g)] if all(k != key for k, _ in frozen) else [
-                    (buf[m.lo:m.hi], g[m.lo:m.hi]) for m in plan.matrices
-                    if m.key == key and (key, m.k) not in frozen]
+            # (momentum, gradient): the whole shard (only matrices are read), or the matrices'
+            # slices where one is frozen (it keeps its momentum)
+            pairs = [pair for (key, _), b in zip(plan.units, moms) for pair in (
+                [(b, gflat[key])] if all(k != key for k, _ in frozen) else
+                [(b[m.lo:m.hi], gflat[key][m.lo:m.hi]) for m in plan.matrices
+                 if m.key == key and (key, m.k) not in frozen])]
             # Momentum, then the updates it sends, as multi-tensor ops into one workspace.
-            tp.foreach("lerp_", [b for b, _ in pairs], [g for _, g in pairs], scalar=1 - momentum)
+            tp.foreach("lerp_", *zip(*pairs), scalar=1 - momentum)
             work = torch.cat(list(gflat.values()) if nesterov else moms)
             if nesterov:
                 tp.foreach("lerp_", list(work.split_with_sizes([n for _, n in plan.units])), moms,
@@ -623,10 +601,10 @@ class OwnedState(MuonState):
         as a Piece (whole on its owner, empty elsewhere)."""
         plan, units = self.plan, self.kept["params"]
         writer = all(db.groups.replicate_rank == 0 for db in units.values())
-        held = {}  # (key, k) -> its wave's stacks and its place in them (None: not owned here)
-        for wave, stacks in zip(plan.waves, self.stacks):
-            for j, m in enumerate(wave.matrices):
-                held[(m.key, m.k)] = stacks, wave.stacked.index(j) if j in wave.stacked else None
+        # (key, k) -> its wave's stacks and its place in them (None: not owned here)
+        held = {(m.key, m.k): (stacks, wave.stacked.index(j) if j in wave.stacked else None)
+                for wave, stacks in zip(plan.waves, self.stacks)
+                for j, m in enumerate(wave.matrices)}
         names = dict.fromkeys(n for s in self.stacks for n in s)
 
         def pick(name: str, db: Any, k: int) -> Any:
@@ -636,9 +614,8 @@ class OwnedState(MuonState):
             local = (torch.empty(0, dtype=plan.dtype, device=db.device) if at is None
                      else stacks[name][at])
             st = db.tensors[k].strided  # under TP, every index holds the same: one writes
-            first = st is None or st.index == 0
             return Piece(local, tuple(stacks[name].shape[1:]), 0,
-                         writer=writer and first and local.numel() > 0)
+                         writer=writer and (st is None or st.index == 0) and local.numel() > 0)
 
         return {"step": self.step,
                 **{n: param_tree(units, spec, functools.partial(pick, n)) for n in names}}
@@ -660,9 +637,8 @@ def branch_(pred: Any, fn: Callable, args: tuple, state: tuple) -> None:
     if not isinstance(pred, torch.Tensor):
         new = fn(*args, *state) if pred else state
     else:
-        n = len(args)
         new = torch.cond(pred, lambda *xs: tuple(y.contiguous() for y in fn(*xs)),
-                         lambda *xs: tuple(x.clone() for x in xs[n:]), (*args, *state))
+                         lambda *xs: tuple(x.clone() for x in xs[len(args):]), (*args, *state))
     for x, y in zip(state, new):
         if x is not y:
             x.copy_(y)

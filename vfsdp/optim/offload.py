@@ -210,9 +210,8 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
                 host = Unit(u.unit.layout, host_groups(u.unit.groups),
                             master_dtype or state_dtype(u.db.dtype))
                 gdb = host.grads()
-                if on_gpu:
-                    host.params.pin_shard()
-                    gdb.pin_shard()
+                for db in (host.params, gdb) if on_gpu else ():
+                    db.pin_shard()
                 chosen = runs(u.db, mask)
                 # The newest state's mirror: an older state copies for itself.
                 mirror = HostMirror(gdb.shard, stream) if chosen else None
@@ -247,9 +246,8 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
             for (_, k), x in zip(u.leaves, u.values):  # frozen: no update, as without
                 hu.views[k].requires_grad_(x.requires_grad)  # offload
         if checking():  # the checking pass: the gradients' sizes, the wrapped update's checks
-            for u, hu in zip(units, state.units):
-                if hu.runs:
-                    flat_grads(leaves, u, what)
+            for u in (u for u, hu in zip(units, state.units) if hu.runs):
+                flat_grads(leaves, u, what)
             return member(opt, state.grads, state.inner, state.shards, spec)
         state.wait()
         blocking = state.stream is None
@@ -257,17 +255,13 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
         if not blocking:  # the mirrors' fingerprints were taken on the copy stream
             torch.cuda.current_stream(state.stream.device).wait_stream(state.stream)
         with torch.no_grad():  # on the compute stream: waits for reductions still in flight
-            for u, hu in zip(units, state.units):
-                if not hu.runs:
-                    continue
+            for u, hu in ((u, hu) for u, hu in zip(units, state.units) if hu.runs):
                 g = flat_grads(leaves, u, what)
-                mirror = hu.mirror
-                mirrored = (mirror.holds and u.unit.grad_mirror is mirror
-                            and g.numel() == mirror.host.numel())
+                mirrored = (hu.mirror.holds and u.unit.grad_mirror is hu.mirror
+                            and g.numel() == hu.mirror.host.numel())
                 now, saved = fingerprint(hu.device.params.shard), state.seen.get(u.key)
-                checks += [now, now if saved is None else saved]
-                if mirrored:
-                    checks += [fingerprint(g), mirror.seen]
+                checks += [now, now if saved is None else saved] + (
+                    [fingerprint(g), hu.mirror.seen] if mirrored else [])
                 rows.append((hu, g, mirrored, saved is None))
             read = iter(torch.stack(checks).tolist() if checks else ())  # one copy to the host
         if not blocking:  # the copies read what the compute stream wrote
@@ -291,9 +285,9 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
             state.inner = opt.update(state.grads, state.inner, state.shards, spec)
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             error = exc
-        for hu in state.units:  # the host update may have changed them (a clip, in place)
-            if hu.mirror is not None:
-                hu.mirror.forget()
+        # the host update may have changed them (a clip, in place)
+        for mirror in (hu.mirror for hu in state.units if hu.mirror is not None):
+            mirror.forget()
         try:  # a failure past the checks (atomic): every rank raises, none copies back
             agree_all(error)
         except BaseException:
@@ -316,11 +310,10 @@ def offload(opt: Optimizer, master_dtype: Optional[torch.dtype] = None) -> Optim
 def _read_back(hu: HostUnit, blocking: bool) -> None:
     """Read the device shard's runs into the master: where the master's value, cast to the
     parameters' dtype, is what the device holds, the master keeps its extra precision."""
-    dev, master = hu.device.params.shard, hu.host.params.shard
     for lo, hi in hu.runs:
-        if dev.dtype == master.dtype:
-            master[lo:hi].copy_(dev[lo:hi], non_blocking=not blocking)
-            continue
-        now = dev[lo:hi].to("cpu")
-        part = master[lo:hi]
-        part.copy_(torch.where(part.to(now.dtype) == now, part, now.to(part.dtype)))
+        now, part = hu.device.params.shard[lo:hi], hu.host.params.shard[lo:hi]
+        if now.dtype == part.dtype:
+            part.copy_(now, non_blocking=not blocking)
+        else:
+            now = now.to("cpu")
+            part.copy_(torch.where(part.to(now.dtype) == now, part, now.to(part.dtype)))

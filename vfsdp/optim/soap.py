@@ -66,16 +66,6 @@ def _refresh(stats: torch.Tensor, q: torch.Tensor, v: torch.Tensor, side: int) -
     return q.to(stats.dtype), v
 
 
-_REFRESH = tuple(lambda stats, q, v, side=side: _refresh(stats, q, v, side) for side in (0, 1))
-
-
-def _gate(t: Any, dtype: torch.dtype) -> Any:
-    """Whether step ``t`` moves anything (the first only sets the eigenbases): eagerly
-    ``None`` (no) or ``1.0``; compiled, ``t > 0`` as a 0-d tensor of ``dtype`` that the
-    moments' weights are multiplied by (a weight 0 leaves them exactly as they were)."""
-    return (t > 0).to(dtype) if isinstance(t, torch.Tensor) else 1.0 if t else None
-
-
 def _sizes(t: Any, rate: Any, b1: float, b2: float, correct_bias: bool) -> tuple:
     """``(step size, weight-decay rate)`` of step ``t > 0``: ``rate``, times Adam's bias
     corrections; compiled, both 0 at ``t = 0`` (nothing moves: ``p * 1 - 0 * u``)."""
@@ -174,7 +164,10 @@ def soap(
     def rule(s: dict, t: Any, g: torch.Tensor) -> Optional[torch.Tensor]:
         # t: the reference's step (the first only initialises, and sends nothing back)
         ql, qr = s.get("QL"), s.get("QR")
-        out, gate = None, _gate(t, g.dtype)
+        # Whether step t moves anything (the first only sets the eigenbases): eagerly None (no)
+        # or 1.0; compiled, t > 0 as a 0-d tensor the moments' weights are multiplied by (a
+        # weight 0 leaves them exactly as they were).
+        out, gate = None, (t > 0).to(g.dtype) if isinstance(t, torch.Tensor) else 1.0 if t else None
         if gate is not None:
             s["exp_avg"].lerp_(g, (1 - b1) * gate)
             # Out of place: with no side rotated, _rotate returns its argument.
@@ -185,8 +178,9 @@ def soap(
             if stats in s:  # the first update sets the eigenbases, refreshes update them
                 s[stats].lerp_(g @ g.mT if side == 0 else g.mT @ g, decay)
                 branch_(t == 0, lambda st, _: (eigenbasis(st),), (s[stats],), (s[q],))
-                branch_((t % precondition_frequency == 0) & (t > 0), _REFRESH[side],
-                        (s[stats],), (s[q], s["exp_avg_sq"]))
+                branch_((t % precondition_frequency == 0) & (t > 0),
+                        lambda st, qs, v, side=side: _refresh(st, qs, v, side), (s[stats],),
+                        (s[q], s["exp_avg_sq"]))
         return out
 
     def finish(views: list, updates: list, t: Any, lr: Any) -> None:

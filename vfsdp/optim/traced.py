@@ -54,15 +54,10 @@ def adam_views(units: list, state: Any, owns: Any, decays: Any) -> list:
     Returns:
         The views.
     """
-    out = []
-    for u in units:
-        if u.key in state.exp_avg:
-            for k, i in sorted(first_leaves(u).items()):
-                path = u.db.tensors[k].path
-                if owns(path):
-                    out.append((i, bool(decays(path)), state.exp_avg[u.key].local(k).view(-1),
-                                state.exp_avg_sq[u.key].local(k).view(-1)))
-    return out
+    return [(i, bool(decays(u.db.tensors[k].path)), state.exp_avg[u.key].local(k).view(-1),
+             state.exp_avg_sq[u.key].local(k).view(-1))
+            for u in units if u.key in state.exp_avg
+            for k, i in sorted(first_leaves(u).items()) if owns(u.db.tensors[k].path)]
 
 
 def traced_adamw(grads: Any, state: Any, shards: Any, spec: ShardSpec, lr: Any,
@@ -139,8 +134,7 @@ def traced_clip(grads: Any, spec: ShardSpec, max_norm: float, eps: float,
             ``tp=`` spec without the mesh with its axis), or an HSDP spec without ``mesh=``
             whose default mesh this rank has not built.
     """
-    what = "vfsdp.clip_grad_norm"
-    leaves, _ = traced_leaves(grads, spec, what)
+    leaves, _ = traced_leaves(grads, spec, "vfsdp.clip_grad_norm")
     tensors, counted = local_plan(spec, None)[3:]
     shard_name, model, device, refused = _norm_groups(spec, mesh)
     if refused is not None:

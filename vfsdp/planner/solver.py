@@ -243,28 +243,26 @@ def _search(
                 continue
             start = cur if e == 0 else _earliest_start(cur, e, g, s, cap)
             if start is None:
-                return []  # this class fits nowhere from here on: dead state
+                return iter(())  # this class fits nowhere from here on: dead state
             waste = start - cur
             if pad + waste <= slack:
                 opts.append((waste >= small, window[c], waste, -e, c, start))
-        opts.sort()
-        return [(o[2], o[3], o[4], o[5]) for o in opts]
+        return iter([o[2:] for o in sorted(opts)])
 
     failed: set = set()
     path: list[tuple[int, int]] = []
-    stack = [[0, 0, options(0, 0), 0]]
+    stack = [(0, 0, options(0, 0))]  # (cursor, padding so far, the options left to try there)
     nodes = 0
     while stack:
-        frame = stack[-1]
-        cur, pad, opts, k = frame
-        if k >= len(opts):
+        cur, pad, opts = stack[-1]
+        option = next(opts, None)
+        if option is None:
             failed.add((cur, tuple(counts)))
             stack.pop()
             if path:
                 counts[path.pop()[0]] += 1
             continue
-        frame[3] = k + 1
-        waste, neg_e, c, start = opts[k]
+        waste, neg_e, c, start = option
         counts[c] -= 1
         path.append((c, start))
         nodes += 1
@@ -277,7 +275,7 @@ def _search(
             path.pop()
             counts[c] += 1
             continue
-        stack.append([nxt[0], pad + waste, options(nxt[0], pad + waste), 0])
+        stack.append((nxt[0], pad + waste, options(nxt[0], pad + waste)))
     if len(path) < len(numels):
         return None
     offsets = [0] * len(numels)

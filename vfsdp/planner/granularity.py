@@ -122,9 +122,8 @@ def block_elements(gran: Any, path: tuple, shape: tuple[int, ...], numel: int, t
         return 1
     if isinstance(gran, Whole):
         return max(numel, 1)
-    if isinstance(gran, Rows):
-        row = shape[-1] if len(shape) >= 2 else 1
-        return max(gran.k * row, 1)
+    if isinstance(gran, Rows):  # a row of a 1-D (or 0-D) tensor is one element
+        return max(gran.k * (shape[-1] if len(shape) >= 2 else 1), 1)
     if isinstance(gran, int) and not isinstance(gran, bool):
         if gran < 1:
             raise ValueError(

@@ -71,11 +71,9 @@ def _local_units(spec: ShardSpec, rank: int) -> tuple:
     return tuple(units)
 
 def _local_norms(spec: ShardSpec) -> tuple:
-    seen, tensors, counted = set(), [], []
-    model = spec.model_axis
+    model, first = spec.model_axis, {}  # (unit, path) -> (its first leaf, its TensorSpec)
     for i, t in enumerate(spec.leaves()):
-        if isinstance(t, TensorSpec) and (t.unit, t.path) not in seen:
-            seen.add((t.unit, t.path))
-            tensors.append((i, t.path))
-            counted.append(model is None or model[2] == 0 or t.strided.dim is not None)
-    return tuple(tensors), tuple(counted)
+        if isinstance(t, TensorSpec):
+            first.setdefault((t.unit, t.path), (i, t))
+    return (tuple((i, t.path) for i, t in first.values()),
+            tuple(model is None or model[2] == 0 or t.strided.dim is not None for _, t in first.values()))

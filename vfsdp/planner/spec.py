@@ -399,7 +399,7 @@ class ShardSpec:
     # The plan's own data and caches of it (fingerprint, lookups, sub-specs, local plans):
     # nothing of any process's runtime.
     __slots__ = ("units", "mesh_shape", "mesh_dim_names", "_treespec", "frozen", "_leaves",
-                 "_fingerprint", "_by_path", "_by_unit", "_subs", "_local", "__weakref__")
+                 "_kept", "_subs", "_local", "__weakref__")
 
     def __init__(self, treespec, leaves, units: Mapping, mesh_shape, mesh_dim_names=None,
                  frozen: Iterable = ()) -> None:
@@ -410,9 +410,7 @@ class ShardSpec:
         set_(self, "units", MappingProxyType(dict(units)))
         set_(self, "mesh_shape", tuple(mesh_shape))
         set_(self, "mesh_dim_names", None if mesh_dim_names is None else tuple(mesh_dim_names))
-        set_(self, "_fingerprint", None)
-        set_(self, "_by_path", None)
-        set_(self, "_by_unit", None)
+        set_(self, "_kept", {})  # "fingerprint", "by_path", "by_unit" -> made once
         set_(self, "_subs", {})  # key -> sub-spec, made once
         set_(self, "_local", {})  # rank (or None) -> planner.local.local_plan, made once
 
@@ -508,12 +506,12 @@ class ShardSpec:
         Raises:
             KeyError: no tensor at that path.
         """
-        if self._by_path is None:
+        if "by_path" not in self._kept:
             at_leaves = zip(map(tuple, self.treespec.paths()), self.leaves())
-            object.__setattr__(self, "_by_path", {**{p: t for p, t in at_leaves if isinstance(t, TensorSpec)},
-                                                  **{t.path: t for t in self.tensors()}})
+            self._kept["by_path"] = {**{p: t for p, t in at_leaves if isinstance(t, TensorSpec)},
+                                     **{t.path: t for t in self.tensors()}}
         try:
-            return self._by_path[tuple(path)]
+            return self._kept["by_path"][tuple(path)]
         except KeyError:
             raise KeyError(f"no tensor at path {format_path(tuple(path))!r}") from None
 
@@ -526,14 +524,13 @@ class ShardSpec:
             >>> dict(spec.unit_leaves())
             {(): ((0, 0), (1, 1))}
         """
-        if self._by_unit is None:
+        if "by_unit" not in self._kept:
             groups: dict = {}
             for i, s in enumerate(self.leaves()):
                 if isinstance(s, TensorSpec):
                     groups.setdefault(s.unit, []).append((i, s.layout.index(s.path)))
-            object.__setattr__(self, "_by_unit",
-                               MappingProxyType({k: tuple(v) for k, v in groups.items()}))
-        return self._by_unit
+            self._kept["by_unit"] = MappingProxyType({k: tuple(v) for k, v in groups.items()})
+        return self._kept["by_unit"]
 
     def unit_tensors(self, key: Hashable) -> tuple[TensorSpec, ...]:
         """The ``TensorSpec`` s of one unit, in buffer order.
@@ -591,7 +588,7 @@ class ShardSpec:
     @property
     def fingerprint(self) -> str:
         """SHA-256 of a canonical description; equal on every rank and in every process."""
-        if self._fingerprint is None:
+        if "fingerprint" not in self._kept:
             h = hashlib.sha256()
             h.update(repr((str(self.treespec), self.mesh_shape, self.mesh_dim_names)).encode())
             for u in self.units.values():
@@ -602,8 +599,8 @@ class ShardSpec:
                 h.update(repr(x._key() if isinstance(x, TensorSpec) else "passthrough").encode())
             if self.frozen:
                 h.update(repr(sorted(map(repr, self.frozen))).encode())
-            object.__setattr__(self, "_fingerprint", h.hexdigest())
-        return self._fingerprint
+            self._kept["fingerprint"] = h.hexdigest()
+        return self._kept["fingerprint"]
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ShardSpec) and self.fingerprint == other.fingerprint

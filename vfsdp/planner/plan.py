@@ -91,27 +91,19 @@ def _logical(path: tuple) -> tuple:
     return tuple(int(part) if isinstance(part, str) and part.isdigit() else part for part in parts)
 
 
-def _outer_sequences(params: Any) -> list[tuple]:
-    """Paths of the outermost (non-empty) list/tuple nodes of ``params``.
+def _outer_sequences(node: Any, path: tuple = ()) -> list[tuple]:
+    """Paths of the outermost (non-empty) list/tuple nodes of ``node`` (at ``path``).
 
     Descends with ``optree.tree_flatten_one_level`` through non-sequence nodes only, so it
     touches the few nodes above the layers, not the leaves below them.
     """
-    found: list[tuple] = []
-    stack = [((), params)]
-    while stack:
-        path, node = stack.pop()
-        if type(node) in (list, tuple):
-            if node:
-                found.append(path)
-            continue
-        if is_tensor_leaf(node) or optree.tree_is_leaf(node):
-            continue
-        level = optree.tree_flatten_one_level(node)
-        for entry, child in zip(level.entries, level.children):
-            if not is_tensor_leaf(child):
-                stack.append((path + (entry,), child))
-    return sorted(found, key=repr)
+    if type(node) in (list, tuple):
+        return [path] if node else []
+    if is_tensor_leaf(node) or optree.tree_is_leaf(node):
+        return []
+    level = optree.tree_flatten_one_level(node)
+    return [found for entry, child in zip(level.entries, level.children)
+            for found in _outer_sequences(child, path + (entry,))]
 
 
 def _grouped(keys: list, unit_of: Callable[[Any], Hashable] = lambda key: key) -> dict[Hashable, list]:
@@ -126,7 +118,7 @@ def _grouped(keys: list, unit_of: Callable[[Any], Hashable] = lambda key: key) -
 def _unit_groups(units: Units, paths: list[tuple], params: Any) -> dict[Hashable, list]:
     """The positions in ``paths`` of every unit's tensors, by unit key."""
     if units is None:
-        seqs = _outer_sequences(params)
+        seqs = sorted(_outer_sequences(params), key=repr)
         if seqs:  # a path's unit: its shallowest sequence's element, read once per run of paths
             seq_set, depths = set(seqs), sorted({len(s) for s in seqs})
             return _grouped(list(map(itemgetter(slice(0, depths[-1] + 1)), paths)),

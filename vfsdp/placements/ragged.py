@@ -38,8 +38,7 @@ __all__ = [
 
 def _compact(values: Sequence[int], limit: int = 12) -> str:
     """Readable rendering of a long tuple: run-length encodes repeats, elides the middle."""
-    runs = [(v, sum(1 for _ in group)) for v, group in itertools.groupby(values)]
-    parts = [f"{v}" if n == 1 else f"{v}x{n}" for v, n in runs]
+    parts = [f"{v}" if (n := len(list(run))) == 1 else f"{v}x{n}" for v, run in itertools.groupby(values)]
     if len(parts) > limit:
         parts = parts[: limit // 2] + ["..."] + parts[-limit // 2 :]
     return "(" + ", ".join(parts) + ")"

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vfsdp.placements.ragged import Placement, flat_range, local_shape
+from vfsdp.placements.ragged import Placement, flat_range, local_numel, local_shape
 
 __all__ = ["split_reference", "assemble_reference"]
 
@@ -62,9 +62,6 @@ def assemble_reference(
     if len(pieces) != placement.world_size:
         raise ValueError(f"expected {placement.world_size} pieces, got {len(pieces)}")
     for rank, piece in enumerate(pieces):
-        start, stop = flat_range(placement, shape, rank)
-        if piece.numel() != stop - start:
-            raise ValueError(
-                f"piece {rank} has {piece.numel()} elements, placement expects {stop - start}"
-            )
+        if piece.numel() != (n := local_numel(placement, shape, rank)):
+            raise ValueError(f"piece {rank} has {piece.numel()} elements, placement expects {n}")
     return torch.cat([p.reshape(-1) for p in pieces]).reshape(tuple(shape))  # world size >= 1

@@ -54,7 +54,5 @@ def is_tensor_leaf(x: Any) -> bool:
 
 def leaf_meta(x: Any) -> tuple[tuple[int, ...], torch.dtype, int]:
     """``(shape, dtype, numel)`` of a tensor leaf."""
-    if isinstance(x, ShapeDtype):
-        return x.shape, x.dtype, x.numel
     shape = tuple(x.shape)
     return shape, x.dtype, math.prod(shape)

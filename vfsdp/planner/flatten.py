@@ -131,18 +131,14 @@ def _structure(record: list) -> optree.PyTreeSpec:
     take, leaf = items.__next__, _LEAF
 
     def node(kind):
-        if kind is None:
-            return None
+        if kind is leaf or kind is None:
+            return None if kind is None else 0
         n = take()
         if kind is dict:
             keys = list(islice(items, n))
-            by_key = {}
-            for key in sorted(keys):
-                child = take()
-                by_key[key] = 0 if child is leaf else node(child)
+            by_key = {key: node(take()) for key in sorted(keys)}
             return by_key if len(keys) < 2 else {k: by_key[k] for k in keys}
-        return kind([0 if child is leaf else node(child) for child in islice(items, n)])
+        return kind(map(node, islice(items, n)))
 
     with paused_gc():
-        first = take()
-        return optree.tree_structure(0 if first is leaf else node(first))
+        return optree.tree_structure(node(take()))

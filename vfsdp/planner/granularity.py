@@ -56,8 +56,7 @@ class Whole:
     def __repr__(self) -> str:
         return "whole"
 
-    def __reduce__(self) -> str:
-        return "whole"  # pickles (and copies) as this module's ``whole``
+    __reduce__ = __repr__  # pickles (and copies) as this module's ``whole``
 
 
 whole = Whole()
@@ -123,9 +122,8 @@ def block_elements(gran: Any, path: tuple, shape: tuple[int, ...], numel: int, t
         return 1
     if isinstance(gran, Whole):
         return max(numel, 1)
-    if isinstance(gran, Rows):
-        row = shape[-1] if len(shape) >= 2 else 1
-        return max(gran.k * row, 1)
+    if isinstance(gran, Rows):  # a row of a 1-D (or 0-D) tensor is one element
+        return max(gran.k * (shape[-1] if len(shape) >= 2 else 1), 1)
     if isinstance(gran, int) and not isinstance(gran, bool):
         if gran < 1:
             raise ValueError(
@@ -198,6 +196,9 @@ def combine(*grans: Granularity) -> Granularity:
     return combined
 
 
+_NAMED = {"element": None, "elements": None, "none": None, "1": None, "whole": whole}
+
+
 def parse_granularity(text: str) -> Granularity:
     """Parse a command-line granularity: ``element``, ``rows:K``, ``whole`` or an int.
 
@@ -209,10 +210,8 @@ def parse_granularity(text: str) -> Granularity:
         rows(32)
     """
     t = text.strip().lower()
-    if t in ("element", "elements", "none", "1"):
-        return None
-    if t == "whole":
-        return whole
+    if t in _NAMED:
+        return _NAMED[t]
     if t.startswith("rows:") and t[5:].isdigit():
         return rows(int(t[5:]))
     if t.isdigit():

@@ -59,24 +59,21 @@ def local_plan(spec: ShardSpec, rank: Optional[int] = None) -> tuple:
 
 def _local_units(spec: ShardSpec, rank: int) -> tuple:
     units = []
+    ts = spec.leaves()
     for key, members in spec.unit_leaves().items():
-        first: dict = {}  # buffer index -> its first leaf (a tie is one tensor)
-        for i, k in members:
-            first.setdefault(k, i)
-        ts = spec.leaves()
-        pieces = tuple((i, *ts[i].shard_range(rank)) for _k, i in
-                       sorted(first.items(), key=lambda kv: ts[kv[1]].shard_range(rank)))
+        # each buffer index's first leaf (a tie is one tensor), ordered by the piece's place
+        first = {k: i for i, k in reversed(members)}.values()
+        pieces = tuple((i, *ts[i].shard_range(rank)) for i in
+                       sorted(first, key=lambda i: (ts[i].shard_range(rank), i)))
         views = tuple((i, ts[i].offset, ts[i].numel, tuple(ts[i].shape)) for i, _k in members)
         layout = spec.units[key]
         units.append((key, layout.shard_numel, layout.dtype, pieces, views))
     return tuple(units)
 
 def _local_norms(spec: ShardSpec) -> tuple:
-    seen, tensors, counted = set(), [], []
-    model = spec.model_axis
+    model, first = spec.model_axis, {}  # (unit, path) -> (its first leaf, its TensorSpec)
     for i, t in enumerate(spec.leaves()):
-        if isinstance(t, TensorSpec) and (t.unit, t.path) not in seen:
-            seen.add((t.unit, t.path))
-            tensors.append((i, t.path))
-            counted.append(model is None or model[2] == 0 or t.strided.dim is not None)
-    return tuple(tensors), tuple(counted)
+        if isinstance(t, TensorSpec):
+            first.setdefault((t.unit, t.path), (i, t))
+    return (tuple((i, t.path) for i, t in first.values()),
+            tuple(model is None or model[2] == 0 or t.strided.dim is not None for _, t in first.values()))

@@ -95,14 +95,13 @@ def split_params(params: Any, mesh: Any, mesh_shape: tuple, mesh_names: Optional
         piece, st = leaf, None  # a non-tensor leaf passes through
         if is_tensor_leaf(leaf):
             shape, dtype, _ = leaf_meta(leaf)
-            dim = _placement(rule(tuple(path)), tuple(path), tuple(shape))
-            if id(leaf) not in by_id:  # a tie (the same tensor again) gets the same piece
-                st = StridedRaggedShard(axis, size, index, dim, tuple(shape))
-                by_id[id(leaf)] = (ShapeDtype(st.local_shape, dtype), st, tuple(path))
-            piece, st, first = by_id[id(leaf)]
+            dim = _placement(rule(path), path, shape)
+            st = StridedRaggedShard(axis, size, index, dim, shape)
+            # a tie (the same tensor again) gets the first one's piece
+            piece, st, first = by_id.setdefault(id(leaf), (ShapeDtype(st.local_shape, dtype), st, path))
             if dim != st.dim:
                 raise ValueError(
-                    f"vfsdp.plan: {format_path(tuple(path))} is the same tensor as "
+                    f"vfsdp.plan: {format_path(path)} is the same tensor as "
                     f"{format_path(first)} (a tie), but tp= places it {_name(st.dim)} there "
                     f"and {_name(dim)} here; a tied tensor is one tensor with one placement: "
                     f"give both paths the same rule")

@@ -91,27 +91,19 @@ def _logical(path: tuple) -> tuple:
     return tuple(int(part) if isinstance(part, str) and part.isdigit() else part for part in parts)
 
 
-def _outer_sequences(params: Any) -> list[tuple]:
-    """Paths of the outermost (non-empty) list/tuple nodes of ``params``.
+def _outer_sequences(node: Any, path: tuple = ()) -> list[tuple]:
+    """Paths of the outermost (non-empty) list/tuple nodes of ``node`` (at ``path``).
 
     Descends with ``optree.tree_flatten_one_level`` through non-sequence nodes only, so it
     touches the few nodes above the layers, not the leaves below them.
     """
-    found: list[tuple] = []
-    stack = [((), params)]
-    while stack:
-        path, node = stack.pop()
-        if type(node) in (list, tuple):
-            if node:
-                found.append(path)
-            continue
-        if is_tensor_leaf(node) or optree.tree_is_leaf(node):
-            continue
-        level = optree.tree_flatten_one_level(node)
-        for entry, child in zip(level.entries, level.children):
-            if not is_tensor_leaf(child):
-                stack.append((path + (entry,), child))
-    return sorted(found, key=repr)
+    if type(node) in (list, tuple):
+        return [path] if node else []
+    if is_tensor_leaf(node) or optree.tree_is_leaf(node):
+        return []
+    level = optree.tree_flatten_one_level(node)
+    return [found for entry, child in zip(level.entries, level.children)
+            for found in _outer_sequences(child, path + (entry,))]
 
 
 def _grouped(keys: list, unit_of: Callable[[Any], Hashable] = lambda key: key) -> dict[Hashable, list]:
@@ -126,7 +118,7 @@ def _grouped(keys: list, unit_of: Callable[[Any], Hashable] = lambda key: key) -
 def _unit_groups(units: Units, paths: list[tuple], params: Any) -> dict[Hashable, list]:
     """The positions in ``paths`` of every unit's tensors, by unit key."""
     if units is None:
-        seqs = _outer_sequences(params)
+        seqs = sorted(_outer_sequences(params), key=repr)
         if seqs:  # a path's unit: its shallowest sequence's element, read once per run of paths
             seq_set, depths = set(seqs), sorted({len(s) for s in seqs})
             return _grouped(list(map(itemgetter(slice(0, depths[-1] + 1)), paths)),
@@ -171,17 +163,17 @@ def _layer_key(lp: tuple) -> tuple:
     return ROOT if idx is None else lp[: idx + 1]
 
 
-def _suggest_split(numels, blocks, m, align, shard_numel) -> Optional[tuple[int, int, tuple]]:
-    """Best two-way split among simple candidates (by block size, by largest tensors).
+def _suggest_split(numels, blocks, m, align, shard_numel, threshold) -> Optional[tuple[int, int, tuple]]:
+    """Best two-way split among simple candidates (by block size, by largest tensors), for a
+    unit padded above ``threshold``.
 
-    Returns ``(padding_now, padding_after, moved indices)`` or ``None`` when no candidate at
-    least halves the padding.
+    Returns ``(padding_now, padding_after, moved indices)`` or ``None`` when the unit is padded
+    less, or no candidate at least halves the padding.
     """
-    n = len(numels)
-    if n < 2:
-        return None
-    total = sum(numels)
+    n, total = len(numels), sum(numels)
     now = m * shard_numel - total
+    if n < 2 or not total or now <= threshold * total:
+        return None
     candidates = [tuple(i for i in range(n) if blocks[i] == b) for b in sorted(set(blocks))]
     by_numel = sorted(range(n), key=lambda i: (-numels[i], i))
     candidates += [tuple(sorted(by_numel[:k])) for k in (1, 2, 3)]
@@ -343,8 +335,9 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
         numels = list(map(math.prod, shapes))
         blocks = list(map(partial(block_elements, granularity), t_paths, shapes, numels, t_leaves))
     else:  # numel and block depend on the shape only: each distinct shape once, in tree order
-        of_shape = {sh: (math.prod(sh), _shape_block(granularity, sh, shapes, t_paths))
-                    for sh in dict.fromkeys(shapes)}
+        # (an error names the first tensor of that shape)
+        of_shape = {sh: (n := math.prod(sh), block_elements(granularity, t_paths[shapes.index(sh)], sh, n,
+                                                            None)) for sh in dict.fromkeys(shapes)}
         pairs = list(map(of_shape.__getitem__, shapes))
         numels, blocks = list(map(itemgetter(0), pairs)), list(map(itemgetter(1), pairs))
     members = {}
@@ -365,16 +358,6 @@ def prepare(params: Any, granularity: Granularity = None, units: Units = None,
     return Prepared(treespec, len(leaves), tied, members, strided, frozen)
 
 
-def _shape_block(gran: Granularity, shape: tuple, shapes: list, paths: list) -> int:
-    """The block of a (non-callable) granularity for every tensor of ``shape``; an error
-    names the first of them."""
-    numel = math.prod(shape)
-    try:
-        return block_elements(gran, (), shape, numel, None)
-    except (TypeError, ValueError):
-        return block_elements(gran, paths[shapes.index(shape)], shape, numel, None)
-
-
 def unit_layouts(prepared: Prepared, m: int, alignment_bytes: int = 16,
                  comm_dtypes: Sequence[torch.dtype] = (),
                  split_threshold: float = 0.01) -> dict[Hashable, UnitLayout]:
@@ -388,10 +371,7 @@ def unit_layouts(prepared: Prepared, m: int, alignment_bytes: int = 16,
         if signature not in solved:
             align = alignment_elements(dtype, alignment_bytes, comm_dtypes)
             packing = pack(numels, blocks, m, align)
-            total = sum(numels)
-            split = None
-            if total and m * packing.shard_numel - total > split_threshold * total:
-                split = _suggest_split(numels, blocks, m, align, packing.shard_numel)
+            split = _suggest_split(numels, blocks, m, align, packing.shard_numel, split_threshold)
             solved[signature] = (packing, align, split)
         packing, align, split = solved[signature]
         take = _taker(packing.order)

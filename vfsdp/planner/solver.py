@@ -192,11 +192,8 @@ def place_in_order(
     slack = cap - sum(numels)  # padding budget: once spent, no later start can fit
     offsets = [0] * len(numels)
     cur = 0
-    for i in order:
+    for i in order:  # a 0-size tensor starts at the cursor (which never passes cap)
         e = numels[i]
-        if e == 0:
-            offsets[i] = cur
-            continue
         start = _earliest_start(cur, e, blocks[i], s, cap)
         if start is None:
             return None
@@ -243,28 +240,26 @@ def _search(
                 continue
             start = cur if e == 0 else _earliest_start(cur, e, g, s, cap)
             if start is None:
-                return []  # this class fits nowhere from here on: dead state
+                return iter(())  # this class fits nowhere from here on: dead state
             waste = start - cur
             if pad + waste <= slack:
                 opts.append((waste >= small, window[c], waste, -e, c, start))
-        opts.sort()
-        return [(o[2], o[3], o[4], o[5]) for o in opts]
+        return iter([o[2:] for o in sorted(opts)])
 
     failed: set = set()
     path: list[tuple[int, int]] = []
-    stack = [[0, 0, options(0, 0), 0]]
+    stack = [(0, 0, options(0, 0))]  # (cursor, padding so far, the options left to try there)
     nodes = 0
     while stack:
-        frame = stack[-1]
-        cur, pad, opts, k = frame
-        if k >= len(opts):
+        cur, pad, opts = stack[-1]
+        option = next(opts, None)
+        if option is None:
             failed.add((cur, tuple(counts)))
             stack.pop()
             if path:
                 counts[path.pop()[0]] += 1
             continue
-        frame[3] = k + 1
-        waste, neg_e, c, start = opts[k]
+        waste, neg_e, c, start = option
         counts[c] -= 1
         path.append((c, start))
         nodes += 1
@@ -277,7 +272,7 @@ def _search(
             path.pop()
             counts[c] += 1
             continue
-        stack.append([nxt[0], pad + waste, options(nxt[0], pad + waste), 0])
+        stack.append((nxt[0], pad + waste, options(nxt[0], pad + waste)))
     if len(path) < len(numels):
         return None
     offsets = [0] * len(numels)
@@ -355,15 +350,11 @@ def _pack_cached(
     while len(candidates) < SCAN_WINDOW:
         candidates.append(bound.next_admissible(candidates[-1] + 1))
 
-    # the first fixed order to fit at the smallest candidate S
+    # the first fixed order to fit at the smallest candidate S, else the best of their bisections
     best = next(((name, found, s) for s in candidates for name, order in fixed
-                 if (found := _try(order, numels, eff, s, m)) is not None), None)
-    if best is None:
-        best = min(
-            (_bisect(name, order, numels, eff, m, align, bound, candidates[-1], None)
-             for name, order in fixed),
-            key=lambda b: b[2],
-        )
+                 if (found := _try(order, numels, eff, s, m)) is not None), None) or min(
+        (_bisect(name, order, numels, eff, m, align, bound, candidates[-1], None) for name, order in fixed),
+        key=operator.itemgetter(2))
 
     # The search is O(budget * classes) per probe: run it only where it could help, aiming
     # first at the bound, then at "close enough", then bisecting up to the fixed orders' S.
@@ -378,10 +369,8 @@ def _pack_cached(
                 best = ("search", found, target)
                 break
         else:
-            improved = _bisect("search", None, numels, eff, m, align, bound, target, best[2],
-                               max_probes=SEARCH_PROBES)
-            if improved is not None and improved[2] < best[2]:
-                best = improved
+            best = _bisect("search", None, numels, eff, m, align, bound, target, best[2],
+                           max_probes=SEARCH_PROBES) or best  # what it finds is below best's S
     name, (offsets, order), s = best
     return Packing(s, m, tuple(offsets), tuple(order), lb, name)
 
@@ -401,16 +390,15 @@ def _bisect(name, order, numels, eff, m, align, bound, lo, hi, max_probes=64):
         while (found := _try(order, numels, eff, hi, m)) is None:
             lo, hi = hi, bound.next_admissible(hi + step)
             step *= 2
-    best_s = hi
-    for _ in range(max_probes):
-        if best_s - lo <= align:
+    for _ in range(max_probes):  # hi: the smallest feasible S found
+        if hi - lo <= align:
             break
-        cand = bound.next_admissible((lo + best_s) // 2)
-        if cand >= best_s:
+        cand = bound.next_admissible((lo + hi) // 2)
+        if cand >= hi:
             break
         attempt = _try(order, numels, eff, cand, m)
         if attempt is None:
             lo = cand
         else:
-            best_s, found = cand, attempt
-    return None if found is None else (name, found, best_s)
+            hi, found = cand, attempt
+    return None if found is None else (name, found, hi)

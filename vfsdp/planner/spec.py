@@ -83,8 +83,7 @@ class _Passthrough:
     def __repr__(self) -> str:
         return "PASSTHROUGH"
 
-    def __reduce__(self) -> str:
-        return "PASSTHROUGH"  # pickles (and copies) as this module's ``PASSTHROUGH``
+    __reduce__ = __repr__  # pickles (and copies) as this module's ``PASSTHROUGH``
 
 
 PASSTHROUGH = _Passthrough()
@@ -354,11 +353,9 @@ class TensorSpec:
         The unit is ``gcd(block, numel)`` elements (the block, or a divisor of it when a short
         last block exists); a 0-size tensor has all-zero ``local_units``.
         """
-        unit = math.gcd(self.block, self.numel)
+        unit, ranks = math.gcd(self.block, self.numel), self.ranks()  # no ranks for a 0-size tensor
         units = [0] * self.layout.world_size
-        for r in self.ranks():  # none for a 0-size tensor
-            start, stop = self.local_range(r)
-            units[r] = (stop - start) // unit
+        units[ranks.start:ranks.stop] = [(b - a) // unit for a, b in map(self.local_range, ranks)]
         return RaggedShard(self.dims, tuple(units))
 
     def __repr__(self) -> str:
@@ -402,21 +399,18 @@ class ShardSpec:
     # The plan's own data and caches of it (fingerprint, lookups, sub-specs, local plans):
     # nothing of any process's runtime.
     __slots__ = ("units", "mesh_shape", "mesh_dim_names", "_treespec", "frozen", "_leaves",
-                 "_make_leaves", "_fingerprint", "_by_path", "_by_unit", "_subs", "_local", "__weakref__")
+                 "_kept", "_subs", "_local", "__weakref__")
 
     def __init__(self, treespec, leaves, units: Mapping, mesh_shape, mesh_dim_names=None,
                  frozen: Iterable = ()) -> None:
         set_ = object.__setattr__
         set_(self, "frozen", frozenset(frozen))
         set_(self, "_treespec", treespec)  # or a function that makes it
-        set_(self, "_make_leaves", leaves if callable(leaves) else None)
-        set_(self, "_leaves", None if callable(leaves) else _checked(self.treespec, leaves))
+        set_(self, "_leaves", leaves if callable(leaves) else _checked(self.treespec, leaves))
         set_(self, "units", MappingProxyType(dict(units)))
         set_(self, "mesh_shape", tuple(mesh_shape))
         set_(self, "mesh_dim_names", None if mesh_dim_names is None else tuple(mesh_dim_names))
-        set_(self, "_fingerprint", None)
-        set_(self, "_by_path", None)
-        set_(self, "_by_unit", None)
+        set_(self, "_kept", {})  # "fingerprint", "by_path", "by_unit" -> made once
         set_(self, "_subs", {})  # key -> sub-spec, made once
         set_(self, "_local", {})  # rank (or None) -> planner.local.local_plan, made once
 
@@ -447,11 +441,17 @@ class ShardSpec:
     def treespec(self) -> Any:
         """The optree structure of ``params`` (made when first read, where the spec was given
         a function that makes it)."""
-        if callable(self._treespec):
+        return self._made("_treespec")
+
+    def _made(self, slot: str) -> Any:
+        """The slot's value, made (once, where threads share the spec) where it holds a function
+        that makes it."""
+        if callable(value := getattr(self, slot)):
             with _LAZY_LOCK:
-                if callable(self._treespec):
-                    object.__setattr__(self, "_treespec", self._treespec())
-        return self._treespec
+                if callable(value := getattr(self, slot)):
+                    value = value() if slot == "_treespec" else _checked(self._treespec, value())
+                    object.__setattr__(self, slot, value)
+        return value
 
     def same_structure(self, treespec: Any, tree: Any) -> bool:
         """Whether ``treespec``, ``tree``'s optree treespec, is this spec's structure. A spec
@@ -480,21 +480,12 @@ class ShardSpec:
     def leaves(self) -> tuple:
         """The spec leaves in optree order (made when first read, where the spec was given a
         function that makes them: ``vfsdp.plan`` does, so a plan only read by unit is quick)."""
-        if self._leaves is None:
-            with _LAZY_LOCK:  # ranks (threads) sharing one spec: made once
-                if self._leaves is None:
-                    object.__setattr__(self, "_leaves", _checked(self._treespec, self._make_leaves()))
-                    object.__setattr__(self, "_make_leaves", None)
-        return self._leaves
+        return self._made("_leaves")
 
     def tensors(self) -> Iterator[TensorSpec]:
         """The ``TensorSpec`` s in optree order, each once (a tied tensor appears at several
         leaves but is one tensor)."""
-        seen: set = set()
-        for x in self.leaves():
-            if isinstance(x, TensorSpec) and id(x) not in seen:
-                seen.add(id(x))
-                yield x
+        return iter({id(x): x for x in self.leaves() if isinstance(x, TensorSpec)}.values())
 
     @property
     def ties(self) -> Mapping[tuple, tuple]:
@@ -515,14 +506,12 @@ class ShardSpec:
         Raises:
             KeyError: no tensor at that path.
         """
-        if self._by_path is None:
-            found = {t.path: t for t in self.tensors()}
-            for p, t in zip(self.treespec.paths(), self.leaves()):
-                if isinstance(t, TensorSpec):
-                    found.setdefault(tuple(p), t)
-            object.__setattr__(self, "_by_path", found)
+        if "by_path" not in self._kept:
+            at_leaves = zip(map(tuple, self.treespec.paths()), self.leaves())
+            self._kept["by_path"] = {**{p: t for p, t in at_leaves if isinstance(t, TensorSpec)},
+                                     **{t.path: t for t in self.tensors()}}
         try:
-            return self._by_path[tuple(path)]
+            return self._kept["by_path"][tuple(path)]
         except KeyError:
             raise KeyError(f"no tensor at path {format_path(tuple(path))!r}") from None
 
@@ -535,14 +524,13 @@ class ShardSpec:
             >>> dict(spec.unit_leaves())
             {(): ((0, 0), (1, 1))}
         """
-        if self._by_unit is None:
+        if "by_unit" not in self._kept:
             groups: dict = {}
             for i, s in enumerate(self.leaves()):
                 if isinstance(s, TensorSpec):
                     groups.setdefault(s.unit, []).append((i, s.layout.index(s.path)))
-            object.__setattr__(self, "_by_unit",
-                               MappingProxyType({k: tuple(v) for k, v in groups.items()}))
-        return self._by_unit
+            self._kept["by_unit"] = MappingProxyType({k: tuple(v) for k, v in groups.items()})
+        return self._kept["by_unit"]
 
     def unit_tensors(self, key: Hashable) -> tuple[TensorSpec, ...]:
         """The ``TensorSpec`` s of one unit, in buffer order.
@@ -600,7 +588,7 @@ class ShardSpec:
     @property
     def fingerprint(self) -> str:
         """SHA-256 of a canonical description; equal on every rank and in every process."""
-        if self._fingerprint is None:
+        if "fingerprint" not in self._kept:
             h = hashlib.sha256()
             h.update(repr((str(self.treespec), self.mesh_shape, self.mesh_dim_names)).encode())
             for u in self.units.values():
@@ -611,8 +599,8 @@ class ShardSpec:
                 h.update(repr(x._key() if isinstance(x, TensorSpec) else "passthrough").encode())
             if self.frozen:
                 h.update(repr(sorted(map(repr, self.frozen))).encode())
-            object.__setattr__(self, "_fingerprint", h.hexdigest())
-        return self._fingerprint
+            self._kept["fingerprint"] = h.hexdigest()
+        return self._kept["fingerprint"]
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ShardSpec) and self.fingerprint == other.fingerprint

@@ -204,9 +204,7 @@ def adamw(
         units, count = init_units(shards, spec, "adamw.init", mask=mask,
                                   weight_decay_mask=weight_decay_mask)
         state = AdamWState(count, {}, {}, plan=masked_plan(units, mask, weight_decay_mask))
-        for u in units:
-            if u.key not in state.plan.paths:
-                continue  # nothing of this unit is ours: no state for it
+        for u in [u for u in units if u.key in state.plan.paths]:  # no state for the others
             sdt = state_dtype(u.db.dtype)  # float32, or float64 for float64 parameters
             if fused:
                 use_fused(True, u.db.device, {u.db.dtype, sdt}, format_path(next(

@@ -609,8 +609,7 @@ def partition(transforms: dict, labels: Callable[[tuple], str]) -> Optimizer:
                 for name, opt in transforms.items()}
 
     def granularity(path, tensor):
-        opt = transforms.get(labels(path))
-        g = getattr(opt, "granularity", None)
+        g = getattr(transforms.get(labels(path)), "granularity", None)  # None: an unknown label
         return g(path, tensor) if callable(g) else g
 
     return Optimizer(init, atomic(update, compose=True), granularity)

@@ -218,8 +218,7 @@ def adamw(
 
     def update(grads: Any, state: AdamWState, shards: Any, spec: ShardSpec) -> AdamWState:
         if tp.compiling():
-            rate = begin(state.count, schedule)
-            traced_adamw(grads, state, shards, spec, rate, betas, eps, weight_decay)
+            traced_adamw(grads, state, shards, spec, begin(state.count, schedule), betas, eps, weight_decay)
             return state
         leaves = grad_leaves(grads, spec, "adamw.update")
         groups: dict = {}  # (device, param dtype, fused) -> the operand lists of the step

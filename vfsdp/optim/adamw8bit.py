@@ -160,12 +160,10 @@ class AdamW8bitState(CountedState):
         """The step; the codes per element and the tile scales indexed by global tile (so
         another block placement reloads them bit for bit); the small tensors' fp32 moments."""
         tree = super().checkpoint_tree(spec)
-        for attr in ("m", "v"):
-            scales, small = getattr(self, f"scales_{attr}"), getattr(self, f"fp32_{attr}")
+        for attr, scales, small in (("m", self.scales_m, self.fp32_m), ("v", self.scales_v, self.fp32_v)):
 
             def scale_piece(db, k, scales=scales):
-                found = scales.get((db.key, k))
-                if found is None:
+                if (found := scales.get((db.key, k))) is None:
                     return None
                 ts = db.tensors[k]
                 first, total = tile_range(tuple(ts.shape), ts.local_range(db.rank)[0])
@@ -183,9 +181,8 @@ class AdamW8bitState(CountedState):
                              within=((st.index, 0), (1, most)))
 
             def small_piece(db, k, small=small):
-                found = small.get((db.key, k))
-                return None if found is None else tensor_piece(db.tensors[k], found, db.rank,
-                                                               db.groups.replicate_rank == 0)
+                return None if (found := small.get((db.key, k))) is None else tensor_piece(
+                    db.tensors[k], found, db.rank, db.groups.replicate_rank == 0)
 
             tree[f"scales_{attr}"] = param_tree(self.codes_m, spec, scale_piece)
             tree[f"fp32_{attr}"] = param_tree(self.codes_m, spec, small_piece)

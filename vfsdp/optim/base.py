@@ -141,13 +141,18 @@ def scale_(tensors: list, factor: float) -> None:
         >>> scale_([t], 0.998); t.tolist()
         [1.5, 1.5]
     """
-    by_dtype: dict = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype, ts in by_dtype.items():  # a tensor factor: the moments' dtype
+    for dtype, ts in by_dtype(tensors).items():  # a tensor factor: the moments' dtype
         wide = dtype in (torch.float32, torch.float64) or isinstance(factor, torch.Tensor)
         tp.foreach("mul_", ts, scalar=factor if wide else torch.tensor(
             factor, dtype=torch.float32, device=ts[0].device))
+
+
+def by_dtype(tensors: list) -> dict:
+    """``{dtype: its tensors}``, in order: one multi-tensor op per dtype."""
+    out: dict = {}
+    for t in tensors:
+        out.setdefault(t.dtype, []).append(t)
+    return out
 
 
 def new_count(device: Any) -> torch.Tensor:

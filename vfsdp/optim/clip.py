@@ -27,7 +27,7 @@ from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.dbuffer import Role, View, slot_of
 from vfsdp.functional.gather import gradient_leaves
 from vfsdp.functional.pieces import Planned
-from vfsdp.optim.base import Mask, selected
+from vfsdp.optim.base import Mask, by_dtype, selected
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
@@ -226,11 +226,8 @@ def scale_by_norm(whole: list, loose: list, norm: torch.Tensor, max_norm: float,
     """Multiply the gradient buffers ``whole`` and pieces ``loose`` by
     ``min(1, max_norm / (norm + eps))``: one multi-tensor op per gradient dtype."""
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-    by_dtype: dict = {}
-    for g in [gdb.shard for gdb in whole] + loose:
-        by_dtype.setdefault(g.dtype, []).append(g)
     with torch.no_grad():
-        for dtype, gs in by_dtype.items():
+        for dtype, gs in by_dtype([gdb.shard for gdb in whole] + loose).items():
             tp.foreach("mul_", gs, scalar=coef if dtype == coef.dtype else coef.to(dtype))
 
 

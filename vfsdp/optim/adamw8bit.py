@@ -298,9 +298,8 @@ def adamw8bit(
                 if t.path in chosen and selected(weight_decay_mask, t.path))
             q8, f32 = [], []
             # in shard order: every unit's tiles, in that order, then the spare
-            for k, t in sorted(enumerate(db.tensors), key=lambda kt: kt[1].shard_range(db.rank)[0]):
-                if t.path not in chosen:
-                    continue
+            for k, t in sorted(((k, t) for k, t in enumerate(db.tensors) if t.path in chosen),
+                               key=lambda kt: kt[1].shard_range(db.rank)[0]):
                 lo, hi = t.shard_range(db.rank)
                 shape = tuple(t.shape)
                 if not blockwise(shape, min_8bit_numel):

@@ -272,8 +272,7 @@ def adam_(ps: list, gs: list, ms: list, vs: list, b1: float, b2: float, eps: flo
     if not isinstance(bc1, torch.Tensor) or host_counter(bc1):  # host scalars: a float step
         size = -float(lr) / float(bc1)
     else:  # the scalars in the moments' dtype, as torch's capturable path takes them
-        dt = ms[0].dtype
-        size, bc2_sqrt = torch.div(-lr, bc1).to(dt), bc2_sqrt.to(dt)
+        size, bc2_sqrt = torch.div(-lr, bc1).to(ms[0].dtype), bc2_sqrt.to(ms[0].dtype)
     for bp, bm, bv in batches((ps, ms, vs), limit or TEMP_ELEMS):
         denom = tp.foreach("sqrt", bv)
         tp.foreach("div_", denom, scalar=bc2_sqrt)
@@ -767,8 +766,7 @@ def same_at_ties(fn: Optional[Callable[[tuple], Any]], spec: ShardSpec, what: st
     if fn is None:
         return
     for repeat, first in spec.ties.items():
-        a, b = fn(first), fn(repeat)
-        if a != b:
+        if (a := fn(first)) != (b := fn(repeat)):
             raise ValueError(f"{what}: {name} gives {a!r} at {format_path(first)} but {b!r} at "
                              f"{format_path(repeat)}, the same (tied) tensor, which is updated "
                              f"once: give both places the same answer")

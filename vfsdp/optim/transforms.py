@@ -484,7 +484,7 @@ def run(*members: Optimizer) -> Optimizer:
                     p is not u.db.shard for p, (u, _) in zip(todo.shards, units)):
                 todo = state.updates = Updates(units, state)
             gs = todo.cut([flat_grads(leaves, u, "chain.update", f.dtype)
-                             for (u, _), f in zip(units, todo.flats)])
+                           for (u, _), f in zip(units, todo.flats)])
             begin(state.count, lr)  # the checks are done: nothing written yet
             named = todo.buffers
             # A user's apply may raise: what the transforms up to the last of them write is

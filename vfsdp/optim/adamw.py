@@ -41,13 +41,13 @@ from vfsdp.optim.base import (
     check_hyper,
     cuts_of,
     flat_grads,
-    frozen_of,
     grad_leaves,
     init_units,
+    pieces_of,
     runs,
     selected,
     state_dtype,
-    unit_buffers,
+    trained,
     use_fused,
 )
 from vfsdp.optim.traced import adam_views, traced_adamw
@@ -114,14 +114,12 @@ def _slices(u, state, update_runs: tuple, decay_runs: tuple, fused: bool) -> tup
     p = u.db.shard
     m, v = state.exp_avg[u.key].shard, state.exp_avg_sq[u.key].shard
     every = runs(u.db, None)
-    partial_decay = decay_runs not in ((), every)
-    if update_runs == every and not (fused and partial_decay):
+    if update_runs == every and not (fused and decay_runs not in ((), every)):
         decay = [p] if decay_runs == every else [p[lo:hi] for lo, hi in decay_runs]
         return None, [p], [m], [v], decay, [bool(decay_runs)]
     cut = segments(update_runs, decay_runs)
-    ps = [p[lo:hi] for lo, hi, _ in cut]
-    return (cuts_of([(lo, hi) for lo, hi, _ in cut], p.numel()), ps,
-            [m[lo:hi] for lo, hi, _ in cut], [v[lo:hi] for lo, hi, _ in cut],
+    ps, ms, vs = ([x[lo:hi] for lo, hi, _ in cut] for x in (p, m, v))
+    return (cuts_of([(lo, hi) for lo, hi, _ in cut], p.numel()), ps, ms, vs,
             [x for x, (_, _, d) in zip(ps, cut) if d], [d for _, _, d in cut])
 
 
@@ -145,16 +143,13 @@ class AdamWState(CountedState):
     saved: ClassVar[tuple] = ("exp_avg", "exp_avg_sq")
 
 
-def trainable_runs(u, plan, weight_decay_mask: Mask) -> tuple[tuple, tuple]:
+def trainable_runs(u, plan, frozen: frozenset, weight_decay_mask: Mask) -> tuple[tuple, tuple]:
     """``(update runs, decay runs)`` of unit ``u`` for the tensors the plan owns whose shards
     require grad now: a frozen tensor (``requires_grad=False``) gets no update and no decay,
     as ``torch.optim`` skips a parameter without a gradient."""
-    owned = plan.paths[u.key]
-    frozen = frozen_of(u, owned)
     if not frozen:
         return plan.update_runs[u.key], plan.decay_runs[u.key]
-    gone = {u.db.tensors[k].path for k in frozen}
-    live = lambda path: path in owned and path not in gone
+    live = (plan.paths[u.key] - {u.db.tensors[k].path for k in frozen}).__contains__
     return runs(u.db, live), runs(u.db, both(weight_decay_mask, live))
 
 
@@ -209,9 +204,7 @@ def adamw(
         units, count = init_units(shards, spec, "adamw.init", mask=mask,
                                   weight_decay_mask=weight_decay_mask)
         state = AdamWState(count, {}, {}, plan=masked_plan(units, mask, weight_decay_mask))
-        for u in units:
-            if u.key not in state.plan.paths:
-                continue  # nothing of this unit is ours: no state for it
+        for u in [u for u in units if u.key in state.plan.paths]:  # no state for the others
             sdt = state_dtype(u.db.dtype)  # float32, or float64 for float64 parameters
             if fused:
                 use_fused(True, u.db.device, {u.db.dtype, sdt}, format_path(next(
@@ -225,29 +218,24 @@ def adamw(
 
     def update(grads: Any, state: AdamWState, shards: Any, spec: ShardSpec) -> AdamWState:
         if tp.compiling():
-            rate = begin(state.count, schedule)
-            traced_adamw(grads, state, shards, spec, rate, betas, eps, weight_decay)
+            traced_adamw(grads, state, shards, spec, begin(state.count, schedule), betas, eps, weight_decay)
             return state
         leaves = grad_leaves(grads, spec, "adamw.update")
         groups: dict = {}  # (device, param dtype, fused) -> the operand lists of the step
         with torch.no_grad():
-            for u in unit_buffers(shards, spec, "adamw.update"):
-                if u.key not in state.exp_avg:
-                    continue
-                update_runs, decay_runs = trainable_runs(u, state.plan, weight_decay_mask)
+            for u, frozen in trained(shards, spec, state.plan, "adamw.update"):
+                update_runs, decay_runs = trainable_runs(u, state.plan, frozen, weight_decay_mask)
                 if not update_runs:
-                    continue  # every tensor of ours here is frozen
+                    continue  # no element of ours here
                 m = state.exp_avg[u.key].shard
                 g = flat_grads(leaves, u, "adamw.update", m.dtype)
                 on = use_fused(fused, m.device, {u.db.dtype, g.dtype, m.dtype})
                 cuts, ps, ms, vs, decay, flags = state.cached(
                     (u.key, update_runs, decay_runs, on), (u.db.shard,),
                     lambda: _slices(u, state, update_runs, decay_runs, on))
-                if cuts is not None:  # one op cuts the whole shard (gaps included)
-                    pieces = g.split_with_sizes(cuts[0])
-                    g = [pieces[i] for i in cuts[1]]
                 ops = groups.setdefault((m.device, u.db.dtype, on), ([], [], [], [], [], []))
-                for acc, xs in zip(ops, (ps, [g] if cuts is None else g, ms, vs, decay, flags)):
+                # one op cuts the whole shard (gaps included)
+                for acc, xs in zip(ops, (ps, pieces_of(g, cuts), ms, vs, decay, flags)):
                     acc.extend(xs)
             rate = begin(state.count, schedule)  # the checks are done: nothing written yet
             for (_, _, on), (ps, gs, ms, vs, decay, flags) in groups.items():

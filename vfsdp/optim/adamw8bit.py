@@ -49,13 +49,13 @@ from vfsdp.optim.base import (
     cuts_of,
     decay_,
     flat_grads,
-    frozen_of,
     grad_leaves,
     init_units,
+    pieces_of,
     runs,
     selected,
     step_scalars,
-    unit_buffers,
+    trained,
 )
 from vfsdp.optim.quant import SpanTiles, dynamic_map, midpoints, span_tiles, step8_flat
 from vfsdp.optim.traced import TracedAdam8, first_leaves, traced_adamw8bit
@@ -118,8 +118,7 @@ class RankPass:
     tiles: Optional[SpanTiles]  # None: no quantized tensor is trained
     decay: tuple     # parameter slices that decay
     small: tuple     # (parameter slices, m, v) of the fp32-moment tensors trained
-    cuts: tuple      # sizes cutting the concatenated gradient at every such slice
-    keep: tuple      # the indices of those slices among the cuts
+    cuts: tuple      # cuts_of's (sizes, index): those slices of the concatenated gradient
 
 
 @dataclass
@@ -161,12 +160,10 @@ class AdamW8bitState(CountedState):
         """The step; the codes per element and the tile scales indexed by global tile (so
         another block placement reloads them bit for bit); the small tensors' fp32 moments."""
         tree = super().checkpoint_tree(spec)
-        for attr in ("m", "v"):
-            scales, small = getattr(self, f"scales_{attr}"), getattr(self, f"fp32_{attr}")
+        for attr, scales, small in (("m", self.scales_m, self.fp32_m), ("v", self.scales_v, self.fp32_v)):
 
             def scale_piece(db, k, scales=scales):
-                found = scales.get((db.key, k))
-                if found is None:
+                if (found := scales.get((db.key, k))) is None:
                     return None
                 ts = db.tensors[k]
                 first, total = tile_range(tuple(ts.shape), ts.local_range(db.rank)[0])
@@ -184,9 +181,8 @@ class AdamW8bitState(CountedState):
                              within=((st.index, 0), (1, most)))
 
             def small_piece(db, k, small=small):
-                found = small.get((db.key, k))
-                return None if found is None else tensor_piece(db.tensors[k], found, db.rank,
-                                                               db.groups.replicate_rank == 0)
+                return None if (found := small.get((db.key, k))) is None else tensor_piece(
+                    db.tensors[k], found, db.rank, db.groups.replicate_rank == 0)
 
             tree[f"scales_{attr}"] = param_tree(self.codes_m, spec, scale_piece)
             tree[f"fp32_{attr}"] = param_tree(self.codes_m, spec, small_piece)
@@ -205,22 +201,20 @@ def _rank_pass(state: AdamW8bitState, units: list) -> RankPass:
                 at = t.hi
         pieces.append((p.numel() - at, None, None))
         decaying = {u.db.tensors[k].path for k in plan.decays[u.key] - frozen}
-        decay += [p[lo:hi] for lo, hi in runs(u.db, lambda path, d=decaying: path in d)]
+        decay += [p[lo:hi] for lo, hi in runs(u.db, decaying.__contains__)]
         for k, lo, hi in plan.fp32[u.key]:
             if k not in frozen and hi > lo:
                 ranges.append((base + lo, base + hi))
                 small.append((p[lo:hi], state.fp32_m[(u.key, k)], state.fp32_v[(u.key, k)]))
         base += p.numel()
-    cuts, keep = cuts_of(ranges, base)
-    tiles = None
-    if live:  # the scales of the tiles not trained now stay (other units', frozen tensors')
-        still = tuple((t.t0, t.n_tiles) for key, ts in plan.quantized.items() for t in ts
-                      if (key, t.k) not in live and t.n_tiles)
-        tiles = span_tiles(pieces, plan.n_tiles, units[0][0].db.device, still)
+    # the scales of the tiles not trained now stay (other units', frozen tensors')
+    still = tuple((t.t0, t.n_tiles) for key, ts in plan.quantized.items() for t in ts
+                  if (key, t.k) not in live and t.n_tiles)
+    tiles = span_tiles(pieces, plan.n_tiles, units[0][0].db.device, still) if live else None
     return RankPass(tuple(u.db.shard for u, _ in units),
                     tuple(state.codes_m[u.key].shard for u, _ in units),
                     tuple(state.codes_v[u.key].shard for u, _ in units),
-                    tiles, tuple(decay), tuple(zip(*small)) or ((), (), ()), cuts, tuple(keep))
+                    tiles, tuple(decay), tuple(zip(*small)) or ((), (), ()), cuts_of(ranges, base))
 
 
 def adamw8bit(
@@ -284,8 +278,7 @@ def adamw8bit(
 
     @functools.cache
     def kernel(device_type: str) -> Callable:
-        on = compile if compile is not None else device_type == "cuda"
-        return compiled_step8() if on else step8_flat
+        return compiled_step8() if (device_type == "cuda" if compile is None else compile) else step8_flat
 
     def init(shards: Any, spec: ShardSpec, mask: Mask = None) -> AdamW8bitState:
         units, count = init_units(shards, spec, "adamw8bit.init", mask=mask,
@@ -305,9 +298,8 @@ def adamw8bit(
                 if t.path in chosen and selected(weight_decay_mask, t.path))
             q8, f32 = [], []
             # in shard order: every unit's tiles, in that order, then the spare
-            for k, t in sorted(enumerate(db.tensors), key=lambda kt: kt[1].shard_range(db.rank)[0]):
-                if t.path not in chosen:
-                    continue
+            for k, t in sorted(((k, t) for k, t in enumerate(db.tensors) if t.path in chosen),
+                               key=lambda kt: kt[1].shard_range(db.rank)[0]):
                 lo, hi = t.shard_range(db.rank)
                 shape = tuple(t.shape)
                 if not blockwise(shape, min_8bit_numel):
@@ -347,17 +339,9 @@ def adamw8bit(
             traced_adamw8bit(grads, state, shards, spec, rate, betas, eps, weight_decay)
             return state
         leaves = grad_leaves(grads, spec, "adamw8bit.update")
-        units, gs = [], []
         with torch.no_grad():
-            for u in unit_buffers(shards, spec, "adamw8bit.update"):
-                if u.key not in state.codes_m:
-                    continue
-                owned = state.plan.paths[u.key]
-                frozen = frozen_of(u, owned)  # no update, no decay
-                if frozen and owned <= {u.db.tensors[k].path for k in frozen}:
-                    continue
-                units.append((u, frozen))
-                gs.append(flat_grads(leaves, u, "adamw8bit.update"))
+            units = trained(shards, spec, state.plan, "adamw8bit.update")  # frozen: no update, no decay
+            gs = [flat_grads(leaves, u, "adamw8bit.update") for u, _ in units]
             rate = begin(state.count, schedule)  # the checks are done: nothing written yet
             scalars = step_scalars(state.count, betas)
             if not units:
@@ -375,9 +359,8 @@ def adamw8bit(
                     for dst, src in ((run.ps, p), (run.cms, cm), (run.cvs, cv)):
                         tp.foreach("copy_", list(dst), list(src.split([x.numel() for x in run.ps])))
             if run.small[0]:  # one multi-tensor AdamW over the fp32-moment tensors
-                pieces = g.split_with_sizes(run.cuts)
                 ps, ms, vs = run.small
-                adamw_step(list(ps), [pieces[i] for i in run.keep], list(ms), list(vs), [],
+                adamw_step(list(ps), pieces_of(g, run.cuts), list(ms), list(vs), [],
                            count=state.count, lr=rate, betas=betas, eps=eps, weight_decay=0.0,
                            fused=False, scalars=scalars)
         return state
@@ -395,12 +378,10 @@ def compiled_step8() -> Callable:
 
     def run(*args) -> None:
         if not failed:
-            t = args[6]
             scalars = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=args[0].device)
                                    for x in args[-3:]]).float()
-            try:
-                return fn(*args[:6], t.table, t.chunks, t.numel, t.n_tiles, t.keep,
-                          *args[7:-3], scalars)
+            try:  # the span's tiles unpacked, in SpanTiles' field order
+                return fn(*args[:6], *vars(args[6]).values(), *args[7:-3], scalars)
             except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back
                 failed.append(exc)
                 warn_user(f"adamw8bit: torch.compile of the 8-bit step failed "

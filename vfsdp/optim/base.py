@@ -98,15 +98,11 @@ def use_fused(fused: Optional[bool], device: torch.device, dtypes: set, what: st
     Raises:
         ValueError: ``fused=True`` where the kernel cannot run (naming why).
     """
-    able = len(dtypes) == 1
-    if fused is None:
-        return able and device.type == "cuda"
-    if fused and not able:
-        where = f": {what}" if what else ""
-        raise ValueError(f"adamw(fused=True){where}: parameters, gradients and moments must share "
-                         f"one dtype, got {sorted(map(str, dtypes))}; use fused=False (the foreach "
-                         f"path), or fp32 master parameters (param_dtype= for the compute dtype)")
-    return bool(fused)
+    if fused and len(dtypes) != 1:
+        raise ValueError(f"adamw(fused=True){f': {what}' if what else ''}: parameters, gradients and moments "
+                         f"must share one dtype, got {sorted(map(str, dtypes))}; use fused=False (the "
+                         f"foreach path), or fp32 master parameters (param_dtype= for the compute dtype)")
+    return len(dtypes) == 1 and device.type == "cuda" if fused is None else bool(fused)
 
 
 def batches(lists: tuple, limit: int = TEMP_ELEMS) -> list[tuple]:
@@ -145,13 +141,18 @@ def scale_(tensors: list, factor: float) -> None:
         >>> scale_([t], 0.998); t.tolist()
         [1.5, 1.5]
     """
-    by_dtype: dict = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype, ts in by_dtype.items():  # a tensor factor: the moments' dtype
+    for dtype, ts in by_dtype(tensors).items():  # a tensor factor: the moments' dtype
         wide = dtype in (torch.float32, torch.float64) or isinstance(factor, torch.Tensor)
         tp.foreach("mul_", ts, scalar=factor if wide else torch.tensor(
             factor, dtype=torch.float32, device=ts[0].device))
+
+
+def by_dtype(tensors: list) -> dict:
+    """``{dtype: its tensors}``, in order: one multi-tensor op per dtype."""
+    out: dict = {}
+    for t in tensors:
+        out.setdefault(t.dtype, []).append(t)
+    return out
 
 
 def new_count(device: Any) -> torch.Tensor:
@@ -271,8 +272,7 @@ def adam_(ps: list, gs: list, ms: list, vs: list, b1: float, b2: float, eps: flo
     if not isinstance(bc1, torch.Tensor) or host_counter(bc1):  # host scalars: a float step
         size = -float(lr) / float(bc1)
     else:  # the scalars in the moments' dtype, as torch's capturable path takes them
-        dt = ms[0].dtype
-        size, bc2_sqrt = torch.div(-lr, bc1).to(dt), bc2_sqrt.to(dt)
+        size, bc2_sqrt = torch.div(-lr, bc1).to(ms[0].dtype), bc2_sqrt.to(ms[0].dtype)
     for bp, bm, bv in batches((ps, ms, vs), limit or TEMP_ELEMS):
         denom = tp.foreach("sqrt", bv)
         tp.foreach("div_", denom, scalar=bc2_sqrt)
@@ -317,12 +317,9 @@ def adamw_step(ps: list, gs: list, ms: list, vs: list, decay: list, *, count: to
     b1, b2 = betas
     if fused:
         for wd, sel in ((weight_decay, True), (0.0, False)):
-            idx = [i for i, d in enumerate(decay) if bool(d) is sel]
-            if not idx:
-                continue
-            ps_, gs_, ms_, vs_ = ([xs[i] for i in idx] for xs in (ps, gs, ms, vs))
-            tp.fused_adamw(ps_, gs_, ms_, vs_, [count] * len(idx), lr=lr, beta1=b1,
-                           beta2=b2, weight_decay=wd, eps=eps)
+            if idx := [i for i, d in enumerate(decay) if bool(d) is sel]:
+                tp.fused_adamw(*([xs[i] for i in idx] for xs in (ps, gs, ms, vs)), [count] * len(idx),
+                               lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps)
         return
     bc1, bc2_sqrt = scalars or step_scalars(count, betas)
     if not isinstance(bc1, torch.Tensor):  # host memory: a schedule's rate as a float too
@@ -486,11 +483,10 @@ def atomic(update: Callable, compose: bool = False) -> Callable:
             out = update(grads, state, shards, spec)
         except Exception as exc:
             if txn.agreed and not txn.settled and not isinstance(exc, PartialUpdateError):
-                name = getattr(update, "__qualname__", "update")
-                raise PartialUpdateError(f"{name} failed after the ranks agreed to write "
-                                         f"({type(exc).__name__}: {exc}): the parameters and "
-                                         f"the optimizer state on this rank are partly "
-                                         f"updated; load both from a checkpoint") from exc
+                raise PartialUpdateError(f"{getattr(update, '__qualname__', 'update')} failed after "
+                                         f"the ranks agreed to write ({type(exc).__name__}: {exc}): the "
+                                         f"parameters and the optimizer state on this rank are "
+                                         f"partly updated; load both from a checkpoint") from exc
             if not (txn.agreed or txn.settled):
                 agree_all(exc)
             raise
@@ -770,8 +766,7 @@ def same_at_ties(fn: Optional[Callable[[tuple], Any]], spec: ShardSpec, what: st
     if fn is None:
         return
     for repeat, first in spec.ties.items():
-        a, b = fn(first), fn(repeat)
-        if a != b:
+        if (a := fn(first)) != (b := fn(repeat)):
             raise ValueError(f"{what}: {name} gives {a!r} at {format_path(first)} but {b!r} at "
                              f"{format_path(repeat)}, the same (tied) tensor, which is updated "
                              f"once: give both places the same answer")
@@ -836,6 +831,13 @@ def frozen_of(u: UnitLeaves, owned: frozenset) -> frozenset:
         [(frozenset({0}), frozenset())]
     """
     return frozenset(k for k in u.frozen() if u.db.tensors[k].path in owned)
+
+
+def trained(shards: Any, spec: ShardSpec, plan: OwnedPlan, what: str) -> list:
+    """``(unit, frozen)`` for every unit of ``shards`` (:func:`unit_buffers`) that ``plan``
+    updates and where not every tensor of it is frozen: ``frozen`` its :func:`frozen_of`."""
+    return [(u, frozen) for u in unit_buffers(shards, spec, what) if u.key in plan.paths
+            for frozen in [frozen_of(u, plan.paths[u.key])] if len(frozen) < len(plan.paths[u.key])]
 
 
 def read_step(state: Any) -> int:
@@ -956,6 +958,20 @@ def cuts_of(ranges: list, total: int) -> tuple[tuple, list]:
     return sizes, [bisect.bisect_left(edges, lo) for lo, _ in ranges]
 
 
+def pieces_of(x: torch.Tensor, cuts: Optional[tuple]) -> list:
+    """The pieces of flat ``x`` that :func:`cuts_of`'s ``(sizes, index)`` names, cut by one
+    ``split_with_sizes``; ``[x]`` for ``cuts=None``.
+
+    Example:
+        >>> pieces_of(torch.arange(8), cuts_of([(4, 6), (0, 2)], 8))
+        [tensor([4, 5]), tensor([0, 1])]
+    """
+    if cuts is None:
+        return [x]
+    parts = x.split_with_sizes(cuts[0])
+    return [parts[i] for i in cuts[1]]
+
+
 def unit_buffers(shards: Any, spec: ShardSpec, what: str) -> list[UnitLeaves]:
     """Every unit of ``shards``: its :class:`~vfsdp.collectives.Unit`, parameter DBuffer
     (``.db``) and leaves (``.leaves``: ``(leaf index, buffer index)`` pairs).
@@ -993,31 +1009,24 @@ def flat_grads(leaves: list, unit: UnitLeaves, what: str,
         ValueError: a gradient piece of the wrong size (naming the path).
     """
     gdb = unit.unit.grads() if unit.unit.has_grads else None
-    if gdb is not None and all(_is_view(leaves[i], gdb, k) for i, k in unit.leaves):
+    if gdb is not None and all((s := slot_of(g := leaves[i])) is not None and s.buffer is gdb
+                               and s.view is View.LOCAL and s.index == k and gdb.is_local_view(k, g)
+                               for i, k in unit.leaves):  # its views: zero-copy
         flat = gdb.shard
     else:
-        db = unit.db
-        flat = torch.zeros_like(db.shard)
+        flat = torch.zeros_like(unit.db.shard)
         for i, k in unit.leaves:
-            g = leaves[i]
-            if g is None:
+            if (g := leaves[i]) is None:
                 continue
-            slot = slot_of(g)
-            if slot is not None:
+            if (slot := slot_of(g)) is not None:
                 slot.buffer.wait()
-            t = db.tensors[k]
-            lo, hi = t.shard_range(db.rank)
+            t = unit.db.tensors[k]
+            lo, hi = t.shard_range(unit.db.rank)
             if g.numel() != hi - lo:
                 raise ValueError(f"{what}: gradient of {format_path(t.path)} has {g.numel()} "
                                  f"elements, this rank's shard has {hi - lo}")
             flat[lo:hi].copy_(g.reshape(-1))
     return flat if dtype is None or flat.dtype == dtype else flat.to(dtype)
-
-
-def _is_view(g: Any, gdb, k: int) -> bool:
-    slot = slot_of(g)
-    return (slot is not None and slot.buffer is gdb and slot.view is View.LOCAL
-            and slot.index == k and gdb.is_local_view(k, g))
 
 
 def state_tensors(state: Any) -> list:

@@ -27,7 +27,7 @@ from vfsdp.collectives.comm import resolve_groups
 from vfsdp.collectives.dbuffer import Role, View, slot_of
 from vfsdp.functional.gather import gradient_leaves
 from vfsdp.functional.pieces import Planned
-from vfsdp.optim.base import Mask, selected
+from vfsdp.optim.base import Mask, by_dtype, selected
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec
 
@@ -49,12 +49,11 @@ def _plan(leaves: list, spec: ShardSpec, mask: Mask) -> tuple[list, list]:
     whole, loose = [], []
     tensors = spec.leaves()
     for key, members in spec.unit_leaves().items():
-        chosen, seen = [], set()  # each tensor once: a tied one sits at several leaves
+        chosen: dict = {}  # buffer index -> its first selected leaf: a tied tensor sits at several
         for i, k in members:
-            if k not in seen and selected(mask, tensors[i].path):
-                seen.add(k)
-                chosen.append((i, k))
-        pieces = [(leaves[i], k) for i, k in chosen if isinstance(leaves[i], torch.Tensor)]
+            if selected(mask, tensors[i].path):
+                chosen.setdefault(k, i)
+        pieces = [(leaves[i], k) for k, i in chosen.items() if isinstance(leaves[i], torch.Tensor)]
         slots = [slot_of(p) for p, _ in pieces]
         first = slots[0] if slots else None
         if (first is not None and len(chosen) == len(spec.units[key].paths)
@@ -78,8 +77,7 @@ def _groups_and_device(leaves: list, spec: ShardSpec, mesh: Any, what: Optional[
             refuse_mesh(what)
         return slot.buffer.groups, slot.buffer.device
     groups = resolve_groups(spec, mesh)
-    device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), groups.device)
-    return groups, device
+    return groups, next((x.device for x in leaves if isinstance(x, torch.Tensor)), groups.device)
 
 
 def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = None
@@ -118,12 +116,11 @@ def global_norm(grads: Any, spec: ShardSpec, *, mesh: Any = None, mask: Mask = N
         >>> vfsdp.testing.simulate(2, body)[0]
         (2.8284270763397217, 0.0)
     """
-    what = "vfsdp.global_norm"
-    return _norm(gradient_leaves(grads, spec, what), spec, mesh, mask, what)[0]
+    return _norm(grads, spec, mesh, mask, "vfsdp.global_norm")[0]
 
 
-def _norm(leaves: list, spec: ShardSpec, mesh: Any, mask: Mask, what: str) -> tuple:
-    total, whole, loose, groups = local_squares(leaves, spec, mesh, mask, what)
+def _norm(grads: Any, spec: ShardSpec, mesh: Any, mask: Mask, what: str) -> tuple:
+    total, whole, loose, groups = local_squares(gradient_leaves(grads, spec, what), spec, mesh, mask, what)
     comm.all_reduce_(total, "sum", groups.shard)
     model = model_group(spec, groups)
     if model is not None:  # TP/EP: the other indices' pieces
@@ -219,8 +216,7 @@ def clip_grad_norm(grads: Any, spec: ShardSpec, max_norm: float, *, mesh: Any = 
         from vfsdp.optim.traced import traced_clip
 
         return traced_clip(grads, spec, max_norm, eps, mask, mesh)
-    what = "vfsdp.clip_grad_norm"
-    norm, whole, loose = _norm(gradient_leaves(grads, spec, what), spec, mesh, mask, what)
+    norm, whole, loose = _norm(grads, spec, mesh, mask, "vfsdp.clip_grad_norm")
     scale_by_norm(whole, loose, norm, max_norm, eps)
     return norm
 
@@ -230,11 +226,8 @@ def scale_by_norm(whole: list, loose: list, norm: torch.Tensor, max_norm: float,
     """Multiply the gradient buffers ``whole`` and pieces ``loose`` by
     ``min(1, max_norm / (norm + eps))``: one multi-tensor op per gradient dtype."""
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
-    by_dtype: dict = {}
-    for g in [gdb.shard for gdb in whole] + loose:
-        by_dtype.setdefault(g.dtype, []).append(g)
     with torch.no_grad():
-        for dtype, gs in by_dtype.items():
+        for dtype, gs in by_dtype([gdb.shard for gdb in whole] + loose).items():
             tp.foreach("mul_", gs, scalar=coef if dtype == coef.dtype else coef.to(dtype))
 
 

@@ -109,9 +109,7 @@ def span_tiles(pieces: list, n_tiles: int, device: Any, keep: tuple = ()) -> Spa
         [0, 0, 1, 2, 3, 4]
     """
     rows, first = [], 0
-    for numel, view, base in pieces:
-        if numel == 0:
-            continue
+    for numel, view, base in (p for p in pieces if p[0]):  # empty pieces: no row
         if view is None:
             rows.append((1, first, 1, 1, 0, n_tiles, numel))
             first += 1
@@ -120,11 +118,9 @@ def span_tiles(pieces: list, n_tiles: int, device: Any, keep: tuple = ()) -> Spa
         ct = -(-c // TILE)
         rows.append((b * r * ct, first, ct, r, -(-r // TILE), base, c - TILE * (ct - 1)))
         first += b * r * ct
-    mask = None
-    if keep:
-        mask = torch.zeros(n_tiles + 1, dtype=torch.bool, device=device)
-        for lo, n in keep:
-            mask[lo:lo + n] = True
+    mask = torch.zeros(n_tiles + 1, dtype=torch.bool, device=device) if keep else None
+    for lo, n in keep:
+        mask[lo:lo + n] = True
     table = torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 7)
     return SpanTiles(table, first, sum(p[0] for p in pieces), n_tiles, mask)
 

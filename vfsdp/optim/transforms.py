@@ -59,13 +59,14 @@ from vfsdp.optim.base import (
     init_units,
     learning_rate,
     member,
+    pieces_of,
     runs,
     same_at_ties,
     selected,
     settle,
     state_dtype,
     step_scalars,
-    unit_buffers,
+    trained,
 )
 from vfsdp.optim.muon import muon
 from vfsdp.optim.shampoo import shampoo
@@ -365,33 +366,25 @@ class Updates:
     def __init__(self, units: list, state: TransformsState) -> None:
         self.key, self.count = [(u.key, rs) for u, rs in units], state.count  # (unit, runs)
         self.dbs, self.shards = [u.db for u, _ in units], [u.db.shard for u, _ in units]
-        self.whole = [rs == runs(u.db, None) for u, rs in units]
-        self.cuts = [((None,), (0,)) if whole else cuts_of(rs, p.numel())
-                     for whole, (_, rs), p in zip(self.whole, self.key, self.shards)]
+        self.cuts = [None if rs == runs(u.db, None) else cuts_of(rs, u.db.shard.numel())
+                     for u, rs in units]
         self.flats = [torch.zeros_like(p, dtype=state_dtype(p.dtype)) for p in self.shards]
-        self.params, self.updates = self._cut(self.shards), self._cut(self.flats)
-        self.buffers = [{k: self._cut([dbs[key].shard for key, _ in self.key])
+        self.params, self.updates = self.cut(self.shards), self.cut(self.flats)
+        self.buffers = [{k: self.cut([dbs[key].shard for key, _ in self.key])
                          for k, dbs in named.items()} for named in state.buffers]
         self._kept: dict = {}
 
-    def _cut(self, flats: list) -> list:
-        return [x for f, whole, (_, rs) in zip(flats, self.whole, self.key)
-                for x in ([f] if whole else [f[lo:hi] for lo, hi in rs])]
-
-    def grads(self, gs: list) -> list:
-        """The units' flat gradients ``gs`` cut as ``updates``: one op per unit cut by a mask
-        or freezing (gradient slices are never kept: the buffer may be freed)."""
-        out = []
-        for g, whole, (sizes, keep) in zip(gs, self.whole, self.cuts):
-            pieces = (g,) if whole else g.split_with_sizes(sizes)
-            out += [pieces[i] for i in keep]
-        return out
+    def cut(self, flats: list) -> list:
+        """The units' flat tensors ``flats`` (one per unit) cut as ``updates``: one op per unit
+        cut by a mask or freezing (the units' gradients are cut each step: gradient slices are
+        never kept, the buffer may be freed)."""
+        return [x for f, cuts in zip(flats, self.cuts) for x in pieces_of(f, cuts)]
 
     def scratch(self, name: str) -> list:
         """A list of tensors matching ``updates`` for a temporary, kept between steps
         (made at the first call; its values are whatever the last step left)."""
         if name not in self._kept:
-            self._kept[name] = self._cut([torch.zeros_like(f) for f in self.flats])
+            self._kept[name] = self.cut([torch.zeros_like(f) for f in self.flats])
         return self._kept[name]
 
     def where(self, mask: Mask) -> tuple[list, list]:
@@ -463,8 +456,7 @@ def run(*members: Optimizer) -> Optimizer:
         raise TypeError("run takes transforms (scale_by_adam, transform(...), ...), the last "
                         "scale_by_learning_rate; put other optimizers in a chain around it")
     ts = _check(ts)
-    owner = next((t.name for t in ts if t.hyper[:1] == ("owner",)), None)
-    if owner is not None:
+    if owner := next((t.name for t in ts if t.hyper[:1] == ("owner",)), None):
         raise ValueError(f"chain: {owner} preconditions whole matrices on their owner ranks and "
                          f"runs only as chain({owner}(...), add_decayed_weights(wd), "
                          f"scale_by_learning_rate(lr)), the decay optional and without a mask; "
@@ -475,29 +467,24 @@ def run(*members: Optimizer) -> Optimizer:
         units, count = init_units(shards, spec, "chain.init", mask=mask, **{
             f"add_decayed_weights' mask (transform {i})": t.hyper[2]
             for i, t in enumerate(ts) if t.hyper[:1] == ("decay",)})
-        state = TransformsState(count, [{k: {} for k in t.buffers} for t in ts],
-                                plan=masked_plan(units, mask, None))  # (decay: per transform)
-        for u in units:
-            if u.key in state.plan.paths:
-                for t, named in zip(ts, state.buffers):
-                    for k in t.buffers:
-                        named[k][u.key] = u.db.like(state_dtype(u.db.dtype), Role.STATE, k)
-        return state
+        plan = masked_plan(units, mask, None)  # (decay: per transform)
+        return TransformsState(count, [{k: {u.key: u.db.like(state_dtype(u.db.dtype), Role.STATE, k)
+                                            for u in units if u.key in plan.paths}
+                                        for k in t.buffers} for t in ts], plan=plan)
 
     def update(grads: Any, state: TransformsState, shards: Any, spec: ShardSpec
                ) -> TransformsState:
         leaves = grad_leaves(grads, spec, "chain.update")
         with torch.no_grad():
-            units = [(u, trainable_runs(u, state.plan, None)[0])
-                     for u in unit_buffers(shards, spec, "chain.update") if u.key in state.plan.paths]
-            units = [(u, rs) for u, rs in units if rs]  # not where every tensor of ours is frozen
+            units = [(u, rs) for u, frozen in trained(shards, spec, state.plan, "chain.update")
+                     for rs in [trainable_runs(u, state.plan, frozen, None)[0]] if rs]
             todo = state.updates
             # Another shards tree for the same spec has other buffers: never reuse its slices.
             if todo is None or todo.key != [(u.key, rs) for u, rs in units] or any(
                     p is not u.db.shard for p, (u, _) in zip(todo.shards, units)):
                 todo = state.updates = Updates(units, state)
-            gs = todo.grads([flat_grads(leaves, u, "chain.update", f.dtype)
-                             for (u, _), f in zip(units, todo.flats)])
+            gs = todo.cut([flat_grads(leaves, u, "chain.update", f.dtype)
+                           for (u, _), f in zip(units, todo.flats)])
             begin(state.count, lr)  # the checks are done: nothing written yet
             named = todo.buffers
             # A user's apply may raise: what the transforms up to the last of them write is
@@ -533,13 +520,11 @@ def _check(ts: list, offset: int = 0) -> list[Transform]:
         raise ValueError(f"chain: the transforms {[t.name for t in ts if t]} do not end with "
                          f"scale_by_learning_rate(lr), so their updates would never reach the "
                          f"parameters; end them with it")
-    after = [t.name for t in ts[last + 1:] if t]
-    if after:
+    if after := [t.name for t in ts[last + 1:] if t]:
         raise ValueError(f"chain: {after[0]} comes after scale_by_learning_rate, which applies "
                          f"the updates to the parameters: it would change updates already "
                          f"applied; put every transform before scale_by_learning_rate")
-    stray = [i for i in range(last) if ts[i] is None]
-    if stray:
+    if stray := [i for i in range(last) if ts[i] is None]:
         raise ValueError(f"chain: member {offset + stray[0]} sits between transforms: it reads "
                          f"the gradients, not the updates the transforms before it made; put "
                          f"it before the first transform ({ts[0].name})")
@@ -572,8 +557,7 @@ def fuse(members: tuple) -> tuple:
     lr = found[-1].hyper[1]
     _, wd, mask = found[1].hyper if kinds[1:] == [("decay",), ("lr",)] else (None, 0.0, None)
     if kinds in ([("adam",), ("lr",)], [("adam",), ("decay",), ("lr",)]):
-        _, betas, eps = found[0].hyper
-        one = adamw(lr, betas, eps, wd, mask, fused=None)
+        one = adamw(lr, *found[0].hyper[1:], wd, mask, fused=None)  # hyper: ("adam", betas, eps)
     elif kinds[0] == ("owner",) and kinds[1:] in ([("lr",)], [("decay",), ("lr",)]) and mask is None:
         _, make, options = found[0].hyper
         order = {"weight_decay_first": True} if make is soap and wd else {}
@@ -625,8 +609,7 @@ def partition(transforms: dict, labels: Callable[[tuple], str]) -> Optimizer:
                 for name, opt in transforms.items()}
 
     def granularity(path, tensor):
-        opt = transforms.get(labels(path))
-        g = getattr(opt, "granularity", None)
+        g = getattr(transforms.get(labels(path)), "granularity", None)  # None: an unknown label
         return g(path, tensor) if callable(g) else g
 
     return Optimizer(init, atomic(update, compose=True), granularity)

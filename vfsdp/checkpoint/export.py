@@ -55,9 +55,8 @@ def entries_and_names(tree: Any, spec: ShardSpec, rename: Rename, what: str) -> 
     ``rename`` maps two entries to one key."""
     def local():
         entries = flatten(tree, spec, what)
-        split = next((e for e in entries if e.kind == "sharded" and e.piece.within is not None),
-                     None)
-        if split is not None:
+        if (split := next((e for e in entries if e.kind == "sharded" and e.piece.within is not None),
+                          None)) is not None:
             raise ValueError(f"{what}: {split.name} comes from a plan split over a model axis (TP/EP); "
                              f"full-tensor exports gather over the data axes only. Save with "
                              f"vfsdp.checkpoint.save (it reshards across TP/EP degrees), or "
@@ -251,8 +250,7 @@ def _check_source(state_dict, entries, key, strict) -> dict:
                    else type(v).__name__)
             raise CheckpointError(f"from_state_dict: {k!r} is {got}, {e.name} needs {tuple(e.shape)} "
                            f"{dtype_name(e.dtype)}")
-    extra = sorted(set(state_dict) - set(key.values())) if strict else None
-    if extra:
+    if strict and (extra := sorted(set(state_dict) - set(key.values()))):
         raise CheckpointError(f"from_state_dict: unused names {extra[:5]}; pass strict=False to ignore them")
     return {e.name: state_dict[key[e.name]] for e in entries if e.kind == "value"}
 

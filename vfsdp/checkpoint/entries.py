@@ -172,8 +172,7 @@ def _tie_once(entries: list[Entry]) -> list[Entry]:
 
 
 def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: str) -> list[Entry]:
-    paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=is_state_leaf)
-    for path, leaf in zip(paths, leaves):
+    for path, leaf in zip(*optree.tree_flatten_with_path(tree, is_leaf=is_state_leaf)[:2]):
         path = prefix + tuple(path)
         name = format_path(path)
         slot = slot_of(leaf)

@@ -148,11 +148,9 @@ def to_state_dict(tree: Any, spec: ShardSpec, *, dst: int = 0, device: Any = "cp
     entries, keys = entries_and_names(tree, spec, rename, "vfsdp.checkpoint.to_state_dict")
     out, error = {}, None
     for name, value in stream_full(entries, dst):
-        if error is not None:
-            continue  # keep taking part in the collectives; raised below, on every rank
-        try:
-            out[keys[name]] = (value.to(device, copy=True) if isinstance(value, torch.Tensor)
-                               else value)
+        try:  # after a failure: keep taking part in the collectives; raised below, on every rank
+            if error is None:
+                out[keys[name]] = value.to(device, copy=True) if isinstance(value, torch.Tensor) else value
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory on dst
             error, out = exc, {}
     agree(error)
@@ -265,8 +263,7 @@ def _scatter_unit(db, group: list, state_dict, key, is_src: bool, coords: tuple,
             buf[t.offset:t.offset + t.numel].copy_(state_dict[key[e.name]].reshape(-1))
 
     stage = torch.empty_like(db.shard)
-    error = scatter_unit(db, pack if is_src else None, coords, out=stage)
-    if error is not None:
+    if (error := scatter_unit(db, pack if is_src else None, coords, out=stage)) is not None:
         failed.append(error)
     for e in group:
         lo, hi = db.tensors[e.piece.index].shard_range(db.rank)

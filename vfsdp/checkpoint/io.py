@@ -320,8 +320,7 @@ def _check_mesh(name: str, spec: ShardSpec, mesh: Any, what: str) -> None:
 
 def _check_owner(name: str, layout: Any, part: Planned, what: str) -> None:
     """A shard of a vfsdp buffer (of unit ``layout``) belongs to a unit of its part's spec."""
-    own = part.spec.units.get(layout.key)
-    if own is not layout and own != layout:
+    if (own := part.spec.units.get(layout.key)) is not layout and own != layout:
         raise ValueError(f"{what}: part {part.name!r}: {name} is a shard of unit "
                          f"{unit_name(layout.key)} of another plan than the part's spec; pair "
                          f"each tree with the spec it was sharded with ({{name: (shards, spec)}})")
@@ -336,8 +335,7 @@ def _flatten_part(part: Planned, what: str) -> list[Entry]:
             another plan's spec (naming the part, the tensor path and the fix).
     """
     # Shards first, before optimizer states read their buffers through the spec.
-    paths, leaves, _ = optree.tree_flatten_with_path(part.tree, is_leaf=is_state_leaf)
-    for path, leaf in zip(paths, leaves):
+    for path, leaf in zip(*optree.tree_flatten_with_path(part.tree, is_leaf=is_state_leaf)[:2]):
         if (slot := slot_of(leaf)) is not None:
             _check_owner(format_path((part.name, *path)), slot.buffer.layout, part, what)
     try:

@@ -160,9 +160,8 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
 
     def prepare() -> tuple:
         parts("", (), hf_layout)  # an unknown layout
-        files = _split(entries, max_shard_size)  # [(file name, [entries])]
-        targets = ([os.path.join(path, SINGLE) if os.path.isdir(path) else path]
-                   if max_shard_size is None else [os.path.join(path, name) for name, _ in files])
+        files = _split(entries, max_shard_size)  # [(file name, or "" for one file, [entries])]
+        targets = [os.path.join(path, n or SINGLE) if n or os.path.isdir(path) else path for n, _ in files]
         folder = os.path.dirname(os.path.abspath(targets[0]))
         if rank == dst and max_shard_size is not None:
             os.makedirs(folder, exist_ok=True)
@@ -345,8 +344,7 @@ def _check_offsets(path: str, header: dict) -> int:
             raise CheckpointError(f"{path}: tensor {key!r} has dtype {rec.get('dtype')!r}, "
                                   f"which vfsdp cannot read (it reads {sorted(_DTYPES)})")
         begin, stop = rec["data_offsets"]
-        need = math.prod(rec["shape"]) * _DTYPES[rec["dtype"]].itemsize
-        if stop - begin != need:
+        if stop - begin != (need := math.prod(rec["shape"]) * _DTYPES[rec["dtype"]].itemsize):
             raise CheckpointError(f"{path}: tensor {key!r} has data_offsets [{begin}, {stop}] "
                                   f"({stop - begin} bytes), but its shape {rec['shape']} of "
                                   f"{rec['dtype']} needs {need} bytes; the file is corrupt")
@@ -406,8 +404,7 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
         [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0]]
     """
     path = os.fspath(path)
-    values = agreed(_read_into, path, tree_like, spec, strict, rename)
-    return unflatten(tree_like, spec, values)
+    return unflatten(tree_like, spec, agreed(_read_into, path, tree_like, spec, strict, rename))
 
 
 def _headers(path: str) -> tuple[dict, dict]:
@@ -440,8 +437,7 @@ def _headers(path: str) -> tuple[dict, dict]:
                                       f"{os.path.basename(file)}; the checkpoint is corrupt")
             merged[key] = {**rec, "file": file, "base": base}
     for key, name in weight_map.items():
-        found = os.path.basename(merged[key]["file"]) if key in merged else "no file"
-        if found != name:
+        if (found := os.path.basename(merged[key]["file"]) if key in merged else "no file") != name:
             raise CheckpointError(f"{path}: {INDEX} puts tensor {key!r} in {name}, but it is in "
                                   f"{found}; the checkpoint is corrupt or mixes two saves")
     return merged, values

@@ -337,8 +337,7 @@ def single_layout(spec: ShardSpec) -> dict:
 
 def describe_mesh(mesh_shape, model_axis) -> str:
     """``data mesh (2,), tp=2``: what a state's shape may follow."""
-    split = f", {model_axis[0]}={model_axis[1]}" if model_axis else ""
-    return f"data mesh {tuple(mesh_shape)}{split}"
+    return f"data mesh {tuple(mesh_shape)}" + (f", {model_axis[0]}={model_axis[1]}" if model_axis else "")
 
 
 def write_manifest(tmp: str, entries: list[Entry], layout: dict, world: int,

@@ -194,8 +194,7 @@ def from_state_dict(state_dict: Optional[dict], tree_like: Any, spec: ShardSpec,
     entries, key = entries_and_names(tree_like, spec, rename, "vfsdp.checkpoint.from_state_dict")
     box: list = [None]
     if rank == src:
-        db = next((e.piece.db for e in entries if e.kind == "sharded" and e.piece.db is not None),
-                  None)
+        db = next((db for db, _ in _groups(entries) if db is not None), None)
         coords = (0, 0) if db is None else (db.groups.replicate_rank, db.groups.shard_rank)
         try:
             box[0] = (None, _check_source(state_dict, entries, key, strict), coords)

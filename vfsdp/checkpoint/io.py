@@ -180,10 +180,9 @@ def _check_written_once(entries: list[Entry], group) -> None:
         None)
     if conflict is None:
         return
-    e = twice[conflict]
     raise ValueError(
-        f"vfsdp.checkpoint.save: ranks write different data for the same elements of {e.name} "
-        f"{tuple(e.shape)}: shards of one plan made on several sub-meshes (e.g. one per expert "
+        f"vfsdp.checkpoint.save: ranks write different data for the same elements of {conflict} "
+        f"{tuple(twice[conflict].shape)}: shards of one plan made on several sub-meshes (e.g. one per expert "
         f"group) hold different tensors under one name, and all but one would be lost; plan "
         f"them over the whole mesh with tp= over the axis that tells them apart "
         f"(vfsdp.plan(params, mesh, tp=rule, tp_axis=...)), as for expert parallelism")

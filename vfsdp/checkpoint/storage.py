@@ -243,13 +243,12 @@ def read_manifest(root: str) -> dict:
                      f"intact at {os.path.join(parent, old[-1])} (rename it back, or save to "
                      f"{root} again, which restores it first)")
         raise FileNotFoundError(f"no checkpoint at {root}{hint}")
-    path = os.path.join(root, MANIFEST)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{root} is not a complete vfsdp checkpoint (no {MANIFEST}); the "
-                              f"save that wrote it did not finish")
     try:
-        with open(path) as f:
+        with open(os.path.join(root, MANIFEST)) as f:
             manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{root} is not a complete vfsdp checkpoint (no {MANIFEST}); the "
+                              f"save that wrote it did not finish") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{root}/{MANIFEST} is unreadable ({exc})") from None
     if manifest.get("format") != FORMAT or manifest.get("version") not in (1, VERSION):

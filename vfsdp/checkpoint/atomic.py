@@ -91,15 +91,12 @@ def _dead(partial: str) -> bool:
     try:
         with open(os.path.join(partial, LOCK)) as f:
             lock = json.load(f)
-        pid, host = int(lock["pid"]), str(lock["host"])
-    except (OSError, ValueError, KeyError, TypeError):
+        if str(lock["host"]) == socket.gethostname():
+            os.kill(int(lock["pid"]), 0)
+    except ProcessLookupError:  # the process is gone
+        return True
+    except (OSError, ValueError, KeyError, TypeError):  # e.g. another user's live process
         return False
-    if host != socket.gethostname():
-        return False
-    try:
-        os.kill(pid, 0)
-    except OSError as exc:  # gone, or e.g. another user's live process
-        return isinstance(exc, ProcessLookupError)
     return False
 
 

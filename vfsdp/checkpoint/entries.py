@@ -54,11 +54,6 @@ class Entry:
     tensor: Optional[torch.Tensor] = None
     value: Any = None
 
-    def describe(self) -> str:
-        if self.kind == "value":
-            return f"{type(self.value).__name__} value"
-        return f"{self.kind} tensor {tuple(self.shape)} {dtype_name(self.dtype)}"
-
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """The raw bytes of ``t`` (row-major), from a private host copy.
@@ -74,8 +69,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    if not isinstance(dtype := getattr(torch, name, None), torch.dtype):
         raise ValueError(f"unknown dtype {name!r} in checkpoint")
     return dtype
 
@@ -154,11 +148,9 @@ def flatten(tree: Any, spec: ShardSpec, what: str = "checkpoint", prefix: tuple 
         TypeError: a leaf that cannot be checkpointed (naming its path and what to do).
         ValueError: two leaves with the same dotted name, or a gathered full view.
     """
-    out: list[Entry] = []
-    _flatten_into(tree, spec, prefix, out, what)
-    out = _tie_once(out)
-    twice = next((n for n, k in collections.Counter(e.name for e in out).items() if k > 1), None)
-    if twice is not None:
+    out = _tie_once(_flatten_into(tree, spec, prefix, [], what))
+    if (twice := next((n for n, k in collections.Counter(e.name for e in out).items() if k > 1),
+                      None)) is not None:
         raise ValueError(f"{what}: two leaves are both named {twice!r}; rename one (dotted "
                          f"key paths must be unique)")
     return out
@@ -179,16 +171,14 @@ def _tie_once(entries: list[Entry]) -> list[Entry]:
     return [e for e in entries if id(e) not in drop]
 
 
-def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: str) -> None:
-    paths, leaves, _ = optree.tree_flatten_with_path(tree, is_leaf=is_state_leaf)
-    for path, leaf in zip(paths, leaves):
+def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: str) -> list[Entry]:
+    for path, leaf in zip(*optree.tree_flatten_with_path(tree, is_leaf=is_state_leaf)[:2]):
         path = prefix + tuple(path)
         name = format_path(path)
-        adapter = _adapter(leaf)
-        slot = slot_of(leaf) if isinstance(leaf, torch.Tensor) else None
+        slot = slot_of(leaf)
         if slot is not None and slot.view is View.LOCAL:
             leaf = _db_piece(leaf, slot.buffer, slot.index, name)
-        if adapter is not None:
+        if (adapter := _adapter(leaf)) is not None:
             _flatten_into(adapter[0](leaf, spec), spec, path, out, what)
         elif isinstance(leaf, Piece):
             out.append(Entry(name, "sharded", tuple(leaf.shape), leaf.local.dtype, piece=leaf))
@@ -209,19 +199,16 @@ def _flatten_into(tree: Any, spec: ShardSpec, prefix: tuple, out: list, what: st
             raise TypeError(f"{what}: {name} is a {type(leaf).__name__}, which checkpoints "
                             f"cannot store; use a tensor or a bool/int/float/str, or register "
                             f"the type with vfsdp.checkpoint.register_state")
+    return out
 
 
 def unflatten(tree: Any, spec: ShardSpec, values: dict, prefix: tuple = ()) -> Any:
     """``tree`` with its plain values replaced by ``values[name]`` and registered states
     restored (tensors were filled in place and stay the same objects)."""
-    paths, leaves, treespec = optree.tree_flatten_with_path(tree, is_leaf=is_state_leaf)
-    new = []
-    for path, leaf in zip(paths, leaves):
-        path = prefix + tuple(path)
-        adapter = _adapter(leaf)
-        if adapter is not None:
-            new.append(adapter[1](leaf, unflatten(adapter[0](leaf, spec), spec, values, path)))
-        else:
-            new.append(values.get(format_path(path), leaf) if isinstance(leaf, VALUE_TYPES)
-                       else leaf)
-    return optree.tree_unflatten(treespec, new)
+    def one(path: tuple, leaf: Any) -> Any:
+        path = prefix + path
+        if (adapter := _adapter(leaf)) is not None:
+            return adapter[1](leaf, unflatten(adapter[0](leaf, spec), spec, values, path))
+        return values.get(format_path(path), leaf) if isinstance(leaf, VALUE_TYPES) else leaf
+
+    return optree.tree_map_with_path(one, tree, is_leaf=is_state_leaf)

@@ -55,9 +55,8 @@ def entries_and_names(tree: Any, spec: ShardSpec, rename: Rename, what: str) -> 
     ``rename`` maps two entries to one key."""
     def local():
         entries = flatten(tree, spec, what)
-        split = next((e for e in entries if e.kind == "sharded" and e.piece.within is not None),
-                     None)
-        if split is not None:
+        if (split := next((e for e in entries if e.kind == "sharded" and e.piece.within is not None),
+                          None)) is not None:
             raise ValueError(f"{what}: {split.name} comes from a plan split over a model axis (TP/EP); "
                              f"full-tensor exports gather over the data axes only. Save with "
                              f"vfsdp.checkpoint.save (it reshards across TP/EP degrees), or "
@@ -149,11 +148,9 @@ def to_state_dict(tree: Any, spec: ShardSpec, *, dst: int = 0, device: Any = "cp
     entries, keys = entries_and_names(tree, spec, rename, "vfsdp.checkpoint.to_state_dict")
     out, error = {}, None
     for name, value in stream_full(entries, dst):
-        if error is not None:
-            continue  # keep taking part in the collectives; raised below, on every rank
-        try:
-            out[keys[name]] = (value.to(device, copy=True) if isinstance(value, torch.Tensor)
-                               else value)
+        try:  # after a failure: keep taking part in the collectives; raised below, on every rank
+            if error is None:
+                out[keys[name]] = value.to(device, copy=True) if isinstance(value, torch.Tensor) else value
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory on dst
             error, out = exc, {}
     agree(error)
@@ -197,8 +194,7 @@ def from_state_dict(state_dict: Optional[dict], tree_like: Any, spec: ShardSpec,
     entries, key = entries_and_names(tree_like, spec, rename, "vfsdp.checkpoint.from_state_dict")
     box: list = [None]
     if rank == src:
-        db = next((e.piece.db for e in entries if e.kind == "sharded" and e.piece.db is not None),
-                  None)
+        db = next((db for db, _ in _groups(entries) if db is not None), None)
         coords = (0, 0) if db is None else (db.groups.replicate_rank, db.groups.shard_rank)
         try:
             box[0] = (None, _check_source(state_dict, entries, key, strict), coords)
@@ -251,8 +247,7 @@ def _check_source(state_dict, entries, key, strict) -> dict:
                    else type(v).__name__)
             raise CheckpointError(f"from_state_dict: {k!r} is {got}, {e.name} needs {tuple(e.shape)} "
                            f"{dtype_name(e.dtype)}")
-    extra = sorted(set(state_dict) - set(key.values())) if strict else None
-    if extra:
+    if strict and (extra := sorted(set(state_dict) - set(key.values()))):
         raise CheckpointError(f"from_state_dict: unused names {extra[:5]}; pass strict=False to ignore them")
     return {e.name: state_dict[key[e.name]] for e in entries if e.kind == "value"}
 
@@ -267,8 +262,7 @@ def _scatter_unit(db, group: list, state_dict, key, is_src: bool, coords: tuple,
             buf[t.offset:t.offset + t.numel].copy_(state_dict[key[e.name]].reshape(-1))
 
     stage = torch.empty_like(db.shard)
-    error = scatter_unit(db, pack if is_src else None, coords, out=stage)
-    if error is not None:
+    if (error := scatter_unit(db, pack if is_src else None, coords, out=stage)) is not None:
         failed.append(error)
     for e in group:
         lo, hi = db.tensors[e.piece.index].shard_range(db.rank)

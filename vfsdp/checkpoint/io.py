@@ -82,7 +82,6 @@ from vfsdp.planner.granularity import format_path
 from vfsdp.planner.spec import ShardSpec, unit_name
 
 _PENDING: dict = {}   # rank thread -> AsyncSave still running (one dict operation at a time)
-_EXECUTORS: dict = {}
 _ASYNC_GROUPS: dict = {}
 
 
@@ -145,10 +144,9 @@ def _check_consistent(entries: list[Entry], group) -> None:
                              f"(e.g. {diff[:3]}); every rank must pass the same tree")
         for a, b in zip(base, other):
             if a != b:
-                what = "values" if a[1] == "value" else "tensors"
+                what = ", different " + ("values" if a[1] == "value" else "tensors")
                 raise ValueError(f"vfsdp.checkpoint.save: {a[0]} differs between rank 0 and rank "
-                                 f"{r} ({a[1:4]} vs {b[1:4]}"
-                                 f"{', different ' + what if a[1:4] == b[1:4] else ''})"
+                                 f"{r} ({a[1:4]} vs {b[1:4]}{what if a[1:4] == b[1:4] else ''})"
                                  f"; replicated tensors and values must be equal on every rank")
 
 
@@ -182,10 +180,9 @@ def _check_written_once(entries: list[Entry], group) -> None:
         None)
     if conflict is None:
         return
-    e = twice[conflict]
     raise ValueError(
-        f"vfsdp.checkpoint.save: ranks write different data for the same elements of {e.name} "
-        f"{tuple(e.shape)}: shards of one plan made on several sub-meshes (e.g. one per expert "
+        f"vfsdp.checkpoint.save: ranks write different data for the same elements of {conflict} "
+        f"{tuple(twice[conflict].shape)}: shards of one plan made on several sub-meshes (e.g. one per expert "
         f"group) hold different tensors under one name, and all but one would be lost; plan "
         f"them over the whole mesh with tp= over the axis that tells them apart "
         f"(vfsdp.plan(params, mesh, tp=rule, tp_axis=...)), as for expert parallelism")
@@ -216,8 +213,7 @@ def _write(path: str, tmp: str, entries: list[Entry], data: Optional[dict], layo
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         err = f"checksumming {tmp} failed: {exc}"
     gathered = _all_gather((err, result), group)
-    errors = [e for e, _ in gathered if e]
-    if errors:
+    if errors := [e for e, _ in gathered if e]:
         raise CheckpointError(errors[0])
     commit_err = None
     if rank == 0:
@@ -237,24 +233,23 @@ def _stage(entries: list[Entry], rank: int) -> dict:
             or (e.kind == "replicated" and rank == 0)}
 
 
-def _async_group():
-    """A gloo group for background saves, so their collectives never interleave with training's.
+def _async_group() -> tuple:
+    """``(gloo group, executor)`` for background saves, so their collectives never interleave
+    with training's.
 
     One per thread, for the current default group only: a new default group (after
     ``destroy_process_group``) replaces the entry, so the table holds one group per thread.
     """
-    key = threading.get_ident()
-    world = dist.group.WORLD
-    found = _ASYNC_GROUPS.get(key)
-    if found is None or found[0] is not world:  # identity, not id(): ids are reused
-        found = _ASYNC_GROUPS[key] = (world, dist.new_group(backend="gloo"))
-    return found[1]
+    key, world = threading.get_ident(), dist.group.WORLD
+    if (found := _ASYNC_GROUPS.get(key)) is None or found[0] is not world:  # identity: ids are reused
+        found = _ASYNC_GROUPS[key] = (world, dist.new_group(backend="gloo"),
+                                      concurrent.futures.ThreadPoolExecutor(1, "vfsdp-ckpt"))
+    return found[1:]
 
 
 def wait_pending() -> None:
     """Wait for this rank's background save, if one is running (re-raising its error)."""
-    pending = _PENDING.pop(threading.get_ident(), None)
-    if pending is not None:
+    if (pending := _PENDING.pop(threading.get_ident(), None)) is not None:
         pending.wait()
 
 
@@ -324,8 +319,7 @@ def _check_mesh(name: str, spec: ShardSpec, mesh: Any, what: str) -> None:
 
 def _check_owner(name: str, layout: Any, part: Planned, what: str) -> None:
     """A shard of a vfsdp buffer (of unit ``layout``) belongs to a unit of its part's spec."""
-    own = part.spec.units.get(layout.key)
-    if own is not layout and own != layout:
+    if (own := part.spec.units.get(layout.key)) is not layout and own != layout:
         raise ValueError(f"{what}: part {part.name!r}: {name} is a shard of unit "
                          f"{unit_name(layout.key)} of another plan than the part's spec; pair "
                          f"each tree with the spec it was sharded with ({{name: (shards, spec)}})")
@@ -340,8 +334,7 @@ def _flatten_part(part: Planned, what: str) -> list[Entry]:
             another plan's spec (naming the part, the tensor path and the fix).
     """
     # Shards first, before optimizer states read their buffers through the spec.
-    paths, leaves, _ = optree.tree_flatten_with_path(part.tree, is_leaf=is_state_leaf)
-    for path, leaf in zip(paths, leaves):
+    for path, leaf in zip(*optree.tree_flatten_with_path(part.tree, is_leaf=is_state_leaf)[:2]):
         if (slot := slot_of(leaf)) is not None:
             _check_owner(format_path((part.name, *path)), slot.buffer.layout, part, what)
     try:
@@ -379,14 +372,11 @@ def check_parts(manifest: dict, parts: Optional[list[Planned]], strict: bool, pa
     if "parts" not in manifest:
         raise CheckpointError(f"{path} holds one tree (saved with a spec), not parts; load it "
                               f"with vfsdp.checkpoint.load(path, tree, spec)")
-    saved = list(manifest["parts"])
-    names = [p.name for p in parts]
-    for n in names:
-        if n not in manifest["parts"]:
-            raise CheckpointError(f"{path} has no part {n!r} (it holds parts {saved}); name the "
-                                  f"parts as they were saved")
-    extra = [n for n in saved if n not in names]
-    if strict and extra:
+    saved, names = list(manifest["parts"]), [p.name for p in parts]
+    if (n := next((n for n in names if n not in saved), None)) is not None:
+        raise CheckpointError(f"{path} has no part {n!r} (it holds parts {saved}); name the "
+                              f"parts as they were saved")
+    if strict and (extra := [n for n in saved if n not in names]):
         raise CheckpointError(f"{path} holds part(s) {extra} that the load does not name (it "
                               f"names {names}); add them, or pass strict=False to load a subset")
 
@@ -461,18 +451,16 @@ def save(path: str | os.PathLike, tree: Any, spec: Optional[ShardSpec] = None, *
     # Process groups belong to their rank's thread under vfsdp.testing.simulate, so a
     # background thread cannot use them: the write runs now, after the same snapshot.
     here = groups_are_per_thread()
-    group = None if here else _async_group()
+    group, executor = (None, None) if here else _async_group()
     tmp = prepare(path, overwrite, group)
     data = agreed(_stage, entries, dist.get_rank())
     if here:
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_result(_write(path, tmp, entries, data, layout, None, thread_count))
         return AsyncSave(future, path)
-    key = threading.get_ident()  # _stage's copies to the host are complete: no sync
-    executor = _EXECUTORS.setdefault(key, concurrent.futures.ThreadPoolExecutor(1, "vfsdp-ckpt"))
-    handle = AsyncSave(executor.submit(_write, path, tmp, entries, data, layout, group,
-                                       thread_count), path)
-    _PENDING[key] = handle
+    # _stage's copies to the host are complete: no sync
+    handle = _PENDING[threading.get_ident()] = AsyncSave(executor.submit(
+        _write, path, tmp, entries, data, layout, group, thread_count), path)
     return handle
 
 

@@ -58,14 +58,10 @@ _VALUES = "vfsdp.values"
 # under several header records, and a read maps a rank's flat range of the fused tensor onto
 # the pieces it spans.
 
-LAYOUTS = ("fused", "per_expert", "mixtral")
 _FUSED = re.compile(r"(?P<pre>(?:.*\.)?)experts\.(?P<which>gate_up_proj|down_proj)")
 _NAMES = {"per_expert": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
 
-Part = tuple[str, tuple]
-
-
-def parts(name: str, shape: tuple, layout: Optional[str]) -> list[Part]:
+def parts(name: str, shape: tuple, layout: Optional[str]) -> list[tuple[str, tuple]]:
     """The file tensors ``(key, shape)`` whose bytes, concatenated, are tensor ``name``'s in
     ``layout`` (``[(name, shape)]`` when it is stored whole under its own name).
 
@@ -89,10 +85,10 @@ def parts(name: str, shape: tuple, layout: Optional[str]) -> list[Part]:
         >>> parts("l.mlp.gate.weight", (4, 3), "mixtral")
         [('l.block_sparse_moe.gate.weight', (4, 3))]
     """
-    if layout is None or layout == "fused":
+    if layout in (None, "fused"):
         return [(name, tuple(shape))]
     if layout not in _NAMES:
-        raise ValueError(f"save_safetensors: hf_layout must be one of {LAYOUTS} or None, got "
+        raise ValueError(f"save_safetensors: hf_layout must be one of {('fused', *_NAMES)} or None, got "
                          f"{layout!r}")
     found = _FUSED.fullmatch(name)
     rename = (lambda n: n.replace(".mlp.", ".block_sparse_moe.")) if layout == "mixtral" else (lambda n: n)
@@ -103,8 +99,7 @@ def parts(name: str, shape: tuple, layout: Optional[str]) -> list[Part]:
     experts, rows, cols = shape
     if found["which"] == "down_proj":
         return [(f"{pre}{e}.{down}.weight", (rows, cols)) for e in range(experts)]
-    half = (rows // 2, cols)
-    return [(f"{pre}{e}.{w}.weight", half) for e in range(experts) for w in (gate, up)]
+    return [(f"{pre}{e}.{w}.weight", (rows // 2, cols)) for e in range(experts) for w in (gate, up)]
 
 
 def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst: int = 0,
@@ -165,9 +160,8 @@ def save_safetensors(path: str | os.PathLike, tree: Any, spec: ShardSpec, *, dst
 
     def prepare() -> tuple:
         parts("", (), hf_layout)  # an unknown layout
-        files = _split(entries, max_shard_size)  # [(file name, [entries])]
-        targets = ([os.path.join(path, SINGLE) if os.path.isdir(path) else path]
-                   if max_shard_size is None else [os.path.join(path, name) for name, _ in files])
+        files = _split(entries, max_shard_size)  # [(file name, or "" for one file, [entries])]
+        targets = [os.path.join(path, n or SINGLE) if n or os.path.isdir(path) else path for n, _ in files]
         folder = os.path.dirname(os.path.abspath(targets[0]))
         if rank == dst and max_shard_size is not None:
             os.makedirs(folder, exist_ok=True)
@@ -257,8 +251,7 @@ def _headers_of(entries: list[Entry], names: dict, files: list, metadata: Option
     meta = dict(metadata or {})
     if any(not isinstance(k, str) or not isinstance(v, str) for k, v in meta.items()):
         raise TypeError("safetensors metadata must map str to str")
-    values = {names[e.name]: e.value for e in entries if e.kind == "value"}
-    if values:
+    if values := {names[e.name]: e.value for e in entries if e.kind == "value"}:
         meta[_VALUES] = json.dumps(values)
     blobs = []
     for k, (_, group) in enumerate(files):
@@ -309,12 +302,10 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
         ...
         vfsdp.checkpoint.storage.CheckpointError: ...'w' starts at byte 4 of the data...
     """
-    size = os.path.getsize(path)
+    if (size := os.path.getsize(path)) < 8:
+        raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes)")
     with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes)")
-        (n,) = struct.unpack("<Q", raw)
+        (n,) = struct.unpack("<Q", f.read(8))
         if n > size - 8:
             raise CheckpointError(f"{path}: header of {n} bytes in a file of {size} (truncated)")
         try:
@@ -337,15 +328,15 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
 
 def _check_offsets(path: str, header: dict) -> int:
     """The data's length in bytes, after checking every record of ``header``."""
+    def counts(v: Any) -> bool:
+        return isinstance(v, list) and all(isinstance(d, int) and d >= 0 for d in v)
+
     spans = []
     for key, rec in header.items():
         if key == "__metadata__":
             continue
-        ok = isinstance(rec, dict) and isinstance(rec.get("shape"), list) and all(
-            isinstance(d, int) and d >= 0 for d in rec["shape"]) and isinstance(
-            rec.get("data_offsets"), list) and len(rec["data_offsets"]) == 2 and all(
-            isinstance(o, int) and o >= 0 for o in rec["data_offsets"])
-        if not ok:
+        if not (isinstance(rec, dict) and counts(rec.get("shape")) and counts(rec.get("data_offsets"))
+                and len(rec["data_offsets"]) == 2):
             raise CheckpointError(f"{path}: tensor {key!r} has a malformed header record "
                                   f"{rec!r}; it needs dtype, shape (non-negative ints) and "
                                   f"data_offsets [begin, end]")
@@ -353,8 +344,7 @@ def _check_offsets(path: str, header: dict) -> int:
             raise CheckpointError(f"{path}: tensor {key!r} has dtype {rec.get('dtype')!r}, "
                                   f"which vfsdp cannot read (it reads {sorted(_DTYPES)})")
         begin, stop = rec["data_offsets"]
-        need = math.prod(rec["shape"]) * _DTYPES[rec["dtype"]].itemsize
-        if stop - begin != need:
+        if stop - begin != (need := math.prod(rec["shape"]) * _DTYPES[rec["dtype"]].itemsize):
             raise CheckpointError(f"{path}: tensor {key!r} has data_offsets [{begin}, {stop}] "
                                   f"({stop - begin} bytes), but its shape {rec['shape']} of "
                                   f"{rec['dtype']} needs {need} bytes; the file is corrupt")
@@ -414,8 +404,7 @@ def load_safetensors(path: str | os.PathLike, tree_like: Any, spec: ShardSpec, *
         [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0]]
     """
     path = os.fspath(path)
-    values = agreed(_read_into, path, tree_like, spec, strict, rename)
-    return unflatten(tree_like, spec, values)
+    return unflatten(tree_like, spec, agreed(_read_into, path, tree_like, spec, strict, rename))
 
 
 def _headers(path: str) -> tuple[dict, dict]:
@@ -448,8 +437,7 @@ def _headers(path: str) -> tuple[dict, dict]:
                                       f"{os.path.basename(file)}; the checkpoint is corrupt")
             merged[key] = {**rec, "file": file, "base": base}
     for key, name in weight_map.items():
-        found = os.path.basename(merged[key]["file"]) if key in merged else "no file"
-        if found != name:
+        if (found := os.path.basename(merged[key]["file"]) if key in merged else "no file") != name:
             raise CheckpointError(f"{path}: {INDEX} puts tensor {key!r} in {name}, but it is in "
                                   f"{found}; the checkpoint is corrupt or mixes two saves")
     return merged, values
@@ -479,11 +467,9 @@ def _read_into(path: str, tree_like: Any, spec: ShardSpec, strict: bool, rename:
                 raise CheckpointError(f"{path}: {k!r} is {tuple(rec['shape'])} {rec['dtype']}, "
                                       f"{e.name} needs {shape} {dtype_name(e.dtype)}")
         stored[e.name] = [(k, header[k]) for k, _ in found]
-    if strict:
-        extra = sorted(set(header) - {k for found in stored.values() for k, _ in found})
-        if extra:
-            raise CheckpointError(f"{path} holds tensors the tree does not: {extra[:5]}; pass "
-                                  f"strict=False to load a subset")
+    if strict and (extra := sorted(set(header) - {k for found in stored.values() for k, _ in found})):
+        raise CheckpointError(f"{path} holds tensors the tree does not: {extra[:5]}; pass "
+                              f"strict=False to load a subset")
     with contextlib.ExitStack() as stack, torch.no_grad():
         opened = {file: stack.enter_context(open(file, "rb"))
                   for file in {rec["file"] for found in stored.values() for _, rec in found}}

@@ -185,8 +185,7 @@ def verify_files(root: str, manifest: dict) -> None:
         names = f" (it holds {names})" if names else ""
         if not os.path.exists(path):
             raise CheckpointError(f"checkpoint {root}: file {rel} is missing{names}")
-        got = os.path.getsize(path)
-        if got != size:
+        if (got := os.path.getsize(path)) != size:
             raise CheckpointError(f"checkpoint {root}: file {rel} has {got} bytes, {size} were "
                                   f"written (truncated or overwritten){names}")
     with open(os.path.join(root, METADATA), "rb") as f:
@@ -244,13 +243,12 @@ def read_manifest(root: str) -> dict:
                      f"intact at {os.path.join(parent, old[-1])} (rename it back, or save to "
                      f"{root} again, which restores it first)")
         raise FileNotFoundError(f"no checkpoint at {root}{hint}")
-    path = os.path.join(root, MANIFEST)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{root} is not a complete vfsdp checkpoint (no {MANIFEST}); the "
-                              f"save that wrote it did not finish")
     try:
-        with open(path) as f:
+        with open(os.path.join(root, MANIFEST)) as f:
             manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{root} is not a complete vfsdp checkpoint (no {MANIFEST}); the "
+                              f"save that wrote it did not finish") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{root}/{MANIFEST} is unreadable ({exc})") from None
     if manifest.get("format") != FORMAT or manifest.get("version") not in (1, VERSION):
@@ -338,8 +336,7 @@ def single_layout(spec: ShardSpec) -> dict:
 
 def describe_mesh(mesh_shape, model_axis) -> str:
     """``data mesh (2,), tp=2``: what a state's shape may follow."""
-    split = f", {model_axis[0]}={model_axis[1]}" if model_axis else ""
-    return f"data mesh {tuple(mesh_shape)}{split}"
+    return f"data mesh {tuple(mesh_shape)}" + (f", {model_axis[0]}={model_axis[1]}" if model_axis else "")
 
 
 def write_manifest(tmp: str, entries: list[Entry], layout: dict, world: int,
@@ -399,7 +396,8 @@ def match_manifest(manifest: dict, entries: list[Entry], strict: bool, path: str
         if (s["kind"] == "value") != (e.kind == "value"):
             raise CheckpointError(f"{path}: {e.name}: the checkpoint holds a "
                                   f"{'value' if s['kind'] == 'value' else 'tensor'}, the tree a "
-                                  f"{e.describe()}")
+                                  + (f"{type(e.value).__name__} value" if e.kind == "value" else
+                                     f"{e.kind} tensor {tuple(e.shape)} {dtype_name(e.dtype)}"))
         if e.kind != "value":
             shape, dtype = tuple(s["shape"]), parse_dtype(s["dtype"])
             if shape != tuple(e.shape) and dtype == e.dtype and moved:
@@ -419,12 +417,10 @@ def match_manifest(manifest: dict, entries: list[Entry], strict: bool, path: str
         elif _kind(s["value"]) != _kind(e.value):
             raise CheckpointError(f"{path}: {e.name} was saved as the {type(s['value']).__name__} "
                                   f"{s['value']!r}, the tree has a {type(e.value).__name__}")
-    if strict:
-        extra = sorted(set(saved) - {e.name for e in entries})
-        if extra:
-            raise CheckpointError(f"{path} holds entries the tree does not: {extra[:5]}"
-                                  f"{' ...' if len(extra) > 5 else ''}; pass strict=False to "
-                                  f"load a subset")
+    if strict and (extra := sorted(set(saved) - {e.name for e in entries})):
+        raise CheckpointError(f"{path} holds entries the tree does not: {extra[:5]}"
+                              f"{' ...' if len(extra) > 5 else ''}; pass strict=False to "
+                              f"load a subset")
     return {e.name: _coerce(saved[e.name]["value"], e.value) for e in entries if e.kind == "value"}
 
 

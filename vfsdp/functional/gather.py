@@ -180,7 +180,8 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
     compiled = tp.compiling()  # torch.compile: the gradients are the shards' .grad
     leaves = traced_leaves(shards, spec, what)[0] if compiled else match_tree(shards, spec, what)
     units = [] if compiled else units_of(leaves, spec, what)
-    tensors = [leaves[i] for i in local_plan(spec, None)[1]]
+    index = local_plan(spec, None)[1] if compiled else [i for u in units for i, _ in u.leaves]
+    tensors = [leaves[i] for i in index]
     # the .grad autograd accumulated (grads="return") and the buffers: one op
     zero = [] if set_to_none else [x.grad for x in tensors if x.grad is not None]
     for x in tensors if set_to_none else ():  # (compiled: unconditionally, asking would be a guard)

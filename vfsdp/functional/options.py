@@ -66,20 +66,6 @@ __all__ = ["Policy", "merge", "refuse", "NAMES", "GRAD_MODES"]
 GRAD_MODES = ("return", "buffer")
 _FLAGS = ("free_after_backward", "accumulate_grads", "grad_sync", "async_reduce", "prefetch",
           "reshard_after_forward")
-_DTYPE = (lambda v: v is None or (isinstance(v, torch.dtype) and v.is_floating_point),
-          "a floating-point torch.dtype or None")
-# the values each option takes: (whether a value is one, what it must be)
-_CHECKS = {
-    "param_dtype": _DTYPE, "reduce_dtype": _DTYPE,
-    "grad_reduce": (lambda v: v in REDUCE_OPS, f"one of {REDUCE_OPS}"),
-    "grads": (lambda v: v is None or v in GRAD_MODES, f"one of {GRAD_MODES}"),
-    "recompute": (lambda v: v in (None, "full", "selective") or callable(v) or isinstance(v, (list, tuple)),
-                  "None, 'full', 'selective' or a selective checkpointing policy (a callable (ctx, "
-                  "op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy, or a list of "
-                  "ops to keep)"),
-    **dict.fromkeys(_FLAGS, (lambda v: v is None or type(v) is bool,
-                             "True, False or None (the entry point's default)")),
-}
 
 
 @dataclass(frozen=True)
@@ -115,9 +101,25 @@ class Policy:
     recompute: Any = None
 
     def __post_init__(self) -> None:  # the one check of option values: where a policy is made
-        for name, (valid, must) in _CHECKS.items():
-            if not valid(getattr(self, name)):
-                raise ValueError(f"{name} must be {must}, got {getattr(self, name)!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+                raise ValueError(f"{name} must be a floating-point torch.dtype or None, got {value!r}")
+        if self.grad_reduce not in REDUCE_OPS:
+            raise ValueError(f"grad_reduce must be one of {REDUCE_OPS}, got {self.grad_reduce!r}")
+        if self.grads is not None and self.grads not in GRAD_MODES:
+            raise ValueError(f"grads must be one of {GRAD_MODES}, got {self.grads!r}")
+        recompute = self.recompute
+        if not (recompute in (None, "full", "selective") or callable(recompute)
+                or isinstance(recompute, (list, tuple))):
+            raise ValueError(f"recompute must be None, 'full', 'selective' or a selective "
+                             f"checkpointing policy (a callable (ctx, op, *args, **kwargs) -> "
+                             f"torch.utils.checkpoint.CheckpointPolicy, or a list of ops to "
+                             f"keep), got {recompute!r}")
+        for name in _FLAGS:
+            if getattr(self, name) is not None and type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name} must be True, False or None (the entry point's "
+                                 f"default), got {getattr(self, name)!r}")
         if self.accumulate_grads is False:
             raise ValueError("accumulate_grads=False was removed in vfsdp 0.4: gradients add up "
                              "across backwards until you zero them, as torch's .grad does, on "
@@ -153,8 +155,7 @@ _FUNC = ("inside torch.func transforms gradients are the values the transform re
          "tensors made outside it must not be mutated")
 _AUTOGRAD = ("the sharded gradients go to autograd (.grad; vfsdp.grads reads them) and the "
              "compiler schedules the reduce-scatters")
-# option (or its name from the policy), whether the policy asks for it, and per path:
-# (why, what to do instead)
+# option, whether the policy asks for it, and per path: (why, what to do instead)
 _REFUSED = (
     ("grads='buffer'", lambda p: p.grads == "buffer",
      {"torch.func": (_FUNC, "use grads='return'"),
@@ -171,19 +172,19 @@ _REFUSED = (
     ("async_reduce=True", lambda p: p.async_reduce is True,
      {"torch.func": (_FUNC, "drop it"), "compiled": (_AUTOGRAD, "drop it"),
       "all_gather": (_AUTOGRAD, "drop it")}),
-    # (the eager run_layers runs its layers: calls no refuse)
-    (lambda p: f"recompute={p.recompute!r}", lambda p: p.recompute is not None,
-     {"torch.func": ("the transform runs the backward itself", "drop it"),
-      "compiled": ("the compiled path does not checkpoint layers itself",
-                   "call torch.utils.checkpoint (use_reentrant=False) inside layer_fn"),
-      "all_gather": ("the functional path does not checkpoint layers itself",
-                     "call torch.utils.checkpoint (use_reentrant=False) inside layer_fn"),
-      "eager": ("only run_layers runs its layers, so only it can checkpoint them",
-                "use vfsdp.run_layers, or torch.utils.checkpoint (use_reentrant=False) around "
-                "your own function")}),
 )
 _WHERE = {"torch.func": "under torch.func", "compiled": "under torch.compile",
           "all_gather": "with all_gather= hooks", "eager": "by a plain gather"}
+_RECOMPUTE = {
+    "torch.func": ("the transform runs the backward itself", "drop it"),
+    "compiled": ("the compiled path does not checkpoint layers itself",
+                 "call torch.utils.checkpoint (use_reentrant=False) inside layer_fn"),
+    "all_gather": ("the functional path does not checkpoint layers itself",
+                   "call torch.utils.checkpoint (use_reentrant=False) inside layer_fn"),
+    "eager": ("only run_layers runs its layers, so only it can checkpoint them",
+              "use vfsdp.run_layers, or torch.utils.checkpoint (use_reentrant=False) around "
+              "your own function"),
+}
 
 
 def refuse(policy: Policy, path: str, what: str) -> None:
@@ -200,8 +201,11 @@ def refuse(policy: Policy, path: str, what: str) -> None:
     for name, asked, paths in _REFUSED:
         if path in paths and asked(policy):
             why, hint = paths[path]
-            name = name(policy) if callable(name) else name
             raise ValueError(f"{what}: {name} is not supported {_WHERE[path]} ({why}); {hint}")
+    if policy.recompute is not None:  # (the eager run_layers runs its layers: calls no refuse)
+        why, hint = _RECOMPUTE[path]
+        raise ValueError(f"{what}: recompute={policy.recompute!r} is not supported "
+                         f"{_WHERE[path]} ({why}); {hint}")
 
 
 def resolve(policy: Policy, layers: bool) -> Policy:

@@ -74,9 +74,10 @@ from vfsdp.collectives.dbuffer import slot_of
 from vfsdp.collectives.unit import GATHER_HOOKS, Reductions, UnitState, drop_traced_grads
 from vfsdp.functional.options import Policy, merge, refuse, resolve
 from vfsdp.functional.reduce import _reduce_functional
-from vfsdp.functional.traced import traced_gather, traced_grads, traced_zero_grads
+from vfsdp.functional.traced import traced_gather, traced_leaves, unit_context
 from vfsdp.functional.tree import match_tree, own_mesh, unit_for, units_of
 from vfsdp.planner.granularity import format_path
+from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec, TensorSpec, unit_name
 
 __all__ = ["gather", "gather_async", "start_gather", "Gather", "GatherHandle", "writes_leaf_grads",
@@ -119,17 +120,20 @@ def grads(shards: Any, spec: ShardSpec) -> Any:
     """
     what = "vfsdp.grads"
     if tp.compiling():  # torch.compile: the gradients are the shards' .grad
-        return traced_grads(shards, spec)
-    leaves = match_tree(shards, spec, what)
+        leaves, treespec = traced_leaves(shards, spec, what)
+        found = [(i, leaves[i].grad) for i in local_plan(spec, None)[1]]
+    else:
+        leaves, treespec, found = match_tree(shards, spec, what), spec.treespec, []
+        for u in units_of(leaves, spec, what):
+            dot = _in_dot_grad(u.unit, leaves, u.leaves)
+            if not dot:
+                u.unit.grads().ensure_shard()
+            # a buffer's view: the same tensor each step, no op to make it
+            found += [(i, leaves[i].grad if dot else u.unit.grad_view(k)) for i, k in u.leaves]
     out = list(leaves)
-    for u in units_of(leaves, spec, what):
-        dot = _in_dot_grad(u.unit, leaves, u.leaves)
-        if not dot:
-            u.unit.grads().ensure_shard()
-        for i, k in u.leaves:  # a buffer's view: the same tensor each step, no op to make it
-            g = leaves[i].grad if dot else u.unit.grad_view(k)
-            out[i] = g if g is not None else torch.zeros_like(leaves[i])
-    return optree.tree_unflatten(spec.treespec, out)
+    for i, g in found:
+        out[i] = g if g is not None else torch.zeros_like(leaves[i])
+    return optree.tree_unflatten(treespec, out)
 
 
 def _in_dot_grad(unit: Any, leaves: list, members: tuple) -> bool:
@@ -173,16 +177,18 @@ def zero_grads(shards: Any, spec: ShardSpec, *, set_to_none: bool = True) -> Non
         [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
     """
     what = "vfsdp.zero_grads"
-    if tp.compiling():  # torch.compile: the gradients are the shards' .grad
-        return traced_zero_grads(shards, spec, set_to_none)
-    leaves = match_tree(shards, spec, what)
-    zero = []  # the .grad autograd accumulated (grads="return") and the buffers: one op
-    for u in units_of(leaves, spec, what):
-        for i, _ in u.leaves:
-            if set_to_none:
-                leaves[i].grad = None
-            elif leaves[i].grad is not None:
-                zero.append(leaves[i].grad)
+    compiled = tp.compiling()  # torch.compile: the gradients are the shards' .grad
+    leaves = traced_leaves(shards, spec, what)[0] if compiled else match_tree(shards, spec, what)
+    units = [] if compiled else units_of(leaves, spec, what)
+    index = local_plan(spec, None)[1] if compiled else [i for u in units for i, _ in u.leaves]
+    tensors = [leaves[i] for i in index]
+    # the .grad autograd accumulated (grads="return") and the buffers: one op
+    zero = [] if set_to_none else [x.grad for x in tensors if x.grad is not None]
+    for x in tensors if set_to_none else ():  # (compiled: unconditionally, asking would be a guard)
+        x.grad = None
+    for _u, runtime in unit_context(leaves, spec, what) if compiled else ():
+        drop_traced_grads(runtime)
+    for u in units:
         u.unit.drop_accumulators()
         drop_traced_grads(u.unit.traced, keep=not set_to_none)  # the compiled path's leaves
         u.unit.grads_mode = None  # no reduction since: .grad or the buffer, whichever comes
@@ -250,20 +256,17 @@ class BackwardPass:
         self.accumulates = accumulates  # the pass writes leaves' .grad (not autograd.grad)
         self.agreement: Optional[Agreement] = None
         self._alive: set = set()  # places whose node is alive on some rank
-        self._marked: Optional[set] = None  # ids of the entries it reduces (on some rank)
 
-    @property
+    @functools.cached_property
     def marked(self) -> set:
-        """The entries some rank's pass runs (waits for the agreement the first time; forgets
-        orphans no rank marks, with no collective).
+        """The ids of the entries some rank's pass runs (waits for the agreement the first
+        time; forgets orphans no rank marks, with no collective).
 
         Raises:
             RuntimeError: the ranks' records disagree (raised on every rank).
         """
-        if self._marked is None:
-            runs, self._alive = self.agreement.marked()
-            self._marked = {id(e) for e in runs}
-        return self._marked
+        runs, self._alive = self.agreement.marked()
+        return {id(e) for e in runs}
 
     def reach(self, seq: int) -> None:
         """The pass is running the node numbered ``seq``: the marked units created after it
@@ -287,10 +290,8 @@ class BackwardPass:
         zeros, every marked unit left that did not run, then wait for the reductions in
         flight."""
         self.reach(-1)  # (a node's sequence number is never negative)
-        g, marked = self.gathers, self.marked
-        for e in list(g.entries):  # dead on every rank and unused: forgotten, no collective
-            if e.orphan and id(e) not in marked and e.place not in self._alive:
-                g.close(e)
+        g = self.gathers
+        g.forget(self.marked, self._alive)  # (marked first: its agreement sets _alive)
         if not tp.keep_graph():
             for unit in list(g.frozen.values()):
                 unit.release(at_once=False)
@@ -310,7 +311,7 @@ class BackwardPass:
             self.gathers.close(entry, graph_done=entry.orphan)
 
     def __repr__(self) -> str:
-        marked = "?" if self._marked is None else len(self._marked)
+        marked = len(self.marked) if "marked" in vars(self) else "?"
         return (f"BackwardPass(task {self.task}, {marked} unit(s) marked, "
                 f"{'backward()' if self.accumulates else 'autograd.grad'})")
 
@@ -422,8 +423,12 @@ class RankGathers:
         (the SPMD contract), so the same call everywhere; one small exchange on the side
         group, waited for here (host values only)."""
         self.settle()
-        _, alive = Agreement(self, []).marked()
-        for e in [e for e in self.entries if e.orphan and e.place not in alive]:
+        self.forget((), Agreement(self, []).marked()[1])
+
+    def forget(self, marked: Any, alive: set) -> None:
+        """Forget, with no collective, the orphans no rank's pass runs (their ids not in
+        ``marked``) and dead on every rank (their places not in ``alive``)."""
+        for e in [e for e in self.entries if e.orphan and id(e) not in marked and e.place not in alive]:
             self.close(e)
 
     def settle(self) -> None:
@@ -716,28 +721,23 @@ def gather(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, *,
     """
     what = "vfsdp.gather"
     policy = merge(policy, options, what)
-    if tp.compiling() or policy.all_gather is not None:  # the functional path (traced)
-        return _functional(shards, spec, mesh, policy, what)
-    return _eager(shards, spec, mesh, policy, what, start=False).wait()
+    out = _gather(shards, spec, mesh, policy, what, start=False)
+    return out.wait() if isinstance(out, GatherHandle) else out  # (the functional path's tree)
 
 
-def _eager(shards: Any, spec: ShardSpec, mesh: Any, policy: Policy, what: str, start: bool) -> Handle:
-    """The eager gather of ``gather`` (``start``: ``gather_async``), after refusing what the path
-    cannot honour."""
-    refuse(policy, "torch.func" if tp.functorch_active() else "eager", what)
-    return start_gather(shards, spec, own_mesh(shards, mesh, what), resolve(policy, layers=False), what,
-                        start=start)
-
-
-def _functional(shards: Any, spec: ShardSpec, mesh: Any, policy: Policy, what: str) -> Any:
-    """The functional gather: while compiling, or with ``all_gather=`` hooks (of shards
-    made by ``vfsdp.shard`` only: ``mesh`` is ignored, as on the eager path)."""
+def _gather(shards: Any, spec: ShardSpec, mesh: Any, policy: Policy, what: str, start: bool) -> Any:
+    """The gather of ``gather`` (``start``: ``gather_async``), after refusing what its path
+    cannot honour: the eager one's handle, or the functional one's tree (while compiling, or
+    with ``all_gather=`` hooks, of shards made by ``vfsdp.shard`` only: ``mesh`` is refused
+    with them, as on the eager path)."""
+    functional = tp.compiling() or policy.all_gather is not None
     if tp.functorch_active():
         refuse(policy, "torch.func", what)
-    refuse(policy, "compiled" if tp.compiling() else "all_gather", what)
-    if not tp.compiling():
-        own_mesh(shards, mesh, what)  # only vfsdp.shard's shards get here
-    return traced_gather(shards, spec, policy)
+    refuse(policy, "compiled" if tp.compiling() else "all_gather" if functional else "eager", what)
+    mesh = None if tp.compiling() else own_mesh(shards, mesh, what)
+    if functional:
+        return traced_gather(shards, spec, policy)
+    return start_gather(shards, spec, mesh, resolve(policy, layers=False), what, start=start)
 
 
 def start_gather(shards: Any, spec: ShardSpec, mesh: Any, policy: Policy, what: str,
@@ -840,6 +840,6 @@ def gather_async(shards: Any, spec: ShardSpec, policy: Optional[Policy] = None, 
     policy = merge(policy, options, what)
     if policy.all_gather is not None:
         done = GatherHandle([], [], None, {}, None)  # its gathers are done: wait() returns it
-        done._result, done._done = _functional(shards, spec, mesh, policy, what), True
+        done._result, done._done = _gather(shards, spec, mesh, policy, what, start=True), True
         return done
-    return _eager(shards, spec, mesh, policy, what, start=True)
+    return _gather(shards, spec, mesh, policy, what, start=True)

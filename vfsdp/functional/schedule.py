@@ -29,7 +29,7 @@ A saved tensor is recognised as a gathered parameter by its :class:`~vfsdp.colle
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import optree
@@ -272,8 +272,8 @@ class LayerRun:
                 # the forward saved none of the gathered tensors: a checkpoint of its own did
                 # (or the layer did not use them: what it returns as it was given is not
                 # watched, so a rank that skips a layer issues no regather the others do not)
-                refresh = _Refresh(full, self)
-                if refresh.spots:
+                refresh = self.refresher(full)
+                if refresh.args[0]:  # (spots to fill)
                     _watch(out, (args, kwargs), refresh)
             _trigger(outer, out, (args, kwargs))
         return out
@@ -302,9 +302,24 @@ class LayerRun:
         return optree.tree_map(fresh, full)
 
     def refresher(self, full: Any) -> Callable[[Any], None]:
-        """Called in a backward, it replaces ``full``'s tensors released since (in place) by
-        views of the regathered unit: what a recompute of the layer reads."""
-        return _Refresh(full, self)
+        """Called in a backward (once), it replaces ``full``'s tensors released since, in
+        place, by views of the regathered unit: what a recompute of the layer reads.
+
+        A ``torch.utils.checkpoint`` of the user's inside a layer reads the full tensors when
+        the backward recomputes the layer, from the tree it was given (``checkpoint(f, full,
+        h)``: the dict is kept as it is, its tensors released since): the replacements are
+        the views the saved-tensor hooks hand out. ``refresher(full).args[0]``: the spots it
+        fills."""
+        return functools.partial(self._refresh, list(_spots(full)))
+
+    def _refresh(self, spots: list, grad: Any) -> None:
+        todo, spots[:] = list(spots), []
+        for node, k, saved, wants in todo:
+            if type(node[k]) is ReleasedTensor:
+                fresh = self.unpack(saved).detach().requires_grad_(wants)
+                if wants:  # a recompute differentiated through: a reentrant checkpoint
+                    fresh.register_hook(_reentrant)
+                node[k] = fresh
 
     def exit(self, dbs: list[DBuffer], last: bool) -> None:
         """After a layer's forward: reshard it (``reshard_after_forward``; not the last). A
@@ -370,37 +385,14 @@ def _watch(out: Any, inputs: Any, hook: Callable) -> None:
         t.register_hook(hook)
 
 
-class _Refresh:
-    """A ``torch.utils.checkpoint`` of the user's inside a layer reads the full tensors when
-    the backward recomputes the layer, from the tree it was given (``checkpoint(f, full, h)``:
-    the dict is kept as it is, its tensors released since). When the backward reaches the
-    layer's outputs, the tree's released tensors are replaced, in place, by views of the
-    regathered unit (the same ones the saved-tensor hooks hand out)."""
-
-    def __init__(self, full: Any, run: LayerRun) -> None:
-        self.spots: list = []  # (container, key, record, requires_grad)
-        self.run = run
-        self._walk(full)
-
-    def _walk(self, node: Any) -> None:
-        items = node.items() if isinstance(node, dict) else \
-            enumerate(node) if isinstance(node, list) else ()
-        for k, v in items:
-            if isinstance(v, torch.Tensor):
-                slot = slot_of(v)
-                if slot is not None and slot.view is View.FULL:
-                    self.spots.append((node, k, _Saved(slot.buffer, v), v.requires_grad))
-            else:
-                self._walk(v)
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        spots, self.spots = self.spots, []
-        for node, k, saved, wants in spots:
-            if type(node[k]) is ReleasedTensor:
-                fresh = self.run.unpack(saved).detach().requires_grad_(wants)
-                if wants:  # a recompute differentiated through: a reentrant checkpoint
-                    fresh.register_hook(_reentrant)
-                node[k] = fresh
+def _spots(node: Any) -> Iterator[tuple]:
+    """``(container, key, record, requires_grad)`` of each gathered full tensor in the dicts
+    and lists of ``node``."""
+    for k, v in node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ():
+        if not isinstance(v, torch.Tensor):
+            yield from _spots(v)
+        elif (slot := slot_of(v)) is not None and slot.view is View.FULL:
+            yield node, k, _Saved(slot.buffer, v), v.requires_grad
 
 
 def _reentrant(grad: torch.Tensor) -> None:

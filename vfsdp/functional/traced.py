@@ -42,15 +42,14 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from vfsdp import _torch_private as tp
 from vfsdp.collectives.dbuffer import SLOT
-from vfsdp.collectives.unit import drop_traced_grads
 from vfsdp.functional.lowp import hooked_all_gather
 from vfsdp.functional.options import Policy
 from vfsdp.functional.pieces import assemble_layer
 from vfsdp.planner.local import local_plan
 from vfsdp.planner.spec import ShardSpec, TensorSpec
 
-__all__ = ["traced_gather", "prepare", "traced_leaves", "traced_run_layers", "traced_grads",
-           "traced_zero_grads", "unit_context", "padded"]
+__all__ = ["traced_gather", "prepare", "traced_leaves", "traced_run_layers", "unit_context",
+           "padded"]
 
 
 def prepare(spec: ShardSpec, units: dict) -> None:
@@ -79,9 +78,8 @@ def _local(spec: ShardSpec, rank: Optional[int]) -> None:
     if rank is not None:
         local_plan(spec, rank)
     tree = spec.tree
-    keys = tree if isinstance(tree, dict) else range(len(tree)) if isinstance(tree, (list, tuple)) else ()
-    for key in keys:
-        node = tree[key]
+    for key, node in tree.items() if isinstance(tree, dict) else \
+            enumerate(tree) if isinstance(tree, (list, tuple)) else ():
         if isinstance(node, TensorSpec) or (isinstance(node, (dict, list, tuple))
                                             and not optree.tree_is_leaf(node)):
             _local(spec[key], rank)
@@ -102,21 +100,22 @@ def _unit_of(leaf: Any, what: str) -> Any:
     return found
 
 
-def _rank(leaves: list, spec: ShardSpec, what: str) -> int:
-    """This rank's index in the shard group, from the tree's first tensor's unit."""
-    tensors = local_plan(spec, None)[1]
-    return _unit_of(leaves[tensors[0]], what).shard_rank if tensors else 0
-
-
-def unit_context(leaves: list, spec: ShardSpec, what: str) -> list:
+def unit_context(leaves: list, spec: ShardSpec, what: str, flush: Optional[Policy] = None) -> list:
     """Per unit of ``spec``: its :func:`~vfsdp.planner.local.local_plan` entry on this rank and its
-    runtime (``unit.traced``), read from the shards ``leaves``.
+    runtime (``unit.traced``), read from the shards ``leaves`` (this rank's index in the shard
+    group: from the tree's first tensor's unit). With ``flush`` (a call's policy with
+    ``grad_sync``), what ``grad_sync=False`` backwards left unreduced is reduced first
+    (:func:`_flush`).
 
     Raises:
         ValueError: shards not made by ``vfsdp.shard``.
     """
-    return [(u, _unit_of(leaves[u[4][0][0]], what))
-            for u in local_plan(spec, _rank(leaves, spec, what))]
+    tensors = local_plan(spec, None)[1]
+    rank = _unit_of(leaves[tensors[0]], what).shard_rank if tensors else 0
+    context = [(u, _unit_of(leaves[u[4][0][0]], what)) for u in local_plan(spec, rank)]
+    if flush is not None and flush.grad_sync:
+        _flush(leaves, context, flush.grad_reduce)
+    return context
 
 
 def traced_leaves(tree: Any, spec: ShardSpec, what: str) -> tuple[list, Any]:
@@ -135,37 +134,6 @@ def traced_leaves(tree: Any, spec: ShardSpec, what: str) -> tuple[list, Any]:
         raise ValueError(f"{what}: the tree has {len(leaves)} leaves, the spec {n}; pass the "
                          f"tree the spec was planned for")
     return leaves, treespec
-
-
-def traced_grads(shards: Any, spec: ShardSpec) -> Any:
-    """:func:`vfsdp.grads` while compiling: the shards' ``.grad`` (zeros where none yet).
-
-    Raises:
-        ValueError: a tree that does not match the spec.
-    """
-    leaves, treespec = traced_leaves(shards, spec, "vfsdp.grads")
-    out = list(leaves)
-    for i in local_plan(spec, None)[1]:
-        g = leaves[i].grad
-        out[i] = g if g is not None else torch.zeros_like(leaves[i])
-    return optree.tree_unflatten(treespec, out)
-
-
-def traced_zero_grads(shards: Any, spec: ShardSpec, set_to_none: bool) -> None:
-    """:func:`vfsdp.zero_grads` while compiling: the shards' ``.grad`` dropped (or zeroed).
-
-    Raises:
-        ValueError: a tree that does not match the spec.
-    """
-    what = "vfsdp.zero_grads"
-    leaves, _ = traced_leaves(shards, spec, what)
-    for i in local_plan(spec, None)[1]:
-        if set_to_none:  # unconditionally: asking whether it was None would be a guard
-            leaves[i].grad = None
-        elif leaves[i].grad is not None:
-            leaves[i].grad.zero_()
-    for _u, runtime in unit_context(leaves, spec, what):
-        drop_traced_grads(runtime)
 
 
 def _grad_times(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -236,9 +204,9 @@ def traced_gather(shards: Any, spec: ShardSpec, opts: Policy,
             gradients of the full tensors add up, unsharded, in the unit's accumulator, its
             ``.grad`` in the parameters' dtype, and the next synced gather reduce-scatters
             them into the shards' ``.grad`` before its own backward adds to them).
-        context: :func:`unit_context` of the shards, when the caller read it (outside a
-            checkpointed region, where dynamo guards what it reads) and flushed what
-            ``grad_sync=False`` left (:func:`_flush`); ``None``: both done here.
+        context: :func:`unit_context` of the shards (with ``flush``), when the caller read it
+            (outside a checkpointed region, where dynamo guards what it reads); ``None``: read
+            here.
 
     Returns:
         The full tree (views of one gathered buffer per unit).
@@ -250,9 +218,7 @@ def traced_gather(shards: Any, spec: ShardSpec, opts: Policy,
     what = "vfsdp.gather"
     leaves, treespec = traced_leaves(shards, spec, what)
     if context is None:
-        context = unit_context(leaves, spec, what)
-        if opts.grad_sync:  # what grad_sync=False backwards left unreduced
-            _flush(leaves, context, opts.grad_reduce)
+        context = unit_context(leaves, spec, what, flush=opts)
     out = list(leaves)
     for (_key, s, dtype, pieces, views), rt in context:
         shard = padded([(leaves[i], lo, hi) for i, lo, hi in pieces], s, leaves[views[0][0]])
@@ -322,12 +288,10 @@ def traced_run_layers(layer_fn: Any, layers: list, h: Any, opts: Policy) -> Any:
     Raises:
         ValueError: as :func:`traced_gather`.
     """
-    contexts = []  # read here, outside the checkpointed region below: dynamo guards them
-    for piece in (piece for layer in layers for piece in layer):
-        leaves = traced_leaves(piece.tree, piece.spec, piece.what)[0]  # (lets dynamo trace
-        contexts.append(unit_context(leaves, piece.spec, piece.what))      # the backward)
-        if opts.grad_sync:  # what grad_sync=False backwards left unreduced
-            _flush(leaves, contexts[-1], opts.grad_reduce)
+    # read here, outside the checkpointed region below: dynamo guards them (traced_leaves
+    # lets dynamo trace the backward)
+    contexts = [unit_context(traced_leaves(piece.tree, piece.spec, piece.what)[0], piece.spec,
+                             piece.what, flush=opts) for layer in layers for piece in layer]
     shards = [[piece.tree for piece in layer] for layer in layers]
 
     def run(shards, h):

@@ -755,7 +755,7 @@ def start_gather(shards: Any, spec: ShardSpec, mesh: Any, policy: Policy, what: 
     calls, handles = {}, []
     if start and not tp.functorch_active():  # under torch.func the shards are wrapped until forward
         for u in units_of(leaves, spec, what, mesh=mesh, pack=True):
-            call = make(u.key, u.index)
+            call = make(u.key, tuple(k for _, k in u.leaves))
             call.unit = u.unit
             call.db, handle = u.unit.gather(policy.param_dtype, async_op=True)
             calls[u.key] = call

@@ -121,7 +121,7 @@ def reduce_scatter(full_grads: Any, spec: ShardSpec, policy: Optional[Policy] = 
                  for key, members in spec.unit_leaves().items()]
     out: list = list(grads)
     for u in units:
-        pieces = u.unit.reduce_grads(u.index, [grads[i] for i, _ in u.leaves], opts,
+        pieces = u.unit.reduce_grads(tuple(k for _, k in u.leaves), [grads[i] for i, _ in u.leaves], opts,
                                      overwrite=not accumulate_grads)
         for (i, _), piece in zip(u.leaves, pieces):
             out[i] = piece

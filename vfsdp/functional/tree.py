@@ -46,9 +46,9 @@ class UnitLeaves:
         ...     shards = vfsdp.shard(params, spec)
         ...     leaves = vfsdp.functional.match_tree(shards, spec, "example")
         ...     u = units_of(leaves, spec, "example")[1]
-        ...     return u.key, u.leaves, u.index, u.db is u.unit.params
+        ...     return u.key, u.leaves, u.db is u.unit.params
         >>> vfsdp.testing.simulate(2, body)[0]      # leaf 1 of the tree is tensor 0 of the unit
-        (('layers', 0), ((1, 0),), (0,), True)
+        (('layers', 0), ((1, 0),), True)
     """
 
     key: Hashable
@@ -65,11 +65,6 @@ class UnitLeaves:
     def db(self):
         """The unit's parameter DBuffer (``unit.params``)."""
         return self.unit.params
-
-    @property
-    def index(self) -> tuple[int, ...]:
-        """The buffer indices of the tensors present."""
-        return tuple(k for _, k in self.leaves)
 
 
 def find_unit(local: Sequence[Any], layout: UnitLayout, index: Sequence[int],

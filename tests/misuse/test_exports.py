@@ -50,10 +50,14 @@ def test_an_unknown_hf_layout_is_refused_naming_the_choices(tmp_path):
 def test_a_layout_that_maps_two_tensors_to_one_name_is_refused(tmp_path):
     tree = {"model": {"mlp": {"w": torch.ones(2)}, "block_sparse_moe": {"w": torch.ones(2)}}}
 
-    def body():
+    def body(path, **kw):
         spec = vfsdp.plan(tree, dist.get_world_size())
-        return _outcome(ckpt.save_safetensors, str(tmp_path / "m.safetensors"),
-                        vfsdp.shard(tree, spec), spec, hf_layout="mixtral")
+        return _outcome(ckpt.save_safetensors, path, vfsdp.shard(tree, spec), spec,
+                        hf_layout="mixtral", **kw)
 
-    for msg in simulate(2, body):
+    for msg in simulate(2, body, str(tmp_path / "m.safetensors")):
         assert "two tensors are both stored as 'model.block_sparse_moe.w'" in msg, msg
+    # the same two names in two files (8 bytes a file): refused at save too, nothing written
+    for msg in simulate(2, body, str(tmp_path / "sharded"), max_shard_size=8):
+        assert "two tensors are both stored as 'model.block_sparse_moe.w'" in msg, msg
+    assert not os.path.exists(tmp_path / "sharded") or not os.listdir(tmp_path / "sharded")

@@ -253,7 +253,7 @@ def _headers_of(entries: list[Entry], names: dict, files: list, metadata: Option
         raise TypeError("safetensors metadata must map str to str")
     if values := {names[e.name]: e.value for e in entries if e.kind == "value"}:
         meta[_VALUES] = json.dumps(values)
-    blobs = []
+    blobs, stored = [], set()  # every file's keys: one key in two files is as wrong as in one
     for k, (_, group) in enumerate(files):
         header, offset = {}, 0
         for e in group:
@@ -261,9 +261,10 @@ def _headers_of(entries: list[Entry], names: dict, files: list, metadata: Option
                 raise TypeError(f"safetensors: {e.name} is {dtype_name(e.dtype)}, which "
                                 f"safetensors cannot store")
             for key, shape in parts(names[e.name], e.shape, layout):
-                if key in header:
+                if key in stored:
                     raise ValueError(f"save_safetensors: two tensors are both stored as {key!r} "
                                      f"(hf_layout={layout!r}); rename one")
+                stored.add(key)
                 n = math.prod(shape) * e.dtype.itemsize
                 header[key] = {"dtype": _CODES[e.dtype], "shape": list(shape),
                                "data_offsets": [offset, offset + n]}

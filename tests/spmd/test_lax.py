@@ -250,6 +250,14 @@ def test_errors_name_the_axis_and_the_fix():
         lambda: lax.all_gather(torch.tensor(1.0), "x", mesh=vfsdp.mesh(("x", 2))))
 
 
+def test_the_shape_exchanges_refuse_more_than_8_dims_by_name():
+    x = torch.ones((1,) * 9)
+    assert "all_gather: tensors of up to 8 dims, got 9" in _error(
+        lambda: lax.all_gather(x, "x", 0, mesh=vfsdp.mesh(("x", 2))))
+    assert "all_to_all: tensors of up to 8 dims, got 9" in _error(
+        lambda: lax.all_to_all(x, "x", 0, 0, mesh=vfsdp.mesh(("x", 2))))
+
+
 def test_all_gather_refuses_shapes_that_differ_off_the_dim():
     def body():
         x = torch.ones(2, dist.get_rank() + 1)

@@ -453,8 +453,8 @@ def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
         The chunks received, concatenated.
 
     Raises:
-        ValueError: ``split_sizes`` of the wrong length or sum, or chunks that do not
-            concatenate.
+        ValueError: ``split_sizes`` of the wrong length or sum, chunks that do not
+            concatenate, or a tensor of more than 8 dims.
 
     Example:
         >>> def body():
@@ -468,6 +468,8 @@ def all_to_all(x: torch.Tensor, axis: Axes, split_dim: int, concat_dim: int, *,
     """
     s = _dim(x, split_dim, "all_to_all split_dim")
     c = _dim(x, concat_dim, "all_to_all concat_dim")
+    if x.dim() > _MAX_DIMS:  # the shape exchange carries that many
+        raise ValueError(f"all_to_all: tensors of up to {_MAX_DIMS} dims, got {x.dim()}")
 
     def run(x, ax):
         length = x.shape[s]

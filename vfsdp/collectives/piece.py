@@ -61,13 +61,12 @@ class Piece:
                 raise ValueError(f"a Piece's box at {tuple(origin)} of shape {tuple(box)} is "
                                  f"outside its tensor {tuple(self.shape)}")
         numel = math.prod(self.box_shape)
-        n = self.local.numel()
         if not self.local.is_contiguous():
             raise ValueError(f"a Piece's local tensor must be contiguous (loads write through "
                              f"it), got strides {self.local.stride()} for shape "
                              f"{tuple(self.local.shape)}")
-        if self.start < 0 or self.start + n > numel:
-            raise ValueError(f"piece [{self.start}, {self.start + n}) is outside a tensor of "
+        if self.start < 0 or self.stop > numel:
+            raise ValueError(f"piece [{self.start}, {self.stop}) is outside a tensor of "
                              f"{numel} elements {tuple(self.shape)}")
 
     @property

@@ -227,6 +227,5 @@ def flat_redistribute(sources: Sequence[torch.Tensor], src: Sequence[Ranges],
         >>> vfsdp.testing.simulate(3, body)
         [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    plan = Redistribution(src, dst, rank, world)
+    plan = Redistribution(src, dst, dist.get_rank(group), dist.get_world_size(group))
     return plan.run(sources, group, device, async_op=async_op)

@@ -242,6 +242,9 @@ class Unit:
     def _of(self, db: DBuffer) -> _Life:
         return self._life[db.dtype]
 
+    def _illegal(self, what: str) -> IllegalTransitionError:
+        return IllegalTransitionError(f"unit {unit_name(self.key)} (rank {self.rank}): {what}")
+
     def _to(self, db: DBuffer, state: UnitState) -> None:
         self._of(db).state = state
         if db is self.live:
@@ -292,10 +295,8 @@ class Unit:
             IllegalTransitionError: nothing is in flight.
         """
         if self.state is not UnitState.GATHERING:
-            raise IllegalTransitionError(
-                f"unit {unit_name(self.key)} (rank {self.rank}): wait() is not allowed while it "
-                f"is {self.state.value}: nothing is in flight; start an all-gather first "
-                f"(gather(async_op=True))")
+            raise self._illegal(f"wait() is not allowed while it is {self.state.value}: nothing is in "
+                                f"flight; start an all-gather first (gather(async_op=True))")
         self.live.wait()
         self._to(self.live, UnitState.GATHERED)
 
@@ -313,9 +314,8 @@ class Unit:
         if life.state is UnitState.GATHERING:
             return  # gathered again for a later use: that gather owns it now
         if life.state is not UnitState.GATHERED:
-            raise IllegalTransitionError(
-                f"unit {unit_name(self.key)} (rank {self.rank}): reshard() is not allowed while "
-                f"it is {life.state.value}; reshard a unit only after gathering it")
+            raise self._illegal(f"reshard() is not allowed while it is {life.state.value}; reshard a "
+                                f"unit only after gathering it")
         life.regather = True
         self._let_go(db, at_once=False)
 
@@ -451,10 +451,8 @@ class Unit:
         """
         task = tp.graph_task_id()
         if rec.reduced_in == task:
-            raise IllegalTransitionError(
-                f"unit {unit_name(self.key)} (rank {self.rank}): a second post_backward() of one "
-                f"gather in one backward pass is not allowed; each gather reduces once per "
-                f"backward")
+            raise self._illegal("a second post_backward() of one gather in one backward pass is not "
+                                "allowed; each gather reduces once per backward")
         rec.reduced_in = task
         self.pre_backward(rec.db)
         if rec.policy.free_after_backward and not keep:
@@ -540,17 +538,15 @@ class Unit:
                 tp.foreach("add_", [dsts[i] for i, _ in pairs], [g for _, g in pairs])
             if not opts.grad_sync:
                 return None
-            stage, buf = accum, accum.global_buffer.data
             self.traced.accumulator.grad = self._accum_link = None  # reduced below
-            if accum.dtype != rdt:  # accumulated in the parameters' dtype: one cast
-                stage = self.stage(rdt, share_grads=to_buffer)
-                buf = stage.alloc_global().data
-                with torch.no_grad():
-                    buf.copy_(accum.global_buffer.data)
-                accum.free_global()
-        else:
-            stage = self.stage(rdt, share_grads=to_buffer)
-            buf = stage.alloc_global().data
+        # (accumulated in the parameters' dtype: reduced as it is, or after one cast)
+        stage = accum if accum is not None and accum.dtype == rdt else self.stage(rdt, to_buffer)
+        buf = stage.alloc_global().data
+        if accum is not None and stage is not accum:
+            with torch.no_grad():
+                buf.copy_(accum.global_buffer.data)
+            accum.free_global()
+        elif accum is None:
             dsts = stage.internal_views()  # made once: no view op per tensor per step
             # (a gradient produced in place has nothing to copy)
             copies = [(dsts[i], g) for i, g in pairs if not _is_slice_of(g, dsts[i])]

@@ -254,8 +254,7 @@ def device_for(group=None) -> torch.device:
     ``cuda:<current>`` when the group's backend is NCCL, else ``cpu``."""
     if _TLS.device is not None:
         return _TLS.device
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
+    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -438,8 +438,7 @@ class DBuffer:
 
     def _tag(self, t: torch.Tensor, k: int, view: View, weak_unit: bool = False) -> torch.Tensor:
         unit = self.unit
-        owner = weakref.ref(unit) if weak_unit and unit is not None else unit
-        setattr(t, SLOT, Slot(self, k, view, owner))
+        setattr(t, SLOT, Slot(self, k, view, weakref.ref(unit) if weak_unit and unit is not None else unit))
         if view is View.FULL or self.role is Role.GRAD:  # memory this buffer may release
             if len(self._views) > 2 * len(self) + 16:
                 self._views = [r for r in self._views if r() is not None]

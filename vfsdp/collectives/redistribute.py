@@ -37,8 +37,7 @@ def shard0_range(shape: tuple, world: int, rank: int) -> tuple[int, int]:
     inner = math.prod(shape[1:])
     chunk = -(-rows // world) if rows else 0
     lo = min(rank * chunk, rows)
-    hi = min(lo + chunk, rows)
-    return lo * inner, hi * inner
+    return lo * inner, min(lo + chunk, rows) * inner
 
 
 def _cut(a: tuple, b: tuple) -> tuple[int, int]:

@@ -324,11 +324,10 @@ class Unit:
         ``RESHARDED`` -> ``GATHERED`` (finish the prefetch, or all-gather now), then start the
         prefetch of :attr:`backward_prefetch` if that unit is resharded (``GATHERING``; not
         with ``prefetch=False``: a recompute's regather)."""
-        life = self._of(db)
         if db.in_flight:
             db.wait()
             self._to(db, UnitState.GATHERED)
-        elif life.wants_gather():
+        elif self._of(db).wants_gather():
             # (a held reshard too: its memory is still there, but another rank's was freed,
             # and every rank issues the same collectives; the values are the same)
             self._all_gather(db, async_op=False)
@@ -561,14 +560,13 @@ class Unit:
             return _expand([out[slice(*db.tensors[i].shard_range(self.rank))].view(
                 db.local_shape(i)) for i in index], first)
         gdb = self.grads()
-        # as torch's .grad: add to what the buffer holds (a new or released one: nothing)
-        accumulate = not overwrite and gdb.holds_shard and not fresh
         self.grads_mode = "buffer"
         # Overlaps the next unit's backward (async); the staging buffer is freed once it is
-        # done. The on_reduced hooks run once the result is in the gradient buffer.
+        # done. The on_reduced hooks run once the result is in the gradient buffer. As torch's
+        # .grad, it adds to what the buffer holds (a new or released one: nothing).
         async_op = opts.async_reduce and stage is not accum
-        handle = gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
-                                    accumulate=accumulate, async_op=async_op,
+        handle = gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt, async_op=async_op,
+                                    accumulate=not overwrite and gdb.holds_shard and not fresh,
                                     release=stage if async_op else None, then=self._reduced)
         if not async_op:
             stage.free_global()

@@ -146,10 +146,9 @@ class _PerThread(threading.local):
     its collective depth and its counts."""
 
     def __init__(self) -> None:
-        # groups and meshes made once: ("mesh", shape, names), ("host", grid), ("side",) and
-        # ("axes", mesh id, axes) of several axes (mesh.axis_of) -> (owner, made)
+        # made once: ("mesh", shape, names), ("host", grid), ("side",), ("axes", mesh id, axes)
+        # of several axes (mesh.axis_of), ("agreed", id(spec), grid): checked -> (owner, made)
         self.cached: dict = {}
-        self.agreed: dict = {}  # (id(spec), grid) -> the default group it was checked in
         self.stack: list = []  # meshes entered with vfsdp.lax.use_mesh
         self.observers: list = []  # of DBuffer events (dbuffer.observe)
         self.device: Optional[torch.device] = None
@@ -501,30 +500,30 @@ def _check(spec: ShardSpec, group, device: torch.device) -> None:
     described: list = [None] * world
     dist.all_gather_object(described, _describe(spec), group=group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    raise SpecMismatch(f"ranks hold different specs{_difference(described, ranks)}")
+
+
+_FIX = "every rank must plan the same tree the same way (same shapes, granularity and units)"
+
+
+def _difference(described: list, ranks: list) -> str:
+    """How the first rank whose :func:`_describe` differs from the first one's differs: its
+    first unit that differs, else its number of units, else the tree and mesh."""
     first = described[0]
-    why = next((w for r, other in enumerate(described[1:], 1)
-                if (w := _difference(first, other, ranks[0], ranks[r])) is not None),
-               " (the same units and layouts; their leaves differ)")
-    raise SpecMismatch(f"ranks hold different specs{why}; every rank must plan the same tree the same "
-                       f"way (same shapes, granularity and units)")
-
-
-def _difference(first: list, other: list, r0: int, r: int) -> Optional[str]:
-    """How rank ``r``'s :func:`_describe` differs from rank ``r0``'s: the first unit that
-    differs, then the number of units, then the tree and mesh (``None``: in none of them)."""
-    a, b = next(((a, b) for a, b in zip(first[:-1], other[:-1]) if a != b), (None, None))
-    if a is not None and a[:2] == b[:2]:
-        return (f": {a[0]} ({a[1]}) has the same size on rank {r0} and rank {r} but a different "
-                f"layout (its tensors, their offsets, block sizes, alignment or placements: e.g. "
-                f"another granularity)")
-    if a is not None:
-        return f": {a[0]} is ({a[1]}) on rank {r0} but {b[0]} is ({b[1]}) on rank {r}"
-    if len(first) != len(other):
-        return f": rank {r0} has {len(first) - 1} units, rank {r} has {len(other) - 1}"
-    if first[-1] != other[-1]:
-        return (f": the units agree but the tree structure or the mesh differs ({first[-1][1]} on "
-                f"rank {r0}, {other[-1][1]} on rank {r})")
-    return None
+    for r, other in zip(ranks[1:], described[1:]):
+        a, b = next(((a, b) for a, b in zip(first[:-1], other[:-1]) if a != b), (None, None))
+        if a is not None and a[:2] == b[:2]:
+            return (f": {a[0]} ({a[1]}) has the same size on rank {ranks[0]} and rank {r} but a "
+                    f"different layout (its tensors, their offsets, block sizes, alignment or "
+                    f"placements: e.g. another granularity); {_FIX}")
+        if a is not None:
+            return f": {a[0]} is ({a[1]}) on rank {ranks[0]} but {b[0]} is ({b[1]}) on rank {r}; {_FIX}"
+        if len(first) != len(other):
+            return f": rank {ranks[0]} has {len(first) - 1} units, rank {r} has {len(other) - 1}; {_FIX}"
+        if first[-1] != other[-1]:
+            return (f": the units agree but the tree structure or the mesh differs ({first[-1][1]} on "
+                    f"rank {ranks[0]}, {other[-1][1]} on rank {r}); {_FIX}")
+    return f" (the same units and layouts; their leaves differ); {_FIX}"
 
 
 def agree_on_spec(spec: ShardSpec, groups: MeshGroups) -> None:
@@ -536,14 +535,14 @@ def agree_on_spec(spec: ShardSpec, groups: MeshGroups) -> None:
     # by identity, not the fingerprint: a rank that plans again runs the check again, so an
     # equal re-plan on one rank meets a different one on another inside the check (every
     # rank raises), not inside the next collective; forgotten when the spec goes
-    key, agreed = (id(spec), groups.grid), _TLS.agreed
-    if agreed.get(key) is dist.group.WORLD:
-        return
-    for group in (groups.shard, groups.replicate)[:2 if groups.replicate is not None else 1]:
-        _check(spec, group, groups.device)
-    if key not in agreed:
-        weakref.finalize(spec, agreed.pop, key, None)
-    agreed[key] = dist.group.WORLD
+    def check() -> bool:
+        for group in (groups.shard, groups.replicate)[:2 if groups.replicate is not None else 1]:
+            _check(spec, group, groups.device)
+        weakref.finalize(spec, _TLS.cached.pop, key, None)
+        return True
+
+    key = ("agreed", id(spec), groups.grid)
+    _cached(key, check)
 
 
 REDUCE_OPS = ("sum", "avg")

@@ -374,10 +374,12 @@ class Unit:
                 db._release_views()
             self._to(db, UnitState.HELD)
         else:
-            db.free_global()
             self._settle(db, life)
 
     def _settle(self, db: DBuffer, life: _Life) -> None:
+        """Free ``db``'s gathered memory (if it still holds any): ``RESHARDED`` if a
+        backward gathers it again, else ``RELEASED``."""
+        db.free_global()
         self._to(db, UnitState.RESHARDED if life.regather else UnitState.RELEASED)
 
     def hold(self, db: DBuffer, regathers: bool = False) -> None:
@@ -397,7 +399,6 @@ class Unit:
             life = self._of(db)
             life.graphs -= 1
             if life.state is UnitState.HELD and life.graphs <= 0:
-                db.free_global()
                 self._settle(db, life)
 
     def keep_gathered(self, db: DBuffer) -> None:

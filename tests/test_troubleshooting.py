@@ -54,18 +54,22 @@ BUILDERS = {
     ("vfsdp/checkpoint/io.py", "_write"): "a save's checksum failure",
     ("vfsdp/checkpoint/storage.py", "read_manifest"): "hints of a missing checkpoint",
     ("vfsdp/interop/dtensor.py", "_ragged_message"): "a ragged tensor in to_dtensor",
+    ("vfsdp/collectives/comm.py", "_difference"): "how the ranks' specs differ",
 }
 
 # Messages whose last field is another message, which users read as one sentence:
 # (file, function) of the outer message -> the (file, function)s of the inner ones.
 _DBUFFER = "vfsdp/collectives/dbuffer.py"
 _RUNNERS = "vfsdp/testing/runners.py"
+_UNIT = "vfsdp/collectives/unit.py"
 COMPOSED = {
     (_DBUFFER, "DBuffer._poison"): [(_DBUFFER, "DBuffer._release_views"),
                                     (_DBUFFER, "DBuffer.release_shard")],
     ("vfsdp/testing/simulate.py", "_simulate"): [(_RUNNERS, "_describe")],
     ("vfsdp/testing/spawn.py", "spawn"): [(_RUNNERS, "_describe"), (_RUNNERS, "waiting_in_dump")],
     (_RUNNERS, "_describe"): [(_RUNNERS, "_describe")],  # "waiting in ..." + " called from ..."
+    ("vfsdp/collectives/comm.py", "_check"): [("vfsdp/collectives/comm.py", "_difference")],
+    (_UNIT, "Unit._illegal"): [(_UNIT, "Unit.wait"), (_UNIT, "Unit.reshard"), (_UNIT, "Unit.post_backward")],
 }
 
 # ``raise`` statements whose message is not a string literal: (file, function, the raised

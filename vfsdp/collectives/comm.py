@@ -146,13 +146,11 @@ class _PerThread(threading.local):
     its collective depth and its counts."""
 
     def __init__(self) -> None:
-        self.hosts: dict = {}
-        self.meshes: dict = {}
-        self.agreed: dict = {}  # (id(spec), grid) -> the default group it was checked in
+        # made once: ("mesh", shape, names), ("host", grid), ("side",), ("axes", mesh id, axes)
+        # of several axes (mesh.axis_of), ("agreed", id(spec), grid): checked -> (owner, made)
+        self.cached: dict = {}
         self.stack: list = []  # meshes entered with vfsdp.lax.use_mesh
-        self.axes: dict = {}  # {(mesh id, axes): (mesh, Axis)} of several axes (mesh.axis_of)
         self.observers: list = []  # of DBuffer events (dbuffer.observe)
-        self.side: dict = {}
         self.device: Optional[torch.device] = None
         self.depth = 0
         self.counts: Counter = Counter()
@@ -255,8 +253,7 @@ def device_for(group=None) -> torch.device:
     ``cuda:<current>`` when the group's backend is NCCL, else ``cpu``."""
     if _TLS.device is not None:
         return _TLS.device
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
+    if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -386,20 +383,20 @@ def world_mesh(shape: tuple, names: tuple, build: bool = True):
     kept, or ``None``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return _cached(_TLS.meshes, (tuple(shape), tuple(names)), (lambda: init_device_mesh(
+    return _cached(("mesh", tuple(shape), tuple(names)), (lambda: init_device_mesh(
         control_device(device_for()).type, tuple(shape), mesh_dim_names=tuple(names))) if build else None)
 
 
-def _cached(table: dict, key: Any, make: Optional[Callable[[], Any]], owner: Any = None) -> Any:
-    """``make()``, made once per ``key`` in this thread's ``table`` and kept while ``owner``
+def _cached(key: Any, make: Optional[Callable[[], Any]], owner: Any = None) -> Any:
+    """``make()``, made once per ``key`` on this thread and kept while ``owner``
     (default: the default process group; a new one makes it again) is the one it was made for
     (``make=None``: ``None`` where none is kept)."""
     owner = dist.group.WORLD if owner is None else owner
-    entry = table.get(key)
+    entry = _TLS.cached.get(key)
     if entry is None or entry[0] is not owner:
         if make is None:
             return None
-        entry = table[key] = (owner, make())
+        entry = _TLS.cached[key] = (owner, make())
     return entry[1]
 
 
@@ -441,7 +438,7 @@ def host_groups(groups: MeshGroups) -> MeshGroups:
         return dataclasses.replace(groups, shard=rows[groups.replicate_rank], device=torch.device("cpu"),
                                    replicate=None if cols is None else cols[groups.shard_rank])
 
-    return _cached(_TLS.hosts, groups.grid, make)
+    return _cached(("host", groups.grid), make)
 
 
 def side_group():
@@ -467,7 +464,7 @@ def side_group():
     if not dist.is_initialized():
         raise RuntimeError("side_group: no process group is initialised; call it inside "
                            "vfsdp.testing.simulate/spawn or after init_process_group")
-    return _cached(_TLS.side, None, lambda: dist.new_group(backend="gloo"))
+    return _cached(("side",), lambda: dist.new_group(backend="gloo"))
 
 
 class SpecMismatch(ValueError):
@@ -503,29 +500,30 @@ def _check(spec: ShardSpec, group, device: torch.device) -> None:
     described: list = [None] * world
     dist.all_gather_object(described, _describe(spec), group=group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-    fix = "every rank must plan the same tree the same way (same shapes, granularity and units)"
+    raise SpecMismatch(f"ranks hold different specs{_difference(described, ranks)}")
+
+
+_FIX = "every rank must plan the same tree the same way (same shapes, granularity and units)"
+
+
+def _difference(described: list, ranks: list) -> str:
+    """How the first rank whose :func:`_describe` differs from the first one's differs: its
+    first unit that differs, else its number of units, else the tree and mesh."""
     first = described[0]
-    for r, other in enumerate(described[1:], 1):
-        for a, b in zip(first[:-1], other[:-1]):  # units first, then the tree and mesh
-            if a[:2] == b[:2] and a != b:
-                raise SpecMismatch(
-                    f"ranks hold different specs: {a[0]} ({a[1]}) has the same size on rank "
-                    f"{ranks[0]} and rank {ranks[r]} but a different layout (its tensors, their "
-                    f"offsets, block sizes, alignment or placements: e.g. another granularity); "
-                    f"{fix}")
-            if a != b:
-                raise SpecMismatch(f"ranks hold different specs: {a[0]} is ({a[1]}) on rank "
-                                   f"{ranks[0]} but {b[0]} is ({b[1]}) on rank {ranks[r]}; {fix}")
+    for r, other in zip(ranks[1:], described[1:]):
+        a, b = next(((a, b) for a, b in zip(first[:-1], other[:-1]) if a != b), (None, None))
+        if a is not None and a[:2] == b[:2]:
+            return (f": {a[0]} ({a[1]}) has the same size on rank {ranks[0]} and rank {r} but a "
+                    f"different layout (its tensors, their offsets, block sizes, alignment or "
+                    f"placements: e.g. another granularity); {_FIX}")
+        if a is not None:
+            return f": {a[0]} is ({a[1]}) on rank {ranks[0]} but {b[0]} is ({b[1]}) on rank {r}; {_FIX}"
         if len(first) != len(other):
-            raise SpecMismatch(f"ranks hold different specs: rank {ranks[0]} has "
-                               f"{len(first) - 1} units, rank {ranks[r]} has {len(other) - 1}; "
-                               f"{fix}")
+            return f": rank {ranks[0]} has {len(first) - 1} units, rank {r} has {len(other) - 1}; {_FIX}"
         if first[-1] != other[-1]:
-            raise SpecMismatch(f"ranks hold different specs: the units agree but the tree "
-                               f"structure or the mesh differs ({first[-1][1]} on rank {ranks[0]}, "
-                               f"{other[-1][1]} on rank {ranks[r]}); {fix}")
-    raise SpecMismatch(f"ranks hold different specs (the same units and layouts; their leaves "
-                       f"differ); {fix}")
+            return (f": the units agree but the tree structure or the mesh differs ({first[-1][1]} on "
+                    f"rank {ranks[0]}, {other[-1][1]} on rank {r}); {_FIX}")
+    return f" (the same units and layouts; their leaves differ); {_FIX}"
 
 
 def agree_on_spec(spec: ShardSpec, groups: MeshGroups) -> None:
@@ -537,15 +535,14 @@ def agree_on_spec(spec: ShardSpec, groups: MeshGroups) -> None:
     # by identity, not the fingerprint: a rank that plans again runs the check again, so an
     # equal re-plan on one rank meets a different one on another inside the check (every
     # rank raises), not inside the next collective; forgotten when the spec goes
-    key, agreed = (id(spec), groups.grid), _TLS.agreed
-    if agreed.get(key) is dist.group.WORLD:
-        return
-    _check(spec, groups.shard, groups.device)
-    if groups.replicate is not None:
-        _check(spec, groups.replicate, groups.device)
-    if key not in agreed:
-        weakref.finalize(spec, agreed.pop, key, None)
-    agreed[key] = dist.group.WORLD
+    def check() -> bool:
+        for group in (groups.shard, groups.replicate)[:2 if groups.replicate is not None else 1]:
+            _check(spec, group, groups.device)
+        weakref.finalize(spec, _TLS.cached.pop, key, None)
+        return True
+
+    key = ("agreed", id(spec), groups.grid)
+    _cached(key, check)
 
 
 REDUCE_OPS = ("sum", "avg")

@@ -137,16 +137,11 @@ def view_of(base: torch.Tensor, offset: int, shape: tuple,
 
 _WHY = "_vfsdp_released"  # on a released view: the sentence explaining what happened
 
-_METADATA = {
-    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
-    torch.Tensor.requires_grad.__get__, torch.Tensor.is_leaf.__get__,
-    torch.Tensor.grad_fn.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
-    torch.Tensor.ndim.__get__, torch.Tensor._base.__get__, torch.Tensor.grad.__get__,
-    torch.Tensor.layout.__get__, torch.Tensor.is_cuda.__get__,
-    # where the memory is (memory probes ask), without reading it
-    torch.Tensor.untyped_storage, torch.Tensor.storage_offset, torch.Tensor.stride,
-    torch.Tensor.element_size, torch.Tensor.is_contiguous, torch.Tensor.data_ptr,
-    torch.Tensor.nbytes.__get__, torch.Tensor.itemsize.__get__,
+_METADATA = {  # what reads no memory (memory probes ask where it is), by name: properties, methods
+    *(getattr(torch.Tensor, n).__get__ for n in ("shape", "dtype", "device", "requires_grad", "is_leaf",
+      "grad_fn", "ndim", "_base", "grad", "layout", "is_cuda", "nbytes", "itemsize")),
+    *(getattr(torch.Tensor, n) for n in ("size", "dim", "numel", "untyped_storage", "storage_offset",
+      "stride", "element_size", "is_contiguous", "data_ptr")),
 }
 
 
@@ -336,6 +331,11 @@ class DBuffer:
         unit: The :class:`~vfsdp.collectives.Unit` that owns this buffer (kept as a weak
             reference; views carry it in their :class:`Slot`).
 
+    Attributes:
+        shard: This rank's ``S`` elements (the local views alias it).
+        global_buffer: The ``m*S`` buffer (the full views alias it); zero bytes of storage
+            while released.
+
     Raises:
         ValueError: the shard group's size is not the layout's world size.
         TypeError: ``role`` is not a :class:`Role`.
@@ -376,8 +376,9 @@ class DBuffer:
         # tensor anyone made from it; the next gather or gradient write gets fresh memory.
         # Memory only vfsdp reads (staging, accumulators) is resized in place.
         self._fresh = role not in (Role.GRAD, Role.STAGE, Role.ACCUM)  # else: only vfsdp reads it
-        self._global = torch.empty(m * s, dtype=self.dtype, device=self.device)
-        self._dead = self._global  # stays zero bytes when fresh: the released state's storage
+        # the m*S buffer (zero bytes of storage while released)
+        self.global_buffer = torch.empty(m * s, dtype=self.dtype, device=self.device)
+        self._dead = self.global_buffer  # stays zero bytes when fresh: the released state's storage
         self._dead_full = ([alias(self._dead, t.offset, tuple(t.shape)) for t in self.tensors]
                            if self._fresh else None)
         # A compute copy (param_dtype) keeps no memory of its own: its shard is this rank's
@@ -395,7 +396,6 @@ class DBuffer:
             self._dead_shard.untyped_storage().resize_(0)
         self.shard = (self._dead_shard if self._in_global
                       else torch.zeros(s, dtype=self.dtype, device=self.device))
-        self._global_bytes = self._global.untyped_storage().nbytes()
         self._pending: Optional[Handle] = None
         # Views are made on demand and point back at this DBuffer, which keeps only weak
         # references to those whose memory it may release (to turn them into ReleasedTensors):
@@ -403,7 +403,7 @@ class DBuffer:
         self._views: list = []
         self._internal: Optional[list] = None  # internal_views(), made on first use
         self._saved: dict = {}  # saved_view()s, made on first use
-        self._global.untyped_storage().resize_(0)  # released until the first gather
+        self.global_buffer.untyped_storage().resize_(0)  # released until the first gather
         emit("create", self)
 
     # ------------------------------------------------------------------ identity
@@ -438,8 +438,7 @@ class DBuffer:
 
     def _tag(self, t: torch.Tensor, k: int, view: View, weak_unit: bool = False) -> torch.Tensor:
         unit = self.unit
-        owner = weakref.ref(unit) if weak_unit and unit is not None else unit
-        setattr(t, SLOT, Slot(self, k, view, owner))
+        setattr(t, SLOT, Slot(self, k, view, weakref.ref(unit) if weak_unit and unit is not None else unit))
         if view is View.FULL or self.role is Role.GRAD:  # memory this buffer may release
             if len(self._views) > 2 * len(self) + 16:
                 self._views = [r for r in self._views if r() is not None]
@@ -492,14 +491,14 @@ class DBuffer:
             raise RuntimeError(f"unit {unit_name(self.key)} ({self.name}) is not gathered; "
                                f"call all_gather() (or vfsdp.gather) before taking full views")
         t = self.tensors[k]
-        return self._tag(alias(self._global, t.offset, tuple(t.shape)), k, View.FULL)
+        return self._tag(alias(self.global_buffer, t.offset, tuple(t.shape)), k, View.FULL)
 
     def internal_views(self) -> list[torch.Tensor]:
         """Every tensor's full-shape view into the global buffer, made once and kept, for
         vfsdp's own writes (gradient staging, accumulation); never handed to users, so they
         are neither tagged nor released with the buffer. Valid while it is allocated."""
         if self._internal is None:
-            self._internal = [alias(self._global, t.offset, tuple(t.shape))
+            self._internal = [alias(self.global_buffer, t.offset, tuple(t.shape))
                               for t in self.tensors]
         return self._internal
 
@@ -509,18 +508,13 @@ class DBuffer:
         until the release (valid while gathered)."""
         key = (offset, tuple(shape), tuple(stride))
         if key not in self._saved:
-            self._saved[key] = view_of(self._global, *key)
+            self._saved[key] = view_of(self.global_buffer, *key)
         return self._saved[key]
-
-    @property
-    def global_buffer(self) -> torch.Tensor:
-        """The ``m*S`` buffer (zero bytes of storage while released)."""
-        return self._global
 
     @property
     def is_allocated(self) -> bool:
         """Whether the global buffer holds memory (gathered, or being gathered)."""
-        return self._global.untyped_storage().nbytes() > 0
+        return self.global_buffer.untyped_storage().nbytes() > 0
 
     def is_local_view(self, i: int, t: torch.Tensor) -> bool:
         """Whether ``t`` is exactly tensor ``i``'s local piece (same memory, shape, strides)."""
@@ -538,18 +532,18 @@ class DBuffer:
         handed out since the last release (kept for a graph) read as live again."""
         if not self.is_allocated:
             if self._fresh:
-                self._global = torch.empty(self._dead.numel(), dtype=self.dtype,
+                self.global_buffer = torch.empty(self._dead.numel(), dtype=self.dtype,
                                            device=self.device)
                 if self._in_global:  # a view: nothing checks the global buffer's version
-                    self.shard = view_of(self._global, self.rank * self.shard.numel(),
+                    self.shard = view_of(self.global_buffer, self.rank * self.shard.numel(),
                                          tuple(self.shard.shape))
             else:
-                self._global.untyped_storage().resize_(self._global_bytes)
+                self.global_buffer.untyped_storage().resize_(self.global_buffer.nbytes)
             emit("alloc", self)
         for t in self._handed_out(View.FULL):  # kept (a graph read them), gathered again
             if type(t) is ReleasedTensor:
                 t.__class__ = torch.Tensor
-        return self._global
+        return self.global_buffer
 
     def free_global(self, wait: bool = True) -> None:
         """Release the global buffer's memory; views stay valid objects until re-allocated.
@@ -565,11 +559,11 @@ class DBuffer:
         if self._fresh:  # let go: the memory goes with the last tensor made from it
             self._release_views(self._dead_full)
             self._saved.clear()
-            self._global = self._dead
+            self.global_buffer = self._dead
             if self._in_global:
                 self.shard = self._dead_shard
         else:  # only vfsdp's own views read it: freed in place
-            self._global.untyped_storage().resize_(0)
+            self.global_buffer.untyped_storage().resize_(0)
         emit("free", self)
 
     # ------------------------------------------------------------------ collectives
@@ -609,7 +603,7 @@ class DBuffer:
         """
         self.wait()
         self.alloc_global()
-        src, out = self.shard, self._global.data  # (a compute copy's shard: in fresh memory)
+        src, out = self.shard, self.global_buffer.data  # (a compute copy's shard: in fresh memory)
         return self._launch(lambda a: comm.all_gather_into(out, src, self.groups.shard, a), async_op)
 
     def reduce_scatter(self, source: Optional[torch.Tensor] = None, op: str = "avg",
@@ -642,9 +636,9 @@ class DBuffer:
         Raises:
             ValueError: ``source`` has the wrong size, or ``op`` is unknown.
         """
-        source = self._global if source is None else source
-        if source.numel() != self._global.numel():
-            raise ValueError(f"reduce_scatter source must have {self._global.numel()} elements, "
+        source = self.global_buffer if source is None else source
+        if source.numel() != self.global_buffer.numel():
+            raise ValueError(f"reduce_scatter source must have {self.global_buffer.numel()} elements, "
                              f"got {source.numel()}")
         comm.check_op(op)
         rdt = reduce_dtype or source.dtype

@@ -149,7 +149,7 @@ def _several(m: Any, wanted: tuple, dims: list) -> Axis:
             raise ValueError(f"rank {me} is not in the mesh {m.mesh.tolist()}")
         return Axis(wanted, len(rows[k]), rows[k].index(me), groups[k])
 
-    return _cached(_TLS.axes, (id(m), wanted), make, m)
+    return _cached(("axes", id(m), wanted), make, m)
 
 
 @contextlib.contextmanager

@@ -56,9 +56,8 @@ def fingerprint(x: torch.Tensor) -> torch.Tensor:
     """
     if not x.is_contiguous():
         raise ValueError("fingerprint: the tensor is not contiguous; pass a contiguous shard")
-    size = x.element_size()
-    nbytes = x.numel() * size
-    if nbytes % 8 == 0 and (x.storage_offset() * size) % 8 == 0 and x.dim() == 1:
+    nbytes = x.nbytes
+    if nbytes % 8 == 0 and (x.storage_offset() * x.element_size()) % 8 == 0 and x.dim() == 1:
         return _lanes(x.view(torch.int64))
     raw = x.reshape(-1).view(torch.uint8)
     whole = nbytes - nbytes % 8

@@ -61,13 +61,12 @@ class Piece:
                 raise ValueError(f"a Piece's box at {tuple(origin)} of shape {tuple(box)} is "
                                  f"outside its tensor {tuple(self.shape)}")
         numel = math.prod(self.box_shape)
-        n = self.local.numel()
         if not self.local.is_contiguous():
             raise ValueError(f"a Piece's local tensor must be contiguous (loads write through "
                              f"it), got strides {self.local.stride()} for shape "
                              f"{tuple(self.local.shape)}")
-        if self.start < 0 or self.start + n > numel:
-            raise ValueError(f"piece [{self.start}, {self.start + n}) is outside a tensor of "
+        if self.start < 0 or self.stop > numel:
+            raise ValueError(f"piece [{self.start}, {self.stop}) is outside a tensor of "
                              f"{numel} elements {tuple(self.shape)}")
 
     @property
@@ -92,12 +91,11 @@ class Piece:
 
     def box_data(self, offsets: tuple, sizes: tuple, data: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The slice of ``data`` (default: ``local``) holding one of :meth:`boxes`, box-shaped."""
-        flat = (self.local if data is None else data).reshape(-1)
         if self.within is not None:
             offsets = tuple(o - a for o, a in zip(offsets, self.within[0]))
-        shape = self.box_shape  # the box's first element, flat (row-major) in ``shape``
-        lo = sum(o * math.prod(shape[d + 1:]) for d, o in enumerate(offsets)) - self.start
-        return flat[lo:lo + math.prod(sizes)].view(sizes)
+        # the box's first element, flat (row-major) in ``box_shape``
+        lo = sum(o * math.prod(self.box_shape[d + 1:]) for d, o in enumerate(offsets)) - self.start
+        return (self.local if data is None else data).reshape(-1)[lo:lo + math.prod(sizes)].view(sizes)
 
 
 def boxes(shape: tuple, start: int, stop: int) -> list:
@@ -129,19 +127,15 @@ def boxes(shape: tuple, start: int, stop: int) -> list:
     inner = math.prod(shape[1:])
     if inner == 0:
         return []
-    row, col = divmod(start, inner)
-    end_row, end_col = divmod(stop, inner)
 
-    def part(r: int, a: int, b: int) -> list:  # [a, b) of row r
+    def part(r: int, a: int, b: int) -> list:  # [a, b) of row r (none if empty)
         return [((r,) + o, (1,) + s) for o, s in boxes(shape[1:], a, b)]
 
-    if row == end_row:
-        return part(row, col, end_col)
-    out = part(row, col, inner) if col else []  # a partial leading row
-    row += col > 0
-    if end_row > row:  # whole rows
-        out.append(((row,) + (0,) * (len(shape) - 1), (end_row - row,) + tuple(shape[1:])))
-    return out + part(end_row, 0, end_col)  # a partial trailing row (or none)
+    lead = min(-(-start // inner) * inner, stop)  # the end of a partial leading row
+    trail = max(lead, stop - stop % inner)  # the start of a partial trailing row
+    rows = [((lead // inner,) + (0,) * (len(shape) - 1), ((trail - lead) // inner,) + tuple(shape[1:]))]
+    return (part(start // inner, start % inner, lead - start + start % inner)
+            + (rows if trail > lead else []) + part(trail // inner, 0, stop - trail))
 
 
 def per_rank(t: torch.Tensor, rank: int, world: int) -> Piece:

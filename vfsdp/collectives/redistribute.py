@@ -37,8 +37,7 @@ def shard0_range(shape: tuple, world: int, rank: int) -> tuple[int, int]:
     inner = math.prod(shape[1:])
     chunk = -(-rows // world) if rows else 0
     lo = min(rank * chunk, rows)
-    hi = min(lo + chunk, rows)
-    return lo * inner, hi * inner
+    return lo * inner, min(lo + chunk, rows) * inner
 
 
 def _cut(a: tuple, b: tuple) -> tuple[int, int]:
@@ -227,6 +226,5 @@ def flat_redistribute(sources: Sequence[torch.Tensor], src: Sequence[Ranges],
         >>> vfsdp.testing.simulate(3, body)
         [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    plan = Redistribution(src, dst, rank, world)
+    plan = Redistribution(src, dst, dist.get_rank(group), dist.get_world_size(group))
     return plan.run(sources, group, device, async_op=async_op)

@@ -242,6 +242,9 @@ class Unit:
     def _of(self, db: DBuffer) -> _Life:
         return self._life[db.dtype]
 
+    def _illegal(self, what: str) -> IllegalTransitionError:
+        return IllegalTransitionError(f"unit {unit_name(self.key)} (rank {self.rank}): {what}")
+
     def _to(self, db: DBuffer, state: UnitState) -> None:
         self._of(db).state = state
         if db is self.live:
@@ -292,10 +295,8 @@ class Unit:
             IllegalTransitionError: nothing is in flight.
         """
         if self.state is not UnitState.GATHERING:
-            raise IllegalTransitionError(
-                f"unit {unit_name(self.key)} (rank {self.rank}): wait() is not allowed while it "
-                f"is {self.state.value}: nothing is in flight; start an all-gather first "
-                f"(gather(async_op=True))")
+            raise self._illegal(f"wait() is not allowed while it is {self.state.value}: nothing is in "
+                                f"flight; start an all-gather first (gather(async_op=True))")
         self.live.wait()
         self._to(self.live, UnitState.GATHERED)
 
@@ -313,9 +314,8 @@ class Unit:
         if life.state is UnitState.GATHERING:
             return  # gathered again for a later use: that gather owns it now
         if life.state is not UnitState.GATHERED:
-            raise IllegalTransitionError(
-                f"unit {unit_name(self.key)} (rank {self.rank}): reshard() is not allowed while "
-                f"it is {life.state.value}; reshard a unit only after gathering it")
+            raise self._illegal(f"reshard() is not allowed while it is {life.state.value}; reshard a "
+                                f"unit only after gathering it")
         life.regather = True
         self._let_go(db, at_once=False)
 
@@ -324,11 +324,10 @@ class Unit:
         ``RESHARDED`` -> ``GATHERED`` (finish the prefetch, or all-gather now), then start the
         prefetch of :attr:`backward_prefetch` if that unit is resharded (``GATHERING``; not
         with ``prefetch=False``: a recompute's regather)."""
-        life = self._of(db)
         if db.in_flight:
             db.wait()
             self._to(db, UnitState.GATHERED)
-        elif life.wants_gather():
+        elif self._of(db).wants_gather():
             # (a held reshard too: its memory is still there, but another rank's was freed,
             # and every rank issues the same collectives; the values are the same)
             self._all_gather(db, async_op=False)
@@ -375,10 +374,12 @@ class Unit:
                 db._release_views()
             self._to(db, UnitState.HELD)
         else:
-            db.free_global()
             self._settle(db, life)
 
     def _settle(self, db: DBuffer, life: _Life) -> None:
+        """Free ``db``'s gathered memory (if it still holds any): ``RESHARDED`` if a
+        backward gathers it again, else ``RELEASED``."""
+        db.free_global()
         self._to(db, UnitState.RESHARDED if life.regather else UnitState.RELEASED)
 
     def hold(self, db: DBuffer, regathers: bool = False) -> None:
@@ -398,7 +399,6 @@ class Unit:
             life = self._of(db)
             life.graphs -= 1
             if life.state is UnitState.HELD and life.graphs <= 0:
-                db.free_global()
                 self._settle(db, life)
 
     def keep_gathered(self, db: DBuffer) -> None:
@@ -451,10 +451,8 @@ class Unit:
         """
         task = tp.graph_task_id()
         if rec.reduced_in == task:
-            raise IllegalTransitionError(
-                f"unit {unit_name(self.key)} (rank {self.rank}): a second post_backward() of one "
-                f"gather in one backward pass is not allowed; each gather reduces once per "
-                f"backward")
+            raise self._illegal("a second post_backward() of one gather in one backward pass is not "
+                                "allowed; each gather reduces once per backward")
         rec.reduced_in = task
         self.pre_backward(rec.db)
         if rec.policy.free_after_backward and not keep:
@@ -540,17 +538,15 @@ class Unit:
                 tp.foreach("add_", [dsts[i] for i, _ in pairs], [g for _, g in pairs])
             if not opts.grad_sync:
                 return None
-            stage, buf = accum, accum.global_buffer.data
             self.traced.accumulator.grad = self._accum_link = None  # reduced below
-            if accum.dtype != rdt:  # accumulated in the parameters' dtype: one cast
-                stage = self.stage(rdt, share_grads=to_buffer)
-                buf = stage.alloc_global().data
-                with torch.no_grad():
-                    buf.copy_(accum.global_buffer.data)
-                accum.free_global()
-        else:
-            stage = self.stage(rdt, share_grads=to_buffer)
-            buf = stage.alloc_global().data
+        # (accumulated in the parameters' dtype: reduced as it is, or after one cast)
+        stage = accum if accum is not None and accum.dtype == rdt else self.stage(rdt, to_buffer)
+        buf = stage.alloc_global().data
+        if accum is not None and stage is not accum:
+            with torch.no_grad():
+                buf.copy_(accum.global_buffer.data)
+            accum.free_global()
+        elif accum is None:
             dsts = stage.internal_views()  # made once: no view op per tensor per step
             # (a gradient produced in place has nothing to copy)
             copies = [(dsts[i], g) for i, g in pairs if not _is_slice_of(g, dsts[i])]
@@ -565,14 +561,13 @@ class Unit:
             return _expand([out[slice(*db.tensors[i].shard_range(self.rank))].view(
                 db.local_shape(i)) for i in index], first)
         gdb = self.grads()
-        # as torch's .grad: add to what the buffer holds (a new or released one: nothing)
-        accumulate = not overwrite and gdb.holds_shard and not fresh
         self.grads_mode = "buffer"
         # Overlaps the next unit's backward (async); the staging buffer is freed once it is
-        # done. The on_reduced hooks run once the result is in the gradient buffer.
+        # done. The on_reduced hooks run once the result is in the gradient buffer. As torch's
+        # .grad, it adds to what the buffer holds (a new or released one: nothing).
         async_op = opts.async_reduce and stage is not accum
-        handle = gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt,
-                                    accumulate=accumulate, async_op=async_op,
+        handle = gdb.reduce_scatter(source=buf, op=opts.grad_reduce, reduce_dtype=rdt, async_op=async_op,
+                                    accumulate=not overwrite and gdb.holds_shard and not fresh,
                                     release=stage if async_op else None, then=self._reduced)
         if not async_op:
             stage.free_global()

@@ -191,3 +191,23 @@ def test_a_kept_forward_survives_a_dropped_one(how):
         for i, w in enumerate(ws):
             full = torch.cat([torch.tensor(r[i]) for r in got])
             torch.testing.assert_close(full, w.grad.reshape(-1))
+
+
+def test_back_to_back_backwards_with_no_collective_between_do_not_hang_on_threads():
+    """Two backward passes from one gather, no reduction between them (grad_sync=False): each
+    pass's agreement waits for the other ranks; a lock shared by the rank threads (Python
+    3.11's functools.cached_property) held while waiting hung them."""
+    def body():
+        params = {"layers": [{"w": torch.ones(4, 4)} for _ in range(2)]}
+        spec = vfsdp.plan(params, dist.get_world_size())
+        shards = vfsdp.shard(params, spec)
+        for _ in range(40):
+            full = vfsdp.gather(shards, spec, grad_sync=False)
+            h = torch.ones(1, 4)
+            for layer in full["layers"]:
+                h = h @ layer["w"]
+            h.sum().backward(retain_graph=True)
+            (h * 2).sum().backward()
+        return "done"
+
+    assert simulate(4, body, timeout=60) == ["done"] * 4

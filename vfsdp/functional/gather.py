@@ -256,8 +256,11 @@ class BackwardPass:
         self.accumulates = accumulates  # the pass writes leaves' .grad (not autograd.grad)
         self.agreement: Optional[Agreement] = None
         self._alive: set = set()  # places whose node is alive on some rank
+        # (no functools.cached_property: on Python 3.11 its lock is one per class, shared by
+        # every rank thread of vfsdp.testing.simulate, and held while the agreement waits)
+        self._marked: Optional[set] = None  # ids of the entries it reduces (on some rank)
 
-    @functools.cached_property
+    @property
     def marked(self) -> set:
         """The ids of the entries some rank's pass runs (waits for the agreement the first
         time; forgets orphans no rank marks, with no collective).
@@ -265,8 +268,10 @@ class BackwardPass:
         Raises:
             RuntimeError: the ranks' records disagree (raised on every rank).
         """
-        runs, self._alive = self.agreement.marked()
-        return {id(e) for e in runs}
+        if self._marked is None:
+            runs, self._alive = self.agreement.marked()
+            self._marked = {id(e) for e in runs}
+        return self._marked
 
     def reach(self, seq: int) -> None:
         """The pass is running the node numbered ``seq``: the marked units created after it
@@ -311,7 +316,7 @@ class BackwardPass:
             self.gathers.close(entry, graph_done=entry.orphan)
 
     def __repr__(self) -> str:
-        marked = len(self.marked) if "marked" in vars(self) else "?"
+        marked = "?" if self._marked is None else len(self._marked)
         return (f"BackwardPass(task {self.task}, {marked} unit(s) marked, "
                 f"{'backward()' if self.accumulates else 'autograd.grad'})")
 

@@ -484,8 +484,13 @@ class ShardSpec:
 
     def tensors(self) -> Iterator[TensorSpec]:
         """The ``TensorSpec`` s in optree order, each once (a tied tensor appears at several
-        leaves but is one tensor)."""
-        return iter({id(x): x for x in self.leaves() if isinstance(x, TensorSpec)}.values())
+        leaves but is one tensor), made as they are read: a caller that stops early (e.g.
+        :attr:`model_axis`, at the first split tensor) walks no further."""
+        seen: set = set()
+        for x in self.leaves():
+            if isinstance(x, TensorSpec) and id(x) not in seen:
+                seen.add(id(x))
+                yield x
 
     @property
     def ties(self) -> Mapping[tuple, tuple]:

@@ -538,7 +538,8 @@ def agree_on_spec(spec: ShardSpec, groups: MeshGroups) -> None:
     def check() -> bool:
         for group in (groups.shard, groups.replicate)[:2 if groups.replicate is not None else 1]:
             _check(spec, group, groups.device)
-        weakref.finalize(spec, _TLS.cached.pop, key, None)
+        if key not in _TLS.cached:  # (checked again under a new default group: one finalizer)
+            weakref.finalize(spec, _TLS.cached.pop, key, None)
         return True
 
     key = ("agreed", id(spec), groups.grid)

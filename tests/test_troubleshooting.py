@@ -76,6 +76,8 @@ COMPOSED = {
 # expression) -> where the text the user sees comes from.
 NOT_STRINGS = {
     ("vfsdp/__main__.py", "", "SystemExit(main())"): "the CLI's exit status, not a message",
+    ("vfsdp/cli.py", "_checking", "_Refused"): "carries the bad input's own error (its cause), "
+                                               "which main prints as one error: line",
     ("vfsdp/checkpoint/atomic.py", "prepare", "FileExistsError(value)"):
         "the text of _prepare_rank0's _Exists, sent from rank 0",
     ("vfsdp/checkpoint/export.py", "from_state_dict", "CheckpointError(err)"):

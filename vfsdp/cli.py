@@ -19,11 +19,12 @@ rules, padding and copies (``estimate(baseline=...)``); ``--json`` writes the re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Optional
 
 import torch
@@ -109,9 +110,10 @@ def _calibrate(args) -> int:
     """Run ``calibrate`` on the example model's block: measure, write the profile, print it."""
     import torch.distributed as dist
 
-    for name in ("world_size", "tokens", "repeats"):
-        count("calibrate", "--" + name.replace("_", "-"), getattr(args, name))
-    writable(args.out)
+    with _checking():
+        for name in ("world_size", "tokens", "repeats"):
+            count("calibrate", "--" + name.replace("_", "-"), getattr(args, name))
+        writable(args.out)
     if dist.is_initialized() or "RANK" in os.environ:
         if not dist.is_initialized():
             dist.init_process_group()
@@ -192,31 +194,32 @@ def _estimate_parser(sub) -> None:
 
 
 def _estimate(args) -> int:
-    """Run the ``estimate`` subcommand: bad input raises before anything is printed or
-    written."""
-    counts = [_int("--gpus", x) for x in args.gpus.split(",") if x.strip()]
-    if not counts:
-        raise ValueError("--gpus: give at least one GPU count, e.g. --gpus 8,64")
-    systems = [s.strip() for s in args.vs.split(",") if s.strip()]
-    for name in ("tokens_per_gpu", "global_tokens", "shard", "top_k", "ep", "seq",
-                 "micro_batches", "micro_batch_tokens"):
-        count("estimate", "--" + name.replace("_", "-"), getattr(args, name), optional=True)
-    tree = _shapes(args.shapes, DTYPES[args.master_dtype])
-    gran = parse_granularity(args.granularity) if args.granularity else None
-    hardware(args.hw)
-    if args.png:
-        import matplotlib  # noqa: F401  (refused now, not after the table)
-    for path in (args.json, args.png):
-        writable(path)
-    options = {k: v for k, v in vars(args).items() if k not in _NOT_SWEPT}
-    options.update({k: DTYPES[options[k]] for k in ("param_dtype", "reduce_dtype", "logits_dtype")
-                    if options[k]})
-    options["experts_per_token"] = options.pop("top_k")
-    if args.micro_batches is None:  # sweep refuses micro_batches with micro_batch_tokens
-        del options["micro_batches"]
-    t0 = time.perf_counter()
-    rows = sweep(tree, counts, granularity=gran, vs=systems, **options)
-    secs = time.perf_counter() - t0
+    """Run the ``estimate`` subcommand; bad input is refused (:func:`_checking`) before
+    anything is printed or written."""
+    with _checking():
+        counts = [_int("--gpus", x) for x in args.gpus.split(",") if x.strip()]
+        if not counts:
+            raise ValueError("--gpus: give at least one GPU count, e.g. --gpus 8,64")
+        systems = [s.strip() for s in args.vs.split(",") if s.strip()]
+        for name in ("tokens_per_gpu", "global_tokens", "shard", "top_k", "ep", "seq",
+                     "micro_batches", "micro_batch_tokens"):
+            count("estimate", "--" + name.replace("_", "-"), getattr(args, name), optional=True)
+        tree = _shapes(args.shapes, DTYPES[args.master_dtype])
+        gran = parse_granularity(args.granularity) if args.granularity else None
+        hardware(args.hw)
+        if args.png:
+            import matplotlib  # noqa: F401  (refused now, not after the table)
+        for path in (args.json, args.png):
+            writable(path)
+        options = {k: v for k, v in vars(args).items() if k not in _NOT_SWEPT}
+        options.update({k: DTYPES[options[k]] for k in ("param_dtype", "reduce_dtype", "logits_dtype")
+                        if options[k]})
+        options["experts_per_token"] = options.pop("top_k")
+        if args.micro_batches is None:  # sweep refuses micro_batches with micro_batch_tokens
+            del options["micro_batches"]
+        t0 = time.perf_counter()
+        rows = sweep(tree, counts, granularity=gran, vs=systems, **options)
+        secs = time.perf_counter() - t0
     print(f"{args.shapes} on {args.hw}, {args.optimizer}, {args.param_dtype} compute; "
           f"planned and estimated in {secs:.2f} s")
     print(f"{'system':<9} {'gpus':>6} {'mesh':>11} {'GiB/rank':>9} {'params':>7} {'grads':>7} "
@@ -336,21 +339,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--repeats", type=int, default=21, help="timed repetitions per median")
     p.add_argument("--out", default="calibrated.json", help="where to write the profile")
     args = ap.parse_args(argv)
-    try:  # bad input: one ``error:`` line on stderr, and 2
+    try:
         return {"plan": _plan, "estimate": _estimate, "calibrate": _calibrate}[args.command](args)
-    except (ValueError, TypeError, OSError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except _Refused as exc:
+        print(f"error: {exc.__cause__}", file=sys.stderr)
         return 2
 
 
+class _Refused(Exception):
+    """Bad input, found by :func:`_checking`: ``main`` prints one ``error:`` line, returns 2."""
+
+
+@contextlib.contextmanager
+def _checking() -> Iterator[None]:
+    """Where a subcommand checks its input (before it prints or writes anything, or a bad
+    ``--unit`` after the table): what is raised there is bad input (:class:`_Refused`); what is
+    raised elsewhere is not, and shows its traceback."""
+    try:
+        yield
+    except (ValueError, TypeError, OSError, ImportError) as exc:
+        raise _Refused from exc
+
+
 def _plan(args) -> int:
-    """Run the ``plan`` subcommand: bad input raises before anything is printed (a bad
-    ``--unit``, after the table)."""
-    gran = parse_granularity(args.granularity)
-    tree = _shapes(args.shapes, DTYPES[args.dtype])
-    t0 = time.perf_counter()
-    spec = plan(tree, args.world_size, granularity=gran, alignment_bytes=args.alignment_bytes)
-    secs = time.perf_counter() - t0
+    """Run the ``plan`` subcommand; bad input is refused (:func:`_checking`) before anything
+    is printed (a bad ``--unit``, after the table)."""
+    with _checking():
+        gran = parse_granularity(args.granularity)
+        tree = _shapes(args.shapes, DTYPES[args.dtype])
+        t0 = time.perf_counter()
+        spec = plan(tree, args.world_size, granularity=gran, alignment_bytes=args.alignment_bytes)
+        secs = time.perf_counter() - t0
     check_spec(spec, placements=False)
     print(f"{args.shapes}: {sum(1 for _ in spec.tensors())} tensors, m={args.world_size}, "
           f"granularity {args.granularity}, {args.dtype}, planned in {secs:.3f} s")
@@ -360,7 +379,8 @@ def _plan(args) -> int:
 
         unit = max(spec.units, key=lambda k: spec.units[k].padded_numel - spec.units[k].total_numel) \
             if args.unit is None else "<root>" if args.unit in ("root", "") else args.unit
-        fig = visualize(spec, unit, figure=True, max_ranks=args.max_ranks)
+        with _checking():
+            fig = visualize(spec, unit, figure=True, max_ranks=args.max_ranks)
         fig.savefig(args.png, dpi=110)
         import matplotlib.pyplot as plt
 

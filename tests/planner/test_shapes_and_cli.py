@@ -72,6 +72,16 @@ def test_cli_errors(capsys, tmp_path):
                  str(tmp_path / "x.png"), "--unit", "layers.99"]) == 2
 
 
+def test_cli_failures_past_the_input_checks_are_not_called_bad_input(tmp_path, capsys):
+    """Only the input checks answer with one ``error:`` line and 2: a failure after the table
+    (here writing the picture into a missing folder) raises with its traceback."""
+    pytest.importorskip("matplotlib")
+    with pytest.raises(FileNotFoundError):
+        main(["plan", os.path.join(SHAPES, "llama2-7b.json"), "-m", "8", "--png",
+              str(tmp_path / "missing" / "x.png")])
+    assert "error:" not in capsys.readouterr().err
+
+
 def test_module_entry_point_and_benchmark_script_run():
     out = subprocess.run([sys.executable, "-m", "vfsdp", "plan", os.path.join(SHAPES, "llama3-70b.json"),
                           "--world-size", "1024", "--granularity", "rows:32"],

@@ -197,17 +197,27 @@ def test_back_to_back_backwards_with_no_collective_between_do_not_hang_on_thread
     """Two backward passes from one gather, no reduction between them (grad_sync=False): each
     pass's agreement waits for the other ranks; a lock shared by the rank threads (Python
     3.11's functools.cached_property) held while waiting hung them."""
-    def body():
-        params = {"layers": [{"w": torch.ones(4, 4)} for _ in range(2)]}
-        spec = vfsdp.plan(params, dist.get_world_size())
-        shards = vfsdp.shard(params, spec)
-        for _ in range(40):
-            full = vfsdp.gather(shards, spec, grad_sync=False)
+    def run(full, rounds):
+        for _ in range(rounds):
             h = torch.ones(1, 4)
-            for layer in full["layers"]:
+            for layer in full()["layers"]:
                 h = h @ layer["w"]
             h.sum().backward(retain_graph=True)
             (h * 2).sum().backward()
-        return "done"
 
-    assert simulate(4, body, timeout=60) == ["done"] * 4
+    params = {"layers": [{"w": torch.ones(4, 4)} for _ in range(2)]}
+
+    def body():
+        spec = vfsdp.plan(params, dist.get_world_size())
+        shards = vfsdp.shard(params, spec)
+        run(lambda: vfsdp.gather(shards, spec, grad_sync=False), 40)
+        run(lambda: vfsdp.gather(shards, spec), 1)  # synced: the 41 rounds' gradients
+        with torch.no_grad():
+            return [g["w"] for g in vfsdp.gather(vfsdp.grads(shards, spec), spec)["layers"]]
+
+    # plain torch, one process: the same 41 rounds accumulated in .grad
+    ref = {"layers": [{"w": torch.ones(4, 4, requires_grad=True)} for _ in range(2)]}
+    run(lambda: ref, 41)
+    for got in simulate(4, body, timeout=60):  # every rank the same batch: the average is it
+        for g, r in zip(got, ref["layers"]):
+            torch.testing.assert_close(g, r["w"].grad)
